@@ -1,13 +1,76 @@
-"""`minisgl image`: not built yet; says so and exits non-zero."""
+"""`minisgl image`: text-to-image with Z-Image-Turbo (or any diffusers pipeline), saved as PNGs."""
 
 from __future__ import annotations
 
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
+
+from minisgl_cli.runners.jobs import DEFAULT_IMAGE_MODEL, DEFAULT_IMAGE_MODEL_DIR, DEFAULT_IMAGE_PROMPT
 
 app = typer.Typer()
 
 
-@app.command("image", help="(not built yet)")
-def image() -> None:
-    typer.echo("minisgl image: not built yet", err=True)
-    raise typer.Exit(2)
+class Aspect(str, Enum):
+    square = "1:1"
+    wide = "16:9"
+    tall = "9:16"
+    landscape = "4:3"
+    portrait = "3:4"
+
+
+class AttentionBackend(str, Enum):
+    sdpa = "sdpa"
+    flash2 = "flash2"
+    flash3 = "flash3"
+
+
+@app.command("image", help="Generate images from a prompt with Z-Image-Turbo or any diffusers text-to-image model.")
+def image(
+    prompt: Annotated[str, typer.Option("-p", "--prompt", help="What to draw.", show_default="a Hanfu portrait")] = DEFAULT_IMAGE_PROMPT,
+    aspect: Annotated[Aspect, typer.Option(help="Aspect ratio (about 1 MP); --height/--width override.")] = Aspect.square,
+    height: Annotated[Optional[int], typer.Option(help="Height in pixels, a multiple of 16.")] = None,
+    width: Annotated[Optional[int], typer.Option(help="Width in pixels, a multiple of 16.")] = None,
+    steps: Annotated[int, typer.Option(help="Denoising steps (Turbo: 9).")] = 9,
+    guidance_scale: Annotated[float, typer.Option(help="CFG scale; 0 disables it (Turbo).")] = 0.0,
+    num_images: Annotated[int, typer.Option(help="Images per prompt.")] = 1,
+    seed: Annotated[Optional[int], typer.Option(help="Seed; same seed, same pixels. Random if unset.")] = None,
+    negative_prompt: Annotated[Optional[str], typer.Option(help="What to avoid (used when CFG is on).")] = None,
+    device: Annotated[str, typer.Option(envvar="MINISGL_DEVICE", help="auto (mps, cuda, cpu), mps, cuda[:N], cpu.")] = "auto",
+    model: Annotated[str, typer.Option(envvar="MINISGL_IMAGE_MODEL", help="Hub repo id or local pipeline dir.")] = DEFAULT_IMAGE_MODEL,
+    model_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            envvar="Z_IMAGE_MODEL_DIR",
+            help=f"Local pipeline dir (with model_index.json); the weights are fetched here if missing. "
+            f"[default: {DEFAULT_IMAGE_MODEL_DIR} for the default --model]",
+        ),
+    ] = None,
+    output_dir: Annotated[Path, typer.Option(envvar="MINISGL_OUTPUT_DIR", help="Where PNGs go.")] = Path("outputs"),
+    cpu_offload: Annotated[bool, typer.Option(help="Keep idle sub-models on the CPU (CUDA only).")] = False,
+    compile: Annotated[bool, typer.Option(help="torch.compile the transformer/UNet (slow first run).")] = False,
+    attention_backend: Annotated[AttentionBackend, typer.Option(help="Attention kernels.")] = AttentionBackend.sdpa,
+) -> None:
+    from minisgl_cli.runners.console import cli_errors, loading_status, quiet_libraries, step_progress
+    from minisgl_cli.runners.image import generate_images, save_images
+    from minisgl_cli.runners.jobs import ImageJob, ModelSpec, resolve_size
+    from minisgl_cli.runners.pipelines import load_pipeline
+
+    quiet_libraries()
+    with cli_errors():
+        w, h = resolve_size(aspect.value, width, height)
+        job = ImageJob(prompt, w, h, steps, guidance_scale, num_images, seed, negative_prompt)
+        spec = ModelSpec.create(
+            "image", model, model_dir, device=device, cpu_offload=cpu_offload, compile=compile,
+            attention_backend=attention_backend.value,
+        )
+        with loading_status(spec.model):
+            loaded = load_pipeline(spec)
+        with step_progress(job.steps, f"{w}x{h} on {loaded.device}") as on_step:
+            result = generate_images(loaded, job, on_step)
+        paths = save_images(result, output_dir, "image")
+    typer.echo(f"seed {result.seed}, {result.elapsed_s:.1f} s", err=True)
+    for path in paths:
+        typer.echo(str(path))

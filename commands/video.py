@@ -1,13 +1,69 @@
-"""`minisgl video`: not built yet; says so and exits non-zero."""
+"""`minisgl video`: text-to-video with a diffusers pipeline (Wan, LTX, CogVideoX...), saved as mp4 or PNG frames."""
 
 from __future__ import annotations
 
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
+
+from minisgl_cli.runners.jobs import DEFAULT_VIDEO_MODEL
 
 app = typer.Typer()
 
 
-@app.command("video", help="(not built yet)")
-def video() -> None:
-    typer.echo("minisgl video: not built yet", err=True)
-    raise typer.Exit(2)
+class VideoFormat(str, Enum):
+    mp4 = "mp4"
+    frames = "frames"
+
+
+@app.command("video", help="Generate a short video from a prompt with a diffusers text-to-video model.")
+def video(
+    prompt: Annotated[str, typer.Option("-p", "--prompt", help="What happens in the clip.")],
+    num_frames: Annotated[int, typer.Option(help="Frames to generate (Wan rounds to 4k+1).")] = 33,
+    fps: Annotated[int, typer.Option(help="Frames per second of the mp4.")] = 16,
+    height: Annotated[int, typer.Option(help="Height in pixels, a multiple of 16.")] = 480,
+    width: Annotated[int, typer.Option(help="Width in pixels, a multiple of 16.")] = 832,
+    steps: Annotated[int, typer.Option(help="Denoising steps.")] = 30,
+    guidance_scale: Annotated[float, typer.Option(help="CFG scale.")] = 5.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed; same seed, same frames. Random if unset.")] = None,
+    negative_prompt: Annotated[Optional[str], typer.Option(help="What to avoid (used when CFG is on).")] = None,
+    format: Annotated[VideoFormat, typer.Option("--format", help="mp4 file or a dir of PNG frames.")] = VideoFormat.mp4,
+    model: Annotated[str, typer.Option(envvar="MINISGL_VIDEO_MODEL", help="Hub repo id or local pipeline dir.")] = DEFAULT_VIDEO_MODEL,
+    model_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            envvar="MINISGL_VIDEO_MODEL_DIR",
+            help="Local pipeline dir (with model_index.json); the weights are fetched here if missing. "
+            "[default: ~/.cache/mini-sglang/<repo name>]",
+        ),
+    ] = None,
+    device: Annotated[str, typer.Option(envvar="MINISGL_DEVICE", help="auto (mps, cuda, cpu), mps, cuda[:N], cpu.")] = "auto",
+    output_dir: Annotated[Path, typer.Option(envvar="MINISGL_OUTPUT_DIR", help="Where videos go.")] = Path("outputs"),
+    cpu_offload: Annotated[bool, typer.Option(help="Keep idle sub-models on the CPU (CUDA only).")] = False,
+) -> None:
+    import time
+
+    from minisgl_cli.runners.console import cli_errors, loading_status, quiet_libraries, step_progress
+    from minisgl_cli.runners.encode import unique_path, write_frames, write_mp4
+    from minisgl_cli.runners.jobs import ModelSpec, VideoJob
+    from minisgl_cli.runners.pipelines import load_pipeline
+    from minisgl_cli.runners.video import generate_video
+
+    quiet_libraries()
+    with cli_errors():
+        job = VideoJob(prompt, width, height, num_frames, fps, steps, guidance_scale, seed, negative_prompt)
+        spec = ModelSpec.create("video", model, model_dir, device=device, cpu_offload=cpu_offload)
+        with loading_status(spec.model):
+            loaded = load_pipeline(spec)
+        with step_progress(job.steps, f"{width}x{height}x{num_frames} on {loaded.device}") as on_step:
+            result = generate_video(loaded, job, on_step)
+        stem = f"video_{time.strftime('%Y%m%d-%H%M%S')}_s{result.seed}"
+        if format is VideoFormat.mp4:
+            out = write_mp4(result.frames, result.fps, unique_path(output_dir, stem, ".mp4"))
+        else:
+            out = unique_path(output_dir, stem + "_frames")
+            write_frames(result.frames, out)
+    typer.echo(f"seed {result.seed}, {len(result.frames)} frames, {result.elapsed_s:.1f} s", err=True)
+    typer.echo(str(out))

@@ -1,0 +1,82 @@
+"""Encoding generated media to files and bytes: PNG, mp4 (imageio-ffmpeg, else OpenCV), frame dirs."""
+
+from __future__ import annotations
+
+import io
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from minisgl_cli.runners.jobs import MediaError
+
+
+def unique_path(out_dir: str | Path, stem: str, suffix: str = "") -> Path:
+    """out_dir/<stem><suffix>, with -1, -2... appended when taken: a run never overwrites a file."""
+    out_dir = Path(out_dir).expanduser()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path, n = out_dir / f"{stem}{suffix}", 1
+    while path.exists():
+        path, n = out_dir / f"{stem}-{n}{suffix}", n + 1
+    return path
+
+
+def png_bytes(image: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def frame_png_bytes(frame: Any) -> bytes:
+    from PIL import Image
+
+    return png_bytes(Image.fromarray(frame))
+
+
+def write_mp4(frames: list[Any], fps: int, path: str | Path) -> Path:
+    """H.264 via imageio-ffmpeg when installed; otherwise OpenCV's mp4v (the GPU box has only OpenCV)."""
+    import numpy as np
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    h, w = frames[0].shape[:2]
+    try:
+        import imageio_ffmpeg
+    except ImportError:
+        imageio_ffmpeg = None
+    if imageio_ffmpeg is not None:
+        writer = imageio_ffmpeg.write_frames(
+            str(path), (w, h), fps=fps, codec="libx264", pix_fmt_out="yuv420p", quality=8, macro_block_size=1,
+            ffmpeg_log_level="error",
+        )
+        writer.send(None)  # start the ffmpeg process
+        for frame in frames:
+            writer.send(np.ascontiguousarray(frame))
+        writer.close()
+        return path
+    try:
+        import cv2
+    except ImportError:
+        raise MediaError("writing mp4 needs imageio-ffmpeg or opencv-python (pip install imageio-ffmpeg)", "format") from None
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h))
+    if not writer.isOpened():
+        raise MediaError(f"OpenCV could not open an mp4 writer for {path}", "format")
+    for frame in frames:
+        writer.write(cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_RGB2BGR))
+    writer.release()
+    return path
+
+
+def mp4_bytes(frames: list[Any], fps: int) -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        return write_mp4(frames, fps, Path(tmp) / "video.mp4").read_bytes()
+
+
+def write_frames(frames: list[Any], out_dir: str | Path) -> list[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, frame in enumerate(frames):
+        p = out_dir / f"frame_{i:05d}.png"
+        p.write_bytes(frame_png_bytes(frame))
+        paths.append(p)
+    return paths

@@ -1,0 +1,46 @@
+"""Text-to-image runner: an ImageJob through a loaded diffusers pipeline (Z-Image or any other)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from minisgl_cli.runners.encode import unique_path
+from minisgl_cli.runners.jobs import ImageJob, ImageResult
+from minisgl_cli.runners.pipelines import LoadedPipeline, StepCallback
+
+
+def generate_images(loaded: LoadedPipeline, job: ImageJob, on_step: StepCallback | None = None) -> ImageResult:
+    import torch
+
+    # A CPU generator gives the same noise for a seed on every device.
+    generator = torch.Generator("cpu").manual_seed(job.seed)
+    start = time.perf_counter()
+    out = loaded.run(
+        {
+            "prompt": job.prompt,
+            "negative_prompt": job.negative_prompt,
+            "height": job.height,
+            "width": job.width,
+            "num_inference_steps": job.steps,
+            "guidance_scale": job.guidance_scale,
+            "num_images_per_prompt": job.num_images,
+            "generator": generator,
+            "output_type": "pil",
+        },
+        job.steps,
+        on_step,
+    )
+    images = [im.convert("RGB") for im in out.images]
+    return ImageResult(images, job.seed, time.perf_counter() - start, loaded.model_dir)
+
+
+def save_images(result: ImageResult, output_dir: str | Path, stem: str = "image") -> list[Path]:
+    """PNG files named <stem>_<time>_s<seed>_<i>.png in output_dir."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    paths = []
+    for i, image in enumerate(result.images):
+        path = unique_path(output_dir, f"{stem}_{stamp}_s{result.seed}_{i}", ".png")
+        image.save(path)
+        paths.append(path)
+    return paths

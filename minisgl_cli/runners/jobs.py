@@ -1,0 +1,190 @@
+"""Typed media jobs and results (what a front asks a runner for, what comes back); torch-free."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+DEFAULT_IMAGE_MODEL = "Tongyi-MAI/Z-Image-Turbo"
+DEFAULT_VIDEO_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+CACHE_ROOT = Path("~/.cache/mini-sglang")
+DEFAULT_IMAGE_MODEL_DIR = CACHE_ROOT / "z-image-turbo"
+IMAGE_MODEL_DIR_ENV = "Z_IMAGE_MODEL_DIR"
+VIDEO_MODEL_DIR_ENV = "MINISGL_VIDEO_MODEL_DIR"
+
+DEFAULT_IMAGE_PROMPT = (
+    "A young woman in flowing red and gold Hanfu stands in a misty bamboo courtyard at dawn, "
+    "intricate embroidery, hairpins of jade, soft rim light, shallow depth of field, photorealistic portrait"
+)
+
+# Sizes near one megapixel; every side is a multiple of 16 (VAE stride 8 x patch 2).
+ASPECTS: dict[str, tuple[int, int]] = {  # aspect -> (width, height)
+    "1:1": (1024, 1024),
+    "16:9": (1344, 768),
+    "9:16": (768, 1344),
+    "4:3": (1152, 864),
+    "3:4": (864, 1152),
+}
+SIZE_MULTIPLE = 16
+MAX_SIDE = 4096
+
+Kind = Literal["image", "video"]
+
+
+class MediaError(Exception):
+    """A media request that cannot be served; `param` names the offending input (OpenAI style)."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_value"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ModelNotFoundError(MediaError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+def check_size(width: int, height: int, param: str = "size") -> tuple[int, int]:
+    for name, v in (("width", width), ("height", height)):
+        if not (SIZE_MULTIPLE <= v <= MAX_SIDE) or v % SIZE_MULTIPLE:
+            raise MediaError(
+                f"{name} must be a multiple of {SIZE_MULTIPLE} between {SIZE_MULTIPLE} and {MAX_SIDE}, got {v}", param
+            )
+    return width, height
+
+
+def resolve_size(aspect: str | None, width: int | None, height: int | None) -> tuple[int, int]:
+    """Explicit --width/--height win; a missing side is derived from the aspect ratio."""
+    if aspect is not None and aspect not in ASPECTS:
+        raise MediaError(f"unknown aspect {aspect!r}: use one of {', '.join(ASPECTS)}", "aspect")
+    aw, ah = ASPECTS[aspect or "1:1"]
+    if width is None and height is None:
+        width, height = aw, ah
+    elif width is None:
+        width = round(height * aw / ah / SIZE_MULTIPLE) * SIZE_MULTIPLE
+    elif height is None:
+        height = round(width * ah / aw / SIZE_MULTIPLE) * SIZE_MULTIPLE
+    return check_size(width, height, "width/height")
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """OpenAI "WxH" -> (width, height)."""
+    try:
+        w, h = (int(p) for p in size.lower().split("x"))
+    except ValueError:
+        raise MediaError(f"size must look like '1024x1024' (WIDTHxHEIGHT), got {size!r}", "size") from None
+    return check_size(w, h)
+
+
+def resolve_seed(seed: int | None) -> int:
+    """A concrete seed for every job, so any result can be reproduced from what it reports."""
+    if seed is None:
+        return random.randrange(2**31)
+    if not 0 <= seed < 2**63:
+        raise MediaError(f"seed must be in [0, 2**63), got {seed}", "seed")
+    return seed
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which pipeline to load and how. `model` is a hub repo id or a local dir; `model_dir` is
+    where its weights live (downloaded there on first use when `allow_download`)."""
+
+    kind: Kind
+    model: str
+    model_dir: Path
+    device: str | None = None  # None/"auto": mps -> cuda -> cpu
+    cpu_offload: bool = False
+    compile: bool = False
+    attention_backend: str = "sdpa"
+    allow_download: bool = True
+
+    @classmethod
+    def create(cls, kind: Kind, model: str | None, model_dir: str | os.PathLike | None, **kw: Any) -> "ModelSpec":
+        default_model = DEFAULT_IMAGE_MODEL if kind == "image" else DEFAULT_VIDEO_MODEL
+        model = model or default_model
+        if model_dir is None:
+            if Path(model).expanduser().is_dir():
+                model_dir = Path(model)
+            elif model == DEFAULT_IMAGE_MODEL:
+                model_dir = DEFAULT_IMAGE_MODEL_DIR
+            else:  # one cache dir per repo, so a non-default --model never reuses the Z-Image dir
+                model_dir = CACHE_ROOT / model.rstrip("/").split("/")[-1].lower()
+        return cls(kind=kind, model=model, model_dir=Path(model_dir).expanduser(), **kw)
+
+
+@dataclass
+class ImageJob:
+    prompt: str
+    width: int = 1024
+    height: int = 1024
+    steps: int = 9  # Z-Image-Turbo is distilled to 8 NFEs
+    guidance_scale: float = 0.0  # Turbo runs without CFG
+    num_images: int = 1
+    seed: int | None = None
+    negative_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt or not self.prompt.strip():
+            raise MediaError("prompt must not be empty", "prompt")
+        check_size(self.width, self.height)
+        if not 1 <= self.steps <= 1000:
+            raise MediaError(f"steps must be in [1, 1000], got {self.steps}", "steps")
+        if not 1 <= self.num_images <= 16:
+            raise MediaError(f"the number of images must be in [1, 16], got {self.num_images}", "n")
+        if self.guidance_scale < 0:
+            raise MediaError("guidance_scale must be >= 0", "guidance_scale")
+        self.seed = resolve_seed(self.seed)
+
+
+@dataclass
+class VideoJob:
+    prompt: str
+    width: int = 832
+    height: int = 480
+    num_frames: int = 33
+    fps: int = 16
+    steps: int = 30
+    guidance_scale: float = 5.0
+    seed: int | None = None
+    negative_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt or not self.prompt.strip():
+            raise MediaError("prompt must not be empty", "prompt")
+        check_size(self.width, self.height)
+        if not 1 <= self.num_frames <= 1024:
+            raise MediaError(f"num_frames must be in [1, 1024], got {self.num_frames}", "num_frames")
+        if not 1 <= self.fps <= 120:
+            raise MediaError(f"fps must be in [1, 120], got {self.fps}", "fps")
+        if not 1 <= self.steps <= 1000:
+            raise MediaError(f"steps must be in [1, 1000], got {self.steps}", "steps")
+        if self.guidance_scale < 0:
+            raise MediaError("guidance_scale must be >= 0", "guidance_scale")
+        self.seed = resolve_seed(self.seed)
+
+
+@dataclass
+class ImageResult:
+    images: list[Any]  # PIL.Image.Image, RGB
+    seed: int
+    elapsed_s: float
+    model_dir: Path
+
+
+@dataclass
+class VideoResult:
+    frames: list[Any]  # numpy uint8 arrays, H x W x 3
+    fps: int
+    seed: int
+    elapsed_s: float
+    model_dir: Path
