@@ -1,0 +1,156 @@
+"""The Triton attention backend: our own paged kernels (split-K decode, causal extend, fused KV store), CUDA-graph ready."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl_cli.attention import triton_kernels as tk
+from minisgl_cli.attention.base import AttentionBackend
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.kvcache.pool import KVPool
+
+
+@dataclass
+class TritonDecodeMeta:
+    req_slots: torch.Tensor  # [bs] int64: page-table rows
+    seq_lens: torch.Tensor  # [bs] int32: context length including this step's token
+    num_splits: int  # KV splits per request (fixed per captured batch size under CUDA graphs)
+    mid_o: torch.Tensor  # [bs, H, num_splits, D] fp32: per-split normalised outputs
+    mid_lse: torch.Tensor  # [bs, H, num_splits] fp32: per-split base-2 log-sum-exps
+
+
+@dataclass
+class TritonExtendMeta:
+    req_slots: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int32
+    qo_indptr: torch.Tensor  # [B+1] int32
+    max_extend_len: int
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention through the kernels in `triton_kernels`, reading KV via the pool's page table.
+
+    Eager use: `prepare(batch)` once per step, then `forward(q, k, v, layer_id, batch)` per layer.
+
+    CUDA graphs (decode only; extend always runs eagerly). The engine's graph runner does:
+
+    1. once, after building the backend: `init_cuda_graph_state(max_bs)` -- allocates the static decode
+       metadata (page-table rows, seq_lens, split-K scratch) for every batch size up to max_bs;
+    2. per captured batch size `bs`: build its static decode `ForwardBatch` (static input_ids /
+       positions / out_cache_loc of length bs), then `prepare_for_capture(bs, batch)`, which sets
+       `batch.attn_meta` to views of the static buffers (it also returns that meta). Run the model once
+       eagerly with that batch (warm-up: compiles the Triton kernels outside the capture), then capture
+       the model forward with it. Capturing sizes in any order is fine: all sizes share one storage;
+    3. per replayed step: copy the real step's tensors into the runner's static inputs (padding rows
+       bs_real..bs-1 must write KV to the scratch page, e.g. out_cache_loc = 0), call
+       `prepare_for_replay(real_batch, bs)` -- it copies the real batch's req_slots / seq_lens into the
+       static buffers and makes the padding rows attend to one valid position -- then replay graph[bs].
+       Do not call `prepare` for a replayed step; `prepare_for_replay` replaces it.
+
+    The decode kernels never read host-side values in `forward`: the split count is fixed per `bs` at
+    capture and each request's chunking is derived from its seq_len on the device.
+    """
+
+    name = "triton"
+    supports_cuda_graph = True
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__(pool, num_heads, num_kv_heads, head_dim, scale)
+        if pool.device.type != "cuda":
+            raise ValueError("the triton attention backend needs a CUDA KV pool")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
+        self._graph: dict[str, torch.Tensor] | None = None
+        self._graph_max_bs = 0
+
+    # --- metadata --------------------------------------------------------------------------------
+    def _splits(self, bs: int) -> int:
+        return tk.num_kv_splits(bs, self.num_kv_heads, self.num_sms)
+
+    def _scratch(self, bs: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        h, d, dev = self.num_heads, self.head_dim, self.pool.device
+        mid_o = torch.empty((bs, h, splits, d), dtype=torch.float32, device=dev)
+        mid_lse = torch.empty((bs, h, splits), dtype=torch.float32, device=dev)
+        return mid_o, mid_lse
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if batch.is_decode:
+            bs = batch.batch_size
+            # No point in splits shorter than one KV tile: cap by the longest context of this step.
+            tiles = -(-max(batch.seq_lens_cpu, default=1) // tk.decode_block_n(self.head_dim))
+            splits = max(1, min(self._splits(bs), tiles))
+            mid_o, mid_lse = self._scratch(bs, splits)
+            batch.attn_meta = TritonDecodeMeta(batch.req_slots, batch.seq_lens, splits, mid_o, mid_lse)
+        else:
+            batch.attn_meta = TritonExtendMeta(
+                batch.req_slots, batch.seq_lens, batch.qo_indptr, max(batch.extend_lens_cpu, default=0)
+            )
+
+    # --- CUDA graphs -----------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        dev = self.pool.device
+        # Each captured size bs views bs * splits(bs) partial rows of one flat scratch; size it for the worst bs.
+        rows = max(bs * self._splits(bs) for bs in range(1, max_bs + 1))
+        self._graph = {
+            "req_slots": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "mid_o": torch.empty(rows * self.num_heads * self.head_dim, dtype=torch.float32, device=dev),
+            "mid_lse": torch.empty(rows * self.num_heads, dtype=torch.float32, device=dev),
+        }
+        self._graph_max_bs = max_bs
+
+    def prepare_for_capture(self, bs: int, batch: ForwardBatch | None = None) -> TritonDecodeMeta:
+        """Decode metadata of static views for a graph of `bs` rows; also set as `batch.attn_meta` if given."""
+        g = self._require_graph_state(bs)
+        splits = self._splits(bs)
+        h, d = self.num_heads, self.head_dim
+        meta = TritonDecodeMeta(
+            req_slots=g["req_slots"][:bs],
+            seq_lens=g["seq_lens"][:bs],
+            num_splits=splits,
+            mid_o=g["mid_o"][: bs * h * splits * d].view(bs, h, splits, d),
+            mid_lse=g["mid_lse"][: bs * h * splits].view(bs, h, splits),
+        )
+        if batch is not None:
+            batch.attn_meta = meta
+        return meta
+
+    def prepare_for_replay(self, batch: ForwardBatch, bs: int) -> None:
+        """Copy a real decode batch (batch_size <= bs) into the static metadata of graph `bs`."""
+        g = self._require_graph_state(bs)
+        n = batch.batch_size
+        if n > bs:
+            raise ValueError(f"batch of {n} does not fit a graph of {bs}")
+        g["req_slots"][:n].copy_(batch.req_slots, non_blocking=True)
+        g["seq_lens"][:n].copy_(batch.seq_lens, non_blocking=True)
+        if n < bs:  # padding rows: one position of page-table row 0 (any valid slot; output discarded)
+            g["req_slots"][n:bs].zero_()
+            g["seq_lens"][n:bs].fill_(1)
+
+    def _require_graph_state(self, bs: int) -> dict[str, torch.Tensor]:
+        if self._graph is None:
+            raise RuntimeError("call init_cuda_graph_state(max_bs) first")
+        if not 1 <= bs <= self._graph_max_bs:
+            raise ValueError(f"graph batch size {bs} outside 1..{self._graph_max_bs}")
+        return self._graph
+
+    # --- forward ---------------------------------------------------------------------------------
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
+        tk.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
+        meta = batch.attn_meta
+        table = self.pool.page_table
+        if isinstance(meta, TritonDecodeMeta):
+            return tk.decode_attention(
+                q, k_cache, v_cache, table, meta.req_slots, meta.seq_lens, self.scale,
+                meta.num_splits, meta.mid_o, meta.mid_lse,
+            )
+        return tk.extend_attention(
+            q, k_cache, v_cache, table, meta.req_slots, meta.seq_lens, meta.qo_indptr,
+            meta.max_extend_len, self.scale,
+        )
