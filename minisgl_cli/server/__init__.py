@@ -1,0 +1,1 @@
+"""HTTP front: FastAPI app, OpenAI-compatible routes, launch."""

@@ -1,0 +1,64 @@
+"""Shared fixtures for the media tests: tiny real pipelines on disk and a live uvicorn server."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _builder():
+    # The one copy of the tiny-model code lives in examples/ (also used by docs/media.md).
+    spec = importlib.util.spec_from_file_location("make_tiny_media_models", REPO / "examples/make_tiny_media_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """{"z-image": dir, "wan": dir}: random-weight ZImagePipeline and WanPipeline saved with save_pretrained."""
+    return _builder().build_all(tmp_path_factory.mktemp("tiny-media"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def live_server(tiny_models, tmp_path_factory) -> Iterator[str]:
+    """A real uvicorn server on a loopback port. Routes at / serve the tiny models; routes under
+    /missing point at an empty dir, to exercise the missing-model error."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from minisgl_cli.server.media import MediaSettings, build_media_router
+
+    app = FastAPI()
+    app.include_router(
+        build_media_router(MediaSettings(image_model_dir=tiny_models["z-image"], video_model_dir=tiny_models["wan"]))
+    )
+    empty = tmp_path_factory.mktemp("no-model")
+    app.include_router(
+        build_media_router(MediaSettings(image_model_dir=empty, video_model_dir=empty)), prefix="/missing"
+    )
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{server.config.port}"
+    server.should_exit = True
+    thread.join(timeout=10)
