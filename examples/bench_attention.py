@@ -1,0 +1,131 @@
+"""Microbenchmark of paged decode attention (and a little prefill): triton vs torch (vs flashinfer) backends.
+
+Decode is bound by reading the KV cache, so each case reports the achieved KV-read bandwidth
+(sum of context lengths * Hkv * head_dim * 2 tensors * itemsize, over the median time) next to the
+card's device-to-device copy bandwidth measured here (bytes read + written). Small cases fit in L2 and can
+read faster than HBM; the large ones are the honest figures.
+
+    PYTHONPATH=. python examples/bench_attention.py [--page-size 16] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+
+import torch
+import triton.testing
+
+from minisgl_cli.attention import create_backend
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.kvcache.pool import KVPool, KVShape
+
+SHAPES = {"llama8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}
+
+
+def build(mode: str, prefix: list[int], ext: list[int], heads, page_size: int, dtype: torch.dtype):
+    """Pool of exactly the pages needed, random KV, pages of each request in shuffled order."""
+    h, hkv, d = heads
+    seq = [p + e for p, e in zip(prefix, ext)]
+    pages = sum(-(-s // page_size) for s in seq)
+    pool = KVPool(KVShape(1, hkv, d, dtype), pages, page_size, len(seq), max(seq), "cuda")
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    perm = (torch.randperm(pages) + 1).tolist()
+    rows, locs, used = [], [], 0
+    for p, s in zip(prefix, seq):
+        n = -(-s // page_size)
+        slots = pool.slots_of_pages(perm[used : used + n])[:s]
+        used += n
+        row = pool.alloc_req_slot()
+        pool.page_table[row, :s] = slots.cuda().int()
+        rows.append(row)
+        locs.append(slots[p:])
+    T = sum(ext)
+    batch = ForwardBatch.build(mode, [0] * T, rows, prefix, ext, torch.cat(locs), "cuda")
+    q = torch.randn(T, h, d, device="cuda", dtype=dtype)
+    k = torch.randn(T, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(T, hkv, d, device="cuda", dtype=dtype)
+    return pool, batch, q, k, v
+
+
+def time_backend(name: str, pool, batch, q, k, v, heads, graph: bool) -> float:
+    h, hkv, d = heads
+    be = create_backend(name, pool, h, hkv, d, 1.0 / math.sqrt(d), "cuda")
+    be.prepare(batch)
+    fn = lambda: be.forward(q, k, v, 0, batch)  # noqa: E731
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB, counting bytes read + written, GB/s."""
+    src = torch.randn(2**29, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="fewer cases")
+    args = ap.parse_args()
+    dtype = torch.bfloat16
+    have_fi = importlib.util.find_spec("flashinfer") is not None
+    names = ["triton", "torch"] + (["flashinfer"] if have_fi else [])
+    bw = copy_bandwidth()
+    card = torch.cuda.get_device_name()
+    print(f"# {card}: d2d copy {bw:.0f} GB/s (read+write); bf16, page_size {args.page_size}")
+    batches = [1, 64] if args.quick else [1, 64, 256]
+    ctxs = [512, 8192] if args.quick else [512, 2048, 8192]
+
+    rows = []
+    for shape, heads in SHAPES.items():
+        h, hkv, d = heads
+        for B in batches:
+            for ctx in ctxs:
+                case = build("decode", [ctx - 1] * B, [1] * B, heads, args.page_size, dtype)
+                kv_bytes = B * ctx * hkv * d * 2 * dtype.itemsize
+                res = {}
+                for n in names:
+                    try:
+                        res[n] = time_backend(n, *case, heads, graph=False)
+                    except torch.OutOfMemoryError:
+                        res[n] = float("nan")
+                res["triton+graph"] = time_backend("triton", *case, heads, graph=True)
+                rows.append((shape, B, ctx, kv_bytes, res))
+                del case
+                torch.cuda.empty_cache()
+
+    cols = ["triton", "triton+graph", "torch"] + (["flashinfer"] if have_fi else [])
+    print("\n## decode: median us (KV-read GB/s)")
+    print(f"{'shape':<11} {'B':>4} {'ctx':>5} {'KV MB':>7} " + " ".join(f"{c:>20}" for c in cols))
+    for shape, B, ctx, kv_bytes, res in rows:
+        cells = []
+        for c in cols:
+            ms = res.get(c, float("nan"))
+            cells.append(f"{ms * 1e3:9.1f} ({kv_bytes / ms / 1e6:6.0f})")
+        print(f"{shape:<11} {B:>4} {ctx:>5} {kv_bytes / 1e6:7.1f} " + " ".join(f"{x:>20}" for x in cells))
+
+    # A little prefill: causal attention FLOPs = 4 * H * D * sum over new tokens of keys seen.
+    print("\n## extend (llama8b shape): median ms (TFLOP/s)")
+    heads = SHAPES["llama8b"]
+    for prefix, ext in (([0], [4096]), ([2048] * 4, [1024] * 4)):
+        case = build("extend", prefix, ext, heads, args.page_size, dtype)
+        flops = sum(4 * heads[0] * heads[2] * (e * p + e * (e + 1) / 2) for p, e in zip(prefix, ext))
+        cells = []
+        for n in names:
+            ms = time_backend(n, *case, heads, graph=False)
+            cells.append(f"{n} {ms:.3f} ({flops / ms / 1e9:.0f})")
+        print(f"prefix {prefix[0]} x{len(ext)} ext {ext[0]}: " + "  ".join(cells))
+        del case
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
