@@ -1,0 +1,291 @@
+"""GGUF -> HF directory conversion: dequantize a llama GGUF once into config.json + model.safetensors + tokenizer.
+
+transformers can load a GGUF directly, but it re-parses and re-dequantizes on every load
+(~26 s for SmolLM2-135M on 2 CPU cores). We do that work once with the `gguf` package and
+write a plain fp32 HF directory, which the rest of the engine loads like any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minisgl_cli.loader.errors import ModelLoadError
+
+GGUF_MAGIC = b"GGUF"
+EXPECTED_GGUF = "a llama-architecture .gguf file with quant types the gguf package can dequantize"
+
+# llama.cpp per-layer tensor names -> HF Llama names (within model.layers.{i}).
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Derived on the fly by llama.cpp; HF recomputes it, so it is not a weight.
+_SKIPPED_TENSORS = {"rope_freqs.weight"}
+
+
+@dataclass(frozen=True)
+class LlamaHParams:
+    """The model hyper-parameters a GGUF carries, named as in LlamaConfig."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    unk_token_id: int | None
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert a llama GGUF into an fp32 HF directory at out_dir and return out_dir.
+
+    Everything is written into a temp dir beside out_dir and renamed into place at the end,
+    so out_dir either does not exist or is complete. An existing out_dir is replaced.
+    """
+    gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir)
+    reader = _open_reader(gguf_path)
+    hp = read_hparams(reader, gguf_path)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        _write_weights(reader, hp, gguf_path, tmp)
+        del reader  # releases the memmap before the (slow) tokenizer pass
+        _write_config(hp, tmp)
+        _write_tokenizer(gguf_path, hp, tmp)
+        _move_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_hparams(reader: Any, gguf_path: Path) -> LlamaHParams:
+    """Read LlamaConfig values from GGUF metadata, deriving them the way transformers does."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}", gguf_path, EXPECTED_GGUF)
+
+    def need(key: str) -> Any:
+        value = _field(reader, f"llama.{key}")
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks llama.{key}", gguf_path, EXPECTED_GGUF)
+        return value
+
+    hidden, n_head = int(need("embedding_length")), int(need("attention.head_count"))
+    n_kv = _field(reader, "llama.attention.head_count_kv")
+    head_dim = _field(reader, "llama.rope.dimension_count")
+    vocab = _field(reader, "llama.vocab_size")
+    if vocab is None:  # older files: the embedding's row count is the vocab size
+        vocab = _tensor(reader, "token_embd.weight").shape[-1]
+    return LlamaHParams(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=int(need("block_count")),
+        num_attention_heads=n_head,
+        num_key_value_heads=int(n_kv) if n_kv is not None else n_head,
+        head_dim=int(head_dim) if head_dim is not None else hidden // n_head,
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        bos_token_id=_opt_int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_token_id=_opt_int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        pad_token_id=_opt_int(_field(reader, "tokenizer.ggml.padding_token_id")),
+        unk_token_id=_opt_int(_field(reader, "tokenizer.ggml.unknown_token_id")),
+    )
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row interleave on a q/k weight of shape [n_head*head_dim, hidden].
+
+    convert_hf_to_gguf reorders each head's rows from HF's "first half / second half" rotary
+    layout to llama.cpp's "adjacent pairs" layout: reshape(n_head, 2, d/2, ...) then swap
+    axes 1 and 2. The inverse views rows as (n_head, d/2, 2) and swaps back. For k, n_head
+    is the kv-head count (that is what the forward permute used).
+    """
+    rows = w.shape[0]
+    half = rows // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """Map a llama.cpp tensor name to its HF Llama name; None for tensors HF does not store."""
+    if gguf_name in _SKIPPED_TENSORS:
+        return None
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".")  # blk.{i}.{kind}.{weight|bias}
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    raise KeyError(gguf_name)
+
+
+# --- steps -------------------------------------------------------------------------------
+
+
+def _open_reader(gguf_path: Path) -> Any:
+    import gguf  # the top-level `gguf` package (absolute import), not this module
+
+    if not gguf_path.is_file():
+        raise ModelLoadError("GGUF file not found", gguf_path, EXPECTED_GGUF)
+    with open(gguf_path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ModelLoadError("not a GGUF file (bad magic)", gguf_path, EXPECTED_GGUF)
+    try:
+        return gguf.GGUFReader(gguf_path)
+    except Exception as e:  # truncated / corrupt files surface as assorted numpy/ValueErrors
+        raise ModelLoadError(f"unreadable GGUF file ({type(e).__name__}: {e})", gguf_path, EXPECTED_GGUF) from e
+
+
+def _write_weights(reader: Any, hp: LlamaHParams, gguf_path: Path, out: Path) -> None:
+    import torch
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        try:
+            name = hf_tensor_name(t.name)
+        except KeyError:
+            raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}", gguf_path, EXPECTED_GGUF) from None
+        if name is None:
+            continue
+        try:
+            # dequantize returns numpy order (torch order), i.e. GGUF's listed shape reversed.
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(
+                f"unsupported quant type {t.tensor_type.name} in {t.name}", gguf_path, EXPECTED_GGUF
+            ) from None
+        w = np.asarray(w, dtype=np.float32)
+        if t.name.endswith(".attn_q.weight"):
+            w = unpermute_qk(w, hp.num_attention_heads)
+        elif t.name.endswith(".attn_k.weight"):
+            w = unpermute_qk(w, hp.num_key_value_heads)
+        # Copy: F32 tensors come back as views of the read-only memmap.
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(w).copy())
+    missing = _expected_names(hp) - tensors.keys()
+    if missing:
+        raise ModelLoadError(f"GGUF lacks tensors {sorted(missing)[:3]}", gguf_path, EXPECTED_GGUF)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _expected_names(hp: LlamaHParams) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not hp.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(hp.num_hidden_layers):
+        names |= {f"model.layers.{i}.{hf}.weight" for hf in _LAYER_TENSORS.values()}
+    return names
+
+
+def _write_config(hp: LlamaHParams, out: Path) -> None:
+    from transformers import GenerationConfig, LlamaConfig
+
+    values = asdict(hp)
+    rope_theta = values.pop("rope_theta")
+    config = LlamaConfig(
+        **values,
+        rope_theta=rope_theta,
+        architectures=["LlamaForCausalLM"],
+        dtype="float32",
+    )
+    config.save_pretrained(out)
+    # Readers that parse config.json by hand (or older transformers) look for these keys.
+    path = out / "config.json"
+    raw = json.loads(path.read_text())
+    raw.setdefault("rope_theta", rope_theta)
+    raw.setdefault("torch_dtype", "float32")
+    path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+
+    GenerationConfig(
+        bos_token_id=hp.bos_token_id, eos_token_id=hp.eos_token_id, pad_token_id=hp.pad_token_id
+    ).save_pretrained(out)
+
+
+def _write_tokenizer(gguf_path: Path, hp: LlamaHParams, out: Path) -> None:
+    # transformers' own GGUF tokenizer conversion: it rebuilds the BPE model, pre-tokenizer,
+    # special tokens and chat template exactly as its GGUF loading path would see them.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(out))
+
+    # transformers 5 writes the template to chat_template.jinja; HF checkpoints (and older
+    # readers) also carry it in tokenizer_config.json, so keep both in agreement.
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    template = tok.chat_template
+    if template is None and (out / "chat_template.jinja").is_file():
+        template = (out / "chat_template.jinja").read_text()
+    if template is not None:
+        cfg["chat_template"] = template
+    if hp.eos_token_id is not None:
+        cfg["eos_token"] = tok.convert_ids_to_tokens(hp.eos_token_id)
+    cfg["model_max_length"] = hp.max_position_embeddings  # instead of transformers' 1e30 "unset"
+    for key in ("is_local", "local_files_only"):  # load-time flags, not tokenizer properties
+        cfg.pop(key, None)
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    if out_dir.exists():
+        # os.replace cannot overwrite a non-empty directory: park the old one, swap, drop it.
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, old / "d")
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+
+
+# --- metadata helpers --------------------------------------------------------------------
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return default if value is None else value
+
+
+def _tensor(reader: Any, name: str) -> Any:
+    for t in reader.tensors:
+        if t.name == name:
+            return t
+    raise KeyError(name)
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
