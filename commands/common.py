@@ -1,0 +1,98 @@
+"""Options every engine-backed command shares (model, device, backend, KV, scheduler), flags and env vars."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Annotated, Optional
+
+import typer
+
+Model = Annotated[
+    Optional[str],
+    typer.Option("--model", "-m", envvar="MODEL_NAME",
+                 help="Model: built-in alias (default SmolLM2-135M-Instruct, bundled GGUF), HF dir, .gguf file, "
+                      "hub id; with --load-format dummy a built-in config (qwen3-0.6b, llama-3.1-8b, ...)."),
+]
+ModelLocalDir = Annotated[
+    Optional[str],
+    typer.Option("--model-local-dir", envvar="MODEL_LOCAL_DIR", help="A pre-downloaded model dir; overrides --model."),
+]
+LoadFormat = Annotated[str, typer.Option("--load-format", help="auto (real weights) or dummy (random weights).")]
+Device = Annotated[str, typer.Option("--device", envvar="MINISGL_DEVICE", help="auto, cpu, cuda, cuda:N.")]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16.")]
+AttentionBackend = Annotated[
+    str, typer.Option("--attention-backend", "--backend", envvar="BACKEND_IMPL",
+                      help="auto, torch, triton, flashinfer (auto: flashinfer or triton on CUDA, torch on CPU).")
+]
+PageSize = Annotated[int, typer.Option("--page-size", help="KV page size in tokens.")]
+MaxTotalTokens = Annotated[Optional[int], typer.Option("--max-total-tokens", help="KV pool size in tokens (default: from memory).")]
+KVCacheGiB = Annotated[float, typer.Option("--kv-cache-gib", help="CPU: memory for the KV pool, GiB.")]
+MemFraction = Annotated[float, typer.Option("--mem-fraction", help="CUDA: fraction of free memory for the KV pool.")]
+MaxRunning = Annotated[int, typer.Option("--max-running-requests", help="Requests decoded together at most.")]
+MaxPrefill = Annotated[int, typer.Option("--max-prefill-tokens", help="Token budget of one prefill step (chunk size).")]
+Cache = Annotated[str, typer.Option("--cache", help="Prefix cache: radix or naive (no reuse).")]
+Policy = Annotated[str, typer.Option("--policy", envvar="SCHEDULE_POLICY", help="prefill-first or decode-first.")]
+DisableCudaGraph = Annotated[bool, typer.Option("--disable-cuda-graph", help="Run decode eagerly on CUDA.")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="INFO logs narrating prefill, decode steps and chunks.")]
+
+
+@dataclass
+class EngineOptions:
+    """The shared options, collected so a command passes one object to its front."""
+
+    model: str | None = None
+    model_local_dir: str | None = None
+    load_format: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    page_size: int = 1
+    max_total_tokens: int | None = None
+    kv_cache_gib: float = 1.0
+    mem_fraction: float = 0.85
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 2048
+    cache: str = "radix"
+    policy: str = "prefill-first"
+    disable_cuda_graph: bool = False
+
+    def engine_config(self):
+        from minisgl_cli.engine.config import EngineConfig
+
+        return EngineConfig(
+            model=self.model_local_dir or self.model, load_format=self.load_format, device=self.device,
+            dtype=self.dtype, attention_backend=self.attention_backend, page_size=self.page_size,
+            max_total_tokens=self.max_total_tokens, kv_cache_gib=self.kv_cache_gib, mem_fraction=self.mem_fraction,
+            max_running_requests=self.max_running_requests, disable_cuda_graph=self.disable_cuda_graph,
+        )
+
+    def scheduler_config(self):
+        from minisgl_cli.scheduler.scheduler import SchedulerConfig
+
+        return SchedulerConfig(max_prefill_tokens=self.max_prefill_tokens, policy=self.policy, cache=self.cache)
+
+    def client(self):
+        """Build the engine client; loader errors become one line on stderr and exit code 1."""
+        from minisgl_cli.loader.errors import ModelLoadError
+
+        try:
+            from minisgl_cli.client import EngineClient
+
+            return EngineClient(self.engine_config(), self.scheduler_config())
+        except (ModelLoadError, ValueError) as exc:
+            fail(str(exc))
+
+
+def fail(message: str, code: int = 1) -> None:
+    """Print one line to stderr and exit non-zero: how every command reports bad input."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )

@@ -1,0 +1,52 @@
+"""The attention backend interface: prepare metadata for a batch, then store KV and attend per layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.kvcache.pool import KVPool
+
+
+class AttentionBackend(ABC):
+    """One implementation per kernel family (torch, triton, flashinfer); all share the KV pool layout.
+
+    `prepare` runs once per step before the model forward (it may build index tensors into
+    `batch.attn_meta`); `forward` runs once per layer: it writes this step's K/V into the pool at
+    `batch.out_cache_loc` and returns attention over each request's whole sequence (causal for extend).
+    """
+
+    name: str = "base"
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        self.pool = pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None: ...
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]."""
+
+    # CUDA-graph hooks: backends that support graph capture of decode override these.
+    supports_cuda_graph: bool = False
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        raise NotImplementedError(f"{self.name} backend does not support CUDA graphs")
+
+    def prepare_for_capture(self, bs: int, batch: ForwardBatch | None = None) -> Any:
+        """Decode metadata of static buffers for a graph of `bs` rows; set as `batch.attn_meta` if given."""
+        raise NotImplementedError(f"{self.name} backend does not support CUDA graphs")
+
+    def prepare_for_replay(self, batch: ForwardBatch, bs: int) -> None:
+        """Copy a real decode batch (batch_size <= bs) into the static metadata captured for `bs`."""
+        raise NotImplementedError(f"{self.name} backend does not support CUDA graphs")

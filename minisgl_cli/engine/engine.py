@@ -1,0 +1,118 @@
+"""Engine: one rank's executor — model weights, KV pool, attention backend; runs a ForwardBatch."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minisgl_cli.attention import create_backend
+from minisgl_cli.distributed import TPInfo
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.engine.sampler import SamplingRow, sample
+from minisgl_cli.kvcache.pool import KVPool, KVShape
+from minisgl_cli.loader.configs import builtin_config
+from minisgl_cli.loader.dummy import init_dummy_weights
+from minisgl_cli.loader.errors import ModelLoadError
+from minisgl_cli.loader.hf import iter_safetensors, read_hf_config
+from minisgl_cli.models import ModelConfig, create_model
+
+log = logging.getLogger("minisgl.engine")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """Where the weights came from: what the fronts report at start-up."""
+
+    name: str
+    model_dir: Path | None  # None for dummy weights (no tokenizer either)
+    source: str
+    load_s: float
+
+
+def _locate(cfg: EngineConfig) -> tuple[dict, Path | None, str, str]:
+    """(hf config dict, model dir or None, served name, source) for the configured model."""
+    if cfg.load_format == "dummy":
+        name = cfg.model or "smollm2-135m"
+        try:
+            return builtin_config(name), None, name, "dummy"
+        except KeyError:
+            pass  # not built in: use the config of a real model dir, with random weights
+    from minisgl_cli.loader.resolve import resolve_model
+
+    resolved = resolve_model(cfg.model)
+    source = "dummy" if cfg.load_format == "dummy" else resolved.source
+    return read_hf_config(resolved.path), resolved.path, resolved.name, source
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, tp: TPInfo = TPInfo()):
+        t0 = time.perf_counter()
+        self.cfg = cfg
+        self.tp = tp
+        self.device = cfg.resolved_device()
+        self.dtype = cfg.resolved_dtype()
+        if self.device.type == "cpu" and cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        hf_cfg, model_dir, name, source = _locate(cfg)
+        try:
+            self.model_cfg = ModelConfig.from_hf(hf_cfg)
+        except (KeyError, ValueError) as exc:
+            raise ModelLoadError(f"model config not usable ({exc})", model_dir or name, "a Llama, Qwen2 or Qwen3 config") from None
+        mc = self.model_cfg
+
+        # Allocate parameters straight on the device in the engine dtype (no fp32 CPU copy of an 8B model).
+        with torch.device(self.device):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                self.model = create_model(mc, tp).eval()
+            finally:
+                torch.set_default_dtype(prev)
+        if source == "dummy":
+            init_dummy_weights(self.model, seed=cfg.seed)
+        else:
+            self.model.load_weights(iter_safetensors(model_dir))
+        self.loaded = LoadedModel(name=name, model_dir=model_dir, source=source, load_s=0.0)
+
+        shape = KVShape(mc.num_layers, mc.num_kv_heads // tp.size, mc.head_dim, self.dtype)
+        num_pages = self._kv_pages(shape)
+        capacity = num_pages * cfg.page_size
+        self.max_context_len = min(cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings, capacity)
+        self.pool = KVPool(shape, num_pages, cfg.page_size, cfg.max_running_requests, self.max_context_len, self.device)
+        self.attn = create_backend(
+            cfg.attention_backend, self.pool, mc.num_heads // tp.size, mc.num_kv_heads // tp.size,
+            mc.head_dim, mc.head_dim**-0.5, self.device,
+        )
+        self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0)
+        log.info(
+            "engine ready: model=%s source=%s device=%s dtype=%s backend=%s kv_tokens=%d page_size=%d eos=%s (%.1fs)",
+            name, source, self.device, str(self.dtype).removeprefix("torch."), self.attn.name, capacity,
+            cfg.page_size, list(mc.eos_token_ids), self.loaded.load_s,
+        )
+
+    def _kv_pages(self, shape: KVShape) -> int:
+        cfg = self.cfg
+        if cfg.max_total_tokens:
+            return max(1, cfg.max_total_tokens // cfg.page_size)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.mem_fraction)
+        else:
+            budget = int(cfg.kv_cache_gib * (1 << 30))
+        return KVPool.pages_for_budget(shape, budget, cfg.page_size)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, vocab] (fp32) of each request's last token."""
+        self.attn.prepare(batch)
+        return self.model.logits(self.model(batch, self.attn))
+
+    @torch.inference_mode()
+    def step(self, batch: ForwardBatch, rows: list[SamplingRow]) -> torch.Tensor:
+        """Forward and sample: next token id per request, left on the device."""
+        return sample(self.forward(batch), rows)

@@ -1,0 +1,1 @@
+"""Model building blocks in plain torch: TP-aware linear and embedding, RMSNorm, RoPE, activations."""

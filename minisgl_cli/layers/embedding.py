@@ -1,0 +1,40 @@
+"""Vocab-parallel embedding and LM head: each rank holds a slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl_cli.distributed import TPInfo, all_gather_last_dim, all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, tp: TPInfo = TPInfo()):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.local_vocab = -(-vocab_size // tp.size)  # ceil: the last rank's slice may be padded
+        self.start = tp.rank * self.local_vocab
+        self.weight = nn.Parameter(torch.zeros(self.local_vocab, hidden), requires_grad=False)
+
+    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        part = loaded[self.start : self.start + self.local_vocab]
+        self.weight.data[: part.shape[0]].copy_(part)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.local_vocab)
+        out = F.embedding(local.clamp(0, self.local_vocab - 1), self.weight)
+        out[outside] = 0
+        return all_reduce(out, self.tp)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits = h E^T over this rank's vocabulary slice, gathered to the full vocabulary."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = all_gather_last_dim(F.linear(hidden, self.weight), self.tp)
+        return out[..., : self.vocab_size]

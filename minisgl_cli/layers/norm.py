@@ -1,0 +1,27 @@
+"""RMSNorm computed in fp32 exactly as HF transformers does, so greedy outputs match token for token."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        self.weight.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the residual, then normalise: returns (normed, new residual)."""
+        residual = x + residual
+        return self.forward(residual), residual

@@ -1,0 +1,52 @@
+"""Rotary position embedding with the configs' rope scaling (default, linear, llama3), cached per position."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin multiplier, as HF's rope init functions compute them."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in (None, "default"):
+        return inv, 1.0
+    if kind == "linear":
+        return inv / scaling["factor"], 1.0
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"unsupported rope scaling type: {kind!r}")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None = None):
+        super().__init__()
+        inv, mult = _inv_freq(head_dim, base, scaling)
+        freqs = torch.outer(torch.arange(max_positions).float(), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # Buffers follow .to(device); kept fp32 and cast per call like HF does.
+        self.register_buffer("cos", emb.cos() * mult, persistent=False)
+        self.register_buffer("sin", emb.sin() * mult, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, Hkv, D]."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,0 +1,55 @@
+"""LLM: the synchronous Python API — `LLM(model=...).generate(prompts or chats, params)`."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import fields
+
+from minisgl_cli.client import EngineClient
+from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.scheduler.scheduler import SchedulerConfig
+from minisgl_cli.types import Completion, GenerateRequest, SamplingParams
+
+Prompt = str | list[int] | list[dict]
+
+
+class LLM:
+    """Offline generation over the same client the servers use. Extra keyword arguments go to
+    EngineConfig or SchedulerConfig by name (e.g. attention_backend="torch", cache="naive")."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        names = {f.name for f in fields(SchedulerConfig)}
+        sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in names})
+        engine = EngineConfig(model=model, **{k: v for k, v in kwargs.items() if k not in names})
+        self.client = EngineClient(engine, sched)
+
+    @staticmethod
+    def _request(prompt: Prompt, params: SamplingParams) -> GenerateRequest:
+        if isinstance(prompt, str):
+            return GenerateRequest(prompt=prompt, params=params)
+        if prompt and isinstance(prompt[0], dict):
+            return GenerateRequest(messages=prompt, params=params)
+        return GenerateRequest(input_ids=list(prompt), params=params)
+
+    def generate(
+        self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Completion]:
+        """One Completion per prompt, all run concurrently (continuous batching)."""
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict)))
+        batch = [prompts] if single else list(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
+
+        async def run() -> list[Completion]:
+            reqs = [self._request(p, sp) for p, sp in zip(batch, plist)]
+            return list(await asyncio.gather(*(self.client.complete(r) for r in reqs)))
+
+        return asyncio.run(run())
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

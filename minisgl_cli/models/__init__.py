@@ -1,0 +1,21 @@
+"""Models in plain torch: Llama, Qwen2, Qwen3 decoders, chosen by the config's architecture."""
+
+from __future__ import annotations
+
+from minisgl_cli.distributed import TPInfo
+from minisgl_cli.models.config import ModelConfig
+from minisgl_cli.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def create_model(cfg: ModelConfig, tp: TPInfo = TPInfo()) -> LlamaForCausalLM:
+    return _CLASSES[cfg.architecture](cfg, tp)
+
+
+__all__ = ["ModelConfig", "create_model"]

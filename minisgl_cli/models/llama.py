@@ -1,0 +1,144 @@
+"""The decoder for Llama, Qwen2 and Qwen3 over flat token batches: one class, three config switches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from minisgl_cli.attention.base import AttentionBackend
+from minisgl_cli.distributed import TPInfo
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.layers.activation import silu_and_mul
+from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
+from minisgl_cli.layers.norm import RMSNorm
+from minisgl_cli.layers.rotary import RotaryEmbedding
+from minisgl_cli.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TPInfo):
+        super().__init__()
+        self.layer_id = layer_id
+        self.rope = rope
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_heads // tp.size
+        self.num_kv_heads = cfg.num_kv_heads // tp.size
+        d = cfg.head_dim
+        sizes = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, sizes, bias=cfg.attention_bias, tp=tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp=tp)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(batch.positions, q, k)
+        o = attn.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(o.reshape(-1, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TPInfo):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id, rope, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp)
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm.forward_residual(h, residual)
+        h = self.self_attn(h, batch, attn)
+        h, residual = self.post_attention_layernorm.forward_residual(h, residual)
+        return self.mlp(h), residual
+
+
+# HF checkpoint names that land in one of our merged parameters: (our name, shard index).
+_MERGED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral; Qwen2 (bias on q/k/v) and Qwen3 (q/k norm) differ only by config switches."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo = TPInfo()):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Hidden states of each request's last token: [B, hidden]."""
+        h, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            h, residual = layer(h, residual, batch, attn)
+        if not batch.is_decode:  # only each request's last token is sampled
+            h, residual = h[batch.logits_indices], residual[batch.logits_indices]
+        h, _ = self.norm.forward_residual(h, residual)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in (streamed one by one); returns the HF names it used."""
+        modules = dict(self.named_modules())
+        used: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                continue
+            path = name.removeprefix("model.")
+            mod_path, _, leaf = path.rpartition(".")
+            owner, _, short = mod_path.rpartition(".")
+            shard = 0
+            if short in _MERGED:
+                short, shard = _MERGED[short]
+                mod_path = f"{owner}.{short}"
+            module = modules.get(mod_path)
+            if module is None or not hasattr(module, "load_shard"):
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            module.load_shard(leaf, tensor, shard)
+            used.add(name)
+        return used
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass

@@ -1,0 +1,94 @@
+"""CacheManager: the scheduler's view of KV memory — prefix matching, page allocation with eviction,
+and handing a finished request's pages to the prefix cache. Keeps pages exactly accounted."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl_cli.kvcache import KVPool, create_prefix_cache
+from minisgl_cli.scheduler.request import Req
+
+
+class CacheManager:
+    def __init__(self, pool: KVPool, cache_kind: str = "radix"):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.tree = create_prefix_cache(cache_kind, pool.page_size)
+
+    # --- accounting ----------------------------------------------------------------------------
+    @property
+    def available_pages(self) -> int:
+        """Free pages plus what eviction could free right now."""
+        return self.pool.num_free_pages + self.tree.evictable_tokens // self.page_size
+
+    def pages_in_use(self, reqs: list[Req]) -> int:
+        return sum(len(r.pages) for r in reqs)
+
+    def check(self, reqs: list[Req]) -> None:
+        """Free + cached + in-use pages must add up to the pool (tests call this)."""
+        total = self.pool.num_free_pages + self.tree.cached_tokens // self.page_size + self.pages_in_use(reqs)
+        assert total == self.pool.num_pages, f"page leak: {total} accounted of {self.pool.num_pages}"
+
+    def _slots_to_pages(self, slots: torch.Tensor) -> list[int]:
+        if self.page_size == 1:
+            return slots.tolist()
+        return (slots[slots % self.page_size == 0] // self.page_size).tolist()
+
+    # --- verbs ---------------------------------------------------------------------------------
+    def match(self, req: Req) -> None:
+        """Attach the longest cached prefix (never the whole sequence: the last token must run)."""
+        ids = req.all_ids
+        m = self.tree.match(ids[: len(ids) - 1])
+        self.tree.lock(m.node)
+        req.prefix_node, req.prefix_len, req.kv_len = m.node, m.length, m.length
+        if m.length:
+            self.pool.page_table[req.req_slot, : m.length] = m.slots.to(self.pool.device)
+
+    def allocate(self, n_pages: int) -> list[int] | None:
+        """n pages, evicting unlocked cache leaves if needed; None (and nothing taken) if impossible."""
+        short = n_pages - self.pool.num_free_pages
+        if short > 0:
+            self.pool.free_pages(self._slots_to_pages(self.tree.evict(short * self.page_size)))
+        return self.pool.alloc_pages(n_pages)
+
+    def extend(self, req: Req, n: int) -> torch.Tensor | None:
+        """Reserve KV slots for positions kv_len..kv_len+n; returns them, or None if out of pages."""
+        p = self.page_size
+        start, end = req.kv_len, req.kv_len + n
+        have = req.prefix_len // p + len(req.pages)  # pages covering positions so far
+        need = -(-end // p) - have
+        if need > 0:
+            pages = self.allocate(need)
+            if pages is None:
+                return None
+            req.pages.extend(pages)
+        pos = torch.arange(start, end)
+        own = torch.tensor(req.pages, dtype=torch.int64)
+        slots = own[pos // p - req.prefix_len // p] * p + pos % p
+        self.pool.page_table[req.req_slot, start:end] = slots.to(self.pool.device, torch.int32)
+        return slots
+
+    def release(self, req: Req, cache: bool = True) -> None:
+        """Give a request's KV back: cache its computed prefix in the tree, free the rest."""
+        if req.req_slot is None:
+            return
+        p = self.page_size
+        if cache and req.kv_len > req.prefix_len:
+            ids = req.all_ids[: req.kv_len]
+            slots = self.pool.page_table[req.req_slot, : req.kv_len].to("cpu", torch.int64)
+            aligned = req.kv_len - req.kv_len % p
+            existing = self.tree.insert(ids[:aligned], slots[:aligned])
+            # Own pages below `existing` duplicate the tree's; pages past `aligned` hold a partial page.
+            first_own = req.prefix_len // p
+            keep_from, keep_to = max(existing, req.prefix_len) // p, aligned // p
+            adopted = set(req.pages[keep_from - first_own : keep_to - first_own])
+            self.pool.free_pages([pg for pg in req.pages if pg not in adopted])
+        else:
+            self.pool.free_pages(req.pages)
+        req.pages = []
+        if req.prefix_node is not None:
+            self.tree.unlock(req.prefix_node)
+            req.prefix_node = None
+        req.prefix_len = req.kv_len = 0
+        self.pool.free_req_slot(req.req_slot)
+        req.req_slot = None

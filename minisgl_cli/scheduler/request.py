@@ -1,0 +1,60 @@
+"""Req: one request's state inside the scheduler, from admission to finish."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from minisgl_cli.kvcache.radix import RadixNode
+from minisgl_cli.types import FinishReason, SamplingParams
+
+
+@dataclass
+class TokenOutput:
+    """What the scheduler reports per request per step (the client turns it into a Delta)."""
+
+    rid: str
+    token_id: int | None
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[list[TokenOutput]], None]  # where this request's outputs go (thread-safe)
+    output_ids: list[int] = field(default_factory=list)
+    req_slot: int | None = None  # row of the page table while it holds KV
+    kv_len: int = 0  # positions whose KV is in the pool
+    prefix_len: int = 0  # leading positions owned by the radix tree (locked via prefix_node)
+    prefix_node: RadixNode | None = None
+    pages: list[int] = field(default_factory=list)  # pages for positions prefix_len.. (owned here)
+    cached_tokens: int = 0  # prefix hit at first admission (reported to the user)
+    matched: bool = False
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Tokens still to run before this request can sample (at least the last one)."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def prefilling(self) -> bool:
+        return self.remaining_prefill > 1 or not self.output_ids

@@ -1,0 +1,315 @@
+"""Scheduler: continuous batching over one engine — waiting queue, running set, one decision per step.
+
+Each step either prefills waiting requests under a token budget (long prompts in chunks) or decodes
+every running request; new requests join between steps. When pages run short, the prefix cache is
+evicted first, then the newest running request is retracted (its KV cached, it re-queues) — nothing
+is dropped and nothing crashes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.engine.engine import Engine
+from minisgl_cli.engine.sampler import SamplingRow
+from minisgl_cli.scheduler.cache import CacheManager
+from minisgl_cli.scheduler.request import Req, TokenOutput
+from minisgl_cli.scheduler.stats import RollingRate, SchedulerStats
+from minisgl_cli.types import FinishReason, SamplingParams
+
+log = logging.getLogger("minisgl.scheduler")
+
+Policy = Literal["prefill-first", "decode-first"]
+
+
+@dataclass
+class SchedulerConfig:
+    max_prefill_tokens: int = 2048  # token budget of one prefill step (also the chunk size)
+    policy: Policy = "prefill-first"
+    cache: str = "radix"
+
+
+@dataclass
+class _Add:
+    req: Req
+
+
+@dataclass
+class _Abort:
+    rid: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], None]
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, cfg: SchedulerConfig = SchedulerConfig(), eos_token_ids=frozenset()):
+        self.engine = engine
+        self.cfg = cfg
+        self.cache = CacheManager(engine.pool, cfg.cache)
+        self.eos = frozenset(eos_token_ids) | frozenset(engine.model_cfg.eos_token_ids)
+        self.max_running = engine.pool.num_free_req_slots
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.stats = SchedulerStats()
+        self._prefill_rate, self._decode_rate = RollingRate(), RollingRate()
+        self._last_was_decode = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- thread-safe API ----------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self.inbox.put(_Add(req))
+
+    def abort(self, rid: str) -> None:
+        self.inbox.put(_Abort(rid))
+
+    def call(self, fn: Callable[[], None], timeout: float | None = None) -> None:
+        """Run fn on the scheduler thread between steps (e.g. to inspect state consistently)."""
+        c = _Call(fn)
+        self.inbox.put(c)
+        if self._thread is None:
+            self._drain(block=False)
+        c.done.wait(timeout)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run_forever, name="minisgl-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # --- loop ----------------------------------------------------------------------------------
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not (self.waiting or self.running))
+            try:
+                self.step()
+            except Exception:  # a bug must not kill the loop silently: fail what is in flight, go on
+                log.exception("scheduler step failed; failing in-flight requests")
+                for req in list(self.running) + list(self.waiting):
+                    self._finish(req, None, error="internal error in the engine step (see server log)")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            msg = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while msg is not None or not self.inbox.empty():
+            if isinstance(msg, _Add):
+                self._admit(msg.req)
+            elif isinstance(msg, _Abort):
+                self._abort(msg.rid)
+            elif isinstance(msg, _Call):
+                try:
+                    msg.fn()
+                finally:
+                    msg.done.set()
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+
+    def _admit(self, req: Req) -> None:
+        limit = self.engine.max_context_len
+        if len(req.input_ids) == 0:
+            self._finish(req, None, error="the prompt is empty")
+        elif len(req.input_ids) >= limit:
+            self._finish(req, None, error=f"the prompt has {len(req.input_ids)} tokens; the context limit is {limit}")
+        elif req.params.max_new_tokens == 0:
+            self._finish(req, "length")
+        else:
+            if req.params.seed is not None:
+                req.generator = torch.Generator(self.engine.device).manual_seed(req.params.seed)
+            self.waiting.append(req)
+
+    def _abort(self, rid: str) -> None:
+        for req in list(self.waiting) + self.running:
+            if req.rid == rid:
+                self._finish(req, "abort")
+                return
+
+    def step(self) -> None:
+        batch = self._schedule()
+        if batch is None:
+            return
+        mode, reqs, lens = batch
+        self._run(mode, reqs, lens)
+
+    def _schedule(self) -> tuple[str, list[Req], list[int]] | None:
+        prefill_turn = self.cfg.policy == "prefill-first" or self._last_was_decode or not self.running
+        if self.waiting and prefill_turn:
+            batch = self._prefill_batch()
+            if batch is not None:
+                return batch
+        if self.running:
+            return self._decode_batch()
+        return None
+
+    def _prefill_batch(self) -> tuple[str, list[Req], list[int]] | None:
+        budget = self.cfg.max_prefill_tokens
+        reqs, lens = [], []
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) + len(reqs) >= self.max_running:
+                break
+            if req.req_slot is None:
+                req.req_slot = self.engine.pool.alloc_req_slot()
+                if req.req_slot is None:
+                    break
+                self.cache.match(req)
+                if not req.matched:
+                    self._count_match(req)
+            n = min(req.remaining_prefill, budget)
+            # Keep one page per running request free for its next decode step.
+            reserve = len(self.running) + len(reqs)
+            slots = None
+            if self.cache.available_pages - reserve >= -(-n // self.cache.page_size):
+                slots = self.cache.extend(req, n)
+            if slots is None:
+                if req.kv_len == req.prefix_len:  # no progress held: give the slot back, retry later
+                    self.cache.release(req, cache=False)
+                if not reqs and not self.running and req.kv_len == 0:
+                    self.waiting.remove(req)
+                    self._finish(req, None, error="the request needs more KV cache than the pool holds")
+                    continue
+                break
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        return ("extend", reqs, lens) if reqs else None
+
+    def _count_match(self, req: Req) -> None:
+        req.matched = True
+        req.cached_tokens = req.prefix_len
+        s = self.stats
+        s.cache_hit_tokens += req.prefix_len
+        s.cache_miss_tokens += len(req.input_ids) - req.prefix_len
+        if req.prefix_len:
+            s.cache_hit_requests += 1
+        else:
+            s.cache_miss_requests += 1
+
+    def _decode_batch(self) -> tuple[str, list[Req], list[int]] | None:
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # retracted below while making room
+            while self.cache.extend(req, 1) is None:
+                victim = max(self.running, key=lambda r: r.arrival)
+                if victim is req and len(self.running) == 1:
+                    self._finish(req, "length")  # alone and still out of room: the pool is its limit
+                    break
+                self._retract(victim)
+                if victim is req:
+                    break
+        return ("decode", list(self.running), [1] * len(self.running)) if self.running else None
+
+    def _retract(self, req: Req) -> None:
+        """Free a running request's pages (caching its KV) and queue it first for re-prefill."""
+        self.running.remove(req)
+        self.cache.release(req)
+        self.waiting.appendleft(req)
+        self.stats.retracted_requests += 1
+        log.info("retract %s (%d tokens) to free KV pages", req.rid, req.seq_len)
+
+    def _run(self, mode: str, reqs: list[Req], lens: list[int]) -> None:
+        pool = self.engine.pool
+        ids: list[int] = []
+        locs = []
+        for req, n in zip(reqs, lens):
+            ids.extend(req.all_ids[req.kv_len : req.kv_len + n])
+            locs.append(pool.page_table[req.req_slot, req.kv_len : req.kv_len + n])
+        fb = ForwardBatch.build(
+            mode, ids, [r.req_slot for r in reqs], [r.kv_len for r in reqs], lens, torch.cat(locs).long(),
+            self.engine.device,
+        )
+        rows = [SamplingRow(r.params, r.generator, r.output_ids) for r in reqs]
+        next_ids = self.engine.step(fb, rows).tolist()
+        if mode == "extend":
+            log.info("prefill: %d req, %d tokens (%s)", len(reqs), sum(lens),
+                     ", ".join(f"{r.rid}: +{n} after {r.kv_len} cached" for r, n in zip(reqs, lens)))
+        now = time.perf_counter()
+        out: dict[Callable, list[TokenOutput]] = {}
+        for req, n, tok in zip(reqs, lens, next_ids):
+            req.kv_len += n
+            if req.kv_len < req.seq_len:
+                continue  # a chunk of a long prompt: no token yet
+            if mode == "extend" and req in self.waiting:
+                self.waiting.remove(req)
+                self.running.append(req)
+            req.output_ids.append(tok)
+            if req.first_token_at is None:
+                req.first_token_at = now
+            reason = self._stop_reason(req, tok)
+            out.setdefault(req.sink, []).append(
+                TokenOutput(req.rid, tok, reason, len(req.input_ids), req.cached_tokens)
+            )
+            if reason is not None:
+                self._release(req, reason)
+        self._account(mode, lens, now)
+        for sink, items in out.items():
+            sink(items)
+
+    def _stop_reason(self, req: Req, tok: int) -> FinishReason | None:
+        p: SamplingParams = req.params
+        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.engine.max_context_len:
+            return "length"
+        return None
+
+    def _release(self, req: Req, reason: FinishReason) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.cache.release(req)
+        self.stats.finished_requests += 1
+        self.stats.aborted_requests += reason == "abort"
+
+    def _finish(self, req: Req, reason: FinishReason | None, error: str | None = None) -> None:
+        """End a request outside a step's output (abort, error) and tell its sink."""
+        self._release(req, reason or "abort")
+        req.sink([TokenOutput(req.rid, None, reason, len(req.input_ids), req.cached_tokens, error)])
+
+    def _account(self, mode: str, lens: list[int], now: float) -> None:
+        s = self.stats
+        s.steps += 1
+        self._last_was_decode = mode == "decode"
+        if mode == "extend":
+            s.prefill_tokens += sum(lens)
+            self._prefill_rate.add(sum(lens), now)
+        else:
+            s.decode_tokens += len(lens)
+            self._decode_rate.add(len(lens), now)
+
+    # --- inspection (call on the scheduler thread, e.g. via call()) ----------------------------
+    def snapshot(self) -> SchedulerStats:
+        s = self.stats
+        pool, tree, p = self.engine.pool, self.cache.tree, self.cache.page_size
+        s.waiting, s.running = len(self.waiting), len(self.running)
+        s.tokens_total = pool.num_pages * p
+        s.tokens_free = pool.num_free_pages * p
+        s.tokens_cached = tree.cached_tokens
+        s.tokens_in_use = self.cache.pages_in_use(self.running + list(self.waiting)) * p
+        s.prefill_tok_s, s.decode_tok_s = self._prefill_rate.rate(), self._decode_rate.rate()
+        return SchedulerStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
+
+    def check_pages(self) -> None:
+        self.cache.check(self.running + list(self.waiting))

@@ -1,0 +1,108 @@
+"""Tokenize, apply the chat template, detokenize incrementally (UTF-8 safe) and cut at stop strings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minisgl_cli.loader.errors import ModelLoadError
+
+
+class Tokenizer:
+    """The model's HF tokenizer plus what the engine needs from it: EOS ids and the chat template."""
+
+    def __init__(self, model_dir: Path | str):
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        except Exception as exc:
+            raise ModelLoadError(f"tokenizer unreadable ({type(exc).__name__}: {exc})", model_dir, "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+        self.eos_token_ids = self._eos_ids(Path(model_dir))
+        self.vocab_size = len(self.hf)
+
+    def _eos_ids(self, model_dir: Path) -> frozenset[int]:
+        ids = set()
+        if self.hf.eos_token_id is not None:
+            ids.add(self.hf.eos_token_id)
+        gen = model_dir / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return frozenset(ids)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without splitting a UTF-8 character.
+
+    It decodes a short window (from `prefix` to the end) and emits what the newest tokens added;
+    a window ending in U+FFFD means a multi-byte character is still incomplete, so it waits.
+    """
+
+    tokenizer: Tokenizer
+    skip_special_tokens: bool = True
+    ids: list[int] = field(default_factory=list)
+    prefix: int = 0  # window start: context tokens so spaces merge as in a full decode
+    read: int = 0  # tokens whose text has been emitted
+
+    def feed(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        window = self.tokenizer.decode(self.ids[self.prefix :], self.skip_special_tokens)
+        if window.endswith("\ufffd"):
+            return ""
+        emitted = self.tokenizer.decode(self.ids[self.prefix : self.read], self.skip_special_tokens)
+        # The window restarts at the last emitted token, so each decode stays a few tokens long.
+        self.prefix, self.read = self.read, len(self.ids)
+        return window[len(emitted) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        window = self.tokenizer.decode(self.ids[self.prefix :], self.skip_special_tokens)
+        emitted = self.tokenizer.decode(self.ids[self.prefix : self.read], self.skip_special_tokens)
+        self.read = len(self.ids)
+        return window[len(emitted) :]
+
+
+@dataclass
+class StopStringMatcher:
+    """Holds back text that could start a stop string; reports the text to emit and whether to stop."""
+
+    stops: list[str]
+    pending: str = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        buf = self.pending + text
+        hits = [(buf.find(s), s) for s in self.stops if s and s in buf]
+        if hits:
+            pos = min(h[0] for h in hits)
+            self.pending = ""
+            return buf[:pos], True
+        # Keep the longest tail that is a prefix of some stop string.
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if s.startswith(buf[-n:]):
+                    keep = max(keep, n)
+                    break
+        self.pending = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text

@@ -1,0 +1,106 @@
+"""Typed boundary objects: what a front asks of the engine and what streams back."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+_ids = itertools.count()
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{next(_ids)}"
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping; field names follow the OpenAI / sglang APIs."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 means no top-k cut
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-6 or self.top_k == 1
+
+
+@dataclass
+class GenerateRequest:
+    """One generation request as a front builds it: exactly one of prompt, messages, input_ids."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    input_ids: list[int] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str = field(default_factory=new_request_id)
+
+    def __post_init__(self) -> None:
+        given = sum(x is not None for x in (self.prompt, self.messages, self.input_ids))
+        if given != 1:
+            raise ValueError("give exactly one of prompt, messages, input_ids")
+
+
+@dataclass
+class RequestStats:
+    """Per-request figures reported with the final delta (and shown by chat, /generate, bench)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    prefill_s: float = 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        decode_time = self.latency_s - self.ttft_s
+        return (self.completion_tokens - 1) / decode_time if decode_time > 0 and self.completion_tokens > 1 else 0.0
+
+
+@dataclass
+class Delta:
+    """One streamed piece of output: new text and token ids; finish_reason and stats on the last."""
+
+    rid: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stats: RequestStats | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class Completion:
+    """A whole (non-streamed) result: what `LLM.generate` and non-stream HTTP responses return."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    stats: RequestStats
