@@ -186,3 +186,28 @@ def test_http_video_mp4_and_frames(live_server, tmp_path):
     r = httpx.post(f"{live_server}/v1/videos/generations", json={**req, "response_format": "frames"}, timeout=120)
     frames = r.json()["data"][0]["frames"]
     assert len(frames) == 9 and decode(frames[0]).size == (32, 32)
+
+
+def test_image_cli_cuda_only_options_fail_clearly_on_cpu(tiny_models, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only error path")
+    for flag in (["--cpu-offload"], ["--attention-backend", "flash2"]):
+        result = runner.invoke(
+            app, ["image", "--model-dir", str(tiny_models["z-image"]), "--device", "cpu", "--height", "32", "--width", "32", *flag]
+        )
+        assert result.exit_code == 1 and "needs" in result.stderr and "CUDA" in result.stderr, result.stderr
+
+
+def test_image_cli_wrong_pipeline_kind(tiny_models):
+    result = runner.invoke(app, ["image", "--model-dir", str(tiny_models["wan"]), "--height", "32", "--width", "32"])
+    assert result.exit_code == 1 and "minisgl video" in result.stderr
+
+
+@pytest.mark.slow
+def test_image_cli_compile(tiny_models, tmp_path):
+    size = ("--height", "32", "--width", "32", "--seed", "4")
+    (compiled,) = image_cli(tiny_models["z-image"], tmp_path, *size, "--compile")
+    (eager,) = image_cli(tiny_models["z-image"], tmp_path, *size)
+    assert np.abs(pixels(compiled).astype(int) - pixels(eager).astype(int)).max() <= 2

@@ -17,11 +17,13 @@ def quiet_libraries() -> None:
     """Our own bar and messages replace diffusers/transformers' tqdm bars and info logs."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from diffusers.utils import logging as dlog
+    from huggingface_hub.utils import logging as hlog
     from transformers.utils import logging as tlog
 
     for log in (dlog, tlog):
         log.set_verbosity_error()
         log.disable_progress_bar()
+    hlog.set_verbosity_error()  # its retry warnings would add lines to the one-line error
 
 
 @contextlib.contextmanager

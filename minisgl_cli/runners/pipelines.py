@@ -85,9 +85,12 @@ def ensure_model_dir(spec: ModelSpec) -> Path:
     if not spec.allow_download or _looks_like_path(spec.model):
         raise ModelNotFoundError(f"{spec.kind} model not found: {d} has no model_index.json. {fix}.", "model")
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import list_repo_files, snapshot_download
 
-        snapshot_download(repo_id=spec.model, local_dir=d)
+        # Repos often ship each weight twice (.bin and .safetensors); fetch only safetensors then.
+        has_safetensors = any(f.endswith(".safetensors") for f in list_repo_files(spec.model))
+        skip = ["*.bin", "*.ckpt", "*.pt", "*.pth", "*.onnx", "*.msgpack", "*.h5"] if has_safetensors else None
+        snapshot_download(repo_id=spec.model, local_dir=d, ignore_patterns=skip)
     except Exception as exc:  # offline, unreachable hub, unknown or gated repo: all end the same way
         reason = _first_line(exc)
         raise ModelNotFoundError(
@@ -152,6 +155,7 @@ def load_pipeline(spec: ModelSpec) -> LoadedPipeline:
     # One lock for all loads: loads are rare, and two first requests must not load the weights twice.
     with _cache_lock:
         if key in _cache:
+            _check_kind(_cache[key].pipe, spec)  # the key names a dir, not what it was loaded for
             return _cache[key]
         from diffusers import DiffusionPipeline
 
