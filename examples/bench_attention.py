@@ -70,11 +70,45 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
+EXTEND_CASES = (([0], [4096]), ([2048] * 4, [1024] * 4), ([0] * 16, [512] * 16))
+EXTEND_CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 128, 8, 2)]
+
+
+def sweep_extend(page_size: int) -> None:
+    """Median ms of the Triton extend kernel per (BLOCK_M, BLOCK_N, warps, stages), llama8b shape, bf16."""
+    from minisgl_cli.attention import triton_kernels as tk
+
+    heads = SHAPES["llama8b"]
+    print(f"# {torch.cuda.get_device_name()}: extend sweep, llama8b heads, bf16, page_size {page_size}")
+    for prefix, ext in EXTEND_CASES:
+        pool, batch, q, k, v = build("extend", prefix, ext, heads, page_size, torch.bfloat16)
+        pool.store(0, batch.out_cache_loc, k, v)
+        flops = sum(4 * heads[0] * heads[2] * (e * p + e * (e + 1) / 2) for p, e in zip(prefix, ext))
+        ms_torch = time_backend("torch", pool, batch, q, k, v, heads, graph=False)
+        cells = [f"torch {ms_torch:.3f} ({flops / ms_torch / 1e9:.0f})"]
+        for cfg in EXTEND_CONFIGS:
+            fn = lambda: tk.extend_attention(  # noqa: E731
+                q, pool.k[0], pool.v[0], pool.page_table, batch.req_slots, batch.seq_lens, batch.qo_indptr,
+                max(ext), 1.0 / math.sqrt(heads[2]), config=cfg,
+            )
+            try:
+                fn()
+                ms = triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
+                cells.append(f"{cfg} {ms:.3f} ({flops / ms / 1e9:.0f})")
+            except Exception as exc:  # e.g. out of shared memory for a config
+                cells.append(f"{cfg} failed: {type(exc).__name__}")
+        print(f"prefix {prefix[0]} x{len(ext)} ext {ext[0]}:\n  " + "\n  ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="fewer cases")
+    ap.add_argument("--sweep-extend", action="store_true", help="only time extend tile configs")
     args = ap.parse_args()
+    if args.sweep_extend:
+        sweep_extend(args.page_size)
+        return
     dtype = torch.bfloat16
     have_fi = importlib.util.find_spec("flashinfer") is not None
     names = ["triton", "torch"] + (["flashinfer"] if have_fi else [])
@@ -115,7 +149,7 @@ def main() -> None:
     # A little prefill: causal attention FLOPs = 4 * H * D * sum over new tokens of keys seen.
     print("\n## extend (llama8b shape): median ms (TFLOP/s)")
     heads = SHAPES["llama8b"]
-    for prefix, ext in (([0], [4096]), ([2048] * 4, [1024] * 4)):
+    for prefix, ext in EXTEND_CASES:
         case = build("extend", prefix, ext, heads, args.page_size, dtype)
         flops = sum(4 * heads[0] * heads[2] * (e * p + e * (e + 1) / 2) for p, e in zip(prefix, ext))
         cells = []

@@ -266,8 +266,44 @@ def decode_attention(
 # Flash-attention style: a program owns BLOCK_M consecutive new tokens of one request and one query
 # head, streams that request's KV (cached prefix and the new tokens alike, all read from the pool after
 # this step's store) in BLOCK_N tiles, and keeps a running max / sum / output per row. New token m sits
-# at position prefix + m and sees keys 0..prefix + m, so the walk stops at the tile holding the block's
-# last row; only tiles on the diagonal actually mask anything.
+# at position prefix + m and sees keys 0..prefix + m. Keys up to prefix + (first row of the block) are
+# visible to every row, so the walk has two phases: whole tiles below that line go through without any
+# mask, and only the few tiles on the diagonal pay for the causal/length masks.
+
+
+@triton.jit
+def _extend_tile(
+    q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh,
+    k_cache_ptr, v_cache_ptr, page_table_ptr,
+    qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys n0..n0+BLOCK_N-1; MASKED adds the causal and length masks."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    if MASKED:
+        n_mask = offs_n < kv_end
+        slots = tl.load(page_table_ptr + row * stride_pt + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        slots = tl.load(page_table_ptr + row * stride_pt + offs_n).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        visible = (offs_n[None, :] < kv_end) & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -302,31 +338,33 @@ def _extend_kernel(
         q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)
         q_pos = prefix + offs_m
-        kv_end = tl.minimum(seq_len, prefix + (mb + 1) * BLOCK_M)  # last key any row of this block sees, +1
+        # Keys 0..prefix + mb*BLOCK_M are seen by every row of the block (and all exist): whole tiles
+        # up to there need no mask. kv_end is one past the last key the block's last real row sees.
+        full_end = ((prefix + mb * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+        kv_end = tl.minimum(seq_len, prefix + (mb + 1) * BLOCK_M)
         m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(0, kv_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < kv_end
-            slots = tl.load(page_table_ptr + row * stride_pt + offs_n, mask=n_mask, other=0).to(tl.int64)
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _extend_tile(
+                q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh, k_cache_ptr, v_cache_ptr, page_table_ptr,
+                qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
+                HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION,
+            )
+        for n0 in range(full_end, kv_end, BLOCK_N):
+            m_i, l_i, acc = _extend_tile(
+                q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh, k_cache_ptr, v_cache_ptr, page_table_ptr,
+                qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
+                HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION,
+            )
         out = acc / l_i[:, None]
         tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs with head_dim <= 128; fp32 or wider heads
+# use half-size tiles to stay inside shared memory. Overridable for tuning (examples/bench_attention.py).
+EXTEND_CONFIG: tuple[int, int, int, int] = (64, 64, 4, 2)
 
 
 def extend_attention(
@@ -340,6 +378,7 @@ def extend_attention(
     max_extend_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (request b's new tokens are rows qo_indptr[b]:qo_indptr[b+1]) -> [T, H, D].
 
@@ -355,9 +394,9 @@ def extend_attention(
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if T == 0 or B == 0:
         return out
-    wide = q.dtype == torch.float32 or D > 128
-    block_m = 32 if wide else 64
-    block_n = 32 if wide else 64
+    if config is None:
+        config = EXTEND_CONFIG if q.dtype != torch.float32 and D <= 128 else (32, 32, 4, 2)
+    block_m, block_n, warps, stages = config
     grid = (triton.cdiv(max_extend_len, block_m), B, H)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, req_slots, seq_lens, qo_indptr,
@@ -368,7 +407,7 @@ def extend_attention(
         page_table.stride(0),
         GROUP=H // hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=_pow2(D, 16), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     return out
 
