@@ -1,13 +1,64 @@
-"""`minisgl chat`: not built yet; says so and exits non-zero."""
+"""`minisgl chat`: talk to a model in a REPL that shows what the engine does (prefill, radix cache, decode)."""
 
 from __future__ import annotations
 
+import sys
+from typing import Annotated, Optional
+
 import typer
+
+from commands import common as c
 
 app = typer.Typer()
 
 
-@app.command("chat", help="(not built yet)")
-def chat() -> None:
-    typer.echo("minisgl chat: not built yet", err=True)
-    raise typer.Exit(2)
+@app.command("chat")
+def chat(
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens per reply at most.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 = greedy.")] = 0.0,
+    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt (default: the model's own).")] = None,
+    multi_turn: Annotated[bool, typer.Option("--multi-turn", help="Keep prior turns in context (their KV is reused "
+                                                                  "through the radix cache).")] = False,
+    model: c.Model = None,
+    model_local_dir: c.ModelLocalDir = None,
+    load_format: c.LoadFormat = "auto",
+    device: c.Device = "auto",
+    dtype: c.Dtype = "auto",
+    attention_backend: c.AttentionBackend = "auto",
+    max_total_tokens: c.MaxTotalTokens = None,
+    cache: c.Cache = "radix",
+    verbose: c.Verbose = False,
+) -> None:
+    """Chat with a model. Enter submits, Esc+Enter adds a newline, Ctrl-C stops a reply, Ctrl-D leaves.
+
+    With stdin not a terminal (echo hi | minisgl chat) each input line is one prompt; replies go to
+    stdout as plain text and status lines to stderr.
+    """
+    from rich.console import Console
+
+    from minisgl_cli.loader.errors import ModelLoadError
+    from minisgl_cli.repl.app import load_engine, run_chat
+    from minisgl_cli.repl.session import ChatSession, ChatSettings
+    from minisgl_cli.repl.view import ChatView
+
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    out = Console(highlight=False, soft_wrap=not interactive)
+    view = ChatView(out, out if interactive else Console(stderr=True, highlight=False, soft_wrap=True), verbose)
+    opts = c.EngineOptions(model=model, model_local_dir=model_local_dir, load_format=load_format, device=device,
+                           dtype=dtype, attention_backend=attention_backend, max_total_tokens=max_total_tokens,
+                           cache=cache)
+    settings = ChatSettings(max_new_tokens=max_new_tokens, temperature=temperature, system=system,
+                            multi_turn=multi_turn)
+    try:
+        client = load_engine(view, model_local_dir or model, load_format, opts.client)
+    except ModelLoadError as exc:
+        c.fail(str(exc))
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+    try:
+        code = run_chat(client, ChatSession(settings), view, interactive)
+    except KeyboardInterrupt:  # Ctrl-C outside a reply on a pipe: leave quietly
+        code = 130
+    finally:
+        client.close()
+    raise typer.Exit(code)

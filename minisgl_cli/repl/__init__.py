@@ -1,0 +1,1 @@
+"""`minisgl chat`: the interactive REPL — session state (session.py), rendering (view.py), the loop (app.py)."""

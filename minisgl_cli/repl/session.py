@@ -1,0 +1,201 @@
+"""Chat session state: settings, the conversation context, the transcript, and slash-command parsing.
+
+Pure logic (no terminal, no engine): the REPL asks this module what a line means and what to send.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from minisgl_cli.types import GenerateRequest, RequestStats, SamplingParams
+
+# name -> (argument hint, help); the order here is the order /help and the completer show.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "/help": ("", "show the commands and keys"),
+    "/reset": ("", "clear the conversation (context and transcript)"),
+    "/system": ("TEXT", "set the system prompt (no TEXT: show it; 'off': remove it)"),
+    "/stats": ("", "engine totals: requests, radix cache hits/misses, KV tokens used/free"),
+    "/temp": ("X", "sampling temperature (0 = greedy)"),
+    "/max-tokens": ("N", "tokens to generate at most per reply"),
+    "/save": ("FILE", "write the transcript: .json as JSON, anything else as markdown"),
+    "/exit": ("", "leave (also Ctrl-D)"),
+}
+ALIASES = {"/quit": "/exit", "/q": "/exit", "/?": "/help", "/clear": "/reset"}
+
+ActionKind = Literal["generate", "reply", "error", "stats", "help", "exit", "noop"]
+
+
+@dataclass
+class Action:
+    """What the REPL should do with one input line."""
+
+    kind: ActionKind
+    text: str = ""  # the prompt for "generate"; the message to print for "reply" / "error"
+
+
+@dataclass
+class ChatSettings:
+    """Knobs the user sets by flag at start and by slash command during the session."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    system: str | None = None
+    multi_turn: bool = False
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature)
+
+
+@dataclass
+class Turn:
+    """One exchange as recorded in the transcript."""
+
+    user: str
+    reply: str
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+    error: str | None = None
+
+
+@dataclass
+class ChatSession:
+    """The conversation: what is sent to the engine next, and what has been said so far."""
+
+    settings: ChatSettings = field(default_factory=ChatSettings)
+    history: list[dict] = field(default_factory=list)  # prior user/assistant messages (multi-turn only)
+    turns: list[Turn] = field(default_factory=list)
+
+    # --- requests ------------------------------------------------------------------------------
+    def messages_for(self, user_text: str) -> list[dict]:
+        """The chat messages of the next request: system, prior turns (multi-turn), this prompt."""
+        msgs = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
+        if self.settings.multi_turn:
+            msgs.extend(self.history)
+        msgs.append({"role": "user", "content": user_text})
+        return msgs
+
+    def request_for(self, user_text: str) -> GenerateRequest:
+        return GenerateRequest(messages=self.messages_for(user_text), params=self.settings.sampling())
+
+    def record(self, turn: Turn) -> None:
+        """Add a finished turn to the transcript; only complete replies enter the context.
+
+        An interrupted or failed turn stays out of the context so the next prompt is not
+        conditioned on half an answer (the radix cache still holds its prefix either way).
+        """
+        self.turns.append(turn)
+        if turn.error is None and turn.finish_reason in ("stop", "length"):
+            self.history.append({"role": "user", "content": turn.user})
+            self.history.append({"role": "assistant", "content": turn.reply})
+
+    def reset(self) -> None:
+        self.history.clear()
+        self.turns.clear()
+
+    # --- slash commands ------------------------------------------------------------------------
+    def handle(self, line: str) -> Action:
+        """Interpret one input line: a prompt to generate from, or a slash command applied here."""
+        text = line.strip()
+        if not text:
+            return Action("noop")
+        if not text.startswith("/"):
+            return Action("generate", line.strip("\n"))
+        name, _, arg = text.partition(" ")
+        name = ALIASES.get(name.lower(), name.lower())
+        arg = arg.strip()
+        if name == "/help":
+            return Action("help", help_text())
+        if name == "/exit":
+            return Action("exit")
+        if name == "/stats":
+            return Action("stats")
+        if name == "/reset":
+            self.reset()
+            return Action("reply", "conversation cleared")
+        if name == "/system":
+            return self._system(arg)
+        if name == "/temp":
+            return self._temperature(arg)
+        if name == "/max-tokens":
+            return self._max_tokens(arg)
+        if name == "/save":
+            return self._save(arg)
+        return Action("error", f"unknown command {name}; type /help for the list")
+
+    def _system(self, arg: str) -> Action:
+        if not arg:
+            current = self.settings.system
+            return Action("reply", f"system prompt: {current!r}" if current else "no system prompt (the model's default applies)")
+        self.settings.system = None if arg.lower() in ("off", "none") else arg
+        return Action("reply", "system prompt removed" if self.settings.system is None else "system prompt set")
+
+    def _temperature(self, arg: str) -> Action:
+        try:
+            value = float(arg)
+        except ValueError:
+            return Action("error", f"/temp needs a number >= 0 (now {self.settings.temperature:g})")
+        if value < 0:
+            return Action("error", "/temp needs a number >= 0")
+        self.settings.temperature = value
+        return Action("reply", f"temperature = {value:g}" + (" (greedy)" if value == 0 else ""))
+
+    def _max_tokens(self, arg: str) -> Action:
+        try:
+            value = int(arg)
+        except ValueError:
+            return Action("error", f"/max-tokens needs a whole number >= 1 (now {self.settings.max_new_tokens})")
+        if value < 1:
+            return Action("error", "/max-tokens needs a whole number >= 1")
+        self.settings.max_new_tokens = value
+        return Action("reply", f"max new tokens = {value}")
+
+    def _save(self, arg: str) -> Action:
+        if not arg:
+            return Action("error", "/save needs a file name (.json for JSON, else markdown)")
+        path = Path(arg).expanduser()
+        try:
+            path.write_text(self.to_json() if path.suffix.lower() == ".json" else self.to_markdown())
+        except OSError as exc:
+            return Action("error", f"cannot write {path}: {exc.strerror or exc}")
+        return Action("reply", f"saved {len(self.turns)} turn(s) to {path}")
+
+    # --- transcript ----------------------------------------------------------------------------
+    def to_markdown(self) -> str:
+        lines = ["# minisgl chat transcript", ""]
+        if self.settings.system:
+            lines += [f"**system:** {self.settings.system}", ""]
+        for i, t in enumerate(self.turns, 1):
+            lines += [f"## Turn {i}", "", f"**user:** {t.user}", ""]
+            if t.error:
+                lines += [f"**error:** {t.error}", ""]
+            else:
+                lines += [f"**assistant:** {t.reply}", ""]
+                if t.stats:
+                    lines += [f"_{t.stats.prompt_tokens} prompt tokens ({t.stats.cached_tokens} cached), "
+                              f"{t.stats.completion_tokens} generated, finish: {t.finish_reason}_", ""]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        doc = {
+            "settings": asdict(self.settings),
+            "turns": [
+                {"user": t.user, "assistant": t.reply, "finish_reason": t.finish_reason, "error": t.error,
+                 "stats": asdict(t.stats) if t.stats else None}
+                for t in self.turns
+            ],
+        }
+        return json.dumps(doc, indent=2) + "\n"
+
+
+def help_text() -> str:
+    width = max(len(f"{n} {a}".strip()) for n, (a, _) in COMMANDS.items())
+    rows = [f"  {f'{n} {a}'.strip():<{width}}  {h}" for n, (a, h) in COMMANDS.items()]
+    keys = [
+        "  Enter submits; Esc then Enter (or Alt+Enter) inserts a newline; pasted newlines are kept.",
+        "  Ctrl-C stops the reply being generated (the request is aborted); at the prompt it clears the line.",
+        "  Ctrl-D or /exit leaves. Up/Down walk the saved history.",
+    ]
+    return "\n".join(["commands:", *rows, "keys:", *keys])
