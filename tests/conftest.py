@@ -1,0 +1,51 @@
+"""Shared fixtures: the real default model dir, and tiny random Llama/Qwen2/Qwen3 checkpoints on disk."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from the bundled GGUF (once per cache dir)."""
+    from minisgl_cli.loader import resolve_model
+
+    return resolve_model(None).path
+
+
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+
+
+def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+    """Save a tiny random HF model of `arch` with the default model's tokenizer, via save_pretrained."""
+    import transformers
+
+    cfg_cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[arch]
+    model_cls = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_cls)(**TINY, tie_word_embeddings=arch != "llama", eos_token_id=2, bos_token_id=1)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # larger weights than the init default, so greedy tokens vary
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in tokenizer_from.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {a: make_tiny_checkpoint(a, root / a, default_model_dir) for a in ("llama", "qwen2", "qwen3")}

@@ -1,0 +1,127 @@
+"""Continuous batching: concurrent, chunked, aborted and memory-starved runs give the same greedy tokens
+as running each request alone, and every KV page is accounted for afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from minisgl_cli import LLM, SamplingParams
+from minisgl_cli.types import GenerateRequest
+
+
+def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_new_tokens): mixed lengths, a third sharing one long prefix."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 49152) for _ in range(160)]
+    out = []
+    for i in range(n):
+        tail = [rng.randrange(3, 49152) for _ in range(rng.randint(1, 60))]
+        out.append(((shared if i % 3 == 0 else []) + tail, rng.randint(4, 20)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model_dirs):
+    """Reference: each request on its own, no cache reuse."""
+    work = workload(64)
+    with LLM(str(tiny_model_dirs["llama"]), cache="naive") as llm:
+        return [llm.generate(ids, SamplingParams(max_new_tokens=n, ignore_eos=True))[0].token_ids for ids, n in work]
+
+
+async def run_concurrently(llm: LLM, work, abort_every: int = 0) -> list[list[int] | None]:
+    async def one(i: int, ids: list[int], n: int) -> list[int] | None:
+        req = GenerateRequest(input_ids=ids, params=SamplingParams(max_new_tokens=n, ignore_eos=True))
+        got: list[int] = []
+        stream = llm.client.submit(req)
+        async for delta in stream:
+            got.extend(delta.token_ids)
+            if abort_every and i % abort_every == 1 and len(got) >= 2:
+                await stream.aclose()  # the consumer walks away midway: the request is aborted
+                return None
+        return got
+
+    return await asyncio.gather(*(one(i, ids, n) for i, (ids, n) in enumerate(work)))
+
+
+def settle(llm: LLM) -> None:
+    """Wait until aborts have been processed, then assert exact page accounting and an idle pool."""
+    for _ in range(100):
+        s = llm.client.stats()
+        if s.running == 0 and s.waiting == 0:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    llm.client.check_pages()
+    s = llm.client.stats()
+    assert (s.running, s.waiting, s.tokens_in_use) == (0, 0, 0)
+    assert s.tokens_free + s.tokens_cached == s.tokens_total
+
+
+def test_64_concurrent_requests_with_aborts_match_running_alone(tiny_model_dirs, alone):
+    with LLM(str(tiny_model_dirs["llama"]), max_running_requests=32) as llm:
+        got = asyncio.run(run_concurrently(llm, workload(64), abort_every=5))
+        for i, (mine, ref) in enumerate(zip(got, alone)):
+            if mine is not None:
+                assert mine == ref, f"request {i} differs"
+        assert sum(m is None for m in got) == 13
+        settle(llm)
+        assert llm.client.stats().cache_hit_requests > 0  # the shared prefix was reused
+
+
+def test_chunked_prefill_equals_unchunked(tiny_model_dirs, alone):
+    with LLM(str(tiny_model_dirs["llama"]), max_prefill_tokens=16) as llm:
+        got = asyncio.run(run_concurrently(llm, workload(64)[:12]))
+        settle(llm)
+    assert got == alone[:12]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_requests_queue_when_the_pool_is_too_small_for_all(tiny_model_dirs, alone, page_size):
+    # 400 KV tokens for 64 requests of up to 240 tokens each: they must wait, evict, retract — and finish.
+    with LLM(str(tiny_model_dirs["llama"]), max_total_tokens=400, page_size=page_size) as llm:
+        got = asyncio.run(run_concurrently(llm, workload(64), abort_every=7))
+        settle(llm)
+        assert [g for g in got if g is not None] == [r for g, r in zip(got, alone) if g is not None]
+        stats = llm.client.stats()
+        assert stats.tokens_total == 400 and stats.retracted_requests > 0
+
+
+def test_prompt_over_context_limit_is_an_error_and_others_go_on(tiny_model_dirs):
+    with LLM(str(tiny_model_dirs["llama"]), max_context_len=64) as llm:
+        too_long = GenerateRequest(input_ids=list(range(3, 103)))
+
+        async def go():
+            first = [d async for d in llm.client.submit(too_long)]
+            ok = await llm.client.complete(GenerateRequest(input_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=4)))
+            return first, ok
+
+        first, ok = asyncio.run(go())
+        assert first[-1].error and "context limit is 64" in first[-1].error
+        assert len(ok.token_ids) >= 1
+        settle(llm)
+
+
+def test_exact_repeat_skips_prefill_but_the_last_token(tiny_model_dirs):
+    with LLM(str(tiny_model_dirs["llama"])) as llm:
+        ids = list(range(100, 180))
+        a = llm.generate(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+        b = llm.generate(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+        assert a.token_ids == b.token_ids
+        assert a.stats.cached_tokens == 0 and b.stats.cached_tokens == len(ids) - 1
+
+
+def test_insert_prefix_warms_the_cache(tiny_model_dirs):
+    with LLM(str(tiny_model_dirs["llama"])) as llm:
+        prefix = list(range(200, 260))
+        assert llm.client.insert_prefix(prefix).wait(30)
+        out = llm.generate(prefix + [7, 8, 9], SamplingParams(max_new_tokens=2))[0]
+        assert out.stats.cached_tokens == len(prefix)
+
+
+def test_decode_first_policy_gives_the_same_tokens(tiny_model_dirs, alone):
+    with LLM(str(tiny_model_dirs["llama"]), policy="decode-first") as llm:
+        got = asyncio.run(run_concurrently(llm, workload(64)[:16]))
+        settle(llm)
+    assert got == alone[:16]
