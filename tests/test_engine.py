@@ -1,0 +1,153 @@
+"""Engine pieces: batched prefill, sampling, stop conditions, detokenizer, built-in configs, loader errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from minisgl_cli import LLM, SamplingParams
+from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.engine.engine import Engine
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.loader.configs import BUILTIN_CONFIGS
+from minisgl_cli.loader.errors import ModelLoadError
+from minisgl_cli.models import ModelConfig
+from minisgl_cli.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from minisgl_cli.types import GenerateRequest
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dirs):
+    with LLM(str(tiny_model_dirs["qwen3"])) as llm:
+        yield llm
+
+
+def _extend(engine: Engine, prompts: list[list[int]], first_row: int) -> torch.Tensor:
+    pool = engine.pool
+    locs, start = [], 1 + first_row * 512
+    for i, ids in enumerate(prompts):
+        slots = torch.arange(start, start + len(ids))
+        pool.page_table[first_row + i, : len(ids)] = slots.int()
+        locs.append(slots)
+        start += 512
+    flat = [t for ids in prompts for t in ids]
+    rows = list(range(first_row, first_row + len(prompts)))
+    batch = ForwardBatch.build("extend", flat, rows, [0] * len(prompts), [len(p) for p in prompts],
+                               torch.cat(locs), engine.device)
+    return engine.forward(batch)
+
+
+def test_batched_prefill_of_different_lengths_equals_one_by_one(tiny_model_dirs):
+    engine = Engine(EngineConfig(model=str(tiny_model_dirs["qwen2"]), max_total_tokens=8192))
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 17, 1)]
+    together = _extend(engine, prompts, 0)
+    alone = torch.cat([_extend(engine, [p], 4 + i) for i, p in enumerate(prompts)])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    assert (together.argmax(-1) == alone.argmax(-1)).all()
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
+    ids = [10, 20, 30, 40]
+    p = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    a = llm.generate(ids, p)[0].token_ids
+    # Same seed inside a batch of other sampled requests: same tokens.
+    others = [SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True)] * 3
+    b = llm.generate([ids, [1, 2], [3, 4, 5], [6]], [p, *others])[0].token_ids
+    c = llm.generate(ids, SamplingParams(**{**p.__dict__, "seed": 99}))[0].token_ids
+    assert a == b and a != c
+
+
+def test_top_k_one_is_greedy(llm):
+    ids = [11, 22, 33]
+    greedy = llm.generate(ids, SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
+    topk1 = llm.generate(ids, SamplingParams(max_new_tokens=8, temperature=0.8, top_k=1, ignore_eos=True))[0]
+    assert topk1.token_ids == greedy
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    ids = [11, 22, 33]
+    free = llm.generate(ids, SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    stop_at = free.token_ids[3]
+    cut = llm.generate(ids, SamplingParams(max_new_tokens=8, ignore_eos=True, stop_token_ids=[stop_at]))[0]
+    assert cut.finish_reason == "stop" and cut.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
+
+
+def test_stop_string_cuts_the_text_and_ends_the_request(llm):
+    ids = [11, 22, 33]
+    free = llm.generate(ids, SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 2]
+    cut = llm.generate(ids, SamplingParams(max_new_tokens=12, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.index(stop)]
+    llm.client.check_pages()
+
+
+def test_zero_max_tokens_finishes_at_once(llm):
+    out = llm.generate([1, 2, 3], SamplingParams(max_new_tokens=0))[0]
+    assert out.token_ids == [] and out.finish_reason == "length"
+
+
+def test_presence_penalty_changes_repetitive_output(llm):
+    ids = [5, 5, 5, 5]
+    plain = llm.generate(ids, SamplingParams(max_new_tokens=16, ignore_eos=True))[0].token_ids
+    pen = llm.generate(ids, SamplingParams(max_new_tokens=16, ignore_eos=True, presence_penalty=50.0))[0].token_ids
+    assert len(set(pen)) == len(pen) and pen != plain
+
+
+def test_detokenizer_never_splits_utf8(default_model_dir):
+    tok = Tokenizer(default_model_dir)
+    text = "Größe: 東京 🚀👩‍👩‍👧 ok"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.feed([i]) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_matcher_holds_back_partial_matches():
+    m = StopStringMatcher(["<END>"])
+    assert m.push("hello <E") == ("hello ", False)
+    assert m.push("N") == ("", False)
+    assert m.push("D> tail") == ("", True)
+    m2 = StopStringMatcher(["<END>"])
+    assert m2.push("a <") == ("a ", False)
+    assert m2.push("b") == ("<b", False)
+
+
+def test_chat_messages_use_the_template(default_model_dir):
+    tok = Tokenizer(default_model_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_CONFIGS))
+def test_builtin_configs_parse(name):
+    cfg = ModelConfig.from_hf(BUILTIN_CONFIGS[name])
+    assert cfg.num_heads % cfg.num_kv_heads == 0 and cfg.head_dim in (64, 128)
+
+
+def test_dummy_weights_run_and_stay_finite():
+    engine = Engine(EngineConfig(model="smollm2-135m", load_format="dummy", max_total_tokens=256))
+    logits = _extend(engine, [[1, 2, 3, 4]], 0)
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_unknown_dummy_config_and_missing_model_are_one_line_errors(tmp_path):
+    with pytest.raises(ModelLoadError) as err:
+        Engine(EngineConfig(model=str(tmp_path / "nope"), load_format="dummy"))
+    assert "\n" not in str(err.value) and "nope" in str(err.value)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError) as err2:
+        Engine(EngineConfig(model=str(tmp_path)))
+    assert "\n" not in str(err2.value) and str(tmp_path) in str(err2.value)
+
+
+def test_dummy_engine_has_no_tokenizer_and_takes_input_ids():
+    with LLM("smollm2-135m", load_format="dummy", max_total_tokens=512) as llm:
+        with pytest.raises(ValueError, match="input_ids"):
+            asyncio.run(llm.client.complete(GenerateRequest(prompt="hi")))
+        out = llm.generate([1, 2, 3], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+        assert len(out.token_ids) == 3
