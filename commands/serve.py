@@ -1,13 +1,112 @@
-"""`minisgl serve`: not built yet; says so and exits non-zero."""
+"""`minisgl serve`: an OpenAI-compatible HTTP server (plus /generate, /metrics) over one engine."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
+
+from commands import common as c
 
 app = typer.Typer()
 
+SCHEDULER_MODES = ("rr", "fsfs", "random", "cache_aware")
 
-@app.command("serve", help="(not built yet)")
-def serve() -> None:
-    typer.echo("minisgl serve: not built yet", err=True)
-    raise typer.Exit(2)
+
+@app.command("serve")
+def serve(
+    host: Annotated[str, typer.Option("--host", envvar="HOST", help="Interface to bind (0.0.0.0 for all).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", "-p", envvar="PORT", help="TCP port.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="MINISGL_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on every route but /health.")] = None,
+    max_inflight_total: Annotated[int, typer.Option(
+        "--max-inflight-total", envvar="MAX_INFLIGHT_TOTAL",
+        help="Engine requests in flight at most (n choices count n); past it: 429 + Retry-After. 0 = no cap.")] = 0,
+    max_inflight_per_engine: Annotated[int, typer.Option(
+        "--max-inflight-per-engine", envvar="MAX_INFLIGHT_PER_ENGINE",
+        help="Per-engine cap; with one engine the same as --max-inflight-total (the smaller non-zero one wins).")] = 0,
+    adaptive_max_new_tokens: Annotated[bool, typer.Option(
+        "--adaptive-max-new-tokens/--no-adaptive-max-new-tokens", envvar="ADAPTIVE_MAX_NEW_TOKENS",
+        help="Under load cut max_tokens (x1/2 past 50% of capacity, x1/4 past 75%, never below 16); "
+             "reported in header X-Minisgl-Max-Tokens-Downscaled.")] = False,
+    max_body_bytes: Annotated[int, typer.Option(
+        "--max-body-bytes", envvar="MAX_BODY_BYTES", help="Larger request bodies get 413.")] = 4 * 1024 * 1024,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name", help="Model id in /v1/models and responses (default: the engine's). "
+                                    "'default' is always accepted too.")] = None,
+    warm_prefixes: Annotated[Optional[str], typer.Option(
+        "--warm-prefixes", envvar="WARM_PREFIXES",
+        help="'|'-separated prompt prefixes prefilled into the radix cache at start, in the background.")] = None,
+    scheduler_mode: Annotated[str, typer.Option(
+        "--scheduler-mode", envvar="SCHEDULER_MODE",
+        help="Routing across engines: rr, fsfs, random, cache_aware. With one engine all are equivalent.")] = "rr",
+    zmq_control: Annotated[bool, typer.Option(
+        "--zmq-control/--no-zmq-control", envvar="ZMQ_CONTROL",
+        help="Serve a ZMQ REP control channel (commands: ping, metrics, warm <prefix>).")] = False,
+    zmq_control_endpoint: Annotated[str, typer.Option(
+        "--zmq-control-endpoint", envvar="ZMQ_CONTROL_ENDPOINT", help="Where the control channel binds.")]
+        = "tcp://127.0.0.1:5557",
+    image_model_dir: Annotated[Optional[Path], typer.Option(
+        "--image-model-dir", envvar="Z_IMAGE_MODEL_DIR",
+        help="Diffusers pipeline dir for /v1/images/generations.")] = None,
+    video_model_dir: Annotated[Optional[Path], typer.Option(
+        "--video-model-dir", envvar="MINISGL_VIDEO_MODEL_DIR",
+        help="Diffusers pipeline dir for /v1/videos/generations.")] = None,
+    model: c.Model = None,
+    model_local_dir: c.ModelLocalDir = None,
+    load_format: c.LoadFormat = "auto",
+    device: c.Device = "auto",
+    dtype: c.Dtype = "auto",
+    attention_backend: c.AttentionBackend = "auto",
+    page_size: c.PageSize = 1,
+    max_total_tokens: c.MaxTotalTokens = None,
+    kv_cache_gib: c.KVCacheGiB = 1.0,
+    mem_fraction: c.MemFraction = 0.85,
+    max_running_requests: c.MaxRunning = 64,
+    max_prefill_tokens: c.MaxPrefill = 2048,
+    cache: c.Cache = "radix",
+    policy: c.Policy = "prefill-first",
+    disable_cuda_graph: c.DisableCudaGraph = False,
+    verbose: c.Verbose = False,
+) -> None:
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /generate (JSON lines),
+    /metrics (JSON or Prometheus), /health, and the media routes, over one engine. See docs/server.md."""
+    from minisgl_cli.server.app import ServerSettings
+    from minisgl_cli.server.launch import LaunchConfig
+    from minisgl_cli.server.launch import serve as run_server
+    from minisgl_cli.server.media import MediaSettings
+
+    c.setup_logging(verbose)
+    if scheduler_mode not in SCHEDULER_MODES:
+        c.fail(f"--scheduler-mode must be one of {', '.join(SCHEDULER_MODES)}, not {scheduler_mode!r}")
+    if max_inflight_total < 0 or max_inflight_per_engine < 0:
+        c.fail("inflight caps must be >= 0 (0 = no cap)")
+    caps = [x for x in (max_inflight_total, max_inflight_per_engine) if x > 0]
+    media = MediaSettings.from_env()
+    media = MediaSettings(
+        image_model=media.image_model, image_model_dir=image_model_dir or media.image_model_dir,
+        video_model=media.video_model, video_model_dir=video_model_dir or media.video_model_dir,
+        device=media.device,
+    )
+    settings = ServerSettings(
+        api_key=api_key or None, max_inflight_total=min(caps) if caps else None,
+        adaptive_max_new_tokens=adaptive_max_new_tokens, max_body_bytes=max_body_bytes,
+        served_model_name=served_model_name, media=media,
+    )
+    launch = LaunchConfig(
+        host=host, port=port, warm_prefixes=[x for x in (warm_prefixes or "").split("|") if x],
+        zmq_control=zmq_control, zmq_endpoint=zmq_control_endpoint, log_level="info" if verbose else "warning",
+    )
+    opts = c.EngineOptions(
+        model=model, model_local_dir=model_local_dir, load_format=load_format, device=device, dtype=dtype,
+        attention_backend=attention_backend, page_size=page_size, max_total_tokens=max_total_tokens,
+        kv_cache_gib=kv_cache_gib, mem_fraction=mem_fraction, max_running_requests=max_running_requests,
+        max_prefill_tokens=max_prefill_tokens, cache=cache, policy=policy, disable_cuda_graph=disable_cuda_graph,
+    )
+    client = opts.client()
+    try:
+        run_server(client, settings, launch)
+    except (RuntimeError, OSError) as exc:  # port in use, ZMQ endpoint taken
+        c.fail(str(exc))

@@ -38,6 +38,7 @@ from minisgl_cli.runners.jobs import (
     VideoJob,
     parse_size,
 )
+from minisgl_cli.server.protocol import error_response
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +123,6 @@ class VideoGenerationRequest(BaseModel):
     negative_prompt: str | None = None
     response_format: Literal["b64_json", "frames"] = Field(
         "b64_json", description="b64_json: one base64 mp4; frames: base64 PNG per frame"
-    )
-
-
-def error_response(status: int, message: str, type: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": type, "param": param, "code": code}}, status_code=status
     )
 
 

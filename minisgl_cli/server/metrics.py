@@ -1,0 +1,205 @@
+"""Server metrics: request counters, inflight gauge, latency windows and histograms, as JSON or Prometheus text.
+
+The scheduler's own figures (queues, KV pages, cache hits, token rates) come from `client.stats()`;
+this module adds what only the HTTP front sees (inflight, rejections, disconnects, per-request latency)
+and renders both. Thread-safe: handlers, the ZMQ control thread and /metrics all touch it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from typing import Any
+
+from minisgl_cli.scheduler.stats import SchedulerStats
+from minisgl_cli.types import RequestStats
+
+# Seconds; wide enough for a CPU box under load and a GPU alike.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Histogram:
+    """Cumulative-bucket histogram in the Prometheus sense (count, sum, le-buckets)."""
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        for i, le in enumerate(self.buckets):
+            if value <= le:
+                self.counts[i] += 1
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class ServerMetrics:
+    def __init__(self, window: int = 1000, rate_window_s: float = 10.0):
+        self._lock = threading.Lock()
+        self.started = time.time()
+        self.inflight = 0
+        self.requests = Counter()  # (endpoint, status) -> count
+        self.rejected = 0  # 429s from the inflight cap
+        self.disconnects = 0
+        self.downscaled = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.finished = Counter()  # finish_reason -> count
+        self.ttft = Histogram()
+        self.e2e = Histogram()
+        self._recent_ttft: deque[float] = deque(maxlen=window)
+        self._recent_e2e: deque[float] = deque(maxlen=window)
+        self._rate_window_s = rate_window_s
+        self._done_tokens: deque[tuple[float, int]] = deque()  # (finish time, completion tokens)
+
+    # --- recording -----------------------------------------------------------------------------
+    def request(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, status)] += 1
+            self.rejected += status == 429
+
+    def add_inflight(self, n: int) -> None:
+        with self._lock:
+            self.inflight += n
+
+    def disconnect(self) -> None:
+        with self._lock:
+            self.disconnects += 1
+
+    def downscale(self) -> None:
+        with self._lock:
+            self.downscaled += 1
+
+    def finish(self, stats: RequestStats | None, reason: str | None) -> None:
+        """One engine request ended (completed, stopped, or aborted by a disconnect)."""
+        with self._lock:
+            self.finished[reason or "error"] += 1
+            if stats is None:
+                return
+            self.prompt_tokens += stats.prompt_tokens
+            self.cached_tokens += stats.cached_tokens
+            self.completion_tokens += stats.completion_tokens
+            if stats.completion_tokens and reason in ("stop", "length"):
+                self.ttft.observe(stats.ttft_s)
+                self.e2e.observe(stats.latency_s)
+                self._recent_ttft.append(stats.ttft_s)
+                self._recent_e2e.append(stats.latency_s)
+                self._done_tokens.append((time.perf_counter(), stats.completion_tokens))
+
+    def _completion_tok_s(self) -> float:
+        now = time.perf_counter()
+        while self._done_tokens and self._done_tokens[0][0] < now - self._rate_window_s:
+            self._done_tokens.popleft()
+        return sum(n for _, n in self._done_tokens) / self._rate_window_s
+
+    # --- rendering -----------------------------------------------------------------------------
+    def to_json(self, sched: SchedulerStats, model: str, max_inflight: int | None) -> dict[str, Any]:
+        with self._lock:
+            ttft, e2e = list(self._recent_ttft), list(self._recent_e2e)
+            return {
+                "model": model,
+                "uptime_s": round(time.time() - self.started, 3),
+                "scheduler": sched.to_dict(),
+                "server": {
+                    "inflight": self.inflight,
+                    "max_inflight_total": max_inflight,
+                    "requests": {f"{ep} {st}": n for (ep, st), n in sorted(self.requests.items())},
+                    "rejected_429": self.rejected,
+                    "disconnects": self.disconnects,
+                    "max_tokens_downscaled": self.downscaled,
+                    "finished": dict(self.finished),
+                    "prompt_tokens": self.prompt_tokens,
+                    "cached_tokens": self.cached_tokens,
+                    "completion_tokens": self.completion_tokens,
+                },
+                "latency": {
+                    "window": len(e2e),
+                    "ttft_ms": {"p50": _ms(_percentile(ttft, 0.5)), "p99": _ms(_percentile(ttft, 0.99))},
+                    "e2e_ms": {"p50": _ms(_percentile(e2e, 0.5)), "p99": _ms(_percentile(e2e, 0.99))},
+                },
+                "throughput": {
+                    "completion_tok_s": round(self._completion_tok_s(), 3),
+                    "decode_tok_s": round(sched.decode_tok_s, 3),
+                    "prefill_tok_s": round(sched.prefill_tok_s, 3),
+                },
+            }
+
+    def to_prometheus(self, sched: SchedulerStats, model: str) -> str:
+        """Prometheus text exposition format 0.0.4, written by hand (no client library needed)."""
+        lines: list[str] = []
+        label = f'model_name="{_escape(model)}"'
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP minisgl_{name} {help_}")
+            lines.append(f"# TYPE minisgl_{name} {kind}")
+            for suffix_labels, value in samples:
+                lines.append(f"minisgl_{name}{suffix_labels} {_num(value)}")
+
+        def one(labels: str = "") -> str:
+            return "{" + ",".join(x for x in (label, labels) if x) + "}"
+
+        with self._lock:
+            metric("num_requests_running", "gauge", "Requests in the decode batch.", [(one(), sched.running)])
+            metric("num_requests_waiting", "gauge", "Requests queued for prefill.", [(one(), sched.waiting)])
+            metric("num_requests_inflight", "gauge", "Engine requests admitted by the HTTP front.", [(one(), self.inflight)])
+            for name, value, help_ in (
+                ("kv_tokens_total", sched.tokens_total, "KV pool size in tokens."),
+                ("kv_tokens_free", sched.tokens_free, "Free KV tokens."),
+                ("kv_tokens_cached", sched.tokens_cached, "KV tokens held by the prefix cache."),
+                ("kv_tokens_in_use", sched.tokens_in_use, "KV tokens held by running requests."),
+                ("prefill_throughput_tokens_per_second", sched.prefill_tok_s, "Rolling prefill rate."),
+                ("decode_throughput_tokens_per_second", sched.decode_tok_s, "Rolling decode rate."),
+            ):
+                metric(name, "gauge", help_, [(one(), value)])
+            for name, value, help_ in (
+                ("cache_hit_tokens_total", sched.cache_hit_tokens, "Prompt tokens served from the prefix cache."),
+                ("cache_miss_tokens_total", sched.cache_miss_tokens, "Prompt tokens prefilled."),
+                ("cache_hit_requests_total", sched.cache_hit_requests, "Requests with a prefix cache hit."),
+                ("cache_miss_requests_total", sched.cache_miss_requests, "Requests without a prefix cache hit."),
+                ("prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests."),
+                ("generation_tokens_total", self.completion_tokens, "Generated tokens of finished requests."),
+                ("requests_rejected_total", self.rejected, "Requests refused with 429 by the inflight cap."),
+                ("requests_disconnected_total", self.disconnects, "Streams the client closed early."),
+                ("max_tokens_downscaled_total", self.downscaled, "Requests whose max_tokens was cut under load."),
+                ("retracted_requests_total", sched.retracted_requests, "Requests retracted to free KV."),
+            ):
+                metric(name, "counter", help_, [(one(), value)])
+            metric("http_requests_total", "counter", "HTTP requests by endpoint and status.",
+                   [(one(f'endpoint="{ep}",status="{st}"'), n) for (ep, st), n in sorted(self.requests.items())])
+            metric("request_success_total", "counter", "Engine requests by finish reason.",
+                   [(one(f'finish_reason="{r}"'), n) for r, n in sorted(self.finished.items())])
+            for name, hist, help_ in (
+                ("time_to_first_token_seconds", self.ttft, "Time to first token."),
+                ("e2e_request_latency_seconds", self.e2e, "End-to-end request latency."),
+            ):
+                samples = [(one(f'le="{_num(le)}"'), c) for le, c in zip(hist.buckets, hist.counts)]
+                samples.append((one('le="+Inf"'), hist.count))
+                lines.append(f"# HELP minisgl_{name} {help_}")
+                lines.append(f"# TYPE minisgl_{name} histogram")
+                lines += [f"minisgl_{name}_bucket{lbl} {_num(v)}" for lbl, v in samples]
+                lines.append(f"minisgl_{name}_sum{one()} {_num(hist.sum)}")
+                lines.append(f"minisgl_{name}_count{one()} {hist.count}")
+        return "\n".join(lines) + "\n"
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
