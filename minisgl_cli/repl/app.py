@@ -249,14 +249,14 @@ def load_engine(view: ChatView, model: str | None, load_format: str, make_client
         from minisgl_cli.loader.resolve import resolve_model
 
         with view.loading(f"resolving model {model or 'default (bundled SmolLM2-135M-Instruct GGUF)'} "
-                          "(a GGUF is converted to safetensors once, then cached) ..."):
+                          "(a GGUF converts once to a cached HF dir) ..."):
             resolved = resolve_model(model)
         if resolved.converted:
             view.note(f"converted GGUF -> {resolved.path}", style="dim")
-        where = f"{resolved.name} from {resolved.path}"
+        where = resolved.name
     else:
         where = f"{model or 'smollm2-135m'} (random weights)"
-    with view.loading(f"loading weights of {where}, allocating the KV pool ..."):
+    with view.loading(f"loading weights of {where}, sizing and allocating the KV pool ..."):
         return make_client()
 
 

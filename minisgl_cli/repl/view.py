@@ -45,15 +45,19 @@ def status_line(stats: RequestStats | None, finish_reason: str | None) -> str:
 
 
 class LogPanel(logging.Handler):
-    """A logging handler that keeps the last engine log lines for the verbose panel.
+    """A logging handler that keeps the turn's engine log for the verbose panel.
 
-    Records arrive from the scheduler thread as well as the event loop, hence the lock.
+    Prefill lines are pinned (there are few and they carry the cache story); decode and chunk lines
+    keep only a tail so the panel stays a fixed size. Records arrive from the scheduler thread as well
+    as the event loop, hence the lock.
     """
 
-    def __init__(self, max_lines: int = 14):
+    def __init__(self, tail: int = 12, pinned: int = 4):
         super().__init__(logging.INFO)
-        self.lines: deque[str] = deque(maxlen=max_lines)
-        self.lock = threading.Lock()
+        self.pinned: deque[str] = deque(maxlen=pinned)
+        self.tail: deque[str] = deque(maxlen=tail)
+        self.dropped = 0
+        self.buf_lock = threading.Lock()  # not `lock`: logging.Handler uses that name itself
         self.setFormatter(logging.Formatter("%(name)s: %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -61,16 +65,26 @@ class LogPanel(logging.Handler):
             line = self.format(record).removeprefix(LOGGERS + ".")
         except Exception:  # a bad log call must never break the chat
             return
-        with self.lock:
-            self.lines.append(line)
+        with self.buf_lock:
+            if record.name.endswith("scheduler"):
+                self.pinned.append(line)
+            else:
+                self.dropped += len(self.tail) == self.tail.maxlen
+                self.tail.append(line)
 
     def clear(self) -> None:
-        with self.lock:
-            self.lines.clear()
+        with self.buf_lock:
+            self.pinned.clear()
+            self.tail.clear()
+            self.dropped = 0
 
     def __rich__(self) -> RenderableType:
-        with self.lock:
-            body = "\n".join(self.lines) or "(waiting for the engine)"
+        with self.buf_lock:
+            lines = list(self.pinned)
+            if self.dropped:
+                lines.append(f"... {self.dropped} earlier decode/chunk lines")
+            lines.extend(self.tail)
+        body = "\n".join(lines) or "(waiting for the engine)"
         return Panel(Text(body, overflow="ellipsis", no_wrap=True), title="engine log", title_align="left",
                      border_style="dim", box=box.ROUNDED)
 
