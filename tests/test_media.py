@@ -7,6 +7,8 @@ import io
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # model hubs are unreachable: fail fast instead of timing out
@@ -211,3 +213,24 @@ def test_image_cli_compile(tiny_models, tmp_path):
     (compiled,) = image_cli(tiny_models["z-image"], tmp_path, *size, "--compile")
     (eager,) = image_cli(tiny_models["z-image"], tmp_path, *size)
     assert np.abs(pixels(compiled).astype(int) - pixels(eager).astype(int)).max() <= 2
+
+
+def test_http_generation_does_not_block_event_loop(live_server):
+    import httpx
+
+    slow = {"prompt": "waves", "size": "64x64", "num_frames": 17, "steps": 6, "seed": 9}
+    done = threading.Event()
+
+    def generate() -> None:
+        httpx.post(f"{live_server}/v1/videos/generations", json=slow, timeout=120)
+        done.set()
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    try:
+        time.sleep(0.3)  # let the generation start in the server's worker thread
+        r = httpx.post(f"{live_server}/missing/v1/images/generations", json={"prompt": "x"}, timeout=30)
+        assert r.status_code == 404
+        assert not done.is_set(), "the quick request was only answered after the slow generation finished"
+    finally:
+        worker.join()
