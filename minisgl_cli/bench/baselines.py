@@ -1,0 +1,223 @@
+"""Baselines and peers on the same weights and prompts: HF transformers streaming (TextIteratorStreamer, one
+request at a time, as the reference stack measures it), HF batched `generate`, and llama.cpp on the GGUF."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minisgl_cli.bench.metrics import RequestTiming
+from minisgl_cli.bench.runner import OnDone, RunOutput
+from minisgl_cli.bench.workloads import BenchRequest, Case
+
+BASELINES = ("hf-stream", "hf-batched")
+PEERS = ("llama-cpp",)
+
+
+class _HFModel:
+    """The HF transformers model and tokenizer from the engine's own model dir, greedy, no sampling knobs."""
+
+    def __init__(self, model_dir: Path | str, device: str, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+        self.device = torch.device(device)
+        gen = self.model.generation_config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_ids: list[int] = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+
+    def gen_kwargs(self, max_new_tokens: int, ignore_eos: bool) -> dict[str, Any]:
+        from transformers import GenerationConfig
+
+        # A fresh config: the checkpoint's own (temperature, top_p...) would only add warnings to greedy.
+        cfg = GenerationConfig(
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=self.eos_ids or None,
+            pad_token_id=self.pad_id, min_new_tokens=max_new_tokens if ignore_eos else None,
+        )
+        return {"generation_config": cfg}
+
+    def close(self) -> None:
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class HFStreamRunner:
+    """HF `generate` on a thread feeding a TextIteratorStreamer, requests strictly one at a time."""
+
+    name = "hf-stream"
+    sequential = True
+
+    def __init__(self, model_dir: Path | str, device: str, dtype: torch.dtype):
+        self.hf = _HFModel(model_dir, device, dtype)
+
+    def _one(self, req: BenchRequest) -> RequestTiming:
+        from transformers import TextIteratorStreamer
+
+        hf = self.hf
+        ids = torch.tensor([req.input_ids], device=hf.device)
+        streamer = TextIteratorStreamer(hf.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        box: dict[str, Any] = {}
+
+        def generate() -> None:
+            try:
+                with torch.inference_mode():
+                    box["out"] = hf.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=streamer,
+                                                   **hf.gen_kwargs(req.max_new_tokens, req.ignore_eos))
+            except Exception as exc:  # surface it to the consumer, and unblock the streamer
+                box["error"] = exc
+                streamer.end()
+
+        timing = RequestTiming(prompt_tokens=req.prompt_tokens)
+        parts: list[str] = []
+        t0 = time.perf_counter()
+        thread = threading.Thread(target=generate, daemon=True)
+        thread.start()
+        for text in streamer:  # the streamer emits whole words: its chunks are what a client would see
+            if text:
+                now = time.perf_counter() - t0
+                timing.ttft_s = now if timing.ttft_s is None else timing.ttft_s
+                timing.chunk_times_s.append(now)
+                parts.append(text)
+        thread.join()
+        timing.latency_s = time.perf_counter() - t0
+        timing.text = "".join(parts)
+        if "error" in box:
+            timing.success, timing.error = False, f"{type(box['error']).__name__}: {box['error']}"
+        else:
+            timing.output_tokens = int(box["out"].shape[1]) - ids.shape[1]
+        return timing
+
+    def warmup(self, requests: list[BenchRequest]) -> None:
+        for r in requests:
+            self._one(r)
+
+    def run(self, case: Case, concurrency: int, on_done: OnDone) -> RunOutput:
+        t0 = time.perf_counter()
+        timings = []
+        for r in case.requests:
+            timings.append(self._one(r))
+            on_done()
+        return RunOutput(timings, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.hf.close()
+
+
+class HFBatchedRunner:
+    """HF `generate` on static batches of `concurrency` left-padded requests: no streaming, so no TTFT;
+    a batch runs to its longest request, which is exactly the cost continuous batching removes."""
+
+    name = "hf-batched"
+    sequential = False
+
+    def __init__(self, model_dir: Path | str, device: str, dtype: torch.dtype):
+        self.hf = _HFModel(model_dir, device, dtype)
+
+    def _batch(self, reqs: list[BenchRequest]) -> list[RequestTiming]:
+        hf = self.hf
+        width = max(r.prompt_tokens for r in reqs)
+        ids = torch.full((len(reqs), width), hf.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(reqs):
+            ids[i, width - r.prompt_tokens:] = torch.tensor(r.input_ids)
+            mask[i, width - r.prompt_tokens:] = 1
+        new = max(r.max_new_tokens for r in reqs)
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                out = hf.model.generate(input_ids=ids.to(hf.device), attention_mask=mask.to(hf.device),
+                                        **hf.gen_kwargs(new, all(r.ignore_eos for r in reqs)))
+        except Exception as exc:
+            dt = time.perf_counter() - t0
+            return [RequestTiming(r.prompt_tokens, latency_s=dt, success=False, error=f"{type(exc).__name__}: {exc}")
+                    for r in reqs]
+        dt = time.perf_counter() - t0
+        timings = []
+        for i, r in enumerate(reqs):
+            gen = out[i, width:].tolist()[: r.max_new_tokens]
+            # Count up to and including the first EOS, like the engine (rows after EOS are padding).
+            n = next((k + 1 for k, t in enumerate(gen) if t in hf.eos_ids and not r.ignore_eos), len(gen))
+            timings.append(RequestTiming(r.prompt_tokens, n, latency_s=dt, text=hf.tokenizer.decode(gen[:n], skip_special_tokens=True)))
+        return timings
+
+    def warmup(self, requests: list[BenchRequest]) -> None:
+        if requests:
+            self._batch(requests)
+
+    def run(self, case: Case, concurrency: int, on_done: OnDone) -> RunOutput:
+        t0 = time.perf_counter()
+        timings: list[RequestTiming] = []
+        size = max(1, concurrency)
+        for start in range(0, len(case.requests), size):
+            batch = self._batch(case.requests[start:start + size])
+            timings += batch
+            for _ in batch:
+                on_done()
+        return RunOutput(timings, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.hf.close()
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+class LlamaCppRunner:
+    """llama.cpp (llama-cpp-python) on the GGUF the engine converted from, streaming, one request at a time.
+    It runs the GGUF's own quantized weights: the comparison is stack against stack, not bit for bit."""
+
+    name = "llama-cpp"
+    sequential = True
+
+    def __init__(self, gguf_path: Path | str, on_gpu: bool, n_ctx: int = 4096):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_gpu_layers=-1 if on_gpu else 0,
+                         seed=0, verbose=False)
+
+    def _one(self, req: BenchRequest) -> RequestTiming:
+        kwargs: dict[str, Any] = {"max_tokens": req.max_new_tokens, "temperature": 0.0, "stream": True}
+        if req.ignore_eos:
+            kwargs["logit_bias"] = {self.llm.token_eos(): -1e9}
+        timing = RequestTiming(prompt_tokens=req.prompt_tokens)
+        parts: list[str] = []
+        t0 = time.perf_counter()
+        try:
+            for chunk in self.llm.create_completion(prompt=req.input_ids, **kwargs):
+                now = time.perf_counter() - t0
+                timing.ttft_s = now if timing.ttft_s is None else timing.ttft_s
+                timing.chunk_times_s.append(now)
+                timing.output_tokens += 1  # llama-cpp-python streams one chunk per token
+                parts.append(chunk["choices"][0].get("text") or "")
+        except Exception as exc:
+            timing.success, timing.error = False, f"{type(exc).__name__}: {exc}"
+        timing.latency_s = time.perf_counter() - t0
+        timing.text = "".join(parts)
+        return timing
+
+    def warmup(self, requests: list[BenchRequest]) -> None:
+        for r in requests:
+            self._one(r)
+
+    def run(self, case: Case, concurrency: int, on_done: OnDone) -> RunOutput:
+        t0 = time.perf_counter()
+        timings = []
+        for r in case.requests:
+            timings.append(self._one(r))
+            on_done()
+        return RunOutput(timings, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        if hasattr(self.llm, "close"):  # older llama-cpp-python has no close()
+            self.llm.close()

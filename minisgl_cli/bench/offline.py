@@ -1,0 +1,68 @@
+"""The engine runner: requests through `EngineClient.submit` in-process, at most `concurrency` in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from minisgl_cli.bench.metrics import RequestTiming
+from minisgl_cli.bench.runner import OnDone, RunOutput
+from minisgl_cli.bench.workloads import BenchRequest, Case
+from minisgl_cli.client import EngineClient
+from minisgl_cli.types import GenerateRequest, SamplingParams
+
+
+class EngineRunner:
+    sequential = False
+
+    def __init__(self, client: EngineClient, name: str = "minisgl"):
+        self.client = client
+        self.name = name
+
+    async def _one(self, req: BenchRequest) -> RequestTiming:
+        params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=0.0, ignore_eos=req.ignore_eos)
+        timing = RequestTiming(prompt_tokens=req.prompt_tokens)
+        parts: list[str] = []
+        t0 = time.perf_counter()
+        try:
+            async for delta in self.client.submit(GenerateRequest(input_ids=req.input_ids, params=params)):
+                now = time.perf_counter() - t0
+                if delta.error:
+                    timing.success, timing.error = False, delta.error
+                    break
+                if delta.token_ids:
+                    if timing.ttft_s is None:
+                        timing.ttft_s = now
+                    timing.chunk_times_s.append(now)
+                    timing.output_tokens += len(delta.token_ids)
+                    parts.append(delta.text)
+                if delta.stats is not None:
+                    timing.cached_tokens = delta.stats.cached_tokens
+        except Exception as exc:  # one failed request is a data point, not the end of the run
+            timing.success, timing.error = False, f"{type(exc).__name__}: {exc}"
+        timing.latency_s = time.perf_counter() - t0
+        timing.text = "".join(parts)
+        return timing
+
+    async def _run(self, requests: list[BenchRequest], concurrency: int, on_done: OnDone) -> list[RequestTiming]:
+        gate = asyncio.Semaphore(max(1, concurrency))
+
+        async def limited(req: BenchRequest) -> RequestTiming:
+            async with gate:  # the clock starts inside: time queued in the client is not the engine's
+                timing = await self._one(req)
+            on_done()
+            return timing
+
+        return list(await asyncio.gather(*(limited(r) for r in requests)))
+
+    def warmup(self, requests: list[BenchRequest]) -> None:
+        if requests:
+            asyncio.run(self._run(requests, len(requests), lambda: None))
+
+    def run(self, case: Case, concurrency: int, on_done: OnDone) -> RunOutput:
+        t0 = time.perf_counter()
+        timings = asyncio.run(self._run(case.requests, concurrency, on_done))
+        return RunOutput(timings, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,259 @@
+"""The bench run: builds the workload, drives each runner over cases x concurrency levels, collects results."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from minisgl_cli.bench import workloads as wl
+from minisgl_cli.bench.metrics import compute_metrics
+from minisgl_cli.bench.report import BenchReport, BenchResult
+from minisgl_cli.bench.runner import Runner
+
+
+@dataclass
+class BenchConfig:
+    """Everything one `minisgl bench` invocation decides; the command only fills it in."""
+
+    dataset: str = "reference"  # reference | random | shared-prefix
+    preset: str | None = None  # nano-vllm
+    concurrency: list[int] = field(default_factory=lambda: [4])
+    repeat: int = 3
+    warmup: int = 1
+    mixed_prompts: bool = True
+    cases: list[str] | None = None  # reference case names to keep
+    num_prompts: int | None = None
+    max_new_tokens: int | None = None  # reference: caps every case
+    input_len: int = 1024
+    output_len: int = 128
+    range_ratio: float = 1.0
+    prefix_len: int = 400
+    question_len: int = 16
+    seed: int = 0
+    baselines: list[str] = field(default_factory=lambda: ["hf-stream"])
+    peers: list[str] = field(default_factory=list)
+    caches: list[str] = field(default_factory=lambda: ["radix"])
+    # online
+    url: str | None = None
+    api: str = "completions"
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    served_model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dataset not in wl.DATASETS:
+            raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(wl.DATASETS)}")
+        if self.preset is not None and self.preset not in wl.PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {', '.join(wl.PRESETS)}")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError("--concurrency must be >= 1")
+        if self.repeat < 1 or self.warmup < 0:
+            raise ValueError("--repeat must be >= 1 and --warmup >= 0")
+
+
+def build_cases(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool) -> list[wl.Case]:
+    if cfg.preset == "nano-vllm":
+        return [wl.nano_vllm_case(vocab_size, cfg.num_prompts or 256, cfg.seed)]
+    if cfg.dataset == "random":
+        return [wl.random_case(tokenizer, vocab_size, num_prompts=cfg.num_prompts or 64, input_len=cfg.input_len,
+                               output_len=cfg.output_len, range_ratio=cfg.range_ratio, seed=cfg.seed)]
+    if cfg.dataset == "shared-prefix":
+        return [wl.shared_prefix_case(tokenizer, vocab_size, num_prompts=cfg.num_prompts or 32, prefix_len=cfg.prefix_len,
+                                      question_len=cfg.question_len, output_len=cfg.max_new_tokens or 16, seed=cfg.seed)]
+    # The reference suite sends num_prompts x repeat requests per case; one request set for every level.
+    return wl.reference_cases(tokenizer, vocab_size, num_prompts=cfg.num_prompts or max(cfg.concurrency),
+                              repeat=cfg.repeat, mixed_prompts=cfg.mixed_prompts, on_gpu=on_gpu,
+                              max_new_tokens=cfg.max_new_tokens, names=cfg.cases, seed=cfg.seed)
+
+
+class Bench:
+    """Runs runners one after another (never two stacks on the device at once) and keeps the results."""
+
+    def __init__(self, cfg: BenchConfig, report: BenchReport, console: Console):
+        self.cfg = cfg
+        self.report = report
+        self.console = console
+
+    def note(self, text: str) -> None:
+        self.report.notes.append(text)
+        self.console.print(f"[yellow]note:[/] {escape(text)}", highlight=False)
+
+    def run(self, runner: Runner, cases: list[wl.Case], levels: list[int], vocab_size: int) -> None:
+        if self.cfg.warmup:
+            with self.console.status(f"warming up {runner.name} ({self.cfg.warmup} request(s))"):
+                runner.warmup(wl.warmup_requests(vocab_size, self.cfg.warmup))
+        plan = [(case, c) for c in ([1] if runner.sequential else levels) for case in cases]
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=self.console, transient=False) as progress:
+            for case, c in plan:
+                task = progress.add_task(f"{runner.name} {case.name} c={c}", total=len(case.requests))
+                out = runner.run(case, c, lambda: progress.advance(task))
+                metrics = compute_metrics(out.timings, out.duration_s)
+                self.report.results.append(BenchResult(runner.name, case.name, c, len(case.requests), metrics, case.params))
+                errors = {t.error for t in out.timings if not t.success}
+                if errors:
+                    self.note(f"{runner.name} {case.name} c={c}: {metrics.failed} request(s) failed: {sorted(errors)[0]}")
+
+
+def _meta(cfg: BenchConfig, **extra: Any) -> dict[str, Any]:
+    config = dataclasses.asdict(cfg)
+    config["request_rate"] = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate  # JSON has no inf
+    return {"created": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+            "python": platform.python_version(), "config": config, **extra}
+
+
+def run_offline(cfg: BenchConfig, make_client: Callable[[str], Any], console: Console, model_arg: str | None,
+                load_format: str) -> BenchReport:
+    """Engine (once per --cache) then baselines and peers, in that order, each alone on the device."""
+    import torch
+
+    from minisgl_cli.bench.offline import EngineRunner
+
+    report: BenchReport | None = None
+    cases: list[wl.Case] = []
+    model_dir = None
+    device = dtype = None
+    vocab_size = 0
+    for cache in cfg.caches:
+        client = make_client(cache)
+        info = client.info
+        if report is None:
+            import minisgl_cli
+
+            vocab_size = client.engine.model_cfg.vocab_size
+            tokenizer = client.tokenizer.hf if client.tokenizer is not None else None
+            device, dtype = info.device, getattr(torch, info.dtype)
+            cases = build_cases(cfg, tokenizer, vocab_size, on_gpu=device.startswith("cuda"))
+            model_dir = client.engine.loaded.model_dir
+            report = BenchReport(_meta(cfg, mode="offline", model=info.name, device=device, dtype=info.dtype,
+                                       attention_backend=info.attention_backend, torch=torch.__version__,
+                                       minisgl=getattr(minisgl_cli, "__version__", "0.1.0")))
+            bench = Bench(cfg, report, console)
+            console.print(f"model={info.name} device={device} dtype={info.dtype} backend={info.attention_backend} "
+                          f"cases={', '.join(f'{c.name}({len(c.requests)} req)' for c in cases)} "
+                          f"concurrency={cfg.concurrency}", highlight=False)
+        name = "minisgl" if len(cfg.caches) == 1 else f"minisgl[{cache}]"
+        runner = EngineRunner(client, name)
+        try:
+            bench.run(runner, cases, cfg.concurrency, vocab_size)
+        finally:
+            runner.close()
+            del client, runner
+            _free(device)
+
+    _run_baselines(cfg, bench, cases, model_dir, device, dtype, vocab_size, load_format)
+    _run_peers(cfg, bench, cases, model_arg, device, vocab_size)
+    return report
+
+
+def _free(device: str | None) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device and device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def _run_baselines(cfg: BenchConfig, bench: Bench, cases: list[wl.Case], model_dir: Any, device: Any, dtype: Any,
+                   vocab_size: int, load_format: str) -> None:
+    from transformers.utils import logging as hf_logging
+
+    from minisgl_cli.bench.baselines import BASELINES, HFBatchedRunner, HFStreamRunner
+
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar would tear through ours
+
+    for name in cfg.baselines:
+        if name not in BASELINES:
+            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+        if model_dir is None or load_format == "dummy":
+            bench.note(f"{name} baseline skipped: dummy weights have no HF checkpoint to load")
+            continue
+        cls = HFStreamRunner if name == "hf-stream" else HFBatchedRunner
+        with bench.console.status(f"loading HF transformers model for {name}"):
+            runner = cls(model_dir, device, dtype)
+        try:
+            bench.run(runner, cases, cfg.concurrency, vocab_size)
+        finally:
+            runner.close()
+            del runner
+            _free(device)
+
+
+def _run_peers(cfg: BenchConfig, bench: Bench, cases: list[wl.Case], model_arg: str | None, device: Any,
+               vocab_size: int) -> None:
+    from minisgl_cli.bench.baselines import PEERS, LlamaCppRunner, llama_cpp_available
+
+    for name in cfg.peers:
+        if name not in PEERS:
+            raise ValueError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
+        if not llama_cpp_available():
+            bench.note("llama.cpp peer skipped: llama-cpp-python is not installed (pip install 'minisgl[llama-cpp]')")
+            continue
+        gguf = _gguf_for(model_arg)
+        if gguf is None:
+            bench.note("llama.cpp peer skipped: it needs a GGUF model (the default model or --model FILE.gguf)")
+            continue
+        need = max(r.prompt_tokens + r.max_new_tokens for c in cases for r in c.requests) + 16
+        runner = LlamaCppRunner(gguf, on_gpu=str(device).startswith("cuda"), n_ctx=max(2048, need))
+        try:
+            bench.run(runner, cases, cfg.concurrency, vocab_size)
+        finally:
+            runner.close()
+
+
+def _gguf_for(model_arg: str | None):
+    from pathlib import Path
+
+    from minisgl_cli.loader.resolve import DEFAULT_ALIASES, default_gguf_path
+
+    if model_arg is None or model_arg.strip().lower() in DEFAULT_ALIASES:
+        return default_gguf_path()
+    p = Path(model_arg).expanduser()
+    return p if p.is_file() and p.suffix.lower() == ".gguf" else None
+
+
+def run_online(cfg: BenchConfig, console: Console, model_arg: str | None) -> BenchReport:
+    """Benchmark a running OpenAI-compatible server; the tokenizer (for prompts) comes from --model."""
+    from minisgl_cli.bench.online import OnlineRunner
+
+    tokenizer, vocab_size = _local_tokenizer(model_arg, console)
+    runner = OnlineRunner(cfg.url, api=cfg.api, model=cfg.served_model, request_rate=cfg.request_rate,
+                          tokenizer=tokenizer, seed=cfg.seed)
+    levels = [cfg.max_concurrency] if cfg.max_concurrency else cfg.concurrency
+    import torch
+
+    # The server's device is unknown: size the reference cases by this machine's (a local server's).
+    cases = build_cases(dataclasses.replace(cfg, concurrency=levels), tokenizer, vocab_size,
+                        on_gpu=torch.cuda.is_available())
+    report = BenchReport(_meta(cfg, mode="online", model=runner.model, device=cfg.url))
+    console.print(f"server={cfg.url} model={runner.model} api={cfg.api} request_rate={cfg.request_rate} "
+                  f"max_concurrency={levels} cases={', '.join(f'{c.name}({len(c.requests)} req)' for c in cases)}",
+                  highlight=False)
+    Bench(cfg, report, console).run(runner, cases, levels, vocab_size)
+    return report
+
+
+def _local_tokenizer(model_arg: str | None, console: Console) -> tuple[Any, int]:
+    """The model's tokenizer when it resolves locally (exact prompt lengths); else none and a fixed vocab."""
+    try:
+        from transformers import AutoTokenizer
+
+        from minisgl_cli.loader import resolve_model
+
+        tok = AutoTokenizer.from_pretrained(str(resolve_model(model_arg).path))
+        return tok, len(tok)
+    except Exception as exc:
+        console.print(f"[yellow]note:[/] no local tokenizer for {escape(model_arg or 'the default model')} "
+                      f"({type(exc).__name__}); sending token ids and counting chunks", highlight=False)
+        return None, 10_000

@@ -1,0 +1,188 @@
+"""Benchmark workloads: the reference suite (short/medium/long, mixed prompts), random, shared-prefix, nano-vllm.
+
+Every request carries exact token ids, so the engine, the HF baselines and llama.cpp see the same prompt;
+`prompt` (text) is kept only where a tokenizer made it, for HTTP servers that want text.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+DATASETS = ("reference", "random", "shared-prefix")
+PRESETS = ("nano-vllm",)
+
+# A plain English filler: tokenizes to roughly one token per word in every BPE vocab we ship.
+_FILLER = (
+    "The quick brown fox jumps over the lazy dog while the river flows past the old mill and "
+    "children play in the green fields under a bright summer sky. "
+)
+_SYSTEM = (
+    "You are a careful assistant for a small library. Answer questions about opening hours, loans, "
+    "fines, events and the catalogue politely and briefly, and never invent facts you do not know. "
+)
+
+
+@dataclass(frozen=True)
+class ReferenceCase:
+    """One case of the reference stack's suite: prompt length and decode budget (GPU and CPU)."""
+
+    name: str
+    prompt_tokens: int
+    max_new_tokens_gpu: int
+    max_new_tokens_cpu: int
+
+
+# The reference stack decodes 256/512/1024 tokens; a CPU run uses 32/64/128 so the suite stays minutes long.
+REFERENCE_CASES = (
+    ReferenceCase("short", 16, 256, 32),
+    ReferenceCase("medium", 64, 512, 64),
+    ReferenceCase("long", 256, 1024, 128),
+)
+
+
+@dataclass
+class BenchRequest:
+    input_ids: list[int]
+    max_new_tokens: int
+    ignore_eos: bool = False
+    prompt: str | None = None  # the same prompt as text, when a tokenizer made it
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class Case:
+    """A named list of requests, benchmarked as one run per engine and concurrency."""
+
+    name: str
+    requests: list[BenchRequest]
+    params: dict[str, Any] = field(default_factory=dict)  # how it was built, echoed in the JSON report
+
+
+def _text_ids(tokenizer: Any, text: str, n: int) -> list[int]:
+    """Exactly n token ids of `text` repeated (no special tokens), so every engine sees n tokens."""
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer.encode(text, add_special_tokens=False)
+    return ids[:n]
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    return set(getattr(tokenizer, "all_special_ids", []) or [])
+
+
+def _random_ids(rng: random.Random, n: int, vocab_size: int, avoid: set[int]) -> list[int]:
+    out: list[int] = []
+    while len(out) < n:
+        t = rng.randrange(vocab_size)
+        if t not in avoid:
+            out.append(t)
+    return out
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str | None:
+    return tokenizer.decode(ids) if tokenizer is not None else None
+
+
+def reference_cases(
+    tokenizer: Any, vocab_size: int, *, num_prompts: int, repeat: int, mixed_prompts: bool, on_gpu: bool,
+    max_new_tokens: int | None = None, names: list[str] | None = None, seed: int = 0,
+) -> list[Case]:
+    """The reference suite: per case `num_prompts` distinct-ish prompts, each sent `repeat` times.
+
+    With mixed prompts every other prompt gets a random suffix, so half the requests share their whole
+    prompt with others (full prefix reuse) and half only a prefix (partial reuse), as in the reference stack.
+    """
+    rng = random.Random(seed)
+    cases = []
+    for spec in REFERENCE_CASES:
+        if names and spec.name not in names:
+            continue
+        new = max_new_tokens or (spec.max_new_tokens_gpu if on_gpu else spec.max_new_tokens_cpu)
+        if tokenizer is not None:
+            base = _text_ids(tokenizer, _FILLER, spec.prompt_tokens)
+        else:  # dummy weights: no tokenizer, any fixed ids do
+            base = _random_ids(random.Random(spec.prompt_tokens), spec.prompt_tokens, vocab_size, set())
+        prompts = []
+        for i in range(num_prompts):
+            ids = list(base)
+            if mixed_prompts and i % 2 == 1:
+                suffix = f" #{rng.randint(0, 9999)}"
+                ids += (tokenizer.encode(suffix, add_special_tokens=False) if tokenizer is not None
+                        else _random_ids(rng, 3, vocab_size, set()))
+            prompts.append(ids)
+        reqs = [BenchRequest(p, new, False, _decode(tokenizer, p)) for _ in range(repeat) for p in prompts]
+        params = dict(dataset="reference", prompt_tokens=spec.prompt_tokens, max_new_tokens=new,
+                      num_prompts=num_prompts, repeat=repeat, mixed_prompts=mixed_prompts)
+        cases.append(Case(spec.name, reqs, params))
+    if names and not cases:
+        raise ValueError(f"no reference case named {', '.join(names)}; choose from short, medium, long")
+    return cases
+
+
+def random_case(
+    tokenizer: Any, vocab_size: int, *, num_prompts: int, input_len: int, output_len: int, range_ratio: float,
+    seed: int = 0, name: str = "random",
+) -> Case:
+    """Random token ids from the vocab; lengths uniform in [len * range_ratio, len]; EOS ignored.
+
+    Ids are sent as ids (never decoded and re-encoded), so the input lengths are exact.
+    """
+    if not 0.0 <= range_ratio <= 1.0:
+        raise ValueError("--range-ratio must be in [0, 1]")
+    rng = random.Random(seed)
+    avoid = _special_ids(tokenizer) if tokenizer is not None else set()
+    reqs = []
+    for _ in range(num_prompts):
+        n_in = rng.randint(max(1, int(input_len * range_ratio)), input_len)
+        n_out = rng.randint(max(1, int(output_len * range_ratio)), output_len)
+        reqs.append(BenchRequest(_random_ids(rng, n_in, vocab_size, avoid), n_out, True))
+    params = dict(dataset="random", num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+                  range_ratio=range_ratio, seed=seed)
+    return Case(name, reqs, params)
+
+
+def nano_vllm_case(vocab_size: int, num_prompts: int = 256, seed: int = 0) -> Case:
+    """nano-vllm's / mini-sglang's offline workload: 256 requests, input and output lengths uniform in
+    100..1024, random ids below 10000, EOS ignored, seed 0."""
+    rng = random.Random(seed)
+    top = min(10_000, vocab_size)
+    reqs = []
+    for _ in range(num_prompts):
+        ids = [rng.randint(0, top - 1) for _ in range(rng.randint(100, 1024))]
+        reqs.append(BenchRequest(ids, rng.randint(100, 1024), True))
+    return Case("nano-vllm", reqs, dict(preset="nano-vllm", num_prompts=num_prompts, seed=seed,
+                                        input_len="100..1024", output_len="100..1024"))
+
+
+def shared_prefix_case(
+    tokenizer: Any, vocab_size: int, *, num_prompts: int, prefix_len: int, question_len: int = 16,
+    output_len: int = 16, seed: int = 0,
+) -> Case:
+    """N requests = one long shared system prompt (prefix_len tokens) + a short distinct question each.
+
+    A prefix cache turns all but the first prefill into a `question_len`-token prefill: compare TTFT p50
+    with `--cache radix` and `--cache naive`.
+    """
+    rng = random.Random(seed)
+    if tokenizer is not None:
+        prefix = _text_ids(tokenizer, _SYSTEM, prefix_len)
+        questions = [_text_ids(tokenizer, f" Question {i}: is book number {i * 37 % 1000} on loan today? ",
+                               question_len) for i in range(num_prompts)]
+    else:
+        prefix = _random_ids(rng, prefix_len, vocab_size, set())
+        questions = [_random_ids(rng, question_len, vocab_size, set()) for _ in range(num_prompts)]
+    reqs = [BenchRequest(prefix + q, output_len, True, _decode(tokenizer, prefix + q)) for q in questions]
+    params = dict(dataset="shared-prefix", num_prompts=num_prompts, prefix_len=prefix_len,
+                  question_len=question_len, output_len=output_len, seed=seed)
+    return Case("shared-prefix", reqs, params)
+
+
+def warmup_requests(vocab_size: int, n: int) -> list[BenchRequest]:
+    """Small requests that trigger lazy init (kernels, CUDA graphs, allocator) before measuring."""
+    rng = random.Random(1234)
+    return [BenchRequest(_random_ids(rng, 8, min(vocab_size, 10_000), set()), 8, True) for _ in range(n)]

@@ -1,0 +1,316 @@
+"""`minisgl bench`: metric maths on synthetic timings, workloads, the HTTP runner on a fake SSE server,
+and tiny end-to-end runs (offline with the HF baseline; online against a real `minisgl serve` app)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from minisgl_cli.bench.metrics import RequestTiming, compute_metrics, distribution, percentile
+from minisgl_cli.bench.report import BenchReport, BenchResult, comparison_line, summary_line, summary_lines
+from minisgl_cli.bench import workloads as wl
+
+SUMMARY = r"Streaming chat summary: throughput=\d+\.\d{2} tok/s, duration=\d+\.\d{3}s"
+BASELINE = r"Baseline HF streaming chat summary: throughput=\d+\.\d{2} tok/s, duration=\d+\.\d{3}s"
+COMPARISON = r"Comparison: streaming (faster|slower) by \d+\.\d{3}s with x\d+\.\d{2} throughput"
+
+
+# --- metric maths ------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_like_numpy():
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
+    assert percentile(xs, 50) == pytest.approx(2.5)
+    assert percentile(xs, 99) == pytest.approx(3.97)  # numpy.percentile([1,2,3,4], 99)
+    assert percentile([7.0], 99) == 7.0 and percentile([], 50) == 0.0
+    with pytest.raises(ValueError):
+        percentile(xs, 101)
+
+
+def test_ttft_tpot_itl_definitions():
+    # Sent at 0; chunks at 0.1 (2 tokens), 0.3, 0.6 (1 each): 4 tokens, E2E 0.6.
+    t = RequestTiming(prompt_tokens=10, output_tokens=4, ttft_s=0.1, latency_s=0.6, chunk_times_s=[0.1, 0.3, 0.6])
+    assert t.tpot_s == pytest.approx((0.6 - 0.1) / 3)
+    assert t.itl_s == pytest.approx([0.2, 0.3])
+    assert RequestTiming(5, output_tokens=1, ttft_s=0.1, latency_s=0.1).tpot_s is None  # one token: no TPOT
+    assert RequestTiming(5, output_tokens=9, ttft_s=None, latency_s=1.0).tpot_s is None  # not streamed
+
+
+def test_compute_metrics_throughputs_and_distributions():
+    timings = [
+        RequestTiming(10, 4, 0.1, 0.6, [0.1, 0.3, 0.6], cached_tokens=0),
+        RequestTiming(20, 2, 0.2, 0.4, [0.2, 0.4], cached_tokens=8),
+        RequestTiming(30, 0, None, 0.05, success=False, error="boom"),
+    ]
+    m = compute_metrics(timings, duration_s=2.0)
+    assert (m.completed, m.failed) == (2, 1)
+    assert (m.total_input_tokens, m.total_output_tokens, m.total_cached_tokens) == (30, 6, 8)
+    assert m.request_throughput == pytest.approx(1.0)
+    assert m.input_throughput == pytest.approx(15.0)
+    assert m.output_throughput == pytest.approx(3.0)
+    assert m.total_throughput == pytest.approx(18.0)
+    assert m.ttft_ms.mean == pytest.approx(150.0) and m.ttft_ms.median == pytest.approx(150.0)
+    assert m.tpot_ms.count == 2 and m.tpot_ms.mean == pytest.approx((500 / 3 + 200) / 2)
+    assert sorted([0.2, 0.3, 0.2]) == pytest.approx(sorted(v / 1000 for v in [200, 300, 200]))
+    assert m.itl_ms.count == 3 and m.itl_ms.median == pytest.approx(200.0)
+    assert m.e2e_latency_ms.p99 == pytest.approx(percentile([600.0, 400.0], 99))
+    assert compute_metrics([], 0.0).output_throughput == 0.0
+
+
+def test_distribution_std_is_population():
+    d = distribution([0.001, 0.003])
+    assert (d.mean, d.std, d.count) == (pytest.approx(2.0), pytest.approx(1.0), 2)
+
+
+def _result(engine: str, tokens: int, duration: float, conc: int = 4) -> BenchResult:
+    m = compute_metrics([RequestTiming(5, tokens, 0.1, duration, [0.1])], duration)
+    return BenchResult(engine, "short", conc, 1, m)
+
+
+def test_reference_summary_lines_format():
+    ours, base = [_result("minisgl", 386, 10.387)], [_result("hf-stream", 386, 21.825, 1)]
+    assert summary_line("Streaming chat", ours) == "Streaming chat summary: throughput=37.16 tok/s, duration=10.387s"
+    assert comparison_line(ours, base) == "Comparison: streaming faster by 11.438s with x2.10 throughput"
+    lines = summary_lines(BenchReport({}, ours + base))
+    assert lines[0] == "Streaming chat summary: throughput=37.16 tok/s, duration=10.387s"
+    assert lines[1] == "Baseline HF streaming chat summary: throughput=17.69 tok/s, duration=21.825s"
+    assert comparison_line(base, ours).startswith("Comparison: streaming slower by 11.438s")
+
+
+# --- workloads ---------------------------------------------------------------------------------
+
+
+class _Tok:
+    """A whitespace tokenizer: enough for the workload builders."""
+
+    all_special_ids = [0]
+
+    def encode(self, text, add_special_tokens=False):
+        return [sum(map(ord, w)) % 97 + 1 for w in text.split()]
+
+    def decode(self, ids):
+        return " ".join(f"w{i}" for i in ids)
+
+
+def test_reference_cases_lengths_repeat_and_mixed_prompts():
+    cases = wl.reference_cases(_Tok(), 100, num_prompts=4, repeat=3, mixed_prompts=True, on_gpu=False)
+    assert [c.name for c in cases] == ["short", "medium", "long"]
+    assert [c.requests[0].max_new_tokens for c in cases] == [32, 64, 128]
+    gpu = wl.reference_cases(_Tok(), 100, num_prompts=1, repeat=1, mixed_prompts=False, on_gpu=True)
+    assert [c.requests[0].max_new_tokens for c in gpu] == [256, 512, 1024]
+    short = cases[0]
+    assert len(short.requests) == 12
+    assert short.requests[0].prompt_tokens == 16 and short.requests[1].prompt_tokens > 16  # odd ones get a suffix
+    assert short.requests[0].input_ids == short.requests[2].input_ids
+    capped = wl.reference_cases(None, 100, num_prompts=2, repeat=1, mixed_prompts=False, on_gpu=True,
+                                max_new_tokens=4, names=["long"])
+    assert [c.name for c in capped] == ["long"] and capped[0].requests[0].max_new_tokens == 4
+    assert capped[0].requests[0].prompt is None  # no tokenizer (dummy weights): ids only
+
+
+def test_random_nano_vllm_and_shared_prefix():
+    r = wl.random_case(_Tok(), 50, num_prompts=20, input_len=30, output_len=10, range_ratio=0.5, seed=1)
+    assert all(15 <= q.prompt_tokens <= 30 and 5 <= q.max_new_tokens <= 10 and q.ignore_eos for q in r.requests)
+    assert all(0 not in q.input_ids for q in r.requests)  # special ids avoided
+    assert wl.random_case(_Tok(), 50, num_prompts=3, input_len=8, output_len=2, range_ratio=1.0).requests[0].prompt_tokens == 8
+    n1, n2 = wl.nano_vllm_case(32000), wl.nano_vllm_case(32000)
+    assert len(n1.requests) == 256 and [q.input_ids for q in n1.requests] == [q.input_ids for q in n2.requests]
+    assert all(100 <= q.prompt_tokens <= 1024 and 100 <= q.max_new_tokens <= 1024 and q.ignore_eos for q in n1.requests)
+    sp = wl.shared_prefix_case(_Tok(), 100, num_prompts=5, prefix_len=40, question_len=6)
+    prefix = sp.requests[0].input_ids[:40]
+    assert all(q.input_ids[:40] == prefix and q.prompt_tokens == 46 for q in sp.requests)
+    assert len({tuple(q.input_ids[40:]) for q in sp.requests}) == 5
+
+
+# --- online runner on a fake OpenAI-compatible server ---------------------------------------------
+
+
+def _fake_server():
+    """An SSE /v1/completions that streams 3 chunks and usage; records the peak number in flight."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+    state = {"inflight": 0, "peak": 0, "bodies": []}
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        state["bodies"].append(body)
+
+        async def events():
+            state["inflight"] += 1
+            state["peak"] = max(state["peak"], state["inflight"])
+            try:
+                for word in ("a", "b", "c"):
+                    await asyncio.sleep(0.02)
+                    yield f"data: {json.dumps({'choices': [{'index': 0, 'text': word}]})}\n\n"
+                usage = {"prompt_tokens": 3, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 1}}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                state["inflight"] -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app, state
+
+
+@pytest.fixture
+def fake_url():
+    import socket
+
+    import uvicorn
+
+    app, state = _fake_server()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", state
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+def test_online_runner_streams_and_limits_concurrency(fake_url):
+    from minisgl_cli.bench.online import OnlineRunner
+
+    url, state = fake_url
+    runner = OnlineRunner(url, request_rate=math.inf)
+    assert runner.model == "fake-model"
+    case = wl.Case("t", [wl.BenchRequest([1, 2, 3], 3, True, "hi there") for _ in range(6)])
+    done = []
+    out = runner.run(case, 2, lambda: done.append(1))
+    assert len(done) == 6 and state["peak"] <= 2
+    m = compute_metrics(out.timings, out.duration_s)
+    assert (m.completed, m.total_output_tokens, m.total_cached_tokens) == (6, 18, 6)
+    assert m.ttft_ms.count == 6 and m.itl_ms.count == 12 and m.tpot_ms.count == 6
+    body = state["bodies"][0]
+    assert body["stream"] and body["ignore_eos"] and body["prompt"] == "hi there" and body["max_tokens"] == 3
+
+
+def test_online_poisson_arrivals_spread_requests(fake_url):
+    from minisgl_cli.bench.online import OnlineRunner
+
+    url, _ = fake_url
+    case = wl.Case("t", [wl.BenchRequest([1], 3) for _ in range(5)])
+    t0 = time.perf_counter()
+    OnlineRunner(url, request_rate=20.0, seed=3).run(case, 5, lambda: None)
+    # 4 exponential gaps at 20 req/s average 0.2 s in all; at least the gaps' sum must have elapsed.
+    import random
+
+    rng = random.Random(3)
+    assert time.perf_counter() - t0 >= sum(rng.expovariate(20.0) for _ in range(4))
+
+
+# --- end to end --------------------------------------------------------------------------------
+
+RESULT_SCHEMA = {
+    "type": "object",
+    "required": ["engine", "case", "concurrency", "num_requests", "completed", "failed", "duration_s",
+                 "request_throughput", "input_throughput", "output_throughput", "total_throughput",
+                 "total_input_tokens", "total_output_tokens", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                 "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
+                 "mean_e2e_latency_ms", "median_e2e_latency_ms", "p99_e2e_latency_ms", "case_params"],
+    "properties": {
+        "engine": {"type": "string"}, "case": {"type": "string"},
+        "concurrency": {"type": "integer", "minimum": 1}, "num_requests": {"type": "integer"},
+        "completed": {"type": "integer"}, "failed": {"type": "integer"},
+        "total_cached_tokens": {"type": ["integer", "null"]}, "case_params": {"type": "object"},
+    },
+    "patternProperties": {"_(ms|throughput|s)$": {"type": "number", "minimum": 0}},
+}
+REPORT_SCHEMA = {
+    "type": "object",
+    "required": ["meta", "results", "summary", "notes"],
+    "properties": {
+        "meta": {"type": "object", "required": ["model", "device", "mode", "config", "created"]},
+        "results": {"type": "array", "minItems": 1, "items": RESULT_SCHEMA},
+        "summary": {"type": "array", "items": {"type": "string"}},
+        "notes": {"type": "array", "items": {"type": "string"}},
+    },
+}
+
+
+def _validate(doc: dict) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(doc, REPORT_SCHEMA)
+
+
+def test_report_json_schema_on_synthetic_results(tmp_path):
+    report = BenchReport({"model": "m", "device": "cpu", "mode": "offline", "config": {}, "created": "now"},
+                         [_result("minisgl", 10, 1.0), _result("hf-stream", 10, 2.0, 1)])
+    report.write_json(tmp_path / "r.json")
+    doc = json.loads((tmp_path / "r.json").read_text())
+    _validate(doc)
+    assert doc["summary"][0].startswith("Streaming chat summary")
+
+
+def _invoke(args: list[str]):
+    from minisgl_cli.app import app
+
+    result = CliRunner().invoke(app, ["bench", *args])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    return result
+
+
+TINY = ["--repeat", "1", "--warmup", "0", "--max-new-tokens", "4", "--num-prompts", "2", "--case", "short"]
+
+
+@pytest.mark.slow
+def test_offline_bench_vs_hf_stream_end_to_end(tmp_path):
+    out_json, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = _invoke([*TINY, "--concurrency", "2", "--baseline", "hf-stream", "--baseline", "hf-batched",
+                      "--peer", "llama-cpp", "--output-json", str(out_json), "--plot", str(png)])
+    import re
+
+    for pattern in (SUMMARY, BASELINE, COMPARISON):
+        assert re.search(pattern, result.output), result.output
+    doc = json.loads(out_json.read_text())
+    _validate(doc)
+    by_engine = {r["engine"]: r for r in doc["results"]}
+    assert set(by_engine) == {"minisgl", "hf-stream", "hf-batched"}
+    assert by_engine["hf-stream"]["concurrency"] == 1 and by_engine["minisgl"]["concurrency"] == 2
+    for r in doc["results"]:
+        assert r["completed"] == 2 and r["failed"] == 0 and 2 <= r["total_output_tokens"] <= 8
+    assert by_engine["minisgl"]["median_ttft_ms"] > 0 and by_engine["hf-batched"]["mean_ttft_ms"] == 0
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        assert any("llama-cpp-python is not installed" in n for n in doc["notes"])
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_online_bench_against_minisgl_server(tmp_path):
+    pytest.importorskip("minisgl_cli.server.app", reason="minisgl serve (minisgl_cli.server.app) not built yet")
+    from server_fixtures import shared_client
+
+    from minisgl_cli.server.app import create_app
+    from minisgl_cli.server.launch import BackgroundServer
+
+    out_json = tmp_path / "online.json"
+    with BackgroundServer(create_app(shared_client())) as url:
+        _invoke([*TINY, "--url", url, "--max-concurrency", "2", "--request-rate", "50", "--output-json", str(out_json)])
+        _invoke([*TINY, "--url", url, "--api", "chat", "--max-concurrency", "1"])
+    doc = json.loads(out_json.read_text())
+    _validate(doc)
+    (r,) = doc["results"]
+    assert r["engine"].startswith("server@127.0.0.1") and r["concurrency"] == 2
+    assert r["completed"] == 2 and r["failed"] == 0 and r["total_output_tokens"] == 8  # server usage counts
+    assert r["median_ttft_ms"] > 0 and doc["meta"]["mode"] == "online"
