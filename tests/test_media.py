@@ -171,9 +171,10 @@ def test_http_missing_model_error_body(live_server):
     assert r.status_code == 404
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == "model_not_found" and "--model-dir" in err["message"] and "Z_IMAGE_MODEL_DIR" in err["message"]
+    assert err["code"] == "model_not_found" and "Z_IMAGE_MODEL_DIR" in err["message"]
+    assert "--image-model-dir" in err["message"] and "--model-dir" in err["message"]
     r = httpx.post(f"{live_server}/missing/v1/videos/generations", json={"prompt": "x", "size": "32x32"}, timeout=30)
-    assert r.status_code == 404 and "--model-dir" in r.json()["error"]["message"]
+    assert r.status_code == 404 and "--video-model-dir" in r.json()["error"]["message"]
 
 
 def test_http_video_mp4_and_frames(live_server, tmp_path):

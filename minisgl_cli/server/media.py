@@ -162,7 +162,7 @@ def _check_model(settings: MediaSettings, kind: Kind, requested: str | None) -> 
         env = IMAGE_MODEL_DIR_ENV if kind == "image" else VIDEO_MODEL_DIR_ENV
         raise ModelNotFoundError(
             f"{kind} model {spec.model!r} is not available on this server: {spec.model_dir} has no model_index.json. "
-            f"Restart the server with --model-dir DIR (or set {env}) pointing to a diffusers pipeline dir; "
+            f"Start `minisgl serve` with --{kind}-model-dir DIR (or set {env}) pointing to a diffusers pipeline dir; "
             f"`minisgl {kind} --model-dir DIR` downloads the weights there.",
             "model",
         )
