@@ -125,11 +125,13 @@ class ReplyStream:
             self.view.note(line, style="dim")
 
     def end_interrupted(self) -> None:
+        message = "interrupted (request aborted)"
         if self.live is None:
             self.view.console.file.write("\n")
             self.view.console.file.flush()
+            self.view.note(message, style="yellow")
         else:
-            self.footer = Text("interrupted (request aborted)", style="yellow")
+            self.footer = Text(message, style="yellow")
             self.live.refresh()
 
 

@@ -1,0 +1,285 @@
+"""`minisgl chat`: session logic, prompt-toolkit input, and the REPL driven through pipe input on the real model."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+from prompt_toolkit.document import Document
+from prompt_toolkit.history import InMemoryHistory
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+from rich.console import Console
+
+from minisgl_cli.repl.app import ChatApp, PromptLines, SlashCompleter, open_history
+from minisgl_cli.repl.session import ChatSession, ChatSettings, Turn
+from minisgl_cli.repl.view import ChatView, LogPanel, status_line
+from minisgl_cli.types import RequestStats
+
+# Greedy SmolLM2-135M answers this pair correctly only when turn 1 is in context
+# (alone, "What is the secret word?" gets a made-up word): checked by hand before pinning it.
+FACT = "The secret word is banana."
+QUESTION = "What is the secret word?"
+KV_TOKENS = 4096  # small pool: quick to allocate, and a context limit a test prompt can exceed
+
+
+# --- pure session logic (no engine) ---------------------------------------------------------------
+
+
+def test_messages_single_vs_multi_turn():
+    s = ChatSession(ChatSettings(system="be brief"))
+    s.record(Turn("hi", "hello", "stop"))
+    assert s.messages_for("again") == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "again"}]
+    s.settings.multi_turn = True
+    assert [m["content"] for m in s.messages_for("again")] == ["be brief", "hi", "hello", "again"]
+
+
+def test_interrupted_or_failed_turns_stay_out_of_context():
+    s = ChatSession(ChatSettings(multi_turn=True))
+    s.record(Turn("a", "partial", "abort"))
+    s.record(Turn("b", "", error="too long"))
+    assert s.history == [] and len(s.turns) == 2
+
+
+def test_slash_commands(tmp_path):
+    s = ChatSession()
+    assert s.handle("/temp 0.7").kind == "reply" and s.settings.temperature == 0.7
+    assert s.handle("/temp -1").kind == "error" and s.settings.temperature == 0.7
+    assert s.handle("/max-tokens 9").kind == "reply" and s.settings.max_new_tokens == 9
+    assert s.handle("/max-tokens x").kind == "error"
+    assert s.handle("/system Talk like a pirate.").kind == "reply" and s.settings.system == "Talk like a pirate."
+    assert "pirate" in s.handle("/system").text
+    s.handle("/system off")
+    assert s.settings.system is None
+    unknown = s.handle("/frobnicate now")
+    assert unknown.kind == "error" and "/frobnicate" in unknown.text and "/help" in unknown.text
+    assert "\n" not in unknown.text
+    assert s.handle("/quit").kind == "exit" and s.handle("/exit").kind == "exit"
+    assert s.handle("/stats").kind == "stats"
+    assert all(name in s.handle("/help").text for name in ("/reset", "/save", "/max-tokens", "Esc"))
+    assert s.handle("   ").kind == "noop"
+    assert s.handle("hello there").kind == "generate"
+
+
+def test_save_markdown_and_json(tmp_path):
+    s = ChatSession(ChatSettings(system="sys"))
+    s.record(Turn("hi", "hello!", "stop", RequestStats(prompt_tokens=10, cached_tokens=4, completion_tokens=2)))
+    s.handle(f"/save {tmp_path / 't.md'}")
+    s.handle(f"/save {tmp_path / 't.json'}")
+    md = (tmp_path / "t.md").read_text()
+    assert "**user:** hi" in md and "**assistant:** hello!" in md and "4 cached" in md
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["turns"][0]["assistant"] == "hello!" and doc["turns"][0]["stats"]["cached_tokens"] == 4
+    assert s.handle("/save /nonexistent-dir/x.md").kind == "error"
+    s.handle("/reset")
+    assert s.turns == [] and s.history == []
+
+
+def test_status_line_and_log_panel():
+    st = RequestStats(prompt_tokens=80, cached_tokens=60, completion_tokens=11, ttft_s=0.2, prefill_s=0.2, latency_s=1.2)
+    line = status_line(st, "length")
+    for part in ("prompt 80 tok", "cached 60 (75% radix hit)", "prefill 200 ms", "TTFT 200 ms", "decode 10.0 tok/s",
+                 "finish length"):
+        assert part in line
+    panel = LogPanel(tail=2)
+    import logging
+
+    for name, msg in [("minisgl.scheduler", "prefill: 1 req"), *[("minisgl.client", f"decode {i}") for i in range(5)]]:
+        panel.handle(logging.LogRecord(name, logging.INFO, __file__, 1, msg, None, None))
+    out = io.StringIO()
+    Console(file=out, width=80).print(panel)
+    text = out.getvalue()
+    assert "prefill: 1 req" in text and "decode 4" in text and "decode 0" not in text and "3 earlier" in text
+
+
+def test_completer_offers_slash_commands():
+    names = [c.text for c in SlashCompleter().get_completions(Document("/re"), None)]
+    assert names == ["/reset"]
+    assert list(SlashCompleter().get_completions(Document("hello /re"), None)) == []
+    assert len(list(SlashCompleter().get_completions(Document("/"), None))) == 8
+
+
+def test_prompt_esc_enter_newline_and_file_history(tmp_path):
+    path = tmp_path / "state" / "chat_history"
+
+    async def read_one(text: str) -> str | None:
+        with create_pipe_input() as pipe:
+            lines = PromptLines(ChatSession(), open_history(path), input=pipe, output=DummyOutput())
+            pipe.send_text(text)
+            return await lines.read()
+
+    assert asyncio.run(read_one("line one\x1b\rline two\r")) == "line one\nline two"
+    # A fresh prompt (as in the next run) sees the previous run's line in its history.
+    assert "line one\nline two" in list(open_history(path).load_history_strings())
+    assert asyncio.run(read_one("\x04")) is None  # Ctrl-D on an empty line leaves
+
+
+# --- the REPL on the real model -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client():
+    from minisgl_cli.client import EngineClient
+    from minisgl_cli.engine.config import EngineConfig
+
+    c = EngineClient(EngineConfig(max_total_tokens=KV_TOKENS))
+    yield c
+    c.close()
+
+
+class Repl:
+    """A ChatApp fed through a prompt-toolkit pipe; the rich output is captured as plain text."""
+
+    def __init__(self, client, pipe, settings: ChatSettings, catch_sigint: bool = False):
+        self.client = client
+        self.pipe = pipe
+        self.out = io.StringIO()
+        self.session = ChatSession(settings)
+        view = ChatView(Console(file=self.out, force_terminal=False, width=200, soft_wrap=True))
+        lines = PromptLines(self.session, InMemoryHistory(), input=pipe, output=DummyOutput())
+        self.app = ChatApp(client, self.session, view, lines, catch_sigint=catch_sigint)
+
+    def send(self, line: str) -> None:
+        self.pipe.send_text(line + "\r")
+
+    async def until(self, cond: Callable[[], bool], timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out; output so far:\n{self.out.getvalue()}"
+            await asyncio.sleep(0.02)
+
+    async def turn(self, line: str) -> Turn:
+        n = len(self.session.turns)
+        self.send(line)
+        await self.until(lambda: len(self.session.turns) > n and not self.app.busy)
+        return self.session.turns[-1]
+
+
+@contextmanager
+def repl(client, catch_sigint: bool = False, **settings) -> Iterator[Repl]:
+    with create_pipe_input() as pipe:
+        yield Repl(client, pipe, ChatSettings(**settings), catch_sigint)
+
+
+def run_repl(client, script, catch_sigint: bool = False, **settings) -> Repl:
+    """Run the REPL on a fresh loop while `script(r)` types into it; the script ends with /exit."""
+
+    async def main(r: Repl) -> None:
+        task = asyncio.create_task(r.app.run())
+        try:
+            await script(r)
+            r.send("/exit")
+            assert await asyncio.wait_for(task, 30) == 0
+        finally:
+            task.cancel()
+
+    with repl(client, catch_sigint, **settings) as r:
+        asyncio.run(main(r))
+        return r
+
+
+@pytest.mark.slow
+def test_multi_turn_reuses_kv_and_reset_clears(client):
+    ids = lambda msgs: client.tokenizer.apply_chat_template(msgs)  # noqa: E731
+
+    async def script(r: Repl) -> None:
+        t1 = await r.turn(FACT)
+        t2 = await r.turn(QUESTION)
+        assert t1.error is None and t2.error is None
+        assert "banana" in t2.reply.lower()
+        # Turn 2's prompt extends turn 1's prompt + reply: the radix cache serves that prefix.
+        assert t2.stats.cached_tokens >= t1.stats.prompt_tokens
+        assert f"cached {t2.stats.cached_tokens} (" in r.out.getvalue()
+        first_prompt = ids(r.session.messages_for(QUESTION)[:1])  # [user: FACT]
+
+        r.send("/reset")
+        await r.until(lambda: "conversation cleared" in r.out.getvalue())
+        assert r.session.history == [] and r.session.turns == []
+        t3 = await r.turn(QUESTION)
+        # Only the chat template's shared head (default system prompt) can come from cache now.
+        now = ids([{"role": "user", "content": QUESTION}])
+        common = next(i for i, (a, b) in enumerate(zip(now, first_prompt)) if a != b)
+        assert 0 < t3.stats.cached_tokens <= common < t3.stats.prompt_tokens
+        assert len(r.session.history) == 2
+
+    r = run_repl(client, script, multi_turn=True, max_new_tokens=16)
+    assert "prompt " in r.out.getvalue() and "\x1b" not in r.out.getvalue()
+    client.check_pages()
+
+
+@pytest.mark.slow
+def test_ctrl_c_aborts_reply_and_repl_continues(client):
+    async def script(r: Repl) -> None:
+        r.send("Write a long story about a dragon who learns to fly.")
+        await r.until(r.app.streaming.is_set)
+        os.kill(os.getpid(), signal.SIGINT)  # what the terminal sends on Ctrl-C
+        await r.until(lambda: not r.app.busy and len(r.session.turns) == 1)
+        t = r.session.turns[0]
+        assert t.finish_reason == "abort" and r.session.history == []
+        st = client.stats()
+        assert st.running == 0 and st.waiting == 0
+        client.check_pages()
+        r.send("/max-tokens 6")
+        nxt = await r.turn("Say hello.")
+        assert nxt.error is None and nxt.finish_reason in ("stop", "length") and nxt.stats.completion_tokens > 0
+
+    r = run_repl(client, script, catch_sigint=True, max_new_tokens=400)
+    assert "interrupted (request aborted)" in r.out.getvalue()
+    assert client.stats().running == 0
+    client.check_pages()
+
+
+@pytest.mark.slow
+def test_context_overflow_is_one_line_and_session_lives(client):
+    async def script(r: Repl) -> None:
+        # Sent as one bracketed paste, as a terminal delivers pasted text (typing 20k keys is slow).
+        t = await r.turn("\x1b[200~" + "word " * (KV_TOKENS + 100) + "\x1b[201~")
+        assert t.error and "context limit" in t.error
+        r.send("/nonsense")
+        r.send("/stats")
+        await r.until(lambda: "KV free" in r.out.getvalue())
+        ok = await r.turn("Hi")
+        assert ok.error is None
+
+    r = run_repl(client, script, max_new_tokens=4)
+    out = r.out.getvalue()
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and "context limit" in errors[0] and "unknown command /nonsense" in errors[1]
+    assert "radix cache hit rate" in out
+    client.check_pages()
+
+
+# --- the command, as a script uses it -------------------------------------------------------------
+
+
+def _minisgl(args: list[str], stdin: str, home) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MINISGL_HOME": str(home), "TERM": "xterm-256color"}
+    env.pop("MODEL_NAME", None)
+    return subprocess.run([sys.executable, "-m", "minisgl_cli.app", *args], input=stdin, capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_piped_stdin_prints_plain_reply(tmp_path):
+    res = _minisgl(["chat", "--max-new-tokens", "8", "--max-total-tokens", "2048"], f"{FACT}\n", tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "banana" in res.stdout.lower()
+    assert "\x1b" not in res.stdout and "\x1b" not in res.stderr
+    assert "prompt " in res.stderr and "finish " in res.stderr  # status lines go to stderr, replies to stdout
+
+
+def test_missing_model_is_one_line_exit_1(tmp_path):
+    res = _minisgl(["chat", "--model", str(tmp_path / "nope.gguf")], "", tmp_path)
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "nope.gguf" in lines[0]
+    assert "Traceback" not in res.stderr
