@@ -56,9 +56,10 @@ class ServerSettings:
 class InputError(Exception):
     """A request the engine cannot serve as given: becomes a 4xx with an OpenAI error body."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
+        self.message, self.param, self.status, self.code, self.headers = message, param, status, code, headers
 
 
 class Disconnected(Exception):
@@ -305,7 +306,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InputError)
     async def input_error(_: Request, exc: InputError) -> JSONResponse:
         kind = _ERROR_TYPES.get(exc.status, "server_error")
-        return p.error_response(exc.status, exc.message, kind, exc.param, exc.code)
+        return p.error_response(exc.status, exc.message, kind, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(Exception)
     async def crash(_: Request, exc: Exception) -> JSONResponse:
@@ -378,7 +379,7 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
     def admit(n: int) -> None:
         if not gate.try_acquire(n):
             raise InputError(f"server busy: {gate.inflight} requests in flight (cap {gate.cap}); retry shortly",
-                             None, 429, "too_many_requests")
+                             None, 429, "too_many_requests", {"Retry-After": str(settings.retry_after_s)})
 
     def start(reqs: list[GenerateRequest], endpoint: str) -> EngineRun:
         admit(len(reqs))

@@ -1,0 +1,248 @@
+"""`minisgl serve` end to end: a real uvicorn server on loopback, the official openai client, raw httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import pytest
+
+from server_fixtures import API_KEY, auth_url, capped_url, engine_client, server_url, wait_idle  # noqa: F401
+
+openai = pytest.importorskip("openai")
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def oai(url: str, key: str = "none") -> "openai.OpenAI":
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def test_health_and_models(server_url, engine_client):
+    assert httpx.get(f"{server_url}/health").json() == {"status": "ok"}
+    models = oai(server_url).models.list().data
+    assert [m.id for m in models] == [engine_client.info.name]
+    assert oai(server_url).models.retrieve("default").id == engine_client.info.name
+
+
+def test_chat_non_stream(server_url):
+    r = oai(server_url).chat.completions.create(model="default", messages=HI, max_tokens=6)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 6
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    # The same prompt again hits the radix cache.
+    again = oai(server_url).chat.completions.create(model="default", messages=HI, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_stream_with_usage(server_url):
+    stream = oai(server_url).chat.completions.create(
+        model="default", messages=HI, max_tokens=6, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text and reasons in (["stop"], ["length"])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_equals_non_stream_greedy(server_url):
+    full = oai(server_url).chat.completions.create(model="default", messages=HI, max_tokens=8)
+    streamed = "".join(c.choices[0].delta.content or ""
+                       for c in oai(server_url).chat.completions.create(model="default", messages=HI, max_tokens=8,
+                                                                        stream=True) if c.choices)
+    assert streamed == full.choices[0].message.content
+
+
+def test_async_client_n2_stream_and_non_stream(server_url):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server_url}/v1", api_key="none", max_retries=0, timeout=120)
+        r = await client.chat.completions.create(model="default", messages=HI, max_tokens=4, n=2)
+        assert sorted(c.index for c in r.choices) == [0, 1]
+        texts: dict[int, str] = {0: "", 1: ""}
+        finished = set()
+        async for chunk in await client.chat.completions.create(model="default", messages=HI, max_tokens=4, n=2,
+                                                                stream=True):
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                if c.finish_reason:
+                    finished.add(c.index)
+        assert finished == {0, 1} and all(texts.values())
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_completions(server_url):
+    client = oai(server_url)
+    r = client.completions.create(model="default", prompt=["The capital of France is", "1, 2, 3,"], max_tokens=4, n=2)
+    assert r.object == "text_completion" and [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.text for c in r.choices)
+    assert r.choices[0].text == r.choices[1].text  # greedy: both samples of a prompt agree
+    assert r.usage.completion_tokens == sum(1 for _ in r.choices) * 4 or r.usage.completion_tokens <= 16
+    ids = client.completions.create(model="default", prompt=[504, 3575, 282], max_tokens=3)
+    assert ids.usage.prompt_tokens == 3
+    chunks = list(client.completions.create(model="default", prompt="Once upon a time", max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    assert chunks[-1].usage.prompt_tokens > 0
+
+
+def test_stop_strings_and_penalties(server_url):
+    client = oai(server_url)
+    base = client.chat.completions.create(model="default", messages=HI, max_tokens=8).choices[0].message.content
+    stop = next(ch for ch in base[1:] if not ch.isspace())  # a character the greedy reply contains
+    r = client.chat.completions.create(model="default", messages=HI, max_tokens=8, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert stop not in r.choices[0].message.content and base.startswith(r.choices[0].message.content)
+    r = client.chat.completions.create(model="default", messages=HI, max_tokens=4, stop=stop,
+                                       presence_penalty=1.5, frequency_penalty=1.0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_seed_reproducible(server_url):
+    client = oai(server_url)
+
+    def sample(seed: int) -> str:
+        return client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Tell a story"}],
+                                              max_tokens=8, temperature=1.0, seed=seed).choices[0].message.content
+
+    assert sample(1234) == sample(1234)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1  # sampling really is random across seeds
+
+
+def test_generate_json_lines(server_url):
+    body = {"prompt": "The capital of France is", "max_new_tokens": 5, "temperature": 0}
+    with httpx.stream("POST", f"{server_url}/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    *deltas, done = lines
+    assert deltas and all(set(d) == {"text_delta"} for d in deltas)
+    assert done["event"] == "done" and done["finish_reason"] in ("stop", "length")
+    for key in ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "latency_ms"):
+        assert key in done
+    assert done["completion_tokens"] <= 5
+    r = httpx.post(f"{server_url}/generate", json={**body, "stream": False}, timeout=120).json()
+    assert r["event"] == "done" and r["text"] == "".join(d["text_delta"] for d in deltas)
+
+
+def test_metrics_json_and_prometheus(server_url):
+    oai(server_url).chat.completions.create(model="default", messages=HI, max_tokens=2)
+    m = httpx.get(f"{server_url}/metrics", timeout=30).json()
+    for key in ("waiting", "running", "cache_hit_tokens", "cache_miss_tokens", "decode_tok_s"):
+        assert key in m["scheduler"]
+    assert m["server"]["inflight"] == 0
+    assert m["latency"]["window"] > 0 and m["latency"]["ttft_ms"]["p50"] > 0 and m["latency"]["e2e_ms"]["p99"] > 0
+    assert "completion_tok_s" in m["throughput"]
+    for r in (httpx.get(f"{server_url}/metrics?format=prometheus", timeout=30),
+              httpx.get(f"{server_url}/metrics", headers={"Accept": "text/plain"}, timeout=30)):
+        assert r.headers["content-type"].startswith("text/plain")
+        text = r.text
+        assert "# TYPE minisgl_num_requests_running gauge" in text
+        assert re.search(r"^minisgl_cache_hit_tokens_total\{[^}]*\} \d+$", text, re.M)
+        assert re.search(r'^minisgl_time_to_first_token_seconds_bucket\{.*le="\+Inf"\} [1-9]', text, re.M)
+        assert "minisgl_e2e_request_latency_seconds_count" in text
+
+
+def test_auth(auth_url):
+    assert httpx.get(f"{auth_url}/health").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.get(f"{auth_url}/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        oai(auth_url, "wrong").models.list()
+    r = oai(auth_url, API_KEY).chat.completions.create(model="default", messages=HI, max_tokens=2)
+    assert r.choices[0].message.content
+    assert httpx.get(f"{auth_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+def _hold_stream(url: str, client: httpx.Client):
+    """Open a long stream and read its first chunk; the caller closes it (aborting the request)."""
+    body = {"prompt": "Count: 1 2 3", "max_new_tokens": 400, "ignore_eos": True}
+    cm = client.stream("POST", f"{url}/generate", json=body, timeout=120)
+    r = cm.__enter__()
+    assert r.status_code == 200
+    lines = r.iter_lines()
+    next(lines)
+    cm.lines = lines  # keep the iterator alive: a collected one closes the response
+    return cm
+
+
+def test_backpressure_429_and_adaptive_downscale(capped_url, engine_client):
+    with httpx.Client() as http:
+        held = _hold_stream(capped_url, http)
+        try:
+            # One of two slots taken: load 50% -> max_tokens halved, and reported.
+            r = httpx.post(f"{capped_url}/generate", json={"prompt": "Hi", "max_new_tokens": 16, "stream": False},
+                           timeout=120)
+            assert r.status_code == 200
+            assert r.headers["X-Minisgl-Max-Tokens-Downscaled"] == "16->8"
+            assert r.json()["max_new_tokens_downscaled"] == "16->8" and r.json()["completion_tokens"] <= 8
+            # n=2 needs two slots while one is held: over the cap.
+            r = httpx.post(f"{capped_url}/v1/chat/completions", json={"messages": HI, "max_tokens": 2, "n": 2})
+            assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        finally:
+            held.__exit__(None, None, None)
+    wait_idle(engine_client)
+    m = httpx.get(f"{capped_url}/metrics").json()["server"]
+    assert m["inflight"] == 0 and m["rejected_429"] >= 1 and m["disconnects"] >= 1
+    r = httpx.post(f"{capped_url}/v1/chat/completions", json={"messages": HI, "max_tokens": 2, "n": 2}, timeout=120)
+    assert r.status_code == 200
+
+
+def test_disconnect_frees_pages(server_url, engine_client):
+    with httpx.Client() as http:
+        _hold_stream(server_url, http).__exit__(None, None, None)
+    wait_idle(engine_client)
+    engine_client.check_pages()
+    s = engine_client.stats()
+    assert s.tokens_in_use == 0 and s.aborted_requests >= 1
+
+
+def test_zmq_control(server_url, engine_client):
+    zmq = pytest.importorskip("zmq")
+    from minisgl_cli.server.control import ControlChannel
+    from minisgl_cli.server.launch import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    chan = ControlChannel(endpoint, lambda: {"scheduler": engine_client.stats().to_dict()},
+                          lambda text: (engine_client.insert_prefix(text), 3)[1])
+    chan.start()
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.RCVTIMEO, 30000)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        def ask(msg: str) -> dict:
+            sock.send_string(msg)
+            return json.loads(sock.recv())
+
+        assert ask("ping") == {"ok": True, "reply": "pong"}
+        assert "running" in ask("metrics")["metrics"]["scheduler"]
+        assert ask("warm You are a helpful assistant.")["ok"] is True
+        assert ask("bogus")["ok"] is False and ask("warm")["ok"] is False
+    finally:
+        sock.close()
+        chan.stop()
+
+
+def test_serve_help_lists_env_vars():
+    from typer.testing import CliRunner
+
+    from minisgl_cli.app import app
+
+    out = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).output
+    for name in ("MAX_INFLIGHT_TOTAL", "MAX_INFLIGHT_PER_ENGINE", "WARM_PREFIXES", "SCHEDULER_MODE", "ZMQ_CONTROL",
+                 "ZMQ_CONTROL_ENDPOINT", "MODEL_NAME", "MODEL_LOCAL_DIR", "ADAPTIVE_MAX_NEW_TOKENS",
+                 "MINISGL_API_KEY", "--port", "--host", "--image-model-dir"):
+        assert name in out, name
