@@ -127,6 +127,7 @@ def test_random_nano_vllm_and_shared_prefix():
     prefix = sp.requests[0].input_ids[:40]
     assert all(q.input_ids[:40] == prefix and q.prompt_tokens == 46 for q in sp.requests)
     assert len({tuple(q.input_ids[40:]) for q in sp.requests}) == 5
+    assert [p.input_ids for p in sp.prime] == [prefix]  # the system prompt alone, sent untimed first
 
 
 # --- online runner on a fake OpenAI-compatible server ---------------------------------------------

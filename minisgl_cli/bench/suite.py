@@ -60,6 +60,16 @@ class BenchConfig:
             raise ValueError("--repeat must be >= 1 and --warmup >= 0")
 
 
+def build_levels(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool, levels: list[int]) -> list[list[wl.Case]]:
+    """The cases for each concurrency level. The reference suite reuses one request set (it repeats prompts on
+    purpose); the other workloads draw fresh prompts per level (seed + level index), so a level does not hit
+    the prefix cache filled by the level before it."""
+    if cfg.preset is None and cfg.dataset == "reference":
+        return [build_cases(cfg, tokenizer, vocab_size, on_gpu)] * len(levels)
+    return [build_cases(dataclasses.replace(cfg, seed=cfg.seed + i), tokenizer, vocab_size, on_gpu)
+            for i in range(len(levels))]
+
+
 def build_cases(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool) -> list[wl.Case]:
     if cfg.preset == "nano-vllm":
         return [wl.nano_vllm_case(vocab_size, cfg.num_prompts or 256, cfg.seed)]
@@ -87,14 +97,20 @@ class Bench:
         self.report.notes.append(text)
         self.console.print(f"[yellow]note:[/] {escape(text)}", highlight=False)
 
-    def run(self, runner: Runner, cases: list[wl.Case], levels: list[int], vocab_size: int) -> None:
+    def run(self, runner: Runner, cases: list[list[wl.Case]], levels: list[int], vocab_size: int) -> None:
+        """cases[i] are the cases of levels[i]; a sequential runner runs the first level's, once, at c=1."""
         if self.cfg.warmup:
             with self.console.status(f"warming up {runner.name} ({self.cfg.warmup} request(s))"):
                 runner.warmup(wl.warmup_requests(vocab_size, self.cfg.warmup))
-        plan = [(case, c) for c in ([1] if runner.sequential else levels) for case in cases]
+        if runner.sequential:
+            plan = [(case, 1) for case in cases[0]]
+        else:
+            plan = [(case, c) for level_cases, c in zip(cases, levels) for case in level_cases]
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=self.console, transient=False) as progress:
             for case, c in plan:
+                if case.prime:
+                    runner.warmup(case.prime)
                 task = progress.add_task(f"{runner.name} {case.name} c={c}", total=len(case.requests))
                 out = runner.run(case, c, lambda: progress.advance(task))
                 metrics = compute_metrics(out.timings, out.duration_s)
@@ -119,7 +135,7 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str], Any], console: Co
     from minisgl_cli.bench.offline import EngineRunner
 
     report: BenchReport | None = None
-    cases: list[wl.Case] = []
+    cases: list[list[wl.Case]] = []
     model_dir = None
     device = dtype = None
     vocab_size = 0
@@ -132,14 +148,14 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str], Any], console: Co
             vocab_size = client.engine.model_cfg.vocab_size
             tokenizer = client.tokenizer.hf if client.tokenizer is not None else None
             device, dtype = info.device, getattr(torch, info.dtype)
-            cases = build_cases(cfg, tokenizer, vocab_size, on_gpu=device.startswith("cuda"))
+            cases = build_levels(cfg, tokenizer, vocab_size, device.startswith("cuda"), cfg.concurrency)
             model_dir = client.engine.loaded.model_dir
             report = BenchReport(_meta(cfg, mode="offline", model=info.name, device=device, dtype=info.dtype,
                                        attention_backend=info.attention_backend, torch=torch.__version__,
                                        minisgl=getattr(minisgl_cli, "__version__", "0.1.0")))
             bench = Bench(cfg, report, console)
             console.print(f"model={info.name} device={device} dtype={info.dtype} backend={info.attention_backend} "
-                          f"cases={', '.join(f'{c.name}({len(c.requests)} req)' for c in cases)} "
+                          f"cases={', '.join(f'{c.name}({len(c.requests)} req)' for c in cases[0])} "
                           f"concurrency={cfg.concurrency}", highlight=False)
         name = "minisgl" if len(cfg.caches) == 1 else f"minisgl[{cache}]"
         runner = EngineRunner(client, name)
@@ -165,7 +181,7 @@ def _free(device: str | None) -> None:
         torch.cuda.empty_cache()
 
 
-def _run_baselines(cfg: BenchConfig, bench: Bench, cases: list[wl.Case], model_dir: Any, device: Any, dtype: Any,
+def _run_baselines(cfg: BenchConfig, bench: Bench, cases: list[list[wl.Case]], model_dir: Any, device: Any, dtype: Any,
                    vocab_size: int, load_format: str) -> None:
     from transformers.utils import logging as hf_logging
 
@@ -190,7 +206,7 @@ def _run_baselines(cfg: BenchConfig, bench: Bench, cases: list[wl.Case], model_d
             _free(device)
 
 
-def _run_peers(cfg: BenchConfig, bench: Bench, cases: list[wl.Case], model_arg: str | None, device: Any,
+def _run_peers(cfg: BenchConfig, bench: Bench, cases: list[list[wl.Case]], model_arg: str | None, device: Any,
                vocab_size: int) -> None:
     from minisgl_cli.bench.baselines import PEERS, LlamaCppRunner, llama_cpp_available
 
@@ -204,7 +220,7 @@ def _run_peers(cfg: BenchConfig, bench: Bench, cases: list[wl.Case], model_arg: 
         if gguf is None:
             bench.note("llama.cpp peer skipped: it needs a GGUF model (the default model or --model FILE.gguf)")
             continue
-        need = max(r.prompt_tokens + r.max_new_tokens for c in cases for r in c.requests) + 16
+        need = max(r.prompt_tokens + r.max_new_tokens for lv in cases for c in lv for r in c.requests) + 16
         runner = LlamaCppRunner(gguf, on_gpu=str(device).startswith("cuda"), n_ctx=max(2048, need))
         try:
             bench.run(runner, cases, cfg.concurrency, vocab_size)
@@ -234,11 +250,11 @@ def run_online(cfg: BenchConfig, console: Console, model_arg: str | None) -> Ben
     import torch
 
     # The server's device is unknown: size the reference cases by this machine's (a local server's).
-    cases = build_cases(dataclasses.replace(cfg, concurrency=levels), tokenizer, vocab_size,
-                        on_gpu=torch.cuda.is_available())
+    cases = build_levels(dataclasses.replace(cfg, concurrency=levels), tokenizer, vocab_size,
+                         torch.cuda.is_available(), levels)
     report = BenchReport(_meta(cfg, mode="online", model=runner.model, device=cfg.url))
     console.print(f"server={cfg.url} model={runner.model} api={cfg.api} request_rate={cfg.request_rate} "
-                  f"max_concurrency={levels} cases={', '.join(f'{c.name}({len(c.requests)} req)' for c in cases)}",
+                  f"max_concurrency={levels} cases={', '.join(f'{c.name}({len(c.requests)} req)' for c in cases[0])}",
                   highlight=False)
     Bench(cfg, report, console).run(runner, cases, levels, vocab_size)
     return report
