@@ -219,7 +219,7 @@ class ChatView:
         table.add_column("value", justify="right")
         pages = lambda n: f"{n:,} tok / {n // max(page_size, 1):,} pages"  # noqa: E731
         rows = [
-            ("requests finished / aborted", f"{s.finished_requests} / {s.aborted_requests}"),
+            ("requests ended (of them aborted)", f"{s.finished_requests} ({s.aborted_requests})"),
             ("requests running / waiting", f"{s.running} / {s.waiting}"),
             ("radix cache hit tokens", f"{s.cache_hit_tokens:,}"),
             ("radix cache miss tokens", f"{s.cache_miss_tokens:,}"),
