@@ -55,6 +55,9 @@ def chat(
         c.fail(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130)
+    if client.tokenizer is None:
+        client.close()
+        c.fail("chat needs a tokenizer: a built-in --load-format dummy config has none (give an HF dir as --model)")
     try:
         code = run_chat(client, ChatSession(settings), view, interactive)
     except KeyboardInterrupt:  # Ctrl-C outside a reply on a pipe: leave quietly

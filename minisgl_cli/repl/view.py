@@ -178,7 +178,7 @@ class ChatView:
                 yield
         else:
             if self.verbose:
-                self.note(message + " ...")
+                self.note(message)
             yield
 
     def ready(self, info: ModelInfo, settings_line: str) -> None:
