@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -111,9 +112,10 @@ class EngineRun:
     """
 
     def __init__(self, client: EngineClient, reqs: list[GenerateRequest], gate: InflightGate,
-                 metrics: ServerMetrics, endpoint: str):
+                 metrics: ServerMetrics, endpoint: str, active: set[EngineRun]):
         self.reqs, self.gate, self.metrics, self.endpoint = reqs, gate, metrics, endpoint
-        self.client = client
+        self.client, self.active = client, active
+        active.add(self)
         self.queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
         self.open = len(reqs)  # requests not yet finished
         self.chunks = [0] * len(reqs)
@@ -173,6 +175,10 @@ class EngineRun:
         if not self._released:
             self._released = True
             self.gate.release(len(self.reqs))
+            self.active.discard(self)
+
+    def unfinished_rids(self) -> list[str]:
+        return [r.rid for r, f in zip(self.reqs, self.finals) if f is None]
 
     def _log_finish(self, i: int, d: Delta) -> None:
         if not log.isEnabledFor(logging.INFO):
@@ -182,6 +188,21 @@ class EngineRun:
                  "ttft=%.0fms latency=%.0fms%s", self.reqs[i].rid, self.endpoint, d.finish_reason,
                  s.prompt_tokens, s.cached_tokens, s.completion_tokens, self.chunks[i], s.ttft_s * 1000,
                  s.latency_s * 1000, f" error={d.error!r}" if d.error else "")
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its EngineRun however the response ends: even when the client
+    is gone before the first chunk (the body generator then never starts, so its `finally` never runs)."""
+
+    def __init__(self, run: EngineRun, content: AsyncIterator[str], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
 
 
 def _engine_error(delta: Delta) -> InputError:
@@ -324,8 +345,22 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
     gate = InflightGate(settings, getattr(client.scheduler, "max_running", 64), metrics)
     vocab = client.engine.model_cfg.vocab_size
     created = p.now()
+    active: set[EngineRun] = set()
 
-    app = FastAPI(title="minisgl", version="0.1.0",
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Shutting down with requests in flight: abort them while this loop still takes the scheduler's
+        # replies (a reply into a closed loop would break the scheduler thread, which may outlive the app).
+        rids = [rid for run in list(active) for rid in run.unfinished_rids()]
+        for rid in rids:
+            client.abort(rid)
+        for run in list(active):
+            run.close()
+        if rids:
+            await run_in_threadpool(client.stats)  # returns once the scheduler has processed the aborts
+
+    app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible LLM server over one minisgl engine.")
     app.state.client, app.state.settings, app.state.metrics, app.state.gate = client, settings, metrics, gate
     app.add_middleware(EdgeMiddleware, settings=settings, metrics=metrics)
@@ -388,7 +423,7 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
                 log.info("rid=%s %s admitted: prompt_tokens=%d max_new_tokens=%d temperature=%s inflight=%d",
                          r.rid, endpoint, len(r.input_ids), r.params.max_new_tokens, r.params.temperature,
                          gate.inflight)
-        return EngineRun(client, reqs, gate, metrics, endpoint)
+        return EngineRun(client, reqs, gate, metrics, endpoint, active)
 
     async def first_event(run: EngineRun, request: Request) -> tuple[int, Delta] | None:
         """Wait for the first delta before answering, so early engine errors get a real status."""
@@ -415,9 +450,10 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
     def headers_for(note: str | None) -> dict[str, str]:
         return {DOWNSCALE_HEADER: note} if note else {}
 
-    def stream(body: AsyncIterator[str], note: str | None, media_type: str = "text/event-stream") -> StreamingResponse:
+    def stream(run: EngineRun, body: AsyncIterator[str], note: str | None,
+               media_type: str = "text/event-stream") -> StreamingResponse:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers_for(note)}
-        return StreamingResponse(body, media_type=media_type, headers=headers)
+        return EngineStreamingResponse(run, body, media_type=media_type, headers=headers)
 
     def sse(obj: dict[str, Any] | str) -> str:
         return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -488,7 +524,7 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
             finally:
                 run.close()
 
-        return stream(frames(), note)
+        return stream(run, frames(), note)
 
     @app.post("/v1/completions", response_model=p.CompletionResponse, responses=p.ERROR_RESPONSES,
               tags=["openai"])
@@ -532,7 +568,7 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
             finally:
                 run.close()
 
-        return stream(frames(), note)
+        return stream(run, frames(), note)
 
     @app.post("/generate", response_model=p.GenerateDone, responses=p.ERROR_RESPONSES, tags=["reference"])
     async def generate(body: p.GenerateBody, request: Request) -> Any:
@@ -568,7 +604,7 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
             finally:
                 run.close()
 
-        return stream(lines(), note, media_type="application/x-ndjson")
+        return stream(run, lines(), note, media_type="application/x-ndjson")
 
     @app.get("/metrics", tags=["server"], responses={200: {"content": {"text/plain": {}}}})
     async def metrics_route(request: Request, format: str | None = Query(None, pattern="^(json|prometheus)$")) -> Any:
