@@ -68,7 +68,13 @@ class EngineClient:
         ids = self.input_ids(req)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[list[TokenOutput]] = asyncio.Queue()
-        sink = lambda items: loop.call_soon_threadsafe(inbox.put_nowait, items)  # noqa: E731
+
+        def sink(items: list[TokenOutput]) -> None:
+            try:
+                loop.call_soon_threadsafe(inbox.put_nowait, items)
+            except RuntimeError:  # the consumer's event loop is gone: nobody is listening any more
+                pass
+
         params = req.params
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
         stopper = StopStringMatcher(list(params.stop))

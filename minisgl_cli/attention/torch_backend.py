@@ -13,14 +13,16 @@ from minisgl_cli.engine.batch import ForwardBatch
 
 @dataclass
 class TorchDecodeMeta:
-    slots: torch.Tensor  # [B, L] KV slots, padded with slot 0
+    slots: torch.Tensor  # [B * L] KV slots, row-major, padded with the scratch slot 0
+    max_len: int
     mask: torch.Tensor  # [B, 1, 1, L] True where a position is real
 
 
 @dataclass
 class TorchExtendMeta:
-    slots: list[torch.Tensor]  # per request: [seq_len] KV slots
-    masks: list[torch.Tensor | None]  # per request: [extend, seq_len] causal mask, None if plain causal
+    starts: list[int]  # row offsets of each request in the flat batch
+    slots: list[torch.Tensor | None]  # per request: [seq_len] KV slots; None when nothing is cached
+    masks: list[torch.Tensor | None]  # per request: [extend, seq_len] causal mask; None = plain causal
 
 
 class TorchBackend(AttentionBackend):
@@ -31,44 +33,50 @@ class TorchBackend(AttentionBackend):
         if batch.is_decode:
             max_len = max(batch.seq_lens_cpu)
             slots = table[batch.req_slots, :max_len].long()
-            arange = torch.arange(max_len, device=slots.device)
-            mask = arange[None, :] < batch.seq_lens[:, None]
-            batch.attn_meta = TorchDecodeMeta(slots=slots, mask=mask[:, None, None, :])
+            mask = torch.arange(max_len, device=slots.device)[None, :] < batch.seq_lens[:, None]
+            batch.attn_meta = TorchDecodeMeta(slots.reshape(-1), max_len, mask[:, None, None, :])
             return
         slots, masks = [], []
         rows = batch.req_slots.tolist()
         for row, seq_len, ext in zip(rows, batch.seq_lens_cpu, batch.extend_lens_cpu):
-            slots.append(table[row, :seq_len].long())
             prefix = seq_len - ext
-            if prefix == 0:
+            if prefix == 0:  # nothing cached: attend over this step's own k/v, no gather
+                slots.append(None)
                 masks.append(None)
-            else:  # query i (position prefix+i) sees keys 0..prefix+i
-                q_pos = torch.arange(prefix, seq_len, device=table.device)[:, None]
-                masks.append(torch.arange(seq_len, device=table.device)[None, :] <= q_pos)
-        batch.attn_meta = TorchExtendMeta(slots=slots, masks=masks)
+                continue
+            slots.append(table[row, :seq_len].long())
+            q_pos = torch.arange(prefix, seq_len, device=table.device)[:, None]
+            masks.append(torch.arange(seq_len, device=table.device)[None, :] <= q_pos)
+        batch.attn_meta = TorchExtendMeta(batch.qo_indptr.tolist(), slots, masks)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
         self.pool.store(layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
-        gqa = self.num_heads != self.num_kv_heads
         meta = batch.attn_meta
         if isinstance(meta, TorchDecodeMeta):
-            keys = k_cache[meta.slots].transpose(1, 2)  # [B, Hkv, L, D]
-            values = v_cache[meta.slots].transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q[:, :, None, :], keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=gqa
-            )  # [B, H, 1, D]
-            return out[:, :, 0, :]
+            return self._decode(q, k_cache, v_cache, meta)
         outs = []
-        starts = batch.qo_indptr.tolist()
+        gqa = self.num_heads != self.num_kv_heads
         for i, (slots, mask) in enumerate(zip(meta.slots, meta.masks)):
-            qi = q[starts[i] : starts[i + 1]].transpose(0, 1)[None]  # [1, H, E, D]
-            ki = k_cache[slots].transpose(0, 1)[None]
-            vi = v_cache[slots].transpose(0, 1)[None]
+            a, b = meta.starts[i], meta.starts[i + 1]
+            ki = k[a:b] if slots is None else k_cache.index_select(0, slots)
+            vi = v[a:b] if slots is None else v_cache.index_select(0, slots)
             oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa
+                q[a:b].transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None],
+                attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa,
             )
             outs.append(oi[0].transpose(0, 1))
         return torch.cat(outs, dim=0)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchDecodeMeta):
+        bsz, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
+        shape = (bsz, meta.max_len, hkv, d)
+        keys = k_cache.index_select(0, meta.slots).view(shape).transpose(1, 2).contiguous()  # [B, Hkv, L, D]
+        values = v_cache.index_select(0, meta.slots).view(shape).transpose(1, 2).contiguous()
+        # GQA without copying K/V per query head: a KV head's query heads act as its query rows.
+        out = F.scaled_dot_product_attention(q.view(bsz, hkv, group, d), keys, values, attn_mask=meta.mask,
+                                             scale=self.scale)
+        return out.view(bsz, self.num_heads, d)
