@@ -10,6 +10,50 @@ import torch
 Mode = Literal["extend", "decode"]
 
 
+class _PinnedRing:
+    """A few reusable pinned host buffers per dtype for host-to-device copies of step metadata.
+
+    Fresh pinned allocations can cost a cudaHostAlloc, which waits for the GPU: with overlap scheduling
+    that would stall the CPU on the step in flight. A slot is reused only after the event recorded
+    behind its copy has fired (in practice long before: at most one step is in flight)."""
+
+    SLOTS = 4
+
+    def __init__(self) -> None:
+        self._bufs: dict[torch.dtype, list[torch.Tensor | None]] = {}
+        self._events: dict[torch.dtype, list[torch.cuda.Event | None]] = {}
+        self._next: dict[torch.dtype, int] = {}
+
+    def copy(self, data: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        bufs = self._bufs.setdefault(dtype, [None] * self.SLOTS)
+        events = self._events.setdefault(dtype, [None] * self.SLOTS)
+        i = self._next.get(dtype, 0)
+        self._next[dtype] = (i + 1) % self.SLOTS
+        if events[i] is not None:
+            events[i].synchronize()
+        n = len(data)
+        if bufs[i] is None or bufs[i].numel() < n:
+            bufs[i] = torch.empty(max(n, 4096, 2 * (bufs[i].numel() if bufs[i] is not None else 0)),
+                                  dtype=dtype, pin_memory=True)
+        host = bufs[i][:n]
+        host.copy_(torch.tensor(data, dtype=dtype))
+        out = host.to(device, non_blocking=True)
+        ev = events[i] or torch.cuda.Event()
+        ev.record()
+        events[i] = ev
+        return out
+
+
+_ring = _PinnedRing()
+
+
+def to_device(data: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host int list on `device`: asynchronously through the pinned ring on CUDA, directly elsewhere."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return _ring.copy(data, dtype, device)
+
+
 @dataclass
 class ForwardBatch:
     """Flat token batch (no padding) for one forward: an extend (prefill) step or a decode step.
@@ -55,33 +99,42 @@ class ForwardBatch:
         req_slots: list[int],
         prefix_lens: list[int],
         extend_lens: list[int],
-        out_cache_loc: torch.Tensor,
+        out_cache_loc: torch.Tensor | list[int],
         device: torch.device | str,
+        positions: list[int] | None = None,
     ) -> "ForwardBatch":
-        """Derive positions and offsets on the CPU, then move everything in one go per tensor."""
-        positions: list[int] = []
-        for p, e in zip(prefix_lens, extend_lens):
-            positions.extend(range(p, p + e))
+        """Derive positions and offsets on the host, then move them in two copies (int64, int32 fields).
+
+        On CUDA the host buffers are pinned and the copies asynchronous, so building the next step's
+        batch never waits for the step the GPU is running."""
+        if positions is None:
+            if mode == "decode":
+                positions = list(prefix_lens)
+            else:
+                positions = []
+                for p, e in zip(prefix_lens, extend_lens):
+                    positions.extend(range(p, p + e))
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         indptr = [0]
         for e in extend_lens:
             indptr.append(indptr[-1] + e)
-        pin = torch.device(device).type == "cuda"
-
-        def dev(data: list[int], dtype: torch.dtype) -> torch.Tensor:
-            t = torch.tensor(data, dtype=dtype, pin_memory=pin)
-            return t.to(device, non_blocking=True)
-
+        if isinstance(out_cache_loc, torch.Tensor):
+            out_cache_loc = out_cache_loc.tolist()
+        T, B = len(input_ids), len(req_slots)
+        device = torch.device(device)
+        wide = to_device(input_ids + positions + out_cache_loc + req_slots + [i - 1 for i in indptr[1:]],
+                         torch.int64, device)
+        narrow = to_device(seq_lens + list(extend_lens) + indptr, torch.int32, device)
         return ForwardBatch(
             mode=mode,
-            input_ids=dev(input_ids, torch.int64),
-            positions=dev(positions, torch.int64),
-            out_cache_loc=out_cache_loc.to(device, non_blocking=True),
-            req_slots=dev(req_slots, torch.int64),
-            seq_lens=dev(seq_lens, torch.int32),
-            extend_lens=dev(extend_lens, torch.int32),
+            input_ids=wide[:T],
+            positions=wide[T : 2 * T],
+            out_cache_loc=wide[2 * T : 3 * T],
+            req_slots=wide[3 * T : 3 * T + B],
+            seq_lens=narrow[:B],
+            extend_lens=narrow[B : 2 * B],
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=list(extend_lens),
-            qo_indptr=dev(indptr, torch.int32),
-            logits_indices=dev([i - 1 for i in indptr[1:]], torch.int64),
+            qo_indptr=narrow[2 * B :],
+            logits_indices=wide[3 * T + B :],
         )

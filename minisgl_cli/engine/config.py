@@ -25,8 +25,9 @@ class EngineConfig:
     max_context_len: int | None = None  # None = the model's max positions (capped by the pool)
     tp_size: int = 1
     seed: int = 0  # dummy weights
-    cuda_graph_max_bs: int | None = None
+    cuda_graph_max_bs: int | None = None  # None = by free memory (256 on a big card), capped by max_running_requests
     disable_cuda_graph: bool = False
+    disable_fused_ops: bool = False  # CUDA: use the plain torch ops instead of the fused Triton kernels
     num_threads: int | None = None  # CPU: torch intra-op threads (None = torch's default)
 
     def resolved_device(self) -> torch.device:

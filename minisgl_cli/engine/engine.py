@@ -13,8 +13,10 @@ from minisgl_cli.attention import create_backend
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.engine.graph import GraphRunner, default_max_bs
 from minisgl_cli.engine.sampler import SamplingRow, sample
 from minisgl_cli.kvcache.pool import KVPool, KVShape
+from minisgl_cli.layers import fused
 from minisgl_cli.loader.configs import builtin_config
 from minisgl_cli.loader.dummy import init_dummy_weights
 from minisgl_cli.loader.errors import ModelLoadError
@@ -88,6 +90,11 @@ class Engine:
             cfg.attention_backend, self.pool, mc.num_heads // tp.size, mc.num_kv_heads // tp.size,
             mc.head_dim, mc.head_dim**-0.5, self.device,
         )
+        self.graphs: GraphRunner | None = None
+        if self.device.type == "cuda":
+            fused.set_enabled(not cfg.disable_fused_ops)
+            if not cfg.disable_cuda_graph and getattr(self.attn, "supports_cuda_graph", False):
+                self.capture_graphs()
         self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0)
         log.info(
             "engine ready: model=%s source=%s device=%s dtype=%s backend=%s kv_tokens=%d page_size=%d eos=%s (%.1fs)",
@@ -97,6 +104,7 @@ class Engine:
 
     def _kv_pages(self, shape: KVShape) -> int:
         cfg = self.cfg
+        self._free_after_weights = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         if cfg.max_total_tokens:
             return max(1, cfg.max_total_tokens // cfg.page_size)
         if self.device.type == "cuda":
@@ -106,9 +114,23 @@ class Engine:
             budget = int(cfg.kv_cache_gib * (1 << 30))
         return KVPool.pages_for_budget(shape, budget, cfg.page_size)
 
+    def capture_graphs(self, max_bs: int | None = None) -> None:
+        """(Re)capture the decode CUDA graphs, e.g. after switching the fused ops on or off."""
+        if max_bs is None:
+            max_bs = self.cfg.cuda_graph_max_bs
+        if max_bs is None:
+            max_bs = default_max_bs(self._free_after_weights, self.cfg.max_running_requests)
+        self.graphs = None
+        torch.cuda.empty_cache()
+        runner = GraphRunner(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device)
+        runner.capture()
+        self.graphs = runner
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, vocab] (fp32) of each request's last token."""
+        """Logits [B, vocab] (fp32) of each request's last token (decode through a CUDA graph when one fits)."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.replay(batch)
         self.attn.prepare(batch)
         return self.model.logits(self.model(batch, self.attn))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl_cli.layers import fused
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -16,12 +18,20 @@ class RMSNorm(nn.Module):
         self.weight.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused.ops_for(x)
+        if ops is not None:
+            return ops.rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add the residual, then normalise: returns (normed, new residual)."""
+        """Add the residual, then normalise: returns (normed, new residual).
+
+        The fused CUDA kernel updates `residual` in place (callers own it); the torch path does not."""
+        ops = fused.ops_for(x)
+        if ops is not None and residual.is_contiguous():
+            return ops.rmsnorm(x, self.weight, self.eps, residual=residual), residual
         residual = x + residual
         return self.forward(residual), residual

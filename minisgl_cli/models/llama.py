@@ -10,6 +10,7 @@ from torch import nn
 from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.layers import fused
 from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -35,13 +36,23 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        ops = fused.ops_for(qkv) if self.head_dim in (64, 128, 256) else None
+        if ops is not None:  # one kernel: q/k head norms and RoPE, in place on the fused qkv rows
+            qn, kn = self.q_norm, self.k_norm
+            ops.qk_norm_rope_(
+                qkv, batch.positions, self.rope.cos, self.rope.sin, self.num_heads, self.num_kv_heads,
+                self.head_dim, qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+                qn.eps if qn is not None else 0.0,
+            )
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(batch.positions, q, k)
+        if ops is None:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rope(batch.positions, q, k)
         o = attn.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(o.reshape(-1, q_size))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from minisgl_cli.engine.batch import to_device
 from minisgl_cli.kvcache import KVPool, create_prefix_cache
 from minisgl_cli.scheduler.request import Req
 
@@ -41,8 +42,11 @@ class CacheManager:
         m = self.tree.match(ids[: len(ids) - 1])
         self.tree.lock(m.node)
         req.prefix_node, req.prefix_len, req.kv_len = m.node, m.length, m.length
+        req.prefix_slots = m.slots[: m.length].tolist() if m.length else []
         if m.length:
-            self.pool.page_table[req.req_slot, : m.length] = m.slots.to(self.pool.device)
+            # Through pinned memory, asynchronously: a pageable copy would wait for the step in flight.
+            slots = to_device(req.prefix_slots, torch.int32, self.pool.device)
+            self.pool.page_table[req.req_slot, : m.length].copy_(slots, non_blocking=True)
 
     def allocate(self, n_pages: int) -> list[int] | None:
         """n pages, evicting unlocked cache leaves if needed; None (and nothing taken) if impossible."""
@@ -51,21 +55,37 @@ class CacheManager:
             self.pool.free_pages(self._slots_to_pages(self.tree.evict(short * self.page_size)))
         return self.pool.alloc_pages(n_pages)
 
-    def extend(self, req: Req, n: int) -> torch.Tensor | None:
-        """Reserve KV slots for positions kv_len..kv_len+n; returns them, or None if out of pages."""
+    def reserve(self, req: Req, n: int) -> bool:
+        """Make sure pages cover positions up to kv_len+n (allocating, evicting); False if out of pages."""
         p = self.page_size
-        start, end = req.kv_len, req.kv_len + n
-        have = req.prefix_len // p + len(req.pages)  # pages covering positions so far
-        need = -(-end // p) - have
+        need = -(-(req.kv_len + n) // p) - (req.prefix_len // p + len(req.pages))
         if need > 0:
             pages = self.allocate(need)
             if pages is None:
-                return None
+                return False
             req.pages.extend(pages)
-        pos = torch.arange(start, end)
-        own = torch.tensor(req.pages, dtype=torch.int64)
-        slots = own[pos // p - req.prefix_len // p] * p + pos % p
-        self.pool.page_table[req.req_slot, start:end] = slots.to(self.pool.device, torch.int32)
+        return True
+
+    def slots(self, req: Req, start: int, end: int) -> list[int]:
+        """KV slots of positions start..end-1 (reserved already), computed on the host: no device read."""
+        p, first = self.page_size, req.prefix_len
+        pre = req.prefix_slots[start:min(end, first)] if start < first else []
+        own, lo = req.pages, max(start, first)
+        if p == 1:
+            return pre + own[lo - first : end - first]
+        base = first // p
+        return pre + [own[q // p - base] * p + q % p for q in range(lo, end)]
+
+    def extend(self, req: Req, n: int, write: bool = True) -> torch.Tensor | None:
+        """Reserve KV slots for positions kv_len..kv_len+n; returns them, or None if out of pages.
+
+        `write=False` leaves the page-table rows to the caller (the scheduler writes a whole step's
+        rows in one device op instead of one small copy per request)."""
+        if not self.reserve(req, n):
+            return None
+        slots = torch.tensor(self.slots(req, req.kv_len, req.kv_len + n), dtype=torch.int64)
+        if write:
+            self.pool.page_table[req.req_slot, req.kv_len : req.kv_len + n] = slots.to(self.pool.device, torch.int32)
         return slots
 
     def release(self, req: Req, cache: bool = True) -> None:
@@ -74,9 +94,11 @@ class CacheManager:
             return
         p = self.page_size
         if cache and req.kv_len > req.prefix_len:
-            ids = req.all_ids[: req.kv_len]
-            slots = self.pool.page_table[req.req_slot, : req.kv_len].to("cpu", torch.int64)
-            aligned = req.kv_len - req.kv_len % p
+            # Under overlap scheduling kv_len may run one ahead of the known tokens: cache what is known.
+            n = min(req.kv_len, req.seq_len)
+            ids = req.all_ids[:n]
+            slots = torch.tensor(self.slots(req, 0, n), dtype=torch.int64)
+            aligned = n - n % p
             existing = self.tree.insert(ids[:aligned], slots[:aligned])
             # Own pages below `existing` duplicate the tree's; pages past `aligned` hold a partial page.
             first_own = req.prefix_len // p
@@ -90,5 +112,6 @@ class CacheManager:
             self.tree.unlock(req.prefix_node)
             req.prefix_node = None
         req.prefix_len = req.kv_len = 0
+        req.prefix_slots = []
         self.pool.free_req_slot(req.req_slot)
         req.req_slot = None

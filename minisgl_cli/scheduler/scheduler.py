@@ -1,7 +1,8 @@
 """Scheduler: continuous batching over one engine — waiting queue, running set, one decision per step.
 
 Each step either prefills waiting requests under a token budget (long prompts in chunks) or decodes
-every running request; new requests join between steps. When pages run short, the prefix cache is
+every running request; new requests join between steps. On CUDA the next step is launched before the
+last one's tokens are read (overlap scheduling, see `overlap.py`; `disable_overlap` turns it off). When pages run short, the prefix cache is
 evicted first, then the newest running request is retracted (its KV cached, it re-queues) — nothing
 is dropped and nothing crashes.
 """
@@ -23,6 +24,7 @@ from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.engine.sampler import SamplingRow
 from minisgl_cli.scheduler.cache import CacheManager
+from minisgl_cli.scheduler.overlap import Launched, feed_input_ids, overlap_disabled_by_env
 from minisgl_cli.scheduler.request import Req, TokenOutput
 from minisgl_cli.scheduler.stats import RollingRate, SchedulerStats
 from minisgl_cli.types import FinishReason, SamplingParams
@@ -37,6 +39,8 @@ class SchedulerConfig:
     max_prefill_tokens: int = 2048  # token budget of one prefill step (also the chunk size)
     policy: Policy = "prefill-first"
     cache: str = "radix"
+    disable_overlap: bool = False  # also env MINISGL_DISABLE_OVERLAP_SCHEDULING=1
+    overlap_on_cpu: bool = False  # overlap is a CUDA feature; tests force it on the CPU to check the logic
 
 
 @dataclass
@@ -68,6 +72,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._prefill_rate, self._decode_rate = RollingRate(), RollingRate()
         self._last_was_decode = False
+        on = engine.device.type == "cuda" or cfg.overlap_on_cpu
+        self.overlap = on and not cfg.disable_overlap and not overlap_disabled_by_env()
+        self._inflight: Launched | None = None  # overlap: the launched step whose tokens are unread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -99,11 +106,12 @@ class Scheduler:
     # --- loop ----------------------------------------------------------------------------------
     def run_forever(self) -> None:
         while not self._stop.is_set():
-            self._drain(block=not (self.waiting or self.running))
+            self._drain(block=not (self.waiting or self.running or self._inflight))
             try:
                 self.step()
             except Exception:  # a bug must not kill the loop silently: fail what is in flight, go on
                 log.exception("scheduler step failed; failing in-flight requests")
+                self._inflight = None
                 for req in list(self.running) + list(self.waiting):
                     self._finish(req, None, error="internal error in the engine step (see server log)")
 
@@ -148,10 +156,15 @@ class Scheduler:
 
     def step(self) -> None:
         batch = self._schedule()
-        if batch is None:
+        launched = self._launch(*batch) if batch is not None else None
+        if not self.overlap:
+            if launched is not None:
+                self._process(launched)
             return
-        mode, reqs, lens = batch
-        self._run(mode, reqs, lens)
+        # Overlap: read the previous step's tokens while the GPU runs the one just launched.
+        prev, self._inflight = self._inflight, launched
+        if prev is not None:
+            self._process(prev)
 
     def _schedule(self) -> tuple[str, list[Req], list[int]] | None:
         prefill_turn = self.cfg.policy == "prefill-first" or self._last_was_decode or not self.running
@@ -179,10 +192,10 @@ class Scheduler:
             n = min(req.remaining_prefill, budget)
             # Keep one page per running request free for its next decode step.
             reserve = len(self.running) + len(reqs)
-            slots = None
+            ok = False
             if self.cache.available_pages - reserve >= -(-n // self.cache.page_size):
-                slots = self.cache.extend(req, n)
-            if slots is None:
+                ok = self.cache.reserve(req, n)
+            if not ok:
                 if req.kv_len == req.prefix_len:  # no progress held: give the slot back, retry later
                     self.cache.release(req, cache=False)
                 if not reqs and not self.running and req.kv_len == 0:
@@ -207,15 +220,19 @@ class Scheduler:
             s.cache_miss_requests += 1
 
     def _decode_batch(self) -> tuple[str, list[Req], list[int]] | None:
+        retracted = False
         for req in list(self.running):
-            if req not in self.running:
+            if retracted and req not in self.running:
                 continue  # retracted below while making room
-            while self.cache.extend(req, 1) is None:
+            while not self.cache.reserve(req, 1):
                 victim = max(self.running, key=lambda r: r.arrival)
                 if victim is req and len(self.running) == 1:
+                    if self._pending(req):
+                        return None  # its last token is still on the device: decide once it is read
                     self._finish(req, "length")  # alone and still out of room: the pool is its limit
                     break
                 self._retract(victim)
+                retracted = True
                 if victim is req:
                     break
         return ("decode", list(self.running), [1] * len(self.running)) if self.running else None
@@ -228,31 +245,71 @@ class Scheduler:
         self.stats.retracted_requests += 1
         log.info("retract %s (%d tokens) to free KV pages", req.rid, req.seq_len)
 
-    def _run(self, mode: str, reqs: list[Req], lens: list[int]) -> None:
-        pool = self.engine.pool
-        ids: list[int] = []
-        locs = []
-        for req, n in zip(reqs, lens):
-            ids.extend(req.all_ids[req.kv_len : req.kv_len + n])
-            locs.append(pool.page_table[req.req_slot, req.kv_len : req.kv_len + n])
-        fb = ForwardBatch.build(
-            mode, ids, [r.req_slot for r in reqs], [r.kv_len for r in reqs], lens, torch.cat(locs).long(),
-            self.engine.device,
-        )
-        rows = [SamplingRow(r.params, r.generator, r.output_ids) for r in reqs]
-        next_ids = self.engine.step(fb, rows).tolist()
+    def _pending(self, req: Req) -> bool:
+        """Whether the launched-but-unread step sampled a token for `req` (overlap only)."""
+        return self._inflight is not None and id(req) in self._inflight.rows
+
+    def _launch(self, mode: str, reqs: list[Req], lens: list[int]) -> Launched:
+        """Build the step's batch on the host, write its page-table rows, and start it on the device."""
         if mode == "extend":
             log.info("prefill: %d req, %d tokens (%s)", len(reqs), sum(lens),
                      ", ".join(f"{r.rid}: +{n} after {r.kv_len} cached" for r, n in zip(reqs, lens)))
+        prev_rows = self._inflight.rows if self._inflight is not None else {}
+        ids: list[int] = []
+        locs: list[int] = []
+        starts: list[int] = []
+        src: list[int] = []  # decode: row of the in-flight step that sampled this input, or -1
+        produces: list[bool] = []
+        slots_of = self.cache.slots
+        for req, n in zip(reqs, lens):
+            start = req.kv_len
+            starts.append(start)
+            locs += slots_of(req, start, start + n)
+            prompt = len(req.input_ids)
+            if mode == "decode":
+                row = prev_rows.get(id(req), -1)
+                src.append(row)
+                if row >= 0:
+                    ids.append(0)  # sampled by the in-flight step: gathered on the device below
+                else:
+                    ids.append(req.input_ids[start] if start < prompt else req.output_ids[start - prompt])
+                produces.append(True)
+            else:
+                ids += req.all_ids[start : start + n]
+                produces.append(start + n >= req.seq_len)
+            req.kv_len = start + n
+        engine = self.engine
+        fb = ForwardBatch.build(mode, ids, [r.req_slot for r in reqs], starts, lens, locs, engine.device)
+        self._write_page_table(fb)
+        if prev_rows and any(r >= 0 for r in src):
+            fb.input_ids = feed_input_ids(fb.input_ids, src, self._inflight)
+        if mode == "extend":
+            for req, done_prefill in zip(reqs, produces):
+                if done_prefill and req in self.waiting:
+                    self.waiting.remove(req)
+                    self.running.append(req)
+        self._last_was_decode = mode == "decode"
+        rows = [SamplingRow(r.params, r.generator, r.output_ids) for r in reqs]
+        next_ids = engine.step(fb, rows)
+        return Launched.start(mode, reqs, lens, produces, next_ids, async_copy=self.overlap)
+
+    def _write_page_table(self, fb: ForwardBatch) -> None:
+        """page_table[row of each new token, its position] = its KV slot: one device op per step."""
+        loc = fb.out_cache_loc.to(torch.int32)
+        if fb.is_decode:
+            rows = fb.req_slots
+        else:
+            rows = torch.repeat_interleave(fb.req_slots, fb.extend_lens, output_size=fb.num_tokens)
+        self.engine.pool.page_table[rows, fb.positions] = loc
+
+    def _process(self, step: Launched) -> None:
+        """Read a step's tokens (the one wait on the device), append them, stop finished requests."""
+        tokens = step.tokens()
         now = time.perf_counter()
         out: dict[Callable, list[TokenOutput]] = {}
-        for req, n, tok in zip(reqs, lens, next_ids):
-            req.kv_len += n
-            if req.kv_len < req.seq_len:
-                continue  # a chunk of a long prompt: no token yet
-            if mode == "extend" and req in self.waiting:
-                self.waiting.remove(req)
-                self.running.append(req)
+        for req, tok, produced in zip(step.reqs, tokens, step.produces):
+            if not produced or req.done:
+                continue  # a prompt chunk, or the extra token of a request that finished one step earlier
             req.output_ids.append(tok)
             if req.first_token_at is None:
                 req.first_token_at = now
@@ -262,7 +319,7 @@ class Scheduler:
             )
             if reason is not None:
                 self._release(req, reason)
-        self._account(mode, lens, now)
+        self._account(step.mode, step.lens, now)
         for sink, items in out.items():
             sink(items)
 
@@ -275,6 +332,7 @@ class Scheduler:
         return None
 
     def _release(self, req: Req, reason: FinishReason) -> None:
+        req.done = True
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
@@ -291,7 +349,6 @@ class Scheduler:
     def _account(self, mode: str, lens: list[int], now: float) -> None:
         s = self.stats
         s.steps += 1
-        self._last_was_decode = mode == "decode"
         if mode == "extend":
             s.prefill_tokens += sum(lens)
             self._prefill_rate.add(sum(lens), now)

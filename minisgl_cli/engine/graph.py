@@ -1,0 +1,107 @@
+"""GraphRunner: CUDA graphs of the decode forward (model + logits), one per captured batch size.
+
+A decode step of a small model is hundreds of tiny kernels; launched one by one from Python the GPU
+waits on the CPU. Replaying a captured graph launches them all at once. Batches are padded up to the
+next captured size; padded rows write their KV to the pool's scratch slot 0 and their logits are
+dropped. All graphs share one memory pool and one set of static inputs, captured largest first so the
+smaller graphs reuse the largest one's intermediate memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from minisgl_cli.attention.base import AttentionBackend
+from minisgl_cli.engine.batch import ForwardBatch
+
+log = logging.getLogger("minisgl.graph")
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 256, every 16 up to 512, every 32 beyond; capped at max_bs."""
+    sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16)) + list(range(544, 4097, 32))
+    out = [s for s in sizes if s < max_bs] + [max_bs]
+    return sorted(set(out))
+
+
+def default_max_bs(free_bytes: int, max_running: int) -> int:
+    """By free memory after weights and KV sizing inputs: big cards capture up to 256 rows."""
+    gib = free_bytes / (1 << 30)
+    cap = 256 if gib >= 40 else 128 if gib >= 16 else 32
+    return max(1, min(cap, max_running))
+
+
+class GraphRunner:
+    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, max_bs: int, vocab: int,
+                 device: torch.device):
+        self.model = model
+        self.attn = attn
+        self.device = device
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        n = self.max_bs
+        # Static inputs: replays copy the real step's tensors in; rows past the real batch stay at 0
+        # (token 0, position 0, KV slot 0 = the pool's scratch slot).
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
+        self.logits = torch.empty((n, vocab), dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._dirty = 0  # rows of out_cache_loc that may hold a real slot from an earlier replay
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        ones = torch.ones(bs, dtype=torch.int32, device=self.device)
+        return ForwardBatch(
+            mode="decode", input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], req_slots=torch.zeros(bs, dtype=torch.int64, device=self.device),
+            seq_lens=ones, extend_lens=ones, seq_lens_cpu=[1] * bs, extend_lens_cpu=[1] * bs,
+            qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=self.device),
+            logits_indices=torch.arange(bs, dtype=torch.int64, device=self.device),
+        )
+
+    def _body(self, batch: ForwardBatch, bs: int) -> None:
+        hidden = self.model(batch, self.attn)
+        # The head's output (engine dtype) lands in the one static fp32 buffer: no per-graph logits.
+        self.logits[:bs].copy_(self.model.lm_head.logits(hidden))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        self.attn.init_cuda_graph_state(self.max_bs)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.sizes):  # largest first: the others fit in its memory
+                batch = self._static_batch(bs)
+                self.attn.prepare_for_capture(bs, batch)
+                self._body(batch, bs)  # warm-up: Triton compiles, cuBLAS picks kernels, outside capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._body(batch, bs)
+                self.graphs[bs] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d decode CUDA graphs (bs %d..%d) in %.1fs", len(self.sizes), self.sizes[0],
+                 self.max_bs, time.perf_counter() - t0)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.is_decode and batch.batch_size <= self.max_bs
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [B, vocab] (a view of the static buffer: valid until the next replay)."""
+        n = batch.batch_size
+        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:n].copy_(batch.positions, non_blocking=True)
+        self.out_cache_loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
+        if self._dirty > n:  # rows a bigger step wrote must not scribble over live KV slots now
+            self.out_cache_loc[n : self._dirty].zero_()
+        self._dirty = n
+        self.attn.prepare_for_replay(batch, bs)
+        self.graphs[bs].replay()
+        return self.logits[:n]

@@ -1,0 +1,80 @@
+"""Overlap scheduling: a launched step whose sampled ids are still on the device, and how the next
+step reads them without a host round trip.
+
+With overlap the scheduler launches step N+1 before it reads step N's tokens, so the CPU work of a
+step (scheduling, page allocation, building the batch, handling outputs) hides behind the GPU's.
+Two consequences, handled here and in the scheduler: a decode input that step N sampled is gathered
+on the device from N's output; and a request that finished at step N is seen one step late, so it may
+have run one extra token in step N+1 -- that token is dropped and its pages are freed with the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from minisgl_cli.engine.batch import to_device
+from minisgl_cli.scheduler.request import Req
+
+
+def overlap_disabled_by_env() -> bool:
+    return os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0") not in ("0", "", "false", "no")
+
+
+@dataclass
+class Launched:
+    """One step sent to the device; its tokens are read by `tokens()` (the only wait on the GPU)."""
+
+    mode: str
+    reqs: list[Req]
+    lens: list[int]
+    produces: list[bool]  # False for a chunk of a long prompt: no token yet
+    next_ids: torch.Tensor  # [B] int64 on the device
+    host: torch.Tensor | None = None  # pinned copy of next_ids, filled asynchronously
+    event: torch.cuda.Event | None = None
+    rows: dict[int, int] = field(default_factory=dict)  # id(req) -> row, for requests that sampled
+
+    @staticmethod
+    def start(mode: str, reqs: list[Req], lens: list[int], produces: list[bool], next_ids: torch.Tensor,
+              async_copy: bool) -> "Launched":
+        rows = {id(r): i for i, (r, p) in enumerate(zip(reqs, produces)) if p}
+        step = Launched(mode, reqs, lens, produces, next_ids, rows=rows)
+        if async_copy and next_ids.is_cuda:
+            step.host = _host_buffer(next_ids.shape[0])
+            step.host.copy_(next_ids, non_blocking=True)
+            step.event = torch.cuda.Event()
+            step.event.record()
+        return step
+
+    def tokens(self) -> list[int]:
+        if self.event is None:
+            return self.next_ids.tolist()
+        self.event.synchronize()
+        return self.host.tolist()
+
+
+_HOST_SLOTS: list[torch.Tensor] = []
+_host_next = [0]
+
+
+def _host_buffer(n: int) -> torch.Tensor:
+    """A reusable pinned int64 buffer of n entries. Three slots: a step's buffer is read (after its event)
+    before the step two launches later takes the slot again, since only one step is ever unread."""
+    i = _host_next[0]
+    _host_next[0] = (i + 1) % 3
+    if len(_HOST_SLOTS) <= i:
+        _HOST_SLOTS.append(torch.empty(0, dtype=torch.int64))
+    if _HOST_SLOTS[i].numel() < n:
+        _HOST_SLOTS[i] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
+    return _HOST_SLOTS[i][:n]
+
+
+def feed_input_ids(cpu_ids: torch.Tensor, src: list[int], prev: Launched) -> torch.Tensor:
+    """Decode inputs: row i takes prev.next_ids[src[i]] where src[i] >= 0, else cpu_ids[i] (already on device)."""
+    n = len(src)
+    if src == list(range(n)) and prev.next_ids.shape[0] >= n:  # steady state: same requests, same order
+        return prev.next_ids[:n]
+    index = to_device(src, torch.int64, cpu_ids.device)
+    return torch.where(index >= 0, prev.next_ids[index.clamp(min=0)], cpu_ids)
