@@ -1,0 +1,365 @@
+"""One-shot GPU benchmark: our engine vs HF transformers `generate` on the same dummy weights, in one run.
+
+    PYTHONPATH=. python examples/gpu_bench.py [--only qwen,llama,ops] [--out DIR] [--profile]
+
+Workloads:
+  * nano-vllm preset: 256 requests, input and output lengths uniform in 100..1024 (random.seed(0), token
+    ids uniform in 0..10000), EOS ignored; output tok/s = generated tokens / wall time from submit to
+    the last token. The scheduler is driven in this thread (no HTTP, no asyncio) with
+    max_running_requests=256 and a 16k-token prefill budget.
+  * HF baseline for the preset: `generate` at batch 256, prompts left-padded to 1024, a fixed
+    max_new_tokens=min_new_tokens=100 (HF cannot stop rows at different lengths; every preset request
+    wants >= 100 tokens, so all 25,600 count). Short contexts flatter HF: it never reaches the long ones.
+  * batch-1 decode: one 128-token prompt, 512 new tokens; tok/s over the decode part (first to last token).
+Variants switch CUDA graphs, overlap scheduling and the fused ops off one at a time to show what each buys;
+`wait` is the time the scheduler spent blocked on the GPU (reading tokens), `cpu/step` the rest per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.engine.engine import Engine
+from minisgl_cli.layers import fused
+from minisgl_cli.loader.configs import builtin_config
+from minisgl_cli.scheduler import overlap as overlap_mod
+from minisgl_cli.scheduler.request import Req
+from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
+from minisgl_cli.types import SamplingParams
+
+ROWS: list[dict] = []
+
+
+def row(**kw) -> None:
+    ROWS.append(kw)
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+# --- driving the scheduler --------------------------------------------------------------------------
+_wait = [0.0]
+_orig_tokens = overlap_mod.Launched.tokens
+
+
+def _timed_tokens(self):  # count the time the scheduler blocks on the device
+    t0 = time.perf_counter()
+    try:
+        return _orig_tokens(self)
+    finally:
+        _wait[0] += time.perf_counter() - t0
+
+
+overlap_mod.Launched.tokens = _timed_tokens
+PHASES: dict[str, float] = {}
+
+
+def _phase(owner, attr: str, label: str) -> None:
+    """Accumulate wall time spent in owner.attr under PHASES[label] (host-side step split)."""
+    fn = getattr(owner, attr)
+
+    def wrapped(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            PHASES[label] = PHASES.get(label, 0.0) + time.perf_counter() - t0
+
+    setattr(owner, attr, wrapped)
+
+
+_phase(Scheduler, "_schedule", "schedule")
+_phase(Scheduler, "_launch", "launch (build+forward+sample)")
+_phase(Engine, "forward", "engine.forward")
+_phase(Scheduler, "_process", "process (incl. wait)")
+
+
+@dataclass
+class RunStats:
+    tokens: int
+    wall: float
+    steps: int
+    wait: float
+    first_tok: float
+    last_tok: float
+
+
+def run_requests(engine: Engine, prompts: list[list[int]], out_lens: list[int], overlap: bool,
+                 prefill_tokens: int = 16384, profile_steps: int = 0) -> RunStats:
+    sched = Scheduler(engine, SchedulerConfig(max_prefill_tokens=prefill_tokens, disable_overlap=not overlap))
+    assert sched.overlap == overlap
+    got = [0]
+    stamps: list[float] = []
+    left = [len(prompts)]
+
+    def sink(items):
+        for it in items:
+            if it.token_id is not None:
+                got[0] += 1
+            if it.finish_reason is not None or it.error:
+                left[0] -= 1
+        stamps.append(time.perf_counter())
+
+    torch.cuda.synchronize()
+    _wait[0] = 0.0
+    PHASES.clear()
+    t0 = time.perf_counter()
+    for i, (p, n) in enumerate(zip(prompts, out_lens)):
+        sched._admit(Req(f"r{i}", p, SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.0), sink))
+    steps = 0
+    prof = cprof = None
+    while left[0] > 0:
+        if profile_steps and steps == 100:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+        if profile_steps and steps == 200:
+            import cProfile
+
+            cprof = cProfile.Profile()
+            cprof.enable()
+        sched.step()
+        steps += 1
+        if prof is not None and steps == 100 + profile_steps:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20), flush=True)
+            prof = None
+        if cprof is not None and steps == 400:
+            import pstats
+
+            cprof.disable()
+            pstats.Stats(cprof).sort_stats("tottime").print_stats(22)
+            cprof = None
+    while sched._inflight is not None:
+        sched.step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    sched.check_pages()
+    # Hand the prefix cache's pages back to the pool: the next run builds a new scheduler on it.
+    cache = sched.cache
+    engine.pool.free_pages(cache._slots_to_pages(cache.tree.evict(cache.tree.cached_tokens)))
+    return RunStats(got[0], wall, steps, _wait[0], stamps[0] - t0 if stamps else 0.0,
+                    stamps[-1] - t0 if stamps else 0.0)
+
+
+def preset(seed: int = 0, n: int = 256, lo: int = 100, hi: int = 1024) -> tuple[list[list[int]], list[int]]:
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(lo, hi))] for _ in range(n)]
+    outs = [random.randint(lo, hi) for _ in range(n)]
+    return prompts, outs
+
+
+def make_engine(name: str, **kw) -> Engine:
+    cfg = EngineConfig(model=name, load_format="dummy", max_running_requests=256, cuda_graph_max_bs=256,
+                       max_total_tokens=300_000, **kw)
+    t0 = time.perf_counter()
+    e = Engine(cfg)
+    print(f"[{name}] engine up in {time.perf_counter() - t0:.1f}s (graphs: {e.graphs is not None})", flush=True)
+    return e
+
+
+def with_graphs(engine: Engine, on: bool, saved: dict) -> None:
+    if on:
+        engine.graphs = saved.get("graphs", engine.graphs)
+    else:
+        saved["graphs"] = engine.graphs
+        engine.graphs = None
+
+
+def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: list[tuple[bool, bool]],
+                 b1_variants: list[tuple[bool, bool]], profile: bool) -> None:
+    # warm-up: compile prefill/extend kernels for a few shapes, exercise every path once
+    g = random.Random(1)
+    warm = [[g.randint(0, 10000) for _ in range(n)] for n in (100, 700, 1024, 37)]
+    run_requests(engine, warm, [8, 8, 8, 8], overlap=True)
+    saved: dict = {}
+    for graphs, ovl in b1_variants:
+        with_graphs(engine, graphs, saved)
+        prompt = [[g.randint(0, 10000) for _ in range(128)]]
+        run_requests(engine, prompt, [16], overlap=ovl)
+        st = run_requests(engine, prompt, [512], overlap=ovl)
+        tps = (st.tokens - 1) / (st.last_tok - st.first_tok)
+        row(model=tag, workload="batch-1 decode", engine="minisgl", graphs=graphs, overlap=ovl,
+            fused=fused.enabled(), tok_s=round(tps, 1), step_ms=round(1e3 / tps, 3),
+            cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
+            split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()})
+        if profile and graphs and ovl:  # where a batch-1 step's GPU time goes
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                run_requests(engine, prompt, [9], overlap=ovl)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16), flush=True)
+        with_graphs(engine, True, saved)
+    if do_preset:
+        prompts, outs = preset()
+        for graphs, ovl in preset_variants:
+            with_graphs(engine, graphs, saved)
+            st = run_requests(engine, prompts, outs, overlap=ovl, profile_steps=3 if (profile and graphs and ovl) else 0)
+            assert st.tokens == sum(outs), (st.tokens, sum(outs))
+            row(model=tag, workload="nano-vllm preset", engine="minisgl", graphs=graphs, overlap=ovl,
+                fused=fused.enabled(), tok_s=round(st.tokens / st.wall, 1), wall_s=round(st.wall, 2),
+                steps=st.steps, wait_s=round(st.wait, 2),
+                cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
+                split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()})
+            with_graphs(engine, True, saved)
+
+
+def hf_bench(tag: str, engine: Engine, name: str, do_preset: bool, b1_tokens: int) -> None:
+    from minisgl_cli.models.hf_export import hf_twin
+
+    # Our engine is done: give its KV pool and graphs back so HF's cache has the room.
+    engine.graphs = None
+    engine.pool.k.clear()
+    engine.pool.v.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    hf = hf_twin(engine.model, builtin_config(name))
+    dev = engine.device
+    g = random.Random(2)
+    ids = torch.tensor([[g.randint(0, 10000) for _ in range(128)]], device=dev)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        hf.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=b1_tokens, min_new_tokens=b1_tokens, **kw)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    row(model=tag, workload="batch-1 decode", engine="hf generate", tok_s=round(b1_tokens / dt, 1))
+    if do_preset:
+        prompts, _ = preset()
+        L = max(len(p) for p in prompts)
+        inp = torch.zeros((len(prompts), L), dtype=torch.int64)
+        mask = torch.zeros_like(inp)
+        for i, p in enumerate(prompts):  # left padding
+            inp[i, L - len(p):] = torch.tensor(p)
+            mask[i, L - len(p):] = 1
+        new = 100
+        with torch.no_grad():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            hf.generate(inp.to(dev), attention_mask=mask.to(dev), max_new_tokens=new, min_new_tokens=new, **kw)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        row(model=tag, workload="nano-vllm preset (first 100 tokens/req)", engine="hf generate bs256",
+            tok_s=round(len(prompts) * new / dt, 1), wall_s=round(dt, 2))
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def bench_ops() -> None:
+    """Fused Triton ops vs the torch reference chains they replace (median of do_bench, microseconds)."""
+    import triton
+
+    from minisgl_cli.layers import triton_ops as T
+    from minisgl_cli.layers.activation import silu_and_mul
+    from minisgl_cli.layers.norm import RMSNorm
+    from minisgl_cli.layers.rotary import RotaryEmbedding
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    for tokens in (1, 256, 8192):
+        for hidden, inter, heads, kv, d in ((1024, 3072, 16, 8, 128), (4096, 14336, 32, 8, 128)):
+            x = torch.randn(tokens, hidden, device=dev, dtype=dt)
+            r = torch.randn_like(x)
+            norm = RMSNorm(hidden, 1e-6).to(dev, dt)
+            gu = torch.randn(tokens, 2 * inter, device=dev, dtype=dt)
+            qkv = torch.randn(tokens, (heads + 2 * kv) * d, device=dev, dtype=dt)
+            pos = torch.randint(0, 4000, (tokens,), device=dev)
+            rope = RotaryEmbedding(d, 4096, 1e6).to(dev)
+            qn = RMSNorm(d, 1e-6).to(dev, dt)
+            cases = {}
+            fused.set_enabled(False)
+
+            def torch_qk():
+                q, k, _ = qkv.split([heads * d, kv * d, kv * d], -1)
+                q, k = qn(q.view(-1, heads, d)), qn(k.view(-1, kv, d))
+                return rope(pos, q, k)
+
+            r_t, qkv_t = r.clone(), qkv.clone()  # the fused kernels work in place: time them on copies
+            cases["add+rmsnorm"] = (lambda: norm.forward_residual(x, r), lambda: T.rmsnorm(x, norm.weight, 1e-6, residual=r_t))
+            cases["silu_and_mul"] = (lambda: silu_and_mul(gu), lambda: T.silu_and_mul(gu))
+            cases["qk_norm+rope"] = (torch_qk, lambda: T.qk_norm_rope_(qkv_t, pos, rope.cos, rope.sin, heads, kv, d, qn.weight, qn.weight, 1e-6))
+            # correctness vs the torch path
+            a = norm.forward_residual(x, r)[0]
+            b = T.rmsnorm(x, norm.weight, 1e-6, residual=r.clone())
+            err_norm = (a.float() - b.float()).abs().max().item()
+            err_silu = (silu_and_mul(gu).float() - T.silu_and_mul(gu).float()).abs().max().item()
+            q_t, k_t = torch_qk()
+            qkv2 = qkv.clone()
+            T.qk_norm_rope_(qkv2, pos, rope.cos, rope.sin, heads, kv, d, qn.weight, qn.weight, 1e-6)
+            err_qk = max((q_t.reshape(tokens, -1).float() - qkv2[:, : heads * d].float()).abs().max().item(),
+                         (k_t.reshape(tokens, -1).float() - qkv2[:, heads * d:(heads + kv) * d].float()).abs().max().item())
+            errs = {"add+rmsnorm": err_norm, "silu_and_mul": err_silu, "qk_norm+rope": err_qk}
+            for op, (ref, fast) in cases.items():
+                t_ref = triton.testing.do_bench(ref, warmup=10, rep=40, return_mode="median") * 1e3
+                t_fast = triton.testing.do_bench(fast, warmup=10, rep=40, return_mode="median") * 1e3
+                row(workload="op", op=op, tokens=tokens, hidden=hidden, torch_us=round(t_ref, 2),
+                    triton_us=round(t_fast, 2), speedup=round(t_ref / t_fast, 2), max_abs_err=errs[op])
+            fused.set_enabled(True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="ops,qwen,llama")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    only = set(args.only.split(","))
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    sections = []
+    if "ops" in only:
+        sections.append(("ops", bench_ops))
+    if "qwen" in only:
+        def qwen():
+            e = make_engine("qwen3-0.6b")
+            full = [(True, True), (True, False), (False, True), (False, False)]
+            bench_engine("Qwen3-0.6B", e, True, [(True, True), (True, False)], full, args.profile)
+            # what the fused ops buy once the launches are gone: recapture the graphs with torch ops
+            fused.set_enabled(False)
+            e.capture_graphs()
+            bench_engine("Qwen3-0.6B", e, False, [], [(True, True)], False)
+            fused.set_enabled(True)
+            e.capture_graphs()
+            hf_bench("Qwen3-0.6B", e, "qwen3-0.6b", True, 128)
+        sections.append(("qwen", qwen))
+    if "llama" in only:
+        def llama():
+            e = make_engine("llama-3.1-8b")
+            bench_engine("Llama-3.1-8B", e, True, [(True, True), (True, False)],
+                         [(True, True), (True, False), (False, True)], False)
+            hf_bench("Llama-3.1-8B", e, "llama-3.1-8b", False, 64)
+        sections.append(("llama", llama))
+    for name, fn in sections:
+        try:
+            fn()
+        except Exception as exc:  # one broken section must not cost the others' numbers
+            import traceback
+
+            traceback.print_exc()
+            row(section=name, error=f"{type(exc).__name__}: {exc}")
+        gc.collect()
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
+        json.dump(ROWS, f, indent=1)
+    print("\n==== summary (" + torch.cuda.get_device_name() + ") ====")
+    for r in ROWS:
+        if r.get("workload") == "op":
+            print(f"op {r['op']:<13} T={r['tokens']:<5} h={r['hidden']:<5} torch {r['torch_us']:>8.1f}us "
+                  f"triton {r['triton_us']:>8.1f}us x{r['speedup']:<5} err {r['max_abs_err']:.3g}")
+        else:
+            print("  ".join(f"{k}={v}" for k, v in r.items()))
+
+
+if __name__ == "__main__":
+    main()

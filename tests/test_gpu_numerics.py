@@ -1,0 +1,124 @@
+"""GPU numerics: our bf16 logits vs HF transformers' (fp32, same dummy weights), prefill and decode
+through the paged KV path with CUDA graphs and the fused ops on; overlap scheduling changes no token.
+
+Tolerance as sglang's: top-5 logprobs within 6e-2 of the reference (or within HF bf16's own error, if
+that is larger), and top-1 the same unless the reference's top-2 are closer than that. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TOL = 6e-2
+HEAD_SCALE = 1.0  # >1 sharpens the dummy model's logits (std 0.02 gives near-uniform ones)
+
+
+def _engine(name: str, monkeypatch, layers: int = 4, **kw):
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.loader.configs import BUILTIN_CONFIGS
+
+    cfg = {**BUILTIN_CONFIGS[name], "num_hidden_layers": layers}
+    monkeypatch.setitem(BUILTIN_CONFIGS, f"test-{name}", cfg)
+    engine = Engine(EngineConfig(model=f"test-{name}", load_format="dummy", dtype="bfloat16",
+                                 max_total_tokens=8192, max_running_requests=16, **kw))
+    with torch.no_grad():
+        engine.model.lm_head.weight.mul_(HEAD_SCALE)  # tied (Qwen3): the embedding scales too, harmless
+    return engine, cfg
+
+
+def _compare(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
+    """(max |logprob diff| over HF's top 5, top-1 agrees or is a near tie in HF's own logits)."""
+    lo, lr = ours.float().log_softmax(-1), ref.float().log_softmax(-1)
+    top = lr.topk(5).indices
+    diff = (lo[top] - lr[top]).abs().max().item()
+    a, b = lo.argmax().item(), lr.argmax().item()
+    return diff, a == b or (lr[b] - lr[a]).item() < TOL
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.1-8b"])
+def test_prefill_and_graph_decode_match_hf(name, monkeypatch):
+    from minisgl_cli.engine.batch import ForwardBatch
+    from minisgl_cli.models.hf_export import hf_twin
+
+    engine, cfg = _engine(name, monkeypatch)
+    assert engine.graphs is not None, "CUDA graphs were not captured"
+    hf = hf_twin(engine.model, cfg)
+    hf32 = copy.deepcopy(hf).float()  # the reference: same weights, fp32 arithmetic
+    pool, dev, vocab = engine.pool, engine.device, cfg["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    lens, steps = [17, 100, 250], 12  # 3 requests: decode pads to the graph of 4
+    seqs = [torch.randint(0, vocab, (n + steps,), generator=g).tolist() for n in lens]
+    rows = [pool.alloc_req_slot() for _ in lens]
+    slots = [pool.slots_of_pages(pool.alloc_pages(n + steps)).tolist() for n in lens]
+    for r, s in zip(rows, slots):
+        pool.page_table[r, : len(s)] = torch.tensor(s, dtype=torch.int32, device=dev)
+    with torch.no_grad():
+        ref = [hf32(torch.tensor([s], device=dev)).logits[0].float() for s in seqs]  # every position
+        hf16 = [hf(torch.tensor([s], device=dev)).logits[0].float() for s in seqs]
+    # HF's own bf16 error against fp32, for scale: ours should be no worse
+    hf_diff = max(_compare(hf16[i][p], ref[i][p])[0] for i in range(3) for p in range(lens[i] - 1, lens[i] + steps - 1))
+
+    diffs, agree = [], []
+    flat = [t for s, n in zip(seqs, lens) for t in s[:n]]
+    locs = [x for s, n in zip(slots, lens) for x in s[:n]]
+    batch = ForwardBatch.build("extend", flat, rows, [0] * 3, lens, locs, dev)
+    for i, lg in enumerate(engine.forward(batch)):
+        d, ok = _compare(lg, ref[i][lens[i] - 1])
+        diffs.append(d), agree.append(ok)
+    prefill_diff = max(diffs)
+    for t in range(steps - 1):
+        pos = [n + t for n in lens]
+        batch = ForwardBatch.build("decode", [s[p] for s, p in zip(seqs, pos)], rows, pos, [1] * 3,
+                                   [s[p] for s, p in zip(slots, pos)], dev)
+        assert engine.graphs.can_run(batch)
+        for i, lg in enumerate(engine.forward(batch)):
+            d, ok = _compare(lg, ref[i][pos[i]])
+            diffs.append(d), agree.append(ok)
+    print(f"\n{name}: vs HF fp32: ours bf16 prefill max top-5 logprob diff {prefill_diff:.4f}, all {max(diffs):.4f}, "
+          f"top-1 agree {sum(agree)}/{len(agree)}; HF bf16 itself {hf_diff:.4f}")
+    # sglang's 6e-2 is for real checkpoints; on random 4096-wide weights HF's own bf16 drifts further
+    # from fp32 than that, so the bar is whichever is looser: we must not be worse than HF in bf16.
+    assert max(diffs) <= max(TOL, hf_diff) and all(agree)
+
+
+def test_overlap_and_graphs_change_no_greedy_token(monkeypatch):
+    from minisgl_cli.client import EngineClient
+    from minisgl_cli.scheduler.scheduler import SchedulerConfig
+    from minisgl_cli.types import GenerateRequest, SamplingParams
+
+    engine, cfg = _engine("qwen3-0.6b", monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, cfg["vocab_size"], (n,), generator=g).tolist() for n in (5, 33, 64, 200, 7)]
+    outs = []
+    for overlap in (True, False):
+        client = EngineClient.__new__(EngineClient)  # reuse the engine: only the scheduler differs
+        from minisgl_cli.scheduler.scheduler import Scheduler
+
+        client.engine, client.tokenizer = engine, None
+        client.scheduler = Scheduler(engine, SchedulerConfig(disable_overlap=not overlap))
+        assert client.scheduler.overlap == overlap
+        client.scheduler.start()
+
+        async def run():
+            reqs = [GenerateRequest(input_ids=p, params=SamplingParams(max_new_tokens=24 + i, ignore_eos=True))
+                    for i, p in enumerate(prompts)]
+            return await asyncio.gather(*(client.complete(r) for r in reqs))
+
+        outs.append([c.token_ids for c in asyncio.run(run())])
+        sched = client.scheduler
+        sched.stop()
+        sched.check_pages()
+        # the next scheduler gets a fresh prefix cache: hand this one's pages back to the shared pool
+        engine.pool.free_pages(sched.cache._slots_to_pages(sched.cache.tree.evict(sched.cache.tree.cached_tokens)))
+    assert [len(t) for t in outs[0]] == [24 + i for i in range(len(prompts))]
+    assert outs[0] == outs[1]
