@@ -34,6 +34,10 @@ MaxPrefill = Annotated[int, typer.Option("--max-prefill-tokens", help="Token bud
 Cache = Annotated[str, typer.Option("--cache", help="Prefix cache: radix or naive (no reuse).")]
 Policy = Annotated[str, typer.Option("--policy", envvar="SCHEDULE_POLICY", help="prefill-first or decode-first.")]
 DisableCudaGraph = Annotated[bool, typer.Option("--disable-cuda-graph", help="Run decode eagerly on CUDA.")]
+DisableOverlap = Annotated[
+    bool, typer.Option("--disable-overlap", envvar="MINISGL_DISABLE_OVERLAP_SCHEDULING",
+                       help="CUDA: read each step's tokens before launching the next (no overlap scheduling).")
+]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="INFO logs narrating prefill, decode steps and chunks.")]
 
 
@@ -56,6 +60,7 @@ class EngineOptions:
     cache: str = "radix"
     policy: str = "prefill-first"
     disable_cuda_graph: bool = False
+    disable_overlap: bool = False
 
     def engine_config(self):
         from minisgl_cli.engine.config import EngineConfig
@@ -70,7 +75,8 @@ class EngineOptions:
     def scheduler_config(self):
         from minisgl_cli.scheduler.scheduler import SchedulerConfig
 
-        return SchedulerConfig(max_prefill_tokens=self.max_prefill_tokens, policy=self.policy, cache=self.cache)
+        return SchedulerConfig(max_prefill_tokens=self.max_prefill_tokens, policy=self.policy, cache=self.cache,
+                               disable_overlap=self.disable_overlap)
 
     def client(self):
         """Build the engine client; loader errors become one line on stderr and exit code 1."""

@@ -69,6 +69,7 @@ def serve(
     cache: c.Cache = "radix",
     policy: c.Policy = "prefill-first",
     disable_cuda_graph: c.DisableCudaGraph = False,
+    disable_overlap: c.DisableOverlap = False,
     verbose: c.Verbose = False,
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /generate (JSON lines),
@@ -103,7 +104,7 @@ def serve(
         model=model, model_local_dir=model_local_dir, load_format=load_format, device=device, dtype=dtype,
         attention_backend=attention_backend, page_size=page_size, max_total_tokens=max_total_tokens,
         kv_cache_gib=kv_cache_gib, mem_fraction=mem_fraction, max_running_requests=max_running_requests,
-        max_prefill_tokens=max_prefill_tokens, cache=cache, policy=policy, disable_cuda_graph=disable_cuda_graph,
+        max_prefill_tokens=max_prefill_tokens, cache=cache, policy=policy, disable_cuda_graph=disable_cuda_graph, disable_overlap=disable_overlap,
     )
     client = opts.client()
     try:

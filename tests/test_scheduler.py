@@ -125,3 +125,21 @@ def test_decode_first_policy_gives_the_same_tokens(tiny_model_dirs, alone):
         got = asyncio.run(run_concurrently(llm, workload(64)[:16]))
         settle(llm)
     assert got == alone[:16]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_running_request_shares_its_prompt_before_it_finishes(tiny_model_dirs, page_size):
+    system = list(range(300, 402))  # a shared "system prompt" of 102 tokens
+
+    async def go(llm: LLM):
+        first = llm.client.submit(GenerateRequest(input_ids=system + [7], params=SamplingParams(max_new_tokens=40, ignore_eos=True)))
+        await first.__anext__()  # A is prefilled and decoding
+        b = await llm.client.complete(GenerateRequest(input_ids=system + [8, 9], params=SamplingParams(max_new_tokens=2)))
+        rest = [d async for d in first]
+        return b, rest[-1]
+
+    with LLM(str(tiny_model_dirs["llama"]), page_size=page_size) as llm:
+        b, a_last = asyncio.run(go(llm))
+        assert a_last.finish_reason == "length"  # A was still running when B matched
+        assert b.stats.cached_tokens == len(system) - len(system) % page_size
+        settle(llm)

@@ -77,6 +77,6 @@ class TorchBackend(AttentionBackend):
         keys = k_cache.index_select(0, meta.slots).view(shape).transpose(1, 2).contiguous()  # [B, Hkv, L, D]
         values = v_cache.index_select(0, meta.slots).view(shape).transpose(1, 2).contiguous()
         # GQA without copying K/V per query head: a KV head's query heads act as its query rows.
-        out = F.scaled_dot_product_attention(q.view(bsz, hkv, group, d), keys, values, attn_mask=meta.mask,
+        out = F.scaled_dot_product_attention(q.reshape(bsz, hkv, group, d), keys, values, attn_mask=meta.mask,
                                              scale=self.scale)
         return out.view(bsz, self.num_heads, d)

@@ -8,6 +8,8 @@ from minisgl_cli.kvcache.radix import MatchResult, RadixNode
 
 
 class NaiveCache:
+    reuses = False  # whether inserted prefixes are kept for later matches
+
     def __init__(self, page_size: int = 1):
         self.page_size = page_size
         self.root = RadixNode(lock_ref=1)

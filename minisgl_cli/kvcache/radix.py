@@ -38,6 +38,8 @@ class MatchResult:
 
 
 class RadixCache:
+    reuses = True  # whether inserted prefixes are kept for later matches
+
     def __init__(self, page_size: int = 1):
         self.page_size = page_size
         self.root = RadixNode(lock_ref=1)  # the root is never evicted

@@ -88,6 +88,33 @@ class CacheManager:
             self.pool.page_table[req.req_slot, req.kv_len : req.kv_len + n] = slots.to(self.pool.device, torch.int32)
         return slots
 
+    def cache_prefilled(self, req: Req) -> None:
+        """Hand a request's computed prompt to the tree right after prefill, not only at finish, so
+        requests arriving meanwhile with the same prefix (a shared system prompt) reuse it."""
+        if not self.tree.reuses:
+            return
+        p = self.page_size
+        n = min(req.kv_len, len(req.input_ids))
+        aligned = n - n % p
+        old = req.prefix_len
+        if aligned <= old:
+            return
+        ids = req.all_ids[:aligned]
+        existing = self.tree.insert(ids, torch.tensor(self.slots(req, 0, aligned), dtype=torch.int64))
+        m = self.tree.match(ids)
+        self.tree.lock(m.node)
+        self.tree.unlock(req.prefix_node)
+        # Pages below `existing` duplicate what another request cached first: point at the tree's, free ours.
+        first_own, covered = old // p, aligned // p - old // p
+        dup = max(existing, old) // p - first_own
+        self.pool.free_pages(req.pages[:dup])
+        req.pages = req.pages[covered:]
+        req.prefix_node, req.prefix_len, req.prefix_slots = m.node, aligned, m.slots.tolist()
+        if dup:
+            end = max(existing, old)
+            fix = to_device(req.prefix_slots[old:end], torch.int32, self.pool.device)
+            self.pool.page_table[req.req_slot, old:end].copy_(fix, non_blocking=True)
+
     def release(self, req: Req, cache: bool = True) -> None:
         """Give a request's KV back: cache its computed prefix in the tree, free the rest."""
         if req.req_slot is None:

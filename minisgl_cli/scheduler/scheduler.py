@@ -291,6 +291,9 @@ class Scheduler:
         self._last_was_decode = mode == "decode"
         rows = [SamplingRow(r.params, r.generator, r.output_ids) for r in reqs]
         next_ids = engine.step(fb, rows)
+        if mode == "extend":  # after the launch: the step still writes the pages this may free
+            for req in reqs:
+                self.cache.cache_prefilled(req)
         return Launched.start(mode, reqs, lens, produces, next_ids, async_copy=self.overlap)
 
     def _write_page_table(self, fb: ForwardBatch) -> None:
@@ -321,7 +324,7 @@ class Scheduler:
                 self._release(req, reason)
         self._account(step.mode, step.lens, now)
         for sink, items in out.items():
-            sink(items)
+            self._deliver(sink, items)
 
     def _stop_reason(self, req: Req, tok: int) -> FinishReason | None:
         p: SamplingParams = req.params
@@ -344,7 +347,15 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason | None, error: str | None = None) -> None:
         """End a request outside a step's output (abort, error) and tell its sink."""
         self._release(req, reason or "abort")
-        req.sink([TokenOutput(req.rid, None, reason, len(req.input_ids), req.cached_tokens, error)])
+        self._deliver(req.sink, [TokenOutput(req.rid, None, reason, len(req.input_ids), req.cached_tokens, error)])
+
+    @staticmethod
+    def _deliver(sink: Callable[[list[TokenOutput]], None], items: list[TokenOutput]) -> None:
+        """A front that has gone away must not take the scheduler thread down with it."""
+        try:
+            sink(items)
+        except Exception:
+            log.exception("dropping output for %s: its consumer failed", items[0].rid)
 
     def _account(self, mode: str, lens: list[int], now: float) -> None:
         s = self.stats
