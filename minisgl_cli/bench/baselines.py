@@ -18,6 +18,25 @@ BASELINES = ("hf-stream", "hf-batched")
 PEERS = ("llama-cpp",)
 
 
+class _OneAtATime:
+    """Runs requests strictly one after another (the reference baseline's way), whatever the concurrency."""
+
+    def _one(self, req: BenchRequest) -> RequestTiming:
+        raise NotImplementedError
+
+    def warmup(self, requests: list[BenchRequest]) -> None:
+        for r in requests:
+            self._one(r)
+
+    def run(self, case: Case, concurrency: int, on_done: OnDone) -> RunOutput:
+        t0 = time.perf_counter()
+        timings = []
+        for r in case.requests:
+            timings.append(self._one(r))
+            on_done()
+        return RunOutput(timings, time.perf_counter() - t0)
+
+
 class _HFModel:
     """The HF transformers model and tokenizer from the engine's own model dir, greedy, no sampling knobs."""
 
@@ -49,7 +68,7 @@ class _HFModel:
             torch.cuda.empty_cache()
 
 
-class HFStreamRunner:
+class HFStreamRunner(_OneAtATime):
     """HF `generate` on a thread feeding a TextIteratorStreamer, requests strictly one at a time."""
 
     name = "hf-stream"
@@ -94,18 +113,6 @@ class HFStreamRunner:
         else:
             timing.output_tokens = int(box["out"].shape[1]) - ids.shape[1]
         return timing
-
-    def warmup(self, requests: list[BenchRequest]) -> None:
-        for r in requests:
-            self._one(r)
-
-    def run(self, case: Case, concurrency: int, on_done: OnDone) -> RunOutput:
-        t0 = time.perf_counter()
-        timings = []
-        for r in case.requests:
-            timings.append(self._one(r))
-            on_done()
-        return RunOutput(timings, time.perf_counter() - t0)
 
     def close(self) -> None:
         self.hf.close()
@@ -173,7 +180,7 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-class LlamaCppRunner:
+class LlamaCppRunner(_OneAtATime):
     """llama.cpp (llama-cpp-python) on the GGUF the engine converted from, streaming, one request at a time.
     It runs the GGUF's own quantized weights: the comparison is stack against stack, not bit for bit."""
 
@@ -205,18 +212,6 @@ class LlamaCppRunner:
         timing.latency_s = time.perf_counter() - t0
         timing.text = "".join(parts)
         return timing
-
-    def warmup(self, requests: list[BenchRequest]) -> None:
-        for r in requests:
-            self._one(r)
-
-    def run(self, case: Case, concurrency: int, on_done: OnDone) -> RunOutput:
-        t0 = time.perf_counter()
-        timings = []
-        for r in case.requests:
-            timings.append(self._one(r))
-            on_done()
-        return RunOutput(timings, time.perf_counter() - t0)
 
     def close(self) -> None:
         if hasattr(self.llm, "close"):  # older llama-cpp-python has no close()
