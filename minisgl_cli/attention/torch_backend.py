@@ -79,4 +79,4 @@ class TorchBackend(AttentionBackend):
         # GQA without copying K/V per query head: a KV head's query heads act as its query rows.
         out = F.scaled_dot_product_attention(q.reshape(bsz, hkv, group, d), keys, values, attn_mask=meta.mask,
                                              scale=self.scale)
-        return out.view(bsz, self.num_heads, d)
+        return out.reshape(bsz, self.num_heads, d)
