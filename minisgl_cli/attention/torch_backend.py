@@ -15,7 +15,7 @@ from minisgl_cli.engine.batch import ForwardBatch
 class TorchDecodeMeta:
     slots: torch.Tensor  # [B * L] KV slots, row-major, padded with the scratch slot 0
     max_len: int
-    mask: torch.Tensor  # [B, 1, 1, L] True where a position is real
+    mask: torch.Tensor  # [B, 1, 1, L] additive: 0 where a position is real, -inf on padding
 
 
 @dataclass
@@ -33,7 +33,10 @@ class TorchBackend(AttentionBackend):
         if batch.is_decode:
             max_len = max(batch.seq_lens_cpu)
             slots = table[batch.req_slots, :max_len].long()
-            mask = torch.arange(max_len, device=slots.device)[None, :] < batch.seq_lens[:, None]
+            pad = torch.arange(max_len, device=slots.device)[None, :] >= batch.seq_lens[:, None]
+            # Additive float mask, built once per step: SDPA would convert a bool mask in every layer.
+            mask = torch.zeros(pad.shape, dtype=self.pool.shape.dtype, device=slots.device)
+            mask.masked_fill_(pad, float("-inf"))
             batch.attn_meta = TorchDecodeMeta(slots.reshape(-1), max_len, mask[:, None, None, :])
             return
         slots, masks = [], []
@@ -74,8 +77,9 @@ class TorchBackend(AttentionBackend):
         bsz, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
         shape = (bsz, meta.max_len, hkv, d)
-        keys = k_cache.index_select(0, meta.slots).view(shape).transpose(1, 2).contiguous()  # [B, Hkv, L, D]
-        values = v_cache.index_select(0, meta.slots).view(shape).transpose(1, 2).contiguous()
+        # [B, Hkv, L, D] as strided views: SDPA reads them in place, a .contiguous() copy costs more.
+        keys = k_cache.index_select(0, meta.slots).view(shape).transpose(1, 2)
+        values = v_cache.index_select(0, meta.slots).view(shape).transpose(1, 2)
         # GQA without copying K/V per query head: a KV head's query heads act as its query rows.
         out = F.scaled_dot_product_attention(q.reshape(bsz, hkv, group, d), keys, values, attn_mask=meta.mask,
                                              scale=self.scale)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl_cli.distributed import TPInfo, all_gather_last_dim, all_reduce
+from minisgl_cli.layers import cpu_kernels
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,6 +22,7 @@ class VocabParallelEmbedding(nn.Module):
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         part = loaded[self.start : self.start + self.local_vocab]
         self.weight.data[: part.shape[0]].copy_(part)
+        cpu_kernels.invalidate(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -36,5 +38,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits = h E^T over this rank's vocabulary slice, gathered to the full vocabulary."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = all_gather_last_dim(F.linear(hidden, self.weight), self.tp)
+        out = all_gather_last_dim(cpu_kernels.linear(hidden, self.weight), self.tp)
         return out[..., : self.vocab_size]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minisgl_cli.distributed import TPInfo, all_reduce
+from minisgl_cli.layers import cpu_kernels
 
 
 def _divide(n: int, tp: TPInfo, what: str) -> int:
@@ -35,9 +35,10 @@ class ColumnParallelLinear(nn.Module):
         offset = sum(self.local_sizes[:shard])
         part = loaded.narrow(0, self.tp.rank * size, size)
         param.data.narrow(0, offset, size).copy_(part)
+        cpu_kernels.invalidate(param)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_kernels.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -55,7 +56,8 @@ class RowParallelLinear(nn.Module):
             self.bias.data.copy_(loaded)
             return
         self.weight.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
+        cpu_kernels.invalidate(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.tp)
+        y = all_reduce(cpu_kernels.linear(x, self.weight), self.tp)
         return y + self.bias if self.bias is not None else y
