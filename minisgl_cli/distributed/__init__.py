@@ -12,10 +12,6 @@ class TPInfo:
     rank: int = 0
     size: int = 1
 
-    @property
-    def is_primary(self) -> bool:
-        return self.rank == 0
-
 
 def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     if tp.size == 1:

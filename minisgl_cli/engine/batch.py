@@ -85,10 +85,6 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     @property
-    def prefix_lens_cpu(self) -> list[int]:
-        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)]
-
-    @property
     def is_decode(self) -> bool:
         return self.mode == "decode"
 

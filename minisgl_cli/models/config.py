@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
@@ -29,7 +27,6 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
-    torch_dtype: str = "float32"
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> "ModelConfig":
@@ -59,9 +56,4 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         )
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return getattr(torch, self.torch_dtype.replace("torch.", ""), torch.float32)

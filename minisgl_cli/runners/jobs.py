@@ -122,6 +122,21 @@ class ModelSpec:
         return cls(kind=kind, model=model, model_dir=Path(model_dir).expanduser(), **kw)
 
 
+def _check_range(what: str, value: int, lo: int, hi: int, param: str) -> None:
+    if not lo <= value <= hi:
+        raise MediaError(f"{what} must be in [{lo}, {hi}], got {value}", param)
+
+
+def _check_common(prompt: str, width: int, height: int, steps: int, guidance_scale: float) -> None:
+    """The checks every generation job shares: a prompt, a valid size, steps, guidance."""
+    if not prompt or not prompt.strip():
+        raise MediaError("prompt must not be empty", "prompt")
+    check_size(width, height)
+    _check_range("steps", steps, 1, 1000, "steps")
+    if guidance_scale < 0:
+        raise MediaError("guidance_scale must be >= 0", "guidance_scale")
+
+
 @dataclass
 class ImageJob:
     prompt: str
@@ -134,15 +149,8 @@ class ImageJob:
     negative_prompt: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.prompt or not self.prompt.strip():
-            raise MediaError("prompt must not be empty", "prompt")
-        check_size(self.width, self.height)
-        if not 1 <= self.steps <= 1000:
-            raise MediaError(f"steps must be in [1, 1000], got {self.steps}", "steps")
-        if not 1 <= self.num_images <= 16:
-            raise MediaError(f"the number of images must be in [1, 16], got {self.num_images}", "n")
-        if self.guidance_scale < 0:
-            raise MediaError("guidance_scale must be >= 0", "guidance_scale")
+        _check_common(self.prompt, self.width, self.height, self.steps, self.guidance_scale)
+        _check_range("the number of images", self.num_images, 1, 16, "n")
         self.seed = resolve_seed(self.seed)
 
 
@@ -159,17 +167,9 @@ class VideoJob:
     negative_prompt: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.prompt or not self.prompt.strip():
-            raise MediaError("prompt must not be empty", "prompt")
-        check_size(self.width, self.height)
-        if not 1 <= self.num_frames <= 1024:
-            raise MediaError(f"num_frames must be in [1, 1024], got {self.num_frames}", "num_frames")
-        if not 1 <= self.fps <= 120:
-            raise MediaError(f"fps must be in [1, 120], got {self.fps}", "fps")
-        if not 1 <= self.steps <= 1000:
-            raise MediaError(f"steps must be in [1, 1000], got {self.steps}", "steps")
-        if self.guidance_scale < 0:
-            raise MediaError("guidance_scale must be >= 0", "guidance_scale")
+        _check_common(self.prompt, self.width, self.height, self.steps, self.guidance_scale)
+        _check_range("num_frames", self.num_frames, 1, 1024, "num_frames")
+        _check_range("fps", self.fps, 1, 120, "fps")
         self.seed = resolve_seed(self.seed)
 
 

@@ -76,18 +76,6 @@ class CacheManager:
         base = first // p
         return pre + [own[q // p - base] * p + q % p for q in range(lo, end)]
 
-    def extend(self, req: Req, n: int, write: bool = True) -> torch.Tensor | None:
-        """Reserve KV slots for positions kv_len..kv_len+n; returns them, or None if out of pages.
-
-        `write=False` leaves the page-table rows to the caller (the scheduler writes a whole step's
-        rows in one device op instead of one small copy per request)."""
-        if not self.reserve(req, n):
-            return None
-        slots = torch.tensor(self.slots(req, req.kv_len, req.kv_len + n), dtype=torch.int64)
-        if write:
-            self.pool.page_table[req.req_slot, req.kv_len : req.kv_len + n] = slots.to(self.pool.device, torch.int32)
-        return slots
-
     def cache_prefilled(self, req: Req) -> None:
         """Hand a request's computed prompt to the tree right after prefill, not only at finish, so
         requests arriving meanwhile with the same prefix (a shared system prompt) reuse it."""
