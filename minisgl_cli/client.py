@@ -103,7 +103,8 @@ class EngineClient:
         tokens = [o.token_id for o in items if o.token_id is not None]
         last = items[-1]
         if tokens and stats.completion_tokens == 0:
-            stats.ttft_s = stats.prefill_s = now - t0
+            stats.ttft_s = now - t0
+            stats.prefill_s = next((o.prefill_s for o in items if o.prefill_s is not None), stats.ttft_s)
         stats.completion_tokens += len(tokens)
         stats.cached_tokens = last.cached_tokens
         if last.error:

@@ -71,7 +71,7 @@ class RequestStats:
     completion_tokens: int = 0
     ttft_s: float = 0.0
     latency_s: float = 0.0
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # scheduler time from joining a prefill batch to the first token
 
     @property
     def decode_tok_s(self) -> float:

@@ -34,7 +34,7 @@ def status_line(stats: RequestStats | None, finish_reason: str | None) -> str:
     parts = [
         f"prompt {stats.prompt_tokens} tok",
         f"cached {stats.cached_tokens} ({hit:.0%} radix hit)",
-        # The client stamps prefill_s at the first token, so prefill time and TTFT are the same clock here.
+        # Prefill excludes queueing; TTFT (submit to first token) includes it.
         f"prefill {stats.prefill_s * 1000:.0f} ms",
         f"TTFT {stats.ttft_s * 1000:.0f} ms",
         f"decode {stats.decode_tok_s:.1f} tok/s",

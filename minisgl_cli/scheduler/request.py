@@ -22,6 +22,7 @@ class TokenOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    prefill_s: float | None = None  # on the first token: its prefill time, queueing excluded
 
 
 @dataclass(eq=False)
@@ -42,7 +43,7 @@ class Req:
     matched: bool = False
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
+    prefill_started_at: float = 0.0  # when it first joined a prefill batch (queueing excluded)
 
     @property
     def all_ids(self) -> list[int]:
@@ -56,7 +57,3 @@ class Req:
     def remaining_prefill(self) -> int:
         """Tokens still to run before this request can sample (at least the last one)."""
         return self.seq_len - self.kv_len
-
-    @property
-    def prefilling(self) -> bool:
-        return self.remaining_prefill > 1 or not self.output_ids

@@ -210,6 +210,7 @@ class Scheduler:
 
     def _count_match(self, req: Req) -> None:
         req.matched = True
+        req.prefill_started_at = time.perf_counter()
         req.cached_tokens = req.prefix_len
         s = self.stats
         s.cache_hit_tokens += req.prefix_len
@@ -313,13 +314,13 @@ class Scheduler:
         for req, tok, produced in zip(step.reqs, tokens, step.produces):
             if not produced or req.done:
                 continue  # a prompt chunk, or the extra token of a request that finished one step earlier
+            first = not req.output_ids
             req.output_ids.append(tok)
-            if req.first_token_at is None:
-                req.first_token_at = now
             reason = self._stop_reason(req, tok)
-            out.setdefault(req.sink, []).append(
-                TokenOutput(req.rid, tok, reason, len(req.input_ids), req.cached_tokens)
-            )
+            out.setdefault(req.sink, []).append(TokenOutput(
+                req.rid, tok, reason, len(req.input_ids), req.cached_tokens,
+                prefill_s=now - req.prefill_started_at if first else None,
+            ))
             if reason is not None:
                 self._release(req, reason)
         self._account(step.mode, step.lens, now)
