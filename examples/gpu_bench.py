@@ -1,6 +1,6 @@
 """One-shot GPU benchmark: our engine vs HF transformers `generate` on the same dummy weights, in one run.
 
-    PYTHONPATH=. python examples/gpu_bench.py [--only qwen,llama,ops] [--out DIR] [--profile]
+    PYTHONPATH=. python examples/gpu_bench.py [--only ops,gemv,qwen,llama] [--out DIR] [--profile] [--sweep]
 
 Workloads:
   * nano-vllm preset: 256 requests, input and output lengths uniform in 100..1024 (random.seed(0), token
@@ -90,6 +90,7 @@ class RunStats:
     wait: float
     first_tok: float
     last_tok: float
+    all_started: float  # when the last request got its first token (end of the prefill phase)
 
 
 def run_requests(engine: Engine, prompts: list[list[int]], out_lens: list[int], overlap: bool,
@@ -99,11 +100,17 @@ def run_requests(engine: Engine, prompts: list[list[int]], out_lens: list[int], 
     got = [0]
     stamps: list[float] = []
     left = [len(prompts)]
+    started: set[str] = set()
+    all_started = [0.0]
 
     def sink(items):
         for it in items:
             if it.token_id is not None:
                 got[0] += 1
+                if it.rid not in started:
+                    started.add(it.rid)
+                    if len(started) == len(prompts):
+                        all_started[0] = time.perf_counter()
             if it.finish_reason is not None or it.error:
                 left[0] -= 1
         stamps.append(time.perf_counter())
@@ -149,7 +156,7 @@ def run_requests(engine: Engine, prompts: list[list[int]], out_lens: list[int], 
     cache = sched.cache
     engine.pool.free_pages(cache._slots_to_pages(cache.tree.evict(cache.tree.cached_tokens)))
     return RunStats(got[0], wall, steps, _wait[0], stamps[0] - t0 if stamps else 0.0,
-                    stamps[-1] - t0 if stamps else 0.0)
+                    stamps[-1] - t0 if stamps else 0.0, all_started[0] - t0 if all_started[0] else 0.0)
 
 
 def preset(seed: int = 0, n: int = 256, lo: int = 100, hi: int = 1024) -> tuple[list[list[int]], list[int]]:
@@ -182,6 +189,9 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
     g = random.Random(1)
     warm = [[g.randint(0, 10000) for _ in range(n)] for n in (100, 700, 1024, 37)]
     run_requests(engine, warm, [8, 8, 8, 8], overlap=True)
+    if do_preset:  # every prefill shape of the preset once, so no first-use cost lands in a timed run
+        prompts, _ = preset()
+        run_requests(engine, prompts, [2] * len(prompts), overlap=True)
     saved: dict = {}
     for graphs, ovl in b1_variants:
         with_graphs(engine, graphs, saved)
@@ -190,7 +200,7 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
         st = run_requests(engine, prompt, [512], overlap=ovl)
         tps = (st.tokens - 1) / (st.last_tok - st.first_tok)
         row(model=tag, workload="batch-1 decode", engine="minisgl", graphs=graphs, overlap=ovl,
-            fused=fused.enabled(), tok_s=round(tps, 1), step_ms=round(1e3 / tps, 3),
+            fused=fused.enabled(), pdl=fused.pdl_enabled(), tok_s=round(tps, 1), step_ms=round(1e3 / tps, 3),
             cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
             split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()})
         if profile and graphs and ovl:  # where a batch-1 step's GPU time goes
@@ -207,10 +217,19 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
             assert st.tokens == sum(outs), (st.tokens, sum(outs))
             row(model=tag, workload="nano-vllm preset", engine="minisgl", graphs=graphs, overlap=ovl,
                 fused=fused.enabled(), tok_s=round(st.tokens / st.wall, 1), wall_s=round(st.wall, 2),
-                steps=st.steps, wait_s=round(st.wait, 2),
+                prefill_phase_s=round(st.all_started, 2), steps=st.steps, wait_s=round(st.wait, 2),
                 cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
                 split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()})
             with_graphs(engine, True, saved)
+
+
+def pdl_off(engine: Engine, tag: str) -> None:
+    """Batch-1 decode with programmatic dependent launch off (graphs recaptured), then back on."""
+    fused.set_pdl(False)
+    engine.capture_graphs()
+    bench_engine(tag, engine, False, [], [(True, True)], False)
+    fused.set_pdl(True)
+    engine.capture_graphs()
 
 
 def hf_bench(tag: str, engine: Engine, name: str, do_preset: bool, b1_tokens: int) -> None:
@@ -308,9 +327,89 @@ def bench_ops() -> None:
             fused.set_enabled(True)
 
 
+def _graph_us(fns: list, reps: int = 20) -> float:
+    """Mean microseconds per call of fns, captured back to back in one CUDA graph (as in a decode step)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps / len(fns))
+    return sorted(times)[len(times) // 2]
+
+
+GEMV_SHAPES = {  # (N, K) of each linear at batch 1
+    "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
+                   "lm_head": (151936, 1024)},
+    "llama-3.1-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                     "lm_head": (128256, 4096)},
+}
+
+
+def bench_gemv(do_sweep: bool = False) -> None:
+    """Triton GEMV (layers/triton_gemv.py) vs cuBLAS (F.linear) at one row, weights cold in L2.
+
+    Each timing runs the op over enough weight copies (>= 200 MB in all, twice the L2) inside one CUDA
+    graph, as the decode step does; us = per call. `--sweep` also tries other block shapes (pick_config's source).
+    """
+    from minisgl_cli.layers import triton_gemv as G
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sweep = [(bn, bk, w) for bn in (1, 2, 4, 8, 16, 32) for bk in (256, 512, 1024) for w in (4, 8) if bn * bk <= 16384]
+    if not do_sweep:
+        sweep = []
+    for model, shapes in GEMV_SHAPES.items():
+        for name, (n, k) in shapes.items():
+            act = name == "down"
+            copies = max(2, min(16, -(-200_000_000 // (n * k * 2))))
+            ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
+            x = torch.randn(1, 2 * k if act else k, device=dev, dtype=dt)
+            xin = torch.nn.functional.silu(x[:, :k]) * x[:, k:] if act else x
+            ref = (xin.double() @ ws[0].double().T)
+            mine = G.gemv(x, ws[0], act_mul=act).double()
+            err = ((mine - ref).norm() / ref.norm()).item()
+            cub = _graph_us([lambda w=w: torch.nn.functional.linear(xin, w) for w in ws])
+            if act:  # cuBLAS path also pays the separate SiLU-and-mul kernel
+                from minisgl_cli.layers import triton_ops as T
+
+                cub = _graph_us([lambda w=w: torch.nn.functional.linear(T.silu_and_mul(x), w) for w in ws])
+            picked = G.pick_config(n, k, act)
+            us_pick = _graph_us([lambda w=w: G.gemv(x, w, act_mul=act) for w in ws])
+            best = (picked, us_pick)
+            for cfg in sweep:
+                if cfg[0] > 1 and -(-n // cfg[0]) < sms // 2:
+                    continue
+                us = _graph_us([lambda w=w: G.gemv(x, w, act_mul=act, config=cfg) for w in ws])
+                if best is None or us < best[1]:
+                    best = (cfg, us)
+            gb = n * k * 2 / 1e9
+            row(workload="gemv", model=model, op=name, N=n, K=k, cublas_us=round(cub, 2),
+                triton_us=round(us_pick, 2), picked=list(picked), best_cfg=list(best[0]), best_us=round(best[1], 2),
+                cublas_tbs=round(gb / cub * 1e3, 2), triton_tbs=round(gb / us_pick * 1e3, 2), rel_err=f"{err:.2e}")
+            del ws
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="ops,qwen,llama")
+    ap.add_argument("--only", default="ops,gemv,qwen,llama")
+    ap.add_argument("--sweep", action="store_true", help="GEMV section: also sweep block shapes")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
@@ -320,6 +419,8 @@ def main() -> None:
     sections = []
     if "ops" in only:
         sections.append(("ops", bench_ops))
+    if "gemv" in only:
+        sections.append(("gemv", lambda: bench_gemv(args.sweep)))
     if "qwen" in only:
         def qwen():
             e = make_engine("qwen3-0.6b")
@@ -330,14 +431,15 @@ def main() -> None:
             e.capture_graphs()
             bench_engine("Qwen3-0.6B", e, False, [], [(True, True)], False)
             fused.set_enabled(True)
-            e.capture_graphs()
+            pdl_off(e, "Qwen3-0.6B")
             hf_bench("Qwen3-0.6B", e, "qwen3-0.6b", True, 128)
         sections.append(("qwen", qwen))
     if "llama" in only:
         def llama():
             e = make_engine("llama-3.1-8b")
             bench_engine("Llama-3.1-8B", e, True, [(True, True), (True, False)],
-                         [(True, True), (True, False), (False, True)], False)
+                         [(True, True), (True, False), (False, True)], args.profile)
+            pdl_off(e, "Llama-3.1-8B")
             hf_bench("Llama-3.1-8B", e, "llama-3.1-8b", False, 64)
         sections.append(("llama", llama))
     for name, fn in sections:
@@ -354,7 +456,10 @@ def main() -> None:
         json.dump(ROWS, f, indent=1)
     print("\n==== summary (" + torch.cuda.get_device_name() + ") ====")
     for r in ROWS:
-        if r.get("workload") == "op":
+        if r.get("workload") == "gemv":
+            print(f"gemv {r['model']:<13} {r['op']:<8} cublas {r['cublas_us']:>8.1f}us {r['cublas_tbs']:.2f}TB/s  "
+                  f"triton {r['triton_us']:>8.1f}us {r['triton_tbs']:.2f}TB/s {r['picked']}  best {r['best_us']} {r['best_cfg']}")
+        elif r.get("workload") == "op":
             print(f"op {r['op']:<13} T={r['tokens']:<5} h={r['hidden']:<5} torch {r['torch_us']:>8.1f}us "
                   f"triton {r['triton_us']:>8.1f}us x{r['speedup']:<5} err {r['max_abs_err']:.3g}")
         else:

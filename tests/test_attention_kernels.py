@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import math
 import random
@@ -69,6 +70,7 @@ def fp32_reference(pool: KVPool, batch: ForwardBatch, q, k, v, heads) -> torch.T
     """The torch backend over an fp32 copy of the pool (inputs upcast), so the reference adds no rounding."""
     h, hkv, d = heads
     ref_pool = copy.copy(pool)
+    ref_pool.shape = dataclasses.replace(pool.shape, dtype=torch.float32)
     ref_pool.k = [pool.k[0].float().clone()]
     ref_pool.v = [pool.v[0].float().clone()]
     ref = TorchBackend(ref_pool, h, hkv, d, 1.0 / math.sqrt(d))

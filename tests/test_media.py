@@ -216,22 +216,35 @@ def test_image_cli_compile(tiny_models, tmp_path):
     assert np.abs(pixels(compiled).astype(int) - pixels(eager).astype(int)).max() <= 2
 
 
-def test_http_generation_does_not_block_event_loop(live_server):
+def test_http_generation_does_not_block_event_loop(live_server, monkeypatch):
+    """While a generation holds the worker thread, the event loop still answers other requests."""
     import httpx
 
-    slow = {"prompt": "waves", "size": "64x64", "num_frames": 17, "steps": 6, "seed": 9}
-    done = threading.Event()
+    from minisgl_cli.server import media
+
+    real = media._generate_video_payload
+    started, release = threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):  # the real generation, held until the quick request has its answer
+        started.set()
+        release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(media, "_generate_video_payload", held)
+    slow = {"prompt": "waves", "size": "64x64", "num_frames": 9, "steps": 2, "seed": 9}
+    result: dict = {}
 
     def generate() -> None:
-        httpx.post(f"{live_server}/v1/videos/generations", json=slow, timeout=120)
-        done.set()
+        result["status"] = httpx.post(f"{live_server}/v1/videos/generations", json=slow, timeout=120).status_code
 
     worker = threading.Thread(target=generate)
     worker.start()
     try:
-        time.sleep(0.3)  # let the generation start in the server's worker thread
+        assert started.wait(30), "the generation never started"
         r = httpx.post(f"{live_server}/missing/v1/images/generations", json={"prompt": "x"}, timeout=30)
         assert r.status_code == 404
-        assert not done.is_set(), "the quick request was only answered after the slow generation finished"
+        assert "status" not in result  # answered while the generation was still running
     finally:
+        release.set()
         worker.join()
+    assert result["status"] == 200

@@ -16,7 +16,7 @@ class AttentionBackend(ABC):
 
     `prepare` runs once per step before the model forward (it may build index tensors into
     `batch.attn_meta`); `forward` runs once per layer: it writes this step's K/V into the pool at
-    `batch.out_cache_loc` and returns attention over each request's whole sequence (causal for extend).
+    `batch.out_cache_loc` (unless a fused RoPE kernel already did) and returns attention over each request's whole sequence (causal for extend).
     """
 
     name: str = "base"
@@ -33,9 +33,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]."""
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]. kv_stored: the caller already wrote k/v to the pool."""
+
+    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K and V pool tensors [slots, Hkv, D], for a fused kernel that stores into them."""
+        return self.pool.k[layer_id], self.pool.v[layer_id]
 
     # CUDA-graph hooks: backends that support graph capture of decode override these.
     supports_cuda_graph: bool = False

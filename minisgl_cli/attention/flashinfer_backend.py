@@ -118,9 +118,11 @@ class FlashInferBackend(AttentionBackend):
         batch.attn_meta = FlashInferMeta(self.prefill_wrapper)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        self.pool.store(layer_id, batch.out_cache_loc, k, v)
+        if not kv_stored:
+            self.pool.store(layer_id, batch.out_cache_loc, k, v)
         q = q.contiguous()
         return batch.attn_meta.wrapper.run(q, self._kv_cache(layer_id))
 

@@ -139,10 +139,12 @@ class TritonBackend(AttentionBackend):
 
     # --- forward ---------------------------------------------------------------------------------
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
-        tk.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
+        if not kv_stored:
+            tk.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
         meta = batch.attn_meta
         table = self.pool.page_table
         if isinstance(meta, TritonDecodeMeta):

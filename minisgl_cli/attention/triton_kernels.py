@@ -19,6 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from minisgl_cli.layers.fused import pdl_kwargs
 
 LOG2E = 1.4426950408889634
 _NEG_INIT = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (see the module docstring)
@@ -107,7 +110,7 @@ def _decode_partial_kernel(
     stride_mlb, stride_mlh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (b, kv_head, split): attention of b's query heads of this group over one chunk of its context.
 
@@ -116,6 +119,9 @@ def _decode_partial_kernel(
     lets a CUDA graph captured once replay for any context lengths. Splits past the end do nothing; the
     reduce recomputes the same chunking and ignores them.
     """
+    if USE_PDL:  # programmatic dependent launch (layers/fused.py): nothing is read before the wait
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -171,8 +177,12 @@ def _decode_reduce_kernel(
     stride_mlb, stride_mlh,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (b, head): merge the partials of the non-empty splits, each weighted by exp2(lse - max)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -247,7 +257,7 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_kwargs(q),
     )
     _decode_reduce_kernel[(B, H)](
         mid_o, mid_lse, seq_lens, out, num_splits,
@@ -255,7 +265,7 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=_pow2(num_splits, 2),
-        num_warps=4 if block_d >= 128 else 2,
+        num_warps=4 if block_d >= 128 else 2, **pdl_kwargs(q),
     )
     return out
 

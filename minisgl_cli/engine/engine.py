@@ -122,13 +122,13 @@ class Engine:
             max_bs = default_max_bs(self._free_after_weights, self.cfg.max_running_requests)
         self.graphs = None
         torch.cuda.empty_cache()
-        runner = GraphRunner(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device)
+        runner = GraphRunner(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device, self.dtype)
         runner.capture()
         self.graphs = runner
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, vocab] (fp32) of each request's last token (decode through a CUDA graph when one fits)."""
+        """Logits [B, vocab] (engine dtype) of each request's last token (decode through a CUDA graph when one fits)."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.replay(batch)
         self.attn.prepare(batch)

@@ -21,7 +21,7 @@ class SamplingRow:
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, row in enumerate(rows):
         p = row.params
-        if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+        if _penalized(row):
             ids, counts = torch.tensor(row.output_ids, device=logits.device).unique(return_counts=True)
             logits[i, ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
 
@@ -38,10 +38,25 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def _penalized(row: SamplingRow) -> bool:
+    return bool((row.params.presence_penalty or row.params.frequency_penalty) and row.output_ids)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """logits: [B, V] fp32 -> next token ids [B] (int64, on the logits' device)."""
-    _apply_penalties(logits, rows)
+    """logits: [B, V] (model dtype) -> next token ids [B] (int64, on the logits' device).
+
+    A greedy batch takes the argmax of the logits as they are (widening bf16 to fp32 changes no
+    value, so no order); anything that computes on them does so in fp32, on a fresh copy.
+    """
     greedy = [r.params.greedy for r in rows]
+    penalized = any(_penalized(r) for r in rows)
+    if all(greedy) and not penalized:
+        return logits.argmax(dim=-1)
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    elif penalized:  # penalties write in place: leave the caller's (e.g. a CUDA graph's) buffer alone
+        logits = logits.clone()
+    _apply_penalties(logits, rows)
     out = logits.argmax(dim=-1)
     if all(greedy):
         return out

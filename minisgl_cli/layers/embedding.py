@@ -8,6 +8,7 @@ from torch import nn
 
 from minisgl_cli.distributed import TPInfo, all_gather_last_dim, all_reduce
 from minisgl_cli.layers import cpu_kernels
+from minisgl_cli.layers.linear import matmul
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,5 +39,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits = h E^T over this rank's vocabulary slice, gathered to the full vocabulary."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = all_gather_last_dim(cpu_kernels.linear(hidden, self.weight), self.tp)
+        out = all_gather_last_dim(matmul(hidden, self.weight), self.tp)
         return out[..., : self.vocab_size]

@@ -6,7 +6,23 @@ import torch
 from torch import nn
 
 from minisgl_cli.distributed import TPInfo, all_reduce
-from minisgl_cli.layers import cpu_kernels
+from minisgl_cli.layers import cpu_kernels, fused
+from minisgl_cli.layers.activation import silu_and_mul
+
+
+def _gemv_ops(x: torch.Tensor, weight: torch.Tensor):
+    """The Triton ops when x is one CUDA row in 16-bit (batch-1 decode): their GEMV beats cuBLAS there."""
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return fused.ops_for(x)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) through the fastest kernel for the shape: Triton GEMV, CPU packs, or F.linear."""
+    ops = _gemv_ops(x, weight)
+    if ops is not None:
+        return ops.gemv(x.contiguous(), weight, bias)
+    return cpu_kernels.linear(x, weight, bias)
 
 
 def _divide(n: int, tp: TPInfo, what: str) -> int:
@@ -38,7 +54,7 @@ class ColumnParallelLinear(nn.Module):
         cpu_kernels.invalidate(param)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -59,5 +75,13 @@ class RowParallelLinear(nn.Module):
         cpu_kernels.invalidate(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(cpu_kernels.linear(x, self.weight), self.tp)
+        y = all_reduce(matmul(x, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(silu(gate) * up) of a fused [T, 2I] gate-up; one kernel (GEMV reading gate-up) at T == 1."""
+        ops = _gemv_ops(gate_up, self.weight)
+        if ops is None:
+            return self.forward(silu_and_mul(gate_up))
+        y = all_reduce(ops.gemv(gate_up.contiguous(), self.weight, act_mul=True), self.tp)
         return y + self.bias if self.bias is not None else y

@@ -11,7 +11,6 @@ from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.layers import fused
-from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl_cli.layers.norm import RMSNorm
@@ -38,12 +37,12 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
         ops = fused.ops_for(qkv) if self.head_dim in (64, 128, 256) else None
-        if ops is not None:  # one kernel: q/k head norms and RoPE, in place on the fused qkv rows
+        if ops is not None:  # one kernel: q/k head norms and RoPE in place on the fused qkv rows, K/V to the pool
             qn, kn = self.q_norm, self.k_norm
             ops.qk_norm_rope_(
                 qkv, batch.positions, self.rope.cos, self.rope.sin, self.num_heads, self.num_kv_heads,
                 self.head_dim, qn.weight if qn is not None else None, kn.weight if kn is not None else None,
-                qn.eps if qn is not None else 0.0,
+                qn.eps if qn is not None else 0.0, (*attn.kv_buffers(self.layer_id), batch.out_cache_loc),
             )
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -53,7 +52,7 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rope(batch.positions, q, k)
-        o = attn.forward(q, k, v, self.layer_id, batch)
+        o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=ops is not None)
         return self.o_proj(o.reshape(-1, q_size))
 
 
@@ -64,7 +63,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -123,7 +122,8 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden).float()
+        """[B, vocab] in the model dtype: the sampler widens to fp32 only where it computes on them."""
+        return self.lm_head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors in (streamed one by one); returns the HF names it used."""
