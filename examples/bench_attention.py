@@ -5,7 +5,7 @@ Decode is bound by reading the KV cache, so each case reports the achieved KV-re
 card's device-to-device copy bandwidth measured here (bytes read + written). Small cases fit in L2 and can
 read faster than HBM; the large ones are the honest figures.
 
-    PYTHONPATH=. python examples/bench_attention.py [--page-size 16] [--quick]
+    PYTHONPATH=. python examples/bench_attention.py [--page-size 16] [--quick] [--sweep-decode | --sweep-extend]
 """
 
 from __future__ import annotations
@@ -100,12 +100,64 @@ def sweep_extend(page_size: int) -> None:
         print(f"prefix {prefix[0]} x{len(ext)} ext {ext[0]}:\n  " + "\n  ".join(cells))
 
 
+DECODE_CONFIGS = [(bn, w, st) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3, 4)]
+
+
+def sweep_decode(page_size: int) -> None:
+    """Decode kernel per (BLOCK_N, warps, stages), llama8b heads, bf16, inside a CUDA graph: KV-read GB/s.
+
+    Cases: 256 requests of mixed contexts (the nano-vllm preset's steady state; one split, no reduce)
+    and one request of 640 / 4096 tokens (batch-1 decode; split-K + reduce).
+    """
+    import random
+
+    from minisgl_cli.attention import triton_kernels as tk
+
+    heads = SHAPES["llama8b"]
+    h, hkv, d = heads
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rnd = random.Random(0)
+    cases = {"bs256 ctx U[200,1600]": [rnd.randint(200, 1600) for _ in range(256)], "bs1 ctx 640": [640],
+             "bs1 ctx 4096": [4096], "bs32 ctx U[200,1600]": [rnd.randint(200, 1600) for _ in range(32)]}
+    print(f"# {torch.cuda.get_device_name()}: decode sweep, llama8b heads, bf16, page_size {page_size}")
+    for label, ctxs in cases.items():
+        pool, batch, q, k, v = build("decode", [c - 1 for c in ctxs], [1] * len(ctxs), heads, page_size, torch.bfloat16)
+        B = len(ctxs)
+        splits = tk.num_kv_splits(B, hkv, sms)
+        kv_bytes = sum(ctxs) * hkv * d * 2 * 2
+        mid_o = torch.empty((B, h, splits, d), dtype=torch.float32, device="cuda")
+        mid_lse = torch.empty((B, h, splits), dtype=torch.float32, device="cuda")
+        out = torch.empty_like(q)
+        cells = []
+        for cfg in DECODE_CONFIGS:
+            fn = lambda: tk.decode_attention(  # noqa: E731
+                q, pool.k[0], pool.v[0], pool.page_table, batch.req_slots, batch.seq_lens, 1.0 / math.sqrt(d),
+                splits, mid_o, mid_lse, out, config=cfg,
+            )
+            try:
+                fn()
+                ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+                cells.append((kv_bytes / ms / 1e6, cfg, ms))
+            except Exception as exc:  # e.g. out of shared memory for a config
+                print(f"  {cfg} failed: {type(exc).__name__}")
+        cells.sort(reverse=True)
+        default = next((c for c in cells if c[1] == (tk.decode_block_n(d), 4, 2)), None)
+        print(f"{label} (splits {splits}, KV {kv_bytes / 1e6:.0f} MB): default {default[0]:.0f} GB/s {default[2] * 1e3:.1f} us; best: "
+              + ", ".join(f"{c[1]} {c[0]:.0f} GB/s {c[2] * 1e3:.1f} us" for c in cells[:5]))
+        del pool, batch, q, k, v
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="fewer cases")
     ap.add_argument("--sweep-extend", action="store_true", help="only time extend tile configs")
+    ap.add_argument("--sweep-decode", action="store_true", help="only time decode kernel configs")
     args = ap.parse_args()
+    if args.sweep_decode:
+        sweep_decode(args.page_size)
+        return
     if args.sweep_extend:
         sweep_extend(args.page_size)
         return

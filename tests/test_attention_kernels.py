@@ -123,6 +123,24 @@ def test_decode_matches_reference(backend, heads, page_size, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_decode_big_batch(splits):
+    """A batch big enough for one KV split per request: the partial pass writes the output, no reduce."""
+    from minisgl_cli.attention import triton_kernels as tk
+
+    heads, dtype = (32, 8, 128), torch.bfloat16
+    rnd = random.Random(splits)
+    seq_lens = [rnd.randint(1, 1500) for _ in range(96)]
+    pool, batch, q, k, v = make_case("decode", [s - 1 for s in seq_lens], [1] * 96, heads, 16, dtype, "cuda")
+    pool.store(0, batch.out_cache_loc, k, v)
+    out = torch.full_like(q, float("nan"))
+    tk.decode_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_slots, batch.seq_lens,
+                        1.0 / math.sqrt(heads[2]), splits, out=out)
+    check(out, fp32_reference(pool, batch, q, k, v, heads), dtype, f"triton decode bs96 splits={splits}")
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("heads", HEAD_SHAPES, ids=lambda s: "h%d_kv%d_d%d" % s)
 @pytest.mark.parametrize("page_size", [1, 16, 64])

@@ -67,8 +67,9 @@ def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
     with torch.no_grad():
         ref = [hf32(torch.tensor([s], device=dev)).logits[0].float() for s in seqs]  # every position
         hf16 = [hf(torch.tensor([s], device=dev)).logits[0].float() for s in seqs]
-    # HF's own bf16 error against fp32, for scale: ours should be no worse
-    hf_diff = max(_compare(hf16[i][p], ref[i][p])[0] for i in range(len(lens)) for p in range(lens[i] - 1, lens[i] + steps - 1))
+    # HF's own bf16 error against fp32, for scale (ours should be no worse), over every position of every
+    # sequence: the size of this model's bf16 rounding noise rather than a draw of the 12 compared ones
+    hf_diff = max(_compare(hf16[i][p], ref[i][p])[0] for i in range(len(lens)) for p in range(len(seqs[i])))
 
     diffs, agree = [], []
     flat = [t for s, n in zip(seqs, lens) for t in s[:n]]
@@ -90,9 +91,7 @@ def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
           f"top-1 agree {sum(agree)}/{len(agree)}; HF bf16 itself {hf_diff:.4f}")
     # sglang's 6e-2 is for real checkpoints; on random 4096-wide weights HF's own bf16 drifts further
     # from fp32 than that, so the bar is whichever is looser: we must not be worse than HF in bf16.
-    # Ours and HF's bf16 errors are the same size but not the same numbers (different summation
-    # orders); over 12 positions that leaves ~10% noise on HF's figure, hence the margin.
-    assert max(diffs) <= 1.1 * max(TOL, hf_diff) and all(agree)
+    assert max(diffs) <= max(TOL, hf_diff) and all(agree)
 
 
 def test_overlap_and_graphs_change_no_greedy_token(monkeypatch):
