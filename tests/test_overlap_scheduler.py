@@ -55,3 +55,19 @@ def test_disable_overlap_flag_and_env(tiny_model_dirs, monkeypatch):
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "1")
     with LLM(str(tiny_model_dirs["llama"]), overlap_on_cpu=True) as llm:
         assert not llm.client.scheduler.overlap
+
+
+def test_penalties_see_every_token_under_overlap(tiny_model_dirs):
+    """A penalized request must not sample before its previous token is counted: same tokens as the plain loop."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13], [14, 15]]
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=1.5),
+              SamplingParams(max_new_tokens=20, ignore_eos=True, presence_penalty=2.0),
+              SamplingParams(max_new_tokens=16, ignore_eos=True)]
+    outs = []
+    for overlap in (False, True):
+        with LLM(str(tiny_model_dirs["llama"]), overlap_on_cpu=overlap) as llm:
+            assert llm.client.scheduler.overlap == overlap
+            outs.append([o.token_ids for o in llm.generate(prompts, params)])
+            settle(llm)
+    assert outs[0] == outs[1]
+    assert len(set(outs[0][0])) > 3  # the penalty really changed the greedy path (no single repeated token)

@@ -6,6 +6,8 @@ step (scheduling, page allocation, building the batch, handling outputs) hides b
 Two consequences, handled here and in the scheduler: a decode input that step N sampled is gathered
 on the device from N's output; and a request that finished at step N is seen one step late, so it may
 have run one extra token in step N+1 -- that token is dropped and its pages are freed with the rest.
+Presence/frequency penalties need every earlier token on the host, so while a penalized request runs
+the scheduler reads each step's tokens before launching the next (no overlap for those steps).
 """
 
 from __future__ import annotations

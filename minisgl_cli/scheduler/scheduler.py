@@ -155,6 +155,11 @@ class Scheduler:
                 return
 
     def step(self) -> None:
+        if self._inflight is not None and self._penalized_running():
+            # Presence/frequency penalties count every earlier token, including the one the in-flight
+            # step is sampling: read it first (this step loses the overlap, and only this kind of step).
+            prev, self._inflight = self._inflight, None
+            self._process(prev)
         batch = self._schedule()
         launched = self._launch(*batch) if batch is not None else None
         if not self.overlap:
@@ -165,6 +170,9 @@ class Scheduler:
         prev, self._inflight = self._inflight, launched
         if prev is not None:
             self._process(prev)
+
+    def _penalized_running(self) -> bool:
+        return any(r.params.presence_penalty or r.params.frequency_penalty for r in self.running)
 
     def _schedule(self) -> tuple[str, list[Req], list[int]] | None:
         prefill_turn = self.cfg.policy == "prefill-first" or self._last_was_decode or not self.running
