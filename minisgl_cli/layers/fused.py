@@ -5,7 +5,7 @@ The Triton module is imported only on the first CUDA call, so the CPU path never
 
 Programmatic dependent launch (PDL, Hopper and newer): our Triton kernels let the next kernel launch
 while they run, and wait (griddepcontrol.wait) before touching anything an earlier kernel wrote, so
-a decode step's ~300 back-to-back kernels overlap their launch and ramp-up. `MINISGL_DISABLE_PDL=1`
+a decode step's ~250-300 back-to-back kernels overlap their launch and ramp-up. `MINISGL_DISABLE_PDL=1`
 turns it off.
 """
 
