@@ -166,12 +166,16 @@ def preset(seed: int = 0, n: int = 256, lo: int = 100, hi: int = 1024) -> tuple[
     return prompts, outs
 
 
+BACKEND = ["auto"]  # --attention-backend
+
+
 def make_engine(name: str, **kw) -> Engine:
     cfg = EngineConfig(model=name, load_format="dummy", max_running_requests=256, cuda_graph_max_bs=256,
-                       max_total_tokens=300_000, **kw)
+                       max_total_tokens=300_000, attention_backend=BACKEND[0], **kw)
     t0 = time.perf_counter()
     e = Engine(cfg)
-    print(f"[{name}] engine up in {time.perf_counter() - t0:.1f}s (graphs: {e.graphs is not None})", flush=True)
+    print(f"[{name}] engine up in {time.perf_counter() - t0:.1f}s (backend: {e.attn.name}, graphs: {e.graphs is not None})",
+          flush=True)
     return e
 
 
@@ -199,7 +203,7 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
         run_requests(engine, prompt, [16], overlap=ovl)
         st = run_requests(engine, prompt, [512], overlap=ovl)
         tps = (st.tokens - 1) / (st.last_tok - st.first_tok)
-        row(model=tag, workload="batch-1 decode", engine="minisgl", graphs=graphs, overlap=ovl,
+        row(model=tag, workload="batch-1 decode", engine="minisgl", backend=engine.attn.name, graphs=graphs, overlap=ovl,
             fused=fused.enabled(), pdl=fused.pdl_enabled(), tok_s=round(tps, 1), step_ms=round(1e3 / tps, 3),
             cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
             split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()})
@@ -215,7 +219,7 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
             with_graphs(engine, graphs, saved)
             st = run_requests(engine, prompts, outs, overlap=ovl, profile_steps=3 if (profile and graphs and ovl) else 0)
             assert st.tokens == sum(outs), (st.tokens, sum(outs))
-            row(model=tag, workload="nano-vllm preset", engine="minisgl", graphs=graphs, overlap=ovl,
+            row(model=tag, workload="nano-vllm preset", engine="minisgl", backend=engine.attn.name, graphs=graphs, overlap=ovl,
                 fused=fused.enabled(), tok_s=round(st.tokens / st.wall, 1), wall_s=round(st.wall, 2),
                 prefill_phase_s=round(st.all_started, 2), steps=st.steps, wait_s=round(st.wait, 2),
                 cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
@@ -410,11 +414,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="ops,gemv,qwen,llama")
     ap.add_argument("--sweep", action="store_true", help="GEMV section: also sweep block shapes")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "flashinfer"])
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF generate baselines")
+    ap.add_argument("--main-only", action="store_true", help="only the default variant (graphs, overlap, fused)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     only = set(args.only.split(","))
+    BACKEND[0] = args.attention_backend
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     sections = []
     if "ops" in only:
@@ -424,6 +432,9 @@ def main() -> None:
     if "qwen" in only:
         def qwen():
             e = make_engine("qwen3-0.6b")
+            if args.main_only:
+                bench_engine("Qwen3-0.6B", e, True, [(True, True)], [(True, True)], args.profile)
+                return
             full = [(True, True), (True, False), (False, True), (False, False)]
             bench_engine("Qwen3-0.6B", e, True, [(True, True), (True, False)], full, args.profile)
             # what the fused ops buy once the launches are gone: recapture the graphs with torch ops
@@ -432,15 +443,20 @@ def main() -> None:
             bench_engine("Qwen3-0.6B", e, False, [], [(True, True)], False)
             fused.set_enabled(True)
             pdl_off(e, "Qwen3-0.6B")
-            hf_bench("Qwen3-0.6B", e, "qwen3-0.6b", True, 128)
+            if not args.no_hf:
+                hf_bench("Qwen3-0.6B", e, "qwen3-0.6b", True, 128)
         sections.append(("qwen", qwen))
     if "llama" in only:
         def llama():
             e = make_engine("llama-3.1-8b")
+            if args.main_only:
+                bench_engine("Llama-3.1-8B", e, True, [(True, True)], [(True, True)], args.profile)
+                return
             bench_engine("Llama-3.1-8B", e, True, [(True, True), (True, False)],
                          [(True, True), (True, False), (False, True)], args.profile)
             pdl_off(e, "Llama-3.1-8B")
-            hf_bench("Llama-3.1-8B", e, "llama-3.1-8b", False, 64)
+            if not args.no_hf:
+                hf_bench("Llama-3.1-8B", e, "llama-3.1-8b", False, 64)
         sections.append(("llama", llama))
     for name, fn in sections:
         try:
