@@ -94,34 +94,55 @@ def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
     assert max(diffs) <= max(TOL, hf_diff) and all(agree)
 
 
-def test_overlap_and_graphs_change_no_greedy_token(monkeypatch):
+def _greedy(engine, prompts: list[list[int]], overlap: bool = True) -> list[list[int]]:
+    """Greedy tokens of prompts run together through a fresh scheduler on `engine` (max_new_tokens 24 + i)."""
     from minisgl_cli.client import EngineClient
-    from minisgl_cli.scheduler.scheduler import SchedulerConfig
+    from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
     from minisgl_cli.types import GenerateRequest, SamplingParams
 
-    engine, cfg = _engine("qwen3-0.6b", monkeypatch)
+    client = EngineClient.__new__(EngineClient)  # reuse the engine: only the scheduler is new
+    client.engine, client.tokenizer = engine, None
+    client.scheduler = Scheduler(engine, SchedulerConfig(disable_overlap=not overlap))
+    assert client.scheduler.overlap == overlap
+    client.scheduler.start()
+
+    async def run():
+        reqs = [GenerateRequest(input_ids=p, params=SamplingParams(max_new_tokens=24 + i, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+        return await asyncio.gather(*(client.complete(r) for r in reqs))
+
+    out = [c.token_ids for c in asyncio.run(run())]
+    sched = client.scheduler
+    sched.stop()
+    sched.check_pages()
+    # the next scheduler gets a fresh prefix cache: hand this one's pages back to the shared pool
+    engine.pool.free_pages(sched.cache._slots_to_pages(sched.cache.tree.evict(sched.cache.tree.cached_tokens)))
+    assert [len(t) for t in out] == [24 + i for i in range(len(prompts))]
+    return out
+
+
+def _prompts(vocab: int, lens=(5, 33, 64, 200, 7)) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, cfg["vocab_size"], (n,), generator=g).tolist() for n in (5, 33, 64, 200, 7)]
-    outs = []
-    for overlap in (True, False):
-        client = EngineClient.__new__(EngineClient)  # reuse the engine: only the scheduler differs
-        from minisgl_cli.scheduler.scheduler import Scheduler
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
-        client.engine, client.tokenizer = engine, None
-        client.scheduler = Scheduler(engine, SchedulerConfig(disable_overlap=not overlap))
-        assert client.scheduler.overlap == overlap
-        client.scheduler.start()
 
-        async def run():
-            reqs = [GenerateRequest(input_ids=p, params=SamplingParams(max_new_tokens=24 + i, ignore_eos=True))
-                    for i, p in enumerate(prompts)]
-            return await asyncio.gather(*(client.complete(r) for r in reqs))
+def test_overlap_and_graphs_change_no_greedy_token(monkeypatch):
+    engine, cfg = _engine("qwen3-0.6b", monkeypatch)
+    prompts = _prompts(cfg["vocab_size"])
+    assert _greedy(engine, prompts, overlap=True) == _greedy(engine, prompts, overlap=False)
 
-        outs.append([c.token_ids for c in asyncio.run(run())])
-        sched = client.scheduler
-        sched.stop()
-        sched.check_pages()
-        # the next scheduler gets a fresh prefix cache: hand this one's pages back to the shared pool
-        engine.pool.free_pages(sched.cache._slots_to_pages(sched.cache.tree.evict(sched.cache.tree.cached_tokens)))
-    assert [len(t) for t in outs[0]] == [24 + i for i in range(len(prompts))]
-    assert outs[0] == outs[1]
+
+def test_pdl_changes_no_greedy_token(monkeypatch):
+    """Programmatic dependent launch only reorders launches: same tokens with it off (batch 1 and 5)."""
+    from minisgl_cli.layers import fused
+
+    engine, cfg = _engine("llama-3.1-8b", monkeypatch)
+    batches = [_prompts(cfg["vocab_size"], (40,)), _prompts(cfg["vocab_size"])]
+    on = [_greedy(engine, b) for b in batches]
+    fused.set_pdl(False)
+    try:
+        engine.capture_graphs()
+        off = [_greedy(engine, b) for b in batches]
+    finally:
+        fused.set_pdl(True)
+    assert on == off
