@@ -75,13 +75,16 @@ class RowParallelLinear(nn.Module):
         cpu_kernels.invalidate(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(matmul(x, self.weight), self.tp)
-        return y + self.bias if self.bias is not None else y
+        return self._finish(matmul(x, self.weight))
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(silu(gate) * up) of a fused [T, 2I] gate-up; one kernel (GEMV reading gate-up) at T == 1."""
         ops = _gemv_ops(gate_up, self.weight)
         if ops is None:
             return self.forward(silu_and_mul(gate_up))
-        y = all_reduce(ops.gemv(gate_up.contiguous(), self.weight, act_mul=True), self.tp)
+        return self._finish(ops.gemv(gate_up.contiguous(), self.weight, act_mul=True))
+
+    def _finish(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial products, then add the (unsplit) bias once."""
+        y = all_reduce(partial, self.tp)
         return y + self.bias if self.bias is not None else y
