@@ -34,6 +34,11 @@ MaxPrefill = Annotated[int, typer.Option("--max-prefill-tokens", help="Token bud
 Cache = Annotated[str, typer.Option("--cache", help="Prefix cache: radix or naive (no reuse).")]
 Policy = Annotated[str, typer.Option("--policy", envvar="SCHEDULE_POLICY", help="prefill-first or decode-first.")]
 DisableCudaGraph = Annotated[bool, typer.Option("--disable-cuda-graph", help="Run decode eagerly on CUDA.")]
+CudaGraphMaxBs = Annotated[
+    Optional[int], typer.Option("--cuda-graph-max-bs", min=1,
+                                help="CUDA: largest decode batch captured in a graph (default: 256 / 128 / 32 by "
+                                     "free memory); bigger batches run eagerly.")
+]
 DisableOverlap = Annotated[
     bool, typer.Option("--disable-overlap", envvar="MINISGL_DISABLE_OVERLAP_SCHEDULING",
                        help="CUDA: read each step's tokens before launching the next (no overlap scheduling).")
@@ -60,6 +65,7 @@ class EngineOptions:
     cache: str = "radix"
     policy: str = "prefill-first"
     disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
     disable_overlap: bool = False
 
     def engine_config(self):
@@ -70,6 +76,7 @@ class EngineOptions:
             dtype=self.dtype, attention_backend=self.attention_backend, page_size=self.page_size,
             max_total_tokens=self.max_total_tokens, kv_cache_gib=self.kv_cache_gib, mem_fraction=self.mem_fraction,
             max_running_requests=self.max_running_requests, disable_cuda_graph=self.disable_cuda_graph,
+            cuda_graph_max_bs=self.cuda_graph_max_bs,
         )
 
     def scheduler_config(self):

@@ -69,6 +69,7 @@ def serve(
     cache: c.Cache = "radix",
     policy: c.Policy = "prefill-first",
     disable_cuda_graph: c.DisableCudaGraph = False,
+    cuda_graph_max_bs: c.CudaGraphMaxBs = None,
     disable_overlap: c.DisableOverlap = False,
     verbose: c.Verbose = False,
 ) -> None:
@@ -104,7 +105,8 @@ def serve(
         model=model, model_local_dir=model_local_dir, load_format=load_format, device=device, dtype=dtype,
         attention_backend=attention_backend, page_size=page_size, max_total_tokens=max_total_tokens,
         kv_cache_gib=kv_cache_gib, mem_fraction=mem_fraction, max_running_requests=max_running_requests,
-        max_prefill_tokens=max_prefill_tokens, cache=cache, policy=policy, disable_cuda_graph=disable_cuda_graph, disable_overlap=disable_overlap,
+        max_prefill_tokens=max_prefill_tokens, cache=cache, policy=policy, disable_cuda_graph=disable_cuda_graph,
+        cuda_graph_max_bs=cuda_graph_max_bs, disable_overlap=disable_overlap,
     )
     client = opts.client()
     try:

@@ -246,3 +246,21 @@ def test_serve_help_lists_env_vars():
                  "ZMQ_CONTROL_ENDPOINT", "MODEL_NAME", "MODEL_LOCAL_DIR", "ADAPTIVE_MAX_NEW_TOKENS",
                  "MINISGL_API_KEY", "--port", "--host", "--image-model-dir"):
         assert name in out, name
+
+
+@pytest.mark.parametrize("command", ["serve", "bench"])
+def test_gpu_engine_flags_reach_the_engine_config(command):
+    """--cuda-graph-max-bs / --disable-cuda-graph / --attention-backend are listed and land in EngineConfig;
+    a graph size below 1 is refused with a usage error (exit 2), before any model loads."""
+    from typer.testing import CliRunner
+
+    from commands.common import EngineOptions
+    from minisgl_cli.app import app
+
+    out = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
+    for flag in ("--cuda-graph-max-bs", "--disable-cuda-graph", "--disable-overlap", "--attention-backend", "--mem-fraction"):
+        assert flag in out, flag
+    bad = CliRunner().invoke(app, [command, "--cuda-graph-max-bs", "0"])
+    assert bad.exit_code == 2 and "cuda-graph-max-bs" in bad.output
+    cfg = EngineOptions(cuda_graph_max_bs=48, disable_cuda_graph=True, attention_backend="triton").engine_config()
+    assert (cfg.cuda_graph_max_bs, cfg.disable_cuda_graph, cfg.attention_backend) == (48, True, "triton")
