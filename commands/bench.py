@@ -35,6 +35,7 @@ def _concurrency_default() -> list[int]:
 
 @app.command("bench", help=_HELP)
 def bench(
+    ctx: typer.Context,
     dataset: Annotated[str, typer.Option("--dataset", help="reference (short/medium/long), random, shared-prefix.")] = "reference",
     preset: Annotated[Optional[str], typer.Option("--preset", help="nano-vllm: 256 requests, in/out lengths uniform in "
                                                   "100..1024, EOS ignored, seed 0 (overrides --dataset).")] = None,
@@ -114,13 +115,7 @@ def bench(
     model_arg = model_local_dir or model
 
     def make_client(cache_kind: str):
-        return c.EngineOptions(
-            model=model, model_local_dir=model_local_dir, load_format=load_format, device=device, dtype=dtype,
-            attention_backend=attention_backend, page_size=page_size, max_total_tokens=max_total_tokens,
-            kv_cache_gib=kv_cache_gib, mem_fraction=mem_fraction, max_running_requests=max_running_requests,
-            max_prefill_tokens=max_prefill_tokens, cache=cache_kind, policy=policy,
-            disable_cuda_graph=disable_cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs, disable_overlap=disable_overlap,
-        ).client()
+        return c.EngineOptions.from_params(ctx.params, cache=cache_kind).client()
 
     try:
         report = run_online(cfg, console, model_arg) if url else run_offline(cfg, make_client, console, model_arg, load_format)

@@ -14,6 +14,7 @@ app = typer.Typer()
 
 @app.command("chat")
 def chat(
+    ctx: typer.Context,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens per reply at most.")] = 256,
     temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 = greedy.")] = 0.0,
     system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt (default: the model's own).")] = None,
@@ -44,9 +45,7 @@ def chat(
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     out = Console(highlight=False, soft_wrap=not interactive)
     view = ChatView(out, out if interactive else Console(stderr=True, highlight=False, soft_wrap=True), verbose)
-    opts = c.EngineOptions(model=model, model_local_dir=model_local_dir, load_format=load_format, device=device,
-                           dtype=dtype, attention_backend=attention_backend, max_total_tokens=max_total_tokens,
-                           cache=cache)
+    opts = c.EngineOptions.from_params(ctx.params)
     settings = ChatSettings(max_new_tokens=max_new_tokens, temperature=temperature, system=system,
                             multi_turn=multi_turn)
     try:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Annotated, Optional
+from dataclasses import dataclass, fields
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -67,6 +67,13 @@ class EngineOptions:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     disable_overlap: bool = False
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any], **overrides: Any) -> "EngineOptions":
+        """The options among a command's parsed parameters (`ctx.params`; a command lists only those it offers),
+        with `overrides` taking precedence."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{**{k: v for k, v in params.items() if k in names}, **overrides})
 
     def engine_config(self):
         from minisgl_cli.engine.config import EngineConfig

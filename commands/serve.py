@@ -16,6 +16,7 @@ SCHEDULER_MODES = ("rr", "fsfs", "random", "cache_aware")
 
 @app.command("serve")
 def serve(
+    ctx: typer.Context,
     host: Annotated[str, typer.Option("--host", envvar="HOST", help="Interface to bind (0.0.0.0 for all).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", "-p", envvar="PORT", help="TCP port.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
@@ -101,13 +102,7 @@ def serve(
         host=host, port=port, warm_prefixes=[x for x in (warm_prefixes or "").split("|") if x],
         zmq_control=zmq_control, zmq_endpoint=zmq_control_endpoint, log_level="info" if verbose else "warning",
     )
-    opts = c.EngineOptions(
-        model=model, model_local_dir=model_local_dir, load_format=load_format, device=device, dtype=dtype,
-        attention_backend=attention_backend, page_size=page_size, max_total_tokens=max_total_tokens,
-        kv_cache_gib=kv_cache_gib, mem_fraction=mem_fraction, max_running_requests=max_running_requests,
-        max_prefill_tokens=max_prefill_tokens, cache=cache, policy=policy, disable_cuda_graph=disable_cuda_graph,
-        cuda_graph_max_bs=cuda_graph_max_bs, disable_overlap=disable_overlap,
-    )
+    opts = c.EngineOptions.from_params(ctx.params)
     client = opts.client()
     try:
         run_server(client, settings, launch)

@@ -13,6 +13,7 @@ app = typer.Typer()
 
 @app.command("smoke")
 def smoke(
+    ctx: typer.Context,
     prompt: Annotated[str, typer.Argument(help="Prompt (sent as one user chat message).")] = "Hello from mini-sglang",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")] = 32,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as plain text, without the chat template.")] = False,
@@ -29,8 +30,7 @@ def smoke(
     from minisgl_cli.smoke import run_smoke
 
     c.setup_logging(verbose)
-    opts = c.EngineOptions(model=model, model_local_dir=model_local_dir, load_format=load_format,
-                           device=device, dtype=dtype, attention_backend=attention_backend)
+    opts = c.EngineOptions.from_params(ctx.params)
     try:
         code = run_smoke(opts.client(), prompt, max_new_tokens, temperature, raw)
     except ValueError as exc:

@@ -264,3 +264,12 @@ def test_gpu_engine_flags_reach_the_engine_config(command):
     assert bad.exit_code == 2 and "cuda-graph-max-bs" in bad.output
     cfg = EngineOptions(cuda_graph_max_bs=48, disable_cuda_graph=True, attention_backend="triton").engine_config()
     assert (cfg.cuda_graph_max_bs, cfg.disable_cuda_graph, cfg.attention_backend) == (48, True, "triton")
+
+
+def test_engine_options_from_command_params():
+    """Only EngineOptions fields are taken from a command's params; overrides win (bench's per-run cache)."""
+    from commands.common import EngineOptions
+
+    params = {"model": "m", "cache": ["radix", "naive"], "port": 8000, "cuda_graph_max_bs": 16, "verbose": True}
+    opts = EngineOptions.from_params(params, cache="naive")
+    assert (opts.model, opts.cache, opts.cuda_graph_max_bs, opts.page_size) == ("m", "naive", 16, 1)
