@@ -25,12 +25,12 @@ AttentionBackend = Annotated[
     str, typer.Option("--attention-backend", "--backend", envvar="BACKEND_IMPL",
                       help="auto, torch, triton, flashinfer (auto: flashinfer or triton on CUDA, torch on CPU).")
 ]
-PageSize = Annotated[int, typer.Option("--page-size", help="KV page size in tokens.")]
-MaxTotalTokens = Annotated[Optional[int], typer.Option("--max-total-tokens", help="KV pool size in tokens (default: from memory).")]
-KVCacheGiB = Annotated[float, typer.Option("--kv-cache-gib", help="CPU: memory for the KV pool, GiB.")]
-MemFraction = Annotated[float, typer.Option("--mem-fraction", help="CUDA: fraction of free memory for the KV pool.")]
-MaxRunning = Annotated[int, typer.Option("--max-running-requests", help="Requests decoded together at most.")]
-MaxPrefill = Annotated[int, typer.Option("--max-prefill-tokens", help="Token budget of one prefill step (chunk size).")]
+PageSize = Annotated[int, typer.Option("--page-size", min=1, help="KV page size in tokens.")]
+MaxTotalTokens = Annotated[Optional[int], typer.Option("--max-total-tokens", min=1, help="KV pool size in tokens (default: from memory).")]
+KVCacheGiB = Annotated[float, typer.Option("--kv-cache-gib", min=0.001, help="CPU: memory for the KV pool, GiB.")]
+MemFraction = Annotated[float, typer.Option("--mem-fraction", min=0.01, max=1.0, help="CUDA: fraction of free memory for the KV pool.")]
+MaxRunning = Annotated[int, typer.Option("--max-running-requests", min=1, help="Requests decoded together at most.")]
+MaxPrefill = Annotated[int, typer.Option("--max-prefill-tokens", min=1, help="Token budget of one prefill step (chunk size).")]
 Cache = Annotated[str, typer.Option("--cache", help="Prefix cache: radix or naive (no reuse).")]
 Policy = Annotated[str, typer.Option("--policy", envvar="SCHEDULE_POLICY", help="prefill-first or decode-first.")]
 DisableCudaGraph = Annotated[bool, typer.Option("--disable-cuda-graph", help="Run decode eagerly on CUDA.")]

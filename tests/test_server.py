@@ -251,7 +251,8 @@ def test_serve_help_lists_env_vars():
 @pytest.mark.parametrize("command", ["serve", "bench"])
 def test_gpu_engine_flags_reach_the_engine_config(command):
     """--cuda-graph-max-bs / --disable-cuda-graph / --attention-backend are listed and land in EngineConfig;
-    a graph size below 1 is refused with a usage error (exit 2), before any model loads."""
+    sizes below 1 are refused with a usage error (exit 2) before any model loads (page size 0 used to
+    crash with a ZeroDivisionError)."""
     from typer.testing import CliRunner
 
     from commands.common import EngineOptions
@@ -260,8 +261,10 @@ def test_gpu_engine_flags_reach_the_engine_config(command):
     out = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
     for flag in ("--cuda-graph-max-bs", "--disable-cuda-graph", "--disable-overlap", "--attention-backend", "--mem-fraction"):
         assert flag in out, flag
-    bad = CliRunner().invoke(app, [command, "--cuda-graph-max-bs", "0"])
-    assert bad.exit_code == 2 and "cuda-graph-max-bs" in bad.output
+    for flag in ("--cuda-graph-max-bs", "--page-size", "--max-running-requests", "--max-prefill-tokens",
+                 "--mem-fraction"):
+        bad = CliRunner().invoke(app, [command, flag, "0"], env={"COLUMNS": "200"})
+        assert bad.exit_code == 2 and flag in bad.output, (flag, bad.output)
     cfg = EngineOptions(cuda_graph_max_bs=48, disable_cuda_graph=True, attention_backend="triton").engine_config()
     assert (cfg.cuda_graph_max_bs, cfg.disable_cuda_graph, cfg.attention_backend) == (48, True, "triton")
 
