@@ -31,12 +31,25 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None: ...
 
-    @abstractmethod
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
         kv_stored: bool = False,
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]. kv_stored: the caller already wrote k/v to the pool."""
+        if not kv_stored:
+            self.store(layer_id, batch.out_cache_loc, k, v)
+        return self.attend(q, k, v, layer_id, batch)
+
+    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's K/V into the pool at `loc` (a backend may use its own kernel)."""
+        self.pool.store(layer_id, loc, k, v)
+
+    @abstractmethod
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Attention over each request's whole sequence, this step's K/V already in the pool; k/v are
+        this step's own rows (a backend may use them instead of reading them back)."""
 
     def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K and V pool tensors [slots, Hkv, D], for a fused kernel that stores into them."""

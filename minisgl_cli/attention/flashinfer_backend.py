@@ -34,7 +34,7 @@ class FlashInferBackend(AttentionBackend):
     """Paged attention through FlashInfer; same pool, same semantics as `TorchBackend`.
 
     `prepare(batch)` builds the per-step page lists (indptr / indices / last_page_len) and calls the
-    matching wrapper's `plan` once; `forward` stores K/V into the pool and calls `run` per layer.
+    matching wrapper's `plan` once; `attend` calls `run` per layer (the base `forward` stores K/V first).
 
     CUDA graphs (decode only), same protocol as `TritonBackend`:
     `init_cuda_graph_state(max_bs)` once; per captured `bs`, `prepare_for_capture(bs, batch)` (sets
@@ -117,12 +117,9 @@ class FlashInferBackend(AttentionBackend):
         )
         batch.attn_meta = FlashInferMeta(self.prefill_wrapper)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
-        kv_stored: bool = False,
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        if not kv_stored:
-            self.pool.store(layer_id, batch.out_cache_loc, k, v)
         q = q.contiguous()
         return batch.attn_meta.wrapper.run(q, self._kv_cache(layer_id))
 

@@ -52,12 +52,9 @@ class TorchBackend(AttentionBackend):
             masks.append(torch.arange(seq_len, device=table.device)[None, :] <= q_pos)
         batch.attn_meta = TorchExtendMeta(batch.qo_indptr.tolist(), slots, masks)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
-        kv_stored: bool = False,
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        if not kv_stored:
-            self.pool.store(layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
         meta = batch.attn_meta
         if isinstance(meta, TorchDecodeMeta):

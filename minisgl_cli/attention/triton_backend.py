@@ -49,7 +49,7 @@ class TritonBackend(AttentionBackend):
        static buffers and makes the padding rows attend to one valid position -- then replay graph[bs].
        Do not call `prepare` for a replayed step; `prepare_for_replay` replaces it.
 
-    The decode kernels never read host-side values in `forward`: the split count is fixed per `bs` at
+    The decode kernels never read host-side values in `attend`: the split count is fixed per `bs` at
     capture and each request's chunking is derived from its seq_len on the device.
     """
 
@@ -138,13 +138,13 @@ class TritonBackend(AttentionBackend):
         return self._graph
 
     # --- forward ---------------------------------------------------------------------------------
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
-        kv_stored: bool = False,
+    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        tk.store_kv(k, v, self.pool.k[layer_id], self.pool.v[layer_id], loc)  # K and V in one launch
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
-        if not kv_stored:
-            tk.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
         meta = batch.attn_meta
         table = self.pool.page_table
         if isinstance(meta, TritonDecodeMeta):
