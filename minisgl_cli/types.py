@@ -45,6 +45,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 1e-6 or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """Presence or frequency penalty on: sampling depends on every earlier output token."""
+        return bool(self.presence_penalty or self.frequency_penalty)
+
 
 @dataclass
 class GenerateRequest:

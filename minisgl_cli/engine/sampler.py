@@ -39,7 +39,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 
 def _penalized(row: SamplingRow) -> bool:
-    return bool((row.params.presence_penalty or row.params.frequency_penalty) and row.output_ids)
+    return row.params.penalized and bool(row.output_ids)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

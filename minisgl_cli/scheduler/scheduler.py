@@ -172,7 +172,7 @@ class Scheduler:
             self._process(prev)
 
     def _penalized_running(self) -> bool:
-        return any(r.params.presence_penalty or r.params.frequency_penalty for r in self.running)
+        return any(r.params.penalized for r in self.running)
 
     def _schedule(self) -> tuple[str, list[Req], list[int]] | None:
         prefill_turn = self.cfg.policy == "prefill-first" or self._last_was_decode or not self.running
