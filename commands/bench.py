@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-import os
 import sys
+from dataclasses import replace
 from typing import Annotated, Optional
 
 import typer
@@ -24,18 +24,9 @@ _HELP = (
 )
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
-
-
-def _concurrency_default() -> list[int]:
-    raw = os.environ.get("BENCH_CONCURRENCY", "4")
-    return [int(x) for x in raw.replace(",", " ").split()]
-
-
 @app.command("bench", help=_HELP)
+@c.engine_options(c.ALL, exclude={"cache"})  # bench's own --cache takes a list
 def bench(
-    ctx: typer.Context,
     dataset: Annotated[str, typer.Option("--dataset", help="reference (short/medium/long), random, shared-prefix.")] = "reference",
     preset: Annotated[Optional[str], typer.Option("--preset", help="nano-vllm: 256 requests, in/out lengths uniform in "
                                                   "100..1024, EOS ignored, seed 0 (overrides --dataset).")] = None,
@@ -73,36 +64,23 @@ def bench(
     plot: Annotated[Optional[str], typer.Option("--plot", help="Write a PNG: throughput per engine per case, latency percentiles.")] = None,
     cache: Annotated[Optional[list[str]], typer.Option("--cache", help="Prefix cache: radix or naive; repeat both to "
                      "compare them in one run. [default: radix]")] = None,
-    model: c.Model = None,
-    model_local_dir: c.ModelLocalDir = None,
-    load_format: c.LoadFormat = "auto",
-    device: c.Device = "auto",
-    dtype: c.Dtype = "auto",
-    attention_backend: c.AttentionBackend = "auto",
-    page_size: c.PageSize = 1,
-    max_total_tokens: c.MaxTotalTokens = None,
-    kv_cache_gib: c.KVCacheGiB = 1.0,
-    mem_fraction: c.MemFraction = 0.85,
-    max_running_requests: c.MaxRunning = 64,
-    max_prefill_tokens: c.MaxPrefill = 2048,
-    policy: c.Policy = "prefill-first",
-    disable_cuda_graph: c.DisableCudaGraph = False,
-    cuda_graph_max_bs: c.CudaGraphMaxBs = None,
-    disable_overlap: c.DisableOverlap = False,
+    *,
+    opts: c.EngineOptions,  # every engine option but --cache goes here in --help
     verbose: c.Verbose = False,
 ) -> None:
     from rich.console import Console
 
+    from minisgl_cli import env
     from minisgl_cli.bench.report import print_report, write_plot
     from minisgl_cli.bench.suite import BenchConfig, run_offline, run_online
 
     c.setup_logging(verbose)
     try:
         cfg = BenchConfig(
-            dataset=dataset, preset=preset, concurrency=concurrency or _concurrency_default(),
-            repeat=repeat if repeat is not None else _env_int("BENCH_REPEAT", 3),
-            warmup=warmup if warmup is not None else _env_int("BENCH_WARMUP", 1),
-            mixed_prompts=mixed_prompts if mixed_prompts is not None else os.environ.get("BENCH_MIXED_PROMPTS", "1") != "0",
+            dataset=dataset, preset=preset, concurrency=concurrency or env.bench_concurrency(),
+            repeat=repeat if repeat is not None else env.bench_repeat(),
+            warmup=warmup if warmup is not None else env.bench_warmup(),
+            mixed_prompts=mixed_prompts if mixed_prompts is not None else env.bench_mixed_prompts(),
             cases=case, num_prompts=num_prompts, max_new_tokens=max_new_tokens, input_len=input_len,
             output_len=output_len, range_ratio=range_ratio, prefix_len=prefix_len, question_len=question_len, seed=seed,
             baselines=[] if no_baseline else (baseline or ["hf-stream"]), peers=peer or [], caches=cache or ["radix"],
@@ -112,13 +90,14 @@ def bench(
         c.fail(str(exc))
     console = Console(stderr=True)  # progress and notes; the table and summary lines go to stdout
     out = Console(width=None if sys.stdout.isatty() else 200)  # piped: no 80-column squeeze
-    model_arg = model_local_dir or model
+    model_arg = opts.engine.model
 
     def make_client(cache_kind: str):
-        return c.EngineOptions.from_params(ctx.params, cache=cache_kind).client()
+        return replace(opts, scheduler=replace(opts.scheduler, cache=cache_kind)).client()
 
     try:
-        report = run_online(cfg, console, model_arg) if url else run_offline(cfg, make_client, console, model_arg, load_format)
+        report = (run_online(cfg, console, model_arg) if url
+                  else run_offline(cfg, make_client, console, model_arg, opts.engine.load_format))
     except ValueError as exc:
         c.fail(str(exc))
     print_report(report, out)

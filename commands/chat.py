@@ -13,21 +13,15 @@ app = typer.Typer()
 
 
 @app.command("chat")
+@c.engine_options((*c.MODEL, "max_total_tokens", "cache"))
 def chat(
-    ctx: typer.Context,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens per reply at most.")] = 256,
     temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 = greedy.")] = 0.0,
     system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt (default: the model's own).")] = None,
     multi_turn: Annotated[bool, typer.Option("--multi-turn", help="Keep prior turns in context (their KV is reused "
                                                                   "through the radix cache).")] = False,
-    model: c.Model = None,
-    model_local_dir: c.ModelLocalDir = None,
-    load_format: c.LoadFormat = "auto",
-    device: c.Device = "auto",
-    dtype: c.Dtype = "auto",
-    attention_backend: c.AttentionBackend = "auto",
-    max_total_tokens: c.MaxTotalTokens = None,
-    cache: c.Cache = "radix",
+    *,
+    opts: c.EngineOptions,  # the model options, --max-total-tokens and --cache go here in --help
     verbose: c.Verbose = False,
 ) -> None:
     """Chat with a model. Enter submits, Esc+Enter adds a newline, Ctrl-C stops a reply, Ctrl-D leaves.
@@ -45,16 +39,15 @@ def chat(
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     out = Console(highlight=False, soft_wrap=not interactive)
     view = ChatView(out, out if interactive else Console(stderr=True, highlight=False, soft_wrap=True), verbose)
-    opts = c.EngineOptions.from_params(ctx.params)
     settings = ChatSettings(max_new_tokens=max_new_tokens, temperature=temperature, system=system,
                             multi_turn=multi_turn)
     try:
-        client = load_engine(view, model_local_dir or model, load_format, opts.client)
+        client = load_engine(view, opts.engine.model, opts.engine.load_format, opts.client)
     except ModelLoadError as exc:
         c.fail(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130)
-    if client.tokenizer is None:
+    if not client.info.has_tokenizer:
         client.close()
         c.fail("chat needs a tokenizer: a built-in --load-format dummy config has none (give an HF dir as --model)")
     try:

@@ -1,107 +1,141 @@
-"""Options every engine-backed command shares (model, device, backend, KV, scheduler), flags and env vars."""
+"""Options every engine-backed command shares, built from the engine's own declarations, and the helpers
+every command uses (one-line failures, logging).
+
+An engine option is declared once, as a field of EngineConfig or SchedulerConfig whose `metadata` holds
+its flags, help, env var and bounds. `engine_options(...)` turns the fields a command offers into Typer
+options in that command's signature and hands the command one `EngineOptions` built from them.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
-from dataclasses import dataclass, fields
-from typing import Annotated, Any, Optional
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 import typer
 
-Model = Annotated[
-    Optional[str],
-    typer.Option("--model", "-m", envvar="MODEL_NAME",
-                 help="Model: built-in alias (default SmolLM2-135M-Instruct, bundled GGUF), HF dir, .gguf file, "
-                      "hub id; with --load-format dummy a built-in config (qwen3-0.6b, llama-3.1-8b, ...)."),
-]
-ModelLocalDir = Annotated[
-    Optional[str],
-    typer.Option("--model-local-dir", envvar="MODEL_LOCAL_DIR", help="A pre-downloaded model dir; overrides --model."),
-]
-LoadFormat = Annotated[str, typer.Option("--load-format", help="auto (real weights) or dummy (random weights).")]
-Device = Annotated[str, typer.Option("--device", envvar="MINISGL_DEVICE", help="auto, cpu, cuda, cuda:N.")]
-Dtype = Annotated[str, typer.Option("--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16.")]
-AttentionBackend = Annotated[
-    str, typer.Option("--attention-backend", "--backend", envvar="BACKEND_IMPL",
-                      help="auto, torch, triton, flashinfer (auto: flashinfer or triton on CUDA, torch on CPU).")
-]
-PageSize = Annotated[int, typer.Option("--page-size", min=1, help="KV page size in tokens.")]
-MaxTotalTokens = Annotated[Optional[int], typer.Option("--max-total-tokens", min=1, help="KV pool size in tokens (default: from memory).")]
-KVCacheGiB = Annotated[float, typer.Option("--kv-cache-gib", min=0.001, help="CPU: memory for the KV pool, GiB.")]
-MemFraction = Annotated[float, typer.Option("--mem-fraction", min=0.01, max=1.0, help="CUDA: fraction of free memory for the KV pool.")]
-MaxRunning = Annotated[int, typer.Option("--max-running-requests", min=1, help="Requests decoded together at most.")]
-MaxPrefill = Annotated[int, typer.Option("--max-prefill-tokens", min=1, help="Token budget of one prefill step (chunk size).")]
-Cache = Annotated[str, typer.Option("--cache", help="Prefix cache: radix or naive (no reuse).")]
-Policy = Annotated[str, typer.Option("--policy", envvar="SCHEDULE_POLICY", help="prefill-first or decode-first.")]
-DisableCudaGraph = Annotated[bool, typer.Option("--disable-cuda-graph", help="Run decode eagerly on CUDA.")]
-CudaGraphMaxBs = Annotated[
-    Optional[int], typer.Option("--cuda-graph-max-bs", min=1,
-                                help="CUDA: largest decode batch captured in a graph (default: 256 / 128 / 32 by "
-                                     "free memory); bigger batches run eagerly.")
-]
-DisableOverlap = Annotated[
-    bool, typer.Option("--disable-overlap", envvar="MINISGL_DISABLE_OVERLAP_SCHEDULING",
-                       help="CUDA: read each step's tokens before launching the next (no overlap scheduling).")
-]
+from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.scheduler.config import SchedulerConfig
+
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="INFO logs narrating prefill, decode steps and chunks.")]
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One engine option: a config field's name, type and default, and its `metadata` (flags, help, env, min, max)."""
+
+    name: str
+    type: Any
+    default: Any
+    meta: dict[str, Any]
+
+    def parameter(self) -> inspect.Parameter:
+        """The keyword-only parameter Typer reads this option from."""
+        m = self.meta
+        option = typer.Option(*m["flags"], envvar=m.get("env"), help=m["help"], min=m.get("min"), max=m.get("max"))
+        return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=self.default,
+                                 annotation=Annotated[_cli_type(self.type), option])
+
+
+def _cli_type(tp: Any) -> Any:
+    """The type Typer parses: a Literal's values are plain strings here (help shows <str>), X | None is Optional."""
+    if get_origin(tp) is Literal:
+        return type(get_args(tp)[0])
+    if get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp):
+        (inner,) = [a for a in get_args(tp) if a is not type(None)]
+        return Optional[_cli_type(inner)]
+    return tp
+
+
+# The one option of the command line alone: the reference stack's MODEL_LOCAL_DIR, which overrides --model.
+_MODEL_LOCAL_DIR = _Option("model_local_dir", Optional[str], None, dict(
+    flags=("--model-local-dir",), env="MODEL_LOCAL_DIR", help="A pre-downloaded model dir; overrides --model."))
+
+
+def _declared() -> dict[str, _Option]:
+    """Every engine option, in --help order: EngineConfig's fields with flags, then SchedulerConfig's."""
+    out: dict[str, _Option] = {}
+    for cls in (EngineConfig, SchedulerConfig):
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            if "flags" in f.metadata:
+                out[f.name] = _Option(f.name, hints[f.name], f.default, dict(f.metadata))
+                if f.name == "model":
+                    out[_MODEL_LOCAL_DIR.name] = _MODEL_LOCAL_DIR
+    return out
+
+
+_OPTIONS = _declared()
+ALL: tuple[str, ...] = tuple(_OPTIONS)  # serve and bench offer every engine option
+MODEL: tuple[str, ...] = ("model", "model_local_dir", "load_format", "device", "dtype", "attention_backend")
+_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+_SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
 
 
 @dataclass
 class EngineOptions:
-    """The shared options, collected so a command passes one object to its front."""
+    """What an engine-backed command's flags built: the engine's config and its scheduler's."""
 
-    model: str | None = None
-    model_local_dir: str | None = None
-    load_format: str = "auto"
-    device: str = "auto"
-    dtype: str = "auto"
-    attention_backend: str = "auto"
-    page_size: int = 1
-    max_total_tokens: int | None = None
-    kv_cache_gib: float = 1.0
-    mem_fraction: float = 0.85
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 2048
-    cache: str = "radix"
-    policy: str = "prefill-first"
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None
-    disable_overlap: bool = False
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @classmethod
-    def from_params(cls, params: dict[str, Any], **overrides: Any) -> "EngineOptions":
-        """The options among a command's parsed parameters (`ctx.params`; a command lists only those it offers),
-        with `overrides` taking precedence."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{**{k: v for k, v in params.items() if k in names}, **overrides})
-
-    def engine_config(self):
-        from minisgl_cli.engine.config import EngineConfig
-
-        return EngineConfig(
-            model=self.model_local_dir or self.model, load_format=self.load_format, device=self.device,
-            dtype=self.dtype, attention_backend=self.attention_backend, page_size=self.page_size,
-            max_total_tokens=self.max_total_tokens, kv_cache_gib=self.kv_cache_gib, mem_fraction=self.mem_fraction,
-            max_running_requests=self.max_running_requests, disable_cuda_graph=self.disable_cuda_graph,
-            cuda_graph_max_bs=self.cuda_graph_max_bs,
-        )
-
-    def scheduler_config(self):
-        from minisgl_cli.scheduler.scheduler import SchedulerConfig
-
-        return SchedulerConfig(max_prefill_tokens=self.max_prefill_tokens, policy=self.policy, cache=self.cache,
-                               disable_overlap=self.disable_overlap)
+    def from_params(cls, params: dict[str, Any], **overrides: Any) -> EngineOptions:
+        """The configs from a command's option values (other params are ignored), `overrides` taking precedence."""
+        values = {k: v for k, v in {**params, **overrides}.items() if k in _OPTIONS}
+        local_dir = values.pop("model_local_dir", None)
+        if local_dir:
+            values["model"] = local_dir
+        return cls(EngineConfig(**{k: v for k, v in values.items() if k in _ENGINE_FIELDS}),
+                   SchedulerConfig(**{k: v for k, v in values.items() if k in _SCHEDULER_FIELDS}))
 
     def client(self):
         """Build the engine client; loader errors become one line on stderr and exit code 1."""
         from minisgl_cli.loader.errors import ModelLoadError
 
         try:
-            from minisgl_cli.client import EngineClient
+            from minisgl_cli.client import LocalClient
 
-            return EngineClient(self.engine_config(), self.scheduler_config())
+            return LocalClient(self.engine, self.scheduler)
         except (ModelLoadError, ValueError) as exc:
             fail(str(exc))
+
+
+def engine_options(offered: Iterable[str], exclude: Iterable[str] = ()) -> Callable[[Callable], Callable]:
+    """Add the engine options `offered` (names from ALL) to a command where its `opts: EngineOptions` parameter
+    stands (keyword-only, after `*`), and call the command with them built into that one object."""
+    names = [n for n in offered if n not in set(exclude)]
+    if unknown := [n for n in names if n not in _OPTIONS]:
+        raise TypeError(f"not engine options: {', '.join(unknown)}")
+
+    def decorate(command: Callable) -> Callable:
+        sig = inspect.signature(command)
+        params = [_evaluated(p, command.__globals__) for p in sig.parameters.values()]
+        at = [p.name for p in params].index("opts")
+        params[at : at + 1] = [_OPTIONS[n].parameter() for n in names]
+
+        @functools.wraps(command)
+        def run(**kwargs: Any) -> Any:
+            opts = EngineOptions.from_params({n: kwargs.pop(n) for n in names})
+            return command(**kwargs, opts=opts)
+
+        # Typer reads a command's options from its signature and annotations: show it the new ones.
+        run.__signature__ = sig.replace(parameters=params)
+        run.__annotations__ = {p.name: p.annotation for p in params if p.annotation is not p.empty}
+        return run
+
+    return decorate
+
+
+def _evaluated(p: inspect.Parameter, globalns: dict[str, Any]) -> inspect.Parameter:
+    """p with its annotation evaluated if it is a string (as Typer would), except `opts`, which Typer never sees."""
+    if p.name == "opts" or not isinstance(p.annotation, str):
+        return p
+    return p.replace(annotation=eval(p.annotation, globalns))  # noqa: S307 (a command's own annotation)
 
 
 def fail(message: str, code: int = 1) -> None:

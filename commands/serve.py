@@ -15,8 +15,8 @@ SCHEDULER_MODES = ("rr", "fsfs", "random", "cache_aware")
 
 
 @app.command("serve")
+@c.engine_options(c.ALL)
 def serve(
-    ctx: typer.Context,
     host: Annotated[str, typer.Option("--host", envvar="HOST", help="Interface to bind (0.0.0.0 for all).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", "-p", envvar="PORT", help="TCP port.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(
@@ -55,23 +55,8 @@ def serve(
     video_model_dir: Annotated[Optional[Path], typer.Option(
         "--video-model-dir", envvar="MINISGL_VIDEO_MODEL_DIR",
         help="Diffusers pipeline dir for /v1/videos/generations.")] = None,
-    model: c.Model = None,
-    model_local_dir: c.ModelLocalDir = None,
-    load_format: c.LoadFormat = "auto",
-    device: c.Device = "auto",
-    dtype: c.Dtype = "auto",
-    attention_backend: c.AttentionBackend = "auto",
-    page_size: c.PageSize = 1,
-    max_total_tokens: c.MaxTotalTokens = None,
-    kv_cache_gib: c.KVCacheGiB = 1.0,
-    mem_fraction: c.MemFraction = 0.85,
-    max_running_requests: c.MaxRunning = 64,
-    max_prefill_tokens: c.MaxPrefill = 2048,
-    cache: c.Cache = "radix",
-    policy: c.Policy = "prefill-first",
-    disable_cuda_graph: c.DisableCudaGraph = False,
-    cuda_graph_max_bs: c.CudaGraphMaxBs = None,
-    disable_overlap: c.DisableOverlap = False,
+    *,
+    opts: c.EngineOptions,  # the engine options (c.ALL) go here in --help
     verbose: c.Verbose = False,
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /generate (JSON lines),
@@ -102,7 +87,6 @@ def serve(
         host=host, port=port, warm_prefixes=[x for x in (warm_prefixes or "").split("|") if x],
         zmq_control=zmq_control, zmq_endpoint=zmq_control_endpoint, log_level="info" if verbose else "warning",
     )
-    opts = c.EngineOptions.from_params(ctx.params)
     client = opts.client()
     try:
         run_server(client, settings, launch)

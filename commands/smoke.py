@@ -12,25 +12,20 @@ app = typer.Typer()
 
 
 @app.command("smoke")
+@c.engine_options(c.MODEL)
 def smoke(
-    ctx: typer.Context,
     prompt: Annotated[str, typer.Argument(help="Prompt (sent as one user chat message).")] = "Hello from mini-sglang",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")] = 32,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as plain text, without the chat template.")] = False,
     temperature: Annotated[float, typer.Option("--temperature", "-t")] = 0.0,
-    model: c.Model = None,
-    model_local_dir: c.ModelLocalDir = None,
-    load_format: c.LoadFormat = "auto",
-    device: c.Device = "auto",
-    dtype: c.Dtype = "auto",
-    attention_backend: c.AttentionBackend = "auto",
+    *,
+    opts: c.EngineOptions,  # the model options (c.MODEL) go here in --help
     verbose: c.Verbose = False,
 ) -> None:
     """Stream one reply to stdout, then a one-line summary (prompt/generated tokens, TTFT, tok/s)."""
     from minisgl_cli.smoke import run_smoke
 
     c.setup_logging(verbose)
-    opts = c.EngineOptions.from_params(ctx.params)
     try:
         code = run_smoke(opts.client(), prompt, max_new_tokens, temperature, raw)
     except ValueError as exc:

@@ -18,7 +18,8 @@ import torch
 import triton.testing
 
 from minisgl_cli.attention import create_backend
-from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.core.host import HostBuffers
 from minisgl_cli.kvcache.pool import KVPool, KVShape
 
 SHAPES = {"llama8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}
@@ -43,7 +44,7 @@ def build(mode: str, prefix: list[int], ext: list[int], heads, page_size: int, d
         rows.append(row)
         locs.append(slots[p:])
     T = sum(ext)
-    batch = ForwardBatch.build(mode, [0] * T, rows, prefix, ext, torch.cat(locs), "cuda")
+    batch = ForwardBatch.build(mode, [0] * T, rows, prefix, ext, torch.cat(locs), "cuda", HostBuffers())
     q = torch.randn(T, h, d, device="cuda", dtype=dtype)
     k = torch.randn(T, hkv, d, device="cuda", dtype=dtype)
     v = torch.randn(T, hkv, d, device="cuda", dtype=dtype)

@@ -30,10 +30,10 @@ import torch
 
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
-from minisgl_cli.layers import fused
+from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.loader.configs import builtin_config
 from minisgl_cli.scheduler import overlap as overlap_mod
-from minisgl_cli.scheduler.request import Req
+from minisgl_cli.messages import AddRequest
 from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
 from minisgl_cli.types import SamplingParams
 
@@ -95,16 +95,14 @@ class RunStats:
 
 def run_requests(engine: Engine, prompts: list[list[int]], out_lens: list[int], overlap: bool,
                  prefill_tokens: int = 16384, profile_steps: int = 0) -> RunStats:
-    sched = Scheduler(engine, SchedulerConfig(max_prefill_tokens=prefill_tokens, disable_overlap=not overlap))
-    assert sched.overlap == overlap
     got = [0]
     stamps: list[float] = []
     left = [len(prompts)]
     started: set[str] = set()
     all_started = [0.0]
 
-    def sink(items):
-        for it in items:
+    def sink(msg):
+        for it in msg.outputs:
             if it.token_id is not None:
                 got[0] += 1
                 if it.rid not in started:
@@ -115,12 +113,14 @@ def run_requests(engine: Engine, prompts: list[list[int]], out_lens: list[int], 
                 left[0] -= 1
         stamps.append(time.perf_counter())
 
+    sched = Scheduler(engine, SchedulerConfig(max_prefill_tokens=prefill_tokens, disable_overlap=not overlap), sink)
+    assert sched.overlap == overlap
     torch.cuda.synchronize()
     _wait[0] = 0.0
     PHASES.clear()
     t0 = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, out_lens)):
-        sched._admit(Req(f"r{i}", p, SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.0), sink))
+        sched.handle(AddRequest(f"r{i}", p, SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.0)))
     steps = 0
     prof = cprof = None
     while left[0] > 0:
@@ -204,7 +204,7 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
         st = run_requests(engine, prompt, [512], overlap=ovl)
         tps = (st.tokens - 1) / (st.last_tok - st.first_tok)
         row(model=tag, workload="batch-1 decode", engine="minisgl", backend=engine.attn.name, graphs=graphs, overlap=ovl,
-            fused=fused.enabled(), pdl=fused.pdl_enabled(), tok_s=round(tps, 1), step_ms=round(1e3 / tps, 3),
+            fused=engine.kernels.fused, pdl=engine.kernels.pdl, tok_s=round(tps, 1), step_ms=round(1e3 / tps, 3),
             cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
             split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()})
         if profile and graphs and ovl:  # where a batch-1 step's GPU time goes
@@ -220,7 +220,7 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
             st = run_requests(engine, prompts, outs, overlap=ovl, profile_steps=3 if (profile and graphs and ovl) else 0)
             assert st.tokens == sum(outs), (st.tokens, sum(outs))
             row(model=tag, workload="nano-vllm preset", engine="minisgl", backend=engine.attn.name, graphs=graphs, overlap=ovl,
-                fused=fused.enabled(), tok_s=round(st.tokens / st.wall, 1), wall_s=round(st.wall, 2),
+                fused=engine.kernels.fused, tok_s=round(st.tokens / st.wall, 1), wall_s=round(st.wall, 2),
                 prefill_phase_s=round(st.all_started, 2), steps=st.steps, wait_s=round(st.wait, 2),
                 cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
                 split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()})
@@ -229,10 +229,10 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
 
 def pdl_off(engine: Engine, tag: str) -> None:
     """Batch-1 decode with programmatic dependent launch off (graphs recaptured), then back on."""
-    fused.set_pdl(False)
+    engine.kernels.pdl = False
     engine.capture_graphs()
     bench_engine(tag, engine, False, [], [(True, True)], False)
-    fused.set_pdl(True)
+    engine.kernels.pdl = True
     engine.capture_graphs()
 
 
@@ -294,14 +294,14 @@ def bench_ops() -> None:
         for hidden, inter, heads, kv, d in ((1024, 3072, 16, 8, 128), (4096, 14336, 32, 8, 128)):
             x = torch.randn(tokens, hidden, device=dev, dtype=dt)
             r = torch.randn_like(x)
-            norm = RMSNorm(hidden, 1e-6).to(dev, dt)
+            plain = Kernels(fused=False)  # the torch reference path of the layers
+            norm = RMSNorm(hidden, 1e-6, plain).to(dev, dt)
             gu = torch.randn(tokens, 2 * inter, device=dev, dtype=dt)
             qkv = torch.randn(tokens, (heads + 2 * kv) * d, device=dev, dtype=dt)
             pos = torch.randint(0, 4000, (tokens,), device=dev)
             rope = RotaryEmbedding(d, 4096, 1e6).to(dev)
-            qn = RMSNorm(d, 1e-6).to(dev, dt)
+            qn = RMSNorm(d, 1e-6, plain).to(dev, dt)
             cases = {}
-            fused.set_enabled(False)
 
             def torch_qk():
                 q, k, _ = qkv.split([heads * d, kv * d, kv * d], -1)
@@ -310,13 +310,13 @@ def bench_ops() -> None:
 
             r_t, qkv_t = r.clone(), qkv.clone()  # the fused kernels work in place: time them on copies
             cases["add+rmsnorm"] = (lambda: norm.forward_residual(x, r), lambda: T.rmsnorm(x, norm.weight, 1e-6, residual=r_t))
-            cases["silu_and_mul"] = (lambda: silu_and_mul(gu), lambda: T.silu_and_mul(gu))
+            cases["silu_and_mul"] = (lambda: silu_and_mul(gu, plain), lambda: T.silu_and_mul(gu))
             cases["qk_norm+rope"] = (torch_qk, lambda: T.qk_norm_rope_(qkv_t, pos, rope.cos, rope.sin, heads, kv, d, qn.weight, qn.weight, 1e-6))
             # correctness vs the torch path
             a = norm.forward_residual(x, r)[0]
             b = T.rmsnorm(x, norm.weight, 1e-6, residual=r.clone())
             err_norm = (a.float() - b.float()).abs().max().item()
-            err_silu = (silu_and_mul(gu).float() - T.silu_and_mul(gu).float()).abs().max().item()
+            err_silu = (silu_and_mul(gu, plain).float() - T.silu_and_mul(gu).float()).abs().max().item()
             q_t, k_t = torch_qk()
             qkv2 = qkv.clone()
             T.qk_norm_rope_(qkv2, pos, rope.cos, rope.sin, heads, kv, d, qn.weight, qn.weight, 1e-6)
@@ -328,7 +328,6 @@ def bench_ops() -> None:
                 t_fast = triton.testing.do_bench(fast, warmup=10, rep=40, return_mode="median") * 1e3
                 row(workload="op", op=op, tokens=tokens, hidden=hidden, torch_us=round(t_ref, 2),
                     triton_us=round(t_fast, 2), speedup=round(t_ref / t_fast, 2), max_abs_err=errs[op])
-            fused.set_enabled(True)
 
 
 def _graph_us(fns: list, reps: int = 20) -> float:
@@ -438,10 +437,10 @@ def main() -> None:
             full = [(True, True), (True, False), (False, True), (False, False)]
             bench_engine("Qwen3-0.6B", e, True, [(True, True), (True, False)], full, args.profile)
             # what the fused ops buy once the launches are gone: recapture the graphs with torch ops
-            fused.set_enabled(False)
+            e.kernels.fused = False
             e.capture_graphs()
             bench_engine("Qwen3-0.6B", e, False, [], [(True, True)], False)
-            fused.set_enabled(True)
+            e.kernels.fused = True
             pdl_off(e, "Qwen3-0.6B")
             if not args.no_hf:
                 hf_bench("Qwen3-0.6B", e, "qwen3-0.6b", True, 128)

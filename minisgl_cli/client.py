@@ -1,172 +1,303 @@
-"""EngineClient: the one engine API every front uses — submit(request) -> async stream of deltas; abort.
+"""EngineClient: the one engine API every front uses — submit(request) -> async stream of Deltas.
 
-It owns tokenization and detokenization and runs the scheduler loop on its own thread, so a busy front
-(an HTTP server, a REPL) never stalls decoding: torch releases the GIL while the model runs.
+`EngineClient` is the protocol: model info, submit / abort, tokenize (off the caller's event loop),
+cache warming, stats, page check, health. Fronts see nothing else: not the engine, not the scheduler.
+`LocalClient` implements it in this process: the scheduler loop runs on its own thread (torch releases
+the GIL while the model runs, so a busy front never stalls decoding) and talks to the client only in
+`messages` — requests and named queries in, one `StepOutput` per step out, routed here by request id
+to each request's stream on its own event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
-from minisgl_cli.scheduler.request import Req, TokenOutput
+from minisgl_cli.messages import (
+    AbortRequest, AddRequest, CheckPagesQuery, CheckPagesReply, FromScheduler, StatsQuery, StatsReply, StepOutput,
+    TokenOutput, ToScheduler,
+)
 from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
-from minisgl_cli.scheduler.stats import SchedulerStats
-from minisgl_cli.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from minisgl_cli.types import Completion, Delta, GenerateRequest, RequestStats, SamplingParams, new_request_id
+from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, prompt_ids
+from minisgl_cli.types import (
+    Completion, Delta, GenerateRequest, ModelInfo, RequestStats, SamplingParams, SchedulerStats, new_request_id,
+)
 
 log = logging.getLogger("minisgl.client")
 
+STALL_S = 30.0  # a scheduler loop silent this long is reported unhealthy (a step never takes that long)
+
 
 @dataclass
-class ModelInfo:
-    name: str
-    source: str
-    device: str
-    dtype: str
-    attention_backend: str
-    max_context_len: int
-    kv_tokens: int
-    load_s: float
+class PrefixWarm:
+    """A prefix being prefilled into the radix cache: its length, and an event set once it is cached."""
+
+    tokens: int
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
 
 
-class EngineClient:
-    def __init__(self, engine_cfg: EngineConfig | None = None, sched_cfg: SchedulerConfig | None = None):
-        self.engine = Engine(engine_cfg or EngineConfig())
-        loaded = self.engine.loaded
-        self.tokenizer = Tokenizer(loaded.model_dir) if loaded.model_dir is not None else None
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
-        self.scheduler = Scheduler(self.engine, sched_cfg or SchedulerConfig(), eos_token_ids=eos)
-        self.scheduler.start()
-        e = self.engine
-        self.info = ModelInfo(
-            loaded.name, loaded.source, str(e.device), str(e.dtype).removeprefix("torch."), e.attn.name,
-            e.max_context_len, e.pool.num_pages * e.pool.page_size, loaded.load_s,
-        )
+class EngineClient(Protocol):
+    info: ModelInfo
 
-    # --- requests ------------------------------------------------------------------------------
-    def input_ids(self, req: GenerateRequest) -> list[int]:
-        """Token ids of the request's prompt (chat template applied to messages)."""
-        if req.input_ids is not None:
-            return list(req.input_ids)
-        if self.tokenizer is None:
-            raise ValueError("this engine has dummy weights and no tokenizer: send input_ids")
-        if req.messages is not None:
-            if not req.messages:
-                raise ValueError("messages must not be empty")
-            return self.tokenizer.apply_chat_template(req.messages)
-        return self.tokenizer.encode(req.prompt)
+    def submit(self, req: GenerateRequest) -> AsyncIterator[Delta]:
+        """Stream a request's output; closing the stream early aborts the request (its KV is freed)."""
+        ...
 
-    async def submit(self, req: GenerateRequest) -> AsyncIterator[Delta]:
-        """Stream a request's output. Closing the stream early aborts the request."""
-        ids = self.input_ids(req)
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[list[TokenOutput]] = asyncio.Queue()
+    async def tokenize(self, req: GenerateRequest) -> list[int]:
+        """Token ids of the request's prompt (chat template applied), computed off the event loop."""
+        ...
 
-        def sink(items: list[TokenOutput]) -> None:
+    def abort(self, rid: str) -> None: ...
+
+    def insert_prefix(self, prefix: str | list[int]) -> PrefixWarm:
+        """Prefill a prefix into the radix cache in the background."""
+        ...
+
+    def stats(self, timeout: float = 10.0) -> SchedulerStats: ...
+
+    def check_pages(self, timeout: float = 10.0) -> None:
+        """Raise AssertionError unless free + cached + in-use KV pages add up to the pool."""
+        ...
+
+    def healthy(self) -> bool:
+        """The scheduler is alive and its loop is coming round."""
+        ...
+
+    def close(self) -> None: ...
+
+
+async def complete(client: EngineClient, req: GenerateRequest) -> Completion:
+    """Run a request to the end and return the whole result (ValueError on an engine error)."""
+    parts: list[str] = []
+    ids: list[int] = []
+    final: Delta | None = None
+    async for d in client.submit(req):
+        if d.error:
+            raise ValueError(d.error)
+        parts.append(d.text)
+        ids.extend(d.token_ids)
+        final = d
+    assert final is not None and final.stats is not None
+    return Completion(req.rid, "".join(parts), ids, final.finish_reason, final.stats)
+
+
+class _Stream:
+    """Where one request's outputs go: a queue on its consumer's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[list] = asyncio.Queue()
+
+
+def _deliver(batch: list[tuple[_Stream, list]]) -> None:
+    for stream, items in batch:
+        stream.queue.put_nowait(items)
+
+
+class RoutedClient:
+    """What every EngineClient implementation shares: request streams fed by outputs keyed by request id,
+    and named queries answered by id. Subclasses say how messages reach the scheduler (`_send`), how
+    prompts are tokenized (`tokenize`), and how a request's raw outputs become text (`_decoder`)."""
+
+    info: ModelInfo
+
+    def __init__(self) -> None:
+        self._streams: dict[str, _Stream] = {}
+        self._warming: dict[str, PrefixWarm] = {}
+        self._replies: dict[int, concurrent.futures.Future] = {}
+        self._qids = itertools.count()
+
+    def _send(self, msg: Any) -> None:
+        raise NotImplementedError
+
+    async def tokenize(self, req: GenerateRequest) -> list[int]:
+        raise NotImplementedError
+
+    def _decoder(self, params: SamplingParams) -> Callable[[list], DecodedPiece]:
+        raise NotImplementedError
+
+    # --- routing (on whichever thread receives the scheduler's messages) --------------------------
+    def _route(self, items_by_rid: dict[str, list], finished: Callable[[list], bool]) -> None:
+        """Hand each request its items, with one wake-up per consumer event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, list]]] = {}
+        for rid, items in items_by_rid.items():
+            stream = self._streams.get(rid)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, items))
+            elif rid in self._warming and finished(items):
+                self._warming.pop(rid).done.set()
+        for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(inbox.put_nowait, items)
-            except RuntimeError:  # the consumer's event loop is gone: nobody is listening any more
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that consumer's event loop is closed: nobody is listening any more
                 pass
 
-        params = req.params
-        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
-        stopper = StopStringMatcher(list(params.stop))
+    def _reply(self, qid: int, reply: object) -> None:
+        fut = self._replies.pop(qid, None)
+        if fut is not None:
+            fut.set_result(reply)
+
+    def _query(self, msg: Any, qid: int, timeout: float) -> object | None:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._replies[qid] = fut
+        self._send(msg)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            self._replies.pop(qid, None)
+            return None
+
+    # --- requests ------------------------------------------------------------------------------
+    async def submit(self, req: GenerateRequest) -> AsyncIterator[Delta]:
+        ids = await self.tokenize(req)
+        if req.rid in self._streams:
+            raise ValueError(f"request id {req.rid!r} is already in flight")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[req.rid] = stream
+        decode = self._decoder(req.params)
         stats = RequestStats(prompt_tokens=len(ids))
         t0 = time.perf_counter()
-        self.scheduler.add(Req(req.rid, ids, params, sink))
+        self._send(AddRequest(req.rid, ids, req.params))
         done = False
         try:
             while not done:
-                items = await inbox.get()
-                while not inbox.empty():  # a slow consumer gets several tokens in one delta
-                    items = items + inbox.get_nowait()
-                delta, done = self._delta(req.rid, items, detok, stopper, stats, t0)
-                if done and delta.finish_reason == "stop" and items[-1].finish_reason != "stop":
-                    self.scheduler.abort(req.rid)  # a stop string ended it: free its KV now
+                items = await stream.queue.get()
+                while not stream.queue.empty():  # a slow consumer gets several tokens in one delta
+                    items = items + stream.queue.get_nowait()
+                piece = decode(items)
+                delta = _delta(req.rid, piece, stats, t0)
+                done = delta.finished
+                if done and piece.stopped_early:
+                    self.abort(req.rid)  # a stop string ended it before the scheduler did: free its KV now
                 yield delta
         finally:
+            del self._streams[req.rid]
             if not done:  # the consumer went away (client disconnect, Ctrl-C): free its KV
-                self.scheduler.abort(req.rid)
-
-    def _delta(
-        self, rid: str, items: list[TokenOutput], detok: IncrementalDetokenizer | None,
-        stopper: StopStringMatcher, stats: RequestStats, t0: float,
-    ) -> tuple[Delta, bool]:
-        now = time.perf_counter()
-        tokens = [o.token_id for o in items if o.token_id is not None]
-        last = items[-1]
-        if tokens and stats.completion_tokens == 0:
-            stats.ttft_s = now - t0
-            stats.prefill_s = next((o.prefill_s for o in items if o.prefill_s is not None), stats.ttft_s)
-        stats.completion_tokens += len(tokens)
-        stats.cached_tokens = last.cached_tokens
-        if last.error:
-            stats.latency_s = now - t0
-            return Delta(rid, error=last.error, stats=stats), True
-        reason = last.finish_reason
-        text = detok.feed(tokens) if detok else ""
-        if reason is not None and detok:
-            text += detok.flush()
-        text, hit_stop = stopper.push(text)
-        if hit_stop:
-            reason = "stop"
-        elif reason is not None:
-            text += stopper.flush()
-        if log.isEnabledFor(logging.INFO) and tokens:
-            log.info("decode %s: token ids %s -> %r", rid, tokens, text)
-        if reason is not None:
-            stats.latency_s = now - t0
-        return Delta(rid, text, tokens, reason, stats if reason else None), reason is not None
-
-    async def complete(self, req: GenerateRequest) -> Completion:
-        """Run a request to the end and return the whole result."""
-        parts, ids, final = [], [], None
-        async for d in self.submit(req):
-            if d.error:
-                raise ValueError(d.error)
-            parts.append(d.text)
-            ids.extend(d.token_ids)
-            final = d
-        return Completion(req.rid, "".join(parts), ids, final.finish_reason, final.stats)
+                self.abort(req.rid)
 
     def abort(self, rid: str) -> None:
-        self.scheduler.abort(rid)
+        self._send(AbortRequest(rid))
 
-    # --- cache seeding -------------------------------------------------------------------------
-    def insert_prefix(self, prefix: str | list[int]) -> threading.Event:
-        """Prefill a prefix into the radix cache in the background; the event is set when cached."""
-        ids = self.tokenizer.encode(prefix) if isinstance(prefix, str) else list(prefix)
-        done = threading.Event()
-        params = SamplingParams(max_new_tokens=1, ignore_eos=True)
-        self.scheduler.add(Req(new_request_id("warm"), ids, params, lambda items: done.set()))
-        return done
+    def _warm(self, ids: list[int]) -> PrefixWarm:
+        rid = new_request_id("warm")
+        warm = PrefixWarm(len(ids))
+        self._warming[rid] = warm
+        self._send(AddRequest(rid, ids, SamplingParams(max_new_tokens=1, ignore_eos=True)))
+        return warm
 
-    # --- inspection ----------------------------------------------------------------------------
-    def stats(self) -> SchedulerStats:
-        box: list[SchedulerStats] = []
-        self.scheduler.call(lambda: box.append(self.scheduler.snapshot()), timeout=10)
-        return box[0] if box else self.scheduler.stats
+    def stats(self, timeout: float = 10.0) -> SchedulerStats:
+        qid = next(self._qids)
+        reply = self._query(StatsQuery(qid), qid, timeout)
+        if not isinstance(reply, StatsReply):
+            raise TimeoutError(f"the scheduler did not answer a stats query within {timeout:g}s")
+        return reply.stats
 
-    def check_pages(self) -> None:
-        """Assert exact KV accounting (free + cached + in use == pool), on the scheduler thread."""
-        errors: list[BaseException] = []
+    def check_pages(self, timeout: float = 10.0) -> None:
+        qid = next(self._qids)
+        reply = self._query(CheckPagesQuery(qid), qid, timeout)
+        if not isinstance(reply, CheckPagesReply):
+            raise TimeoutError(f"the scheduler did not answer a page check within {timeout:g}s")
+        if reply.error is not None:
+            raise AssertionError(reply.error)
 
-        def check() -> None:
-            try:
-                self.scheduler.check_pages()
-            except AssertionError as exc:
-                errors.append(exc)
 
-        self.scheduler.call(check, timeout=10)
-        if errors:
-            raise errors[0]
+def _delta(rid: str, piece: DecodedPiece, stats: RequestStats, t0: float) -> Delta:
+    """A Delta from a decoded piece; the request's clock (TTFT, latency) runs on the consumer's side."""
+    now = time.perf_counter()
+    if piece.token_ids and stats.completion_tokens == 0:
+        stats.ttft_s = now - t0
+        stats.prefill_s = piece.prefill_s if piece.prefill_s is not None else stats.ttft_s
+    stats.completion_tokens += len(piece.token_ids)
+    stats.cached_tokens = piece.cached_tokens
+    if piece.error or piece.finish_reason:
+        stats.latency_s = now - t0
+    if piece.error:
+        return Delta(rid, error=piece.error, stats=stats)
+    if log.isEnabledFor(logging.INFO) and piece.token_ids:
+        log.info("decode %s: token ids %s -> %r", rid, piece.token_ids, piece.text)
+    return Delta(rid, piece.text, piece.token_ids, piece.finish_reason, stats if piece.finish_reason else None)
+
+
+def _ended(items: list[TokenOutput]) -> bool:
+    return items[-1].finish_reason is not None or items[-1].error is not None
+
+
+class LocalClient(RoutedClient):
+    """The in-process EngineClient: engine and scheduler in this process, the loop on a thread;
+    each request's tokens are detokenized on its consumer's event loop."""
+
+    def __init__(self, engine_cfg: EngineConfig | None = None, sched_cfg: SchedulerConfig | None = None,
+                 engine: Engine | None = None):
+        super().__init__()
+        e = engine or Engine(engine_cfg or EngineConfig())
+        loaded = e.loaded
+        self.tokenizer = Tokenizer(loaded.model_dir) if loaded.model_dir is not None else None
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+        self._scheduler = Scheduler(e, sched_cfg or SchedulerConfig(), self._on_output, eos_token_ids=eos)
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._scheduler.run_forever, args=(self._stop,),
+                                        name="minisgl-scheduler", daemon=True)
+        self._thread.start()
+        self.info = engine_info(e, self._scheduler)
+
+    def _send(self, msg: ToScheduler) -> None:
+        self._scheduler.inbox.put(msg)
+
+    def _on_output(self, msg: FromScheduler) -> None:
+        """On the scheduler thread: route a step's outputs by request id."""
+        if not isinstance(msg, StepOutput):
+            self._reply(msg.qid, msg)
+            return
+        by_rid: dict[str, list] = {}
+        for o in msg.outputs:
+            by_rid.setdefault(o.rid, []).append(o)
+        self._route(by_rid, _ended)
+
+    def _decoder(self, params: SamplingParams) -> Callable[[list], DecodedPiece]:
+        return RequestDecoder(self.tokenizer, params).feed
+
+    def input_ids(self, req: GenerateRequest) -> list[int]:
+        """Token ids of the request's prompt (chat template applied to messages), on the calling thread."""
+        return prompt_ids(self.tokenizer, req)
+
+    async def tokenize(self, req: GenerateRequest) -> list[int]:
+        if req.input_ids is not None:
+            return list(req.input_ids)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.input_ids, req)
+
+    def insert_prefix(self, prefix: str | list[int]) -> PrefixWarm:
+        return self._warm(prompt_ids(self.tokenizer, GenerateRequest(prompt=prefix) if isinstance(prefix, str)
+                                     else GenerateRequest(input_ids=list(prefix))))
+
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and time.monotonic() - self._scheduler.heartbeat < STALL_S
 
     def close(self) -> None:
-        self.scheduler.stop()
+        self._stop.set()
+        self._scheduler.inbox.put(None)  # wake an idle loop
+        self._thread.join(timeout=30)
+        self._tokenize_pool.shutdown(wait=False)
+
+
+def engine_info(e: Engine, scheduler: Scheduler) -> ModelInfo:
+    """ModelInfo of an engine and the scheduler driving it (in whichever process they live)."""
+    loaded, mc = e.loaded, e.model_cfg
+    return ModelInfo(
+        loaded.name, loaded.source, str(e.device), str(e.dtype).removeprefix("torch."), e.attn.name,
+        str(loaded.model_dir) if loaded.model_dir is not None else None, mc.vocab_size, e.pool.page_size,
+        scheduler.max_running, e.max_context_len, e.pool.num_pages * e.pool.page_size, loaded.load_s,
+        scheduler.overlap, tuple(sorted(scheduler.eos)), e.tp.size,
+    )

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import fields
 
-from minisgl_cli.client import EngineClient
+from minisgl_cli.client import LocalClient, complete
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.scheduler.scheduler import SchedulerConfig
+from minisgl_cli.scheduler.config import SchedulerConfig
 from minisgl_cli.types import Completion, GenerateRequest, SamplingParams
 
 Prompt = str | list[int] | list[dict]
@@ -21,7 +21,7 @@ class LLM:
         names = {f.name for f in fields(SchedulerConfig)}
         sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in names})
         engine = EngineConfig(model=model, **{k: v for k, v in kwargs.items() if k not in names})
-        self.client = EngineClient(engine, sched)
+        self.client = LocalClient(engine, sched)
 
     @staticmethod
     def _request(prompt: Prompt, params: SamplingParams) -> GenerateRequest:
@@ -41,7 +41,7 @@ class LLM:
 
         async def run() -> list[Completion]:
             reqs = [self._request(p, sp) for p, sp in zip(batch, plist)]
-            return list(await asyncio.gather(*(self.client.complete(r) for r in reqs)))
+            return list(await asyncio.gather(*(complete(self.client, r) for r in reqs)))
 
         return asyncio.run(run())
 

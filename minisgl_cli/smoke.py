@@ -15,7 +15,7 @@ log = logging.getLogger("minisgl.smoke")
 def run_smoke(client: EngineClient, prompt: str, max_new_tokens: int, temperature: float, raw: bool) -> int:
     info = client.info
     log.info("setup: model=%s device=%s dtype=%s backend=%s eos=%s", info.name, info.device, info.dtype,
-             info.attention_backend, sorted(client.tokenizer.eos_token_ids) if client.tokenizer else [])
+             info.attention_backend, list(info.eos_token_ids))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     req = (GenerateRequest(prompt=prompt, params=params) if raw
            else GenerateRequest(messages=[{"role": "user", "content": prompt}], params=params))

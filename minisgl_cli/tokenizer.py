@@ -1,4 +1,8 @@
-"""Tokenize, apply the chat template, detokenize incrementally (UTF-8 safe) and cut at stop strings."""
+"""Tokenize, apply the chat template, detokenize incrementally (UTF-8 safe) and cut at stop strings.
+
+`RequestDecoder` puts the output side together for one request: the scheduler's token outputs in,
+text pieces out, ended by a finish reason, a stop string or an error.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minisgl_cli.loader.errors import ModelLoadError
+from minisgl_cli.messages import DecodedPiece, TokenOutput
+from minisgl_cli.types import GenerateRequest, SamplingParams
 
 
 class Tokenizer:
@@ -106,3 +112,42 @@ class StopStringMatcher:
     def flush(self) -> str:
         text, self.pending = self.pending, ""
         return text
+
+
+def prompt_ids(tokenizer: Tokenizer | None, req: GenerateRequest) -> list[int]:
+    """Token ids of a request's prompt: its ids, its text encoded, or its messages through the chat template."""
+    if req.input_ids is not None:
+        return list(req.input_ids)
+    if tokenizer is None:
+        raise ValueError("this engine has dummy weights and no tokenizer: send input_ids")
+    if req.messages is not None:
+        if not req.messages:
+            raise ValueError("messages must not be empty")
+        return tokenizer.apply_chat_template(req.messages)
+    return tokenizer.encode(req.prompt or "")
+
+
+class RequestDecoder:
+    """One request's output side: token ids -> text (UTF-8 safe), stop strings, finish reason."""
+
+    def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams):
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
+        self.stopper = StopStringMatcher(list(params.stop))
+
+    def feed(self, items: list[TokenOutput]) -> DecodedPiece:
+        tokens = [o.token_id for o in items if o.token_id is not None]
+        last = items[-1]
+        prefill_s = next((o.prefill_s for o in items if o.prefill_s is not None), None)
+        if last.error:
+            return DecodedPiece(last.rid, "", tokens, None, last.error, last.cached_tokens, prefill_s)
+        reason = last.finish_reason
+        text = self.detok.feed(tokens) if self.detok else ""
+        if reason is not None and self.detok:
+            text += self.detok.flush()
+        text, hit_stop = self.stopper.push(text)
+        early = hit_stop and reason is None
+        if hit_stop:
+            reason = "stop"
+        elif reason is not None:
+            text += self.stopper.flush()
+        return DecodedPiece(last.rid, text, tokens, reason, None, last.cached_tokens, prefill_s, early)

@@ -1,9 +1,9 @@
-"""Typed boundary objects: what a front asks of the engine and what streams back."""
+"""Typed boundary objects: what a front asks of the engine, what streams back, and what the engine reports."""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -109,3 +109,60 @@ class Completion:
     token_ids: list[int]
     finish_reason: FinishReason | None
     stats: RequestStats
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's figures: queues, KV use, cache hits, token rates (for chat, /metrics, bench)."""
+
+    waiting: int = 0
+    running: int = 0
+    tokens_total: int = 0
+    tokens_free: int = 0
+    tokens_cached: int = 0  # held by the prefix cache (evictable or locked)
+    tokens_in_use: int = 0  # held by running requests beyond their cached prefix
+    cache_hit_tokens: int = 0
+    cache_miss_tokens: int = 0
+    cache_hit_requests: int = 0
+    cache_miss_requests: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_tok_s: float = 0.0  # rolling
+    decode_tok_s: float = 0.0  # rolling
+    steps: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    retracted_requests: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        total = self.cache_hit_tokens + self.cache_miss_tokens
+        return self.cache_hit_tokens / total if total else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "cache_hit_rate": round(self.cache_hit_rate, 4)}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a front may know of the engine behind a client (start-up line, limits, /v1/models)."""
+
+    name: str
+    source: str
+    device: str
+    dtype: str
+    attention_backend: str
+    model_dir: str | None  # the HF dir (tokenizer, config); None for built-in dummy configs
+    vocab_size: int
+    page_size: int
+    max_running: int  # requests decoded together at most
+    max_context_len: int
+    kv_tokens: int
+    load_s: float
+    overlap: bool  # overlap scheduling on
+    eos_token_ids: tuple[int, ...] = ()
+    tp_size: int = 1
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.model_dir is not None

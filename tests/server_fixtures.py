@@ -24,7 +24,7 @@ def shared_client():
     from commands.common import EngineOptions
 
     # 16k KV tokens: room for 100+ short requests at once; the context limit stays the model's 8192.
-    client = EngineOptions(max_running_requests=64, max_total_tokens=16384).client()
+    client = EngineOptions.from_params(dict(max_running_requests=64, max_total_tokens=16384)).client()
     atexit.register(client.close)
     return client
 

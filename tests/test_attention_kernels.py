@@ -14,7 +14,8 @@ import torch
 
 from minisgl_cli.attention import create_backend
 from minisgl_cli.attention.torch_backend import TorchBackend
-from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.core.host import HostBuffers
 from minisgl_cli.kvcache.pool import KVPool, KVShape
 
 needs_cuda = pytest.mark.skipif(
@@ -61,7 +62,7 @@ def make_case(
         rows.append(row)
         out_loc.append(slots[p:])
     T = sum(extend_lens)
-    batch = ForwardBatch.build(mode, [0] * T, rows, prefix_lens, extend_lens, torch.cat(out_loc), device)
+    batch = ForwardBatch.build(mode, [0] * T, rows, prefix_lens, extend_lens, torch.cat(out_loc), device, HostBuffers())
     q, k, v = (torch.randn((T, n, d), generator=gen).to(device, dtype) for n in (h, hkv, hkv))
     return pool, batch, q, k, v
 
@@ -181,7 +182,8 @@ def test_decode_cuda_graph_replay(backend):
     be = create_backend(backend, pool, h, hkv, d, 1.0 / math.sqrt(d), "cuda")
     assert be.supports_cuda_graph
     be.init_cuda_graph_state(bs)
-    static = ForwardBatch.build("decode", [0] * bs, [0] * bs, [0] * bs, [1] * bs, torch.zeros(bs, dtype=torch.int64), "cuda")
+    static = ForwardBatch.build("decode", [0] * bs, [0] * bs, [0] * bs, [1] * bs, torch.zeros(bs, dtype=torch.int64),
+                                "cuda", HostBuffers())
     be.prepare_for_capture(bs, static)
     qs, ks, vs = torch.zeros_like(q1), torch.zeros_like(k1), torch.zeros_like(v1)
     be.forward(qs, ks, vs, 0, static)  # warm-up: compiles kernels outside the capture
@@ -193,7 +195,7 @@ def test_decode_cuda_graph_replay(backend):
         n = len(sel)
         sub = ForwardBatch.build(
             "decode", [0] * n, batch1.req_slots[sel].tolist(), [batch1.seq_lens_cpu[i] - 1 for i in sel], [1] * n,
-            batch1.out_cache_loc[sel], "cuda",
+            batch1.out_cache_loc[sel], "cuda", HostBuffers(),
         )
         qs.zero_(); ks.zero_(); vs.zero_()
         qs[:n].copy_(q1[sel]); ks[:n].copy_(k1[sel]); vs[:n].copy_(v1[sel])
@@ -237,7 +239,8 @@ def test_torch_decode_equals_last_row_of_extend():
     be = create_backend("torch", pool, 4, 2, 16, 0.25, "cpu")
     be.prepare(batch)
     full = be.forward(q, k, v, 0, batch)
-    dec = ForwardBatch.build("decode", [0], batch.req_slots.tolist(), [L - 1], [1], batch.out_cache_loc[-1:], "cpu")
+    dec = ForwardBatch.build("decode", [0], batch.req_slots.tolist(), [L - 1], [1], batch.out_cache_loc[-1:], "cpu",
+                             HostBuffers())
     be.prepare(dec)
     last = be.forward(q[-1:], k[-1:], v[-1:], 0, dec)
     torch.testing.assert_close(last, full[-1:], rtol=1e-5, atol=1e-5)

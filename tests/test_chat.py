@@ -128,10 +128,10 @@ def test_prompt_esc_enter_newline_and_file_history(tmp_path):
 
 @pytest.fixture(scope="module")
 def client():
-    from minisgl_cli.client import EngineClient
+    from minisgl_cli.client import LocalClient
     from minisgl_cli.engine.config import EngineConfig
 
-    c = EngineClient(EngineConfig(max_total_tokens=KV_TOKENS))
+    c = LocalClient(EngineConfig(max_total_tokens=KV_TOKENS))
     yield c
     c.close()
 

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from minisgl_cli import LLM, SamplingParams
+from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
-from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.loader.configs import BUILTIN_CONFIGS
 from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.models import ModelConfig
 from minisgl_cli.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from minisgl_cli.client import complete
 from minisgl_cli.types import GenerateRequest
 
 
@@ -35,7 +36,7 @@ def _extend(engine: Engine, prompts: list[list[int]], first_row: int) -> torch.T
     flat = [t for ids in prompts for t in ids]
     rows = list(range(first_row, first_row + len(prompts)))
     batch = ForwardBatch.build("extend", flat, rows, [0] * len(prompts), [len(p) for p in prompts],
-                               torch.cat(locs), engine.device)
+                               torch.cat(locs), engine.device, engine.host)
     return engine.forward(batch)
 
 
@@ -46,6 +47,20 @@ def test_batched_prefill_of_different_lengths_equals_one_by_one(tiny_model_dirs)
     alone = torch.cat([_extend(engine, [p], 4 + i) for i, p in enumerate(prompts)])
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
     assert (together.argmax(-1) == alone.argmax(-1)).all()
+
+
+def test_two_engines_in_one_process_keep_their_own_kernel_choice(tiny_model_dirs):
+    """An engine's kernels (and pinned buffers) are its own: a second engine on the fp16 CPU GEMM leaves the
+    first one's fp32 logits bit for bit as they were (a process-wide switch used to flip both)."""
+    model = str(tiny_model_dirs["qwen2"])
+    prompts = [list(range(5, 25)), list(range(40, 47))]
+    first = Engine(EngineConfig(model=model, max_total_tokens=2048, cpu_gemm="auto"))
+    before = _extend(first, prompts, 0)
+    second = Engine(EngineConfig(model=model, max_total_tokens=2048, cpu_gemm="fp16"))
+    fp16 = _extend(second, prompts, 0)
+    assert not torch.equal(fp16, before)  # the second engine really runs other kernels
+    assert torch.equal(_extend(first, prompts, 0), before)
+    assert first.host is not second.host
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
@@ -148,6 +163,6 @@ def test_unknown_dummy_config_and_missing_model_are_one_line_errors(tmp_path):
 def test_dummy_engine_has_no_tokenizer_and_takes_input_ids():
     with LLM("smollm2-135m", load_format="dummy", max_total_tokens=512) as llm:
         with pytest.raises(ValueError, match="input_ids"):
-            asyncio.run(llm.client.complete(GenerateRequest(prompt="hi")))
+            asyncio.run(complete(llm.client, GenerateRequest(prompt="hi")))
         out = llm.generate([1, 2, 3], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
         assert len(out.token_ids) == 3

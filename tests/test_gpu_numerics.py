@@ -49,7 +49,7 @@ def _compare(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
 @pytest.mark.parametrize("lens", [[17, 100, 250], [100]], ids=["3req", "1req"])
 def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
     """3 requests pad to the graph of 4 (cuBLAS linears); 1 request takes the batch-1 GEMV kernels."""
-    from minisgl_cli.engine.batch import ForwardBatch
+    from minisgl_cli.core.batch import ForwardBatch
     from minisgl_cli.models.hf_export import hf_twin
 
     engine, cfg = _engine(name, monkeypatch)
@@ -74,7 +74,7 @@ def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
     diffs, agree = [], []
     flat = [t for s, n in zip(seqs, lens) for t in s[:n]]
     locs = [x for s, n in zip(slots, lens) for x in s[:n]]
-    batch = ForwardBatch.build("extend", flat, rows, [0] * len(lens), lens, locs, dev)
+    batch = ForwardBatch.build("extend", flat, rows, [0] * len(lens), lens, locs, dev, engine.host)
     for i, lg in enumerate(engine.forward(batch)):
         d, ok = _compare(lg, ref[i][lens[i] - 1])
         diffs.append(d), agree.append(ok)
@@ -82,7 +82,7 @@ def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
     for t in range(steps - 1):
         pos = [n + t for n in lens]
         batch = ForwardBatch.build("decode", [s[p] for s, p in zip(seqs, pos)], rows, pos, [1] * len(lens),
-                                   [s[p] for s, p in zip(slots, pos)], dev)
+                                   [s[p] for s, p in zip(slots, pos)], dev, engine.host)
         assert engine.graphs.can_run(batch)
         for i, lg in enumerate(engine.forward(batch)):
             d, ok = _compare(lg, ref[i][pos[i]])
@@ -96,25 +96,23 @@ def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
 
 def _greedy(engine, prompts: list[list[int]], overlap: bool = True) -> list[list[int]]:
     """Greedy tokens of prompts run together through a fresh scheduler on `engine` (max_new_tokens 24 + i)."""
-    from minisgl_cli.client import EngineClient
-    from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
+    from minisgl_cli.client import LocalClient, complete
+    from minisgl_cli.scheduler.scheduler import SchedulerConfig
     from minisgl_cli.types import GenerateRequest, SamplingParams
 
-    client = EngineClient.__new__(EngineClient)  # reuse the engine: only the scheduler is new
-    client.engine, client.tokenizer = engine, None
-    client.scheduler = Scheduler(engine, SchedulerConfig(disable_overlap=not overlap))
-    assert client.scheduler.overlap == overlap
-    client.scheduler.start()
+    # Reuse the engine: only the scheduler (and its prefix cache) is new.
+    client = LocalClient(sched_cfg=SchedulerConfig(disable_overlap=not overlap), engine=engine)
+    assert client.info.overlap == overlap
 
     async def run():
         reqs = [GenerateRequest(input_ids=p, params=SamplingParams(max_new_tokens=24 + i, ignore_eos=True))
                 for i, p in enumerate(prompts)]
-        return await asyncio.gather(*(client.complete(r) for r in reqs))
+        return await asyncio.gather(*(complete(client, r) for r in reqs))
 
     out = [c.token_ids for c in asyncio.run(run())]
-    sched = client.scheduler
-    sched.stop()
-    sched.check_pages()
+    client.check_pages()
+    client.close()
+    sched = client._scheduler
     # the next scheduler gets a fresh prefix cache: hand this one's pages back to the shared pool
     engine.pool.free_pages(sched.cache._slots_to_pages(sched.cache.tree.evict(sched.cache.tree.cached_tokens)))
     assert [len(t) for t in out] == [24 + i for i in range(len(prompts))]
@@ -134,15 +132,10 @@ def test_overlap_and_graphs_change_no_greedy_token(monkeypatch):
 
 def test_pdl_changes_no_greedy_token(monkeypatch):
     """Programmatic dependent launch only reorders launches: same tokens with it off (batch 1 and 5)."""
-    from minisgl_cli.layers import fused
-
     engine, cfg = _engine("llama-3.1-8b", monkeypatch)
     batches = [_prompts(cfg["vocab_size"], (40,)), _prompts(cfg["vocab_size"])]
     on = [_greedy(engine, b) for b in batches]
-    fused.set_pdl(False)
-    try:
-        engine.capture_graphs()
-        off = [_greedy(engine, b) for b in batches]
-    finally:
-        fused.set_pdl(True)
+    engine.kernels.pdl = False  # this engine's choice: its model and attention backend share it
+    engine.capture_graphs()
+    off = [_greedy(engine, b) for b in batches]
     assert on == off

@@ -62,8 +62,8 @@ def test_gemv_with_fused_silu_mul(n, k):
 @pytest.mark.parametrize("tokens", [1, 37])
 def test_qk_norm_rope_with_kv_store(heads, tokens):
     """One launch = the torch chain (q/k norm, RoPE) and the pool store; other cache rows untouched."""
-    from minisgl_cli.layers import fused
     from minisgl_cli.layers import triton_ops as T
+    from minisgl_cli.layers.fused import Kernels
     from minisgl_cli.layers.norm import RMSNorm
     from minisgl_cli.layers.rotary import RotaryEmbedding
 
@@ -73,7 +73,8 @@ def test_qk_norm_rope_with_kv_store(heads, tokens):
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, device=DEV, generator=g).to(dt)
     pos = torch.randint(0, 4000, (tokens,), device=DEV, generator=g)
     rope = RotaryEmbedding(d, 4096, 1e6).to(DEV)
-    qn, kn = RMSNorm(d, 1e-6).to(DEV, dt), RMSNorm(d, 1e-6).to(DEV, dt)
+    plain = Kernels(fused=False)  # the torch reference path
+    qn, kn = RMSNorm(d, 1e-6, plain).to(DEV, dt), RMSNorm(d, 1e-6, plain).to(DEV, dt)
     qn.weight.data.uniform_(0.5, 1.5, generator=g)
     kn.weight.data.uniform_(0.5, 1.5, generator=g)
     slots = 64
@@ -81,15 +82,11 @@ def test_qk_norm_rope_with_kv_store(heads, tokens):
     k_cache, v_cache = poison.clone(), poison.clone()
     loc = torch.randperm(slots, device=DEV, generator=g)[:tokens]
 
-    fused.set_enabled(False)
-    try:
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
-        q, k, v = q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
-        if has_norm:
-            q, k = qn(q), kn(k)
-        q_ref, k_ref = rope(pos, q, k)
-    finally:
-        fused.set_enabled(True)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    q, k, v = q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
+    if has_norm:
+        q, k = qn(q), kn(k)
+    q_ref, k_ref = rope(pos, q, k)
     out = qkv.clone()
     T.qk_norm_rope_(out, pos, rope.cos, rope.sin, hq, hkv, d, qn.weight if has_norm else None,
                     kn.weight if has_norm else None, 1e-6, (k_cache, v_cache, loc))
@@ -105,9 +102,9 @@ def test_qk_norm_rope_with_kv_store(heads, tokens):
 
 @pytest.mark.parametrize("tokens", [1, 300])
 def test_rmsnorm_and_silu_match_torch(tokens):
-    from minisgl_cli.layers import fused
     from minisgl_cli.layers import triton_ops as T
     from minisgl_cli.layers.activation import silu_and_mul
+    from minisgl_cli.layers.fused import Kernels
     from minisgl_cli.layers.norm import RMSNorm
 
     dt = torch.bfloat16
@@ -115,14 +112,11 @@ def test_rmsnorm_and_silu_match_torch(tokens):
     x = torch.randn(tokens, 1024, device=DEV, generator=g).to(dt)
     r = torch.randn(tokens, 1024, device=DEV, generator=g).to(dt)
     gu = torch.randn(tokens, 2 * 3072, device=DEV, generator=g).to(dt)
-    norm = RMSNorm(1024, 1e-6).to(DEV, dt)
+    plain = Kernels(fused=False)  # the torch reference path
+    norm = RMSNorm(1024, 1e-6, plain).to(DEV, dt)
     norm.weight.data.uniform_(0.5, 1.5, generator=g)
-    fused.set_enabled(False)
-    try:
-        h_ref, r_ref = norm.forward_residual(x, r)
-        a_ref = silu_and_mul(gu)
-    finally:
-        fused.set_enabled(True)
+    h_ref, r_ref = norm.forward_residual(x, r)
+    a_ref = silu_and_mul(gu, plain)
     r2 = r.clone()
     h = T.rmsnorm(x, norm.weight, 1e-6, residual=r2)
     assert torch.equal(r2, r_ref)  # the in-place residual add rounds as torch's add

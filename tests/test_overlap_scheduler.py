@@ -30,7 +30,7 @@ def alone(tiny_model_dirs):
 ])
 def test_overlap_matches_running_alone(tiny_model_dirs, alone, kw):
     with LLM(str(tiny_model_dirs["llama"]), overlap_on_cpu=True, **kw) as llm:
-        assert llm.client.scheduler.overlap
+        assert llm.client.info.overlap
         got = asyncio.run(run_concurrently(llm, workload(24), abort_every=7))
         settle(llm)
     assert [g for g in got if g is not None] == [r for g, r in zip(got, alone) if g is not None]
@@ -51,10 +51,10 @@ def test_overlap_stops_exactly_at_max_new_tokens_and_eos(tiny_model_dirs):
 
 def test_disable_overlap_flag_and_env(tiny_model_dirs, monkeypatch):
     with LLM(str(tiny_model_dirs["llama"]), overlap_on_cpu=True, disable_overlap=True) as llm:
-        assert not llm.client.scheduler.overlap
+        assert not llm.client.info.overlap
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "1")
     with LLM(str(tiny_model_dirs["llama"]), overlap_on_cpu=True) as llm:
-        assert not llm.client.scheduler.overlap
+        assert not llm.client.info.overlap
 
 
 def test_penalties_see_every_token_under_overlap(tiny_model_dirs):
@@ -66,7 +66,7 @@ def test_penalties_see_every_token_under_overlap(tiny_model_dirs):
     outs = []
     for overlap in (False, True):
         with LLM(str(tiny_model_dirs["llama"]), overlap_on_cpu=overlap) as llm:
-            assert llm.client.scheduler.overlap == overlap
+            assert llm.client.info.overlap == overlap
             outs.append([o.token_ids for o in llm.generate(prompts, params)])
             settle(llm)
     assert outs[0] == outs[1]

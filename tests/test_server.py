@@ -27,6 +27,24 @@ def test_health_and_models(server_url, engine_client):
     assert oai(server_url).models.retrieve("default").id == engine_client.info.name
 
 
+def test_health_is_503_once_the_scheduler_is_stopped():
+    from minisgl_cli.client import LocalClient
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.server.app import create_app
+    from minisgl_cli.server.launch import BackgroundServer
+
+    client = LocalClient(EngineConfig(model="smollm2-135m", load_format="dummy", max_total_tokens=256))
+    try:
+        with BackgroundServer(create_app(client)) as url:  # starts once /health answers 200
+            client.close()  # stops the scheduler loop
+            r = httpx.get(f"{url}/health")
+    finally:
+        client.close()
+    assert r.status_code == 503
+    assert r.json() == {"error": {"message": "the engine's scheduler is not running or has stalled",
+                                  "type": "server_error", "param": None, "code": None}}
+
+
 def test_chat_non_stream(server_url):
     r = oai(server_url).chat.completions.create(model="default", messages=HI, max_tokens=6)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
@@ -265,14 +283,39 @@ def test_gpu_engine_flags_reach_the_engine_config(command):
                  "--mem-fraction"):
         bad = CliRunner().invoke(app, [command, flag, "0"], env={"COLUMNS": "200"})
         assert bad.exit_code == 2 and flag in bad.output, (flag, bad.output)
-    cfg = EngineOptions(cuda_graph_max_bs=48, disable_cuda_graph=True, attention_backend="triton").engine_config()
+    cfg = EngineOptions.from_params(dict(cuda_graph_max_bs=48, disable_cuda_graph=True, attention_backend="triton")).engine
     assert (cfg.cuda_graph_max_bs, cfg.disable_cuda_graph, cfg.attention_backend) == (48, True, "triton")
 
 
 def test_engine_options_from_command_params():
-    """Only EngineOptions fields are taken from a command's params; overrides win (bench's per-run cache)."""
+    """Only engine options are taken from a command's params; overrides win."""
     from commands.common import EngineOptions
 
     params = {"model": "m", "cache": ["radix", "naive"], "port": 8000, "cuda_graph_max_bs": 16, "verbose": True}
     opts = EngineOptions.from_params(params, cache="naive")
-    assert (opts.model, opts.cache, opts.cuda_graph_max_bs, opts.page_size) == ("m", "naive", 16, 1)
+    assert (opts.engine.model, opts.scheduler.cache, opts.engine.cuda_graph_max_bs, opts.engine.page_size) == (
+        "m", "naive", 16, 1)
+
+
+def test_a_command_gets_the_engine_options_it_offers_as_one_object():
+    """engine_options() adds the offered flags (with their env vars) to a command and hands it one EngineOptions;
+    --model-local-dir / MODEL_LOCAL_DIR overrides --model; a flag the command does not offer is a usage error."""
+    import typer
+    from typer.testing import CliRunner
+
+    from commands.common import MODEL, EngineOptions, engine_options
+
+    app, seen = typer.Typer(), []
+
+    @app.command()
+    @engine_options((*MODEL, "cache"))
+    def probe(*, opts: EngineOptions) -> None:
+        seen.append(opts)
+
+    ok = CliRunner().invoke(app, ["-m", "other", "--backend", "triton", "--cache", "naive"],
+                            env={"MODEL_LOCAL_DIR": "/models/x"})
+    assert ok.exit_code == 0, ok.output
+    got = seen[0]
+    assert (got.engine.model, got.engine.attention_backend, got.scheduler.cache) == ("/models/x", "triton", "naive")
+    bad = CliRunner().invoke(app, ["--page-size", "4"])
+    assert bad.exit_code == 2 and "--page-size" in bad.output

@@ -9,6 +9,7 @@ import torch
 from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.attention.torch_backend import TorchBackend
 from minisgl_cli.kvcache.pool import KVPool
+from minisgl_cli.layers.fused import Kernels
 
 BACKEND_NAMES = ("auto", "torch", "triton", "flashinfer")
 log = logging.getLogger(__name__)
@@ -22,8 +23,9 @@ def create_backend(
     head_dim: int,
     scale: float,
     device: torch.device | str,
+    kernels: Kernels | None = None,
 ) -> AttentionBackend:
-    """Build the attention backend `name` over `pool`.
+    """Build the attention backend `name` over `pool`; `kernels` is the engine's choice (PDL for Triton's).
 
     "auto": FlashInfer if it imports and passes a tiny decode check, else Triton on CUDA (if it
     imports), else torch -- always torch on the CPU, where neither GPU library is even imported.
@@ -39,7 +41,7 @@ def create_backend(
     if name == "triton":
         from minisgl_cli.attention.triton_backend import TritonBackend
 
-        return TritonBackend(*args)
+        return TritonBackend(*args, kernels=kernels)
     if name == "flashinfer":
         from minisgl_cli.attention.flashinfer_backend import FlashInferBackend
 
@@ -56,7 +58,7 @@ def create_backend(
     try:
         from minisgl_cli.attention.triton_backend import TritonBackend
 
-        return TritonBackend(*args)
+        return TritonBackend(*args, kernels=kernels)
     except Exception as exc:
         log.warning("triton unavailable (%s: %s); using the torch attention backend", type(exc).__name__, exc)
     return TorchBackend(*args)
@@ -66,7 +68,8 @@ def _smoke_check(
     backend: AttentionBackend, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
 ) -> None:
     """Run one tiny decode through `backend` on a scratch pool of the same shape and compare with torch."""
-    from minisgl_cli.engine.batch import ForwardBatch
+    from minisgl_cli.core.batch import ForwardBatch
+    from minisgl_cli.core.host import HostBuffers
     from minisgl_cli.kvcache.pool import KVShape
 
     shape = KVShape(1, num_kv_heads, head_dim, pool.shape.dtype)
@@ -79,10 +82,10 @@ def _smoke_check(
         t.copy_(torch.randn(t.shape, generator=g, device=pool.device, dtype=torch.float32))
     q = torch.randn((1, num_heads, head_dim), generator=g, device=pool.device).to(shape.dtype)
     kv = tiny.k[0][slots[-1:]].clone(), tiny.v[0][slots[-1:]].clone()
-    outs = []
+    outs, host = [], HostBuffers()
     for cls in (type(backend), TorchBackend):
         be = cls(tiny, num_heads, num_kv_heads, head_dim, scale)
-        batch = ForwardBatch.build("decode", [0], [0], [seq - 1], [1], slots[-1:], pool.device)
+        batch = ForwardBatch.build("decode", [0], [0], [seq - 1], [1], slots[-1:], pool.device, host)
         be.prepare(batch)
         outs.append(be.forward(q, *kv, 0, batch).float())
     if not torch.allclose(outs[0], outs[1], atol=2e-2, rtol=2e-2):

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.kvcache.pool import KVPool
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl_cli.attention.base import AttentionBackend
-from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.core.batch import ForwardBatch
 
 
 @dataclass

@@ -8,8 +8,9 @@ import torch
 
 from minisgl_cli.attention import triton_kernels as tk
 from minisgl_cli.attention.base import AttentionBackend
-from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.kvcache.pool import KVPool
+from minisgl_cli.layers.fused import Kernels
 
 
 @dataclass
@@ -56,8 +57,10 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 kernels: Kernels | None = None):
         super().__init__(pool, num_heads, num_kv_heads, head_dim, scale)
+        self.kernels = kernels or Kernels()  # the engine's: its `pdl` switches the decode kernels' launch
         if pool.device.type != "cuda":
             raise ValueError("the triton attention backend needs a CUDA KV pool")
         if num_heads % num_kv_heads:
@@ -150,7 +153,7 @@ class TritonBackend(AttentionBackend):
         if isinstance(meta, TritonDecodeMeta):
             return tk.decode_attention(
                 q, k_cache, v_cache, table, meta.req_slots, meta.seq_lens, self.scale,
-                meta.num_splits, meta.mid_o, meta.mid_lse,
+                meta.num_splits, meta.mid_o, meta.mid_lse, pdl=self.kernels.pdl,
             )
         return tk.extend_attention(
             q, k_cache, v_cache, table, meta.req_slots, meta.seq_lens, meta.qo_indptr,

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from minisgl_cli.layers.fused import pdl_kwargs
+from minisgl_cli.layers.pdl import pdl_kwargs
 
 LOG2E = 1.4426950408889634
 _NEG_INIT = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (see the module docstring)
@@ -120,7 +120,7 @@ def _decode_partial_kernel(
     lets a CUDA graph captured once replay for any context lengths. Splits past the end do nothing; the
     reduce recomputes the same chunking and ignores them.
     """
-    if USE_PDL:  # programmatic dependent launch (layers/fused.py): nothing is read before the wait
+    if USE_PDL:  # programmatic dependent launch (layers/pdl.py): nothing is read before the wait
         gdc_launch_dependents()
         gdc_wait()
     b = tl.program_id(0)
@@ -232,6 +232,7 @@ def decode_attention(
     mid_lse: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """q [B, H, D] (one token per request) -> [B, H, D] over positions 0..seq_lens[b]-1 of each request.
 
@@ -266,7 +267,7 @@ def decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), DIRECT=direct,
-        num_warps=warps, num_stages=stages, **pdl_kwargs(q),
+        num_warps=warps, num_stages=stages, **pdl_kwargs(q, pdl),
     )
     if direct:
         return out
@@ -276,7 +277,7 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=_pow2(num_splits, 2),
-        num_warps=4 if block_d >= 128 else 2, **pdl_kwargs(q),
+        num_warps=4 if block_d >= 128 else 2, **pdl_kwargs(q, pdl),
     )
     return out
 

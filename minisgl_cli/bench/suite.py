@@ -133,6 +133,7 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str], Any], console: Co
     import torch
 
     from minisgl_cli.bench.offline import EngineRunner
+    from minisgl_cli.tokenizer import Tokenizer
 
     report: BenchReport | None = None
     cases: list[list[wl.Case]] = []
@@ -145,11 +146,11 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str], Any], console: Co
         if report is None:
             import minisgl_cli
 
-            vocab_size = client.engine.model_cfg.vocab_size
-            tokenizer = client.tokenizer.hf if client.tokenizer is not None else None
+            vocab_size = info.vocab_size
+            tokenizer = Tokenizer(info.model_dir).hf if info.has_tokenizer else None
             device, dtype = info.device, getattr(torch, info.dtype)
             cases = build_levels(cfg, tokenizer, vocab_size, device.startswith("cuda"), cfg.concurrency)
-            model_dir = client.engine.loaded.model_dir
+            model_dir = info.model_dir
             report = BenchReport(_meta(cfg, mode="offline", model=info.name, device=device, dtype=info.dtype,
                                        attention_backend=info.attention_backend, torch=torch.__version__,
                                        minisgl=getattr(minisgl_cli, "__version__", "0.1.0")))

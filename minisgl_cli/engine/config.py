@@ -1,41 +1,73 @@
-"""EngineConfig: every knob of one engine instance, with defaults chosen per device."""
+"""EngineConfig: every knob of one engine instance, with defaults chosen per device.
+
+A knob that is also a command-line option says so in its field's `metadata`: `flags` (the option's
+names), `help`, and optionally `env` (its environment variable), `min`, `max`. commands/common.py
+builds the Typer options from that, so an option is declared once, here (or on SchedulerConfig).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
-import torch
+from minisgl_cli import env
+
+if TYPE_CHECKING:  # torch loads with the engine, not with `minisgl --help`
+    import torch
 
 LoadFormat = Literal["auto", "dummy"]
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # name, HF dir, .gguf file, or (dummy) a built-in config name; None = default
-    load_format: LoadFormat = "auto"
-    device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
-    attention_backend: str = "auto"
-    page_size: int = 1
-    max_total_tokens: int | None = None  # KV pool size in tokens; None = from the memory budget
-    kv_cache_gib: float = 1.0  # CPU memory budget for the KV pool
-    mem_fraction: float = 0.85  # CUDA: fraction of free memory (after weights) for the KV pool
-    max_running_requests: int = 64
+    model: str | None = field(default=None, metadata=dict(  # None = the default model
+        flags=("--model", "-m"), env="MODEL_NAME",
+        help="Model: built-in alias (default SmolLM2-135M-Instruct, bundled GGUF), HF dir, .gguf file, "
+             "hub id; with --load-format dummy a built-in config (qwen3-0.6b, llama-3.1-8b, ...)."))
+    load_format: LoadFormat = field(default="auto", metadata=dict(
+        flags=("--load-format",), help="auto (real weights) or dummy (random weights)."))
+    device: str = field(default="auto", metadata=dict(
+        flags=("--device",), env="MINISGL_DEVICE", help="auto, cpu, cuda, cuda:N."))
+    dtype: str = field(default="auto", metadata=dict(
+        flags=("--dtype",), help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."))
+    attention_backend: str = field(default="auto", metadata=dict(
+        flags=("--attention-backend", "--backend"), env="BACKEND_IMPL",
+        help="auto, torch, triton, flashinfer (auto: flashinfer or triton on CUDA, torch on CPU)."))
+    page_size: int = field(default=1, metadata=dict(
+        flags=("--page-size",), min=1, help="KV page size in tokens."))
+    max_total_tokens: int | None = field(default=None, metadata=dict(  # None = from the memory budget
+        flags=("--max-total-tokens",), min=1, help="KV pool size in tokens (default: from memory)."))
+    kv_cache_gib: float = field(default=1.0, metadata=dict(
+        flags=("--kv-cache-gib",), min=0.001, help="CPU: memory for the KV pool, GiB."))
+    mem_fraction: float = field(default=0.85, metadata=dict(  # of the free memory left after the weights
+        flags=("--mem-fraction",), min=0.01, max=1.0, help="CUDA: fraction of free memory for the KV pool."))
+    max_running_requests: int = field(default=64, metadata=dict(
+        flags=("--max-running-requests",), min=1, help="Requests decoded together at most."))
+    disable_cuda_graph: bool = field(default=False, metadata=dict(
+        flags=("--disable-cuda-graph",), help="Run decode eagerly on CUDA."))
+    cuda_graph_max_bs: int | None = field(default=None, metadata=dict(  # capped by max_running_requests
+        flags=("--cuda-graph-max-bs",), min=1,
+        help="CUDA: largest decode batch captured in a graph (default: 256 / 128 / 32 by free memory); "
+             "bigger batches run eagerly."))
+    # Knobs of the Python API only (no flag):
     max_context_len: int | None = None  # None = the model's max positions (capped by the pool)
-    tp_size: int = 1
     seed: int = 0  # dummy weights
-    cuda_graph_max_bs: int | None = None  # None = by free memory (256 on a big card), capped by max_running_requests
-    disable_cuda_graph: bool = False
-    disable_fused_ops: bool = False  # CUDA: use the plain torch ops instead of the fused Triton kernels
     num_threads: int | None = None  # CPU: torch intra-op threads (None = torch's default)
+    # Kernel choices (layers/fused.py's Kernels), by default from the environment:
+    disable_fused_ops: bool = field(default_factory=env.disable_fused_ops)  # CUDA: torch ops, not fused Triton ones
+    disable_pdl: bool = field(default_factory=env.disable_pdl)  # CUDA: no programmatic dependent launch
+    cpu_gemm: str = field(default_factory=env.cpu_gemm)  # CPU: GEMM policy (auto, mkl, fp16)
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolved_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

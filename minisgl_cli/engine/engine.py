@@ -10,15 +10,16 @@ from pathlib import Path
 import torch
 
 from minisgl_cli.attention import create_backend
-from minisgl_cli.distributed import TPInfo
-from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.core.host import HostBuffers
+from minisgl_cli.distributed import TPInfo, broadcast_from_rank0, min_over_ranks
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.graph import GraphRunner, default_max_bs
 from minisgl_cli.engine.sampler import SamplingRow, sample
 from minisgl_cli.kvcache.pool import KVPool, KVShape
-from minisgl_cli.layers import fused
+from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.loader.configs import builtin_config
-from minisgl_cli.loader.dummy import init_dummy_weights
+from minisgl_cli.models.dummy import dummy_checkpoint
 from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.loader.hf import iter_safetensors, read_hf_config
 from minisgl_cli.models import ModelConfig, create_model
@@ -58,6 +59,9 @@ class Engine:
         self.tp = tp
         self.device = cfg.resolved_device()
         self.dtype = cfg.resolved_dtype()
+        self.host = HostBuffers()  # pinned staging for this engine's batches and sampled ids
+        # This engine's kernels, shared by its model and attention backend (and no other engine's).
+        self.kernels = Kernels(fused=not cfg.disable_fused_ops, pdl=not cfg.disable_pdl, cpu_gemm=cfg.cpu_gemm)
         if self.device.type == "cpu" and cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         hf_cfg, model_dir, name, source = _locate(cfg)
@@ -72,27 +76,30 @@ class Engine:
             prev = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
             try:
-                self.model = create_model(mc, tp).eval()
+                self.model = create_model(mc, tp, self.kernels).eval()
             finally:
                 torch.set_default_dtype(prev)
         if source == "dummy":
-            init_dummy_weights(self.model, seed=cfg.seed)
+            self.model.load_weights(dummy_checkpoint(mc, self.device, self.dtype, seed=cfg.seed))
         else:
             self.model.load_weights(iter_safetensors(model_dir))
         self.loaded = LoadedModel(name=name, model_dir=model_dir, source=source, load_s=0.0)
 
-        shape = KVShape(mc.num_layers, mc.num_kv_heads // tp.size, mc.head_dim, self.dtype)
-        num_pages = self._kv_pages(shape)
+        heads = mc.heads_of(tp.rank, tp.size)
+        shape = KVShape(mc.num_layers, heads.n_kv, mc.head_dim, self.dtype)
+        # Every rank must hold the same number of pages (they schedule alike): size by the rank with
+        # the most KV heads, then take the smallest count any rank can afford.
+        widest = max(mc.heads_of(r, tp.size).n_kv for r in range(tp.size))
+        num_pages = min_over_ranks(self._kv_pages(KVShape(mc.num_layers, widest, mc.head_dim, self.dtype)), tp)
         capacity = num_pages * cfg.page_size
         self.max_context_len = min(cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings, capacity)
         self.pool = KVPool(shape, num_pages, cfg.page_size, cfg.max_running_requests, self.max_context_len, self.device)
         self.attn = create_backend(
-            cfg.attention_backend, self.pool, mc.num_heads // tp.size, mc.num_kv_heads // tp.size,
-            mc.head_dim, mc.head_dim**-0.5, self.device,
+            cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
+            mc.head_dim, mc.head_dim**-0.5, self.device, self.kernels,
         )
         self.graphs: GraphRunner | None = None
         if self.device.type == "cuda":
-            fused.set_enabled(not cfg.disable_fused_ops)
             if not cfg.disable_cuda_graph and getattr(self.attn, "supports_cuda_graph", False):
                 self.capture_graphs()
         self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0)
@@ -115,7 +122,7 @@ class Engine:
         return KVPool.pages_for_budget(shape, budget, cfg.page_size)
 
     def capture_graphs(self, max_bs: int | None = None) -> None:
-        """(Re)capture the decode CUDA graphs, e.g. after switching the fused ops on or off."""
+        """(Re)capture the decode CUDA graphs, e.g. after flipping a field of `self.kernels`."""
         if max_bs is None:
             max_bs = self.cfg.cuda_graph_max_bs
         if max_bs is None:
@@ -137,4 +144,7 @@ class Engine:
     @torch.inference_mode()
     def step(self, batch: ForwardBatch, rows: list[SamplingRow]) -> torch.Tensor:
         """Forward and sample: next token id per request, left on the device."""
-        return sample(self.forward(batch), rows)
+        next_ids = sample(self.forward(batch), rows)
+        if self.tp.size > 1 and not all(r.params.greedy for r in rows):
+            broadcast_from_rank0(next_ids, self.tp)  # random draws: every rank feeds rank 0's tokens next
+        return next_ids

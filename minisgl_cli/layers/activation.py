@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minisgl_cli.layers import fused
+from minisgl_cli.layers.fused import Kernels
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    ops = fused.ops_for(gate_up)
+def silu_and_mul(gate_up: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+    ops = kernels.triton(gate_up)
     if ops is not None and gate_up.dim() == 2:
-        return ops.silu_and_mul(gate_up)
+        return ops.silu_and_mul(gate_up, pdl=kernels.pdl)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

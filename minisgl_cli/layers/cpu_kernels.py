@@ -5,7 +5,7 @@ is 2-3x faster for 2 <= M <= 64. Packs are built lazily on first CPU use and cac
 Parameter itself, so tied weights (embedding / LM head) share one pack; `invalidate` drops them
 when a loader overwrites the weight in place.
 
-Policies (`MINISGL_CPU_GEMM`, or `set_policy`):
+Policies (the engine's `Kernels.cpu_gemm`, from `MINISGL_CPU_GEMM`):
   auto  fp32, the default: MKL for M == 1 and large M, packed oneDNN in between.
   mkl   fp32: always F.linear (MKL sgemm), torch's stock path.
   fp16  opt-in, NOT bit-faithful: fbgemm fp16 weights with fp32 activations/accumulation (half the
@@ -14,25 +14,11 @@ Policies (`MINISGL_CPU_GEMM`, or `set_policy`):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 POLICIES = ("auto", "mkl", "fp16")
-_policy = os.environ.get("MINISGL_CPU_GEMM", "auto")
 _ONEDNN_MAX_M = 64  # above this MKL's sgemm is already efficient (prefill)
-
-
-def set_policy(name: str) -> None:
-    global _policy
-    if name not in POLICIES:
-        raise ValueError(f"unknown CPU GEMM policy {name!r}; choose one of {', '.join(POLICIES)}")
-    _policy = name
-
-
-def policy() -> str:
-    return _policy
 
 
 def invalidate(weight: torch.Tensor) -> None:
@@ -51,13 +37,13 @@ def _pack(weight: torch.Tensor, kind: str) -> torch.Tensor:
     return packs[kind]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the fastest kernel of the policy for this shape."""
-    if x.device.type != "cpu" or weight.dtype != torch.float32 or _policy == "mkl":
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, policy: str) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the fastest kernel of `policy` for this shape."""
+    if x.device.type != "cpu" or weight.dtype != torch.float32 or policy == "mkl":
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    if _policy == "fp16":
+    if policy == "fp16":
         y = torch.ops.aten.fbgemm_linear_fp16_weight_fp32_activation(x2.contiguous(), _pack(weight, "fp16"), bias)
     elif 1 < m <= _ONEDNN_MAX_M:
         y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), _pack(weight, "onednn"), bias, "none", [], "")

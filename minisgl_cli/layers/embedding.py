@@ -8,6 +8,7 @@ from torch import nn
 
 from minisgl_cli.distributed import TPInfo, all_gather_last_dim, all_reduce
 from minisgl_cli.layers import cpu_kernels
+from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import matmul
 
 
@@ -31,13 +32,17 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         outside = (local < 0) | (local >= self.local_vocab)
         out = F.embedding(local.clamp(0, self.local_vocab - 1), self.weight)
-        out[outside] = 0
+        out.masked_fill_(outside.unsqueeze(-1), 0)  # not out[outside] = 0: no host sync, so it graphs
         return all_reduce(out, self.tp)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits = h E^T over this rank's vocabulary slice, gathered to the full vocabulary."""
 
+    def __init__(self, vocab_size: int, hidden: int, tp: TPInfo = TPInfo(), kernels: Kernels | None = None):
+        super().__init__(vocab_size, hidden, tp)
+        self.kernels = kernels or Kernels()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = all_gather_last_dim(matmul(hidden, self.weight), self.tp)
+        out = all_gather_last_dim(matmul(hidden, self.weight, None, self.kernels), self.tp)
         return out[..., : self.vocab_size]

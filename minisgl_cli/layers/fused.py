@@ -1,61 +1,42 @@
-"""Which implementation the layers use: fused Triton kernels on CUDA, the plain torch reference elsewhere.
+"""Kernels: one engine's choice of implementation for the layers (fused Triton ops, PDL, the CPU GEMM).
+
+The engine builds one `Kernels` and hands it to the model and the attention backend at construction;
+every layer reads that object, so two engines in one process never see each other's choice. Flipping a
+field takes effect at the next forward (then recapture the CUDA graphs: `Engine.capture_graphs()`).
 
 The Triton module is imported only on the first CUDA call, so the CPU path never touches Triton.
-`MINISGL_DISABLE_FUSED_OPS=1` (or EngineConfig.disable_fused_ops) keeps the torch ops on CUDA too.
-
-Programmatic dependent launch (PDL, Hopper and newer): our Triton kernels let the next kernel launch
-while they run, and wait (griddepcontrol.wait) before touching anything an earlier kernel wrote, so
-a decode step's ~250-300 back-to-back kernels overlap their launch and ramp-up. `MINISGL_DISABLE_PDL=1`
-turns it off.
 """
 
 from __future__ import annotations
 
-import os
+import functools
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-_enabled = os.environ.get("MINISGL_DISABLE_FUSED_OPS", "0") not in ("1", "true", "yes")
-_pdl = os.environ.get("MINISGL_DISABLE_PDL", "0") not in ("1", "true", "yes")
-_ops: ModuleType | None = None
-_pdl_devices: dict[int, bool] = {}
+from minisgl_cli.layers.cpu_kernels import POLICIES
 
 
-def set_enabled(enabled: bool) -> None:
-    global _enabled
-    _enabled = enabled
+@functools.cache
+def _triton_ops() -> ModuleType:
+    from minisgl_cli.layers import triton_ops
+
+    return triton_ops
 
 
-def enabled() -> bool:
-    return _enabled
+@dataclass
+class Kernels:
+    fused: bool = True  # CUDA: fused Triton ops (add+RMSNorm, q/k-norm+RoPE+KV store, SiLU-and-mul, GEMV)
+    pdl: bool = True  # CUDA, Hopper and newer: programmatic dependent launch between our Triton kernels
+    cpu_gemm: str = "auto"  # CPU: the GEMM policy of layers/cpu_kernels.py (auto, mkl, fp16)
 
+    def __post_init__(self) -> None:
+        if self.cpu_gemm not in POLICIES:
+            raise ValueError(f"unknown CPU GEMM policy {self.cpu_gemm!r}; choose one of {', '.join(POLICIES)}")
 
-def ops_for(x: torch.Tensor) -> ModuleType | None:
-    """The Triton ops module when `x` is on CUDA and fusion is on, else None (use torch)."""
-    global _ops
-    if not (_enabled and x.is_cuda):
-        return None
-    if _ops is None:
-        from minisgl_cli.layers import triton_ops
-
-        _ops = triton_ops
-    return _ops
-
-
-def set_pdl(enabled: bool) -> None:
-    global _pdl
-    _pdl = enabled
-
-
-def pdl_enabled() -> bool:
-    return _pdl
-
-
-def pdl_kwargs(x: torch.Tensor) -> dict:
-    """Launch options of a PDL-aware Triton kernel on x's device: USE_PDL (constexpr) and launch_pdl."""
-    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if idx not in _pdl_devices:
-        _pdl_devices[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    on = _pdl and _pdl_devices[idx]
-    return {"USE_PDL": on, "launch_pdl": on}
+    def triton(self, x: torch.Tensor) -> ModuleType | None:
+        """The Triton ops module when `x` is on CUDA and fusion is on, else None (use torch)."""
+        if not (self.fused and x.is_cuda):
+            return None
+        return _triton_ops()

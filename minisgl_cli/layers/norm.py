@@ -5,22 +5,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl_cli.layers import fused
+from minisgl_cli.layers.fused import Kernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels: Kernels | None = None):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels or Kernels()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         self.weight.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = fused.ops_for(x)
+        ops = self.kernels.triton(x)
         if ops is not None:
-            return ops.rmsnorm(x, self.weight, self.eps)
+            return ops.rmsnorm(x, self.weight, self.eps, pdl=self.kernels.pdl)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -30,8 +31,8 @@ class RMSNorm(nn.Module):
         """Add the residual, then normalise: returns (normed, new residual).
 
         The fused CUDA kernel updates `residual` in place (callers own it); the torch path does not."""
-        ops = fused.ops_for(x)
+        ops = self.kernels.triton(x)
         if ops is not None and residual.is_contiguous():
-            return ops.rmsnorm(x, self.weight, self.eps, residual=residual), residual
+            return ops.rmsnorm(x, self.weight, self.eps, residual=residual, pdl=self.kernels.pdl), residual
         residual = x + residual
         return self.forward(residual), residual

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from minisgl_cli.layers.fused import pdl_kwargs
+from minisgl_cli.layers.pdl import pdl_kwargs
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def pick_config(n: int, k: int, act_mul: bool = False) -> tuple[int, int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act_mul: bool = False,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         config: tuple[int, int, int] | None = None, pdl: bool = True) -> torch.Tensor:
     """y[1, N] = f(x) @ weight[N, K]^T (+ bias); f(x) = silu(x[:, :K]) * x[:, K:] when act_mul (x is [1, 2K])."""
     n, k = weight.shape
     assert x.shape[0] == 1 and x.shape[-1] == (2 * k if act_mul else k) and x.is_contiguous()
@@ -76,6 +76,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, ACT_MUL=act_mul,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_kwargs(x),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_kwargs(x, pdl),
     )
     return y

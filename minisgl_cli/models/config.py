@@ -9,6 +9,16 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Mi
 
 
 @dataclass(frozen=True)
+class HeadSplit:
+    """One TP rank's attention heads: query heads [q_start, q_start + n_q), KV heads [kv_start, kv_start + n_kv)."""
+
+    q_start: int
+    n_q: int
+    kv_start: int
+    n_kv: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -27,6 +37,24 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+
+    def heads_of(self, rank: int, tp_size: int) -> "HeadSplit":
+        """Rank `rank`'s attention heads under TP: whole GQA groups, as even as the counts allow.
+
+        With at least as many KV heads as ranks each rank takes a contiguous run of KV heads (some may
+        take one more: SmolLM2's 3 KV heads go 2 + 1 at TP 2) with their query heads. With fewer KV
+        heads than ranks each KV head is replicated on tp / kv ranks, which split its query heads."""
+        kv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        if tp_size <= kv:
+            base, extra = divmod(kv, tp_size)
+            kv_start = rank * base + min(rank, extra)
+            n_kv = base + (rank < extra)
+            return HeadSplit(kv_start * group, n_kv * group, kv_start, n_kv)
+        if tp_size % kv or self.num_heads % tp_size:
+            raise ValueError(f"--tp {tp_size} needs a multiple of the {kv} KV heads that divides the "
+                             f"{self.num_heads} attention heads")
+        n_q = self.num_heads // tp_size
+        return HeadSplit(rank * n_q, n_q, rank * n_q // group, 1)
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> "ModelConfig":

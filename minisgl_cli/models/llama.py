@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from minisgl_cli.attention.base import AttentionBackend
+from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.distributed import TPInfo
-from minisgl_cli.engine.batch import ForwardBatch
-from minisgl_cli.layers import fused
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl_cli.layers.norm import RMSNorm
 from minisgl_cli.layers.rotary import RotaryEmbedding
@@ -19,30 +19,33 @@ from minisgl_cli.models.config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TPInfo):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TPInfo, kernels: Kernels):
         super().__init__()
         self.layer_id = layer_id
         self.rope = rope
-        self.head_dim = cfg.head_dim
-        self.num_heads = cfg.num_heads // tp.size
-        self.num_kv_heads = cfg.num_kv_heads // tp.size
-        d = cfg.head_dim
+        self.kernels = kernels
+        self.head_dim = d = cfg.head_dim
+        heads = cfg.heads_of(tp.rank, tp.size)
+        self.num_heads, self.num_kv_heads = heads.n_q, heads.n_kv
+        q, kv = (heads.q_start * d, heads.n_q * d), (heads.kv_start * d, heads.n_kv * d)
         sizes = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, sizes, bias=cfg.attention_bias, tp=tp)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp=tp)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, sizes, bias=cfg.attention_bias, tp=tp, ranges=[q, kv, kv],
+                                             kernels=kernels)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp=tp, in_range=q, kernels=kernels)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
-        ops = fused.ops_for(qkv) if self.head_dim in (64, 128, 256) else None
+        ops = self.kernels.triton(qkv) if self.head_dim in (64, 128, 256) else None
         if ops is not None:  # one kernel: q/k head norms and RoPE in place on the fused qkv rows, K/V to the pool
             qn, kn = self.q_norm, self.k_norm
             ops.qk_norm_rope_(
                 qkv, batch.positions, self.rope.cos, self.rope.sin, self.num_heads, self.num_kv_heads,
                 self.head_dim, qn.weight if qn is not None else None, kn.weight if kn is not None else None,
                 qn.eps if qn is not None else 0.0, (*attn.kv_buffers(self.layer_id), batch.out_cache_loc),
+                pdl=self.kernels.pdl,
             )
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -57,22 +60,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPInfo):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, kernels: Kernels):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False, tp=tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False, tp=tp,
+                                                 kernels=kernels)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, kernels=kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TPInfo):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TPInfo, kernels: Kernels):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id, rope, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.self_attn = Attention(cfg, layer_id, rope, tp, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.mlp = MLP(cfg, tp, kernels)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend
@@ -97,17 +101,20 @@ _MERGED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral; Qwen2 (bias on q/k/v) and Qwen3 (q/k norm) differ only by config switches."""
+    """Llama / Mistral; Qwen2 (bias on q/k/v) and Qwen3 (q/k norm) differ only by config switches.
 
-    def __init__(self, cfg: ModelConfig, tp: TPInfo = TPInfo()):
+    `kernels` is the engine's choice of implementation, shared by every layer of this model."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo = TPInfo(), kernels: Kernels | None = None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
+        self.kernels = kernels = kernels or Kernels()
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope, tp, kernels) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, kernels)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

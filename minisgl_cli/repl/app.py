@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -28,6 +26,7 @@ from prompt_toolkit.input import Input
 from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import Output
 
+from minisgl_cli import env
 from minisgl_cli.client import EngineClient
 from minisgl_cli.repl.session import COMMANDS, ChatSession, Turn
 from minisgl_cli.repl.view import ChatView
@@ -36,9 +35,7 @@ log = logging.getLogger("minisgl.chat")
 
 
 def history_path() -> Path:
-    home = os.environ.get("MINISGL_HOME")
-    base = Path(home).expanduser() if home else Path.home() / ".local" / "state" / "minisgl"
-    return base / "chat_history"
+    return env.state_dir() / "chat_history"
 
 
 def open_history(path: Path | None) -> History:
@@ -220,11 +217,14 @@ class ChatApp:
     @contextlib.contextmanager
     def _sigint_cancels(self) -> Iterator[None]:
         """While a reply streams, SIGINT cancels it instead of raising KeyboardInterrupt in the loop."""
-        if not self.catch_sigint or threading.current_thread() is not threading.main_thread():
+        loop = asyncio.get_running_loop()
+        try:
+            if not self.catch_sigint:
+                raise ValueError("off")
+            loop.add_signal_handler(signal.SIGINT, self.interrupt)
+        except (ValueError, RuntimeError):  # off, or not the main thread: signals are the main thread's
             yield
             return
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGINT, self.interrupt)
         try:
             yield
         finally:
@@ -240,7 +240,7 @@ class ChatApp:
             ("session prompt / cached tokens", f"{prompt:,} / {cached:,} ({cached / prompt if prompt else 0:.0%})"),
             ("session generated tokens", f"{out:,}"),
         ]
-        self.view.stats(self.client.stats(), self.client.engine.cfg.page_size, rows)
+        self.view.stats(self.client.stats(), self.client.info.page_size, rows)
 
 
 def load_engine(view: ChatView, model: str | None, load_format: str, make_client: Callable[[], EngineClient]) -> EngineClient:

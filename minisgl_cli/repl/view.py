@@ -19,9 +19,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from minisgl_cli.client import ModelInfo
-from minisgl_cli.scheduler.stats import SchedulerStats
-from minisgl_cli.types import RequestStats
+from minisgl_cli.types import ModelInfo, RequestStats, SchedulerStats
 
 LOGGERS = "minisgl"  # parent of minisgl.scheduler / .client / .engine / .chat
 

@@ -12,8 +12,6 @@ DEFAULT_IMAGE_MODEL = "Tongyi-MAI/Z-Image-Turbo"
 DEFAULT_VIDEO_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 CACHE_ROOT = Path("~/.cache/mini-sglang")
 DEFAULT_IMAGE_MODEL_DIR = CACHE_ROOT / "z-image-turbo"
-IMAGE_MODEL_DIR_ENV = "Z_IMAGE_MODEL_DIR"
-VIDEO_MODEL_DIR_ENV = "MINISGL_VIDEO_MODEL_DIR"
 
 DEFAULT_IMAGE_PROMPT = (
     "A young woman in flowing red and gold Hanfu stands in a misty bamboo courtyard at dawn, "

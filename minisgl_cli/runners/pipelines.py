@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from minisgl_cli import env
 from minisgl_cli.runners.device import pick_device, pick_dtype
-from minisgl_cli.runners.jobs import IMAGE_MODEL_DIR_ENV, VIDEO_MODEL_DIR_ENV, MediaError, ModelNotFoundError, ModelSpec
+from minisgl_cli.runners.jobs import MediaError, ModelNotFoundError, ModelSpec
 
 # CLI name -> diffusers attention-dispatch backend name.
 ATTENTION_BACKENDS = {"sdpa": "native", "flash2": "flash", "flash3": "_flash_3"}
@@ -57,7 +58,7 @@ _cache_lock = threading.Lock()
 
 
 def _env_for(spec: ModelSpec) -> str:
-    return IMAGE_MODEL_DIR_ENV if spec.kind == "image" else VIDEO_MODEL_DIR_ENV
+    return env.IMAGE_MODEL_DIR if spec.kind == "image" else env.VIDEO_MODEL_DIR
 
 
 def _looks_like_path(model: str) -> bool:
@@ -172,8 +173,3 @@ def load_pipeline(spec: ModelSpec) -> LoadedPipeline:
         loaded = LoadedPipeline(pipe, spec, model_dir, device, dtype, threading.Lock())
         _cache[key] = loaded
         return loaded
-
-
-def clear_cache() -> None:
-    with _cache_lock:
-        _cache.clear()

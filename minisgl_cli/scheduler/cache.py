@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from minisgl_cli.engine.batch import to_device
+from minisgl_cli.core.host import HostBuffers
 from minisgl_cli.kvcache import KVPool, create_prefix_cache
 from minisgl_cli.scheduler.request import Req
 
 
 class CacheManager:
-    def __init__(self, pool: KVPool, cache_kind: str = "radix"):
+    def __init__(self, pool: KVPool, cache_kind: str, host: HostBuffers):
         self.pool = pool
+        self.host = host  # the engine's pinned buffers: page-table fixes upload without waiting on the GPU
         self.page_size = pool.page_size
         self.tree = create_prefix_cache(cache_kind, pool.page_size)
 
@@ -45,7 +46,7 @@ class CacheManager:
         req.prefix_slots = m.slots[: m.length].tolist() if m.length else []
         if m.length:
             # Through pinned memory, asynchronously: a pageable copy would wait for the step in flight.
-            slots = to_device(req.prefix_slots, torch.int32, self.pool.device)
+            slots = self.host.to_device(req.prefix_slots, torch.int32, self.pool.device)
             self.pool.page_table[req.req_slot, : m.length].copy_(slots, non_blocking=True)
 
     def allocate(self, n_pages: int) -> list[int] | None:
@@ -100,7 +101,7 @@ class CacheManager:
         req.prefix_node, req.prefix_len, req.prefix_slots = m.node, aligned, m.slots.tolist()
         if dup:
             end = max(existing, old)
-            fix = to_device(req.prefix_slots[old:end], torch.int32, self.pool.device)
+            fix = self.host.to_device(req.prefix_slots[old:end], torch.int32, self.pool.device)
             self.pool.page_table[req.req_slot, old:end].copy_(fix, non_blocking=True)
 
     def release(self, req: Req, cache: bool = True) -> None:

@@ -12,17 +12,12 @@ the scheduler reads each step's tokens before launching the next (no overlap for
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
-from minisgl_cli.engine.batch import to_device
+from minisgl_cli.core.host import HostBuffers
 from minisgl_cli.scheduler.request import Req
-
-
-def overlap_disabled_by_env() -> bool:
-    return os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0") not in ("0", "", "false", "no")
 
 
 @dataclass
@@ -40,11 +35,12 @@ class Launched:
 
     @staticmethod
     def start(mode: str, reqs: list[Req], lens: list[int], produces: list[bool], next_ids: torch.Tensor,
-              async_copy: bool) -> "Launched":
+              host: HostBuffers, async_copy: bool) -> "Launched":
+        """With `async_copy` (overlap) on CUDA, the ids start their way back into one of `host`'s pinned buffers."""
         rows = {id(r): i for i, (r, p) in enumerate(zip(reqs, produces)) if p}
         step = Launched(mode, reqs, lens, produces, next_ids, rows=rows)
         if async_copy and next_ids.is_cuda:
-            step.host = _host_buffer(next_ids.shape[0])
+            step.host = host.readback(next_ids.shape[0])
             step.host.copy_(next_ids, non_blocking=True)
             step.event = torch.cuda.Event()
             step.event.record()
@@ -57,26 +53,10 @@ class Launched:
         return self.host.tolist()
 
 
-_HOST_SLOTS: list[torch.Tensor] = []
-_host_next = [0]
-
-
-def _host_buffer(n: int) -> torch.Tensor:
-    """A reusable pinned int64 buffer of n entries. Three slots: a step's buffer is read (after its event)
-    before the step two launches later takes the slot again, since only one step is ever unread."""
-    i = _host_next[0]
-    _host_next[0] = (i + 1) % 3
-    if len(_HOST_SLOTS) <= i:
-        _HOST_SLOTS.append(torch.empty(0, dtype=torch.int64))
-    if _HOST_SLOTS[i].numel() < n:
-        _HOST_SLOTS[i] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
-    return _HOST_SLOTS[i][:n]
-
-
-def feed_input_ids(cpu_ids: torch.Tensor, src: list[int], prev: Launched) -> torch.Tensor:
+def feed_input_ids(cpu_ids: torch.Tensor, src: list[int], prev: Launched, host: HostBuffers) -> torch.Tensor:
     """Decode inputs: row i takes prev.next_ids[src[i]] where src[i] >= 0, else cpu_ids[i] (already on device)."""
     n = len(src)
     if src == list(range(n)) and prev.next_ids.shape[0] >= n:  # steady state: same requests, same order
         return prev.next_ids[:n]
-    index = to_device(src, torch.int64, cpu_ids.device)
+    index = host.to_device(src, torch.int64, cpu_ids.device)
     return torch.where(index >= 0, prev.next_ids[index.clamp(min=0)], cpu_ids)

@@ -3,26 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from minisgl_cli.kvcache.radix import RadixNode
-from minisgl_cli.types import FinishReason, SamplingParams
-
-
-@dataclass
-class TokenOutput:
-    """What the scheduler reports per request per step (the client turns it into a Delta)."""
-
-    rid: str
-    token_id: int | None
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None
-    prefill_s: float | None = None  # on the first token: its prefill time, queueing excluded
+from minisgl_cli.types import SamplingParams
 
 
 @dataclass(eq=False)
@@ -30,7 +16,6 @@ class Req:
     rid: str
     input_ids: list[int]
     params: SamplingParams
-    sink: Callable[[list[TokenOutput]], None]  # where this request's outputs go (thread-safe)
     output_ids: list[int] = field(default_factory=list)
     req_slot: int | None = None  # row of the page table while it holds KV
     kv_len: int = 0  # positions whose KV is in the pool

@@ -15,98 +15,59 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.engine.sampler import SamplingRow
+from minisgl_cli.env import disable_overlap_scheduling as overlap_disabled_by_env
 from minisgl_cli.scheduler.cache import CacheManager
-from minisgl_cli.scheduler.overlap import Launched, feed_input_ids, overlap_disabled_by_env
-from minisgl_cli.scheduler.request import Req, TokenOutput
-from minisgl_cli.scheduler.stats import RollingRate, SchedulerStats
-from minisgl_cli.types import FinishReason, SamplingParams
+from minisgl_cli.messages import (
+    AbortRequest, AddRequest, CheckPagesQuery, CheckPagesReply, FromScheduler, StatsQuery, StatsReply, StepOutput,
+    TokenOutput, ToScheduler,
+)
+from minisgl_cli.scheduler.config import SchedulerConfig
+from minisgl_cli.scheduler.overlap import Launched, feed_input_ids
+from minisgl_cli.scheduler.request import Req
+from minisgl_cli.scheduler.stats import RollingRate
+from minisgl_cli.types import FinishReason, SamplingParams, SchedulerStats
 
 log = logging.getLogger("minisgl.scheduler")
 
-Policy = Literal["prefill-first", "decode-first"]
-
-
-@dataclass
-class SchedulerConfig:
-    max_prefill_tokens: int = 2048  # token budget of one prefill step (also the chunk size)
-    policy: Policy = "prefill-first"
-    cache: str = "radix"
-    disable_overlap: bool = False  # also env MINISGL_DISABLE_OVERLAP_SCHEDULING=1
-    overlap_on_cpu: bool = False  # overlap is a CUDA feature; tests force it on the CPU to check the logic
-
-
-@dataclass
-class _Add:
-    req: Req
-
-
-@dataclass
-class _Abort:
-    rid: str
-
-
-@dataclass
-class _Call:
-    fn: Callable[[], None]
-    done: threading.Event = field(default_factory=threading.Event)
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, cfg: SchedulerConfig = SchedulerConfig(), eos_token_ids=frozenset()):
+    """Reads `ToScheduler` messages from `inbox` between steps; reports through `emit(FromScheduler)`."""
+
+    def __init__(self, engine: Engine, cfg: SchedulerConfig, emit: Callable[[FromScheduler], None],
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.engine = engine
         self.cfg = cfg
-        self.cache = CacheManager(engine.pool, cfg.cache)
+        self.emit = emit
+        self.cache = CacheManager(engine.pool, cfg.cache, engine.host)
         self.eos = frozenset(eos_token_ids) | frozenset(engine.model_cfg.eos_token_ids)
         self.max_running = engine.pool.num_free_req_slots
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[ToScheduler | None] = queue.SimpleQueue()
         self.stats = SchedulerStats()
         self._prefill_rate, self._decode_rate = RollingRate(), RollingRate()
         self._last_was_decode = False
         on = engine.device.type == "cuda" or cfg.overlap_on_cpu
         self.overlap = on and not cfg.disable_overlap and not overlap_disabled_by_env()
         self._inflight: Launched | None = None  # overlap: the launched step whose tokens are unread
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    # --- thread-safe API ----------------------------------------------------------------------
-    def add(self, req: Req) -> None:
-        self.inbox.put(_Add(req))
-
-    def abort(self, rid: str) -> None:
-        self.inbox.put(_Abort(rid))
-
-    def call(self, fn: Callable[[], None], timeout: float | None = None) -> None:
-        """Run fn on the scheduler thread between steps (e.g. to inspect state consistently)."""
-        c = _Call(fn)
-        self.inbox.put(c)
-        if self._thread is None:
-            self._drain(block=False)
-        c.done.wait(timeout)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self.run_forever, name="minisgl-scheduler", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.inbox.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self.heartbeat = time.monotonic()  # last time the loop came round: a stalled loop stops updating it
 
     # --- loop ----------------------------------------------------------------------------------
-    def run_forever(self) -> None:
-        while not self._stop.is_set():
-            self._drain(block=not (self.waiting or self.running or self._inflight))
+    def run_forever(self, stop: threading.Event, receive: Callable[[bool], list[ToScheduler]] | None = None) -> None:
+        """Step until `stop` is set. `receive(block)` gives the messages to handle before each step (default:
+        this scheduler's inbox; TP ranks pass one that keeps every rank's messages identical)."""
+        receive = receive or self.drain
+        while not stop.is_set():
+            self.heartbeat = time.monotonic()
+            for msg in receive(not (self.waiting or self.running or self._inflight)):
+                self.handle(msg)
             try:
                 self.step()
             except Exception:  # a bug must not kill the loop silently: fail what is in flight, go on
@@ -115,25 +76,33 @@ class Scheduler:
                 for req in list(self.running) + list(self.waiting):
                     self._finish(req, None, error="internal error in the engine step (see server log)")
 
-    def _drain(self, block: bool) -> None:
+    def drain(self, block: bool) -> list[ToScheduler]:
+        """Every message in the inbox (waiting up to 0.5 s for the first one if `block`); None only wakes."""
+        msgs: list[ToScheduler] = []
         try:
             msg = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
-        except queue.Empty:
-            return
-        while msg is not None or not self.inbox.empty():
-            if isinstance(msg, _Add):
-                self._admit(msg.req)
-            elif isinstance(msg, _Abort):
-                self._abort(msg.rid)
-            elif isinstance(msg, _Call):
-                try:
-                    msg.fn()
-                finally:
-                    msg.done.set()
-            try:
+            while True:
+                if msg is not None:
+                    msgs.append(msg)
                 msg = self.inbox.get_nowait()
-            except queue.Empty:
-                break
+        except queue.Empty:
+            return msgs
+
+    def handle(self, msg: ToScheduler) -> None:
+        if isinstance(msg, AddRequest):
+            self._admit(Req(msg.rid, msg.input_ids, msg.params))
+        elif isinstance(msg, AbortRequest):
+            self._abort(msg.rid)
+        elif isinstance(msg, StatsQuery):
+            self.emit(StatsReply(msg.qid, self.snapshot()))
+        elif isinstance(msg, CheckPagesQuery):
+            try:
+                self.check_pages()
+                self.emit(CheckPagesReply(msg.qid, None))
+            except AssertionError as exc:
+                self.emit(CheckPagesReply(msg.qid, str(exc) or "KV page accounting is off"))
+        else:
+            raise TypeError(f"unknown scheduler message {type(msg).__name__}")
 
     def _admit(self, req: Req) -> None:
         limit = self.engine.max_context_len
@@ -288,10 +257,10 @@ class Scheduler:
                 produces.append(start + n >= req.seq_len)
             req.kv_len = start + n
         engine = self.engine
-        fb = ForwardBatch.build(mode, ids, [r.req_slot for r in reqs], starts, lens, locs, engine.device)
+        fb = ForwardBatch.build(mode, ids, [r.req_slot for r in reqs], starts, lens, locs, engine.device, engine.host)
         self._write_page_table(fb)
         if prev_rows and any(r >= 0 for r in src):
-            fb.input_ids = feed_input_ids(fb.input_ids, src, self._inflight)
+            fb.input_ids = feed_input_ids(fb.input_ids, src, self._inflight, engine.host)
         if mode == "extend":
             for req, done_prefill in zip(reqs, produces):
                 if done_prefill and req in self.waiting:
@@ -303,7 +272,7 @@ class Scheduler:
         if mode == "extend":  # after the launch: the step still writes the pages this may free
             for req in reqs:
                 self.cache.cache_prefilled(req)
-        return Launched.start(mode, reqs, lens, produces, next_ids, async_copy=self.overlap)
+        return Launched.start(mode, reqs, lens, produces, next_ids, engine.host, async_copy=self.overlap)
 
     def _write_page_table(self, fb: ForwardBatch) -> None:
         """page_table[row of each new token, its position] = its KV slot: one device op per step."""
@@ -318,22 +287,22 @@ class Scheduler:
         """Read a step's tokens (the one wait on the device), append them, stop finished requests."""
         tokens = step.tokens()
         now = time.perf_counter()
-        out: dict[Callable, list[TokenOutput]] = {}
+        out: list[TokenOutput] = []
         for req, tok, produced in zip(step.reqs, tokens, step.produces):
             if not produced or req.done:
                 continue  # a prompt chunk, or the extra token of a request that finished one step earlier
             first = not req.output_ids
             req.output_ids.append(tok)
             reason = self._stop_reason(req, tok)
-            out.setdefault(req.sink, []).append(TokenOutput(
+            out.append(TokenOutput(
                 req.rid, tok, reason, len(req.input_ids), req.cached_tokens,
                 prefill_s=now - req.prefill_started_at if first else None,
             ))
             if reason is not None:
                 self._release(req, reason)
         self._account(step.mode, step.lens, now)
-        for sink, items in out.items():
-            self._deliver(sink, items)
+        if out:
+            self._emit_outputs(out)
 
     def _stop_reason(self, req: Req, tok: int) -> FinishReason | None:
         p: SamplingParams = req.params
@@ -354,17 +323,16 @@ class Scheduler:
         self.stats.aborted_requests += reason == "abort"
 
     def _finish(self, req: Req, reason: FinishReason | None, error: str | None = None) -> None:
-        """End a request outside a step's output (abort, error) and tell its sink."""
+        """End a request outside a step's output (abort, error) and report it."""
         self._release(req, reason or "abort")
-        self._deliver(req.sink, [TokenOutput(req.rid, None, reason, len(req.input_ids), req.cached_tokens, error)])
+        self._emit_outputs([TokenOutput(req.rid, None, reason, len(req.input_ids), req.cached_tokens, error)])
 
-    @staticmethod
-    def _deliver(sink: Callable[[list[TokenOutput]], None], items: list[TokenOutput]) -> None:
-        """A front that has gone away must not take the scheduler thread down with it."""
+    def _emit_outputs(self, outputs: list[TokenOutput]) -> None:
+        """A consumer that fails must not take the scheduler loop down with it."""
         try:
-            sink(items)
+            self.emit(StepOutput(outputs))
         except Exception:
-            log.exception("dropping output for %s: its consumer failed", items[0].rid)
+            log.exception("dropping a step's output (%d requests): its consumer failed", len(outputs))
 
     def _account(self, mode: str, lens: list[int], now: float) -> None:
         s = self.stats
@@ -376,7 +344,7 @@ class Scheduler:
             s.decode_tokens += len(lens)
             self._decode_rate.add(len(lens), now)
 
-    # --- inspection (call on the scheduler thread, e.g. via call()) ----------------------------
+    # --- inspection (on the scheduler's own thread: queries arrive as messages) -----------------
     def snapshot(self) -> SchedulerStats:
         s = self.stats
         pool, tree, p = self.engine.pool, self.cache.tree, self.cache.page_size

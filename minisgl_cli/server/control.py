@@ -25,22 +25,22 @@ class ControlChannel:
     def __init__(self, endpoint: str, metrics: Callable[[], dict[str, Any]], warm: Callable[[str], int]):
         self.endpoint, self._metrics, self._warm = endpoint, metrics, warm
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker: threading.Thread | None = None
         self._bound = threading.Event()
         self.error: Exception | None = None
 
     def start(self, timeout: float = 5.0) -> None:
         """Bind and serve on a daemon thread; raise here if the endpoint cannot be bound."""
-        self._thread = threading.Thread(target=self._serve, name="minisgl-zmq-control", daemon=True)
-        self._thread.start()
+        self._worker = threading.Thread(target=self._serve, name="minisgl-zmq-control", daemon=True)
+        self._worker.start()
         self._bound.wait(timeout)
         if self.error is not None:
             raise self.error
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
+        if self._worker is not None:
+            self._worker.join(timeout=2)
 
     def handle(self, message: str) -> dict[str, Any]:
         command, _, arg = message.strip().partition(" ")

@@ -15,8 +15,9 @@ import httpx
 import uvicorn
 
 from minisgl_cli.client import EngineClient
-from minisgl_cli.server.app import ServerSettings, create_app, json_metrics
+from minisgl_cli.server.app import create_app, json_metrics
 from minisgl_cli.server.control import DEFAULT_ENDPOINT, ControlChannel
+from minisgl_cli.server.settings import ServerSettings
 
 log = logging.getLogger("minisgl.server")
 
@@ -47,11 +48,8 @@ def serve(client: EngineClient, settings: ServerSettings, cfg: LaunchConfig) -> 
     app = create_app(client, settings)
     control = None
     if cfg.zmq_control:
-        def warm_one(text: str) -> int:
-            client.insert_prefix(text)
-            return len(client.tokenizer.encode(text)) if client.tokenizer else 0
-
-        control = ControlChannel(cfg.zmq_endpoint, lambda: json_metrics(app), warm_one)
+        control = ControlChannel(cfg.zmq_endpoint, lambda: json_metrics(app),
+                                 lambda text: client.insert_prefix(text).tokens)
         control.start()
     warm(client, cfg.warm_prefixes)
     log.warning("minisgl serve: %s on http://%s:%d (OpenAI API at /v1)", client.info.name, cfg.host, cfg.port)

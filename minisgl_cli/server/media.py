@@ -11,9 +11,9 @@ so the event loop keeps serving other requests.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +22,12 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
 
+from minisgl_cli import env
 from minisgl_cli.runners.device import DeviceError
 from minisgl_cli.runners.jobs import (
     DEFAULT_IMAGE_MODEL,
     DEFAULT_VIDEO_MODEL,
-    IMAGE_MODEL_DIR_ENV,
-    VIDEO_MODEL_DIR_ENV,
     ImageJob,
     Kind,
     MediaError,
@@ -60,15 +58,12 @@ class MediaSettings:
 
     @classmethod
     def from_env(cls) -> "MediaSettings":
-        def path(var: str) -> Path | None:
-            return Path(os.environ[var]) if os.environ.get(var) else None
-
         return cls(
-            image_model=os.environ.get("MINISGL_IMAGE_MODEL") or DEFAULT_IMAGE_MODEL,
-            image_model_dir=path(IMAGE_MODEL_DIR_ENV),
-            video_model=os.environ.get("MINISGL_VIDEO_MODEL") or DEFAULT_VIDEO_MODEL,
-            video_model_dir=path(VIDEO_MODEL_DIR_ENV),
-            device=os.environ.get("MINISGL_DEVICE") or None,
+            image_model=env.image_model() or DEFAULT_IMAGE_MODEL,
+            image_model_dir=env.image_model_dir(),
+            video_model=env.video_model() or DEFAULT_VIDEO_MODEL,
+            video_model_dir=env.video_model_dir(),
+            device=env.media_device(),
         )
 
     def spec(self, kind: Kind) -> ModelSpec:
@@ -159,10 +154,10 @@ def _check_model(settings: MediaSettings, kind: Kind, requested: str | None) -> 
         raise ModelNotFoundError(f"model {requested!r} is not served here; this server's {kind} model is {served!r}", "model")
     spec = settings.spec(kind)
     if not spec.allow_download and not (spec.model_dir / "model_index.json").is_file():
-        env = IMAGE_MODEL_DIR_ENV if kind == "image" else VIDEO_MODEL_DIR_ENV
+        var = env.IMAGE_MODEL_DIR if kind == "image" else env.VIDEO_MODEL_DIR
         raise ModelNotFoundError(
             f"{kind} model {spec.model!r} is not available on this server: {spec.model_dir} has no model_index.json. "
-            f"Start `minisgl serve` with --{kind}-model-dir DIR (or set {env}) pointing to a diffusers pipeline dir; "
+            f"Start `minisgl serve` with --{kind}-model-dir DIR (or set {var}) pointing to a diffusers pipeline dir; "
             f"`minisgl {kind} --model-dir DIR` downloads the weights there.",
             "model",
         )
@@ -203,7 +198,7 @@ def build_media_router(settings: MediaSettings | None = None) -> APIRouter:
         try:
             job = _image_job(body)
             spec = _check_model(current(request), "image", body.model)
-            images = await run_in_threadpool(_generate_image_b64, spec, job)
+            images = await asyncio.get_running_loop().run_in_executor(None, _generate_image_b64, spec, job)
         except Exception as exc:
             return _handle("image", exc)
         return {
@@ -223,7 +218,7 @@ def build_media_router(settings: MediaSettings | None = None) -> APIRouter:
                 body.negative_prompt,
             )
             spec = _check_model(current(request), "video", body.model)
-            item, frames = await run_in_threadpool(_generate_video_payload, spec, job, body.response_format == "frames")
+            item, frames = await asyncio.get_running_loop().run_in_executor(None, _generate_video_payload, spec, job, body.response_format == "frames")
         except Exception as exc:
             return _handle("video", exc)
         return {

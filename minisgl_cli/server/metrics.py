@@ -12,8 +12,7 @@ import time
 from collections import Counter, deque
 from typing import Any
 
-from minisgl_cli.scheduler.stats import SchedulerStats
-from minisgl_cli.types import RequestStats
+from minisgl_cli.types import RequestStats, SchedulerStats
 
 # Seconds; wide enough for a CPU box under load and a GPU alike.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

@@ -7,51 +7,9 @@ from typing import Any, Literal
 
 import torch
 
+from minisgl_cli.core.host import HostBuffers
+
 Mode = Literal["extend", "decode"]
-
-
-class _PinnedRing:
-    """A few reusable pinned host buffers per dtype for host-to-device copies of step metadata.
-
-    Fresh pinned allocations can cost a cudaHostAlloc, which waits for the GPU: with overlap scheduling
-    that would stall the CPU on the step in flight. A slot is reused only after the event recorded
-    behind its copy has fired (in practice long before: at most one step is in flight)."""
-
-    SLOTS = 4
-
-    def __init__(self) -> None:
-        self._bufs: dict[torch.dtype, list[torch.Tensor | None]] = {}
-        self._events: dict[torch.dtype, list[torch.cuda.Event | None]] = {}
-        self._next: dict[torch.dtype, int] = {}
-
-    def copy(self, data: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        bufs = self._bufs.setdefault(dtype, [None] * self.SLOTS)
-        events = self._events.setdefault(dtype, [None] * self.SLOTS)
-        i = self._next.get(dtype, 0)
-        self._next[dtype] = (i + 1) % self.SLOTS
-        if events[i] is not None:
-            events[i].synchronize()
-        n = len(data)
-        if bufs[i] is None or bufs[i].numel() < n:
-            bufs[i] = torch.empty(max(n, 4096, 2 * (bufs[i].numel() if bufs[i] is not None else 0)),
-                                  dtype=dtype, pin_memory=True)
-        host = bufs[i][:n]
-        host.copy_(torch.tensor(data, dtype=dtype))
-        out = host.to(device, non_blocking=True)
-        ev = events[i] or torch.cuda.Event()
-        ev.record()
-        events[i] = ev
-        return out
-
-
-_ring = _PinnedRing()
-
-
-def to_device(data: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host int list on `device`: asynchronously through the pinned ring on CUDA, directly elsewhere."""
-    if device.type != "cuda":
-        return torch.tensor(data, dtype=dtype, device=device)
-    return _ring.copy(data, dtype, device)
 
 
 @dataclass
@@ -97,12 +55,13 @@ class ForwardBatch:
         extend_lens: list[int],
         out_cache_loc: torch.Tensor | list[int],
         device: torch.device | str,
+        host: HostBuffers,
         positions: list[int] | None = None,
     ) -> "ForwardBatch":
         """Derive positions and offsets on the host, then move them in two copies (int64, int32 fields).
 
-        On CUDA the host buffers are pinned and the copies asynchronous, so building the next step's
-        batch never waits for the step the GPU is running."""
+        On CUDA the copies go through `host` (the engine's pinned buffers) asynchronously, so building the
+        next step's batch never waits for the step the GPU is running."""
         if positions is None:
             if mode == "decode":
                 positions = list(prefix_lens)
@@ -118,9 +77,9 @@ class ForwardBatch:
             out_cache_loc = out_cache_loc.tolist()
         T, B = len(input_ids), len(req_slots)
         device = torch.device(device)
-        wide = to_device(input_ids + positions + out_cache_loc + req_slots + [i - 1 for i in indptr[1:]],
-                         torch.int64, device)
-        narrow = to_device(seq_lens + list(extend_lens) + indptr, torch.int32, device)
+        wide = host.to_device(input_ids + positions + out_cache_loc + req_slots + [i - 1 for i in indptr[1:]],
+                              torch.int64, device)
+        narrow = host.to_device(seq_lens + list(extend_lens) + indptr, torch.int32, device)
         return ForwardBatch(
             mode=mode,
             input_ids=wide[:T],

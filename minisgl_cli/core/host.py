@@ -1,0 +1,81 @@
+"""HostBuffers: the pinned host memory one engine owns for moving step data to and from the device.
+
+Fresh pinned allocations can cost a cudaHostAlloc, which waits for the GPU: with overlap scheduling
+that would stall the CPU on the step in flight. So each engine keeps a few pinned buffers and reuses
+them. Each engine has its own: two engines in one process never share a slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _UploadRing:
+    """A few reusable pinned buffers per dtype for host-to-device copies of step metadata. A slot is
+    reused only after the event recorded behind its copy has fired (in practice long before: at most
+    one step is in flight)."""
+
+    SLOTS = 4
+
+    def __init__(self) -> None:
+        self._bufs: dict[torch.dtype, list[torch.Tensor | None]] = {}
+        self._events: dict[torch.dtype, list[torch.cuda.Event | None]] = {}
+        self._next: dict[torch.dtype, int] = {}
+
+    def copy(self, data: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        bufs = self._bufs.setdefault(dtype, [None] * self.SLOTS)
+        events = self._events.setdefault(dtype, [None] * self.SLOTS)
+        i = self._next.get(dtype, 0)
+        self._next[dtype] = (i + 1) % self.SLOTS
+        if events[i] is not None:
+            events[i].synchronize()
+        n = len(data)
+        if bufs[i] is None or bufs[i].numel() < n:
+            bufs[i] = torch.empty(max(n, 4096, 2 * (bufs[i].numel() if bufs[i] is not None else 0)),
+                                  dtype=dtype, pin_memory=True)
+        host = bufs[i][:n]
+        host.copy_(torch.tensor(data, dtype=dtype))
+        out = host.to(device, non_blocking=True)
+        ev = events[i] or torch.cuda.Event()
+        ev.record()
+        events[i] = ev
+        return out
+
+
+class _ReadbackSlots:
+    """Reusable pinned int64 buffers for device-to-host copies of sampled ids. Three slots: a step's
+    buffer is read (after its event) before the step two launches later takes the slot again, since
+    only one step is ever unread."""
+
+    SLOTS = 3
+
+    def __init__(self) -> None:
+        self._slots: list[torch.Tensor] = []
+        self._next = 0
+
+    def buffer(self, n: int) -> torch.Tensor:
+        i = self._next
+        self._next = (i + 1) % self.SLOTS
+        if len(self._slots) <= i:
+            self._slots.append(torch.empty(0, dtype=torch.int64))
+        if self._slots[i].numel() < n:
+            self._slots[i] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
+        return self._slots[i][:n]
+
+
+class HostBuffers:
+    """One engine's pinned staging memory: uploads of step metadata, read-backs of sampled ids."""
+
+    def __init__(self) -> None:
+        self._upload = _UploadRing()
+        self._readback = _ReadbackSlots()
+
+    def to_device(self, data: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A host int list on `device`: asynchronously through the pinned ring on CUDA, directly elsewhere."""
+        if device.type != "cuda":
+            return torch.tensor(data, dtype=dtype, device=device)
+        return self._upload.copy(data, dtype, device)
+
+    def readback(self, n: int) -> torch.Tensor:
+        """A pinned int64 host buffer of n entries to copy sampled ids into (valid until 3 more calls)."""
+        return self._readback.buffer(n)

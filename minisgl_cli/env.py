@@ -1,0 +1,133 @@
+"""Every environment variable minisgl reads, parsed in one place, with one boolean parser.
+
+Command-line options declare their own variables (`envvar=` on the option: MODEL_NAME, PORT, BACKEND_IMPL,
+...; each command's --help lists them) and Typer reads those. This module reads the rest. Each is read
+when asked, not at import: the CLI, the tests and Python API users set them at run time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def flag(name: str, default: bool = False) -> bool:
+    """A boolean variable: 1/true/yes/on or 0/false/no/off/"" (any case); `default` when unset."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean: use 1/true/yes/on or 0/false/no/off")
+
+
+def _text(name: str) -> str | None:
+    """A string variable; None when unset or empty."""
+    return os.environ.get(name) or None
+
+
+def _path(name: str) -> Path | None:
+    raw = _text(name)
+    return Path(raw).expanduser() if raw else None
+
+
+def _int(name: str, default: int) -> int:
+    raw = _text(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+# --- engine --------------------------------------------------------------------------------------
+def disable_overlap_scheduling() -> bool:
+    """MINISGL_DISABLE_OVERLAP_SCHEDULING: read each step's tokens before launching the next."""
+    return flag("MINISGL_DISABLE_OVERLAP_SCHEDULING")
+
+
+def disable_fused_ops() -> bool:
+    """MINISGL_DISABLE_FUSED_OPS: CUDA runs the plain torch ops instead of the fused Triton kernels."""
+    return flag("MINISGL_DISABLE_FUSED_OPS")
+
+
+def disable_pdl() -> bool:
+    """MINISGL_DISABLE_PDL: no programmatic dependent launch between our Triton kernels (CUDA)."""
+    return flag("MINISGL_DISABLE_PDL")
+
+
+def cpu_gemm() -> str:
+    """MINISGL_CPU_GEMM: the CPU GEMM policy (auto, mkl, fp16; see layers/cpu_kernels.py)."""
+    return _text("MINISGL_CPU_GEMM") or "auto"
+
+
+# --- models on disk ------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """MINISGL_CACHE_DIR: where converted GGUF models go; default ~/.cache/minisgl."""
+    return _path("MINISGL_CACHE_DIR") or Path.home() / ".cache" / "minisgl"
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE: resolve hub ids from the local HF cache only."""
+    return flag("HF_HUB_OFFLINE")
+
+
+# --- chat ----------------------------------------------------------------------------------------
+def state_dir() -> Path:
+    """MINISGL_HOME: where the chat history lives; default ~/.local/state/minisgl."""
+    return _path("MINISGL_HOME") or Path.home() / ".local" / "state" / "minisgl"
+
+
+# --- media (the server's image / video routes) ---------------------------------------------------
+IMAGE_MODEL_DIR = "Z_IMAGE_MODEL_DIR"  # named in error messages, so users know what to set
+VIDEO_MODEL_DIR = "MINISGL_VIDEO_MODEL_DIR"
+
+
+def image_model() -> str | None:
+    return _text("MINISGL_IMAGE_MODEL")
+
+
+def video_model() -> str | None:
+    return _text("MINISGL_VIDEO_MODEL")
+
+
+def image_model_dir() -> Path | None:
+    return _path(IMAGE_MODEL_DIR)
+
+
+def video_model_dir() -> Path | None:
+    return _path(VIDEO_MODEL_DIR)
+
+
+def media_device() -> str | None:
+    """MINISGL_DEVICE (also --device's variable): the device of the diffusion pipelines."""
+    return _text("MINISGL_DEVICE")
+
+
+# --- bench defaults (the reference stack's variables) --------------------------------------------
+def bench_repeat() -> int:
+    return _int("BENCH_REPEAT", 3)
+
+
+def bench_warmup() -> int:
+    return _int("BENCH_WARMUP", 1)
+
+
+def bench_mixed_prompts() -> bool:
+    return flag("BENCH_MIXED_PROMPTS", default=True)
+
+
+def bench_concurrency() -> list[int]:
+    """BENCH_CONCURRENCY: levels separated by spaces or commas ('1 4 16'); default [4]."""
+    raw = os.environ.get("BENCH_CONCURRENCY", "4")
+    try:
+        return [int(x) for x in raw.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"BENCH_CONCURRENCY={raw!r} is not a list of integers (e.g. '1 4 16')") from None

@@ -1,0 +1,57 @@
+"""Random weights of real shapes (`--load-format dummy`), scaled so activations stay finite.
+
+They come as a checkpoint — full, HF-named tensors — through the model's own loading path, so every
+TP rank takes its shard of the same numbers and TP 2 computes what TP 1 does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from minisgl_cli.models.config import ModelConfig
+
+
+def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    h, d, inter = mc.hidden_size, mc.head_dim, mc.intermediate_size
+    q, kv = mc.num_heads * d, mc.num_kv_heads * d
+    yield "model.embed_tokens.weight", (mc.vocab_size, h)
+    for i in range(mc.num_layers):
+        p = f"model.layers.{i}."
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            yield f"{p}self_attn.{name}.weight", (rows, h)
+            if mc.attention_bias:
+                yield f"{p}self_attn.{name}.bias", (rows,)
+        yield f"{p}self_attn.o_proj.weight", (h, q)
+        if mc.qk_norm:
+            yield f"{p}self_attn.q_norm.weight", (d,)
+            yield f"{p}self_attn.k_norm.weight", (d,)
+        yield f"{p}mlp.gate_proj.weight", (inter, h)
+        yield f"{p}mlp.up_proj.weight", (inter, h)
+        yield f"{p}mlp.down_proj.weight", (h, inter)
+        yield f"{p}input_layernorm.weight", (h,)
+        yield f"{p}post_attention_layernorm.weight", (h,)
+    yield "model.norm.weight", (h,)
+    if not mc.tie_word_embeddings:
+        yield "lm_head.weight", (mc.vocab_size, h)
+
+
+@torch.no_grad()
+def dummy_checkpoint(mc: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                     std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+    """Normal(0, std) matrices, ones for norm weights, zeros for biases, one tensor at a time.
+
+    CPU tensors get the same numbers whatever the machine; CUDA ones are drawn on the device (an 8B
+    model in seconds), the same on every GPU of one kind."""
+    for i, (name, shape) in enumerate(_shapes(mc)):
+        if name.endswith("bias"):
+            yield name, torch.zeros(shape, device=device, dtype=dtype)
+        elif len(shape) == 1:
+            yield name, torch.ones(shape, device=device, dtype=dtype)
+        else:
+            gen = torch.Generator(device=device).manual_seed(seed * 100003 + i)
+            if device.type == "cuda":
+                yield name, torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std, generator=gen)
+            else:
+                yield name, (torch.randn(shape, generator=gen) * std).to(dtype)

@@ -1,0 +1,126 @@
+"""ServerContext: what every route shares (client, settings, gate, metrics) and the steps generation routes take.
+
+Handlers get it with `ctx: Ctx` (a FastAPI dependency reading `app.state.ctx`) and only translate:
+check the model, tokenize (off the event loop), size the token budget, start an `EngineRun`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from minisgl_cli.client import EngineClient
+from minisgl_cli.server import protocol as p
+from minisgl_cli.server.errors import InputError
+from minisgl_cli.server.gate import InflightGate
+from minisgl_cli.server.metrics import ServerMetrics
+from minisgl_cli.server.runs import EngineRun
+from minisgl_cli.server.settings import ServerSettings
+from minisgl_cli.types import GenerateRequest, SchedulerStats
+
+log = logging.getLogger("minisgl.server")
+
+
+@dataclass
+class ServerContext:
+    client: EngineClient
+    settings: ServerSettings
+    metrics: ServerMetrics
+    gate: InflightGate
+    model_name: str  # the served name (answers /v1/models)
+    aliases: frozenset[str]  # lower-cased names a request's `model` may use
+    created: int = field(default_factory=p.now)
+    active: set[EngineRun] = field(default_factory=set)  # runs not yet closed, aborted at shutdown
+
+    @classmethod
+    def create(cls, client: EngineClient, settings: ServerSettings) -> ServerContext:
+        info = client.info
+        name = settings.served_model_name or info.name
+        aliases = frozenset({name.lower(), info.name.lower(), *(a.lower() for a in settings.extra_model_aliases)})
+        metrics = ServerMetrics()
+        return cls(client, settings, metrics, InflightGate(settings, info.max_running, metrics), name, aliases)
+
+    # --- the steps of every generation route ---
+    def check_model(self, requested: str | None) -> None:
+        if requested and requested.lower() not in self.aliases:
+            raise InputError(f"model {requested!r} does not exist; this server serves {self.model_name!r}",
+                             "model", 404, "model_not_found")
+
+    async def tokens_of(self, prompt: str | list[int] | None = None, messages: list[p.ChatMessage] | None = None,
+                        param: str = "prompt") -> list[int]:
+        """The prompt's token ids (chat template applied to messages), checked against vocab and context."""
+        info = self.client.info
+        try:
+            if messages is not None:
+                ids = await self.client.tokenize(GenerateRequest(messages=[m.as_template_dict() for m in messages]))
+            elif isinstance(prompt, list):
+                bad = [t for t in prompt if not 0 <= t < info.vocab_size]
+                if bad:
+                    raise InputError(f"token id {bad[0]} is out of range: the vocabulary has {info.vocab_size} "
+                                     "tokens", param)
+                ids = list(prompt)
+            else:
+                ids = await self.client.tokenize(GenerateRequest(prompt=prompt or ""))
+        except InputError:
+            raise
+        except Exception as exc:  # template or tokenizer failures are the input's fault here
+            raise InputError(f"could not tokenize the {param}: {exc}", param) from exc
+        if not ids:
+            raise InputError(f"the {param} is empty", param)
+        if len(ids) >= info.max_context_len:
+            raise InputError(f"the prompt has {len(ids)} tokens; the context limit is {info.max_context_len}",
+                             param, code="context_length_exceeded")
+        return ids
+
+    def budget(self, ids_list: list[list[int]], requested: int | None, param: str) -> tuple[int, str | None]:
+        """max_new_tokens for the run and the downscale note (None if not applied)."""
+        limit = self.client.info.max_context_len
+        room = limit - max(len(ids) for ids in ids_list)
+        if requested is None:
+            requested = room
+        elif requested > room:
+            raise InputError(f"{param}={requested} is too large: the prompt has {limit - room} tokens and the "
+                             f"context limit is {limit}, so at most {room} new tokens fit", param,
+                             code="context_length_exceeded")
+        cut = self.gate.downscale(requested)
+        return (cut, f"{requested}->{cut}") if cut < requested else (requested, None)
+
+    def start(self, reqs: list[GenerateRequest], endpoint: str) -> EngineRun:
+        """Admit the requests (429 past the cap) and start them."""
+        self.gate.admit(len(reqs))
+        if log.isEnabledFor(logging.INFO):
+            for r in reqs:
+                log.info("rid=%s %s admitted: prompt_tokens=%d max_new_tokens=%d temperature=%s inflight=%d",
+                         r.rid, endpoint, len(r.input_ids), r.params.max_new_tokens, r.params.temperature,
+                         self.gate.inflight)
+        return EngineRun(self.client, reqs, self.gate, self.metrics, endpoint, self.active)
+
+    # --- what the other routes read ---
+    def model_card(self) -> p.ModelCard:
+        return p.ModelCard(id=self.model_name, created=self.created, max_model_len=self.client.info.max_context_len)
+
+    def metrics_json(self, stats: SchedulerStats) -> dict[str, Any]:
+        return self.metrics.to_json(stats, self.model_name, self.gate.cap)
+
+    async def shutdown(self) -> None:
+        """Abort the requests still in flight while this event loop still takes the scheduler's replies
+        (a reply into a closed loop would break the scheduler thread, which may outlive the app)."""
+        rids = [rid for run in list(self.active) for rid in run.unfinished_rids()]
+        for rid in rids:
+            self.client.abort(rid)
+        for run in list(self.active):
+            run.close()
+        if rids:
+            await asyncio.get_running_loop().run_in_executor(None, self.client.stats)  # returns once the scheduler has processed the aborts
+
+
+async def server_context(request: Request) -> ServerContext:
+    # async: FastAPI would run a plain def dependency on the thread pool, a hop per request for nothing.
+    return request.app.state.ctx
+
+
+Ctx = Annotated[ServerContext, Depends(server_context)]

@@ -1,0 +1,70 @@
+"""The reference stack's /generate route: prompt, messages or input_ids in; JSON lines (or one JSON reply) out.
+
+A stream is `{"text_delta": ...}` lines, then one `GenerateDone` line (`{"event": "done", ...}` with the
+request's token counts and timings), or an `{"event": "error", "error": {...}}` line if the engine fails.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from minisgl_cli.server import protocol as p
+from minisgl_cli.server.context import Ctx
+from minisgl_cli.server.errors import InputError, error_frame
+from minisgl_cli.server.gate import downscale_headers
+from minisgl_cli.server.runs import stream_response
+from minisgl_cli.types import Delta, GenerateRequest, RequestStats, new_request_id
+
+router = APIRouter(tags=["reference"], responses=p.ERROR_RESPONSES)
+
+
+@router.post("/generate", response_model=p.GenerateDone)
+async def generate(body: p.GenerateBody, request: Request, ctx: Ctx) -> Any:
+    given = sum(x is not None for x in (body.prompt, body.messages, body.input_ids))
+    if given != 1:
+        raise InputError("give exactly one of prompt, messages, input_ids", "prompt")
+    if body.messages is not None:
+        ids = await ctx.tokens_of(messages=body.messages, param="messages")
+    else:
+        ids = await ctx.tokens_of(prompt=body.prompt if body.prompt is not None else body.input_ids,
+                                  param="prompt" if body.prompt is not None else "input_ids")
+    max_new, note = ctx.budget([ids], body.max_new_tokens, "max_new_tokens")
+    req = GenerateRequest(input_ids=ids, params=body.sampling_params(max_new), rid=new_request_id("gen"))
+    run = ctx.start([req], "/generate")
+    if not body.stream:
+        [(text, final)] = await run.finish_all(request)
+        return JSONResponse(_done(final, note, text).model_dump(), headers=downscale_headers(note))
+    first = await run.first_event(request)
+
+    async def lines() -> AsyncIterator[str]:
+        try:
+            event = first
+            while event is not None:
+                _, d = event
+                if d.error:
+                    yield json.dumps({"event": "error", **error_frame(d)}) + "\n"
+                    break
+                if d.text:
+                    yield json.dumps({"text_delta": d.text}, ensure_ascii=False) + "\n"
+                if d.finish_reason:
+                    yield _done(d, note).model_dump_json(exclude_none=True) + "\n"
+                event = await run.next()
+        finally:
+            run.close()
+
+    return stream_response(run, lines(), note, media_type="application/x-ndjson")
+
+
+def _done(final: Delta, note: str | None, text: str | None = None) -> p.GenerateDone:
+    s = final.stats or RequestStats()
+    return p.GenerateDone(
+        rid=final.rid, text=text, finish_reason=final.finish_reason, prompt_tokens=s.prompt_tokens,
+        cached_tokens=s.cached_tokens, completion_tokens=s.completion_tokens, ttft_ms=round(s.ttft_s * 1000, 3),
+        latency_ms=round(s.latency_s * 1000, 3), decode_tok_s=round(s.decode_tok_s, 3),
+        max_new_tokens_downscaled=note,
+    )

@@ -1,0 +1,183 @@
+"""Engine runs: `EngineRun` merges a route's n engine streams, watches for disconnects, streams the HTTP response.
+
+An HTTP request becomes one `EngineRun` (n choices, k prompts: n·k engine requests). The run is closed
+however the HTTP side ends — finished, failed, or the client gone — and closing it aborts whatever is
+unfinished (freeing its KV) and gives the inflight slots back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from minisgl_cli.client import EngineClient
+from minisgl_cli.server.errors import Disconnected, engine_error
+from minisgl_cli.server.gate import InflightGate, downscale_headers
+from minisgl_cli.server.metrics import ServerMetrics
+from minisgl_cli.types import Delta, GenerateRequest, RequestStats
+
+log = logging.getLogger("minisgl.server")
+T = TypeVar("T")
+
+
+class EngineRun:
+    """n engine requests merged into one stream of (choice index, Delta).
+
+    Each request is pumped by its own task; `close()` cancels the pumps, and a cancelled pump closes
+    its `client.submit` stream, which aborts the request and frees its KV. The inflight slots come
+    back on close or when the last request ends, whichever is first.
+    """
+
+    def __init__(self, client: EngineClient, reqs: list[GenerateRequest], gate: InflightGate,
+                 metrics: ServerMetrics, endpoint: str, active: set[EngineRun]):
+        self.reqs, self.gate, self.metrics, self.endpoint = reqs, gate, metrics, endpoint
+        self.client, self.active = client, active
+        active.add(self)
+        self.queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
+        self.open = len(reqs)  # requests not yet finished
+        self.chunks = [0] * len(reqs)
+        self.finals: list[Delta | None] = [None] * len(reqs)
+        self._released = False
+        self.closed = False
+        self.tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(reqs)]
+
+    async def _pump(self, i: int, req: GenerateRequest) -> None:
+        try:
+            async for delta in self.client.submit(req):
+                self.queue.put_nowait((i, delta))
+        except Exception as exc:  # e.g. a tokenizer failure: report it as this choice's error
+            self.queue.put_nowait((i, Delta(req.rid, error=str(exc) or type(exc).__name__)))
+
+    async def next(self) -> tuple[int, Delta] | None:
+        """The next event, or None once every request has finished."""
+        if self.open == 0:
+            return None
+        i, delta = await self.queue.get()
+        if delta.text or delta.token_ids:
+            self.chunks[i] += 1
+        if delta.finished:
+            self.open -= 1
+            self.finals[i] = delta
+            self._log_finish(i, delta)
+            self.metrics.finish(delta.stats, delta.finish_reason if not delta.error else None)
+            if self.open == 0:
+                self._release()
+        return i, delta
+
+    async def collect(self) -> list[tuple[str, Delta]]:
+        """Run every request to the end: [(text, final delta)] in choice order."""
+        texts = [""] * len(self.reqs)
+        while (event := await self.next()) is not None:
+            i, delta = event
+            texts[i] += delta.text
+        return [(texts[i], self.finals[i]) for i in range(len(self.reqs))]
+
+    async def first_event(self, request: Request) -> tuple[int, Delta] | None:
+        """Wait for the first delta before answering, so early engine errors get a real status."""
+        try:
+            event = await unless_disconnected(request, self.next())
+        except BaseException:
+            self.close()
+            raise
+        if event is not None and event[1].error:
+            self.close()
+            raise engine_error(event[1])
+        return event
+
+    async def finish_all(self, request: Request) -> list[tuple[str, Delta]]:
+        """Run to the end (a non-stream response): [(text, final delta)], or the first engine error raised."""
+        try:
+            results = await unless_disconnected(request, self.collect())
+        finally:
+            self.close()
+        for _, final in results:
+            if final is None or final.error:
+                raise engine_error(final or Delta("", error="request ended without a result"))
+        return results
+
+    def close(self) -> None:
+        """Abort what is unfinished (client gone, error) and give the inflight slots back."""
+        if self.closed:
+            return
+        self.closed = True
+        unfinished = [i for i, f in enumerate(self.finals) if f is None]
+        for task in self.tasks:
+            task.cancel()
+        if unfinished:
+            self.metrics.disconnect()
+            for i in unfinished:
+                self.metrics.finish(None, "abort")
+                log.info("rid=%s %s: client gone after %d chunks, aborted (KV freed)",
+                         self.reqs[i].rid, self.endpoint, self.chunks[i])
+        self._release()
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.gate.release(len(self.reqs))
+            self.active.discard(self)
+
+    def unfinished_rids(self) -> list[str]:
+        return [r.rid for r, f in zip(self.reqs, self.finals) if f is None]
+
+    def _log_finish(self, i: int, d: Delta) -> None:
+        if not log.isEnabledFor(logging.INFO):
+            return
+        s = d.stats or RequestStats()
+        log.info("rid=%s %s finish=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d chunks=%d "
+                 "ttft=%.0fms latency=%.0fms%s", self.reqs[i].rid, self.endpoint, d.finish_reason,
+                 s.prompt_tokens, s.cached_tokens, s.completion_tokens, self.chunks[i], s.ttft_s * 1000,
+                 s.latency_s * 1000, f" error={d.error!r}" if d.error else "")
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await work, but give up (raise Disconnected) if the client hangs up first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise Disconnected()
+    return task.result()
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its EngineRun however the response ends: even when the client
+    is gone before the first chunk (the body generator then never starts, so its `finally` never runs)."""
+
+    def __init__(self, run: EngineRun, content: AsyncIterator[str], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
+
+
+def stream_response(run: EngineRun, body: AsyncIterator[str], note: str | None,
+                    media_type: str = "text/event-stream") -> StreamingResponse:
+    """The streamed reply of a run: unbuffered by proxies, with the downscale header if one was applied."""
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **downscale_headers(note)}
+    return EngineStreamingResponse(run, body, media_type=media_type, headers=headers)
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    """One server-sent event frame: a JSON object, or a bare string such as "[DONE]"."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"

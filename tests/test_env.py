@@ -1,0 +1,27 @@
+"""env.py: every environment variable minisgl reads, one boolean parser for all of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from minisgl_cli import env
+
+
+@pytest.mark.parametrize("raw, want", [("1", True), ("TRUE", True), ("yes", True), (" on ", True),
+                                       ("0", False), ("false", False), ("No", False), ("off", False), ("", False)])
+def test_boolean_variables_share_one_parser(monkeypatch, raw, want):
+    for name in ("MINISGL_DISABLE_OVERLAP_SCHEDULING", "MINISGL_DISABLE_PDL", "HF_HUB_OFFLINE", "BENCH_MIXED_PROMPTS"):
+        monkeypatch.setenv(name, raw)
+    got = (env.disable_overlap_scheduling(), env.disable_pdl(), env.hub_offline(), env.bench_mixed_prompts())
+    assert got == (want,) * 4
+
+
+def test_unset_variables_take_their_default_and_unclear_ones_are_refused_by_name(monkeypatch):
+    monkeypatch.delenv("BENCH_MIXED_PROMPTS", raising=False)
+    monkeypatch.delenv("MINISGL_DISABLE_FUSED_OPS", raising=False)
+    assert env.bench_mixed_prompts() is True and env.disable_fused_ops() is False
+    monkeypatch.setenv("MINISGL_DISABLE_FUSED_OPS", "2")
+    with pytest.raises(ValueError, match="MINISGL_DISABLE_FUSED_OPS='2' is not a boolean"):
+        env.disable_fused_ops()
+    monkeypatch.setenv("BENCH_CONCURRENCY", "1, 4 16")
+    assert env.bench_concurrency() == [1, 4, 16]

@@ -1,0 +1,139 @@
+"""The import rules of docs/architecture.md, checked on the source: imports point down the layers, no module
+imports itself back through others, and only env.py reads the environment."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Top to bottom, as docs/architecture.md lists them. A module imports only from layers below its own, never
+# from a layer above; packages that share a layer (the fronts) never import each other.
+LAYERS: list[tuple[str, list[str]]] = [
+    ("the minisgl app", ["minisgl_cli.app"]),  # mounts commands/
+    ("commands", ["commands"]),
+    ("fronts", ["minisgl_cli.repl", "minisgl_cli.server", "minisgl_cli.bench", "minisgl_cli.smoke"]),
+    ("media runners", ["minisgl_cli.runners"]),
+    ("package root", ["minisgl_cli"]),  # re-exports LLM lazily
+    ("python api", ["minisgl_cli.llm"]),
+    ("multi-process runtime", ["minisgl_cli.runtime"]),  # another EngineClient, and the processes behind it
+    ("client", ["minisgl_cli.client"]),
+    ("tokenizer", ["minisgl_cli.tokenizer"]),
+    ("scheduler", ["minisgl_cli.scheduler"]),
+    ("engine", ["minisgl_cli.engine"]),
+    ("models", ["minisgl_cli.models"]),
+    ("attention", ["minisgl_cli.attention"]),
+    ("layers", ["minisgl_cli.layers"]),
+    ("kvcache", ["minisgl_cli.kvcache"]),
+    ("loader", ["minisgl_cli.loader"]),
+    ("distributed", ["minisgl_cli.distributed"]),
+    ("core", ["minisgl_cli.core"]),
+    ("messages", ["minisgl_cli.messages"]),
+    ("bottom", ["minisgl_cli.types", "minisgl_cli.env"]),
+]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for top in ("minisgl_cli", "commands"):
+        for path in (REPO / top).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Our modules that `name` imports anywhere in its source (lazy and TYPE_CHECKING imports count too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            # `from pkg import mod` depends on pkg.mod; `from mod import name` on mod
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _layer(module: str) -> tuple[int, str] | None:
+    """(depth, the entry of LAYERS holding module); the package root holds only itself."""
+    best = None
+    for depth, (_, entries) in enumerate(LAYERS):
+        for e in entries:
+            if module == e or (e != "minisgl_cli" and module.startswith(e + ".")):
+                if best is None or len(e) > len(best[1]):
+                    best = (depth, e)
+    return best
+
+
+def test_every_module_has_a_place_in_the_layers():
+    missing = [m for m in MODULES if _layer(m) is None]
+    assert not missing, f"add these to LAYERS and docs/architecture.md: {missing}"
+
+
+def test_imports_point_down_the_layers():
+    wrong = []
+    placed = {m: layer for m in GRAPH if (layer := _layer(m)) is not None}  # the others fail the test above
+    for module, targets in GRAPH.items():
+        if module not in placed:
+            continue
+        depth, entry = placed[module]
+        for t in targets & placed.keys():
+            t_depth, t_entry = placed[t]
+            if t_depth < depth or (t_depth == depth and t_entry != entry):
+                wrong.append(f"{module} ({LAYERS[depth][0]}) imports {t} ({LAYERS[t_depth][0]})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    state: dict[str, str] = {}  # "open" while on the path, "done" after
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = "open"
+        for t in sorted(GRAPH[m]):
+            if state.get(t) == "open":
+                return path[path.index(t):] + [m, t] if t in path else [m, t]
+            if t not in state and (cycle := visit(t, path + [m])):
+                return cycle
+        state[m] = "done"
+        return None
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            cycle = visit(m, [])
+            assert cycle is None, " -> ".join(cycle)
+
+
+def test_only_env_py_reads_the_environment():
+    """Every environment variable is read in minisgl_cli/env.py (Typer reads the options' own envvar=)."""
+    readers = []
+    for name, path in MODULES.items():
+        if name == "minisgl_cli.env":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            reads_environ = (isinstance(node, ast.Attribute) and node.attr == "get"
+                             and isinstance(node.value, ast.Attribute) and node.value.attr == "environ")
+            subscripts_environ = (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load)
+                                  and isinstance(node.value, ast.Attribute) and node.value.attr == "environ")
+            getenv = isinstance(node, ast.Attribute) and node.attr == "getenv"
+            if reads_environ or subscripts_environ or getenv:
+                readers.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not readers, readers
