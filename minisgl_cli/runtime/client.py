@@ -1,0 +1,109 @@
+"""RemoteClient: the EngineClient of the multi-process runtime, in the API process.
+
+Requests go to a tokenizer worker (each request id always to the same one, so its abort never
+overtakes it); text pieces come back from the detokenizer on one socket, read by one thread and
+routed by request id to each stream's event loop, exactly as the in-process client routes tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+import zlib
+from collections.abc import Callable
+
+import zmq
+
+from minisgl_cli.client import STALL_S, PrefixWarm, RoutedClient
+from minisgl_cli.messages import (
+    AbortRequest, AddRequest, DecodedPiece, DetokOutput, Heartbeat, TokenizeQuery, TokenizeReply, ToScheduler,
+)
+from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
+from minisgl_cli.types import GenerateRequest, ModelInfo, SamplingParams
+
+
+def _merge(pieces: list[DecodedPiece]) -> DecodedPiece:
+    """Several pieces of one request (a slow consumer) as one; the detokenizer already handled stop strings."""
+    first, last = pieces[0], pieces[-1]
+    if len(pieces) == 1:
+        return first
+    return DecodedPiece(
+        last.rid, "".join(p.text for p in pieces), [t for p in pieces for t in p.token_ids], last.finish_reason,
+        last.error, last.cached_tokens, next((p.prefill_s for p in pieces if p.prefill_s is not None), None),
+    )
+
+
+class RemoteClient(RoutedClient):
+    def __init__(self, info: ModelInfo, endpoints: Endpoints, num_tokenizer: int, alive: Callable[[], bool],
+                 close: Callable[[], None]):
+        super().__init__()
+        self.info = info
+        self._alive, self._close = alive, close
+        self._ctx = zmq.Context()
+        self._inbox = pull(self._ctx, endpoints.api)
+        targets = [endpoints.tokenizer(i) for i in range(num_tokenizer)] or [endpoints.detokenizer]
+        self._out = [push(self._ctx, t) for t in targets]
+        self._lock = threading.Lock()  # zmq sockets are not thread-safe; fronts send from several threads
+        self._beat = time.monotonic()
+        self._closed = False
+        threading.Thread(target=self._receive, name="minisgl-api-recv", daemon=True).start()
+
+    # --- transport -----------------------------------------------------------------------------
+    def _send(self, msg: ToScheduler | TokenizeQuery) -> None:
+        key = msg.rid if isinstance(msg, AddRequest | AbortRequest) else str(msg.qid)
+        sock = self._out[zlib.crc32(key.encode()) % len(self._out)]
+        with self._lock:
+            send(sock, msg)
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                msg = recv(self._inbox)
+            except zmq.ZMQError:  # closed
+                return
+            if isinstance(msg, DetokOutput):
+                by_rid: dict[str, list[DecodedPiece]] = {}
+                for p in msg.pieces:
+                    by_rid.setdefault(p.rid, []).append(p)
+                self._route(by_rid, lambda items: items[-1].finished)
+            elif isinstance(msg, Heartbeat):
+                self._beat = time.monotonic()
+            else:
+                self._reply(msg.qid, msg)
+
+    def _decoder(self, params: SamplingParams) -> Callable[[list], DecodedPiece]:
+        return _merge
+
+    # --- EngineClient --------------------------------------------------------------------------
+    async def tokenize(self, req: GenerateRequest) -> list[int]:
+        if req.input_ids is not None:
+            return list(req.input_ids)
+        qid = next(self._qids)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._replies[qid] = fut
+        self._send(TokenizeQuery(qid, req))
+        reply: TokenizeReply = await asyncio.wrap_future(fut)
+        if reply.ids is None:
+            raise ValueError(reply.error)
+        return reply.ids
+
+    def insert_prefix(self, prefix: str | list[int]) -> PrefixWarm:
+        if isinstance(prefix, str):
+            qid = next(self._qids)
+            reply = self._query(TokenizeQuery(qid, GenerateRequest(prompt=prefix)), qid, 30.0)
+            if not isinstance(reply, TokenizeReply) or reply.ids is None:
+                raise ValueError(getattr(reply, "error", None) or "the tokenizer worker did not answer")
+            return self._warm(reply.ids)
+        return self._warm(list(prefix))
+
+    def healthy(self) -> bool:
+        return not self._closed and self._alive() and time.monotonic() - self._beat < STALL_S
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._close()
+        self._ctx.destroy(linger=0)

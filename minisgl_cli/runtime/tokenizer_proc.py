@@ -1,0 +1,130 @@
+"""The tokenizer and detokenizer worker processes.
+
+A tokenizer worker tokenizes (chat template included) and passes each request on: its `AddRequest`
+to the detokenizer (which then knows the request's stop strings) and to scheduler rank 0; aborts and
+queries go straight through. The detokenizer turns each scheduler step into text pieces for the API
+process, ends requests at stop strings (telling rank 0 to free them), and forwards replies and
+heartbeats. With `--num-tokenizer 0` the detokenizer does both jobs.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from minisgl_cli.messages import (
+    AbortRequest, AddRequest, CheckPagesQuery, DecodedPiece, DetokOutput, Failed, Ready, StatsQuery, StepOutput,
+    TokenizeQuery, TokenizeReply, TokenOutput,
+)
+from minisgl_cli.runtime.ipc import Endpoints, die_with_parent, pull, push, recv, send
+from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, prompt_ids
+
+log = logging.getLogger("minisgl.runtime")
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    index: int  # tokenizer worker index; -1 for the detokenizer
+    model_dir: str | None
+    endpoints: Endpoints
+    tokenizes: bool
+    detokenizes: bool
+    log_level: int = logging.WARNING
+
+    @property
+    def name(self) -> str:
+        return "detokenizer" if self.detokenizes else f"tokenizer {self.index}"
+
+
+def run_worker(job: WorkerJob) -> None:
+    die_with_parent()
+    logging.basicConfig(level=job.log_level, format=f"%(asctime)s %(levelname)s {job.name} %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    ctx = zmq.Context()
+    launcher = push(ctx, job.endpoints.launcher)
+    try:
+        worker = _Worker(job, ctx)
+    except BaseException as exc:  # noqa: BLE001 - any start-up failure is reported as one line
+        log.debug("start-up failed:\n%s", traceback.format_exc())
+        send(launcher, Failed(job.name, f"{type(exc).__name__}: {exc}".strip()))
+        launcher.close(linger=2000)
+        raise SystemExit(1) from None
+    send(launcher, Ready(job.name))
+    worker.serve()
+
+
+class _Worker:
+    def __init__(self, job: WorkerJob, ctx: zmq.Context):
+        self.job = job
+        self.tokenizer = Tokenizer(job.model_dir) if job.model_dir is not None else None
+        ep = job.endpoints
+        self.inbox = pull(ctx, ep.detokenizer if job.detokenizes else ep.tokenizer(job.index))
+        self.to_api = push(ctx, ep.api)
+        self.to_scheduler = push(ctx, ep.scheduler)
+        self.to_detok = push(ctx, ep.detokenizer) if job.tokenizes and not job.detokenizes else None
+        self.decoders: dict[str, RequestDecoder] = {}
+        self.early: dict[str, list[TokenOutput]] = {}  # outputs that beat their AddRequest here
+        self.ended: collections.deque[str] = collections.deque(maxlen=4096)  # late outputs of these are dropped
+        self.ended_set: set[str] = set()
+
+    def serve(self) -> None:
+        while True:
+            msg = recv(self.inbox)
+            if isinstance(msg, StepOutput):
+                self._detokenize(msg)
+            elif isinstance(msg, TokenizeQuery):
+                send(self.to_api, self._tokenize(msg))
+            elif isinstance(msg, AddRequest):
+                self._add(msg)
+            elif isinstance(msg, AbortRequest | StatsQuery | CheckPagesQuery):
+                send(self.to_scheduler, msg)  # aborts and queries pass through to rank 0
+            else:  # replies and heartbeats from rank 0, on their way to the API process
+                send(self.to_api, msg)
+
+    def _tokenize(self, q: TokenizeQuery) -> TokenizeReply:
+        try:
+            return TokenizeReply(q.qid, prompt_ids(self.tokenizer, q.req))
+        except Exception as exc:  # template or tokenizer failures are the request's fault
+            return TokenizeReply(q.qid, None, str(exc) or type(exc).__name__)
+
+    def _add(self, msg: AddRequest) -> None:
+        if self.job.detokenizes:
+            self.decoders[msg.rid] = RequestDecoder(self.tokenizer, msg.params)
+            if msg.rid in self.early:
+                self._detokenize(StepOutput(self.early.pop(msg.rid)))
+        if self.job.tokenizes:
+            if self.to_detok is not None:
+                send(self.to_detok, msg)
+            send(self.to_scheduler, msg)
+
+    def _ended(self, rid: str) -> None:
+        if len(self.ended) == self.ended.maxlen:
+            self.ended_set.discard(self.ended[0])
+        self.ended.append(rid)
+        self.ended_set.add(rid)
+
+    def _detokenize(self, step: StepOutput) -> None:
+        by_rid: dict[str, list[TokenOutput]] = {}
+        for o in step.outputs:
+            by_rid.setdefault(o.rid, []).append(o)
+        pieces: list[DecodedPiece] = []
+        for rid, items in by_rid.items():
+            decoder = self.decoders.get(rid)
+            if decoder is None:
+                if rid not in self.ended_set:  # e.g. the abort that follows a stop string: already answered
+                    self.early.setdefault(rid, []).extend(items)
+                continue
+            piece = decoder.feed(items)
+            if piece.finished:
+                del self.decoders[rid]
+                self._ended(rid)
+            if piece.stopped_early:  # a stop string ended it: free its KV on the scheduler now
+                send(self.to_scheduler, AbortRequest(rid))
+                piece.stopped_early = False
+            pieces.append(piece)
+        if pieces:
+            send(self.to_api, DetokOutput(pieces))
