@@ -27,43 +27,61 @@ _HELP = (
 @app.command("bench", help=_HELP)
 @c.engine_options(c.ALL, exclude={"cache"})  # bench's own --cache takes a list
 def bench(
-    dataset: Annotated[str, typer.Option("--dataset", help="reference (short/medium/long), random, shared-prefix.")] = "reference",
-    preset: Annotated[Optional[str], typer.Option("--preset", help="nano-vllm: 256 requests, in/out lengths uniform in "
-                                                  "100..1024, EOS ignored, seed 0 (overrides --dataset).")] = None,
-    concurrency: Annotated[Optional[list[int]], typer.Option("--concurrency", help="Requests in flight; repeat to sweep "
-                           "(--concurrency 1 --concurrency 4). Env BENCH_CONCURRENCY (e.g. '1 4 16'). [default: 4]")] = None,
-    repeat: Annotated[Optional[int], typer.Option("--repeat", help="Reference suite: times each prompt is sent. "
-                      "Env BENCH_REPEAT. [default: 3]")] = None,
-    warmup: Annotated[Optional[int], typer.Option("--warmup", help="Small untimed requests per stack first. "
-                      "Env BENCH_WARMUP. [default: 1]")] = None,
-    mixed_prompts: Annotated[Optional[bool], typer.Option("--mixed-prompts/--no-mixed-prompts", help="Reference suite: "
-                             "random suffix on every other prompt. Env BENCH_MIXED_PROMPTS=0 turns it off. [default: on]")] = None,
-    case: Annotated[Optional[list[str]], typer.Option("--case", help="Reference suite: keep only these cases (repeatable).")] = None,
-    num_prompts: Annotated[Optional[int], typer.Option("--num-prompts", help="Requests (random 64, shared-prefix 32, "
-                           "nano-vllm 256); reference: distinct prompts per case (default: the largest concurrency).")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Reference: cap every case's decode "
-                              "length; shared-prefix: output length (default 16).")] = None,
+    dataset: Annotated[str, typer.Option(
+        "--dataset", help="reference (short/medium/long), random, shared-prefix.")] = "reference",
+    preset: Annotated[Optional[str], typer.Option(
+        "--preset", help="nano-vllm: 256 requests, in/out lengths uniform in 100..1024, EOS ignored, seed 0 "
+                         "(overrides --dataset).")] = None,
+    concurrency: Annotated[Optional[list[int]], typer.Option(
+        "--concurrency", help="Requests in flight; repeat to sweep (--concurrency 1 --concurrency 4). "
+                              "Env BENCH_CONCURRENCY (e.g. '1 4 16'). [default: 4]")] = None,
+    repeat: Annotated[Optional[int], typer.Option(
+        "--repeat", help="Reference suite: times each prompt is sent. Env BENCH_REPEAT. [default: 3]")] = None,
+    warmup: Annotated[Optional[int], typer.Option(
+        "--warmup", help="Small untimed requests per stack first. Env BENCH_WARMUP. [default: 1]")] = None,
+    mixed_prompts: Annotated[Optional[bool], typer.Option(
+        "--mixed-prompts/--no-mixed-prompts", help="Reference suite: random suffix on every other prompt. "
+                                                   "Env BENCH_MIXED_PROMPTS=0 turns it off. [default: on]")] = None,
+    case: Annotated[Optional[list[str]], typer.Option(
+        "--case", help="Reference suite: keep only these cases (repeatable).")] = None,
+    num_prompts: Annotated[Optional[int], typer.Option(
+        "--num-prompts", help="Requests (random 64, shared-prefix 32, nano-vllm 256); reference: distinct prompts "
+                              "per case (default: the largest concurrency).")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(
+        "--max-new-tokens", help="Reference: cap every case's decode length; shared-prefix: output length "
+                                 "(default 16).")] = None,
     input_len: Annotated[int, typer.Option("--input-len", help="Random: max input tokens.")] = 1024,
     output_len: Annotated[int, typer.Option("--output-len", help="Random: max output tokens.")] = 128,
-    range_ratio: Annotated[float, typer.Option("--range-ratio", help="Random: lengths uniform in [len*ratio, len].")] = 1.0,
+    range_ratio: Annotated[float, typer.Option(
+        "--range-ratio", help="Random: lengths uniform in [len*ratio, len].")] = 1.0,
     prefix_len: Annotated[int, typer.Option("--prefix-len", help="Shared-prefix: system prompt tokens.")] = 400,
-    question_len: Annotated[int, typer.Option("--question-len", help="Shared-prefix: tokens of each distinct question.")] = 16,
+    question_len: Annotated[int, typer.Option(
+        "--question-len", help="Shared-prefix: tokens of each distinct question.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Workload and arrival seed.")] = 0,
-    baseline: Annotated[Optional[list[str]], typer.Option("--baseline", help="hf-stream (default) and/or hf-batched; repeatable.")] = None,
+    baseline: Annotated[Optional[list[str]], typer.Option(
+        "--baseline", help="hf-stream (default) and/or hf-batched; repeatable.")] = None,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the HF baselines.")] = False,
-    peer: Annotated[Optional[list[str]], typer.Option("--peer", help="llama-cpp: llama.cpp on the same GGUF (needs llama-cpp-python).")] = None,
-    url: Annotated[Optional[str], typer.Option("--url", help="Online mode: benchmark this OpenAI-compatible server "
-                   "(e.g. http://127.0.0.1:8000) over streaming HTTP instead of loading the engine.")] = None,
-    api: Annotated[str, typer.Option("--api", help="Online: completions (/v1/completions) or chat (/v1/chat/completions).")] = "completions",
-    request_rate: Annotated[float, typer.Option("--request-rate", help="Online: requests/s, Poisson arrivals; inf = all at once.")] = math.inf,
-    max_concurrency: Annotated[Optional[int], typer.Option("--max-concurrency", help="Online: requests in flight at most "
-                               "(default: the --concurrency levels).")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Online: model field to send "
-                                 "(default: the server's first /v1/models id).")] = None,
-    output_json: Annotated[Optional[str], typer.Option("--output-json", help="Write every result (bench_serving names) as JSON.")] = None,
-    plot: Annotated[Optional[str], typer.Option("--plot", help="Write a PNG: throughput per engine per case, latency percentiles.")] = None,
-    cache: Annotated[Optional[list[str]], typer.Option("--cache", help="Prefix cache: radix or naive; repeat both to "
-                     "compare them in one run. [default: radix]")] = None,
+    peer: Annotated[Optional[list[str]], typer.Option(
+        "--peer", help="llama-cpp: llama.cpp on the same GGUF (needs llama-cpp-python).")] = None,
+    url: Annotated[Optional[str], typer.Option(
+        "--url", help="Online mode: benchmark this OpenAI-compatible server (e.g. http://127.0.0.1:8000) over "
+                      "streaming HTTP instead of loading the engine.")] = None,
+    api: Annotated[str, typer.Option(
+        "--api", help="Online: completions (/v1/completions) or chat (/v1/chat/completions).")] = "completions",
+    request_rate: Annotated[float, typer.Option(
+        "--request-rate", help="Online: requests/s, Poisson arrivals; inf = all at once.")] = math.inf,
+    max_concurrency: Annotated[Optional[int], typer.Option(
+        "--max-concurrency", help="Online: requests in flight at most (default: the --concurrency levels).")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name", help="Online: model field to send (default: the server's first /v1/models id).")]
+        = None,
+    output_json: Annotated[Optional[str], typer.Option(
+        "--output-json", help="Write every result (bench_serving names) as JSON.")] = None,
+    plot: Annotated[Optional[str], typer.Option(
+        "--plot", help="Write a PNG: throughput per engine per case, latency percentiles.")] = None,
+    cache: Annotated[Optional[list[str]], typer.Option(
+        "--cache", help="Prefix cache: radix or naive; repeat both to compare them in one run. "
+                        "[default: radix]")] = None,
     *,
     opts: c.EngineOptions,  # every engine option but --cache goes here in --help
     verbose: c.Verbose = False,
@@ -77,14 +95,29 @@ def bench(
     c.setup_logging(verbose)
     try:
         cfg = BenchConfig(
-            dataset=dataset, preset=preset, concurrency=concurrency or env.bench_concurrency(),
+            dataset=dataset,
+            preset=preset,
+            concurrency=concurrency or env.bench_concurrency(),
             repeat=repeat if repeat is not None else env.bench_repeat(),
             warmup=warmup if warmup is not None else env.bench_warmup(),
             mixed_prompts=mixed_prompts if mixed_prompts is not None else env.bench_mixed_prompts(),
-            cases=case, num_prompts=num_prompts, max_new_tokens=max_new_tokens, input_len=input_len,
-            output_len=output_len, range_ratio=range_ratio, prefix_len=prefix_len, question_len=question_len, seed=seed,
-            baselines=[] if no_baseline else (baseline or ["hf-stream"]), peers=peer or [], caches=cache or ["radix"],
-            url=url, api=api, request_rate=request_rate, max_concurrency=max_concurrency, served_model=served_model_name,
+            cases=case,
+            num_prompts=num_prompts,
+            max_new_tokens=max_new_tokens,
+            input_len=input_len,
+            output_len=output_len,
+            range_ratio=range_ratio,
+            prefix_len=prefix_len,
+            question_len=question_len,
+            seed=seed,
+            baselines=[] if no_baseline else (baseline or ["hf-stream"]),
+            peers=peer or [],
+            caches=cache or ["radix"],
+            url=url,
+            api=api,
+            request_rate=request_rate,
+            max_concurrency=max_concurrency,
+            served_model=served_model_name,
         )
     except ValueError as exc:
         c.fail(str(exc))

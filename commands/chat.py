@@ -15,11 +15,17 @@ app = typer.Typer()
 @app.command("chat")
 @c.engine_options((*c.MODEL, "max_total_tokens", "cache"))
 def chat(
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens per reply at most.")] = 256,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens per reply at most.")
+    ] = 256,
     temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 = greedy.")] = 0.0,
-    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt (default: the model's own).")] = None,
-    multi_turn: Annotated[bool, typer.Option("--multi-turn", help="Keep prior turns in context (their KV is reused "
-                                                                  "through the radix cache).")] = False,
+    system: Annotated[
+        Optional[str], typer.Option("--system", "-s", help="System prompt (default: the model's own).")
+    ] = None,
+    multi_turn: Annotated[
+        bool,
+        typer.Option("--multi-turn", help="Keep prior turns in context (their KV is reused through the radix cache)."),
+    ] = False,
     *,
     opts: c.EngineOptions,  # the model options, --max-total-tokens and --cache go here in --help
     verbose: c.Verbose = False,
@@ -46,7 +52,7 @@ def chat(
     except ModelLoadError as exc:
         c.fail(str(exc))
     except KeyboardInterrupt:
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     if not client.info.has_tokenizer:
         client.close()
         c.fail("chat needs a tokenizer: a built-in --load-format dummy config has none (give an HF dir as --model)")

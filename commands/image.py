@@ -29,8 +29,12 @@ class AttentionBackend(str, Enum):
 
 @app.command("image", help="Generate images from a prompt with Z-Image-Turbo or any diffusers text-to-image model.")
 def image(
-    prompt: Annotated[str, typer.Option("-p", "--prompt", help="What to draw.", show_default="a Hanfu portrait")] = DEFAULT_IMAGE_PROMPT,
-    aspect: Annotated[Aspect, typer.Option(help="Aspect ratio (about 1 MP); --height/--width override.")] = Aspect.square,
+    prompt: Annotated[
+        str, typer.Option("-p", "--prompt", help="What to draw.", show_default="a Hanfu portrait")
+    ] = DEFAULT_IMAGE_PROMPT,
+    aspect: Annotated[
+        Aspect, typer.Option(help="Aspect ratio (about 1 MP); --height/--width override.")
+    ] = Aspect.square,
     height: Annotated[Optional[int], typer.Option(help="Height in pixels, a multiple of 16.")] = None,
     width: Annotated[Optional[int], typer.Option(help="Width in pixels, a multiple of 16.")] = None,
     steps: Annotated[int, typer.Option(help="Denoising steps (Turbo: 9).")] = 9,
@@ -38,8 +42,12 @@ def image(
     num_images: Annotated[int, typer.Option(help="Images per prompt.")] = 1,
     seed: Annotated[Optional[int], typer.Option(help="Seed; same seed, same pixels. Random if unset.")] = None,
     negative_prompt: Annotated[Optional[str], typer.Option(help="What to avoid (used when CFG is on).")] = None,
-    device: Annotated[str, typer.Option(envvar="MINISGL_DEVICE", help="auto (mps, cuda, cpu), mps, cuda[:N], cpu.")] = "auto",
-    model: Annotated[str, typer.Option(envvar="MINISGL_IMAGE_MODEL", help="Hub repo id or local pipeline dir.")] = DEFAULT_IMAGE_MODEL,
+    device: Annotated[
+        str, typer.Option(envvar="MINISGL_DEVICE", help="auto (mps, cuda, cpu), mps, cuda[:N], cpu.")
+    ] = "auto",
+    model: Annotated[
+        str, typer.Option(envvar="MINISGL_IMAGE_MODEL", help="Hub repo id or local pipeline dir.")
+    ] = DEFAULT_IMAGE_MODEL,
     model_dir: Annotated[
         Optional[Path],
         typer.Option(

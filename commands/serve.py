@@ -17,44 +17,95 @@ SCHEDULER_MODES = ("rr", "fsfs", "random", "cache_aware")
 @app.command("serve")
 @c.engine_options(c.ALL)
 def serve(
-    host: Annotated[str, typer.Option("--host", envvar="HOST", help="Interface to bind (0.0.0.0 for all).")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option("--host", envvar="HOST", help="Interface to bind (0.0.0.0 for all).")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", "-p", envvar="PORT", help="TCP port.")] = 8000,
-    api_key: Annotated[Optional[str], typer.Option(
-        "--api-key", envvar="MINISGL_API_KEY",
-        help="Require 'Authorization: Bearer KEY' on every route but /health.")] = None,
-    max_inflight_total: Annotated[int, typer.Option(
-        "--max-inflight-total", envvar="MAX_INFLIGHT_TOTAL",
-        help="Engine requests in flight at most (n choices count n); past it: 429 + Retry-After. 0 = no cap.")] = 0,
-    max_inflight_per_engine: Annotated[int, typer.Option(
-        "--max-inflight-per-engine", envvar="MAX_INFLIGHT_PER_ENGINE",
-        help="Per-engine cap; with one engine the same as --max-inflight-total (the smaller non-zero one wins).")] = 0,
-    adaptive_max_new_tokens: Annotated[bool, typer.Option(
-        "--adaptive-max-new-tokens/--no-adaptive-max-new-tokens", envvar="ADAPTIVE_MAX_NEW_TOKENS",
-        help="Under load cut max_tokens (x1/2 past 50% of capacity, x1/4 past 75%, never below 16); "
-             "reported in header X-Minisgl-Max-Tokens-Downscaled.")] = False,
-    max_body_bytes: Annotated[int, typer.Option(
-        "--max-body-bytes", envvar="MAX_BODY_BYTES", help="Larger request bodies get 413.")] = 4 * 1024 * 1024,
-    served_model_name: Annotated[Optional[str], typer.Option(
-        "--served-model-name", help="Model id in /v1/models and responses (default: the engine's). "
-                                    "'default' is always accepted too.")] = None,
-    warm_prefixes: Annotated[Optional[str], typer.Option(
-        "--warm-prefixes", envvar="WARM_PREFIXES",
-        help="'|'-separated prompt prefixes prefilled into the radix cache at start, in the background.")] = None,
-    scheduler_mode: Annotated[str, typer.Option(
-        "--scheduler-mode", envvar="SCHEDULER_MODE",
-        help="Routing across engines: rr, fsfs, random, cache_aware. With one engine all are equivalent.")] = "rr",
-    zmq_control: Annotated[bool, typer.Option(
-        "--zmq-control/--no-zmq-control", envvar="ZMQ_CONTROL",
-        help="Serve a ZMQ REP control channel (commands: ping, metrics, warm <prefix>).")] = False,
-    zmq_control_endpoint: Annotated[str, typer.Option(
-        "--zmq-control-endpoint", envvar="ZMQ_CONTROL_ENDPOINT", help="Where the control channel binds.")]
-        = "tcp://127.0.0.1:5557",
-    image_model_dir: Annotated[Optional[Path], typer.Option(
-        "--image-model-dir", envvar="Z_IMAGE_MODEL_DIR",
-        help="Diffusers pipeline dir for /v1/images/generations.")] = None,
-    video_model_dir: Annotated[Optional[Path], typer.Option(
-        "--video-model-dir", envvar="MINISGL_VIDEO_MODEL_DIR",
-        help="Diffusers pipeline dir for /v1/videos/generations.")] = None,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(
+            "--api-key",
+            envvar="MINISGL_API_KEY",
+            help="Require 'Authorization: Bearer KEY' on every route but /health.",
+        ),
+    ] = None,
+    max_inflight_total: Annotated[
+        int,
+        typer.Option(
+            "--max-inflight-total",
+            envvar="MAX_INFLIGHT_TOTAL",
+            help="Engine requests in flight at most (n choices count n); past it: 429 + Retry-After. 0 = no cap.",
+        ),
+    ] = 0,
+    max_inflight_per_engine: Annotated[
+        int,
+        typer.Option(
+            "--max-inflight-per-engine",
+            envvar="MAX_INFLIGHT_PER_ENGINE",
+            help="Per-engine cap; with one engine the same as --max-inflight-total (the smaller non-zero one wins).",
+        ),
+    ] = 0,
+    adaptive_max_new_tokens: Annotated[
+        bool,
+        typer.Option(
+            "--adaptive-max-new-tokens/--no-adaptive-max-new-tokens",
+            envvar="ADAPTIVE_MAX_NEW_TOKENS",
+            help="Under load cut max_tokens (x1/2 past 50% of capacity, x1/4 past 75%, never below 16); "
+            "reported in header X-Minisgl-Max-Tokens-Downscaled.",
+        ),
+    ] = False,
+    max_body_bytes: Annotated[
+        int, typer.Option("--max-body-bytes", envvar="MAX_BODY_BYTES", help="Larger request bodies get 413.")
+    ] = 4 * 1024 * 1024,
+    served_model_name: Annotated[
+        Optional[str],
+        typer.Option(
+            "--served-model-name",
+            help="Model id in /v1/models and responses (default: the engine's). 'default' is always accepted too.",
+        ),
+    ] = None,
+    warm_prefixes: Annotated[
+        Optional[str],
+        typer.Option(
+            "--warm-prefixes",
+            envvar="WARM_PREFIXES",
+            help="'|'-separated prompt prefixes prefilled into the radix cache at start, in the background.",
+        ),
+    ] = None,
+    scheduler_mode: Annotated[
+        str,
+        typer.Option(
+            "--scheduler-mode",
+            envvar="SCHEDULER_MODE",
+            help="Routing across engines: rr, fsfs, random, cache_aware. With one engine all are equivalent.",
+        ),
+    ] = "rr",
+    zmq_control: Annotated[
+        bool,
+        typer.Option(
+            "--zmq-control/--no-zmq-control",
+            envvar="ZMQ_CONTROL",
+            help="Serve a ZMQ REP control channel (commands: ping, metrics, warm <prefix>).",
+        ),
+    ] = False,
+    zmq_control_endpoint: Annotated[
+        str,
+        typer.Option("--zmq-control-endpoint", envvar="ZMQ_CONTROL_ENDPOINT", help="Where the control channel binds."),
+    ] = "tcp://127.0.0.1:5557",
+    image_model_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--image-model-dir", envvar="Z_IMAGE_MODEL_DIR", help="Diffusers pipeline dir for /v1/images/generations."
+        ),
+    ] = None,
+    video_model_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--video-model-dir",
+            envvar="MINISGL_VIDEO_MODEL_DIR",
+            help="Diffusers pipeline dir for /v1/videos/generations.",
+        ),
+    ] = None,
     *,
     opts: c.EngineOptions,  # the engine options (c.ALL) go here in --help
     verbose: c.Verbose = False,

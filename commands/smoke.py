@@ -16,7 +16,9 @@ app = typer.Typer()
 def smoke(
     prompt: Annotated[str, typer.Argument(help="Prompt (sent as one user chat message).")] = "Hello from mini-sglang",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")] = 32,
-    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as plain text, without the chat template.")] = False,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Send the prompt as plain text, without the chat template.")
+    ] = False,
     temperature: Annotated[float, typer.Option("--temperature", "-t")] = 0.0,
     *,
     opts: c.EngineOptions,  # the model options (c.MODEL) go here in --help

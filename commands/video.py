@@ -30,7 +30,9 @@ def video(
     seed: Annotated[Optional[int], typer.Option(help="Seed; same seed, same frames. Random if unset.")] = None,
     negative_prompt: Annotated[Optional[str], typer.Option(help="What to avoid (used when CFG is on).")] = None,
     format: Annotated[VideoFormat, typer.Option("--format", help="mp4 file or a dir of PNG frames.")] = VideoFormat.mp4,
-    model: Annotated[str, typer.Option(envvar="MINISGL_VIDEO_MODEL", help="Hub repo id or local pipeline dir.")] = DEFAULT_VIDEO_MODEL,
+    model: Annotated[
+        str, typer.Option(envvar="MINISGL_VIDEO_MODEL", help="Hub repo id or local pipeline dir.")
+    ] = DEFAULT_VIDEO_MODEL,
     model_dir: Annotated[
         Optional[Path],
         typer.Option(
@@ -39,7 +41,9 @@ def video(
             "[default: ~/.cache/mini-sglang/<repo name>]",
         ),
     ] = None,
-    device: Annotated[str, typer.Option(envvar="MINISGL_DEVICE", help="auto (mps, cuda, cpu), mps, cuda[:N], cpu.")] = "auto",
+    device: Annotated[
+        str, typer.Option(envvar="MINISGL_DEVICE", help="auto (mps, cuda, cpu), mps, cuda[:N], cpu.")
+    ] = "auto",
     output_dir: Annotated[Path, typer.Option(envvar="MINISGL_OUTPUT_DIR", help="Where videos go.")] = Path("outputs"),
     cpu_offload: Annotated[bool, typer.Option(help="Keep idle sub-models on the CPU (CUDA only).")] = False,
 ) -> None:

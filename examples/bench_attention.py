@@ -11,6 +11,7 @@ read faster than HBM; the large ones are the honest figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import math
 
@@ -88,9 +89,9 @@ def sweep_extend(page_size: int) -> None:
         ms_torch = time_backend("torch", pool, batch, q, k, v, heads, graph=False)
         cells = [f"torch {ms_torch:.3f} ({flops / ms_torch / 1e9:.0f})"]
         for cfg in EXTEND_CONFIGS:
-            fn = lambda: tk.extend_attention(  # noqa: E731
-                q, pool.k[0], pool.v[0], pool.page_table, batch.req_slots, batch.seq_lens, batch.qo_indptr,
-                max(ext), 1.0 / math.sqrt(heads[2]), config=cfg,
+            fn = functools.partial(
+                tk.extend_attention, q, pool.k[0], pool.v[0], pool.page_table, batch.req_slots, batch.seq_lens,
+                batch.qo_indptr, max(ext), 1.0 / math.sqrt(heads[2]), config=cfg,
             )
             try:
                 fn()
@@ -131,9 +132,9 @@ def sweep_decode(page_size: int) -> None:
         out = torch.empty_like(q)
         cells = []
         for cfg in DECODE_CONFIGS:
-            fn = lambda: tk.decode_attention(  # noqa: E731
-                q, pool.k[0], pool.v[0], pool.page_table, batch.req_slots, batch.seq_lens, 1.0 / math.sqrt(d),
-                splits, mid_o, mid_lse, out, config=cfg,
+            fn = functools.partial(
+                tk.decode_attention, q, pool.k[0], pool.v[0], pool.page_table, batch.req_slots, batch.seq_lens,
+                1.0 / math.sqrt(d), splits, mid_o, mid_lse, out, config=cfg,
             )
             try:
                 fn()
@@ -143,8 +144,11 @@ def sweep_decode(page_size: int) -> None:
                 print(f"  {cfg} failed: {type(exc).__name__}")
         cells.sort(reverse=True)
         default = next((c for c in cells if c[1] == (tk.decode_block_n(d), 4, 2)), None)
-        print(f"{label} (splits {splits}, KV {kv_bytes / 1e6:.0f} MB): default {default[0]:.0f} GB/s {default[2] * 1e3:.1f} us; best: "
-              + ", ".join(f"{c[1]} {c[0]:.0f} GB/s {c[2] * 1e3:.1f} us" for c in cells[:5]))
+        print(
+            f"{label} (splits {splits}, KV {kv_bytes / 1e6:.0f} MB): "
+            f"default {default[0]:.0f} GB/s {default[2] * 1e3:.1f} us; best: "
+            + ", ".join(f"{c[1]} {c[0]:.0f} GB/s {c[2] * 1e3:.1f} us" for c in cells[:5])
+        )
         del pool, batch, q, k, v
         torch.cuda.empty_cache()
 

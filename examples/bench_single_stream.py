@@ -21,7 +21,10 @@ import torch
 
 def startup_s(cache_dir: str) -> float:
     """Wall time of a fresh process building the engine (imports included)."""
-    code = "from minisgl_cli.engine.engine import Engine; from minisgl_cli.engine.config import EngineConfig; Engine(EngineConfig())"
+    code = (
+        "from minisgl_cli.engine.engine import Engine; from minisgl_cli.engine.config import EngineConfig; "
+        "Engine(EngineConfig())"
+    )
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "MINISGL_CACHE_DIR": cache_dir})
     return time.perf_counter() - t0

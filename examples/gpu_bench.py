@@ -32,8 +32,8 @@ from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.loader.configs import builtin_config
-from minisgl_cli.scheduler import overlap as overlap_mod
 from minisgl_cli.messages import AddRequest
+from minisgl_cli.scheduler import overlap as overlap_mod
 from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
 from minisgl_cli.types import SamplingParams
 
@@ -174,8 +174,11 @@ def make_engine(name: str, **kw) -> Engine:
                        max_total_tokens=300_000, attention_backend=BACKEND[0], **kw)
     t0 = time.perf_counter()
     e = Engine(cfg)
-    print(f"[{name}] engine up in {time.perf_counter() - t0:.1f}s (backend: {e.attn.name}, graphs: {e.graphs is not None})",
-          flush=True)
+    print(
+        f"[{name}] engine up in {time.perf_counter() - t0:.1f}s "
+        f"(backend: {e.attn.name}, graphs: {e.graphs is not None})",
+        flush=True,
+    )
     return e
 
 
@@ -203,10 +206,20 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
         run_requests(engine, prompt, [16], overlap=ovl)
         st = run_requests(engine, prompt, [512], overlap=ovl)
         tps = (st.tokens - 1) / (st.last_tok - st.first_tok)
-        row(model=tag, workload="batch-1 decode", engine="minisgl", backend=engine.attn.name, graphs=graphs, overlap=ovl,
-            fused=engine.kernels.fused, pdl=engine.kernels.pdl, tok_s=round(tps, 1), step_ms=round(1e3 / tps, 3),
+        row(
+            model=tag,
+            workload="batch-1 decode",
+            engine="minisgl",
+            backend=engine.attn.name,
+            graphs=graphs,
+            overlap=ovl,
+            fused=engine.kernels.fused,
+            pdl=engine.kernels.pdl,
+            tok_s=round(tps, 1),
+            step_ms=round(1e3 / tps, 3),
             cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
-            split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()})
+            split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()},
+        )
         if profile and graphs and ovl:  # where a batch-1 step's GPU time goes
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 run_requests(engine, prompt, [9], overlap=ovl)
@@ -217,13 +230,26 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
         prompts, outs = preset()
         for graphs, ovl in preset_variants:
             with_graphs(engine, graphs, saved)
-            st = run_requests(engine, prompts, outs, overlap=ovl, profile_steps=3 if (profile and graphs and ovl) else 0)
+            st = run_requests(
+                engine, prompts, outs, overlap=ovl, profile_steps=3 if (profile and graphs and ovl) else 0
+            )
             assert st.tokens == sum(outs), (st.tokens, sum(outs))
-            row(model=tag, workload="nano-vllm preset", engine="minisgl", backend=engine.attn.name, graphs=graphs, overlap=ovl,
-                fused=engine.kernels.fused, tok_s=round(st.tokens / st.wall, 1), wall_s=round(st.wall, 2),
-                prefill_phase_s=round(st.all_started, 2), steps=st.steps, wait_s=round(st.wait, 2),
+            row(
+                model=tag,
+                workload="nano-vllm preset",
+                engine="minisgl",
+                backend=engine.attn.name,
+                graphs=graphs,
+                overlap=ovl,
+                fused=engine.kernels.fused,
+                tok_s=round(st.tokens / st.wall, 1),
+                wall_s=round(st.wall, 2),
+                prefill_phase_s=round(st.all_started, 2),
+                steps=st.steps,
+                wait_s=round(st.wait, 2),
                 cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
-                split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()})
+                split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()},
+            )
             with_graphs(engine, True, saved)
 
 
@@ -309,9 +335,15 @@ def bench_ops() -> None:
                 return rope(pos, q, k)
 
             r_t, qkv_t = r.clone(), qkv.clone()  # the fused kernels work in place: time them on copies
-            cases["add+rmsnorm"] = (lambda: norm.forward_residual(x, r), lambda: T.rmsnorm(x, norm.weight, 1e-6, residual=r_t))
+            cases["add+rmsnorm"] = (
+                lambda: norm.forward_residual(x, r),
+                lambda: T.rmsnorm(x, norm.weight, 1e-6, residual=r_t),
+            )
             cases["silu_and_mul"] = (lambda: silu_and_mul(gu, plain), lambda: T.silu_and_mul(gu))
-            cases["qk_norm+rope"] = (torch_qk, lambda: T.qk_norm_rope_(qkv_t, pos, rope.cos, rope.sin, heads, kv, d, qn.weight, qn.weight, 1e-6))
+            cases["qk_norm+rope"] = (
+                torch_qk,
+                lambda: T.qk_norm_rope_(qkv_t, pos, rope.cos, rope.sin, heads, kv, d, qn.weight, qn.weight, 1e-6),
+            )
             # correctness vs the torch path
             a = norm.forward_residual(x, r)[0]
             b = T.rmsnorm(x, norm.weight, 1e-6, residual=r.clone())
@@ -320,8 +352,10 @@ def bench_ops() -> None:
             q_t, k_t = torch_qk()
             qkv2 = qkv.clone()
             T.qk_norm_rope_(qkv2, pos, rope.cos, rope.sin, heads, kv, d, qn.weight, qn.weight, 1e-6)
-            err_qk = max((q_t.reshape(tokens, -1).float() - qkv2[:, : heads * d].float()).abs().max().item(),
-                         (k_t.reshape(tokens, -1).float() - qkv2[:, heads * d:(heads + kv) * d].float()).abs().max().item())
+            err_qk = max(
+                (q_t.reshape(tokens, -1).float() - qkv2[:, : heads * d].float()).abs().max().item(),
+                (k_t.reshape(tokens, -1).float() - qkv2[:, heads * d : (heads + kv) * d].float()).abs().max().item(),
+            )
             errs = {"add+rmsnorm": err_norm, "silu_and_mul": err_silu, "qk_norm+rope": err_qk}
             for op, (ref, fast) in cases.items():
                 t_ref = triton.testing.do_bench(ref, warmup=10, rep=40, return_mode="median") * 1e3
@@ -472,8 +506,11 @@ def main() -> None:
     print("\n==== summary (" + torch.cuda.get_device_name() + ") ====")
     for r in ROWS:
         if r.get("workload") == "gemv":
-            print(f"gemv {r['model']:<13} {r['op']:<8} cublas {r['cublas_us']:>8.1f}us {r['cublas_tbs']:.2f}TB/s  "
-                  f"triton {r['triton_us']:>8.1f}us {r['triton_tbs']:.2f}TB/s {r['picked']}  best {r['best_us']} {r['best_cfg']}")
+            print(
+                f"gemv {r['model']:<13} {r['op']:<8} cublas {r['cublas_us']:>8.1f}us {r['cublas_tbs']:.2f}TB/s  "
+                f"triton {r['triton_us']:>8.1f}us {r['triton_tbs']:.2f}TB/s {r['picked']}  "
+                f"best {r['best_us']} {r['best_cfg']}"
+            )
         elif r.get("workload") == "op":
             print(f"op {r['op']:<13} T={r['tokens']:<5} h={r['hidden']:<5} torch {r['torch_us']:>8.1f}us "
                   f"triton {r['triton_us']:>8.1f}us x{r['speedup']:<5} err {r['max_abs_err']:.3g}")

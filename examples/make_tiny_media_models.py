@@ -139,7 +139,9 @@ def build_tiny_wan(out_dir: Path) -> Path:
         base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
     )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0)
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer)
+    pipe = WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+    )
     pipe.save_pretrained(out_dir)
     return out_dir
 

@@ -23,13 +23,29 @@ from typing import Any, Protocol
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.messages import (
-    AbortRequest, AddRequest, CheckPagesQuery, CheckPagesReply, FromScheduler, StatsQuery, StatsReply, StepOutput,
-    TokenOutput, ToScheduler,
+    AbortRequest,
+    AddRequest,
+    CheckPagesQuery,
+    CheckPagesReply,
+    DecodedPiece,
+    FromScheduler,
+    StatsQuery,
+    StatsReply,
+    StepOutput,
+    TokenOutput,
+    ToScheduler,
 )
 from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, prompt_ids
 from minisgl_cli.types import (
-    Completion, Delta, GenerateRequest, ModelInfo, RequestStats, SamplingParams, SchedulerStats, new_request_id,
+    Completion,
+    Delta,
+    GenerateRequest,
+    ModelInfo,
+    RequestStats,
+    SamplingParams,
+    SchedulerStats,
+    new_request_id,
 )
 
 log = logging.getLogger("minisgl.client")

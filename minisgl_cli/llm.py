@@ -48,7 +48,7 @@ class LLM:
     def close(self) -> None:
         self.client.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

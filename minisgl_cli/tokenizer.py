@@ -24,7 +24,11 @@ class Tokenizer:
         try:
             self.hf = AutoTokenizer.from_pretrained(str(model_dir))
         except Exception as exc:
-            raise ModelLoadError(f"tokenizer unreadable ({type(exc).__name__}: {exc})", model_dir, "tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+            raise ModelLoadError(
+                f"tokenizer unreadable ({type(exc).__name__}: {exc})",
+                model_dir,
+                "tokenizer files (tokenizer.json, tokenizer_config.json)",
+            ) from None
         self.eos_token_ids = self._eos_ids(Path(model_dir))
         self.vocab_size = len(self.hf)
 

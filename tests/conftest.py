@@ -12,6 +12,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# Fixtures of the server and media tests, shared by every module that names them.
+pytest_plugins = ["server_fixtures", "media_fixtures"]
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:

@@ -109,7 +109,7 @@ EXTEND_CASES = [(0, 1), (0, 77), (100, 1), (13, 64), (500, 300), (0, 1024), (400
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("heads", HEAD_SHAPES, ids=lambda s: "h%d_kv%d_d%d" % s)
+@pytest.mark.parametrize("heads", HEAD_SHAPES, ids=lambda s: "h{}_kv{}_d{}".format(*s))
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_decode_matches_reference(backend, heads, page_size, dtype):
@@ -143,7 +143,7 @@ def test_triton_decode_big_batch(splits):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("heads", HEAD_SHAPES, ids=lambda s: "h%d_kv%d_d%d" % s)
+@pytest.mark.parametrize("heads", HEAD_SHAPES, ids=lambda s: "h{}_kv{}_d{}".format(*s))
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_extend_matches_reference(backend, heads, page_size, dtype):
@@ -197,8 +197,9 @@ def test_decode_cuda_graph_replay(backend):
             "decode", [0] * n, batch1.req_slots[sel].tolist(), [batch1.seq_lens_cpu[i] - 1 for i in sel], [1] * n,
             batch1.out_cache_loc[sel], "cuda", HostBuffers(),
         )
-        qs.zero_(); ks.zero_(); vs.zero_()
-        qs[:n].copy_(q1[sel]); ks[:n].copy_(k1[sel]); vs[:n].copy_(v1[sel])
+        for buf, src in ((qs, q1), (ks, k1), (vs, v1)):
+            buf.zero_()
+            buf[:n].copy_(src[sel])
         static.out_cache_loc.zero_()  # padding rows write to the scratch page
         static.out_cache_loc[:n].copy_(sub.out_cache_loc)
         be.prepare_for_replay(sub, bs)
@@ -210,7 +211,9 @@ def test_decode_cuda_graph_replay(backend):
 
 # --- CPU: backend selection and a cheap sanity check of the torch backend ---------------------------
 def _tiny_pool(device: str = "cpu") -> KVPool:
-    return KVPool(KVShape(1, 2, 16, torch.float32), num_pages=16, page_size=4, max_reqs=2, max_context_len=40, device=device)
+    return KVPool(
+        KVShape(1, 2, 16, torch.float32), num_pages=16, page_size=4, max_reqs=2, max_context_len=40, device=device
+    )
 
 
 def test_create_backend_auto_is_torch_on_cpu():

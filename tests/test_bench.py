@@ -12,9 +12,9 @@ import time
 import pytest
 from typer.testing import CliRunner
 
+from minisgl_cli.bench import workloads as wl
 from minisgl_cli.bench.metrics import RequestTiming, compute_metrics, distribution, percentile
 from minisgl_cli.bench.report import BenchReport, BenchResult, comparison_line, summary_line, summary_lines
-from minisgl_cli.bench import workloads as wl
 
 SUMMARY = r"Streaming chat summary: throughput=\d+\.\d{2} tok/s, duration=\d+\.\d{3}s"
 BASELINE = r"Baseline HF streaming chat summary: throughput=\d+\.\d{2} tok/s, duration=\d+\.\d{3}s"
@@ -119,7 +119,10 @@ def test_random_nano_vllm_and_shared_prefix():
     r = wl.random_case(_Tok(), 50, num_prompts=20, input_len=30, output_len=10, range_ratio=0.5, seed=1)
     assert all(15 <= q.prompt_tokens <= 30 and 5 <= q.max_new_tokens <= 10 and q.ignore_eos for q in r.requests)
     assert all(0 not in q.input_ids for q in r.requests)  # special ids avoided
-    assert wl.random_case(_Tok(), 50, num_prompts=3, input_len=8, output_len=2, range_ratio=1.0).requests[0].prompt_tokens == 8
+    assert (
+        wl.random_case(_Tok(), 50, num_prompts=3, input_len=8, output_len=2, range_ratio=1.0).requests[0].prompt_tokens
+        == 8
+    )
     n1, n2 = wl.nano_vllm_case(32000), wl.nano_vllm_case(32000)
     assert len(n1.requests) == 256 and [q.input_ids for q in n1.requests] == [q.input_ids for q in n2.requests]
     assert all(100 <= q.prompt_tokens <= 1024 and 100 <= q.max_new_tokens <= 1024 and q.ignore_eos for q in n1.requests)

@@ -85,7 +85,9 @@ def test_save_markdown_and_json(tmp_path):
 
 
 def test_status_line_and_log_panel():
-    st = RequestStats(prompt_tokens=80, cached_tokens=60, completion_tokens=11, ttft_s=0.2, prefill_s=0.2, latency_s=1.2)
+    st = RequestStats(
+        prompt_tokens=80, cached_tokens=60, completion_tokens=11, ttft_s=0.2, prefill_s=0.2, latency_s=1.2
+    )
     line = status_line(st, "length")
     for part in ("prompt 80 tok", "cached 60 (75% radix hit)", "prefill 200 ms", "TTFT 200 ms", "decode 10.0 tok/s",
                  "finish length"):

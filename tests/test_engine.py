@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minisgl_cli import LLM, SamplingParams
+from minisgl_cli.client import complete
 from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
@@ -15,7 +16,6 @@ from minisgl_cli.loader.configs import BUILTIN_CONFIGS
 from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.models import ModelConfig
 from minisgl_cli.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from minisgl_cli.client import complete
 from minisgl_cli.types import GenerateRequest
 
 

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # model hubs are unreachable: fail fast instead of timing out
@@ -19,7 +18,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
-from media_fixtures import REPO, live_server, tiny_models  # noqa: E402,F401  (fixtures)
+from media_fixtures import REPO  # noqa: E402
 
 pytest.importorskip("diffusers")
 imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg")
@@ -57,7 +56,9 @@ def mp4_frames(data: bytes, tmp_path: Path) -> list[np.ndarray]:
 
 
 def test_image_cli_size_and_count(tiny_models, tmp_path):
-    paths = image_cli(tiny_models["z-image"], tmp_path, "--height", "64", "--width", "32", "--num-images", "2", "--seed", "7")
+    paths = image_cli(
+        tiny_models["z-image"], tmp_path, "--height", "64", "--width", "32", "--num-images", "2", "--seed", "7"
+    )
     assert len(paths) == 2 and all(p.suffix == ".png" and p.is_file() for p in paths)
     for p in paths:
         im = Image.open(p)
@@ -198,7 +199,19 @@ def test_image_cli_cuda_only_options_fail_clearly_on_cpu(tiny_models, tmp_path):
         pytest.skip("checks the CPU-only error path")
     for flag in (["--cpu-offload"], ["--attention-backend", "flash2"]):
         result = runner.invoke(
-            app, ["image", "--model-dir", str(tiny_models["z-image"]), "--device", "cpu", "--height", "32", "--width", "32", *flag]
+            app,
+            [
+                "image",
+                "--model-dir",
+                str(tiny_models["z-image"]),
+                "--device",
+                "cpu",
+                "--height",
+                "32",
+                "--width",
+                "32",
+                *flag,
+            ],
         )
         assert result.exit_code == 1 and "needs" in result.stderr and "CUDA" in result.stderr, result.stderr
 

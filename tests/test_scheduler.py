@@ -95,7 +95,9 @@ def test_prompt_over_context_limit_is_an_error_and_others_go_on(tiny_model_dirs)
 
         async def go():
             first = [d async for d in llm.client.submit(too_long)]
-            ok = await complete(llm.client, GenerateRequest(input_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=4)))
+            ok = await complete(
+                llm.client, GenerateRequest(input_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=4))
+            )
             return first, ok
 
         first, ok = asyncio.run(go())
@@ -133,9 +135,13 @@ def test_running_request_shares_its_prompt_before_it_finishes(tiny_model_dirs, p
     system = list(range(300, 402))  # a shared "system prompt" of 102 tokens
 
     async def go(llm: LLM):
-        first = llm.client.submit(GenerateRequest(input_ids=system + [7], params=SamplingParams(max_new_tokens=40, ignore_eos=True)))
+        first = llm.client.submit(
+            GenerateRequest(input_ids=system + [7], params=SamplingParams(max_new_tokens=40, ignore_eos=True))
+        )
         await first.__anext__()  # A is prefilled and decoding
-        b = await complete(llm.client, GenerateRequest(input_ids=system + [8, 9], params=SamplingParams(max_new_tokens=2)))
+        b = await complete(
+            llm.client, GenerateRequest(input_ids=system + [8, 9], params=SamplingParams(max_new_tokens=2))
+        )
         rest = [d async for d in first]
         return b, rest[-1]
 

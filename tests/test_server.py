@@ -8,15 +8,14 @@ import re
 
 import httpx
 import pytest
-
-from server_fixtures import API_KEY, auth_url, capped_url, engine_client, server_url, wait_idle  # noqa: F401
+from server_fixtures import API_KEY, wait_idle
 
 openai = pytest.importorskip("openai")
 
 HI = [{"role": "user", "content": "hi"}]
 
 
-def oai(url: str, key: str = "none") -> "openai.OpenAI":
+def oai(url: str, key: str = "none") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
@@ -277,13 +276,21 @@ def test_gpu_engine_flags_reach_the_engine_config(command):
     from minisgl_cli.app import app
 
     out = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
-    for flag in ("--cuda-graph-max-bs", "--disable-cuda-graph", "--disable-overlap", "--attention-backend", "--mem-fraction"):
+    for flag in (
+        "--cuda-graph-max-bs",
+        "--disable-cuda-graph",
+        "--disable-overlap",
+        "--attention-backend",
+        "--mem-fraction",
+    ):
         assert flag in out, flag
     for flag in ("--cuda-graph-max-bs", "--page-size", "--max-running-requests", "--max-prefill-tokens",
                  "--mem-fraction"):
         bad = CliRunner().invoke(app, [command, flag, "0"], env={"COLUMNS": "200"})
         assert bad.exit_code == 2 and flag in bad.output, (flag, bad.output)
-    cfg = EngineOptions.from_params(dict(cuda_graph_max_bs=48, disable_cuda_graph=True, attention_backend="triton")).engine
+    cfg = EngineOptions.from_params(
+        dict(cuda_graph_max_bs=48, disable_cuda_graph=True, attention_backend="triton")
+    ).engine
     assert (cfg.cuda_graph_max_bs, cfg.disable_cuda_graph, cfg.attention_backend) == (48, True, "triton")
 
 

@@ -6,8 +6,7 @@ import socket
 
 import httpx
 import pytest
-
-from server_fixtures import API_KEY, auth_url, engine_client, server_url  # noqa: F401
+from server_fixtures import API_KEY
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]

@@ -11,8 +11,7 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
-
-from server_fixtures import engine_client, server_url, wait_idle  # noqa: E402,F401
+from server_fixtures import wait_idle  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,7 @@ import time
 
 import httpx
 import pytest
-
-from server_fixtures import engine_client, server_url, wait_idle  # noqa: F401
+from server_fixtures import wait_idle
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,8 @@ class AttentionBackend(ABC):
 
     `prepare` runs once per step before the model forward (it may build index tensors into
     `batch.attn_meta`); `forward` runs once per layer: it writes this step's K/V into the pool at
-    `batch.out_cache_loc` (unless a fused RoPE kernel already did) and returns attention over each request's whole sequence (causal for extend).
+    `batch.out_cache_loc` (unless a fused RoPE kernel already did) and returns attention over each request's
+    whole sequence (causal for extend).
     """
 
     name: str = "base"

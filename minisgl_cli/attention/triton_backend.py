@@ -1,4 +1,4 @@
-"""The Triton attention backend: our own paged kernels (split-K decode, causal extend, fused KV store), CUDA-graph ready."""
+"""The Triton attention backend: our own paged kernels (split-K decode, causal extend, fused KV store), graph-ready."""
 
 from __future__ import annotations
 

@@ -88,8 +88,12 @@ class HFStreamRunner(_OneAtATime):
         def generate() -> None:
             try:
                 with torch.inference_mode():
-                    box["out"] = hf.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=streamer,
-                                                   **hf.gen_kwargs(req.max_new_tokens, req.ignore_eos))
+                    box["out"] = hf.model.generate(
+                        input_ids=ids,
+                        attention_mask=torch.ones_like(ids),
+                        streamer=streamer,
+                        **hf.gen_kwargs(req.max_new_tokens, req.ignore_eos),
+                    )
             except Exception as exc:  # surface it to the consumer, and unblock the streamer
                 box["error"] = exc
                 streamer.end()
@@ -152,7 +156,11 @@ class HFBatchedRunner:
             gen = out[i, width:].tolist()[: r.max_new_tokens]
             # Count up to and including the first EOS, like the engine (rows after EOS are padding).
             n = next((k + 1 for k, t in enumerate(gen) if t in hf.eos_ids and not r.ignore_eos), len(gen))
-            timings.append(RequestTiming(r.prompt_tokens, n, latency_s=dt, text=hf.tokenizer.decode(gen[:n], skip_special_tokens=True)))
+            timings.append(
+                RequestTiming(
+                    r.prompt_tokens, n, latency_s=dt, text=hf.tokenizer.decode(gen[:n], skip_special_tokens=True)
+                )
+            )
         return timings
 
     def warmup(self, requests: list[BenchRequest]) -> None:

@@ -128,7 +128,9 @@ class OnlineRunner:
             return len(self.tokenizer.encode(timing.text, add_special_tokens=False))
         return len(timing.chunk_times_s)  # without usage or tokenizer: one token per chunk
 
-    async def _run(self, requests: list[BenchRequest], max_concurrency: int | None, on_done: OnDone) -> list[RequestTiming]:
+    async def _run(
+        self, requests: list[BenchRequest], max_concurrency: int | None, on_done: OnDone
+    ) -> list[RequestTiming]:
         rng = random.Random(self.seed)
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1)

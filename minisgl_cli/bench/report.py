@@ -89,7 +89,9 @@ def summary_lines(report: BenchReport) -> list[str]:
         Baseline HF streaming chat summary: throughput=17.69 tok/s, duration=21.825s
         Comparison: streaming faster by 11.438s with x2.10 throughput
     """
-    engines = [e for e in dict.fromkeys(r.engine for r in report.results) if e not in ("hf-stream", "hf-batched", "llama-cpp")]
+    engines = [
+        e for e in dict.fromkeys(r.engine for r in report.results) if e not in ("hf-stream", "hf-batched", "llama-cpp")
+    ]
     hf = [r for r in report.results if r.engine == "hf-stream"]
     levels = list(dict.fromkeys(r.concurrency for r in report.results if r.engine in engines))
     lines: list[str] = []
@@ -165,7 +167,10 @@ def write_plot(report: BenchReport, path: str | Path) -> None:
     width = 0.8 / max(1, len(series))
     panels = [
         ("output throughput (tok/s)", lambda m: (m.output_throughput, None)),
-        ("TTFT ms (bar p50, tick p99)", lambda m: (m.ttft_ms.median, m.ttft_ms.p99) if m.ttft_ms.count else (0.0, None)),
+        (
+            "TTFT ms (bar p50, tick p99)",
+            lambda m: (m.ttft_ms.median, m.ttft_ms.p99) if m.ttft_ms.count else (0.0, None),
+        ),
         ("E2E latency ms (bar p50, tick p99)", lambda m: (m.e2e_latency_ms.median, m.e2e_latency_ms.p99)),
     ]
     for ax, (title, pick) in zip(axes, panels):

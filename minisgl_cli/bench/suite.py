@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import math
 import platform
 from collections.abc import Callable
@@ -60,7 +61,9 @@ class BenchConfig:
             raise ValueError("--repeat must be >= 1 and --warmup >= 0")
 
 
-def build_levels(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool, levels: list[int]) -> list[list[wl.Case]]:
+def build_levels(
+    cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool, levels: list[int]
+) -> list[list[wl.Case]]:
     """The cases for each concurrency level. The reference suite reuses one request set (it repeats prompts on
     purpose); the other workloads draw fresh prompts per level (seed + level index), so a level does not hit
     the prefix cache filled by the level before it."""
@@ -77,8 +80,17 @@ def build_cases(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool)
         return [wl.random_case(tokenizer, vocab_size, num_prompts=cfg.num_prompts or 64, input_len=cfg.input_len,
                                output_len=cfg.output_len, range_ratio=cfg.range_ratio, seed=cfg.seed)]
     if cfg.dataset == "shared-prefix":
-        return [wl.shared_prefix_case(tokenizer, vocab_size, num_prompts=cfg.num_prompts or 32, prefix_len=cfg.prefix_len,
-                                      question_len=cfg.question_len, output_len=cfg.max_new_tokens or 16, seed=cfg.seed)]
+        return [
+            wl.shared_prefix_case(
+                tokenizer,
+                vocab_size,
+                num_prompts=cfg.num_prompts or 32,
+                prefix_len=cfg.prefix_len,
+                question_len=cfg.question_len,
+                output_len=cfg.max_new_tokens or 16,
+                seed=cfg.seed,
+            )
+        ]
     # The reference suite sends num_prompts x repeat requests per case; one request set for every level.
     return wl.reference_cases(tokenizer, vocab_size, num_prompts=cfg.num_prompts or max(cfg.concurrency),
                               repeat=cfg.repeat, mixed_prompts=cfg.mixed_prompts, on_gpu=on_gpu,
@@ -112,12 +124,16 @@ class Bench:
                 if case.prime:
                     runner.warmup(case.prime)
                 task = progress.add_task(f"{runner.name} {case.name} c={c}", total=len(case.requests))
-                out = runner.run(case, c, lambda: progress.advance(task))
+                out = runner.run(case, c, functools.partial(progress.advance, task))
                 metrics = compute_metrics(out.timings, out.duration_s)
-                self.report.results.append(BenchResult(runner.name, case.name, c, len(case.requests), metrics, case.params))
+                self.report.results.append(
+                    BenchResult(runner.name, case.name, c, len(case.requests), metrics, case.params)
+                )
                 errors = {t.error for t in out.timings if not t.success}
                 if errors:
-                    self.note(f"{runner.name} {case.name} c={c}: {metrics.failed} request(s) failed: {sorted(errors)[0]}")
+                    self.note(
+                        f"{runner.name} {case.name} c={c}: {metrics.failed} request(s) failed: {sorted(errors)[0]}"
+                    )
 
 
 def _meta(cfg: BenchConfig, **extra: Any) -> dict[str, Any]:

@@ -57,7 +57,7 @@ class ForwardBatch:
         device: torch.device | str,
         host: HostBuffers,
         positions: list[int] | None = None,
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """Derive positions and offsets on the host, then move them in two copies (int64, int32 fields).
 
         On CUDA the copies go through `host` (the engine's pinned buffers) asynchronously, so building the

@@ -19,10 +19,10 @@ from minisgl_cli.engine.sampler import SamplingRow, sample
 from minisgl_cli.kvcache.pool import KVPool, KVShape
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.loader.configs import builtin_config
-from minisgl_cli.models.dummy import dummy_checkpoint
 from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.loader.hf import iter_safetensors, read_hf_config
 from minisgl_cli.models import ModelConfig, create_model
+from minisgl_cli.models.dummy import dummy_checkpoint
 
 log = logging.getLogger("minisgl.engine")
 
@@ -68,7 +68,9 @@ class Engine:
         try:
             self.model_cfg = ModelConfig.from_hf(hf_cfg)
         except (KeyError, ValueError) as exc:
-            raise ModelLoadError(f"model config not usable ({exc})", model_dir or name, "a Llama, Qwen2 or Qwen3 config") from None
+            raise ModelLoadError(
+                f"model config not usable ({exc})", model_dir or name, "a Llama, Qwen2 or Qwen3 config"
+            ) from None
         mc = self.model_cfg
 
         # Allocate parameters straight on the device in the engine dtype (no fp32 CPU copy of an 8B model).
@@ -92,7 +94,9 @@ class Engine:
         widest = max(mc.heads_of(r, tp.size).n_kv for r in range(tp.size))
         num_pages = min_over_ranks(self._kv_pages(KVShape(mc.num_layers, widest, mc.head_dim, self.dtype)), tp)
         capacity = num_pages * cfg.page_size
-        self.max_context_len = min(cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings, capacity)
+        self.max_context_len = min(
+            cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings, capacity
+        )
         self.pool = KVPool(shape, num_pages, cfg.page_size, cfg.max_running_requests, self.max_context_len, self.device)
         self.attn = create_backend(
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,

@@ -21,12 +21,12 @@ _clock = itertools.count()
 class RadixNode:
     key: list[int] = field(default_factory=list)
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    parent: "RadixNode | None" = None
+    parent: RadixNode | None = None
     children: dict = field(default_factory=dict)
     lock_ref: int = 0
     last_used: int = 0
 
-    def __lt__(self, other: "RadixNode") -> bool:
+    def __lt__(self, other: RadixNode) -> bool:
         return self.last_used < other.last_used
 
 

@@ -62,7 +62,11 @@ def pick_config(n: int, k: int, act_mul: bool = False) -> tuple[int, int, int]:
     """
     if k >= 4096:
         return (4 if act_mul else 1), 512, 4
-    return (1 if n <= 1024 and not act_mul else 2), min(1024, triton.next_power_of_2(k)), (8 if act_mul or n <= 1024 else 4)
+    return (
+        (1 if n <= 1024 and not act_mul else 2),
+        min(1024, triton.next_power_of_2(k)),
+        (8 if act_mul or n <= 1024 else 4),
+    )
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act_mul: bool = False,

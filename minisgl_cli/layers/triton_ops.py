@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from minisgl_cli.layers.pdl import pdl_kwargs

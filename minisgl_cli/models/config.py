@@ -38,7 +38,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
 
-    def heads_of(self, rank: int, tp_size: int) -> "HeadSplit":
+    def heads_of(self, rank: int, tp_size: int) -> HeadSplit:
         """Rank `rank`'s attention heads under TP: whole GQA groups, as even as the counts allow.
 
         With at least as many KV heads as ranks each rank takes a contiguous run of KV heads (some may
@@ -57,7 +57,7 @@ class ModelConfig:
         return HeadSplit(rank * n_q, n_q, rank * n_q // group, 1)
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cfg: dict[str, Any]) -> ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; minisgl runs {', '.join(ARCHITECTURES)}")
@@ -65,7 +65,9 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope_params = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+        scaling = cfg.get("rope_scaling") or (
+            rope_params if rope_params.get("rope_type", "default") != "default" else None
+        )
         return ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],

@@ -243,7 +243,9 @@ class ChatApp:
         self.view.stats(self.client.stats(), self.client.info.page_size, rows)
 
 
-def load_engine(view: ChatView, model: str | None, load_format: str, make_client: Callable[[], EngineClient]) -> EngineClient:
+def load_engine(
+    view: ChatView, model: str | None, load_format: str, make_client: Callable[[], EngineClient]
+) -> EngineClient:
     """Load the engine step by step under a spinner that names each step. ModelLoadError propagates."""
     if load_format != "dummy":
         from minisgl_cli.loader.resolve import resolve_model

@@ -128,7 +128,9 @@ class ChatSession:
     def _system(self, arg: str) -> Action:
         if not arg:
             current = self.settings.system
-            return Action("reply", f"system prompt: {current!r}" if current else "no system prompt (the model's default applies)")
+            return Action(
+                "reply", f"system prompt: {current!r}" if current else "no system prompt (the model's default applies)"
+            )
         self.settings.system = None if arg.lower() in ("off", "none") else arg
         return Action("reply", "system prompt removed" if self.settings.system is None else "system prompt set")
 

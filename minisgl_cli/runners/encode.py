@@ -56,7 +56,9 @@ def write_mp4(frames: list[Any], fps: int, path: str | Path) -> Path:
     try:
         import cv2
     except ImportError:
-        raise MediaError("writing mp4 needs imageio-ffmpeg or opencv-python (pip install imageio-ffmpeg)", "format") from None
+        raise MediaError(
+            "writing mp4 needs imageio-ffmpeg or opencv-python (pip install imageio-ffmpeg)", "format"
+        ) from None
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h))
     if not writer.isOpened():
         raise MediaError(f"OpenCV could not open an mp4 writer for {path}", "format")

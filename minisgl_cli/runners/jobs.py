@@ -107,7 +107,7 @@ class ModelSpec:
     allow_download: bool = True
 
     @classmethod
-    def create(cls, kind: Kind, model: str | None, model_dir: str | os.PathLike | None, **kw: Any) -> "ModelSpec":
+    def create(cls, kind: Kind, model: str | None, model_dir: str | os.PathLike | None, **kw: Any) -> ModelSpec:
         default_model = DEFAULT_IMAGE_MODEL if kind == "image" else DEFAULT_VIDEO_MODEL
         model = model or default_model
         if model_dir is None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import inspect
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from minisgl_cli import env
 from minisgl_cli.runners.device import pick_device, pick_dtype
@@ -134,11 +135,15 @@ def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
         if not device.startswith("cuda"):
             raise MediaError(f"--attention-backend {spec.attention_backend} needs CUDA (use sdpa)", "attention_backend")
         if not hasattr(denoiser, "set_attention_backend"):
-            raise MediaError(f"{type(pipe).__name__} does not support choosing the attention backend", "attention_backend")
+            raise MediaError(
+                f"{type(pipe).__name__} does not support choosing the attention backend", "attention_backend"
+            )
         try:
             denoiser.set_attention_backend(ATTENTION_BACKENDS[spec.attention_backend])
         except Exception as exc:  # e.g. flash-attn not installed or GPU too old
-            raise MediaError(f"--attention-backend {spec.attention_backend} unavailable: {exc}", "attention_backend") from None
+            raise MediaError(
+                f"--attention-backend {spec.attention_backend} unavailable: {exc}", "attention_backend"
+            ) from None
     if spec.compile:
         if denoiser is None:
             raise MediaError(f"{type(pipe).__name__} has no transformer/unet to compile", "compile")
@@ -166,7 +171,8 @@ def load_pipeline(spec: ModelSpec) -> LoadedPipeline:
                 pipe = DiffusionPipeline.from_pretrained(str(model_dir), torch_dtype=dtype)
             except (OSError, ValueError) as exc:
                 raise ModelNotFoundError(
-                    f"cannot load a diffusers pipeline from {model_dir}: {_first_line(exc) or type(exc).__name__}", "model"
+                    f"cannot load a diffusers pipeline from {model_dir}: {_first_line(exc) or type(exc).__name__}",
+                    "model",
                 ) from None
         _check_kind(pipe, spec)
         _configure(pipe, spec, device)

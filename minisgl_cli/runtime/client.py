@@ -18,7 +18,14 @@ import zmq
 
 from minisgl_cli.client import STALL_S, PrefixWarm, RoutedClient
 from minisgl_cli.messages import (
-    AbortRequest, AddRequest, DecodedPiece, DetokOutput, Heartbeat, TokenizeQuery, TokenizeReply, ToScheduler,
+    AbortRequest,
+    AddRequest,
+    DecodedPiece,
+    DetokOutput,
+    Heartbeat,
+    TokenizeQuery,
+    TokenizeReply,
+    ToScheduler,
 )
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.types import GenerateRequest, ModelInfo, SamplingParams

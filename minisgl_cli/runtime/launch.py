@@ -82,7 +82,9 @@ class Runtime:
                     if isinstance(msg, Failed):
                         raise RuntimeError(f"{msg.proc} failed to start: {msg.error}")
                     ready[msg.proc] = msg
-                    progress(f"{msg.proc} ready{': ' + msg.detail if msg.detail else ''} ({time.monotonic() - t0:.1f}s)")
+                    progress(
+                        f"{msg.proc} ready{': ' + msg.detail if msg.detail else ''} ({time.monotonic() - t0:.1f}s)"
+                    )
                 for name, proc in self.procs.items():
                     if name not in ready and proc.exitcode is not None:
                         raise RuntimeError(f"{name} exited with code {proc.exitcode} while starting")

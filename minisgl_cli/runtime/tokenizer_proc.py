@@ -17,8 +17,18 @@ from dataclasses import dataclass
 import zmq
 
 from minisgl_cli.messages import (
-    AbortRequest, AddRequest, CheckPagesQuery, DecodedPiece, DetokOutput, Failed, Ready, StatsQuery, StepOutput,
-    TokenizeQuery, TokenizeReply, TokenOutput,
+    AbortRequest,
+    AddRequest,
+    CheckPagesQuery,
+    DecodedPiece,
+    DetokOutput,
+    Failed,
+    Ready,
+    StatsQuery,
+    StepOutput,
+    TokenizeQuery,
+    TokenizeReply,
+    TokenOutput,
 )
 from minisgl_cli.runtime.ipc import Endpoints, die_with_parent, pull, push, recv, send
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, prompt_ids

@@ -35,7 +35,7 @@ class Launched:
 
     @staticmethod
     def start(mode: str, reqs: list[Req], lens: list[int], produces: list[bool], next_ids: torch.Tensor,
-              host: HostBuffers, async_copy: bool) -> "Launched":
+              host: HostBuffers, async_copy: bool) -> Launched:
         """With `async_copy` (overlap) on CUDA, the ids start their way back into one of `host`'s pinned buffers."""
         rows = {id(r): i for i, (r, p) in enumerate(zip(reqs, produces)) if p}
         step = Launched(mode, reqs, lens, produces, next_ids, rows=rows)

@@ -2,9 +2,9 @@
 
 Each step either prefills waiting requests under a token budget (long prompts in chunks) or decodes
 every running request; new requests join between steps. On CUDA the next step is launched before the
-last one's tokens are read (overlap scheduling, see `overlap.py`; `disable_overlap` turns it off). When pages run short, the prefix cache is
-evicted first, then the newest running request is retracted (its KV cached, it re-queues) — nothing
-is dropped and nothing crashes.
+last one's tokens are read (overlap scheduling, see `overlap.py`; `disable_overlap` turns it off). When
+pages run short, the prefix cache is evicted first, then the newest running request is retracted (its KV
+cached, it re-queues) — nothing is dropped and nothing crashes.
 """
 
 from __future__ import annotations
@@ -22,11 +22,19 @@ from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.engine.sampler import SamplingRow
 from minisgl_cli.env import disable_overlap_scheduling as overlap_disabled_by_env
-from minisgl_cli.scheduler.cache import CacheManager
 from minisgl_cli.messages import (
-    AbortRequest, AddRequest, CheckPagesQuery, CheckPagesReply, FromScheduler, StatsQuery, StatsReply, StepOutput,
-    TokenOutput, ToScheduler,
+    AbortRequest,
+    AddRequest,
+    CheckPagesQuery,
+    CheckPagesReply,
+    FromScheduler,
+    StatsQuery,
+    StatsReply,
+    StepOutput,
+    TokenOutput,
+    ToScheduler,
 )
+from minisgl_cli.scheduler.cache import CacheManager
 from minisgl_cli.scheduler.config import SchedulerConfig
 from minisgl_cli.scheduler.overlap import Launched, feed_input_ids
 from minisgl_cli.scheduler.request import Req

@@ -115,7 +115,9 @@ class ServerContext:
         for run in list(self.active):
             run.close()
         if rids:
-            await asyncio.get_running_loop().run_in_executor(None, self.client.stats)  # returns once the scheduler has processed the aborts
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.client.stats
+            )  # returns once the scheduler has processed the aborts
 
 
 async def server_context(request: Request) -> ServerContext:

@@ -57,7 +57,7 @@ class MediaSettings:
     allow_download: bool = False
 
     @classmethod
-    def from_env(cls) -> "MediaSettings":
+    def from_env(cls) -> MediaSettings:
         return cls(
             image_model=env.image_model() or DEFAULT_IMAGE_MODEL,
             image_model_dir=env.image_model_dir(),
@@ -151,7 +151,9 @@ def _image_job(body: ImageGenerationRequest) -> ImageJob:
 def _check_model(settings: MediaSettings, kind: Kind, requested: str | None) -> ModelSpec:
     if not settings.serves(kind, requested):
         served = settings.image_model if kind == "image" else settings.video_model
-        raise ModelNotFoundError(f"model {requested!r} is not served here; this server's {kind} model is {served!r}", "model")
+        raise ModelNotFoundError(
+            f"model {requested!r} is not served here; this server's {kind} model is {served!r}", "model"
+        )
     spec = settings.spec(kind)
     if not spec.allow_download and not (spec.model_dir / "model_index.json").is_file():
         var = env.IMAGE_MODEL_DIR if kind == "image" else env.VIDEO_MODEL_DIR
@@ -218,7 +220,9 @@ def build_media_router(settings: MediaSettings | None = None) -> APIRouter:
                 body.negative_prompt,
             )
             spec = _check_model(current(request), "video", body.model)
-            item, frames = await asyncio.get_running_loop().run_in_executor(None, _generate_video_payload, spec, job, body.response_format == "frames")
+            item, frames = await asyncio.get_running_loop().run_in_executor(
+                None, _generate_video_payload, spec, job, body.response_format == "frames"
+            )
         except Exception as exc:
             return _handle("video", exc)
         return {

@@ -151,7 +151,12 @@ class ServerMetrics:
         with self._lock:
             metric("num_requests_running", "gauge", "Requests in the decode batch.", [(one(), sched.running)])
             metric("num_requests_waiting", "gauge", "Requests queued for prefill.", [(one(), sched.waiting)])
-            metric("num_requests_inflight", "gauge", "Engine requests admitted by the HTTP front.", [(one(), self.inflight)])
+            metric(
+                "num_requests_inflight",
+                "gauge",
+                "Engine requests admitted by the HTTP front.",
+                [(one(), self.inflight)],
+            )
             for name, value, help_ in (
                 ("kv_tokens_total", sched.tokens_total, "KV pool size in tokens."),
                 ("kv_tokens_free", sched.tokens_free, "Free KV tokens."),
