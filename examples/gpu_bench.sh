@@ -2,7 +2,7 @@
 # GPU checks in one go: import check, GPU tests (kernels, fused ops, numerics), then the benchmark (table last).
 # Logs under $OUT. SKIP_TESTS=1 runs the benchmark alone; extra arguments go to gpu_bench.py.
 set -o pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/gpu_bench}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "from minisgl_cli import LLM; print('import ok', LLM)" 2>&1 | tee "$OUT/import.txt"

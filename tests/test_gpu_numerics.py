@@ -36,13 +36,13 @@ def _engine(name: str, monkeypatch, layers: int = 4, **kw):
     return engine, cfg
 
 
-def _compare(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
-    """(max |logprob diff| over HF's top 5, top-1 agrees or is a near tie in HF's own logits)."""
+def _compare(ours: torch.Tensor, ref: torch.Tensor, tie: float = TOL) -> tuple[float, bool]:
+    """(max |logprob diff| over HF's top 5, top-1 agrees or is a near tie — within `tie` — in HF's own logits)."""
     lo, lr = ours.float().log_softmax(-1), ref.float().log_softmax(-1)
     top = lr.topk(5).indices
     diff = (lo[top] - lr[top]).abs().max().item()
     a, b = lo.argmax().item(), lr.argmax().item()
-    return diff, a == b or (lr[b] - lr[a]).item() < TOL
+    return diff, a == b or (lr[b] - lr[a]).item() < tie
 
 
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.1-8b"])
@@ -71,12 +71,14 @@ def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
     # sequence: the size of this model's bf16 rounding noise rather than a draw of the 12 compared ones
     hf_diff = max(_compare(hf16[i][p], ref[i][p])[0] for i in range(len(lens)) for p in range(len(seqs[i])))
 
+    # A top-1 flip within that noise is a tie, not an error: HF's own bf16 could pick either token.
+    tie = max(TOL, hf_diff)
     diffs, agree = [], []
     flat = [t for s, n in zip(seqs, lens) for t in s[:n]]
     locs = [x for s, n in zip(slots, lens) for x in s[:n]]
     batch = ForwardBatch.build("extend", flat, rows, [0] * len(lens), lens, locs, dev, engine.host)
     for i, lg in enumerate(engine.forward(batch)):
-        d, ok = _compare(lg, ref[i][lens[i] - 1])
+        d, ok = _compare(lg, ref[i][lens[i] - 1], tie)
         diffs.append(d), agree.append(ok)
     prefill_diff = max(diffs)
     for t in range(steps - 1):
@@ -85,13 +87,13 @@ def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
                                    [s[p] for s, p in zip(slots, pos)], dev, engine.host)
         assert engine.graphs.can_run(batch)
         for i, lg in enumerate(engine.forward(batch)):
-            d, ok = _compare(lg, ref[i][pos[i]])
+            d, ok = _compare(lg, ref[i][pos[i]], tie)
             diffs.append(d), agree.append(ok)
     print(f"\n{name}: vs HF fp32: ours bf16 prefill max top-5 logprob diff {prefill_diff:.4f}, all {max(diffs):.4f}, "
           f"top-1 agree {sum(agree)}/{len(agree)}; HF bf16 itself {hf_diff:.4f}")
     # sglang's 6e-2 is for real checkpoints; on random 4096-wide weights HF's own bf16 drifts further
     # from fp32 than that, so the bar is whichever is looser: we must not be worse than HF in bf16.
-    assert max(diffs) <= max(TOL, hf_diff) and all(agree)
+    assert max(diffs) <= tie and all(agree)
 
 
 def _greedy(engine, prompts: list[list[int]], overlap: bool = True) -> list[list[int]]:
