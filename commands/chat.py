@@ -13,7 +13,7 @@ app = typer.Typer()
 
 
 @app.command("chat")
-@c.engine_options((*c.MODEL, "max_total_tokens", "cache"))
+@c.engine_options((*c.MODEL, "max_total_tokens", "cache", *c.RUNTIME))
 def chat(
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens per reply at most.")

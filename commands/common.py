@@ -1,8 +1,8 @@
 """Options every engine-backed command shares, built from the engine's own declarations, and the helpers
 every command uses (one-line failures, logging).
 
-An engine option is declared once, as a field of EngineConfig or SchedulerConfig whose `metadata` holds
-its flags, help, env var and bounds. `engine_options(...)` turns the fields a command offers into Typer
+An engine option is declared once, as a field of EngineConfig, SchedulerConfig or RuntimeConfig whose
+`metadata` holds its flags, help, env var and bounds. `engine_options(...)` turns the fields a command offers into Typer
 options in that command's signature and hands the command one `EngineOptions` built from them.
 """
 
@@ -11,15 +11,20 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
-from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 import typer
 
 from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.runtime.config import RuntimeConfig
 from minisgl_cli.scheduler.config import SchedulerConfig
+
+if TYPE_CHECKING:
+    from minisgl_cli.client import EngineClient
 
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="INFO logs narrating prefill, decode steps and chunks.")]
 
@@ -57,9 +62,10 @@ _MODEL_LOCAL_DIR = _Option("model_local_dir", Optional[str], None, dict(
 
 
 def _declared() -> dict[str, _Option]:
-    """Every engine option, in --help order: EngineConfig's fields with flags, then SchedulerConfig's."""
+    """Every engine option, in --help order: EngineConfig's fields with flags, then SchedulerConfig's and
+    RuntimeConfig's."""
     out: dict[str, _Option] = {}
-    for cls in (EngineConfig, SchedulerConfig):
+    for cls in (EngineConfig, SchedulerConfig, RuntimeConfig):
         hints = get_type_hints(cls)
         for f in fields(cls):
             if "flags" in f.metadata:
@@ -74,14 +80,17 @@ ALL: tuple[str, ...] = tuple(_OPTIONS)  # serve and bench offer every engine opt
 MODEL: tuple[str, ...] = ("model", "model_local_dir", "load_format", "device", "dtype", "attention_backend")
 _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 _SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
+_RUNTIME_FIELDS = {f.name for f in fields(RuntimeConfig)}
+RUNTIME: tuple[str, ...] = tuple(n for n in ALL if n in _RUNTIME_FIELDS)  # every engine-backed command offers these
 
 
 @dataclass
 class EngineOptions:
-    """What an engine-backed command's flags built: the engine's config and its scheduler's."""
+    """What an engine-backed command's flags built: the engine's config, its scheduler's, and how it runs."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     @classmethod
     def from_params(cls, params: dict[str, Any], **overrides: Any) -> EngineOptions:
@@ -90,19 +99,55 @@ class EngineOptions:
         local_dir = values.pop("model_local_dir", None)
         if local_dir:
             values["model"] = local_dir
-        return cls(EngineConfig(**{k: v for k, v in values.items() if k in _ENGINE_FIELDS}),
-                   SchedulerConfig(**{k: v for k, v in values.items() if k in _SCHEDULER_FIELDS}))
+        try:
+            return cls(EngineConfig(**{k: v for k, v in values.items() if k in _ENGINE_FIELDS}),
+                       SchedulerConfig(**{k: v for k, v in values.items() if k in _SCHEDULER_FIELDS}),
+                       RuntimeConfig(**{k: v for k, v in values.items() if k in _RUNTIME_FIELDS}))
+        except ValueError as exc:  # options that contradict each other, e.g. --tp 3 --nnodes 2
+            raise typer.BadParameter(str(exc)) from None
 
-    def client(self):
-        """Build the engine client; loader errors become one line on stderr and exit code 1."""
+    def client(self, processes: bool = False, stop: threading.Event | None = None) -> EngineClient:
+        """Build the engine client — in this process, or the multi-process runtime when `--runtime` says so
+        (`processes`: the command's choice for auto; `stop` set abandons the start). Start-up failures
+        become one line and exit code 1; an interrupted start exits 130.
+
+        On a node other than 0 (`--node-rank`), this node's ranks serve until stopped; this never returns."""
         from minisgl_cli.loader.errors import ModelLoadError
 
         try:
-            from minisgl_cli.client import LocalClient
+            if not self.runtime.processes(processes):
+                from minisgl_cli.client import LocalClient
 
-            return LocalClient(self.engine, self.scheduler)
-        except (ModelLoadError, ValueError) as exc:
+                return LocalClient(self.engine, self.scheduler)
+            from minisgl_cli.runtime.launch import launch
+            from minisgl_cli.runtime.supervisor import Runtime
+
+            started = launch(self.engine, self.scheduler, self.runtime, progress=_progress, stop=stop)
+        except (ModelLoadError, ValueError, RuntimeError) as exc:
             fail(str(exc))
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+        if isinstance(started, Runtime):
+            _serve_ranks(started, self.runtime)
+        return started
+
+
+def _progress(line: str) -> None:
+    typer.echo(f"minisgl: {line}", err=True)
+
+
+def _serve_ranks(runtime: Any, cfg: RuntimeConfig) -> None:
+    """A node other than 0: run its ranks until SIGINT / SIGTERM (exit 0) or a child dies (exit 1)."""
+    ranks = cfg.dist.local_ranks()
+    _progress(f"node {cfg.node_rank}: ranks {ranks.start}..{ranks.stop - 1} serving node 0's requests")
+    from minisgl_cli.runtime.supervisor import stop_on_signals
+
+    with stop_on_signals() as stop:
+        reason = runtime.wait(stop)
+    runtime.shutdown()
+    if reason is not None:
+        fail(reason)
+    raise typer.Exit(0)
 
 
 def engine_options(offered: Iterable[str], exclude: Iterable[str] = ()) -> Callable[[Callable], Callable]:

@@ -111,7 +111,8 @@ def serve(
     verbose: c.Verbose = False,
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /generate (JSON lines),
-    /metrics (JSON or Prometheus), /health, and the media routes, over one engine. See docs/server.md."""
+    /metrics (JSON or Prometheus), /health, and the media routes, over one engine. It listens at once (503
+    until the engine is up); the engine runs as processes by default (--runtime). See docs/server.md."""
     from minisgl_cli.server.app import ServerSettings
     from minisgl_cli.server.launch import LaunchConfig
     from minisgl_cli.server.launch import serve as run_server
@@ -138,8 +139,11 @@ def serve(
         host=host, port=port, warm_prefixes=[x for x in (warm_prefixes or "").split("|") if x],
         zmq_control=zmq_control, zmq_endpoint=zmq_control_endpoint, log_level="info" if verbose else "warning",
     )
-    client = opts.client()
+    if opts.runtime.node_rank > 0:  # a node other than 0 runs its TP ranks only: no HTTP there
+        opts.client(processes=True)
     try:
-        run_server(client, settings, launch)
-    except (RuntimeError, OSError) as exc:  # port in use, ZMQ endpoint taken
+        run_server(lambda stop: opts.client(processes=True, stop=stop), settings, launch)
+    except typer.Exit:  # a RuntimeError too (click's): the engine's start already said why
+        raise
+    except (RuntimeError, OSError) as exc:  # port in use, ZMQ endpoint taken, the engine died
         c.fail(str(exc))

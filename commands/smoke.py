@@ -12,7 +12,7 @@ app = typer.Typer()
 
 
 @app.command("smoke")
-@c.engine_options(c.MODEL)
+@c.engine_options((*c.MODEL, *c.RUNTIME))
 def smoke(
     prompt: Annotated[str, typer.Argument(help="Prompt (sent as one user chat message).")] = "Hello from mini-sglang",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")] = 32,

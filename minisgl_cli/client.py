@@ -91,6 +91,10 @@ class EngineClient(Protocol):
         """The scheduler is alive and its loop is coming round."""
         ...
 
+    def failure(self) -> str | None:
+        """Why the engine is gone for good (a dead process or thread), in one line; None while it runs."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -144,6 +148,10 @@ class RoutedClient:
     def _decoder(self, params: SamplingParams) -> Callable[[list], DecodedPiece]:
         raise NotImplementedError
 
+    def _error_item(self, rid: str, error: str) -> Any:
+        """An item that ends a stream with `error`, of the kind `_decoder` reads."""
+        raise NotImplementedError
+
     # --- routing (on whichever thread receives the scheduler's messages) --------------------------
     def _route(self, items_by_rid: dict[str, list], finished: Callable[[list], bool]) -> None:
         """Hand each request its items, with one wake-up per consumer event loop."""
@@ -159,6 +167,18 @@ class RoutedClient:
                 loop.call_soon_threadsafe(_deliver, batch)
             except RuntimeError:  # that consumer's event loop is closed: nobody is listening any more
                 pass
+
+    def _fail_all(self, reason: str) -> None:
+        """The engine is gone: end every open stream and pending query with `reason` (from any thread)."""
+        self._route({rid: [self._error_item(rid, f"the engine is gone: {reason}")] for rid in list(self._streams)},
+                    lambda items: True)
+        for qid in list(self._replies):
+            fut = self._replies.pop(qid, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(RuntimeError(reason))
+
+    def failure(self) -> str | None:
+        return None
 
     def _reply(self, qid: int, reply: object) -> None:
         fut = self._replies.pop(qid, None)
@@ -177,6 +197,8 @@ class RoutedClient:
 
     # --- requests ------------------------------------------------------------------------------
     async def submit(self, req: GenerateRequest) -> AsyncIterator[Delta]:
+        if (reason := self.failure()) is not None:
+            raise RuntimeError(f"the engine is gone: {reason}")
         ids = await self.tokenize(req)
         if req.rid in self._streams:
             raise ValueError(f"request id {req.rid!r} is already in flight")
@@ -264,13 +286,23 @@ class LocalClient(RoutedClient):
         self._scheduler = Scheduler(e, sched_cfg or SchedulerConfig(), self._on_output, eos_token_ids=eos)
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._scheduler.run_forever, args=(self._stop,),
-                                        name="minisgl-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="minisgl-scheduler", daemon=True)
         self._thread.start()
         self.info = engine_info(e, self._scheduler)
 
+    def _run(self) -> None:
+        try:
+            self._scheduler.run_forever(self._stop)
+        finally:
+            if not self._stop.is_set():
+                log.error("minisgl: the scheduler thread exited")
+                self._fail_all("the scheduler thread exited")
+
     def _send(self, msg: ToScheduler) -> None:
         self._scheduler.inbox.put(msg)
+
+    def _error_item(self, rid: str, error: str) -> TokenOutput:
+        return TokenOutput(rid, None, None, error=error)
 
     def _on_output(self, msg: FromScheduler) -> None:
         """On the scheduler thread: route a step's outputs by request id."""
@@ -300,6 +332,9 @@ class LocalClient(RoutedClient):
 
     def healthy(self) -> bool:
         return self._thread.is_alive() and time.monotonic() - self._scheduler.heartbeat < STALL_S
+
+    def failure(self) -> str | None:
+        return None if self._thread.is_alive() or self._stop.is_set() else "the scheduler thread exited"
 
     def close(self) -> None:
         self._stop.set()

@@ -1,7 +1,8 @@
-"""Shared fixtures for the server tests: ONE EngineClient on the default model, real uvicorn servers on it.
+"""Shared fixtures for the server tests: ONE engine on the default model, real uvicorn servers on it.
 
-The client is a process-wide singleton (not just a session fixture) so every test module that imports
-these fixtures shares the same loaded model.
+The engine runs as `minisgl serve` runs it: the multi-process runtime (a detokenizer and a scheduler
+process behind a RemoteClient). The client is a process-wide singleton (not just a session fixture) so
+every test module that uses these fixtures shares the same loaded model.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def shared_client():
     from commands.common import EngineOptions
 
     # 16k KV tokens: room for 100+ short requests at once; the context limit stays the model's 8192.
-    client = EngineOptions.from_params(dict(max_running_requests=64, max_total_tokens=16384)).client()
+    client = EngineOptions.from_params(dict(max_running_requests=64, max_total_tokens=16384)).client(processes=True)
     atexit.register(client.close)
     return client
 

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from minisgl_cli.client import LocalClient, complete
-from minisgl_cli.distributed import DistConfig
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.runtime.launch import RuntimeConfig, launch
+from minisgl_cli.runtime.config import RuntimeConfig
+from minisgl_cli.runtime.launch import launch
 from minisgl_cli.scheduler.scheduler import SchedulerConfig
 from minisgl_cli.server.launch import free_port
 from minisgl_cli.types import GenerateRequest, SamplingParams
@@ -31,7 +31,7 @@ def _greedy(client, n: int = 12) -> list[list[int]]:
 
 
 def _launch(model: str, tp: int, num_tokenizer: int = 0):
-    rt = RuntimeConfig(DistConfig(tp_size=tp, init_addr=f"127.0.0.1:{free_port()}"), num_tokenizer)
+    rt = RuntimeConfig(tp_size=tp, dist_init_addr=f"127.0.0.1:{free_port()}", num_tokenizer=num_tokenizer)
     return launch(EngineConfig(model=model, max_total_tokens=2048), SchedulerConfig(), rt)
 
 

@@ -31,7 +31,8 @@ def tiny_budget(path: str, body):
         return body
     for key in TOKEN_FIELDS:
         value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 2:
+        # floats too: the schema says integer, but an integral float (300.0) is accepted as one
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 2:
             body[key] = 2
     if all(body.get(k) is None for k in TOKEN_FIELDS):  # absent or null: the default could be the whole context
         body["max_new_tokens" if path == "/generate" else "max_tokens"] = 2

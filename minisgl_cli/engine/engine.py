@@ -12,7 +12,8 @@ import torch
 from minisgl_cli.attention import create_backend
 from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.core.host import HostBuffers
-from minisgl_cli.distributed import TPInfo, broadcast_from_rank0, min_over_ranks
+from minisgl_cli.distributed import TPInfo
+from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.graph import GraphRunner, default_max_bs
 from minisgl_cli.engine.sampler import SamplingRow, sample

@@ -6,10 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl_cli.distributed import TPInfo, all_gather_last_dim, all_reduce
+from minisgl_cli.distributed import TPInfo
+from minisgl_cli.distributed.comm import all_gather_last_dim, all_reduce
 from minisgl_cli.layers import cpu_kernels
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import matmul
+from minisgl_cli.loader.hf import Weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,9 +23,10 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.local_vocab
         self.weight = nn.Parameter(torch.zeros(self.local_vocab, hidden), requires_grad=False)
 
-    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
-        part = loaded[self.start : self.start + self.local_vocab]
-        self.weight.data[: part.shape[0]].copy_(part)
+    def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
+        rows = min(self.local_vocab, loaded.shape[0] - self.start)  # the last rank's slice may be short
+        if rows > 0:
+            self.weight.data[:rows].copy_(loaded.narrow(0, self.start, rows))
         cpu_kernels.invalidate(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

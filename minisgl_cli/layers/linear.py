@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl_cli.distributed import TPInfo, all_reduce
+from minisgl_cli.distributed import TPInfo
+from minisgl_cli.distributed.comm import all_reduce
 from minisgl_cli.layers import cpu_kernels
 from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.loader.hf import Weight, whole
 
 
 def _gemv_ops(x: torch.Tensor, weight: torch.Tensor, kernels: Kernels):
@@ -52,8 +54,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
 
-    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
-        """Copy the full (unsplit) tensor of merged shard `shard` into this rank's rows."""
+    def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
+        """Copy this rank's rows of merged shard `shard` (the checkpoint's unsplit tensor) into place."""
         param = self.weight if name == "weight" else self.bias
         start, size = self.ranges[shard]
         offset = sum(self.local_sizes[:shard])
@@ -77,9 +79,9 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+    def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
         if name == "bias":
-            self.bias.data.copy_(loaded)
+            self.bias.data.copy_(whole(loaded))
             return
         self.weight.data.copy_(loaded.narrow(1, self.in_start, self.local_in))
         cpu_kernels.invalidate(self.weight)

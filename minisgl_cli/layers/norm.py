@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.loader.hf import Weight, whole
 
 
 class RMSNorm(nn.Module):
@@ -15,8 +16,8 @@ class RMSNorm(nn.Module):
         self.kernels = kernels or Kernels()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
-        self.weight.data.copy_(loaded)
+    def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
+        self.weight.data.copy_(whole(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.kernels.triton(x)

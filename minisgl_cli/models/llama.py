@@ -15,6 +15,7 @@ from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl_cli.layers.norm import RMSNorm
 from minisgl_cli.layers.rotary import RotaryEmbedding
+from minisgl_cli.loader.hf import Weight
 from minisgl_cli.models.config import ModelConfig
 
 
@@ -132,8 +133,9 @@ class LlamaForCausalLM(nn.Module):
         """[B, vocab] in the model dtype: the sampler widens to fp32 only where it computes on them."""
         return self.lm_head.logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors in (streamed one by one); returns the HF names it used."""
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> set[str]:
+        """Copy HF-named tensors in (streamed one by one, each layer reading its rank's part); returns the
+        HF names it used."""
         modules = dict(self.named_modules())
         used: set[str] = set()
         for name, tensor in weights:

@@ -28,6 +28,7 @@ from minisgl_cli.messages import (
     ToScheduler,
 )
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
+from minisgl_cli.runtime.supervisor import Runtime
 from minisgl_cli.types import GenerateRequest, ModelInfo, SamplingParams
 
 
@@ -43,11 +44,10 @@ def _merge(pieces: list[DecodedPiece]) -> DecodedPiece:
 
 
 class RemoteClient(RoutedClient):
-    def __init__(self, info: ModelInfo, endpoints: Endpoints, num_tokenizer: int, alive: Callable[[], bool],
-                 close: Callable[[], None]):
+    def __init__(self, info: ModelInfo, endpoints: Endpoints, num_tokenizer: int, runtime: Runtime):
         super().__init__()
         self.info = info
-        self._alive, self._close = alive, close
+        self.runtime = runtime
         self._ctx = zmq.Context()
         self._inbox = pull(self._ctx, endpoints.api)
         targets = [endpoints.tokenizer(i) for i in range(num_tokenizer)] or [endpoints.detokenizer]
@@ -56,6 +56,7 @@ class RemoteClient(RoutedClient):
         self._beat = time.monotonic()
         self._closed = False
         threading.Thread(target=self._receive, name="minisgl-api-recv", daemon=True).start()
+        runtime.on_death(self._fail_all)
 
     # --- transport -----------------------------------------------------------------------------
     def _send(self, msg: ToScheduler | TokenizeQuery) -> None:
@@ -83,6 +84,9 @@ class RemoteClient(RoutedClient):
     def _decoder(self, params: SamplingParams) -> Callable[[list], DecodedPiece]:
         return _merge
 
+    def _error_item(self, rid: str, error: str) -> DecodedPiece:
+        return DecodedPiece(rid, "", [], None, error, 0, None)
+
     # --- EngineClient --------------------------------------------------------------------------
     async def tokenize(self, req: GenerateRequest) -> list[int]:
         if req.input_ids is not None:
@@ -106,11 +110,15 @@ class RemoteClient(RoutedClient):
         return self._warm(list(prefix))
 
     def healthy(self) -> bool:
-        return not self._closed and self._alive() and time.monotonic() - self._beat < STALL_S
+        return not self._closed and self.runtime.alive() and time.monotonic() - self._beat < STALL_S
+
+    def failure(self) -> str | None:
+        return self.runtime.dead
 
     def close(self) -> None:
+        """Stop every child (within 5 s) and close the sockets."""
         if self._closed:
             return
         self._closed = True
-        self._close()
+        self.runtime.shutdown()
         self._ctx.destroy(linger=0)

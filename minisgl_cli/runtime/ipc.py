@@ -69,7 +69,10 @@ def recv(sock: zmq.Socket) -> Any:
 
 
 def die_with_parent() -> None:
-    """In a child process: be killed when the parent dies, however it dies (even kill -9): no orphans."""
+    """In a child process: be killed when the parent dies, however it dies (even kill -9): no orphans.
+
+    Ctrl-C reaches the whole process group; the parent stops its children itself, so they ignore it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         import ctypes
 

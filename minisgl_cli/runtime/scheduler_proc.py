@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from minisgl_cli.distributed import DistConfig, broadcast_bytes, init_tp
+from minisgl_cli.distributed import DistConfig
+from minisgl_cli.distributed.comm import broadcast_bytes, init_tp
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.messages import Failed, FromScheduler, Heartbeat, RankBatch, Ready, ToScheduler, decode, encode
 from minisgl_cli.runtime.ipc import Endpoints, die_with_parent, pull, push, recv, send

@@ -24,7 +24,7 @@ from minisgl_cli.server.errors import install_error_handlers
 from minisgl_cli.server.media import MediaSettings, build_media_router
 from minisgl_cli.server.settings import ServerSettings
 
-__all__ = ["ServerSettings", "create_app", "json_metrics"]
+__all__ = ["ServerSettings", "create_app", "json_metrics", "shutdown_app"]
 
 server_router = APIRouter(tags=["server"])
 
@@ -54,9 +54,9 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
     ctx = ServerContext.create(client, settings)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await ctx.shutdown()
+        await shutdown_app(app)
 
     app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible LLM server over one minisgl engine.")
@@ -67,6 +67,12 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
     for router in (server_router, openai_routes.router, generate_route.router):
         app.include_router(router)
     return app
+
+
+async def shutdown_app(app: FastAPI) -> None:
+    """Abort the app's requests still in flight (its lifespan's end; a server fronting it calls this too)."""
+    ctx: ServerContext = app.state.ctx
+    await ctx.shutdown()
 
 
 def json_metrics(app: FastAPI) -> dict[str, Any]:

@@ -1,21 +1,29 @@
-"""Launching the server: uvicorn in the foreground (`minisgl serve`) or on a background thread (tests, bench).
+"""Launching the server: `minisgl serve`'s whole life, and uvicorn on a background thread for tests and bench.
 
-Also starts what runs beside the app: cache warming of WARM_PREFIXES and the optional ZMQ control channel.
+`serve` listens at once and answers 503 until the engine is up (a `StartingApp` in front of the real one),
+starts the engine on the main thread, then runs until SIGINT / SIGTERM or until the engine dies. Also here:
+what runs beside the app — cache warming of WARM_PREFIXES and the optional ZMQ control channel.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import uvicorn
+from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from minisgl_cli.client import EngineClient
-from minisgl_cli.server.app import create_app, json_metrics
+from minisgl_cli.runtime.supervisor import stop_on_signals
+from minisgl_cli.server.app import create_app, json_metrics, shutdown_app
 from minisgl_cli.server.control import DEFAULT_ENDPOINT, ControlChannel
 from minisgl_cli.server.settings import ServerSettings
 
@@ -43,24 +51,75 @@ def warm(client: EngineClient, prefixes: list[str]) -> None:
                          daemon=True).start()
 
 
-def serve(client: EngineClient, settings: ServerSettings, cfg: LaunchConfig) -> None:
-    """Run the server until Ctrl-C / SIGTERM; then stop the control channel and the engine."""
-    app = create_app(client, settings)
-    control = None
-    if cfg.zmq_control:
-        control = ControlChannel(cfg.zmq_endpoint, lambda: json_metrics(app),
-                                 lambda text: client.insert_prefix(text).tokens)
-        control.start()
-    warm(client, cfg.warm_prefixes)
-    log.warning("minisgl serve: %s on http://%s:%d (OpenAI API at /v1)", client.info.name, cfg.host, cfg.port)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                            timeout_graceful_shutdown=5)
+class StartingApp:
+    """The ASGI app uvicorn runs from its first second: 503 with an OpenAI error body (and Retry-After) on
+    every route until `attach(app)`, then that app. Its lifespan shuts the attached app down."""
+
+    def __init__(self) -> None:
+        self.app: FastAPI | None = None
+
+    def attach(self, app: FastAPI) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif self.app is not None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            body = json.dumps({"error": {"message": "the engine is starting (loading the model); retry shortly",
+                                         "type": "server_error", "param": None, "code": "starting"}}).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"5")]})
+            await send({"type": "http.response.body", "body": body})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self.app is not None:
+                    await shutdown_app(self.app)
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def serve(make_client: Callable[[threading.Event], EngineClient], settings: ServerSettings,
+          cfg: LaunchConfig) -> None:
+    """Listen, start the engine (`make_client(stop)`, on this thread: it must be the main thread, which
+    outlives the engine's processes), serve until SIGINT / SIGTERM, then stop everything within seconds.
+
+    RuntimeError (one line) when the port cannot be bound or the engine dies while serving."""
+    starting = StartingApp()
+    server = BackgroundServer(starting, cfg.host, cfg.port, log_level=cfg.log_level, graceful_s=5.0)
+    server.start(healthy=False)
+    client: EngineClient | None = None
+    control: ControlChannel | None = None
+    reason: str | None = None
     try:
-        uvicorn.Server(config).run()
+        with stop_on_signals() as stop:
+            client = make_client(stop)
+            app = create_app(client, settings)
+            if cfg.zmq_control:
+                control = ControlChannel(cfg.zmq_endpoint, lambda: json_metrics(app),
+                                         lambda text: client.insert_prefix(text).tokens)
+                control.start()
+            warm(client, cfg.warm_prefixes)
+            starting.attach(app)
+            log.warning("minisgl serve: %s on %s (OpenAI API at /v1)", client.info.name, server.url)
+            while not stop.wait(0.2):
+                reason = client.failure() or (None if server.running() else "the HTTP server stopped")
+                if reason is not None:
+                    break
     finally:
+        server.stop()
         if control is not None:
             control.stop()
-        client.close()
+        if client is not None:
+            client.close()
+    if reason is not None:
+        raise RuntimeError(reason)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -70,33 +129,43 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class BackgroundServer:
-    """A real uvicorn server on a loopback port, on a daemon thread: `with BackgroundServer(app) as url:`."""
+    """A real uvicorn server on a daemon thread (loopback and a free port by default):
+    `with BackgroundServer(app) as url:`."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, startup_timeout: float = 30.0):
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None, startup_timeout: float = 30.0,
+                 log_level: str = "warning", graceful_s: float = 2.0):
         self.host, self.port = host, port or free_port(host)
         self.url = f"http://{host}:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level=log_level,
+                                                    timeout_graceful_shutdown=graceful_s))
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.startup_timeout = startup_timeout
+        self.graceful_s = graceful_s
 
-    def start(self) -> str:
+    def start(self, healthy: bool = True) -> str:
+        """Start and wait until it listens (and, if `healthy`, until /health says 200)."""
         self.thread.start()
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if not self.thread.is_alive():
-                raise RuntimeError("uvicorn exited during startup")
-            try:
-                if self.server.started and httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
-                pass
+                raise RuntimeError(f"could not serve on {self.host}:{self.port} (in use, or not an address here?)")
+            if self.server.started and (not healthy or self._health() == 200):
+                return self.url
             time.sleep(0.05)
         raise RuntimeError(f"server at {self.url} did not become healthy")
 
+    def _health(self) -> int | None:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code
+        except httpx.HTTPError:
+            return None
+
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=self.graceful_s + 5)
 
     def __enter__(self) -> str:
         return self.start()

@@ -1,0 +1,52 @@
+"""RuntimeConfig: how the engine runs — in the caller's process or as processes, over how many ranks and nodes.
+
+Its fields are command-line options declared in `metadata`, like EngineConfig's (commands/common.py builds
+the options). No torch or zmq here: `minisgl --help` reads this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from minisgl_cli.distributed import DistConfig
+
+RuntimeMode = Literal["auto", "processes", "in-process"]
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    mode: RuntimeMode = field(default="auto", metadata=dict(
+        flags=("--runtime",), env="MINISGL_RUNTIME",
+        help="processes (API, tokenizer/detokenizer and one scheduler per TP rank over ZMQ) or in-process "
+             "(the scheduler on a thread); auto: processes for serve and whenever --tp or --nnodes > 1."))
+    num_tokenizer: int = field(default=0, metadata=dict(
+        flags=("--num-tokenizer",), min=0, help="Processes: tokenizer workers (0 = the detokenizer tokenizes)."))
+    tp_size: int = field(default=1, metadata=dict(
+        flags=("--tp", "--tp-size"), min=1,
+        help="Tensor-parallel ranks, one scheduler process and device each (NCCL on CUDA, gloo on CPU)."))
+    nnodes: int = field(default=1, metadata=dict(
+        flags=("--nnodes",), min=1, help="Hosts the --tp ranks span (each runs --tp/--nnodes ranks)."))
+    node_rank: int = field(default=0, metadata=dict(
+        flags=("--node-rank",), min=0, help="This host's index; node 0 runs the API and rank 0."))
+    dist_init_addr: str = field(default="127.0.0.1:29517", metadata=dict(
+        flags=("--dist-init-addr",), help="HOST:PORT where the ranks meet (torch.distributed's TCP store)."))
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "processes", "in-process"):
+            raise ValueError(f"--runtime must be auto, processes or in-process, not {self.mode!r}")
+        if self.num_tokenizer < 0:
+            raise ValueError("--num-tokenizer must be >= 0")
+        if self.mode == "in-process" and (self.tp_size > 1 or self.nnodes > 1):
+            raise ValueError("--runtime in-process runs one rank: --tp and --nnodes need --runtime processes")
+        _ = self.dist  # validates --tp / --nnodes / --node-rank / --dist-init-addr now, as a usage error
+
+    @property
+    def dist(self) -> DistConfig:
+        return DistConfig(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)
+
+    def processes(self, by_default: bool) -> bool:
+        """Whether the engine runs as processes; `by_default` is the command's choice for `auto`."""
+        if self.mode != "auto":
+            return self.mode == "processes"
+        return by_default or self.tp_size > 1 or self.nnodes > 1
