@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 
 import zmq
 
@@ -57,7 +58,7 @@ class Runtime:
         self.root = tempfile.mkdtemp(prefix="minisgl-")
         os.chmod(self.root, 0o700)  # the sockets are the engine's doors: this user only
         self.endpoints = Endpoints(self.root)
-        self.procs: dict[str, mp.Process] = {}
+        self.procs: dict[str, BaseProcess] = {}  # spawn-context processes
         self.on_death = on_death
         self.stopping = False
         self.dead: str | None = None

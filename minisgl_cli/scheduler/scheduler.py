@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.core.batch import ForwardBatch, Mode
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.engine.sampler import SamplingRow
 from minisgl_cli.env import disable_overlap_scheduling as overlap_disabled_by_env
@@ -151,7 +151,7 @@ class Scheduler:
     def _penalized_running(self) -> bool:
         return any(r.params.penalized for r in self.running)
 
-    def _schedule(self) -> tuple[str, list[Req], list[int]] | None:
+    def _schedule(self) -> tuple[Mode, list[Req], list[int]] | None:
         prefill_turn = self.cfg.policy == "prefill-first" or self._last_was_decode or not self.running
         if self.waiting and prefill_turn:
             batch = self._prefill_batch()
@@ -161,9 +161,10 @@ class Scheduler:
             return self._decode_batch()
         return None
 
-    def _prefill_batch(self) -> tuple[str, list[Req], list[int]] | None:
+    def _prefill_batch(self) -> tuple[Mode, list[Req], list[int]] | None:
         budget = self.cfg.max_prefill_tokens
-        reqs, lens = [], []
+        reqs: list[Req] = []
+        lens: list[int] = []
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) + len(reqs) >= self.max_running:
                 break
@@ -205,7 +206,7 @@ class Scheduler:
         else:
             s.cache_miss_requests += 1
 
-    def _decode_batch(self) -> tuple[str, list[Req], list[int]] | None:
+    def _decode_batch(self) -> tuple[Mode, list[Req], list[int]] | None:
         retracted = False
         for req in list(self.running):
             if retracted and req not in self.running:
@@ -235,7 +236,7 @@ class Scheduler:
         """Whether the launched-but-unread step sampled a token for `req` (overlap only)."""
         return self._inflight is not None and id(req) in self._inflight.rows
 
-    def _launch(self, mode: str, reqs: list[Req], lens: list[int]) -> Launched:
+    def _launch(self, mode: Mode, reqs: list[Req], lens: list[int]) -> Launched:
         """Build the step's batch on the host, write its page-table rows, and start it on the device."""
         if mode == "extend":
             log.info("prefill: %d req, %d tokens (%s)", len(reqs), sum(lens),
