@@ -76,9 +76,13 @@ def broadcast_bytes(data: bytes | None, tp: TPInfo) -> bytes:
     size = int(n.item())
     if size == 0:
         return b""
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if tp.rank == 0 else torch.empty(size, dtype=torch.uint8)
+    if tp.rank == 0:
+        assert data is not None  # a non-zero length came from rank 0's payload
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=_host_group)
+        return data
+    buf = torch.empty(size, dtype=torch.uint8)
     dist.broadcast(buf, src=0, group=_host_group)
-    return data if tp.rank == 0 else buf.numpy().tobytes()
+    return buf.numpy().tobytes()
 
 
 def min_over_ranks(n: int, tp: TPInfo) -> int:

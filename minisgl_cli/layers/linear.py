@@ -55,6 +55,8 @@ class ColumnParallelLinear(nn.Module):
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         """Copy the full (unsplit) tensor of merged shard `shard` into this rank's rows."""
         param = self.weight if name == "weight" else self.bias
+        if param is None:
+            raise KeyError(f"checkpoint has a {name!r} this layer was built without")
         start, size = self.ranges[shard]
         offset = sum(self.local_sizes[:shard])
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
@@ -79,6 +81,8 @@ class RowParallelLinear(nn.Module):
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         if name == "bias":
+            if self.bias is None:
+                raise KeyError(f"checkpoint has a {name!r} this layer was built without")
             self.bias.data.copy_(loaded)
             return
         self.weight.data.copy_(loaded.narrow(1, self.in_start, self.local_in))

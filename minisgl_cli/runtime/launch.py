@@ -14,7 +14,6 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -120,10 +119,7 @@ class Runtime:
         self.stopping = True
         for p in self.procs.values():
             if p.exitcode is None:
-                try:
-                    os.kill(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                p.terminate()  # SIGTERM; a child that is already gone is skipped
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))

@@ -51,6 +51,7 @@ class Launched:
         if self.event is None:
             return self.next_ids.tolist()
         self.event.synchronize()
+        assert self.host is not None  # start() sets it with the event
         return self.host.tolist()
 
 

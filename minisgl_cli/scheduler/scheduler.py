@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -135,8 +136,8 @@ class Scheduler:
         if self._inflight is not None and self._penalized_running():
             # Presence/frequency penalties count every earlier token, including the one the in-flight
             # step is sampling: read it first (this step loses the overlap, and only this kind of step).
-            prev, self._inflight = self._inflight, None
-            self._process(prev)
+            unread, self._inflight = self._inflight, None
+            self._process(unread)
         batch = self._schedule()
         launched = self._launch(*batch) if batch is not None else None
         if not self.overlap:
@@ -266,9 +267,11 @@ class Scheduler:
                 produces.append(start + n >= req.seq_len)
             req.kv_len = start + n
         engine = self.engine
-        fb = ForwardBatch.build(mode, ids, [r.req_slot for r in reqs], starts, lens, locs, engine.device, engine.host)
+        req_slots = cast(list[int], [r.req_slot for r in reqs])  # each scheduled request holds a slot
+        fb = ForwardBatch.build(mode, ids, req_slots, starts, lens, locs, engine.device, engine.host)
         self._write_page_table(fb)
         if prev_rows and any(r >= 0 for r in src):
+            assert self._inflight is not None  # prev_rows came from it
             fb.input_ids = feed_input_ids(fb.input_ids, src, self._inflight, engine.host)
         if mode == "extend":
             for req, done_prefill in zip(reqs, produces):
