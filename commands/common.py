@@ -123,8 +123,9 @@ def engine_options(offered: Iterable[str], exclude: Iterable[str] = ()) -> Calla
             opts = EngineOptions.from_params({n: kwargs.pop(n) for n in names})
             return command(**kwargs, opts=opts)
 
-        # Typer reads a command's options from its signature and annotations: show it the new ones.
-        run.__signature__ = sig.replace(parameters=params)
+        # Typer reads a command's options from its signature and annotations: show it the new ones
+        # (inspect.signature honours __signature__; typeshed does not declare it on functions).
+        run.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
         run.__annotations__ = {p.name: p.annotation for p in params if p.annotation is not p.empty}
         return run
 

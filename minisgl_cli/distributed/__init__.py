@@ -58,9 +58,8 @@ def init_tp(rank: int, cfg: DistConfig, device: torch.device) -> TPInfo:
     if cfg.tp_size == 1:
         return TPInfo()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=f"tcp://{cfg.init_addr}", world_size=cfg.tp_size, rank=rank,
-                            timeout=TIMEOUT, **kwargs)
+                            timeout=TIMEOUT, device_id=device if device.type == "cuda" else None)
     global _host_group
     _host_group = dist.new_group(backend="gloo", timeout=TIMEOUT) if backend != "gloo" else dist.group.WORLD
     return TPInfo(rank, cfg.tp_size)

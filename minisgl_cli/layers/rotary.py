@@ -37,6 +37,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # [max_positions, head_dim] fp32 buffers (registered below)
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None = None):
         super().__init__()
         inv, mult = _inv_freq(head_dim, base, scaling)

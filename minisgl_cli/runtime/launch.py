@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from typing import cast
 
 import zmq
 
@@ -103,7 +104,7 @@ class Runtime:
             ready = multiprocessing.connection.wait(list(sentinels))
             if self.stopping:
                 return
-            name = sentinels[ready[0]]
+            name = sentinels[cast(int, ready[0])]  # wait() returns the sentinels it was given
             self.dead = f"{name} (pid {self.procs[name].pid}) exited with code {self.procs[name].exitcode}"
             log.error("minisgl runtime: %s; stopping", self.dead)
             if self.on_death is not None:
