@@ -15,7 +15,18 @@ import threading
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    Literal,
+    NoReturn,
+    Optional,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 import typer
 
@@ -136,7 +147,7 @@ def _progress(line: str) -> None:
     typer.echo(f"minisgl: {line}", err=True)
 
 
-def _serve_ranks(runtime: Any, cfg: RuntimeConfig) -> None:
+def _serve_ranks(runtime: Any, cfg: RuntimeConfig) -> NoReturn:
     """A node other than 0: run its ranks until SIGINT / SIGTERM (exit 0) or a child dies (exit 1)."""
     ranks = cfg.dist.local_ranks()
     _progress(f"node {cfg.node_rank}: ranks {ranks.start}..{ranks.stop - 1} serving node 0's requests")
@@ -168,8 +179,9 @@ def engine_options(offered: Iterable[str], exclude: Iterable[str] = ()) -> Calla
             opts = EngineOptions.from_params({n: kwargs.pop(n) for n in names})
             return command(**kwargs, opts=opts)
 
-        # Typer reads a command's options from its signature and annotations: show it the new ones.
-        run.__signature__ = sig.replace(parameters=params)
+        # Typer reads a command's options from its signature and annotations: show it the new ones
+        # (inspect.signature honours __signature__; typeshed does not declare it on functions).
+        run.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
         run.__annotations__ = {p.name: p.annotation for p in params if p.annotation is not p.empty}
         return run
 
@@ -183,7 +195,7 @@ def _evaluated(p: inspect.Parameter, globalns: dict[str, Any]) -> inspect.Parame
     return p.replace(annotation=eval(p.annotation, globalns))  # noqa: S307 (a command's own annotation)
 
 
-def fail(message: str, code: int = 1) -> None:
+def fail(message: str, code: int = 1) -> NoReturn:
     """Print one line to stderr and exit non-zero: how every command reports bad input."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)

@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -67,7 +67,7 @@ class PrefixWarm:
 class EngineClient(Protocol):
     info: ModelInfo
 
-    def submit(self, req: GenerateRequest) -> AsyncIterator[Delta]:
+    def submit(self, req: GenerateRequest) -> AsyncGenerator[Delta, None]:
         """Stream a request's output; closing the stream early aborts the request (its KV is freed)."""
         ...
 
@@ -196,7 +196,7 @@ class RoutedClient:
             return None
 
     # --- requests ------------------------------------------------------------------------------
-    async def submit(self, req: GenerateRequest) -> AsyncIterator[Delta]:
+    async def submit(self, req: GenerateRequest) -> AsyncGenerator[Delta, None]:
         if (reason := self.failure()) is not None:
             raise RuntimeError(f"the engine is gone: {reason}")
         ids = await self.tokenize(req)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import fields
+from typing import cast
 
 from minisgl_cli.client import LocalClient, complete
 from minisgl_cli.engine.config import EngineConfig
@@ -29,14 +30,14 @@ class LLM:
             return GenerateRequest(prompt=prompt, params=params)
         if prompt and isinstance(prompt[0], dict):
             return GenerateRequest(messages=prompt, params=params)
-        return GenerateRequest(input_ids=list(prompt), params=params)
+        return GenerateRequest(input_ids=list(cast(list[int], prompt)), params=params)  # no dict first: token ids
 
     def generate(
         self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Completion]:
         """One Completion per prompt, all run concurrently (continuous batching)."""
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict)))
-        batch = [prompts] if single else list(prompts)
+        batch = cast(list[Prompt], [prompts] if single else list(prompts))  # `single` told the two shapes apart
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
 
         async def run() -> list[Completion]:

@@ -198,5 +198,5 @@ def encode(msg: Any) -> bytes:
     return msgpack.packb(msg, default=_default)
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes | memoryview) -> Any:  # a memoryview: zero-copy from a ZMQ frame
     return msgpack.unpackb(data, ext_hook=_ext)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.messages import DecodedPiece, TokenOutput
@@ -52,7 +53,7 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return cast(str, self.hf.decode(ids, skip_special_tokens=skip_special_tokens))  # one id list: one string
 
 
 @dataclass

@@ -75,7 +75,9 @@ def _smoke_check(
     shape = KVShape(1, num_kv_heads, head_dim, pool.shape.dtype)
     ps, seq = pool.page_size, 5
     tiny = KVPool(shape, num_pages=-(-seq // ps) + 1, page_size=ps, max_reqs=1, max_context_len=seq, device=pool.device)
-    slots = tiny.slots_of_pages(tiny.alloc_pages(-(-seq // ps)))[:seq]
+    pages = tiny.alloc_pages(-(-seq // ps))
+    assert pages is not None  # a fresh pool sized for them
+    slots = tiny.slots_of_pages(pages)[:seq]
     tiny.page_table[0, :seq] = slots.to(tiny.device, torch.int32)
     g = torch.Generator(device=pool.device).manual_seed(0)
     for t in (tiny.k[0], tiny.v[0]):

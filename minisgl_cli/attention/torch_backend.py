@@ -39,18 +39,19 @@ class TorchBackend(AttentionBackend):
             mask.masked_fill_(pad, float("-inf"))
             batch.attn_meta = TorchDecodeMeta(slots.reshape(-1), max_len, mask[:, None, None, :])
             return
-        slots, masks = [], []
+        kv_slots: list[torch.Tensor | None] = []
+        masks: list[torch.Tensor | None] = []
         rows = batch.req_slots.tolist()
         for row, seq_len, ext in zip(rows, batch.seq_lens_cpu, batch.extend_lens_cpu):
             prefix = seq_len - ext
             if prefix == 0:  # nothing cached: attend over this step's own k/v, no gather
-                slots.append(None)
+                kv_slots.append(None)
                 masks.append(None)
                 continue
-            slots.append(table[row, :seq_len].long())
+            kv_slots.append(table[row, :seq_len].long())
             q_pos = torch.arange(prefix, seq_len, device=table.device)[:, None]
             masks.append(torch.arange(seq_len, device=table.device)[None, :] <= q_pos)
-        batch.attn_meta = TorchExtendMeta(batch.qo_indptr.tolist(), slots, masks)
+        batch.attn_meta = TorchExtendMeta(batch.qo_indptr.tolist(), kv_slots, masks)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch

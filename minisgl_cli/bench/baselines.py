@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,7 +44,9 @@ class _HFModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        # transformers wraps .to() with functools.wraps, which typeshed leaves unbound (self not applied).
+        self.model = model.to(device).eval()  # type: ignore[arg-type]
         self.device = torch.device(device)
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
@@ -156,11 +158,8 @@ class HFBatchedRunner:
             gen = out[i, width:].tolist()[: r.max_new_tokens]
             # Count up to and including the first EOS, like the engine (rows after EOS are padding).
             n = next((k + 1 for k, t in enumerate(gen) if t in hf.eos_ids and not r.ignore_eos), len(gen))
-            timings.append(
-                RequestTiming(
-                    r.prompt_tokens, n, latency_s=dt, text=hf.tokenizer.decode(gen[:n], skip_special_tokens=True)
-                )
-            )
+            text = cast(str, hf.tokenizer.decode(gen[:n], skip_special_tokens=True))  # one id list: one string
+            timings.append(RequestTiming(r.prompt_tokens, n, latency_s=dt, text=text))
         return timings
 
     def warmup(self, requests: list[BenchRequest]) -> None:

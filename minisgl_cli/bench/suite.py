@@ -59,6 +59,8 @@ class BenchConfig:
             raise ValueError("--concurrency must be >= 1")
         if self.repeat < 1 or self.warmup < 0:
             raise ValueError("--repeat must be >= 1 and --warmup >= 0")
+        if not self.caches:
+            raise ValueError("--cache needs at least one prefix cache kind")
 
 
 def build_levels(
@@ -129,7 +131,7 @@ class Bench:
                 self.report.results.append(
                     BenchResult(runner.name, case.name, c, len(case.requests), metrics, case.params)
                 )
-                errors = {t.error for t in out.timings if not t.success}
+                errors = {t.error or "no error message" for t in out.timings if not t.success}
                 if errors:
                     self.note(
                         f"{runner.name} {case.name} c={c}: {metrics.failed} request(s) failed: {sorted(errors)[0]}"
@@ -183,6 +185,7 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str], Any], console: Co
             del client, runner
             _free(device)
 
+    assert report is not None  # BenchConfig requires at least one cache kind
     _run_baselines(cfg, bench, cases, model_dir, device, dtype, vocab_size, load_format)
     _run_peers(cfg, bench, cases, model_arg, device, vocab_size)
     return report
@@ -260,6 +263,8 @@ def run_online(cfg: BenchConfig, console: Console, model_arg: str | None) -> Ben
     """Benchmark a running OpenAI-compatible server; the tokenizer (for prompts) comes from --model."""
     from minisgl_cli.bench.online import OnlineRunner
 
+    if cfg.url is None:
+        raise ValueError("online mode needs --url")
     tokenizer, vocab_size = _local_tokenizer(model_arg, console)
     runner = OnlineRunner(cfg.url, api=cfg.api, model=cfg.served_model, request_rate=cfg.request_rate,
                           tokenizer=tokenizer, seed=cfg.seed)

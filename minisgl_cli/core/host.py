@@ -27,16 +27,18 @@ class _UploadRing:
         events = self._events.setdefault(dtype, [None] * self.SLOTS)
         i = self._next.get(dtype, 0)
         self._next[dtype] = (i + 1) % self.SLOTS
-        if events[i] is not None:
-            events[i].synchronize()
+        ev = events[i]
+        if ev is not None:
+            ev.synchronize()
         n = len(data)
-        if bufs[i] is None or bufs[i].numel() < n:
-            bufs[i] = torch.empty(max(n, 4096, 2 * (bufs[i].numel() if bufs[i] is not None else 0)),
-                                  dtype=dtype, pin_memory=True)
-        host = bufs[i][:n]
+        buf = bufs[i]
+        if buf is None or buf.numel() < n:
+            buf = bufs[i] = torch.empty(max(n, 4096, 2 * (buf.numel() if buf is not None else 0)),
+                                        dtype=dtype, pin_memory=True)
+        host = buf[:n]
         host.copy_(torch.tensor(data, dtype=dtype))
         out = host.to(device, non_blocking=True)
-        ev = events[i] or torch.cuda.Event()
+        ev = ev or torch.cuda.Event()
         ev.record()
         events[i] = ev
         return out

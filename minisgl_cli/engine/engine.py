@@ -85,6 +85,7 @@ class Engine:
         if source == "dummy":
             self.model.load_weights(dummy_checkpoint(mc, self.device, self.dtype, seed=cfg.seed))
         else:
+            assert model_dir is not None  # _locate gives a dir for every source but built-in dummies
             self.model.load_weights(iter_safetensors(model_dir))
         self.loaded = LoadedModel(name=name, model_dir=model_dir, source=source, load_s=0.0)
 

@@ -17,6 +17,7 @@ import torch
 
 from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("minisgl.graph")
 
@@ -36,7 +37,7 @@ def default_max_bs(free_bytes: int, max_running: int) -> int:
 
 
 class GraphRunner:
-    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, max_bs: int, vocab: int,
+    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_bs: int, vocab: int,
                  device: torch.device, dtype: torch.dtype):
         self.model = model
         self.attn = attn

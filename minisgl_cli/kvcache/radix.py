@@ -63,8 +63,10 @@ class RadixCache:
 
     def _split(self, node: RadixNode, n: int) -> RadixNode:
         """Cut node's run after n tokens; returns the new upper part (same locks, same place)."""
-        upper = RadixNode(node.key[:n], node.slots[:n], node.parent, {}, node.lock_ref, node.last_used)
-        upper.parent.children[self._head(upper.key)] = upper
+        parent = node.parent
+        assert parent is not None  # never the root: it holds no tokens to cut
+        upper = RadixNode(node.key[:n], node.slots[:n], parent, {}, node.lock_ref, node.last_used)
+        parent.children[self._head(upper.key)] = upper
         node.key, node.slots, node.parent = node.key[n:], node.slots[n:], upper
         upper.children[self._head(node.key)] = node
         return upper
@@ -116,6 +118,7 @@ class RadixCache:
                 self.evictable_tokens -= len(node.key)
                 self.protected_tokens += len(node.key)
             node.lock_ref += 1
+            assert node.parent is not None  # every node below the root has one
             node = node.parent
 
     def unlock(self, node: RadixNode) -> None:
@@ -124,6 +127,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.protected_tokens -= len(node.key)
                 self.evictable_tokens += len(node.key)
+            assert node.parent is not None  # every node below the root has one
             node = node.parent
 
     def evict(self, num_tokens: int) -> torch.Tensor:

@@ -57,6 +57,8 @@ class ColumnParallelLinear(nn.Module):
     def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
         """Copy this rank's rows of merged shard `shard` (the checkpoint's unsplit tensor) into place."""
         param = self.weight if name == "weight" else self.bias
+        if param is None:
+            raise KeyError(f"checkpoint has a {name!r} this layer was built without")
         start, size = self.ranges[shard]
         offset = sum(self.local_sizes[:shard])
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
@@ -81,6 +83,8 @@ class RowParallelLinear(nn.Module):
 
     def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
         if name == "bias":
+            if self.bias is None:
+                raise KeyError(f"checkpoint has a {name!r} this layer was built without")
             self.bias.data.copy_(whole(loaded))
             return
         self.weight.data.copy_(loaded.narrow(1, self.in_start, self.local_in))

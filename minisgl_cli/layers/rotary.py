@@ -11,7 +11,8 @@ from torch import nn
 def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin multiplier, as HF's rope init functions compute them."""
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):
         return inv, 1.0
     if kind == "linear":
@@ -36,6 +37,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # [max_positions, head_dim] fp32 buffers (registered below)
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None = None):
         super().__init__()
         inv, mult = _inv_freq(head_dim, base, scaling)

@@ -212,11 +212,9 @@ def _expected_names(hp: LlamaHParams) -> set[str]:
 def _write_config(hp: LlamaHParams, out: Path) -> None:
     from transformers import GenerationConfig, LlamaConfig
 
-    values = asdict(hp)
-    rope_theta = values.pop("rope_theta")
+    # Every field is named as LlamaConfig takes it (rope_theta too: transformers 5 reads it from kwargs).
     config = LlamaConfig(
-        **values,
-        rope_theta=rope_theta,
+        **asdict(hp),
         architectures=["LlamaForCausalLM"],
         dtype="float32",
     )
@@ -224,7 +222,7 @@ def _write_config(hp: LlamaHParams, out: Path) -> None:
     # Readers that parse config.json by hand (or older transformers) look for these keys.
     path = out / "config.json"
     raw = json.loads(path.read_text())
-    raw.setdefault("rope_theta", rope_theta)
+    raw.setdefault("rope_theta", hp.rope_theta)
     raw.setdefault("torch_dtype", "float32")
     path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
 

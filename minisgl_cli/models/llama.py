@@ -53,7 +53,7 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if ops is None:
-            if self.q_norm is not None:
+            if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rope(batch.positions, q, k)
         o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=ops is not None)
@@ -124,6 +124,7 @@ class LlamaForCausalLM(nn.Module):
         h, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
             h, residual = layer(h, residual, batch, attn)
+        assert residual is not None  # set by the first layer
         if not batch.is_decode:  # only each request's last token is sampled
             h, residual = h[batch.logits_indices], residual[batch.logits_indices]
         h, _ = self.norm.forward_residual(h, residual)

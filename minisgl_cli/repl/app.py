@@ -131,6 +131,7 @@ class ChatApp:
         """Cancel the reply in progress (what Ctrl-C does); True when there was one."""
         if not self.busy:
             return False
+        assert self.current is not None  # busy: a reply task is running
         self.current.cancel()
         return True
 
@@ -231,10 +232,10 @@ class ChatApp:
             loop.remove_signal_handler(signal.SIGINT)  # restores Python's default KeyboardInterrupt
 
     def show_stats(self) -> None:
-        turns = [t for t in self.session.turns if t.stats]
-        prompt = sum(t.stats.prompt_tokens for t in turns)
-        cached = sum(t.stats.cached_tokens for t in turns)
-        out = sum(t.stats.completion_tokens for t in turns)
+        stats = [t.stats for t in self.session.turns if t.stats]
+        prompt = sum(s.prompt_tokens for s in stats)
+        cached = sum(s.cached_tokens for s in stats)
+        out = sum(s.completion_tokens for s in stats)
         rows = [
             ("session turns (in context)", f"{len(self.session.turns)} ({len(self.session.history) // 2})"),
             ("session prompt / cached tokens", f"{prompt:,} / {cached:,} ({cached / prompt if prompt else 0:.0%})"),

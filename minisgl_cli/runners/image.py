@@ -14,6 +14,7 @@ def generate_images(loaded: LoadedPipeline, job: ImageJob, on_step: StepCallback
     import torch
 
     # A CPU generator gives the same noise for a seed on every device.
+    assert job.seed is not None  # ImageJob.__post_init__ resolved it
     generator = torch.Generator("cpu").manual_seed(job.seed)
     start = time.perf_counter()
     out = loaded.run(

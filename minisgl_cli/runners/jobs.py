@@ -65,10 +65,11 @@ def resolve_size(aspect: str | None, width: int | None, height: int | None) -> t
     if aspect is not None and aspect not in ASPECTS:
         raise MediaError(f"unknown aspect {aspect!r}: use one of {', '.join(ASPECTS)}", "aspect")
     aw, ah = ASPECTS[aspect or "1:1"]
-    if width is None and height is None:
-        width, height = aw, ah
-    elif width is None:
-        width = round(height * aw / ah / SIZE_MULTIPLE) * SIZE_MULTIPLE
+    if width is None:
+        if height is None:
+            width, height = aw, ah
+        else:
+            width = round(height * aw / ah / SIZE_MULTIPLE) * SIZE_MULTIPLE
     elif height is None:
         height = round(width * ah / aw / SIZE_MULTIPLE) * SIZE_MULTIPLE
     return check_size(width, height, "width/height")

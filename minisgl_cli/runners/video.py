@@ -24,6 +24,7 @@ def _to_uint8_frames(video: Any) -> list[Any]:
 def generate_video(loaded: LoadedPipeline, job: VideoJob, on_step: StepCallback | None = None) -> VideoResult:
     import torch
 
+    assert job.seed is not None  # VideoJob.__post_init__ resolved it
     generator = torch.Generator("cpu").manual_seed(job.seed)
     start = time.perf_counter()
     out = loaded.run(

@@ -18,6 +18,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
+from typing import cast
 
 import zmq
 
@@ -37,7 +39,7 @@ class Runtime:
         self.root = tempfile.mkdtemp(prefix="minisgl-")
         os.chmod(self.root, 0o700)  # the sockets are the engine's doors: this user only
         self.endpoints = Endpoints(self.root)
-        self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.procs: dict[str, BaseProcess] = {}  # spawn-context processes
         self.stopping = False
         self.dead: str | None = None  # the first child's death, in one line
         self._died = threading.Event()
@@ -94,7 +96,7 @@ class Runtime:
             first = multiprocessing.connection.wait(list(sentinels))[0]
             if self.stopping:
                 return
-            name = sentinels[first]  # type: ignore[index]  # wait() returns the sentinels it was given
+            name = sentinels[cast(int, first)]  # wait() returns the sentinels it was given
             proc = self.procs[name]
             proc.join(1.0)  # the sentinel fires as it dies; the exit code follows
             self.dead = f"{name} (pid {proc.pid}) exited with code {proc.exitcode}"
@@ -119,11 +121,8 @@ class Runtime:
         """SIGTERM every child, SIGKILL what is left after STOP_TIMEOUT_S; remove the ipc directory."""
         self.stopping = True
         for p in self.procs.values():
-            if p.exitcode is None and p.pid is not None:
-                try:
-                    os.kill(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            if p.exitcode is None:
+                p.terminate()  # SIGTERM; a child that is already gone is skipped
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))

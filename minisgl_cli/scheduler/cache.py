@@ -92,6 +92,7 @@ class CacheManager:
         existing = self.tree.insert(ids, torch.tensor(self.slots(req, 0, aligned), dtype=torch.int64))
         m = self.tree.match(ids)
         self.tree.lock(m.node)
+        assert req.prefix_node is not None  # match() locked one at admission
         self.tree.unlock(req.prefix_node)
         # Pages below `existing` duplicate what another request cached first: point at the tree's, free ours.
         first_own, covered = old // p, aligned // p - old // p

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minisgl_cli.core.batch import Mode
 from minisgl_cli.core.host import HostBuffers
 from minisgl_cli.scheduler.request import Req
 
@@ -24,7 +25,7 @@ from minisgl_cli.scheduler.request import Req
 class Launched:
     """One step sent to the device; its tokens are read by `tokens()` (the only wait on the GPU)."""
 
-    mode: str
+    mode: Mode
     reqs: list[Req]
     lens: list[int]
     produces: list[bool]  # False for a chunk of a long prompt: no token yet
@@ -34,7 +35,7 @@ class Launched:
     rows: dict[int, int] = field(default_factory=dict)  # id(req) -> row, for requests that sampled
 
     @staticmethod
-    def start(mode: str, reqs: list[Req], lens: list[int], produces: list[bool], next_ids: torch.Tensor,
+    def start(mode: Mode, reqs: list[Req], lens: list[int], produces: list[bool], next_ids: torch.Tensor,
               host: HostBuffers, async_copy: bool) -> Launched:
         """With `async_copy` (overlap) on CUDA, the ids start their way back into one of `host`'s pinned buffers."""
         rows = {id(r): i for i, (r, p) in enumerate(zip(reqs, produces)) if p}
@@ -50,6 +51,7 @@ class Launched:
         if self.event is None:
             return self.next_ids.tolist()
         self.event.synchronize()
+        assert self.host is not None  # start() sets it with the event
         return self.host.tolist()
 
 

@@ -15,10 +15,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
-from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.core.batch import ForwardBatch, Mode
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.engine.sampler import SamplingRow
 from minisgl_cli.env import disable_overlap_scheduling as overlap_disabled_by_env
@@ -135,8 +136,8 @@ class Scheduler:
         if self._inflight is not None and self._penalized_running():
             # Presence/frequency penalties count every earlier token, including the one the in-flight
             # step is sampling: read it first (this step loses the overlap, and only this kind of step).
-            prev, self._inflight = self._inflight, None
-            self._process(prev)
+            unread, self._inflight = self._inflight, None
+            self._process(unread)
         batch = self._schedule()
         launched = self._launch(*batch) if batch is not None else None
         if not self.overlap:
@@ -151,7 +152,7 @@ class Scheduler:
     def _penalized_running(self) -> bool:
         return any(r.params.penalized for r in self.running)
 
-    def _schedule(self) -> tuple[str, list[Req], list[int]] | None:
+    def _schedule(self) -> tuple[Mode, list[Req], list[int]] | None:
         prefill_turn = self.cfg.policy == "prefill-first" or self._last_was_decode or not self.running
         if self.waiting and prefill_turn:
             batch = self._prefill_batch()
@@ -161,9 +162,10 @@ class Scheduler:
             return self._decode_batch()
         return None
 
-    def _prefill_batch(self) -> tuple[str, list[Req], list[int]] | None:
+    def _prefill_batch(self) -> tuple[Mode, list[Req], list[int]] | None:
         budget = self.cfg.max_prefill_tokens
-        reqs, lens = [], []
+        reqs: list[Req] = []
+        lens: list[int] = []
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) + len(reqs) >= self.max_running:
                 break
@@ -205,7 +207,7 @@ class Scheduler:
         else:
             s.cache_miss_requests += 1
 
-    def _decode_batch(self) -> tuple[str, list[Req], list[int]] | None:
+    def _decode_batch(self) -> tuple[Mode, list[Req], list[int]] | None:
         retracted = False
         for req in list(self.running):
             if retracted and req not in self.running:
@@ -235,7 +237,7 @@ class Scheduler:
         """Whether the launched-but-unread step sampled a token for `req` (overlap only)."""
         return self._inflight is not None and id(req) in self._inflight.rows
 
-    def _launch(self, mode: str, reqs: list[Req], lens: list[int]) -> Launched:
+    def _launch(self, mode: Mode, reqs: list[Req], lens: list[int]) -> Launched:
         """Build the step's batch on the host, write its page-table rows, and start it on the device."""
         if mode == "extend":
             log.info("prefill: %d req, %d tokens (%s)", len(reqs), sum(lens),
@@ -265,9 +267,11 @@ class Scheduler:
                 produces.append(start + n >= req.seq_len)
             req.kv_len = start + n
         engine = self.engine
-        fb = ForwardBatch.build(mode, ids, [r.req_slot for r in reqs], starts, lens, locs, engine.device, engine.host)
+        req_slots = cast(list[int], [r.req_slot for r in reqs])  # each scheduled request holds a slot
+        fb = ForwardBatch.build(mode, ids, req_slots, starts, lens, locs, engine.device, engine.host)
         self._write_page_table(fb)
         if prev_rows and any(r >= 0 for r in src):
+            assert self._inflight is not None  # prev_rows came from it
             fb.input_ids = feed_input_ids(fb.input_ids, src, self._inflight, engine.host)
         if mode == "extend":
             for req, done_prefill in zip(reqs, produces):

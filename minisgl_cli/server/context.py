@@ -94,6 +94,7 @@ class ServerContext:
         self.gate.admit(len(reqs))
         if log.isEnabledFor(logging.INFO):
             for r in reqs:
+                assert r.input_ids is not None  # the routes tokenize before they start a run
                 log.info("rid=%s %s admitted: prompt_tokens=%d max_new_tokens=%d temperature=%s inflight=%d",
                          r.rid, endpoint, len(r.input_ids), r.params.max_new_tokens, r.params.temperature,
                          self.gate.inflight)

@@ -61,7 +61,7 @@ class ControlChannel:
     def _serve(self) -> None:
         import zmq
 
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         sock = ctx.socket(zmq.REP)
         sock.setsockopt(zmq.LINGER, 0)
         try:

@@ -92,7 +92,7 @@ def serve(make_client: Callable[[threading.Event], EngineClient], settings: Serv
 
     RuntimeError (one line) when the port cannot be bound or the engine dies while serving."""
     starting = StartingApp()
-    server = BackgroundServer(starting, cfg.host, cfg.port, log_level=cfg.log_level, graceful_s=5.0)
+    server = BackgroundServer(starting, cfg.host, cfg.port, log_level=cfg.log_level, graceful_s=5)
     server.start(healthy=False)
     client: EngineClient | None = None
     control: ControlChannel | None = None
@@ -133,7 +133,7 @@ class BackgroundServer:
     `with BackgroundServer(app) as url:`."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None, startup_timeout: float = 30.0,
-                 log_level: str = "warning", graceful_s: float = 2.0):
+                 log_level: str = "warning", graceful_s: int = 2):
         self.host, self.port = host, port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level=log_level,

@@ -47,14 +47,14 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self.started = time.time()
         self.inflight = 0
-        self.requests = Counter()  # (endpoint, status) -> count
+        self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) -> count
         self.rejected = 0  # 429s from the inflight cap
         self.disconnects = 0
         self.downscaled = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.completion_tokens = 0
-        self.finished = Counter()  # finish_reason -> count
+        self.finished: Counter[str] = Counter()  # finish_reason -> count
         self.ttft = Histogram()
         self.e2e = Histogram()
         self._recent_ttft: deque[float] = deque(maxlen=window)

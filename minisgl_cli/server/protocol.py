@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, cast
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -176,9 +176,10 @@ class CompletionRequest(_Sampling):
             return [p]
         if not p:
             return []
+        # Validation made p one of the list types whole: all() tells token ids from a list of prompts.
         if all(isinstance(x, int) for x in p):
-            return [list(p)]  # one prompt of token ids
-        return list(p)
+            return [cast(TokenIds, list(p))]  # one prompt of token ids
+        return cast("list[str | list[int]]", list(p))
 
 
 class CompletionChoice(BaseModel):

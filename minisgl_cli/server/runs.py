@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -77,7 +77,8 @@ class EngineRun:
         while (event := await self.next()) is not None:
             i, delta = event
             texts[i] += delta.text
-        return [(texts[i], self.finals[i]) for i in range(len(self.reqs))]
+        # next() returned None: every request finished, so every final delta is set.
+        return list(zip(texts, cast("list[Delta]", self.finals)))
 
     async def first_event(self, request: Request) -> tuple[int, Delta] | None:
         """Wait for the first delta before answering, so early engine errors get a real status."""
