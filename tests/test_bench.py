@@ -318,3 +318,26 @@ def test_online_bench_against_minisgl_server(tmp_path):
     assert r["engine"].startswith("server@127.0.0.1") and r["concurrency"] == 2
     assert r["completed"] == 2 and r["failed"] == 0 and r["total_output_tokens"] == 8  # server usage counts
     assert r["median_ttft_ms"] > 0 and doc["meta"]["mode"] == "online"
+
+
+@pytest.mark.slow
+def test_online_bench_times_tokens_when_neither_side_has_a_tokenizer(tmp_path):
+    """A server on dummy weights streams token-only chunks; the client (no tokenizer for qwen3-0.6b here)
+    still reports TTFT, TPOT and ITL from them, and counts tokens from the server's usage."""
+    from minisgl_cli.client import LocalClient
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.server.app import create_app
+    from minisgl_cli.server.launch import BackgroundServer
+
+    client = LocalClient(EngineConfig(model="smollm2-135m", load_format="dummy", max_total_tokens=2048))
+    out_json = tmp_path / "online.json"
+    try:
+        with BackgroundServer(create_app(client)) as url:
+            _invoke(["--url", url, "--model", "qwen3-0.6b", "--dataset", "random", "--num-prompts", "4",
+                     "--input-len", "16", "--output-len", "8", "--max-concurrency", "2", "--warmup", "0",
+                     "--output-json", str(out_json)])
+    finally:
+        client.close()
+    (r,) = json.loads(out_json.read_text())["results"]
+    assert r["completed"] == 4 and r["failed"] == 0
+    assert r["median_ttft_ms"] > 0 and r["median_tpot_ms"] > 0 and r["median_itl_ms"] > 0

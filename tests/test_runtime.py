@@ -4,8 +4,12 @@ real child processes. TP 2 must give the same greedy tokens as one process."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
+import httpx
 import pytest
+from serve_process import Serve, gone
 
 from minisgl_cli.client import LocalClient, complete
 from minisgl_cli.engine.config import EngineConfig
@@ -58,3 +62,48 @@ def test_tp2_equals_one_process_on_tiny_models(tiny_model_dirs, arch):
 def test_tp2_equals_one_process_on_the_default_model(default_model_dir):
     # SmolLM2 has 9 query / 3 KV heads: rank 0 takes 2 KV heads (6 query), rank 1 one (3).
     _same_tokens_as_one_process(str(default_model_dir), tp=2, num_tokenizer=2)
+
+
+def test_two_nodes_on_one_host_give_the_tokens_of_one_process(tiny_model_dirs, tmp_path):
+    """--nnodes 2 as two groups of processes: node 1 runs rank 1 only (no HTTP), node 0 the API and rank 0;
+    they meet through torch.distributed's rendezvous at --dist-init-addr."""
+    model = tiny_model_dirs["qwen3"]
+    prompts = [[5, 17, 99, 4000, 12], [7, 7, 300]]
+    local = LocalClient(EngineConfig(model=str(model), max_total_tokens=2048))
+    try:
+        want = [_text(local, ids) for ids in prompts]
+    finally:
+        local.close()
+    common = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}")
+    worker = Serve(model, tmp_path, *common, "--node-rank", "1")
+    head = Serve(model, tmp_path, *common, "--node-rank", "0")
+    try:
+        head.wait_healthy()
+        assert "node 1: ranks 1..1 serving" in worker.stderr()
+        got = [httpx.post(f"{head.url}/v1/completions", timeout=60, json={
+            "model": "default", "prompt": ids, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+        }).json()["choices"][0]["text"] for ids in prompts]
+        assert got == want
+        pids = [*head.children().values(), *worker.children().values()]
+        head.proc.terminate()
+        assert head.proc.wait(10) == 0, head.stderr()
+        worker.proc.terminate()
+        worker.proc.wait(10)
+        assert gone(pids) == []
+    finally:
+        head.stop()
+        worker.stop()
+
+
+def _text(client, ids: list[int]) -> str:
+    req = GenerateRequest(input_ids=ids, params=SamplingParams(max_new_tokens=10, ignore_eos=True))
+    return asyncio.run(complete(client, req)).text
+
+
+def test_smoke_with_tp_2_answers_paris():
+    out = subprocess.run([sys.executable, "-m", "minisgl_cli.app", "smoke", "--tp", "2",
+                          "--dist-init-addr", f"127.0.0.1:{free_port()}", "What is the capital of France?",
+                          "--max-new-tokens", "12"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "scheduler rank 1 ready" in out.stderr

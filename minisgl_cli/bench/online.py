@@ -43,14 +43,19 @@ def parse_sse_line(line: str) -> dict | None | str:
         return None
 
 
-def chunk_text(payload: dict, api: str) -> str:
+def chunk_text(payload: dict, api: str) -> str | None:
+    """A streamed chunk's generated text ("" when its tokens have no text yet, e.g. a server without a
+    tokenizer); None for chunks that carry no tokens (the role, the finish reason, usage)."""
     choices = payload.get("choices") or []
     if not choices:
-        return ""
+        return None
     c = choices[0]
     if api == "chat":
-        return (c.get("delta") or {}).get("content") or ""
-    return c.get("text") or ""
+        delta = c.get("delta") or {}
+        text = delta.get("content")
+        return None if delta.get("role") or (text is None) or (not text and c.get("finish_reason")) else text
+    text = c.get("text")
+    return None if text is None or (not text and c.get("finish_reason")) else text
 
 
 class OnlineRunner:
@@ -106,7 +111,7 @@ class OnlineRunner:
                     if payload.get("error"):
                         raise RuntimeError(str(payload["error"])[:200])
                     now = time.perf_counter() - t0
-                    if text := chunk_text(payload, self.api):
+                    if (text := chunk_text(payload, self.api)) is not None:
                         if timing.ttft_s is None:
                             timing.ttft_s = now
                         timing.chunk_times_s.append(now)

@@ -7,6 +7,7 @@ instead of hanging for ever. TP 1 never touches torch.distributed.
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,8 @@ def init_tp(rank: int, cfg: DistConfig, device: torch.device) -> TPInfo:
         return TPInfo()
     url = f"tcp://{cfg.init_addr}"
     if device.type == "cuda":
+        # NVLink multicast (NVLS) can take the GPUs of a shared host down; off unless the user says otherwise.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         dist.init_process_group("nccl", init_method=url, world_size=cfg.tp_size, rank=rank, timeout=TIMEOUT,
                                 device_id=device)
         host = dist.new_group(backend="gloo", timeout=TIMEOUT)

@@ -62,7 +62,7 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
                 if d.error:
                     yield sse(error_frame(d))
                     break
-                if d.text:
+                if d.text or d.token_ids:  # token-only deltas too (no tokenizer, held-back UTF-8): clients time them
                     yield sse(p.chat_chunk(cid, ts, model, i, content=d.text, with_usage_field=with_usage))
                 if d.finish_reason:
                     yield sse(p.chat_chunk(cid, ts, model, i, finish_reason=d.finish_reason,
@@ -109,7 +109,7 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
                 if d.error:
                     yield sse(error_frame(d))
                     break
-                if d.text or d.finish_reason:
+                if d.text or d.token_ids or d.finish_reason:  # token-only deltas too: clients time them
                     yield sse(p.completion_chunk(cid, ts, model, i, d.text, d.finish_reason, with_usage))
                 event = await run.next()
             if with_usage:

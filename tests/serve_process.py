@@ -1,0 +1,87 @@
+"""A real `minisgl serve` process for tests: its port, its children (from its start-up lines), its stderr."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from minisgl_cli.server.launch import free_port
+
+
+class Serve:
+    """One `minisgl serve --model MODEL ARGS...` process (on a free port, stderr to a file in `tmp`)."""
+
+    def __init__(self, model: Path, tmp: Path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.err_path = tmp / f"serve-{self.port}.err"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "minisgl_cli.app", "serve", "--model", str(model), "--port", str(self.port),
+             "--max-total-tokens", "2048", *args],
+            stdout=subprocess.DEVNULL, stderr=self.err_path.open("w"), env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def health(self) -> int | None:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code
+        except httpx.HTTPError:
+            return None
+
+    def wait_healthy(self, timeout: float = 240) -> list[int]:
+        """Poll /health until 200; the statuses seen on the way."""
+        seen: list[int] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"serve exited early:\n{self.stderr()}"
+            status = self.health()
+            if status is not None and (not seen or seen[-1] != status):
+                seen.append(status)
+            if status == 200:
+                return seen
+            time.sleep(0.1)
+        raise AssertionError(f"not healthy after {timeout}s:\n{self.stderr()}")
+
+    def children(self) -> dict[str, int]:
+        """Child pids by name, from the 'starting NAME (pid N)' lines."""
+        out = {}
+        for line in self.stderr().splitlines():
+            if "starting " in line and "(pid " in line:
+                name = line.split("starting ", 1)[1].rsplit(" (pid ", 1)[0]
+                out[name] = int(line.rsplit("(pid ", 1)[1].rstrip(")"))
+        return out
+
+    def answers(self) -> bool:
+        r = httpx.post(f"{self.url}/v1/completions", json={"model": "default", "prompt": [1, 2, 3], "max_tokens": 4,
+                                                          "temperature": 0}, timeout=60)
+        return r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def gone(pids: list[int], timeout: float = 10) -> list[int]:
+    """The pids still alive after `timeout` (zombies count as gone: their parent is dead or reaping)."""
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.1)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,76 @@
+"""`minisgl serve` as a user runs it, as a real process with its children: start-up, signals, deaths, orphans.
+
+Each test starts `minisgl serve --tp 2 --num-tokenizer 1` on a tiny model (CPU, gloo), so every kind of
+child exists: the detokenizer, a tokenizer worker and two scheduler ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from serve_process import Serve, gone
+
+from minisgl_cli.server.launch import free_port
+
+pytestmark = pytest.mark.slow
+
+CHILD_KINDS = ["detokenizer", "tokenizer 0", "scheduler rank 0", "scheduler rank 1"]
+
+
+@pytest.fixture
+def serve(tiny_model_dirs, tmp_path):
+    started: list[Serve] = []
+
+    def start() -> Serve:
+        s = Serve(tiny_model_dirs["llama"], tmp_path, "--tp", "2", "--num-tokenizer", "1",
+                  "--dist-init-addr", f"127.0.0.1:{free_port()}")
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def test_health_is_503_until_every_rank_is_ready_then_200(serve):
+    s = serve()
+    seen = s.wait_healthy()
+    assert seen[0] == 503 and seen[-1] == 200, seen
+    assert set(s.children()) == set(CHILD_KINDS)
+    assert s.answers()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_every_child_within_5s(serve, sig):
+    s = serve()
+    s.wait_healthy()
+    pids = list(s.children().values())
+    t0 = time.monotonic()
+    s.proc.send_signal(sig)
+    assert s.proc.wait(10) == 0, s.stderr()
+    assert time.monotonic() - t0 < 5 + 1  # children within 5 s; the last second is the server's own exit
+    assert gone(pids, 1) == []
+
+
+@pytest.mark.parametrize("kind", CHILD_KINDS)
+def test_a_dead_child_stops_the_server_with_one_line_naming_it(serve, kind):
+    s = serve()
+    s.wait_healthy()
+    children = s.children()
+    os.kill(children[kind], signal.SIGKILL)
+    assert s.proc.wait(30) != 0
+    last = s.stderr().strip().splitlines()[-1]
+    assert last.startswith("error: ") and f"{kind} (pid {children[kind]}) exited with code -9" in last, last
+    assert gone(list(children.values())) == []
+
+
+def test_kill_9_of_the_server_leaves_no_orphan(serve):
+    s = serve()
+    s.wait_healthy()
+    pids = list(s.children().values())
+    s.proc.kill()
+    s.proc.wait(10)
+    assert gone(pids) == []
