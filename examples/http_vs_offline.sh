@@ -4,7 +4,7 @@
 # one. Each runs the preset twice (two draws); the table reports the second, warm one. Logs under $OUT.
 #
 #   OUT=/tmp/http bash examples/http_vs_offline.sh                 # GPU: Qwen3-0.6B dummy weights
-#   MODEL=smollm2-135m NUM_PROMPTS=8 DEVICE=cpu bash examples/http_vs_offline.sh   # a quick CPU check
+#   MODEL=smollm2-135m NUM_PROMPTS=2 DEVICE=cpu MAX_TOTAL_TOKENS=8192 bash examples/http_vs_offline.sh  # CPU check
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/http_vs_offline}; mkdir -p "$OUT"
@@ -12,7 +12,7 @@ MODEL=${MODEL:-qwen3-0.6b}
 NUM_PROMPTS=${NUM_PROMPTS:-256}
 PORT=${PORT:-8199}
 PY=${PY:-python3}
-ENGINE=(--model "$MODEL" --load-format dummy --max-running-requests 256 --max-total-tokens 300000)
+ENGINE=(--model "$MODEL" --load-format dummy --max-running-requests 256 --max-total-tokens "${MAX_TOTAL_TOKENS:-300000}")
 [ -n "$DEVICE" ] && ENGINE+=(--device "$DEVICE")
 [ "${DEVICE:-cuda}" != cpu ] && ENGINE+=(--cuda-graph-max-bs 256)
 LEVELS=(--concurrency 256 --concurrency 256)

@@ -51,6 +51,7 @@ from minisgl_cli.types import (
 log = logging.getLogger("minisgl.client")
 
 STALL_S = 30.0  # a scheduler loop silent this long is reported unhealthy (a step never takes that long)
+ENGINE_GONE = "the engine is gone"  # how the error of a request whose engine died begins
 
 
 @dataclass
@@ -170,7 +171,7 @@ class RoutedClient:
 
     def _fail_all(self, reason: str) -> None:
         """The engine is gone: end every open stream and pending query with `reason` (from any thread)."""
-        self._route({rid: [self._error_item(rid, f"the engine is gone: {reason}")] for rid in list(self._streams)},
+        self._route({rid: [self._error_item(rid, f"{ENGINE_GONE}: {reason}")] for rid in list(self._streams)},
                     lambda items: True)
         for qid in list(self._replies):
             fut = self._replies.pop(qid, None)
@@ -198,7 +199,7 @@ class RoutedClient:
     # --- requests ------------------------------------------------------------------------------
     async def submit(self, req: GenerateRequest) -> AsyncGenerator[Delta, None]:
         if (reason := self.failure()) is not None:
-            raise RuntimeError(f"the engine is gone: {reason}")
+            raise RuntimeError(f"{ENGINE_GONE}: {reason}")
         ids = await self.tokenize(req)
         if req.rid in self._streams:
             raise ValueError(f"request id {req.rid!r} is already in flight")

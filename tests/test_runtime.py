@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -79,7 +80,10 @@ def test_two_nodes_on_one_host_give_the_tokens_of_one_process(tiny_model_dirs, t
     head = Serve(model, tmp_path, *common, "--node-rank", "0")
     try:
         head.wait_healthy()
-        assert "node 1: ranks 1..1 serving" in worker.stderr()
+        deadline = time.monotonic() + 30  # the worker says so a moment after its rank reports ready
+        while "node 1: ranks 1..1 serving" not in worker.stderr():
+            assert time.monotonic() < deadline, worker.stderr()
+            time.sleep(0.1)
         got = [httpx.post(f"{head.url}/v1/completions", timeout=60, json={
             "model": "default", "prompt": ids, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
         }).json()["choices"][0]["text"] for ids in prompts]

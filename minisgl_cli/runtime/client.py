@@ -55,7 +55,8 @@ class RemoteClient(RoutedClient):
         self._lock = threading.Lock()  # zmq sockets are not thread-safe; fronts send from several threads
         self._beat = time.monotonic()
         self._closed = False
-        threading.Thread(target=self._receive, name="minisgl-api-recv", daemon=True).start()
+        self._receiver = threading.Thread(target=self._receive, name="minisgl-api-recv", daemon=True)
+        self._receiver.start()
         runtime.on_death(self._fail_all)
 
     # --- transport -----------------------------------------------------------------------------
@@ -63,14 +64,16 @@ class RemoteClient(RoutedClient):
         key = msg.rid if isinstance(msg, AddRequest | AbortRequest) else str(msg.qid)
         sock = self._out[zlib.crc32(key.encode()) % len(self._out)]
         with self._lock:
-            send(sock, msg)
+            if not self._closed:  # an abort from a stream that outlives close() goes nowhere
+                send(sock, msg)
 
     def _receive(self) -> None:
-        while True:
-            try:
-                msg = recv(self._inbox)
-            except zmq.ZMQError:  # closed
-                return
+        # Polls rather than blocking in recv: a socket may only be closed by its own thread's side of the
+        # context, so close() waits for this loop to leave before destroying the context (else libzmq aborts).
+        while not self._closed:
+            if not self._inbox.poll(100):
+                continue
+            msg = recv(self._inbox)
             if isinstance(msg, DetokOutput):
                 by_rid: dict[str, list[DecodedPiece]] = {}
                 for p in msg.pieces:
@@ -121,4 +124,6 @@ class RemoteClient(RoutedClient):
             return
         self._closed = True
         self.runtime.shutdown()
-        self._ctx.destroy(linger=0)
+        self._receiver.join(5)
+        with self._lock:
+            self._ctx.destroy(linger=0)

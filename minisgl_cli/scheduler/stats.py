@@ -7,7 +7,8 @@ from collections import deque
 
 
 class RollingRate:
-    """Tokens per second over the last `window` seconds."""
+    """Tokens per second over the last `window` seconds (from the oldest event still in it to now), so a
+    burst reads at its own rate while it lasts and fades to 0 a window after it ends."""
 
     def __init__(self, window: float = 10.0):
         self.window = window

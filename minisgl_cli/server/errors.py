@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minisgl_cli.client import ENGINE_GONE
 from minisgl_cli.server import protocol as p
 from minisgl_cli.types import Delta
 
@@ -38,8 +39,11 @@ class Disconnected(Exception):
 
 
 def engine_error(delta: Delta) -> InputError:
-    """The error a failed engine request answers with: 500 for engine faults, 400 for the input's."""
+    """The error a failed engine request answers with: 503 when the engine died, 500 for engine faults,
+    400 for the input's."""
     message = delta.error or "unknown engine error"
+    if message.startswith(ENGINE_GONE):
+        return InputError(message, status=503, code="engine_unavailable")
     if message.startswith("internal error"):
         return InputError(message, status=500, code="engine_error")
     return InputError(message, code="context_length_exceeded" if "context limit" in message else None)

@@ -12,6 +12,7 @@ import time
 from collections import Counter, deque
 from typing import Any
 
+from minisgl_cli.scheduler.stats import RollingRate
 from minisgl_cli.types import RequestStats, SchedulerStats
 
 # Seconds; wide enough for a CPU box under load and a GPU alike.
@@ -59,8 +60,7 @@ class ServerMetrics:
         self.e2e = Histogram()
         self._recent_ttft: deque[float] = deque(maxlen=window)
         self._recent_e2e: deque[float] = deque(maxlen=window)
-        self._rate_window_s = rate_window_s
-        self._done_tokens: deque[tuple[float, int]] = deque()  # (finish time, completion tokens)
+        self._completions = RollingRate(rate_window_s)  # completion tokens of requests that finished lately
 
     # --- recording -----------------------------------------------------------------------------
     def request(self, endpoint: str, status: int) -> None:
@@ -94,13 +94,7 @@ class ServerMetrics:
                 self.e2e.observe(stats.latency_s)
                 self._recent_ttft.append(stats.ttft_s)
                 self._recent_e2e.append(stats.latency_s)
-                self._done_tokens.append((time.perf_counter(), stats.completion_tokens))
-
-    def _completion_tok_s(self) -> float:
-        now = time.perf_counter()
-        while self._done_tokens and self._done_tokens[0][0] < now - self._rate_window_s:
-            self._done_tokens.popleft()
-        return sum(n for _, n in self._done_tokens) / self._rate_window_s
+                self._completions.add(stats.completion_tokens)
 
     # --- rendering -----------------------------------------------------------------------------
     def to_json(self, sched: SchedulerStats, model: str, max_inflight: int | None) -> dict[str, Any]:
@@ -128,7 +122,7 @@ class ServerMetrics:
                     "e2e_ms": {"p50": _ms(_percentile(e2e, 0.5)), "p99": _ms(_percentile(e2e, 0.99))},
                 },
                 "throughput": {
-                    "completion_tok_s": round(self._completion_tok_s(), 3),
+                    "completion_tok_s": round(self._completions.rate(), 3),
                     "decode_tok_s": round(sched.decode_tok_s, 3),
                     "prefill_tok_s": round(sched.prefill_tok_s, 3),
                 },
