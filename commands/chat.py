@@ -46,7 +46,7 @@ def chat(
     out = Console(highlight=False, soft_wrap=not interactive)
     view = ChatView(out, out if interactive else Console(stderr=True, highlight=False, soft_wrap=True), verbose)
     settings = ChatSettings(max_new_tokens=max_new_tokens, temperature=temperature, system=system,
-                            multi_turn=multi_turn)
+                            multi_turn=multi_turn, logprobs=verbose)
     try:
         client = load_engine(view, opts.engine.model, opts.engine.load_format, opts.client)
     except ModelLoadError as exc:

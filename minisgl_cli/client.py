@@ -45,6 +45,7 @@ from minisgl_cli.types import (
     RequestStats,
     SamplingParams,
     SchedulerStats,
+    TokenLogprob,
     new_request_id,
 )
 
@@ -103,15 +104,18 @@ async def complete(client: EngineClient, req: GenerateRequest) -> Completion:
     """Run a request to the end and return the whole result (ValueError on an engine error)."""
     parts: list[str] = []
     ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = [] if req.params.wants_logprobs else None
     final: Delta | None = None
     async for d in client.submit(req):
         if d.error:
             raise ValueError(d.error)
         parts.append(d.text)
         ids.extend(d.token_ids)
+        if logprobs is not None and d.logprobs:
+            logprobs.extend(d.logprobs)
         final = d
     assert final is not None and final.stats is not None
-    return Completion(req.rid, "".join(parts), ids, final.finish_reason, final.stats)
+    return Completion(req.rid, "".join(parts), ids, final.finish_reason, final.stats, logprobs)
 
 
 class _Stream:
@@ -265,8 +269,10 @@ def _delta(rid: str, piece: DecodedPiece, stats: RequestStats, t0: float) -> Del
     if piece.error:
         return Delta(rid, error=piece.error, stats=stats)
     if log.isEnabledFor(logging.INFO) and piece.token_ids:
-        log.info("decode %s: token ids %s -> %r", rid, piece.token_ids, piece.text)
-    return Delta(rid, piece.text, piece.token_ids, piece.finish_reason, stats if piece.finish_reason else None)
+        lps = f" logprobs {[round(lp.logprob, 3) for lp in piece.logprobs]}" if piece.logprobs else ""
+        log.info("decode %s: token ids %s -> %r%s", rid, piece.token_ids, piece.text, lps)
+    return Delta(rid, piece.text, piece.token_ids, piece.finish_reason, stats if piece.finish_reason else None,
+                 logprobs=piece.logprobs)
 
 
 def _ended(items: list[TokenOutput]) -> bool:

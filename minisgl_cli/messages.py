@@ -16,7 +16,15 @@ from typing import Any
 
 import msgpack
 
-from minisgl_cli.types import FinishReason, GenerateRequest, ModelInfo, SamplingParams, SchedulerStats
+from minisgl_cli.types import (
+    FinishReason,
+    GenerateRequest,
+    ModelInfo,
+    SamplingParams,
+    SchedulerStats,
+    TokenLogprob,
+    TopLogprob,
+)
 
 
 # --- to the scheduler --------------------------------------------------------------------------------
@@ -59,6 +67,10 @@ class TokenOutput:
     cached_tokens: int = 0
     error: str | None = None
     prefill_s: float | None = None  # on the first token: its prefill time, queueing excluded
+    # Only when the request asked for logprobs: the token's, and the top candidates' ids and logprobs.
+    logprob: float | None = None
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -111,6 +123,7 @@ class DecodedPiece:
     cached_tokens: int
     prefill_s: float | None  # set on the batch holding the first token
     stopped_early: bool = False  # a stop string ended it while the scheduler still runs it
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -158,7 +171,7 @@ class Failed:
 
 # --- wire format -------------------------------------------------------------------------------------
 _TYPES: list[type] = [
-    SamplingParams, GenerateRequest, SchedulerStats, ModelInfo,
+    SamplingParams, GenerateRequest, SchedulerStats, ModelInfo, TokenLogprob, TopLogprob,
     AddRequest, AbortRequest, StatsQuery, CheckPagesQuery,
     TokenOutput, StepOutput, StatsReply, CheckPagesReply,
     TokenizeQuery, TokenizeReply, DecodedPiece, DetokOutput, Heartbeat, RankBatch, Ready, Failed,
@@ -186,7 +199,7 @@ def _default(obj: Any) -> msgpack.ExtType:
 
 def _ext(code: int, data: bytes) -> Any:
     cls = _TYPES[code]
-    values = msgpack.unpackb(data, ext_hook=_ext)
+    values = msgpack.unpackb(data, ext_hook=_ext, strict_map_key=False)  # logit_bias maps token ids
     rows = _ROWS.get(cls)
     if rows is not None:
         row = rows[0]
@@ -199,4 +212,4 @@ def encode(msg: Any) -> bytes:
 
 
 def decode(data: bytes | memoryview) -> Any:  # a memoryview: zero-copy from a ZMQ frame
-    return msgpack.unpackb(data, ext_hook=_ext)
+    return msgpack.unpackb(data, ext_hook=_ext, strict_map_key=False)  # logit_bias maps token ids

@@ -1,7 +1,7 @@
-"""Tokenize, apply the chat template, detokenize incrementally (UTF-8 safe) and cut at stop strings.
+"""Tokenize, apply the chat template (tools included), detokenize incrementally (UTF-8 safe), cut at stop strings.
 
 `RequestDecoder` puts the output side together for one request: the scheduler's token outputs in,
-text pieces out, ended by a finish reason, a stop string or an error.
+text pieces (and token logprobs, when asked) out, ended by a finish reason, a stop string or an error.
 """
 
 from __future__ import annotations
@@ -13,7 +13,22 @@ from typing import cast
 
 from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.messages import DecodedPiece, TokenOutput
-from minisgl_cli.types import GenerateRequest, SamplingParams
+from minisgl_cli.types import GenerateRequest, SamplingParams, TokenLogprob, TopLogprob
+
+# Qwen2.5's tool prompt (Hermes-style): what a template that knows no tools gets as its system prompt.
+_TOOL_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
 
 
 class Tokenizer:
@@ -32,6 +47,9 @@ class Tokenizer:
             ) from None
         self.eos_token_ids = self._eos_ids(Path(model_dir))
         self.vocab_size = len(self.hf)
+        # Templates that render `tools` themselves (Qwen2.5/3, Llama 3.1); others get the Hermes prompt below.
+        self.template_takes_tools = "tools" in (getattr(self.hf, "chat_template", None) or "")
+        self._token_text: dict[int, str] = {}
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
         ids = set()
@@ -46,11 +64,22 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if not self.template_takes_tools:
+            messages, tools = hermes_messages(messages, tools), None
+        text = self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
         return self.hf.encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens included), as logprobs report it."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.hf.decode([token_id], skip_special_tokens=False)
+        return text
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return cast(str, self.hf.decode(ids, skip_special_tokens=skip_special_tokens))  # one id list: one string
@@ -119,6 +148,31 @@ class StopStringMatcher:
         return text
 
 
+def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Messages for a template that knows no tools: the tool list in the system prompt, assistant tool calls as
+    `<tool_call>` text and tool results as user turns in `<tool_response>` tags (Qwen2.5's format)."""
+    out: list[dict] = []
+    for m in messages:
+        role, content = m.get("role"), m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = [c.get("function", c) for c in m["tool_calls"]]
+            content = "\n".join([content] * bool(content) + [
+                "<tool_call>\n" + json.dumps({"name": c.get("name"), "arguments": c.get("arguments")}) + "\n</tool_call>"
+                for c in calls])
+            out.append({"role": "assistant", "content": content})
+        elif role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+        else:
+            out.append({**m, "content": content})
+    if tools:
+        prompt = _TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
 def prompt_ids(tokenizer: Tokenizer | None, req: GenerateRequest) -> list[int]:
     """Token ids of a request's prompt: its ids, its text encoded, or its messages through the chat template."""
     if req.input_ids is not None:
@@ -128,7 +182,9 @@ def prompt_ids(tokenizer: Tokenizer | None, req: GenerateRequest) -> list[int]:
     if req.messages is not None:
         if not req.messages:
             raise ValueError("messages must not be empty")
-        return tokenizer.apply_chat_template(req.messages)
+        return tokenizer.apply_chat_template(req.messages, tools=req.tools)
+    if req.tools:
+        raise ValueError("tools need messages (a chat), not a plain prompt")
     return tokenizer.encode(req.prompt or "")
 
 
@@ -136,8 +192,19 @@ class RequestDecoder:
     """One request's output side: token ids -> text (UTF-8 safe), stop strings, finish reason."""
 
     def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams):
+        self.tokenizer = tokenizer
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
         self.stopper = StopStringMatcher(list(params.stop))
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.token_text(token_id) if self.tokenizer else ""
+
+    def _logprobs(self, items: list[TokenOutput]) -> list[TokenLogprob] | None:
+        if all(o.logprob is None for o in items):
+            return None
+        return [TokenLogprob(o.token_id, self._text(o.token_id), o.logprob,
+                             [TopLogprob(t, self._text(t), lp) for t, lp in zip(o.top_ids or [], o.top_logprobs or [])])
+                for o in items if o.token_id is not None and o.logprob is not None]
 
     def feed(self, items: list[TokenOutput]) -> DecodedPiece:
         tokens = [o.token_id for o in items if o.token_id is not None]
@@ -145,6 +212,7 @@ class RequestDecoder:
         prefill_s = next((o.prefill_s for o in items if o.prefill_s is not None), None)
         if last.error:
             return DecodedPiece(last.rid, "", tokens, None, last.error, last.cached_tokens, prefill_s)
+        logprobs = self._logprobs(items)
         reason = last.finish_reason
         text = self.detok.feed(tokens) if self.detok else ""
         if reason is not None and self.detok:
@@ -155,4 +223,4 @@ class RequestDecoder:
             reason = "stop"
         elif reason is not None:
             text += self.stopper.flush()
-        return DecodedPiece(last.rid, text, tokens, reason, None, last.cached_tokens, prefill_s, early)
+        return DecodedPiece(last.rid, text, tokens, reason, None, last.cached_tokens, prefill_s, early, logprobs)

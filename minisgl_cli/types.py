@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
+MAX_TOP_LOGPROBS = 20
 
 _ids = itertools.count()
 
@@ -30,20 +32,44 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    logprobs: bool = False  # report each output token's logprob (from the distribution the sampler drew from)
+    top_logprobs: int = 0  # and the n most likely alternatives at each position (0..20)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    # Structured output (at most one): a JSON schema (text), a regular expression, or an EBNF grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
+        if self.logit_bias:  # JSON and msgpack maps may carry the ids as strings
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
+        if sum(x is not None for x in (self.json_schema, self.regex, self.ebnf)) > 1:
+            raise ValueError("give at most one of json_schema, regex, ebnf")
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 1e-6 or self.top_k == 1
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def constrained(self) -> bool:
+        """A grammar restricts which tokens may come next."""
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
 
     @property
     def penalized(self) -> bool:
@@ -60,6 +86,7 @@ class GenerateRequest:
     input_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     rid: str = field(default_factory=new_request_id)
+    tools: list[dict] | None = None  # OpenAI function tools, handed to the chat template with `messages`
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.input_ids))
@@ -85,6 +112,25 @@ class RequestStats:
 
 
 @dataclass
+class TopLogprob:
+    """One candidate token at a position: its id, its text, its logprob."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    """One output token's logprob, and the most likely candidates at its position (when asked for)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
 class Delta:
     """One streamed piece of output: new text and token ids; finish_reason and stats on the last."""
 
@@ -94,6 +140,7 @@ class Delta:
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -109,6 +156,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: FinishReason | None
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -65,7 +66,10 @@ def test_slash_commands(tmp_path):
     assert "\n" not in unknown.text
     assert s.handle("/quit").kind == "exit" and s.handle("/exit").kind == "exit"
     assert s.handle("/stats").kind == "stats"
-    assert all(name in s.handle("/help").text for name in ("/reset", "/save", "/max-tokens", "Esc"))
+    assert s.handle("/json").kind == "reply" and s.settings.json and s.settings.sampling().json_schema
+    assert s.handle("/json maybe").kind == "error" and s.settings.json
+    assert s.handle("/json off").kind == "reply" and s.settings.sampling().json_schema is None
+    assert all(name in s.handle("/help").text for name in ("/reset", "/save", "/max-tokens", "/json", "Esc"))
     assert s.handle("   ").kind == "noop"
     assert s.handle("hello there").kind == "generate"
 
@@ -107,7 +111,7 @@ def test_completer_offers_slash_commands():
     names = [c.text for c in SlashCompleter().get_completions(Document("/re"), None)]
     assert names == ["/reset"]
     assert list(SlashCompleter().get_completions(Document("hello /re"), None)) == []
-    assert len(list(SlashCompleter().get_completions(Document("/"), None))) == 8
+    assert len(list(SlashCompleter().get_completions(Document("/"), None))) == 9
 
 
 def test_prompt_esc_enter_newline_and_file_history(tmp_path):
@@ -257,6 +261,24 @@ def test_context_overflow_is_one_line_and_session_lives(client):
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(errors) == 2 and "context limit" in errors[0] and "unknown command /nonsense" in errors[1]
     assert "radix cache hit rate" in out
+    client.check_pages()
+
+
+@pytest.mark.slow
+def test_json_replies_and_verbose_token_logprobs(client, caplog):
+    async def script(r: Repl) -> None:
+        r.send("/json")
+        await r.until(lambda: "JSON replies on" in r.out.getvalue())
+        t = await r.turn("Describe a cat in JSON.")
+        assert t.error is None and t.reply.startswith("{")
+        if t.finish_reason == "stop":
+            assert isinstance(json.loads(t.reply), dict)
+
+    with caplog.at_level(logging.INFO, logger="minisgl.client"):
+        run_repl(client, script, max_new_tokens=40, logprobs=True)  # what --verbose sets
+    # The verbose log narrates each decoded piece with its tokens' logprobs.
+    lines = [rec.getMessage() for rec in caplog.records if "token ids" in rec.getMessage()]
+    assert lines and all(" logprobs [" in line for line in lines)
     client.check_pages()
 
 

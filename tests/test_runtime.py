@@ -111,3 +111,40 @@ def test_smoke_with_tp_2_answers_paris():
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
     assert "scheduler rank 1 ready" in out.stderr
+
+
+def test_tp2_logprobs_and_grammars_equal_one_process(tiny_model_dirs):
+    """Logprobs cross the processes (scheduler -> detokenizer -> API) and grammars stay in step on every rank."""
+    import json
+    import re
+
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2),
+              SamplingParams(max_new_tokens=16, regex=r"(yes|no), [a-c]{1,5}\.", logprobs=True),
+              SamplingParams(max_new_tokens=16, json_schema=json.dumps(schema), temperature=0.8, seed=2)]
+
+    def run(client):
+        async def go():
+            return await asyncio.gather(*(complete(client, GenerateRequest(messages=m, params=p))
+                                          for m, p in zip(CHATS, params)))
+        return asyncio.run(go())
+
+    model = str(tiny_model_dirs["llama"])
+    local = LocalClient(EngineConfig(model=model, max_total_tokens=2048))
+    try:
+        want = run(local)
+    finally:
+        local.close()
+    remote = _launch(model, tp=2)
+    try:
+        got = run(remote)
+        remote.check_pages()
+    finally:
+        remote.close()
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert re.fullmatch(r"(yes|no), [a-c]{1,5}\.", got[1].text) and json.loads(got[2].text)["answer"] in ("yes", "no")
+    for g, w in zip(got[:2], want[:2]):
+        assert [t.token for t in g.logprobs] == [t.token for t in w.logprobs]
+        assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(g.logprobs, w.logprobs))
+    assert all(len(t.top) == 2 for t in got[0].logprobs)

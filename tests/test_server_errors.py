@@ -13,39 +13,85 @@ MSG = [{"role": "user", "content": "hi"}]
 
 # (route, raw body or JSON, expected status)
 CASES = [
-    (CHAT, b"{not json", 422),
-    (CHAT, b"", 422),
-    (CHAT, b"[1, 2]", 422),
-    (CHAT, {"messages": "hi"}, 422),
-    (CHAT, {"messages": []}, 422),
-    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 422),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 422),
-    (CHAT, {"messages": MSG, "max_tokens": -1}, 422),
-    (CHAT, {"messages": MSG, "max_tokens": "many"}, 422),
-    (CHAT, {"messages": MSG, "max_tokens": 10**12}, 422),
+    (CHAT, b"{not json", 400),
+    (CHAT, b"", 400),
+    (CHAT, b"[1, 2]", 400),
+    (CHAT, {"messages": "hi"}, 400),
+    (CHAT, {"messages": []}, 400),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    (CHAT, {"messages": MSG, "max_tokens": -1}, 400),
+    (CHAT, {"messages": MSG, "max_tokens": "many"}, 400),
+    (CHAT, {"messages": MSG, "max_tokens": 10**12}, 400),
     (CHAT, {"messages": MSG, "max_tokens": 100_000}, 400),
-    (CHAT, {"messages": MSG, "temperature": -0.5}, 422),
-    (CHAT, {"messages": MSG, "top_p": 0}, 422),
-    (CHAT, {"messages": MSG, "n": 0}, 422),
-    (CHAT, {"messages": MSG, "seed": 2**70}, 422),
+    (CHAT, {"messages": MSG, "temperature": -0.5}, 400),
+    (CHAT, {"messages": MSG, "top_p": 0}, 400),
+    (CHAT, {"messages": MSG, "n": 0}, 400),
+    (CHAT, {"messages": MSG, "seed": 2**70}, 400),
     (CHAT, {"messages": MSG, "model": "gpt-9"}, 404),
     (CHAT, {"messages": [{"role": "user", "content": "x " * 9000}], "max_tokens": 1}, 400),
     ("/v1/completions", {"prompt": [], "max_tokens": 1}, 400),
     ("/v1/completions", {"prompt": "", "max_tokens": 1}, 400),
     ("/v1/completions", {"prompt": [10**9], "max_tokens": 1}, 400),
-    ("/v1/completions", {"prompt": "hi", "stream": "yes please"}, 422),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes please"}, 400),
     ("/v1/completions", {"prompt": "x " * 9000, "max_tokens": 1}, 400),
     ("/generate", {"prompt": "hi", "input_ids": [1, 2]}, 400),
     ("/generate", {}, 400),
-    ("/generate", {"prompt": "hi", "max_new_tokens": -3}, 422),
+    ("/generate", {"prompt": "hi", "max_new_tokens": -3}, 400),
     ("/generate", {"input_ids": [-1]}, 400),
+    # Every field is implemented or refused, never silently ignored.
+    (CHAT, {"messages": MSG, "tools": "nope"}, 400),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, 400),
+    (CHAT, {"messages": MSG, "tool_choice": "required"}, 400),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400),
+    (CHAT, {"messages": MSG, "logit_bias": {"abc": "zzz"}}, 400),
+    (CHAT, {"messages": MSG, "logit_bias": {"5": 101}}, 400),
+    (CHAT, {"messages": MSG, "logit_bias": {"99999999": 1}}, 400),
+    (CHAT, {"messages": [{"role": "user", "content": None}]}, 400),
+    (CHAT, {"messages": [{"role": "assistant", "content": None}]}, 400),
+    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400),
+    (CHAT, {"messages": MSG, "response_format": "json"}, 400),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": 5}}}}, 400),
+    (CHAT, {"messages": MSG, "regex": "((("}, 400),
+    (CHAT, {"messages": MSG, "ebnf": "root ::= "}, 400),
+    (CHAT, {"messages": MSG, "regex": "a", "ebnf": 'root ::= "a"'}, 400),
+    (CHAT, {"messages": MSG, "logprobs": "maybe"}, 400),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400),
+    (CHAT, {"messages": MSG, "top_logprobs": 2}, 400),
+    (CHAT, {"messages": MSG, "frobnicate": 1}, 400),
+    (CHAT, {"messages": MSG, "audio": {"voice": "alloy"}}, 400),
+    (CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, 400),
+    (CHAT, {"messages": MSG, "store": True}, 400),
+    (CHAT, {"messages": MSG, "stream_options": {"include_usage": True, "x": 1}}, 400),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400),
+    ("/generate", {"prompt": "hi", "json_schema": "{not json"}, 400),
+    ("/v1/embeddings", {"input": "hi", "model": "default"}, 400),
 ]
 
 
-def assert_openai_error(r: httpx.Response, status: int) -> None:
+def assert_openai_error(r: httpx.Response, status: int) -> dict:
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"]
+    return err
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": "nope"}, "tools"), ({"logit_bias": {"abc": "zzz"}}, "logit_bias.abc"),
+    ({"frobnicate": 1}, "frobnicate"), ({"audio": {}}, "audio"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"regex": "((("}, "regex"), ({"response_format": {"type": "xml"}}, "response_format.type"),
+])
+def test_bad_field_errors_name_the_field(server_url, body, param):
+    err = assert_openai_error(httpx.post(f"{server_url}{CHAT}", json={"messages": MSG, **body}, timeout=60), 400)
+    assert err["param"] == param and param.split(".")[0] in err["message"]
 
 
 @pytest.mark.parametrize("route,body,status", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
@@ -66,7 +112,7 @@ def test_unknown_route_and_method(server_url):
     assert_openai_error(httpx.get(f"{server_url}/v1/nope"), 404)
     assert_openai_error(httpx.get(f"{server_url}{CHAT}"), 405)
     assert_openai_error(httpx.get(f"{server_url}/v1/models/gpt-9"), 404)
-    assert_openai_error(httpx.get(f"{server_url}/metrics?format=xml"), 422)
+    assert_openai_error(httpx.get(f"{server_url}/metrics?format=xml"), 400)
 
 
 def test_oversized_body(auth_url):

@@ -16,7 +16,7 @@ from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.graph import GraphRunner, default_max_bs
-from minisgl_cli.engine.sampler import SamplingRow, sample
+from minisgl_cli.engine.sampler import Sampled, SamplingRow, sample
 from minisgl_cli.kvcache.pool import KVPool, KVShape
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.loader.configs import builtin_config
@@ -148,9 +148,14 @@ class Engine:
         return self.model.logits(self.model(batch, self.attn))
 
     @torch.inference_mode()
-    def step(self, batch: ForwardBatch, rows: list[SamplingRow]) -> torch.Tensor:
-        """Forward and sample: next token id per request, left on the device."""
-        next_ids = sample(self.forward(batch), rows)
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None = None) -> Sampled:
+        """The next token per request (left on the device); logprobs on rank 0 only, the one that reports them."""
+        out = sample(logits, rows, bitmask, logprobs=self.tp.rank == 0)
         if self.tp.size > 1 and not all(r.params.greedy for r in rows):
-            broadcast_from_rank0(next_ids, self.tp)  # random draws: every rank feeds rank 0's tokens next
-        return next_ids
+            broadcast_from_rank0(out.next_ids, self.tp)  # random draws: every rank feeds rank 0's tokens next
+        return out
+
+    @torch.inference_mode()
+    def step(self, batch: ForwardBatch, rows: list[SamplingRow], bitmask: torch.Tensor | None = None) -> Sampled:
+        """Forward and sample (`bitmask`: the grammar's allowed tokens per row, xgrammar's layout)."""
+        return self.sample(self.forward(batch), rows, bitmask)

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/stats": ("", "engine totals: requests, radix cache hits/misses, KV tokens used/free"),
     "/temp": ("X", "sampling temperature (0 = greedy)"),
     "/max-tokens": ("N", "tokens to generate at most per reply"),
+    "/json": ("[on|off]", "replies as one JSON object (grammar-constrained); no argument toggles"),
     "/save": ("FILE", "write the transcript: .json as JSON, anything else as markdown"),
     "/exit": ("", "leave (also Ctrl-D)"),
 }
@@ -44,9 +45,12 @@ class ChatSettings:
     temperature: float = 0.0
     system: str | None = None
     multi_turn: bool = False
+    json: bool = False  # constrain replies to a JSON object
+    logprobs: bool = False  # ask for each token's logprob (--verbose shows them in the log panel)
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature)
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              json_schema='{"type": "object"}' if self.json else None, logprobs=self.logprobs)
 
 
 @dataclass
@@ -123,6 +127,8 @@ class ChatSession:
             return self._max_tokens(arg)
         if name == "/save":
             return self._save(arg)
+        if name == "/json":
+            return self._json(arg)
         return Action("error", f"unknown command {name}; type /help for the list")
 
     def _system(self, arg: str) -> Action:
@@ -153,6 +159,13 @@ class ChatSession:
             return Action("error", "/max-tokens needs a whole number >= 1")
         self.settings.max_new_tokens = value
         return Action("reply", f"max new tokens = {value}")
+
+    def _json(self, arg: str) -> Action:
+        if arg.lower() not in ("", "on", "off"):
+            return Action("error", "/json takes on, off, or nothing (toggle)")
+        self.settings.json = not self.settings.json if not arg else arg.lower() == "on"
+        return Action("reply", "JSON replies on: each reply is one JSON object" if self.settings.json
+                      else "JSON replies off")
 
     def _save(self, arg: str) -> Action:
         if not arg:

@@ -6,8 +6,10 @@ step (scheduling, page allocation, building the batch, handling outputs) hides b
 Two consequences, handled here and in the scheduler: a decode input that step N sampled is gathered
 on the device from N's output; and a request that finished at step N is seen one step late, so it may
 have run one extra token in step N+1 -- that token is dropped and its pages are freed with the rest.
-Presence/frequency penalties need every earlier token on the host, so while a penalized request runs
-the scheduler reads each step's tokens before launching the next (no overlap for those steps).
+Presence/frequency penalties and grammars need every earlier token on the host before sampling: for a
+step holding such a request whose last token is still in flight, the scheduler launches the forward,
+then reads the previous step while it runs, then fills the grammar masks and samples (see
+`Scheduler._launch`): the forward still overlaps the CPU work, only the sampling waits.
 """
 
 from __future__ import annotations
@@ -18,41 +20,65 @@ import torch
 
 from minisgl_cli.core.batch import Mode
 from minisgl_cli.core.host import HostBuffers
+from minisgl_cli.engine.sampler import Sampled
 from minisgl_cli.scheduler.request import Req
+
+# A row's logprob results: (chosen token's logprob, top candidate ids, their logprobs).
+RowLogprobs = tuple[float, list[int], list[float]]
 
 
 @dataclass
 class Launched:
-    """One step sent to the device; its tokens are read by `tokens()` (the only wait on the GPU)."""
+    """One step sent to the device; its tokens are read by `read()` (the only wait on the GPU)."""
 
     mode: Mode
     reqs: list[Req]
     lens: list[int]
     produces: list[bool]  # False for a chunk of a long prompt: no token yet
-    next_ids: torch.Tensor  # [B] int64 on the device
+    sampled: Sampled  # next ids [B] int64 (and logprobs where asked) on the device
     host: torch.Tensor | None = None  # pinned copy of next_ids, filled asynchronously
+    host_lp: list[torch.Tensor | None] | None = None  # pinned copies of the logprob tensors, likewise
     event: torch.cuda.Event | None = None
     rows: dict[int, int] = field(default_factory=dict)  # id(req) -> row, for requests that sampled
 
+    @property
+    def next_ids(self) -> torch.Tensor:
+        return self.sampled.next_ids
+
     @staticmethod
-    def start(mode: Mode, reqs: list[Req], lens: list[int], produces: list[bool], next_ids: torch.Tensor,
+    def start(mode: Mode, reqs: list[Req], lens: list[int], produces: list[bool], sampled: Sampled,
               host: HostBuffers, async_copy: bool) -> Launched:
-        """With `async_copy` (overlap) on CUDA, the ids start their way back into one of `host`'s pinned buffers."""
+        """With `async_copy` (overlap) on CUDA, the results start their way back into pinned host memory."""
         rows = {id(r): i for i, (r, p) in enumerate(zip(reqs, produces)) if p}
-        step = Launched(mode, reqs, lens, produces, next_ids, rows=rows)
+        step = Launched(mode, reqs, lens, produces, sampled, rows=rows)
+        next_ids = sampled.next_ids
         if async_copy and next_ids.is_cuda:
             step.host = host.readback(next_ids.shape[0])
             step.host.copy_(next_ids, non_blocking=True)
+            if sampled.lp_rows:  # only steps with a logprobs request pay for these copies
+                step.host_lp = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                                .copy_(t, non_blocking=True)
+                                for t in (sampled.logprob, sampled.top_ids, sampled.top_logprobs)]
             step.event = torch.cuda.Event()
             step.event.record()
         return step
 
-    def tokens(self) -> list[int]:
+    def read(self) -> tuple[list[int], dict[int, RowLogprobs]]:
+        """The sampled ids, and each logprobs row's results keyed by row (empty when none asked)."""
+        s = self.sampled
         if self.event is None:
-            return self.next_ids.tolist()
-        self.event.synchronize()
-        assert self.host is not None  # start() sets it with the event
-        return self.host.tolist()
+            ids = s.next_ids.tolist()
+            lp = [None if t is None else t.tolist() for t in (s.logprob, s.top_ids, s.top_logprobs)]
+        else:
+            self.event.synchronize()
+            assert self.host is not None  # start() sets it with the event
+            ids = self.host.tolist()
+            lp = [None if t is None else t.tolist() for t in (self.host_lp or [None, None, None])]
+        if not s.lp_rows:
+            return ids, {}
+        chosen, top_ids, top_lps = lp
+        return ids, {row: (chosen[j], top_ids[j] if top_ids else [], top_lps[j] if top_lps else [])
+                     for j, row in enumerate(s.lp_rows)}
 
 
 def feed_input_ids(cpu_ids: torch.Tensor, src: list[int], prev: Launched, host: HostBuffers) -> torch.Tensor:

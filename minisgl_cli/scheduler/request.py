@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ class Req:
     cached_tokens: int = 0  # prefix hit at first admission (reported to the user)
     matched: bool = False
     generator: torch.Generator | None = None
+    grammar: Any = None  # xgrammar's GrammarMatcher when the request has a structured output (grammar.py)
     arrival: float = field(default_factory=time.perf_counter)
     prefill_started_at: float = 0.0  # when it first joined a prefill batch (queueing excluded)
 

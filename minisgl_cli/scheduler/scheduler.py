@@ -5,6 +5,8 @@ every running request; new requests join between steps. On CUDA the next step is
 last one's tokens are read (overlap scheduling, see `overlap.py`; `disable_overlap` turns it off). When
 pages run short, the prefix cache is evicted first, then the newest running request is retracted (its KV
 cached, it re-queues) — nothing is dropped and nothing crashes.
+Requests with a grammar (structured output) get a matcher at admission; each step's allowed tokens come
+from it (`grammar.py`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from minisgl_cli.messages import (
 )
 from minisgl_cli.scheduler.cache import CacheManager
 from minisgl_cli.scheduler.config import SchedulerConfig
-from minisgl_cli.scheduler.overlap import Launched, feed_input_ids
+from minisgl_cli.scheduler.grammar import GrammarError, Grammars
+from minisgl_cli.scheduler.overlap import Launched, RowLogprobs, feed_input_ids
 from minisgl_cli.scheduler.request import Req
 from minisgl_cli.scheduler.stats import RollingRate
 from minisgl_cli.types import FinishReason, SamplingParams, SchedulerStats
@@ -66,6 +69,7 @@ class Scheduler:
         on = engine.device.type == "cuda" or cfg.overlap_on_cpu
         self.overlap = on and not cfg.disable_overlap and not overlap_disabled_by_env()
         self._inflight: Launched | None = None  # overlap: the launched step whose tokens are unread
+        self.grammars = Grammars(engine.loaded.model_dir, engine.model_cfg.vocab_size, self.eos, engine.device)
         self.heartbeat = time.monotonic()  # last time the loop came round: a stalled loop stops updating it
 
     # --- loop ----------------------------------------------------------------------------------
@@ -121,10 +125,20 @@ class Scheduler:
             self._finish(req, None, error=f"the prompt has {len(req.input_ids)} tokens; the context limit is {limit}")
         elif req.params.max_new_tokens == 0:
             self._finish(req, "length")
+        elif req.params.constrained and not self._compile(req):
+            return
         else:
             if req.params.seed is not None:
                 req.generator = torch.Generator(self.engine.device).manual_seed(req.params.seed)
             self.waiting.append(req)
+
+    def _compile(self, req: Req) -> bool:
+        try:
+            req.grammar = self.grammars.matcher(req.params)
+            return True
+        except GrammarError as exc:
+            self._finish(req, None, error=str(exc))
+            return False
 
     def _abort(self, rid: str) -> None:
         for req in list(self.waiting) + self.running:
@@ -133,24 +147,17 @@ class Scheduler:
                 return
 
     def step(self) -> None:
-        if self._inflight is not None and self._penalized_running():
-            # Presence/frequency penalties count every earlier token, including the one the in-flight
-            # step is sampling: read it first (this step loses the overlap, and only this kind of step).
-            unread, self._inflight = self._inflight, None
-            self._process(unread)
         batch = self._schedule()
         launched = self._launch(*batch) if batch is not None else None
         if not self.overlap:
             if launched is not None:
                 self._process(launched)
             return
-        # Overlap: read the previous step's tokens while the GPU runs the one just launched.
+        # Overlap: read the previous step's tokens while the GPU runs the one just launched (unless
+        # `_launch` already had to, see there).
         prev, self._inflight = self._inflight, launched
         if prev is not None:
             self._process(prev)
-
-    def _penalized_running(self) -> bool:
-        return any(r.params.penalized for r in self.running)
 
     def _schedule(self) -> tuple[Mode, list[Req], list[int]] | None:
         prefill_turn = self.cfg.policy == "prefill-first" or self._last_was_decode or not self.running
@@ -280,11 +287,24 @@ class Scheduler:
                     self.running.append(req)
         self._last_was_decode = mode == "decode"
         rows = [SamplingRow(r.params, r.generator, r.output_ids) for r in reqs]
-        next_ids = engine.step(fb, rows)
+        if any(src_row >= 0 and _needs_history(r) for src_row, r in zip(src, reqs)):
+            # A penalty or grammar depends on the token the in-flight step is still sampling: run the
+            # forward, read that step while it runs (the CPU work still overlaps), then mask and sample.
+            logits = engine.forward(fb)
+            unread, self._inflight = self._inflight, None
+            assert unread is not None  # the src rows came from it
+            self._process(unread)
+            sampled = engine.sample(logits, rows, self._bitmask(reqs, produces))
+        else:
+            sampled = engine.step(fb, rows, self._bitmask(reqs, produces))
         if mode == "extend":  # after the launch: the step still writes the pages this may free
             for req in reqs:
                 self.cache.cache_prefilled(req)
-        return Launched.start(mode, reqs, lens, produces, next_ids, engine.host, async_copy=self.overlap)
+        return Launched.start(mode, reqs, lens, produces, sampled, engine.host, async_copy=self.overlap)
+
+    def _bitmask(self, reqs: list[Req], produces: list[bool]) -> torch.Tensor | None:
+        """The grammar rows' allowed next tokens (None when no request in the step has a grammar)."""
+        return self.grammars.bitmask([r.grammar if p and not r.done else None for r, p in zip(reqs, produces)])
 
     def _write_page_table(self, fb: ForwardBatch) -> None:
         """page_table[row of each new token, its position] = its KV slot: one device op per step."""
@@ -297,19 +317,26 @@ class Scheduler:
 
     def _process(self, step: Launched) -> None:
         """Read a step's tokens (the one wait on the device), append them, stop finished requests."""
-        tokens = step.tokens()
+        tokens, logprobs = step.read()
         now = time.perf_counter()
         out: list[TokenOutput] = []
-        for req, tok, produced in zip(step.reqs, tokens, step.produces):
+        for row, (req, tok, produced) in enumerate(zip(step.reqs, tokens, step.produces)):
             if not produced or req.done:
                 continue  # a prompt chunk, or the extra token of a request that finished one step earlier
             first = not req.output_ids
             req.output_ids.append(tok)
+            error = None
+            if req.grammar is not None and not req.grammar.accept_token(tok):
+                error = f"internal error: the grammar rejected token {tok} it had allowed"
             reason = self._stop_reason(req, tok)
-            out.append(TokenOutput(
-                req.rid, tok, reason, len(req.input_ids), req.cached_tokens,
-                prefill_s=now - req.prefill_started_at if first else None,
-            ))
+            o = TokenOutput(req.rid, tok, reason, len(req.input_ids), req.cached_tokens, error,
+                            prefill_s=now - req.prefill_started_at if first else None)
+            lp = logprobs.get(row)
+            if lp is not None:
+                _attach_logprobs(o, lp, req.params.top_logprobs)
+            out.append(o)
+            if error is not None:
+                reason = "abort"
             if reason is not None:
                 self._release(req, reason)
         self._account(step.mode, step.lens, now)
@@ -320,6 +347,8 @@ class Scheduler:
         p: SamplingParams = req.params
         if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
+        if req.grammar is not None and req.grammar.is_terminated():
+            return "stop"  # the grammar is complete (and accepted a stop token)
         if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.engine.max_context_len:
             return "length"
         return None
@@ -370,3 +399,14 @@ class Scheduler:
 
     def check_pages(self) -> None:
         self.cache.check(self.running + list(self.waiting))
+
+
+def _needs_history(req: Req) -> bool:
+    """Sampling for it depends on every earlier output token (penalties count them, a grammar follows them)."""
+    return req.params.penalized or req.grammar is not None
+
+
+def _attach_logprobs(o: TokenOutput, lp: RowLogprobs, top_n: int) -> None:
+    o.logprob = lp[0]
+    if top_n:
+        o.top_ids, o.top_logprobs = lp[1][:top_n], lp[2][:top_n]

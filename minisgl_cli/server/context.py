@@ -51,12 +51,14 @@ class ServerContext:
                              "model", 404, "model_not_found")
 
     async def tokens_of(self, prompt: str | list[int] | None = None, messages: list[p.ChatMessage] | None = None,
-                        param: str = "prompt") -> list[int]:
-        """The prompt's token ids (chat template applied to messages), checked against vocab and context."""
+                        param: str = "prompt", tools: list[p.Tool] | None = None) -> list[int]:
+        """The prompt's token ids (chat template applied to messages and tools), checked against vocab and context."""
         info = self.client.info
         try:
             if messages is not None:
-                ids = await self.client.tokenize(GenerateRequest(messages=[m.as_template_dict() for m in messages]))
+                ids = await self.client.tokenize(GenerateRequest(
+                    messages=[m.as_template_dict() for m in messages],
+                    tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None))
             elif isinstance(prompt, list):
                 bad = [t for t in prompt if not 0 <= t < info.vocab_size]
                 if bad:
@@ -89,15 +91,15 @@ class ServerContext:
         cut = self.gate.downscale(requested)
         return (cut, f"{requested}->{cut}") if cut < requested else (requested, None)
 
-    def start(self, reqs: list[GenerateRequest], endpoint: str) -> EngineRun:
-        """Admit the requests (429 past the cap) and start them."""
+    def start(self, reqs: list[GenerateRequest], endpoint: str, user: str | None = None) -> EngineRun:
+        """Admit the requests (429 past the cap) and start them; `user` (the request's end-user id) is logged."""
         self.gate.admit(len(reqs))
         if log.isEnabledFor(logging.INFO):
             for r in reqs:
                 assert r.input_ids is not None  # the routes tokenize before they start a run
-                log.info("rid=%s %s admitted: prompt_tokens=%d max_new_tokens=%d temperature=%s inflight=%d",
+                log.info("rid=%s %s admitted: prompt_tokens=%d max_new_tokens=%d temperature=%s inflight=%d%s",
                          r.rid, endpoint, len(r.input_ids), r.params.max_new_tokens, r.params.temperature,
-                         self.gate.inflight)
+                         self.gate.inflight, f" user={user!r}" if user else "")
         return EngineRun(self.client, reqs, self.gate, self.metrics, endpoint, self.active)
 
     # --- what the other routes read ---

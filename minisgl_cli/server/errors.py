@@ -1,4 +1,5 @@
-"""OpenAI-style errors: `InputError` (what a handler raises), engine errors mapped to statuses, the app's handlers.
+"""OpenAI-style errors: engine errors mapped to statuses, the app's handlers (`InputError`, what a handler
+raises, is declared with the wire format in protocol.py and re-exported here).
 
 Every non-2xx response of the server carries OpenAI's error body (`protocol.ErrorResponse`); streams that
 fail after their first frame carry the same body as their last frame (`error_frame`).
@@ -16,22 +17,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl_cli.client import ENGINE_GONE
 from minisgl_cli.server import protocol as p
+from minisgl_cli.server.protocol import InputError
 from minisgl_cli.types import Delta
+
+__all__ = ["InputError", "Disconnected", "engine_error", "error_frame", "install_error_handlers"]
 
 log = logging.getLogger("minisgl.server")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                422: "invalid_request_error", 429: "rate_limit_error"}
-
-
-class InputError(Exception):
-    """A request the engine cannot serve as given: becomes a 4xx with an OpenAI error body."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.headers = message, param, status, code, headers
 
 
 class Disconnected(Exception):
@@ -46,7 +41,8 @@ def engine_error(delta: Delta) -> InputError:
         return InputError(message, status=503, code="engine_unavailable")
     if message.startswith("internal error"):
         return InputError(message, status=500, code="engine_error")
-    return InputError(message, code="context_length_exceeded" if "context limit" in message else None)
+    grammar = next((k for k in ("json_schema", "regex", "ebnf") if message.startswith(f"invalid {k}:")), None)
+    return InputError(message, grammar, code="context_length_exceeded" if "context limit" in message else None)
 
 
 def error_frame(delta: Delta) -> dict[str, Any]:
@@ -59,18 +55,15 @@ def error_frame(delta: Delta) -> dict[str, Any]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # 400 as OpenAI answers any invalid request (FastAPI's default would be 422).
         errors = exc.errors()
-        parts = []
-        for e in errors[:3]:
-            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
-            return p.error_response(422, f"malformed JSON body: {first.get('msg')}", "invalid_request_error",
+            return p.error_response(400, f"malformed JSON body: {first.get('msg')}", "invalid_request_error",
                                     None, "json_invalid")
-        param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-        return p.error_response(422, "; ".join(parts) or "invalid request", "invalid_request_error", param,
-                                first.get("type"))
+        parts = [_describe(e) for e in errors[:3]]
+        return p.error_response(400, "; ".join(parts) or "invalid request", "invalid_request_error",
+                                _param(first), first.get("type"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -91,3 +84,32 @@ def install_error_handlers(app: FastAPI) -> None:
     async def crash(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return p.error_response(500, f"internal server error: {type(exc).__name__}", "server_error")
+
+
+def _loc(e: dict[str, Any]) -> str:
+    """The field path of a validation error (messages.0.content), without pydantic's union-branch names."""
+    parts = [str(x) for x in e.get("loc", ()) if x != "body"]
+    return ".".join(x for x in parts if not (x[:1].isupper() or "[" in x or x in _BRANCHES))
+
+
+# Names pydantic puts in an error's path for the branch of a union it tried (a message's role, a type).
+_BRANCHES = {"str", "int", "float", "bool", "list", "dict", "system", "developer", "user", "assistant", "tool"}
+
+
+def _param(e: dict[str, Any]) -> str | None:
+    """The field a validation error is about: its path, or the field a model-level check named first."""
+    loc = _loc(e)
+    head = str(e.get("msg", "")).removeprefix("Value error, ").partition(":")[0]
+    if head.replace("_", "").isalnum() and head.islower():
+        return f"{loc}.{head}" if loc else head
+    return loc or None
+
+
+def _describe(e: dict[str, Any]) -> str:
+    loc, msg = _loc(e), str(e.get("msg", ""))
+    if e.get("type") == "extra_forbidden":
+        return f"unknown field {loc!r}: this API has no such field (docs/server.md lists what minisgl implements)"
+    msg = msg.removeprefix("Value error, ")
+    if loc and msg.startswith(loc.rpartition(".")[2] + ":"):  # the validator already named the field
+        return f"{loc.rpartition('.')[0] + '.' if '.' in loc else ''}{msg}"
+    return f"{loc}: {msg}" if loc else msg

@@ -1,6 +1,6 @@
 """The reference stack's /generate route: prompt, messages or input_ids in; JSON lines (or one JSON reply) out.
 
-A stream is `{"text_delta": ...}` lines, then one `GenerateDone` line (`{"event": "done", ...}` with the
+A stream is `{"text_delta": ...}` lines (with `logprobs` when `return_logprob` is on), then one `GenerateDone` line (`{"event": "done", ...}` with the
 request's token counts and timings), or an `{"event": "error", "error": {...}}` line if the engine fails.
 """
 
@@ -18,7 +18,7 @@ from minisgl_cli.server.context import Ctx
 from minisgl_cli.server.errors import InputError, error_frame
 from minisgl_cli.server.gate import downscale_headers
 from minisgl_cli.server.runs import stream_response
-from minisgl_cli.types import Delta, GenerateRequest, RequestStats, new_request_id
+from minisgl_cli.types import Delta, GenerateRequest, RequestStats, TokenLogprob, new_request_id
 
 router = APIRouter(tags=["reference"], responses=p.ERROR_RESPONSES)
 
@@ -34,11 +34,17 @@ async def generate(body: p.GenerateBody, request: Request, ctx: Ctx) -> Any:
         ids = await ctx.tokens_of(prompt=body.prompt if body.prompt is not None else body.input_ids,
                                   param="prompt" if body.prompt is not None else "input_ids")
     max_new, note = ctx.budget([ids], body.max_new_tokens, "max_new_tokens")
-    req = GenerateRequest(input_ids=ids, params=body.sampling_params(max_new), rid=new_request_id("gen"))
+    params = body.sampling_params(max_new, vocab_size=ctx.client.info.vocab_size, logprobs=body.return_logprob,
+                                  top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
+                                  **body.structured())
+    req = GenerateRequest(input_ids=ids, params=params, rid=new_request_id("gen"))
     run = ctx.start([req], "/generate")
     if not body.stream:
         [(text, final)] = await run.finish_all(request)
-        return JSONResponse(_done(final, note, text).model_dump(), headers=downscale_headers(note))
+        done = _done(final, note, text)
+        if body.return_logprob:
+            done.logprobs = _logprobs(run.logprobs[0])
+        return JSONResponse(done.model_dump(), headers=downscale_headers(note))
     first = await run.first_event(request)
 
     async def lines() -> AsyncIterator[str]:
@@ -49,8 +55,11 @@ async def generate(body: p.GenerateBody, request: Request, ctx: Ctx) -> Any:
                 if d.error:
                     yield json.dumps({"event": "error", **error_frame(d)}) + "\n"
                     break
-                if d.text:
-                    yield json.dumps({"text_delta": d.text}, ensure_ascii=False) + "\n"
+                if d.text or d.logprobs:
+                    line: dict[str, Any] = {"text_delta": d.text}
+                    if d.logprobs:
+                        line["logprobs"] = _logprobs(d.logprobs)
+                    yield json.dumps(line, ensure_ascii=False) + "\n"
                 if d.finish_reason:
                     yield _done(d, note).model_dump_json(exclude_none=True) + "\n"
                 event = await run.next()
@@ -58,6 +67,12 @@ async def generate(body: p.GenerateBody, request: Request, ctx: Ctx) -> Any:
             run.close()
 
     return stream_response(run, lines(), note, media_type="application/x-ndjson")
+
+
+def _logprobs(lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """Each token's id, text and logprob, with its top candidates (`top`: [[id, text, logprob], ...])."""
+    return [{"token_id": t.token_id, "token": t.token, "logprob": max(t.logprob, -9999.0),
+             "top": [[c.token_id, c.token, max(c.logprob, -9999.0)] for c in t.top]} for t in lps]
 
 
 def _done(final: Delta, note: str | None, text: str | None = None) -> p.GenerateDone:

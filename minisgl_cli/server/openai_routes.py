@@ -1,4 +1,5 @@
-"""The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models — handlers that only translate.
+"""The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models (and a 400 for /v1/embeddings) —
+handlers that only translate; tool calls are parsed by `tools.py`.
 
 Protocol models in, engine requests out (through `ServerContext`), engine deltas back as OpenAI
 responses or SSE `chunk` frames ending in `data: [DONE]`.
@@ -13,11 +14,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from minisgl_cli.server import protocol as p
+from minisgl_cli.server import tools
 from minisgl_cli.server.context import Ctx
 from minisgl_cli.server.errors import InputError, error_frame
 from minisgl_cli.server.gate import downscale_headers
 from minisgl_cli.server.runs import sse, stream_response
-from minisgl_cli.types import Delta, GenerateRequest, RequestStats, new_request_id
+from minisgl_cli.types import Delta, GenerateRequest, RequestStats, TokenLogprob, new_request_id
 
 router = APIRouter(tags=["openai"], responses=p.ERROR_RESPONSES)
 
@@ -36,37 +38,54 @@ async def model_card(model: str, ctx: Ctx) -> Any:
 @router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse)
 async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx: Ctx) -> Any:
     ctx.check_model(body.model)
-    ids = await ctx.tokens_of(messages=body.messages, param="messages")
+    mode = body.tool_mode
+    ids = await ctx.tokens_of(messages=body.messages, param="messages", tools=body.tools if mode else None)
     max_new, note = ctx.budget([ids], body.requested_max_tokens, "max_tokens")
-    reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, i), rid=new_request_id("chat"))
-            for i in range(body.n)]
-    run = ctx.start(reqs, "/v1/chat/completions")
+    structured = body.structured()
+    forced = tools.forced_schema(body)
+    if forced is not None:
+        if structured:
+            raise InputError(f"tool_choice {mode} already constrains the output: drop response_format / regex / "
+                             "ebnf", "tool_choice")
+        structured = {"json_schema": forced}
+    extra = dict(logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, **structured)
+    vocab = ctx.client.info.vocab_size
+    reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, i, vocab, **extra),
+                            rid=new_request_id("chat")) for i in range(body.n)]
+    run = ctx.start(reqs, "/v1/chat/completions", body.user or body.safety_identifier)
     cid, ts, model = p.new_id("chatcmpl"), p.now(), ctx.model_name
+    names = {t.function.name for t in body.tools or []}
+    how = f"named:{body.tool_choice.function.name}" if mode == "named" else mode  # type: ignore[union-attr]
     if not body.stream:
         results = await run.finish_all(request)
-        choices = [p.ChatChoice(index=i, message=p.ChatResponseMessage(content=text),
-                                finish_reason=final.finish_reason) for i, (text, final) in enumerate(results)]
+        choices = []
+        for i, (text, final) in enumerate(results):
+            content, calls = tools.parse(how, text, names, body.parallel_tool_calls) if how else (text, [])
+            message = p.ChatResponseMessage(content=content, tool_calls=[c.to_tool_call() for c in calls] or None)
+            choices.append(p.ChatChoice(index=i, message=message, finish_reason=_finish(final, calls),
+                                        logprobs=p.chat_logprobs(run.logprobs[i]) if body.logprobs else None))
         resp = p.ChatCompletionResponse(id=cid, created=ts, model=model, choices=choices,
                                         usage=_usage([r[1] for r in results], prompts=1))
         return JSONResponse(resp.model_dump(), headers=downscale_headers(note))
     first = await run.first_event(request)
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
 
+    def chunk(i: int, **kw: Any) -> str:
+        return sse(p.chat_chunk(cid, ts, model, i, with_usage_field=with_usage, **kw))
+
     async def frames() -> AsyncIterator[str]:
+        streams = [ChoiceStream(how, names, body.parallel_tool_calls) for _ in range(body.n)]
         try:
             for i in range(body.n):
-                yield sse(p.chat_chunk(cid, ts, model, i, role=True, content="", with_usage_field=with_usage))
+                yield chunk(i, role=True, content="")
             event = first
             while event is not None:
                 i, d = event
                 if d.error:
                     yield sse(error_frame(d))
                     break
-                if d.text or d.token_ids:  # token-only deltas too (no tokenizer, held-back UTF-8): clients time them
-                    yield sse(p.chat_chunk(cid, ts, model, i, content=d.text, with_usage_field=with_usage))
-                if d.finish_reason:
-                    yield sse(p.chat_chunk(cid, ts, model, i, finish_reason=d.finish_reason,
-                                           with_usage_field=with_usage))
+                for kw in streams[i].feed(d):
+                    yield chunk(i, **kw)
                 event = await run.next()
             if with_usage:
                 u = _usage([f for f in run.finals if f is not None], prompts=1)
@@ -78,6 +97,63 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
     return stream_response(run, frames(), note)
 
 
+def _finish(final: Delta, calls: list[tools.Call]) -> str | None:
+    return "tool_calls" if calls and final.finish_reason == "stop" else final.finish_reason
+
+
+class ChoiceStream:
+    """One streamed chat choice: its deltas as chunk contents (text, tool-call pieces, logprobs, the end)."""
+
+    def __init__(self, how: str | None, names: set[str], parallel: bool | None):
+        self.how, self.parallel = how, parallel
+        self.auto = tools.AutoStream(names) if how == "auto" else None
+        self.held = ""  # a `required` reply: parsed once whole
+        self.logprobs: list[TokenLogprob] = []  # not yet sent (their text is held back)
+        self.named_id: str | None = None
+
+    def feed(self, d: Delta) -> list[dict[str, Any]]:
+        self.logprobs += d.logprobs or []
+        out: list[dict[str, Any]] = []
+        calls: list[tools.Call] = []
+        if self.how is None:
+            if d.text or d.token_ids:  # token-only deltas too (no tokenizer, held-back UTF-8): clients time them
+                out.append({"content": d.text})
+        elif self.how.startswith("named:"):  # the text is the arguments: stream them as they come
+            if d.text:
+                call: dict[str, Any] = {"index": 0, "function": {"arguments": d.text}}
+                if self.named_id is None:
+                    self.named_id = tools.new_call_id()
+                    call = {"index": 0, "id": self.named_id, "type": "function",
+                            "function": {"name": self.how.removeprefix("named:"), "arguments": d.text}}
+                out.append({"tool_calls": [call]})
+        elif self.auto is not None:
+            text = self.auto.feed(d.text)
+            if d.finished:
+                rest, calls = self.auto.finish(self.parallel)
+                text += rest
+            if text:
+                out.append({"content": text})
+        else:
+            self.held += d.text
+            if d.finished:
+                calls = tools.parse_required(self.held)
+                if self.parallel is False:
+                    calls = calls[:1]
+                if not calls and self.held:
+                    out.append({"content": self.held})
+        if calls:
+            out.append({"tool_calls": [
+                {"index": j, **c.to_tool_call().model_dump()} for j, c in enumerate(calls)]})
+        if d.finish_reason:
+            named = self.named_id is not None
+            reason = "tool_calls" if (calls or named) and d.finish_reason == "stop" else d.finish_reason
+            out.append({"finish_reason": reason})
+        if self.logprobs and out:
+            out[0]["logprobs"] = self.logprobs
+            self.logprobs = []
+        return out
+
+
 @router.post("/v1/completions", response_model=p.CompletionResponse)
 async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> Any:
     ctx.check_model(body.model)
@@ -86,14 +162,18 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
         raise InputError("prompt must not be empty", "prompt")
     ids_list = [await ctx.tokens_of(prompt=pr, param="prompt") for pr in prompts]
     max_new, note = ctx.budget(ids_list, body.max_tokens, "max_tokens")
+    extra = dict(logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, **body.structured())
+    vocab = ctx.client.info.vocab_size
     # Choice index = prompt index * n + sample index (OpenAI's order).
-    reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, j), rid=new_request_id("cmpl"))
-            for ids in ids_list for j in range(body.n)]
-    run = ctx.start(reqs, "/v1/completions")
+    reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, j, vocab, **extra),
+                            rid=new_request_id("cmpl")) for ids in ids_list for j in range(body.n)]
+    run = ctx.start(reqs, "/v1/completions", body.user)
     cid, ts, model = p.new_id("cmpl"), p.now(), ctx.model_name
+    with_lp = body.logprobs is not None
     if not body.stream:
         results = await run.finish_all(request)
-        choices = [p.CompletionChoice(index=i, text=text, finish_reason=final.finish_reason)
+        choices = [p.CompletionChoice(index=i, text=text, finish_reason=final.finish_reason,
+                                      logprobs=p.completion_logprobs(run.logprobs[i]) if with_lp else None)
                    for i, (text, final) in enumerate(results)]
         u = _usage([r[1] for r in results], prompts=len(prompts), n=body.n)
         resp = p.CompletionResponse(id=cid, created=ts, model=model, choices=choices, usage=u)
@@ -102,6 +182,7 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def frames() -> AsyncIterator[str]:
+        offsets = [0] * len(reqs)
         try:
             event = first
             while event is not None:
@@ -110,7 +191,9 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
                     yield sse(error_frame(d))
                     break
                 if d.text or d.token_ids or d.finish_reason:  # token-only deltas too: clients time them
-                    yield sse(p.completion_chunk(cid, ts, model, i, d.text, d.finish_reason, with_usage))
+                    lp = p.completion_logprobs(d.logprobs or [], offsets[i]) if with_lp else None
+                    offsets[i] += len(d.text)
+                    yield sse(p.completion_chunk(cid, ts, model, i, d.text, d.finish_reason, with_usage, lp))
                 event = await run.next()
             if with_usage:
                 u = _usage([f for f in run.finals if f is not None], prompts=len(prompts), n=body.n)
@@ -120,6 +203,13 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
             run.close()
 
     return stream_response(run, frames(), note)
+
+
+@router.post("/v1/embeddings", response_model=p.ErrorResponse)
+async def embeddings(ctx: Ctx) -> Any:
+    raise InputError(f"/v1/embeddings is not served: {ctx.model_name} is a generative model. Use /v1/chat/completions "
+                     "or /v1/completions to generate text (with logprobs if you need token scores); for embeddings, "
+                     "serve an embedding model with an embedding server", "model", 400, "embeddings_not_supported")
 
 
 def _usage(finals: list[Delta], prompts: int, n: int = 1) -> p.Usage:

@@ -1,20 +1,23 @@
 """The HTTP API's wire format: every request and response model of `minisgl serve`, validated at the edge.
 
-Requests follow the OpenAI API (chat completions, completions, models) plus the reference stack's
-`/generate`. Unknown OpenAI fields (user, logprobs, tools, ...) are ignored, so stock clients work;
-anything the engine cannot honour is rejected here with a 422 before a handler runs.
+Requests follow the OpenAI API (chat completions with logprobs, structured outputs and tools; completions;
+models) plus sglang's extensions and the reference stack's `/generate`. Every field is implemented or
+refused: an unknown field, or an OpenAI field minisgl does not implement, is a 400 naming it, as is any
+value the engine cannot honour, before a handler runs.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union, cast
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
-from minisgl_cli.types import SamplingParams
+from minisgl_cli.types import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 
 # Bounds keep fuzzed or hostile values inside what torch and the scheduler accept.
 MAX_TOKENS_LIMIT = 2**31 - 1
@@ -37,6 +40,15 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class InputError(Exception):
+    """A request the engine cannot serve as given: becomes a 4xx with an OpenAI error body (errors.py)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.headers = message, param, status, code, headers
+
+
 def error_response(
     status: int, message: str, type: str, param: str | None = None, code: str | None = None,
     headers: dict[str, str] | None = None,
@@ -51,25 +63,88 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 # --- sampling fields shared by every generation request ------------------------------------------
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Strict(BaseModel):
+    """A request part: a field this API does not know is a 400 naming it, never silently dropped."""
 
+    model_config = ConfigDict(extra="forbid")
+
+
+def _unsupported(values: dict[str, Any], reasons: dict[str, str], allowed: dict[str, tuple] | None = None) -> None:
+    """Refuse OpenAI fields minisgl does not implement (unless null or a value that asks for nothing)."""
+    for name, reason in reasons.items():
+        value = values.get(name)
+        if value is not None and value not in (allowed or {}).get(name, ()):
+            raise ValueError(f"{name}: {reason}")
+
+
+# An OpenAI field minisgl refuses (unless null): kept out of the OpenAPI schema, which lists what works.
+Unlisted = SkipJsonSchema[Any]
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = Field(None, description="Accepted either way: the schema is always enforced.")
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format.json_schema is required with type json_schema, and only then")
+        return self
+
+
+class _Sampling(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy (the default).")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOKENS_LIMIT, description="Extension; -1 or 0 = off.")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP, description="Extension.")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=1024, description="Token id -> bias in [-100, 100] added to its logit before sampling.",
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,9}$"}})
+    # Structured output: OpenAI's response_format, and sglang's regex / ebnf extensions.
+    response_format: ResponseFormat | None = None
+    regex: str | None = Field(None, description="Extension (sglang): the output matches this regular expression.")
+    ebnf: str | None = Field(None, description="Extension (sglang): the output follows this EBNF grammar (GBNF).")
 
-    def sampling_params(self, max_new_tokens: int, seed_offset: int = 0) -> SamplingParams:
+    def structured(self) -> dict[str, str]:
+        """The grammar the output must follow, as SamplingParams fields (empty: free text)."""
+        rf = self.response_format
+        given = [name for name, on in (("response_format", rf is not None and rf.type != "text"),
+                                       ("regex", self.regex is not None), ("ebnf", self.ebnf is not None)) if on]
+        if len(given) > 1:
+            raise InputError(f"give at most one of response_format, regex, ebnf (got {', '.join(given)})", given[1])
+        if self.regex is not None:
+            return {"regex": self.regex}
+        if self.ebnf is not None:
+            return {"ebnf": self.ebnf}
+        if rf is None or rf.type == "text":
+            return {}
+        schema = rf.json_schema.schema_ if rf.json_schema is not None else {"type": "object"}
+        return {"json_schema": json.dumps(schema)}
+
+    def sampling_params(self, max_new_tokens: int, seed_offset: int = 0, vocab_size: int | None = None,
+                        **extra: Any) -> SamplingParams:
         """Engine params; choice i of n gets seed + i so seeded choices differ but reproduce."""
         seed = self.seed
         if seed is not None and seed_offset:
             seed = (seed + seed_offset - SEED_MIN) % 2**64 + SEED_MIN
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.logit_bias and vocab_size is not None:
+            bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                raise InputError(f"logit_bias: token id {bad[0]} is out of range: the vocabulary has {vocab_size} "
+                                 "tokens", "logit_bias")
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=self.temperature if self.temperature is not None else 0.0,
@@ -79,35 +154,137 @@ class _Sampling(BaseModel):
             stop=[s for s in stop if s],
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            **extra,
         )
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
 # --- /v1/chat/completions ------------------------------------------------------------------------
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    name: str
+    arguments: str = Field(..., description="The arguments as JSON text.")
 
-    def as_template_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        # The chat templates of small models know system/user/assistant only.
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallIn(ToolCall):
+    index: int | None = None  # present on streamed calls a client may echo back
+
+
+Content = str | list[TextPart]
+
+
+class _Message(_Strict):
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        content = getattr(self, "content", None)
+        text = content if isinstance(content, str) else "".join(p.text for p in content or [])
+        role = self.role
+        # The chat templates of small models know system/user/assistant (and tool) only.
+        out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+    content: Content
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(_Message):
+    """An earlier assistant turn; its tool calls come back with their results. The null fields are what the
+    openai SDK echoes back from a response message."""
+
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[Any] | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _says_something(self) -> AssistantMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+    def as_template_dict(self) -> dict[str, Any]:
+        out = super().as_template_dict()
+        if self.tool_calls:
+            # Templates (Qwen, Llama 3.1) render arguments as a mapping: hand them the parsed JSON.
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        return out
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str = Field(..., description="The call this message answers.")
+
+    def as_template_dict(self) -> dict[str, Any]:
+        return {**super().as_template_dict(), "tool_call_id": self.tool_call_id}
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDef(_Strict):
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments object.")
+    strict: bool | None = Field(None, description="Accepted either way: arguments of forced calls always follow "
+                                                   "the schema.")
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_Sampling):
@@ -118,10 +295,60 @@ class ChatCompletionRequest(_Sampling):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logprobs: bool | None = Field(None, description="Return each output token's logprob (choices[].logprobs).")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: the n most "
+                                                                                   "likely tokens at each position.")
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call per reply.")
+    user: str | None = Field(None, max_length=256, description="An end-user id: written to the request log.")
+    safety_identifier: str | None = Field(None, max_length=256, description="Written to the request log.")
+    # OpenAI fields minisgl does not implement: refused with a 400 unless null (or a value asking for nothing).
+    audio: Unlisted = None
+    modalities: Unlisted = None
+    prediction: Unlisted = None
+    reasoning_effort: Unlisted = None
+    verbosity: Unlisted = None
+    web_search_options: Unlisted = None
+    functions: Unlisted = None
+    function_call: Unlisted = None
+    store: Unlisted = None
+    metadata: Unlisted = None
+    service_tier: Unlisted = None
+    prompt_cache_key: Unlisted = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        _unsupported(self.__dict__, {
+            "audio": "audio output is not supported", "modalities": "only [\"text\"] output is supported",
+            "prediction": "predicted outputs are not supported", "reasoning_effort": "not a reasoning model setting "
+            "minisgl implements", "verbosity": "not supported", "web_search_options": "web search is not supported",
+            "functions": "deprecated: use tools", "function_call": "deprecated: use tool_choice",
+            "store": "stored completions are not supported", "metadata": "only stored completions take metadata, "
+            "and they are not supported", "service_tier": "only the default tier exists",
+            "prompt_cache_key": "not supported: the prefix cache needs no key",
+        }, allowed={"modalities": (["text"],), "store": (False,), "service_tier": ("auto", "default")})
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools or []}:
+            raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools in play), "auto", "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
 
 class PromptTokensDetails(BaseModel):
@@ -135,16 +362,32 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+class TopLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None
+    refusal: None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -168,6 +411,20 @@ class CompletionRequest(_Sampling):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return each token's logprob and the "
+                                                                              "n most likely tokens at each position.")
+    user: str | None = Field(None, max_length=256, description="An end-user id: written to the request log.")
+    echo: Unlisted = None
+    suffix: Unlisted = None
+    best_of: Unlisted = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        _unsupported(self.__dict__, {"echo": "echoing the prompt is not supported",
+                                     "suffix": "insertion (a suffix) is not supported",
+                                     "best_of": "only best_of=1 (or equal to n) is supported"},
+                     allowed={"echo": (False,), "best_of": (1, self.n)})
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a string or a token id list."""
@@ -182,11 +439,18 @@ class CompletionRequest(_Sampling):
         return cast("list[str | list[int]]", list(p))
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -225,6 +489,25 @@ class GenerateBody(_Sampling):
     input_ids: list[int] | None = None
     max_new_tokens: int = Field(128, ge=0, le=MAX_TOKENS_LIMIT)
     stream: bool = True
+    json_schema: str | dict[str, Any] | None = Field(None, description="sglang's: the output is JSON following "
+                                                                       "this schema.")
+    return_logprob: bool = Field(False, description="sglang's: each output token's logprob in `logprobs`.")
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="sglang's: with return_logprob, the "
+                                                                            "n most likely tokens at each position.")
+
+    def structured(self) -> dict[str, str]:
+        out = super().structured()
+        if self.json_schema is not None:
+            if out:
+                raise InputError("give at most one of json_schema, response_format, regex, ebnf", "json_schema")
+            schema = self.json_schema
+            if isinstance(schema, str):
+                try:
+                    json.loads(schema)
+                except ValueError as exc:
+                    raise InputError(f"json_schema is not valid JSON: {exc}", "json_schema") from None
+            return {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}
+        return out
 
 
 class GenerateDone(BaseModel):
@@ -241,6 +524,7 @@ class GenerateDone(BaseModel):
     latency_ms: float
     decode_tok_s: float
     max_new_tokens_downscaled: str | None = None
+    logprobs: list[dict[str, Any]] | None = None  # non-stream replies with return_logprob
 
 
 def new_id(prefix: str) -> str:
@@ -260,9 +544,33 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
     )
 
 
+def _lp(x: float) -> float:
+    return max(x, -9999.0)  # OpenAI's floor: JSON has no -inf (a token the grammar or top-k ruled out)
+
+
+def chat_logprobs(lps: list[TokenLogprob]) -> ChoiceLogprobs:
+    """OpenAI's `choices[].logprobs` of chat: one entry per output token, each with its top candidates."""
+    return ChoiceLogprobs(content=[TokenLogprobOut(
+        token=t.token, logprob=_lp(t.logprob), bytes=list(t.token.encode()),
+        top_logprobs=[TopLogprobOut(token=c.token, logprob=_lp(c.logprob), bytes=list(c.token.encode()))
+                      for c in t.top]) for t in lps])
+
+
+def completion_logprobs(lps: list[TokenLogprob], offset: int = 0) -> CompletionLogprobs:
+    """OpenAI's legacy `choices[].logprobs` of completions; text offsets count from `offset`."""
+    offsets = []
+    for t in lps:
+        offsets.append(offset)
+        offset += len(t.token)
+    return CompletionLogprobs(tokens=[t.token for t in lps], token_logprobs=[_lp(t.logprob) for t in lps],
+                              top_logprobs=[{c.token: _lp(c.logprob) for c in t.top} for t in lps],
+                              text_offset=offsets)
+
+
 def chat_chunk(
     id: str, created: int, model: str, index: int, *, role: bool = False, content: str | None = None,
-    finish_reason: str | None = None, with_usage_field: bool = False,
+    finish_reason: str | None = None, with_usage_field: bool = False, tool_calls: list[dict] | None = None,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
     """One `chat.completion.chunk`; `usage: null` appears on every chunk when include_usage is on."""
     delta: dict[str, Any] = {}
@@ -270,9 +578,12 @@ def chat_chunk(
         delta["role"] = "assistant"
     if content is not None:
         delta["content"] = content
+    if tool_calls is not None:
+        delta["tool_calls"] = tool_calls
+    choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
+              "logprobs": chat_logprobs(logprobs).model_dump() if logprobs else None}
     chunk: dict[str, Any] = {
-        "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        "id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice],
     }
     if with_usage_field:
         chunk["usage"] = None
@@ -281,11 +592,12 @@ def chat_chunk(
 
 def completion_chunk(
     id: str, created: int, model: str, index: int, text: str, finish_reason: str | None = None,
-    with_usage_field: bool = False,
+    with_usage_field: bool = False, logprobs: CompletionLogprobs | None = None,
 ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [{"index": index, "text": text, "finish_reason": finish_reason,
+                     "logprobs": logprobs.model_dump() if logprobs else None}],
     }
     if with_usage_field:
         chunk["usage"] = None

@@ -21,7 +21,7 @@ from minisgl_cli.client import EngineClient
 from minisgl_cli.server.errors import Disconnected, engine_error
 from minisgl_cli.server.gate import InflightGate, downscale_headers
 from minisgl_cli.server.metrics import ServerMetrics
-from minisgl_cli.types import Delta, GenerateRequest, RequestStats
+from minisgl_cli.types import Delta, GenerateRequest, RequestStats, TokenLogprob
 
 log = logging.getLogger("minisgl.server")
 T = TypeVar("T")
@@ -44,6 +44,7 @@ class EngineRun:
         self.open = len(reqs)  # requests not yet finished
         self.chunks = [0] * len(reqs)
         self.finals: list[Delta | None] = [None] * len(reqs)
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in reqs]  # per choice, when its request asked
         self._released = False
         self.closed = False
         self.tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(reqs)]
@@ -62,6 +63,8 @@ class EngineRun:
         i, delta = await self.queue.get()
         if delta.text or delta.token_ids:
             self.chunks[i] += 1
+        if delta.logprobs:
+            self.logprobs[i].extend(delta.logprobs)
         if delta.finished:
             self.open -= 1
             self.finals[i] = delta

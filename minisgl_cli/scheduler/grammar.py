@@ -1,0 +1,98 @@
+"""Grammars: structured output (JSON schema, regex, EBNF) compiled by xgrammar into per-request token matchers.
+
+A request with `json_schema`, `regex` or `ebnf` gets a matcher at admission (compiling is milliseconds and
+cached by grammar text, and doing it in the loop keeps every TP rank's schedule identical). Before each
+step that samples for such a request, its matcher writes the allowed next tokens into one row of a
+bitmask the sampler applies; after the step it accepts the token drawn. xgrammar (and the tokenizer it
+indexes) is loaded on the first constrained request only.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from minisgl_cli.types import SamplingParams
+
+log = logging.getLogger("minisgl.grammar")
+
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /path/file.cc:83: " before a message
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile: the request's fault."""
+
+
+class Grammars:
+    """One engine's grammar compiler (built on first use from its tokenizer) and the bitmask buffers it fills."""
+
+    SLOTS = 3  # as with sampled-id read-backs: a buffer is reused only after its step has been read
+
+    def __init__(self, model_dir: Path | None, vocab_size: int, stop_ids: frozenset[int], device: torch.device):
+        self.model_dir, self.vocab_size, self.stop_ids, self.device = model_dir, vocab_size, stop_ids, device
+        self._compiler = None
+        self._buffers: list[torch.Tensor] = []
+        self._next = 0
+
+    def compiler(self):
+        if self._compiler is None:
+            if self.model_dir is None:
+                raise GrammarError("structured output needs the model's tokenizer; this engine has dummy weights "
+                                   "and none")
+            try:
+                import xgrammar as xgr
+            except ImportError:
+                raise GrammarError("structured output needs the xgrammar package (pip install xgrammar)") from None
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(self.model_dir))
+            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
+                                                      stop_token_ids=sorted(self.stop_ids) or None)
+            xgr_version = importlib.metadata.version("xgrammar")
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+            log.info("grammar compiler ready: xgrammar %s, vocab %d, stop ids %s", xgr_version, self.vocab_size,
+                     sorted(self.stop_ids))
+        return self._compiler
+
+    def matcher(self, p: SamplingParams):
+        """A fresh matcher for the request's grammar (GrammarError if it does not compile)."""
+        import xgrammar as xgr
+
+        compiler = self.compiler()
+        kind = "json_schema" if p.json_schema is not None else "regex" if p.regex is not None else "ebnf"
+        try:
+            if p.json_schema is not None:
+                # Compact JSON: free whitespace would let a small model pad with newlines until max_tokens.
+                compiled = compiler.compile_json_schema(p.json_schema, any_whitespace=False, strict_mode=True)
+            elif p.regex is not None:
+                compiled = compiler.compile_regex(p.regex)
+            else:
+                compiled = compiler.compile_grammar(p.ebnf)
+        except Exception as exc:  # xgrammar raises RuntimeError (and others) with its parser's message
+            message = _CPP_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+            raise GrammarError(f"invalid {kind}: {message or type(exc).__name__}") from None
+        return xgr.GrammarMatcher(compiled)
+
+    def bitmask(self, matchers: list) -> torch.Tensor | None:
+        """Allowed-token bitmask [B, ceil(V/32)] int32 for one step (None when no row is constrained): each
+        live matcher fills its row; other rows allow everything. Pinned on CUDA, so its upload is async."""
+        if all(m is None for m in matchers):
+            return None
+        n, words = len(matchers), (self.vocab_size + 31) // 32
+        i = self._next
+        self._next = (i + 1) % self.SLOTS
+        if len(self._buffers) <= i:
+            self._buffers.append(torch.empty(0, words, dtype=torch.int32))
+        if self._buffers[i].shape[0] < n:
+            self._buffers[i] = torch.empty(max(n, 64), words, dtype=torch.int32,
+                                           pin_memory=self.device.type == "cuda")
+        mask = self._buffers[i][:n]
+        mask.fill_(-1)
+        for row, m in enumerate(matchers):
+            if m is not None and not m.is_terminated():
+                m.fill_next_token_bitmask(mask, row)
+        return mask
