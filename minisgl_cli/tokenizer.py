@@ -7,6 +7,7 @@ text pieces (and token logprobs, when asked) out, ended by a finish reason, a st
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -70,7 +71,8 @@ class Tokenizer:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         if not self.template_takes_tools:
             messages, tools = hermes_messages(messages, tools), None
-        text = self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False,
+        as_tools = cast("list[dict | Callable] | None", tools or None)  # transformers also takes functions
+        text = self.hf.apply_chat_template(messages, tools=as_tools, tokenize=False,
                                            add_generation_prompt=add_generation_prompt)
         return self.hf.encode(text, add_special_tokens=False)
 
@@ -78,7 +80,7 @@ class Tokenizer:
         """One token's own text (special tokens included), as logprobs report it."""
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.hf.decode([token_id], skip_special_tokens=False)
+            text = self._token_text[token_id] = cast(str, self.hf.decode([token_id], skip_special_tokens=False))
         return text
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -156,9 +158,9 @@ def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict
         role, content = m.get("role"), m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
             calls = [c.get("function", c) for c in m["tool_calls"]]
-            content = "\n".join([content] * bool(content) + [
-                "<tool_call>\n" + json.dumps({"name": c.get("name"), "arguments": c.get("arguments")}) + "\n</tool_call>"
-                for c in calls])
+            tags = [f"<tool_call>\n{json.dumps({'name': c.get('name'), 'arguments': c.get('arguments')})}\n</tool_call>"
+                    for c in calls]
+            content = "\n".join([content] * bool(content) + tags)
             out.append({"role": "assistant", "content": content})
         elif role == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})

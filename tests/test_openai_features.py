@@ -10,7 +10,6 @@ import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
-from server_fixtures import engine_client, server_url  # noqa: F401
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

@@ -77,6 +77,7 @@ class Launched:
         if not s.lp_rows:
             return ids, {}
         chosen, top_ids, top_lps = lp
+        assert chosen is not None  # set whenever lp_rows is
         return ids, {row: (chosen[j], top_ids[j] if top_ids else [], top_lps[j] if top_lps else [])
                      for j, row in enumerate(s.lp_rows)}
 

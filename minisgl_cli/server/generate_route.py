@@ -1,7 +1,8 @@
 """The reference stack's /generate route: prompt, messages or input_ids in; JSON lines (or one JSON reply) out.
 
-A stream is `{"text_delta": ...}` lines (with `logprobs` when `return_logprob` is on), then one `GenerateDone` line (`{"event": "done", ...}` with the
-request's token counts and timings), or an `{"event": "error", "error": {...}}` line if the engine fails.
+A stream is `{"text_delta": ...}` lines (with `logprobs` when `return_logprob` is on), then one `GenerateDone`
+line (`{"event": "done", ...}` with the request's token counts and timings), or an `{"event": "error", "error":
+{...}}` line if the engine fails.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ async def generate(body: p.GenerateBody, request: Request, ctx: Ctx) -> Any:
         ids = await ctx.tokens_of(prompt=body.prompt if body.prompt is not None else body.input_ids,
                                   param="prompt" if body.prompt is not None else "input_ids")
     max_new, note = ctx.budget([ids], body.max_new_tokens, "max_new_tokens")
-    params = body.sampling_params(max_new, vocab_size=ctx.client.info.vocab_size, logprobs=body.return_logprob,
-                                  top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
-                                  **body.structured())
+    params = body.sampling_params(max_new, vocab_size=ctx.client.info.vocab_size, extra=dict(
+        logprobs=body.return_logprob, top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
+        **body.structured()))
     req = GenerateRequest(input_ids=ids, params=params, rid=new_request_id("gen"))
     run = ctx.start([req], "/generate")
     if not body.stream:

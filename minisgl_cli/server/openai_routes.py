@@ -50,7 +50,7 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
         structured = {"json_schema": forced}
     extra = dict(logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, **structured)
     vocab = ctx.client.info.vocab_size
-    reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, i, vocab, **extra),
+    reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, i, vocab, extra),
                             rid=new_request_id("chat")) for i in range(body.n)]
     run = ctx.start(reqs, "/v1/chat/completions", body.user or body.safety_identifier)
     cid, ts, model = p.new_id("chatcmpl"), p.now(), ctx.model_name
@@ -165,7 +165,7 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
     extra = dict(logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, **body.structured())
     vocab = ctx.client.info.vocab_size
     # Choice index = prompt index * n + sample index (OpenAI's order).
-    reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, j, vocab, **extra),
+    reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, j, vocab, extra),
                             rid=new_request_id("cmpl")) for ids in ids_list for j in range(body.n)]
     run = ctx.start(reqs, "/v1/completions", body.user)
     cid, ts, model = p.new_id("cmpl"), p.now(), ctx.model_name

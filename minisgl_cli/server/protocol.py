@@ -134,7 +134,7 @@ class _Sampling(_Strict):
         return {"json_schema": json.dumps(schema)}
 
     def sampling_params(self, max_new_tokens: int, seed_offset: int = 0, vocab_size: int | None = None,
-                        **extra: Any) -> SamplingParams:
+                        extra: dict[str, Any] | None = None) -> SamplingParams:
         """Engine params; choice i of n gets seed + i so seeded choices differ but reproduce."""
         seed = self.seed
         if seed is not None and seed_offset:
@@ -157,7 +157,7 @@ class _Sampling(_Strict):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
-            **extra,
+            **(extra or {}),
         )
 
 
@@ -192,6 +192,7 @@ Content = str | list[TextPart]
 
 
 class _Message(_Strict):
+    role: str  # each kind narrows it to its Literal: the discriminator
     name: str | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
@@ -333,7 +334,8 @@ class ChatCompletionRequest(_Sampling):
         choice = self.tool_choice
         if choice is not None and choice != "none" and not self.tools:
             raise ValueError("tool_choice: needs tools")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools or []}:
+        names = {t.function.name for t in self.tools or []}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
         return self
 
