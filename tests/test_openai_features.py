@@ -111,7 +111,7 @@ def test_json_object_and_regex(server_url):
 def test_named_tool_choice_arguments_follow_the_schema(server_url):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     r = oai(server_url).chat.completions.create(model="default", messages=WEATHER_Q, tools=TOOLS,
-                                                tool_choice=choice, max_tokens=64)
+                                                tool_choice=choice, max_tokens=48)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None
     [call] = c.message.tool_calls
@@ -119,7 +119,7 @@ def test_named_tool_choice_arguments_follow_the_schema(server_url):
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
     # Streamed: the first delta names the call, the rest carry its arguments.
     chunks = list(oai(server_url).chat.completions.create(model="default", messages=WEATHER_Q, tools=TOOLS,
-                                                          tool_choice=choice, max_tokens=64, stream=True))
+                                                          tool_choice=choice, max_tokens=48, stream=True))
     deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
     assert deltas[0].id and deltas[0].function.name == "get_weather"
     assert all(d.index == 0 for d in deltas) and len({d.id for d in deltas if d.id}) == 1
@@ -130,7 +130,7 @@ def test_named_tool_choice_arguments_follow_the_schema(server_url):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_tool_choice_calls_a_tool(server_url, stream):
-    kw = dict(model="default", messages=WEATHER_Q, tools=TOOLS, tool_choice="required", max_tokens=96,
+    kw = dict(model="default", messages=WEATHER_Q, tools=TOOLS, tool_choice="required", max_tokens=64,
               parallel_tool_calls=False)
     if stream:
         chunks = list(oai(server_url).chat.completions.create(stream=True, **kw))
@@ -145,14 +145,14 @@ def test_required_tool_choice_calls_a_tool(server_url, stream):
 
 def test_auto_tools_and_tool_results_round_trip(server_url):
     first = oai(server_url).chat.completions.create(model="default", messages=WEATHER_Q, tools=TOOLS,
-                                                    max_tokens=24)
+                                                    max_tokens=12)
     assert first.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # The conversation goes on with an assistant tool call (as the SDK echoes it) and the tool's result.
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                              "arguments": '{"city": "Paris", "unit": "celsius"}'}}
     messages = [*WEATHER_Q, {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None},
                 {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'}]
-    r = oai(server_url).chat.completions.create(model="default", messages=messages, tools=TOOLS, max_tokens=24)
+    r = oai(server_url).chat.completions.create(model="default", messages=messages, tools=TOOLS, max_tokens=12)
     assert r.choices[0].message.content or r.choices[0].message.tool_calls
 
 
