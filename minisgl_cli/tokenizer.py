@@ -195,15 +195,14 @@ class RequestDecoder:
 
     def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams):
         self.tokenizer = tokenizer
+        self.with_logprobs = params.wants_logprobs
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
         self.stopper = StopStringMatcher(list(params.stop))
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id) if self.tokenizer else ""
 
-    def _logprobs(self, items: list[TokenOutput]) -> list[TokenLogprob] | None:
-        if all(o.logprob is None for o in items):
-            return None
+    def _logprobs(self, items: list[TokenOutput]) -> list[TokenLogprob]:
         return [TokenLogprob(o.token_id, self._text(o.token_id), o.logprob,
                              [TopLogprob(t, self._text(t), lp) for t, lp in zip(o.top_ids or [], o.top_logprobs or [])])
                 for o in items if o.token_id is not None and o.logprob is not None]
@@ -214,7 +213,7 @@ class RequestDecoder:
         prefill_s = next((o.prefill_s for o in items if o.prefill_s is not None), None)
         if last.error:
             return DecodedPiece(last.rid, "", tokens, None, last.error, last.cached_tokens, prefill_s)
-        logprobs = self._logprobs(items)
+        logprobs = self._logprobs(items) if self.with_logprobs else None
         reason = last.finish_reason
         text = self.detok.feed(tokens) if self.detok else ""
         if reason is not None and self.detok:

@@ -330,10 +330,9 @@ class Scheduler:
                 error = f"internal error: the grammar rejected token {tok} it had allowed"
             reason = self._stop_reason(req, tok)
             o = TokenOutput(req.rid, tok, reason, len(req.input_ids), req.cached_tokens, error,
-                            prefill_s=now - req.prefill_started_at if first else None)
-            lp = logprobs.get(row)
-            if lp is not None:
-                _attach_logprobs(o, lp, req.params.top_logprobs)
+                            now - req.prefill_started_at if first else None)
+            if logprobs and row in logprobs:
+                _attach_logprobs(o, logprobs[row], req.params.top_logprobs)
             out.append(o)
             if error is not None:
                 reason = "abort"
