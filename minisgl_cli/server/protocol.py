@@ -15,7 +15,6 @@ from typing import Annotated, Any, Literal, Union, cast
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.json_schema import SkipJsonSchema
 
 from minisgl_cli.types import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 
@@ -69,16 +68,38 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _unsupported(values: dict[str, Any], reasons: dict[str, str], allowed: dict[str, tuple] | None = None) -> None:
-    """Refuse OpenAI fields minisgl does not implement (unless null or a value that asks for nothing)."""
-    for name, reason in reasons.items():
-        value = values.get(name)
-        if value is not None and value not in (allowed or {}).get(name, ()):
-            raise ValueError(f"{name}: {reason}")
+# OpenAI fields minisgl does not implement: name -> (why, the values that ask for nothing and so pass). They are
+# not fields of the models (the OpenAPI schema lists what works); a value outside those is a 400 naming them.
+_CHAT_UNIMPLEMENTED: dict[str, tuple[str, tuple]] = {
+    "audio": ("audio output is not supported", ()),
+    "modalities": ('only ["text"] output is supported', (["text"],)),
+    "prediction": ("predicted outputs are not supported", ()),
+    "reasoning_effort": ("not a setting minisgl implements", ()),
+    "verbosity": ("not a setting minisgl implements", ()),
+    "web_search_options": ("web search is not supported", ()),
+    "functions": ("deprecated: use tools", ()),
+    "function_call": ("deprecated: use tool_choice", ()),
+    "store": ("stored completions are not supported", (False,)),
+    "metadata": ("only stored completions take metadata, and they are not supported", ()),
+    "service_tier": ("only the default tier exists", ("auto", "default")),
+    "prompt_cache_key": ("not supported: the prefix cache needs no key", ()),
+}
+_COMPLETION_UNIMPLEMENTED: dict[str, tuple[str, tuple]] = {
+    "echo": ("echoing the prompt is not supported", (False,)),
+    "suffix": ("insertion (a suffix) is not supported", ()),
+}
 
 
-# An OpenAI field minisgl refuses (unless null): kept out of the OpenAPI schema, which lists what works.
-Unlisted = SkipJsonSchema[Any]
+def _refuse(data: Any, table: dict[str, tuple[str, tuple]]) -> Any:
+    """The request without the unimplemented fields that ask for nothing (null or a harmless value)."""
+    if not isinstance(data, dict) or not any(name in data for name in table):
+        return data
+    data = dict(data)
+    for name, (why, harmless) in table.items():
+        value = data.pop(name, None)
+        if value is not None and value not in harmless:
+            raise ValueError(f"{name}: {why}")
+    return data
 
 
 class JsonSchemaSpec(_Strict):
@@ -304,31 +325,13 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call per reply.")
     user: str | None = Field(None, max_length=256, description="An end-user id: written to the request log.")
     safety_identifier: str | None = Field(None, max_length=256, description="Written to the request log.")
-    # OpenAI fields minisgl does not implement: refused with a 400 unless null (or a value asking for nothing).
-    audio: Unlisted = None
-    modalities: Unlisted = None
-    prediction: Unlisted = None
-    reasoning_effort: Unlisted = None
-    verbosity: Unlisted = None
-    web_search_options: Unlisted = None
-    functions: Unlisted = None
-    function_call: Unlisted = None
-    store: Unlisted = None
-    metadata: Unlisted = None
-    service_tier: Unlisted = None
-    prompt_cache_key: Unlisted = None
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        return _refuse(data, _CHAT_UNIMPLEMENTED)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
-        _unsupported(self.__dict__, {
-            "audio": "audio output is not supported", "modalities": "only [\"text\"] output is supported",
-            "prediction": "predicted outputs are not supported", "reasoning_effort": "not a reasoning model setting "
-            "minisgl implements", "verbosity": "not supported", "web_search_options": "web search is not supported",
-            "functions": "deprecated: use tools", "function_call": "deprecated: use tool_choice",
-            "store": "stored completions are not supported", "metadata": "only stored completions take metadata, "
-            "and they are not supported", "service_tier": "only the default tier exists",
-            "prompt_cache_key": "not supported: the prefix cache needs no key",
-        }, allowed={"modalities": (["text"],), "store": (False,), "service_tier": ("auto", "default")})
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
         choice = self.tool_choice
@@ -416,17 +419,13 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return each token's logprob and the "
                                                                               "n most likely tokens at each position.")
     user: str | None = Field(None, max_length=256, description="An end-user id: written to the request log.")
-    echo: Unlisted = None
-    suffix: Unlisted = None
-    best_of: Unlisted = None
 
-    @model_validator(mode="after")
-    def _check(self) -> CompletionRequest:
-        _unsupported(self.__dict__, {"echo": "echoing the prompt is not supported",
-                                     "suffix": "insertion (a suffix) is not supported",
-                                     "best_of": "only best_of=1 (or equal to n) is supported"},
-                     allowed={"echo": (False,), "best_of": (1, self.n)})
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        n = data.get("n", 1) if isinstance(data, dict) else 1
+        return _refuse(data, {**_COMPLETION_UNIMPLEMENTED, "best_of": ("only best_of=1 (or equal to n) is supported",
+                                                                       (1, n))})
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a string or a token id list."""
