@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 from pathlib import Path
@@ -52,3 +53,9 @@ def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int =
 def tiny_model_dirs(tmp_path_factory, default_model_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {a: make_tiny_checkpoint(a, root / a, default_model_dir) for a in ("llama", "qwen2", "qwen3")}
+
+
+def pytest_unconfigure(config):
+    """A run that does not exit within 2 minutes of its summary (a thread or child stuck at interpreter exit)
+    dumps every thread's stack and exits 1, rather than hanging CI until its limit."""
+    faulthandler.dump_traceback_later(120, exit=True)

@@ -44,6 +44,9 @@ def _merge(pieces: list[DecodedPiece]) -> DecodedPiece:
     )
 
 
+SEND_TIMEOUT_MS = 10_000
+
+
 class RemoteClient(RoutedClient):
     def __init__(self, info: ModelInfo, endpoints: Endpoints, num_tokenizer: int, runtime: Runtime):
         super().__init__()
@@ -52,7 +55,9 @@ class RemoteClient(RoutedClient):
         self._ctx = zmq.Context()
         self._inbox = pull(self._ctx, endpoints.api)
         targets = [endpoints.tokenizer(i) for i in range(num_tokenizer)] or [endpoints.detokenizer]
-        self._out = [push(self._ctx, t) for t in targets]
+        # A send that cannot leave in SEND_TIMEOUT_MS (the worker is gone or wedged) fails instead of holding
+        # the send lock for ever.
+        self._out = [push(self._ctx, t, timeout_ms=SEND_TIMEOUT_MS) for t in targets]
         self._lock = threading.Lock()  # zmq sockets are not thread-safe; fronts send from several threads
         self._beat = time.monotonic()
         self._closed = False
@@ -65,8 +70,12 @@ class RemoteClient(RoutedClient):
         key = msg.rid if isinstance(msg, AddRequest | AbortRequest) else str(msg.qid)
         sock = self._out[zlib.crc32(key.encode()) % len(self._out)]
         with self._lock:
-            if not self._closed:  # an abort from a stream that outlives close() goes nowhere
+            if self._closed:  # an abort from a stream that outlives close() goes nowhere
+                return
+            try:
                 send(sock, msg)
+            except zmq.Again:
+                raise RuntimeError("the tokenizer/detokenizer does not take messages (gone or wedged)") from None
 
     def _receive(self) -> None:
         # Polls rather than blocking in recv: a socket may only be closed by its own thread's side of the
@@ -126,5 +135,8 @@ class RemoteClient(RoutedClient):
         self._closed = True
         self.runtime.shutdown()
         self._receiver.join(5)
-        with self._lock:
-            self._ctx.destroy(linger=0)
+        if self._lock.acquire(timeout=SEND_TIMEOUT_MS / 1000 + 1):  # a sender still in send() is bounded too
+            try:
+                self._ctx.destroy(linger=0)
+            finally:
+                self._lock.release()

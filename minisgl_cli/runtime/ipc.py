@@ -53,9 +53,11 @@ def pull(ctx: zmq.Context, addr: str) -> zmq.Socket:
     return sock
 
 
-def push(ctx: zmq.Context, addr: str) -> zmq.Socket:
+def push(ctx: zmq.Context, addr: str, timeout_ms: int = -1) -> zmq.Socket:
+    """A PUSH socket to `addr`; with `timeout_ms` a send that cannot leave in time raises zmq.Again."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 2000)  # a message sent just before exit still leaves
+    sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
     sock.connect(addr)
     return sock
 
