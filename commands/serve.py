@@ -106,13 +106,21 @@ def serve(
             help="Diffusers pipeline dir for /v1/videos/generations.",
         ),
     ] = None,
+    web: Annotated[
+        bool,
+        typer.Option(
+            "--web/--no-web",
+            envvar="MINISGL_WEB",
+            help="Serve the web page at / (streaming chat, live engine view) and the /metrics/live it polls.",
+        ),
+    ] = True,
     *,
     opts: c.EngineOptions,  # the engine options (c.ALL) go here in --help
     verbose: c.Verbose = False,
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /generate (JSON lines),
-    /metrics (JSON or Prometheus), /health, and the media routes, over one engine. It listens at once (503
-    until the engine is up); the engine runs as processes by default (--runtime). See docs/server.md."""
+    /metrics (JSON or Prometheus), /health, the media routes and a web page at /, over one engine. It listens
+    at once (503 until the engine is up); the engine runs as processes by default (--runtime). See docs/server.md."""
     from minisgl_cli.server.app import ServerSettings
     from minisgl_cli.server.launch import LaunchConfig
     from minisgl_cli.server.launch import serve as run_server
@@ -133,7 +141,7 @@ def serve(
     settings = ServerSettings(
         api_key=api_key or None, max_inflight_total=min(caps) if caps else None,
         adaptive_max_new_tokens=adaptive_max_new_tokens, max_body_bytes=max_body_bytes,
-        served_model_name=served_model_name, media=media,
+        served_model_name=served_model_name, media=media, web=web,
     )
     launch = LaunchConfig(
         host=host, port=port, warm_prefixes=[x for x in (warm_prefixes or "").split("|") if x],

@@ -2,7 +2,8 @@
 
 What lives where: `openai_routes` and `generate_route` (the handlers), `context` (the steps they share),
 `runs` (engine streams -> HTTP responses), `gate` (admission), `edge` (API key, body cap, counts),
-`errors` (OpenAI error bodies). Here: the app itself, /health and /metrics.
+`errors` (OpenAI error bodies), `web` (the page at / and the /metrics/live it polls). Here: the app itself,
+/health and /metrics.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import PlainTextResponse
 
 from minisgl_cli.client import EngineClient
-from minisgl_cli.server import generate_route, openai_routes
+from minisgl_cli.server import generate_route, openai_routes, web
 from minisgl_cli.server import protocol as p
 from minisgl_cli.server.context import Ctx, ServerContext
 from minisgl_cli.server.edge import EdgeMiddleware
@@ -66,6 +67,8 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
     app.include_router(build_media_router(settings.media or MediaSettings.from_env()))
     for router in (server_router, openai_routes.router, generate_route.router):
         app.include_router(router)
+    if settings.web:
+        app.include_router(web.router)
     return app
 
 

@@ -12,9 +12,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from minisgl_cli.server import protocol as p
 from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.server.settings import ServerSettings
+from minisgl_cli.server.web import is_page_file
 
 # Counted by name in /metrics; any other path counts as "other".
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/generate", "/metrics", "/health")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/generate", "/metrics", "/metrics/live", "/health")
 
 
 class EdgeMiddleware:
@@ -37,7 +38,8 @@ class EdgeMiddleware:
 
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         key = self.settings.api_key
-        if key and path != "/health":
+        # /health and the page's own files need no key (the page holds no secret; it asks for the key).
+        if key and path != "/health" and not (self.settings.web and is_page_file(path)):
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 resp = p.error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",

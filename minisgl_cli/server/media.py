@@ -75,6 +75,11 @@ class MediaSettings:
             attention_backend=self.attention_backend, allow_download=self.allow_download,
         )
 
+    def available(self, kind: Kind) -> bool:
+        """Whether a request for this kind can run: the pipeline is on disk (or may be downloaded)."""
+        spec = self.spec(kind)
+        return spec.allow_download or (spec.model_dir / "model_index.json").is_file()
+
     def serves(self, kind: Kind, requested: str | None) -> bool:
         """Whether a request's `model` names this server's model (any model name if none given)."""
         if not requested:
@@ -155,7 +160,7 @@ def _check_model(settings: MediaSettings, kind: Kind, requested: str | None) -> 
             f"model {requested!r} is not served here; this server's {kind} model is {served!r}", "model"
         )
     spec = settings.spec(kind)
-    if not spec.allow_download and not (spec.model_dir / "model_index.json").is_file():
+    if not settings.available(kind):
         var = env.IMAGE_MODEL_DIR if kind == "image" else env.VIDEO_MODEL_DIR
         raise ModelNotFoundError(
             f"{kind} model {spec.model!r} is not available on this server: {spec.model_dir} has no model_index.json. "

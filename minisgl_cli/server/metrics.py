@@ -44,7 +44,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 class ServerMetrics:
-    def __init__(self, window: int = 1000, rate_window_s: float = 10.0):
+    def __init__(self, window: int = 1000, rate_window_s: float = 10.0, recent: int = 20):
         self._lock = threading.Lock()
         self.started = time.time()
         self.inflight = 0
@@ -61,6 +61,8 @@ class ServerMetrics:
         self._recent_ttft: deque[float] = deque(maxlen=window)
         self._recent_e2e: deque[float] = deque(maxlen=window)
         self._completions = RollingRate(rate_window_s)  # completion tokens of requests that finished lately
+        self._recent: deque[dict[str, Any]] = deque(maxlen=recent)  # the last engine requests (the web page)
+        self._ended = 0
 
     # --- recording -----------------------------------------------------------------------------
     def request(self, endpoint: str, status: int) -> None:
@@ -84,6 +86,8 @@ class ServerMetrics:
         """One engine request ended (completed, stopped, or aborted by a disconnect)."""
         with self._lock:
             self.finished[reason or "error"] += 1
+            self._ended += 1
+            self._recent.append(_recent_entry(self._ended, stats, reason or "error"))
             if stats is None:
                 return
             self.prompt_tokens += stats.prompt_tokens
@@ -95,6 +99,11 @@ class ServerMetrics:
                 self._recent_ttft.append(stats.ttft_s)
                 self._recent_e2e.append(stats.latency_s)
                 self._completions.add(stats.completion_tokens)
+
+    def recent(self) -> list[dict[str, Any]]:
+        """The last engine requests, newest last: id, finish, tokens, TTFT / TPOT / latency in ms."""
+        with self._lock:
+            return list(self._recent)
 
     # --- rendering -----------------------------------------------------------------------------
     def to_json(self, sched: SchedulerStats, model: str, max_inflight: int | None) -> dict[str, Any]:
@@ -189,6 +198,16 @@ class ServerMetrics:
                 lines.append(f"minisgl_{name}_sum{one()} {_num(hist.sum)}")
                 lines.append(f"minisgl_{name}_count{one()} {hist.count}")
         return "\n".join(lines) + "\n"
+
+
+def _recent_entry(seq: int, stats: RequestStats | None, reason: str) -> dict[str, Any]:
+    s = stats or RequestStats()
+    tpot = (s.latency_s - s.ttft_s) / (s.completion_tokens - 1) if s.completion_tokens > 1 else None
+    return {"id": seq, "at": round(time.time(), 3), "finish": reason, "prompt_tokens": s.prompt_tokens,
+            "cached_tokens": s.cached_tokens, "completion_tokens": s.completion_tokens,
+            "ttft_ms": _ms(s.ttft_s) if s.completion_tokens else None,
+            "tpot_ms": _ms(tpot) if tpot is not None else None,
+            "latency_ms": _ms(s.latency_s) if stats is not None else None}
 
 
 def _ms(seconds: float) -> float:

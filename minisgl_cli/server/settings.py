@@ -19,4 +19,5 @@ class ServerSettings:
     served_model_name: str | None = None  # default: the engine's model name
     retry_after_s: int = 1
     media: MediaSettings | None = None
+    web: bool = True  # the page at / and /metrics/live (server/web.py); --no-web turns them off
     extra_model_aliases: tuple[str, ...] = field(default=("default",))
