@@ -88,7 +88,7 @@ def _declared() -> dict[str, _Option]:
 
 _OPTIONS = _declared()
 ALL: tuple[str, ...] = tuple(_OPTIONS)  # serve and bench offer every engine option
-MODEL: tuple[str, ...] = ("model", "model_local_dir", "load_format", "device", "dtype", "attention_backend")
+MODEL: tuple[str, ...] = ("model", "model_local_dir", "engine", "load_format", "device", "dtype", "attention_backend")
 _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 _SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
 _RUNTIME_FIELDS = {f.name for f in fields(RuntimeConfig)}
@@ -111,25 +111,44 @@ class EngineOptions:
         if local_dir:
             values["model"] = local_dir
         try:
-            return cls(EngineConfig(**{k: v for k, v in values.items() if k in _ENGINE_FIELDS}),
+            opts = cls(EngineConfig(**{k: v for k, v in values.items() if k in _ENGINE_FIELDS}),
                        SchedulerConfig(**{k: v for k, v in values.items() if k in _SCHEDULER_FIELDS}),
                        RuntimeConfig(**{k: v for k, v in values.items() if k in _RUNTIME_FIELDS}))
+            opts.check()
+            return opts
         except ValueError as exc:  # options that contradict each other, e.g. --tp 3 --nnodes 2
             raise typer.BadParameter(str(exc)) from None
 
+    def check(self) -> None:
+        """ValueError (one line) naming the flags the chosen engine has no use for: the hf and mlx engines run
+        in this process, one request at a time, without our KV pool, scheduler or ranks."""
+        from minisgl_cli import engines
+
+        engine = engines.resolve(self.engine.engine)
+        if engine not in engines.SERIAL:
+            return
+        flags = engines.serial_conflicts(engine, self.engine, self.scheduler)
+        r = self.runtime
+        flags += [flag for flag, used in (("--runtime processes", r.mode == "processes"),
+                                          ("--num-tokenizer", r.num_tokenizer > 0), ("--tp", r.tp_size > 1),
+                                          ("--nnodes", r.nnodes > 1), ("--node-rank", r.node_rank > 0)) if used]
+        if flags:
+            raise ValueError(f"--engine {engine} runs in this process, one request at a time, on its own KV cache: "
+                             f"{', '.join(flags)} configure the torch engine (drop them, or use --engine torch)")
+
     def client(self, processes: bool = False, stop: threading.Event | None = None) -> EngineClient:
         """Build the engine client — in this process, or the multi-process runtime when `--runtime` says so
-        (`processes`: the command's choice for auto; `stop` set abandons the start). Start-up failures
-        become one line and exit code 1; an interrupted start exits 130.
+        (`processes`: the command's choice for auto; the hf and mlx engines always run here; `stop` set abandons
+        the start). Start-up failures become one line and exit code 1; an interrupted start exits 130.
 
         On a node other than 0 (`--node-rank`), this node's ranks serve until stopped; this never returns."""
         from minisgl_cli.loader.errors import ModelLoadError
 
         try:
-            if not self.runtime.processes(processes):
-                from minisgl_cli.client import LocalClient
+            from minisgl_cli import engines
 
-                return LocalClient(self.engine, self.scheduler)
+            if engines.resolve(self.engine.engine) in engines.SERIAL or not self.runtime.processes(processes):
+                return engines.in_process_client(self.engine, self.scheduler)
             from minisgl_cli.runtime.launch import launch
             from minisgl_cli.runtime.supervisor import Runtime
 

@@ -157,6 +157,9 @@ class RoutedClient:
         """An item that ends a stream with `error`, of the kind `_decoder` reads."""
         raise NotImplementedError
 
+    def _check(self, req: GenerateRequest) -> None:
+        """Raise ValueError naming a request field this engine cannot honour (before anything is registered)."""
+
     # --- routing (on whichever thread receives the scheduler's messages) --------------------------
     def _route(self, items_by_rid: dict[str, list], finished: Callable[[list], bool]) -> None:
         """Hand each request its items, with one wake-up per consumer event loop."""
@@ -204,6 +207,7 @@ class RoutedClient:
     async def submit(self, req: GenerateRequest) -> AsyncGenerator[Delta, None]:
         if (reason := self.failure()) is not None:
             raise RuntimeError(f"{ENGINE_GONE}: {reason}")
+        self._check(req)
         ids = await self.tokenize(req)
         if req.rid in self._streams:
             raise ValueError(f"request id {req.rid!r} is already in flight")
@@ -357,5 +361,5 @@ def engine_info(e: Engine, scheduler: Scheduler) -> ModelInfo:
         loaded.name, loaded.source, str(e.device), str(e.dtype).removeprefix("torch."), e.attn.name,
         str(loaded.model_dir) if loaded.model_dir is not None else None, mc.vocab_size, e.pool.page_size,
         scheduler.max_running, e.max_context_len, e.pool.num_pages * e.pool.page_size, loaded.load_s,
-        scheduler.overlap, tuple(sorted(scheduler.eos)), e.tp.size,
+        scheduler.overlap, tuple(sorted(scheduler.eos)), e.tp.size, "sgl" if e.kernels.sgl is not None else "torch",
     )

@@ -6,8 +6,9 @@ import asyncio
 from dataclasses import fields
 from typing import cast
 
-from minisgl_cli.client import LocalClient, complete
+from minisgl_cli.client import complete
 from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.engines import in_process_client
 from minisgl_cli.scheduler.config import SchedulerConfig
 from minisgl_cli.types import Completion, GenerateRequest, SamplingParams
 
@@ -16,13 +17,13 @@ Prompt = str | list[int] | list[dict]
 
 class LLM:
     """Offline generation over the same client the servers use. Extra keyword arguments go to
-    EngineConfig or SchedulerConfig by name (e.g. attention_backend="torch", cache="naive")."""
+    EngineConfig or SchedulerConfig by name (e.g. attention_backend="torch", cache="naive", engine="hf")."""
 
     def __init__(self, model: str | None = None, **kwargs):
         names = {f.name for f in fields(SchedulerConfig)}
         sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in names})
         engine = EngineConfig(model=model, **{k: v for k, v in kwargs.items() if k not in names})
-        self.client = LocalClient(engine, sched)
+        self.client = in_process_client(engine, sched)  # engine="hf" / "mlx": those engines
 
     @staticmethod
     def _request(prompt: Prompt, params: SamplingParams) -> GenerateRequest:

@@ -14,8 +14,8 @@ log = logging.getLogger("minisgl.smoke")
 
 def run_smoke(client: EngineClient, prompt: str, max_new_tokens: int, temperature: float, raw: bool) -> int:
     info = client.info
-    log.info("setup: model=%s device=%s dtype=%s backend=%s eos=%s", info.name, info.device, info.dtype,
-             info.attention_backend, list(info.eos_token_ids))
+    log.info("setup: model=%s engine=%s device=%s dtype=%s attention=%s eos=%s", info.name, info.engine, info.device,
+             info.dtype, info.attention_backend, list(info.eos_token_ids))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     req = (GenerateRequest(prompt=prompt, params=params) if raw
            else GenerateRequest(messages=[{"role": "user", "content": prompt}], params=params))
@@ -38,7 +38,8 @@ def run_smoke(client: EngineClient, prompt: str, max_new_tokens: int, temperatur
         client.close()
     s = final.stats
     print(
-        f"\n[smoke] model={info.name} prompt_tokens={s.prompt_tokens} generated_tokens={s.completion_tokens} "
-        f"ttft={s.ttft_s * 1000:.0f}ms decode={s.decode_tok_s:.1f} tok/s finish={final.finish_reason}"
+        f"\n[smoke] model={info.name} engine={info.engine} prompt_tokens={s.prompt_tokens} "
+        f"generated_tokens={s.completion_tokens} ttft={s.ttft_s * 1000:.0f}ms decode={s.decode_tok_s:.1f} tok/s "
+        f"finish={final.finish_reason}"
     )
     return 0 if s.completion_tokens > 0 else 1

@@ -161,34 +161,40 @@ class Completion:
 
 @dataclass
 class SchedulerStats:
-    """The scheduler's figures: queues, KV use, cache hits, token rates (for chat, /metrics, bench)."""
+    """The engine's figures: queues, KV use, cache hits, token rates (for chat, /metrics, bench).
+
+    None is "n/a": a figure the engine behind the client does not have (the hf and mlx engines have no KV page
+    pool, hf no prefix cache, neither retracts nor counts scheduler steps), never a 0 standing in for it."""
 
     waiting: int = 0
     running: int = 0
-    tokens_total: int = 0
-    tokens_free: int = 0
-    tokens_cached: int = 0  # held by the prefix cache (evictable or locked)
-    tokens_in_use: int = 0  # held by running requests beyond their cached prefix
-    cache_hit_tokens: int = 0
-    cache_miss_tokens: int = 0
-    cache_hit_requests: int = 0
-    cache_miss_requests: int = 0
+    tokens_total: int | None = 0
+    tokens_free: int | None = 0
+    tokens_cached: int | None = 0  # held by the prefix cache (evictable or locked)
+    tokens_in_use: int | None = 0  # held by running requests beyond their cached prefix
+    cache_hit_tokens: int | None = 0
+    cache_miss_tokens: int | None = 0
+    cache_hit_requests: int | None = 0
+    cache_miss_requests: int | None = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     prefill_tok_s: float = 0.0  # rolling
     decode_tok_s: float = 0.0  # rolling
-    steps: int = 0
+    steps: int | None = 0
     finished_requests: int = 0
     aborted_requests: int = 0
-    retracted_requests: int = 0
+    retracted_requests: int | None = 0
 
     @property
-    def cache_hit_rate(self) -> float:
+    def cache_hit_rate(self) -> float | None:
+        if self.cache_hit_tokens is None or self.cache_miss_tokens is None:
+            return None
         total = self.cache_hit_tokens + self.cache_miss_tokens
         return self.cache_hit_tokens / total if total else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "cache_hit_rate": round(self.cache_hit_rate, 4)}
+        rate = self.cache_hit_rate
+        return {**asdict(self), "cache_hit_rate": None if rate is None else round(rate, 4)}
 
 
 @dataclass(frozen=True)
@@ -205,11 +211,13 @@ class ModelInfo:
     page_size: int
     max_running: int  # requests decoded together at most
     max_context_len: int
-    kv_tokens: int
+    kv_tokens: int | None  # None: no KV page pool (the hf and mlx engines)
     load_s: float
     overlap: bool  # overlap scheduling on
     eos_token_ids: tuple[int, ...] = ()
     tp_size: int = 1
+    engine: str = "torch"  # what runs the model: torch (our engine), sgl (ours with sgl_kernel ops), hf, mlx
+    prefix_cache: str | None = "radix"  # what serves cached prompt prefixes; None when nothing does (hf)
 
     @property
     def has_tokenizer(self) -> bool:

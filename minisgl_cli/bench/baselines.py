@@ -1,9 +1,9 @@
-"""Baselines and peers on the same weights and prompts: HF transformers streaming (TextIteratorStreamer, one
-request at a time, as the reference stack measures it), HF batched `generate`, and llama.cpp on the GGUF."""
+"""Baselines and peers on the same weights and prompts: HF transformers streaming (the hf engine: a
+TextIteratorStreamer, one request at a time, as the reference stack measures it), HF batched `generate`, and
+llama.cpp on the GGUF."""
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -11,8 +11,10 @@ from typing import Any, cast
 import torch
 
 from minisgl_cli.bench.metrics import RequestTiming
+from minisgl_cli.bench.offline import EngineRunner
 from minisgl_cli.bench.runner import OnDone, RunOutput
 from minisgl_cli.bench.workloads import BenchRequest, Case
+from minisgl_cli.types import SamplingParams
 
 BASELINES = ("hf-stream", "hf-batched")
 PEERS = ("llama-cpp",)
@@ -37,91 +39,16 @@ class _OneAtATime:
         return RunOutput(timings, time.perf_counter() - t0)
 
 
-class _HFModel:
-    """The HF transformers model and tokenizer from the engine's own model dir, greedy, no sampling knobs."""
+class HFStreamRunner(EngineRunner):
+    """The hf engine (HF `generate` feeding a TextIteratorStreamer, one request at a time) through its client."""
 
-    def __init__(self, model_dir: Path | str, device: str, dtype: torch.dtype):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-        # transformers wraps .to() with functools.wraps, which typeshed leaves unbound (self not applied).
-        self.model = model.to(device).eval()  # type: ignore[arg-type]
-        self.device = torch.device(device)
-        gen = self.model.generation_config
-        eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
-        self.eos_ids: list[int] = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
-
-    def gen_kwargs(self, max_new_tokens: int, ignore_eos: bool) -> dict[str, Any]:
-        from transformers import GenerationConfig
-
-        # A fresh config: the checkpoint's own (temperature, top_p...) would only add warnings to greedy.
-        cfg = GenerationConfig(
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=self.eos_ids or None,
-            pad_token_id=self.pad_id, min_new_tokens=max_new_tokens if ignore_eos else None,
-        )
-        return {"generation_config": cfg}
-
-    def close(self) -> None:
-        del self.model
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-
-class HFStreamRunner(_OneAtATime):
-    """HF `generate` on a thread feeding a TextIteratorStreamer, requests strictly one at a time."""
-
-    name = "hf-stream"
     sequential = True
 
     def __init__(self, model_dir: Path | str, device: str, dtype: torch.dtype):
-        self.hf = _HFModel(model_dir, device, dtype)
+        from minisgl_cli.engines.hf import HFClient, HFModel
 
-    def _one(self, req: BenchRequest) -> RequestTiming:
-        from transformers import TextIteratorStreamer
-
-        hf = self.hf
-        ids = torch.tensor([req.input_ids], device=hf.device)
-        streamer = TextIteratorStreamer(hf.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        box: dict[str, Any] = {}
-
-        def generate() -> None:
-            try:
-                with torch.inference_mode():
-                    box["out"] = hf.model.generate(
-                        input_ids=ids,
-                        attention_mask=torch.ones_like(ids),
-                        streamer=streamer,
-                        **hf.gen_kwargs(req.max_new_tokens, req.ignore_eos),
-                    )
-            except Exception as exc:  # surface it to the consumer, and unblock the streamer
-                box["error"] = exc
-                streamer.end()
-
-        timing = RequestTiming(prompt_tokens=req.prompt_tokens)
-        parts: list[str] = []
-        t0 = time.perf_counter()
-        thread = threading.Thread(target=generate, daemon=True)
-        thread.start()
-        for text in streamer:  # the streamer emits whole words: its chunks are what a client would see
-            if text:
-                now = time.perf_counter() - t0
-                timing.ttft_s = now if timing.ttft_s is None else timing.ttft_s
-                timing.chunk_times_s.append(now)
-                parts.append(text)
-        thread.join()
-        timing.latency_s = time.perf_counter() - t0
-        timing.text = "".join(parts)
-        if "error" in box:
-            timing.success, timing.error = False, f"{type(box['error']).__name__}: {box['error']}"
-        else:
-            timing.output_tokens = int(box["out"].shape[1]) - ids.shape[1]
-        return timing
-
-    def close(self) -> None:
-        self.hf.close()
+        super().__init__(HFClient(HFModel(model_dir, device, dtype), Path(model_dir), Path(model_dir).name, "hf-dir"),
+                         "hf-stream")
 
 
 class HFBatchedRunner:
@@ -132,7 +59,9 @@ class HFBatchedRunner:
     sequential = False
 
     def __init__(self, model_dir: Path | str, device: str, dtype: torch.dtype):
-        self.hf = _HFModel(model_dir, device, dtype)
+        from minisgl_cli.engines.hf import HFModel
+
+        self.hf = HFModel(model_dir, device, dtype)
 
     def _batch(self, reqs: list[BenchRequest]) -> list[RequestTiming]:
         hf = self.hf
@@ -146,8 +75,9 @@ class HFBatchedRunner:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
+                params = SamplingParams(max_new_tokens=new, ignore_eos=all(r.ignore_eos for r in reqs))
                 out = hf.model.generate(input_ids=ids.to(hf.device), attention_mask=mask.to(hf.device),
-                                        **hf.gen_kwargs(new, all(r.ignore_eos for r in reqs)))
+                                        **hf.gen_kwargs(params))
         except Exception as exc:
             dt = time.perf_counter() - t0
             return [RequestTiming(r.prompt_tokens, latency_s=dt, success=False, error=f"{type(exc).__name__}: {exc}")

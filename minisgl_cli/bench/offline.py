@@ -36,7 +36,7 @@ class EngineRunner:
                     timing.chunk_times_s.append(now)
                     timing.output_tokens += len(delta.token_ids)
                     parts.append(delta.text)
-                if delta.stats is not None:
+                if delta.stats is not None and self.client.info.prefix_cache is not None:  # else n/a
                     timing.cached_tokens = delta.stats.cached_tokens
         except Exception as exc:  # one failed request is a data point, not the end of the run
             timing.success, timing.error = False, f"{type(exc).__name__}: {exc}"

@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # torch loads with the engine, not with `minisgl --help`
     import torch
 
 LoadFormat = Literal["auto", "dummy"]
+EngineImpl = Literal["auto", "torch", "sgl", "hf", "mlx"]
+ENGINES: tuple[str, ...] = ("auto", "torch", "sgl", "hf", "mlx")
 
 
 @dataclass
@@ -24,6 +26,13 @@ class EngineConfig:
         flags=("--model", "-m"), env="MODEL_NAME",
         help="Model: built-in alias (default SmolLM2-135M-Instruct, bundled GGUF), HF dir, .gguf file, "
              "hub id; with --load-format dummy a built-in config (qwen3-0.6b, llama-3.1-8b, ...)."))
+    # What runs the model (the reference stack's BACKEND_IMPL). On EngineConfig, not RuntimeConfig: `sgl` is a
+    # choice of kernels inside our engine, so it travels with the config to every scheduler process.
+    engine: EngineImpl = field(default="auto", metadata=dict(
+        flags=("--engine",), env="BACKEND_IMPL",
+        help="torch (ours), sgl (ours with sgl_kernel's fused ops on CUDA; else torch, saying why), hf "
+             "(transformers streaming, one request at a time), mlx (mlx-lm), auto (mlx on Apple Silicon when "
+             "mlx-lm is installed, else torch)."))
     load_format: LoadFormat = field(default="auto", metadata=dict(
         flags=("--load-format",), help="auto (real weights) or dummy (random weights)."))
     device: str = field(default="auto", metadata=dict(
@@ -31,7 +40,7 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata=dict(
         flags=("--dtype",), help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."))
     attention_backend: str = field(default="auto", metadata=dict(
-        flags=("--attention-backend", "--backend"), env="BACKEND_IMPL",
+        flags=("--attention-backend",), env="MINISGL_ATTENTION_BACKEND",
         help="auto, torch, triton, flashinfer (auto: flashinfer or triton on CUDA, torch on CPU)."))
     page_size: int = field(default=1, metadata=dict(
         flags=("--page-size",), min=1, help="KV page size in tokens."))
@@ -57,6 +66,10 @@ class EngineConfig:
     disable_fused_ops: bool = field(default_factory=env.disable_fused_ops)  # CUDA: torch ops, not fused Triton ones
     disable_pdl: bool = field(default_factory=env.disable_pdl)  # CUDA: no programmatic dependent launch
     cpu_gemm: str = field(default_factory=env.cpu_gemm)  # CPU: GEMM policy (auto, mkl, fp16)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
 
     def resolved_device(self) -> torch.device:
         import torch

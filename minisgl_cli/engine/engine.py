@@ -18,7 +18,7 @@ from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.graph import GraphRunner, default_max_bs
 from minisgl_cli.engine.sampler import Sampled, SamplingRow, sample
 from minisgl_cli.kvcache.pool import KVPool, KVShape
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.fused import Kernels, load_sgl_kernel
 from minisgl_cli.loader.configs import builtin_config
 from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.loader.hf import iter_safetensors, read_hf_config
@@ -62,7 +62,11 @@ class Engine:
         self.dtype = cfg.resolved_dtype()
         self.host = HostBuffers()  # pinned staging for this engine's batches and sampled ids
         # This engine's kernels, shared by its model and attention backend (and no other engine's).
-        self.kernels = Kernels(fused=not cfg.disable_fused_ops, pdl=not cfg.disable_pdl, cpu_gemm=cfg.cpu_gemm)
+        sgl, why_not = load_sgl_kernel(self.device) if cfg.engine == "sgl" else (None, None)
+        if why_not is not None and tp.rank == 0:
+            log.warning("--engine sgl: %s; running the torch engine", why_not)
+        self.kernels = Kernels(fused=not cfg.disable_fused_ops, pdl=not cfg.disable_pdl, cpu_gemm=cfg.cpu_gemm,
+                               sgl=sgl)
         if self.device.type == "cpu" and cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         hf_cfg, model_dir, name, source = _locate(cfg)

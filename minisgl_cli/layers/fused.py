@@ -1,4 +1,4 @@
-"""Kernels: one engine's choice of implementation for the layers (fused Triton ops, PDL, the CPU GEMM).
+"""Kernels: one engine's choice of implementation for the layers (fused Triton ops, sgl_kernel's, PDL, the CPU GEMM).
 
 The engine builds one `Kernels` and hands it to the model and the attention backend at construction;
 every layer reads that object, so two engines in one process never see each other's choice. Flipping a
@@ -25,11 +25,26 @@ def _triton_ops() -> ModuleType:
     return triton_ops
 
 
+def load_sgl_kernel(device: torch.device) -> tuple[ModuleType | None, str | None]:
+    """sgl_kernel for an engine on `device` (--engine sgl), or None and why it cannot run there (one line)."""
+    if device.type != "cuda":
+        return None, f"sgl_kernel's ops run on CUDA only, and this engine is on {device.type}"
+    try:
+        import sgl_kernel
+    except Exception as exc:  # not installed, or built for another torch / CUDA (an ImportError or OSError)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return None, f"sgl_kernel does not import ({type(exc).__name__}: {first})"
+    return sgl_kernel, None
+
+
 @dataclass
 class Kernels:
     fused: bool = True  # CUDA: fused Triton ops (add+RMSNorm, q/k-norm+RoPE+KV store, SiLU-and-mul, GEMV)
     pdl: bool = True  # CUDA, Hopper and newer: programmatic dependent launch between our Triton kernels
     cpu_gemm: str = "auto"  # CPU: the GEMM policy of layers/cpu_kernels.py (auto, mkl, fp16)
+    # --engine sgl: sgl_kernel's RMSNorm (+add), SiLU-and-mul and RoPE take those ops' place on CUDA;
+    # the batch-1 GEMV (SiLU fused in) and attention stay ours.
+    sgl: ModuleType | None = None
 
     def __post_init__(self) -> None:
         if self.cpu_gemm not in POLICIES:
@@ -40,3 +55,7 @@ class Kernels:
         if not (self.fused and x.is_cuda):
             return None
         return _triton_ops()
+
+    def sgl_ops(self, x: torch.Tensor) -> ModuleType | None:
+        """sgl_kernel when `x` is on CUDA and the engine runs its ops, else None."""
+        return self.sgl if self.sgl is not None and x.is_cuda else None

@@ -20,6 +20,9 @@ class RMSNorm(nn.Module):
         self.weight.data.copy_(whole(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sgl = self.kernels.sgl_ops(x)
+        if sgl is not None:  # 2-D rows only: q/k head norms come as [T, heads, D]
+            return sgl.rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         ops = self.kernels.triton(x)
         if ops is not None:
             return ops.rmsnorm(x, self.weight, self.eps, pdl=self.kernels.pdl)
@@ -31,7 +34,12 @@ class RMSNorm(nn.Module):
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the residual, then normalise: returns (normed, new residual).
 
-        The fused CUDA kernel updates `residual` in place (callers own it); the torch path does not."""
+        The fused CUDA kernels update `residual` in place (callers own it; sgl_kernel's `x` too); the torch
+        path does not."""
+        sgl = self.kernels.sgl_ops(x)
+        if sgl is not None and x.is_contiguous() and residual.is_contiguous():
+            sgl.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return x, residual
         ops = self.kernels.triton(x)
         if ops is not None and residual.is_contiguous():
             return ops.rmsnorm(x, self.weight, self.eps, residual=residual, pdl=self.kernels.pdl), residual

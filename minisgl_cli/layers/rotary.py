@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -48,9 +49,19 @@ class RotaryEmbedding(nn.Module):
         # Buffers follow .to(device); kept fp32 and cast per call like HF does.
         self.register_buffer("cos", emb.cos() * mult, persistent=False)
         self.register_buffer("sin", emb.sin() * mult, persistent=False)
+        self._cos_sin: torch.Tensor | None = None  # sgl_kernel's layout, built on its first use
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D]."""
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def apply_sgl_(self, sgl: ModuleType, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """RoPE in place on q [T, H, D] and k [T, Hkv, D] through sgl_kernel (neox layout, as `forward`)."""
+        if self._cos_sin is None:  # [positions, D]: the cos half, then the sin half (fp32)
+            half = self.cos.shape[-1] // 2
+            self._cos_sin = torch.cat((self.cos[:, :half], self.sin[:, :half]), dim=-1).contiguous()
+        # .view, not .reshape: a copy would take the rotation away from q and k.
+        sgl.apply_rope_with_cos_sin_cache_inplace(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1),
+                                                  q.shape[-1], self._cos_sin, is_neox=True)

@@ -95,7 +95,7 @@ def _from_gguf(gguf_path: Path, name: str) -> ResolvedModel:
         return ResolvedModel(out, name, "gguf-cache", converted=False)
 
     gguf_cache.mkdir(parents=True, exist_ok=True)
-    with _file_lock(gguf_cache / f"{key}.lock"):
+    with file_lock(gguf_cache / f"{key}.lock"):
         if _is_hf_dir(out):  # another process converted it while we waited
             return ResolvedModel(out, name, "gguf-cache", converted=False)
         from minisgl_cli.loader.gguf import convert_gguf  # heavy imports only when converting
@@ -164,7 +164,7 @@ def _looks_like_path(model: str) -> bool:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     # flock is released by the OS if the holder dies, so a crash cannot wedge later runs.
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)

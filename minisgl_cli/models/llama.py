@@ -39,7 +39,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
-        ops = self.kernels.triton(qkv) if self.head_dim in (64, 128, 256) else None
+        sgl = self.kernels.sgl_ops(qkv)  # --engine sgl: its RoPE (and RMSNorm) below, attention stores K/V
+        ops = self.kernels.triton(qkv) if sgl is None and self.head_dim in (64, 128, 256) else None
         if ops is not None:  # one kernel: q/k head norms and RoPE in place on the fused qkv rows, K/V to the pool
             qn, kn = self.q_norm, self.k_norm
             ops.qk_norm_rope_(
@@ -55,7 +56,10 @@ class Attention(nn.Module):
         if ops is None:
             if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rope(batch.positions, q, k)
+            if sgl is not None:
+                self.rope.apply_sgl_(sgl, batch.positions, q, k)
+            else:
+                q, k = self.rope(batch.positions, q, k)
         o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=ops is not None)
         return self.o_proj(o.reshape(-1, q_size))
 

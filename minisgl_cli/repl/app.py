@@ -238,7 +238,8 @@ class ChatApp:
         out = sum(s.completion_tokens for s in stats)
         rows = [
             ("session turns (in context)", f"{len(self.session.turns)} ({len(self.session.history) // 2})"),
-            ("session prompt / cached tokens", f"{prompt:,} / {cached:,} ({cached / prompt if prompt else 0:.0%})"),
+            ("session prompt / cached tokens", f"{prompt:,} / {cached:,} ({cached / prompt if prompt else 0:.0%})"
+             if self.client.info.prefix_cache else f"{prompt:,} / n/a"),
             ("session generated tokens", f"{out:,}"),
         ]
         self.view.stats(self.client.stats(), self.client.info.page_size, rows)

@@ -24,14 +24,15 @@ from minisgl_cli.types import ModelInfo, RequestStats, SchedulerStats
 LOGGERS = "minisgl"  # parent of minisgl.scheduler / .client / .engine / .chat
 
 
-def status_line(stats: RequestStats | None, finish_reason: str | None) -> str:
-    """One compact line of per-turn figures: prompt, radix-cached share, prefill/TTFT, decode speed, finish."""
+def status_line(stats: RequestStats | None, finish_reason: str | None, prefix_cache: str | None = "radix") -> str:
+    """One compact line of per-turn figures: prompt, cached share (`prefix_cache` names the engine's cache;
+    None: it has none, n/a), prefill/TTFT, decode speed, finish."""
     if stats is None:
         return f"finish {finish_reason or '?'}"
     hit = stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
     parts = [
         f"prompt {stats.prompt_tokens} tok",
-        f"cached {stats.cached_tokens} ({hit:.0%} radix hit)",
+        f"cached {stats.cached_tokens} ({hit:.0%} {prefix_cache} hit)" if prefix_cache else "cached n/a",
         # Prefill excludes queueing; TTFT (submit to first token) includes it.
         f"prefill {stats.prefill_s * 1000:.0f} ms",
         f"TTFT {stats.ttft_s * 1000:.0f} ms",
@@ -113,7 +114,7 @@ class ReplyStream:
             self.view.console.file.flush()
 
     def finish(self, stats: RequestStats | None, finish_reason: str | None) -> None:
-        line = status_line(stats, finish_reason)
+        line = status_line(stats, finish_reason, self.view.prefix_cache)
         if self.live is not None:
             self.footer = Text(line, style="dim")
             self.live.refresh()
@@ -143,6 +144,7 @@ class ChatView:
         self.live_ok = console.is_terminal  # Live regions and spinners only on a real terminal
         self.panel: LogPanel | None = LogPanel() if verbose and self.live_ok else None
         self._handler: logging.Handler | None = None
+        self.prefix_cache: str | None = "radix"  # the engine's (ModelInfo.prefix_cache), from ready()
 
     # --- logging -------------------------------------------------------------------------------
     def attach_logs(self) -> None:
@@ -180,9 +182,12 @@ class ChatView:
             yield
 
     def ready(self, info: ModelInfo, settings_line: str) -> None:
+        self.prefix_cache = info.prefix_cache
+        kv = "n/a" if info.kv_tokens is None else f"{info.kv_tokens:,} tokens"
         self.note(
-            f"model {info.name} ({info.source}) on {info.device} {info.dtype} · attention {info.attention_backend} · "
-            f"KV pool {info.kv_tokens:,} tokens · context {info.max_context_len:,} · loaded in {info.load_s:.1f}s",
+            f"model {info.name} ({info.source}) · engine {info.engine} on {info.device} {info.dtype} · "
+            f"attention {info.attention_backend} · KV pool {kv} · context {info.max_context_len:,} · "
+            f"loaded in {info.load_s:.1f}s",
             style="green",
         )
         self.note(settings_line, style="dim")
@@ -215,14 +220,18 @@ class ChatView:
                       title_justify="left")
         table.add_column("what")
         table.add_column("value", justify="right")
-        pages = lambda n: f"{n:,} tok / {n // max(page_size, 1):,} pages"  # noqa: E731
+
+        def pages(n: int | None) -> str:
+            return "n/a" if n is None else f"{n:,} tok / {n // max(page_size, 1):,} pages"
+
+        cache, rate = self.prefix_cache or "prefix", s.cache_hit_rate
         rows = [
             ("requests ended (of them aborted)", f"{s.finished_requests} ({s.aborted_requests})"),
             ("requests running / waiting", f"{s.running} / {s.waiting}"),
-            ("radix cache hit tokens", f"{s.cache_hit_tokens:,}"),
-            ("radix cache miss tokens", f"{s.cache_miss_tokens:,}"),
-            ("radix cache hit rate", f"{s.cache_hit_rate:.1%}"),
-            ("cache hit / miss requests", f"{s.cache_hit_requests} / {s.cache_miss_requests}"),
+            (f"{cache} cache hit tokens", _count(s.cache_hit_tokens)),
+            (f"{cache} cache miss tokens", _count(s.cache_miss_tokens)),
+            (f"{cache} cache hit rate", "n/a" if rate is None else f"{rate:.1%}"),
+            ("cache hit / miss requests", f"{_count(s.cache_hit_requests)} / {_count(s.cache_miss_requests)}"),
             ("KV total", pages(s.tokens_total)),
             ("KV free", pages(s.tokens_free)),
             ("KV cached (radix tree)", pages(s.tokens_cached)),
@@ -233,3 +242,7 @@ class ChatView:
         for k, v in rows:
             table.add_row(k, v)
         self.notes.print(table)
+
+
+def _count(n: int | None) -> str:
+    return "n/a" if n is None else f"{n:,}"

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import cast
 
 import torch
@@ -42,7 +43,7 @@ from minisgl_cli.scheduler.config import SchedulerConfig
 from minisgl_cli.scheduler.grammar import GrammarError, Grammars
 from minisgl_cli.scheduler.overlap import Launched, RowLogprobs, feed_input_ids
 from minisgl_cli.scheduler.request import Req
-from minisgl_cli.scheduler.stats import RollingRate
+from minisgl_cli.scheduler.stats import Counters, RollingRate
 from minisgl_cli.types import FinishReason, SamplingParams, SchedulerStats
 
 log = logging.getLogger("minisgl.scheduler")
@@ -63,7 +64,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.inbox: queue.SimpleQueue[ToScheduler | None] = queue.SimpleQueue()
-        self.stats = SchedulerStats()
+        self.stats = Counters()
         self._prefill_rate, self._decode_rate = RollingRate(), RollingRate()
         self._last_was_decode = False
         on = engine.device.type == "cuda" or cfg.overlap_on_cpu
@@ -386,15 +387,12 @@ class Scheduler:
 
     # --- inspection (on the scheduler's own thread: queries arrive as messages) -----------------
     def snapshot(self) -> SchedulerStats:
-        s = self.stats
         pool, tree, p = self.engine.pool, self.cache.tree, self.cache.page_size
-        s.waiting, s.running = len(self.waiting), len(self.running)
-        s.tokens_total = pool.num_pages * p
-        s.tokens_free = pool.num_free_pages * p
-        s.tokens_cached = tree.cached_tokens
-        s.tokens_in_use = self.cache.pages_in_use(self.running + list(self.waiting)) * p
-        s.prefill_tok_s, s.decode_tok_s = self._prefill_rate.rate(), self._decode_rate.rate()
-        return SchedulerStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
+        return SchedulerStats(
+            waiting=len(self.waiting), running=len(self.running), tokens_total=pool.num_pages * p,
+            tokens_free=pool.num_free_pages * p, tokens_cached=tree.cached_tokens,
+            tokens_in_use=self.cache.pages_in_use(self.running + list(self.waiting)) * p,
+            prefill_tok_s=self._prefill_rate.rate(), decode_tok_s=self._decode_rate.rate(), **asdict(self.stats))
 
     def check_pages(self) -> None:
         self.cache.check(self.running + list(self.waiting))

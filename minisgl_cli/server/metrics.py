@@ -168,7 +168,8 @@ class ServerMetrics:
                 ("prefill_throughput_tokens_per_second", sched.prefill_tok_s, "Rolling prefill rate."),
                 ("decode_throughput_tokens_per_second", sched.decode_tok_s, "Rolling decode rate."),
             ):
-                metric(name, "gauge", help_, [(one(), value)])
+                if value is not None:  # None: the engine has no such figure (hf, mlx): no series, not a 0
+                    metric(name, "gauge", help_, [(one(), value)])
             for name, value, help_ in (
                 ("cache_hit_tokens_total", sched.cache_hit_tokens, "Prompt tokens served from the prefix cache."),
                 ("cache_miss_tokens_total", sched.cache_miss_tokens, "Prompt tokens prefilled."),
@@ -181,7 +182,8 @@ class ServerMetrics:
                 ("max_tokens_downscaled_total", self.downscaled, "Requests whose max_tokens was cut under load."),
                 ("retracted_requests_total", sched.retracted_requests, "Requests retracted to free KV."),
             ):
-                metric(name, "counter", help_, [(one(), value)])
+                if value is not None:
+                    metric(name, "counter", help_, [(one(), value)])
             metric("http_requests_total", "counter", "HTTP requests by endpoint and status.",
                    [(one(f'endpoint="{ep}",status="{st}"'), n) for (ep, st), n in sorted(self.requests.items())])
             metric("request_success_total", "counter", "Engine requests by finish reason.",
