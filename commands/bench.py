@@ -25,7 +25,7 @@ _HELP = (
 
 
 @app.command("bench", help=_HELP)
-@c.engine_options(c.ALL, exclude={"cache"})  # bench's own --cache takes a list
+@c.engine_options(c.ALL, exclude={"cache", "engine"})  # bench's --cache and --engine take lists
 def bench(
     dataset: Annotated[str, typer.Option(
         "--dataset", help="reference (short/medium/long), random, shared-prefix.")] = "reference",
@@ -82,6 +82,9 @@ def bench(
     cache: Annotated[Optional[list[str]], typer.Option(
         "--cache", help="Prefix cache: radix or naive; repeat both to compare them in one run. "
                         "[default: radix]")] = None,
+    engine: Annotated[Optional[list[str]], c.repeatable(
+        "engine", "Repeat to compare engines on one workload in one table (--engine torch --engine hf "
+                  "--engine mlx). [default: auto]")] = None,
     *,
     opts: c.EngineOptions,  # every engine option but --cache goes here in --help
     verbose: c.Verbose = False,
@@ -93,6 +96,8 @@ def bench(
     from minisgl_cli.bench.suite import BenchConfig, run_offline, run_online
 
     c.setup_logging(verbose)
+    if url and engine:
+        c.fail("--engine picks the engine bench loads here; --url benchmarks a running server instead", code=2)
     try:
         cfg = BenchConfig(
             dataset=dataset,
@@ -113,6 +118,7 @@ def bench(
             baselines=[] if no_baseline else (baseline or ["hf-stream"]),
             peers=peer or [],
             caches=cache or ["radix"],
+            engines=engine or ["auto"],
             url=url,
             api=api,
             request_rate=request_rate,
@@ -125,8 +131,17 @@ def bench(
     out = Console(width=None if sys.stdout.isatty() else 200)  # piped: no 80-column squeeze
     model_arg = opts.engine.model
 
-    def make_client(cache_kind: str):
-        return replace(opts, scheduler=replace(opts.scheduler, cache=cache_kind)).client()
+    try:
+        for name in cfg.engines:  # every engine's flags are checked before the first one runs
+            opts.with_engine(name).check()
+    except ValueError as exc:
+        c.fail(str(exc), code=2)
+
+    def make_client(engine_name: str, cache_kind: str | None):
+        variant = opts.with_engine(engine_name)
+        if cache_kind is not None:
+            variant = replace(variant, scheduler=replace(opts.scheduler, cache=cache_kind))
+        return variant.client()
 
     try:
         report = (run_online(cfg, console, model_arg) if url

@@ -14,7 +14,7 @@ import logging
 import threading
 import types
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import (
     TYPE_CHECKING,
     Annotated,
@@ -23,6 +23,7 @@ from typing import (
     NoReturn,
     Optional,
     Union,
+    cast,
     get_args,
     get_origin,
     get_type_hints,
@@ -30,7 +31,7 @@ from typing import (
 
 import typer
 
-from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.engine.config import EngineConfig, EngineImpl
 from minisgl_cli.runtime.config import RuntimeConfig
 from minisgl_cli.scheduler.config import SchedulerConfig
 
@@ -119,6 +120,10 @@ class EngineOptions:
         except ValueError as exc:  # options that contradict each other, e.g. --tp 3 --nnodes 2
             raise typer.BadParameter(str(exc)) from None
 
+    def with_engine(self, engine: str) -> EngineOptions:
+        """These options with another --engine (ValueError for one that does not exist)."""
+        return replace(self, engine=replace(self.engine, engine=cast(EngineImpl, engine)))
+
     def check(self) -> None:
         """ValueError (one line) naming the flags the chosen engine has no use for: the hf and mlx engines run
         in this process, one request at a time, without our KV pool, scheduler or ranks."""
@@ -134,7 +139,7 @@ class EngineOptions:
                                           ("--nnodes", r.nnodes > 1), ("--node-rank", r.node_rank > 0)) if used]
         if flags:
             raise ValueError(f"--engine {engine} runs in this process, one request at a time, on its own KV cache: "
-                             f"{', '.join(flags)} configure the torch engine (drop them, or use --engine torch)")
+                             f"drop {', '.join(flags)} (they configure the torch engine) or use --engine torch")
 
     def client(self, processes: bool = False, stop: threading.Event | None = None) -> EngineClient:
         """Build the engine client — in this process, or the multi-process runtime when `--runtime` says so
@@ -178,6 +183,13 @@ def _serve_ranks(runtime: Any, cfg: RuntimeConfig) -> NoReturn:
     if reason is not None:
         fail(reason)
     raise typer.Exit(0)
+
+
+def repeatable(name: str, more_help: str) -> Any:
+    """The Typer option of engine option `name` (its flags, env var and help) taking a list: for a command that
+    compares several values in one run (bench's --engine); the command excludes `name` from engine_options."""
+    m = _OPTIONS[name].meta
+    return typer.Option(*m["flags"], envvar=m.get("env"), help=f"{m['help']} {more_help}")
 
 
 def engine_options(offered: Iterable[str], exclude: Iterable[str] = ()) -> Callable[[Callable], Callable]:

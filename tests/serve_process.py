@@ -16,13 +16,14 @@ from minisgl_cli.server.launch import free_port
 class Serve:
     """One `minisgl serve --model MODEL ARGS...` process (on a free port, stderr to a file in `tmp`)."""
 
-    def __init__(self, model: Path, tmp: Path, *args: str):
+    def __init__(self, model: Path, tmp: Path, *args: str, kv_tokens: int | None = 2048):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.err_path = tmp / f"serve-{self.port}.err"
+        kv = ["--max-total-tokens", str(kv_tokens)] if kv_tokens else []  # None: the hf and mlx engines have no pool
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "minisgl_cli.app", "serve", "--model", str(model), "--port", str(self.port),
-             "--max-total-tokens", "2048", *args],
+             *kv, *args],
             stdout=subprocess.DEVNULL, stderr=self.err_path.open("w"), env={**os.environ, "HF_HUB_OFFLINE": "1"},
         )
 

@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("package root", ["minisgl_cli"]),  # re-exports LLM lazily
     ("python api", ["minisgl_cli.llm"]),
     ("multi-process runtime", ["minisgl_cli.runtime"]),  # another EngineClient, and the processes behind it
+    ("engine backends", ["minisgl_cli.engines"]),  # --engine: the hf and mlx EngineClients, and which one runs
     ("client", ["minisgl_cli.client"]),
     ("tokenizer", ["minisgl_cli.tokenizer"]),
     ("scheduler", ["minisgl_cli.scheduler"]),

@@ -319,7 +319,7 @@ def test_a_command_gets_the_engine_options_it_offers_as_one_object():
     def probe(*, opts: EngineOptions) -> None:
         seen.append(opts)
 
-    ok = CliRunner().invoke(app, ["-m", "other", "--backend", "triton", "--cache", "naive"],
+    ok = CliRunner().invoke(app, ["-m", "other", "--attention-backend", "triton", "--cache", "naive"],
                             env={"MODEL_LOCAL_DIR": "/models/x"})
     assert ok.exit_code == 0, ok.output
     got = seen[0]

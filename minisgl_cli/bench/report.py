@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from minisgl_cli.bench.metrics import BenchMetrics
@@ -123,9 +124,10 @@ def results_table(report: BenchReport) -> Table:
         t.add_column(col, justify="left" if col in ("engine", "case") else "right")
     for r in report.results:
         m = r.metrics
-        t.add_row(
-            r.engine, r.case, str(r.concurrency), str(r.num_requests), str(m.completed), str(m.total_input_tokens),
-            str(m.total_output_tokens), "-" if m.total_cached_tokens is None else str(m.total_cached_tokens),
+        t.add_row(  # escaped: "minisgl[hf]" is a name, not rich markup
+            escape(r.engine), escape(r.case), str(r.concurrency), str(r.num_requests), str(m.completed),
+            str(m.total_input_tokens), str(m.total_output_tokens),
+            "-" if m.total_cached_tokens is None else str(m.total_cached_tokens),
             f"{m.duration_s:.2f}", f"{m.request_throughput:.2f}", f"{m.output_throughput:.1f}",
             f"{m.total_throughput:.1f}",
             f"{_ms(m.ttft_ms.median, m.ttft_ms.count)}/{_ms(m.ttft_ms.p99, m.ttft_ms.count)}",

@@ -43,6 +43,7 @@ class BenchConfig:
     baselines: list[str] = field(default_factory=lambda: ["hf-stream"])
     peers: list[str] = field(default_factory=list)
     caches: list[str] = field(default_factory=lambda: ["radix"])
+    engines: list[str] = field(default_factory=lambda: ["auto"])  # --engine, repeated to compare engines
     # online
     url: str | None = None
     api: str = "completions"
@@ -61,6 +62,26 @@ class BenchConfig:
             raise ValueError("--repeat must be >= 1 and --warmup >= 0")
         if not self.caches:
             raise ValueError("--cache needs at least one prefix cache kind")
+        if not self.engines:
+            raise ValueError("--engine needs at least one engine")
+
+    def variants(self) -> list[tuple[str, str | None, str]]:
+        """(engine, prefix cache, result name) of each engine run: a serial engine (hf, mlx) once, ours per cache;
+        one run is plain "minisgl", several are told apart in brackets."""
+        from minisgl_cli.engines import SERIAL, resolve
+
+        engines = list(dict.fromkeys(resolve(e) for e in self.engines))
+        runs: list[tuple[str, str | None]] = [
+            (e, None) if e in SERIAL else (e, c) for e in engines for c in ([None] if e in SERIAL else self.caches)]
+        runs = list(dict.fromkeys(runs))
+
+        def name(engine: str, cache: str | None) -> str:
+            if len(runs) == 1:
+                return "minisgl"
+            parts = [engine] * (len(engines) > 1) + [cache] * (cache is not None and len(self.caches) > 1)
+            return f"minisgl[{'/'.join(p for p in parts if p)}]"
+
+        return [(e, c, name(e, c)) for e, c in runs]
 
 
 def build_levels(
@@ -125,7 +146,7 @@ class Bench:
             for case, c in plan:
                 if case.prime:
                     runner.warmup(case.prime)
-                task = progress.add_task(f"{runner.name} {case.name} c={c}", total=len(case.requests))
+                task = progress.add_task(escape(f"{runner.name} {case.name} c={c}"), total=len(case.requests))
                 out = runner.run(case, c, functools.partial(progress.advance, task))
                 metrics = compute_metrics(out.timings, out.duration_s)
                 self.report.results.append(
@@ -145,9 +166,9 @@ def _meta(cfg: BenchConfig, **extra: Any) -> dict[str, Any]:
             "python": platform.python_version(), "config": config, **extra}
 
 
-def run_offline(cfg: BenchConfig, make_client: Callable[[str], Any], console: Console, model_arg: str | None,
-                load_format: str) -> BenchReport:
-    """Engine (once per --cache) then baselines and peers, in that order, each alone on the device."""
+def run_offline(cfg: BenchConfig, make_client: Callable[[str, str | None], Any], console: Console,
+                model_arg: str | None, load_format: str) -> BenchReport:
+    """Each engine (ours once per --cache) then baselines and peers, in that order, each alone on the device."""
     import torch
 
     from minisgl_cli.bench.offline import EngineRunner
@@ -158,25 +179,29 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str], Any], console: Co
     model_dir = None
     device = dtype = None
     vocab_size = 0
-    for cache in cfg.caches:
-        client = make_client(cache)
+    for engine, cache, name in cfg.variants():
+        client = make_client(engine, cache)
         info = client.info
         if report is None:
             import minisgl_cli
 
             vocab_size = info.vocab_size
             tokenizer = Tokenizer(info.model_dir).hf if info.has_tokenizer else None
-            device, dtype = info.device, getattr(torch, info.dtype)
+            # The HF baselines run with torch: on the engine's device, or the CPU where mlx ran.
+            device, dtype = ("cpu" if info.device.startswith("mlx") else info.device), getattr(torch, info.dtype)
             cases = build_levels(cfg, tokenizer, vocab_size, device.startswith("cuda"), cfg.concurrency)
             model_dir = info.model_dir
-            report = BenchReport(_meta(cfg, mode="offline", model=info.name, device=device, dtype=info.dtype,
+            report = BenchReport(_meta(cfg, mode="offline", model=info.name, device=info.device, dtype=info.dtype,
                                        attention_backend=info.attention_backend, torch=torch.__version__,
                                        minisgl=getattr(minisgl_cli, "__version__", "0.1.0")))
             bench = Bench(cfg, report, console)
-            console.print(f"model={info.name} device={device} dtype={info.dtype} backend={info.attention_backend} "
+            console.print(f"model={info.name} device={info.device} dtype={info.dtype} "
+                          f"backend={info.attention_backend} "
                           f"cases={', '.join(f'{c.name}({len(c.requests)} req)' for c in cases[0])} "
                           f"concurrency={cfg.concurrency}", highlight=False)
-        name = "minisgl" if len(cfg.caches) == 1 else f"minisgl[{cache}]"
+        if len(cfg.engines) > 1:
+            console.print(escape(f"{name}: engine {info.engine} on {info.device} {info.dtype}, attention "
+                                 f"{info.attention_backend}"), highlight=False)
         runner = EngineRunner(client, name)
         try:
             bench.run(runner, cases, cfg.concurrency, vocab_size)
@@ -185,7 +210,7 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str], Any], console: Co
             del client, runner
             _free(device)
 
-    assert report is not None  # BenchConfig requires at least one cache kind
+    assert report is not None  # BenchConfig requires at least one engine and one cache kind
     _run_baselines(cfg, bench, cases, model_dir, device, dtype, vocab_size, load_format)
     _run_peers(cfg, bench, cases, model_arg, device, vocab_size)
     return report
