@@ -131,6 +131,8 @@ def serve(
         c.fail(f"--scheduler-mode must be one of {', '.join(SCHEDULER_MODES)}, not {scheduler_mode!r}")
     if max_inflight_total < 0 or max_inflight_per_engine < 0:
         c.fail("inflight caps must be >= 0 (0 = no cap)")
+    if warm_prefixes and opts.engine.engine == "hf":
+        c.fail("--warm-prefixes fills a prefix cache, and --engine hf has none", code=2)
     caps = [x for x in (max_inflight_total, max_inflight_per_engine) if x > 0]
     media = MediaSettings.from_env()
     media = MediaSettings(

@@ -200,3 +200,68 @@ def test_bench_compares_the_engines_in_one_table(tmp_path):
     assert rows["minisgl[hf]"]["total_cached_tokens"] is None  # n/a: hf has no prefix cache
     for e in engines_run:
         assert f"minisgl[{e}]" in result.output  # the table's rows
+
+
+# --- sgl on a GPU where sgl_kernel imports (not on the machines here: docs/engines.md says why) -----------------
+
+
+def _sgl_kernel():
+    if not __import__("torch").cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    try:
+        import sgl_kernel
+    except Exception as exc:
+        pytest.skip(f"sgl_kernel does not import ({type(exc).__name__})")
+    return sgl_kernel
+
+
+@pytest.mark.gpu
+def test_sgl_kernel_ops_match_ours():
+    """RMSNorm (+add), SiLU-and-mul and RoPE through sgl_kernel against our torch ops, bf16 on CUDA."""
+    import torch
+
+    from minisgl_cli.layers.activation import silu_and_mul
+    from minisgl_cli.layers.fused import Kernels
+    from minisgl_cli.layers.norm import RMSNorm
+    from minisgl_cli.layers.rotary import RotaryEmbedding
+
+    sgl, ours = Kernels(sgl=_sgl_kernel()), Kernels(fused=False)
+    g = torch.Generator("cuda").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=g).bfloat16()
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return (a.float() - b.float()).abs().max().item() <= 0.02 * b.float().abs().max().item()
+
+    norm = RMSNorm(1024, 1e-6, sgl).cuda().bfloat16()
+    norm.weight.data = rand(1024)
+    ref = RMSNorm(1024, 1e-6, ours).cuda().bfloat16()
+    ref.weight.data = norm.weight.data.clone()
+    x, res, heads = rand(7, 1024), rand(7, 1024), rand(7, 8, 128)
+    assert close(norm(x), ref(x))
+    want_h, want_r = ref.forward_residual(x.clone(), res.clone())
+    got_h, got_r = norm.forward_residual(x.clone(), res.clone())
+    assert close(got_h, want_h) and close(got_r, want_r)
+    head_norm, head_ref = RMSNorm(128, 1e-6, sgl).cuda().bfloat16(), RMSNorm(128, 1e-6, ours).cuda().bfloat16()
+    assert close(head_norm(heads), head_ref(heads))
+    gate_up = rand(7, 2 * 1536)
+    assert close(silu_and_mul(gate_up, sgl), silu_and_mul(gate_up, ours))
+    rope = RotaryEmbedding(128, 4096, 1e6).cuda()
+    pos = torch.tensor([0, 1, 2, 3, 100, 2000, 4095], device="cuda")
+    q, k = rand(7, 16, 128), rand(7, 4, 128)
+    want_q, want_k = rope(pos, q, k)
+    rope.apply_sgl_(sgl.sgl, pos, q, k)
+    assert close(q, want_q) and close(k, want_k)
+
+
+@pytest.mark.gpu
+def test_sgl_engine_answers_and_says_so():
+    _sgl_kernel()
+    from minisgl_cli.llm import LLM
+    from minisgl_cli.types import SamplingParams
+
+    with LLM(engine="sgl") as llm:
+        assert llm.client.info.engine == "sgl"
+        out = llm.generate([[{"role": "user", "content": PARIS}]], SamplingParams(max_new_tokens=12))
+    assert "Paris" in out[0].text
