@@ -116,12 +116,12 @@ class DecodedPiece:
     """What one batch of a request's token outputs adds: text, ids, and how it ends (if it does)."""
 
     rid: str
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None
-    error: str | None
-    cached_tokens: int
-    prefill_s: float | None  # set on the batch holding the first token
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    prefill_s: float | None = None  # set on the batch holding the first token
     stopped_early: bool = False  # a stop string ended it while the scheduler still runs it
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 

@@ -185,6 +185,14 @@ class SchedulerStats:
     aborted_requests: int = 0
     retracted_requests: int | None = 0
 
+    def add(self, **counts: int) -> None:
+        """Add to counters (a counter the engine has no notion of, None, stays n/a: adding to it is a bug)."""
+        for name, n in counts.items():
+            value = getattr(self, name)
+            if value is None:
+                raise ValueError(f"{name} is n/a for this engine")
+            setattr(self, name, value + n)
+
     @property
     def cache_hit_rate(self) -> float | None:
         if self.cache_hit_tokens is None or self.cache_miss_tokens is None:

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from commands.common import ALL, EngineOptions, engine_options
 from minisgl_cli import engines
-from minisgl_cli.engines.serial import Piece, PieceDecoder
+from minisgl_cli.engines.serial import PieceDecoder
+from minisgl_cli.messages import DecodedPiece
 from minisgl_cli.repl.view import ChatView, status_line
 from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.types import RequestStats, SamplingParams, SchedulerStats
@@ -105,13 +106,14 @@ def test_figures_an_engine_lacks_are_na_never_zero():
 
 def test_serial_stop_strings_cut_the_streamed_text():
     dec = PieceDecoder(SamplingParams(stop=["Par"]))
-    first = dec.feed([Piece("r", "The capital is ", [1, 2, 3])])
+    first = dec.feed([DecodedPiece("r", "The capital is ", [1, 2, 3])])
     assert (first.text, first.finish_reason) == ("The capital is ", None)
-    held = dec.feed([Piece("r", "Pa", [4])])  # could start the stop string: held back
+    held = dec.feed([DecodedPiece("r", "Pa", [4])])  # could start the stop string: held back
     assert held.text == "" and held.finish_reason is None
-    cut = dec.feed([Piece("r", "ris.", [5])])
+    cut = dec.feed([DecodedPiece("r", "ris.", [5])])
     assert (cut.text, cut.finish_reason, cut.stopped_early) == ("", "stop", True)
-    plain = PieceDecoder(SamplingParams()).feed([Piece("r", "Hi", [7]), Piece("r", "", [2], finish_reason="stop")])
+    plain = PieceDecoder(SamplingParams()).feed([DecodedPiece("r", "Hi", [7]),
+                                                 DecodedPiece("r", "", [2], finish_reason="stop")])
     assert (plain.text, plain.token_ids, plain.finish_reason, plain.stopped_early) == ("Hi", [7, 2], "stop", False)
 
 

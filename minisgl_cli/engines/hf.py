@@ -17,9 +17,10 @@ import torch
 from transformers import StoppingCriteria, TextIteratorStreamer
 
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.engines.serial import Piece, SerialClient, refuse
+from minisgl_cli.engines.serial import SerialClient, refuse
 from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.loader.resolve import resolve_model
+from minisgl_cli.messages import DecodedPiece
 from minisgl_cli.tokenizer import Tokenizer
 from minisgl_cli.types import FinishReason, GenerateRequest, ModelInfo, SamplingParams
 
@@ -166,16 +167,16 @@ class HFClient(SerialClient):
         })
 
     def _generate(self, ids: list[int], params: SamplingParams,
-                  stopped: Callable[[], bool]) -> Generator[Piece, None, None]:
+                  stopped: Callable[[], bool]) -> Generator[DecodedPiece, None, None]:
         out: list[int] = []
         for text, new in stream(self.hf, ids, params, self.eos, stopped):
             out += new
-            yield Piece("", text, new)
+            yield DecodedPiece("", text, new)
         if stopped():
             return  # aborted: the worker ends it
         ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos))
         reason: FinishReason = "stop" if out and out[-1] in ends else "length"
-        yield Piece("", finish_reason=reason)
+        yield DecodedPiece("", finish_reason=reason)
 
     def close(self) -> None:
         super().close()

@@ -23,9 +23,10 @@ from typing import Any
 
 from minisgl_cli import env
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.engines.serial import Piece, SerialClient, refuse
+from minisgl_cli.engines.serial import SerialClient, refuse
 from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.loader.resolve import file_lock, resolve_model
+from minisgl_cli.messages import DecodedPiece
 from minisgl_cli.tokenizer import IncrementalDetokenizer, Tokenizer
 from minisgl_cli.types import FinishReason, GenerateRequest, ModelInfo, SamplingParams
 
@@ -127,7 +128,7 @@ class MLXClient(SerialClient):
         })
 
     def _generate(self, ids: list[int], params: SamplingParams,
-                  stopped: Callable[[], bool]) -> Generator[Piece, None, None]:
+                  stopped: Callable[[], bool]) -> Generator[DecodedPiece, None, None]:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
@@ -160,7 +161,7 @@ class MLXClient(SerialClient):
                 reason: FinishReason | None = (
                     "stop" if token in ends else "length" if n == params.max_new_tokens else None)
                 text = detok.feed([token]) + (detok.flush() if reason else "")
-                yield Piece("", text, [token], reason, cached_tokens=cached)
+                yield DecodedPiece("", text, [token], reason, cached_tokens=cached)
                 if reason is not None or stopped():
                     return
         except Exception:

@@ -1,7 +1,7 @@
 """SerialClient: the EngineClient of an engine that runs one request at a time on a worker thread (hf, mlx).
 
 Where LocalClient's scheduler batches requests, a serial engine's worker takes them in arrival order and runs
-each to its end through the backend's `_generate`, which yields `Piece`s: new text (from the backend's own
+each to its end through the backend's `_generate`, which yields `DecodedPiece`s: new text (from the backend's own
 streaming) and token ids. Stop strings are cut on the consumer's side by the matcher RequestDecoder uses, and a
 cut aborts the request like any other abort. The figures are counted here; those a serial engine has no notion of
 (KV pages, scheduler steps, retraction; prefix-cache hits where the backend has no cache) are None, "n/a".
@@ -19,7 +19,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
 
 from minisgl_cli.client import STALL_S, PrefixWarm, RoutedClient
 from minisgl_cli.messages import AbortRequest, AddRequest, DecodedPiece
@@ -30,26 +29,13 @@ from minisgl_cli.types import FinishReason, GenerateRequest, SamplingParams, Sch
 log = logging.getLogger("minisgl.engines")
 
 
-@dataclass
-class Piece:
-    """One step of a serial engine's output: new text and token ids; the last one carries the finish reason."""
-
-    rid: str
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    cached_tokens: int = 0  # prompt tokens the backend's prompt cache served
-    prefill_s: float | None = None  # on the first piece with tokens: from its start to that token
-
-
 class PieceDecoder:
-    """One request's pieces -> DecodedPiece: text as the backend streamed it, cut at the first stop string."""
+    """One request's pieces, as the backend made them, -> one DecodedPiece: their text cut at the first stop string."""
 
     def __init__(self, params: SamplingParams):
         self.stopper = StopStringMatcher(list(params.stop))
 
-    def feed(self, items: list[Piece]) -> DecodedPiece:
+    def feed(self, items: list[DecodedPiece]) -> DecodedPiece:
         last = items[-1]
         tokens = [t for p in items for t in p.token_ids]
         prefill_s = next((p.prefill_s for p in items if p.prefill_s is not None), None)
@@ -65,8 +51,8 @@ class PieceDecoder:
         return DecodedPiece(last.rid, text, tokens, reason, None, last.cached_tokens, prefill_s, early)
 
 
-def _ended(items: list[Piece]) -> bool:
-    return items[-1].finish_reason is not None or items[-1].error is not None
+def _ended(items: list[DecodedPiece]) -> bool:
+    return items[-1].finished
 
 
 def refuse(engine: str, unsupported: dict[str, bool]) -> None:
@@ -105,7 +91,7 @@ class SerialClient(RoutedClient):
 
     # --- what a backend implements -------------------------------------------------------------------
     def _generate(self, ids: list[int], params: SamplingParams,
-                  stopped: Callable[[], bool]) -> Generator[Piece, None, None]:
+                  stopped: Callable[[], bool]) -> Generator[DecodedPiece, None, None]:
         """Yield the request's pieces (rid left empty), the last with its finish reason; end early, without a
         finish reason, once `stopped()` is true."""
         raise NotImplementedError
@@ -130,7 +116,7 @@ class SerialClient(RoutedClient):
                 log.error("minisgl: the %s engine's worker thread exited", self.engine)
                 self._fail_all(f"the {self.engine} engine's worker thread exited")
 
-    def _emit(self, piece: Piece) -> None:
+    def _emit(self, piece: DecodedPiece) -> None:
         self.heartbeat = time.monotonic()
         if _ended([piece]):  # counted before the consumer hears of it, so its next stats() sees it
             with self._lock:
@@ -158,18 +144,18 @@ class SerialClient(RoutedClient):
                 params = dataclasses.replace(params, max_new_tokens=room)
             self._run_job(rid, ids, params, stopped)
         except _Refused as exc:
-            self._emit(Piece(rid, error=str(exc)))
+            self._emit(DecodedPiece(rid, error=str(exc)))
         except Exception as exc:  # the backend failed: this request ends with the error, the engine goes on
             log.exception("%s engine: request %s failed", self.engine, rid)
             if rid in self._live:  # not already ended (a failure after its last piece only gets logged)
-                self._emit(Piece(rid, error=f"internal error: {type(exc).__name__}: {exc}"))
+                self._emit(DecodedPiece(rid, error=f"internal error: {type(exc).__name__}: {exc}"))
 
     def _run_job(self, rid: str, ids: list[int], params: SamplingParams, stopped: Callable[[], bool]) -> None:
         if stopped():
-            self._emit(Piece(rid, finish_reason="abort"))
+            self._emit(DecodedPiece(rid, finish_reason="abort"))
             return
         if params.max_new_tokens == 0:
-            self._emit(Piece(rid, finish_reason="length"))
+            self._emit(DecodedPiece(rid, finish_reason="length"))
             return
         t0 = time.perf_counter()
         first = True
@@ -194,18 +180,14 @@ class SerialClient(RoutedClient):
         if reason is None:
             if not stopped():
                 raise RuntimeError("the backend ended a request without a finish reason")
-            self._emit(Piece(rid, finish_reason="abort"))
+            self._emit(DecodedPiece(rid, finish_reason="abort"))
 
     def _count_prefill(self, prompt: int, cached: int, now: float) -> None:
-        s = self._stats
-        s.prefill_tokens += prompt - cached
+        self._stats.prefill_tokens += prompt - cached
         self._prefill_rate.add(prompt - cached, now)
-        if s.cache_hit_tokens is not None and s.cache_miss_tokens is not None:
-            s.cache_hit_tokens += cached
-            s.cache_miss_tokens += prompt - cached
-        if s.cache_hit_requests is not None and s.cache_miss_requests is not None:
-            s.cache_hit_requests += cached > 0
-            s.cache_miss_requests += cached == 0
+        if self.prefix_cache is not None:
+            self._stats.add(cache_hit_tokens=cached, cache_miss_tokens=prompt - cached,
+                            cache_hit_requests=int(cached > 0), cache_miss_requests=int(cached == 0))
 
     # --- the EngineClient side ------------------------------------------------------------------------
     def _send(self, msg: AddRequest | AbortRequest) -> None:
@@ -217,8 +199,8 @@ class SerialClient(RoutedClient):
             self._live.add(msg.rid)
         self._jobs.put(msg)
 
-    def _error_item(self, rid: str, error: str) -> Piece:
-        return Piece(rid, error=error)
+    def _error_item(self, rid: str, error: str) -> DecodedPiece:
+        return DecodedPiece(rid, error=error)
 
     def _decoder(self, params: SamplingParams) -> Callable[[list], DecodedPiece]:
         return PieceDecoder(params).feed

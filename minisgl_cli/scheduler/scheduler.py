@@ -17,7 +17,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import cast
 
 import torch
@@ -43,7 +42,7 @@ from minisgl_cli.scheduler.config import SchedulerConfig
 from minisgl_cli.scheduler.grammar import GrammarError, Grammars
 from minisgl_cli.scheduler.overlap import Launched, RowLogprobs, feed_input_ids
 from minisgl_cli.scheduler.request import Req
-from minisgl_cli.scheduler.stats import Counters, RollingRate
+from minisgl_cli.scheduler.stats import RollingRate
 from minisgl_cli.types import FinishReason, SamplingParams, SchedulerStats
 
 log = logging.getLogger("minisgl.scheduler")
@@ -64,7 +63,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.inbox: queue.SimpleQueue[ToScheduler | None] = queue.SimpleQueue()
-        self.stats = Counters()
+        self.stats = SchedulerStats()
         self._prefill_rate, self._decode_rate = RollingRate(), RollingRate()
         self._last_was_decode = False
         on = engine.device.type == "cuda" or cfg.overlap_on_cpu
@@ -207,13 +206,8 @@ class Scheduler:
         req.matched = True
         req.prefill_started_at = time.perf_counter()
         req.cached_tokens = req.prefix_len
-        s = self.stats
-        s.cache_hit_tokens += req.prefix_len
-        s.cache_miss_tokens += len(req.input_ids) - req.prefix_len
-        if req.prefix_len:
-            s.cache_hit_requests += 1
-        else:
-            s.cache_miss_requests += 1
+        self.stats.add(cache_hit_tokens=req.prefix_len, cache_miss_tokens=len(req.input_ids) - req.prefix_len,
+                       cache_hit_requests=int(req.prefix_len > 0), cache_miss_requests=int(req.prefix_len == 0))
 
     def _decode_batch(self) -> tuple[Mode, list[Req], list[int]] | None:
         retracted = False
@@ -238,7 +232,7 @@ class Scheduler:
         self.running.remove(req)
         self.cache.release(req)
         self.waiting.appendleft(req)
-        self.stats.retracted_requests += 1
+        self.stats.add(retracted_requests=1)
         log.info("retract %s (%d tokens) to free KV pages", req.rid, req.seq_len)
 
     def _pending(self, req: Req) -> bool:
@@ -377,7 +371,7 @@ class Scheduler:
 
     def _account(self, mode: str, lens: list[int], now: float) -> None:
         s = self.stats
-        s.steps += 1
+        s.add(steps=1)
         if mode == "extend":
             s.prefill_tokens += sum(lens)
             self._prefill_rate.add(sum(lens), now)
@@ -387,12 +381,15 @@ class Scheduler:
 
     # --- inspection (on the scheduler's own thread: queries arrive as messages) -----------------
     def snapshot(self) -> SchedulerStats:
+        s = self.stats
         pool, tree, p = self.engine.pool, self.cache.tree, self.cache.page_size
-        return SchedulerStats(
-            waiting=len(self.waiting), running=len(self.running), tokens_total=pool.num_pages * p,
-            tokens_free=pool.num_free_pages * p, tokens_cached=tree.cached_tokens,
-            tokens_in_use=self.cache.pages_in_use(self.running + list(self.waiting)) * p,
-            prefill_tok_s=self._prefill_rate.rate(), decode_tok_s=self._decode_rate.rate(), **asdict(self.stats))
+        s.waiting, s.running = len(self.waiting), len(self.running)
+        s.tokens_total = pool.num_pages * p
+        s.tokens_free = pool.num_free_pages * p
+        s.tokens_cached = tree.cached_tokens
+        s.tokens_in_use = self.cache.pages_in_use(self.running + list(self.waiting)) * p
+        s.prefill_tok_s, s.decode_tok_s = self._prefill_rate.rate(), self._decode_rate.rate()
+        return SchedulerStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
 
     def check_pages(self) -> None:
         self.cache.check(self.running + list(self.waiting))

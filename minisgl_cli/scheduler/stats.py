@@ -1,26 +1,9 @@
-"""The scheduler's running totals and rolling token rates (what it reports: `types.SchedulerStats`)."""
+"""Rolling token rates for the scheduler's figures (the figures themselves: `types.SchedulerStats`)."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
-
-
-@dataclass
-class Counters:
-    """Totals the scheduler adds to as it runs; `Scheduler.snapshot` puts them beside the gauges it reads."""
-
-    cache_hit_tokens: int = 0
-    cache_miss_tokens: int = 0
-    cache_hit_requests: int = 0
-    cache_miss_requests: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    steps: int = 0
-    finished_requests: int = 0
-    aborted_requests: int = 0
-    retracted_requests: int = 0
 
 
 class RollingRate:
