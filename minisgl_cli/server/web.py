@@ -53,7 +53,7 @@ def page_config(ctx: ServerContext) -> dict[str, Any]:
     """What the page shows besides the figures: the model, its limits, and whether there is an image tab."""
     info = ctx.client.info
     media = ctx.settings.media or MediaSettings.from_env()
-    return {"model": ctx.model_name, "device": info.device, "dtype": info.dtype,
+    return {"model": ctx.model_name, "engine": info.engine, "device": info.device, "dtype": info.dtype,
             "max_context_len": info.max_context_len, "max_running": info.max_running,
             "image_model": media.image_model if media.available("image") else None}
 

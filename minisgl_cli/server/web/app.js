@@ -134,7 +134,7 @@ async function watchEngine() {
 
 function applyConfig(cfg) {
   state.config = cfg;
-  show("model", `${cfg.model} · ${cfg.device} ${cfg.dtype} · context ${cfg.max_context_len}`);
+  show("model", `${cfg.model} · engine ${cfg.engine} on ${cfg.device} ${cfg.dtype} · context ${cfg.max_context_len}`);
   const tab = $("image-tab");
   if (tab.hidden !== !cfg.image_model) {
     tab.hidden = !cfg.image_model;
@@ -156,6 +156,8 @@ function width(id, percent) {
 
 const fmt = (n) => (n == null ? "–" : Number(n).toLocaleString("en-US"));
 const fixed = (n, d = 1) => (n == null ? "–" : Number(n).toFixed(d));
+// A figure the engine does not have (null in /metrics: the hf and mlx engines' KV pool, hf's cache hits).
+const na = (n, text) => (n == null ? "n/a" : text);
 
 function render(m) {
   const s = m.scheduler;
@@ -163,7 +165,7 @@ function render(m) {
   show("m-running", fmt(s.running));
   show("m-waiting", fmt(s.waiting));
   show("m-inflight", fmt(m.server.inflight));
-  show("m-hit", `${fixed(100 * s.cache_hit_rate)}%`);
+  show("m-hit", na(s.cache_hit_rate, `${fixed(100 * s.cache_hit_rate)}%`));
   show("m-finished", fmt(s.finished_requests));
   show("m-aborted", fmt(s.aborted_requests));
   show("uptime", `up ${Math.round(m.uptime_s)} s`);
@@ -171,10 +173,10 @@ function render(m) {
   const total = s.tokens_total || 1;
   width("kv-used-bar", (100 * s.tokens_in_use) / total);
   width("kv-cached-bar", (100 * s.tokens_cached) / total);
-  show("m-kv-used", fmt(s.tokens_in_use));
-  show("m-kv-cached", fmt(s.tokens_cached));
-  show("m-kv-free", fmt(s.tokens_free));
-  show("m-kv-total", fmt(s.tokens_total));
+  show("m-kv-used", na(s.tokens_in_use, fmt(s.tokens_in_use)));
+  show("m-kv-cached", na(s.tokens_cached, fmt(s.tokens_cached)));
+  show("m-kv-free", na(s.tokens_free, fmt(s.tokens_free)));
+  show("m-kv-total", na(s.tokens_total, fmt(s.tokens_total)));
 
   const prefill = tp.prefill_tok_s ?? s.prefill_tok_s;
   const decode = tp.decode_tok_s ?? s.decode_tok_s;
