@@ -35,8 +35,12 @@ def data_url(raw: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(raw).decode()}"
 
 
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 def ask(url: str, text: str = "What is in the picture?") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}]
+    return [{"role": "user", "content": [{"type": "text", "text": text}, image_part(url)]}]
 
 
 # --- image sources ------------------------------------------------------------------------------------
@@ -224,8 +228,9 @@ def test_chat_with_an_image_streams_and_not_with_the_same_reply_and_usage(idefic
     whole = oc.chat.completions.create(model="idefics3", messages=messages, max_tokens=6)
     assert whole.object == "chat.completion" and whole.model == "idefics3"
     assert whole.choices[0].finish_reason in ("stop", "length") and whole.choices[0].message.role == "assistant"
+    picture = Image.open(io.BytesIO(png()))
     expected_prompt = prepare(vlms["idefics3"], [{"role": "user", "content": [
-        {"type": "text", "text": "What is in the picture?"}, {"type": "image", "image": Image.open(io.BytesIO(png()))}]}])
+        {"type": "text", "text": "What is in the picture?"}, {"type": "image", "image": picture}]}])
     u = whole.usage
     assert u.prompt_tokens == expected_prompt.prompt_tokens and 0 < u.completion_tokens <= 6
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
@@ -273,7 +278,7 @@ def test_every_bad_image_or_field_is_a_400_naming_it(idefics_url, image_dir):
     r = post(idefics_url, {"messages": ask(url), "model": "gpt-4o"})
     assert r.status_code == 404 and "idefics3" in r.json()["error"]["message"]
     # Images only in user messages, and only on the chat route.
-    r = post(idefics_url, {"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+    r = post(idefics_url, {"messages": [{"role": "system", "content": [image_part(url)]}]})
     assert r.status_code == 400
     r = httpx.post(f"{idefics_url}/generate", json={"messages": ask(url)}, timeout=30)
     assert r.status_code == 400 and "/v1/chat/completions" in r.json()["error"]["message"]
@@ -296,6 +301,20 @@ def test_qwen2_vl_with_remote_images_allowed(qwen_url, image_host):
     assert chunks[-1].usage.completion_tokens > 0 and chunks[0].model == "qwen2-vl"
     r = post(qwen_url, {"messages": ask(f"{image_host}/img/missing.png")})
     assert r.status_code == 400 and "HTTP 404" in r.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_concurrent_image_requests_take_turns_and_all_answer(idefics_url):
+    import concurrent.futures
+
+    def one(i: int) -> httpx.Response:
+        return post(idefics_url, {"messages": ask(data_url(png(color=(i * 60, 0, 0)))), "max_tokens": 3,
+                                  "stream": i % 2 == 1})
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(one, range(4)))
+    assert [r.status_code for r in replies] == [200] * 4
+    assert all(r.text.rstrip().endswith("data: [DONE]") for r in replies[1::2])
 
 
 @pytest.mark.slow
