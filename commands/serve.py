@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from commands import common as c
+from minisgl_cli.runners.image_source import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
+
+if TYPE_CHECKING:
+    from minisgl_cli.client import EngineClient
 
 app = typer.Typer()
 
@@ -106,6 +111,41 @@ def serve(
             help="Diffusers pipeline dir for /v1/videos/generations.",
         ),
     ] = None,
+    vlm_model: Annotated[
+        Optional[str],
+        typer.Option(
+            "--vlm-model",
+            envvar="MINISGL_VLM_MODEL",
+            help="A vision-language model (HF dir or hub id: SmolVLM / Idefics3, Qwen2-VL, Qwen2.5-VL) for chat "
+            "requests with image_url parts; it runs in transformers beside the engine. Without it they get a 400.",
+        ),
+    ] = None,
+    allow_local_images: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--allow-local-images",
+            envvar="MINISGL_ALLOW_LOCAL_IMAGES",
+            help="Let image_url name local files under this directory (off: data: URLs only).",
+        ),
+    ] = None,
+    allow_remote_images: Annotated[
+        bool,
+        typer.Option(
+            "--allow-remote-images/--no-allow-remote-images",
+            envvar="MINISGL_ALLOW_REMOTE_IMAGES",
+            help="Let the server fetch http(s) image URLs (off by default: it never fetches arbitrary URLs).",
+        ),
+    ] = False,
+    max_image_bytes: Annotated[
+        int,
+        typer.Option("--max-image-bytes", envvar="MINISGL_MAX_IMAGE_BYTES", min=1,
+                     help="Larger images (decoded data: payload, file or download) get a 400."),
+    ] = DEFAULT_MAX_BYTES,
+    max_image_pixels: Annotated[
+        int,
+        typer.Option("--max-image-pixels", envvar="MINISGL_MAX_IMAGE_PIXELS", min=1,
+                     help="Images with more pixels (width x height) get a 400."),
+    ] = DEFAULT_MAX_PIXELS,
     web: Annotated[
         bool,
         typer.Option(
@@ -119,12 +159,16 @@ def serve(
     verbose: c.Verbose = False,
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /generate (JSON lines),
-    /metrics (JSON or Prometheus), /health, the media routes and a web page at /, over one engine. It listens
-    at once (503 until the engine is up); the engine runs as processes by default (--runtime). See docs/server.md."""
+    /metrics (JSON or Prometheus), /health, the media routes and a web page at /, over one engine; chat with images
+    through --vlm-model. It listens at once (503 until the engine is up); the engine runs as processes by default
+    (--runtime). See docs/server.md."""
+    from minisgl_cli.runners.image_source import ImagePolicy
+    from minisgl_cli.runners.vlm import VlmLoadError, load_vlm
     from minisgl_cli.server.app import ServerSettings
     from minisgl_cli.server.launch import LaunchConfig
     from minisgl_cli.server.launch import serve as run_server
     from minisgl_cli.server.media import MediaSettings
+    from minisgl_cli.server.settings import VisionSettings
 
     c.setup_logging(verbose)
     if scheduler_mode not in SCHEDULER_MODES:
@@ -140,10 +184,15 @@ def serve(
         video_model=media.video_model, video_model_dir=video_model_dir or media.video_model_dir,
         device=media.device,
     )
+    if allow_local_images is not None and not allow_local_images.expanduser().is_dir():
+        c.fail(f"--allow-local-images {allow_local_images}: not a directory")
+    images = ImagePolicy(local_dir=allow_local_images, allow_remote=allow_remote_images, max_bytes=max_image_bytes,
+                         max_pixels=max_image_pixels)
+    vision = VisionSettings(model=vlm_model or None, device=media.device, images=images)
     settings = ServerSettings(
         api_key=api_key or None, max_inflight_total=min(caps) if caps else None,
         adaptive_max_new_tokens=adaptive_max_new_tokens, max_body_bytes=max_body_bytes,
-        served_model_name=served_model_name, media=media, web=web,
+        served_model_name=served_model_name, media=media, web=web, vision=vision,
     )
     launch = LaunchConfig(
         host=host, port=port, warm_prefixes=[x for x in (warm_prefixes or "").split("|") if x],
@@ -151,8 +200,17 @@ def serve(
     )
     if opts.runtime.node_rank > 0:  # a node other than 0 runs its TP ranks only: no HTTP there
         opts.client(processes=True)
+
+    def make_client(stop: threading.Event) -> EngineClient:
+        if vision.model:  # first: on a GPU the engine then sizes its KV pool from the memory left
+            try:
+                load_vlm(vision.model, vision.device)
+            except VlmLoadError as exc:
+                raise RuntimeError(str(exc)) from None
+        return opts.client(processes=True, stop=stop)
+
     try:
-        run_server(lambda stop: opts.client(processes=True, stop=stop), settings, launch)
+        run_server(make_client, settings, launch)
     except typer.Exit:  # a RuntimeError too (click's): the engine's start already said why
         raise
     except (RuntimeError, OSError) as exc:  # port in use, ZMQ endpoint taken, the engine died

@@ -1,10 +1,13 @@
-"""Build tiny, randomly initialised Z-Image and Wan pipelines offline and save them to a directory.
+"""Build tiny, randomly initialised Z-Image and Wan pipelines, and tiny vision-language models (Idefics3 /
+SmolVLM, Qwen2-VL, Qwen2.5-VL), offline, and save them to a directory.
 
-The weights are random: the pictures are noise-like, but every component (tokenizer, text
-encoder, transformer, VAE, scheduler) is real, so the saved dirs exercise the exact loading and
-denoising code paths of the full-size models. Used by tests/media_fixtures.py and docs/media.md.
+The weights are random: the pictures are noise-like and the VLMs' replies gibberish, but every component
+(tokenizer, processor, text encoder / decoder, vision tower, transformer, VAE, scheduler) is real, so the
+saved dirs exercise the exact loading, preprocessing and generation code paths of the full-size models.
+Used by tests/media_fixtures.py, tests/test_vlm.py, docs/media.md and docs/server.md.
 
-    python examples/make_tiny_media_models.py OUT_DIR    # writes OUT_DIR/z-image, OUT_DIR/wan
+    python examples/make_tiny_media_models.py OUT_DIR          # writes OUT_DIR/z-image, OUT_DIR/wan
+    python examples/make_tiny_media_models.py --vlm OUT_DIR    # writes OUT_DIR/idefics3, qwen2-vl, qwen2.5-vl
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<pad>", "<unk>", "</s>", "<|im_start|>", "<|im_end|>"]
 
 
-def tiny_tokenizer():
+def tiny_tokenizer(extra_special: tuple[str, ...] = ()):
     """A byte-level tokenizer with no merges: covers any text with a ~260-entry vocab, no download."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -35,6 +38,8 @@ def tiny_tokenizer():
         tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
     )
     fast.chat_template = CHAT_TEMPLATE
+    if extra_special:  # a model's own markers (image tokens, end of turn), each one token
+        fast.add_special_tokens({"additional_special_tokens": list(extra_special)})
     return fast
 
 
@@ -151,8 +156,112 @@ def build_all(root: Path) -> dict[str, Path]:
     return {"z-image": build_tiny_z_image(root / "z-image"), "wan": build_tiny_wan(root / "wan")}
 
 
+# --- vision-language models --------------------------------------------------------------------------
+# The markup of SmolVLM's and Qwen2-VL's own chat templates, cut to what a chat with images needs.
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+QWEN2_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Each tile of a tiny Idefics3: 32x32 pixels, 8x8 patches, pixel shuffle by 2 -> 4 image tokens.
+IDEFICS3_TILE, IDEFICS3_PATCH = 32, 8
+# Qwen2-VL: 8x8 patches, 2x2 merged per token, images resized to between 16x16 and 64x64 pixels.
+QWEN_PATCH, QWEN_MERGE, QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 8, 2, 16 * 16, 64 * 64
+
+
+def _tiny_decoder(tokenizer, eos: str, **extra) -> dict:
+    """A 2-layer decoder config (64 wide, 4 heads of 16, GQA 2) for the tokenizer."""
+    return dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(eos),
+                pad_token_id=tokenizer.pad_token_id, **extra)
+
+
+def build_tiny_idefics3(out_dir: Path) -> Path:
+    """Idefics3ForConditionalGeneration (SmolVLM's architecture): 2-layer SigLIP-style vision tower, a pixel
+    shuffle connector, a 2-layer Llama decoder; images split into 32x32 tiles (at most 2x2) plus a global one."""
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor, Idefics3Processor
+
+    torch.manual_seed(0)
+    rows = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+    tokenizer = tiny_tokenizer(("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *rows))
+    tokenizer.chat_template = IDEFICS3_TEMPLATE
+    config = Idefics3Config(
+        text_config=dict(model_type="llama", head_dim=16, tie_word_embeddings=False,
+                         **_tiny_decoder(tokenizer, "<end_of_utterance>")),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=IDEFICS3_TILE, patch_size=IDEFICS3_PATCH),
+        scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+    )
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessor(size={"longest_edge": 2 * IDEFICS3_TILE},
+                                               max_image_size={"longest_edge": IDEFICS3_TILE}),
+        tokenizer=tokenizer, image_seq_len=(IDEFICS3_TILE // IDEFICS3_PATCH) ** 2 // 4,
+        chat_template=IDEFICS3_TEMPLATE,
+    )
+    Idefics3ForConditionalGeneration(config).save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_tiny_qwen2_vl(out_dir: Path, version: str = "2") -> Path:
+    """Qwen2VLForConditionalGeneration (version "2") or Qwen2_5_VLForConditionalGeneration ("2.5"): a 2-layer
+    vision tower with 2x2 patch merging and a 2-layer Qwen2 decoder with M-RoPE.
+
+    Saved as the hub's Qwen2-VL checkpoints are (tokenizer files + preprocessor_config.json, no
+    processor_config.json): transformers builds their video processor only with torchvision, so a
+    processor object cannot be saved whole without it."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    markers = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+    tokenizer = tiny_tokenizer(markers)
+    tokenizer.chat_template = QWEN2_VL_TEMPLATE
+    ids = {m: tokenizer.convert_tokens_to_ids(m) for m in markers}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # head_dim 16: 2 * 8
+    common = dict(patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE, temporal_patch_size=2, num_heads=2, depth=2)
+    if version == "2":
+        vision = dict(embed_dim=32, hidden_size=64, **common)
+        config_cls, model_cls = tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=32,
+                      fullatt_block_indexes=[1], **common)
+        config_cls, model_cls = tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration
+    config = config_cls(
+        text_config=_tiny_decoder(tokenizer, "<|im_end|>", rope_parameters=rope), vision_config=vision,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    image_processor = tf.Qwen2VLImageProcessor(patch_size=QWEN_PATCH, merge_size=QWEN_MERGE, temporal_patch_size=2,
+                                               min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS)
+    model_cls(config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    image_processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_vlms(root: Path) -> dict[str, Path]:
+    root = Path(root)
+    return {"idefics3": build_tiny_idefics3(root / "idefics3"), "qwen2-vl": build_tiny_qwen2_vl(root / "qwen2-vl"),
+            "qwen2.5-vl": build_tiny_qwen2_vl(root / "qwen2.5-vl", "2.5")}
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python examples/make_tiny_media_models.py OUT_DIR")
-    for name, path in build_all(Path(sys.argv[1])).items():
+    args = sys.argv[1:]
+    vlm = "--vlm" in args
+    args = [a for a in args if a != "--vlm"]
+    if len(args) != 1:
+        sys.exit("usage: python examples/make_tiny_media_models.py [--vlm] OUT_DIR")
+    for name, path in (build_vlms if vlm else build_all)(Path(args[0])).items():
         print(f"{name}: {path}")

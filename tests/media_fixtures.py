@@ -1,4 +1,4 @@
-"""Shared fixtures for the media tests: tiny real pipelines on disk and a live uvicorn server."""
+"""Shared fixtures for the media tests: tiny real pipelines and VLMs on disk, and a live uvicorn server."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ def _builder():
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """{"z-image": dir, "wan": dir}: random-weight ZImagePipeline and WanPipeline saved with save_pretrained."""
     return _builder().build_all(tmp_path_factory.mktemp("tiny-media"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlms(tmp_path_factory) -> dict[str, Path]:
+    """{"idefics3": dir, "qwen2-vl": dir, "qwen2.5-vl": dir}: random-weight VLMs with their tokenizer and
+    processor, saved with save_pretrained (loaded back through from_pretrained by the runner)."""
+    return _builder().build_vlms(tmp_path_factory.mktemp("tiny-vlm"))
 
 
 def free_port() -> int:

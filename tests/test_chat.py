@@ -74,6 +74,28 @@ def test_slash_commands(tmp_path):
     assert s.handle("hello there").kind == "generate"
 
 
+def test_image_command_attaches_only_with_a_vlm(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (30, 20)).save(tmp_path / "cat.png")
+    s = ChatSession()
+    no_vlm = s.handle(f"/image {tmp_path / 'cat.png'}")
+    assert no_vlm.kind == "error" and "--vlm-model" in no_vlm.text and s.images == []
+    s.vision = True
+    ok = s.handle(f"/image {tmp_path / 'cat.png'}")
+    assert ok.kind == "reply" and "cat.png (30x20)" in ok.text and len(s.images) == 1
+    assert s.handle(f"/image {tmp_path / 'missing.png'}").kind == "error"
+    (tmp_path / "notes.txt").write_text("hello")
+    assert "could not be decoded" in s.handle(f"/image {tmp_path / 'notes.txt'}").text
+    req, turn = s.begin("What is this?")
+    parts = req.messages[-1]["content"]
+    assert [p["type"] for p in parts] == ["image", "text"] and parts[0]["image"].size == (30, 20)
+    assert turn.images == [str(tmp_path / "cat.png")] and s.images == []  # the images went with this prompt
+    assert s.begin("And now?")[0].messages[-1]["content"] == "And now?"
+    s.handle(f"/image {tmp_path / 'cat.png'}")
+    assert s.handle("/image off").text == "dropped 1 attached image(s)" and s.images == []
+
+
 def test_save_markdown_and_json(tmp_path):
     s = ChatSession(ChatSettings(system="sys"))
     s.record(Turn("hi", "hello!", "stop", RequestStats(prompt_tokens=10, cached_tokens=4, completion_tokens=2)))
@@ -111,7 +133,7 @@ def test_completer_offers_slash_commands():
     names = [c.text for c in SlashCompleter().get_completions(Document("/re"), None)]
     assert names == ["/reset"]
     assert list(SlashCompleter().get_completions(Document("hello /re"), None)) == []
-    assert len(list(SlashCompleter().get_completions(Document("/"), None))) == 9
+    assert len(list(SlashCompleter().get_completions(Document("/"), None))) == 10
 
 
 def test_prompt_esc_enter_newline_and_file_history(tmp_path):
@@ -145,14 +167,14 @@ def client():
 class Repl:
     """A ChatApp fed through a prompt-toolkit pipe; the rich output is captured as plain text."""
 
-    def __init__(self, client, pipe, settings: ChatSettings, catch_sigint: bool = False):
+    def __init__(self, client, pipe, settings: ChatSettings, catch_sigint: bool = False, vlm=None):
         self.client = client
         self.pipe = pipe
         self.out = io.StringIO()
         self.session = ChatSession(settings)
         view = ChatView(Console(file=self.out, force_terminal=False, width=200, soft_wrap=True))
         lines = PromptLines(self.session, InMemoryHistory(), input=pipe, output=DummyOutput())
-        self.app = ChatApp(client, self.session, view, lines, catch_sigint=catch_sigint)
+        self.app = ChatApp(client, self.session, view, lines, catch_sigint=catch_sigint, vlm=vlm)
 
     def send(self, line: str) -> None:
         self.pipe.send_text(line + "\r")
@@ -171,12 +193,12 @@ class Repl:
 
 
 @contextmanager
-def repl(client, catch_sigint: bool = False, **settings) -> Iterator[Repl]:
+def repl(client, catch_sigint: bool = False, vlm=None, **settings) -> Iterator[Repl]:
     with create_pipe_input() as pipe:
-        yield Repl(client, pipe, ChatSettings(**settings), catch_sigint)
+        yield Repl(client, pipe, ChatSettings(**settings), catch_sigint, vlm)
 
 
-def run_repl(client, script, catch_sigint: bool = False, **settings) -> Repl:
+def run_repl(client, script, catch_sigint: bool = False, vlm=None, **settings) -> Repl:
     """Run the REPL on a fresh loop while `script(r)` types into it; the script ends with /exit."""
 
     async def main(r: Repl) -> None:
@@ -188,7 +210,7 @@ def run_repl(client, script, catch_sigint: bool = False, **settings) -> Repl:
         finally:
             task.cancel()
 
-    with repl(client, catch_sigint, **settings) as r:
+    with repl(client, catch_sigint, vlm, **settings) as r:
         asyncio.run(main(r))
         return r
 
@@ -282,6 +304,33 @@ def test_json_replies_and_verbose_token_logprobs(client, caplog):
     client.check_pages()
 
 
+@pytest.mark.slow
+def test_image_prompt_goes_to_the_vlm_and_text_to_the_engine(client, tiny_vlms, tmp_path):
+    from PIL import Image
+
+    from minisgl_cli.runners.vlm import VlmRunner
+
+    Image.new("RGB", (50, 40), (20, 90, 200)).save(tmp_path / "blue.png")
+    vlm = VlmRunner(tiny_vlms["idefics3"])
+
+    async def script(r: Repl) -> None:
+        r.send(f"/image {tmp_path / 'blue.png'}")
+        await r.until(lambda: "attached blue.png (50x40)" in r.out.getvalue())
+        seen = await r.turn("What colour is it?")
+        assert seen.error is None and seen.images == [str(tmp_path / "blue.png")]
+        # The VLM's prompt: Idefics3's 5 tiles of 4 image tokens, plus their markers and the text.
+        assert seen.stats.prompt_tokens > 20 and seen.stats.completion_tokens > 0
+        r.send("/image /no/such/file.png")
+        await r.until(lambda: "no image file" in r.out.getvalue())
+        text = await r.turn("Say hi.")  # no image attached (single-turn): the text engine's
+        assert text.error is None and text.stats.prompt_tokens == len(
+            client.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}]))
+
+    r = run_repl(client, script, vlm=vlm, max_new_tokens=4)
+    assert "error: no image file" in r.out.getvalue()
+    client.check_pages()
+
+
 # --- the command, as a script uses it -------------------------------------------------------------
 
 
@@ -299,6 +348,18 @@ def test_piped_stdin_prints_plain_reply(tmp_path):
     assert "banana" in res.stdout.lower()
     assert "\x1b" not in res.stdout and "\x1b" not in res.stderr
     assert "prompt " in res.stderr and "finish " in res.stderr  # status lines go to stderr, replies to stdout
+
+
+@pytest.mark.slow
+def test_piped_chat_with_vlm_model_flag_answers_an_image_prompt(tmp_path, tiny_vlms):
+    from PIL import Image
+
+    Image.new("RGB", (40, 40), (250, 250, 0)).save(tmp_path / "sun.png")
+    res = _minisgl(["chat", "--vlm-model", str(tiny_vlms["qwen2-vl"]), "--max-new-tokens", "3",
+                    "--max-total-tokens", "2048"], f"/image {tmp_path / 'sun.png'}\nWhat is it?\n", tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "attached sun.png (40x40)" in res.stderr and "images: /image PATH (qwen2-vl)" in res.stderr
+    assert "finish " in res.stderr and "Traceback" not in res.stderr
 
 
 def test_missing_model_is_one_line_exit_1(tmp_path):

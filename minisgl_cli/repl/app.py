@@ -30,6 +30,7 @@ from minisgl_cli import env
 from minisgl_cli.client import EngineClient
 from minisgl_cli.repl.session import COMMANDS, ChatSession, Turn
 from minisgl_cli.repl.view import ChatView
+from minisgl_cli.runners.vlm import VlmRunner, has_images
 
 log = logging.getLogger("minisgl.chat")
 
@@ -114,8 +115,10 @@ class ChatApp:
     """Runs the REPL: one line at a time, one reply streaming at a time, interruptible."""
 
     def __init__(self, client: EngineClient, session: ChatSession, view: ChatView, lines: LineSource,
-                 catch_sigint: bool = True):
+                 catch_sigint: bool = True, vlm: VlmRunner | None = None):
         self.client = client
+        self.vlm = vlm  # chats with images (/image) go to it
+        session.vision = vlm is not None
         self.session = session
         self.view = view
         self.lines = lines
@@ -182,17 +185,18 @@ class ChatApp:
         return turn
 
     async def _generate(self, text: str) -> Turn:
-        turn = Turn(user=text, reply="")
         parts: list[str] = []
         try:
-            req = self.session.request_for(text)
+            req, turn = self.session.begin(text)
         except ValueError as exc:
-            turn.error = str(exc)
-            return turn
+            return Turn(user=text, reply="", error=str(exc))
+        assert req.messages is not None  # a chat session sends messages
+        # A chat that holds images goes to the vision-language model; /image attaches them only when one is loaded.
+        source = self.vlm.submit(req) if self.vlm is not None and has_images(req.messages) else self.client.submit(req)
         with self.view.reply() as stream:
             try:
                 # aclosing: leaving early (cancel, error) closes the stream, which aborts the request.
-                async with contextlib.aclosing(self.client.submit(req)) as deltas:
+                async with contextlib.aclosing(source) as deltas:
                     async for delta in deltas:
                         self.streaming.set()
                         if delta.error:
@@ -264,11 +268,13 @@ def load_engine(
         return make_client()
 
 
-def run_chat(client: EngineClient, session: ChatSession, view: ChatView, interactive: bool) -> int:
+def run_chat(client: EngineClient, session: ChatSession, view: ChatView, interactive: bool,
+             vlm: VlmRunner | None = None) -> int:
     """Run the REPL to the end on a fresh event loop (terminal: prompt-toolkit; pipe: stdin lines)."""
     lines: LineSource = PromptLines(session, open_history(history_path())) if interactive else PipedLines()
     s = session.settings
     view.ready(client.info, f"{'multi-turn' if s.multi_turn else 'single-turn (each prompt stands alone)'} · "
                             f"temperature {s.temperature:g} · max {s.max_new_tokens} new tokens"
+                            + (f" · images: /image PATH ({vlm.name})" if vlm is not None else "")
                             + (" · /help for commands, Ctrl-D to leave" if interactive else ""))
-    return asyncio.run(ChatApp(client, session, view, lines).run())
+    return asyncio.run(ChatApp(client, session, view, lines, vlm=vlm).run())

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+from minisgl_cli.runners.image_source import ImagePolicy, load_image_file
+from minisgl_cli.runners.jobs import MediaError
 from minisgl_cli.types import GenerateRequest, RequestStats, SamplingParams
 
 # name -> (argument hint, help); the order here is the order /help and the completer show.
@@ -21,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/temp": ("X", "sampling temperature (0 = greedy)"),
     "/max-tokens": ("N", "tokens to generate at most per reply"),
     "/json": ("[on|off]", "replies as one JSON object (grammar-constrained); no argument toggles"),
+    "/image": ("PATH", "attach an image to the next prompt (needs --vlm-model); 'off' drops the attached ones"),
     "/save": ("FILE", "write the transcript: .json as JSON, anything else as markdown"),
     "/exit": ("", "leave (also Ctrl-D)"),
 }
@@ -62,6 +65,8 @@ class Turn:
     finish_reason: str | None = None
     stats: RequestStats | None = None
     error: str | None = None
+    content: list[dict] | None = None  # the user message's parts when it carried images (the context keeps them)
+    images: list[str] = field(default_factory=list)  # their paths (the transcript names them)
 
 
 @dataclass
@@ -71,18 +76,36 @@ class ChatSession:
     settings: ChatSettings = field(default_factory=ChatSettings)
     history: list[dict] = field(default_factory=list)  # prior user/assistant messages (multi-turn only)
     turns: list[Turn] = field(default_factory=list)
+    vision: bool = False  # a vision-language model is loaded: /image may attach images
+    images: list[tuple[str, Any]] = field(default_factory=list)  # (path, PIL image) for the next prompt
+    image_policy: ImagePolicy = field(default_factory=ImagePolicy)  # the size caps /image applies
 
     # --- requests ------------------------------------------------------------------------------
     def messages_for(self, user_text: str) -> list[dict]:
         """The chat messages of the next request: system, prior turns (multi-turn), this prompt."""
-        msgs = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
+        msgs: list[dict] = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
         if self.settings.multi_turn:
             msgs.extend(self.history)
-        msgs.append({"role": "user", "content": user_text})
+        msgs.append({"role": "user", "content": self._content(user_text)})
         return msgs
+
+    def _content(self, user_text: str) -> str | list[dict]:
+        """The prompt, or (with images attached) the images then the prompt as chat parts."""
+        if not self.images:
+            return user_text
+        return [*({"type": "image", "image": im} for _, im in self.images), {"type": "text", "text": user_text}]
 
     def request_for(self, user_text: str) -> GenerateRequest:
         return GenerateRequest(messages=self.messages_for(user_text), params=self.settings.sampling())
+
+    def begin(self, user_text: str) -> tuple[GenerateRequest, Turn]:
+        """The next request and its turn (to fill in and `record`); the attached images go with them."""
+        req = self.request_for(user_text)
+        content = req.messages[-1]["content"] if req.messages else None
+        turn = Turn(user=user_text, reply="", content=content if isinstance(content, list) else None,
+                    images=[path for path, _ in self.images])
+        self.images = []
+        return req, turn
 
     def record(self, turn: Turn) -> None:
         """Add a finished turn to the transcript; only complete replies enter the context.
@@ -92,12 +115,13 @@ class ChatSession:
         """
         self.turns.append(turn)
         if turn.error is None and turn.finish_reason in ("stop", "length"):
-            self.history.append({"role": "user", "content": turn.user})
+            self.history.append({"role": "user", "content": turn.content if turn.content is not None else turn.user})
             self.history.append({"role": "assistant", "content": turn.reply})
 
     def reset(self) -> None:
         self.history.clear()
         self.turns.clear()
+        self.images.clear()
 
     # --- slash commands ------------------------------------------------------------------------
     def handle(self, line: str) -> Action:
@@ -129,6 +153,8 @@ class ChatSession:
             return self._save(arg)
         if name == "/json":
             return self._json(arg)
+        if name == "/image":
+            return self._image(arg)
         return Action("error", f"unknown command {name}; type /help for the list")
 
     def _system(self, arg: str) -> Action:
@@ -167,6 +193,23 @@ class ChatSession:
         return Action("reply", "JSON replies on: each reply is one JSON object" if self.settings.json
                       else "JSON replies off")
 
+    def _image(self, arg: str) -> Action:
+        if not self.vision:
+            return Action("error", "/image needs a vision-language model: start `minisgl chat --vlm-model PATH`")
+        if not arg:
+            return Action("error", "/image needs a file path ('off' drops the attached images)")
+        if arg.lower() == "off":
+            n, self.images = len(self.images), []
+            return Action("reply", f"dropped {n} attached image(s)")
+        try:
+            image = load_image_file(arg, self.image_policy)
+        except MediaError as exc:
+            return Action("error", exc.message)
+        self.images.append((arg, image))
+        w, h = image.size
+        return Action("reply", f"attached {Path(arg).name} ({w}x{h}) to the next prompt "
+                               f"({len(self.images)} image(s) attached)")
+
     def _save(self, arg: str) -> Action:
         if not arg:
             return Action("error", "/save needs a file name (.json for JSON, else markdown)")
@@ -184,6 +227,7 @@ class ChatSession:
             lines += [f"**system:** {self.settings.system}", ""]
         for i, t in enumerate(self.turns, 1):
             lines += [f"## Turn {i}", "", f"**user:** {t.user}", ""]
+            lines += [f"_image: {path}_" for path in t.images] + [""] * bool(t.images)
             if t.error:
                 lines += [f"**error:** {t.error}", ""]
             else:
@@ -197,8 +241,8 @@ class ChatSession:
         doc = {
             "settings": asdict(self.settings),
             "turns": [
-                {"user": t.user, "assistant": t.reply, "finish_reason": t.finish_reason, "error": t.error,
-                 "stats": asdict(t.stats) if t.stats else None}
+                {"user": t.user, "images": t.images, "assistant": t.reply, "finish_reason": t.finish_reason,
+                 "error": t.error, "stats": asdict(t.stats) if t.stats else None}
                 for t in self.turns
             ],
         }

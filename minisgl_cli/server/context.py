@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
@@ -21,6 +21,9 @@ from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.server.runs import EngineRun
 from minisgl_cli.server.settings import ServerSettings
 from minisgl_cli.types import GenerateRequest, SchedulerStats
+
+if TYPE_CHECKING:
+    from minisgl_cli.runners.vlm import VlmRunner
 
 log = logging.getLogger("minisgl.server")
 
@@ -35,6 +38,7 @@ class ServerContext:
     aliases: frozenset[str]  # lower-cased names a request's `model` may use
     created: int = field(default_factory=p.now)
     active: set[EngineRun] = field(default_factory=set)  # runs not yet closed, aborted at shutdown
+    vlm: VlmRunner | None = None  # chat requests with images (server/vision.py); None: they get a 400
 
     @classmethod
     def create(cls, client: EngineClient, settings: ServerSettings) -> ServerContext:
@@ -42,7 +46,8 @@ class ServerContext:
         name = settings.served_model_name or info.name
         aliases = frozenset({name.lower(), info.name.lower(), *(a.lower() for a in settings.extra_model_aliases)})
         metrics = ServerMetrics()
-        return cls(client, settings, metrics, InflightGate(settings, info.max_running, metrics), name, aliases)
+        vlm = settings.vision.runner() if settings.vision else None
+        return cls(client, settings, metrics, InflightGate(settings, info.max_running, metrics), name, aliases, vlm=vlm)
 
     # --- the steps of every generation route ---
     def check_model(self, requested: str | None) -> None:
@@ -54,6 +59,8 @@ class ServerContext:
                         param: str = "prompt", tools: list[p.Tool] | None = None) -> list[int]:
         """The prompt's token ids (chat template applied to messages and tools), checked against vocab and context."""
         info = self.client.info
+        if messages is not None and any(isinstance(m, p.UserMessage) and m.images for m in messages):
+            raise InputError("image_url parts are served by /v1/chat/completions only (with --vlm-model)", param)
         try:
             if messages is not None:
                 ids = await self.client.tokenize(GenerateRequest(

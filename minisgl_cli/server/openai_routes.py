@@ -1,5 +1,6 @@
 """The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models (and a 400 for /v1/embeddings) —
-handlers that only translate; tool calls are parsed by `tools.py`.
+handlers that only translate; tool calls are parsed by `tools.py`; chat requests with `image_url` parts go to
+the vision-language model (`vision.py`).
 
 Protocol models in, engine requests out (through `ServerContext`), engine deltas back as OpenAI
 responses or SSE `chunk` frames ending in `data: [DONE]`.
@@ -14,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from minisgl_cli.server import protocol as p
-from minisgl_cli.server import tools
+from minisgl_cli.server import tools, vision
 from minisgl_cli.server.context import Ctx
 from minisgl_cli.server.errors import InputError, error_frame
 from minisgl_cli.server.gate import downscale_headers
@@ -37,6 +38,8 @@ async def model_card(model: str, ctx: Ctx) -> Any:
 
 @router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse)
 async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx: Ctx) -> Any:
+    if body.has_images:  # image_url parts: the vision-language model's (vision.py)
+        return await vision.chat(body, request, ctx)
     ctx.check_model(body.model)
     mode = body.tool_mode
     ids = await ctx.tokens_of(messages=body.messages, param="messages", tools=body.tools if mode else None)

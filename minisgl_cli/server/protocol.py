@@ -192,6 +192,20 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str = Field(..., description="A data:image/...;base64,... URL; a local path under --allow-local-images DIR; "
+                                      "http(s) only with --allow-remote-images.")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="Accepted; the model's processor "
+                                                                            "decides the resolution.")
+
+
+class ImagePart(_Strict):
+    """An image beside the text of a user message: served by the vision-language model (`--vlm-model`)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -210,6 +224,7 @@ class ToolCallIn(ToolCall):
 
 
 Content = str | list[TextPart]
+UserContent = str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
 
 
 class _Message(_Strict):
@@ -218,7 +233,7 @@ class _Message(_Strict):
 
     def as_template_dict(self) -> dict[str, Any]:
         content = getattr(self, "content", None)
-        text = content if isinstance(content, str) else "".join(p.text for p in content or [])
+        text = content if isinstance(content, str) else "".join(getattr(p, "text", "") for p in content or [])
         role = self.role
         # The chat templates of small models know system/user/assistant (and tool) only.
         out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
@@ -234,7 +249,11 @@ class SystemMessage(_Message):
 
 class UserMessage(_Message):
     role: Literal["user"]
-    content: Content
+    content: UserContent
+
+    @property
+    def images(self) -> list[ImagePart]:
+        return [p for p in self.content if isinstance(p, ImagePart)] if isinstance(self.content, list) else []
 
 
 class AssistantMessage(_Message):
@@ -341,6 +360,10 @@ class ChatCompletionRequest(_Sampling):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
         return self
+
+    @property
+    def has_images(self) -> bool:
+        return any(isinstance(m, UserMessage) and m.images for m in self.messages)
 
     @property
     def requested_max_tokens(self) -> int | None:

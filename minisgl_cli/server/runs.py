@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -160,11 +160,17 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+class Closable(Protocol):
+    """What a streamed response closes when it ends: an EngineRun, or the VLM's run (vision.py)."""
+
+    def close(self) -> None: ...
+
+
 class EngineStreamingResponse(StreamingResponse):
-    """A StreamingResponse that closes its EngineRun however the response ends: even when the client
+    """A StreamingResponse that closes its run however the response ends: even when the client
     is gone before the first chunk (the body generator then never starts, so its `finally` never runs)."""
 
-    def __init__(self, run: EngineRun, content: AsyncIterator[str], **kwargs: Any):
+    def __init__(self, run: Closable, content: AsyncIterator[str], **kwargs: Any):
         super().__init__(content, **kwargs)
         self.run = run
 
@@ -175,7 +181,7 @@ class EngineStreamingResponse(StreamingResponse):
             self.run.close()
 
 
-def stream_response(run: EngineRun, body: AsyncIterator[str], note: str | None,
+def stream_response(run: Closable, body: AsyncIterator[str], note: str | None,
                     media_type: str = "text/event-stream") -> StreamingResponse:
     """The streamed reply of a run: unbuffered by proxies, with the downscale header if one was applied."""
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **downscale_headers(note)}

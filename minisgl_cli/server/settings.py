@@ -3,8 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from minisgl_cli.runners.image_source import ImagePolicy
 from minisgl_cli.server.media import MediaSettings
+
+if TYPE_CHECKING:
+    from minisgl_cli.runners.vlm import VlmRunner
+
+
+@dataclass(frozen=True)
+class VisionSettings:
+    """The server's vision-language model and where its images may come from (flags of `minisgl serve`)."""
+
+    model: str | None = None  # --vlm-model: None and image parts get a 400 naming the flag
+    device: str | None = None  # None: mps -> cuda -> cpu
+    images: ImagePolicy = field(default_factory=ImagePolicy)
+
+    def runner(self) -> VlmRunner | None:
+        from minisgl_cli.runners.vlm import VlmRunner
+
+        return VlmRunner(self.model, self.device) if self.model else None
 
 
 @dataclass
@@ -19,5 +38,6 @@ class ServerSettings:
     served_model_name: str | None = None  # default: the engine's model name
     retry_after_s: int = 1
     media: MediaSettings | None = None
+    vision: VisionSettings | None = None  # image_url parts in chat (server/vision.py)
     web: bool = True  # the page at / and /metrics/live (server/web.py); --no-web turns them off
     extra_model_aliases: tuple[str, ...] = field(default=("default",))
