@@ -39,6 +39,16 @@ if TYPE_CHECKING:
     from minisgl_cli.client import EngineClient
 
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="INFO logs narrating prefill, decode steps and chunks.")]
+# The HTTP fronts' shared options (`serve` and `router`).
+Host = Annotated[str, typer.Option("--host", envvar="HOST", help="Interface to bind (0.0.0.0 for all).")]
+Port = Annotated[int, typer.Option("--port", "-p", envvar="PORT", help="TCP port.")]
+MaxInflightTotal = Annotated[int, typer.Option(
+    "--max-inflight-total", envvar="MAX_INFLIGHT_TOTAL", min=0,
+    help="Requests in flight at most (n choices count n); past it: 429 + Retry-After. 0 = no cap.")]
+MaxInflightPerEngine = Annotated[int, typer.Option(
+    "--max-inflight-per-engine", envvar="MAX_INFLIGHT_PER_ENGINE", min=0,
+    help="Requests in flight per engine (each --dp replica, each router worker) at most; routing skips a full "
+         "one, and past it on all: 429 + Retry-After. 0 = no cap.")]
 
 
 @dataclass(frozen=True)
@@ -136,15 +146,18 @@ class EngineOptions:
         r = self.runtime
         flags += [flag for flag, used in (("--runtime processes", r.mode == "processes"),
                                           ("--num-tokenizer", r.num_tokenizer > 0), ("--tp", r.tp_size > 1),
-                                          ("--nnodes", r.nnodes > 1), ("--node-rank", r.node_rank > 0)) if used]
+                                          ("--dp", r.dp_size > 1), ("--nnodes", r.nnodes > 1),
+                                          ("--node-rank", r.node_rank > 0)) if used]
         if flags:
             raise ValueError(f"--engine {engine} runs in this process, one request at a time, on its own KV cache: "
                              f"drop {', '.join(flags)} (they configure the torch engine) or use --engine torch")
 
-    def client(self, processes: bool = False, stop: threading.Event | None = None) -> EngineClient:
+    def client(self, processes: bool = False, stop: threading.Event | None = None,
+               per_replica_cap: int | None = None) -> EngineClient:
         """Build the engine client — in this process, or the multi-process runtime when `--runtime` says so
         (`processes`: the command's choice for auto; the hf and mlx engines always run here; `stop` set abandons
-        the start). Start-up failures become one line and exit code 1; an interrupted start exits 130.
+        the start; `per_replica_cap`: requests in flight per --dp replica at most). Start-up failures become one
+        line and exit code 1; an interrupted start exits 130.
 
         On a node other than 0 (`--node-rank`), this node's ranks serve until stopped; this never returns."""
         from minisgl_cli.loader.errors import ModelLoadError
@@ -157,7 +170,8 @@ class EngineOptions:
             from minisgl_cli.runtime.launch import launch
             from minisgl_cli.runtime.supervisor import Runtime
 
-            started = launch(self.engine, self.scheduler, self.runtime, progress=_progress, stop=stop)
+            started = launch(self.engine, self.scheduler, self.runtime, progress=_progress, stop=stop,
+                             per_replica_cap=per_replica_cap)
         except (ModelLoadError, ValueError, RuntimeError) as exc:
             fail(str(exc))
         except KeyboardInterrupt:

@@ -1,4 +1,4 @@
-"""`minisgl serve`: an OpenAI-compatible HTTP server (plus /generate, /metrics) over one engine."""
+"""`minisgl serve`: an OpenAI-compatible HTTP server (plus /generate, /metrics) over one engine (or --dp replicas)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,12 @@ if TYPE_CHECKING:
 
 app = typer.Typer()
 
-SCHEDULER_MODES = ("rr", "fsfs", "random", "cache_aware")
-
 
 @app.command("serve")
 @c.engine_options(c.ALL)
 def serve(
-    host: Annotated[
-        str, typer.Option("--host", envvar="HOST", help="Interface to bind (0.0.0.0 for all).")
-    ] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", "-p", envvar="PORT", help="TCP port.")] = 8000,
+    host: c.Host = "127.0.0.1",
+    port: c.Port = 8000,
     api_key: Annotated[
         Optional[str],
         typer.Option(
@@ -34,22 +30,8 @@ def serve(
             help="Require 'Authorization: Bearer KEY' on every route but /health.",
         ),
     ] = None,
-    max_inflight_total: Annotated[
-        int,
-        typer.Option(
-            "--max-inflight-total",
-            envvar="MAX_INFLIGHT_TOTAL",
-            help="Engine requests in flight at most (n choices count n); past it: 429 + Retry-After. 0 = no cap.",
-        ),
-    ] = 0,
-    max_inflight_per_engine: Annotated[
-        int,
-        typer.Option(
-            "--max-inflight-per-engine",
-            envvar="MAX_INFLIGHT_PER_ENGINE",
-            help="Per-engine cap; with one engine the same as --max-inflight-total (the smaller non-zero one wins).",
-        ),
-    ] = 0,
+    max_inflight_total: c.MaxInflightTotal = 0,
+    max_inflight_per_engine: c.MaxInflightPerEngine = 0,
     adaptive_max_new_tokens: Annotated[
         bool,
         typer.Option(
@@ -77,14 +59,6 @@ def serve(
             help="'|'-separated prompt prefixes prefilled into the radix cache at start, in the background.",
         ),
     ] = None,
-    scheduler_mode: Annotated[
-        str,
-        typer.Option(
-            "--scheduler-mode",
-            envvar="SCHEDULER_MODE",
-            help="Routing across engines: rr, fsfs, random, cache_aware. With one engine all are equivalent.",
-        ),
-    ] = "rr",
     zmq_control: Annotated[
         bool,
         typer.Option(
@@ -159,9 +133,9 @@ def serve(
     verbose: c.Verbose = False,
 ) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /generate (JSON lines),
-    /metrics (JSON or Prometheus), /health, the media routes and a web page at /, over one engine; chat with images
-    through --vlm-model. It listens at once (503 until the engine is up); the engine runs as processes by default
-    (--runtime). See docs/server.md."""
+    /metrics (JSON or Prometheus), /health, the media routes and a web page at /, over one engine or --dp replicas;
+    chat with images through --vlm-model. It listens at once (503 until the engine is up); the engine runs as
+    processes by default (--runtime). See docs/server.md."""
     from minisgl_cli.runners.image_source import ImagePolicy
     from minisgl_cli.runners.vlm import VlmLoadError, load_vlm
     from minisgl_cli.server.app import ServerSettings
@@ -171,13 +145,11 @@ def serve(
     from minisgl_cli.server.settings import VisionSettings
 
     c.setup_logging(verbose)
-    if scheduler_mode not in SCHEDULER_MODES:
-        c.fail(f"--scheduler-mode must be one of {', '.join(SCHEDULER_MODES)}, not {scheduler_mode!r}")
-    if max_inflight_total < 0 or max_inflight_per_engine < 0:
-        c.fail("inflight caps must be >= 0 (0 = no cap)")
     if warm_prefixes and opts.engine.engine == "hf":
         c.fail("--warm-prefixes fills a prefix cache, and --engine hf has none", code=2)
-    caps = [x for x in (max_inflight_total, max_inflight_per_engine) if x > 0]
+    # The total cap admits at most every replica's share; the pool keeps each replica within its own.
+    caps = [x for x in (max_inflight_total, max_inflight_per_engine * opts.runtime.dp_size) if x > 0]
+    per_replica = max_inflight_per_engine or None
     media = MediaSettings.from_env()
     media = MediaSettings(
         image_model=media.image_model, image_model_dir=image_model_dir or media.image_model_dir,
@@ -207,7 +179,7 @@ def serve(
                 load_vlm(vision.model, vision.device)
             except VlmLoadError as exc:
                 raise RuntimeError(str(exc)) from None
-        return opts.client(processes=True, stop=stop)
+        return opts.client(processes=True, stop=stop, per_replica_cap=per_replica)
 
     try:
         run_server(make_client, settings, launch)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from commands import bench, chat, image, serve, smoke, video
+from commands import bench, chat, image, router, serve, smoke, video
 
 app = typer.Typer(
     name="minisgl",
@@ -13,7 +13,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for module in (chat, serve, bench, smoke, image, video):
+for module in (chat, serve, router, bench, smoke, image, video):
     app.add_typer(module.app)
 
 

@@ -213,6 +213,9 @@ class RoutedClient:
             raise ValueError(f"request id {req.rid!r} is already in flight")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[req.rid] = stream
+        if (reason := self.failure()) is not None:  # it died while we tokenized: its end-of-streams missed this one
+            del self._streams[req.rid]
+            raise RuntimeError(f"{ENGINE_GONE}: {reason}")
         decode = self._decoder(req.params)
         stats = RequestStats(prompt_tokens=len(ids))
         t0 = time.perf_counter()

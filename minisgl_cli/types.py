@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 MAX_TOP_LOGPROBS = 20
@@ -184,6 +184,8 @@ class SchedulerStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     retracted_requests: int | None = 0
+    # Data parallel: each replica's own figures (the fields above are then their sum over live replicas).
+    replicas: list[ReplicaStats] = field(default_factory=list)
 
     def add(self, **counts: int) -> None:
         """Add to counters (a counter the engine has no notion of, None, stays n/a: adding to it is a bug)."""
@@ -200,9 +202,40 @@ class SchedulerStats:
         total = self.cache_hit_tokens + self.cache_miss_tokens
         return self.cache_hit_tokens / total if total else 0.0
 
-    def to_dict(self) -> dict:
+    @classmethod
+    def total(cls, parts: list[SchedulerStats]) -> SchedulerStats:
+        """The sum of several schedulers' figures (counters, queues, pools and rolling rates alike; n/a in any
+        part stays n/a)."""
+        def summed(name: str) -> Any:
+            values = [getattr(p, name) for p in parts]
+            return None if None in values else sum(values)
+
+        return cls(**{f.name: summed(f.name) for f in fields(cls) if f.name != "replicas"})
+
+    def to_dict(self) -> dict[str, Any]:
         rate = self.cache_hit_rate
-        return {**asdict(self), "cache_hit_rate": None if rate is None else round(rate, 4)}
+        out = {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "replicas"},
+               "cache_hit_rate": None if rate is None else round(rate, 4)}
+        if self.replicas:
+            out["replicas"] = [r.to_dict() for r in self.replicas]
+        return out
+
+
+@dataclass
+class ReplicaStats:
+    """One data-parallel replica as the pool sees it: up or out, requests routed to it, its load, its scheduler."""
+
+    replica: int
+    alive: bool
+    requests: int  # routed to it so far
+    inflight: int  # its load: requests routed to it and not yet finished
+    stats: SchedulerStats | None  # None once it is out (or when it did not answer)
+
+    def to_dict(self) -> dict[str, Any]:
+        rate = self.stats.cache_hit_rate if self.stats else None
+        return {"replica": self.replica, "alive": self.alive, "requests": self.requests, "inflight": self.inflight,
+                "cache_hit_rate": None if rate is None else round(rate, 4),
+                "scheduler": self.stats.to_dict() if self.stats else None}
 
 
 @dataclass(frozen=True)
@@ -226,6 +259,7 @@ class ModelInfo:
     tp_size: int = 1
     engine: str = "torch"  # what runs the model: torch (our engine), sgl (ours with sgl_kernel ops), hf, mlx
     prefix_cache: str | None = "radix"  # what serves cached prompt prefixes; None when nothing does (hf)
+    dp_size: int = 1  # engine replicas behind the client (max_running and kv_tokens are then their sums)
 
     @property
     def has_tokenizer(self) -> bool:

@@ -1,4 +1,5 @@
-"""A real `minisgl serve` process for tests: its port, its children (from its start-up lines), its stderr."""
+"""A real `minisgl serve` (or `minisgl router`) process for tests: its port, its children (from its start-up
+lines), its stderr."""
 
 from __future__ import annotations
 
@@ -14,16 +15,20 @@ from minisgl_cli.server.launch import free_port
 
 
 class Serve:
-    """One `minisgl serve --model MODEL ARGS...` process (on a free port, stderr to a file in `tmp`)."""
+    """One `minisgl serve --model MODEL ARGS...` process (on a free port unless given, stderr to a file in `tmp`).
 
-    def __init__(self, model: Path, tmp: Path, *args: str, kv_tokens: int | None = 2048):
-        self.port = free_port()
+    With model None, `minisgl ARGS...` (e.g. `router --worker-url ...`) on the same terms; `kv_tokens` None: no
+    --max-total-tokens (the hf and mlx engines have no pool)."""
+
+    def __init__(self, model: Path | None, tmp: Path, *args: str, kv_tokens: int | None = 2048,
+                 port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.err_path = tmp / f"serve-{self.port}.err"
-        kv = ["--max-total-tokens", str(kv_tokens)] if kv_tokens else []  # None: the hf and mlx engines have no pool
+        self.err_path = tmp / f"serve-{self.port}-{time.monotonic_ns()}.err"
+        command = ["serve", "--model", str(model)] if model is not None else []
+        kv = ["--max-total-tokens", str(kv_tokens)] if kv_tokens and model is not None else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minisgl_cli.app", "serve", "--model", str(model), "--port", str(self.port),
-             *kv, *args],
+            [sys.executable, "-m", "minisgl_cli.app", *command, *kv, *args, "--port", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=self.err_path.open("w"), env={**os.environ, "HF_HUB_OFFLINE": "1"},
         )
 
@@ -41,7 +46,7 @@ class Serve:
         seen: list[int] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"serve exited early:\n{self.stderr()}"
+            assert self.proc.poll() is None, f"serve exited early (code {self.proc.returncode}):\n{self.stderr()}"
             status = self.health()
             if status is not None and (not seen or seen[-1] != status):
                 seen.append(status)

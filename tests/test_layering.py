@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("multi-process runtime", ["minisgl_cli.runtime"]),  # another EngineClient, and the processes behind it
     ("engine backends", ["minisgl_cli.engines"]),  # --engine: the hf and mlx EngineClients, and which one runs
     ("client", ["minisgl_cli.client"]),
+    ("routing policies", ["minisgl_cli.routing"]),  # which replica takes a request (the pool and the router)
     ("tokenizer", ["minisgl_cli.tokenizer"]),
     ("scheduler", ["minisgl_cli.scheduler"]),
     ("engine", ["minisgl_cli.engine"]),

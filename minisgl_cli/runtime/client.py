@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import zmq
 
-from minisgl_cli.client import STALL_S, PrefixWarm, RoutedClient
+from minisgl_cli.client import ENGINE_GONE, STALL_S, PrefixWarm, RoutedClient
 from minisgl_cli.messages import (
     AbortRequest,
     AddRequest,
@@ -107,6 +107,9 @@ class RemoteClient(RoutedClient):
         qid = next(self._qids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._replies[qid] = fut
+        if (reason := self.failure()) is not None:  # it died before the query was registered: no reply will come
+            self._replies.pop(qid, None)
+            raise RuntimeError(f"{ENGINE_GONE}: {reason}")
         self._send(TokenizeQuery(qid, req))
         reply: TokenizeReply = await asyncio.wrap_future(fut)
         if reply.ids is None:

@@ -1,4 +1,5 @@
-"""RuntimeConfig: how the engine runs — in the caller's process or as processes, over how many ranks and nodes.
+"""RuntimeConfig: how the engine runs — in the caller's process or as processes, over how many ranks, nodes and
+replicas (data parallel), and how requests are routed across the replicas.
 
 Its fields are command-line options declared in `metadata`, like EngineConfig's (commands/common.py builds
 the options). No torch or zmq here: `minisgl --help` reads this.
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from minisgl_cli.distributed import DistConfig
+from minisgl_cli.routing import SCHEDULER_MODES, SchedulerMode
 
 RuntimeMode = Literal["auto", "processes", "in-process"]
 
@@ -19,7 +21,7 @@ class RuntimeConfig:
     mode: RuntimeMode = field(default="auto", metadata=dict(
         flags=("--runtime",), env="MINISGL_RUNTIME",
         help="processes (API, tokenizer/detokenizer and one scheduler per TP rank over ZMQ) or in-process "
-             "(the scheduler on a thread); auto: processes for serve and whenever --tp or --nnodes > 1."))
+             "(the scheduler on a thread); auto: processes for serve and whenever --tp, --dp or --nnodes > 1."))
     num_tokenizer: int = field(default=0, metadata=dict(
         flags=("--num-tokenizer",), min=0, help="Processes: tokenizer workers (0 = the detokenizer tokenizes)."))
     tp_size: int = field(default=1, metadata=dict(
@@ -30,23 +32,46 @@ class RuntimeConfig:
     node_rank: int = field(default=0, metadata=dict(
         flags=("--node-rank",), min=0, help="This host's index; node 0 runs the API and rank 0."))
     dist_init_addr: str = field(default="127.0.0.1:29517", metadata=dict(
-        flags=("--dist-init-addr",), help="HOST:PORT where the ranks meet (torch.distributed's TCP store)."))
+        flags=("--dist-init-addr",),
+        help="HOST:PORT where the ranks meet (torch.distributed's TCP store); replica i of --dp uses PORT+i."))
+    dp_size: int = field(default=1, metadata=dict(
+        flags=("--dp", "--dp-size"), min=1,
+        help="Data parallel: engine replicas, each its own scheduler process(es) on its own --tp devices "
+             "(replica i: GPUs i*tp..i*tp+tp-1 of those visible), requests routed by --scheduler-mode."))
+    scheduler_mode: SchedulerMode = field(default="rr", metadata=dict(
+        flags=("--scheduler-mode",), env="SCHEDULER_MODE",
+        help="Routing across --dp replicas: rr, fsfs (first with a free slot), random, cache_aware (the "
+             "replica whose routed prompts share the longest prefix, unless it is much busier)."))
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "processes", "in-process"):
             raise ValueError(f"--runtime must be auto, processes or in-process, not {self.mode!r}")
         if self.num_tokenizer < 0:
             raise ValueError("--num-tokenizer must be >= 0")
-        if self.mode == "in-process" and (self.tp_size > 1 or self.nnodes > 1):
-            raise ValueError("--runtime in-process runs one rank: --tp and --nnodes need --runtime processes")
+        if self.mode == "in-process" and (self.tp_size > 1 or self.nnodes > 1 or self.dp_size > 1):
+            raise ValueError("--runtime in-process runs one rank: --tp, --dp and --nnodes need --runtime processes")
+        if self.dp_size < 1:
+            raise ValueError("--dp must be >= 1")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError("--dp runs its replicas on one host; across hosts put `minisgl router` in front of "
+                             "one `minisgl serve` per host")
+        if self.scheduler_mode not in SCHEDULER_MODES:
+            raise ValueError(f"--scheduler-mode must be one of {', '.join(SCHEDULER_MODES)}, "
+                             f"not {self.scheduler_mode!r}")
         _ = self.dist  # validates --tp / --nnodes / --node-rank / --dist-init-addr now, as a usage error
 
     @property
     def dist(self) -> DistConfig:
-        return DistConfig(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)
+        return self.replica_dist(0)
+
+    def replica_dist(self, replica: int) -> DistConfig:
+        """Where replica `replica`'s ranks meet: --dist-init-addr's port plus the replica's index."""
+        host, _, port = self.dist_init_addr.rpartition(":")
+        addr = f"{host}:{int(port) + replica}" if replica and port.isdigit() else self.dist_init_addr
+        return DistConfig(self.tp_size, self.nnodes, self.node_rank, addr)
 
     def processes(self, by_default: bool) -> bool:
         """Whether the engine runs as processes; `by_default` is the command's choice for `auto`."""
         if self.mode != "auto":
             return self.mode == "processes"
-        return by_default or self.tp_size > 1 or self.nnodes > 1
+        return by_default or self.tp_size > 1 or self.nnodes > 1 or self.dp_size > 1

@@ -1,21 +1,27 @@
-"""launch(): start this node's processes — detokenizer, tokenizer workers, one scheduler per TP rank.
+"""launch(): start this node's processes — detokenizer, tokenizer workers, one scheduler per TP rank — once
+per data-parallel replica.
 
-It prints a line as each child starts and as each is ready, and returns the API side's `RemoteClient`
-(on node 0; other nodes run ranks only and get their `Runtime`, see supervisor.py).
+It prints a line as each child starts and as each is ready, and returns the API side's client on node 0:
+the replica's `RemoteClient`, or with --dp > 1 an `EnginePool` over one per replica (other nodes run ranks
+only and get their `Runtime`, see supervisor.py).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 
+from minisgl_cli.client import EngineClient
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.runtime.client import RemoteClient
 from minisgl_cli.runtime.config import RuntimeConfig
+from minisgl_cli.runtime.pool import EnginePool
 from minisgl_cli.runtime.scheduler_proc import RankJob, run_rank
-from minisgl_cli.runtime.supervisor import Runtime
+from minisgl_cli.runtime.supervisor import Runtime, wait_ready
 from minisgl_cli.runtime.tokenizer_proc import WorkerJob, run_worker
 from minisgl_cli.scheduler.scheduler import SchedulerConfig
 
@@ -37,36 +43,71 @@ def model_dir_of(cfg: EngineConfig) -> str | None:
 
 def launch(engine: EngineConfig, scheduler: SchedulerConfig, rt: RuntimeConfig,
            progress: Callable[[str], None] = lambda line: None,
-           stop: threading.Event | None = None) -> RemoteClient | Runtime:
-    """Start this node's processes. Node 0 gets the RemoteClient; other nodes (ranks only) the Runtime.
+           stop: threading.Event | None = None, per_replica_cap: int | None = None) -> EngineClient | Runtime:
+    """Start this node's processes. Node 0 gets its client — a RemoteClient, or with --dp > 1 an EnginePool over
+    one per replica (`per_replica_cap`: MAX_INFLIGHT_PER_ENGINE); other nodes (ranks only) get their Runtime.
 
     Call it from the thread that outlives the runtime (the main thread): children are killed when the
     thread that started them ends (PR_SET_PDEATHSIG). Setting `stop` abandons the start (KeyboardInterrupt)."""
     t0 = time.monotonic()
     # Resolve here, once: a GGUF is converted before any child starts, so the children only find its cache.
     model_dir = model_dir_of(engine)
-    runtime = Runtime()
+    runtimes: list[Runtime] = []
+    try:
+        for replica in range(rt.dp_size):  # every replica's children start side by side
+            runtimes.append(_start(engine, scheduler, rt, replica, model_dir))
+            for name, proc in runtimes[-1].procs.items():
+                progress(f"starting {runtimes[-1].label}{name} (pid {proc.pid})")
+    except BaseException:
+        for runtime in runtimes:
+            runtime.shutdown()
+        raise
+    ready = wait_ready(runtimes, progress, t0, stop)
+    for runtime in runtimes:
+        runtime.watch()
+    if rt.dist.node_rank != 0:
+        return runtimes[0]
+    clients = []
+    for runtime, replica_ready in zip(runtimes, ready):
+        info = replica_ready["scheduler rank 0"].info
+        assert info is not None
+        clients.append(RemoteClient(info, runtime.endpoints, rt.num_tokenizer, runtime))
+    if rt.dp_size == 1:
+        return clients[0]
+    pool = EnginePool(clients, rt.scheduler_mode, per_replica_cap)
+    for i, client in enumerate(clients):  # a replica that dies is taken out at once (its streams already ended)
+        client.runtime.on_death(functools.partial(pool.take_out, i))
+    return pool
+
+
+def _start(engine: EngineConfig, scheduler: SchedulerConfig, rt: RuntimeConfig, replica: int,
+           model_dir: str | None) -> Runtime:
+    """Start one replica's children on this node: detokenizer and tokenizer workers (node 0), its TP ranks."""
+    runtime = Runtime(f"replica {replica} " if rt.dp_size > 1 else "")
     ep = runtime.endpoints
     level = logging.getLogger("minisgl").getEffectiveLevel()
-    head = rt.dist.node_rank == 0
+    dist = rt.replica_dist(replica)
+    # CPU: the ranks sharing this host split its cores instead of each running torch's all-core default.
+    share = rt.dp_size * dist.ranks_per_node
+    threads = max(1, _cpus() // share) if share > 1 and engine.num_threads is None else engine.num_threads
     try:
-        if head:
+        if dist.node_rank == 0:
             runtime.start("detokenizer", run_worker, WorkerJob(-1, model_dir, ep, rt.num_tokenizer == 0, True, level))
             for i in range(rt.num_tokenizer):
                 runtime.start(f"tokenizer {i}", run_worker, WorkerJob(i, model_dir, ep, True, False, level))
-        first = rt.dist.local_ranks()[0]
-        for rank in rt.dist.local_ranks():
+        first = dist.local_ranks()[0]
+        for rank in dist.local_ranks():
+            device = replica * dist.ranks_per_node + rank - first  # replica i: its own slice of the devices
             runtime.start(f"scheduler rank {rank}", run_rank,
-                          RankJob(rank, rank - first, engine, scheduler, rt.dist, ep, level))
+                          RankJob(rank, device, engine, scheduler, dist, ep, level, threads))
     except BaseException:
         runtime.shutdown()
         raise
-    for name, proc in runtime.procs.items():
-        progress(f"starting {name} (pid {proc.pid})")
-    ready = runtime.wait_ready(progress, t0, stop)
-    runtime.watch()
-    if not head:
-        return runtime
-    info = ready["scheduler rank 0"].info
-    assert info is not None
-    return RemoteClient(info, ep, rt.num_tokenizer, runtime)
+    return runtime
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

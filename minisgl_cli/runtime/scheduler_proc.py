@@ -34,12 +34,13 @@ class RankJob:
     """What a scheduler process needs to start (pickled to the child)."""
 
     rank: int
-    local_rank: int  # its device index on this node
+    device_index: int  # its GPU among those visible on this node (each --dp replica has its own slice)
     engine: EngineConfig
     scheduler: SchedulerConfig
     dist: DistConfig
     endpoints: Endpoints
     log_level: int = logging.WARNING
+    cpu_threads: int | None = None  # CPU: torch threads (this rank's share of the host's cores)
 
 
 def run_rank(job: RankJob) -> None:
@@ -71,11 +72,15 @@ def _start(job: RankJob, ctx: zmq.Context):
 
     device = job.engine.resolved_device()
     if device.type == "cuda":
-        device = torch.device("cuda", job.local_rank)
+        if job.device_index >= torch.cuda.device_count():
+            raise RuntimeError(f"needs GPU {job.device_index} but {torch.cuda.device_count()} are visible "
+                               "(--dp x --tp GPUs per host; CUDA_VISIBLE_DEVICES)")
+        device = torch.device("cuda", job.device_index)
         torch.cuda.set_device(device)
     tp = init_tp(job.rank, job.dist, device)
     torch.manual_seed(job.engine.seed)  # every rank draws the same random numbers when sampling
-    cfg = dataclasses.replace(job.engine, device=str(device))
+    cfg = dataclasses.replace(job.engine, device=str(device),
+                              num_threads=job.cpu_threads if device.type == "cpu" else job.engine.num_threads)
     from minisgl_cli.engine.engine import Engine
 
     engine = Engine(cfg, tp)

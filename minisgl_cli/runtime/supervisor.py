@@ -33,17 +33,23 @@ STOP_TIMEOUT_S = 5.0
 
 
 class Runtime:
-    """This node's child processes and their private ipc directory."""
+    """This node's child processes and their private ipc directory; `label` names the replica they make up
+    ("replica 1 ") in every line about them."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: str = "") -> None:
+        self.label = label
         self.root = tempfile.mkdtemp(prefix="minisgl-")
         os.chmod(self.root, 0o700)  # the sockets are the engine's doors: this user only
         self.endpoints = Endpoints(self.root)
         self.procs: dict[str, BaseProcess] = {}  # spawn-context processes
+        self.ready: dict[str, Ready] = {}
         self.stopping = False
         self.dead: str | None = None  # the first child's death, in one line
         self._died = threading.Event()
         self._hooks: list[Callable[[str], None]] = []
+        # Bound before any child starts, so a child's Ready or Failed waits here however long we take to read it.
+        self._ctx: zmq.Context | None = zmq.Context()
+        self._launcher: zmq.Socket | None = pull(self._ctx, self.endpoints.launcher)
 
     def start(self, name: str, target: Callable, job: object) -> None:
         proc = mp.get_context("spawn").Process(target=target, args=(job,), name=f"minisgl {name}", daemon=False)
@@ -54,35 +60,34 @@ class Runtime:
                    stop: threading.Event | None = None) -> dict[str, Ready]:
         """Every child's Ready, printing a line per child; RuntimeError (children stopped) on any failure,
         KeyboardInterrupt (children stopped) once `stop` is set."""
-        ctx = zmq.Context()
-        sock = pull(ctx, self.endpoints.launcher)
-        ready: dict[str, Ready] = {}
-        try:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while len(ready) < len(self.procs):
-                if stop is not None and stop.is_set():
+        return wait_ready([self], progress, t0, stop)[0]
+
+    def _poll(self, progress: Callable[[str], None], t0: float, stop: threading.Event | None, ms: int) -> None:
+        """Take the Ready / Failed messages that arrive within `ms`; raise on a failure or a death."""
+        assert self._launcher is not None
+        if self._launcher.poll(ms):
+            msg = recv(self._launcher)
+            if isinstance(msg, Failed):
+                raise RuntimeError(f"{self.label}{msg.proc} failed to start: {msg.error}")
+            self.ready[msg.proc] = msg
+            progress(f"{self.label}{msg.proc} ready{': ' + msg.detail if msg.detail else ''} "
+                     f"({time.monotonic() - t0:.1f}s)")
+        for name, proc in self.procs.items():
+            if name not in self.ready and proc.exitcode is not None:
+                if stop is not None and stop.is_set():  # the same signal reached the whole group
                     raise KeyboardInterrupt
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the runtime did not start within {START_TIMEOUT_S:.0f}s")
-                if sock.poll(200):
-                    msg = recv(sock)
-                    if isinstance(msg, Failed):
-                        raise RuntimeError(f"{msg.proc} failed to start: {msg.error}")
-                    ready[msg.proc] = msg
-                    progress(
-                        f"{msg.proc} ready{': ' + msg.detail if msg.detail else ''} ({time.monotonic() - t0:.1f}s)"
-                    )
-                for name, proc in self.procs.items():
-                    if name not in ready and proc.exitcode is not None:
-                        if stop is not None and stop.is_set():  # the same signal reached the whole group
-                            raise KeyboardInterrupt
-                        raise RuntimeError(f"{name} exited with code {proc.exitcode} while starting")
-        except BaseException:
-            self.shutdown()
-            raise
-        finally:
-            ctx.destroy(linger=0)
-        return ready
+                raise RuntimeError(f"{self.label}{name} exited with code {proc.exitcode} while starting")
+
+    def _started(self) -> bool:
+        if len(self.ready) < len(self.procs):
+            return False
+        self._close_launcher()
+        return True
+
+    def _close_launcher(self) -> None:
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = self._launcher = None
 
     def on_death(self, hook: Callable[[str], None]) -> None:
         """Call hook(reason) on the watcher thread when a child dies (not when `shutdown` stops them)."""
@@ -99,7 +104,7 @@ class Runtime:
             name = sentinels[cast(int, first)]  # wait() returns the sentinels it was given
             proc = self.procs[name]
             proc.join(1.0)  # the sentinel fires as it dies; the exit code follows
-            self.dead = f"{name} (pid {proc.pid}) exited with code {proc.exitcode}"
+            self.dead = f"{self.label}{name} (pid {proc.pid}) exited with code {proc.exitcode}"
             log.error("minisgl runtime: %s", self.dead)
             self._died.set()
             for hook in self._hooks:
@@ -130,7 +135,29 @@ class Runtime:
             if p.exitcode is None:
                 p.kill()
                 p.join(1.0)
+        self._close_launcher()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def wait_ready(runtimes: list[Runtime], progress: Callable[[str], None], t0: float,
+               stop: threading.Event | None = None) -> list[dict[str, Ready]]:
+    """Every child's Ready in each runtime (they start side by side), a line per child. On any failure every
+    runtime is stopped and RuntimeError raised; once `stop` is set, the same with KeyboardInterrupt."""
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all(rt._started() for rt in runtimes):
+            if stop is not None and stop.is_set():
+                raise KeyboardInterrupt
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the runtime did not start within {START_TIMEOUT_S:.0f}s")
+            for rt in runtimes:
+                if not rt._started():
+                    rt._poll(progress, t0, stop, max(20, 200 // len(runtimes)))
+    except BaseException:
+        for rt in runtimes:
+            rt.shutdown()
+        raise
+    return [rt.ready for rt in runtimes]
 
 
 @contextlib.contextmanager

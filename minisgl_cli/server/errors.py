@@ -26,21 +26,23 @@ log = logging.getLogger("minisgl.server")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               422: "invalid_request_error", 429: "rate_limit_error"}
+               422: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 
 class Disconnected(Exception):
     """The client hung up before its response was ready."""
 
 
-def engine_error(delta: Delta) -> InputError:
-    """The error a failed engine request answers with: 503 when the engine died, 500 for engine faults,
-    400 for the input's."""
+def engine_error(delta: Delta, retry_after_s: int = 1) -> InputError:
+    """The error a failed engine request answers with: 503 when the engine died (with --dp: every replica),
+    500 for engine faults, 429 (+ Retry-After) when every --dp replica is at its cap, 400 for the input's."""
     message = delta.error or "unknown engine error"
     if message.startswith(ENGINE_GONE):
         return InputError(message, status=503, code="engine_unavailable")
     if message.startswith("internal error"):
         return InputError(message, status=500, code="engine_error")
+    if message.startswith("server busy"):
+        return InputError(message, None, 429, "too_many_requests", {"Retry-After": str(retry_after_s)})
     grammar = next((k for k in ("json_schema", "regex", "ebnf") if message.startswith(f"invalid {k}:")), None)
     return InputError(message, grammar, code="context_length_exceeded" if "context limit" in message else None)
 

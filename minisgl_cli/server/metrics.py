@@ -1,8 +1,9 @@
 """Server metrics: request counters, inflight gauge, latency windows and histograms, as JSON or Prometheus text.
 
-The scheduler's own figures (queues, KV pages, cache hits, token rates) come from `client.stats()`;
-this module adds what only the HTTP front sees (inflight, rejections, disconnects, per-request latency)
-and renders both. Thread-safe: handlers, the ZMQ control thread and /metrics all touch it.
+The scheduler's own figures (queues, KV pages, cache hits, token rates; with --dp their sum and each
+replica's own) come from `client.stats()`; this module adds what only the HTTP front sees (inflight,
+rejections, disconnects, per-request latency) and renders both. Thread-safe: handlers, the ZMQ control
+thread and /metrics all touch it.
 """
 
 from __future__ import annotations
@@ -140,13 +141,10 @@ class ServerMetrics:
     def to_prometheus(self, sched: SchedulerStats, model: str) -> str:
         """Prometheus text exposition format 0.0.4, written by hand (no client library needed)."""
         lines: list[str] = []
-        label = f'model_name="{_escape(model)}"'
+        label = f'model_name="{escape_label(model)}"'
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP minisgl_{name} {help_}")
-            lines.append(f"# TYPE minisgl_{name} {kind}")
-            for suffix_labels, value in samples:
-                lines.append(f"minisgl_{name}{suffix_labels} {_num(value)}")
+            lines.extend(prometheus_family(name, kind, help_, samples))
 
         def one(labels: str = "") -> str:
             return "{" + ",".join(x for x in (label, labels) if x) + "}"
@@ -184,6 +182,19 @@ class ServerMetrics:
             ):
                 if value is not None:
                     metric(name, "counter", help_, [(one(), value)])
+            if sched.replicas:  # data parallel: each replica's own
+                def each(values: list[float | None]) -> list[tuple[str, float]]:
+                    return [(one(f'replica="{r.replica}"'), v) for r, v in zip(sched.replicas, values) if v is not None]
+
+                reps = sched.replicas
+                metric("replica_up", "gauge", "1 while the replica serves, 0 once it is out.",
+                       each([float(r.alive) for r in reps]))
+                metric("replica_requests_total", "counter", "Requests routed to the replica.",
+                       each([r.requests for r in reps]))
+                metric("replica_inflight", "gauge", "Requests routed to the replica and not finished (its load).",
+                       each([r.inflight for r in reps]))
+                metric("replica_cache_hit_rate", "gauge", "The replica's prefix cache hits over prompt tokens.",
+                       each([r.stats.cache_hit_rate if r.stats else 0.0 for r in reps]))
             metric("http_requests_total", "counter", "HTTP requests by endpoint and status.",
                    [(one(f'endpoint="{ep}",status="{st}"'), n) for (ep, st), n in sorted(self.requests.items())])
             metric("request_success_total", "counter", "Engine requests by finish reason.",
@@ -220,5 +231,11 @@ def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def _escape(value: str) -> str:
+def prometheus_family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> list[str]:
+    """One metric family in the text format: HELP, TYPE, then `minisgl_<name>{labels} value` per sample."""
+    return [f"# HELP minisgl_{name} {help_}", f"# TYPE minisgl_{name} {kind}",
+            *(f"minisgl_{name}{labels} {_num(value)}" for labels, value in samples)]
+
+
+def escape_label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

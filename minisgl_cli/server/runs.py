@@ -92,7 +92,7 @@ class EngineRun:
             raise
         if event is not None and event[1].error:
             self.close()
-            raise engine_error(event[1])
+            raise engine_error(event[1], self.gate.retry_after_s)
         return event
 
     async def finish_all(self, request: Request) -> list[tuple[str, Delta]]:
@@ -103,7 +103,8 @@ class EngineRun:
             self.close()
         for _, final in results:
             if final is None or final.error:
-                raise engine_error(final or Delta("", error="request ended without a result"))
+                raise engine_error(final or Delta("", error="request ended without a result"),
+                                   self.gate.retry_after_s)
         return results
 
     def close(self) -> None:

@@ -1,0 +1,49 @@
+"""`minisgl router`: one OpenAI-compatible endpoint routing across several `minisgl serve` workers (hosts)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from commands import common as c
+
+app = typer.Typer()
+
+
+@app.command("router")
+@c.engine_options(("scheduler_mode",))
+def router(
+    worker_url: Annotated[list[str], typer.Option(
+        "--worker-url", help="A `minisgl serve` base URL (http://HOST:PORT); repeat for each worker.")],
+    host: c.Host = "127.0.0.1",
+    port: c.Port = 8000,
+    max_inflight_total: c.MaxInflightTotal = 0,
+    max_inflight_per_engine: c.MaxInflightPerEngine = 0,
+    health_interval: Annotated[float, typer.Option(
+        "--health-interval", min=0.05,
+        help="Seconds between health checks of every worker: one that fails is taken out until it answers again.")]
+        = 2.0,
+    *,
+    opts: c.EngineOptions,  # --scheduler-mode
+    verbose: c.Verbose = False,
+) -> None:
+    """Route the OpenAI API (/v1/...), /generate and every other route across `minisgl serve` workers by
+    --scheduler-mode, with health checks (a dead worker is taken out and put back when it answers), retries on
+    another worker for a request that had not started, and caps (429 + Retry-After). /health and /metrics
+    (each worker and the total) are the router's own. See docs/server.md."""
+    import httpx
+
+    from minisgl_cli.server.router import create_router_app, run_router
+
+    c.setup_logging(verbose)
+    for url in worker_url:
+        parsed = httpx.URL(url)
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            c.fail(f"--worker-url must be http://HOST:PORT, not {url!r}")
+    app_ = create_router_app(worker_url, opts.runtime.scheduler_mode, max_inflight_per_engine or None,
+                             max_inflight_total or None, health_interval)
+    try:
+        run_router(app_, host, port, log_level="info" if verbose else "warning")
+    except RuntimeError as exc:  # the port is taken, or not an address here
+        c.fail(str(exc))

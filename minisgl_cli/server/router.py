@@ -1,0 +1,274 @@
+"""`minisgl router`: one OpenAI-compatible endpoint in front of several `minisgl serve` workers (other hosts).
+
+Each request is routed by its prompt text (rr | fsfs | random | cache_aware, routing.py) and proxied as it
+came; the worker's response comes back as the worker writes it, so the OpenAI API and /generate are the
+same for clients. A worker that cannot be reached, or answers 503 (starting, or its engine gone), before
+the client got anything is taken out and the request retried on another; a stream whose worker dies after
+it started ends with an error frame in the stream's own format. Caps answer 429 + Retry-After, like
+`serve`'s. /health and /metrics (each worker and the total) are the router's own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Hashable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from minisgl_cli.routing import Busy, NoReplica
+from minisgl_cli.runtime.supervisor import stop_on_signals
+from minisgl_cli.server import protocol as p
+from minisgl_cli.server.launch import BackgroundServer
+from minisgl_cli.server.metrics import escape_label, prometheus_family
+from minisgl_cli.server.workers import Worker, Workers
+
+log = logging.getLogger("minisgl.router")
+
+WORKER_HEADER = "X-Minisgl-Worker"  # which worker answered (every proxied response)
+# Hop-by-hop headers, and what the proxy sets itself, are not passed on.
+_DROP = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
+                   "upgrade", "accept-encoding", "content-encoding"})
+
+
+def routing_key(body: bytes) -> Sequence[Hashable] | None:
+    """What cache_aware matches a request by: its messages as text, its prompt (the first of a batch), or its
+    token ids; None when the body has none of them."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        return "".join(f"{m.get('role', '')}\n{_text(m.get('content'))}\n" for m in messages
+                       if isinstance(m, dict)) or None
+    for name in ("prompt", "text", "input_ids"):
+        value = data.get(name)
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            value = value[0]
+        if isinstance(value, str) and value:
+            return value
+        if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
+            return tuple(value)
+    return None
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):  # content parts: their text
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
+
+
+class _Relay:
+    """One worker response being streamed to the client: whole frames only, and an error frame if the worker
+    dies mid-stream. `close` (however the response ends) frees the worker's slot and the connection."""
+
+    def __init__(self, proxy: Proxy, resp: httpx.Response, worker: Worker):
+        self.proxy, self.resp, self.worker = proxy, resp, worker
+        self.sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        self._closed = False
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        sep = b"\n\n" if self.sse else b"\n"
+        buf = b""
+        try:
+            async for chunk in self.resp.aiter_raw():
+                head, found, buf = (buf + chunk).rpartition(sep)
+                if found:
+                    yield head + found
+            if buf:
+                yield buf
+        except httpx.TransportError as exc:  # a partial frame in `buf` is dropped: the error frame follows whole
+            self.proxy.workers.take_out(self.worker, f"died while streaming: {type(exc).__name__}")
+            error = {"message": f"worker {self.worker.url} failed while streaming this response "
+                                f"({type(exc).__name__}); it is taken out: retry the request",
+                     "type": "server_error", "param": None, "code": "worker_failed"}
+            yield (f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n" if self.sse
+                   else json.dumps({"event": "error", "error": error}) + "\n").encode()
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.proxy.release(self.worker)
+            await self.resp.aclose()
+
+
+class _RelayResponse(StreamingResponse):
+    """Closes its relay however the response ends, even when the client left before the first frame."""
+
+    def __init__(self, relay: _Relay, **kwargs: Any):
+        super().__init__(relay.frames(), **kwargs)
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.relay.close()
+
+
+class Proxy:
+    """Forwards a request to a worker the router picks, retrying on another while nothing has reached the client."""
+
+    def __init__(self, workers: Workers, total_cap: int | None, retry_after_s: int = 1):
+        self.workers, self.total_cap, self.retry_after_s = workers, total_cap, retry_after_s
+        self.inflight = 0
+        self.http: httpx.AsyncClient | None = None  # opened by the app's lifespan
+
+    def release(self, w: Worker) -> None:
+        self.inflight -= 1
+        self.workers.done(w)
+
+    def _busy(self, message: str) -> Response:
+        return p.error_response(429, message, "rate_limit_error", None, "too_many_requests",
+                                {"Retry-After": str(self.retry_after_s)})
+
+    async def forward(self, request: Request) -> Response:
+        assert self.http is not None
+        body = await request.body()
+        key = routing_key(body) if body else None
+        if self.total_cap and self.inflight >= self.total_cap:
+            return self._busy(f"server busy: {self.inflight} requests in flight (cap {self.total_cap}); retry shortly")
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP]
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        tried: set[int] = set()
+        failures: list[str] = []
+        while True:
+            try:
+                w = self.workers.pick(key, tried)
+            except Busy as exc:
+                return self._busy(str(exc))
+            except NoReplica as exc:
+                return p.error_response(503, f"{exc}: " + "; ".join(
+                    failures or [f"{x.url}: {x.reason}" for x in self.workers.workers]), "server_error", None,
+                    "no_worker")
+            self.inflight += 1
+            relayed = False
+            try:
+                try:
+                    resp = await self.http.send(self.http.build_request(
+                        request.method, w.url + target, headers=headers, content=body), stream=True)
+                except httpx.TransportError as exc:  # refused, reset, or died before answering: nothing sent yet
+                    failures.append(f"{w.url}: {type(exc).__name__}")
+                    self.workers.take_out(w, f"unreachable: {type(exc).__name__}")
+                    tried.add(w.index)
+                    continue
+                out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP}
+                out_headers[WORKER_HEADER] = w.url
+                if resp.status_code == 503:  # starting, or its engine is gone: another worker takes it
+                    await resp.aclose()
+                    failures.append(f"{w.url}: answered 503")
+                    self.workers.take_out(w, "answered 503")
+                    tried.add(w.index)
+                    continue
+                kind = resp.headers.get("content-type", "")
+                if kind.startswith(("text/event-stream", "application/x-ndjson")):
+                    relayed = True
+                    return _RelayResponse(_Relay(self, resp, w), status_code=resp.status_code, headers=out_headers)
+                try:
+                    content = await resp.aread()
+                except httpx.TransportError as exc:  # died before the whole answer came: nothing sent yet
+                    failures.append(f"{w.url}: {type(exc).__name__}")
+                    self.workers.take_out(w, f"died while answering: {type(exc).__name__}")
+                    tried.add(w.index)
+                    continue
+                finally:
+                    await resp.aclose()
+                return Response(content, resp.status_code, headers=out_headers)
+            finally:
+                if not relayed:
+                    self.release(w)
+
+
+def create_router_app(urls: Sequence[str], mode: str = "rr", per_worker_cap: int | None = None,
+                      total_cap: int | None = None, health_interval: float = 2.0) -> FastAPI:
+    """The router over these worker base URLs (http://HOST:PORT)."""
+    workers = Workers(urls, mode, per_worker_cap, health_interval)
+    proxy = Proxy(workers, total_cap)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        proxy.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        await workers.check(proxy.http)
+        workers.start(proxy.http)
+        try:
+            yield
+        finally:
+            await workers.stop()
+            await proxy.http.aclose()
+
+    app = FastAPI(title="minisgl router", version="0.1.0", lifespan=lifespan,
+                  description="Routes OpenAI-compatible requests across minisgl serve workers.")
+    app.state.workers, app.state.proxy = workers, proxy
+
+    @app.get("/health")
+    async def health() -> Any:
+        up = [w for w in workers.workers if workers.up(w)]
+        if not up:
+            return p.error_response(503, "no worker is up: " + "; ".join(f"{w.url}: {w.reason}"
+                                                                         for w in workers.workers),
+                                    "server_error", None, "no_worker")
+        return {"status": "ok", "workers_up": len(up), "workers": len(workers.workers)}
+
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {}}}})
+    async def metrics(request: Request, format: str | None = Query(None, pattern="^(json|prometheus)$")) -> Any:
+        assert proxy.http is not None
+        per = await workers.metrics(proxy.http)
+        accept = request.headers.get("accept", "")
+        if format == "prometheus" or (format is None and "text/plain" in accept and "application/json" not in accept):
+            return PlainTextResponse(_prometheus(per), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return {"mode": workers.router.mode, "workers": per, "total": _total(per, proxy.inflight)}
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    async def forward(path: str, request: Request) -> Response:
+        return await proxy.forward(request)
+
+    return app
+
+
+def _total(per: list[dict[str, Any]], inflight: int) -> dict[str, Any]:
+    scheds = [w["scheduler"] for w in per if w["scheduler"]]
+    hit = sum(s.get("cache_hit_tokens", 0) for s in scheds)
+    miss = sum(s.get("cache_miss_tokens", 0) for s in scheds)
+    return {"workers_up": sum(w["alive"] for w in per), "requests": sum(w["requests"] for w in per),
+            "inflight": inflight, "cache_hit_tokens": hit, "cache_miss_tokens": miss,
+            "cache_hit_rate": round(hit / (hit + miss), 4) if hit + miss else 0.0}
+
+
+def _prometheus(per: list[dict[str, Any]]) -> str:
+    def each(field: str) -> list[tuple[str, float]]:
+        return [(f'{{worker="{escape_label(w["url"])}"}}', float(w[field] or 0)) for w in per]
+
+    lines = [
+        *prometheus_family("router_worker_up", "gauge", "1 while the worker serves, 0 while it is out.", each("alive")),
+        *prometheus_family("router_requests_total", "counter", "Requests routed to the worker.", each("requests")),
+        *prometheus_family("router_inflight", "gauge", "Requests at the worker now (its load).", each("inflight")),
+        *prometheus_family("router_cache_hit_rate", "gauge", "The worker's prefix cache hits over prompt tokens.",
+                           each("cache_hit_rate")),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run_router(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
+    """Serve the router until SIGINT / SIGTERM (RuntimeError in one line if the port cannot be bound)."""
+    server = BackgroundServer(app, host, port, log_level=log_level, graceful_s=5)
+    server.start(healthy=False)
+    workers: Workers = app.state.workers
+    log.warning("minisgl router: %d workers (%s) on %s", len(workers.workers), workers.router.mode, server.url)
+    try:
+        with stop_on_signals() as stop:
+            while not stop.wait(0.2):
+                if not server.running():
+                    raise RuntimeError("the HTTP server stopped")
+    finally:
+        server.stop()

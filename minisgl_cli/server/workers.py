@@ -1,0 +1,106 @@
+"""The workers behind `minisgl router`: each `minisgl serve` URL, whether it answers, and the routing across them.
+
+A background task asks every worker's /health every `interval` seconds. A worker that fails it (or that
+cannot be reached by a request) is taken out — the `Router` stops picking it and forgets its prefix tree —
+and put back as soon as its /health answers 200 again. Lives on the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Collection, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from minisgl_cli.routing import Router
+
+log = logging.getLogger("minisgl.router")
+
+CHECK_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Worker:
+    index: int
+    url: str
+    reason: str = "not checked yet"  # why it is out ("" while it serves)
+
+
+class Workers:
+    def __init__(self, urls: Sequence[str], mode: str = "rr", cap: int | None = None, interval: float = 2.0):
+        self.workers = [Worker(i, url.rstrip("/")) for i, url in enumerate(urls)]
+        self.router = Router(len(urls), mode, cap, up=False)  # each is put in by its first good health check
+        self.interval = interval
+        self._task: asyncio.Task | None = None
+
+    # --- routing ---------------------------------------------------------------------------------
+    def pick(self, key: Sequence[Hashable] | None, exclude: Collection[int] = ()) -> Worker:
+        """A worker for a request with this prompt (NoReplica / Busy from the router when there is none)."""
+        return self.workers[self.router.pick(key, exclude)]
+
+    def done(self, w: Worker) -> None:
+        self.router.done(w.index)
+
+    def up(self, w: Worker) -> bool:
+        return self.router.up[w.index]
+
+    def take_out(self, w: Worker, reason: str) -> None:
+        if self.router.set_up(w.index, False) or w.reason == "not checked yet":
+            log.warning("minisgl router: worker %s is out (%s)", w.url, reason)
+        w.reason = reason
+
+    def put_back(self, w: Worker) -> None:
+        if self.router.set_up(w.index, True):
+            log.warning("minisgl router: worker %s is %s", w.url, "up" if w.reason == "not checked yet" else "back")
+        w.reason = ""
+
+    # --- health ----------------------------------------------------------------------------------
+    async def check(self, http: httpx.AsyncClient) -> None:
+        """Ask every worker's /health once (side by side) and take out or put back accordingly."""
+
+        async def one(w: Worker) -> None:
+            try:
+                r = await http.get(f"{w.url}/health", timeout=CHECK_TIMEOUT_S)
+                ok, why = r.status_code == 200, f"/health answered {r.status_code}"
+            except httpx.HTTPError as exc:
+                ok, why = False, f"/health failed: {type(exc).__name__}"
+            if ok:
+                self.put_back(w)
+            else:
+                self.take_out(w, why)
+
+        await asyncio.gather(*(one(w) for w in self.workers))
+
+    def start(self, http: httpx.AsyncClient) -> None:
+        async def loop() -> None:
+            while True:
+                await self.check(http)
+                await asyncio.sleep(self.interval)
+
+        self._task = asyncio.create_task(loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # --- figures ---------------------------------------------------------------------------------
+    async def metrics(self, http: httpx.AsyncClient) -> list[dict[str, Any]]:
+        """Each worker: up or out (and why), requests routed, its load, and its own /metrics scheduler figures."""
+
+        async def one(w: Worker) -> dict[str, Any]:
+            sched = None
+            if self.up(w):
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                    r = await http.get(f"{w.url}/metrics", params={"format": "json"}, timeout=CHECK_TIMEOUT_S)
+                    sched = r.json()["scheduler"] if r.status_code == 200 else None
+            return {"url": w.url, "alive": self.up(w), "reason": w.reason or None,
+                    "requests": self.router.routed[w.index], "inflight": self.router.load[w.index],
+                    "cache_hit_rate": sched.get("cache_hit_rate") if sched else None, "scheduler": sched}
+
+        return list(await asyncio.gather(*(one(w) for w in self.workers)))

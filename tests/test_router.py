@@ -1,0 +1,127 @@
+"""`minisgl router` in front of two real `minisgl serve` processes: clients see one unchanged OpenAI server;
+a worker killed mid-run is taken out (its started stream ends with an error frame, requests that had not
+started go to the other), and put back once it is restarted and answers its health check again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from serve_process import Serve
+
+pytestmark = pytest.mark.slow
+
+WORKER = "x-minisgl-worker"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dirs, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("router")
+    model = tiny_model_dirs["llama"]
+    workers = [Serve(model, tmp, "--runtime", "in-process") for _ in range(2)]
+    router = Serve(None, tmp, "router", *(x for w in workers for x in ("--worker-url", w.url)),
+                   "--scheduler-mode", "rr", "--health-interval", "0.3")
+    started = [*workers, router]
+    try:
+        for w in workers:
+            w.wait_healthy()
+        _wait(lambda: _metrics(router)["total"]["workers_up"] == 2, router)
+        yield model, tmp, workers, router, started
+    finally:
+        for s in started:
+            s.stop()
+
+
+def _metrics(router: Serve) -> dict:
+    return httpx.get(f"{router.url}/metrics", timeout=10).json()
+
+
+def _wait(cond, s: Serve, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if cond():
+                return
+        except httpx.HTTPError:
+            pass
+        assert s.proc.poll() is None, s.stderr()
+        assert time.monotonic() < deadline, s.stderr()
+        time.sleep(0.1)
+
+
+def test_clients_see_one_openai_server_and_rr_alternates_workers(cluster):
+    _, _, workers, router, _ = cluster
+    direct = httpx.post(f"{workers[0].url}/v1/completions", timeout=60, json={
+        "model": "default", "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0})
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none")
+    seen = set()
+    for _ in range(2):
+        raw = client.completions.with_raw_response.create(model="default", prompt="The capital of France is",
+                                                          max_tokens=6, temperature=0)
+        seen.add(raw.headers[WORKER])
+        assert raw.parse().choices[0].text == direct.json()["choices"][0]["text"]  # same greedy text either way
+    assert seen == {w.url for w in workers}
+    stream = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=5, stream=True)
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert [m.id for m in client.models.list()] == [direct.json()["model"]]
+    lines = [json.loads(x) for x in httpx.post(f"{router.url}/generate", timeout=60, json={
+        "prompt": "Hello", "max_new_tokens": 4, "stream": True}).text.splitlines()]
+    assert lines[-1]["event"] == "done" and lines[-1]["completion_tokens"] <= 4
+    bad = httpx.post(f"{router.url}/v1/completions", json={"model": "default", "prompt": "x", "max_tokens": -1})
+    assert bad.status_code == 422 and "error" in bad.json()  # the worker's own error, passed through
+
+
+def test_bench_url_against_the_router(cluster, tmp_path):
+    from typer.testing import CliRunner
+
+    from minisgl_cli.app import app
+
+    model, _, _, router, _ = cluster
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "--url", router.url, "--model", str(model), "--case", "short",
+                                      "--repeat", "1", "--warmup", "0", "--max-new-tokens", "4", "--num-prompts", "4",
+                                      "--max-concurrency", "2", "--output-json", str(out)])
+    assert result.exit_code == 0, result.output
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["completed"] == 4 and r["failed"] == 0 and r["total_output_tokens"] > 0
+
+
+def test_a_dead_worker_is_taken_out_and_put_back_when_it_answers_again(cluster):
+    model, tmp, workers, router, started = cluster
+    long = {"model": "default", "prompt": [9, 8, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=long, timeout=60) as resp:
+        victim = next(w for w in workers if w.url == resp.headers[WORKER])
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        victim.proc.send_signal(signal.SIGKILL)
+        rest = [x for x in lines if x]
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]  # a started stream ends with an error frame
+    assert error["code"] == "worker_failed" and victim.url in error["message"] and rest[-1] == "data: [DONE]"
+    survivor = next(w for w in workers if w is not victim)
+    for _ in range(4):  # rr would pick the dead one every other time: those are retried on the survivor
+        r = httpx.post(f"{router.url}/v1/completions", timeout=60,
+                       json={"model": "default", "prompt": [1, 2, 3], "max_tokens": 3})
+        assert r.status_code == 200 and r.headers[WORKER] == survivor.url, r.text
+    assert httpx.get(f"{router.url}/health").status_code == 200
+    dead = next(w for w in _metrics(router)["workers"] if w["url"] == victim.url)
+    assert dead["alive"] is False and dead["reason"]
+
+    restarted = Serve(model, tmp, "--runtime", "in-process", port=victim.port)
+    started.append(restarted)
+    restarted.wait_healthy()
+    _wait(lambda: all(w["alive"] for w in _metrics(router)["workers"]), router)
+    used = {httpx.post(f"{router.url}/v1/completions", timeout=60, json={
+        "model": "default", "prompt": [1, 2, 3], "max_tokens": 3}).headers[WORKER] for _ in range(2)}
+    assert used == {w.url for w in workers}  # rr reaches the restarted worker again
+    prom = httpx.get(f"{router.url}/metrics", params={"format": "prometheus"}).text
+    assert f'minisgl_router_worker_up{{worker="{victim.url}"}} 1' in prom
+    assert "worker " + victim.url + " is out" in router.stderr() and "is back" in router.stderr()
+    os.kill(router.proc.pid, signal.SIGTERM)
+    assert router.proc.wait(10) == 0, router.stderr()

@@ -1,0 +1,113 @@
+"""The routing policies on scripted loads: which replica each mode picks, caps, replicas going out and back,
+and cache_aware's prefix tree (pure Python: no engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from minisgl_cli.routing import Busy, NoReplica, PrefixTree, Router
+from minisgl_cli.server.router import routing_key
+
+A = list(range(1000, 1100))  # two "system prompts" of 100 token ids each
+B = list(range(2000, 2100))
+
+
+def picks(router: Router, keys: list, finish: bool = True) -> list[int]:
+    out = []
+    for key in keys:
+        i = router.pick(key)
+        out.append(i)
+        if finish:
+            router.done(i)
+    return out
+
+
+def test_rr_rotates_and_skips_a_replica_that_is_out():
+    r = Router(3, "rr")
+    assert picks(r, [None] * 4) == [0, 1, 2, 0]
+    r.set_up(1, False)
+    assert picks(r, [None] * 3) == [2, 0, 2]
+    r.set_up(1, True)
+    assert picks(r, [None] * 3) == [0, 1, 2]
+
+
+def test_fsfs_takes_the_first_replica_with_a_free_slot():
+    r = Router(2, "fsfs", slots=[2, 2])
+    assert picks(r, [None] * 4, finish=False) == [0, 0, 1, 1]
+    assert r.pick() == 0  # none free: the least loaded (a tie: the first)
+    r.done(1)
+    assert r.pick() == 1  # replica 0 holds 3 > its 2 slots; 1 has room again
+    assert r.load == [3, 2]
+
+
+def test_random_spreads_over_the_replicas_that_are_up_and_repeats_with_a_seed():
+    r = Router(3, "random", seed=7)
+    r.set_up(2, False)
+    got = picks(r, [None] * 40)
+    assert set(got) == {0, 1} and 10 < got.count(0) < 30
+    assert picks(Router(3, "random", seed=7), [None] * 10) == picks(Router(3, "random", seed=7), [None] * 10)
+
+
+def test_cache_aware_sends_a_shared_prefix_back_to_its_replica():
+    r = Router(2, "cache_aware")
+    # A new prompt goes where the tree is smallest; a prompt sharing > 30% of a routed one follows it.
+    assert picks(r, [A + [1], B + [2], A + [3], B + [4], B + [5], A + [6]]) == [0, 1, 0, 1, 1, 0]
+    assert r.routed == [3, 3]
+    assert picks(r, [[7, 8, 9]]) == [0]  # nothing in common: the smaller tree (a tie here: the first)
+    assert r.tree.match(A + [3]) == {0: 101, 1: 0}
+
+
+def test_cache_aware_leaves_a_replica_whose_load_exceeds_the_least_loaded_by_the_threshold():
+    r = Router(2, "cache_aware", balance_abs=2, balance_rel=1.5)
+    # A's replica keeps A while it is at most 2 requests busier than the other; then the least loaded takes it.
+    assert picks(r, [A] * 4, finish=False) == [0, 0, 0, 1]
+
+
+def test_cache_aware_forgets_a_replica_that_goes_out():
+    r = Router(2, "cache_aware")
+    assert picks(r, [A, B]) == [0, 1]
+    r.set_up(0, False)
+    assert r.tree.match(A) == {1: 0}
+    r.set_up(0, True)
+    assert picks(r, [A]) == [0]  # back with an empty tree: the smallest
+
+
+def test_cap_per_replica_then_busy_and_no_replica():
+    r = Router(2, "rr", cap=1)
+    assert picks(r, [None, None], finish=False) == [0, 1]
+    with pytest.raises(Busy, match="server busy"):
+        r.pick()
+    r.done(1)
+    assert r.pick() == 1
+    with pytest.raises(NoReplica):
+        r.pick(exclude=[0, 1])
+    r.set_up(0, False)
+    r.set_up(1, False)
+    with pytest.raises(NoReplica):
+        r.pick()
+
+
+def test_prefix_tree_matches_per_tenant_and_evicts_least_recently_used_leaves():
+    t = PrefixTree()
+    t.insert("system: be brief\nuser: hi", 0)
+    t.insert("system: be brief\nuser: bye", 1)
+    t.insert("system: be verbose", 1)
+    assert t.match("system: be brief\nuser: hello") == {0: 24, 1: 23}
+    assert t.size(0) == len("system: be brief\nuser: hi")
+    t.insert([1, 2, 3, 4], 2)
+    t.insert([1, 2, 9], 2)
+    t.insert([1, 2, 3, 5], 2, limit=5)  # 6 items over a limit of 5: the least recently used leaf ([4]) goes
+    assert t.size(2) == 5
+    assert t.match([1, 2, 3, 4])[2] == 3 and t.match([1, 2, 9])[2] == 3 and t.match([1, 2, 3, 5])[2] == 4
+    t.remove(1)
+    assert t.match("system: be verbose") == {0: 11, 2: 0}
+
+
+def test_router_keys_come_from_messages_prompts_or_token_ids():
+    assert routing_key(b'{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": '
+                       b'[{"type": "text", "text": "Q"}]}]}') == "system\nS\nuser\nQ\n"
+    assert routing_key(b'{"prompt": "hello"}') == "hello"
+    assert routing_key(b'{"prompt": ["first", "second"]}') == "first"
+    assert routing_key(b'{"prompt": [1, 2, 3]}') == (1, 2, 3)
+    assert routing_key(b'{"input_ids": [4, 5]}') == (4, 5)
+    assert routing_key(b"not json") is None and routing_key(b'{"model": "x"}') is None
