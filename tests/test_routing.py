@@ -111,3 +111,28 @@ def test_router_keys_come_from_messages_prompts_or_token_ids():
     assert routing_key(b'{"prompt": [1, 2, 3]}') == (1, 2, 3)
     assert routing_key(b'{"input_ids": [4, 5]}') == (4, 5)
     assert routing_key(b"not json") is None and routing_key(b'{"model": "x"}') is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "--dp", "2", "--runtime", "in-process"], "--dp"),
+    (["serve", "--dp", "2", "--nnodes", "2", "--tp", "2"], "minisgl router"),
+    (["serve", "--scheduler-mode", "fastest"], "--scheduler-mode must be one of rr, fsfs, random, cache_aware"),
+    (["router", "--worker-url", "http://127.0.0.1:1", "--scheduler-mode", "x"], "--scheduler-mode must be"),
+    (["router"], "--worker-url"),
+])
+def test_bad_data_parallel_flags_are_usage_errors(args, message):
+    from typer.testing import CliRunner
+
+    from minisgl_cli.app import app
+
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_router_refuses_a_worker_url_that_is_not_http():
+    from typer.testing import CliRunner
+
+    from minisgl_cli.app import app
+
+    result = CliRunner().invoke(app, ["router", "--worker-url", "localhost:8000"])
+    assert result.exit_code == 1 and "--worker-url must be http://HOST:PORT" in result.output, result.output

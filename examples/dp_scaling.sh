@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Data parallelism through HTTP, in one run: the nano-vllm preset against `minisgl serve --dp 1`, `--dp 2`, and
+# `minisgl router` in front of two `minisgl serve --dp 1` (one GPU each). Each runs the preset twice (two draws);
+# the table reports the second, warm one, and each row's output throughput over --dp 1's. Logs under $OUT.
+#
+#   OUT=/tmp/dp bash examples/dp_scaling.sh                       # two GPUs: Qwen3-0.6B dummy weights
+#   MODEL=smollm2-135m LOAD_FORMAT=auto DEVICE=cpu NUM_PROMPTS=16 \
+#     WORK="--dataset random --input-len 128 --output-len 64" bash examples/dp_scaling.sh   # a CPU check
+set -o pipefail
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/dp_scaling}; mkdir -p "$OUT"
+MODEL=${MODEL:-qwen3-0.6b}
+LOAD_FORMAT=${LOAD_FORMAT:-dummy}
+NUM_PROMPTS=${NUM_PROMPTS:-256}
+PORT=${PORT:-8199}
+PY=${PY:-python3}
+ENGINE=(--model "$MODEL" --load-format "$LOAD_FORMAT" --max-running-requests 256 --max-total-tokens 300000)
+[ -n "$DEVICE" ] && ENGINE+=(--device "$DEVICE")
+[ "${DEVICE:-cuda}" != cpu ] && ENGINE+=(--cuda-graph-max-bs 256)
+read -r -a SHAPE <<< "${WORK:---preset nano-vllm}"
+BENCH=("${SHAPE[@]}" --num-prompts "$NUM_PROMPTS" --warmup 1 --concurrency "$NUM_PROMPTS" --concurrency "$NUM_PROMPTS")
+
+wait_healthy() {  # port pid
+  for _ in $(seq 1 1200); do
+    [ "$(curl -s -o /dev/null -w '%{http_code}' "localhost:$1/health")" = 200 ] && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 0.5
+  done
+  return 1
+}
+
+bench() {  # name port
+  $PY -m minisgl_cli.app bench --url "http://127.0.0.1:$2" --model "$MODEL" "${BENCH[@]}" \
+    --output-json "$OUT/$1.json" 2>&1 | tee "$OUT/$1.txt" | grep -E "server@|error" | tail -3
+}
+
+for dp in 1 2; do
+  echo "== serve --dp $dp"
+  $PY -m minisgl_cli.app serve "${ENGINE[@]}" --dp "$dp" --port "$PORT" > "$OUT/serve-dp$dp.log" 2>&1 &
+  pid=$!
+  wait_healthy "$PORT" $pid && bench "dp$dp" "$PORT"
+  kill -TERM $pid; wait $pid
+done
+
+echo "== router over two serve --dp 1"
+pids=()
+for i in 0 1; do
+  CUDA_VISIBLE_DEVICES=$i $PY -m minisgl_cli.app serve "${ENGINE[@]}" --port $((PORT + 1 + i)) \
+    > "$OUT/worker$i.log" 2>&1 &
+  pids+=($!)
+done
+$PY -m minisgl_cli.app router --worker-url "http://127.0.0.1:$((PORT + 1))" \
+  --worker-url "http://127.0.0.1:$((PORT + 2))" --port "$PORT" > "$OUT/router.log" 2>&1 &
+router=$!
+wait_healthy $((PORT + 1)) "${pids[0]}" && wait_healthy $((PORT + 2)) "${pids[1]}" && \
+  wait_healthy "$PORT" $router && sleep 3 && bench router "$PORT"  # sleep: the router's next health check sees both
+kill -TERM $router "${pids[@]}"; wait $router "${pids[@]}"
+
+$PY - "$OUT" <<'EOF'
+import json, sys
+out = sys.argv[1]
+def second(name):
+    try:
+        return json.load(open(f"{out}/{name}.json"))["results"][-1]
+    except (OSError, ValueError, IndexError, KeyError):
+        return None
+base = second("dp1")
+print(f"{'run':<34} {'out tok/s':>10} {'vs --dp 1':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'failed':>7}")
+for name, label in (("dp1", "serve --dp 1"), ("dp2", "serve --dp 2"),
+                    ("router", "router over 2 x serve --dp 1")):
+    r = second(name)
+    if r is None:
+        print(f"{label:<34} failed: see {out}")
+        continue
+    ratio = r["output_throughput"] / base["output_throughput"] if base else float("nan")
+    print(f"{label:<34} {r['output_throughput']:>10.0f} {ratio:>10.3f} {r['median_ttft_ms']:>12.1f} "
+          f"{r['median_tpot_ms']:>12.2f} {r['failed']:>7}")
+EOF
