@@ -56,23 +56,4 @@ wait_healthy $((PORT + 1)) "${pids[0]}" && wait_healthy $((PORT + 2)) "${pids[1]
   wait_healthy "$PORT" $router && sleep 3 && bench router "$PORT"  # sleep: the router's next health check sees both
 kill -TERM $router "${pids[@]}"; wait $router "${pids[@]}"
 
-$PY - "$OUT" <<'EOF'
-import json, sys
-out = sys.argv[1]
-def second(name):
-    try:
-        return json.load(open(f"{out}/{name}.json"))["results"][-1]
-    except (OSError, ValueError, IndexError, KeyError):
-        return None
-base = second("dp1")
-print(f"{'run':<34} {'out tok/s':>10} {'vs --dp 1':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'failed':>7}")
-for name, label in (("dp1", "serve --dp 1"), ("dp2", "serve --dp 2"),
-                    ("router", "router over 2 x serve --dp 1")):
-    r = second(name)
-    if r is None:
-        print(f"{label:<34} failed: see {out}")
-        continue
-    ratio = r["output_throughput"] / base["output_throughput"] if base else float("nan")
-    print(f"{label:<34} {r['output_throughput']:>10.0f} {ratio:>10.3f} {r['median_ttft_ms']:>12.1f} "
-          f"{r['median_tpot_ms']:>12.2f} {r['failed']:>7}")
-EOF
+$PY examples/bench_table.py "$OUT" dp1:"serve --dp 1" dp2:"serve --dp 2" router:"router over 2 x serve --dp 1"

@@ -36,23 +36,5 @@ for runtime in processes in-process; do
   kill -TERM $pid; wait $pid
 done
 
-$PY - "$OUT" <<'EOF'
-import json, sys
-out = sys.argv[1]
-def second(name):
-    try:
-        return json.load(open(f"{out}/{name}.json"))["results"][-1]
-    except (OSError, ValueError, IndexError, KeyError):
-        return None
-base = second("offline")
-print(f"{'run':<26} {'out tok/s':>10} {'vs offline':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'ITL p50 ms':>11}")
-for name, label in (("offline", "offline (in-process)"), ("http-processes", "HTTP, runtime processes"),
-                    ("http-in-process", "HTTP, runtime in-process")):
-    r = second(name)
-    if r is None:
-        print(f"{label:<26} failed: see {out}")
-        continue
-    ratio = r["output_throughput"] / base["output_throughput"] if base else float("nan")
-    print(f"{label:<26} {r['output_throughput']:>10.0f} {ratio:>10.3f} {r['median_ttft_ms']:>12.1f} "
-          f"{r['median_tpot_ms']:>12.2f} {r['median_itl_ms']:>11.2f}")
-EOF
+$PY examples/bench_table.py "$OUT" offline:"offline (in-process)" http-processes:"HTTP, runtime processes" \
+  http-in-process:"HTTP, runtime in-process"

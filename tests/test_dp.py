@@ -24,8 +24,9 @@ from minisgl_cli.runtime.config import RuntimeConfig
 from minisgl_cli.runtime.launch import launch
 from minisgl_cli.runtime.pool import EnginePool
 from minisgl_cli.scheduler.config import SchedulerConfig
-from minisgl_cli.server.app import ServerSettings, create_app
-from minisgl_cli.server.launch import BackgroundServer
+from minisgl_cli.server.app import ServerSettings, create_app, json_metrics
+from minisgl_cli.server.control import ControlChannel
+from minisgl_cli.server.launch import BackgroundServer, free_port
 from minisgl_cli.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -76,7 +77,8 @@ def test_per_replica_cap_answers_429_and_metrics_report_each_replica(pool):
     capped = EnginePool(pool.replicas, "rr", cap=1)
     body = {"model": "default", "prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True}
     schedulers = [r.runtime.procs["scheduler rank 0"].pid for r in pool.replicas]
-    with BackgroundServer(create_app(capped, ServerSettings())) as url, httpx.Client(timeout=60) as http:
+    app = create_app(capped, ServerSettings())
+    with BackgroundServer(app) as url, httpx.Client(timeout=60) as http:
         for pid in schedulers:  # held still, so the two requests stay in flight while the third comes
             os.kill(pid, signal.SIGSTOP)
         try:
@@ -107,6 +109,9 @@ def test_per_replica_cap_answers_429_and_metrics_report_each_replica(pool):
         prom = http.get(f"{url}/metrics", params={"format": "prometheus"}).text
         assert 'minisgl_replica_up{model_name="llama",replica="1"} 1' in prom
         assert 'minisgl_replica_requests_total{model_name="llama",replica="0"}' in prom
+        control = ControlChannel(f"tcp://127.0.0.1:{free_port()}", lambda: json_metrics(app), lambda text: 0)
+        assert [r["requests"] for r in control.handle("metrics")["metrics"]["scheduler"]["replicas"]] == \
+            [r["requests"] for r in replicas]  # the ZMQ control channel's metrics: the same, per replica
     pool.check_pages()
 
 
