@@ -84,7 +84,8 @@ def main() -> None:
     for dp in (1, args.dp):
         pool = launch(engine, SchedulerConfig(), RuntimeConfig(dp_size=dp), progress=print)
         replicas = pool.replicas if isinstance(pool, EnginePool) else [pool]
-        try:
+        try:  # a few untimed chats first: the first steps of a process pay for lazy initialisation
+            run(pool, replicas, workload(1, args.prefixes, 8, 4 * dp), args.concurrency, 2)
             modes = ["rr"] if dp == 1 else args.modes
             for seed, mode in enumerate(modes, start=dp * 100):
                 client = EnginePool(replicas, mode) if dp > 1 else pool

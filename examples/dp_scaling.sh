@@ -4,8 +4,8 @@
 # the table reports the second, warm one, and each row's output throughput over --dp 1's. Logs under $OUT.
 #
 #   OUT=/tmp/dp bash examples/dp_scaling.sh                       # two GPUs: Qwen3-0.6B dummy weights
-#   MODEL=smollm2-135m LOAD_FORMAT=auto DEVICE=cpu NUM_PROMPTS=16 \
-#     WORK="--dataset random --input-len 128 --output-len 64" bash examples/dp_scaling.sh   # a CPU check
+#   MODEL=/tmp/tiny-llama LOAD_FORMAT=auto DEVICE=cpu NUM_PROMPTS=64 MAX_TOTAL_TOKENS=40000 \
+#     WORK="--dataset random --input-len 256 --output-len 128" bash examples/dp_scaling.sh   # a CPU check
 set -o pipefail
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/dp_scaling}; mkdir -p "$OUT"
@@ -14,7 +14,8 @@ LOAD_FORMAT=${LOAD_FORMAT:-dummy}
 NUM_PROMPTS=${NUM_PROMPTS:-256}
 PORT=${PORT:-8199}
 PY=${PY:-python3}
-ENGINE=(--model "$MODEL" --load-format "$LOAD_FORMAT" --max-running-requests 256 --max-total-tokens 300000)
+ENGINE=(--model "$MODEL" --load-format "$LOAD_FORMAT" --max-running-requests 256
+        --max-total-tokens "${MAX_TOTAL_TOKENS:-300000}")
 [ -n "$DEVICE" ] && ENGINE+=(--device "$DEVICE")
 [ "${DEVICE:-cuda}" != cpu ] && ENGINE+=(--cuda-graph-max-bs 256)
 read -r -a SHAPE <<< "${WORK:---preset nano-vllm}"
@@ -34,9 +35,14 @@ bench() {  # name port
     --output-json "$OUT/$1.json" 2>&1 | tee "$OUT/$1.txt" | grep -E "server@|error" | tail -3
 }
 
+# One "device" per replica: a GPU each, or on the CPU half the cores each (as --dp 2 splits them by itself).
+ONE=()
+[ "${DEVICE:-cuda}" = cpu ] && ONE=(env OMP_NUM_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )))
+
 for dp in 1 2; do
   echo "== serve --dp $dp"
-  $PY -m minisgl_cli.app serve "${ENGINE[@]}" --dp "$dp" --port "$PORT" > "$OUT/serve-dp$dp.log" 2>&1 &
+  run=("${ONE[@]}"); [ "$dp" = 2 ] && run=()
+  "${run[@]}" $PY -m minisgl_cli.app serve "${ENGINE[@]}" --dp "$dp" --port "$PORT" > "$OUT/serve-dp$dp.log" 2>&1 &
   pid=$!
   wait_healthy "$PORT" $pid && bench "dp$dp" "$PORT"
   kill -TERM $pid; wait $pid
@@ -45,7 +51,7 @@ done
 echo "== router over two serve --dp 1"
 pids=()
 for i in 0 1; do
-  CUDA_VISIBLE_DEVICES=$i $PY -m minisgl_cli.app serve "${ENGINE[@]}" --port $((PORT + 1 + i)) \
+  CUDA_VISIBLE_DEVICES=$i "${ONE[@]}" $PY -m minisgl_cli.app serve "${ENGINE[@]}" --port $((PORT + 1 + i)) \
     > "$OUT/worker$i.log" 2>&1 &
   pids+=($!)
 done
