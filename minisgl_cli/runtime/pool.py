@@ -164,5 +164,9 @@ class EnginePool:
         return "every replica is gone: " + "; ".join(why for why in self.out if why)
 
     def close(self) -> None:
-        for r in self.replicas:
-            r.close()
+        """Stop every replica side by side (each within 5 s, so all of them within 5 s too)."""
+        closing = [threading.Thread(target=r.close, name="minisgl-close-replica") for r in self.replicas]
+        for t in closing:
+            t.start()
+        for t in closing:
+            t.join()
