@@ -16,6 +16,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from serve_process import Serve, gone
 
 from minisgl_cli.client import complete
@@ -161,3 +162,18 @@ def test_serve_keeps_serving_when_a_replica_is_killed_mid_run(tiny_model_dirs, t
         assert gone(list(children.values())) == []
     finally:
         s.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_replicas_take_a_gpu_each_and_answer_alike():
+    pool = launch(EngineConfig(model="qwen3-0.6b", load_format="dummy", max_total_tokens=20000), SchedulerConfig(),
+                  RuntimeConfig(dp_size=2))
+    assert isinstance(pool, EnginePool)
+    try:
+        assert [r.info.device for r in pool.replicas] == ["cuda:0", "cuda:1"]
+        req = GenerateRequest(input_ids=[1, 2, 3, 4], params=SamplingParams(max_new_tokens=16, ignore_eos=True))
+        first, second = (asyncio.run(complete(r, req)).token_ids for r in pool.replicas)
+        assert first == second  # the same dummy weights on each
+    finally:
+        pool.close()
