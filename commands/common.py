@@ -162,6 +162,9 @@ class EngineOptions:
         On a node other than 0 (`--node-rank`), this node's ranks serve until stopped; this never returns."""
         from minisgl_cli.loader.errors import ModelLoadError
 
+        if self.runtime.dp_size == 1 and self.runtime.scheduler_mode != "rr":  # said, not silently ignored
+            _progress(f"--scheduler-mode {self.runtime.scheduler_mode} routes across --dp replicas; with --dp 1 "
+                      "every request goes to the one engine")
         try:
             from minisgl_cli import engines
 

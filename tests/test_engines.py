@@ -55,10 +55,10 @@ def test_engine_comes_from_backend_impl_and_attention_has_its_own_variable():
 
 @pytest.mark.parametrize("engine", ["hf", "mlx"])
 def test_a_serial_engine_refuses_the_flags_of_ours_in_one_line(engine):
-    code, out, _ = _probe(["--engine", engine, "--page-size", "4", "--cache", "naive", "--tp", "2"])
+    code, out, _ = _probe(["--engine", engine, "--page-size", "4", "--cache", "naive", "--tp", "2", "--dp", "2"])
     assert code == 2
     assert f"--engine {engine} runs in this process" in out
-    assert "drop --page-size, --cache, --tp (they configure the torch engine)" in " ".join(out.split())
+    assert "drop --page-size, --cache, --tp, --dp (they configure the torch engine)" in " ".join(out.split())
     code, out, _ = _probe(["--engine", engine, "--runtime", "processes"])
     assert code == 2 and "--runtime processes" in out
     assert _probe(["--engine", engine, "--dtype", "float32", "--device", "cpu", "--runtime", "in-process"])[0] == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -39,6 +40,11 @@ def cluster(tiny_model_dirs, tmp_path_factory):
 
 def _metrics(router: Serve) -> dict:
     return httpx.get(f"{router.url}/metrics", timeout=10).json()
+
+
+def _routed(router: Serve, worker: Serve) -> int:
+    """Requests the router has sent to `worker` so far."""
+    return next(w["requests"] for w in _metrics(router)["workers"] if w["url"] == worker.url)
 
 
 def _wait(cond, s: Serve, timeout: float = 120) -> None:
@@ -75,7 +81,7 @@ def test_clients_see_one_openai_server_and_rr_alternates_workers(cluster):
         "prompt": "Hello", "max_new_tokens": 4, "stream": True}).text.splitlines()]
     assert lines[-1]["event"] == "done" and lines[-1]["completion_tokens"] <= 4
     bad = httpx.post(f"{router.url}/v1/completions", json={"model": "default", "prompt": "x", "max_tokens": -1})
-    assert bad.status_code == 422 and "error" in bad.json()  # the worker's own error, passed through
+    assert bad.status_code == 400 and "error" in bad.json()  # the worker's own error, passed through
 
 
 def test_bench_url_against_the_router(cluster, tmp_path):
@@ -96,15 +102,26 @@ def test_bench_url_against_the_router(cluster, tmp_path):
 def test_a_dead_worker_is_taken_out_and_put_back_when_it_answers_again(cluster):
     model, tmp, workers, router, started = cluster
     long = {"model": "default", "prompt": [9, 8, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
+    short = {"model": "default", "prompt": [1, 2, 3], "max_tokens": 3}
+    waiting: dict = {}
     with httpx.stream("POST", f"{router.url}/v1/completions", json=long, timeout=60) as resp:
         victim = next(w for w in workers if w.url == resp.headers[WORKER])
+        survivor = next(w for w in workers if w is not victim)
         lines = resp.iter_lines()
         assert next(lines).startswith("data: ")
+        assert httpx.post(f"{router.url}/v1/completions", json=short, timeout=60).headers[WORKER] == survivor.url
+        routed = _routed(router, victim)
+        victim.proc.send_signal(signal.SIGSTOP)  # held: the next request (rr: the victim's turn) gets no answer
+        waiter = threading.Thread(target=lambda: waiting.update(
+            r=httpx.post(f"{router.url}/v1/completions", json=short, timeout=60)))
+        waiter.start()
+        _wait(lambda: _routed(router, victim) == routed + 1, router)
         victim.proc.send_signal(signal.SIGKILL)
         rest = [x for x in lines if x]
     error = json.loads(rest[-2].removeprefix("data: "))["error"]  # a started stream ends with an error frame
     assert error["code"] == "worker_failed" and victim.url in error["message"] and rest[-1] == "data: [DONE]"
-    survivor = next(w for w in workers if w is not victim)
+    waiter.join(60)  # the request the victim never answered was retried on the survivor
+    assert waiting["r"].status_code == 200 and waiting["r"].headers[WORKER] == survivor.url, waiting["r"].text
     for _ in range(4):  # rr would pick the dead one every other time: those are retried on the survivor
         r = httpx.post(f"{router.url}/v1/completions", timeout=60,
                        json={"model": "default", "prompt": [1, 2, 3], "max_tokens": 3})

@@ -31,10 +31,10 @@ class EnginePool:
                  seed: int | None = None):
         self.replicas = list(replicas)
         infos = [r.info for r in replicas]
-        self.info = dataclasses.replace(infos[0], max_running=sum(i.max_running for i in infos),
-                                        kv_tokens=sum(i.kv_tokens for i in infos), dp_size=len(replicas))
-        self.router = Router(len(replicas), mode, cap, slots=[i.max_running for i in infos],
-                             tree_items=[i.kv_tokens for i in infos], seed=seed)
+        kv = [i.kv_tokens or 0 for i in infos]  # replicas are our engine's (--dp refuses hf and mlx): a KV pool each
+        self.info = dataclasses.replace(infos[0], max_running=sum(i.max_running for i in infos), kv_tokens=sum(kv),
+                                        dp_size=len(replicas))
+        self.router = Router(len(replicas), mode, cap, slots=[i.max_running for i in infos], tree_items=kv, seed=seed)
         self.out: list[str | None] = [None] * len(replicas)  # why each replica is out (None: serving)
         self._where: dict[str, int] = {}  # request id -> the replica serving it
         self._turn = itertools.count()  # whose tokenizer is next

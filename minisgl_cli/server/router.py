@@ -223,7 +223,8 @@ def create_router_app(urls: Sequence[str], mode: str = "rr", per_worker_cap: int
     @app.get("/metrics", responses={200: {"content": {"text/plain": {}}}})
     async def metrics(request: Request, format: str | None = Query(None, pattern="^(json|prometheus)$")) -> Any:
         assert proxy.http is not None
-        per = await workers.metrics(proxy.http)
+        auth = request.headers.get("authorization")
+        per = await workers.metrics(proxy.http, {"Authorization": auth} if auth else None)
         accept = request.headers.get("accept", "")
         if format == "prometheus" or (format is None and "text/plain" in accept and "application/json" not in accept):
             return PlainTextResponse(_prometheus(per), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -90,14 +90,16 @@ class Workers:
                 await self._task
 
     # --- figures ---------------------------------------------------------------------------------
-    async def metrics(self, http: httpx.AsyncClient) -> list[dict[str, Any]]:
-        """Each worker: up or out (and why), requests routed, its load, and its own /metrics scheduler figures."""
+    async def metrics(self, http: httpx.AsyncClient, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        """Each worker: up or out (and why), requests routed, its load, and its own /metrics scheduler figures
+        (asked with `headers`: the client's Authorization, for workers behind --api-key)."""
 
         async def one(w: Worker) -> dict[str, Any]:
             sched = None
             if self.up(w):
                 with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                    r = await http.get(f"{w.url}/metrics", params={"format": "json"}, timeout=CHECK_TIMEOUT_S)
+                    r = await http.get(f"{w.url}/metrics", params={"format": "json"}, headers=headers,
+                                       timeout=CHECK_TIMEOUT_S)
                     sched = r.json()["scheduler"] if r.status_code == 200 else None
             return {"url": w.url, "alive": self.up(w), "reason": w.reason or None,
                     "requests": self.router.routed[w.index], "inflight": self.router.load[w.index],
