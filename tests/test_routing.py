@@ -136,3 +136,20 @@ def test_router_refuses_a_worker_url_that_is_not_http():
 
     result = CliRunner().invoke(app, ["router", "--worker-url", "localhost:8000"])
     assert result.exit_code == 1 and "--worker-url must be http://HOST:PORT" in result.output, result.output
+
+
+def test_router_totals_leave_out_workers_without_a_prefix_cache():
+    from minisgl_cli.server.router import _prometheus, _total
+
+    def worker(url: str, hit: int | None, miss: int | None) -> dict:
+        rate = None if hit is None or miss is None else hit / (hit + miss)
+        return {"url": url, "alive": True, "requests": 1, "inflight": 0, "cache_hit_rate": rate,
+                "scheduler": {"cache_hit_tokens": hit, "cache_miss_tokens": miss}}
+
+    hf = worker("http://hf:1", None, None)  # --engine hf: its figures are null, never a 0 standing in
+    assert _total([hf], 0)["cache_hit_rate"] is None
+    total = _total([hf, worker("http://ours:1", 30, 10)], 2)
+    assert (total["cache_hit_tokens"], total["cache_hit_rate"], total["requests"]) == (30, 0.75, 2)
+    prom = _prometheus([hf, worker("http://ours:1", 30, 10)])
+    assert 'minisgl_router_cache_hit_rate{worker="http://ours:1"} 0.75' in prom
+    assert 'cache_hit_rate{worker="http://hf:1"}' not in prom and 'worker_up{worker="http://hf:1"} 1' in prom

@@ -238,17 +238,19 @@ def create_router_app(urls: Sequence[str], mode: str = "rr", per_worker_cap: int
 
 
 def _total(per: list[dict[str, Any]], inflight: int) -> dict[str, Any]:
-    scheds = [w["scheduler"] for w in per if w["scheduler"]]
-    hit = sum(s.get("cache_hit_tokens", 0) for s in scheds)
-    miss = sum(s.get("cache_miss_tokens", 0) for s in scheds)
+    # Workers whose engine has no prefix cache (hf) report its figures as null: they count in neither sum.
+    scheds = [w["scheduler"] for w in per if w["scheduler"] and w["scheduler"].get("cache_hit_tokens") is not None]
+    hit = sum(s["cache_hit_tokens"] for s in scheds)
+    miss = sum(s.get("cache_miss_tokens") or 0 for s in scheds)
     return {"workers_up": sum(w["alive"] for w in per), "requests": sum(w["requests"] for w in per),
-            "inflight": inflight, "cache_hit_tokens": hit, "cache_miss_tokens": miss,
-            "cache_hit_rate": round(hit / (hit + miss), 4) if hit + miss else 0.0}
+            "inflight": inflight, "cache_hit_tokens": hit if scheds else None,
+            "cache_miss_tokens": miss if scheds else None,
+            "cache_hit_rate": (round(hit / (hit + miss), 4) if hit + miss else 0.0) if scheds else None}
 
 
 def _prometheus(per: list[dict[str, Any]]) -> str:
-    def each(field: str) -> list[tuple[str, float]]:
-        return [(f'{{worker="{escape_label(w["url"])}"}}', float(w[field] or 0)) for w in per]
+    def each(field: str) -> list[tuple[str, float]]:  # a null figure (hf has no prefix cache): no sample
+        return [(f'{{worker="{escape_label(w["url"])}"}}', float(w[field])) for w in per if w[field] is not None]
 
     lines = [
         *prometheus_family("router_worker_up", "gauge", "1 while the worker serves, 0 while it is out.", each("alive")),
