@@ -7,7 +7,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/gpu_ab}; mkdir -p "$OUT"
-OLD=${OLD:?set OLD to the older tree}
+OLD=$(cd "${OLD:?set OLD to the older tree}" && pwd)  # absolute: each side runs from its own tree
 ONLY=${ONLY:-qwen,llama}
 ROUNDS=${ROUNDS:-1}
 NEW=$(pwd)

@@ -47,18 +47,18 @@ def row(**kw) -> None:
 
 # --- driving the scheduler --------------------------------------------------------------------------
 _wait = [0.0]
-_orig_tokens = overlap_mod.Launched.tokens
+_orig_read = overlap_mod.Launched.read
 
 
-def _timed_tokens(self):  # count the time the scheduler blocks on the device
+def _timed_read(self):  # count the time the scheduler blocks on the device
     t0 = time.perf_counter()
     try:
-        return _orig_tokens(self)
+        return _orig_read(self)
     finally:
         _wait[0] += time.perf_counter() - t0
 
 
-overlap_mod.Launched.tokens = _timed_tokens
+overlap_mod.Launched.read = _timed_read
 PHASES: dict[str, float] = {}
 
 
