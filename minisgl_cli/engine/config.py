@@ -8,7 +8,7 @@ builds the Typer options from that, so an option is declared once, here (or on S
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from minisgl_cli import env
 
@@ -18,6 +18,9 @@ if TYPE_CHECKING:  # torch loads with the engine, not with `minisgl --help`
 LoadFormat = Literal["auto", "dummy"]
 EngineImpl = Literal["auto", "torch", "sgl", "hf", "mlx"]
 ENGINES: tuple[str, ...] = ("auto", "torch", "sgl", "hf", "mlx")
+# How linear weights are held (layers/quant.py's METHODS); auto picks from the checkpoint and the device.
+Quantization = Literal["auto", "none", "int4", "int8"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 
 @dataclass
@@ -39,6 +42,12 @@ class EngineConfig:
         flags=("--device",), env="MINISGL_DEVICE", help="auto, cpu, cuda, cuda:N."))
     dtype: str = field(default="auto", metadata=dict(
         flags=("--dtype",), help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."))
+    quantization: Quantization = field(default="auto", metadata=dict(
+        flags=("--quantization",),
+        help="Linear weights: auto (on CPU a GGUF's own 4-/8-bit blocks, else none), none (dense in --dtype; with "
+             "--dtype float32 the exact mode, equal to HF fp32 token for token), int4 (4-bit groups of 32 for "
+             "decode, dense for prefill), int8 (8-bit per channel likewise). int4 / int8 run on CPU; a "
+             "safetensors model quantizes at load."))
     attention_backend: str = field(default="auto", metadata=dict(
         flags=("--attention-backend",), env="MINISGL_ATTENTION_BACKEND",
         help="auto, torch, triton, flashinfer (auto: flashinfer or triton on CUDA, torch on CPU)."))
@@ -77,6 +86,20 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolved_quantization(self, native: str | None = None) -> str:
+        """The linear method (a key of layers/quant.py's METHODS): `quantization`, or for auto the checkpoint's
+        own (`native`: a GGUF's int4 / int8 blocks) where its method runs on this device, else none."""
+        from minisgl_cli.layers.quant import METHODS
+
+        device = self.resolved_device().type
+        if self.quantization == "auto":
+            return native if native and device in METHODS[native].devices else "none"
+        if self.quantization not in METHODS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+        if device not in METHODS[self.quantization].devices:
+            raise ValueError(f"--quantization {self.quantization} does not run on {device}; use --quantization none")
+        return self.quantization
 
     def resolved_dtype(self) -> torch.dtype:
         import torch

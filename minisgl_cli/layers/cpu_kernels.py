@@ -31,10 +31,20 @@ def _pack(weight: torch.Tensor, kind: str) -> torch.Tensor:
     if kind not in packs:
         w = weight.detach()
         if kind == "onednn":
-            packs[kind] = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            packs[kind] = pack(w)
         else:  # fp16
             packs[kind] = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(w.contiguous())
     return packs[kind]
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A oneDNN pack of `weight` [N, K] (fp32 or bf16) for `linear_packed`; the caller keeps it."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W^T through a `pack` of W (x contiguous, in the pack's dtype)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, policy: str) -> torch.Tensor:
