@@ -41,7 +41,8 @@ class EngineConfig:
     device: str = field(default="auto", metadata=dict(
         flags=("--device",), env="MINISGL_DEVICE", help="auto, cpu, cuda, cuda:N."))
     dtype: str = field(default="auto", metadata=dict(
-        flags=("--dtype",), help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."))
+        flags=("--dtype",), help="auto (bf16 on CUDA; on CPU fp32, or bf16 with int4 / int8 weights where the CPU "
+                                 "has AVX-512 BF16), float32, bfloat16, float16."))
     quantization: Quantization = field(default="auto", metadata=dict(
         flags=("--quantization",),
         help="Linear weights: auto (on CPU a GGUF's own 4-/8-bit blocks, else none), none (dense in --dtype; with "
@@ -101,11 +102,16 @@ class EngineConfig:
             raise ValueError(f"--quantization {self.quantization} does not run on {device}; use --quantization none")
         return self.quantization
 
-    def resolved_dtype(self) -> torch.dtype:
+    def resolved_dtype(self, quantized: bool = False) -> torch.dtype:
+        """The activation / KV dtype. auto: bf16 on CUDA; on CPU fp32, or bf16 for int4 / int8 weights (`quantized`)
+        where the CPU runs bf16 natively (AVX-512 BF16): their kernels take bf16 anyway, and the dense GEMMs of
+        prefill and big batches run twice as fast (docs/benchmarks.md)."""
         import torch
 
         if self.dtype == "auto":
-            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+            if self.resolved_device().type == "cuda":
+                return torch.bfloat16
+            return torch.bfloat16 if quantized and torch.cpu._is_avx512_bf16_supported() else torch.float32
         names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
         if self.dtype not in names:

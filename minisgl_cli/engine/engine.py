@@ -75,7 +75,7 @@ class Engine:
         # A converted GGUF carries its own int4 / int8 blocks: auto keeps them on CPU (layers/quant.py).
         blocks = blocks_file(model_dir) if model_dir is not None and source != "dummy" else None
         self.quantization = cfg.resolved_quantization(native_quantization(blocks) if blocks else None)
-        self.dtype = cfg.resolved_dtype()
+        self.dtype = cfg.resolved_dtype(quantized=self.quantization != "none")
         try:
             self.model_cfg = ModelConfig.from_hf(hf_cfg)
         except (KeyError, ValueError) as exc:

@@ -195,7 +195,7 @@ class Int8LogitsMethod(LinearMethod):
         x2 = x.reshape(-1, x.shape[-1]).float()
         x_scale = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / 127
         xq = (x2 / x_scale).round_().to(torch.int8)
-        y = (torch._int_mm(xq, layer.qweight_t) * x_scale * layer.qscale).to(x.dtype)
+        y = torch._int_mm(xq, layer.qweight_t) * x_scale * layer.qscale  # fp32 logits whatever the engine dtype
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y + bias if bias is not None else y
 

@@ -185,7 +185,8 @@ class ChatView:
         self.prefix_cache = info.prefix_cache
         kv = "n/a" if info.kv_tokens is None else f"{info.kv_tokens:,} tokens"
         self.note(
-            f"model {info.name} ({info.source}) · engine {info.engine} on {info.device} {info.dtype} · "
+            f"model {info.name} ({info.source}) · engine {info.engine} on {info.device} {info.dtype}"
+            f"{'' if info.quantization == 'none' else f' · {info.quantization} weights'} · "
             f"attention {info.attention_backend} · KV pool {kv} · context {info.max_context_len:,} · "
             f"loaded in {info.load_s:.1f}s",
             style="green",
