@@ -19,6 +19,8 @@ from minisgl_cli.layers.rotary import RotaryEmbedding
 from minisgl_cli.loader.hf import Weight
 from minisgl_cli.models.config import ModelConfig
 
+RopeAt = tuple[torch.Tensor, torch.Tensor]  # RotaryEmbedding.at(positions, dtype): one step's cos, sin
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TPInfo, kernels: Kernels,
@@ -39,7 +41,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
+                rope_at: RopeAt | None) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
         sgl = self.kernels.sgl_ops(qkv)  # --engine sgl: its RoPE (and RMSNorm) below, attention stores K/V
@@ -56,13 +59,18 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if ops is None:
+        if ops is None and sgl is not None:
             if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
                 q, k = self.q_norm(q), self.k_norm(k)
-            if sgl is not None:
-                self.rope.apply_sgl_(sgl, batch.positions, q, k)
-            else:
-                q, k = self.rope(batch.positions, q, k)
+            self.rope.apply_sgl_(sgl, batch.positions, q, k)
+        elif ops is None:
+            at = rope_at if rope_at is not None else self.rope.at(batch.positions, qkv.dtype)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.rope(batch.positions, self.q_norm(q), self.k_norm(k), at)
+            else:  # q and k sit side by side in qkv: one rotation for both
+                qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+                qk = self.rope.rotate(qk, at)
+                q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=ops is not None)
         return self.o_proj(o.reshape(-1, q_size))
 
@@ -89,13 +97,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp, kernels, method)
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend
+        self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend,
+        rope_at: RopeAt | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm.forward_residual(h, residual)
-        h = self.self_attn(h, batch, attn)
+        h = self.self_attn(h, batch, attn, rope_at)
         h, residual = self.post_attention_layernorm.forward_residual(h, residual)
         return self.mlp(h), residual
 
@@ -134,8 +143,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states of each request's last token: [B, hidden]."""
         h, residual = self.embed_tokens(batch.input_ids), None
+        # The torch RoPE's cos / sin of this step's positions, once for every layer (CUDA's fused ops need none).
+        fused = self.kernels.triton(h) is not None or self.kernels.sgl_ops(h) is not None
+        rope_at = None if fused else self.rope.at(batch.positions, h.dtype)
         for layer in self.layers:
-            h, residual = layer(h, residual, batch, attn)
+            h, residual = layer(h, residual, batch, attn, rope_at)
         assert residual is not None  # set by the first layer
         if not batch.is_decode:  # only each request's last token is sampled
             h, residual = h[batch.logits_indices], residual[batch.logits_indices]
