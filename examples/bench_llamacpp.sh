@@ -34,6 +34,7 @@ GGUF=$("$PY" -c "import importlib.util, pathlib; p = pathlib.Path(importlib.util
 
 PID=
 trap '[ -n "$PID" ] && kill $PID 2>/dev/null || true' EXIT
+trap 'exit 130' INT TERM  # so that the EXIT trap stops a running server
 wait_up() { for _ in $(seq 1 120); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; echo "server at $1 did not start" >&2; return 1; }
 stop() { kill $PID; wait $PID 2>/dev/null || true; PID=; }
 

@@ -60,7 +60,8 @@ def test_gguf_blocks_are_kept_as_shipped_and_dequantize_to_the_fp32_export(defau
             kinds[name] = type(w).__name__
             got = w if isinstance(w, torch.Tensor) else w.dequantize()
             assert torch.equal(got, fp32.get_tensor(name)), name
-    assert kinds["model.layers.0.self_attn.q_proj.weight"] == kinds["model.layers.29.mlp.down_proj.weight"] == "Int4Groups"
+    linears = ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight")
+    assert [kinds[n] for n in linears] == ["Int4Groups", "Int4Groups"]
     assert kinds["model.embed_tokens.weight"] == "Int8Groups" and kinds["model.norm.weight"] == "Tensor"
 
 
@@ -153,8 +154,9 @@ TOPICS = {"What is the capital of France?": "Paris", "Write a haiku about the se
 
 
 def test_default_model_runs_its_int4_blocks_and_answers_the_parity_prompts_sensibly():
-    from minisgl_cli import LLM, SamplingParams
     from test_hf_parity import PROMPTS
+
+    from minisgl_cli import LLM, SamplingParams
 
     with LLM(attention_backend="torch") as llm:
         info = llm.client.info

@@ -123,7 +123,8 @@ class Engine:
         log.info(
             "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s backend=%s kv_tokens=%d "
             "page_size=%d eos=%s (%.1fs)",
-            name, source, self.device, str(self.dtype).removeprefix("torch."), self.quantization, self.attn.name, capacity,
+            name, source, self.device, str(self.dtype).removeprefix("torch."), self.quantization, self.attn.name,
+            capacity,
             cfg.page_size, list(mc.eos_token_ids), self.loaded.load_s,
         )
 

@@ -29,6 +29,8 @@ class ColumnParallelLinear(nn.Module):
     (attention heads: see ModelConfig.heads_of).
     """
 
+    weight: torch.Tensor  # [out, in] in the engine dtype, made by the method (layers/quant.py)
+
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPInfo = TPInfo(),
                  ranges: list[tuple[int, int]] | None = None, kernels: Kernels | None = None,
                  method: LinearMethod | None = None):
@@ -63,6 +65,8 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split across ranks; partial sums meet in an all-reduce."""
+
+    weight: torch.Tensor  # [out, in] in the engine dtype, made by the method (layers/quant.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPInfo = TPInfo(),
                  in_range: tuple[int, int] | None = None, kernels: Kernels | None = None,

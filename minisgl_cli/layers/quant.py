@@ -25,6 +25,7 @@ every batch size here, and its logits are not rounded to bf16 (near-tied greedy 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,8 @@ from minisgl_cli.layers import cpu_kernels
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.loader.blocks import Int4Groups, Int8Groups, quantize_int4, quantize_int8
 from minisgl_cli.loader.hf import Weight, whole
+
+Layer = Any  # the linear layer or LM head a method fills: it sets attributes (weight, qweight, ...) on it
 
 INT4_GROUP = 32  # GGUF's block size (the kernel also takes 64 / 128 / 256)
 _KERNEL_DTYPE = torch.bfloat16  # activations, scales and zeros of the int4 / int8 weight-only kernels
@@ -54,18 +57,18 @@ class LinearMethod:
     quantized = False
     devices: tuple[str, ...] = ("cpu", "cuda")
 
-    def create(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+    def create(self, layer: Layer, out_features: int, in_features: int) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
-    def load(self, layer: nn.Module, w: Weight, row: int) -> None:
+    def load(self, layer: Layer, w: Weight, row: int) -> None:
         """Write `w` (this rank's columns already) into the layer's rows row .. row + len(w)."""
         layer.weight.data.narrow(0, row, w.shape[0]).copy_(whole(w))
         cpu_kernels.invalidate(layer.weight)
 
-    def finish(self, layer: nn.Module) -> None:
+    def finish(self, layer: Layer) -> None:
         """Called once all rows are loaded."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias) through the fastest kernel for the shape: Triton GEMV, CPU packs, or F.linear."""
         ops = gemv_ops(x, layer.weight, layer.kernels)
         if ops is not None:
@@ -84,19 +87,19 @@ class _WeightOnly(LinearMethod):
     devices = ("cpu",)
     max_rows = 8  # rows of x up to which the low-bit kernel beats the dense GEMM (docs/benchmarks.md)
 
-    def create(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+    def create(self, layer: Layer, out_features: int, in_features: int) -> None:
         super().create(layer, out_features, in_features)
         layer.staged = self._stage(out_features, in_features)
 
-    def load(self, layer: nn.Module, w: Weight, row: int) -> None:
+    def load(self, layer: Layer, w: Weight, row: int) -> None:
         super().load(layer, w, row)
         for dst, part in zip(layer.staged, self._convert(w)):
             dst.narrow(0, row, part.shape[0]).copy_(part)
 
-    def finish(self, layer: nn.Module) -> None:
-        layer.qweight, layer.qscale = self._pack(*layer.__dict__.pop("staged"))
+    def finish(self, layer: Layer) -> None:
+        layer.qweight, layer.qscale = self._pack(layer.__dict__.pop("staged"))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] > self.max_rows:
             return super().apply(layer, x, bias)
@@ -114,10 +117,10 @@ class _WeightOnly(LinearMethod):
     def _convert(self, w: Weight) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
-    def _pack(self, *staged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pack(self, staged: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def _mm(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -138,7 +141,8 @@ class Int4Method(_WeightOnly):
             w = quantize_int4(whole(w), INT4_GROUP)
         return w.q, w.scale, w.min
 
-    def _pack(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pack(self, staged: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale, low = staged
         pad = -q.shape[0] % _N_ALIGN
         q, scale, low = (F.pad(t, (0, 0, 0, pad)) for t in (q, scale, low))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
@@ -146,7 +150,7 @@ class Int4Method(_WeightOnly):
         scale_zero = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1)  # [K / group, N, 2]
         return packed, scale_zero.to(_KERNEL_DTYPE).contiguous()
 
-    def _mm(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.qweight, INT4_GROUP, layer.qscale)
 
 
@@ -164,10 +168,11 @@ class Int8Method(_WeightOnly):
             w = quantize_int8(whole(w))
         return w.q, w.scale
 
-    def _pack(self, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pack(self, staged: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = staged
         return q, scale[:, 0].to(_KERNEL_DTYPE)
 
-    def _mm(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.qscale)
 
 
@@ -179,19 +184,19 @@ class Int8LogitsMethod(LinearMethod):
     quantized = True
     devices = ("cpu",)
 
-    def create(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+    def create(self, layer: Layer, out_features: int, in_features: int) -> None:
         layer.staged = (torch.zeros(out_features, in_features, dtype=torch.int8), torch.zeros(out_features, 1))
 
-    def load(self, layer: nn.Module, w: Weight, row: int) -> None:
+    def load(self, layer: Layer, w: Weight, row: int) -> None:
         q = quantize_int8(whole(w))
         for dst, part in zip(layer.staged, (q.q, q.scale)):
             dst.narrow(0, row, part.shape[0]).copy_(part)
 
-    def finish(self, layer: nn.Module) -> None:
+    def finish(self, layer: Layer) -> None:
         q, scale = layer.__dict__.pop("staged")
-        layer.qweight_t, layer.qscale = q.t(), scale[:, 0]  # _int_mm reads [K, N]: the transposed view is its fast layout
+        layer.qweight_t, layer.qscale = q.t(), scale[:, 0]  # _int_mm takes [K, N]: this transposed view is fastest
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).float()
         x_scale = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / 127
         xq = (x2 / x_scale).round_().to(torch.int8)

@@ -13,8 +13,8 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
