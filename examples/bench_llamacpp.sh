@@ -8,7 +8,7 @@
 # slots and continuous batching, benchmarks it, stops it, then does the same with `minisgl serve` in each
 # of MINISGL_MODES (default: the CPU default, i.e. that GGUF's own int4 blocks; then the exact mode, the
 # GGUF dequantized to fp32). The servers never run at the same time, each with THREADS threads (default:
-# all cores). Prints one table at the end. BENCH_REPEAT (default 3) repeats each level.
+# all cores). Prints one table at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/bench_llamacpp}; mkdir -p "$OUT"
