@@ -79,8 +79,8 @@ def main() -> None:
                             fn(x)
                         times.append(time.perf_counter() - t0)
                     best[name] = min(times) * 1e3
-                print(f"{kernel:12s} {rows:5d} {sum(best.values()):8.2f} " + " ".join(f"{v:8.2f}" for v in best.values()),
-                      flush=True)
+                cells = " ".join(f"{v:8.2f}" for v in best.values())
+                print(f"{kernel:12s} {rows:5d} {sum(best.values()):8.2f} {cells}", flush=True)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ class ColumnParallelLinear(nn.Module):
         if name == "weight":
             self.method.load(self, loaded.narrow(0, start, size), offset)
         elif self.bias is not None:
-            self.bias.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+            self.bias.data.narrow(0, offset, size).copy_(whole(loaded.narrow(0, start, size)))
         else:
             raise KeyError(f"checkpoint has a {name!r} this layer was built without")
 
