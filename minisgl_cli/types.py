@@ -260,6 +260,7 @@ class ModelInfo:
     engine: str = "torch"  # what runs the model: torch (our engine), sgl (ours with sgl_kernel ops), hf, mlx
     prefix_cache: str | None = "radix"  # what serves cached prompt prefixes; None when nothing does (hf)
     dp_size: int = 1  # engine replicas behind the client (max_running and kv_tokens are then their sums)
+    quantization: str = "none"  # how the linear weights are held: none (dense in dtype), int4, int8
 
     @property
     def has_tokenizer(self) -> bool:

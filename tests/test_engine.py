@@ -160,6 +160,32 @@ def test_unknown_dummy_config_and_missing_model_are_one_line_errors(tmp_path):
     assert "\n" not in str(err2.value) and str(tmp_path) in str(err2.value)
 
 
+def test_local_client_builds_its_engine_on_the_scheduler_thread_and_raises_its_load_errors(tmp_path, monkeypatch):
+    """One thread builds and steps the engine (so one CPU thread pool runs its ops); a build error reaches the caller
+    and leaves no thread behind."""
+    import threading
+
+    from minisgl_cli.client import LocalClient
+
+    threads = []
+    real_init = Engine.__init__
+
+    def init(self, *args, **kwargs):
+        threads.append(threading.current_thread())
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "__init__", init)
+    client = LocalClient(EngineConfig(model="smollm2-135m", load_format="dummy", max_total_tokens=256))
+    try:
+        assert threads == [client._thread] and threads[0] is not threading.main_thread()
+    finally:
+        client.close()
+    before = threading.active_count()
+    with pytest.raises(ModelLoadError, match="nope"):
+        LocalClient(EngineConfig(model=str(tmp_path / "nope"), load_format="dummy"))
+    assert threading.active_count() == before
+
+
 def test_dummy_engine_has_no_tokenizer_and_takes_input_ids():
     with LLM("smollm2-135m", load_format="dummy", max_total_tokens=512) as llm:
         with pytest.raises(ValueError, match="input_ids"):

@@ -1,4 +1,7 @@
-"""Greedy token ids equal HF transformers fp32 on the same weights: SmolLM2 and tiny Llama/Qwen2/Qwen3."""
+"""Greedy token ids equal HF transformers fp32 on the same weights: SmolLM2 and tiny Llama/Qwen2/Qwen3.
+
+Our side runs the exact mode, pinned (`--dtype float32 --quantization none`): on CPU the default model
+otherwise runs its GGUF's 4-bit weights (tests/test_quant.py checks that mode's quality)."""
 
 from __future__ import annotations
 
@@ -31,8 +34,11 @@ def hf_greedy(model_dir, prompt_ids: list[list[int]], n: int) -> list[list[int]]
     return out
 
 
+EXACT = dict(dtype="float32", quantization="none")  # the mode that equals HF fp32 token for token
+
+
 def ours_greedy(model_dir, prompt_ids: list[list[int]], n: int, **kw) -> list[list[int]]:
-    with LLM(str(model_dir), attention_backend="torch", **kw) as llm:
+    with LLM(str(model_dir), attention_backend="torch", **EXACT, **kw) as llm:
         res = llm.generate(prompt_ids, [SamplingParams(max_new_tokens=n, ignore_eos=True)] * len(prompt_ids))
         llm.client.check_pages()
     return [r.token_ids for r in res]

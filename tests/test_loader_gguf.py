@@ -14,6 +14,7 @@ import torch
 
 from minisgl_cli.loader import ModelLoadError, ResolvedModel, resolve_model
 from minisgl_cli.loader import resolve as resolve_mod
+from minisgl_cli.loader.blocks import BLOCKS_FILE
 from minisgl_cli.loader.gguf import convert_gguf, unpermute_qk
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -57,6 +58,7 @@ def test_default_model_converts_into_cache(converted: tuple[ResolvedModel, float
     assert resolved.path.parent == shared_cache / "gguf"
     names = {p.name for p in resolved.path.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert (resolved.path / BLOCKS_FILE).is_file()  # the GGUF's own int4 / int8 blocks, for the quantized modes
     assert not [p for p in resolved.path.parent.iterdir() if ".tmp-" in p.name]  # temp dir renamed away
     cfg = json.loads((resolved.path / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"] is True

@@ -187,15 +187,19 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str, str | None], Any],
 
             vocab_size = info.vocab_size
             tokenizer = Tokenizer(info.model_dir).hf if info.has_tokenizer else None
-            # The HF baselines run with torch: on the engine's device, or the CPU where mlx ran.
-            device, dtype = ("cpu" if info.device.startswith("mlx") else info.device), getattr(torch, info.dtype)
+            # The HF baselines run with torch: on the engine's device, or the CPU where mlx ran; dense in the
+            # engine's dtype, or beside int4 / int8 weights on the CPU in fp32 (HF's default there: our exact mode's).
+            device = "cpu" if info.device.startswith("mlx") else info.device
+            dense = info.quantization == "none" or device != "cpu"
+            dtype = getattr(torch, info.dtype) if dense else torch.float32
             cases = build_levels(cfg, tokenizer, vocab_size, device.startswith("cuda"), cfg.concurrency)
             model_dir = info.model_dir
             report = BenchReport(_meta(cfg, mode="offline", model=info.name, device=info.device, dtype=info.dtype,
+                                       quantization=info.quantization,
                                        attention_backend=info.attention_backend, torch=torch.__version__,
                                        minisgl=getattr(minisgl_cli, "__version__", "0.1.0")))
             bench = Bench(cfg, report, console)
-            console.print(f"model={info.name} device={info.device} dtype={info.dtype} "
+            console.print(f"model={info.name} device={info.device} dtype={info.dtype} quantization={info.quantization} "
                           f"backend={info.attention_backend} "
                           f"cases={', '.join(f'{c.name}({len(c.requests)} req)' for c in cases[0])} "
                           f"concurrency={cfg.concurrency}", highlight=False)

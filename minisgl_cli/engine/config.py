@@ -8,7 +8,7 @@ builds the Typer options from that, so an option is declared once, here (or on S
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from minisgl_cli import env
 
@@ -18,6 +18,9 @@ if TYPE_CHECKING:  # torch loads with the engine, not with `minisgl --help`
 LoadFormat = Literal["auto", "dummy"]
 EngineImpl = Literal["auto", "torch", "sgl", "hf", "mlx"]
 ENGINES: tuple[str, ...] = ("auto", "torch", "sgl", "hf", "mlx")
+# How linear weights are held (layers/quant.py's METHODS); auto picks from the checkpoint and the device.
+Quantization = Literal["auto", "none", "int4", "int8"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 
 @dataclass
@@ -38,7 +41,14 @@ class EngineConfig:
     device: str = field(default="auto", metadata=dict(
         flags=("--device",), env="MINISGL_DEVICE", help="auto, cpu, cuda, cuda:N."))
     dtype: str = field(default="auto", metadata=dict(
-        flags=("--dtype",), help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."))
+        flags=("--dtype",), help="auto (bf16 on CUDA; on CPU fp32, or bf16 with int4 / int8 weights where the CPU "
+                                 "has AVX-512 BF16), float32, bfloat16, float16."))
+    quantization: Quantization = field(default="auto", metadata=dict(
+        flags=("--quantization",),
+        help="Linear weights: auto (on CPU a GGUF's own 4-/8-bit blocks, else none), none (dense in --dtype; with "
+             "--dtype float32 the exact mode, equal to HF fp32 token for token), int4 (4-bit groups of 32 for "
+             "decode, dense for prefill), int8 (8-bit per channel likewise). int4 / int8 run on CPU; a "
+             "safetensors model quantizes at load."))
     attention_backend: str = field(default="auto", metadata=dict(
         flags=("--attention-backend",), env="MINISGL_ATTENTION_BACKEND",
         help="auto, torch, triton, flashinfer (auto: flashinfer or triton on CUDA, torch on CPU)."))
@@ -78,11 +88,30 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolved_dtype(self) -> torch.dtype:
+    def resolved_quantization(self, native: str | None = None) -> str:
+        """The linear method (a key of layers/quant.py's METHODS): `quantization`, or for auto the checkpoint's
+        own (`native`: a GGUF's int4 / int8 blocks) where its method runs on this device, else none."""
+        from minisgl_cli.layers.quant import METHODS
+
+        device = self.resolved_device().type
+        if self.quantization == "auto":
+            return native if native and device in METHODS[native].devices else "none"
+        if self.quantization not in METHODS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+        if device not in METHODS[self.quantization].devices:
+            raise ValueError(f"--quantization {self.quantization} does not run on {device}; use --quantization none")
+        return self.quantization
+
+    def resolved_dtype(self, quantized: bool = False) -> torch.dtype:
+        """The activation / KV dtype. auto: bf16 on CUDA; on CPU fp32, or bf16 for int4 / int8 weights (`quantized`)
+        where the CPU runs bf16 natively (AVX-512 BF16): their kernels take bf16 anyway, and the dense GEMMs of
+        prefill and big batches run twice as fast (docs/benchmarks.md)."""
         import torch
 
         if self.dtype == "auto":
-            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+            if self.resolved_device().type == "cuda":
+                return torch.bfloat16
+            return torch.bfloat16 if quantized and torch.cpu._is_avx512_bf16_supported() else torch.float32
         names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
         if self.dtype not in names:

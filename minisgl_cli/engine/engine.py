@@ -19,6 +19,8 @@ from minisgl_cli.engine.graph import GraphRunner, default_max_bs
 from minisgl_cli.engine.sampler import Sampled, SamplingRow, sample
 from minisgl_cli.kvcache.pool import KVPool, KVShape
 from minisgl_cli.layers.fused import Kernels, load_sgl_kernel
+from minisgl_cli.layers.quant import METHODS
+from minisgl_cli.loader.blocks import blocks_file, iter_blocks, native_quantization
 from minisgl_cli.loader.configs import builtin_config
 from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.loader.hf import iter_safetensors, read_hf_config
@@ -36,6 +38,7 @@ class LoadedModel:
     model_dir: Path | None  # None for dummy weights (no tokenizer either)
     source: str
     load_s: float
+    quantization: str = "none"  # the linear method (layers/quant.py): none, int4, int8
 
 
 def _locate(cfg: EngineConfig) -> tuple[dict, Path | None, str, str]:
@@ -59,7 +62,6 @@ class Engine:
         self.cfg = cfg
         self.tp = tp
         self.device = cfg.resolved_device()
-        self.dtype = cfg.resolved_dtype()
         self.host = HostBuffers()  # pinned staging for this engine's batches and sampled ids
         # This engine's kernels, shared by its model and attention backend (and no other engine's).
         sgl, why_not = load_sgl_kernel(self.device) if cfg.engine == "sgl" else (None, None)
@@ -70,6 +72,10 @@ class Engine:
         if self.device.type == "cpu" and cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         hf_cfg, model_dir, name, source = _locate(cfg)
+        # A converted GGUF carries its own int4 / int8 blocks: auto keeps them on CPU (layers/quant.py).
+        blocks = blocks_file(model_dir) if model_dir is not None and source != "dummy" else None
+        self.quantization = cfg.resolved_quantization(native_quantization(blocks) if blocks else None)
+        self.dtype = cfg.resolved_dtype(quantized=self.quantization != "none")
         try:
             self.model_cfg = ModelConfig.from_hf(hf_cfg)
         except (KeyError, ValueError) as exc:
@@ -83,15 +89,16 @@ class Engine:
             prev = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
             try:
-                self.model = create_model(mc, tp, self.kernels).eval()
+                self.model = create_model(mc, tp, self.kernels, METHODS[self.quantization]()).eval()
             finally:
                 torch.set_default_dtype(prev)
         if source == "dummy":
             self.model.load_weights(dummy_checkpoint(mc, self.device, self.dtype, seed=cfg.seed))
+        elif blocks is not None and self.quantization != "none":
+            self.model.load_weights(iter_blocks(blocks))  # the GGUF's blocks as shipped, no fp32 round trip
         else:
             assert model_dir is not None  # _locate gives a dir for every source but built-in dummies
             self.model.load_weights(iter_safetensors(model_dir))
-        self.loaded = LoadedModel(name=name, model_dir=model_dir, source=source, load_s=0.0)
 
         heads = mc.heads_of(tp.rank, tp.size)
         shape = KVShape(mc.num_layers, heads.n_kv, mc.head_dim, self.dtype)
@@ -112,10 +119,12 @@ class Engine:
         if self.device.type == "cuda":
             if not cfg.disable_cuda_graph and getattr(self.attn, "supports_cuda_graph", False):
                 self.capture_graphs()
-        self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0)
+        self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0, self.quantization)
         log.info(
-            "engine ready: model=%s source=%s device=%s dtype=%s backend=%s kv_tokens=%d page_size=%d eos=%s (%.1fs)",
-            name, source, self.device, str(self.dtype).removeprefix("torch."), self.attn.name, capacity,
+            "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s backend=%s kv_tokens=%d "
+            "page_size=%d eos=%s (%.1fs)",
+            name, source, self.device, str(self.dtype).removeprefix("torch."), self.quantization, self.attn.name,
+            capacity,
             cfg.page_size, list(mc.eos_token_ids), self.loaded.load_s,
         )
 

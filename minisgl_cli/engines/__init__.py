@@ -26,8 +26,8 @@ log = logging.getLogger("minisgl.engines")
 
 SERIAL = ("hf", "mlx")  # engines of their own: no paged KV pool, no scheduler, no multi-process runtime
 # EngineConfig's options that configure our engine only (the serial engines would ignore them).
-TORCH_ONLY = ("load_format", "attention_backend", "page_size", "max_total_tokens", "kv_cache_gib", "mem_fraction",
-              "max_running_requests", "disable_cuda_graph", "cuda_graph_max_bs")
+TORCH_ONLY = ("load_format", "quantization", "attention_backend", "page_size", "max_total_tokens", "kv_cache_gib",
+              "mem_fraction", "max_running_requests", "disable_cuda_graph", "cuda_graph_max_bs")
 
 
 def apple_silicon() -> bool:

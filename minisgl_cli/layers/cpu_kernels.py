@@ -6,7 +6,8 @@ Parameter itself, so tied weights (embedding / LM head) share one pack; `invalid
 when a loader overwrites the weight in place.
 
 Policies (the engine's `Kernels.cpu_gemm`, from `MINISGL_CPU_GEMM`):
-  auto  fp32, the default: MKL for M == 1 and large M, packed oneDNN in between.
+  auto  fp32, the default: MKL for M == 1 and large M, packed oneDNN in between; bf16 weights (--dtype
+        bfloat16, where the CPU has AVX-512 BF16): packed oneDNN at every M (faster than F.linear's).
   mkl   fp32: always F.linear (MKL sgemm), torch's stock path.
   fp16  opt-in, NOT bit-faithful: fbgemm fp16 weights with fp32 activations/accumulation (half the
         weight bytes); greedy output may drift from the fp32 reference.
@@ -14,11 +15,19 @@ Policies (the engine's `Kernels.cpu_gemm`, from `MINISGL_CPU_GEMM`):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 POLICIES = ("auto", "mkl", "fp16")
 _ONEDNN_MAX_M = 64  # above this MKL's sgemm is already efficient (prefill)
+
+
+@functools.cache
+def _bf16_native() -> torch.dtype | None:
+    """torch.bfloat16 where oneDNN runs bf16 natively (AVX-512 BF16 / AMX), else None."""
+    return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else None
 
 
 def invalidate(weight: torch.Tensor) -> None:
@@ -39,11 +48,13 @@ def _pack(weight: torch.Tensor, kind: str) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, policy: str) -> torch.Tensor:
     """F.linear(x, weight, bias), through the fastest kernel of `policy` for this shape."""
-    if x.device.type != "cpu" or weight.dtype != torch.float32 or policy == "mkl":
+    if x.device.type != "cpu" or policy == "mkl" or weight.dtype not in (torch.float32, _bf16_native()):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    if policy == "fp16":
+    if weight.dtype == torch.bfloat16:  # bf16 (--dtype bfloat16): packed oneDNN at every M
+        y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), _pack(weight, "onednn"), bias, "none", [], "")
+    elif policy == "fp16":
         y = torch.ops.aten.fbgemm_linear_fp16_weight_fp32_activation(x2.contiguous(), _pack(weight, "fp16"), bias)
     elif 1 < m <= _ONEDNN_MAX_M:
         y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), _pack(weight, "onednn"), bias, "none", [], "")

@@ -10,8 +10,14 @@ from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import all_gather_last_dim, all_reduce
 from minisgl_cli.layers import cpu_kernels
 from minisgl_cli.layers.fused import Kernels
-from minisgl_cli.layers.linear import matmul
-from minisgl_cli.loader.hf import Weight
+from minisgl_cli.layers.quant import LinearMethod
+from minisgl_cli.loader.hf import Weight, whole
+
+
+def _vocab_rows(loaded: Weight, start: int, size: int) -> Weight | None:
+    """This rank's rows of a vocabulary-sized tensor (the last rank's slice may be short, or empty)."""
+    rows = min(size, loaded.shape[0] - start)
+    return loaded.narrow(0, start, rows) if rows > 0 else None
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -24,9 +30,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.local_vocab, hidden), requires_grad=False)
 
     def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
-        rows = min(self.local_vocab, loaded.shape[0] - self.start)  # the last rank's slice may be short
-        if rows > 0:
-            self.weight.data[:rows].copy_(loaded.narrow(0, self.start, rows))
+        part = _vocab_rows(loaded, self.start, self.local_vocab)
+        if part is not None:
+            self.weight.data[: part.shape[0]].copy_(whole(part))
         cpu_kernels.invalidate(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -39,13 +45,39 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out, self.tp)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Logits = h E^T over this rank's vocabulary slice, gathered to the full vocabulary."""
+class ParallelLMHead(nn.Module):
+    """Logits = h E^T over this rank's vocabulary slice, gathered to the full vocabulary.
 
-    def __init__(self, vocab_size: int, hidden: int, tp: TPInfo = TPInfo(), kernels: Kernels | None = None):
-        super().__init__(vocab_size, hidden, tp)
+    E is held as `method` says (layers/quant.py). Tied to the embedding, it is the embedding's weight; a
+    quantized method makes its own copy of it once loaded (the lookups keep the dense one)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPInfo = TPInfo(), kernels: Kernels | None = None,
+                 method: LinearMethod | None = None, tied: VocabParallelEmbedding | None = None):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.hidden = hidden
+        self.local_vocab = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.local_vocab
         self.kernels = kernels or Kernels()
+        self.method = method or LinearMethod()
+        self.tied = tied is not None
+        if tied is not None:
+            self.weight = tied.weight
+        else:
+            self.method.create(self, self.local_vocab, hidden)
+
+    def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
+        part = _vocab_rows(loaded, self.start, self.local_vocab)
+        if part is not None:
+            self.method.load(self, part, 0)
+
+    def finish_loading(self) -> None:
+        if self.tied and self.method.quantized:
+            self.method.create(self, self.local_vocab, self.hidden)
+            self.method.load(self, self.weight, 0)
+        self.method.finish(self)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = all_gather_last_dim(matmul(hidden, self.weight, None, self.kernels), self.tp)
+        out = all_gather_last_dim(self.method.apply(self, hidden, None), self.tp)
         return out[..., : self.vocab_size]

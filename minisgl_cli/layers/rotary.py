@@ -32,11 +32,6 @@ def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[torch.T
     raise ValueError(f"unsupported rope scaling type: {kind!r}")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # [max_positions, head_dim] fp32 buffers (registered below)
     sin: torch.Tensor
@@ -51,11 +46,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * mult, persistent=False)
         self._cos_sin: torch.Tensor | None = None  # sgl_kernel's layout, built on its first use
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, Hkv, D]."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (see rotate) at `positions`, [T, 1, D] in `dtype`: once per step, for every layer."""
+        sin = self.sin[positions].to(dtype)
+        half = sin.shape[-1] // 2
+        return self.cos[positions].to(dtype)[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), -1)[:, None, :]
+
+    def rotate(self, x: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, H, D] rotated: x cos + rotate_half(x) sin, where rotate_half(x) = (-x2, x1) is roll(x, D/2) with
+        the first half's sign folded into the sin (the same numbers as HF's, with fewer ops)."""
+        cos, sin_signed = at
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                at: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, Hkv, D]; `at`: this step's `self.at(positions, q.dtype)` if already computed."""
+        at = at if at is not None else self.at(positions, q.dtype)
+        return self.rotate(q, at), self.rotate(k, at)
 
     def apply_sgl_(self, sgl: ModuleType, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """RoPE in place on q [T, H, D] and k [T, Hkv, D] through sgl_kernel (neox layout, as `forward`)."""

@@ -1,8 +1,10 @@
-"""GGUF -> HF directory conversion: dequantize a llama GGUF once into config.json + model.safetensors + tokenizer.
+"""GGUF -> HF directory conversion: a llama GGUF once into config.json + tokenizer + its weights, twice.
 
 transformers can load a GGUF directly, but it re-parses and re-dequantizes on every load
 (~26 s for SmolLM2-135M on 2 CPU cores). We do that work once with the `gguf` package and
-write a plain fp32 HF directory, which the rest of the engine loads like any other checkpoint.
+write a plain fp32 HF directory (model.safetensors: what transformers and the exact fp32 mode load),
+plus the GGUF's own quantized blocks re-laid as HF-named tensors (loader/blocks.py's BLOCKS_FILE:
+Q4_0 / Q4_1 / Q8_0 kept as shipped, other types dequantized), which the quantized modes load.
 """
 
 from __future__ import annotations
@@ -11,13 +13,17 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from minisgl_cli.loader.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from minisgl_cli.loader.blocks import Blocks
 
 GGUF_MAGIC = b"GGUF"
 EXPECTED_GGUF = "a llama-architecture .gguf file with quant types the gguf package can dequantize"
@@ -172,7 +178,10 @@ def _write_weights(reader: Any, hp: LlamaHParams, gguf_path: Path, out: Path) ->
     from gguf.quants import dequantize
     from safetensors.torch import save_file
 
+    from minisgl_cli.loader.blocks import BLOCKS_FILE, save_blocks
+
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, torch.Tensor | Blocks] = {}
     for t in reader.tensors:
         try:
             name = hf_tensor_name(t.name)
@@ -188,16 +197,52 @@ def _write_weights(reader: Any, hp: LlamaHParams, gguf_path: Path, out: Path) ->
                 f"unsupported quant type {t.tensor_type.name} in {t.name}", gguf_path, EXPECTED_GGUF
             ) from None
         w = np.asarray(w, dtype=np.float32)
-        if t.name.endswith(".attn_q.weight"):
-            w = unpermute_qk(w, hp.num_attention_heads)
-        elif t.name.endswith(".attn_k.weight"):
-            w = unpermute_qk(w, hp.num_key_value_heads)
+        rows = _qk_rows(t.name, hp)
         # Copy: F32 tensors come back as views of the read-only memmap.
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(w).copy())
+        tensors[name] = torch.from_numpy(rows(w).copy())
+        blocks[name] = _blocks(t, rows) or tensors[name]
     missing = _expected_names(hp) - tensors.keys()
     if missing:
         raise ModelLoadError(f"GGUF lacks tensors {sorted(missing)[:3]}", gguf_path, EXPECTED_GGUF)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / BLOCKS_FILE).parent.mkdir()
+    save_blocks(blocks, out / BLOCKS_FILE)
+
+
+def _qk_rows(gguf_name: str, hp: LlamaHParams) -> Callable[[np.ndarray], np.ndarray]:
+    """The row order fix of a tensor (q/k: undo llama.cpp's rotary interleave), for any array with its rows first."""
+    if gguf_name.endswith(".attn_q.weight"):
+        return lambda a: np.ascontiguousarray(unpermute_qk(a, hp.num_attention_heads))
+    if gguf_name.endswith(".attn_k.weight"):
+        return lambda a: np.ascontiguousarray(unpermute_qk(a, hp.num_key_value_heads))
+    return np.ascontiguousarray
+
+
+def _blocks(t: Any, rows: Callable[[np.ndarray], np.ndarray]) -> Blocks | None:
+    """A Q4_0 / Q4_1 / Q8_0 tensor's integers and fp16 scales as shipped (loader/blocks.py); None for other types.
+
+    Each 32-weight block is [d: fp16][m: fp16, Q4_1 only][values]; the 4-bit kinds hold weight i in the low
+    nibble of byte i and weight i + 16 in its high nibble."""
+    import torch
+
+    from minisgl_cli.loader.blocks import Int4Groups, Int8Groups
+
+    kind = t.tensor_type.name
+    if kind not in ("Q4_0", "Q4_1", "Q8_0") or len(t.data.shape) != 2:
+        return None
+    n = t.data.shape[0]
+    b = np.asarray(t.data).reshape(n, -1, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind])
+
+    def plane(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(rows(a))
+
+    scale = b[..., 0:2].copy().view(np.float16)[..., 0]
+    if kind == "Q8_0":
+        return Int8Groups(plane(b[..., 2:].copy().view(np.int8).reshape(n, -1)), plane(scale))
+    qs = b[..., -16:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, -1)
+    low = -8 * scale if kind == "Q4_0" else b[..., 2:4].copy().view(np.float16)[..., 0]  # Q4_0: d * (q - 8)
+    return Int4Groups(plane(q), plane(scale), plane(low))
 
 
 def _expected_names(hp: LlamaHParams) -> set[str]:

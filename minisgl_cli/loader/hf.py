@@ -14,6 +14,7 @@ from typing import Any, Union
 import torch
 from safetensors import safe_open
 
+from minisgl_cli.loader.blocks import Int4Groups, Int8Groups
 from minisgl_cli.loader.errors import ModelLoadError
 
 
@@ -45,12 +46,15 @@ class LazyTensor:
         return self._view[:]
 
 
-Weight = Union[torch.Tensor, LazyTensor]  # what a layer's load_shard receives
+# What a layer's load_shard receives: a tensor, read or not yet, or a GGUF's quantized groups (loader/blocks.py).
+Weight = Union[torch.Tensor, LazyTensor, Int4Groups, Int8Groups]
 
 
 def whole(w: Weight) -> torch.Tensor:
-    """The entire tensor (norm weights, biases: every rank holds all of it)."""
-    return w if isinstance(w, torch.Tensor) else w.full()
+    """The entire tensor as a plain one (norm weights, biases: every rank holds all of it); groups dequantized."""
+    if isinstance(w, torch.Tensor):
+        return w
+    return w.full() if isinstance(w, LazyTensor) else w.dequantize()
 
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, LazyTensor]]:

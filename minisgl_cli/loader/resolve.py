@@ -34,6 +34,7 @@ DEFAULT_ALIASES = frozenset(
 EXPECTED_HF_DIR = "a directory with config.json and *.safetensors"
 # Files worth fetching from the hub: config, safetensors weights, tokenizer; not .bin/.gguf twins.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+_CACHE_FORMAT = 2  # 2: the GGUF's own int4 / int8 blocks beside the fp32 weights (loader/blocks.py)
 _QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 
 Source = Literal["gguf-cache", "hf-dir", "hub"]
@@ -86,9 +87,9 @@ def default_gguf_path() -> Path:
 
 
 def _from_gguf(gguf_path: Path, name: str) -> ResolvedModel:
-    # The key changes whenever the file does (size/mtime), so a replaced GGUF re-converts.
+    # The key changes whenever the file does (size/mtime), so a replaced GGUF re-converts, and with the format.
     st = gguf_path.stat()
-    key = f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
+    key = f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}-v{_CACHE_FORMAT}"
     gguf_cache = env.cache_dir() / "gguf"
     out = gguf_cache / key
     if _is_hf_dir(out):  # fast path: no lock needed, the dir only ever appears complete

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.models.config import ModelConfig
 from minisgl_cli.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -15,8 +16,9 @@ _CLASSES = {
 }
 
 
-def create_model(cfg: ModelConfig, tp: TPInfo = TPInfo(), kernels: Kernels | None = None) -> LlamaForCausalLM:
-    return _CLASSES[cfg.architecture](cfg, tp, kernels)
+def create_model(cfg: ModelConfig, tp: TPInfo = TPInfo(), kernels: Kernels | None = None,
+                 method: LinearMethod | None = None) -> LlamaForCausalLM:
+    return _CLASSES[cfg.architecture](cfg, tp, kernels, method)
 
 
 __all__ = ["ModelConfig", "create_model"]

@@ -14,13 +14,17 @@ from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl_cli.layers.norm import RMSNorm
+from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.layers.rotary import RotaryEmbedding
 from minisgl_cli.loader.hf import Weight
 from minisgl_cli.models.config import ModelConfig
 
+RopeAt = tuple[torch.Tensor, torch.Tensor]  # RotaryEmbedding.at(positions, dtype): one step's cos, sin
+
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TPInfo, kernels: Kernels):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TPInfo, kernels: Kernels,
+                 method: LinearMethod):
         super().__init__()
         self.layer_id = layer_id
         self.rope = rope
@@ -31,12 +35,14 @@ class Attention(nn.Module):
         q, kv = (heads.q_start * d, heads.n_q * d), (heads.kv_start * d, heads.n_kv * d)
         sizes = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, sizes, bias=cfg.attention_bias, tp=tp, ranges=[q, kv, kv],
-                                             kernels=kernels)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp=tp, in_range=q, kernels=kernels)
+                                             kernels=kernels, method=method)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp=tp, in_range=q, kernels=kernels,
+                                        method=method)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
+                rope_at: RopeAt | None) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
         sgl = self.kernels.sgl_ops(qkv)  # --engine sgl: its RoPE (and RMSNorm) below, attention stores K/V
@@ -53,44 +59,52 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if ops is None:
+        if ops is None and sgl is not None:
             if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
                 q, k = self.q_norm(q), self.k_norm(k)
-            if sgl is not None:
-                self.rope.apply_sgl_(sgl, batch.positions, q, k)
-            else:
-                q, k = self.rope(batch.positions, q, k)
+            self.rope.apply_sgl_(sgl, batch.positions, q, k)
+        elif ops is None:
+            at = rope_at if rope_at is not None else self.rope.at(batch.positions, qkv.dtype)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.rope(batch.positions, self.q_norm(q), self.k_norm(k), at)
+            else:  # q and k sit side by side in qkv: one rotation for both
+                qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+                qk = self.rope.rotate(qk, at)
+                q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=ops is not None)
         return self.o_proj(o.reshape(-1, q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, kernels: Kernels):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, kernels: Kernels, method: LinearMethod):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False, tp=tp,
-                                                 kernels=kernels)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, kernels=kernels)
+                                                 kernels=kernels, method=method)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, kernels=kernels,
+                                           method=method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TPInfo, kernels: Kernels):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TPInfo, kernels: Kernels,
+                 method: LinearMethod):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.self_attn = Attention(cfg, layer_id, rope, tp, kernels)
+        self.self_attn = Attention(cfg, layer_id, rope, tp, kernels, method)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = MLP(cfg, tp, kernels)
+        self.mlp = MLP(cfg, tp, kernels, method)
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend
+        self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend,
+        rope_at: RopeAt | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm.forward_residual(h, residual)
-        h = self.self_attn(h, batch, attn)
+        h = self.self_attn(h, batch, attn, rope_at)
         h, residual = self.post_attention_layernorm.forward_residual(h, residual)
         return self.mlp(h), residual
 
@@ -108,26 +122,32 @@ _MERGED = {
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral; Qwen2 (bias on q/k/v) and Qwen3 (q/k norm) differ only by config switches.
 
-    `kernels` is the engine's choice of implementation, shared by every layer of this model."""
+    `kernels` is the engine's choice of implementation, shared by every layer of this model; `method` how its
+    linear layers and LM head hold their weights (layers/quant.py: dense, int4, int8)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPInfo = TPInfo(), kernels: Kernels | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo = TPInfo(), kernels: Kernels | None = None,
+                 method: LinearMethod | None = None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
         self.kernels = kernels = kernels or Kernels()
+        method = method or LinearMethod()
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope, tp, kernels) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope, tp, kernels, method)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, kernels)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, kernels, method.for_lm_head(),
+                                      tied=self.embed_tokens if cfg.tie_word_embeddings else None)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states of each request's last token: [B, hidden]."""
         h, residual = self.embed_tokens(batch.input_ids), None
+        # The torch RoPE's cos / sin of this step's positions, once for every layer (CUDA's fused ops need none).
+        fused = self.kernels.triton(h) is not None or self.kernels.sgl_ops(h) is not None
+        rope_at = None if fused else self.rope.at(batch.positions, h.dtype)
         for layer in self.layers:
-            h, residual = layer(h, residual, batch, attn)
+            h, residual = layer(h, residual, batch, attn, rope_at)
         assert residual is not None  # set by the first layer
         if not batch.is_decode:  # only each request's last token is sampled
             h, residual = h[batch.logits_indices], residual[batch.logits_indices]
@@ -139,8 +159,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> set[str]:
-        """Copy HF-named tensors in (streamed one by one, each layer reading its rank's part); returns the
-        HF names it used."""
+        """Copy HF-named tensors (or quantized groups) in, streamed one by one, each layer reading its rank's part,
+        then let each layer finish its weights (quantized methods pack them); returns the HF names it used."""
         modules = dict(self.named_modules())
         used: set[str] = set()
         for name, tensor in weights:
@@ -158,6 +178,9 @@ class LlamaForCausalLM(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             module.load_shard(leaf, tensor, shard)
             used.add(name)
+        for module in modules.values():
+            if hasattr(module, "finish_loading"):
+                module.finish_loading()
         return used
 
 

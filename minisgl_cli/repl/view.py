@@ -187,7 +187,8 @@ class ChatView:
         if info.dp_size > 1:
             kv += f" over {info.dp_size} replicas"
         self.note(
-            f"model {info.name} ({info.source}) · engine {info.engine} on {info.device} {info.dtype} · "
+            f"model {info.name} ({info.source}) · engine {info.engine} on {info.device} {info.dtype}"
+            f"{'' if info.quantization == 'none' else f' · {info.quantization} weights'} · "
             f"attention {info.attention_backend} · KV pool {kv} · context {info.max_context_len:,} · "
             f"loaded in {info.load_s:.1f}s",
             style="green",

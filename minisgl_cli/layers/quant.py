@@ -1,0 +1,234 @@
+"""Linear methods: how a linear layer holds its weight and computes x W^T — dense, or with int4 / int8 copies on CPU.
+
+A method is stateless (one per engine); what it makes lives on the layer. A layer calls `create` once,
+`load` per checkpoint shard (a dense tensor, or a GGUF's quantized groups: loader/blocks.py), `finish`
+once every shard is in, then `apply` per forward. METHODS maps the `--quantization` values to the
+methods; another one (fp8 on CUDA) is one more class and one more entry.
+
+  none  the weight, dense in the engine dtype (layers/cpu_kernels.py's GEMMs, or the Triton GEMV on CUDA)
+  int4  plus its 4-bit copy: groups of 32 inputs with a scale and a zero each. A GGUF's Q4_0 / Q4_1 blocks
+        load as they are; a dense checkpoint quantizes like Q4_1 (min and (max - min) / 15 per group)
+  int8  plus its 8-bit copy, one scale per output channel (re-quantized per row from a GGUF's Q8_0)
+
+The quantized copies run PyTorch's own CPU kernels, `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`,
+with bf16 activations (their only vectorized path, on AVX2 and AVX-512 alike; fp32 in and out around
+them). Reading 4 or 8 bits per weight, they win while a step has few rows (decode), but their cost grows
+with every row, so above `max_rows` rows (prefill, big decode batches) the dense weight runs instead:
+the GEMM is compute-bound there, and the prompt is read with the model's exact weights.
+
+The LM head of a quantized model is held as int8 per channel and multiplied with the activations
+quantized to int8 per row on the fly (torch._int_mm, int32 sums, fp32 logits): 8 bits because 4-bit
+logits cost SmolLM2 6% perplexity (8-bit: 0.2%), and this kernel because it is the fastest 8-bit one at
+every batch size here, and its logits are not rounded to bf16 (near-tied greedy choices stay as exact).
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl_cli.layers import cpu_kernels
+from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.loader.blocks import Int4Groups, Int8Groups, quantize_int4, quantize_int8
+from minisgl_cli.loader.hf import Weight, whole
+
+Layer = Any  # the linear layer or LM head a method fills: it sets attributes (weight, qweight, ...) on it
+
+INT4_GROUP = 32  # GGUF's block size (the kernel also takes 64 / 128 / 256)
+_KERNEL_DTYPE = torch.bfloat16  # activations, scales and zeros of the int4 / int8 weight-only kernels
+_N_ALIGN = 16  # the int4 pack takes output rows in multiples of 16: pad with zero rows
+
+
+def gemv_ops(x: torch.Tensor, weight: torch.Tensor, kernels: Kernels) -> ModuleType | None:
+    """The Triton ops when x is one CUDA row in 16-bit (batch-1 decode): their GEMV beats cuBLAS there."""
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return kernels.triton(x)
+
+
+class LinearMethod:
+    """The dense method (`none`): the layer's weight [out_features, in_features] in the engine dtype."""
+
+    name = "none"
+    quantized = False
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+    def create(self, layer: Layer, out_features: int, in_features: int) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def load(self, layer: Layer, w: Weight, row: int) -> None:
+        """Write `w` (this rank's columns already) into the layer's rows row .. row + len(w)."""
+        layer.weight.data.narrow(0, row, w.shape[0]).copy_(whole(w))
+        cpu_kernels.invalidate(layer.weight)
+
+    def finish(self, layer: Layer) -> None:
+        """Called once all rows are loaded."""
+
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) through the fastest kernel for the shape: Triton GEMV, CPU packs, or F.linear."""
+        ops = gemv_ops(x, layer.weight, layer.kernels)
+        if ops is not None:
+            return ops.gemv(x.contiguous(), layer.weight, bias, pdl=layer.kernels.pdl)
+        return cpu_kernels.linear(x, layer.weight, bias, layer.kernels.cpu_gemm)
+
+    def for_lm_head(self) -> LinearMethod:
+        """The method of the model's LM head (the vocabulary projection)."""
+        return self
+
+
+class _WeightOnly(LinearMethod):
+    """The dense weight plus a low-bit copy (int4 / int8) for steps of at most `max_rows` rows."""
+
+    quantized = True
+    devices = ("cpu",)
+    max_rows = 8  # rows of x up to which the low-bit kernel beats the dense GEMM (docs/benchmarks.md)
+
+    def create(self, layer: Layer, out_features: int, in_features: int) -> None:
+        super().create(layer, out_features, in_features)
+        layer.staged = self._stage(out_features, in_features)
+
+    def load(self, layer: Layer, w: Weight, row: int) -> None:
+        super().load(layer, w, row)
+        for dst, part in zip(layer.staged, self._convert(w)):
+            dst.narrow(0, row, part.shape[0]).copy_(part)
+
+    def finish(self, layer: Layer) -> None:
+        layer.qweight, layer.qscale = self._pack(layer.__dict__.pop("staged"))
+
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > self.max_rows:
+            return super().apply(layer, x, bias)
+        n = layer.weight.shape[0]
+        y = self._mm(x2.to(_KERNEL_DTYPE).contiguous(), layer)[:, :n].to(x.dtype).view(*x.shape[:-1], n)
+        return y + bias if bias is not None else y
+
+    def for_lm_head(self) -> LinearMethod:
+        return Int8LogitsMethod()
+
+    # What each method fills in: staging planes, a checkpoint shard as planes, the kernel's layout, the kernel.
+    def _stage(self, n: int, k: int) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def _convert(self, w: Weight) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def _pack(self, staged: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _mm(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int4Method(_WeightOnly):
+    """4-bit groups of 32 inputs: w = scale * q + min per group, q in 0..15 (Q4_1's form)."""
+
+    name = "int4"
+
+    def _stage(self, n: int, k: int) -> tuple[torch.Tensor, ...]:
+        if k % INT4_GROUP:
+            raise ValueError(f"--quantization int4 needs in_features divisible by {INT4_GROUP}, got {k}")
+        g = k // INT4_GROUP
+        # Rows a shard never writes (a TP rank's vocabulary padding) keep scale = min = 0, so weight 0.
+        return torch.empty(n, k, dtype=torch.uint8), torch.zeros(n, g), torch.zeros(n, g)
+
+    def _convert(self, w: Weight) -> tuple[torch.Tensor, ...]:
+        if not (isinstance(w, Int4Groups) and w.group == INT4_GROUP):
+            w = quantize_int4(whole(w), INT4_GROUP)
+        return w.q, w.scale, w.min
+
+    def _pack(self, staged: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale, low = staged
+        pad = -q.shape[0] % _N_ALIGN
+        q, scale, low = (F.pad(t, (0, 0, 0, pad)) for t in (q, scale, low))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        # The kernel computes (q - 8) * scale + zero, so Q4_1's min becomes zero = min + 8 * scale.
+        scale_zero = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1)  # [K / group, N, 2]
+        return packed, scale_zero.to(_KERNEL_DTYPE).contiguous()
+
+    def _mm(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.qweight, INT4_GROUP, layer.qscale)
+
+
+class Int8Method(_WeightOnly):
+    """8 bits per weight, one scale per output channel: w = scale * q, q in -127..127."""
+
+    name = "int8"
+    max_rows = 4
+
+    def _stage(self, n: int, k: int) -> tuple[torch.Tensor, ...]:
+        return torch.zeros(n, k, dtype=torch.int8), torch.zeros(n, 1)
+
+    def _convert(self, w: Weight) -> tuple[torch.Tensor, ...]:
+        if not (isinstance(w, Int8Groups) and w.group == w.shape[1]):
+            w = quantize_int8(whole(w))
+        return w.q, w.scale
+
+    def _pack(self, staged: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = staged
+        return q, scale[:, 0].to(_KERNEL_DTYPE)
+
+    def _mm(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.qscale)
+
+
+class Int8LogitsMethod(LinearMethod):
+    """The LM head of the quantized methods: int8 weights per channel times the activations quantized to 8 bits on
+    the fly, int32 sums, fp32 logits. fbgemm's dynamic int8 linear (`quantized::linear_dynamic`: 2-3x faster than
+    torch._int_mm here at every batch size) runs it; where this torch no longer builds its packed weight (its
+    qint8 tensors are deprecated since 2.13), torch._int_mm does. It keeps no dense copy (a tied head reads the
+    embedding's)."""
+
+    name = "int8-logits"
+    quantized = True
+    devices = ("cpu",)
+
+    def create(self, layer: Layer, out_features: int, in_features: int) -> None:
+        layer.staged = (torch.zeros(out_features, in_features, dtype=torch.int8), torch.zeros(out_features, 1))
+
+    def load(self, layer: Layer, w: Weight, row: int) -> None:
+        q = quantize_int8(whole(w))
+        for dst, part in zip(layer.staged, (q.q, q.scale)):
+            dst.narrow(0, row, part.shape[0]).copy_(part)
+
+    def finish(self, layer: Layer) -> None:
+        q, scale = layer.__dict__.pop("staged")
+        layer.fbgemm = _fbgemm_pack(q, scale[:, 0])
+        if layer.fbgemm is None:
+            layer.qweight_t, layer.qscale = q.t(), scale[:, 0]  # _int_mm takes [K, N]: this transposed view is fastest
+
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        x_scale = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / 127  # the activations quantized per row
+        if layer.fbgemm is not None:  # fbgemm quantizes its input with one scale: rows scaled alike first
+            y = torch.ops.quantized.linear_dynamic(x2 / x_scale, layer.fbgemm, _REDUCE_RANGE) * x_scale
+        else:
+            xq = (x2 / x_scale).round_().to(torch.int8)
+            y = torch._int_mm(xq, layer.qweight_t) * x_scale * layer.qscale  # fp32 logits whatever the engine dtype
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y + bias if bias is not None else y
+
+
+# fbgemm multiplies uint8 activations by int8 weights; without VNNI its 16-bit pair sums can saturate, so it
+# keeps activations to 7 bits there (reduce_range).
+_REDUCE_RANGE = not torch.cpu._is_vnni_supported()
+
+
+def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> Any | None:
+    """fbgemm's packed form of int8 weights [N, K] with a scale per row, or None where torch cannot make it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # qint8 tensors are deprecated (pytorch/pytorch#184982)
+            zero = torch.zeros(q.shape[0], dtype=torch.long)
+            wq = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
+            return torch.ops.quantized.linear_prepack(wq, None)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+METHODS: dict[str, type[LinearMethod]] = {"none": LinearMethod, "int4": Int4Method, "int8": Int8Method}

@@ -1,0 +1,214 @@
+"""int4 / int8 weights on CPU: the GGUF's own blocks as shipped, quantize-at-load, the linear methods' kernels, and
+their quality against the exact fp32 path on the same weights (perplexity on a fixed English text, the
+parity test's chat prompts)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.engine.engine import Engine
+from minisgl_cli.layers import quant
+from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl_cli.layers.linear import ColumnParallelLinear
+from minisgl_cli.loader.blocks import Int4Groups, Int8Groups, blocks_file, iter_blocks, quantize_int4, quantize_int8
+
+TEXT = Path(__file__).parent / "data" / "perplexity_en.txt"  # our own prose, ~2,900 SmolLM2 tokens
+EXACT = dict(dtype="float32", quantization="none")
+
+
+def perplexity(engine: Engine, ids: list[int], window: int = 512) -> float:
+    """exp(mean NLL) of each next token, the text read in windows of `window` tokens (each a fresh sequence)."""
+    nll, count, table = 0.0, 0, engine.pool.page_table
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, window):
+            chunk = ids[start : start + window + 1]
+            inputs, targets = chunk[:-1], torch.tensor(chunk[1:])
+            n = len(inputs)
+            slots = list(range(1, n + 1))
+            table[0, :n] = torch.tensor(slots, dtype=table.dtype)
+            batch = ForwardBatch.build("extend", inputs, [0], [0], [n], slots, engine.device, engine.host)
+            batch.logits_indices = torch.arange(n)  # every position's logits, not just the last one
+            engine.attn.prepare(batch)
+            logits = engine.model.logits(engine.model(batch, engine.attn)).float()
+            nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+            count += n
+    return math.exp(nll / count)
+
+
+@pytest.fixture(scope="module")
+def text_ids(default_model_dir) -> list[int]:
+    from minisgl_cli.tokenizer import Tokenizer
+
+    return Tokenizer(default_model_dir).encode(TEXT.read_text())
+
+
+def test_gguf_blocks_are_kept_as_shipped_and_dequantize_to_the_fp32_export(default_model_dir):
+    """The converted GGUF keeps its Q4_1 / Q8_0 blocks; dequantized they equal the fp32 weights transformers loads."""
+    from safetensors import safe_open
+
+    kinds = {}
+    with safe_open(str(default_model_dir / "model.safetensors"), framework="pt") as fp32:
+        for name, w in iter_blocks(blocks_file(default_model_dir)):
+            kinds[name] = type(w).__name__
+            got = w if isinstance(w, torch.Tensor) else w.dequantize()
+            assert torch.equal(got, fp32.get_tensor(name)), name
+    linears = ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight")
+    assert [kinds[n] for n in linears] == ["Int4Groups", "Int4Groups"]
+    assert kinds["model.embed_tokens.weight"] == "Int8Groups" and kinds["model.norm.weight"] == "Tensor"
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_block_parsing_matches_the_gguf_package(kind):
+    """Random blocks of each kept type: our planes dequantize to exactly what gguf-py's dequantize gives."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from minisgl_cli.loader.gguf import _blocks
+
+    rows, blocks = 6, 3
+    g = np.random.default_rng(0)
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    raw = g.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    scales = g.normal(0, 0.02, (rows, blocks, 2 if kind == "Q4_1" else 1)).astype(np.float16).view(np.uint8)
+    raw[..., : scales.shape[-1]] = scales  # finite fp16 d (and m)
+    raw = raw.reshape(rows, blocks * size)
+    qtype = GGMLQuantizationType[kind]
+    ours = _blocks(SimpleNamespace(tensor_type=qtype, data=raw), np.ascontiguousarray)
+    assert isinstance(ours, Int8Groups if kind == "Q8_0" else Int4Groups)
+    assert torch.equal(ours.dequantize(), torch.from_numpy(dequantize(raw, qtype).astype(np.float32)))
+
+
+@pytest.mark.parametrize("method", [quant.Int4Method, quant.Int8Method])
+def test_quantized_linear_computes_with_its_low_bit_copy_or_its_exact_weight(method):
+    """Merged shards (GGUF-style groups, and a dense tensor quantized at load) into 40 rows (the int4 pack pads to
+    48), with a bias: a step of few rows runs the low-bit kernel on the quantized values, a step of many rows the
+    dense GEMM on the exact ones."""
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(64, [24, 16], bias=True, method=method())
+    a = quantize_int4(torch.randn(24, 64) * 0.1)  # a shard as a GGUF ships it
+    b = torch.randn(16, 64) * 0.1  # a dense shard
+    layer.load_shard("weight", a, 0)
+    layer.load_shard("weight", b, 1)
+    layer.load_shard("bias", torch.randn(24), 0)
+    layer.load_shard("bias", torch.randn(16), 1)
+    layer.finish_loading()
+    exact = torch.cat([a.dequantize(), b])
+    assert torch.equal(layer.weight, exact)
+    low_bit = (torch.cat([a.dequantize(), quantize_int4(b).dequantize()]) if method is quant.Int4Method
+               else quantize_int8(exact).dequantize())
+    for rows, w in ((1, low_bit), (method.max_rows, low_bit), (method.max_rows + 1, exact)):
+        x = torch.randn(rows, 64)
+        want = x @ w.t() + layer.bias
+        got = layer(x)
+        assert got.shape == (rows, 40) and got.dtype == torch.float32
+        # bf16 activations, scales and outputs in the kernels: ~3 significant digits
+        assert torch.allclose(got, want, rtol=0.01, atol=0.01 * want.abs().max().item()), rows
+
+
+@pytest.mark.parametrize("fbgemm", [True, False])
+def test_quantized_lm_head_is_int8_with_fp32_logits_and_tied_to_the_embedding(fbgemm, monkeypatch):
+    """fbgemm's dynamic int8 linear where this torch packs for it, else torch._int_mm: fp32 logits close to exact."""
+    if not fbgemm:
+        monkeypatch.setattr(quant, "_fbgemm_pack", lambda q, scale: None)
+    torch.manual_seed(0)
+    embed = VocabParallelEmbedding(100, 64)
+    head = ParallelLMHead(100, 64, method=quant.Int4Method().for_lm_head(), tied=embed)
+    embed.load_shard("weight", torch.randn(100, 64))
+    head.finish_loading()
+    assert (head.fbgemm is not None) == fbgemm
+    x = torch.randn(3, 64)
+    want = x @ embed.weight.t()
+    got = head.logits(x)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
+
+
+def test_quantized_perplexity_stays_close_to_the_exact_path(default_model_dir, text_ids, monkeypatch):
+    """Same weights (the bundled Q4_1 GGUF), same text: int8 within 1% and int4 (its blocks as shipped) within 3% of
+    the exact fp32 path. The text is read in 512-token windows, so the low-bit kernels are made to take every row
+    (decode runs them; prefill would otherwise take the dense weights)."""
+    assert len(text_ids) > 2500
+    exact = perplexity(Engine(EngineConfig(max_total_tokens=1024, **EXACT)), text_ids)
+    monkeypatch.setattr(quant.Int4Method, "max_rows", 1 << 30)
+    monkeypatch.setattr(quant.Int8Method, "max_rows", 1 << 30)
+    got = {}
+    for q in ("int8", "int4"):
+        engine = Engine(EngineConfig(max_total_tokens=1024, quantization=q))
+        assert engine.quantization == q
+        got[q] = perplexity(engine, text_ids)
+    print(f"perplexity over {len(text_ids)} tokens: exact fp32 {exact:.3f}, int8 {got['int8']:.3f}, "
+          f"int4 {got['int4']:.3f}")
+    assert 5 < exact < 40  # the model reads English
+    assert abs(got["int8"] / exact - 1) < 0.01
+    assert abs(got["int4"] / exact - 1) < 0.03
+
+
+# On-topic words the exact fp32 mode's answers carry too (tests/test_hf_parity.py's prompts).
+TOPICS = {"What is the capital of France?": "Paris", "Write a haiku about the sea.": "sea",
+          "List three prime numbers.": "2", "Explain what a KV cache is in one sentence.": "cache",
+          "Zürich, Kraków and 東京 are cities. Name one more:": "Zürich", "def fibonacci(n):": "fibonacci",
+          "Once upon a time, in a small village,": "village"}
+
+
+def test_default_model_runs_its_int4_blocks_and_answers_the_parity_prompts_sensibly():
+    from test_hf_parity import PROMPTS
+
+    from minisgl_cli import LLM, SamplingParams
+
+    with LLM(attention_backend="torch") as llm:
+        info = llm.client.info
+        native_bf16 = torch.cpu._is_avx512_bf16_supported()  # then bf16 activations, else fp32
+        assert (info.quantization, info.dtype, info.device) == ("int4", "bfloat16" if native_bf16 else "float32", "cpu")
+        chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+        out = llm.generate(chats, SamplingParams(max_new_tokens=32))
+        llm.client.check_pages()
+    for prompt, done in zip(PROMPTS, out):
+        assert len(done.text.split()) >= 3, (prompt, done.text)
+        assert TOPICS.get(prompt, "") in done.text, (prompt, done.text)
+
+
+@pytest.mark.parametrize("q", ["int4", "int8"])
+def test_a_safetensors_model_quantizes_at_load(tiny_model_dirs, q):
+    """A dense checkpoint (tiny Qwen2: q/k/v bias, tied head) under --quantization int4 / int8: the first decode step's
+    logits (the low-bit kernels) stay close to the dense model's, and greedy decoding runs to the end."""
+    from minisgl_cli import LLM, SamplingParams
+
+    model = str(tiny_model_dirs["qwen2"])
+    logits = {}
+    for mode in ("none", q):
+        engine = Engine(EngineConfig(model=model, quantization=mode, max_total_tokens=256))
+        assert engine.quantization == mode
+        table = engine.pool.page_table
+        table[0, :2] = torch.tensor([1, 2], dtype=table.dtype)
+        with torch.inference_mode():
+            engine.forward(ForwardBatch.build("extend", [5], [0], [0], [1], [1], engine.device, engine.host))
+            step = ForwardBatch.build("decode", [7], [0], [1], [1], [2], engine.device, engine.host)
+            logits[mode] = engine.forward(step)[0].float()
+    cos = torch.nn.functional.cosine_similarity(logits["none"], logits[q], dim=0)
+    assert cos > 0.99, cos
+    with LLM(model, quantization=q) as llm:
+        out = llm.generate([[3, 4, 5, 6]], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert len(out[0].token_ids) == 8
+
+
+def test_quantization_flag_is_offered_and_bad_values_are_one_line_errors():
+    from typer.testing import CliRunner
+
+    from minisgl_cli.app import app
+
+    for command in ("chat", "serve", "bench", "smoke"):
+        assert "--quantization" in CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
+    bad = CliRunner().invoke(app, ["smoke", "hi", "--quantization", "int3"])
+    assert bad.exit_code == 1 and bad.output.strip().splitlines() == [
+        "error: unknown quantization 'int3'; choose one of auto, none, int4, int8"]
+    with pytest.raises(ValueError, match="does not run on cuda"):
+        EngineConfig(device="cuda", quantization="int4").resolved_quantization()
+    assert EngineConfig(device="cuda").resolved_quantization("int4") == "none"  # auto keeps what the device can run
