@@ -3,9 +3,9 @@
 `EngineClient` is the protocol: model info, submit / abort, tokenize (off the caller's event loop),
 cache warming, stats, page check, health. Fronts see nothing else: not the engine, not the scheduler.
 `LocalClient` implements it in this process: the scheduler loop runs on its own thread, which also builds
-the engine (torch releases the GIL while the model runs, so a busy front never stalls decoding) and talks to the client only in
-`messages` — requests and named queries in, one `StepOutput` per step out, routed here by request id
-to each request's stream on its own event loop.
+the engine (so the process has one OpenMP pool; torch releases the GIL while the model runs, so a busy
+front never stalls decoding) and talks to the client only in `messages` — requests and named queries in,
+one `StepOutput` per step out, routed here by request id to each request's stream on its own event loop.
 """
 
 from __future__ import annotations
