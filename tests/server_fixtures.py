@@ -24,8 +24,10 @@ API_KEY = "test-key-123"
 def shared_client():
     from commands.common import EngineOptions
 
-    # 16k KV tokens: room for 100+ short requests at once; the context limit stays the model's 8192.
-    client = EngineOptions.from_params(dict(max_running_requests=64, max_total_tokens=16384)).client(processes=True)
+    # 16k KV tokens: room for 100+ short requests at once; the context limit stays the model's 8192. The exact
+    # mode (fp32, dense): logprobs are compared with HF fp32 and across prefix-cache hits to 1e-3.
+    client = EngineOptions.from_params(dict(max_running_requests=64, max_total_tokens=16384, dtype="float32",
+                                            quantization="none")).client(processes=True)
     atexit.register(client.close)
     return client
 
