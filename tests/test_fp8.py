@@ -118,10 +118,17 @@ def test_fp8_linear_holds_e4m3_weights_and_quantizes_activations_per_token():
 
 
 def test_dtype_flags_are_validated_and_reported(monkeypatch):
-    with pytest.raises(ValueError, match="unknown KV cache dtype 'fp16'"):
-        EngineConfig(kv_cache_dtype="fp16")  # type: ignore[arg-type]
+    from typer.testing import CliRunner
+
+    from minisgl_cli.app import app
+
+    for command in ("chat", "serve", "bench", "smoke"):
+        assert "--kv-cache-dtype" in CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
+    bad = CliRunner().invoke(app, ["smoke", "hi", "--kv-cache-dtype", "fp16"])
+    assert bad.exit_code == 1 and bad.output.strip().splitlines() == [
+        "error: unknown KV cache dtype 'fp16'; choose one of auto, bf16, fp8_e4m3"]
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
-        EngineConfig(quantization="int3")  # type: ignore[arg-type]
+        EngineConfig(quantization="int3").resolved_quantization()  # type: ignore[arg-type]
     assert EngineConfig(kv_cache_dtype="fp8_e4m3").resolved_kv_dtype(torch.bfloat16) == torch.float8_e4m3fn
     assert EngineConfig(device="cpu").resolved_kv_dtype(torch.float32) == torch.float32  # auto: the engine dtype
     assert EngineConfig(device="cpu", quantization="fp8").resolved_quantization() == "fp8"  # the CPU simulates it

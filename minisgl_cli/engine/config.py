@@ -99,11 +99,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"unknown KV cache dtype {self.kv_cache_dtype!r}; "
-                             f"choose one of {', '.join(KV_CACHE_DTYPES)}")
         if self.kv_cache_scale is not None and not self.kv_cache_scale > 0:
             raise ValueError(f"kv_cache_scale must be positive, got {self.kv_cache_scale}")
 
@@ -115,6 +110,8 @@ class EngineConfig:
         device = self.resolved_device()
         if self.quantization == "auto":
             return native if native and device.type in METHODS[native].devices else "none"
+        if self.quantization not in METHODS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
         if device.type not in METHODS[self.quantization].devices:
             raise ValueError(f"--quantization {self.quantization} does not run on {device.type}; "
                              f"use --quantization none")
@@ -126,6 +123,9 @@ class EngineConfig:
         """The KV pool's element type: the engine dtype (`dtype`), bf16, or e4m3."""
         import torch
 
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown KV cache dtype {self.kv_cache_dtype!r}; "
+                             f"choose one of {', '.join(KV_CACHE_DTYPES)}")
         if self.kv_cache_dtype == "fp8_e4m3":
             _require_fp8(self.resolved_device(), "--kv-cache-dtype fp8_e4m3")
         return {"auto": dtype, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[self.kv_cache_dtype]
