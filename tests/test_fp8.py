@@ -117,16 +117,8 @@ def test_fp8_linear_holds_e4m3_weights_and_quantizes_activations_per_token():
     torch.testing.assert_close(down.forward_silu_mul(gu), F.linear(fp8.round_trip_rows(act), w_q))
 
 
-def test_dtype_flags_are_validated_and_reported(monkeypatch):
-    from typer.testing import CliRunner
-
-    from minisgl_cli.app import app
-
-    for command in ("chat", "serve", "bench", "smoke"):
-        assert "--kv-cache-dtype" in CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
-    bad = CliRunner().invoke(app, ["smoke", "hi", "--kv-cache-dtype", "fp16"])
-    assert bad.exit_code == 1 and bad.output.strip().splitlines() == [
-        "error: unknown KV cache dtype 'fp16'; choose one of auto, bf16, fp8_e4m3"]
+def test_fp8_flags_resolve_per_device(monkeypatch):
+    """(The flags' one-line CLI errors: tests/test_quant.py.)"""
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         EngineConfig(quantization="int3").resolved_quantization()  # type: ignore[arg-type]
     assert EngineConfig(kv_cache_dtype="fp8_e4m3").resolved_kv_dtype(torch.bfloat16) == torch.float8_e4m3fn

@@ -172,16 +172,20 @@ def test_a_safetensors_model_quantizes_at_load(tiny_model_dirs, q):
     assert len(out[0].token_ids) == 8
 
 
-def test_quantization_flag_is_offered_and_bad_values_are_one_line_errors():
+def test_quantization_and_kv_dtype_flags_are_offered_and_bad_values_are_one_line_errors():
     from typer.testing import CliRunner
 
     from minisgl_cli.app import app
 
     for command in ("chat", "serve", "bench", "smoke"):
-        assert "--quantization" in CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
-    bad = CliRunner().invoke(app, ["smoke", "hi", "--quantization", "int3"])
-    assert bad.exit_code == 1 and bad.output.strip().splitlines() == [
-        "error: unknown quantization 'int3'; choose one of auto, none, int4, int8, fp8"]
+        usage = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
+        assert "--quantization" in usage and "--kv-cache-dtype" in usage
+    for flag, value, error in (
+        ("--quantization", "int3", "unknown quantization 'int3'; choose one of auto, none, int4, int8, fp8"),
+        ("--kv-cache-dtype", "fp16", "unknown KV cache dtype 'fp16'; choose one of auto, bf16, fp8_e4m3"),
+    ):
+        bad = CliRunner().invoke(app, ["smoke", "hi", flag, value])
+        assert bad.exit_code == 1 and bad.output.strip().splitlines() == [f"error: {error}"]
     with pytest.raises(ValueError, match="does not run on cuda"):
         EngineConfig(device="cuda", quantization="int4").resolved_quantization()
     assert EngineConfig(device="cuda").resolved_quantization("int4") == "none"  # auto keeps what the device can run
