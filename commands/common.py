@@ -100,7 +100,7 @@ def _declared() -> dict[str, _Option]:
 _OPTIONS = _declared()
 ALL: tuple[str, ...] = tuple(_OPTIONS)  # serve and bench offer every engine option
 MODEL: tuple[str, ...] = ("model", "model_local_dir", "engine", "load_format", "device", "dtype", "quantization",
-                          "attention_backend")
+                          "kv_cache_dtype", "attention_backend")
 _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 _SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
 _RUNTIME_FIELDS = {f.name for f in fields(RuntimeConfig)}

@@ -5,7 +5,10 @@ Decode is bound by reading the KV cache, so each case reports the achieved KV-re
 card's device-to-device copy bandwidth measured here (bytes read + written). Small cases fit in L2 and can
 read faster than HBM; the large ones are the honest figures.
 
-    PYTHONPATH=. python examples/bench_attention.py [--page-size 16] [--quick] [--sweep-decode | --sweep-extend]
+    PYTHONPATH=. python examples/bench_attention.py [--page-size 16] [--quick]
+                                                    [--sweep-decode [--kv-fp8] | --sweep-extend]
+
+--kv-fp8 runs the decode sweep over an FP8 pool (e4m3 codes, per-head scales): bytes counted at one per value.
 """
 
 from __future__ import annotations
@@ -103,10 +106,25 @@ def sweep_extend(page_size: int) -> None:
 
 
 DECODE_CONFIGS = [(bn, w, st) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3, 4)]
+DECODE_CONFIGS_FP8 = [(bn, w, st) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
 
 
-def sweep_decode(page_size: int) -> None:
-    """Decode kernel per (BLOCK_N, warps, stages), llama8b heads, bf16, inside a CUDA graph: KV-read GB/s.
+def fp8_pool(pool: KVPool) -> KVPool:
+    """An FP8 copy of a one-layer bf16 pool (same pages and table; scales set from its contents)."""
+    from minisgl_cli.core.fp8 import FP8
+
+    s = pool.shape
+    out = KVPool(KVShape(1, s.num_kv_heads, s.head_dim, FP8), pool.num_pages, pool.page_size,
+                 pool.page_table.shape[0], pool.max_context_len, "cuda")
+    out.page_table.copy_(pool.page_table)
+    out.calibrate(0, pool.k[0], pool.v[0])
+    out.store(0, torch.arange(pool.k[0].shape[0], device="cuda"), pool.k[0], pool.v[0])
+    return out
+
+
+def sweep_decode(page_size: int, fp8: bool = False) -> None:
+    """Decode kernel per (BLOCK_N, warps, stages), llama8b heads (and qwen3's at 256 requests), bf16 or FP8 KV,
+    programs started longest context first (as the backend does), inside a CUDA graph: KV-read GB/s.
 
     Cases: 256 requests of mixed contexts (the nano-vllm preset's steady state; one split, no reduce)
     and one request of 640 / 4096 tokens (batch-1 decode; split-K + reduce).
@@ -115,26 +133,36 @@ def sweep_decode(page_size: int) -> None:
 
     from minisgl_cli.attention import triton_kernels as tk
 
-    heads = SHAPES["llama8b"]
-    h, hkv, d = heads
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rnd = random.Random(0)
-    cases = {"bs256 ctx U[200,1600]": [rnd.randint(200, 1600) for _ in range(256)], "bs1 ctx 640": [640],
-             "bs1 ctx 4096": [4096], "bs32 ctx U[200,1600]": [rnd.randint(200, 1600) for _ in range(32)]}
-    print(f"# {torch.cuda.get_device_name()}: decode sweep, llama8b heads, bf16, page_size {page_size}")
-    for label, ctxs in cases.items():
+    bs256 = [rnd.randint(200, 1600) for _ in range(256)]
+    cases = {"bs256 ctx U[200,1600]": ("llama8b", bs256), "bs1 ctx 640": ("llama8b", [640]),
+             "bs1 ctx 4096": ("llama8b", [4096]),
+             "bs32 ctx U[200,1600]": ("llama8b", [rnd.randint(200, 1600) for _ in range(32)])}
+    if fp8:
+        cases["qwen3 bs256 ctx U[200,1600]"] = ("qwen3-0.6b", bs256)
+    kind = "fp8 e4m3" if fp8 else "bf16"
+    print(f"# {torch.cuda.get_device_name()}: decode sweep, {kind} KV, page_size {page_size}")
+    for label, (shape, ctxs) in cases.items():
+        heads = SHAPES[shape]
+        h, hkv, d = heads
         pool, batch, q, k, v = build("decode", [c - 1 for c in ctxs], [1] * len(ctxs), heads, page_size, torch.bfloat16)
+        quant = None
+        if fp8:
+            pool = fp8_pool(pool)
+            quant = pool.layer_quant(0)
         B = len(ctxs)
         splits = tk.num_kv_splits(B, hkv, sms)
-        kv_bytes = sum(ctxs) * hkv * d * 2 * 2
+        kv_bytes = sum(ctxs) * hkv * d * 2 * pool.k[0].element_size()
         mid_o = torch.empty((B, h, splits, d), dtype=torch.float32, device="cuda")
         mid_lse = torch.empty((B, h, splits), dtype=torch.float32, device="cuda")
         out = torch.empty_like(q)
+        order = torch.argsort(batch.seq_lens, descending=True).to(torch.int32)
         cells = []
-        for cfg in DECODE_CONFIGS:
+        for cfg in DECODE_CONFIGS_FP8 if fp8 else DECODE_CONFIGS:
             fn = functools.partial(
                 tk.decode_attention, q, pool.k[0], pool.v[0], pool.page_table, batch.req_slots, batch.seq_lens,
-                1.0 / math.sqrt(d), splits, mid_o, mid_lse, out, config=cfg,
+                1.0 / math.sqrt(d), splits, mid_o, mid_lse, out, config=cfg, quant=quant, order=order,
             )
             try:
                 fn()
@@ -143,10 +171,11 @@ def sweep_decode(page_size: int) -> None:
             except Exception as exc:  # e.g. out of shared memory for a config
                 print(f"  {cfg} failed: {type(exc).__name__}")
         cells.sort(reverse=True)
-        default = next((c for c in cells if c[1] == (tk.decode_block_n(d), 4, 2)), None)
+        default = next((c for c in cells if c[1] == tk.decode_config(d, fp8)), None)
+        assert default is not None, "the default config is in the sweep"
         print(
             f"{label} (splits {splits}, KV {kv_bytes / 1e6:.0f} MB): "
-            f"default {default[0]:.0f} GB/s {default[2] * 1e3:.1f} us; best: "
+            f"default {default[1]} {default[0]:.0f} GB/s {default[2] * 1e3:.1f} us; best: "
             + ", ".join(f"{c[1]} {c[0]:.0f} GB/s {c[2] * 1e3:.1f} us" for c in cells[:5])
         )
         del pool, batch, q, k, v
@@ -159,9 +188,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer cases")
     ap.add_argument("--sweep-extend", action="store_true", help="only time extend tile configs")
     ap.add_argument("--sweep-decode", action="store_true", help="only time decode kernel configs")
+    ap.add_argument("--kv-fp8", action="store_true", help="--sweep-decode over an FP8 KV pool")
     args = ap.parse_args()
     if args.sweep_decode:
-        sweep_decode(args.page_size)
+        sweep_decode(args.page_size, args.kv_fp8)
         return
     if args.sweep_extend:
         sweep_extend(args.page_size)

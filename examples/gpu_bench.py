@@ -1,6 +1,7 @@
 """One-shot GPU benchmark: our engine vs HF transformers `generate` on the same dummy weights, in one run.
 
     PYTHONPATH=. python examples/gpu_bench.py [--only ops,gemv,qwen,llama] [--out DIR] [--profile] [--sweep]
+    PYTHONPATH=. python examples/gpu_bench.py --fp8 --main-only --no-hf      # bf16 and FP8 side by side
 
 Workloads:
   * nano-vllm preset: 256 requests, input and output lengths uniform in 100..1024 (random.seed(0), token
@@ -13,6 +14,10 @@ Workloads:
   * batch-1 decode: one 128-token prompt, 512 new tokens; tok/s over the decode part (first to last token).
 Variants switch CUDA graphs, overlap scheduling and the fused ops off one at a time to show what each buys;
 `wait` is the time the scheduler spent blocked on the GPU (reading tokens), `cpu/step` the rest per step.
+
+FP8: `--kv-cache-dtype` / `--quantization` set the engines' flags (EngineConfig's); `--fp8` runs each model
+once per dtype setting in the same process -- Qwen3: bf16, then FP8 KV; Llama-8B: bf16, FP8 weights, FP8
+weights + KV -- and ends with a side-by-side table (the GEMV section adds FP8-weight rows).
 """
 
 from __future__ import annotations
@@ -167,19 +172,38 @@ def preset(seed: int = 0, n: int = 256, lo: int = 100, hi: int = 1024) -> tuple[
 
 
 BACKEND = ["auto"]  # --attention-backend
+DTYPES: dict = {}  # --kv-cache-dtype / --quantization: EngineConfig fields for every engine of the run
 
 
 def make_engine(name: str, **kw) -> Engine:
+    kw = {**DTYPES, **kw}
     cfg = EngineConfig(model=name, load_format="dummy", max_running_requests=256, cuda_graph_max_bs=256,
                        max_total_tokens=300_000, attention_backend=BACKEND[0], **kw)
     t0 = time.perf_counter()
     e = Engine(cfg)
     print(
         f"[{name}] engine up in {time.perf_counter() - t0:.1f}s "
-        f"(backend: {e.attn.name}, graphs: {e.graphs is not None})",
+        f"(backend: {e.attn.name}, graphs: {e.graphs is not None}, weights: {e.quantization}, "
+        f"kv: {str(e.kv_dtype).removeprefix('torch.')})",
         flush=True,
     )
     return e
+
+
+def drop_engine(engine: Engine) -> None:
+    """Give an engine's weights, KV pool and graphs back before the next one is built."""
+    engine.graphs = None
+    engine.pool.k.clear()
+    engine.pool.v.clear()
+    del engine.model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def dtype_tag(engine: Engine) -> str:
+    """bf16 / fp8-kv / fp8-w / fp8-w+kv: the column of the side-by-side table."""
+    w, kv = engine.quantization == "fp8", engine.kv_dtype == torch.float8_e4m3fn
+    return "fp8-w+kv" if w and kv else "fp8-w" if w else "fp8-kv" if kv else "bf16"
 
 
 def with_graphs(engine: Engine, on: bool, saved: dict) -> None:
@@ -210,6 +234,7 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
             model=tag,
             workload="batch-1 decode",
             engine="minisgl",
+            dtypes=dtype_tag(engine),
             backend=engine.attn.name,
             graphs=graphs,
             overlap=ovl,
@@ -238,6 +263,7 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
                 model=tag,
                 workload="nano-vllm preset",
                 engine="minisgl",
+                dtypes=dtype_tag(engine),
                 backend=engine.attn.name,
                 graphs=graphs,
                 overlap=ovl,
@@ -398,11 +424,12 @@ GEMV_SHAPES = {  # (N, K) of each linear at batch 1
 }
 
 
-def bench_gemv(do_sweep: bool = False) -> None:
+def bench_gemv(do_sweep: bool = False, fp8: bool = False, sweep_fp8: bool = False) -> None:
     """Triton GEMV (layers/triton_gemv.py) vs cuBLAS (F.linear) at one row, weights cold in L2.
 
     Each timing runs the op over enough weight copies (>= 200 MB in all, twice the L2) inside one CUDA
     graph, as the decode step does; us = per call. `--sweep` also tries other block shapes (pick_config's source).
+    `fp8`: the same layers with FP8 weights too (bench_fp8_linear; `sweep_fp8` sweeps its block shapes).
     """
     from minisgl_cli.layers import triton_gemv as G
 
@@ -439,30 +466,106 @@ def bench_gemv(do_sweep: bool = False) -> None:
             row(workload="gemv", model=model, op=name, N=n, K=k, cublas_us=round(cub, 2),
                 triton_us=round(us_pick, 2), picked=list(picked), best_cfg=list(best[0]), best_us=round(best[1], 2),
                 cublas_tbs=round(gb / cub * 1e3, 2), triton_tbs=round(gb / us_pick * 1e3, 2), rel_err=f"{err:.2e}")
+            if fp8:
+                bench_fp8_linear(model, name, ws, x, act, sweep_fp8)
             del ws
             torch.cuda.empty_cache()
+
+
+def bench_fp8_linear(model: str, name: str, ws: list[torch.Tensor], x: torch.Tensor, act: bool, do_sweep: bool) -> None:
+    """FP8 weights of the same layer: the batch-1 GEMV (vs bf16's bytes) and, at 256 rows, per-token quant +
+    torch._scaled_mm against bf16 cuBLAS; errors against the fp32 quantize / dequantize reference."""
+    from minisgl_cli.core import fp8
+    from minisgl_cli.layers import triton_gemv as G
+    from minisgl_cli.layers import triton_ops as T
+
+    n, k = ws[0].shape
+    qs = [fp8.quantize_rows(w) for w in ws]
+    qs = [(q, s[:, 0].contiguous()) for q, s in qs]
+    xin = T.silu_and_mul(x) if act else x
+    ref = xin.double() @ fp8.dequantize(*qs[0][:1], qs[0][1][:, None]).double().T
+    mine = G.gemv(x, qs[0][0], act_mul=act, scale=qs[0][1]).double()
+    err = ((mine - ref).norm() / ref.norm()).item()
+    picked = G.pick_config(n, k, act, 1)
+    us = _graph_us([lambda q=q: G.gemv(x, q[0], act_mul=act, scale=q[1]) for q in qs])
+    best = (picked, us)
+    if do_sweep:  # both kernels' shapes (pick_config's source)
+        mma = [(bn, bk, w, st, pf) for bn in (4, 8, 16) for bk in (64, 128) for w, st, pf in
+               ((4, 2, 0), (4, 3, 0), (4, 4, 0), (4, 1, 1))]
+        for cfg in [(4, 512, 4), (8, 512, 4), (8, 1024, 8)] + [c for c in mma if G.mma_fits(k, c)]:
+            t = _graph_us([lambda q=q, cfg=cfg: G.gemv(x, q[0], act_mul=act, scale=q[1], config=cfg) for q in qs])
+            if t < best[1]:
+                best = (cfg, t)
+    # 256 rows (a full decode batch) and 8192 (a prefill chunk): bf16 cuBLAS vs FP8 (activation quant + row-wise
+    # scaled GEMM; also with use_fast_accum, which skips the fp32 promotion of Hopper's FP8 accumulators)
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    cells: dict = {}
+    for m in (256,) if name == "lm_head" else (256, 8192):  # 8192 rows of logits: no LM head does that
+        xm = torch.randn((m, 2 * k if act else k), device="cuda", dtype=torch.bfloat16, generator=g)
+        xm_in = T.silu_and_mul(xm) if act else xm
+
+        def fp8_mm(q, xm=xm, fast=False):
+            xq, xs = T.quant_rows(xm, act_mul=act)
+            return torch._scaled_mm(xq, q[0].t(), scale_a=xs, scale_b=q[1][None, :], out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast)
+
+        ref_m = (fp8.round_trip_rows(xm_in).double() @ fp8.dequantize(qs[0][0], qs[0][1][:, None]).double().T)
+        cells[f"m{m}_rel_err"] = f"{((fp8_mm(qs[0]).double() - ref_m).norm() / ref_m.norm()).item():.2e}"
+        reps = 20 if m == 256 else 3
+        cells[f"m{m}_bf16_us"] = round(_graph_us([lambda w=w, xm=xm: torch.nn.functional.linear(
+            T.silu_and_mul(xm) if act else xm, w) for w in ws], reps), 2)
+        cells[f"m{m}_fp8_us"] = round(_graph_us([lambda q=q, xm=xm: fp8_mm(q, xm) for q in qs], reps), 2)
+        cells[f"m{m}_fp8_fast_us"] = round(_graph_us([lambda q=q, xm=xm: fp8_mm(q, xm, True) for q in qs], reps), 2)
+        del xm, xm_in, ref_m
+    # bytes read: the e4m3 codes (1 per weight) and the fp32 scales; x and y are noise next to them
+    tbs = lambda t: round((n * k + 4 * n) / t / 1e6, 2)  # noqa: E731  (bytes / us / 1e6 = TB/s)
+    row(workload="gemv-fp8", model=model, op=name, N=n, K=k, fp8_us=round(us, 2), fp8_tbs=tbs(us),
+        picked=list(picked), best_cfg=list(best[0]), best_us=round(best[1], 2), best_tbs=tbs(best[1]),
+        rel_err=f"{err:.2e}", **cells)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="ops,gemv,qwen,llama")
     ap.add_argument("--sweep", action="store_true", help="GEMV section: also sweep block shapes")
+    ap.add_argument("--sweep-fp8", action="store_true", help="GEMV section: sweep the FP8 GEMV's block shapes")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "flashinfer"])
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate baselines")
     ap.add_argument("--main-only", action="store_true", help="only the default variant (graphs, overlap, fused)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8_e4m3"], help="every engine's KV cache dtype")
+    ap.add_argument("--quantization", choices=["auto", "none", "fp8"], help="every engine's linear weights")
+    ap.add_argument("--fp8", action="store_true",
+                    help="each model in bf16 and its FP8 settings, side by side (implies --main-only)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     only = set(args.only.split(","))
     BACKEND[0] = args.attention_backend
+    DTYPES.update({k: v for k, v in (("kv_cache_dtype", args.kv_cache_dtype), ("quantization", args.quantization))
+                   if v is not None})
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     sections = []
     if "ops" in only:
         sections.append(("ops", bench_ops))
     if "gemv" in only:
-        sections.append(("gemv", lambda: bench_gemv(args.sweep)))
-    if "qwen" in only:
+        sections.append(("gemv", lambda: bench_gemv(args.sweep, args.fp8 or args.sweep_fp8, args.sweep_fp8)))
+
+    def side_by_side(name: str, tag: str, settings: list[dict]) -> None:
+        for kw in settings:  # one engine at a time: each needs the memory the last one held
+            e = make_engine(name, **kw)
+            bench_engine(tag, e, True, [(True, True)], [(True, True)], args.profile)
+            drop_engine(e)
+            del e
+
+    if "qwen" in only and args.fp8:
+        sections.append(("qwen", lambda: side_by_side("qwen3-0.6b", "Qwen3-0.6B", [
+            dict(kv_cache_dtype="auto", quantization="none"), dict(kv_cache_dtype="fp8_e4m3", quantization="none")])))
+    if "llama" in only and args.fp8:
+        sections.append(("llama", lambda: side_by_side("llama-3.1-8b", "Llama-3.1-8B", [
+            dict(kv_cache_dtype="auto", quantization="none"), dict(kv_cache_dtype="auto", quantization="fp8"),
+            dict(kv_cache_dtype="fp8_e4m3", quantization="fp8")])))
+    if "qwen" in only and not args.fp8:
         def qwen():
             e = make_engine("qwen3-0.6b")
             if args.main_only:
@@ -479,7 +582,7 @@ def main() -> None:
             if not args.no_hf:
                 hf_bench("Qwen3-0.6B", e, "qwen3-0.6b", True, 128)
         sections.append(("qwen", qwen))
-    if "llama" in only:
+    if "llama" in only and not args.fp8:
         def llama():
             e = make_engine("llama-3.1-8b")
             if args.main_only:
@@ -511,11 +614,27 @@ def main() -> None:
                 f"triton {r['triton_us']:>8.1f}us {r['triton_tbs']:.2f}TB/s {r['picked']}  "
                 f"best {r['best_us']} {r['best_cfg']}"
             )
+        elif r.get("workload") == "gemv-fp8":
+            print(f"gemv-fp8 {r['model']:<13} {r['op']:<8} fp8 {r['fp8_us']:>8.1f}us {r['fp8_tbs']:.2f}TB/s "
+                  f"{r['picked']} best {r['best_us']}us {r['best_tbs']:.2f}TB/s {r['best_cfg']} err {r['rel_err']}  |  "
+                  + "  ".join(f"M={m}: bf16 {r[f'm{m}_bf16_us']}us fp8 {r[f'm{m}_fp8_us']}us "
+                              f"(fast {r[f'm{m}_fp8_fast_us']}) err {r[f'm{m}_rel_err']}"
+                              for m in (256, 8192) if f"m{m}_fp8_us" in r))
         elif r.get("workload") == "op":
             print(f"op {r['op']:<13} T={r['tokens']:<5} h={r['hidden']:<5} torch {r['torch_us']:>8.1f}us "
                   f"triton {r['triton_us']:>8.1f}us x{r['speedup']:<5} err {r['max_abs_err']:.3g}")
         else:
             print("  ".join(f"{k}={v}" for k, v in r.items()))
+    table = {}  # (model, workload) -> {dtypes: tok/s}, the engine rows of the default variant
+    for r in ROWS:
+        if r.get("engine") == "minisgl" and r.get("graphs") and r.get("overlap") and r.get("fused", True):
+            table.setdefault((r["model"], r["workload"]), {})[r["dtypes"]] = r["tok_s"]
+    cols = ["bf16", "fp8-kv", "fp8-w", "fp8-w+kv"]
+    if any(len(v) > 1 for v in table.values()):
+        print("\n==== output tok/s by dtypes (" + torch.cuda.get_device_name() + ") ====")
+        print(f"{'model':<14}{'workload':<18}" + "".join(f"{c:>11}" for c in cols))
+        for (model, workload), v in table.items():
+            print(f"{model:<14}{workload:<18}" + "".join(f"{v[c]:>11,.1f}" if c in v else f"{'-':>11}" for c in cols))
 
 
 if __name__ == "__main__":

@@ -260,7 +260,8 @@ class ModelInfo:
     engine: str = "torch"  # what runs the model: torch (our engine), sgl (ours with sgl_kernel ops), hf, mlx
     prefix_cache: str | None = "radix"  # what serves cached prompt prefixes; None when nothing does (hf)
     dp_size: int = 1  # engine replicas behind the client (max_running and kv_tokens are then their sums)
-    quantization: str = "none"  # how the linear weights are held: none (dense in dtype), int4, int8
+    quantization: str = "none"  # how the linear weights are held: none (dense in dtype), int4, int8, fp8
+    kv_cache_dtype: str = ""  # the KV pool's element type (bfloat16, float8_e4m3fn, ...); "" = dtype
 
     @property
     def has_tokenizer(self) -> bool:

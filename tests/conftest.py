@@ -25,6 +25,19 @@ def default_model_dir() -> Path:
     return resolve_model(None).path
 
 
+# The one fixed English text the quality tests read (our own prose: two stories, ~6,000 SmolLM2 tokens), through
+# minisgl_cli/engine/perplexity.py.
+PERPLEXITY_TEXT = Path(__file__).parent / "data" / "perplexity_en.txt"
+
+
+@pytest.fixture(scope="session")
+def text_ids(default_model_dir) -> list[int]:
+    """PERPLEXITY_TEXT as the default model's token ids."""
+    from minisgl_cli.tokenizer import Tokenizer
+
+    return Tokenizer(default_model_dir).encode(PERPLEXITY_TEXT.read_text())
+
+
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
 

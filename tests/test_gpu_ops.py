@@ -89,7 +89,7 @@ def test_qk_norm_rope_with_kv_store(heads, tokens):
     q_ref, k_ref = rope(pos, q, k)
     out = qkv.clone()
     T.qk_norm_rope_(out, pos, rope.cos, rope.sin, hq, hkv, d, qn.weight if has_norm else None,
-                    kn.weight if has_norm else None, 1e-6, (k_cache, v_cache, loc))
+                    kn.weight if has_norm else None, 1e-6, (k_cache, v_cache, loc, None))
     # bf16 rounding apart (a few ulps where the fp32 rstd rounds the other way); a wrong head or position is O(1)
     assert _close(out[:, : hq * d], q_ref.reshape(tokens, -1))
     assert torch.equal(k_cache[loc], out[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d))

@@ -4,8 +4,6 @@ parity test's chat prompts)."""
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,39 +13,13 @@ import torch
 from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
+from minisgl_cli.engine.perplexity import perplexity
 from minisgl_cli.layers import quant
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.linear import ColumnParallelLinear
 from minisgl_cli.loader.blocks import Int4Groups, Int8Groups, blocks_file, iter_blocks, quantize_int4, quantize_int8
 
-TEXT = Path(__file__).parent / "data" / "perplexity_en.txt"  # our own prose, ~2,900 SmolLM2 tokens
 EXACT = dict(dtype="float32", quantization="none")
-
-
-def perplexity(engine: Engine, ids: list[int], window: int = 512) -> float:
-    """exp(mean NLL) of each next token, the text read in windows of `window` tokens (each a fresh sequence)."""
-    nll, count, table = 0.0, 0, engine.pool.page_table
-    with torch.inference_mode():
-        for start in range(0, len(ids) - 1, window):
-            chunk = ids[start : start + window + 1]
-            inputs, targets = chunk[:-1], torch.tensor(chunk[1:])
-            n = len(inputs)
-            slots = list(range(1, n + 1))
-            table[0, :n] = torch.tensor(slots, dtype=table.dtype)
-            batch = ForwardBatch.build("extend", inputs, [0], [0], [n], slots, engine.device, engine.host)
-            batch.logits_indices = torch.arange(n)  # every position's logits, not just the last one
-            engine.attn.prepare(batch)
-            logits = engine.model.logits(engine.model(batch, engine.attn)).float()
-            nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
-            count += n
-    return math.exp(nll / count)
-
-
-@pytest.fixture(scope="module")
-def text_ids(default_model_dir) -> list[int]:
-    from minisgl_cli.tokenizer import Tokenizer
-
-    return Tokenizer(default_model_dir).encode(TEXT.read_text())
 
 
 def test_gguf_blocks_are_kept_as_shipped_and_dequantize_to_the_fp32_export(default_model_dir):
@@ -133,15 +105,16 @@ def test_quantized_lm_head_is_int8_with_fp32_logits_and_tied_to_the_embedding(fb
 
 def test_quantized_perplexity_stays_close_to_the_exact_path(default_model_dir, text_ids, monkeypatch):
     """Same weights (the bundled Q4_1 GGUF), same text: int8 within 1% and int4 (its blocks as shipped) within 3% of
-    the exact fp32 path. The text is read in 512-token windows, so the low-bit kernels are made to take every row
-    (decode runs them; prefill would otherwise take the dense weights)."""
+    the exact fp32 path. The text is read as 512-token prefills (engine/perplexity.py), so the low-bit kernels are
+    made to take every row (decode runs them; prefill would otherwise take the dense weights)."""
     assert len(text_ids) > 2500
-    exact = perplexity(Engine(EngineConfig(max_total_tokens=1024, **EXACT)), text_ids)
+    tokens = len(text_ids) + 8
+    exact = perplexity(Engine(EngineConfig(max_total_tokens=tokens, **EXACT)), text_ids)
     monkeypatch.setattr(quant.Int4Method, "max_rows", 1 << 30)
     monkeypatch.setattr(quant.Int8Method, "max_rows", 1 << 30)
     got = {}
     for q in ("int8", "int4"):
-        engine = Engine(EngineConfig(max_total_tokens=1024, quantization=q))
+        engine = Engine(EngineConfig(max_total_tokens=tokens, quantization=q))
         assert engine.quantization == q
         got[q] = perplexity(engine, text_ids)
     print(f"perplexity over {len(text_ids)} tokens: exact fp32 {exact:.3f}, int8 {got['int8']:.3f}, "
@@ -199,16 +172,20 @@ def test_a_safetensors_model_quantizes_at_load(tiny_model_dirs, q):
     assert len(out[0].token_ids) == 8
 
 
-def test_quantization_flag_is_offered_and_bad_values_are_one_line_errors():
+def test_quantization_and_kv_dtype_flags_are_offered_and_bad_values_are_one_line_errors():
     from typer.testing import CliRunner
 
     from minisgl_cli.app import app
 
     for command in ("chat", "serve", "bench", "smoke"):
-        assert "--quantization" in CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
-    bad = CliRunner().invoke(app, ["smoke", "hi", "--quantization", "int3"])
-    assert bad.exit_code == 1 and bad.output.strip().splitlines() == [
-        "error: unknown quantization 'int3'; choose one of auto, none, int4, int8"]
+        usage = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
+        assert "--quantization" in usage and "--kv-cache-dtype" in usage
+    for flag, value, error in (
+        ("--quantization", "int3", "unknown quantization 'int3'; choose one of auto, none, int4, int8, fp8"),
+        ("--kv-cache-dtype", "fp16", "unknown KV cache dtype 'fp16'; choose one of auto, bf16, fp8_e4m3"),
+    ):
+        bad = CliRunner().invoke(app, ["smoke", "hi", flag, value])
+        assert bad.exit_code == 1 and bad.output.strip().splitlines() == [f"error: {error}"]
     with pytest.raises(ValueError, match="does not run on cuda"):
         EngineConfig(device="cuda", quantization="int4").resolved_quantization()
     assert EngineConfig(device="cuda").resolved_quantization("int4") == "none"  # auto keeps what the device can run

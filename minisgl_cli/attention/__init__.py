@@ -28,7 +28,8 @@ def create_backend(
     """Build the attention backend `name` over `pool`; `kernels` is the engine's choice (PDL for Triton's).
 
     "auto": FlashInfer if it imports and passes a tiny decode check, else Triton on CUDA (if it
-    imports), else torch -- always torch on the CPU, where neither GPU library is even imported.
+    imports), else torch -- always torch on the CPU, where neither GPU library is even imported. An FP8 pool
+    skips FlashInfer (per-head scales: see flashinfer_backend.py).
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")

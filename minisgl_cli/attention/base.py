@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.core.fp8 import KVQuant
 from minisgl_cli.kvcache.pool import KVPool
+
+
+class KVBuffers(NamedTuple):
+    """One layer's pool tensors for a kernel that stores K/V itself (layers/triton_ops.py's fused RoPE)."""
+
+    k: torch.Tensor  # [slots, Hkv, D]
+    v: torch.Tensor
+    loc: torch.Tensor  # [T] slot of each new token
+    quant: KVQuant | None  # an FP8 pool's scales and means of this layer; None for 16-bit
 
 
 class AttentionBackend(ABC):
@@ -17,7 +27,8 @@ class AttentionBackend(ABC):
     `prepare` runs once per step before the model forward (it may build index tensors into
     `batch.attn_meta`); `forward` runs once per layer: it writes this step's K/V into the pool at
     `batch.out_cache_loc` (unless a fused RoPE kernel already did) and returns attention over each request's
-    whole sequence (causal for extend).
+    whole sequence (causal for extend). An FP8 pool's first prefill at each layer sets that layer's scales
+    first (kvcache/pool.py), so that step stores through `store`, not through a fused kernel.
     """
 
     name: str = "base"
@@ -38,6 +49,8 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]. kv_stored: the caller already wrote k/v to the pool."""
         if not kv_stored:
+            if not batch.is_decode and self.pool.needs_scales(layer_id):
+                self.pool.calibrate(layer_id, k, v)
             self.store(layer_id, batch.out_cache_loc, k, v)
         return self.attend(q, k, v, layer_id, batch)
 
@@ -52,9 +65,13 @@ class AttentionBackend(ABC):
         """Attention over each request's whole sequence, this step's K/V already in the pool; k/v are
         this step's own rows (a backend may use them instead of reading them back)."""
 
-    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's K and V pool tensors [slots, Hkv, D], for a fused kernel that stores into them."""
-        return self.pool.k[layer_id], self.pool.v[layer_id]
+    def kv_buffers(self, layer_id: int, batch: ForwardBatch) -> KVBuffers | None:
+        """Where a fused kernel may store this step's K/V, or None when `forward` must store them itself
+        (an FP8 layer whose scales this prefill sets)."""
+        pool = self.pool
+        if not batch.is_decode and pool.needs_scales(layer_id):
+            return None
+        return KVBuffers(pool.k[layer_id], pool.v[layer_id], batch.out_cache_loc, pool.layer_quant(layer_id))
 
     # CUDA-graph hooks: backends that support graph capture of decode override these.
     supports_cuda_graph: bool = False

@@ -49,6 +49,9 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__(pool, num_heads, num_kv_heads, head_dim, scale)
+        if pool.quantized:  # its FP8 KV kernels take one K and one V scale per layer; ours are per head
+            raise ValueError("--kv-cache-dtype fp8_e4m3 is not supported by the flashinfer attention backend "
+                             "(it scales FP8 KV per layer, this pool per head): use --attention-backend triton")
         import flashinfer  # lazy: optional dependency, CUDA only
 
         if pool.device.type != "cuda":

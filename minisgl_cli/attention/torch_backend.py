@@ -1,4 +1,7 @@
-"""The torch attention backend: SDPA over gathered paged KV; runs on CPU and is the GPU kernels' reference."""
+"""The torch attention backend: SDPA over gathered paged KV; runs on CPU and is the GPU kernels' reference.
+
+Reads go through `KVPool.read`, which dequantizes an FP8 pool: on the CPU this is the FP8 KV cache itself
+(stored as e4m3 codes), and on the GPU the reference the Triton kernels are checked against."""
 
 from __future__ import annotations
 
@@ -35,7 +38,9 @@ class TorchBackend(AttentionBackend):
             slots = table[batch.req_slots, :max_len].long()
             pad = torch.arange(max_len, device=slots.device)[None, :] >= batch.seq_lens[:, None]
             # Additive float mask, built once per step: SDPA would convert a bool mask in every layer.
-            mask = torch.zeros(pad.shape, dtype=self.pool.shape.dtype, device=slots.device)
+            # (In the pool dtype, which is the model's unless it is FP8: then _decode converts it once.)
+            dtype = torch.float32 if self.pool.quantized else self.pool.shape.dtype
+            mask = torch.zeros(pad.shape, dtype=dtype, device=slots.device)
             mask.masked_fill_(pad, float("-inf"))
             batch.attn_meta = TorchDecodeMeta(slots.reshape(-1), max_len, mask[:, None, None, :])
             return
@@ -44,7 +49,7 @@ class TorchBackend(AttentionBackend):
         rows = batch.req_slots.tolist()
         for row, seq_len, ext in zip(rows, batch.seq_lens_cpu, batch.extend_lens_cpu):
             prefix = seq_len - ext
-            if prefix == 0:  # nothing cached: attend over this step's own k/v, no gather
+            if prefix == 0 and not self.pool.quantized:  # nothing cached: this step's own k/v, no gather
                 kv_slots.append(None)
                 masks.append(None)
                 continue
@@ -56,16 +61,14 @@ class TorchBackend(AttentionBackend):
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
         meta = batch.attn_meta
         if isinstance(meta, TorchDecodeMeta):
-            return self._decode(q, k_cache, v_cache, meta)
+            return self._decode(q, layer_id, meta)
         outs = []
         gqa = self.num_heads != self.num_kv_heads
         for i, (slots, mask) in enumerate(zip(meta.slots, meta.masks)):
             a, b = meta.starts[i], meta.starts[i + 1]
-            ki = k[a:b] if slots is None else k_cache.index_select(0, slots)
-            vi = v[a:b] if slots is None else v_cache.index_select(0, slots)
+            ki, vi = (k[a:b], v[a:b]) if slots is None else self.pool.read(layer_id, slots, q.dtype)
             oi = F.scaled_dot_product_attention(
                 q[a:b].transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None],
                 attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa,
@@ -73,13 +76,16 @@ class TorchBackend(AttentionBackend):
             outs.append(oi[0].transpose(0, 1))
         return torch.cat(outs, dim=0)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchDecodeMeta):
+    def _decode(self, q: torch.Tensor, layer_id: int, meta: TorchDecodeMeta):
         bsz, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
         shape = (bsz, meta.max_len, hkv, d)
+        k_all, v_all = self.pool.read(layer_id, meta.slots, q.dtype)
+        if meta.mask.dtype != q.dtype:
+            meta.mask = meta.mask.to(q.dtype)
         # [B, Hkv, L, D] as strided views: SDPA reads them in place, a .contiguous() copy costs more.
-        keys = k_cache.index_select(0, meta.slots).view(shape).transpose(1, 2)
-        values = v_cache.index_select(0, meta.slots).view(shape).transpose(1, 2)
+        keys = k_all.view(shape).transpose(1, 2)
+        values = v_all.view(shape).transpose(1, 2)
         # GQA without copying K/V per query head: a KV head's query heads act as its query rows.
         out = F.scaled_dot_product_attention(q.reshape(bsz, hkv, group, d), keys, values, attn_mask=meta.mask,
                                              scale=self.scale)

@@ -1,4 +1,5 @@
-"""The Triton attention backend: our own paged kernels (split-K decode, causal extend, fused KV store), graph-ready."""
+"""The Triton attention backend: our own paged kernels (split-K decode, causal extend, fused KV store), graph-ready;
+16-bit or FP8 KV (the kernels dequantize in registers)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class TritonDecodeMeta:
     num_splits: int  # KV splits per request (fixed per captured batch size under CUDA graphs)
     mid_o: torch.Tensor  # [bs, H, num_splits, D] fp32: per-split normalised outputs
     mid_lse: torch.Tensor  # [bs, H, num_splits] fp32: per-split base-2 log-sum-exps
+    order: torch.Tensor  # [bs] int32: the rows by context length, longest first (the kernel starts those first)
 
 
 @dataclass
@@ -83,10 +85,11 @@ class TritonBackend(AttentionBackend):
         if batch.is_decode:
             bs = batch.batch_size
             # No point in splits shorter than one KV tile: cap by the longest context of this step.
-            tiles = -(-max(batch.seq_lens_cpu, default=1) // tk.decode_block_n(self.head_dim))
+            tiles = -(-max(batch.seq_lens_cpu, default=1) // tk.decode_block_n(self.head_dim, self.pool.quantized))
             splits = max(1, min(self._splits(bs), tiles))
             mid_o, mid_lse = self._scratch(bs, splits)
-            batch.attn_meta = TritonDecodeMeta(batch.req_slots, batch.seq_lens, splits, mid_o, mid_lse)
+            order = torch.argsort(batch.seq_lens, descending=True).to(torch.int32)
+            batch.attn_meta = TritonDecodeMeta(batch.req_slots, batch.seq_lens, splits, mid_o, mid_lse, order)
         else:
             batch.attn_meta = TritonExtendMeta(
                 batch.req_slots, batch.seq_lens, batch.qo_indptr, max(batch.extend_lens_cpu, default=0)
@@ -100,6 +103,7 @@ class TritonBackend(AttentionBackend):
         self._graph = {
             "req_slots": torch.zeros(max_bs, dtype=torch.int64, device=dev),
             "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "order": torch.arange(max_bs, dtype=torch.int32, device=dev),
             "mid_o": torch.empty(rows * self.num_heads * self.head_dim, dtype=torch.float32, device=dev),
             "mid_lse": torch.empty(rows * self.num_heads, dtype=torch.float32, device=dev),
         }
@@ -116,6 +120,7 @@ class TritonBackend(AttentionBackend):
             num_splits=splits,
             mid_o=g["mid_o"][: bs * h * splits * d].view(bs, h, splits, d),
             mid_lse=g["mid_lse"][: bs * h * splits].view(bs, h, splits),
+            order=g["order"][:bs],
         )
         if batch is not None:
             batch.attn_meta = meta
@@ -132,6 +137,7 @@ class TritonBackend(AttentionBackend):
         if n < bs:  # padding rows: one position of page-table row 0 (any valid slot; output discarded)
             g["req_slots"][n:bs].zero_()
             g["seq_lens"][n:bs].fill_(1)
+        g["order"][:bs].copy_(torch.argsort(g["seq_lens"][:bs], descending=True))
 
     def _require_graph_state(self, bs: int) -> dict[str, torch.Tensor]:
         if self._graph is None:
@@ -142,7 +148,8 @@ class TritonBackend(AttentionBackend):
 
     # --- forward ---------------------------------------------------------------------------------
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        tk.store_kv(k, v, self.pool.k[layer_id], self.pool.v[layer_id], loc)  # K and V in one launch
+        # K and V in one launch (as e4m3 codes in an FP8 pool)
+        tk.store_kv(k, v, self.pool.k[layer_id], self.pool.v[layer_id], loc, self.pool.layer_quant(layer_id))
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -150,12 +157,13 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
         meta = batch.attn_meta
         table = self.pool.page_table
+        quant = self.pool.layer_quant(layer_id)
         if isinstance(meta, TritonDecodeMeta):
             return tk.decode_attention(
                 q, k_cache, v_cache, table, meta.req_slots, meta.seq_lens, self.scale,
-                meta.num_splits, meta.mid_o, meta.mid_lse, pdl=self.kernels.pdl,
+                meta.num_splits, meta.mid_o, meta.mid_lse, pdl=self.kernels.pdl, quant=quant, order=meta.order,
             )
         return tk.extend_attention(
             q, k_cache, v_cache, table, meta.req_slots, meta.seq_lens, meta.qo_indptr,
-            meta.max_extend_len, self.scale,
+            meta.max_extend_len, self.scale, quant=quant,
         )

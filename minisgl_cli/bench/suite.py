@@ -195,12 +195,12 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str, str | None], Any],
             cases = build_levels(cfg, tokenizer, vocab_size, device.startswith("cuda"), cfg.concurrency)
             model_dir = info.model_dir
             report = BenchReport(_meta(cfg, mode="offline", model=info.name, device=info.device, dtype=info.dtype,
-                                       quantization=info.quantization,
+                                       quantization=info.quantization, kv_cache_dtype=info.kv_cache_dtype,
                                        attention_backend=info.attention_backend, torch=torch.__version__,
                                        minisgl=getattr(minisgl_cli, "__version__", "0.1.0")))
             bench = Bench(cfg, report, console)
             console.print(f"model={info.name} device={info.device} dtype={info.dtype} quantization={info.quantization} "
-                          f"backend={info.attention_backend} "
+                          f"kv_cache_dtype={info.kv_cache_dtype} backend={info.attention_backend} "
                           f"cases={', '.join(f'{c.name}({len(c.requests)} req)' for c in cases[0])} "
                           f"concurrency={cfg.concurrency}", highlight=False)
         if len(cfg.engines) > 1:

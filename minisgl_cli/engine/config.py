@@ -19,8 +19,11 @@ LoadFormat = Literal["auto", "dummy"]
 EngineImpl = Literal["auto", "torch", "sgl", "hf", "mlx"]
 ENGINES: tuple[str, ...] = ("auto", "torch", "sgl", "hf", "mlx")
 # How linear weights are held (layers/quant.py's METHODS); auto picks from the checkpoint and the device.
-Quantization = Literal["auto", "none", "int4", "int8"]
+Quantization = Literal["auto", "none", "int4", "int8", "fp8"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+# The KV pool's element type (kvcache/pool.py); auto is the engine dtype.
+KVCacheDtype = Literal["auto", "bf16", "fp8_e4m3"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 
 
 @dataclass
@@ -41,14 +44,22 @@ class EngineConfig:
     device: str = field(default="auto", metadata=dict(
         flags=("--device",), env="MINISGL_DEVICE", help="auto, cpu, cuda, cuda:N."))
     dtype: str = field(default="auto", metadata=dict(
-        flags=("--dtype",), help="auto (bf16 on CUDA; on CPU fp32, or bf16 with int4 / int8 weights where the CPU "
+        flags=("--dtype",), help="auto (bf16 on CUDA; on CPU fp32, or bf16 with quantized weights where the CPU "
                                  "has AVX-512 BF16), float32, bfloat16, float16."))
     quantization: Quantization = field(default="auto", metadata=dict(
         flags=("--quantization",),
         help="Linear weights: auto (on CPU a GGUF's own 4-/8-bit blocks, else none), none (dense in --dtype; with "
              "--dtype float32 the exact mode, equal to HF fp32 token for token), int4 (4-bit groups of 32 for "
-             "decode, dense for prefill), int8 (8-bit per channel likewise). int4 / int8 run on CPU; a "
-             "safetensors model quantizes at load."))
+             "decode, dense for prefill), int8 (8-bit per channel likewise), fp8 (e4m3 per output channel, "
+             "activations per token: torch._scaled_mm and an FP8 GEMV on CUDA GPUs of compute capability 8.9+ "
+             "(Ada, Hopper); the same numbers by quantize / dequantize on CPU). int4 / int8 run on CPU. A "
+             "safetensors model quantizes at load. Under fp8 the embedding, norms, LM head and first and last "
+             "decoder layers stay in --dtype."))
+    kv_cache_dtype: KVCacheDtype = field(default="auto", metadata=dict(
+        flags=("--kv-cache-dtype",),
+        help="KV cache: auto (= --dtype), bf16, fp8_e4m3 (e4m3 pages with one scale per KV head, set from the "
+             "first prefill; half the bytes of bf16; CUDA 8.9+ or CPU). fp8_e4m3 runs on the triton and torch "
+             "attention backends."))
     attention_backend: str = field(default="auto", metadata=dict(
         flags=("--attention-backend",), env="MINISGL_ATTENTION_BACKEND",
         help="auto, torch, triton, flashinfer (auto: flashinfer or triton on CUDA, torch on CPU)."))
@@ -72,14 +83,11 @@ class EngineConfig:
     max_context_len: int | None = None  # None = the model's max positions (capped by the pool)
     seed: int = 0  # dummy weights
     num_threads: int | None = None  # CPU: torch intra-op threads (None = torch's default)
+    kv_cache_scale: float | None = None  # FP8 KV: one fixed scale for every head instead of the first prefill's
     # Kernel choices (layers/fused.py's Kernels), by default from the environment:
     disable_fused_ops: bool = field(default_factory=env.disable_fused_ops)  # CUDA: torch ops, not fused Triton ones
     disable_pdl: bool = field(default_factory=env.disable_pdl)  # CUDA: no programmatic dependent launch
     cpu_gemm: str = field(default_factory=env.cpu_gemm)  # CPU: GEMM policy (auto, mkl, fp16)
-
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
 
     def resolved_device(self) -> torch.device:
         import torch
@@ -88,22 +96,42 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
+        if self.kv_cache_scale is not None and not self.kv_cache_scale > 0:
+            raise ValueError(f"kv_cache_scale must be positive, got {self.kv_cache_scale}")
+
     def resolved_quantization(self, native: str | None = None) -> str:
         """The linear method (a key of layers/quant.py's METHODS): `quantization`, or for auto the checkpoint's
         own (`native`: a GGUF's int4 / int8 blocks) where its method runs on this device, else none."""
         from minisgl_cli.layers.quant import METHODS
 
-        device = self.resolved_device().type
+        device = self.resolved_device()
         if self.quantization == "auto":
-            return native if native and device in METHODS[native].devices else "none"
+            return native if native and device.type in METHODS[native].devices else "none"
         if self.quantization not in METHODS:
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
-        if device not in METHODS[self.quantization].devices:
-            raise ValueError(f"--quantization {self.quantization} does not run on {device}; use --quantization none")
+        if device.type not in METHODS[self.quantization].devices:
+            raise ValueError(f"--quantization {self.quantization} does not run on {device.type}; "
+                             f"use --quantization none")
+        if self.quantization == "fp8":
+            _require_fp8(device, "--quantization fp8")
         return self.quantization
 
+    def resolved_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's element type: the engine dtype (`dtype`), bf16, or e4m3."""
+        import torch
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown KV cache dtype {self.kv_cache_dtype!r}; "
+                             f"choose one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype == "fp8_e4m3":
+            _require_fp8(self.resolved_device(), "--kv-cache-dtype fp8_e4m3")
+        return {"auto": dtype, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[self.kv_cache_dtype]
+
     def resolved_dtype(self, quantized: bool = False) -> torch.dtype:
-        """The activation / KV dtype. auto: bf16 on CUDA; on CPU fp32, or bf16 for int4 / int8 weights (`quantized`)
+        """The activation / KV dtype. auto: bf16 on CUDA; on CPU fp32, or bf16 for quantized weights (`quantized`)
         where the CPU runs bf16 natively (AVX-512 BF16): their kernels take bf16 anyway, and the dense GEMMs of
         prefill and big batches run twice as fast (docs/benchmarks.md)."""
         import torch
@@ -117,3 +145,13 @@ class EngineConfig:
         if self.dtype not in names:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(names)}")
         return names[self.dtype]
+
+
+def _require_fp8(device: torch.device, what: str) -> None:
+    """FP8 on CUDA needs e4m3 tensor cores and conversions (compute capability 8.9+: Ada, Hopper); the CPU
+    simulates it."""
+    import torch
+
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"{what} needs a GPU of compute capability 8.9+ (Ada, Hopper); {name} is not one")

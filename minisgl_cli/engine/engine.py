@@ -76,6 +76,7 @@ class Engine:
         blocks = blocks_file(model_dir) if model_dir is not None and source != "dummy" else None
         self.quantization = cfg.resolved_quantization(native_quantization(blocks) if blocks else None)
         self.dtype = cfg.resolved_dtype(quantized=self.quantization != "none")
+        self.kv_dtype = cfg.resolved_kv_dtype(self.dtype)
         try:
             self.model_cfg = ModelConfig.from_hf(hf_cfg)
         except (KeyError, ValueError) as exc:
@@ -94,23 +95,24 @@ class Engine:
                 torch.set_default_dtype(prev)
         if source == "dummy":
             self.model.load_weights(dummy_checkpoint(mc, self.device, self.dtype, seed=cfg.seed))
-        elif blocks is not None and self.quantization != "none":
+        elif blocks is not None and METHODS[self.quantization].takes_blocks:
             self.model.load_weights(iter_blocks(blocks))  # the GGUF's blocks as shipped, no fp32 round trip
         else:
             assert model_dir is not None  # _locate gives a dir for every source but built-in dummies
             self.model.load_weights(iter_safetensors(model_dir))
 
         heads = mc.heads_of(tp.rank, tp.size)
-        shape = KVShape(mc.num_layers, heads.n_kv, mc.head_dim, self.dtype)
+        shape = KVShape(mc.num_layers, heads.n_kv, mc.head_dim, self.kv_dtype)
         # Every rank must hold the same number of pages (they schedule alike): size by the rank with
         # the most KV heads, then take the smallest count any rank can afford.
         widest = max(mc.heads_of(r, tp.size).n_kv for r in range(tp.size))
-        num_pages = min_over_ranks(self._kv_pages(KVShape(mc.num_layers, widest, mc.head_dim, self.dtype)), tp)
+        num_pages = min_over_ranks(self._kv_pages(KVShape(mc.num_layers, widest, mc.head_dim, self.kv_dtype)), tp)
         capacity = num_pages * cfg.page_size
         self.max_context_len = min(
             cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings, capacity
         )
-        self.pool = KVPool(shape, num_pages, cfg.page_size, cfg.max_running_requests, self.max_context_len, self.device)
+        self.pool = KVPool(shape, num_pages, cfg.page_size, cfg.max_running_requests, self.max_context_len, self.device,
+                           kv_scale=cfg.kv_cache_scale)
         self.attn = create_backend(
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
             mc.head_dim, mc.head_dim**-0.5, self.device, self.kernels,
@@ -121,11 +123,11 @@ class Engine:
                 self.capture_graphs()
         self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0, self.quantization)
         log.info(
-            "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s backend=%s kv_tokens=%d "
-            "page_size=%d eos=%s (%.1fs)",
-            name, source, self.device, str(self.dtype).removeprefix("torch."), self.quantization, self.attn.name,
-            capacity,
-            cfg.page_size, list(mc.eos_token_ids), self.loaded.load_s,
+            "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s backend=%s "
+            "kv_tokens=%d page_size=%d eos=%s (%.1fs)",
+            name, source, self.device, str(self.dtype).removeprefix("torch."), self.quantization,
+            str(self.kv_dtype).removeprefix("torch."), self.attn.name, capacity, cfg.page_size,
+            list(mc.eos_token_ids), self.loaded.load_s,
         )
 
     def _kv_pages(self, shape: KVShape) -> int:

@@ -1,10 +1,29 @@
-"""The KV pool: per-layer K/V slot tensors, the page table, and the page allocator with exact accounting."""
+"""The KV pool: per-layer K/V slot tensors (16-bit, or FP8 codes with per-head scales), the page table, and
+the page allocator with exact accounting.
+
+An FP8 pool (`--kv-cache-dtype fp8_e4m3`) stores e4m3 codes of x - mean with one fp32 scale per (layer, KV
+head) and one fp32 mean per (layer, KV head, channel), for K and for V apart (core/fp8.py's KVQuant: x ~
+code * scale + mean). Both are set from the first prefill that reaches each layer: the mean is that batch's
+per-channel mean, and the scale puts the head's largest |x - mean| at 448 / KV_SCALE_HEADROOM, so later
+tokens up to that many times larger still fit before they saturate. Taking the mean out first (SageAttention's
+"smooth K", and the same for V) leaves the channels that carry a large constant offset with small residuals,
+so their rounding errors shrink with them; attention needs no K mean back at all (it adds q . mean to every
+logit of a query row alike) and gets the V mean back by adding it to its output once (the weights sum to 1).
+Alternatively one scale is given for every head (`kv_scale`) and the means stay zero.
+Once set they never change (the stored codes depend on them); the kernels read them from device memory,
+so CUDA graphs captured before the first prefill see the final values.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from minisgl_cli.core.fp8 import FP8, FP8_MAX, KVQuant, dequantize, quantize
+
+KV_SCALE_HEADROOM = 4.0  # calibrated amax lands at 448 / 4 = 112: 4x margin for later, larger K/V values
+_MIN_AMAX = 1e-4  # a head that is all zeros in the first prefill still gets a usable scale
 
 
 @dataclass(frozen=True)
@@ -34,7 +53,9 @@ class KVPool:
         max_reqs: int,
         max_context_len: int,
         device: torch.device | str,
+        kv_scale: float | None = None,
     ):
+        """kv_scale: FP8 pools only: one fixed scale for every head's K and V instead of calibrating."""
         if num_pages < 1 or page_size < 1:
             raise ValueError("KV pool needs at least one page of at least one slot")
         self.shape = shape
@@ -45,6 +66,14 @@ class KVPool:
         kv = (num_slots, shape.num_kv_heads, shape.head_dim)
         self.k = [torch.zeros(kv, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
         self.v = [torch.zeros(kv, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.quantized = shape.dtype == FP8
+        # FP8: scales per (layer, KV head) and means per (layer, KV head, channel), fp32, updated in place only.
+        heads, dims = (shape.num_layers, shape.num_kv_heads), (shape.num_layers, shape.num_kv_heads, shape.head_dim)
+        self.k_scale = torch.full(heads, kv_scale or 1.0, dtype=torch.float32, device=device)
+        self.v_scale = torch.full(heads, kv_scale or 1.0, dtype=torch.float32, device=device)
+        self.k_mean = torch.zeros(dims, dtype=torch.float32, device=device)
+        self.v_mean = torch.zeros(dims, dtype=torch.float32, device=device)
+        self._uncalibrated = [self.quantized and kv_scale is None] * shape.num_layers
         self.max_context_len = max_context_len
         self.page_table = torch.zeros((max_reqs, max_context_len), dtype=torch.int32, device=device)
         self._free_pages: list[int] = list(range(num_pages, 0, -1))  # pop() hands out low pages first
@@ -86,7 +115,43 @@ class KVPool:
     def free_req_slot(self, slot: int) -> None:
         self._free_req_slots.append(slot)
 
-    # --- KV writes -----------------------------------------------------------------------------
+    # --- KV reads and writes -------------------------------------------------------------------
+    def needs_scales(self, layer_id: int) -> bool:
+        """An FP8 layer whose scales the next prefill sets (see `calibrate`)."""
+        return self._uncalibrated[layer_id]
+
+    def calibrate(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Set this layer's FP8 means and scales from a prefill's K/V [T, Hkv, D] (see the module docstring)."""
+        for mean, scale, x in ((self.k_mean, self.k_scale, k), (self.v_mean, self.v_scale, v)):
+            xf = x.float()
+            mean[layer_id].copy_(xf.mean(0))
+            amax = (xf - mean[layer_id]).abs().amax(dim=(0, 2)).clamp_(min=_MIN_AMAX)
+            scale[layer_id].copy_(amax * (KV_SCALE_HEADROOM / FP8_MAX))
+        self._uncalibrated[layer_id] = False
+
+    def layer_quant(self, layer_id: int) -> KVQuant | None:
+        """This layer's FP8 scales and means for a kernel, or None for a 16-bit pool."""
+        if not self.quantized:
+            return None
+        return KVQuant(self.k_scale[layer_id], self.v_scale[layer_id], self.k_mean[layer_id], self.v_mean[layer_id])
+
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer_id][loc] = k
-        self.v[layer_id][loc] = v
+        """k/v [T, Hkv, D] into slots `loc` (as FP8 codes of this layer's means and scales in an FP8 pool)."""
+        if not self.quantized:
+            self.k[layer_id][loc] = k
+            self.v[layer_id][loc] = v
+            return
+        for cache, mean, scale, x in ((self.k, self.k_mean, self.k_scale, k), (self.v, self.v_mean, self.v_scale, v)):
+            codes = quantize(x.float() - mean[layer_id], scale[layer_id][:, None])
+            cache[layer_id].view(torch.uint8)[loc] = codes.view(torch.uint8)  # byte views: index_put on any torch
+
+    def read(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [len(slots), Hkv, D] of these slots in `dtype` (FP8: code * scale + mean, in fp32 first)."""
+        if not self.quantized:
+            return (self.k[layer_id].index_select(0, slots).to(dtype),
+                    self.v[layer_id].index_select(0, slots).to(dtype))
+        out = []
+        for cache, mean, scale in ((self.k, self.k_mean, self.k_scale), (self.v, self.v_mean, self.v_scale)):
+            codes = cache[layer_id].view(torch.uint8).index_select(0, slots).view(FP8)
+            out.append((dequantize(codes, scale[layer_id][:, None]) + mean[layer_id]).to(dtype))
+        return out[0], out[1]

@@ -1,6 +1,6 @@
 """Tensor-parallel linear layers: column-split (with merged shards such as QKV, gate-up) and row-split.
 
-Each holds its weight the way its LinearMethod (layers/quant.py) says: dense, or quantized on CPU."""
+Each holds its weight the way its LinearMethod (layers/quant.py) says: dense, int4 / int8 on CPU, or FP8."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from torch import nn
 
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import all_reduce
-from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.fused import Kernels
-from minisgl_cli.layers.quant import LinearMethod, gemv_ops
+from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.loader.hf import Weight, whole
 
 
@@ -95,11 +94,8 @@ class RowParallelLinear(nn.Module):
         return self._finish(self.method.apply(self, x, None))
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """forward(silu(gate) * up) of a fused [T, 2I] gate-up; one kernel (GEMV reading gate-up) at T == 1."""
-        ops = None if self.method.quantized else gemv_ops(gate_up, self.weight, self.kernels)
-        if ops is None:
-            return self.forward(silu_and_mul(gate_up, self.kernels))
-        return self._finish(ops.gemv(gate_up.contiguous(), self.weight, act_mul=True, pdl=self.kernels.pdl))
+        """forward(silu(gate) * up) of a fused [T, 2I] gate-up (fused into one kernel where the method can)."""
+        return self._finish(self.method.apply_silu_mul(self, gate_up))
 
     def _finish(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial products, then add the (unsplit) bias once."""

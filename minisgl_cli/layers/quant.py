@@ -1,14 +1,22 @@
-"""Linear methods: how a linear layer holds its weight and computes x W^T — dense, or with int4 / int8 copies on CPU.
+"""Linear methods: how a linear layer holds its weight and computes x W^T — dense, int4 / int8 copies on CPU, or
+FP8 weights (Hopper; simulated on CPU).
 
 A method is stateless (one per engine); what it makes lives on the layer. A layer calls `create` once,
 `load` per checkpoint shard (a dense tensor, or a GGUF's quantized groups: loader/blocks.py), `finish`
-once every shard is in, then `apply` per forward. METHODS maps the `--quantization` values to the
-methods; another one (fp8 on CUDA) is one more class and one more entry.
+once every shard is in, then `apply` per forward (`apply_silu_mul` for the down projection, whose input
+is a fused gate-up). METHODS maps the `--quantization` values to the methods; `devices` says where each
+runs (EngineConfig refuses the others with a one-line error).
 
   none  the weight, dense in the engine dtype (layers/cpu_kernels.py's GEMMs, or the Triton GEMV on CUDA)
   int4  plus its 4-bit copy: groups of 32 inputs with a scale and a zero each. A GGUF's Q4_0 / Q4_1 blocks
         load as they are; a dense checkpoint quantizes like Q4_1 (min and (max - min) / 15 per group)
   int8  plus its 8-bit copy, one scale per output channel (re-quantized per row from a GGUF's Q8_0)
+  fp8   e4m3 weights with one fp32 scale per output channel (of this rank's shard), made at load from the
+        dense checkpoint (core/fp8.py). More than one row: activations quantized per token on the fly, one
+        GEMM through torch._scaled_mm (row-wise scales, bf16 out). One row (batch-1 decode): the Triton GEMV
+        reads the 8-bit weights against the 16-bit row (layers/triton_gemv.py). On the CPU (and on CUDA
+        with the fused ops off) the same numbers by quantize / dequantize in fp32: the simulation the
+        kernels are tested against and the quality checks run on.
 
 The quantized copies run PyTorch's own CPU kernels, `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`,
 with bf16 activations (their only vectorized path, on AVX2 and AVX-512 alike; fp32 in and out around
@@ -16,10 +24,15 @@ them). Reading 4 or 8 bits per weight, they win while a step has few rows (decod
 with every row, so above `max_rows` rows (prefill, big decode batches) the dense weight runs instead:
 the GEMM is compute-bound there, and the prompt is read with the model's exact weights.
 
-The LM head of a quantized model is held as int8 per channel and multiplied with the activations
+The LM head of an int4 / int8 model is held as int8 per channel and multiplied with the activations
 quantized to int8 per row on the fly (torch._int_mm, int32 sums, fp32 logits): 8 bits because 4-bit
 logits cost SmolLM2 6% perplexity (8-bit: 0.2%), and this kernel because it is the fastest 8-bit one at
 every batch size here, and its logits are not rounded to bf16 (near-tied greedy choices stay as exact).
+
+Under fp8 the LM head, the embedding, the norms and the first and last decoder layers stay in the engine
+dtype (as vLLM and sglang keep the head): on SmolLM2-135M (tests/data/perplexity_en.txt, FP8 KV on) an
+e4m3 head alone costs ~1.3% perplexity and the edge layers most of the rest (docs/gpu.md), against the 2%
+that FP8 weights + KV may cost in all.
 """
 
 from __future__ import annotations
@@ -32,7 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl_cli.core import fp8
 from minisgl_cli.layers import cpu_kernels
+from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.loader.blocks import Int4Groups, Int8Groups, quantize_int4, quantize_int8
 from minisgl_cli.loader.hf import Weight, whole
@@ -45,8 +60,8 @@ _N_ALIGN = 16  # the int4 pack takes output rows in multiples of 16: pad with ze
 
 
 def gemv_ops(x: torch.Tensor, weight: torch.Tensor, kernels: Kernels) -> ModuleType | None:
-    """The Triton ops when x is one CUDA row in 16-bit (batch-1 decode): their GEMV beats cuBLAS there."""
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dtype not in (torch.bfloat16, torch.float16):
+    """The Triton ops when x is one CUDA row (batch-1 decode) over 16-bit or FP8 weights: their GEMV beats cuBLAS."""
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dtype not in (torch.bfloat16, torch.float16, fp8.FP8):
         return None
     return kernels.triton(x)
 
@@ -57,6 +72,7 @@ class LinearMethod:
     name = "none"
     quantized = False
     devices: tuple[str, ...] = ("cpu", "cuda")
+    takes_blocks = False  # loads a GGUF's int4 / int8 blocks as shipped (else the dense checkpoint)
 
     def create(self, layer: Layer, out_features: int, in_features: int) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -76,8 +92,19 @@ class LinearMethod:
             return ops.gemv(x.contiguous(), layer.weight, bias, pdl=layer.kernels.pdl)
         return cpu_kernels.linear(x, layer.weight, bias, layer.kernels.cpu_gemm)
 
+    def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor) -> torch.Tensor:
+        """apply(silu(gate) * up) of a fused [T, 2I] gate-up: at one CUDA row, one GEMV that reads the gate-up."""
+        ops = gemv_ops(gate_up, layer.weight, layer.kernels)
+        if ops is None:
+            return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None)
+        return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, pdl=layer.kernels.pdl)
+
     def for_lm_head(self) -> LinearMethod:
         """The method of the model's LM head (the vocabulary projection)."""
+        return self
+
+    def for_layer(self, layer_id: int, num_layers: int) -> LinearMethod:
+        """The method of decoder layer `layer_id`'s linears (fp8 keeps the sensitive edge layers dense)."""
         return self
 
 
@@ -86,6 +113,7 @@ class _WeightOnly(LinearMethod):
 
     quantized = True
     devices = ("cpu",)
+    takes_blocks = True
     max_rows = 8  # rows of x up to which the low-bit kernel beats the dense GEMM (docs/benchmarks.md)
 
     def create(self, layer: Layer, out_features: int, in_features: int) -> None:
@@ -107,6 +135,9 @@ class _WeightOnly(LinearMethod):
         n = layer.weight.shape[0]
         y = self._mm(x2.to(_KERNEL_DTYPE).contiguous(), layer)[:, :n].to(x.dtype).view(*x.shape[:-1], n)
         return y + bias if bias is not None else y
+
+    def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None)
 
     def for_lm_head(self) -> LinearMethod:
         return Int8LogitsMethod()
@@ -231,4 +262,84 @@ def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> Any | None:
         return None
 
 
-METHODS: dict[str, type[LinearMethod]] = {"none": LinearMethod, "int4": Int4Method, "int8": Int8Method}
+class Fp8Method(LinearMethod):
+    """e4m3 weights with a per-output-channel fp32 scale; activations per token (see the module docstring).
+
+    The layer holds `weight` (e4m3 [N, K]) and `weight_scale` (fp32 [N]); on the CPU also `weight_dense`, the
+    dequantized weight in fp32 that the quantize / dequantize path multiplies by."""
+
+    name = "fp8"
+    quantized = True
+
+    def create(self, layer: Layer, out_features: int, in_features: int) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=fp8.FP8), requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32), requires_grad=False)
+
+    def load(self, layer: Layer, w: Weight, row: int) -> None:
+        # Whole rows arrive (a merged shard's rows, or a row-split layer's local columns at once): quantize now.
+        codes, scale = fp8.quantize_rows(whole(w).to(layer.weight.device))
+        layer.weight.data.narrow(0, row, codes.shape[0]).copy_(codes)
+        layer.weight_scale.data.narrow(0, row, codes.shape[0]).copy_(scale[:, 0])
+
+    def finish(self, layer: Layer) -> None:
+        if layer.weight.device.type == "cpu":
+            layer.weight_dense = fp8.dequantize(layer.weight.data, layer.weight_scale.data[:, None])
+
+    def for_lm_head(self) -> LinearMethod:
+        return LinearMethod()
+
+    def for_layer(self, layer_id: int, num_layers: int) -> LinearMethod:
+        # The first and last decoder layers stay dense: on SmolLM2-135M they carry most of FP8's perplexity
+        # cost (docs/gpu.md: with them in FP8, or all but their down projections, it passes the 2% bar).
+        edge = num_layers > 2 and layer_id in (0, num_layers - 1)
+        return LinearMethod() if edge else self
+
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernels = layer.kernels
+        w, ws = layer.weight, layer.weight_scale
+        ops = kernels.triton(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        n, k = w.shape
+        if ops is None or k % 16 or n % 16:  # the reference path (and _scaled_mm wants multiples of 16)
+            return self._reference(layer, x, bias)
+        if x2.shape[0] == 1:
+            return ops.gemv(x2.contiguous(), w, bias, pdl=kernels.pdl, scale=ws).view(*x.shape[:-1], n)
+        xq, xs = ops.quant_rows(x2.contiguous(), pdl=kernels.pdl)
+        return self._scaled_mm(xq, xs, layer, bias, x.dtype).view(*x.shape[:-1], n)
+
+    def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor) -> torch.Tensor:
+        kernels = layer.kernels
+        ops = kernels.triton(gate_up)
+        n, k = layer.weight.shape
+        if ops is None or gate_up.dim() != 2 or k % 16 or n % 16:
+            return self._reference(layer, silu_and_mul(gate_up, kernels), None)
+        if gate_up.shape[0] == 1:
+            return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, pdl=kernels.pdl,
+                            scale=layer.weight_scale)
+        xq, xs = ops.quant_rows(gate_up.contiguous(), act_mul=True, pdl=kernels.pdl)  # SiLU-and-mul fused in
+        return self._scaled_mm(xq, xs, layer, None, gate_up.dtype)
+
+    @staticmethod
+    def _scaled_mm(xq: torch.Tensor, xs: torch.Tensor, layer: Layer, bias: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+        # Row-wise scaling: x's per-token scales [M, 1] and the weight's per-channel ones [1, N], fp32 sums,
+        # bf16 out (the only output type row-wise scaling takes).
+        y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale[None, :],
+                             out_dtype=torch.bfloat16).to(dtype)
+        return y + bias if bias is not None else y
+
+    @staticmethod
+    def _reference(layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The same numbers in fp32 by quantize / dequantize: activations per token unless x is one row."""
+        x2 = x.reshape(-1, x.shape[-1])
+        xf = x2.float() if x2.shape[0] == 1 else fp8.round_trip_rows(x2)
+        w = layer.__dict__.get("weight_dense")
+        if w is None:  # CUDA: dequantized per call (a reference path, not a fast one)
+            w = fp8.dequantize(layer.weight, layer.weight_scale[:, None])
+        y = F.linear(xf, w).to(x.dtype).view(*x.shape[:-1], w.shape[0])
+        return y + bias if bias is not None else y
+
+
+
+METHODS: dict[str, type[LinearMethod]] = {"none": LinearMethod, "int4": Int4Method, "int8": Int8Method,
+                                           "fp8": Fp8Method}

@@ -12,7 +12,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from minisgl_cli.core.fp8 import KVQuant
 from minisgl_cli.layers.pdl import pdl_kwargs
+from minisgl_cli.layers.triton_fp8 import fp8_codes, quant_rows  # noqa: F401  (quant_rows re-exported, as gemv)
 from minisgl_cli.layers.triton_gemv import gemv  # noqa: F401  (re-exported: one switch for every Triton layer op)
 
 
@@ -58,9 +60,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
-                         stride_t, stride_cos, stride_cs, eps,
+                         k_scale_ptr, v_scale_ptr, k_mean_ptr, v_mean_ptr, stride_t, stride_cos, stride_cs, eps,
                          NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, USE_PDL: tl.constexpr):
+                         HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, KV_FP8: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -71,10 +74,18 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_c
     base = qkv_ptr + t * stride_t + j * HEAD_DIM
     x1 = tl.load(base + offs)
     x2 = tl.load(base + half + offs)
-    if j >= NUM_Q + NUM_KV:  # a v head: only copied to its cache slot
-        dst = v_cache_ptr + tl.load(loc_ptr + t).to(tl.int64) * stride_cs + (j - NUM_Q - NUM_KV) * HEAD_DIM
-        tl.store(dst + offs, x1)
-        tl.store(dst + half + offs, x2)
+    if j >= NUM_Q + NUM_KV:  # a v head: only copied to its cache slot (FP8: the codes of x - mean)
+        hv = j - NUM_Q - NUM_KV
+        dst = v_cache_ptr + tl.load(loc_ptr + t).to(tl.int64) * stride_cs + hv * HEAD_DIM
+        if KV_FP8:  # (new names: x1 / x2 keep one type across the branches of the head test)
+            vs = tl.load(v_scale_ptr + hv)
+            vm = v_mean_ptr + hv * HEAD_DIM
+            tl.store(dst + offs, fp8_codes(x1.to(tl.float32) - tl.load(vm + offs), vs, v_cache_ptr.dtype.element_ty))
+            tl.store(dst + half + offs,
+                     fp8_codes(x2.to(tl.float32) - tl.load(vm + half + offs), vs, v_cache_ptr.dtype.element_ty))
+        else:
+            tl.store(dst + offs, x1)
+            tl.store(dst + half + offs, x2)
     else:
         dt = x1.dtype
         if HAS_NORM:
@@ -97,18 +108,27 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_c
         tl.store(base + half + offs, o2.to(dt))
         if STORE_KV and j >= NUM_Q:
             dst = k_cache_ptr + tl.load(loc_ptr + t).to(tl.int64) * stride_cs + (j - NUM_Q) * HEAD_DIM
-            tl.store(dst + offs, o1.to(dt))
-            tl.store(dst + half + offs, o2.to(dt))
+            k1, k2 = o1.to(dt), o2.to(dt)  # the rotated k as the q/k rows hold it, then (FP8) its codes
+            if KV_FP8:
+                ks = tl.load(k_scale_ptr + j - NUM_Q)
+                km = k_mean_ptr + (j - NUM_Q) * HEAD_DIM
+                k1 = fp8_codes(k1.to(tl.float32) - tl.load(km + offs), ks, k_cache_ptr.dtype.element_ty)
+                k2 = fp8_codes(k2.to(tl.float32) - tl.load(km + half + offs), ks, k_cache_ptr.dtype.element_ty)
+            tl.store(dst + offs, k1)
+            tl.store(dst + half + offs, k2)
+
+
+KVCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVQuant | None]  # as attention.base.KVBuffers
 
 
 def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   num_q: int, num_kv: int, head_dim: int, q_weight: torch.Tensor | None,
-                  k_weight: torch.Tensor | None, eps: float,
-                  kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, pdl: bool = True) -> None:
+                  k_weight: torch.Tensor | None, eps: float, kv_cache: KVCache | None = None, pdl: bool = True) -> None:
     """In place on the q and k heads of a fused qkv [T, (Hq + 2 Hkv) * D]: optional per-head RMSNorm, then RoPE.
 
-    With kv_cache = (k_cache, v_cache, loc) ([slots, Hkv, D] each, loc [T]) the same launch also writes
-    the rotated k and the v heads to their slots: the attention backend then skips its own store.
+    With kv_cache = (k_cache, v_cache, loc, quant) ([slots, Hkv, D] each, loc [T]) the same launch also
+    writes the rotated k and the v heads to their slots: the attention backend then skips its own store.
+    quant: an FP8 cache's scales and means (core/fp8.py; the heads are stored as e4m3 codes), else None.
     """
     T = qkv.shape[0]
     if T == 0:
@@ -116,14 +136,15 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     has_norm = q_weight is not None
     qw = q_weight if has_norm else cos
     kw = k_weight if has_norm else cos
-    k_cache, v_cache, loc = kv_cache if kv_cache is not None else (qkv, qkv, positions)
+    k_cache, v_cache, loc, quant = kv_cache if kv_cache is not None else (qkv, qkv, positions, None)
     if kv_cache is not None:
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1:] == (num_kv, head_dim)
+    fp8 = quant if quant is not None else (cos,) * 4  # placeholders, never read
     heads = num_q + (2 if kv_cache is not None else 1) * num_kv
     _qk_norm_rope_kernel[(T, heads)](
-        qkv, positions, cos, sin, qw, kw, k_cache, v_cache, loc, qkv.stride(0), cos.stride(0), k_cache.stride(0),
-        eps, NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim, HAS_NORM=has_norm, STORE_KV=kv_cache is not None,
-        num_warps=1, **pdl_kwargs(qkv, pdl),
+        qkv, positions, cos, sin, qw, kw, k_cache, v_cache, loc, *fp8, qkv.stride(0), cos.stride(0),
+        k_cache.stride(0), eps, NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim, HAS_NORM=has_norm,
+        STORE_KV=kv_cache is not None, KV_FP8=quant is not None, num_warps=1, **pdl_kwargs(qkv, pdl),
     )
 
 

@@ -47,13 +47,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         sgl = self.kernels.sgl_ops(qkv)  # --engine sgl: its RoPE (and RMSNorm) below, attention stores K/V
         ops = self.kernels.triton(qkv) if sgl is None and self.head_dim in (64, 128, 256) else None
+        kv_out = attn.kv_buffers(self.layer_id, batch) if ops is not None else None
         if ops is not None:  # one kernel: q/k head norms and RoPE in place on the fused qkv rows, K/V to the pool
             qn, kn = self.q_norm, self.k_norm
             ops.qk_norm_rope_(
                 qkv, batch.positions, self.rope.cos, self.rope.sin, self.num_heads, self.num_kv_heads,
                 self.head_dim, qn.weight if qn is not None else None, kn.weight if kn is not None else None,
-                qn.eps if qn is not None else 0.0, (*attn.kv_buffers(self.layer_id), batch.out_cache_loc),
-                pdl=self.kernels.pdl,
+                qn.eps if qn is not None else 0.0, kv_out, pdl=self.kernels.pdl,
             )
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -71,7 +71,7 @@ class Attention(nn.Module):
                 qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
                 qk = self.rope.rotate(qk, at)
                 q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=ops is not None)
+        o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=kv_out is not None)
         return self.o_proj(o.reshape(-1, q_size))
 
 
@@ -123,7 +123,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama / Mistral; Qwen2 (bias on q/k/v) and Qwen3 (q/k norm) differ only by config switches.
 
     `kernels` is the engine's choice of implementation, shared by every layer of this model; `method` how its
-    linear layers and LM head hold their weights (layers/quant.py: dense, int4, int8)."""
+    linear layers and LM head hold their weights (layers/quant.py: dense, int4, int8, fp8; a method may keep
+    some decoder layers dense: `for_layer`)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo = TPInfo(), kernels: Kernels | None = None,
                  method: LinearMethod | None = None):
@@ -134,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         method = method or LinearMethod()
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope, tp, kernels, method)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope, tp, kernels, method.for_layer(i, cfg.num_layers))
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, kernels, method.for_lm_head(),

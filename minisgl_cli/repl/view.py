@@ -184,6 +184,8 @@ class ChatView:
     def ready(self, info: ModelInfo, settings_line: str) -> None:
         self.prefix_cache = info.prefix_cache
         kv = "n/a" if info.kv_tokens is None else f"{info.kv_tokens:,} tokens"
+        if info.kv_cache_dtype not in ("", info.dtype):
+            kv = f"{info.kv_cache_dtype} {kv}"
         if info.dp_size > 1:
             kv += f" over {info.dp_size} replicas"
         self.note(
