@@ -25,17 +25,18 @@ def default_model_dir() -> Path:
     return resolve_model(None).path
 
 
-# The one fixed English text the quality tests read (our own prose: two stories, ~6,000 SmolLM2 tokens), through
-# minisgl_cli/engine/perplexity.py.
+# The one fixed English text the quality tests read (our own prose): two stories, ~2,900 and ~3,100 SmolLM2
+# tokens, apart at a "* * *" line; minisgl_cli/engine/perplexity.py reads each as its own sequence.
 PERPLEXITY_TEXT = Path(__file__).parent / "data" / "perplexity_en.txt"
 
 
 @pytest.fixture(scope="session")
-def text_ids(default_model_dir) -> list[int]:
-    """PERPLEXITY_TEXT as the default model's token ids."""
+def text_docs(default_model_dir) -> list[list[int]]:
+    """PERPLEXITY_TEXT's documents as the default model's token ids."""
     from minisgl_cli.tokenizer import Tokenizer
 
-    return Tokenizer(default_model_dir).encode(PERPLEXITY_TEXT.read_text())
+    tok = Tokenizer(default_model_dir)
+    return [tok.encode(doc.strip() + "\n") for doc in PERPLEXITY_TEXT.read_text().split("\n* * *\n")]
 
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

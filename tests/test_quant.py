@@ -103,21 +103,21 @@ def test_quantized_lm_head_is_int8_with_fp32_logits_and_tied_to_the_embedding(fb
     assert torch.allclose(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
 
 
-def test_quantized_perplexity_stays_close_to_the_exact_path(default_model_dir, text_ids, monkeypatch):
+def test_quantized_perplexity_stays_close_to_the_exact_path(default_model_dir, text_docs, monkeypatch):
     """Same weights (the bundled Q4_1 GGUF), same text: int8 within 1% and int4 (its blocks as shipped) within 3% of
     the exact fp32 path. The text is read as 512-token prefills (engine/perplexity.py), so the low-bit kernels are
     made to take every row (decode runs them; prefill would otherwise take the dense weights)."""
-    assert len(text_ids) > 2500
-    tokens = len(text_ids) + 8
-    exact = perplexity(Engine(EngineConfig(max_total_tokens=tokens, **EXACT)), text_ids)
+    assert sum(len(d) for d in text_docs) > 5000
+    tokens = max(len(d) for d in text_docs) + 8
+    exact = perplexity(Engine(EngineConfig(max_total_tokens=tokens, **EXACT)), text_docs)
     monkeypatch.setattr(quant.Int4Method, "max_rows", 1 << 30)
     monkeypatch.setattr(quant.Int8Method, "max_rows", 1 << 30)
     got = {}
     for q in ("int8", "int4"):
         engine = Engine(EngineConfig(max_total_tokens=tokens, quantization=q))
         assert engine.quantization == q
-        got[q] = perplexity(engine, text_ids)
-    print(f"perplexity over {len(text_ids)} tokens: exact fp32 {exact:.3f}, int8 {got['int8']:.3f}, "
+        got[q] = perplexity(engine, text_docs)
+    print(f"perplexity over {sum(len(d) for d in text_docs)} tokens: exact fp32 {exact:.3f}, int8 {got['int8']:.3f}, "
           f"int4 {got['int4']:.3f}")
     assert 5 < exact < 40  # the model reads English
     assert abs(got["int8"] / exact - 1) < 0.01

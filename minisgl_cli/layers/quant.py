@@ -30,8 +30,8 @@ logits cost SmolLM2 6% perplexity (8-bit: 0.2%), and this kernel because it is t
 every batch size here, and its logits are not rounded to bf16 (near-tied greedy choices stay as exact).
 
 Under fp8 the LM head, the embedding, the norms and the first and last decoder layers stay in the engine
-dtype (as vLLM and sglang keep the head): on SmolLM2-135M (tests/data/perplexity_en.txt, FP8 KV on) an
-e4m3 head alone costs ~1.3% perplexity and the edge layers most of the rest (docs/gpu.md), against the 2%
+dtype (as vLLM and sglang keep the head): on SmolLM2-135M (the second story of tests/data/perplexity_en.txt,
+FP8 KV on) an e4m3 head alone costs ~1.3% perplexity and the edge layers most of the rest (docs/gpu.md), against the 2%
 that FP8 weights + KV may cost in all.
 """
 
