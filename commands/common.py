@@ -14,7 +14,7 @@ import logging
 import threading
 import types
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import (
     TYPE_CHECKING,
     Annotated,
@@ -91,7 +91,8 @@ def _declared() -> dict[str, _Option]:
         hints = get_type_hints(cls)
         for f in fields(cls):
             if "flags" in f.metadata:
-                out[f.name] = _Option(f.name, hints[f.name], f.default, dict(f.metadata))
+                default = f.default_factory() if f.default_factory is not MISSING else f.default
+                out[f.name] = _Option(f.name, hints[f.name], default, dict(f.metadata))
                 if f.name == "model":
                     out[_MODEL_LOCAL_DIR.name] = _MODEL_LOCAL_DIR
     return out

@@ -18,7 +18,7 @@ DIR=${LLAMA_CPP_DIR:-$HOME/.cache/minisgl/llama.cpp}
 BIN="$DIR/src/llama.cpp/build/bin/llama-server"
 THREADS=${THREADS:-$(nproc)}
 # name=serve flags, space-separated; the name labels the table's columns
-MINISGL_MODES=${MINISGL_MODES:-"int4=--quantization=auto fp32=--dtype=float32,--quantization=none"}
+MINISGL_MODES=${MINISGL_MODES:-"int4=--quantization=auto int4-eager=--quantization=auto,--torch-compile=off fp32=--dtype=float32,--quantization=none"}
 BENCH_ARGS=(--dataset random --num-prompts 32 --input-len 128 --output-len 64
             --concurrency 1 --concurrency 4 --concurrency 16)
 
@@ -36,6 +36,12 @@ GGUF=$("$PY" -c "import importlib.util, pathlib; p = pathlib.Path(importlib.util
 PID=
 trap '[ -n "$PID" ] && kill $PID 2>/dev/null || true' EXIT
 trap 'exit 130' INT TERM  # so that the EXIT trap stops a running server
+# A server that compiles its CPU decode in the background (engine/cpu_compile.py) is measured once it has.
+wait_compiled() {
+  grep -q "compiling the CPU decode" "$1" || return 0
+  for _ in $(seq 1 600); do grep -qE "CPU decode compiled|decoding eagerly" "$1" && return 0; sleep 1; done
+  echo "the CPU decode did not compile in 600 s" >&2; return 1
+}
 wait_up() { for _ in $(seq 1 120); do curl -sf "$1/v1/models" >/dev/null && return 0; sleep 1; done; echo "server at $1 did not start" >&2; return 1; }
 stop() { kill $PID; wait $PID 2>/dev/null || true; PID=; }
 
@@ -50,9 +56,10 @@ NAMES=()
 for mode in $MINISGL_MODES; do
   name=${mode%%=*}; flags=${mode#*=}; NAMES+=("$name")
   # shellcheck disable=SC2086  # the flags split on commas into words
-  OMP_NUM_THREADS=$THREADS "$MINISGL" serve --port 8182 ${flags//,/ } >"$OUT/minisgl-$name-serve.log" 2>&1 &
+  OMP_NUM_THREADS=$THREADS "$MINISGL" serve -v --port 8182 ${flags//,/ } >"$OUT/minisgl-$name-serve.log" 2>&1 &
   PID=$!
   wait_up http://127.0.0.1:8182
+  wait_compiled "$OUT/minisgl-$name-serve.log"
   "$MINISGL" bench --url http://127.0.0.1:8182 "${BENCH_ARGS[@]}" --output-json "$OUT/minisgl-$name.json" \
     | tee "$OUT/minisgl-$name.txt"
   stop

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -68,10 +69,21 @@ def cpu_gemm() -> str:
     return _text("MINISGL_CPU_GEMM") or "auto"
 
 
+def torch_compile() -> Any:
+    """MINISGL_TORCH_COMPILE: the default of --torch-compile (auto, on, off; EngineConfig checks the value)."""
+    return _text("MINISGL_TORCH_COMPILE") or "auto"
+
+
 # --- models on disk ------------------------------------------------------------------------------
 def cache_dir() -> Path:
     """MINISGL_CACHE_DIR: where converted GGUF models go; default ~/.cache/minisgl."""
     return _path("MINISGL_CACHE_DIR") or Path.home() / ".cache" / "minisgl"
+
+
+def inductor_cache_dir() -> Path:
+    """TORCHINDUCTOR_CACHE_DIR: torch.compile's kernel cache; default <MINISGL_CACHE_DIR>/inductor (it outlives
+    /tmp, so a later start reuses the kernels)."""
+    return _path("TORCHINDUCTOR_CACHE_DIR") or cache_dir() / "inductor"
 
 
 def hub_offline() -> bool:

@@ -11,6 +11,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The CPU default compiles its decode in the background (engine/cpu_compile.py): a minute of both cores per
+# engine, which the suite's dozens of engines and servers cannot spare. tests/test_cpu_compile.py turns it on.
+os.environ.setdefault("MINISGL_TORCH_COMPILE", "off")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 # Fixtures of the server and media tests, shared by every module that names them.

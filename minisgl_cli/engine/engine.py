@@ -15,6 +15,7 @@ from minisgl_cli.core.host import HostBuffers
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks
 from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.engine.cpu_compile import CompiledDecode
 from minisgl_cli.engine.graph import GraphRunner, default_max_bs
 from minisgl_cli.engine.sampler import Sampled, SamplingRow, sample
 from minisgl_cli.kvcache.pool import KVPool, KVShape
@@ -121,6 +122,12 @@ class Engine:
         if self.device.type == "cuda":
             if not cfg.disable_cuda_graph and getattr(self.attn, "supports_cuda_graph", False):
                 self.capture_graphs()
+        self.compiled: CompiledDecode | None = None
+        if cfg.compiles_decode(self.quantization, tp.size):
+            # Up to the rows the low-bit GEMVs take (past them a step is GEMM-bound: nothing to gain).
+            max_bs = getattr(METHODS[self.quantization], "max_rows", cfg.max_running_requests)
+            self.compiled = CompiledDecode(self.model, self.attn, max_bs, self.device)
+            self.compiled.start()
         self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0, self.quantization)
         log.info(
             "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s backend=%s "
@@ -159,6 +166,10 @@ class Engine:
         """Logits [B, vocab] (engine dtype) of each request's last token (decode through a CUDA graph when one fits)."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.replay(batch)
+        if self.compiled is not None and self.compiled.can_run(batch):
+            hidden = self.compiled.run(batch)
+            if hidden is not None:
+                return self.model.logits(hidden)
         self.attn.prepare(batch)
         return self.model.logits(self.model(batch, self.attn))
 

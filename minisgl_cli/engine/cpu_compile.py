@@ -1,0 +1,100 @@
+"""CompiledDecode: the CPU's decode forward through torch.compile, compiled in the background.
+
+A CPU decode step of a small model is mostly op overhead, not arithmetic: SmolLM2-135M's int4 step runs
+~1,300 torch ops, and its int4 GEMVs are under a third of the step (docs/benchmarks.md). Inductor fuses
+the norms, RoPE, residual adds and the rest into a few C++ loops around the GEMV calls, which takes ~30%
+off the step. Compiling costs ~50 s the first time and ~20 s once inductor's cache (in the minisgl cache
+dir) holds the kernels, so it runs on a thread after the engine starts: steps run eagerly until the compiled
+function has run once per shape on a dummy batch (row 0 of the page table, KV written to the scratch slot 0),
+then decode batches of up to `max_bs` rows use it. Two shapes are compiled: one row, and 2..max_bs rows
+(dynamic); the context length is dynamic in both. The LM head stays eager (one int8 GEMM already).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from minisgl_cli import env
+from minisgl_cli.attention.base import AttentionBackend
+from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.core.host import HostBuffers
+
+log = logging.getLogger("minisgl.compile")
+
+_WARM_LEN = 16  # the dummy batches' context: past 1, which torch.compile would specialize on
+
+
+class CompiledDecode:
+    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, max_bs: int, device: torch.device):
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(env.inductor_cache_dir()))  # read when it compiles
+        self.attn = attn
+        self.max_bs = max_bs
+        self.device = device
+        self.fn: Callable[[ForwardBatch, AttentionBackend], torch.Tensor] = torch.compile(model.forward, dynamic=True)
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._warm, name="minisgl-compile", daemon=True)
+
+    def start(self) -> None:
+        log.info("compiling the CPU decode in the background (torch.compile; eager until it is ready)")
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until compiled (True) or failed / timed out (False)."""
+        self._thread.join(timeout)
+        return self.ready.is_set()
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return self.ready.is_set() and batch.is_decode and batch.batch_size <= self.max_bs
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Hidden states [B, hidden] of a decode batch (as the model's forward), or None where the compiled
+        function would have to compile again (a shape it has not seen): the caller runs it eagerly."""
+        self.attn.prepare(batch)
+        try:
+            # Never compile on the caller's thread: a compile there would stall every request for ~20 s.
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self.fn(batch, self.attn)
+        except RuntimeError as exc:
+            if not str(exc).startswith("Detected recompile"):
+                raise
+            log.warning("compiled CPU decode declined a batch of %d rows (%s); decoding it eagerly",
+                        batch.batch_size, str(exc).splitlines()[0])
+            return None
+
+    def _dummy(self, bs: int, host: HostBuffers) -> ForwardBatch:
+        # Row 0's first _WARM_LEN page-table entries are valid slots whatever they hold (only read);
+        # the new K/V go to the scratch slot 0.
+        return ForwardBatch.build("decode", [0] * bs, [0] * bs, [_WARM_LEN - 1] * bs, [1] * bs, [0] * bs,
+                                  self.device, host)
+
+    @torch.inference_mode()
+    def _warm(self) -> None:
+        import torch._inductor.config as inductor
+        import torch.fx.experimental._config as fx_config
+
+        # (torch's compile settings are per thread: set on the thread that compiles.)
+        inductor.compile_threads = 1  # no worker pool: it would take the cores the engine decodes on
+        # Equal sizes are not the same size: the batch size happening to equal a weight's dimension (or a
+        # slice's offset) must not become a guard that the next batch size fails.
+        fx_config.use_duck_shape = False
+        t0 = time.perf_counter()
+        host = HostBuffers()  # not the engine's: its step may be building a batch right now
+        try:
+            for bs in sorted({1, min(2, self.max_bs)}):
+                batch = self._dummy(bs, host)
+                self.attn.prepare(batch)
+                self.fn(batch, self.attn)
+        except Exception as exc:  # a compile failure costs speed, never the server
+            self.error = exc
+            log.warning("torch.compile of the CPU decode failed; decoding eagerly (%s)", exc)
+            return
+        self.ready.set()
+        log.info("CPU decode compiled (torch.compile, cache %s) in %.1fs", os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                 time.perf_counter() - t0)

@@ -1,0 +1,77 @@
+"""The CPU decode through torch.compile (engine/cpu_compile.py), on the real default model's int4 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.engine.engine import Engine
+
+
+def test_torch_compile_resolves_per_device_and_mode():
+    """auto compiles the CPU's int4 / int8 decode at TP 1 only; on refuses what it cannot run."""
+    auto = EngineConfig(device="cpu", torch_compile="auto")
+    assert auto.compiles_decode("int4", 1) and auto.compiles_decode("int8", 1)
+    assert not auto.compiles_decode("none", 1)  # the exact mode keeps eager's numbers (HF parity)
+    assert not auto.compiles_decode("int4", 2)
+    assert not EngineConfig(device="cpu", torch_compile="off").compiles_decode("int4", 1)
+    assert EngineConfig(device="cpu", torch_compile="on").compiles_decode("none", 1)
+    with pytest.raises(ValueError, match="--torch-compile on runs on the CPU at TP 1"):
+        EngineConfig(device="cpu", torch_compile="on").compiles_decode("int4", 2)
+    with pytest.raises(ValueError, match="--torch-compile must be one of auto, on, off"):
+        EngineConfig(torch_compile="yes")  # type: ignore[arg-type]
+
+
+def _prefill(engine: Engine, n: int) -> list[tuple[int, torch.Tensor]]:
+    """n requests of 100 prompt tokens each in the pool: (req slot, its KV slots)."""
+    pool, rows = engine.pool, []
+    for r in range(n):
+        row = pool.alloc_req_slot()
+        pages = pool.alloc_pages(256)
+        assert row is not None and pages is not None
+        slots = pool.slots_of_pages(pages)[:256]
+        pool.page_table[row, :256] = slots.to(torch.int32)
+        engine.forward(ForwardBatch.build("extend", list(range(1000 + 7 * r, 1100 + 7 * r)), [row], [0], [100],
+                                          slots[:100], engine.device, engine.host))
+        rows.append((row, slots))
+    return rows
+
+
+def _decode(engine: Engine, rows: list[tuple[int, torch.Tensor]]) -> ForwardBatch:
+    n = len(rows)
+    return ForwardBatch.build("decode", [5] * n, [r for r, _ in rows], [100] * n, [1] * n,
+                              [int(s[100]) for _, s in rows], engine.device, engine.host)
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_compiled_decode_matches_eager_against_the_fp32_truth():
+    """The compiled step (bf16 activations) is as close to the same int4 weights run in fp32 as the eager step:
+    the same top-1 token for every row at batch 1, 3 and 5 (one shape compiled for 2..max_bs), within eager's own
+    distance of the fp32 logits; batches over max_bs rows and prefills run eagerly."""
+    truth_engine = Engine(EngineConfig(max_total_tokens=2048, dtype="float32", quantization="int4",
+                                       torch_compile="off"))
+    engine = Engine(EngineConfig(max_total_tokens=2048, torch_compile="on"))
+    compiled = engine.compiled
+    assert compiled is not None and engine.quantization == "int4"
+    assert compiled.wait(900), compiled.error
+    truth_rows, rows = _prefill(truth_engine, 5), _prefill(engine, 5)
+    for n in (1, 3, 5):
+        truth = truth_engine.forward(_decode(truth_engine, truth_rows[:n])).float()
+        batch = _decode(engine, rows[:n])
+        engine.attn.prepare(batch)
+        eager = engine.model.logits(engine.model(batch, engine.attn)).float()
+        batch = _decode(engine, rows[:n])
+        assert compiled.can_run(batch)
+        hidden = compiled.run(batch)
+        assert hidden is not None  # no recompile was needed
+        got = engine.model.logits(hidden).float()
+        assert torch.equal(got.argmax(-1), truth.argmax(-1)) and torch.equal(eager.argmax(-1), truth.argmax(-1))
+        assert (got - truth).abs().max() <= 1.25 * (eager - truth).abs().max()
+        assert not torch.equal(got, eager)  # it is another program (fused, fp32 inside), not eager again
+    big = _decode(engine, [rows[0]] * (compiled.max_bs + 1))
+    assert not compiled.can_run(big)
+    assert not compiled.can_run(ForwardBatch.build("extend", [1, 2], [rows[0][0]], [0], [2], [0, 0], "cpu",
+                                                   engine.host))
