@@ -59,7 +59,7 @@ class CompiledDecode:
         self.attn.prepare(batch)
         try:
             # Never compile on the caller's thread: a compile there would stall every request for ~20 s.
-            with torch.compiler.set_stance("fail_on_recompile"):
+            with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
                 return self.fn(batch, self.attn)
         except RuntimeError as exc:
             if not str(exc).startswith("Detected recompile"):
