@@ -184,6 +184,7 @@ class SchedulerStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     retracted_requests: int | None = 0
+    decode_compiling: int = 0  # engines still compiling their CPU decode (engine/cpu_compile.py)
     # Data parallel: each replica's own figures (the fields above are then their sum over live replicas).
     replicas: list[ReplicaStats] = field(default_factory=list)
 

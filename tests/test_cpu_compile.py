@@ -40,38 +40,60 @@ def _prefill(engine: Engine, n: int) -> list[tuple[int, torch.Tensor]]:
 
 
 def _decode(engine: Engine, rows: list[tuple[int, torch.Tensor]]) -> ForwardBatch:
+    """A decode step of `rows`, built as the scheduler builds it (outside inference mode: torch.compile's guards
+    tell inference tensors apart)."""
     n = len(rows)
     return ForwardBatch.build("decode", [5] * n, [r for r, _ in rows], [100] * n, [1] * n,
                               [int(s[100]) for _, s in rows], engine.device, engine.host)
 
 
 @pytest.mark.slow
-@torch.inference_mode()
 def test_compiled_decode_matches_eager_against_the_fp32_truth():
-    """The compiled step (bf16 activations) is as close to the same int4 weights run in fp32 as the eager step:
-    the same top-1 token for every row at batch 1, 3 and 5 (one shape compiled for 2..max_bs), within eager's own
-    distance of the fp32 logits; batches over max_bs rows and prefills run eagerly."""
+    """Engine.forward's decode through the compiled function (bf16 activations) is as close to the same int4
+    weights run in fp32 as the eager step: the same top-1 token for every row at batch 1, 3 and 5 (one shape
+    compiled for 2..max_bs rows), within eager's own distance of the fp32 logits. Batches over max_bs rows and
+    prefills run eagerly; nothing is sent back to eager for want of a compile."""
     truth_engine = Engine(EngineConfig(max_total_tokens=2048, dtype="float32", quantization="int4",
                                        torch_compile="off"))
     engine = Engine(EngineConfig(max_total_tokens=2048, torch_compile="on"))
     compiled = engine.compiled
     assert compiled is not None and engine.quantization == "int4"
+    assert engine.compiling and not compiled.can_run(_decode(engine, [(0, torch.zeros(256, dtype=torch.long))]))
     assert compiled.wait(900), compiled.error
+    assert not engine.compiling
     truth_rows, rows = _prefill(truth_engine, 5), _prefill(engine, 5)
     for n in (1, 3, 5):
         truth = truth_engine.forward(_decode(truth_engine, truth_rows[:n])).float()
         batch = _decode(engine, rows[:n])
-        engine.attn.prepare(batch)
-        eager = engine.model.logits(engine.model(batch, engine.attn)).float()
-        batch = _decode(engine, rows[:n])
-        assert compiled.can_run(batch)
-        hidden = compiled.run(batch)
-        assert hidden is not None  # no recompile was needed
-        got = engine.model.logits(hidden).float()
+        with torch.inference_mode():
+            engine.attn.prepare(batch)
+            eager = engine.model.logits(engine.model(batch, engine.attn)).float()
+        steps = compiled.steps
+        got = engine.forward(_decode(engine, rows[:n])).float()
+        assert compiled.steps == steps + 1  # it ran compiled
         assert torch.equal(got.argmax(-1), truth.argmax(-1)) and torch.equal(eager.argmax(-1), truth.argmax(-1))
         assert (got - truth).abs().max() <= 1.25 * (eager - truth).abs().max()
         assert not torch.equal(got, eager)  # it is another program (fused, fp32 inside), not eager again
-    big = _decode(engine, [rows[0]] * (compiled.max_bs + 1))
-    assert not compiled.can_run(big)
+    assert compiled.declined == 0
+    assert not compiled.can_run(_decode(engine, [rows[0]] * (compiled.max_bs + 1)))
     assert not compiled.can_run(ForwardBatch.build("extend", [1, 2], [rows[0][0]], [0], [2], [0, 0], "cpu",
                                                    engine.host))
+
+
+@pytest.mark.slow
+def test_llm_decodes_through_the_compiled_step():
+    """Through the scheduler (the Python API): once compiled (stats say when), greedy generation runs the
+    compiled step and says what the exact mode says to a plain question."""
+    import time
+
+    from minisgl_cli import LLM, SamplingParams
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with LLM(torch_compile="on") as llm:
+        deadline = time.monotonic() + 900
+        while llm.client.stats().decode_compiling and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert llm.client.stats().decode_compiling == 0
+        ids = llm.client.tokenizer.apply_chat_template(messages)
+        out = llm.generate([ids] * 3, SamplingParams(max_new_tokens=16))
+    assert all("Paris" in o.text for o in out)

@@ -11,6 +11,8 @@ from minisgl_cli.bench.workloads import BenchRequest, Case
 from minisgl_cli.client import EngineClient
 from minisgl_cli.types import GenerateRequest, SamplingParams
 
+COMPILE_WAIT_S = 900.0  # the longest a warm-up waits for the engine's CPU decode to compile
+
 
 class EngineRunner:
     sequential = False
@@ -56,6 +58,11 @@ class EngineRunner:
         return list(await asyncio.gather(*(limited(r) for r in requests)))
 
     def warmup(self, requests: list[BenchRequest]) -> None:
+        # Measure the engine as it serves once warm: a CPU decode still compiling would time eager steps
+        # and share the cores with the compiler (engine/cpu_compile.py).
+        deadline = time.monotonic() + COMPILE_WAIT_S
+        while self.client.stats().decode_compiling and time.monotonic() < deadline:
+            time.sleep(0.5)
         if requests:
             asyncio.run(self._run(requests, len(requests), lambda: None))
 

@@ -135,7 +135,8 @@ class Bench:
     def run(self, runner: Runner, cases: list[list[wl.Case]], levels: list[int], vocab_size: int) -> None:
         """cases[i] are the cases of levels[i]; a sequential runner runs the first level's, once, at c=1."""
         if self.cfg.warmup:
-            with self.console.status(f"warming up {runner.name} ({self.cfg.warmup} request(s))"):
+            with self.console.status(f"warming up {runner.name} ({self.cfg.warmup} request(s); an engine that "
+                                     "compiles its CPU decode first finishes that)"):
                 runner.warmup(wl.warmup_requests(vocab_size, self.cfg.warmup))
         if runner.sequential:
             plan = [(case, 1) for case in cases[0]]

@@ -39,6 +39,7 @@ class CompiledDecode:
         self.fn: Callable[[ForwardBatch, AttentionBackend], torch.Tensor] = torch.compile(model.forward, dynamic=True)
         self.ready = threading.Event()
         self.error: BaseException | None = None
+        self.steps = self.declined = 0  # batches it ran / sent back to eager
         self._thread = threading.Thread(target=self._warm, name="minisgl-compile", daemon=True)
 
     def start(self) -> None:
@@ -50,6 +51,10 @@ class CompiledDecode:
         self._thread.join(timeout)
         return self.ready.is_set()
 
+    @property
+    def compiling(self) -> bool:
+        return self._thread.is_alive()
+
     def can_run(self, batch: ForwardBatch) -> bool:
         return self.ready.is_set() and batch.is_decode and batch.batch_size <= self.max_bs
 
@@ -59,14 +64,17 @@ class CompiledDecode:
         self.attn.prepare(batch)
         try:
             # Never compile on the caller's thread: a compile there would stall every request for ~20 s.
-            with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
-                return self.fn(batch, self.attn)
+            with torch.compiler.set_stance("fail_on_recompile"):
+                hidden = self.fn(batch, self.attn)
         except RuntimeError as exc:
-            if not str(exc).startswith("Detected recompile"):
+            if "recompil" not in str(exc).lower():
                 raise
-            log.warning("compiled CPU decode declined a batch of %d rows (%s); decoding it eagerly",
-                        batch.batch_size, str(exc).splitlines()[0])
+            self.declined += 1
+            (log.warning if self.declined == 1 else log.debug)(
+                "compiled CPU decode declined a batch of %d rows; decoding it eagerly: %s", batch.batch_size, exc)
             return None
+        self.steps += 1
+        return hidden
 
     def _dummy(self, bs: int, host: HostBuffers) -> ForwardBatch:
         # Row 0's first _WARM_LEN page-table entries are valid slots whatever they hold (only read);
@@ -74,7 +82,6 @@ class CompiledDecode:
         return ForwardBatch.build("decode", [0] * bs, [0] * bs, [_WARM_LEN - 1] * bs, [1] * bs, [0] * bs,
                                   self.device, host)
 
-    @torch.inference_mode()
     def _warm(self) -> None:
         import torch._inductor.config as inductor
         import torch.fx.experimental._config as fx_config
@@ -88,9 +95,10 @@ class CompiledDecode:
         host = HostBuffers()  # not the engine's: its step may be building a batch right now
         try:
             for bs in sorted({1, min(2, self.max_bs)}):
-                batch = self._dummy(bs, host)
-                self.attn.prepare(batch)
-                self.fn(batch, self.attn)
+                batch = self._dummy(bs, host)  # built as the scheduler builds its batches: not inference tensors
+                with torch.inference_mode():  # run as Engine.forward runs
+                    self.attn.prepare(batch)
+                    self.fn(batch, self.attn)
         except Exception as exc:  # a compile failure costs speed, never the server
             self.error = exc
             log.warning("torch.compile of the CPU decode failed; decoding eagerly (%s)", exc)

@@ -137,6 +137,11 @@ class Engine:
             list(mc.eos_token_ids), self.loaded.load_s,
         )
 
+    @property
+    def compiling(self) -> bool:
+        """Whether the CPU decode is still compiling in the background (engine/cpu_compile.py)."""
+        return self.compiled is not None and self.compiled.compiling
+
     def _kv_pages(self, shape: KVShape) -> int:
         cfg = self.cfg
         self._free_after_weights = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0

@@ -389,6 +389,7 @@ class Scheduler:
         s.tokens_cached = tree.cached_tokens
         s.tokens_in_use = self.cache.pages_in_use(self.running + list(self.waiting)) * p
         s.prefill_tok_s, s.decode_tok_s = self._prefill_rate.rate(), self._decode_rate.rate()
+        s.decode_compiling = int(self.engine.compiling)
         return SchedulerStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
 
     def check_pages(self) -> None:

@@ -165,6 +165,8 @@ class ServerMetrics:
                 ("kv_tokens_in_use", sched.tokens_in_use, "KV tokens held by running requests."),
                 ("prefill_throughput_tokens_per_second", sched.prefill_tok_s, "Rolling prefill rate."),
                 ("decode_throughput_tokens_per_second", sched.decode_tok_s, "Rolling decode rate."),
+                ("decode_compiling", sched.decode_compiling,
+                 "Engines still compiling their CPU decode (--torch-compile); eager until then."),
             ):
                 if value is not None:  # None: the engine has no such figure (hf, mlx): no series, not a 0
                     metric(name, "gauge", help_, [(one(), value)])
