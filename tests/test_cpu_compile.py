@@ -11,15 +11,17 @@ from minisgl_cli.engine.engine import Engine
 
 
 def test_torch_compile_resolves_per_device_and_mode():
-    """auto compiles the CPU's int4 / int8 decode at TP 1 only; on refuses what it cannot run."""
+    """auto compiles the CPU's int4 / int8 decode at TP 1 in a scheduler process only; on refuses what it
+    cannot run."""
     auto = EngineConfig(device="cpu", torch_compile="auto")
-    assert auto.compiles_decode("int4", 1) and auto.compiles_decode("int8", 1)
-    assert not auto.compiles_decode("none", 1)  # the exact mode keeps eager's numbers (HF parity)
-    assert not auto.compiles_decode("int4", 2)
-    assert not EngineConfig(device="cpu", torch_compile="off").compiles_decode("int4", 1)
-    assert EngineConfig(device="cpu", torch_compile="on").compiles_decode("none", 1)
+    assert auto.compiles_decode("int4", 1, True) and auto.compiles_decode("int8", 1, True)
+    assert not auto.compiles_decode("int4", 1, False)  # in-process: an exit mid-compile would have to wait
+    assert not auto.compiles_decode("none", 1, True)  # the exact mode keeps eager's numbers (HF parity)
+    assert not auto.compiles_decode("int4", 2, True)
+    assert not EngineConfig(device="cpu", torch_compile="off").compiles_decode("int4", 1, True)
+    assert EngineConfig(device="cpu", torch_compile="on").compiles_decode("none", 1, False)
     with pytest.raises(ValueError, match="--torch-compile on runs on the CPU at TP 1"):
-        EngineConfig(device="cpu", torch_compile="on").compiles_decode("int4", 2)
+        EngineConfig(device="cpu", torch_compile="on").compiles_decode("int4", 2, True)
     with pytest.raises(ValueError, match="--torch-compile must be one of auto, on, off"):
         EngineConfig(torch_compile="yes")  # type: ignore[arg-type]
 

@@ -84,8 +84,10 @@ class EngineConfig:
     torch_compile: TorchCompile = field(default_factory=env.torch_compile, metadata=dict(
         flags=("--torch-compile",), env="MINISGL_TORCH_COMPILE",
         help="CPU decode through torch.compile, compiled in the background after start-up (eager until ready; "
-             "~20 s with a warm cache, ~50 s cold): auto (on for int4 / int8 weights at TP 1: ~30% faster "
-             "single-stream decode; off for the exact mode, whose numbers must equal HF's), on, off."))
+             "~1 min with a warm cache, ~2.5 min cold, on 2 cores): auto (on for int4 / int8 weights at TP 1: "
+             "~30% faster single-stream decode) in a scheduler process (--runtime processes, serve's default), off for "
+             "the exact mode, whose numbers must equal HF's; on (in-process too: exiting before the compile is done "
+             "then waits for it), off."))
     # Knobs of the Python API only (no flag):
     max_context_len: int | None = None  # None = the model's max positions (capped by the pool)
     seed: int = 0  # dummy weights
@@ -128,13 +130,15 @@ class EngineConfig:
             _require_fp8(device, "--quantization fp8")
         return self.quantization
 
-    def compiles_decode(self, quantization: str, tp_size: int) -> bool:
-        """Whether the engine compiles its CPU decode (see torch_compile); on raises where it cannot run."""
+    def compiles_decode(self, quantization: str, tp_size: int, own_process: bool) -> bool:
+        """Whether the engine compiles its CPU decode (see torch_compile); on raises where it cannot run.
+        `own_process`: the engine is a scheduler process's, whose exit the runtime makes (auto compiles only
+        there: an interpreter that exits mid-compile would wait for it, or abort)."""
         cpu = self.resolved_device().type == "cpu"
         if self.torch_compile == "on" and not (cpu and tp_size == 1):
             raise ValueError("--torch-compile on runs on the CPU at TP 1 (CUDA decodes through CUDA graphs)")
         if self.torch_compile == "auto":
-            return cpu and tp_size == 1 and quantization in ("int4", "int8")
+            return own_process and cpu and tp_size == 1 and quantization in ("int4", "int8")
         return self.torch_compile == "on"
 
     def resolved_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:

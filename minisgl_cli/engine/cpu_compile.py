@@ -3,15 +3,17 @@
 A CPU decode step of a small model is mostly op overhead, not arithmetic: SmolLM2-135M's int4 step runs
 ~1,300 torch ops, and its int4 GEMVs are under a third of the step (docs/benchmarks.md). Inductor fuses
 the norms, RoPE, residual adds and the rest into a few C++ loops around the GEMV calls, which takes ~30%
-off the step. Compiling costs ~50 s the first time and ~20 s once inductor's cache (in the minisgl cache
-dir) holds the kernels, so it runs on a thread after the engine starts: steps run eagerly until the compiled
-function has run once per shape on a dummy batch (row 0 of the page table, KV written to the scratch slot 0),
-then decode batches of up to `max_bs` rows use it. Two shapes are compiled: one row, and 2..max_bs rows
-(dynamic); the context length is dynamic in both. The LM head stays eager (one int8 GEMM already).
+off the step. Compiling both shapes costs ~2.5 min of one core the first time and ~1 min once inductor's
+cache (in the minisgl cache dir) holds the kernels, so it runs on a thread after the engine starts: steps run
+eagerly until the compiled function has run once per shape on a dummy batch (row 0 of the page table, KV
+written to the scratch slot 0), then decode batches of up to `max_bs` rows use it. Two shapes are compiled:
+one row, and 2..max_bs rows (dynamic); the context length is dynamic in both. The LM head stays eager (one
+int8 GEMM already).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -54,6 +56,9 @@ class CompiledDecode:
     def start(self) -> None:
         log.info("compiling the CPU decode in the background (torch.compile; eager until it is ready)")
         self._thread.start()
+        # A daemon thread inside torch's C++ when the interpreter finalizes aborts the process ("terminate
+        # called without an active exception"): an exit waits for the compile instead.
+        atexit.register(self._thread.join)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until compiled (True) or failed / timed out (False)."""
@@ -72,7 +77,7 @@ class CompiledDecode:
         function would have to compile again (a shape it has not seen): the caller runs it eagerly."""
         self.attn.prepare(batch)
         try:
-            # Never compile on the caller's thread: a compile there would stall every request for ~20 s.
+            # Never compile on the caller's thread: a compile there would stall every request for ~30 s.
             with torch.compiler.set_stance("fail_on_recompile"):
                 hidden = self.fn(batch, self.attn)
         except RuntimeError as exc:

@@ -58,7 +58,8 @@ def _locate(cfg: EngineConfig) -> tuple[dict, Path | None, str, str]:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, tp: TPInfo = TPInfo()):
+    def __init__(self, cfg: EngineConfig, tp: TPInfo = TPInfo(), own_process: bool = False):
+        """`own_process`: a scheduler process's engine, whose exit the runtime makes (see --torch-compile)."""
         t0 = time.perf_counter()
         self.cfg = cfg
         self.tp = tp
@@ -123,7 +124,7 @@ class Engine:
             if not cfg.disable_cuda_graph and getattr(self.attn, "supports_cuda_graph", False):
                 self.capture_graphs()
         self.compiled: CompiledDecode | None = None
-        if cfg.compiles_decode(self.quantization, tp.size):
+        if cfg.compiles_decode(self.quantization, tp.size, own_process):
             # Up to the rows the low-bit GEMVs take (past them a step is GEMM-bound: nothing to gain).
             max_bs = getattr(METHODS[self.quantization], "max_rows", cfg.max_running_requests)
             self.compiled = CompiledDecode(self.model, self.attn, max_bs, self.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -65,6 +66,9 @@ def run_rank(job: RankJob) -> None:
                          f"{e.device} {str(e.dtype).removeprefix('torch.')}, {e.pool.num_pages * e.pool.page_size:,} "
                          f"KV tokens, loaded in {e.loaded.load_s:.1f}s"))
     scheduler.run_forever(stop, receive)
+    if e.compiling:  # an interpreter exit would wait for the compile thread or abort in it: leave at once
+        logging.shutdown()
+        os._exit(0)
 
 
 def _start(job: RankJob, ctx: zmq.Context):
@@ -83,7 +87,7 @@ def _start(job: RankJob, ctx: zmq.Context):
                               num_threads=job.cpu_threads if device.type == "cpu" else job.engine.num_threads)
     from minisgl_cli.engine.engine import Engine
 
-    engine = Engine(cfg, tp)
+    engine = Engine(cfg, tp, own_process=True)
     eos: frozenset[int] = frozenset()
     if engine.loaded.model_dir is not None:
         from minisgl_cli.tokenizer import Tokenizer
