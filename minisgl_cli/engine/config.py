@@ -89,6 +89,7 @@ class EngineConfig:
              "the exact mode, whose numbers must equal HF's; on (in-process too: exiting before the compile is done "
              "then waits for it), off."))
     # Knobs of the Python API only (no flag):
+    compile_in_process: bool = False  # --torch-compile auto compiles an in-process engine too (its owner waits)
     max_context_len: int | None = None  # None = the model's max positions (capped by the pool)
     seed: int = 0  # dummy weights
     num_threads: int | None = None  # CPU: torch intra-op threads (None = torch's default)
@@ -138,7 +139,7 @@ class EngineConfig:
         if self.torch_compile == "on" and not (cpu and tp_size == 1):
             raise ValueError("--torch-compile on runs on the CPU at TP 1 (CUDA decodes through CUDA graphs)")
         if self.torch_compile == "auto":
-            return own_process and cpu and tp_size == 1 and quantization in ("int4", "int8")
+            return (own_process or self.compile_in_process) and cpu and tp_size == 1 and quantization in ("int4", "int8")
         return self.torch_compile == "on"
 
     def resolved_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
