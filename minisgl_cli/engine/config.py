@@ -139,7 +139,8 @@ class EngineConfig:
         if self.torch_compile == "on" and not (cpu and tp_size == 1):
             raise ValueError("--torch-compile on runs on the CPU at TP 1 (CUDA decodes through CUDA graphs)")
         if self.torch_compile == "auto":
-            return (own_process or self.compile_in_process) and cpu and tp_size == 1 and quantization in ("int4", "int8")
+            owner_waits = own_process or self.compile_in_process
+            return owner_waits and cpu and tp_size == 1 and quantization in ("int4", "int8")
         return self.torch_compile == "on"
 
     def resolved_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
