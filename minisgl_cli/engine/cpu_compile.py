@@ -118,5 +118,5 @@ class CompiledDecode:
             log.warning("torch.compile of the CPU decode failed; decoding eagerly (%s)", exc)
             return
         self.ready.set()
-        log.info("CPU decode compiled (torch.compile, cache %s) in %.1fs", os.environ["TORCHINDUCTOR_CACHE_DIR"],
+        log.info("CPU decode compiled (torch.compile, cache %s) in %.1fs", env.inductor_cache_dir(),
                  time.perf_counter() - t0)
