@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import signal
+import time
+
+import httpx
 import pytest
 import torch
+from serve_process import Serve, gone
 
 from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.engine.config import EngineConfig
@@ -100,3 +105,27 @@ def test_llm_decodes_through_the_compiled_step():
         ids = llm.client.tokenizer.apply_chat_template(messages)
         out = llm.generate([ids] * 3, SamplingParams(max_new_tokens=16))
     assert all("Paris" in o.text for o in out)
+
+
+@pytest.mark.slow
+def test_serve_answers_while_compiling_and_stops_at_once(default_model_dir, tmp_path, monkeypatch):
+    """`minisgl serve` on the default model compiles its decode once it serves (auto, in the scheduler process):
+    healthy before the compile, /metrics says it is compiling, requests answer eagerly meanwhile, and a Ctrl-C
+    mid-compile stops every process within seconds."""
+    monkeypatch.setenv("MINISGL_TORCH_COMPILE", "auto")  # the suite's default is off (conftest)
+    s = Serve(default_model_dir, tmp_path)
+    try:
+        s.wait_healthy()
+        assert httpx.get(f"{s.url}/metrics", timeout=10).json()["scheduler"]["decode_compiling"] == 1
+        r = httpx.post(f"{s.url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16,
+            "temperature": 0})
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], r.text
+        pids = list(s.children().values())
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(15) == 0, s.stderr()
+        assert time.monotonic() - t0 < 6, s.stderr()
+        assert gone(pids, 1) == []
+    finally:
+        s.stop()

@@ -4,7 +4,7 @@ A CPU decode step of a small model is mostly op overhead, not arithmetic: SmolLM
 ~1,300 torch ops, and its int4 GEMVs are under a third of the step (docs/benchmarks.md). Inductor fuses
 the norms, RoPE, residual adds and the rest into a few C++ loops around the GEMV calls, which takes ~30%
 off the step. Compiling both shapes costs ~2.5 min of one core the first time and ~1 min once inductor's
-cache (in the minisgl cache dir) holds the kernels, so it runs on a thread after the engine starts: steps run
+cache (in the minisgl cache dir) holds the kernels, so it runs on a thread once the scheduler starts serving: steps run
 eagerly until the compiled function has run once per shape on a dummy batch (row 0 of the page table, KV
 written to the scratch slot 0), then decode batches of up to `max_bs` rows use it. Two shapes are compiled:
 one row, and 2..max_bs rows (dynamic); the context length is dynamic in both. The LM head stays eager (one
@@ -54,6 +54,9 @@ class CompiledDecode:
         self._thread = threading.Thread(target=self._warm, name="minisgl-compile", daemon=True)
 
     def start(self) -> None:
+        """Start compiling (once): when serving starts, not beside the start-up, which it slowed 3x on two cores."""
+        if self._thread.ident is not None:
+            return
         log.info("compiling the CPU decode in the background (torch.compile; eager until it is ready)")
         self._thread.start()
         # A daemon thread inside torch's C++ when the interpreter finalizes aborts the process ("terminate
@@ -61,13 +64,15 @@ class CompiledDecode:
         atexit.register(self._thread.join)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until compiled (True) or failed / timed out (False)."""
+        """Start if not started, then block until compiled (True) or failed / timed out (False)."""
+        self.start()
         self._thread.join(timeout)
         return self.ready.is_set()
 
     @property
     def compiling(self) -> bool:
-        return self._thread.is_alive()
+        """Not compiled yet: not started, or compiling."""
+        return self._thread.ident is None or self._thread.is_alive()
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return self.ready.is_set() and batch.is_decode and batch.batch_size <= self.max_bs

@@ -127,8 +127,7 @@ class Engine:
         if cfg.compiles_decode(self.quantization, tp.size, own_process):
             # Up to the rows the low-bit GEMVs take (past them a step is GEMM-bound: nothing to gain).
             max_bs = getattr(METHODS[self.quantization], "max_rows", cfg.max_running_requests)
-            self.compiled = CompiledDecode(self.model, self.attn, max_bs, self.device)
-            self.compiled.start()
+            self.compiled = CompiledDecode(self.model, self.attn, max_bs, self.device)  # started by start_serving
         self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0, self.quantization)
         log.info(
             "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s backend=%s "
@@ -137,6 +136,11 @@ class Engine:
             str(self.kv_dtype).removeprefix("torch."), self.attn.name, capacity, cfg.page_size,
             list(mc.eos_token_ids), self.loaded.load_s,
         )
+
+    def start_serving(self) -> None:
+        """The scheduler starts stepping: start what runs beside serving (the CPU decode's compile)."""
+        if self.compiled is not None:
+            self.compiled.start()
 
     @property
     def compiling(self) -> bool:

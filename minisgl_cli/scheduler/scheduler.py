@@ -77,6 +77,7 @@ class Scheduler:
         """Step until `stop` is set. `receive(block)` gives the messages to handle before each step (default:
         this scheduler's inbox; TP ranks pass one that keeps every rank's messages identical)."""
         receive = receive or self.drain
+        self.engine.start_serving()
         while not stop.is_set():
             self.heartbeat = time.monotonic()
             for msg in receive(not (self.waiting or self.running or self._inflight)):
