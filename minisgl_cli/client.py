@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import torch
 
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
@@ -303,9 +307,13 @@ class LocalClient(RoutedClient):
                                                                 sched_cfg or SchedulerConfig(), built),
                                         name="minisgl-scheduler", daemon=True)
         self._thread.start()
-        self._scheduler = built.result()  # re-raises what the build raised (ModelLoadError, ValueError)
+        scheduler = built.result()  # re-raises what the build raised (ModelLoadError, ValueError)
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
-        self.info = engine_info(self._scheduler.engine, self._scheduler)
+        self.info = engine_info(scheduler.engine, scheduler)
+        # Only the thread holds the scheduler (and the engine it built): both go when it ends, weights and KV pool
+        # with them, while this client may be kept (an LLM closed but still referenced).
+        self._inbox = scheduler.inbox
+        self._scheduler = weakref.ref(scheduler)
 
     def _run(self, engine: Engine | None, engine_cfg: EngineConfig, sched_cfg: SchedulerConfig,
              built: concurrent.futures.Future[Scheduler]) -> None:
@@ -326,7 +334,7 @@ class LocalClient(RoutedClient):
                 self._fail_all("the scheduler thread exited")
 
     def _send(self, msg: ToScheduler) -> None:
-        self._scheduler.inbox.put(msg)
+        self._inbox.put(msg)
 
     def _error_item(self, rid: str, error: str) -> TokenOutput:
         return TokenOutput(rid, None, None, error=error)
@@ -358,16 +366,25 @@ class LocalClient(RoutedClient):
                                      else GenerateRequest(input_ids=list(prefix))))
 
     def healthy(self) -> bool:
-        return self._thread.is_alive() and time.monotonic() - self._scheduler.heartbeat < STALL_S
+        scheduler = self._scheduler()
+        return (scheduler is not None and self._thread.is_alive()
+                and time.monotonic() - scheduler.heartbeat < STALL_S)
 
     def failure(self) -> str | None:
         return None if self._thread.is_alive() or self._stop.is_set() else "the scheduler thread exited"
 
     def close(self) -> None:
         self._stop.set()
-        self._scheduler.inbox.put(None)  # wake an idle loop
+        self._inbox.put(None)  # wake an idle loop
         self._thread.join(timeout=30)
         self._tokenize_pool.shutdown(wait=False)
+        self._fail_all("the client was closed")  # streams still open end with an error, not silence
+        if not self._thread.is_alive():
+            # Free the engine now (its parts refer to each other) and give its CUDA memory back to the device: the
+            # next engine in this process sizes its KV pool from the free memory.
+            gc.collect()
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
 
 
 def engine_info(e: Engine, scheduler: Scheduler) -> ModelInfo:

@@ -192,3 +192,42 @@ def test_dummy_engine_has_no_tokenizer_and_takes_input_ids():
             asyncio.run(complete(llm.client, GenerateRequest(prompt="hi")))
         out = llm.generate([1, 2, 3], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
         assert len(out.token_ids) == 3
+
+
+def test_closing_a_client_frees_its_engine_and_hands_a_given_engine_back_empty(tiny_model_dirs):
+    """A closed LLM may still be referenced: its engine (weights, KV pool) is freed anyway. A client over a given
+    engine leaves that engine's pool whole (running requests and the prefix cache handed back), and a stream still
+    open when it closes ends with an error rather than waiting forever."""
+    import gc
+    import weakref
+
+    from minisgl_cli.client import LocalClient
+
+    def engines() -> list[Engine]:
+        return [o for o in gc.get_objects() if type(o) is Engine]
+
+    before = {id(e) for e in engines()}
+    llm = LLM(str(tiny_model_dirs["qwen3"]), max_total_tokens=512)
+    llm.generate([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    built = [weakref.ref(e) for e in engines() if id(e) not in before]
+    assert len(built) == 1
+    llm.close()
+    assert built[0]() is None  # `llm` still holds its client
+
+    engine = Engine(EngineConfig(model=str(tiny_model_dirs["qwen3"]), max_total_tokens=512))
+    client = LocalClient(engine=engine)
+
+    async def run() -> None:
+        done = await complete(client, GenerateRequest(input_ids=list(range(1, 40)),
+                                                      params=SamplingParams(max_new_tokens=4, ignore_eos=True)))
+        assert len(done.token_ids) == 4  # its prefix now sits in the cache
+        stream = client.submit(GenerateRequest(input_ids=list(range(1, 60)),
+                                               params=SamplingParams(max_new_tokens=10_000, ignore_eos=True)))
+        first = await stream.__anext__()  # running, holding pages
+        assert first.error is None
+        await asyncio.get_running_loop().run_in_executor(None, client.close)
+        rest = [d async for d in stream]
+        assert rest and "the client was closed" in (rest[-1].error or "")
+
+    asyncio.run(run())
+    assert engine.pool.num_free_pages == engine.pool.num_pages

@@ -37,6 +37,10 @@ class CacheManager:
         return (slots[slots % self.page_size == 0] // self.page_size).tolist()
 
     # --- verbs ---------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Evict the whole prefix cache into the free pages (no request may be holding any of it)."""
+        self.pool.free_pages(self._slots_to_pages(self.tree.evict(self.tree.cached_tokens)))
+
     def match(self, req: Req) -> None:
         """Attach the longest cached prefix (never the whole sequence: the last token must run)."""
         ids = req.all_ids

@@ -89,6 +89,13 @@ class Scheduler:
                 self._inflight = None
                 for req in list(self.running) + list(self.waiting):
                     self._finish(req, None, error="internal error in the engine step (see server log)")
+        # Stopped: hand every page back, the prefix cache's too (the engine may serve a next scheduler). Whoever
+        # stopped the loop ends the requests' streams; a step still in flight on the GPU finishes before any later
+        # use of its pages (one stream).
+        self._inflight = None
+        for req in list(self.running) + list(self.waiting):
+            self._release(req, "abort")
+        self.cache.clear()
 
     def drain(self, block: bool) -> list[ToScheduler]:
         """Every message in the inbox (waiting up to 0.5 s for the first one if `block`); None only wakes."""
