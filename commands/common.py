@@ -196,9 +196,9 @@ def _serve_ranks(runtime: Any, cfg: RuntimeConfig) -> NoReturn:
     _progress(f"node {cfg.node_rank}: ranks {ranks.start}..{ranks.stop - 1} serving node 0's requests")
     from minisgl_cli.runtime.supervisor import stop_on_signals
 
-    with stop_on_signals() as stop:
+    with stop_on_signals() as stop:  # through the shutdown too: a second Ctrl-C must not cut it short
         reason = runtime.wait(stop)
-    runtime.shutdown()
+        runtime.shutdown()
     if reason is not None:
         fail(reason)
     raise typer.Exit(0)

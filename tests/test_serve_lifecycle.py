@@ -55,6 +55,18 @@ def test_a_signal_stops_every_child_within_5s(serve, sig):
     assert gone(pids, 1) == []
 
 
+def test_ctrl_c_pressed_again_during_the_shutdown_still_stops_everything(serve):
+    """The later signals find the shutdown under way: they neither cut it short nor leave children behind."""
+    s = serve()
+    s.wait_healthy()
+    pids = list(s.children().values())
+    for _ in range(3):
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+    assert s.proc.wait(10) == 0, s.stderr()
+    assert gone(pids, 1) == []
+
+
 @pytest.mark.parametrize("kind", CHILD_KINDS)
 def test_a_dead_child_stops_the_server_with_one_line_naming_it(serve, kind):
     s = serve()

@@ -97,8 +97,10 @@ def serve(make_client: Callable[[threading.Event], EngineClient], settings: Serv
     client: EngineClient | None = None
     control: ControlChannel | None = None
     reason: str | None = None
-    try:
-        with stop_on_signals() as stop:
+    # The handler stays through the shutdown: a second Ctrl-C there would otherwise interrupt it half-way, and the
+    # interpreter's exit then waits forever on children that were never stopped.
+    with stop_on_signals() as stop:
+        try:
             client = make_client(stop)
             app = create_app(client, settings)
             if cfg.zmq_control:
@@ -112,12 +114,12 @@ def serve(make_client: Callable[[threading.Event], EngineClient], settings: Serv
                 reason = client.failure() or (None if server.running() else "the HTTP server stopped")
                 if reason is not None:
                     break
-    finally:
-        server.stop()
-        if control is not None:
-            control.stop()
-        if client is not None:
-            client.close()
+        finally:
+            server.stop()
+            if control is not None:
+                control.stop()
+            if client is not None:
+                client.close()
     if reason is not None:
         raise RuntimeError(reason)
 

@@ -268,10 +268,10 @@ def run_router(app: FastAPI, host: str, port: int, log_level: str = "warning") -
     server.start(healthy=False)
     workers: Workers = app.state.workers
     log.warning("minisgl router: %d workers (%s) on %s", len(workers.workers), workers.router.mode, server.url)
-    try:
-        with stop_on_signals() as stop:
+    with stop_on_signals() as stop:  # through the shutdown too: a second Ctrl-C must not cut it short
+        try:
             while not stop.wait(0.2):
                 if not server.running():
                     raise RuntimeError("the HTTP server stopped")
-    finally:
-        server.stop()
+        finally:
+            server.stop()
