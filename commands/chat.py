@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated, Optional
 
@@ -76,5 +77,10 @@ def chat(
     except KeyboardInterrupt:  # Ctrl-C outside a reply on a pipe: leave quietly
         code = 130
     finally:
+        compiling = c.compiling(client)
         client.close()
+    if compiling:  # (MINISGL_TORCH_COMPILE=on) its thread is in torch's C++: an exit would wait for it, or abort
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     raise typer.Exit(code)

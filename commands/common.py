@@ -186,6 +186,14 @@ class EngineOptions:
         return started
 
 
+def compiling(client: EngineClient) -> bool:
+    """Whether the client's in-process engine is still compiling its CPU decode (engine/cpu_compile.py)."""
+    try:
+        return client.stats(timeout=2).decode_compiling > 0
+    except (TimeoutError, RuntimeError):  # a dead or stalled engine: nothing of ours to wait for
+        return False
+
+
 def _progress(line: str) -> None:
     typer.echo(f"minisgl: {line}", err=True)
 

@@ -89,7 +89,7 @@ class EngineConfig:
              "the exact mode, whose numbers must equal HF's; on (in-process too: exiting before the compile is done "
              "then waits for it), off."))
     # Knobs of the Python API only (no flag):
-    compile_in_process: bool = False  # --torch-compile auto compiles an in-process engine too (its owner waits)
+    compile_in_process: bool = False  # auto compiles an in-process engine too (its owner waits, or os._exit()s)
     max_context_len: int | None = None  # None = the model's max positions (capped by the pool)
     seed: int = 0  # dummy weights
     num_threads: int | None = None  # CPU: torch intra-op threads (None = torch's default)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from minisgl_cli.core.host import HostBuffers
 
 log = logging.getLogger("minisgl.compile")
 
+_COMPILE_SWITCH_S = 1e-4  # the GIL's switch interval while compiling (see _warm)
 _WARM_LEN = 16  # the dummy batches' context: past 1, which torch.compile would specialize on
 
 
@@ -112,6 +114,10 @@ class CompiledDecode:
         fx_config.use_duck_shape = False
         t0 = time.perf_counter()
         host = HostBuffers()  # not the engine's: its step may be building a batch right now
+        # The compile is Python holding the GIL for seconds; each of the eager step's GIL hand-offs (an op that
+        # releases it) then waits out a whole switch interval: 5 ms by default, which made requests 50x slower.
+        switch_s = sys.getswitchinterval()
+        sys.setswitchinterval(_COMPILE_SWITCH_S)
         try:
             for bs in sorted({1, min(2, self.max_bs)}):
                 batch = self._dummy(bs, host)  # built as the scheduler builds its batches: not inference tensors
@@ -122,6 +128,8 @@ class CompiledDecode:
             self.error = exc
             log.warning("torch.compile of the CPU decode failed; decoding eagerly (%s)", exc)
             return
+        finally:
+            sys.setswitchinterval(switch_s)
         self.ready.set()
         log.info("CPU decode compiled (torch.compile, cache %s) in %.1fs", env.inductor_cache_dir(),
                  time.perf_counter() - t0)
