@@ -63,7 +63,9 @@ def test_ctrl_c_pressed_again_during_the_shutdown_still_stops_everything(serve):
     for _ in range(3):
         s.proc.send_signal(signal.SIGINT)
         time.sleep(0.1)
-    assert s.proc.wait(10) == 0, s.stderr()
+    code = s.proc.wait(10)  # cut short, the exit used to wait forever on the children never stopped
+    # -SIGINT: a later press that lands after the shutdown, in the interpreter's own exit, ends it as any program
+    assert code in (0, -signal.SIGINT) and "Traceback" not in s.stderr(), s.stderr()
     assert gone(pids, 1) == []
 
 
