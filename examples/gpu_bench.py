@@ -1,6 +1,7 @@
 """One-shot GPU benchmark: our engine vs HF transformers `generate` on the same dummy weights, in one run.
 
     PYTHONPATH=. python examples/gpu_bench.py [--only ops,gemv,qwen,llama] [--out DIR] [--profile] [--sweep]
+    PYTHONPATH=. python examples/gpu_bench.py --only fp8ops   # activation quant, RoPE + KV store block shapes
     PYTHONPATH=. python examples/gpu_bench.py --fp8 --main-only --no-hf      # bf16 and FP8 side by side
 
 Workloads:
@@ -390,6 +391,39 @@ def bench_ops() -> None:
                     triton_us=round(t_fast, 2), speedup=round(t_ref / t_fast, 2), max_abs_err=errs[op])
 
 
+def bench_fp8_ops() -> None:
+    """The per-token activation quantization (plain and with SiLU-and-mul) and the q/k-norm + RoPE + FP8 KV store
+    kernel over its block shapes (pick_rope_config's source): median us of do_bench, L2 flushed. (Splitting
+    quant_rows' rows into chunks, two passes, was tried: no faster at 256 rows, slower at 8192.)"""
+    import triton
+
+    from minisgl_cli.core import fp8
+    from minisgl_cli.layers import triton_ops as T
+    from minisgl_cli.layers.rotary import RotaryEmbedding
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    bench = lambda f: round(triton.testing.do_bench(f, warmup=10, rep=40, return_mode="median") * 1e3, 2)  # noqa: E731
+    for tokens in (1, 16, 256, 8192):
+        for model, (hidden, inter, hq, hkv, d) in (("qwen3-0.6b", (1024, 3072, 16, 8, 128)),
+                                                   ("llama-3.1-8b", (4096, 14336, 32, 8, 128))):
+            for op, k, act in (("quant", hidden, False), ("silu+quant", inter, True)):
+                x = torch.randn(tokens, 2 * k if act else k, device=dev, dtype=dt)
+                row(workload="fp8-op", model=model, op=op, tokens=tokens, K=k,
+                    us={"picked": bench(lambda x=x, act=act: T.quant_rows(x, act_mul=act))})
+            qkv = torch.randn(tokens, (hq + 2 * hkv) * d, device=dev, dtype=dt)
+            pos = torch.randint(0, 4000, (tokens,), device=dev)
+            rope = RotaryEmbedding(d, 4096, 1e6).to(dev)
+            slots = max(tokens, 64)
+            cache = [torch.zeros(slots, hkv, d, device=dev, dtype=fp8.FP8) for _ in range(2)]
+            quant = fp8.KVQuant(torch.full((hkv,), 0.01, device=dev), torch.full((hkv,), 0.01, device=dev),
+                                torch.zeros(hkv, d, device=dev), torch.zeros(hkv, d, device=dev))
+            loc = torch.randperm(slots, device=dev)[:tokens]
+            configs = [None, (1, 1), (8, 2), (16, 4), (32, 4), (64, 4), (64, 8)]
+            us = {str(c): bench(lambda c=c: T.qk_norm_rope_(qkv, pos, rope.cos, rope.sin, hq, hkv, d, None, None,
+                                                           1e-6, (*cache, loc, quant), config=c)) for c in configs}
+            row(workload="fp8-op", model=model, op="rope+fp8-kv", tokens=tokens, K=(hq + 2 * hkv) * d, us=us)
+
+
 def _graph_us(fns: list, reps: int = 20) -> float:
     """Mean microseconds per call of fns, captured back to back in one CUDA graph (as in a decode step)."""
     s = torch.cuda.Stream()
@@ -548,6 +582,8 @@ def main() -> None:
     sections = []
     if "ops" in only:
         sections.append(("ops", bench_ops))
+    if "fp8ops" in only:
+        sections.append(("fp8ops", bench_fp8_ops))
     if "gemv" in only:
         sections.append(("gemv", lambda: bench_gemv(args.sweep, args.fp8 or args.sweep_fp8, args.sweep_fp8)))
 
@@ -620,6 +656,9 @@ def main() -> None:
                   + "  ".join(f"M={m}: bf16 {r[f'm{m}_bf16_us']}us fp8 {r[f'm{m}_fp8_us']}us "
                               f"(fast {r[f'm{m}_fp8_fast_us']}) err {r[f'm{m}_rel_err']}"
                               for m in (256, 8192) if f"m{m}_fp8_us" in r))
+        elif r.get("workload") == "fp8-op":
+            print(f"fp8-op {r['model']:<13} {r['op']:<11} T={r['tokens']:<5} K={r['K']:<6} "
+                  + "  ".join(f"{c}: {t}" for c, t in r["us"].items()))
         elif r.get("workload") == "op":
             print(f"op {r['op']:<13} T={r['tokens']:<5} h={r['hidden']:<5} torch {r['torch_us']:>8.1f}us "
                   f"triton {r['triton_us']:>8.1f}us x{r['speedup']:<5} err {r['max_abs_err']:.3g}")

@@ -153,7 +153,8 @@ def test_fp8_down_projection_with_fused_silu(rows):
 
 @pytest.mark.parametrize("heads", [(16, 8, 128, True), (32, 8, 128, False), (9, 3, 64, False)],
                          ids=["qwen3", "llama", "smollm2"])
-def test_rope_kernel_stores_fp8_codes(heads):
+@pytest.mark.parametrize("config", [None, (1, 1), (16, 4)], ids=["picked", "head", "16heads"])
+def test_rope_kernel_stores_fp8_codes(heads, config):
     """The fused q/k-norm + RoPE kernel writes K and V as core/fp8.py's codes of the rows it leaves in qkv."""
     from minisgl_cli.attention import triton_kernels as tk
     from minisgl_cli.layers import triton_ops as T
@@ -174,7 +175,8 @@ def test_rope_kernel_stores_fp8_codes(heads):
     k_cache, v_cache = poison.clone(), poison.clone()
     loc = torch.randperm(slots, device=DEV, generator=g)[:tokens]
     out = qkv.clone()
-    T.qk_norm_rope_(out, pos, rope.cos, rope.sin, hq, hkv, d, qw, kw, 1e-6, (k_cache, v_cache, loc, quant))
+    T.qk_norm_rope_(out, pos, rope.cos, rope.sin, hq, hkv, d, qw, kw, 1e-6, (k_cache, v_cache, loc, quant),
+                    config=config)
     k_rot = out[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
     v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
     assert _same_codes(k_cache[loc], fp8.quantize(k_rot.float() - quant.k_mean, quant.k_scale[:, None]))

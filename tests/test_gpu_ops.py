@@ -60,8 +60,10 @@ def test_gemv_with_fused_silu_mul(n, k):
 @pytest.mark.parametrize("heads", [(16, 8, 128, True), (32, 8, 128, False), (8, 2, 64, True)],
                          ids=["qwen3", "llama", "small"])
 @pytest.mark.parametrize("tokens", [1, 37])
-def test_qk_norm_rope_with_kv_store(heads, tokens):
-    """One launch = the torch chain (q/k norm, RoPE) and the pool store; other cache rows untouched."""
+@pytest.mark.parametrize("config", [None, (1, 1), (16, 4), (64, 4)], ids=["picked", "head", "16heads", "64heads"])
+def test_qk_norm_rope_with_kv_store(heads, tokens, config):
+    """One launch = the torch chain (q/k norm, RoPE) and the pool store; other cache rows untouched. Each program
+    one head, or a token's heads in blocks (16: blocks that split a token's heads and end past its last)."""
     from minisgl_cli.layers import triton_ops as T
     from minisgl_cli.layers.fused import Kernels
     from minisgl_cli.layers.norm import RMSNorm
@@ -89,7 +91,11 @@ def test_qk_norm_rope_with_kv_store(heads, tokens):
     q_ref, k_ref = rope(pos, q, k)
     out = qkv.clone()
     T.qk_norm_rope_(out, pos, rope.cos, rope.sin, hq, hkv, d, qn.weight if has_norm else None,
-                    kn.weight if has_norm else None, 1e-6, (k_cache, v_cache, loc, None))
+                    kn.weight if has_norm else None, 1e-6, (k_cache, v_cache, loc, None), config=config)
+    alone = qkv.clone()  # no pool: the same q/k rows, v left as it was
+    T.qk_norm_rope_(alone, pos, rope.cos, rope.sin, hq, hkv, d, qn.weight if has_norm else None,
+                    kn.weight if has_norm else None, 1e-6, config=config)
+    assert torch.equal(alone, out)
     # bf16 rounding apart (a few ulps where the fp32 rstd rounds the other way); a wrong head or position is O(1)
     assert _close(out[:, : hq * d], q_ref.reshape(tokens, -1))
     assert torch.equal(k_cache[loc], out[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d))

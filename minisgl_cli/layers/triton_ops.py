@@ -61,61 +61,74 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
                          k_scale_ptr, v_scale_ptr, k_mean_ptr, v_mean_ptr, stride_t, stride_cos, stride_cs, eps,
-                         NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         HEADS: tl.constexpr,
                          HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, KV_FP8: tl.constexpr,
                          USE_PDL: tl.constexpr):
+    """One token's heads j0 .. j0 + HEADS of N_HEADS (q heads, then k heads, then with STORE_KV v heads: their
+    order in the qkv row) as two [HEADS, HEAD_DIM / 2] halves: q/k get their norm and RoPE, k and v go to the pool."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
     t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)  # head: q heads, then k heads, then (STORE_KV) v heads: their order in the qkv row
+    j = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
     half: tl.constexpr = HEAD_DIM // 2
-    offs = tl.arange(0, half)
+    offs = tl.arange(0, half)[None, :]
+    rot = j < NUM_Q + NUM_KV  # q and k heads: normed, rotated, written back
+    is_k = (j >= NUM_Q) & rot
+    is_v = (j >= NUM_Q + NUM_KV) & (j < N_HEADS)
     base = qkv_ptr + t * stride_t + j * HEAD_DIM
-    x1 = tl.load(base + offs)
-    x2 = tl.load(base + half + offs)
-    if j >= NUM_Q + NUM_KV:  # a v head: only copied to its cache slot (FP8: the codes of x - mean)
+    x1 = tl.load(base + offs, mask=j < N_HEADS, other=0.0)
+    x2 = tl.load(base + half + offs, mask=j < N_HEADS, other=0.0)
+    dt = x1.dtype
+    slot = tl.load(loc_ptr + t).to(tl.int64) * stride_cs  # (without STORE_KV loc is the positions: unused)
+    if STORE_KV:  # v heads: copied to their slot (FP8: the codes of x - mean)
         hv = j - NUM_Q - NUM_KV
-        dst = v_cache_ptr + tl.load(loc_ptr + t).to(tl.int64) * stride_cs + hv * HEAD_DIM
-        if KV_FP8:  # (new names: x1 / x2 keep one type across the branches of the head test)
-            vs = tl.load(v_scale_ptr + hv)
+        dst = v_cache_ptr + slot + hv * HEAD_DIM
+        if KV_FP8:
+            vs = tl.load(v_scale_ptr + hv, mask=is_v, other=1.0)
             vm = v_mean_ptr + hv * HEAD_DIM
-            tl.store(dst + offs, fp8_codes(x1.to(tl.float32) - tl.load(vm + offs), vs, v_cache_ptr.dtype.element_ty))
-            tl.store(dst + half + offs,
-                     fp8_codes(x2.to(tl.float32) - tl.load(vm + half + offs), vs, v_cache_ptr.dtype.element_ty))
+            v1 = fp8_codes(x1.to(tl.float32) - tl.load(vm + offs, mask=is_v, other=0.0), vs,
+                           v_cache_ptr.dtype.element_ty)
+            v2 = fp8_codes(x2.to(tl.float32) - tl.load(vm + half + offs, mask=is_v, other=0.0), vs,
+                           v_cache_ptr.dtype.element_ty)
+            tl.store(dst + offs, v1, mask=is_v)
+            tl.store(dst + half + offs, v2, mask=is_v)
         else:
-            tl.store(dst + offs, x1)
-            tl.store(dst + half + offs, x2)
-    else:
-        dt = x1.dtype
-        if HAS_NORM:
-            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + eps)
-            if j < NUM_Q:
-                w1, w2 = tl.load(qw_ptr + offs), tl.load(qw_ptr + half + offs)
-            else:
-                w1, w2 = tl.load(kw_ptr + offs), tl.load(kw_ptr + half + offs)
-            x1 = (w1.to(tl.float32) * (f1 * rstd).to(dt).to(tl.float32)).to(dt)
-            x2 = (w2.to(tl.float32) * (f2 * rstd).to(dt).to(tl.float32)).to(dt)
-        pos = tl.load(pos_ptr + t)
-        c = tl.load(cos_ptr + pos * stride_cos + offs).to(dt).to(tl.float32)  # cos/sin repeat over the halves
-        s = tl.load(sin_ptr + pos * stride_cos + offs).to(dt).to(tl.float32)
-        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-        # x*cos + rotate_half(x)*sin with the reference's roundings: each product, then the sum
-        o1 = (a1 * c).to(dt).to(tl.float32) + (-a2 * s).to(dt).to(tl.float32)
-        o2 = (a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)
-        tl.store(base + offs, o1.to(dt))
-        tl.store(base + half + offs, o2.to(dt))
-        if STORE_KV and j >= NUM_Q:
-            dst = k_cache_ptr + tl.load(loc_ptr + t).to(tl.int64) * stride_cs + (j - NUM_Q) * HEAD_DIM
-            k1, k2 = o1.to(dt), o2.to(dt)  # the rotated k as the q/k rows hold it, then (FP8) its codes
-            if KV_FP8:
-                ks = tl.load(k_scale_ptr + j - NUM_Q)
-                km = k_mean_ptr + (j - NUM_Q) * HEAD_DIM
-                k1 = fp8_codes(k1.to(tl.float32) - tl.load(km + offs), ks, k_cache_ptr.dtype.element_ty)
-                k2 = fp8_codes(k2.to(tl.float32) - tl.load(km + half + offs), ks, k_cache_ptr.dtype.element_ty)
-            tl.store(dst + offs, k1)
-            tl.store(dst + half + offs, k2)
+            tl.store(dst + offs, x1, mask=is_v)
+            tl.store(dst + half + offs, x2, mask=is_v)
+    if HAS_NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1))[:, None] / HEAD_DIM + eps)
+        is_q = j < NUM_Q
+        w1 = tl.where(is_q, tl.load(qw_ptr + offs), tl.load(kw_ptr + offs)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(qw_ptr + half + offs), tl.load(kw_ptr + half + offs)).to(tl.float32)
+        x1 = (w1 * (f1 * rstd).to(dt).to(tl.float32)).to(dt)
+        x2 = (w2 * (f2 * rstd).to(dt).to(tl.float32)).to(dt)
+    pos = tl.load(pos_ptr + t)
+    c = tl.load(cos_ptr + pos * stride_cos + offs).to(dt).to(tl.float32)  # cos/sin repeat over the halves
+    s = tl.load(sin_ptr + pos * stride_cos + offs).to(dt).to(tl.float32)
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    # x*cos + rotate_half(x)*sin with the reference's roundings: each product, then the sum
+    o1 = ((a1 * c).to(dt).to(tl.float32) + (-a2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+    tl.store(base + offs, o1, mask=rot)
+    tl.store(base + half + offs, o2, mask=rot)
+    if STORE_KV:  # the rotated k as the q/k rows hold it, then (FP8) its codes
+        hk = j - NUM_Q
+        dst = k_cache_ptr + slot + hk * HEAD_DIM
+        if KV_FP8:
+            ks = tl.load(k_scale_ptr + hk, mask=is_k, other=1.0)
+            km = k_mean_ptr + hk * HEAD_DIM
+            k1 = fp8_codes(o1.to(tl.float32) - tl.load(km + offs, mask=is_k, other=0.0), ks,
+                           k_cache_ptr.dtype.element_ty)
+            k2 = fp8_codes(o2.to(tl.float32) - tl.load(km + half + offs, mask=is_k, other=0.0), ks,
+                           k_cache_ptr.dtype.element_ty)
+            tl.store(dst + offs, k1, mask=is_k)
+            tl.store(dst + half + offs, k2, mask=is_k)
+        else:
+            tl.store(dst + offs, o1, mask=is_k)
+            tl.store(dst + half + offs, o2, mask=is_k)
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVQuant | None]  # as attention.base.KVBuffers
@@ -123,7 +136,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVQuant | None]  # as 
 
 def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   num_q: int, num_kv: int, head_dim: int, q_weight: torch.Tensor | None,
-                  k_weight: torch.Tensor | None, eps: float, kv_cache: KVCache | None = None, pdl: bool = True) -> None:
+                  k_weight: torch.Tensor | None, eps: float, kv_cache: KVCache | None = None, pdl: bool = True,
+                  config: tuple[int, int] | None = None) -> None:
     """In place on the q and k heads of a fused qkv [T, (Hq + 2 Hkv) * D]: optional per-head RMSNorm, then RoPE.
 
     With kv_cache = (k_cache, v_cache, loc, quant) ([slots, Hkv, D] each, loc [T]) the same launch also
@@ -141,11 +155,22 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1:] == (num_kv, head_dim)
     fp8 = quant if quant is not None else (cos,) * 4  # placeholders, never read
     heads = num_q + (2 if kv_cache is not None else 1) * num_kv
-    _qk_norm_rope_kernel[(T, heads)](
+    per, warps = config or pick_rope_config(T)
+    _qk_norm_rope_kernel[(T, triton.cdiv(heads, per))](
         qkv, positions, cos, sin, qw, kw, k_cache, v_cache, loc, *fp8, qkv.stride(0), cos.stride(0),
-        k_cache.stride(0), eps, NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        STORE_KV=kv_cache is not None, KV_FP8=quant is not None, num_warps=1, **pdl_kwargs(qkv, pdl),
+        k_cache.stride(0), eps, NUM_Q=num_q, NUM_KV=num_kv, N_HEADS=heads, HEAD_DIM=head_dim, HEADS=per,
+        HAS_NORM=has_norm,
+        STORE_KV=kv_cache is not None, KV_FP8=quant is not None, num_warps=warps, **pdl_kwargs(qkv, pdl),
     )
+
+
+def pick_rope_config(tokens: int) -> tuple[int, int]:
+    """(heads per program, num_warps) of qk_norm_rope_, from a sweep on an H100 (examples/gpu_bench.py --only
+    fp8ops): one head per one-warp program up to 16 tokens (the most programs in flight); beyond, 16 heads per
+    program -- 2x faster at 256 tokens (a decode batch) and 3-5x at 8192 (a prefill chunk) than a program per
+    head, whose cos / sin and slot loads each wait on one another; a token's heads all in one program was no faster
+    than one per head."""
+    return (1, 1) if tokens <= 16 else (16, 4)
 
 
 @triton.jit
