@@ -59,6 +59,25 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 
 
 @triton.jit
+def _store_kv_heads(cache_ptr, scale_ptr, mean_ptr, slot, h, mask, x1, x2, offs, HEAD_DIM: tl.constexpr,
+                    KV_FP8: tl.constexpr):
+    """Rows of KV heads `h` ([HEADS, 1], those under `mask`), as two halves, into their cache slot: as they are,
+    or (FP8) the e4m3 codes of x - mean at the head's scale."""
+    half: tl.constexpr = HEAD_DIM // 2
+    dst = cache_ptr + slot + h * HEAD_DIM
+    if KV_FP8:
+        scale = tl.load(scale_ptr + h, mask=mask, other=1.0)
+        mean = mean_ptr + h * HEAD_DIM
+        tl.store(dst + offs, fp8_codes(x1.to(tl.float32) - tl.load(mean + offs, mask=mask, other=0.0), scale,
+                                       cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half + offs, fp8_codes(x2.to(tl.float32) - tl.load(mean + half + offs, mask=mask, other=0.0),
+                                              scale, cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dst + offs, x1, mask=mask)
+        tl.store(dst + half + offs, x2, mask=mask)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
                          k_scale_ptr, v_scale_ptr, k_mean_ptr, v_mean_ptr, stride_t, stride_cos, stride_cs, eps,
                          NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -82,21 +101,9 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_c
     x2 = tl.load(base + half + offs, mask=j < N_HEADS, other=0.0)
     dt = x1.dtype
     slot = tl.load(loc_ptr + t).to(tl.int64) * stride_cs  # (without STORE_KV loc is the positions: unused)
-    if STORE_KV:  # v heads: copied to their slot (FP8: the codes of x - mean)
-        hv = j - NUM_Q - NUM_KV
-        dst = v_cache_ptr + slot + hv * HEAD_DIM
-        if KV_FP8:
-            vs = tl.load(v_scale_ptr + hv, mask=is_v, other=1.0)
-            vm = v_mean_ptr + hv * HEAD_DIM
-            v1 = fp8_codes(x1.to(tl.float32) - tl.load(vm + offs, mask=is_v, other=0.0), vs,
-                           v_cache_ptr.dtype.element_ty)
-            v2 = fp8_codes(x2.to(tl.float32) - tl.load(vm + half + offs, mask=is_v, other=0.0), vs,
-                           v_cache_ptr.dtype.element_ty)
-            tl.store(dst + offs, v1, mask=is_v)
-            tl.store(dst + half + offs, v2, mask=is_v)
-        else:
-            tl.store(dst + offs, x1, mask=is_v)
-            tl.store(dst + half + offs, x2, mask=is_v)
+    if STORE_KV:  # v heads: copied to their slot
+        _store_kv_heads(v_cache_ptr, v_scale_ptr, v_mean_ptr, slot, j - NUM_Q - NUM_KV, is_v, x1, x2, offs,
+                        HEAD_DIM, KV_FP8)
     if HAS_NORM:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         rstd = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1))[:, None] / HEAD_DIM + eps)
@@ -114,21 +121,8 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_c
     o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
     tl.store(base + offs, o1, mask=rot)
     tl.store(base + half + offs, o2, mask=rot)
-    if STORE_KV:  # the rotated k as the q/k rows hold it, then (FP8) its codes
-        hk = j - NUM_Q
-        dst = k_cache_ptr + slot + hk * HEAD_DIM
-        if KV_FP8:
-            ks = tl.load(k_scale_ptr + hk, mask=is_k, other=1.0)
-            km = k_mean_ptr + hk * HEAD_DIM
-            k1 = fp8_codes(o1.to(tl.float32) - tl.load(km + offs, mask=is_k, other=0.0), ks,
-                           k_cache_ptr.dtype.element_ty)
-            k2 = fp8_codes(o2.to(tl.float32) - tl.load(km + half + offs, mask=is_k, other=0.0), ks,
-                           k_cache_ptr.dtype.element_ty)
-            tl.store(dst + offs, k1, mask=is_k)
-            tl.store(dst + half + offs, k2, mask=is_k)
-        else:
-            tl.store(dst + offs, o1, mask=is_k)
-            tl.store(dst + half + offs, o2, mask=is_k)
+    if STORE_KV:  # the rotated k as the q/k rows hold it
+        _store_kv_heads(k_cache_ptr, k_scale_ptr, k_mean_ptr, slot, j - NUM_Q, is_k, o1, o2, offs, HEAD_DIM, KV_FP8)
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVQuant | None]  # as attention.base.KVBuffers
