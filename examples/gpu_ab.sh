@@ -3,13 +3,15 @@
 # this one, alternating, then a table of both. Two machines of one kind differ: compare only inside a run.
 #
 #   git archive OLD_REV | tar -x -C /tmp/old      # where git is at hand
-#   OLD=/tmp/old OUT=/tmp/ab bash examples/gpu_ab.sh [--only qwen,llama] [ROUNDS]
+#   OLD=/tmp/old OUT=/tmp/ab [ONLY=qwen,llama] [ROUNDS=1] [ARGS="--quantization fp8"] bash examples/gpu_ab.sh
+# ARGS: more gpu_bench.py flags for both sides (e.g. the dtypes: --kv-cache-dtype fp8_e4m3 --quantization fp8).
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/gpu_ab}; mkdir -p "$OUT"
 OLD=$(cd "${OLD:?set OLD to the older tree}" && pwd)  # absolute: each side runs from its own tree
 ONLY=${ONLY:-qwen,llama}
 ROUNDS=${ROUNDS:-1}
+ARGS=${ARGS:-}
 NEW=$(pwd)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 for r in $(seq 1 "$ROUNDS"); do
@@ -17,7 +19,7 @@ for r in $(seq 1 "$ROUNDS"); do
     dir=$OLD; [ "$side" = new ] && dir=$NEW
     mkdir -p "$OUT/$side$r"
     (cd "$dir" && PYTHONPATH="$dir:${PYTHONPATH:-}" timeout ${BENCH_TIMEOUT:-400} python3 examples/gpu_bench.py \
-      --main-only --no-hf --only "$ONLY" --out "$OUT/$side$r") > "$OUT/$side$r/log.txt" 2>&1 \
+      --main-only --no-hf --only "$ONLY" $ARGS --out "$OUT/$side$r") > "$OUT/$side$r/log.txt" 2>&1 \
       || echo "$side round $r failed: see $OUT/$side$r/log.txt"
   done
 done

@@ -392,8 +392,9 @@ def bench_ops() -> None:
 
 
 def bench_fp8_ops() -> None:
-    """The per-token activation quantization (plain and with SiLU-and-mul) and the q/k-norm + RoPE + FP8 KV store
-    kernel over its block shapes (pick_rope_config's source): median us of do_bench, L2 flushed. (Splitting
+    """The per-token activation quantization (plain, with SiLU-and-mul, written by the add + RMSNorm) and the
+    q/k-norm + RoPE + FP8 KV store kernel over its block shapes (pick_rope_config's source): median us of
+    do_bench, L2 flushed. (Splitting
     quant_rows' rows into chunks, two passes, was tried: no faster at 256 rows, slower at 8192.)"""
     import triton
 
@@ -410,6 +411,13 @@ def bench_fp8_ops() -> None:
                 x = torch.randn(tokens, 2 * k if act else k, device=dev, dtype=dt)
                 row(workload="fp8-op", model=model, op=op, tokens=tokens, K=k,
                     us={"picked": bench(lambda x=x, act=act: T.quant_rows(x, act_mul=act))})
+            # The decoder's add + RMSNorm ahead of an FP8 linear: then quant_rows, or the codes from the norm.
+            x, res = (torch.randn(tokens, hidden, device=dev, dtype=dt) for _ in range(2))
+            w = torch.ones(hidden, device=dev, dtype=dt)
+            row(workload="fp8-op", model=model, op="add+norm(+quant)", tokens=tokens, K=hidden, us={
+                "norm": bench(lambda: T.rmsnorm(x, w, 1e-6, residual=res)),
+                "norm,quant": bench(lambda: T.quant_rows(T.rmsnorm(x, w, 1e-6, residual=res))),
+                "norm+quant": bench(lambda: T.rmsnorm(x, w, 1e-6, residual=res, quant=True))})
             qkv = torch.randn(tokens, (hq + 2 * hkv) * d, device=dev, dtype=dt)
             pos = torch.randint(0, 4000, (tokens,), device=dev)
             rope = RotaryEmbedding(d, 4096, 1e6).to(dev)
@@ -544,7 +552,9 @@ def bench_fp8_linear(model: str, name: str, ws: list[torch.Tensor], x: torch.Ten
                                     use_fast_accum=fast)
 
         ref_m = (fp8.round_trip_rows(xm_in).double() @ fp8.dequantize(qs[0][0], qs[0][1][:, None]).double().T)
-        cells[f"m{m}_rel_err"] = f"{((fp8_mm(qs[0]).double() - ref_m).norm() / ref_m.norm()).item():.2e}"
+        for tag, fast in (("", False), ("fast_", True)):
+            rel = ((fp8_mm(qs[0], fast=fast).double() - ref_m).norm() / ref_m.norm()).item()
+            cells[f"m{m}_{tag}rel_err"] = f"{rel:.2e}"
         reps = 20 if m == 256 else 3
         cells[f"m{m}_bf16_us"] = round(_graph_us([lambda w=w, xm=xm: torch.nn.functional.linear(
             T.silu_and_mul(xm) if act else xm, w) for w in ws], reps), 2)

@@ -110,6 +110,39 @@ def test_fp8_linear_equals_the_simulation(n, k, rows, bias):
     assert _rel(out, sim) <= 1e-2
 
 
+@pytest.mark.parametrize("m,k", [(2, 1024), (256, 4096), (33, 960)])
+def test_add_rmsnorm_writes_the_codes_quant_rows_makes_of_its_output(m, k):
+    from minisgl_cli.layers import triton_ops as T
+
+    g = torch.Generator(DEV).manual_seed(m * k)
+    x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
+    res = torch.randn(m, k, device=DEV, generator=g).bfloat16()
+    w = (torch.rand(k, device=DEV, generator=g) * 2).bfloat16()
+    res_q, res_ref = res.clone(), res.clone()
+    rows = T.rmsnorm(x, w, 1e-6, residual=res_q, quant=True)
+    q_ref, s_ref = T.quant_rows(T.rmsnorm(x, w, 1e-6, residual=res_ref))
+    assert isinstance(rows, fp8.Fp8Rows) and rows.dtype == torch.bfloat16
+    assert torch.equal(rows.scales, s_ref) and _same_codes(rows.codes, q_ref)
+    assert torch.equal(res_q, res_ref)  # the residual sum is written back as without quant
+
+
+def test_fp8_layers_take_their_input_from_the_norm_above_one_row():
+    """The decoder's norms hand an FP8 linear its codes for a multi-row step, and 16-bit rows for one row."""
+    from minisgl_cli.layers.fused import Kernels
+    from minisgl_cli.layers.norm import RMSNorm
+
+    lin, g = _fp8_linear(512, 512, True, 3)
+    with _building_bf16():
+        norm = RMSNorm(512, 1e-6, Kernels())
+    for rows in (1, 64):
+        x = torch.randn(rows, 512, device=DEV, generator=g).bfloat16()
+        res = torch.randn(rows, 512, device=DEV, generator=g).bfloat16()
+        fused, _ = norm.forward_residual(x, res.clone(), lin.takes_fp8_rows(x))
+        assert isinstance(fused, fp8.Fp8Rows) == (rows > 1)
+        plain, _ = norm.forward_residual(x, res.clone())
+        assert torch.equal(lin(fused), lin(plain))  # the same codes either way: the same GEMM
+
+
 @pytest.mark.parametrize("n,k", [(6144, 4096), (1000, 1024), (4096, 14336), (1000, 3072)])
 @pytest.mark.parametrize("act", [False, True])
 @pytest.mark.parametrize("config", [None, (8, 512, 4), (4, 64, 4, 3, 0), (16, 64, 4, 2, 0), (8, 64, 4, 1, 1)],

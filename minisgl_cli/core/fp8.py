@@ -50,6 +50,15 @@ def round_trip_rows(x: torch.Tensor) -> torch.Tensor:
     return dequantize(q, scale)
 
 
+class Fp8Rows(NamedTuple):
+    """Activation rows already quantized per token for an FP8 linear (a norm kernel's output): the linear
+    multiplies the codes without a pass of its own. `dtype` is the 16-bit type the rows had and its output takes."""
+
+    codes: torch.Tensor  # [M, K] e4m3
+    scales: torch.Tensor  # [M, 1] fp32
+    dtype: torch.dtype
+
+
 class KVQuant(NamedTuple):
     """One layer of an FP8 KV cache: what a kernel needs to write and read its codes (kvcache/pool.py).
 

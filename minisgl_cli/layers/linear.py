@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl_cli.core.fp8 import Fp8Rows
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import all_reduce
 from minisgl_cli.layers.fused import Kernels
@@ -58,7 +59,11 @@ class ColumnParallelLinear(nn.Module):
     def finish_loading(self) -> None:
         self.method.finish(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether forward takes x already quantized per token (core/fp8.Fp8Rows: the norm before it writes them)."""
+        return self.method.takes_fp8_rows(self, x)
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl_cli.core.fp8 import Fp8Rows
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.loader.hf import Weight, whole
 
@@ -31,17 +32,20 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor,
+                         fp8: bool = False) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         """Add the residual, then normalise: returns (normed, new residual).
 
         The fused CUDA kernels update `residual` in place (callers own it; sgl_kernel's `x` too); the torch
-        path does not."""
+        path does not. fp8: the next linear takes rows quantized per token (its `takes_fp8_rows`), which the
+        Triton kernel then writes in place of the 16-bit rows; the other paths return the 16-bit rows."""
         sgl = self.kernels.sgl_ops(x)
         if sgl is not None and x.is_contiguous() and residual.is_contiguous():
             sgl.fused_add_rmsnorm(x, residual, self.weight, self.eps)
             return x, residual
         ops = self.kernels.triton(x)
         if ops is not None and residual.is_contiguous():
-            return ops.rmsnorm(x, self.weight, self.eps, residual=residual, pdl=self.kernels.pdl), residual
+            normed = ops.rmsnorm(x, self.weight, self.eps, residual=residual, pdl=self.kernels.pdl, quant=fp8)
+            return normed, residual
         residual = x + residual
         return self.forward(residual), residual

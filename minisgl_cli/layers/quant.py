@@ -99,6 +99,10 @@ class LinearMethod:
             return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None)
         return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, pdl=layer.kernels.pdl)
 
+    def takes_fp8_rows(self, layer: Layer, x: torch.Tensor) -> bool:
+        """Whether `apply` takes x quantized per token (core/fp8.Fp8Rows, from the norm before it) for x's shape."""
+        return False
+
     def for_lm_head(self) -> LinearMethod:
         """The method of the model's LM head (the vocabulary projection)."""
         return self
@@ -294,7 +298,14 @@ class Fp8Method(LinearMethod):
         edge = num_layers > 2 and layer_id in (0, num_layers - 1)
         return LinearMethod() if edge else self
 
-    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def takes_fp8_rows(self, layer: Layer, x: torch.Tensor) -> bool:
+        # Only where apply would quantize the rows itself for torch._scaled_mm (CUDA, several rows).
+        n, k = layer.weight.shape
+        return layer.kernels.triton(x) is not None and x.reshape(-1, k).shape[0] > 1 and not (k % 16 or n % 16)
+
+    def apply(self, layer: Layer, x: torch.Tensor | fp8.Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, fp8.Fp8Rows):  # quantized by the norm before this layer (takes_fp8_rows)
+            return self._scaled_mm(x.codes, x.scales, layer, bias, x.dtype)
         kernels = layer.kernels
         w, ws = layer.weight, layer.weight_scale
         ops = kernels.triton(x)

@@ -12,15 +12,15 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from minisgl_cli.core.fp8 import KVQuant
+from minisgl_cli.core.fp8 import FP8, INV_MAX, TINY, Fp8Rows, KVQuant
 from minisgl_cli.layers.pdl import pdl_kwargs
 from minisgl_cli.layers.triton_fp8 import fp8_codes, quant_rows  # noqa: F401  (quant_rows re-exported, as gemv)
 from minisgl_cli.layers.triton_gemv import gemv  # noqa: F401  (re-exported: one switch for every Triton layer op)
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, N, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, stride_x, stride_r, stride_o, N, eps, tiny, inv_max,
+                    HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # see layers/pdl.py: the weight is read before the wait, activations after
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -38,23 +38,36 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, 
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     h = (xf * rstd).to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (w * h).to(x.dtype), mask=mask)
+    y = (w * h).to(x.dtype)
+    if QUANT:  # the FP8 GEMM's input: the normed row's codes and scale, as quant_rows would make of y
+        yf = y.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(yf), axis=0), tiny) * inv_max
+        tl.store(out_ptr + row * stride_o + offs, fp8_codes(yf, scale, out_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-            pdl: bool = True) -> torch.Tensor:
-    """RMSNorm over the last dim of a 2-D x; with `residual`, first residual += x (in place) and norm that."""
+            pdl: bool = True, quant: bool = False) -> torch.Tensor | Fp8Rows:
+    """RMSNorm over the last dim of a 2-D x; with `residual`, first residual += x (in place) and norm that.
+
+    quant: return the normed rows as e4m3 codes with a scale per row (`Fp8Rows`, what quant_rows gives of
+    the 16-bit result) for an FP8 linear, saving that linear its own pass over the rows."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
-    out = torch.empty_like(x2)
+    out = torch.empty(x2.shape, dtype=FP8 if quant else x2.dtype, device=x2.device)
+    scales = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x2.device) if quant else out
     r2 = residual.reshape(-1, n) if residual is not None else x2
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
         _rmsnorm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, x2.stride(0), r2.stride(0), out.stride(0), n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            x2, r2, weight, out, scales, x2.stride(0), r2.stride(0), out.stride(0), n, eps, TINY, INV_MAX,
+            HAS_RESIDUAL=residual is not None, QUANT=quant, BLOCK=block, num_warps=min(16, max(1, block // 256)),
             **pdl_kwargs(x2, pdl),
         )
+    if quant:
+        return Fp8Rows(out, scales, x2.dtype)
     return out.view(x.shape)
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.core.fp8 import Fp8Rows
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.fused import Kernels
@@ -41,7 +42,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
+    def forward(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend,
                 rope_at: RopeAt | None) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
@@ -83,7 +84,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, kernels=kernels,
                                            method=method)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
@@ -103,9 +104,11 @@ class DecoderLayer(nn.Module):
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
-            h, residual = self.input_layernorm.forward_residual(h, residual)
+            fp8 = self.self_attn.qkv_proj.takes_fp8_rows(h)  # then the norm writes the FP8 GEMM's input
+            h, residual = self.input_layernorm.forward_residual(h, residual, fp8)
         h = self.self_attn(h, batch, attn, rope_at)
-        h, residual = self.post_attention_layernorm.forward_residual(h, residual)
+        fp8 = self.mlp.gate_up_proj.takes_fp8_rows(h)
+        h, residual = self.post_attention_layernorm.forward_residual(h, residual, fp8)
         return self.mlp(h), residual
 
 
