@@ -64,6 +64,8 @@ class ColumnParallelLinear(nn.Module):
         return self.method.takes_fp8_rows(self, x)
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if isinstance(x, Fp8Rows):
+            return self.method.apply_fp8_rows(self, x, self.bias)
         return self.method.apply(self, x, self.bias)
 
 

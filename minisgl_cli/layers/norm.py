@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 from torch import nn
 
@@ -31,6 +33,14 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    @overload
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor,
+                         fp8: Literal[False] = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @overload
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor,
+                         fp8: bool) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]: ...
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor,
                          fp8: bool = False) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:

@@ -100,8 +100,12 @@ class LinearMethod:
         return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, pdl=layer.kernels.pdl)
 
     def takes_fp8_rows(self, layer: Layer, x: torch.Tensor) -> bool:
-        """Whether `apply` takes x quantized per token (core/fp8.Fp8Rows, from the norm before it) for x's shape."""
+        """Whether `apply_fp8_rows` takes x quantized per token (core/fp8.Fp8Rows, from the norm before it)."""
         return False
+
+    def apply_fp8_rows(self, layer: Layer, rows: fp8.Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
+        """`apply` of rows already quantized per token: only for a method whose `takes_fp8_rows` said so."""
+        raise TypeError(f"the {self.name!r} linear method takes no FP8 rows")
 
     def for_lm_head(self) -> LinearMethod:
         """The method of the model's LM head (the vocabulary projection)."""
@@ -303,9 +307,10 @@ class Fp8Method(LinearMethod):
         n, k = layer.weight.shape
         return layer.kernels.triton(x) is not None and x.reshape(-1, k).shape[0] > 1 and not (k % 16 or n % 16)
 
-    def apply(self, layer: Layer, x: torch.Tensor | fp8.Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(x, fp8.Fp8Rows):  # quantized by the norm before this layer (takes_fp8_rows)
-            return self._scaled_mm(x.codes, x.scales, layer, bias, x.dtype)
+    def apply_fp8_rows(self, layer: Layer, rows: fp8.Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._scaled_mm(rows.codes, rows.scales, layer, bias, rows.dtype)
+
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernels = layer.kernels
         w, ws = layer.weight, layer.weight_scale
         ops = kernels.triton(x)

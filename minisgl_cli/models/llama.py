@@ -101,15 +101,15 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend,
         rope_at: RopeAt | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        x: torch.Tensor | Fp8Rows  # a norm's output: FP8 codes where the linear after it takes them
         if residual is None:
-            residual, h = h, self.input_layernorm(h)
+            residual, x = h, self.input_layernorm(h)
         else:
-            fp8 = self.self_attn.qkv_proj.takes_fp8_rows(h)  # then the norm writes the FP8 GEMM's input
-            h, residual = self.input_layernorm.forward_residual(h, residual, fp8)
-        h = self.self_attn(h, batch, attn, rope_at)
+            x, residual = self.input_layernorm.forward_residual(h, residual, self.self_attn.qkv_proj.takes_fp8_rows(h))
+        h = self.self_attn(x, batch, attn, rope_at)
         fp8 = self.mlp.gate_up_proj.takes_fp8_rows(h)
-        h, residual = self.post_attention_layernorm.forward_residual(h, residual, fp8)
-        return self.mlp(h), residual
+        x, residual = self.post_attention_layernorm.forward_residual(h, residual, fp8)
+        return self.mlp(x), residual
 
 
 # HF checkpoint names that land in one of our merged parameters: (our name, shard index).
