@@ -683,9 +683,10 @@ def main() -> None:
                   + "  ".join(f"M={m}: bf16 {r[f'm{m}_bf16_us']}us fp8 {r[f'm{m}_fp8_us']}us "
                               f"(fast {r[f'm{m}_fp8_fast_us']}) err {r[f'm{m}_rel_err']}"
                               for m in (256, 8192) if f"m{m}_fp8_us" in r))
-        elif r.get("workload") == "fp8-op":
+        elif r.get("workload") == "fp8-op" and "tokens" in r:
+            times = r.get("us") or r["us_in_graph"]
             print(f"fp8-op {r['model']:<13} {r['op']:<11} T={r['tokens']:<5} K={r['K']:<6} "
-                  + "  ".join(f"{c}: {t}" for c, t in r["us"].items()))
+                  + "  ".join(f"{c}: {t}" for c, t in times.items()) + ("  (in a graph)" if "us" not in r else ""))
         elif r.get("workload") == "op":
             print(f"op {r['op']:<13} T={r['tokens']:<5} h={r['hidden']:<5} torch {r['torch_us']:>8.1f}us "
                   f"triton {r['triton_us']:>8.1f}us x{r['speedup']:<5} err {r['max_abs_err']:.3g}")
