@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -64,9 +66,31 @@ def test_ctrl_c_pressed_again_during_the_shutdown_still_stops_everything(serve):
         s.proc.send_signal(signal.SIGINT)
         time.sleep(0.1)
     code = s.proc.wait(10)  # cut short, the exit used to wait forever on the children never stopped
-    # -SIGINT: a later press that lands after the shutdown, in the interpreter's own exit, ends it as any program
-    assert code in (0, -signal.SIGINT) and "Traceback" not in s.stderr(), s.stderr()
+    # A press after the shutdown ends the process at once (130); one in its last instant, once Python has put the
+    # default handler back, ends it as it ends any program (-SIGINT).
+    assert code in (0, 128 + signal.SIGINT, -signal.SIGINT) and "Traceback" not in s.stderr(), s.stderr()
     assert gone(pids, 1) == []
+
+
+@pytest.mark.parametrize("leaving", [True, False])
+def test_a_signal_after_the_shutdown_ends_a_leaving_process_at_once(leaving):
+    """What the press after serve's shutdown meets: with leaving=True, exit 130 and no traceback; restored (the
+    old way), a KeyboardInterrupt traceback from wherever the interpreter was."""
+    code = ("import os, signal, time\n"
+            "from minisgl_cli.runtime.supervisor import stop_on_signals\n"
+            f"with stop_on_signals(leaving={leaving}):\n"
+            "    pass\n"
+            "print('shut down', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(10)\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "shut down\n"
+    if leaving:
+        assert done.returncode == 128 + signal.SIGINT and done.stderr == "", done.stderr
+        assert time.monotonic() - t0 < 9  # at once, not after the sleep
+    else:
+        assert done.returncode == -signal.SIGINT and "KeyboardInterrupt" in done.stderr
 
 
 @pytest.mark.parametrize("kind", CHILD_KINDS)

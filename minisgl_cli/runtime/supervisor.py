@@ -14,12 +14,13 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
-from typing import cast
+from typing import Any, cast
 
 import zmq
 
@@ -161,14 +162,25 @@ def wait_ready(runtimes: list[Runtime], progress: Callable[[str], None], t0: flo
 
 
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[threading.Event]:
+def stop_on_signals(leaving: bool = False) -> Iterator[threading.Event]:
     """An event that SIGINT or SIGTERM sets while the block runs (the previous handlers come back after).
 
-    Main thread only (Python delivers signals there): the block polls the event instead of being interrupted."""
+    Main thread only (Python delivers signals there): the block polls the event instead of being interrupted.
+    leaving: the process ends after the block (serve, the router, a node's ranks), so a signal after it ends the
+    process at once (`exit_now`) -- restored, a third Ctrl-C would land in the interpreter's exit as a
+    KeyboardInterrupt traceback from whichever atexit hook it interrupts."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield stop
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, exit_now if leaving else handler)
+
+
+def exit_now(signum: int, frame: Any) -> None:
+    """A signal handler for a process whose shutdown is done: flush, and exit with the shell's 128 + signal."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(128 + signum)
