@@ -204,7 +204,7 @@ def _serve_ranks(runtime: Any, cfg: RuntimeConfig) -> NoReturn:
     _progress(f"node {cfg.node_rank}: ranks {ranks.start}..{ranks.stop - 1} serving node 0's requests")
     from minisgl_cli.runtime.supervisor import stop_on_signals
 
-    with stop_on_signals(leaving=True) as stop:  # through the shutdown too: a second Ctrl-C must not cut it short
+    with stop_on_signals() as stop:  # through the shutdown too: a second Ctrl-C must not cut it short
         reason = runtime.wait(stop)
         runtime.shutdown()
     if reason is not None:

@@ -72,13 +72,12 @@ def test_ctrl_c_pressed_again_during_the_shutdown_still_stops_everything(serve):
     assert gone(pids, 1) == []
 
 
-@pytest.mark.parametrize("leaving", [True, False])
-def test_a_signal_after_the_shutdown_ends_a_leaving_process_at_once(leaving):
-    """What the press after serve's shutdown meets: with leaving=True, exit 130 and no traceback; restored (the
-    old way), a KeyboardInterrupt traceback from wherever the interpreter was."""
+def test_a_signal_after_the_shutdown_ends_the_process_at_once():
+    """What a press after serve's shutdown meets: exit 130 at once and no traceback (with the default handler
+    back, it was a KeyboardInterrupt traceback from wherever the interpreter was)."""
     code = ("import os, signal, time\n"
             "from minisgl_cli.runtime.supervisor import stop_on_signals\n"
-            f"with stop_on_signals(leaving={leaving}):\n"
+            "with stop_on_signals():\n"
             "    pass\n"
             "print('shut down', flush=True)\n"
             "os.kill(os.getpid(), signal.SIGINT)\n"
@@ -86,11 +85,8 @@ def test_a_signal_after_the_shutdown_ends_a_leaving_process_at_once(leaving):
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout == "shut down\n"
-    if leaving:
-        assert done.returncode == 128 + signal.SIGINT and done.stderr == "", done.stderr
-        assert time.monotonic() - t0 < 9  # at once, not after the sleep
-    else:
-        assert done.returncode == -signal.SIGINT and "KeyboardInterrupt" in done.stderr
+    assert done.returncode == 128 + signal.SIGINT and done.stderr == "", done.stderr
+    assert time.monotonic() - t0 < 9  # at once, not after the sleep
 
 
 @pytest.mark.parametrize("kind", CHILD_KINDS)

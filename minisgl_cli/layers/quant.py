@@ -303,37 +303,40 @@ class Fp8Method(LinearMethod):
         return LinearMethod() if edge else self
 
     def takes_fp8_rows(self, layer: Layer, x: torch.Tensor) -> bool:
-        # Only where apply would quantize the rows itself for torch._scaled_mm (CUDA, several rows).
-        n, k = layer.weight.shape
-        return layer.kernels.triton(x) is not None and x.reshape(-1, k).shape[0] > 1 and not (k % 16 or n % 16)
+        # Where apply would quantize the rows itself for torch._scaled_mm (the kernels, more than one row).
+        return self._ops(layer, x) is not None and x.reshape(-1, x.shape[-1]).shape[0] > 1
 
     def apply_fp8_rows(self, layer: Layer, rows: fp8.Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         return self._scaled_mm(rows.codes, rows.scales, layer, bias, rows.dtype)
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kernels = layer.kernels
-        w, ws = layer.weight, layer.weight_scale
-        ops = kernels.triton(x)
-        x2 = x.reshape(-1, x.shape[-1])
-        n, k = w.shape
-        if ops is None or k % 16 or n % 16:  # the reference path (and _scaled_mm wants multiples of 16)
+        ops = self._ops(layer, x)
+        if ops is None:
             return self._reference(layer, x, bias)
+        pdl, n = layer.kernels.pdl, layer.weight.shape[0]
+        x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] == 1:
-            return ops.gemv(x2.contiguous(), w, bias, pdl=kernels.pdl, scale=ws).view(*x.shape[:-1], n)
-        xq, xs = ops.quant_rows(x2.contiguous(), pdl=kernels.pdl)
+            return ops.gemv(x2.contiguous(), layer.weight, bias, pdl=pdl, scale=layer.weight_scale).view(
+                *x.shape[:-1], n)
+        xq, xs = ops.quant_rows(x2.contiguous(), pdl=pdl)
         return self._scaled_mm(xq, xs, layer, bias, x.dtype).view(*x.shape[:-1], n)
 
     def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor) -> torch.Tensor:
-        kernels = layer.kernels
-        ops = kernels.triton(gate_up)
-        n, k = layer.weight.shape
-        if ops is None or gate_up.dim() != 2 or k % 16 or n % 16:
-            return self._reference(layer, silu_and_mul(gate_up, kernels), None)
+        ops = self._ops(layer, gate_up)
+        if ops is None or gate_up.dim() != 2:
+            return self._reference(layer, silu_and_mul(gate_up, layer.kernels), None)
         if gate_up.shape[0] == 1:
-            return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, pdl=kernels.pdl,
+            return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, pdl=layer.kernels.pdl,
                             scale=layer.weight_scale)
-        xq, xs = ops.quant_rows(gate_up.contiguous(), act_mul=True, pdl=kernels.pdl)  # SiLU-and-mul fused in
+        xq, xs = ops.quant_rows(gate_up.contiguous(), act_mul=True, pdl=layer.kernels.pdl)  # SiLU-and-mul fused in
         return self._scaled_mm(xq, xs, layer, None, gate_up.dtype)
+
+    @staticmethod
+    def _ops(layer: Layer, x: torch.Tensor) -> ModuleType | None:
+        """The Triton ops where the kernels run this layer (CUDA, fused ops on, and a weight whose sides are
+        multiples of 16, as _scaled_mm wants); None: the reference path."""
+        n, k = layer.weight.shape
+        return None if k % 16 or n % 16 else layer.kernels.triton(x)
 
     @staticmethod
     def _scaled_mm(xq: torch.Tensor, xs: torch.Tensor, layer: Layer, bias: torch.Tensor | None,

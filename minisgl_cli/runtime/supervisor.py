@@ -162,20 +162,21 @@ def wait_ready(runtimes: list[Runtime], progress: Callable[[str], None], t0: flo
 
 
 @contextlib.contextmanager
-def stop_on_signals(leaving: bool = False) -> Iterator[threading.Event]:
-    """An event that SIGINT or SIGTERM sets while the block runs (the previous handlers come back after).
+def stop_on_signals() -> Iterator[threading.Event]:
+    """An event that SIGINT or SIGTERM sets while the block runs, for a process that ends after it (serve, the
+    router, a node's ranks); a signal after the block ends the process at once (`exit_now`).
 
     Main thread only (Python delivers signals there): the block polls the event instead of being interrupted.
-    leaving: the process ends after the block (serve, the router, a node's ranks), so a signal after it ends the
-    process at once (`exit_now`) -- restored, a third Ctrl-C would land in the interpreter's exit as a
+    The default handlers do not come back: a third Ctrl-C would then land in the interpreter's exit as a
     KeyboardInterrupt traceback from whichever atexit hook it interrupts."""
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         yield stop
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, exit_now if leaving else handler)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, exit_now)
 
 
 def exit_now(signum: int, frame: Any) -> None:

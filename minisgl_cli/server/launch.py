@@ -99,7 +99,7 @@ def serve(make_client: Callable[[threading.Event], EngineClient], settings: Serv
     reason: str | None = None
     # The handler stays through the shutdown: a second Ctrl-C there would otherwise interrupt it half-way, and the
     # interpreter's exit then waits forever on children that were never stopped.
-    with stop_on_signals(leaving=True) as stop:
+    with stop_on_signals() as stop:
         try:
             client = make_client(stop)
             app = create_app(client, settings)

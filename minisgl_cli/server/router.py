@@ -268,7 +268,7 @@ def run_router(app: FastAPI, host: str, port: int, log_level: str = "warning") -
     server.start(healthy=False)
     workers: Workers = app.state.workers
     log.warning("minisgl router: %d workers (%s) on %s", len(workers.workers), workers.router.mode, server.url)
-    with stop_on_signals(leaving=True) as stop:  # through the shutdown too: a second Ctrl-C must not cut it short
+    with stop_on_signals() as stop:  # through the shutdown too: a second Ctrl-C must not cut it short
         try:
             while not stop.wait(0.2):
                 if not server.running():
