@@ -52,14 +52,14 @@ def chat(
     from minisgl_cli.repl.app import load_engine, run_chat
     from minisgl_cli.repl.session import ChatSession, ChatSettings
     from minisgl_cli.repl.view import ChatView
-    from minisgl_cli.runners.vlm import VlmLoadError, VlmRunner
+    from minisgl_cli.vision.vlm import VlmChat, VlmLoadError
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     out = Console(highlight=False, soft_wrap=not interactive)
     view = ChatView(out, out if interactive else Console(stderr=True, highlight=False, soft_wrap=True), verbose)
     settings = ChatSettings(max_new_tokens=max_new_tokens, temperature=temperature, system=system,
                             multi_turn=multi_turn, logprobs=verbose)
-    vlm = VlmRunner(vlm_model, env.media_device()) if vlm_model else None
+    vlm = VlmChat(vlm_model, env.media_device()) if vlm_model else None
     try:
         if vlm is not None:  # first: on a GPU the engine then sizes its KV pool from the memory left
             with view.loading(f"loading vision-language model {vlm_model} (transformers) ..."):

@@ -36,7 +36,7 @@ from minisgl_cli.runtime.config import RuntimeConfig
 from minisgl_cli.scheduler.config import SchedulerConfig
 
 if TYPE_CHECKING:
-    from minisgl_cli.client import EngineClient
+    from minisgl_cli.client.protocol import EngineClient
 
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="INFO logs narrating prefill, decode steps and chunks.")]
 # The HTTP fronts' shared options (`serve` and `router`).
@@ -139,12 +139,12 @@ class EngineOptions:
     def check(self) -> None:
         """ValueError (one line) naming the flags the chosen engine has no use for: the hf and mlx engines run
         in this process, one request at a time, without our KV pool, scheduler or ranks."""
-        from minisgl_cli import engines
+        from minisgl_cli import backends
 
-        engine = engines.resolve(self.engine.engine)
-        if engine not in engines.SERIAL:
+        engine = backends.resolve(self.engine.engine)
+        if engine not in backends.SERIAL:
             return
-        flags = engines.serial_conflicts(engine, self.engine, self.scheduler)
+        flags = backends.serial_conflicts(engine, self.engine, self.scheduler)
         r = self.runtime
         flags += [flag for flag, used in (("--runtime processes", r.mode == "processes"),
                                           ("--num-tokenizer", r.num_tokenizer > 0), ("--tp", r.tp_size > 1),
@@ -168,10 +168,10 @@ class EngineOptions:
             _progress(f"--scheduler-mode {self.runtime.scheduler_mode} routes across --dp replicas; with --dp 1 "
                       "every request goes to the one engine")
         try:
-            from minisgl_cli import engines
+            from minisgl_cli import backends
 
-            if engines.resolve(self.engine.engine) in engines.SERIAL or not self.runtime.processes(processes):
-                return engines.in_process_client(self.engine, self.scheduler)
+            if backends.resolve(self.engine.engine) in backends.SERIAL or not self.runtime.processes(processes):
+                return backends.in_process_client(self.engine, self.scheduler)
             from minisgl_cli.runtime.launch import launch
             from minisgl_cli.runtime.supervisor import Runtime
 

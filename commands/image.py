@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from minisgl_cli.runners.jobs import DEFAULT_IMAGE_MODEL, DEFAULT_IMAGE_MODEL_DIR, DEFAULT_IMAGE_PROMPT
+from minisgl_cli.media.jobs import DEFAULT_IMAGE_MODEL, DEFAULT_IMAGE_MODEL_DIR, DEFAULT_IMAGE_PROMPT
 
 app = typer.Typer()
 
@@ -61,10 +61,10 @@ def image(
     compile: Annotated[bool, typer.Option(help="torch.compile the transformer/UNet (slow first run).")] = False,
     attention_backend: Annotated[AttentionBackend, typer.Option(help="Attention kernels.")] = AttentionBackend.sdpa,
 ) -> None:
-    from minisgl_cli.runners.console import cli_errors, loading_status, quiet_libraries, step_progress
-    from minisgl_cli.runners.image import generate_images, save_images
-    from minisgl_cli.runners.jobs import ImageJob, ModelSpec, resolve_size
-    from minisgl_cli.runners.pipelines import load_pipeline
+    from minisgl_cli.media.console import cli_errors, loading_status, quiet_libraries, step_progress
+    from minisgl_cli.media.image import generate_images, save_images
+    from minisgl_cli.media.jobs import ImageJob, ModelSpec, resolve_size
+    from minisgl_cli.media.pipelines import load_pipeline
 
     quiet_libraries()
     with cli_errors():

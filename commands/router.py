@@ -34,7 +34,7 @@ def router(
     (each worker and the total) are the router's own. See docs/server.md."""
     import httpx
 
-    from minisgl_cli.server.router import create_router_app, run_router
+    from minisgl_cli.router.app import create_router_app, run_router
 
     c.setup_logging(verbose)
     for url in worker_url:

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from commands import common as c
-from minisgl_cli.runners.image_source import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
+from minisgl_cli.vision.image_source import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 
 if TYPE_CHECKING:
-    from minisgl_cli.client import EngineClient
+    from minisgl_cli.client.protocol import EngineClient
 
 app = typer.Typer()
 
@@ -136,13 +136,13 @@ def serve(
     /metrics (JSON or Prometheus), /health, the media routes and a web page at /, over one engine or --dp replicas;
     chat with images through --vlm-model. It listens at once (503 until the engine is up); the engine runs as
     processes by default (--runtime). See docs/server.md."""
-    from minisgl_cli.runners.image_source import ImagePolicy
-    from minisgl_cli.runners.vlm import VlmLoadError, load_vlm
     from minisgl_cli.server.app import ServerSettings
     from minisgl_cli.server.launch import LaunchConfig
     from minisgl_cli.server.launch import serve as run_server
     from minisgl_cli.server.media import MediaSettings
     from minisgl_cli.server.settings import VisionSettings
+    from minisgl_cli.vision.image_source import ImagePolicy
+    from minisgl_cli.vision.vlm import VlmLoadError, load_vlm
 
     c.setup_logging(verbose)
     if warm_prefixes and opts.engine.engine == "hf":

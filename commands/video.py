@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from minisgl_cli.runners.jobs import DEFAULT_VIDEO_MODEL
+from minisgl_cli.media.jobs import DEFAULT_VIDEO_MODEL
 
 app = typer.Typer()
 
@@ -49,11 +49,11 @@ def video(
 ) -> None:
     import time
 
-    from minisgl_cli.runners.console import cli_errors, loading_status, quiet_libraries, step_progress
-    from minisgl_cli.runners.encode import unique_path, write_frames, write_mp4
-    from minisgl_cli.runners.jobs import ModelSpec, VideoJob
-    from minisgl_cli.runners.pipelines import load_pipeline
-    from minisgl_cli.runners.video import generate_video
+    from minisgl_cli.media.console import cli_errors, loading_status, quiet_libraries, step_progress
+    from minisgl_cli.media.encode import unique_path, write_frames, write_mp4
+    from minisgl_cli.media.jobs import ModelSpec, VideoJob
+    from minisgl_cli.media.pipelines import load_pipeline
+    from minisgl_cli.media.video import generate_video
 
     quiet_libraries()
     with cli_errors():

@@ -80,9 +80,9 @@ def main() -> None:
         print(f"online  {tokens} tokens in {secs:.2f}s = {tokens / secs:.1f} tok/s (concurrency {args.concurrency})")
         return
 
+    from minisgl_cli.api.http_server import BackgroundServer
     from minisgl_cli.llm import LLM
     from minisgl_cli.server.app import create_app
-    from minisgl_cli.server.launch import BackgroundServer
 
     llm = LLM(args.model, max_running_requests=args.concurrency, cache=args.cache)
     try:

@@ -98,9 +98,9 @@ def main() -> None:
 
     from playwright.sync_api import sync_playwright
 
+    from minisgl_cli.api.http_server import BackgroundServer
     from minisgl_cli.llm import LLM
     from minisgl_cli.server.app import create_app
-    from minisgl_cli.server.launch import BackgroundServer
 
     prompts = make_prompts(args.num_prompts)
     rates: dict[str, list[float]] = {"closed": [], "open": []}

@@ -17,7 +17,7 @@ import asyncio
 import random
 import time
 
-from minisgl_cli.client import complete
+from minisgl_cli.client.protocol import complete
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.routing import SCHEDULER_MODES
 from minisgl_cli.runtime.config import RuntimeConfig

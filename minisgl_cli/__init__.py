@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy so `minisgl --help` and the media runners do not pay for importing torch models.
+    # Lazy so `minisgl --help` and the media pipelines do not pay for importing torch models.
     if name == "LLM":
         from minisgl_cli.llm import LLM
 

@@ -6,9 +6,9 @@ import asyncio
 from dataclasses import fields
 from typing import cast
 
-from minisgl_cli.client import complete
+from minisgl_cli.backends import in_process_client
+from minisgl_cli.client.protocol import complete
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.engines import in_process_client
 from minisgl_cli.scheduler.config import SchedulerConfig
 from minisgl_cli.types import Completion, GenerateRequest, SamplingParams
 

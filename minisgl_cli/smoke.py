@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from minisgl_cli.client import EngineClient
+from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.types import GenerateRequest, SamplingParams
 
 log = logging.getLogger("minisgl.smoke")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from minisgl_cli.server.launch import free_port
+from minisgl_cli.api.http_server import free_port
 
 
 class Serve:

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from minisgl_cli.api.http_server import BackgroundServer
 from minisgl_cli.server.app import ServerSettings, create_app
-from minisgl_cli.server.launch import BackgroundServer
 
 API_KEY = "test-key-123"
 

@@ -192,10 +192,10 @@ def fake_url():
 
 
 def test_online_runner_streams_and_limits_concurrency(fake_url):
-    from minisgl_cli.bench.online import OnlineRunner
+    from minisgl_cli.bench.online import HttpTarget
 
     url, state = fake_url
-    runner = OnlineRunner(url, request_rate=math.inf)
+    runner = HttpTarget(url, request_rate=math.inf)
     assert runner.model == "fake-model"
     case = wl.Case("t", [wl.BenchRequest([1, 2, 3], 3, True, "hi there") for _ in range(6)])
     done = []
@@ -209,12 +209,12 @@ def test_online_runner_streams_and_limits_concurrency(fake_url):
 
 
 def test_online_poisson_arrivals_spread_requests(fake_url):
-    from minisgl_cli.bench.online import OnlineRunner
+    from minisgl_cli.bench.online import HttpTarget
 
     url, _ = fake_url
     case = wl.Case("t", [wl.BenchRequest([1], 3) for _ in range(5)])
     t0 = time.perf_counter()
-    OnlineRunner(url, request_rate=20.0, seed=3).run(case, 5, lambda: None)
+    HttpTarget(url, request_rate=20.0, seed=3).run(case, 5, lambda: None)
     # 4 exponential gaps at 20 req/s average 0.2 s in all; at least the gaps' sum must have elapsed.
     import random
 
@@ -305,8 +305,8 @@ def test_online_bench_against_minisgl_server(tmp_path):
     pytest.importorskip("minisgl_cli.server.app", reason="minisgl serve (minisgl_cli.server.app) not built yet")
     from server_fixtures import shared_client
 
+    from minisgl_cli.api.http_server import BackgroundServer
     from minisgl_cli.server.app import create_app
-    from minisgl_cli.server.launch import BackgroundServer
 
     out_json = tmp_path / "online.json"
     with BackgroundServer(create_app(shared_client())) as url:
@@ -324,10 +324,10 @@ def test_online_bench_against_minisgl_server(tmp_path):
 def test_online_bench_times_tokens_when_neither_side_has_a_tokenizer(tmp_path):
     """A server on dummy weights streams token-only chunks; the client (no tokenizer for qwen3-0.6b here)
     still reports TTFT, TPOT and ITL from them, and counts tokens from the server's usage."""
-    from minisgl_cli.client import LocalClient
+    from minisgl_cli.api.http_server import BackgroundServer
+    from minisgl_cli.client.local import LocalClient
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.server.app import create_app
-    from minisgl_cli.server.launch import BackgroundServer
 
     client = LocalClient(EngineConfig(model="smollm2-135m", load_format="dummy", max_total_tokens=2048))
     out_json = tmp_path / "online.json"

@@ -156,7 +156,7 @@ def test_prompt_esc_enter_newline_and_file_history(tmp_path):
 
 @pytest.fixture(scope="module")
 def client():
-    from minisgl_cli.client import LocalClient
+    from minisgl_cli.client.local import LocalClient
     from minisgl_cli.engine.config import EngineConfig
 
     c = LocalClient(EngineConfig(max_total_tokens=KV_TOKENS))
@@ -308,10 +308,10 @@ def test_json_replies_and_verbose_token_logprobs(client, caplog):
 def test_image_prompt_goes_to_the_vlm_and_text_to_the_engine(client, tiny_vlms, tmp_path):
     from PIL import Image
 
-    from minisgl_cli.runners.vlm import VlmRunner
+    from minisgl_cli.vision.vlm import VlmChat
 
     Image.new("RGB", (50, 40), (20, 90, 200)).save(tmp_path / "blue.png")
-    vlm = VlmRunner(tiny_vlms["idefics3"])
+    vlm = VlmChat(tiny_vlms["idefics3"])
 
     async def script(r: Repl) -> None:
         r.send(f"/image {tmp_path / 'blue.png'}")

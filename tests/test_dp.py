@@ -19,7 +19,8 @@ import pytest
 import torch
 from serve_process import Serve, gone
 
-from minisgl_cli.client import complete
+from minisgl_cli.api.http_server import BackgroundServer, free_port
+from minisgl_cli.client.protocol import complete
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.runtime.config import RuntimeConfig
 from minisgl_cli.runtime.launch import launch
@@ -27,7 +28,6 @@ from minisgl_cli.runtime.pool import EnginePool
 from minisgl_cli.scheduler.config import SchedulerConfig
 from minisgl_cli.server.app import ServerSettings, create_app, json_metrics
 from minisgl_cli.server.control import ControlChannel
-from minisgl_cli.server.launch import BackgroundServer, free_port
 from minisgl_cli.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.slow

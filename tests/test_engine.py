@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minisgl_cli import LLM, SamplingParams
-from minisgl_cli.client import complete
+from minisgl_cli.client.protocol import complete
 from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
@@ -165,7 +165,7 @@ def test_local_client_builds_its_engine_on_the_scheduler_thread_and_raises_its_l
     and leaves no thread behind."""
     import threading
 
-    from minisgl_cli.client import LocalClient
+    from minisgl_cli.client.local import LocalClient
 
     threads = []
     real_init = Engine.__init__
@@ -201,7 +201,7 @@ def test_closing_a_client_frees_its_engine_and_hands_a_given_engine_back_empty(t
     import gc
     import weakref
 
-    from minisgl_cli.client import LocalClient
+    from minisgl_cli.client.local import LocalClient
 
     def engines() -> list[Engine]:
         return [o for o in gc.get_objects() if type(o) is Engine]

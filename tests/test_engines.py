@@ -15,8 +15,8 @@ from serve_process import Serve
 from typer.testing import CliRunner
 
 from commands.common import ALL, EngineOptions, engine_options
-from minisgl_cli import engines
-from minisgl_cli.engines.serial import PieceDecoder
+from minisgl_cli import backends
+from minisgl_cli.backends.serial import PieceDecoder
 from minisgl_cli.messages import DecodedPiece
 from minisgl_cli.repl.view import ChatView, status_line
 from minisgl_cli.server.metrics import ServerMetrics
@@ -66,21 +66,21 @@ def test_a_serial_engine_refuses_the_flags_of_ours_in_one_line(engine):
 
 def test_auto_is_mlx_on_apple_silicon_with_mlx_lm_else_torch(monkeypatch, caplog):
     def auto(apple: bool, mlx: bool) -> str:
-        engines._auto.cache_clear()
+        backends._auto.cache_clear()
         monkeypatch.setattr(engines, "apple_silicon", lambda: apple)
         monkeypatch.setattr(engines, "mlx_available", lambda: mlx)
-        return engines.resolve("auto")
+        return backends.resolve("auto")
 
     try:
         assert auto(apple=False, mlx=True) == "torch"
         assert auto(apple=True, mlx=True) == "mlx"
-        with caplog.at_level(logging.WARNING, "minisgl.engines"):
+        with caplog.at_level(logging.WARNING, "minisgl.backends"):
             assert auto(apple=True, mlx=False) == "torch"
         assert [r.getMessage() for r in caplog.records] == [
             "--engine auto: the torch engine (mlx-lm is not installed: pip install 'minisgl[mlx]')"]
-        assert engines.resolve("hf") == "hf"
+        assert backends.resolve("hf") == "hf"
     finally:
-        engines._auto.cache_clear()
+        backends._auto.cache_clear()
 
 
 def test_figures_an_engine_lacks_are_na_never_zero():
@@ -121,7 +121,7 @@ def test_sgl_without_cuda_is_the_torch_engine_with_one_line_why(tiny_model_dirs,
     from minisgl_cli.engine.config import EngineConfig
 
     with caplog.at_level(logging.WARNING, "minisgl.engine"):
-        client = engines.in_process_client(EngineConfig(model=str(tiny_model_dirs["llama"]), engine="sgl",
+        client = backends.in_process_client(EngineConfig(model=str(tiny_model_dirs["llama"]), engine="sgl",
                                                         max_total_tokens=256))
     try:
         assert client.info.engine == "torch"
@@ -187,7 +187,7 @@ def test_bench_compares_the_engines_in_one_table(tmp_path):
     from minisgl_cli.app import app
 
     engines_run = ["torch", "hf"] + (["mlx"] if importlib.util.find_spec("mlx_lm") else [])
-    out_json = tmp_path / "engines.json"
+    out_json = tmp_path / "backends.json"
     args = ["bench", "--repeat", "1", "--warmup", "0", "--max-new-tokens", "4", "--num-prompts", "2", "--case",
             "short", "--concurrency", "2", "--no-baseline", "--output-json", str(out_json)]
     result = CliRunner().invoke(app, [*args, *(x for e in engines_run for x in ("--engine", e))],
@@ -204,7 +204,7 @@ def test_bench_compares_the_engines_in_one_table(tmp_path):
         assert f"minisgl[{e}]" in result.output  # the table's rows
 
 
-# --- sgl on a GPU where sgl_kernel imports (not on the machines here: docs/engines.md says why) -----------------
+# --- sgl on a GPU where sgl_kernel imports (not on the machines here: docs/backends.md says why) -----------------
 
 
 def _sgl_kernel():

@@ -195,7 +195,7 @@ def test_fp8_composes_with_tensor_parallel_ranks(default_model_dir, text_docs):
     +0.2%.)"""
     import multiprocessing as mp
 
-    from minisgl_cli.server.launch import free_port
+    from minisgl_cli.api.http_server import free_port
 
     base = _ppl(default_model_dir, text_docs)
     one = _ppl(default_model_dir, text_docs, kv_cache_dtype="fp8_e4m3", quantization="fp8")

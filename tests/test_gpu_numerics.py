@@ -98,7 +98,8 @@ def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
 
 def _greedy(engine, prompts: list[list[int]], overlap: bool = True) -> list[list[int]]:
     """Greedy tokens of prompts run together through a fresh scheduler on `engine` (max_new_tokens 24 + i)."""
-    from minisgl_cli.client import LocalClient, complete
+    from minisgl_cli.client.local import LocalClient
+    from minisgl_cli.client.protocol import complete
     from minisgl_cli.scheduler.scheduler import SchedulerConfig
     from minisgl_cli.types import GenerateRequest, SamplingParams
 

@@ -13,12 +13,15 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, list[str]]] = [
     ("the minisgl app", ["minisgl_cli.app"]),  # mounts commands/
     ("commands", ["commands"]),
-    ("fronts", ["minisgl_cli.repl", "minisgl_cli.server", "minisgl_cli.bench", "minisgl_cli.smoke"]),
-    ("media runners", ["minisgl_cli.runners"]),
+    ("fronts", ["minisgl_cli.repl", "minisgl_cli.server", "minisgl_cli.router", "minisgl_cli.bench",
+                "minisgl_cli.smoke"]),
+    ("http api", ["minisgl_cli.api"]),  # what server/ and router/ share: OpenAI wire models, uvicorn, Prometheus
+    ("vision", ["minisgl_cli.vision"]),  # the VLM chat in transformers, images from URLs and files
+    ("media", ["minisgl_cli.media"]),  # diffusion image / video pipelines
     ("package root", ["minisgl_cli"]),  # re-exports LLM lazily
     ("python api", ["minisgl_cli.llm"]),
     ("multi-process runtime", ["minisgl_cli.runtime"]),  # another EngineClient, and the processes behind it
-    ("engine backends", ["minisgl_cli.engines"]),  # --engine: the hf and mlx EngineClients, and which one runs
+    ("backends", ["minisgl_cli.backends"]),  # --engine: the hf and mlx EngineClients, and which one runs
     ("client", ["minisgl_cli.client"]),
     ("routing policies", ["minisgl_cli.routing"]),  # which replica takes a request (the pool and the router)
     ("tokenizer", ["minisgl_cli.tokenizer"]),
@@ -139,3 +142,15 @@ def test_only_env_py_reads_the_environment():
             if reads_environ or subscripts_environ or getenv:
                 readers.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not readers, readers
+
+
+def test_the_client_protocol_loads_no_engine():
+    """A front (or the API process) gets the EngineClient interface without torch or the engine in memory."""
+    import subprocess
+    import sys
+
+    code = ("import sys, minisgl_cli.client.protocol; "
+            "print(' '.join(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith("
+            "('minisgl_cli.engine', 'minisgl_cli.scheduler', 'minisgl_cli.models'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "", f"importing the client protocol loaded: {out.stdout.strip()}"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from minisgl_cli.router.app import routing_key
 from minisgl_cli.routing import Busy, NoReplica, PrefixTree, Router
-from minisgl_cli.server.router import routing_key
 
 A = list(range(1000, 1100))  # two "system prompts" of 100 token ids each
 B = list(range(2000, 2100))
@@ -139,7 +139,7 @@ def test_router_refuses_a_worker_url_that_is_not_http():
 
 
 def test_router_totals_leave_out_workers_without_a_prefix_cache():
-    from minisgl_cli.server.router import _prometheus, _total
+    from minisgl_cli.router.app import _prometheus, _total
 
     def worker(url: str, hit: int | None, miss: int | None) -> dict:
         rate = None if hit is None or miss is None else hit / (hit + miss)

@@ -12,12 +12,13 @@ import httpx
 import pytest
 from serve_process import Serve, gone
 
-from minisgl_cli.client import LocalClient, complete
+from minisgl_cli.api.http_server import free_port
+from minisgl_cli.client.local import LocalClient
+from minisgl_cli.client.protocol import complete
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.runtime.config import RuntimeConfig
 from minisgl_cli.runtime.launch import launch
 from minisgl_cli.scheduler.scheduler import SchedulerConfig
-from minisgl_cli.server.launch import free_port
 from minisgl_cli.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from minisgl_cli import LLM, SamplingParams
-from minisgl_cli.client import complete
+from minisgl_cli.client.protocol import complete
 from minisgl_cli.types import GenerateRequest
 
 

@@ -15,7 +15,7 @@ import time
 import pytest
 from serve_process import Serve, gone
 
-from minisgl_cli.server.launch import free_port
+from minisgl_cli.api.http_server import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -27,10 +27,10 @@ def test_health_and_models(server_url, engine_client):
 
 
 def test_health_is_503_once_the_scheduler_is_stopped():
-    from minisgl_cli.client import LocalClient
+    from minisgl_cli.api.http_server import BackgroundServer
+    from minisgl_cli.client.local import LocalClient
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.server.app import create_app
-    from minisgl_cli.server.launch import BackgroundServer
 
     client = LocalClient(EngineConfig(model="smollm2-135m", load_format="dummy", max_total_tokens=256))
     try:
@@ -228,8 +228,8 @@ def test_disconnect_frees_pages(server_url, engine_client):
 
 def test_zmq_control(server_url, engine_client):
     zmq = pytest.importorskip("zmq")
+    from minisgl_cli.api.http_server import free_port
     from minisgl_cli.server.control import ControlChannel
-    from minisgl_cli.server.launch import free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     chan = ControlChannel(endpoint, lambda: {"scheduler": engine_client.stats().to_dict()},

@@ -15,10 +15,10 @@ import httpx
 import pytest
 from PIL import Image
 
-from minisgl_cli.runners.image_source import ImagePolicy, load_image_file, load_image_url
-from minisgl_cli.runners.jobs import MediaError
-from minisgl_cli.runners.vlm import VlmLoadError, VlmRunner, load_vlm, prepare, resolve_vlm_dir, stream
+from minisgl_cli.media.jobs import MediaError
 from minisgl_cli.types import GenerateRequest, SamplingParams
+from minisgl_cli.vision.image_source import ImagePolicy, load_image_file, load_image_url
+from minisgl_cli.vision.vlm import VlmChat, VlmLoadError, load_vlm, prepare, resolve_vlm_dir, stream
 
 pytest.importorskip("transformers")
 
@@ -139,7 +139,7 @@ def test_runner_stream_is_greedy_generate_token_for_token(vlms, name):
 
 
 def test_runner_refuses_what_it_cannot_do_and_bad_models(vlms, tiny_vlms, tmp_path, default_model_dir):
-    runner = VlmRunner(tiny_vlms["idefics3"])
+    runner = VlmChat(tiny_vlms["idefics3"])
 
     async def first(params: SamplingParams) -> str | None:
         req = GenerateRequest(messages=chat_with(Image.new("RGB", (8, 8))), params=params)
@@ -170,8 +170,8 @@ def image_dir(tmp_path_factory) -> Path:
 def _vision_server(model: Path, policy: ImagePolicy) -> Iterator[str]:
     from server_fixtures import shared_client
 
+    from minisgl_cli.api.http_server import BackgroundServer
     from minisgl_cli.server.app import ServerSettings, create_app
-    from minisgl_cli.server.launch import BackgroundServer
     from minisgl_cli.server.settings import VisionSettings
 
     app = create_app(shared_client(), ServerSettings(vision=VisionSettings(model=str(model), images=policy)))
@@ -191,7 +191,7 @@ def image_host(image_dir) -> Iterator[str]:
     from fastapi import FastAPI
     from fastapi.responses import Response
 
-    from minisgl_cli.server.launch import BackgroundServer
+    from minisgl_cli.api.http_server import BackgroundServer
 
     app = FastAPI()
 

@@ -37,7 +37,7 @@ class TritonBackend(AttentionBackend):
 
     Eager use: `prepare(batch)` once per step, then `forward(q, k, v, layer_id, batch)` per layer.
 
-    CUDA graphs (decode only; extend always runs eagerly). The engine's graph runner does:
+    CUDA graphs (decode only; extend always runs eagerly). The engine's DecodeGraphs do:
 
     1. once, after building the backend: `init_cuda_graph_state(max_bs)` -- allocates the static decode
        metadata (page-table rows, seq_lens, split-K scratch) for every batch size up to max_bs;
@@ -46,7 +46,7 @@ class TritonBackend(AttentionBackend):
        `batch.attn_meta` to views of the static buffers (it also returns that meta). Run the model once
        eagerly with that batch (warm-up: compiles the Triton kernels outside the capture), then capture
        the model forward with it. Capturing sizes in any order is fine: all sizes share one storage;
-    3. per replayed step: copy the real step's tensors into the runner's static inputs (padding rows
+    3. per replayed step: copy the real step's tensors into the graphs' static inputs (padding rows
        bs_real..bs-1 must write KV to the scratch page, e.g. out_cache_loc = 0), call
        `prepare_for_replay(real_batch, bs)` -- it copies the real batch's req_slots / seq_lens into the
        static buffers and makes the padding rows attend to one valid position -- then replay graph[bs].

@@ -1,1 +1,1 @@
-"""`minisgl bench`: workloads, runners (engine, HTTP server, HF and llama.cpp baselines), metrics, report."""
+"""`minisgl bench`: workloads, targets (engine, HTTP server, HF and llama.cpp baselines), metrics, report."""

@@ -11,8 +11,8 @@ from typing import Any, cast
 import torch
 
 from minisgl_cli.bench.metrics import RequestTiming
-from minisgl_cli.bench.offline import EngineRunner
-from minisgl_cli.bench.runner import OnDone, RunOutput
+from minisgl_cli.bench.offline import EngineTarget
+from minisgl_cli.bench.target import OnDone, RunOutput
 from minisgl_cli.bench.workloads import BenchRequest, Case
 from minisgl_cli.types import SamplingParams
 
@@ -39,19 +39,19 @@ class _OneAtATime:
         return RunOutput(timings, time.perf_counter() - t0)
 
 
-class HFStreamRunner(EngineRunner):
+class HFStreamTarget(EngineTarget):
     """The hf engine (HF `generate` feeding a TextIteratorStreamer, one request at a time) through its client."""
 
     sequential = True
 
     def __init__(self, model_dir: Path | str, device: str, dtype: torch.dtype):
-        from minisgl_cli.engines.hf import HFClient, HFModel
+        from minisgl_cli.backends.hf import HFClient, HFModel
 
         super().__init__(HFClient(HFModel(model_dir, device, dtype), Path(model_dir), Path(model_dir).name, "hf-dir"),
                          "hf-stream")
 
 
-class HFBatchedRunner:
+class HFBatchedTarget:
     """HF `generate` on static batches of `concurrency` left-padded requests: no streaming, so no TTFT;
     a batch runs to its longest request, which is exactly the cost continuous batching removes."""
 
@@ -59,7 +59,7 @@ class HFBatchedRunner:
     sequential = False
 
     def __init__(self, model_dir: Path | str, device: str, dtype: torch.dtype):
-        from minisgl_cli.engines.hf import HFModel
+        from minisgl_cli.backends.hf import HFModel
 
         self.hf = HFModel(model_dir, device, dtype)
 
@@ -117,7 +117,7 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-class LlamaCppRunner(_OneAtATime):
+class LlamaCppTarget(_OneAtATime):
     """llama.cpp (llama-cpp-python) on the GGUF the engine converted from, streaming, one request at a time.
     It runs the GGUF's own quantized weights: the comparison is stack against stack, not bit for bit."""
 

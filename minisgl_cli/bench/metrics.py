@@ -20,10 +20,10 @@ class RequestTiming:
 
     prompt_tokens: int
     output_tokens: int = 0
-    ttft_s: float | None = None  # None when the runner cannot stream (HF batched generate)
+    ttft_s: float | None = None  # None when the target cannot stream (HF batched generate)
     latency_s: float = 0.0  # E2E
     chunk_times_s: list[float] = field(default_factory=list)  # arrival of each streamed chunk, from send
-    cached_tokens: int | None = None  # prefix-cache hit, when the runner knows it
+    cached_tokens: int | None = None  # prefix-cache hit, when the target knows it
     success: bool = True
     error: str | None = None
     text: str = ""

@@ -1,4 +1,4 @@
-"""The engine runner: requests through `EngineClient.submit` in-process, at most `concurrency` in flight."""
+"""The engine target: requests through `EngineClient.submit` in-process, at most `concurrency` in flight."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import asyncio
 import time
 
 from minisgl_cli.bench.metrics import RequestTiming
-from minisgl_cli.bench.runner import OnDone, RunOutput
+from minisgl_cli.bench.target import OnDone, RunOutput
 from minisgl_cli.bench.workloads import BenchRequest, Case
-from minisgl_cli.client import EngineClient
+from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.types import GenerateRequest, SamplingParams
 
 COMPILE_WAIT_S = 900.0  # the longest a warm-up waits for the engine's CPU decode to compile
 
 
-class EngineRunner:
+class EngineTarget:
     sequential = False
 
     def __init__(self, client: EngineClient, name: str = "minisgl"):

@@ -1,4 +1,4 @@
-"""The HTTP runner: streams `/v1/completions` (or `/v1/chat/completions`) from any OpenAI-compatible server,
+"""The HTTP target: streams `/v1/completions` (or `/v1/chat/completions`) from any OpenAI-compatible server,
 with Poisson arrivals at `request_rate` (inf: all at once) and at most `max_concurrency` requests in flight."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from minisgl_cli.bench.metrics import RequestTiming
-from minisgl_cli.bench.runner import OnDone, RunOutput
+from minisgl_cli.bench.target import OnDone, RunOutput
 from minisgl_cli.bench.workloads import BenchRequest, Case
 
 APIS = ("completions", "chat")
@@ -58,7 +58,7 @@ def chunk_text(payload: dict, api: str) -> str | None:
     return None if text is None or (not text and c.get("finish_reason")) else text
 
 
-class OnlineRunner:
+class HttpTarget:
     sequential = False
 
     def __init__(self, url: str, *, api: str = "completions", model: str | None = None, request_rate: float = math.inf,

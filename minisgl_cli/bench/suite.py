@@ -1,4 +1,4 @@
-"""The bench run: builds the workload, drives each runner over cases x concurrency levels, collects results."""
+"""The bench run: builds the workload, drives each target over cases x concurrency levels, collects results."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from minisgl_cli.bench import workloads as wl
 from minisgl_cli.bench.metrics import compute_metrics
 from minisgl_cli.bench.report import BenchReport, BenchResult
-from minisgl_cli.bench.runner import Runner
+from minisgl_cli.bench.target import BenchTarget
 
 
 @dataclass
@@ -68,7 +68,7 @@ class BenchConfig:
     def variants(self) -> list[tuple[str, str | None, str]]:
         """(engine, prefix cache, result name) of each engine run: a serial engine (hf, mlx) once, ours per cache;
         one run is plain "minisgl", several are told apart in brackets."""
-        from minisgl_cli.engines import SERIAL, resolve
+        from minisgl_cli.backends import SERIAL, resolve
 
         engines = list(dict.fromkeys(resolve(e) for e in self.engines))
         runs: list[tuple[str, str | None]] = [
@@ -121,7 +121,7 @@ def build_cases(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool)
 
 
 class Bench:
-    """Runs runners one after another (never two stacks on the device at once) and keeps the results."""
+    """Runs targets one after another (never two stacks on the device at once) and keeps the results."""
 
     def __init__(self, cfg: BenchConfig, report: BenchReport, console: Console):
         self.cfg = cfg
@@ -132,13 +132,13 @@ class Bench:
         self.report.notes.append(text)
         self.console.print(f"[yellow]note:[/] {escape(text)}", highlight=False)
 
-    def run(self, runner: Runner, cases: list[list[wl.Case]], levels: list[int], vocab_size: int) -> None:
-        """cases[i] are the cases of levels[i]; a sequential runner runs the first level's, once, at c=1."""
+    def run(self, target: BenchTarget, cases: list[list[wl.Case]], levels: list[int], vocab_size: int) -> None:
+        """cases[i] are the cases of levels[i]; a sequential target runs the first level's, once, at c=1."""
         if self.cfg.warmup:
-            with self.console.status(f"warming up {runner.name} ({self.cfg.warmup} request(s); an engine that "
+            with self.console.status(f"warming up {target.name} ({self.cfg.warmup} request(s); an engine that "
                                      "compiles its CPU decode first finishes that)"):
-                runner.warmup(wl.warmup_requests(vocab_size, self.cfg.warmup))
-        if runner.sequential:
+                target.warmup(wl.warmup_requests(vocab_size, self.cfg.warmup))
+        if target.sequential:
             plan = [(case, 1) for case in cases[0]]
         else:
             plan = [(case, c) for level_cases, c in zip(cases, levels) for case in level_cases]
@@ -146,17 +146,17 @@ class Bench:
                       console=self.console, transient=False) as progress:
             for case, c in plan:
                 if case.prime:
-                    runner.warmup(case.prime)
-                task = progress.add_task(escape(f"{runner.name} {case.name} c={c}"), total=len(case.requests))
-                out = runner.run(case, c, functools.partial(progress.advance, task))
+                    target.warmup(case.prime)
+                task = progress.add_task(escape(f"{target.name} {case.name} c={c}"), total=len(case.requests))
+                out = target.run(case, c, functools.partial(progress.advance, task))
                 metrics = compute_metrics(out.timings, out.duration_s)
                 self.report.results.append(
-                    BenchResult(runner.name, case.name, c, len(case.requests), metrics, case.params)
+                    BenchResult(target.name, case.name, c, len(case.requests), metrics, case.params)
                 )
                 errors = {t.error or "no error message" for t in out.timings if not t.success}
                 if errors:
                     self.note(
-                        f"{runner.name} {case.name} c={c}: {metrics.failed} request(s) failed: {sorted(errors)[0]}"
+                        f"{target.name} {case.name} c={c}: {metrics.failed} request(s) failed: {sorted(errors)[0]}"
                     )
 
 
@@ -172,7 +172,7 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str, str | None], Any],
     """Each engine (ours once per --cache) then baselines and peers, in that order, each alone on the device."""
     import torch
 
-    from minisgl_cli.bench.offline import EngineRunner
+    from minisgl_cli.bench.offline import EngineTarget
     from minisgl_cli.tokenizer import Tokenizer
 
     report: BenchReport | None = None
@@ -207,12 +207,12 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str, str | None], Any],
         if len(cfg.engines) > 1:
             console.print(escape(f"{name}: engine {info.engine} on {info.device} {info.dtype}, attention "
                                  f"{info.attention_backend}"), highlight=False)
-        runner = EngineRunner(client, name)
+        target = EngineTarget(client, name)
         try:
-            bench.run(runner, cases, cfg.concurrency, vocab_size)
+            bench.run(target, cases, cfg.concurrency, vocab_size)
         finally:
-            runner.close()
-            del client, runner
+            target.close()
+            del client, target
             _free(device)
 
     assert report is not None  # BenchConfig requires at least one engine and one cache kind
@@ -235,7 +235,7 @@ def _run_baselines(cfg: BenchConfig, bench: Bench, cases: list[list[wl.Case]], m
                    vocab_size: int, load_format: str) -> None:
     from transformers.utils import logging as hf_logging
 
-    from minisgl_cli.bench.baselines import BASELINES, HFBatchedRunner, HFStreamRunner
+    from minisgl_cli.bench.baselines import BASELINES, HFBatchedTarget, HFStreamTarget
 
     hf_logging.disable_progress_bar()  # its "Loading weights" bar would tear through ours
 
@@ -245,20 +245,20 @@ def _run_baselines(cfg: BenchConfig, bench: Bench, cases: list[list[wl.Case]], m
         if model_dir is None or load_format == "dummy":
             bench.note(f"{name} baseline skipped: dummy weights have no HF checkpoint to load")
             continue
-        cls = HFStreamRunner if name == "hf-stream" else HFBatchedRunner
+        cls = HFStreamTarget if name == "hf-stream" else HFBatchedTarget
         with bench.console.status(f"loading HF transformers model for {name}"):
-            runner = cls(model_dir, device, dtype)
+            target = cls(model_dir, device, dtype)
         try:
-            bench.run(runner, cases, cfg.concurrency, vocab_size)
+            bench.run(target, cases, cfg.concurrency, vocab_size)
         finally:
-            runner.close()
-            del runner
+            target.close()
+            del target
             _free(device)
 
 
 def _run_peers(cfg: BenchConfig, bench: Bench, cases: list[list[wl.Case]], model_arg: str | None, device: Any,
                vocab_size: int) -> None:
-    from minisgl_cli.bench.baselines import PEERS, LlamaCppRunner, llama_cpp_available
+    from minisgl_cli.bench.baselines import PEERS, LlamaCppTarget, llama_cpp_available
 
     for name in cfg.peers:
         if name not in PEERS:
@@ -271,11 +271,11 @@ def _run_peers(cfg: BenchConfig, bench: Bench, cases: list[list[wl.Case]], model
             bench.note("llama.cpp peer skipped: it needs a GGUF model (the default model or --model FILE.gguf)")
             continue
         need = max(r.prompt_tokens + r.max_new_tokens for lv in cases for c in lv for r in c.requests) + 16
-        runner = LlamaCppRunner(gguf, on_gpu=str(device).startswith("cuda"), n_ctx=max(2048, need))
+        target = LlamaCppTarget(gguf, on_gpu=str(device).startswith("cuda"), n_ctx=max(2048, need))
         try:
-            bench.run(runner, cases, cfg.concurrency, vocab_size)
+            bench.run(target, cases, cfg.concurrency, vocab_size)
         finally:
-            runner.close()
+            target.close()
 
 
 def _gguf_for(model_arg: str | None):
@@ -291,12 +291,12 @@ def _gguf_for(model_arg: str | None):
 
 def run_online(cfg: BenchConfig, console: Console, model_arg: str | None) -> BenchReport:
     """Benchmark a running OpenAI-compatible server; the tokenizer (for prompts) comes from --model."""
-    from minisgl_cli.bench.online import OnlineRunner
+    from minisgl_cli.bench.online import HttpTarget
 
     if cfg.url is None:
         raise ValueError("online mode needs --url")
     tokenizer, vocab_size = _local_tokenizer(model_arg, console)
-    runner = OnlineRunner(cfg.url, api=cfg.api, model=cfg.served_model, request_rate=cfg.request_rate,
+    target = HttpTarget(cfg.url, api=cfg.api, model=cfg.served_model, request_rate=cfg.request_rate,
                           tokenizer=tokenizer, seed=cfg.seed)
     levels = [cfg.max_concurrency] if cfg.max_concurrency else cfg.concurrency
     import torch
@@ -304,11 +304,11 @@ def run_online(cfg: BenchConfig, console: Console, model_arg: str | None) -> Ben
     # The server's device is unknown: size the reference cases by this machine's (a local server's).
     cases = build_levels(dataclasses.replace(cfg, concurrency=levels), tokenizer, vocab_size,
                          torch.cuda.is_available(), levels)
-    report = BenchReport(_meta(cfg, mode="online", model=runner.model, device=cfg.url))
-    console.print(f"server={cfg.url} model={runner.model} api={cfg.api} request_rate={cfg.request_rate} "
+    report = BenchReport(_meta(cfg, mode="online", model=target.model, device=cfg.url))
+    console.print(f"server={cfg.url} model={target.model} api={cfg.api} request_rate={cfg.request_rate} "
                   f"max_concurrency={levels} cases={', '.join(f'{c.name}({len(c.requests)} req)' for c in cases[0])}",
                   highlight=False)
-    Bench(cfg, report, console).run(runner, cases, levels, vocab_size)
+    Bench(cfg, report, console).run(target, cases, levels, vocab_size)
     return report
 
 

@@ -16,7 +16,7 @@ from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.cpu_compile import CompiledDecode
-from minisgl_cli.engine.graph import GraphRunner, default_max_bs
+from minisgl_cli.engine.graph import DecodeGraphs, default_max_bs
 from minisgl_cli.engine.sampler import Sampled, SamplingRow, sample
 from minisgl_cli.kvcache.pool import KVPool, KVShape
 from minisgl_cli.layers.fused import Kernels, load_sgl_kernel
@@ -119,7 +119,7 @@ class Engine:
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
             mc.head_dim, mc.head_dim**-0.5, self.device, self.kernels,
         )
-        self.graphs: GraphRunner | None = None
+        self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             if not cfg.disable_cuda_graph and getattr(self.attn, "supports_cuda_graph", False):
                 self.capture_graphs()
@@ -167,9 +167,9 @@ class Engine:
             max_bs = default_max_bs(self._free_after_weights, self.cfg.max_running_requests)
         self.graphs = None
         torch.cuda.empty_cache()
-        runner = GraphRunner(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device, self.dtype)
-        runner.capture()
-        self.graphs = runner
+        graphs = DecodeGraphs(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device, self.dtype)
+        graphs.capture()
+        self.graphs = graphs
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""GraphRunner: CUDA graphs of the decode forward (model + logits), one per captured batch size.
+"""DecodeGraphs: CUDA graphs of the decode forward (model + logits), one per captured batch size.
 
 A decode step of a small model is hundreds of tiny kernels; launched one by one from Python the GPU
 waits on the CPU. Replaying a captured graph launches them all at once. Batches are padded up to the
@@ -36,7 +36,7 @@ def default_max_bs(free_bytes: int, max_running: int) -> int:
     return max(1, min(cap, max_running))
 
 
-class GraphRunner:
+class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_bs: int, vocab: int,
                  device: torch.device, dtype: torch.dtype):
         self.model = model

@@ -27,10 +27,10 @@ from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import Output
 
 from minisgl_cli import env
-from minisgl_cli.client import EngineClient
+from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.repl.session import COMMANDS, ChatSession, Turn
 from minisgl_cli.repl.view import ChatView
-from minisgl_cli.runners.vlm import VlmRunner, has_images
+from minisgl_cli.vision.vlm import VlmChat, has_images
 
 log = logging.getLogger("minisgl.chat")
 
@@ -115,7 +115,7 @@ class ChatApp:
     """Runs the REPL: one line at a time, one reply streaming at a time, interruptible."""
 
     def __init__(self, client: EngineClient, session: ChatSession, view: ChatView, lines: LineSource,
-                 catch_sigint: bool = True, vlm: VlmRunner | None = None):
+                 catch_sigint: bool = True, vlm: VlmChat | None = None):
         self.client = client
         self.vlm = vlm  # chats with images (/image) go to it
         session.vision = vlm is not None
@@ -269,7 +269,7 @@ def load_engine(
 
 
 def run_chat(client: EngineClient, session: ChatSession, view: ChatView, interactive: bool,
-             vlm: VlmRunner | None = None) -> int:
+             vlm: VlmChat | None = None) -> int:
     """Run the REPL to the end on a fresh event loop (terminal: prompt-toolkit; pipe: stdin lines)."""
     lines: LineSource = PromptLines(session, open_history(history_path())) if interactive else PipedLines()
     s = session.settings

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from minisgl_cli.runners.image_source import ImagePolicy, load_image_file
-from minisgl_cli.runners.jobs import MediaError
+from minisgl_cli.media.jobs import MediaError
 from minisgl_cli.types import GenerateRequest, RequestStats, SamplingParams
+from minisgl_cli.vision.image_source import ImagePolicy, load_image_file
 
 # name -> (argument hint, help); the order here is the order /help and the completer show.
 COMMANDS: dict[str, tuple[str, str]] = {

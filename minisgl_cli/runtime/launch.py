@@ -15,11 +15,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from minisgl_cli.client import EngineClient
+from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.runtime.client import RemoteClient
 from minisgl_cli.runtime.config import RuntimeConfig
 from minisgl_cli.runtime.pool import EnginePool
+from minisgl_cli.runtime.remote import RemoteClient
 from minisgl_cli.runtime.scheduler_proc import RankJob, run_rank
 from minisgl_cli.runtime.supervisor import Runtime, wait_ready
 from minisgl_cli.runtime.tokenizer_proc import WorkerJob, run_worker

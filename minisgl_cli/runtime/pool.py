@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import AsyncGenerator, Sequence
 
-from minisgl_cli.client import ENGINE_GONE, EngineClient, PrefixWarm
+from minisgl_cli.client.protocol import ENGINE_GONE, EngineClient, PrefixWarm
 from minisgl_cli.routing import NoReplica, Router
 from minisgl_cli.types import Delta, GenerateRequest, ReplicaStats, SchedulerStats
 

@@ -59,7 +59,7 @@ def run_rank(job: RankJob) -> None:
         send(launcher, Failed(name, f"{type(exc).__name__}: {exc}".strip()))
         launcher.close(linger=2000)
         raise SystemExit(1) from None
-    from minisgl_cli.client import engine_info
+    from minisgl_cli.client.local import engine_info
 
     e = scheduler.engine
     send(launcher, Ready(name, engine_info(e, scheduler) if tp.rank == 0 else None,

@@ -16,9 +16,9 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import PlainTextResponse
 
-from minisgl_cli.client import EngineClient
+from minisgl_cli.api import protocol as p
+from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.server import generate_route, openai_routes, web
-from minisgl_cli.server import protocol as p
 from minisgl_cli.server.context import Ctx, ServerContext
 from minisgl_cli.server.edge import EdgeMiddleware
 from minisgl_cli.server.errors import install_error_handlers

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
-from minisgl_cli.client import EngineClient
-from minisgl_cli.server import protocol as p
+from minisgl_cli.api import protocol as p
+from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.server.errors import InputError
 from minisgl_cli.server.gate import InflightGate
 from minisgl_cli.server.metrics import ServerMetrics
@@ -23,7 +23,7 @@ from minisgl_cli.server.settings import ServerSettings
 from minisgl_cli.types import GenerateRequest, SchedulerStats
 
 if TYPE_CHECKING:
-    from minisgl_cli.runners.vlm import VlmRunner
+    from minisgl_cli.vision.vlm import VlmChat
 
 log = logging.getLogger("minisgl.server")
 
@@ -38,7 +38,7 @@ class ServerContext:
     aliases: frozenset[str]  # lower-cased names a request's `model` may use
     created: int = field(default_factory=p.now)
     active: set[EngineRun] = field(default_factory=set)  # runs not yet closed, aborted at shutdown
-    vlm: VlmRunner | None = None  # chat requests with images (server/vision.py); None: they get a 400
+    vlm: VlmChat | None = None  # chat requests with images (server/vision.py); None: they get a 400
 
     @classmethod
     def create(cls, client: EngineClient, settings: ServerSettings) -> ServerContext:
@@ -46,7 +46,7 @@ class ServerContext:
         name = settings.served_model_name or info.name
         aliases = frozenset({name.lower(), info.name.lower(), *(a.lower() for a in settings.extra_model_aliases)})
         metrics = ServerMetrics()
-        vlm = settings.vision.runner() if settings.vision else None
+        vlm = settings.vision.vlm_chat() if settings.vision else None
         return cls(client, settings, metrics, InflightGate(settings, info.max_running, metrics), name, aliases, vlm=vlm)
 
     # --- the steps of every generation route ---

@@ -9,7 +9,7 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from minisgl_cli.server import protocol as p
+from minisgl_cli.api import protocol as p
 from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.server.settings import ServerSettings
 from minisgl_cli.server.web import is_page_file

@@ -15,9 +15,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minisgl_cli.client import ENGINE_GONE
-from minisgl_cli.server import protocol as p
-from minisgl_cli.server.protocol import InputError
+from minisgl_cli.api import protocol as p
+from minisgl_cli.api.protocol import InputError
+from minisgl_cli.client.protocol import ENGINE_GONE
 from minisgl_cli.types import Delta
 
 __all__ = ["InputError", "Disconnected", "engine_error", "error_frame", "install_error_handlers"]

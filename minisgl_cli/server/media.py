@@ -1,4 +1,4 @@
-"""OpenAI-style media routes: POST /v1/images/generations and /v1/videos/generations over the runners.
+"""OpenAI-style media routes: POST /v1/images/generations and /v1/videos/generations over the pipelines of media/.
 
 Mount it on any FastAPI app:
 
@@ -24,8 +24,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from minisgl_cli import env
-from minisgl_cli.runners.device import DeviceError
-from minisgl_cli.runners.jobs import (
+from minisgl_cli.api.protocol import error_response
+from minisgl_cli.media.device import DeviceError
+from minisgl_cli.media.jobs import (
     DEFAULT_IMAGE_MODEL,
     DEFAULT_VIDEO_MODEL,
     ImageJob,
@@ -36,7 +37,6 @@ from minisgl_cli.runners.jobs import (
     VideoJob,
     parse_size,
 )
-from minisgl_cli.server.protocol import error_response
 
 log = logging.getLogger(__name__)
 
@@ -172,18 +172,18 @@ def _check_model(settings: MediaSettings, kind: Kind, requested: str | None) -> 
 
 
 def _generate_image_b64(spec: ModelSpec, job: ImageJob) -> list[str]:
-    from minisgl_cli.runners.encode import png_bytes
-    from minisgl_cli.runners.image import generate_images
-    from minisgl_cli.runners.pipelines import load_pipeline
+    from minisgl_cli.media.encode import png_bytes
+    from minisgl_cli.media.image import generate_images
+    from minisgl_cli.media.pipelines import load_pipeline
 
     result = generate_images(load_pipeline(spec), job)
     return [base64.b64encode(png_bytes(im)).decode("ascii") for im in result.images]
 
 
 def _generate_video_payload(spec: ModelSpec, job: VideoJob, as_frames: bool) -> tuple[dict[str, Any], int]:
-    from minisgl_cli.runners.encode import frame_png_bytes, mp4_bytes
-    from minisgl_cli.runners.pipelines import load_pipeline
-    from minisgl_cli.runners.video import generate_video
+    from minisgl_cli.media.encode import frame_png_bytes, mp4_bytes
+    from minisgl_cli.media.pipelines import load_pipeline
+    from minisgl_cli.media.video import generate_video
 
     result = generate_video(load_pipeline(spec), job)
     if as_frames:

@@ -13,6 +13,7 @@ import time
 from collections import Counter, deque
 from typing import Any
 
+from minisgl_cli.api.prometheus import escape_label, number, prometheus_family
 from minisgl_cli.scheduler.stats import RollingRate
 from minisgl_cli.types import RequestStats, SchedulerStats
 
@@ -205,12 +206,12 @@ class ServerMetrics:
                 ("time_to_first_token_seconds", self.ttft, "Time to first token."),
                 ("e2e_request_latency_seconds", self.e2e, "End-to-end request latency."),
             ):
-                samples = [(one(f'le="{_num(le)}"'), c) for le, c in zip(hist.buckets, hist.counts)]
+                samples = [(one(f'le="{number(le)}"'), c) for le, c in zip(hist.buckets, hist.counts)]
                 samples.append((one('le="+Inf"'), hist.count))
                 lines.append(f"# HELP minisgl_{name} {help_}")
                 lines.append(f"# TYPE minisgl_{name} histogram")
-                lines += [f"minisgl_{name}_bucket{lbl} {_num(v)}" for lbl, v in samples]
-                lines.append(f"minisgl_{name}_sum{one()} {_num(hist.sum)}")
+                lines += [f"minisgl_{name}_bucket{lbl} {number(v)}" for lbl, v in samples]
+                lines.append(f"minisgl_{name}_sum{one()} {number(hist.sum)}")
                 lines.append(f"minisgl_{name}_count{one()} {hist.count}")
         return "\n".join(lines) + "\n"
 
@@ -228,16 +229,3 @@ def _recent_entry(seq: int, stats: RequestStats | None, reason: str) -> dict[str
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
-
-def _num(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-def prometheus_family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> list[str]:
-    """One metric family in the text format: HELP, TYPE, then `minisgl_<name>{labels} value` per sample."""
-    return [f"# HELP minisgl_{name} {help_}", f"# TYPE minisgl_{name} {kind}",
-            *(f"minisgl_{name}{labels} {_num(value)}" for labels, value in samples)]
-
-
-def escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

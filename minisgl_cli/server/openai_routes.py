@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from minisgl_cli.server import protocol as p
+from minisgl_cli.api import protocol as p
 from minisgl_cli.server import tools, vision
 from minisgl_cli.server.context import Ctx
 from minisgl_cli.server.errors import InputError, error_frame

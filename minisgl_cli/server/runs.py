@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from minisgl_cli.client import EngineClient
+from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.server.errors import Disconnected, engine_error
 from minisgl_cli.server.gate import InflightGate, downscale_headers
 from minisgl_cli.server.metrics import ServerMetrics

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from minisgl_cli.runners.image_source import ImagePolicy
 from minisgl_cli.server.media import MediaSettings
+from minisgl_cli.vision.image_source import ImagePolicy
 
 if TYPE_CHECKING:
-    from minisgl_cli.runners.vlm import VlmRunner
+    from minisgl_cli.vision.vlm import VlmChat
 
 
 @dataclass(frozen=True)
@@ -20,10 +20,10 @@ class VisionSettings:
     device: str | None = None  # None: mps -> cuda -> cpu
     images: ImagePolicy = field(default_factory=ImagePolicy)
 
-    def runner(self) -> VlmRunner | None:
-        from minisgl_cli.runners.vlm import VlmRunner
+    def vlm_chat(self) -> VlmChat | None:
+        from minisgl_cli.vision.vlm import VlmChat
 
-        return VlmRunner(self.model, self.device) if self.model else None
+        return VlmChat(self.model, self.device) if self.model else None
 
 
 @dataclass

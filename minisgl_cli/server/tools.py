@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl_cli.server import protocol as p
+from minisgl_cli.api import protocol as p
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _OPEN = "<tool_call>"

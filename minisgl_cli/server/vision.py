@@ -1,5 +1,5 @@
 """Vision-language chat: the /v1/chat/completions requests that carry `image_url` parts, served by the in-process
-VLM runner (runners/vlm.py) in the same response shapes, usage and errors as text chat.
+VLM chat (vision/vlm.py) in the same response shapes, usage and errors as text chat.
 
 The chat route hands a request here when a user message holds an image; text-only requests never come here.
 Images are read under the server's `ImagePolicy` (data: URLs always; local paths and http(s) only where
@@ -17,9 +17,16 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from minisgl_cli.runners.image_source import ImagePolicy, load_image_url
-from minisgl_cli.runners.jobs import MediaError
-from minisgl_cli.runners.vlm import (
+from minisgl_cli.api import protocol as p
+from minisgl_cli.media.jobs import MediaError
+from minisgl_cli.server.context import ServerContext
+from minisgl_cli.server.errors import InputError, engine_error, error_frame
+from minisgl_cli.server.gate import downscale_headers
+from minisgl_cli.server.runs import sse, stream_response, unless_disconnected
+from minisgl_cli.server.settings import VisionSettings
+from minisgl_cli.types import Delta, RequestStats, new_request_id
+from minisgl_cli.vision.image_source import ImagePolicy, load_image_url
+from minisgl_cli.vision.vlm import (
     LoadedVlm,
     VlmLoadError,
     check_budget,
@@ -27,13 +34,6 @@ from minisgl_cli.runners.vlm import (
     refused_fields,
     stream,
 )
-from minisgl_cli.server import protocol as p
-from minisgl_cli.server.context import ServerContext
-from minisgl_cli.server.errors import InputError, engine_error, error_frame
-from minisgl_cli.server.gate import downscale_headers
-from minisgl_cli.server.runs import sse, stream_response, unless_disconnected
-from minisgl_cli.server.settings import VisionSettings
-from minisgl_cli.types import Delta, RequestStats, new_request_id
 
 log = logging.getLogger("minisgl.server")
 
@@ -41,7 +41,7 @@ ENDPOINT = "/v1/chat/completions"
 
 
 def _images_of(messages: list[p.ChatMessage], policy: ImagePolicy) -> list[dict]:
-    """The chat as the runner takes it: image parts decoded to PIL images (MediaError names the bad part)."""
+    """The chat as the vlm takes it: image parts decoded to PIL images (MediaError names the bad part)."""
     out = []
     for i, m in enumerate(messages):
         d = m.as_template_dict()
@@ -56,7 +56,7 @@ def _images_of(messages: list[p.ChatMessage], policy: ImagePolicy) -> list[dict]
 
 
 def _refuse(body: p.ChatCompletionRequest) -> None:
-    """A 400 naming the first field the VLM runner does not implement."""
+    """A 400 naming the first field the VLM chat does not implement."""
     fields = [name for name, on in (("tools", body.tool_mode is not None), ("n", body.n > 1),
                                     ("response_format", body.response_format is not None
                                      and body.response_format.type != "text"),
@@ -109,15 +109,15 @@ class VisionRun:
 
 async def chat(body: p.ChatCompletionRequest, request: Request, ctx: ServerContext) -> Any:
     """/v1/chat/completions for a request with images (the route checked `body.has_images`)."""
-    runner = ctx.vlm
-    if runner is None:
+    vlm = ctx.vlm
+    if vlm is None:
         raise InputError("this request has image_url parts but the server has no vision-language model: start "
                          "`minisgl serve` with --vlm-model PATH (or set MINISGL_VLM_MODEL)", "messages",
                          code="vlm_not_loaded")
     settings: VisionSettings = ctx.settings.vision or VisionSettings()
-    if body.model and body.model.lower() not in ctx.aliases | {runner.name.lower()}:
+    if body.model and body.model.lower() not in ctx.aliases | {vlm.name.lower()}:
         raise InputError(f"model {body.model!r} does not exist; this server's vision-language model is "
-                         f"{runner.name!r}", "model", 404, "model_not_found")
+                         f"{vlm.name!r}", "model", 404, "model_not_found")
     _refuse(body)
     loop = asyncio.get_running_loop()
     try:
@@ -125,7 +125,7 @@ async def chat(body: p.ChatCompletionRequest, request: Request, ctx: ServerConte
     except MediaError as exc:
         raise InputError(exc.message, exc.param) from None
     try:
-        loaded = await loop.run_in_executor(None, runner.load)
+        loaded = await loop.run_in_executor(None, vlm.load)
     except VlmLoadError as exc:
         raise InputError(str(exc), "model", 500, "vlm_unavailable") from None
     try:

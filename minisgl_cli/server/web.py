@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
-from minisgl_cli.server import protocol as p
+from minisgl_cli.api import protocol as p
 from minisgl_cli.server.context import Ctx, ServerContext
 from minisgl_cli.server.media import MediaSettings
 

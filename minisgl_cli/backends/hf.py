@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, TextIteratorStreamer
 
+from minisgl_cli.backends.serial import SerialClient, refuse
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.engines.serial import SerialClient, refuse
 from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.loader.resolve import resolve_model
 from minisgl_cli.messages import DecodedPiece

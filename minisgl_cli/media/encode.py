@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from minisgl_cli.runners.jobs import MediaError
+from minisgl_cli.media.jobs import MediaError
 
 
 def unique_path(out_dir: str | Path, stem: str, suffix: str = "") -> Path:

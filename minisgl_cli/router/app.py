@@ -21,12 +21,12 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from minisgl_cli.api import protocol as p
+from minisgl_cli.api.http_server import BackgroundServer
+from minisgl_cli.api.prometheus import escape_label, prometheus_family
+from minisgl_cli.router.workers import Worker, Workers
 from minisgl_cli.routing import Busy, NoReplica
 from minisgl_cli.runtime.supervisor import stop_on_signals
-from minisgl_cli.server import protocol as p
-from minisgl_cli.server.launch import BackgroundServer
-from minisgl_cli.server.metrics import escape_label, prometheus_family
-from minisgl_cli.server.workers import Worker, Workers
 
 log = logging.getLogger("minisgl.router")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from minisgl_cli import env
-from minisgl_cli.runners.device import pick_device, pick_dtype
-from minisgl_cli.runners.jobs import MediaError, ModelNotFoundError, ModelSpec
+from minisgl_cli.media.device import pick_device, pick_dtype
+from minisgl_cli.media.jobs import MediaError, ModelNotFoundError, ModelSpec
 
 # CLI name -> diffusers attention-dispatch backend name.
 ATTENTION_BACKENDS = {"sdpa": "native", "flash2": "flash", "flash3": "_flash_3"}

@@ -1,4 +1,4 @@
-"""Typed media jobs and results (what a front asks a runner for, what comes back); torch-free."""
+"""Typed media jobs and results (what a front asks a pipeline for, what comes back); torch-free."""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.scheduler.config import SchedulerConfig
 
 if TYPE_CHECKING:
-    from minisgl_cli.client import EngineClient
+    from minisgl_cli.client.protocol import EngineClient
 
-log = logging.getLogger("minisgl.engines")
+log = logging.getLogger("minisgl.backends")
 
 SERIAL = ("hf", "mlx")  # engines of their own: no paged KV pool, no scheduler, no multi-process runtime
 # EngineConfig's options that configure our engine only (the serial engines would ignore them).
@@ -68,13 +68,13 @@ def in_process_client(cfg: EngineConfig, sched: SchedulerConfig | None = None) -
     """The EngineClient of `cfg.engine` in this process (our engine: LocalClient, its scheduler on a thread)."""
     engine = resolve(cfg.engine)
     if engine == "hf":
-        from minisgl_cli.engines.hf import HFClient
+        from minisgl_cli.backends.hf import HFClient
 
         return HFClient.from_config(cfg)
     if engine == "mlx":
-        from minisgl_cli.engines.mlx import MLXClient
+        from minisgl_cli.backends.mlx import MLXClient
 
         return MLXClient.from_config(cfg)
-    from minisgl_cli.client import LocalClient
+    from minisgl_cli.client.local import LocalClient
 
     return LocalClient(cfg, sched)

@@ -1,4 +1,4 @@
-"""The Runner contract every benchmarked stack implements (engine, HTTP server, HF, llama.cpp)."""
+"""The BenchTarget contract every benchmarked stack implements (engine, HTTP server, HF, llama.cpp)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ class RunOutput:
     duration_s: float
 
 
-class Runner(Protocol):
+class BenchTarget(Protocol):
     name: str  # the label in tables, JSON and plots
-    # True when the runner's concurrency is fixed (one request at a time): run once, not per level.
+    # True when the target's concurrency is fixed (one request at a time): run once, not per level.
     sequential: bool
 
     def warmup(self, requests: list[BenchRequest]) -> None: ...

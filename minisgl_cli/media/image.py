@@ -1,13 +1,13 @@
-"""Text-to-image runner: an ImageJob through a loaded diffusers pipeline (Z-Image or any other)."""
+"""Text-to-image: an ImageJob through a loaded diffusers pipeline (Z-Image or any other)."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from minisgl_cli.runners.encode import unique_path
-from minisgl_cli.runners.jobs import ImageJob, ImageResult
-from minisgl_cli.runners.pipelines import LoadedPipeline, StepCallback
+from minisgl_cli.media.encode import unique_path
+from minisgl_cli.media.jobs import ImageJob, ImageResult
+from minisgl_cli.media.pipelines import LoadedPipeline, StepCallback
 
 
 def generate_images(loaded: LoadedPipeline, job: ImageJob, on_step: StepCallback | None = None) -> ImageResult:

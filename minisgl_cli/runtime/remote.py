@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import zmq
 
-from minisgl_cli.client import ENGINE_GONE, STALL_S, PrefixWarm, RoutedClient
+from minisgl_cli.client.protocol import ENGINE_GONE, STALL_S, PrefixWarm
+from minisgl_cli.client.routed import RoutedClient
 from minisgl_cli.messages import (
     AbortRequest,
     AddRequest,

@@ -20,13 +20,14 @@ import threading
 import time
 from collections.abc import Callable, Generator
 
-from minisgl_cli.client import STALL_S, PrefixWarm, RoutedClient
+from minisgl_cli.client.protocol import STALL_S, PrefixWarm
+from minisgl_cli.client.routed import RoutedClient
 from minisgl_cli.messages import AbortRequest, AddRequest, DecodedPiece
 from minisgl_cli.scheduler.stats import RollingRate
 from minisgl_cli.tokenizer import StopStringMatcher, Tokenizer, prompt_ids
 from minisgl_cli.types import FinishReason, GenerateRequest, SamplingParams, SchedulerStats
 
-log = logging.getLogger("minisgl.engines")
+log = logging.getLogger("minisgl.backends")
 
 
 class PieceDecoder:

@@ -7,7 +7,7 @@ generation at a time per loaded model (later requests wait their turn). Families
 Qwen2-VL, Qwen2.5-VL (any model AutoModelForImageTextToText loads and whose processor takes `images=`).
 
 Messages are chat dicts whose content is text or a list of parts: `{"type": "text", "text": ...}` and
-`{"type": "image", "image": <PIL image>}` (runners/image_source.py turns URLs and files into those).
+`{"type": "image", "image": <PIL image>}` (vision/image_source.py turns URLs and files into those).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minisgl_cli.runners.device import pick_device, pick_dtype
+from minisgl_cli.media.device import pick_device, pick_dtype
 from minisgl_cli.types import Delta, FinishReason, GenerateRequest, RequestStats, SamplingParams
 
 log = logging.getLogger("minisgl.vlm")
@@ -164,7 +164,7 @@ def load_vlm(model: str | Path, device: str | None = None) -> LoadedVlm:
 
 # --- one request ---------------------------------------------------------------------------------------
 def refused_fields(params: SamplingParams) -> list[str]:
-    """The sampling fields this runner cannot honour (transformers' generate has no equivalent here)."""
+    """The sampling fields this VLM chat cannot honour (transformers' generate has no equivalent here)."""
     return [name for name, on in (
         ("logprobs", params.wants_logprobs),
         ("response_format", params.constrained),
@@ -242,7 +242,7 @@ async def stream(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, 
         stop.set()
 
 
-class VlmRunner:
+class VlmChat:
     """One vision-language model, loaded on first use (or by `load()`): what a front holds to chat with images."""
 
     def __init__(self, model: str | Path, device: str | None = None):
@@ -256,7 +256,7 @@ class VlmRunner:
         return load_vlm(self.model, self.device)
 
     async def submit(self, req: GenerateRequest) -> AsyncGenerator[Delta]:
-        """Like `EngineClient.submit` for a chat whose messages hold image parts: bad input (a field the runner
+        """Like `EngineClient.submit` for a chat whose messages hold image parts: bad input (a field the VLM chat
         cannot honour, a prompt past the context) ends the stream with an error Delta."""
         assert req.messages is not None, "a VLM request is a chat: give messages"
         refused = refused_fields(req.params)

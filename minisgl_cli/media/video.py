@@ -1,12 +1,12 @@
-"""Text-to-video runner: a VideoJob through a loaded diffusers video pipeline (Wan, LTX, CogVideoX...)."""
+"""Text-to-video: a VideoJob through a loaded diffusers video pipeline (Wan, LTX, CogVideoX...)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from minisgl_cli.runners.jobs import VideoJob, VideoResult
-from minisgl_cli.runners.pipelines import LoadedPipeline, StepCallback
+from minisgl_cli.media.jobs import VideoJob, VideoResult
+from minisgl_cli.media.pipelines import LoadedPipeline, StepCallback
 
 
 def _to_uint8_frames(video: Any) -> list[Any]:

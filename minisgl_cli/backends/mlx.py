@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from minisgl_cli import env
+from minisgl_cli.backends.serial import SerialClient, refuse
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.engines.serial import SerialClient, refuse
 from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.loader.resolve import file_lock, resolve_model
 from minisgl_cli.messages import DecodedPiece
 from minisgl_cli.tokenizer import IncrementalDetokenizer, Tokenizer
 from minisgl_cli.types import FinishReason, GenerateRequest, ModelInfo, SamplingParams
 
-log = logging.getLogger("minisgl.engines")
+log = logging.getLogger("minisgl.backends")
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import typer
 
-from minisgl_cli.runners.device import DeviceError
-from minisgl_cli.runners.jobs import MediaError
-from minisgl_cli.runners.pipelines import StepCallback
+from minisgl_cli.media.device import DeviceError
+from minisgl_cli.media.jobs import MediaError
+from minisgl_cli.media.pipelines import StepCallback
 
 
 def quiet_libraries() -> None:

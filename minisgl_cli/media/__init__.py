@@ -1,4 +1,4 @@
-"""In-process diffusers runners behind `minisgl image`, `minisgl video` and the media HTTP routes.
+"""In-process diffusers pipelines behind `minisgl image`, `minisgl video` and the media HTTP routes.
 
 Independent of the text engine: nothing here imports its model code, and torch/diffusers are
 imported inside functions so that importing this package (and `minisgl --help`) stays cheap.

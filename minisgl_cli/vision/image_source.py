@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from minisgl_cli.runners.jobs import MediaError
+from minisgl_cli.media.jobs import MediaError
 
 DEFAULT_MAX_BYTES = 20 * 1024 * 1024  # OpenAI's own limit per image
 DEFAULT_MAX_PIXELS = 25_000_000  # 5000 x 5000: far past what any VLM processor keeps, short of a decompression bomb

@@ -1,0 +1,201 @@
+"""RoutedClient: what every EngineClient implementation shares — streams fed by outputs keyed by request id.
+
+Outputs arrive on whichever thread receives the scheduler's messages and are handed to each request's stream on
+its own event loop, one wake-up per loop; named queries (stats, page check) are answered by id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from minisgl_cli.client.protocol import ENGINE_GONE, PrefixWarm
+from minisgl_cli.messages import (
+    AbortRequest,
+    AddRequest,
+    CheckPagesQuery,
+    CheckPagesReply,
+    DecodedPiece,
+    StatsQuery,
+    StatsReply,
+)
+from minisgl_cli.types import (
+    Delta,
+    GenerateRequest,
+    ModelInfo,
+    RequestStats,
+    SamplingParams,
+    SchedulerStats,
+    new_request_id,
+)
+
+log = logging.getLogger("minisgl.client")
+
+
+class _Stream:
+    """Where one request's outputs go: a queue on its consumer's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[list] = asyncio.Queue()
+
+
+def _deliver(batch: list[tuple[_Stream, list]]) -> None:
+    for stream, items in batch:
+        stream.queue.put_nowait(items)
+
+
+class RoutedClient:
+    """What every EngineClient implementation shares: request streams fed by outputs keyed by request id,
+    and named queries answered by id. Subclasses say how messages reach the scheduler (`_send`), how
+    prompts are tokenized (`tokenize`), and how a request's raw outputs become text (`_decoder`)."""
+
+    info: ModelInfo
+
+    def __init__(self) -> None:
+        self._streams: dict[str, _Stream] = {}
+        self._warming: dict[str, PrefixWarm] = {}
+        self._replies: dict[int, concurrent.futures.Future] = {}
+        self._qids = itertools.count()
+
+    def _send(self, msg: Any) -> None:
+        raise NotImplementedError
+
+    async def tokenize(self, req: GenerateRequest) -> list[int]:
+        raise NotImplementedError
+
+    def _decoder(self, params: SamplingParams) -> Callable[[list], DecodedPiece]:
+        raise NotImplementedError
+
+    def _error_item(self, rid: str, error: str) -> Any:
+        """An item that ends a stream with `error`, of the kind `_decoder` reads."""
+        raise NotImplementedError
+
+    def _check(self, req: GenerateRequest) -> None:
+        """Raise ValueError naming a request field this engine cannot honour (before anything is registered)."""
+
+    # --- routing (on whichever thread receives the scheduler's messages) --------------------------
+    def _route(self, items_by_rid: dict[str, list], finished: Callable[[list], bool]) -> None:
+        """Hand each request its items, with one wake-up per consumer event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, list]]] = {}
+        for rid, items in items_by_rid.items():
+            stream = self._streams.get(rid)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, items))
+            elif rid in self._warming and finished(items):
+                self._warming.pop(rid).done.set()
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that consumer's event loop is closed: nobody is listening any more
+                pass
+
+    def _fail_all(self, reason: str) -> None:
+        """The engine is gone: end every open stream and pending query with `reason` (from any thread)."""
+        self._route({rid: [self._error_item(rid, f"{ENGINE_GONE}: {reason}")] for rid in list(self._streams)},
+                    lambda items: True)
+        for qid in list(self._replies):
+            fut = self._replies.pop(qid, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(RuntimeError(reason))
+
+    def failure(self) -> str | None:
+        return None
+
+    def _reply(self, qid: int, reply: object) -> None:
+        fut = self._replies.pop(qid, None)
+        if fut is not None:
+            fut.set_result(reply)
+
+    def _query(self, msg: Any, qid: int, timeout: float) -> object | None:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._replies[qid] = fut
+        self._send(msg)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            self._replies.pop(qid, None)
+            return None
+
+    # --- requests ------------------------------------------------------------------------------
+    async def submit(self, req: GenerateRequest) -> AsyncGenerator[Delta, None]:
+        if (reason := self.failure()) is not None:
+            raise RuntimeError(f"{ENGINE_GONE}: {reason}")
+        self._check(req)
+        ids = await self.tokenize(req)
+        if req.rid in self._streams:
+            raise ValueError(f"request id {req.rid!r} is already in flight")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[req.rid] = stream
+        if (reason := self.failure()) is not None:  # it died while we tokenized: its end-of-streams missed this one
+            del self._streams[req.rid]
+            raise RuntimeError(f"{ENGINE_GONE}: {reason}")
+        decode = self._decoder(req.params)
+        stats = RequestStats(prompt_tokens=len(ids))
+        t0 = time.perf_counter()
+        self._send(AddRequest(req.rid, ids, req.params))
+        done = False
+        try:
+            while not done:
+                items = await stream.queue.get()
+                while not stream.queue.empty():  # a slow consumer gets several tokens in one delta
+                    items = items + stream.queue.get_nowait()
+                piece = decode(items)
+                delta = _delta(req.rid, piece, stats, t0)
+                done = delta.finished
+                if done and piece.stopped_early:
+                    self.abort(req.rid)  # a stop string ended it before the scheduler did: free its KV now
+                yield delta
+        finally:
+            del self._streams[req.rid]
+            if not done:  # the consumer went away (client disconnect, Ctrl-C): free its KV
+                self.abort(req.rid)
+
+    def abort(self, rid: str) -> None:
+        self._send(AbortRequest(rid))
+
+    def _warm(self, ids: list[int]) -> PrefixWarm:
+        rid = new_request_id("warm")
+        warm = PrefixWarm(len(ids))
+        self._warming[rid] = warm
+        self._send(AddRequest(rid, ids, SamplingParams(max_new_tokens=1, ignore_eos=True)))
+        return warm
+
+    def stats(self, timeout: float = 10.0) -> SchedulerStats:
+        qid = next(self._qids)
+        reply = self._query(StatsQuery(qid), qid, timeout)
+        if not isinstance(reply, StatsReply):
+            raise TimeoutError(f"the scheduler did not answer a stats query within {timeout:g}s")
+        return reply.stats
+
+    def check_pages(self, timeout: float = 10.0) -> None:
+        qid = next(self._qids)
+        reply = self._query(CheckPagesQuery(qid), qid, timeout)
+        if not isinstance(reply, CheckPagesReply):
+            raise TimeoutError(f"the scheduler did not answer a page check within {timeout:g}s")
+        if reply.error is not None:
+            raise AssertionError(reply.error)
+
+
+def _delta(rid: str, piece: DecodedPiece, stats: RequestStats, t0: float) -> Delta:
+    """A Delta from a decoded piece; the request's clock (TTFT, latency) runs on the consumer's side."""
+    now = time.perf_counter()
+    if piece.token_ids and stats.completion_tokens == 0:
+        stats.ttft_s = now - t0
+        stats.prefill_s = piece.prefill_s if piece.prefill_s is not None else stats.ttft_s
+    stats.completion_tokens += len(piece.token_ids)
+    stats.cached_tokens = piece.cached_tokens
+    if piece.error or piece.finish_reason:
+        stats.latency_s = now - t0
+    if piece.error:
+        return Delta(rid, error=piece.error, stats=stats)
+    if log.isEnabledFor(logging.INFO) and piece.token_ids:
+        lps = f" logprobs {[round(lp.logprob, 3) for lp in piece.logprobs]}" if piece.logprobs else ""
+        log.info("decode %s: token ids %s -> %r%s", rid, piece.token_ids, piece.text, lps)
+    return Delta(rid, piece.text, piece.token_ids, piece.finish_reason, stats if piece.finish_reason else None,
+                 logprobs=piece.logprobs)
