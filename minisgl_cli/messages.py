@@ -37,7 +37,11 @@ class AddRequest:
 
 @dataclass
 class AbortRequest:
+    """End a request early: "abort" (its consumer went away) or "stop" (a stop string ended its text before the
+    scheduler saw it end): either way its KV is freed; only "abort" counts as aborted."""
+
     rid: str
+    reason: FinishReason = "abort"
 
 
 @dataclass

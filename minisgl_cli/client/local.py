@@ -140,4 +140,5 @@ def engine_info(e: Engine, scheduler: Scheduler) -> ModelInfo:
         scheduler.max_running, e.max_context_len, e.pool.num_pages * e.pool.page_size, loaded.load_s,
         scheduler.overlap, tuple(sorted(scheduler.eos)), e.tp.size, "sgl" if e.kernels.sgl is not None else "torch",
         quantization=e.quantization, kv_cache_dtype=str(e.kv_dtype).removeprefix("torch."),
+        prefix_cache=None if scheduler.cfg.cache == "naive" else "radix",  # naive reuses nothing
     )

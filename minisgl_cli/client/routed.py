@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import time
@@ -132,15 +133,15 @@ class RoutedClient:
             raise ValueError(f"request id {req.rid!r} is already in flight")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[req.rid] = stream
-        if (reason := self.failure()) is not None:  # it died while we tokenized: its end-of-streams missed this one
-            del self._streams[req.rid]
-            raise RuntimeError(f"{ENGINE_GONE}: {reason}")
-        decode = self._decoder(req.params)
-        stats = RequestStats(prompt_tokens=len(ids))
-        t0 = time.perf_counter()
-        self._send(AddRequest(req.rid, ids, req.params))
-        done = False
-        try:
+        sent = done = False
+        try:  # from here on the stream's entry goes whatever happens (a failed send, a decoder error, a hang-up)
+            if (reason := self.failure()) is not None:  # it died while we tokenized: its end-of-streams missed this
+                raise RuntimeError(f"{ENGINE_GONE}: {reason}")
+            decode = self._decoder(req.params)
+            stats = RequestStats(prompt_tokens=len(ids))
+            t0 = time.perf_counter()
+            self._send(AddRequest(req.rid, ids, req.params))
+            sent = True
             while not done:
                 items = await stream.queue.get()
                 while not stream.queue.empty():  # a slow consumer gets several tokens in one delta
@@ -149,12 +150,13 @@ class RoutedClient:
                 delta = _delta(req.rid, piece, stats, t0)
                 done = delta.finished
                 if done and piece.stopped_early:
-                    self.abort(req.rid)  # a stop string ended it before the scheduler did: free its KV now
+                    self._send(AbortRequest(req.rid, "stop"))  # a stop string ended it first: free its KV now
                 yield delta
         finally:
-            del self._streams[req.rid]
-            if not done:  # the consumer went away (client disconnect, Ctrl-C): free its KV
-                self.abort(req.rid)
+            self._streams.pop(req.rid, None)
+            if sent and not done:  # the consumer went away (client disconnect, Ctrl-C) or decoding failed: free its KV
+                with contextlib.suppress(RuntimeError):  # a transport that takes nothing more has nothing to free
+                    self.abort(req.rid)
 
     def abort(self, rid: str) -> None:
         self._send(AbortRequest(rid))

@@ -133,7 +133,7 @@ class _Worker:
                 del self.decoders[rid]
                 self._ended(rid)
             if piece.stopped_early:  # a stop string ended it: free its KV on the scheduler now
-                send(self.to_scheduler, AbortRequest(rid))
+                send(self.to_scheduler, AbortRequest(rid, "stop"))
                 piece.stopped_early = False
             pieces.append(piece)
         if pieces:

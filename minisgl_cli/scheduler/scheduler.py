@@ -113,7 +113,7 @@ class Scheduler:
         if isinstance(msg, AddRequest):
             self._admit(Req(msg.rid, msg.input_ids, msg.params))
         elif isinstance(msg, AbortRequest):
-            self._abort(msg.rid)
+            self._abort(msg.rid, msg.reason)
         elif isinstance(msg, StatsQuery):
             self.emit(StatsReply(msg.qid, self.snapshot()))
         elif isinstance(msg, CheckPagesQuery):
@@ -148,10 +148,10 @@ class Scheduler:
             self._finish(req, None, error=str(exc))
             return False
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str, reason: FinishReason = "abort") -> None:
         for req in list(self.waiting) + self.running:
             if req.rid == rid:
-                self._finish(req, "abort")
+                self._finish(req, reason)
                 return
 
     def step(self) -> None:
