@@ -5,9 +5,21 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+class ErrorCode(str, Enum):
+    """Why a request failed, as a code every layer passes on and one table maps to HTTP (server/errors.py)."""
+
+    INVALID_REQUEST = "invalid_request"  # the input's fault: bad ids, a grammar that does not compile, ...
+    CONTEXT_LENGTH = "context_length"  # the prompt (plus max_tokens) does not fit the context
+    UNSUPPORTED = "unsupported"  # a feature this engine or install lacks (e.g. structured output without xgrammar)
+    ENGINE_FAILED = "engine_failed"  # the engine (or a process of it) failed while serving the request
+    OVERLOADED = "overloaded"  # every replica is at its cap: retry later
+    CANCELLED = "cancelled"  # the engine is shutting down or the client was closed
 MAX_TOP_LOGPROBS = 20
 
 _ids = itertools.count()
@@ -141,6 +153,7 @@ class Delta:
     stats: RequestStats | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    error_code: ErrorCode | None = None  # what kind of failure `error` is (set with it)
 
     @property
     def finished(self) -> bool:

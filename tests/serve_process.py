@@ -21,7 +21,7 @@ class Serve:
     --max-total-tokens (the hf and mlx engines have no pool)."""
 
     def __init__(self, model: Path | None, tmp: Path, *args: str, kv_tokens: int | None = 2048,
-                 port: int | None = None):
+                 port: int | None = None, env: dict[str, str] | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.err_path = tmp / f"serve-{self.port}-{time.monotonic_ns()}.err"
@@ -29,7 +29,8 @@ class Serve:
         kv = ["--max-total-tokens", str(kv_tokens)] if kv_tokens and model is not None else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "minisgl_cli.app", *command, *kv, *args, "--port", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=self.err_path.open("w"), env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            stdout=subprocess.DEVNULL, stderr=self.err_path.open("w"),
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         )
 
     def stderr(self) -> str:

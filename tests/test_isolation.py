@@ -82,3 +82,69 @@ def test_a_request_whose_decoding_fails_frees_its_stream_and_kv(local_client, mo
     local_client.check_pages()
     again = asyncio.run(complete(local_client, GenerateRequest(messages=HI, params=SamplingParams(max_new_tokens=8))))
     assert again.text == good.text
+
+
+def test_out_of_vocabulary_ids_get_a_clear_error_and_others_finish_unchanged(local_client, server_url):
+    """Token ids are never trusted: a prompt id, a stop id or a logit_bias key outside the vocabulary is refused
+    with one clear message (on CUDA such an id would be a device-side assert), beside requests that finish as if
+    alone."""
+    import httpx
+
+    plain = GenerateRequest(messages=HI, params=SamplingParams(max_new_tokens=8))
+    alone = asyncio.run(complete(local_client, plain)).text
+    vocab = local_client.info.vocab_size
+    bad = [GenerateRequest(input_ids=[1, vocab + 5]),
+           GenerateRequest(messages=HI, params=SamplingParams(max_new_tokens=4, stop_token_ids=[-1])),
+           GenerateRequest(messages=HI, params=SamplingParams(max_new_tokens=4, logit_bias={10**9: 5.0}))]
+
+    async def together():
+        return await asyncio.gather(*(complete(local_client, r) for r in [*bad, GenerateRequest(
+            messages=HI, params=SamplingParams(max_new_tokens=8))]), return_exceptions=True)
+
+    *refused, ok = asyncio.run(together())
+    for r, field in zip(refused, ["input_ids", "stop_token_ids", "logit_bias"]):
+        assert isinstance(r, ValueError) and f"in {field} is out of range" in str(r), r
+    assert ok.text == alone
+    wait_idle(local_client)
+    local_client.check_pages()
+
+    for body, param in [({"input_ids": [1, 2, 10**7]}, "input_ids"),
+                        ({"prompt": "hi", "stop_token_ids": [10**7]}, "stop_token_ids")]:
+        r = httpx.post(f"{server_url}/generate", json={**body, "max_new_tokens": 4, "stream": False}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "out of range" in err["message"]
+
+
+@pytest.mark.slow
+def test_structured_output_without_xgrammar_is_a_400_and_the_server_goes_on(default_model_dir, tmp_path):
+    """A plain install lacks xgrammar: a JSON request gets a 400 naming the extra to install, while the requests
+    beside it finish, and the server (every process of it) lives on."""
+    import concurrent.futures
+
+    import httpx
+    from serve_process import Serve
+
+    hide = tmp_path / "no-xgrammar" / "xgrammar"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text('raise ImportError("xgrammar is hidden by this test")\n')
+    path = ":".join(p for p in (str(hide.parent), __import__("os").environ.get("PYTHONPATH")) if p)
+    server = Serve(default_model_dir, tmp_path, env={"PYTHONPATH": path})
+    try:
+        server.wait_healthy()
+
+        def chat(extra: dict) -> httpx.Response:
+            return httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+                "model": "default", "messages": HI, "max_tokens": 12, "temperature": 0, **extra})
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            plain = [pool.submit(chat, {}) for _ in range(3)]
+            structured = pool.submit(chat, {"response_format": {"type": "json_object"}})
+            r = structured.result()
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert 'pip install "minisgl[structured]"' in err["message"] and err["code"] == "unsupported_feature"
+            assert all(f.result().status_code == 200 for f in plain)
+        assert server.proc.poll() is None and server.answers()
+    finally:
+        server.stop()

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from minisgl_cli.admission import AdmissionError, admit
 from minisgl_cli.client.protocol import ENGINE_GONE, PrefixWarm
 from minisgl_cli.messages import (
     AbortRequest,
@@ -129,6 +130,13 @@ class RoutedClient:
             raise RuntimeError(f"{ENGINE_GONE}: {reason}")
         self._check(req)
         ids = await self.tokenize(req)
+        try:
+            admit(ids, req.params, self.info.vocab_size, self.info.max_context_len,
+                  "input_ids" if req.input_ids is not None else "prompt")
+        except AdmissionError as exc:  # refused before it reaches the engine: a stream of one error, like any other
+            yield Delta(req.rid, error=exc.message, error_code=exc.code,
+                        stats=RequestStats(prompt_tokens=len(ids), latency_s=0.0))
+            return
         if req.rid in self._streams:
             raise ValueError(f"request id {req.rid!r} is already in flight")
         stream = _Stream(asyncio.get_running_loop())

@@ -3,8 +3,10 @@
 A request with `json_schema`, `regex` or `ebnf` gets a matcher at admission (compiling is milliseconds and
 cached by grammar text, and doing it in the loop keeps every TP rank's schedule identical). Before each
 step that samples for such a request, its matcher writes the allowed next tokens into one row of a
-bitmask the sampler applies; after the step it accepts the token drawn. xgrammar (and the tokenizer it
-indexes) is loaded on the first constrained request only.
+bitmask the sampler applies; after the step it accepts the token drawn. xgrammar's index of the tokenizer is
+built on a thread when the scheduler starts serving (`prepare`), so the first constrained request does not stall
+every running one for the seconds it takes; without xgrammar nothing is built and such requests are refused at
+admission (admission.py), never reaching `matcher`.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import re
+import threading
 from pathlib import Path
 
 import torch
 
+from minisgl_cli.admission import STRUCTURED_MISSING, structured_output_available
 from minisgl_cli.types import SamplingParams
 
 log = logging.getLogger("minisgl.grammar")
@@ -35,18 +39,32 @@ class Grammars:
     def __init__(self, model_dir: Path | None, vocab_size: int, stop_ids: frozenset[int], device: torch.device):
         self.model_dir, self.vocab_size, self.stop_ids, self.device = model_dir, vocab_size, stop_ids, device
         self._compiler = None
+        self._building: threading.Thread | None = None
         self._buffers: list[torch.Tensor] = []
         self._next = 0
 
+    def prepare(self) -> None:
+        """Build the compiler in the background, where there is a tokenizer and xgrammar imports."""
+        if self.model_dir is not None and structured_output_available() and self._building is None:
+            self._building = threading.Thread(target=self._build_quietly, name="minisgl-grammar", daemon=True)
+            self._building.start()
+
+    def _build_quietly(self) -> None:
+        try:
+            self.compiler()
+        except Exception:  # noqa: BLE001 (the first request that needs it builds again and gets the error)
+            log.exception("grammar compiler: background build failed")
+
     def compiler(self):
+        if self._building is not None and self._building is not threading.current_thread():
+            self._building.join()
         if self._compiler is None:
             if self.model_dir is None:
                 raise GrammarError("structured output needs the model's tokenizer; this engine has dummy weights "
                                    "and none")
-            try:
-                import xgrammar as xgr
-            except ImportError:
-                raise GrammarError("structured output needs the xgrammar package (pip install xgrammar)") from None
+            if not structured_output_available():
+                raise GrammarError(STRUCTURED_MISSING)
+            import xgrammar as xgr
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(self.model_dir))
@@ -60,9 +78,9 @@ class Grammars:
 
     def matcher(self, p: SamplingParams):
         """A fresh matcher for the request's grammar (GrammarError if it does not compile)."""
+        compiler = self.compiler()  # first: it raises GrammarError where xgrammar is missing
         import xgrammar as xgr
 
-        compiler = self.compiler()
         kind = "json_schema" if p.json_schema is not None else "regex" if p.regex is not None else "ebnf"
         try:
             if p.json_schema is not None:

@@ -21,6 +21,7 @@ from typing import cast
 
 import torch
 
+from minisgl_cli.admission import AdmissionError, admit
 from minisgl_cli.core.batch import ForwardBatch, Mode
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.engine.sampler import SamplingRow
@@ -69,7 +70,8 @@ class Scheduler:
         on = engine.device.type == "cuda" or cfg.overlap_on_cpu
         self.overlap = on and not cfg.disable_overlap and not overlap_disabled_by_env()
         self._inflight: Launched | None = None  # overlap: the launched step whose tokens are unread
-        self.grammars = Grammars(engine.loaded.model_dir, engine.model_cfg.vocab_size, self.eos, engine.device)
+        self.vocab_size = engine.model_cfg.vocab_size
+        self.grammars = Grammars(engine.loaded.model_dir, self.vocab_size, self.eos, engine.device)
         self.heartbeat = time.monotonic()  # last time the loop came round: a stalled loop stops updating it
 
     # --- loop ----------------------------------------------------------------------------------
@@ -78,6 +80,7 @@ class Scheduler:
         this scheduler's inbox; TP ranks pass one that keeps every rank's messages identical)."""
         receive = receive or self.drain
         self.engine.start_serving()
+        self.grammars.prepare()
         while not stop.is_set():
             self.heartbeat = time.monotonic()
             for msg in receive(not (self.waiting or self.running or self._inflight)):
@@ -126,12 +129,12 @@ class Scheduler:
             raise TypeError(f"unknown scheduler message {type(msg).__name__}")
 
     def _admit(self, req: Req) -> None:
-        limit = self.engine.max_context_len
-        if len(req.input_ids) == 0:
-            self._finish(req, None, error="the prompt is empty")
-        elif len(req.input_ids) >= limit:
-            self._finish(req, None, error=f"the prompt has {len(req.input_ids)} tokens; the context limit is {limit}")
-        elif req.params.max_new_tokens == 0:
+        try:  # every client checked this already; what reaches a scheduler is checked the same way, never trusted
+            admit(req.input_ids, req.params, self.vocab_size, self.engine.max_context_len)
+        except AdmissionError as exc:
+            self._finish(req, None, error=exc.message)
+            return
+        if req.params.max_new_tokens == 0:
             self._finish(req, "length")
         elif req.params.constrained and not self._compile(req):
             return

@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
+from minisgl_cli.admission import AdmissionError, admit
 from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
-from minisgl_cli.server.errors import InputError
+from minisgl_cli.server.errors import InputError, admission_error
 from minisgl_cli.server.gate import InflightGate
 from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.server.runs import EngineRun
 from minisgl_cli.server.settings import ServerSettings
-from minisgl_cli.types import GenerateRequest, SchedulerStats
+from minisgl_cli.types import GenerateRequest, SamplingParams, SchedulerStats
 
 if TYPE_CHECKING:
     from minisgl_cli.vision.vlm import VlmChat
@@ -67,10 +68,6 @@ class ServerContext:
                     messages=[m.as_template_dict() for m in messages],
                     tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None))
             elif isinstance(prompt, list):
-                bad = [t for t in prompt if not 0 <= t < info.vocab_size]
-                if bad:
-                    raise InputError(f"token id {bad[0]} is out of range: the vocabulary has {info.vocab_size} "
-                                     "tokens", param)
                 ids = list(prompt)
             else:
                 ids = await self.client.tokenize(GenerateRequest(prompt=prompt or ""))
@@ -78,11 +75,10 @@ class ServerContext:
             raise
         except Exception as exc:  # template or tokenizer failures are the input's fault here
             raise InputError(f"could not tokenize the {param}: {exc}", param) from exc
-        if not ids:
-            raise InputError(f"the {param} is empty", param)
-        if len(ids) >= info.max_context_len:
-            raise InputError(f"the prompt has {len(ids)} tokens; the context limit is {info.max_context_len}",
-                             param, code="context_length_exceeded")
+        try:  # the prompt's own checks now: the token budget below needs a prompt that fits
+            admit(ids, SamplingParams(), info.vocab_size, info.max_context_len, param)
+        except AdmissionError as exc:
+            raise admission_error(exc) from None
         return ids
 
     def budget(self, ids_list: list[list[int]], requested: int | None, param: str) -> tuple[int, str | None]:
@@ -100,6 +96,13 @@ class ServerContext:
 
     def start(self, reqs: list[GenerateRequest], endpoint: str, user: str | None = None) -> EngineRun:
         """Admit the requests (429 past the cap) and start them; `user` (the request's end-user id) is logged."""
+        info = self.client.info
+        for r in reqs:  # the sampling fields' checks (stop ids, bias keys, a grammar's library) before any starts
+            assert r.input_ids is not None  # the routes tokenize before they start a run
+            try:
+                admit(r.input_ids, r.params, info.vocab_size, info.max_context_len)
+            except AdmissionError as exc:
+                raise admission_error(exc) from None
         self.gate.admit(len(reqs))
         if log.isEnabledFor(logging.INFO):
             for r in reqs:

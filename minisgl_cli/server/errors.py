@@ -15,10 +15,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minisgl_cli.admission import AdmissionError
 from minisgl_cli.api import protocol as p
 from minisgl_cli.api.protocol import InputError
 from minisgl_cli.client.protocol import ENGINE_GONE
-from minisgl_cli.types import Delta
+from minisgl_cli.types import Delta, ErrorCode
 
 __all__ = ["InputError", "Disconnected", "engine_error", "error_frame", "install_error_handlers"]
 
@@ -27,6 +28,22 @@ log = logging.getLogger("minisgl.server")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                422: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+
+# Every ErrorCode's HTTP status and OpenAI `code` (None: the type alone says it).
+CODE_TABLE: dict[ErrorCode, tuple[int, str | None]] = {
+    ErrorCode.INVALID_REQUEST: (400, None),
+    ErrorCode.CONTEXT_LENGTH: (400, "context_length_exceeded"),
+    ErrorCode.UNSUPPORTED: (400, "unsupported_feature"),
+    ErrorCode.ENGINE_FAILED: (500, "engine_error"),
+    ErrorCode.OVERLOADED: (429, "too_many_requests"),
+    ErrorCode.CANCELLED: (503, "engine_unavailable"),
+}
+
+
+def admission_error(exc: AdmissionError) -> InputError:
+    status, code = CODE_TABLE[exc.code]
+    return InputError(exc.message, exc.param, status, code)
 
 
 class Disconnected(Exception):

@@ -1,0 +1,59 @@
+"""The one admission check every request passes before it reaches a scheduler, whichever front sent it.
+
+Token ids in the vocabulary (prompt, stop ids, logit bias keys), a prompt that fits the context, and the features whose
+library is missing. Each refusal is an `AdmissionError` with one `ErrorCode` and one message, so the server, `LLM`,
+the REPL and `/generate` say the same thing; the scheduler relies on it instead of checking again.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+from minisgl_cli.types import ErrorCode, SamplingParams
+
+
+class AdmissionError(ValueError):
+    """A request refused before it runs; `param` names the offending field (OpenAI style) where one does."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST, param: str | None = None):
+        super().__init__(message)
+        self.message, self.code, self.param = message, code, param
+
+
+@functools.cache
+def structured_output_available() -> bool:
+    """xgrammar imports here (it is the `structured` extra; a plain install lacks it)."""
+    try:
+        importlib.import_module("xgrammar")
+    except ImportError:
+        return False
+    return True
+
+
+STRUCTURED_MISSING = ('structured output (response_format, regex, ebnf, forced tool calls) needs the xgrammar '
+                      'package: pip install "minisgl[structured]"')
+
+
+def admit(ids: list[int], params: SamplingParams, vocab_size: int, max_context_len: int, param: str = "prompt") -> None:
+    """Raise AdmissionError unless the request can run on this engine (every client checks after tokenizing; the
+    scheduler checks what reaches it the same way)."""
+    if not ids:
+        raise AdmissionError(f"the {param} is empty", param=param)
+    _in_vocab(ids, vocab_size, param)
+    if len(ids) >= max_context_len:
+        raise AdmissionError(f"the prompt has {len(ids)} tokens; the context limit is {max_context_len}",
+                             ErrorCode.CONTEXT_LENGTH, param)
+    _in_vocab(params.stop_token_ids, vocab_size, "stop_token_ids")
+    _in_vocab(list(params.logit_bias or ()), vocab_size, "logit_bias")
+    if params.constrained and not structured_output_available():
+        raise AdmissionError(STRUCTURED_MISSING, ErrorCode.UNSUPPORTED,
+                             "json_schema" if params.json_schema is not None else
+                             "regex" if params.regex is not None else "ebnf")
+
+
+def _in_vocab(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise AdmissionError(f"token id {bad} in {param} is out of range: the vocabulary has {vocab_size} tokens",
+                             param=param)
