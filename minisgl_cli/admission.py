@@ -52,6 +52,21 @@ def admit(ids: list[int], params: SamplingParams, vocab_size: int, max_context_l
                              "regex" if params.regex is not None else "ebnf")
 
 
+def new_tokens(prompt_tokens: int, requested: int | None, max_context_len: int, param: str = "max_tokens",
+               what: str = "") -> int:
+    """How many tokens a request may generate: what it asked, or all that fit (AdmissionError when it asked for more
+    than fits, or nothing fits). `what` qualifies the prompt's count (" (images included)")."""
+    room = max_context_len - prompt_tokens
+    if room <= 0:
+        raise AdmissionError(f"the prompt has {prompt_tokens} tokens{what}; the context limit is {max_context_len}",
+                             ErrorCode.CONTEXT_LENGTH, "messages" if what else "prompt")
+    if requested is not None and requested > room:
+        raise AdmissionError(f"{param}={requested} is too large: the prompt has {prompt_tokens} tokens{what} and the "
+                             f"context limit is {max_context_len}, so at most {room} new tokens fit",
+                             ErrorCode.CONTEXT_LENGTH, param)
+    return room if requested is None else requested
+
+
 def _in_vocab(ids: list[int], vocab_size: int, param: str) -> None:
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:

@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 
 from minisgl_cli.types import (
+    ErrorCode,
     FinishReason,
     GenerateRequest,
     ModelInfo,
@@ -75,6 +76,7 @@ class TokenOutput:
     logprob: float | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+    error_code: ErrorCode | None = None  # with `error`: what kind of failure (a plain str once it crossed msgpack)
 
 
 @dataclass
@@ -128,6 +130,7 @@ class DecodedPiece:
     prefill_s: float | None = None  # set on the batch holding the first token
     stopped_early: bool = False  # a stop string ended it while the scheduler still runs it
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    error_code: ErrorCode | None = None  # with `error`: what kind of failure
 
     @property
     def finished(self) -> bool:

@@ -212,7 +212,8 @@ class RequestDecoder:
         last = items[-1]
         prefill_s = next((o.prefill_s for o in items if o.prefill_s is not None), None)
         if last.error:
-            return DecodedPiece(last.rid, "", tokens, None, last.error, last.cached_tokens, prefill_s)
+            return DecodedPiece(last.rid, "", tokens, None, last.error, last.cached_tokens, prefill_s,
+                                error_code=last.error_code)
         logprobs = self._logprobs(items) if self.with_logprobs else None
         reason = last.finish_reason
         text = self.detok.feed(tokens) if self.detok else ""

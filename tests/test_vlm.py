@@ -138,6 +138,28 @@ def test_runner_stream_is_greedy_generate_token_for_token(vlms, name):
     assert final.stats.prompt_tokens == prepared.prompt_tokens
 
 
+def test_a_seeded_sampled_reply_repeats_and_leaves_the_process_rng_alone(vlms):
+    """A seed draws from the request's own generator: the same seed gives the same tokens, and the process-wide
+    RNG (which the text engine's sampler and other threads draw from) is neither reseeded nor advanced."""
+    import torch
+
+    loaded = vlms["qwen2-vl"]
+    prepared = prepare(loaded, chat_with(Image.new("RGB", (50, 40), (10, 200, 10))))
+
+    def ids(seed: int) -> list[int]:
+        params = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.5, seed=seed)
+
+        async def run() -> list:
+            return [d async for d in stream(loaded, prepared, params, f"s{seed}")]
+        return [t for d in asyncio.run(run()) for t in d.token_ids]
+
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    first, again, other = ids(7), ids(7), ids(8)
+    assert first == again and len(first) == 8 and other != first
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_runner_refuses_what_it_cannot_do_and_bad_models(vlms, tiny_vlms, tmp_path, default_model_dir):
     runner = VlmChat(tiny_vlms["idefics3"])
 

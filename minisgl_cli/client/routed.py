@@ -28,6 +28,7 @@ from minisgl_cli.messages import (
 )
 from minisgl_cli.types import (
     Delta,
+    ErrorCode,
     GenerateRequest,
     ModelInfo,
     RequestStats,
@@ -203,7 +204,8 @@ def _delta(rid: str, piece: DecodedPiece, stats: RequestStats, t0: float) -> Del
     if piece.error or piece.finish_reason:
         stats.latency_s = now - t0
     if piece.error:
-        return Delta(rid, error=piece.error, stats=stats)
+        code = ErrorCode(piece.error_code) if piece.error_code is not None else None  # a str after msgpack
+        return Delta(rid, error=piece.error, stats=stats, error_code=code)
     if log.isEnabledFor(logging.INFO) and piece.token_ids:
         lps = f" logprobs {[round(lp.logprob, 3) for lp in piece.logprobs]}" if piece.logprobs else ""
         log.info("decode %s: token ids %s -> %r%s", rid, piece.token_ids, piece.text, lps)

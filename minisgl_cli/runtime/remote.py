@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import queue
 import threading
 import time
 import zlib
@@ -42,6 +43,7 @@ def _merge(pieces: list[DecodedPiece]) -> DecodedPiece:
         last.rid, "".join(p.text for p in pieces), [t for p in pieces for t in p.token_ids], last.finish_reason,
         last.error, last.cached_tokens, next((p.prefill_s for p in pieces if p.prefill_s is not None), None),
         logprobs=[lp for p in pieces for lp in p.logprobs or []] if any(p.logprobs for p in pieces) else None,
+        error_code=last.error_code,
     )
 
 
@@ -56,27 +58,41 @@ class RemoteClient(RoutedClient):
         self._ctx = zmq.Context()
         self._inbox = pull(self._ctx, endpoints.api)
         targets = [endpoints.tokenizer(i) for i in range(num_tokenizer)] or [endpoints.detokenizer]
-        # A send that cannot leave in SEND_TIMEOUT_MS (the worker is gone or wedged) fails instead of holding
-        # the send lock for ever.
+        # Only the sender thread touches these (zmq sockets are not thread-safe): fronts hand it messages through a
+        # queue, so a send never blocks an event loop; one that cannot leave in SEND_TIMEOUT_MS (the worker is gone
+        # or wedged) fails its request instead of waiting for ever.
         self._out = [push(self._ctx, t, timeout_ms=SEND_TIMEOUT_MS) for t in targets]
-        self._lock = threading.Lock()  # zmq sockets are not thread-safe; fronts send from several threads
+        self._outbox: queue.SimpleQueue[ToScheduler | TokenizeQuery | None] = queue.SimpleQueue()
         self._beat = time.monotonic()
         self._closed = False
+        self._sender = threading.Thread(target=self._send_loop, name="minisgl-api-send", daemon=True)
+        self._sender.start()
         self._receiver = threading.Thread(target=self._receive, name="minisgl-api-recv", daemon=True)
         self._receiver.start()
         runtime.on_death(self._fail_all)
 
     # --- transport -----------------------------------------------------------------------------
     def _send(self, msg: ToScheduler | TokenizeQuery) -> None:
-        key = msg.rid if isinstance(msg, AddRequest | AbortRequest) else str(msg.qid)
-        sock = self._out[zlib.crc32(key.encode()) % len(self._out)]
-        with self._lock:
-            if self._closed:  # an abort from a stream that outlives close() goes nowhere
-                return
+        if not self._closed:  # an abort from a stream that outlives close() goes nowhere
+            self._outbox.put(msg)
+
+    def _send_loop(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            key = msg.rid if isinstance(msg, AddRequest | AbortRequest) else str(msg.qid)
             try:
-                send(sock, msg)
+                send(self._out[zlib.crc32(key.encode()) % len(self._out)], msg)
             except zmq.Again:
-                raise RuntimeError("the tokenizer/detokenizer does not take messages (gone or wedged)") from None
+                self._undeliverable(msg)
+            except zmq.ZMQError:  # the context is being destroyed: nothing more leaves
+                return
+
+    def _undeliverable(self, msg: ToScheduler | TokenizeQuery) -> None:
+        """End what waits on a message that could not be sent: its stream, or its query."""
+        reason = "the tokenizer/detokenizer does not take messages (gone or wedged)"
+        if isinstance(msg, AddRequest):
+            self._route({msg.rid: [self._error_item(msg.rid, f"{ENGINE_GONE}: {reason}")]}, lambda items: True)
+        elif not isinstance(msg, AbortRequest) and (fut := self._replies.pop(msg.qid, None)) is not None:
+            fut.set_exception(RuntimeError(reason))
 
     def _receive(self) -> None:
         # Polls rather than blocking in recv: a socket may only be closed by its own thread's side of the
@@ -139,8 +155,6 @@ class RemoteClient(RoutedClient):
         self._closed = True
         self.runtime.shutdown()
         self._receiver.join(5)
-        if self._lock.acquire(timeout=SEND_TIMEOUT_MS / 1000 + 1):  # a sender still in send() is bounded too
-            try:
-                self._ctx.destroy(linger=0)
-            finally:
-                self._lock.release()
+        self._outbox.put(None)
+        self._sender.join(SEND_TIMEOUT_MS / 1000 + 1)  # a send in progress is bounded too
+        self._ctx.destroy(linger=0)

@@ -32,6 +32,7 @@ from minisgl_cli.messages import (
 )
 from minisgl_cli.runtime.ipc import Endpoints, die_with_parent, pull, push, recv, send
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, prompt_ids
+from minisgl_cli.types import ErrorCode
 
 log = logging.getLogger("minisgl.runtime")
 
@@ -103,7 +104,17 @@ class _Worker:
 
     def _add(self, msg: AddRequest) -> None:
         if self.job.detokenizes:
-            self.decoders[msg.rid] = RequestDecoder(self.tokenizer, msg.params)
+            try:
+                self.decoders[msg.rid] = RequestDecoder(self.tokenizer, msg.params)
+            except Exception as exc:  # that request cannot be decoded: it fails alone
+                log.exception("no decoder for %s", msg.rid)
+                self._ended(msg.rid)  # outputs that still come for it are dropped
+                self.early.pop(msg.rid, None)
+                send(self.to_api, DetokOutput([DecodedPiece(
+                    msg.rid, error=f"internal error: could not decode the output ({type(exc).__name__})",
+                    error_code=ErrorCode.ENGINE_FAILED)]))
+                send(self.to_scheduler, AbortRequest(msg.rid))
+                return
             if msg.rid in self.early:
                 self._detokenize(StepOutput(self.early.pop(msg.rid)))
         if self.job.tokenizes:
@@ -128,7 +139,14 @@ class _Worker:
                 if rid not in self.ended_set:  # e.g. the abort that follows a stop string: already answered
                     self.early.setdefault(rid, []).extend(items)
                 continue
-            piece = decoder.feed(items)
+            try:
+                piece = decoder.feed(items)
+            except Exception as exc:  # one request's failure ends that request, not every stream of the process
+                log.exception("decoding the output of %s failed", rid)
+                piece = DecodedPiece(rid, error=f"internal error: could not decode the output ({type(exc).__name__})",
+                                     error_code=ErrorCode.ENGINE_FAILED)
+                if not any(o.finish_reason or o.error for o in items):  # still running: free its KV
+                    send(self.to_scheduler, AbortRequest(rid))
             if piece.finished:
                 del self.decoders[rid]
                 self._ended(rid)

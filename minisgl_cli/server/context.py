@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
-from minisgl_cli.admission import AdmissionError, admit
+from minisgl_cli.admission import AdmissionError, admit, new_tokens
 from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.server.errors import InputError, admission_error
@@ -83,14 +83,11 @@ class ServerContext:
 
     def budget(self, ids_list: list[list[int]], requested: int | None, param: str) -> tuple[int, str | None]:
         """max_new_tokens for the run and the downscale note (None if not applied)."""
-        limit = self.client.info.max_context_len
-        room = limit - max(len(ids) for ids in ids_list)
-        if requested is None:
-            requested = room
-        elif requested > room:
-            raise InputError(f"{param}={requested} is too large: the prompt has {limit - room} tokens and the "
-                             f"context limit is {limit}, so at most {room} new tokens fit", param,
-                             code="context_length_exceeded")
+        try:
+            requested = new_tokens(max(len(ids) for ids in ids_list), requested, self.client.info.max_context_len,
+                                   param)
+        except AdmissionError as exc:
+            raise admission_error(exc) from None
         cut = self.gate.downscale(requested)
         return (cut, f"{requested}->{cut}") if cut < requested else (requested, None)
 

@@ -17,10 +17,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from minisgl_cli.admission import AdmissionError
 from minisgl_cli.api import protocol as p
 from minisgl_cli.media.jobs import MediaError
 from minisgl_cli.server.context import ServerContext
-from minisgl_cli.server.errors import InputError, engine_error, error_frame
+from minisgl_cli.server.errors import InputError, admission_error, engine_error, error_frame
 from minisgl_cli.server.gate import downscale_headers
 from minisgl_cli.server.runs import sse, stream_response, unless_disconnected
 from minisgl_cli.server.settings import VisionSettings
@@ -131,10 +132,10 @@ async def chat(body: p.ChatCompletionRequest, request: Request, ctx: ServerConte
     try:
         prepared = await loop.run_in_executor(None, prepare, loaded, messages)
         requested = check_budget(loaded, prepared, body.requested_max_tokens)
-    except ValueError as exc:  # the template, the processor, or the context limit refused the input
-        msg = str(exc)
-        raise InputError(msg, "max_tokens" if msg.startswith("max_tokens=") else "messages",
-                         code="context_length_exceeded" if "context limit" in msg else None) from None
+    except AdmissionError as exc:  # the context limit
+        raise admission_error(exc) from None
+    except ValueError as exc:  # the template or the processor refused the input
+        raise InputError(str(exc), "messages") from None
     max_new = ctx.gate.downscale(requested)
     note = f"{requested}->{max_new}" if max_new < requested else None
     rid = new_request_id("vlm")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minisgl_cli.admission import new_tokens
 from minisgl_cli.media.device import pick_device, pick_dtype
 from minisgl_cli.types import Delta, FinishReason, GenerateRequest, RequestStats, SamplingParams
 
@@ -206,16 +207,9 @@ def prepare(loaded: LoadedVlm, messages: list[dict]) -> Prepared:
 
 
 def check_budget(loaded: LoadedVlm, prepared: Prepared, requested: int | None, param: str = "max_tokens") -> int:
-    """max_new_tokens for the request: what was asked, or what fits (ValueError naming the context limit)."""
-    limit = loaded.max_context_len
-    room = limit - prepared.prompt_tokens
-    if room <= 0:
-        raise ValueError(f"the prompt has {prepared.prompt_tokens} tokens (images included); the context limit "
-                         f"of {loaded.name} is {limit}")
-    if requested is not None and requested > room:
-        raise ValueError(f"{param}={requested} is too large: the prompt has {prepared.prompt_tokens} tokens "
-                         f"(images included) and the context limit is {limit}, so at most {room} new tokens fit")
-    return room if requested is None else requested
+    """max_new_tokens for the request: what was asked, or what fits (AdmissionError, a ValueError, naming the
+    context limit)."""
+    return new_tokens(prepared.prompt_tokens, requested, loaded.max_context_len, param, " (images included)")
 
 
 async def stream(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, rid: str,
@@ -293,7 +287,15 @@ def _generate(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, rid
               emit: Callable[[Delta | None], None]) -> None:
     """The worker thread: transformers' generate with a streamer that decodes, cuts at stop strings, emits."""
     import torch
-    from transformers import StoppingCriteria, StoppingCriteriaList
+    from transformers import (
+        LogitsProcessor,
+        LogitsProcessorList,
+        StoppingCriteria,
+        StoppingCriteriaList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
     from transformers.generation.streamers import BaseStreamer
 
     from minisgl_cli.tokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -325,17 +327,36 @@ def _generate(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, rid
             done = cancel.is_set() or state.stopped
             return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
+    class Draw(LogitsProcessor):
+        """Samples with this request's own generator (seeded or not) and leaves only the drawn token for generate's
+        greedy pick: the process-wide RNG, which other threads draw from, is never reseeded."""
+
+        def __init__(self) -> None:
+            self.warp = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)]
+                                            + [TopKLogitsWarper(params.top_k)] * (params.top_k > 0)
+                                            + [TopPLogitsWarper(params.top_p)] * (params.top_p < 1.0))
+            self.gen = torch.Generator(loaded.device)
+            if params.seed is not None:
+                self.gen.manual_seed(params.seed % 2**64)
+            else:
+                self.gen.seed()
+
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+            probs = self.warp(input_ids, scores.float()).softmax(dim=-1)
+            drawn = torch.multinomial(probs, 1, generator=self.gen)
+            return torch.full_like(scores, float("-inf")).scatter_(1, drawn, 0.0)  # type: ignore[return-value]
+
     max_new = params.max_new_tokens
     eos = loaded.eos_ids + [t for t in params.stop_token_ids if t not in loaded.eos_ids]
     gen: dict[str, Any] = dict(
-        max_new_tokens=max_new, do_sample=not params.greedy, streamer=Streamer(),
+        max_new_tokens=max_new, do_sample=False, streamer=Streamer(),
         stopping_criteria=StoppingCriteriaList([Stop()]), eos_token_id=eos or None,
         pad_token_id=loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else (eos or [0])[0],
     )
+    # The model's generation_config may carry sampling defaults: Draw does the sampling, so generate ignores them.
+    gen.update(temperature=None, top_p=None, top_k=None)
     if not params.greedy:
-        gen.update(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0))
-    else:  # the model's generation_config may carry sampling defaults: greedy ignores them
-        gen.update(temperature=None, top_p=None, top_k=None)
+        gen["logits_processor"] = LogitsProcessorList([Draw()])
     if params.ignore_eos:
         gen["min_new_tokens"] = max_new
     error = None
@@ -344,10 +365,7 @@ def _generate(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, rid
         with loaded.lock:
             prefill_at = time.perf_counter()
             if max_new > 0 and not cancel.is_set():
-                devices = [torch.device(loaded.device).index or 0] if loaded.device.startswith("cuda") else []
-                with torch.random.fork_rng(devices=devices), torch.inference_mode():
-                    if params.seed is not None:
-                        torch.manual_seed(params.seed % 2**64)
+                with torch.inference_mode():
                     loaded.model.generate(**prepared.inputs, **gen)
     except Exception as exc:  # a model fault, not the input's: the stream ends with it
         log.exception("rid=%s VLM generation failed", rid)
