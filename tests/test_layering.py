@@ -182,11 +182,15 @@ def test_the_engine_is_reached_through_its_seam_only():
     assert not reached, reached
 
 
-def test_only_the_cache_manager_writes_the_page_table():
-    """Above the engine, page-table rows are written by scheduler/cache.py alone, through the engine's
-    `write_page_table`; nothing there touches the tensor itself."""
+# The engine's KV-memory verbs: above the engine, the scheduler's CacheManager alone calls them.
+KV_VERBS = {"write_page_table", "alloc_pages", "free_pages", "alloc_req_slot", "free_req_slot", "num_free_pages"}
+
+
+def test_only_the_cache_manager_writes_the_page_table_and_moves_pages():
+    """Above the engine, page-table rows are written (and pages and rows taken and given back) by scheduler/cache.py
+    alone, through the engine's verbs; nothing there touches the page-table tensor itself."""
     wrong = [f"{name}:{node.lineno}: .{node.attr}"
              for name, tree in _above_the_engine().items() for node in ast.walk(tree)
              if isinstance(node, ast.Attribute) and (node.attr == "page_table" or (
-                 node.attr == "write_page_table" and name != "minisgl_cli.scheduler.cache"))]
+                 node.attr in KV_VERBS and _names_an_engine(node.value) and name != "minisgl_cli.scheduler.cache"))]
     assert not wrong, wrong
