@@ -159,8 +159,7 @@ def run_requests(engine: Engine, prompts: list[list[int]], out_lens: list[int], 
     wall = time.perf_counter() - t0
     sched.check_pages()
     # Hand the prefix cache's pages back to the pool: the next run builds a new scheduler on it.
-    cache = sched.cache
-    engine.pool.free_pages(cache._slots_to_pages(cache.tree.evict(cache.tree.cached_tokens)))
+    sched.cache.clear()
     return RunStats(got[0], wall, steps, _wait[0], stamps[0] - t0 if stamps else 0.0,
                     stamps[-1] - t0 if stamps else 0.0, all_started[0] - t0 if all_started[0] else 0.0)
 

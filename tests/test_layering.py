@@ -154,3 +154,43 @@ def test_the_client_protocol_loads_no_engine():
             "('minisgl_cli.engine', 'minisgl_cli.scheduler', 'minisgl_cli.models'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "", f"importing the client protocol loaded: {out.stdout.strip()}"
+
+
+# The engine's own fields: above the engine, code reaches it through `Engine.spec` and its verbs (engine/engine.py).
+ENGINE_INTERNALS = {"pool", "loaded", "model_cfg", "host"}
+ENGINE_DEPTH = next(depth for depth, (title, _) in enumerate(LAYERS) if title == "engine")
+
+
+def _above_the_engine() -> dict[str, ast.AST]:
+    return {name: ast.parse(path.read_text()) for name, path in MODULES.items()
+            if (layer := _layer(name)) is not None and layer[0] < ENGINE_DEPTH}
+
+
+def _names_an_engine(node: ast.expr) -> bool:
+    """`engine`, `e` or `<anything>.engine`: the receivers an engine goes by."""
+    return ((isinstance(node, ast.Name) and node.id in ("engine", "e"))
+            or (isinstance(node, ast.Attribute) and node.attr == "engine"))
+
+
+def test_the_engine_is_reached_through_its_seam_only():
+    """The scheduler (and every layer above it) uses the engine's spec and verbs, never its pool, loaded model,
+    model config or host buffers."""
+    reached = [f"{name}:{node.lineno}: .{node.value.attr if isinstance(node.value, ast.Attribute) else 'engine'}"
+               f".{node.attr}"
+               for name, tree in _above_the_engine().items() for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS and _names_an_engine(node.value)]
+    assert not reached, reached
+
+
+# The engine's KV-memory verbs: above the engine, the scheduler's CacheManager alone calls them.
+KV_VERBS = {"write_page_table", "alloc_pages", "free_pages", "alloc_req_slot", "free_req_slot", "num_free_pages"}
+
+
+def test_only_the_cache_manager_writes_the_page_table_and_moves_pages():
+    """Above the engine, page-table rows are written (and pages and rows taken and given back) by scheduler/cache.py
+    alone, through the engine's verbs; nothing there touches the page-table tensor itself."""
+    wrong = [f"{name}:{node.lineno}: .{node.attr}"
+             for name, tree in _above_the_engine().items() for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and (node.attr == "page_table" or (
+                 node.attr in KV_VERBS and _names_an_engine(node.value) and name != "minisgl_cli.scheduler.cache"))]
+    assert not wrong, wrong

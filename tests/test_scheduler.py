@@ -106,6 +106,15 @@ def test_prompt_over_context_limit_is_an_error_and_others_go_on(tiny_model_dirs)
         settle(llm)
 
 
+def test_model_info_reports_the_limits_the_scheduler_enforces(tiny_model_dirs):
+    """ModelInfo comes from the engine's spec through the scheduler: what a front is told is what it runs under."""
+    with LLM(str(tiny_model_dirs["llama"]), max_context_len=64, max_running_requests=5, page_size=4) as llm:
+        info, stats = llm.client.info, llm.client.stats()
+        assert (info.max_context_len, info.max_running, info.page_size) == (64, 5, 4)
+        assert info.kv_tokens == stats.tokens_total == stats.tokens_free
+        assert llm.client.tokenizer is not None and llm.client.tokenizer.eos_token_ids <= set(info.eos_token_ids)
+
+
 def test_exact_repeat_skips_prefill_but_the_last_token(tiny_model_dirs):
     with LLM(str(tiny_model_dirs["llama"])) as llm:
         ids = list(range(100, 180))

@@ -25,7 +25,7 @@ from minisgl_cli.engine.engine import Engine
 from minisgl_cli.messages import DecodedPiece, FromScheduler, StepOutput, TokenOutput, ToScheduler
 from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, prompt_ids
-from minisgl_cli.types import GenerateRequest, ModelInfo, SamplingParams
+from minisgl_cli.types import GenerateRequest, SamplingParams
 
 log = logging.getLogger("minisgl.client")
 
@@ -53,7 +53,7 @@ class LocalClient(RoutedClient):
         self._thread.start()
         scheduler = built.result()  # re-raises what the build raised (ModelLoadError, ValueError)
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
-        self.info = engine_info(scheduler.engine, scheduler)
+        self.info = scheduler.model_info()
         # Only the thread holds the scheduler (and the engine it built): both go when it ends, weights and KV pool
         # with them, while this client may be kept (an LLM closed but still referenced).
         self._inbox = scheduler.inbox
@@ -63,7 +63,8 @@ class LocalClient(RoutedClient):
              built: concurrent.futures.Future[Scheduler]) -> None:
         try:
             e = engine or Engine(engine_cfg)
-            self.tokenizer = Tokenizer(e.loaded.model_dir) if e.loaded.model_dir is not None else None
+            model_dir = e.spec.model_dir
+            self.tokenizer = Tokenizer(model_dir) if model_dir is not None else None
             eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
             scheduler = Scheduler(e, sched_cfg, self._on_output, eos_token_ids=eos)
         except BaseException as exc:  # noqa: BLE001 (handed to the constructor, which raises it)
@@ -130,15 +131,3 @@ class LocalClient(RoutedClient):
             if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
 
-
-def engine_info(e: Engine, scheduler: Scheduler) -> ModelInfo:
-    """ModelInfo of an engine and the scheduler driving it (in whichever process they live)."""
-    loaded, mc = e.loaded, e.model_cfg
-    return ModelInfo(
-        loaded.name, loaded.source, str(e.device), str(e.dtype).removeprefix("torch."), e.attn.name,
-        str(loaded.model_dir) if loaded.model_dir is not None else None, mc.vocab_size, e.pool.page_size,
-        scheduler.max_running, e.max_context_len, e.pool.num_pages * e.pool.page_size, loaded.load_s,
-        scheduler.overlap, tuple(sorted(scheduler.eos)), e.tp.size, "sgl" if e.kernels.sgl is not None else "torch",
-        quantization=e.quantization, kv_cache_dtype=str(e.kv_dtype).removeprefix("torch."),
-        prefix_cache=None if scheduler.cfg.cache == "naive" else "radix",  # naive reuses nothing
-    )

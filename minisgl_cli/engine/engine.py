@@ -1,16 +1,23 @@
-"""Engine: one rank's executor — model weights, KV pool, attention backend; runs a ForwardBatch."""
+"""Engine: one rank's executor — model weights, KV pool, attention backend; runs a ForwardBatch.
+
+What a scheduler uses of it is the seam below, nothing else: `spec` (the fixed facts it plans with), `model_info`,
+the KV-memory verbs its CacheManager calls (pages, page-table rows, page-table writes), the host-buffer uploads and
+read-backs of a step (`build_batch`, `upload`, `readback`), `forward` / `sample` / `step`, and `start_serving` /
+`compiling`. Its fields (model, pool, host buffers, configs) are the engine's own and the layers below it.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from minisgl_cli.attention import create_backend
-from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.core.batch import ForwardBatch, Mode
 from minisgl_cli.core.host import HostBuffers
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks
@@ -27,6 +34,7 @@ from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.loader.hf import iter_safetensors, read_hf_config
 from minisgl_cli.models import ModelConfig, create_model
 from minisgl_cli.models.dummy import dummy_checkpoint
+from minisgl_cli.types import ModelInfo
 
 log = logging.getLogger("minisgl.engine")
 
@@ -40,6 +48,20 @@ class LoadedModel:
     source: str
     load_s: float
     quantization: str = "none"  # the linear method (layers/quant.py): none, int4, int8
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a scheduler plans with: one engine's facts, fixed once it is built."""
+
+    device: torch.device
+    vocab_size: int
+    max_context_len: int  # tokens one request may hold (prompt + output)
+    page_size: int  # token slots per KV page
+    num_pages: int  # usable KV pages
+    max_requests: int  # page-table rows: requests that can hold KV at once
+    eos_token_ids: frozenset[int]  # the model config's (a tokenizer may add more)
+    model_dir: Path | None  # tokenizer and config files; None for dummy weights of a built-in config
 
 
 def _locate(cfg: EngineConfig) -> tuple[dict, Path | None, str, str]:
@@ -129,12 +151,27 @@ class Engine:
             max_bs = getattr(METHODS[self.quantization], "max_rows", cfg.max_running_requests)
             self.compiled = CompiledDecode(self.model, self.attn, max_bs, self.device)  # started by start_serving
         self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0, self.quantization)
+        self.spec = EngineSpec(self.device, mc.vocab_size, self.max_context_len, cfg.page_size, num_pages,
+                               cfg.max_running_requests, frozenset(mc.eos_token_ids), model_dir)
         log.info(
             "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s backend=%s "
             "kv_tokens=%d page_size=%d eos=%s (%.1fs)",
             name, source, self.device, str(self.dtype).removeprefix("torch."), self.quantization,
             str(self.kv_dtype).removeprefix("torch."), self.attn.name, capacity, cfg.page_size,
             list(mc.eos_token_ids), self.loaded.load_s,
+        )
+
+    def model_info(self, *, overlap: bool, eos_token_ids: Iterable[int], prefix_cache: str | None) -> ModelInfo:
+        """What a front may know of this engine, under a scheduler that runs with `overlap`, stops on
+        `eos_token_ids` and reuses prefixes through `prefix_cache` (None: no reuse)."""
+        spec, loaded = self.spec, self.loaded
+        return ModelInfo(
+            loaded.name, loaded.source, str(self.device), str(self.dtype).removeprefix("torch."), self.attn.name,
+            str(spec.model_dir) if spec.model_dir is not None else None, spec.vocab_size, spec.page_size,
+            spec.max_requests, spec.max_context_len, spec.num_pages * spec.page_size, loaded.load_s, overlap,
+            tuple(sorted(eos_token_ids)), self.tp.size, "sgl" if self.kernels.sgl is not None else "torch",
+            quantization=self.quantization, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            prefix_cache=prefix_cache,
         )
 
     def start_serving(self) -> None:
@@ -170,6 +207,45 @@ class Engine:
         graphs = DecodeGraphs(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device, self.dtype)
         graphs.capture()
         self.graphs = graphs
+
+    # --- KV memory: the pool's pages and page-table rows (the scheduler's CacheManager alone calls these) ----------
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free_pages
+
+    def alloc_pages(self, n: int) -> list[int] | None:
+        """n pages, or None (and nothing taken) when fewer are free."""
+        return self.pool.alloc_pages(n)
+
+    def free_pages(self, pages: list[int]) -> None:
+        self.pool.free_pages(pages)
+
+    def alloc_req_slot(self) -> int | None:
+        """A free page-table row, or None when every row is taken."""
+        return self.pool.alloc_req_slot()
+
+    def free_req_slot(self, slot: int) -> None:
+        self.pool.free_req_slot(slot)
+
+    def write_page_table(self, rows: int | torch.Tensor, positions: slice | torch.Tensor,
+                         slots: torch.Tensor) -> None:
+        """page_table[rows, positions] = slots (int32, on the device): one device op."""
+        self.pool.page_table[rows, positions] = slots
+
+    # --- a step's host <-> device traffic, through this engine's pinned buffers -----------------------------------
+    def build_batch(self, mode: Mode, input_ids: list[int], req_slots: list[int], prefix_lens: list[int],
+                    extend_lens: list[int], out_cache_loc: list[int]) -> ForwardBatch:
+        """A ForwardBatch on this engine's device (see `ForwardBatch.build`: never waits on the step in flight)."""
+        return ForwardBatch.build(mode, input_ids, req_slots, prefix_lens, extend_lens, out_cache_loc, self.device,
+                                  self.host)
+
+    def upload(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """A host int list on this engine's device, asynchronously on CUDA (see `HostBuffers.to_device`)."""
+        return self.host.to_device(data, dtype, self.device)
+
+    def readback(self, n: int) -> torch.Tensor:
+        """A pinned int64 host buffer of n entries for sampled ids (valid until 3 more calls)."""
+        return self.host.readback(n)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -59,12 +59,9 @@ def run_rank(job: RankJob) -> None:
         send(launcher, Failed(name, f"{type(exc).__name__}: {exc}".strip()))
         launcher.close(linger=2000)
         raise SystemExit(1) from None
-    from minisgl_cli.client.local import engine_info
-
-    e = scheduler.engine
-    send(launcher, Ready(name, engine_info(e, scheduler) if tp.rank == 0 else None,
-                         f"{e.device} {str(e.dtype).removeprefix('torch.')}, {e.pool.num_pages * e.pool.page_size:,} "
-                         f"KV tokens, loaded in {e.loaded.load_s:.1f}s"))
+    e, info = scheduler.engine, scheduler.model_info()
+    send(launcher, Ready(name, info if tp.rank == 0 else None,
+                         f"{info.device} {info.dtype}, {info.kv_tokens:,} KV tokens, loaded in {info.load_s:.1f}s"))
     scheduler.run_forever(stop, receive)
     if e.compiling:  # an interpreter exit would wait for the compile thread or abort in it: leave at once
         logging.shutdown()
@@ -89,10 +86,10 @@ def _start(job: RankJob, ctx: zmq.Context):
 
     engine = Engine(cfg, tp, own_process=True)
     eos: frozenset[int] = frozenset()
-    if engine.loaded.model_dir is not None:
+    if engine.spec.model_dir is not None:
         from minisgl_cli.tokenizer import Tokenizer
 
-        eos = Tokenizer(engine.loaded.model_dir).eos_token_ids
+        eos = Tokenizer(engine.spec.model_dir).eos_token_ids
     stop = threading.Event()
     if tp.rank == 0:
         out = push(ctx, job.endpoints.detokenizer)

@@ -1,35 +1,44 @@
-"""CacheManager: the scheduler's view of KV memory — prefix matching, page allocation with eviction,
-and handing a finished request's pages to the prefix cache. Keeps pages exactly accounted."""
+"""CacheManager: the scheduler's view of KV memory — page-table rows, prefix matching, page allocation with
+eviction, and handing a finished request's pages to the prefix cache. Keeps pages exactly accounted.
+
+It alone writes the page table (through the engine's `write_page_table`): a request's cached prefix when it is
+admitted, the tree's pages where a prefill's duplicated them, and each step's new tokens (`write_rows`, one
+device op per step)."""
 
 from __future__ import annotations
 
 import torch
 
-from minisgl_cli.core.host import HostBuffers
-from minisgl_cli.kvcache import KVPool, create_prefix_cache
+from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.engine.engine import Engine
+from minisgl_cli.kvcache import create_prefix_cache
 from minisgl_cli.scheduler.request import Req
 
 
 class CacheManager:
-    def __init__(self, pool: KVPool, cache_kind: str, host: HostBuffers):
-        self.pool = pool
-        self.host = host  # the engine's pinned buffers: page-table fixes upload without waiting on the GPU
-        self.page_size = pool.page_size
-        self.tree = create_prefix_cache(cache_kind, pool.page_size)
+    def __init__(self, engine: Engine, cache_kind: str):
+        self.engine = engine  # its KV memory verbs only: pages, page-table rows, page-table writes, uploads
+        self.page_size = engine.spec.page_size
+        self.num_pages = engine.spec.num_pages
+        self.tree = create_prefix_cache(cache_kind, self.page_size)
 
     # --- accounting ----------------------------------------------------------------------------
     @property
+    def num_free_pages(self) -> int:
+        return self.engine.num_free_pages
+
+    @property
     def available_pages(self) -> int:
         """Free pages plus what eviction could free right now."""
-        return self.pool.num_free_pages + self.tree.evictable_tokens // self.page_size
+        return self.engine.num_free_pages + self.tree.evictable_tokens // self.page_size
 
     def pages_in_use(self, reqs: list[Req]) -> int:
         return sum(len(r.pages) for r in reqs)
 
     def check(self, reqs: list[Req]) -> None:
         """Free + cached + in-use pages must add up to the pool (tests call this)."""
-        total = self.pool.num_free_pages + self.tree.cached_tokens // self.page_size + self.pages_in_use(reqs)
-        assert total == self.pool.num_pages, f"page leak: {total} accounted of {self.pool.num_pages}"
+        total = self.engine.num_free_pages + self.tree.cached_tokens // self.page_size + self.pages_in_use(reqs)
+        assert total == self.num_pages, f"page leak: {total} accounted of {self.num_pages}"
 
     def _slots_to_pages(self, slots: torch.Tensor) -> list[int]:
         if self.page_size == 1:
@@ -39,10 +48,14 @@ class CacheManager:
     # --- verbs ---------------------------------------------------------------------------------
     def clear(self) -> None:
         """Evict the whole prefix cache into the free pages (no request may be holding any of it)."""
-        self.pool.free_pages(self._slots_to_pages(self.tree.evict(self.tree.cached_tokens)))
+        self.engine.free_pages(self._slots_to_pages(self.tree.evict(self.tree.cached_tokens)))
 
-    def match(self, req: Req) -> None:
-        """Attach the longest cached prefix (never the whole sequence: the last token must run)."""
+    def admit(self, req: Req) -> bool:
+        """Give `req` a page-table row and attach its longest cached prefix (never the whole sequence: the last
+        token must run); False (nothing taken) when no row is free."""
+        row = req.req_slot = self.engine.alloc_req_slot()
+        if row is None:
+            return False
         ids = req.all_ids
         m = self.tree.match(ids[: len(ids) - 1])
         self.tree.lock(m.node)
@@ -50,15 +63,15 @@ class CacheManager:
         req.prefix_slots = m.slots[: m.length].tolist() if m.length else []
         if m.length:
             # Through pinned memory, asynchronously: a pageable copy would wait for the step in flight.
-            slots = self.host.to_device(req.prefix_slots, torch.int32, self.pool.device)
-            self.pool.page_table[req.req_slot, : m.length].copy_(slots, non_blocking=True)
+            self.engine.write_page_table(row, slice(0, m.length), self.engine.upload(req.prefix_slots, torch.int32))
+        return True
 
     def allocate(self, n_pages: int) -> list[int] | None:
         """n pages, evicting unlocked cache leaves if needed; None (and nothing taken) if impossible."""
-        short = n_pages - self.pool.num_free_pages
+        short = n_pages - self.engine.num_free_pages
         if short > 0:
-            self.pool.free_pages(self._slots_to_pages(self.tree.evict(short * self.page_size)))
-        return self.pool.alloc_pages(n_pages)
+            self.engine.free_pages(self._slots_to_pages(self.tree.evict(short * self.page_size)))
+        return self.engine.alloc_pages(n_pages)
 
     def reserve(self, req: Req, n: int) -> bool:
         """Make sure pages cover positions up to kv_len+n (allocating, evicting); False if out of pages."""
@@ -81,6 +94,15 @@ class CacheManager:
         base = first // p
         return pre + [own[q // p - base] * p + q % p for q in range(lo, end)]
 
+    def write_rows(self, fb: ForwardBatch) -> None:
+        """page_table[row of each new token of the step, its position] = its KV slot: one device op per step."""
+        loc = fb.out_cache_loc.to(torch.int32)
+        if fb.is_decode:
+            rows = fb.req_slots
+        else:
+            rows = torch.repeat_interleave(fb.req_slots, fb.extend_lens, output_size=fb.num_tokens)
+        self.engine.write_page_table(rows, fb.positions, loc)
+
     def cache_prefilled(self, req: Req) -> None:
         """Hand a request's computed prompt to the tree right after prefill, not only at finish, so
         requests arriving meanwhile with the same prefix (a shared system prompt) reuse it."""
@@ -96,18 +118,18 @@ class CacheManager:
         existing = self.tree.insert(ids, torch.tensor(self.slots(req, 0, aligned), dtype=torch.int64))
         m = self.tree.match(ids)
         self.tree.lock(m.node)
-        assert req.prefix_node is not None  # match() locked one at admission
+        assert req.prefix_node is not None and req.req_slot is not None  # admit() gave both
         self.tree.unlock(req.prefix_node)
         # Pages below `existing` duplicate what another request cached first: point at the tree's, free ours.
         first_own, covered = old // p, aligned // p - old // p
         dup = max(existing, old) // p - first_own
-        self.pool.free_pages(req.pages[:dup])
+        self.engine.free_pages(req.pages[:dup])
         req.pages = req.pages[covered:]
         req.prefix_node, req.prefix_len, req.prefix_slots = m.node, aligned, m.slots.tolist()
         if dup:
             end = max(existing, old)
-            fix = self.host.to_device(req.prefix_slots[old:end], torch.int32, self.pool.device)
-            self.pool.page_table[req.req_slot, old:end].copy_(fix, non_blocking=True)
+            fix = self.engine.upload(req.prefix_slots[old:end], torch.int32)
+            self.engine.write_page_table(req.req_slot, slice(old, end), fix)
 
     def release(self, req: Req, cache: bool = True) -> None:
         """Give a request's KV back: cache its computed prefix in the tree, free the rest."""
@@ -125,14 +147,14 @@ class CacheManager:
             first_own = req.prefix_len // p
             keep_from, keep_to = max(existing, req.prefix_len) // p, aligned // p
             adopted = set(req.pages[keep_from - first_own : keep_to - first_own])
-            self.pool.free_pages([pg for pg in req.pages if pg not in adopted])
+            self.engine.free_pages([pg for pg in req.pages if pg not in adopted])
         else:
-            self.pool.free_pages(req.pages)
+            self.engine.free_pages(req.pages)
         req.pages = []
         if req.prefix_node is not None:
             self.tree.unlock(req.prefix_node)
             req.prefix_node = None
         req.prefix_len = req.kv_len = 0
         req.prefix_slots = []
-        self.pool.free_req_slot(req.req_slot)
+        self.engine.free_req_slot(req.req_slot)
         req.req_slot = None

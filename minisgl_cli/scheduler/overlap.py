@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minisgl_cli.core.batch import Mode
-from minisgl_cli.core.host import HostBuffers
+from minisgl_cli.engine.engine import Engine
 from minisgl_cli.engine.sampler import Sampled
 from minisgl_cli.scheduler.request import Req
 
@@ -47,13 +47,14 @@ class Launched:
 
     @staticmethod
     def start(mode: Mode, reqs: list[Req], lens: list[int], produces: list[bool], sampled: Sampled,
-              host: HostBuffers, async_copy: bool) -> Launched:
-        """With `async_copy` (overlap) on CUDA, the results start their way back into pinned host memory."""
+              engine: Engine, async_copy: bool) -> Launched:
+        """With `async_copy` (overlap) on CUDA, the results start their way back into pinned host memory (the
+        engine's read-back buffers)."""
         rows = {id(r): i for i, (r, p) in enumerate(zip(reqs, produces)) if p}
         step = Launched(mode, reqs, lens, produces, sampled, rows=rows)
         next_ids = sampled.next_ids
         if async_copy and next_ids.is_cuda:
-            step.host = host.readback(next_ids.shape[0])
+            step.host = engine.readback(next_ids.shape[0])
             step.host.copy_(next_ids, non_blocking=True)
             if sampled.lp_rows:  # only steps with a logprobs request pay for these copies
                 step.host_lp = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -82,10 +83,10 @@ class Launched:
                      for j, row in enumerate(s.lp_rows)}
 
 
-def feed_input_ids(cpu_ids: torch.Tensor, src: list[int], prev: Launched, host: HostBuffers) -> torch.Tensor:
+def feed_input_ids(cpu_ids: torch.Tensor, src: list[int], prev: Launched, engine: Engine) -> torch.Tensor:
     """Decode inputs: row i takes prev.next_ids[src[i]] where src[i] >= 0, else cpu_ids[i] (already on device)."""
     n = len(src)
     if src == list(range(n)) and prev.next_ids.shape[0] >= n:  # steady state: same requests, same order
         return prev.next_ids[:n]
-    index = host.to_device(src, torch.int64, cpu_ids.device)
+    index = engine.upload(src, torch.int64)
     return torch.where(index >= 0, prev.next_ids[index.clamp(min=0)], cpu_ids)

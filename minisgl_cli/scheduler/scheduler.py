@@ -22,7 +22,7 @@ from typing import cast
 import torch
 
 from minisgl_cli.admission import AdmissionError, admit
-from minisgl_cli.core.batch import ForwardBatch, Mode
+from minisgl_cli.core.batch import Mode
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.engine.sampler import SamplingRow
 from minisgl_cli.env import disable_overlap_scheduling as overlap_disabled_by_env
@@ -44,7 +44,7 @@ from minisgl_cli.scheduler.grammar import GrammarError, Grammars
 from minisgl_cli.scheduler.overlap import Launched, RowLogprobs, feed_input_ids
 from minisgl_cli.scheduler.request import Req
 from minisgl_cli.scheduler.stats import RollingRate
-from minisgl_cli.types import FinishReason, SamplingParams, SchedulerStats
+from minisgl_cli.types import FinishReason, ModelInfo, SamplingParams, SchedulerStats
 
 log = logging.getLogger("minisgl.scheduler")
 
@@ -58,20 +58,20 @@ class Scheduler:
         self.engine = engine
         self.cfg = cfg
         self.emit = emit
-        self.cache = CacheManager(engine.pool, cfg.cache, engine.host)
-        self.eos = frozenset(eos_token_ids) | frozenset(engine.model_cfg.eos_token_ids)
-        self.max_running = engine.pool.num_free_req_slots
+        spec = engine.spec
+        self.cache = CacheManager(engine, cfg.cache)
+        self.eos = frozenset(eos_token_ids) | spec.eos_token_ids
+        self.max_running = spec.max_requests
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.inbox: queue.SimpleQueue[ToScheduler | None] = queue.SimpleQueue()
         self.stats = SchedulerStats()
         self._prefill_rate, self._decode_rate = RollingRate(), RollingRate()
         self._last_was_decode = False
-        on = engine.device.type == "cuda" or cfg.overlap_on_cpu
+        on = spec.device.type == "cuda" or cfg.overlap_on_cpu
         self.overlap = on and not cfg.disable_overlap and not overlap_disabled_by_env()
         self._inflight: Launched | None = None  # overlap: the launched step whose tokens are unread
-        self.vocab_size = engine.model_cfg.vocab_size
-        self.grammars = Grammars(engine.loaded.model_dir, self.vocab_size, self.eos, engine.device)
+        self.grammars = Grammars(spec.model_dir, spec.vocab_size, self.eos, spec.device)
         self.heartbeat = time.monotonic()  # last time the loop came round: a stalled loop stops updating it
 
     # --- loop ----------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ class Scheduler:
 
     def _admit(self, req: Req) -> None:
         try:  # every client checked this already; what reaches a scheduler is checked the same way, never trusted
-            admit(req.input_ids, req.params, self.vocab_size, self.engine.max_context_len)
+            admit(req.input_ids, req.params, self.engine.spec.vocab_size, self.engine.spec.max_context_len)
         except AdmissionError as exc:
             self._finish(req, None, error=exc.message)
             return
@@ -140,7 +140,7 @@ class Scheduler:
             return
         else:
             if req.params.seed is not None:
-                req.generator = torch.Generator(self.engine.device).manual_seed(req.params.seed)
+                req.generator = torch.Generator(self.engine.spec.device).manual_seed(req.params.seed)
             self.waiting.append(req)
 
     def _compile(self, req: Req) -> bool:
@@ -188,10 +188,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) + len(reqs) >= self.max_running:
                 break
             if req.req_slot is None:
-                req.req_slot = self.engine.pool.alloc_req_slot()
-                if req.req_slot is None:
+                if not self.cache.admit(req):
                     break
-                self.cache.match(req)
                 if not req.matched:
                     self._count_match(req)
             n = min(req.remaining_prefill, budget)
@@ -251,7 +249,7 @@ class Scheduler:
         return self._inflight is not None and id(req) in self._inflight.rows
 
     def _launch(self, mode: Mode, reqs: list[Req], lens: list[int]) -> Launched:
-        """Build the step's batch on the host, write its page-table rows, and start it on the device."""
+        """Build the step's batch on the host, have its page-table rows written, and start it on the device."""
         if mode == "extend":
             log.info("prefill: %d req, %d tokens (%s)", len(reqs), sum(lens),
                      ", ".join(f"{r.rid}: +{n} after {r.kv_len} cached" for r, n in zip(reqs, lens)))
@@ -281,11 +279,11 @@ class Scheduler:
             req.kv_len = start + n
         engine = self.engine
         req_slots = cast(list[int], [r.req_slot for r in reqs])  # each scheduled request holds a slot
-        fb = ForwardBatch.build(mode, ids, req_slots, starts, lens, locs, engine.device, engine.host)
-        self._write_page_table(fb)
+        fb = engine.build_batch(mode, ids, req_slots, starts, lens, locs)
+        self.cache.write_rows(fb)
         if prev_rows and any(r >= 0 for r in src):
             assert self._inflight is not None  # prev_rows came from it
-            fb.input_ids = feed_input_ids(fb.input_ids, src, self._inflight, engine.host)
+            fb.input_ids = feed_input_ids(fb.input_ids, src, self._inflight, engine)
         if mode == "extend":
             for req, done_prefill in zip(reqs, produces):
                 if done_prefill and req in self.waiting:
@@ -306,20 +304,11 @@ class Scheduler:
         if mode == "extend":  # after the launch: the step still writes the pages this may free
             for req in reqs:
                 self.cache.cache_prefilled(req)
-        return Launched.start(mode, reqs, lens, produces, sampled, engine.host, async_copy=self.overlap)
+        return Launched.start(mode, reqs, lens, produces, sampled, engine, async_copy=self.overlap)
 
     def _bitmask(self, reqs: list[Req], produces: list[bool]) -> torch.Tensor | None:
         """The grammar rows' allowed next tokens (None when no request in the step has a grammar)."""
         return self.grammars.bitmask([r.grammar if p and not r.done else None for r, p in zip(reqs, produces)])
-
-    def _write_page_table(self, fb: ForwardBatch) -> None:
-        """page_table[row of each new token, its position] = its KV slot: one device op per step."""
-        loc = fb.out_cache_loc.to(torch.int32)
-        if fb.is_decode:
-            rows = fb.req_slots
-        else:
-            rows = torch.repeat_interleave(fb.req_slots, fb.extend_lens, output_size=fb.num_tokens)
-        self.engine.pool.page_table[rows, fb.positions] = loc
 
     def _process(self, step: Launched) -> None:
         """Read a step's tokens (the one wait on the device), append them, stop finished requests."""
@@ -354,7 +343,7 @@ class Scheduler:
             return "stop"
         if req.grammar is not None and req.grammar.is_terminated():
             return "stop"  # the grammar is complete (and accepted a stop token)
-        if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.engine.max_context_len:
+        if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.engine.spec.max_context_len:
             return "length"
         return None
 
@@ -393,15 +382,20 @@ class Scheduler:
     # --- inspection (on the scheduler's own thread: queries arrive as messages) -----------------
     def snapshot(self) -> SchedulerStats:
         s = self.stats
-        pool, tree, p = self.engine.pool, self.cache.tree, self.cache.page_size
+        tree, p = self.cache.tree, self.cache.page_size
         s.waiting, s.running = len(self.waiting), len(self.running)
-        s.tokens_total = pool.num_pages * p
-        s.tokens_free = pool.num_free_pages * p
+        s.tokens_total = self.cache.num_pages * p
+        s.tokens_free = self.cache.num_free_pages * p
         s.tokens_cached = tree.cached_tokens
         s.tokens_in_use = self.cache.pages_in_use(self.running + list(self.waiting)) * p
         s.prefill_tok_s, s.decode_tok_s = self._prefill_rate.rate(), self._decode_rate.rate()
         s.decode_compiling = int(self.engine.compiling)
         return SchedulerStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
+
+    def model_info(self) -> ModelInfo:
+        """What a front may know of the engine this scheduler drives (in whichever process they live)."""
+        return self.engine.model_info(overlap=self.overlap, eos_token_ids=self.eos,
+                                      prefix_cache=None if self.cfg.cache == "naive" else "radix")  # naive reuses none
 
     def check_pages(self) -> None:
         self.cache.check(self.running + list(self.waiting))
