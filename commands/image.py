@@ -61,10 +61,9 @@ def image(
     compile: Annotated[bool, typer.Option(help="torch.compile the transformer/UNet (slow first run).")] = False,
     attention_backend: Annotated[AttentionBackend, typer.Option(help="Attention kernels.")] = AttentionBackend.sdpa,
 ) -> None:
-    from minisgl_cli.media.console import cli_errors, loading_status, quiet_libraries, step_progress
+    from minisgl_cli.media.console import cli_errors, generate_with_progress, quiet_libraries
     from minisgl_cli.media.image import generate_images, save_images
     from minisgl_cli.media.jobs import ImageJob, ModelSpec, resolve_size
-    from minisgl_cli.media.pipelines import load_pipeline
 
     quiet_libraries()
     with cli_errors():
@@ -74,10 +73,7 @@ def image(
             "image", model, model_dir, device=device, cpu_offload=cpu_offload, compile=compile,
             attention_backend=attention_backend.value,
         )
-        with loading_status(spec.model):
-            loaded = load_pipeline(spec)
-        with step_progress(job.steps, f"{w}x{h} on {loaded.device}") as on_step:
-            result = generate_images(loaded, job, on_step)
+        result = generate_with_progress(spec, job, generate_images, f"{w}x{h}")
         paths = save_images(result, output_dir, "image")
     typer.echo(f"seed {result.seed}, {result.elapsed_s:.1f} s", err=True)
     for path in paths:

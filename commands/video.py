@@ -49,20 +49,16 @@ def video(
 ) -> None:
     import time
 
-    from minisgl_cli.media.console import cli_errors, loading_status, quiet_libraries, step_progress
+    from minisgl_cli.media.console import cli_errors, generate_with_progress, quiet_libraries
     from minisgl_cli.media.encode import unique_path, write_frames, write_mp4
     from minisgl_cli.media.jobs import ModelSpec, VideoJob
-    from minisgl_cli.media.pipelines import load_pipeline
     from minisgl_cli.media.video import generate_video
 
     quiet_libraries()
     with cli_errors():
         job = VideoJob(prompt, width, height, num_frames, fps, steps, guidance_scale, seed, negative_prompt)
         spec = ModelSpec.create("video", model, model_dir, device=device, cpu_offload=cpu_offload)
-        with loading_status(spec.model):
-            loaded = load_pipeline(spec)
-        with step_progress(job.steps, f"{width}x{height}x{num_frames} on {loaded.device}") as on_step:
-            result = generate_video(loaded, job, on_step)
+        result = generate_with_progress(spec, job, generate_video, f"{width}x{height}x{num_frames}")
         stem = f"video_{time.strftime('%Y%m%d-%H%M%S')}_s{result.seed}"
         if format is VideoFormat.mp4:
             out = write_mp4(result.frames, result.fps, unique_path(output_dir, stem, ".mp4"))

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,19 +32,13 @@ def tiny_vlms(tmp_path_factory) -> dict[str, Path]:
     return _builder().build_vlms(tmp_path_factory.mktemp("tiny-vlm"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def live_server(tiny_models, tmp_path_factory) -> Iterator[str]:
     """A real uvicorn server on a loopback port. Routes at / serve the tiny models; routes under
     /missing point at an empty dir, to exercise the missing-model error."""
-    import uvicorn
     from fastapi import FastAPI
 
+    from minisgl_cli.api.http_server import BackgroundServer
     from minisgl_cli.server.media import MediaSettings, build_media_router
 
     app = FastAPI()
@@ -58,14 +49,6 @@ def live_server(tiny_models, tmp_path_factory) -> Iterator[str]:
     app.include_router(
         build_media_router(MediaSettings(image_model_dir=empty, video_model_dir=empty)), prefix="/missing"
     )
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{server.config.port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    server = BackgroundServer(app)
+    yield server.start(healthy=False)  # the media routes alone: no /health to wait for
+    server.stop()

@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("distributed", ["minisgl_cli.distributed"]),
     ("core", ["minisgl_cli.core"]),
     ("messages", ["minisgl_cli.messages"]),
+    ("admission", ["minisgl_cli.admission"]),  # the one check every request passes (every client and scheduler)
     ("bottom", ["minisgl_cli.types", "minisgl_cli.env"]),
 ]
 

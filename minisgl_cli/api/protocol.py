@@ -418,13 +418,21 @@ class ChatChoice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class _Response(BaseModel):
+    """What a chat and a text completion response share; each narrows `object` and `choices`, which keep their
+    place here in the JSON (pydantic orders overridden fields as the base declares them)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
-    choices: list[ChatChoice]
+    choices: list[Any]
     usage: Usage
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
 
 
 # --- /v1/completions -----------------------------------------------------------------------------
@@ -477,13 +485,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage
 
 
 # --- /v1/models, /health -------------------------------------------------------------------------

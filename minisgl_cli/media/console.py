@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import typer
 
 from minisgl_cli.media.device import DeviceError
-from minisgl_cli.media.jobs import MediaError
-from minisgl_cli.media.pipelines import StepCallback
+from minisgl_cli.media.jobs import ImageJob, MediaError, ModelSpec, VideoJob
+from minisgl_cli.media.pipelines import LoadedPipeline, StepCallback, load_pipeline
+
+Job = TypeVar("Job", ImageJob, VideoJob)
+R = TypeVar("R")
 
 
 def quiet_libraries() -> None:
@@ -62,3 +66,12 @@ def loading_status(what: str):
     from rich.console import Console
 
     return Console(stderr=True).status(f"loading {what}...")
+
+
+def generate_with_progress(spec: ModelSpec, job: Job, generate: Callable[[LoadedPipeline, Job, StepCallback], R],
+                           what: str) -> R:
+    """Load the pipeline under a spinner, then run the job under a progress bar labelled "<what> on <device>"."""
+    with loading_status(spec.model):
+        loaded = load_pipeline(spec)
+    with step_progress(job.steps, f"{what} on {loaded.device}") as on_step:
+        return generate(loaded, job, on_step)

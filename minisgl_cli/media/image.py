@@ -11,29 +11,9 @@ from minisgl_cli.media.pipelines import LoadedPipeline, StepCallback
 
 
 def generate_images(loaded: LoadedPipeline, job: ImageJob, on_step: StepCallback | None = None) -> ImageResult:
-    import torch
-
-    # A CPU generator gives the same noise for a seed on every device.
-    assert job.seed is not None  # ImageJob.__post_init__ resolved it
-    generator = torch.Generator("cpu").manual_seed(job.seed)
-    start = time.perf_counter()
-    out = loaded.run(
-        {
-            "prompt": job.prompt,
-            "negative_prompt": job.negative_prompt,
-            "height": job.height,
-            "width": job.width,
-            "num_inference_steps": job.steps,
-            "guidance_scale": job.guidance_scale,
-            "num_images_per_prompt": job.num_images,
-            "generator": generator,
-            "output_type": "pil",
-        },
-        job.steps,
-        on_step,
-    )
-    images = [im.convert("RGB") for im in out.images]
-    return ImageResult(images, job.seed, time.perf_counter() - start, loaded.model_dir)
+    out, seed, elapsed_s = loaded.generate(job, {"num_images_per_prompt": job.num_images, "output_type": "pil"},
+                                           on_step)
+    return ImageResult([im.convert("RGB") for im in out.images], seed, elapsed_s, loaded.model_dir)
 
 
 def save_images(result: ImageResult, output_dir: str | Path, stem: str = "image") -> list[Path]:

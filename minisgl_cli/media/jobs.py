@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from dataclasses import dataclass
@@ -170,6 +171,11 @@ class VideoJob:
         _check_range("num_frames", self.num_frames, 1, 1024, "num_frames")
         _check_range("fps", self.fps, 1, 120, "fps")
         self.seed = resolve_seed(self.seed)
+
+
+def job_defaults(job: type[ImageJob] | type[VideoJob]) -> dict[str, Any]:
+    """A job's defaults by field name: where the HTTP request models (server/media.py) take theirs from."""
+    return {f.name: f.default for f in dataclasses.fields(job) if f.default is not dataclasses.MISSING}
 
 
 @dataclass

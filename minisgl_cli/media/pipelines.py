@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from typing import Any
 
 from minisgl_cli import env
 from minisgl_cli.media.device import pick_device, pick_dtype
-from minisgl_cli.media.jobs import MediaError, ModelNotFoundError, ModelSpec
+from minisgl_cli.media.jobs import ImageJob, MediaError, ModelNotFoundError, ModelSpec, VideoJob
 
 # CLI name -> diffusers attention-dispatch backend name.
 ATTENTION_BACKENDS = {"sdpa": "native", "flash2": "flash", "flash3": "_flash_3"}
@@ -52,6 +53,32 @@ class LoadedPipeline:
 
         with self.lock, torch.inference_mode():
             return self.pipe(**kwargs)
+
+    def generate(self, job: ImageJob | VideoJob, kwargs: dict[str, Any],
+                 on_step: StepCallback | None) -> tuple[Any, int, float]:
+        """Run a job: what every job asks (prompt, size, steps, guidance, seeded noise) plus its own `kwargs`.
+        Returns (the pipeline's output, the seed, seconds taken)."""
+        import torch
+
+        assert job.seed is not None  # the job's __post_init__ resolved it
+        # A CPU generator gives the same noise for a seed on every device.
+        generator = torch.Generator("cpu").manual_seed(job.seed)
+        start = time.perf_counter()
+        out = self.run(
+            {
+                "prompt": job.prompt,
+                "negative_prompt": job.negative_prompt,
+                "height": job.height,
+                "width": job.width,
+                "num_inference_steps": job.steps,
+                "guidance_scale": job.guidance_scale,
+                "generator": generator,
+                **kwargs,
+            },
+            job.steps,
+            on_step,
+        )
+        return out, job.seed, time.perf_counter() - start
 
 
 _cache: dict[tuple, LoadedPipeline] = {}

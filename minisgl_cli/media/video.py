@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from minisgl_cli.media.jobs import VideoJob, VideoResult
@@ -22,25 +21,5 @@ def _to_uint8_frames(video: Any) -> list[Any]:
 
 
 def generate_video(loaded: LoadedPipeline, job: VideoJob, on_step: StepCallback | None = None) -> VideoResult:
-    import torch
-
-    assert job.seed is not None  # VideoJob.__post_init__ resolved it
-    generator = torch.Generator("cpu").manual_seed(job.seed)
-    start = time.perf_counter()
-    out = loaded.run(
-        {
-            "prompt": job.prompt,
-            "negative_prompt": job.negative_prompt,
-            "height": job.height,
-            "width": job.width,
-            "num_frames": job.num_frames,
-            "num_inference_steps": job.steps,
-            "guidance_scale": job.guidance_scale,
-            "generator": generator,
-            "output_type": "np",
-        },
-        job.steps,
-        on_step,
-    )
-    frames = _to_uint8_frames(out.frames[0])
-    return VideoResult(frames, job.fps, job.seed, time.perf_counter() - start, loaded.model_dir)
+    out, seed, elapsed_s = loaded.generate(job, {"num_frames": job.num_frames, "output_type": "np"}, on_step)
+    return VideoResult(_to_uint8_frames(out.frames[0]), job.fps, seed, elapsed_s, loaded.model_dir)

@@ -6,9 +6,10 @@ Pure logic (no terminal, no engine): the REPL asks this module what a line means
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from minisgl_cli.media.jobs import MediaError
 from minisgl_cli.types import GenerateRequest, RequestStats, SamplingParams
@@ -167,22 +168,16 @@ class ChatSession:
         return Action("reply", "system prompt removed" if self.settings.system is None else "system prompt set")
 
     def _temperature(self, arg: str) -> Action:
-        try:
-            value = float(arg)
-        except ValueError:
-            return Action("error", f"/temp needs a number >= 0 (now {self.settings.temperature:g})")
-        if value < 0:
-            return Action("error", "/temp needs a number >= 0")
+        value = _at_least(arg, float, 0.0, "/temp needs a number >= 0", f"{self.settings.temperature:g}")
+        if isinstance(value, Action):
+            return value
         self.settings.temperature = value
         return Action("reply", f"temperature = {value:g}" + (" (greedy)" if value == 0 else ""))
 
     def _max_tokens(self, arg: str) -> Action:
-        try:
-            value = int(arg)
-        except ValueError:
-            return Action("error", f"/max-tokens needs a whole number >= 1 (now {self.settings.max_new_tokens})")
-        if value < 1:
-            return Action("error", "/max-tokens needs a whole number >= 1")
+        value = _at_least(arg, int, 1, "/max-tokens needs a whole number >= 1", str(self.settings.max_new_tokens))
+        if isinstance(value, Action):
+            return value
         self.settings.max_new_tokens = value
         return Action("reply", f"max new tokens = {value}")
 
@@ -258,3 +253,16 @@ def help_text() -> str:
         "  Ctrl-D or /exit leaves. Up/Down walk the saved history.",
     ]
     return "\n".join(["commands:", *rows, "keys:", *keys])
+
+
+N = TypeVar("N", int, float)
+
+
+def _at_least(arg: str, kind: Callable[[str], N], least: N, need: str, now: str) -> N | Action:
+    """A slash command's number: `arg` read as `kind`, at least `least`; else the error Action saying what it
+    needs (and, when `arg` is no number at all, the value it keeps)."""
+    try:
+        value = kind(arg)
+    except ValueError:
+        return Action("error", f"{need} (now {now})")
+    return value if value >= least else Action("error", need)

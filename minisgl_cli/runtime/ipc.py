@@ -8,8 +8,6 @@ a message, which is all the runtime needs.
 from __future__ import annotations
 
 import os
-import signal
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,17 +66,3 @@ def send(sock: zmq.Socket, msg: Any) -> None:
 
 def recv(sock: zmq.Socket) -> Any:
     return decode(sock.recv(copy=False).buffer)
-
-
-def die_with_parent() -> None:
-    """In a child process: be killed when the parent dies, however it dies (even kill -9): no orphans.
-
-    Ctrl-C reaches the whole process group; the parent stops its children itself, so they ignore it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent was already gone before prctl took effect
-        os._exit(1)

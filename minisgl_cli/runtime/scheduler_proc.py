@@ -8,12 +8,12 @@ detokenizer, with a heartbeat about once a second. Ranks 1.. only follow rank 0.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import queue
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 
 import zmq
@@ -21,11 +21,10 @@ import zmq
 from minisgl_cli.distributed import DistConfig
 from minisgl_cli.distributed.comm import broadcast_bytes, init_tp
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.messages import Failed, FromScheduler, Heartbeat, RankBatch, Ready, ToScheduler, decode, encode
-from minisgl_cli.runtime.ipc import Endpoints, die_with_parent, pull, push, recv, send
+from minisgl_cli.messages import FromScheduler, Heartbeat, RankBatch, ToScheduler, decode, encode
+from minisgl_cli.runtime.child import Child
+from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
-
-log = logging.getLogger("minisgl.runtime")
 
 HEARTBEAT_S = 1.0
 
@@ -46,22 +45,11 @@ class RankJob:
 
 def run_rank(job: RankJob) -> None:
     """Process entry point: report Ready (or Failed) to the launcher, then serve until killed."""
-    die_with_parent()
-    logging.basicConfig(level=job.log_level, format=f"%(asctime)s %(levelname)s rank{job.rank} %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    ctx = zmq.Context()
-    launcher = push(ctx, job.endpoints.launcher)
-    name = f"scheduler rank {job.rank}"
-    try:
-        scheduler, tp, receive, stop = _start(job, ctx)
-    except BaseException as exc:  # noqa: BLE001 - any start-up failure is reported as one line
-        log.debug("start-up failed:\n%s", traceback.format_exc())
-        send(launcher, Failed(name, f"{type(exc).__name__}: {exc}".strip()))
-        launcher.close(linger=2000)
-        raise SystemExit(1) from None
+    child = Child(f"scheduler rank {job.rank}", f"rank{job.rank}", job.log_level, job.endpoints.launcher)
+    scheduler, tp, receive, stop = child.start(functools.partial(_start, job))
     e, info = scheduler.engine, scheduler.model_info()
-    send(launcher, Ready(name, info if tp.rank == 0 else None,
-                         f"{info.device} {info.dtype}, {info.kv_tokens:,} KV tokens, loaded in {info.load_s:.1f}s"))
+    child.ready(info if tp.rank == 0 else None,
+                f"{info.device} {info.dtype}, {info.kv_tokens:,} KV tokens, loaded in {info.load_s:.1f}s")
     scheduler.run_forever(stop, receive)
     if e.compiling:  # an interpreter exit would wait for the compile thread or abort in it: leave at once
         logging.shutdown()

@@ -2,7 +2,7 @@
 
 A watcher thread notices the first child to die: it logs one line naming it and calls the death hooks
 (the client fails its open streams; `minisgl serve` exits non-zero). Children are killed with their
-parent whatever happens to it (see `ipc.die_with_parent`); `shutdown` stops all of them within 5 s.
+parent whatever happens to it (see `child.die_with_parent`); `shutdown` stops all of them within 5 s.
 """
 
 from __future__ import annotations

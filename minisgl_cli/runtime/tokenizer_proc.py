@@ -10,8 +10,8 @@ heartbeats. With `--num-tokenizer 0` the detokenizer does both jobs.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
-import traceback
 from dataclasses import dataclass
 
 import zmq
@@ -22,20 +22,18 @@ from minisgl_cli.messages import (
     CheckPagesQuery,
     DecodedPiece,
     DetokOutput,
-    Failed,
-    Ready,
     StatsQuery,
     StepOutput,
     TokenizeQuery,
     TokenizeReply,
     TokenOutput,
 )
-from minisgl_cli.runtime.ipc import Endpoints, die_with_parent, pull, push, recv, send
+from minisgl_cli.runtime.child import Child
+from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, prompt_ids
 from minisgl_cli.types import ErrorCode
 
 log = logging.getLogger("minisgl.runtime")
-
 
 @dataclass(frozen=True)
 class WorkerJob:
@@ -52,19 +50,9 @@ class WorkerJob:
 
 
 def run_worker(job: WorkerJob) -> None:
-    die_with_parent()
-    logging.basicConfig(level=job.log_level, format=f"%(asctime)s %(levelname)s {job.name} %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    ctx = zmq.Context()
-    launcher = push(ctx, job.endpoints.launcher)
-    try:
-        worker = _Worker(job, ctx)
-    except BaseException as exc:  # noqa: BLE001 - any start-up failure is reported as one line
-        log.debug("start-up failed:\n%s", traceback.format_exc())
-        send(launcher, Failed(job.name, f"{type(exc).__name__}: {exc}".strip()))
-        launcher.close(linger=2000)
-        raise SystemExit(1) from None
-    send(launcher, Ready(job.name))
+    child = Child(job.name, job.name, job.log_level, job.endpoints.launcher)
+    worker = child.start(functools.partial(_Worker, job))
+    child.ready()
     worker.serve()
 
 

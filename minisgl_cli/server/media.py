@@ -35,10 +35,12 @@ from minisgl_cli.media.jobs import (
     ModelNotFoundError,
     ModelSpec,
     VideoJob,
+    job_defaults,
     parse_size,
 )
 
 log = logging.getLogger(__name__)
+_IMAGE, _VIDEO = job_defaults(ImageJob), job_defaults(VideoJob)  # a request's defaults are its job's
 
 
 @dataclass(frozen=True)
@@ -99,13 +101,14 @@ class ImageGenerationRequest(BaseModel):
     prompt: str
     model: str | None = None
     n: int = 1
-    size: str | None = Field(None, description='"WIDTHxHEIGHT", multiples of 16; default 1024x1024')
+    size: str | None = Field(None, description=f'"WIDTHxHEIGHT", multiples of 16; default '
+                                                f'{_IMAGE["width"]}x{_IMAGE["height"]}')
     response_format: str | None = Field(None, description="b64_json only (url is not supported)")
     output_format: str | None = Field(None, description="png only")
     seed: int | None = None
     # Extensions beyond OpenAI's fields (send them with the client's extra_body).
-    steps: int = 9
-    guidance_scale: float = 0.0
+    steps: int = _IMAGE["steps"]
+    guidance_scale: float = _IMAGE["guidance_scale"]
     negative_prompt: str | None = None
 
 
@@ -114,11 +117,11 @@ class VideoGenerationRequest(BaseModel):
 
     prompt: str
     model: str | None = None
-    size: str = Field("832x480", description='"WIDTHxHEIGHT", multiples of 16')
-    num_frames: int = 33
-    fps: int = 16
-    steps: int = 30
-    guidance_scale: float = 5.0
+    size: str = Field(f'{_VIDEO["width"]}x{_VIDEO["height"]}', description='"WIDTHxHEIGHT", multiples of 16')
+    num_frames: int = _VIDEO["num_frames"]
+    fps: int = _VIDEO["fps"]
+    steps: int = _VIDEO["steps"]
+    guidance_scale: float = _VIDEO["guidance_scale"]
     seed: int | None = None
     negative_prompt: str | None = None
     response_format: Literal["b64_json", "frames"] = Field(
@@ -149,7 +152,7 @@ def _image_job(body: ImageGenerationRequest) -> ImageJob:
         )
     if body.output_format not in (None, "png"):
         raise MediaError(f"output_format {body.output_format!r} is not supported, use 'png'", "output_format")
-    w, h = parse_size(body.size) if body.size not in (None, "auto") else (1024, 1024)
+    w, h = parse_size(body.size) if body.size not in (None, "auto") else (_IMAGE["width"], _IMAGE["height"])
     return ImageJob(body.prompt, w, h, body.steps, body.guidance_scale, body.n, body.seed, body.negative_prompt)
 
 

@@ -150,6 +150,11 @@ class ServerMetrics:
         def one(labels: str = "") -> str:
             return "{" + ",".join(x for x in (label, labels) if x) + "}"
 
+        def families(kind: str, rows: tuple[tuple[str, float | None, str], ...]) -> None:
+            for name, value, help_ in rows:
+                if value is not None:  # None: the engine has no such figure (hf, mlx): no series, not a 0
+                    metric(name, kind, help_, [(one(), value)])
+
         with self._lock:
             metric("num_requests_running", "gauge", "Requests in the decode batch.", [(one(), sched.running)])
             metric("num_requests_waiting", "gauge", "Requests queued for prefill.", [(one(), sched.waiting)])
@@ -159,7 +164,7 @@ class ServerMetrics:
                 "Engine requests admitted by the HTTP front.",
                 [(one(), self.inflight)],
             )
-            for name, value, help_ in (
+            families("gauge", (
                 ("kv_tokens_total", sched.tokens_total, "KV pool size in tokens."),
                 ("kv_tokens_free", sched.tokens_free, "Free KV tokens."),
                 ("kv_tokens_cached", sched.tokens_cached, "KV tokens held by the prefix cache."),
@@ -168,10 +173,8 @@ class ServerMetrics:
                 ("decode_throughput_tokens_per_second", sched.decode_tok_s, "Rolling decode rate."),
                 ("decode_compiling", sched.decode_compiling,
                  "Engines still compiling their CPU decode (--torch-compile); eager until then."),
-            ):
-                if value is not None:  # None: the engine has no such figure (hf, mlx): no series, not a 0
-                    metric(name, "gauge", help_, [(one(), value)])
-            for name, value, help_ in (
+            ))
+            families("counter", (
                 ("cache_hit_tokens_total", sched.cache_hit_tokens, "Prompt tokens served from the prefix cache."),
                 ("cache_miss_tokens_total", sched.cache_miss_tokens, "Prompt tokens prefilled."),
                 ("cache_hit_requests_total", sched.cache_hit_requests, "Requests with a prefix cache hit."),
@@ -182,9 +185,7 @@ class ServerMetrics:
                 ("requests_disconnected_total", self.disconnects, "Streams the client closed early."),
                 ("max_tokens_downscaled_total", self.downscaled, "Requests whose max_tokens was cut under load."),
                 ("retracted_requests_total", sched.retracted_requests, "Requests retracted to free KV."),
-            ):
-                if value is not None:
-                    metric(name, "counter", help_, [(one(), value)])
+            ))
             if sched.replicas:  # data parallel: each replica's own
                 def each(values: list[float | None]) -> list[tuple[str, float]]:
                     return [(one(f'replica="{r.replica}"'), v) for r, v in zip(sched.replicas, values) if v is not None]

@@ -8,7 +8,7 @@ responses or SSE `chunk` frames ending in `data: [DONE]`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -19,7 +19,7 @@ from minisgl_cli.server import tools, vision
 from minisgl_cli.server.context import Ctx
 from minisgl_cli.server.errors import InputError, error_frame
 from minisgl_cli.server.gate import downscale_headers
-from minisgl_cli.server.runs import sse, stream_response
+from minisgl_cli.server.runs import EngineRun, sse, stream_response
 from minisgl_cli.types import Delta, GenerateRequest, RequestStats, TokenLogprob, new_request_id
 
 router = APIRouter(tags=["openai"], responses=p.ERROR_RESPONSES)
@@ -76,28 +76,17 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
     def chunk(i: int, **kw: Any) -> str:
         return sse(p.chat_chunk(cid, ts, model, i, with_usage_field=with_usage, **kw))
 
-    async def frames() -> AsyncIterator[str]:
-        streams = [ChoiceStream(how, names, body.parallel_tool_calls) for _ in range(body.n)]
-        try:
-            for i in range(body.n):
-                yield chunk(i, role=True, content="")
-            event = first
-            while event is not None:
-                i, d = event
-                if d.error:
-                    yield sse(error_frame(d))
-                    break
-                for kw in streams[i].feed(d):
-                    yield chunk(i, **kw)
-                event = await run.next()
-            if with_usage:
-                u = _usage([f for f in run.finals if f is not None], prompts=1)
-                yield sse(p.usage_chunk(cid, ts, model, "chat.completion.chunk", u))
-            yield sse("[DONE]")
-        finally:
-            run.close()
+    streams = [ChoiceStream(how, names, body.parallel_tool_calls) for _ in range(body.n)]
 
-    return stream_response(run, frames(), note)
+    def frames(i: int, d: Delta) -> list[str]:
+        return [chunk(i, **kw) for kw in streams[i].feed(d)]
+
+    def usage() -> str:
+        u = _usage([f for f in run.finals if f is not None], prompts=1)
+        return sse(p.usage_chunk(cid, ts, model, "chat.completion.chunk", u))
+
+    head = [chunk(i, role=True, content="") for i in range(body.n)]
+    return stream_response(run, _sse_body(run, first, frames, usage if with_usage else None, head), note)
 
 
 def _finish(final: Delta, calls: list[tools.Call]) -> str | None:
@@ -184,28 +173,43 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
     first = await run.first_event(request)
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    async def frames() -> AsyncIterator[str]:
-        offsets = [0] * len(reqs)
-        try:
-            event = first
-            while event is not None:
-                i, d = event
-                if d.error:
-                    yield sse(error_frame(d))
-                    break
-                if d.text or d.token_ids or d.finish_reason:  # token-only deltas too: clients time them
-                    lp = p.completion_logprobs(d.logprobs or [], offsets[i]) if with_lp else None
-                    offsets[i] += len(d.text)
-                    yield sse(p.completion_chunk(cid, ts, model, i, d.text, d.finish_reason, with_usage, lp))
-                event = await run.next()
-            if with_usage:
-                u = _usage([f for f in run.finals if f is not None], prompts=len(prompts), n=body.n)
-                yield sse(p.usage_chunk(cid, ts, model, "text_completion", u))
-            yield sse("[DONE]")
-        finally:
-            run.close()
+    offsets = [0] * len(reqs)
 
-    return stream_response(run, frames(), note)
+    def frames(i: int, d: Delta) -> list[str]:
+        if not (d.text or d.token_ids or d.finish_reason):  # token-only deltas count: clients time them
+            return []
+        lp = p.completion_logprobs(d.logprobs or [], offsets[i]) if with_lp else None
+        offsets[i] += len(d.text)
+        return [sse(p.completion_chunk(cid, ts, model, i, d.text, d.finish_reason, with_usage, lp))]
+
+    def usage() -> str:
+        u = _usage([f for f in run.finals if f is not None], prompts=len(prompts), n=body.n)
+        return sse(p.usage_chunk(cid, ts, model, "text_completion", u))
+
+    return stream_response(run, _sse_body(run, first, frames, usage if with_usage else None), note)
+
+
+async def _sse_body(run: EngineRun, first: tuple[int, Delta] | None, frames: Callable[[int, Delta], list[str]],
+                    usage: Callable[[], str] | None, head: list[str] | None = None) -> AsyncIterator[str]:
+    """A streamed route's body: `head`, each event's `frames` (an engine error ends the events with its error
+    frame), the usage chunk when one is asked for, then [DONE]; the run is closed however the stream ends."""
+    try:
+        for frame in head or []:
+            yield frame
+        event = first
+        while event is not None:
+            i, d = event
+            if d.error:
+                yield sse(error_frame(d))
+                break
+            for frame in frames(i, d):
+                yield frame
+            event = await run.next()
+        if usage is not None:
+            yield usage()
+        yield sse("[DONE]")
+    finally:
+        run.close()
 
 
 @router.post("/v1/embeddings", response_model=p.ErrorResponse)
