@@ -26,7 +26,7 @@ from typing import Any
 
 from minisgl_cli.admission import new_tokens
 from minisgl_cli.media.device import pick_device, pick_dtype
-from minisgl_cli.types import Delta, FinishReason, GenerateRequest, RequestStats, SamplingParams
+from minisgl_cli.types import Delta, ErrorCode, FinishReason, GenerateRequest, RequestStats, SamplingParams
 
 log = logging.getLogger("minisgl.vlm")
 
@@ -226,8 +226,16 @@ async def stream(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, 
         except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
             stop.set()
 
-    worker = threading.Thread(target=_generate, args=(loaded, prepared, params, rid, stop, emit),
-                              name=f"vlm-{rid}", daemon=True)
+    def work() -> None:
+        try:
+            _generate(loaded, prepared, params, rid, stop, emit)
+        except Exception as exc:  # its set-up failed: the stream ends with the error instead of waiting for ever
+            log.exception("rid=%s VLM generation failed", rid)
+            emit(Delta(rid, error=f"internal error: VLM generation failed: {type(exc).__name__}: {exc}",
+                       error_code=ErrorCode.ENGINE_FAILED))
+            emit(None)
+
+    worker = threading.Thread(target=work, name=f"vlm-{rid}", daemon=True)
     worker.start()
     try:
         while (item := await queue.get()) is not None:
@@ -332,9 +340,11 @@ def _generate(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, rid
         greedy pick: the process-wide RNG, which other threads draw from, is never reseeded."""
 
         def __init__(self) -> None:
-            self.warp = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)]
-                                            + [TopKLogitsWarper(params.top_k)] * (params.top_k > 0)
-                                            + [TopPLogitsWarper(params.top_p)] * (params.top_p < 1.0))
+            self.warp = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)])
+            if params.top_k > 0:
+                self.warp.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                self.warp.append(TopPLogitsWarper(params.top_p))
             self.gen = torch.Generator(loaded.device)
             if params.seed is not None:
                 self.gen.manual_seed(params.seed % 2**64)
@@ -373,7 +383,7 @@ def _generate(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, rid
     now = time.perf_counter()
     n, last = state.tokens, state.last
     if error:
-        emit(Delta(rid, error=error))
+        emit(Delta(rid, error=error, error_code=ErrorCode.ENGINE_FAILED))
         emit(None)
         return
     reason: FinishReason
