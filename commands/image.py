@@ -33,7 +33,7 @@ def image(
         str, typer.Option("-p", "--prompt", help="What to draw.", show_default="a Hanfu portrait")
     ] = DEFAULT_IMAGE_PROMPT,
     aspect: Annotated[
-        Aspect, typer.Option(help="Aspect ratio (about 1 MP); --height/--width override.")
+        Aspect, typer.Option(metavar="<ratio>", help="1:1, 16:9, 9:16, 4:3 or 3:4 (about 1 MP).")
     ] = Aspect.square,
     height: Annotated[Optional[int], typer.Option(help="Height in pixels, a multiple of 16.")] = None,
     width: Annotated[Optional[int], typer.Option(help="Width in pixels, a multiple of 16.")] = None,
@@ -52,14 +52,17 @@ def image(
         Optional[Path],
         typer.Option(
             envvar="Z_IMAGE_MODEL_DIR",
-            help=f"Local pipeline dir (with model_index.json); the weights are fetched here if missing. "
-            f"[default: {DEFAULT_IMAGE_MODEL_DIR} for the default --model]",
+            help="Local pipeline dir (with model_index.json); the weights are fetched here if missing.",
+            show_default=f"{DEFAULT_IMAGE_MODEL_DIR} for the default --model",
         ),
     ] = None,
     output_dir: Annotated[Path, typer.Option(envvar="MINISGL_OUTPUT_DIR", help="Where PNGs go.")] = Path("outputs"),
-    cpu_offload: Annotated[bool, typer.Option(help="Keep idle sub-models on the CPU (CUDA only).")] = False,
-    compile: Annotated[bool, typer.Option(help="torch.compile the transformer/UNet (slow first run).")] = False,
-    attention_backend: Annotated[AttentionBackend, typer.Option(help="Attention kernels.")] = AttentionBackend.sdpa,
+    cpu_offload: Annotated[bool, typer.Option(
+        "--cpu-offload", help="Keep idle sub-models on the CPU (CUDA only).")] = False,
+    compile: Annotated[bool, typer.Option(
+        "--compile", help="torch.compile the transformer/UNet (slow first run).")] = False,
+    attention_backend: Annotated[AttentionBackend, typer.Option(
+        metavar="<str>", help="Attention kernels: sdpa, flash2, flash3.")] = AttentionBackend.sdpa,
 ) -> None:
     from minisgl_cli.media.console import cli_errors, loading_status, quiet_libraries, step_progress
     from minisgl_cli.media.image import generate_images, save_images

@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("distributed", ["minisgl_cli.distributed"]),
     ("core", ["minisgl_cli.core"]),
     ("messages", ["minisgl_cli.messages"]),
-    ("bottom", ["minisgl_cli.types", "minisgl_cli.env"]),
+    ("bottom", ["minisgl_cli.types", "minisgl_cli.env", "minisgl_cli.notice"]),
 ]
 
 

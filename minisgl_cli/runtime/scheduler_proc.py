@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from minisgl_cli import notice
 from minisgl_cli.distributed import DistConfig
 from minisgl_cli.distributed.comm import broadcast_bytes, init_tp
 from minisgl_cli.engine.config import EngineConfig
@@ -42,6 +43,7 @@ class RankJob:
     endpoints: Endpoints
     log_level: int = logging.WARNING
     cpu_threads: int | None = None  # CPU: torch threads (this rank's share of the host's cores)
+    notices: bool = False  # print notices (minisgl_cli/notice.py): its command does
 
 
 def run_rank(job: RankJob) -> None:
@@ -49,6 +51,9 @@ def run_rank(job: RankJob) -> None:
     die_with_parent()
     logging.basicConfig(level=job.log_level, format=f"%(asctime)s %(levelname)s rank{job.rank} %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    if job.notices and job.rank == 0:
+        notice.show()
+    _no_process_locks()
     ctx = zmq.Context()
     launcher = push(ctx, job.endpoints.launcher)
     name = f"scheduler rank {job.rank}"
@@ -69,6 +74,17 @@ def run_rank(job: RankJob) -> None:
     if e.compiling:  # an interpreter exit would wait for the compile thread or abort in it: leave at once
         logging.shutdown()
         os._exit(0)
+
+
+def _no_process_locks() -> None:
+    """Give tqdm a thread lock before anything draws a bar (torch.compile's tracer does, even hidden): its default
+    is a multiprocessing lock, a named semaphore that this process, stopped by SIGTERM, would leave behind for
+    the resource tracker to warn about at the server's exit. No bar here is shared with another process."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def _start(job: RankJob, ctx: zmq.Context):
