@@ -108,3 +108,29 @@ def test_kill_9_of_the_server_leaves_no_orphan(serve):
     s.proc.kill()
     s.proc.wait(10)
     assert gone(pids) == []
+
+
+def test_the_log_at_the_default_level_says_what_happens_and_a_sigterm_ends_it_cleanly(tiny_model_dirs, tmp_path):
+    """Plain `minisgl: ...` lines: the start, the ready line (not a WARNING), the CPU compile (how long, what speed
+    until then) and its end; a SIGTERM after requests adds the shutdown line and nothing else (no Python
+    warnings: a compiled process used to leave a semaphore for the resource tracker to complain about)."""
+    s = Serve(tiny_model_dirs["llama"], tmp_path, "--torch-compile", "on")
+    try:
+        s.wait_healthy()
+        assert s.answers()
+        deadline = time.monotonic() + 300
+        while "CPU decode compiled" not in s.stderr():
+            assert time.monotonic() < deadline, s.stderr()
+            time.sleep(0.5)
+        assert s.answers()  # on the compiled decode
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(10) == 0, s.stderr()
+    finally:
+        s.stop()
+    lines = s.stderr().splitlines()
+    assert all(line.startswith("minisgl: ") for line in lines), lines
+    assert any("compiling the CPU decode in the background" in line and "slower" in line for line in lines), lines
+    ready = next(i for i, line in enumerate(lines) if line.startswith("minisgl: serving "))
+    assert f"at {s.url} (OpenAI API at /v1)" in lines[ready]
+    after = [line for line in lines[ready + 1:] if "CPU decode compiled" not in line]
+    assert after == ["minisgl: stopping"], lines
