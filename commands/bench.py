@@ -12,6 +12,9 @@ import typer
 from commands import common as c
 
 app = typer.Typer()
+workload = c.in_panel(c.BENCH_PANEL)
+online = c.in_panel(c.ONLINE_PANEL)
+scheduler = c.in_panel(c.SCHEDULER_PANEL)
 
 _HELP = (
     "Benchmark the engine against the HF transformers streaming baseline (same model, device, prompts, greedy).\n\n"
@@ -27,71 +30,47 @@ _HELP = (
 @app.command("bench", help=_HELP)
 @c.engine_options(c.ALL, exclude={"cache", "engine"})  # bench's --cache and --engine take lists
 def bench(
-    dataset: Annotated[str, typer.Option(
-        "--dataset", rich_help_panel=c.BENCH_PANEL, help="reference, random or shared-prefix.")] = "reference",
-    preset: Annotated[Optional[str], typer.Option(
-        "--preset", rich_help_panel=c.BENCH_PANEL,
+    dataset: Annotated[str, workload("--dataset", help="reference, random or shared-prefix.")] = "reference",
+    preset: Annotated[Optional[str], workload("--preset",
         help="nano-vllm: 256 requests, lengths 100..1024 (overrides --dataset).")] = None,
-    concurrency: Annotated[Optional[list[int]], typer.Option(
-        "--concurrency", rich_help_panel=c.BENCH_PANEL,
+    concurrency: Annotated[Optional[list[int]], workload("--concurrency",
         help="Requests in flight; repeat to sweep. Env BENCH_CONCURRENCY.", show_default="4")] = None,
-    repeat: Annotated[Optional[int], typer.Option(
-        "--repeat", rich_help_panel=c.BENCH_PANEL,
+    repeat: Annotated[Optional[int], workload("--repeat",
         help="Reference: times each prompt is sent. Env BENCH_REPEAT.", show_default="3")] = None,
-    warmup: Annotated[Optional[int], typer.Option(
-        "--warmup", rich_help_panel=c.BENCH_PANEL,
+    warmup: Annotated[Optional[int], workload("--warmup",
         help="Untimed requests per stack first. Env BENCH_WARMUP.", show_default="1")] = None,
-    mixed_prompts: Annotated[Optional[bool], typer.Option(
-        "--mixed-prompts/--no-mixed-prompts", rich_help_panel=c.BENCH_PANEL,
+    mixed_prompts: Annotated[Optional[bool], workload("--mixed-prompts/--no-mixed-prompts",
         help="Reference: random suffix on every other prompt. Env BENCH_MIXED_PROMPTS.", show_default="on")] = None,
-    case: Annotated[Optional[list[str]], typer.Option(
-        "--case", rich_help_panel=c.BENCH_PANEL, help="Reference: keep only these cases (repeatable).")] = None,
-    num_prompts: Annotated[Optional[int], typer.Option(
-        "--num-prompts", rich_help_panel=c.BENCH_PANEL,
+    case: Annotated[Optional[list[str]], workload(
+        "--case", help="Reference: keep only these cases (repeatable).")] = None,
+    num_prompts: Annotated[Optional[int], workload("--num-prompts",
         help="Requests (random 64, shared-prefix 32); reference: prompts per case.")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(
-        "--max-new-tokens", rich_help_panel=c.BENCH_PANEL,
+    max_new_tokens: Annotated[Optional[int], workload("--max-new-tokens",
         help="Reference: cap on decode lengths; shared-prefix: output length (16).")] = None,
-    input_len: Annotated[int, typer.Option(
-        "--input-len", rich_help_panel=c.BENCH_PANEL, help="Random: max input tokens.")] = 1024,
-    output_len: Annotated[int, typer.Option(
-        "--output-len", rich_help_panel=c.BENCH_PANEL, help="Random: max output tokens.")] = 128,
-    range_ratio: Annotated[float, typer.Option(
-        "--range-ratio", rich_help_panel=c.BENCH_PANEL, help="Random: lengths uniform in [len*ratio, len].")] = 1.0,
-    prefix_len: Annotated[int, typer.Option(
-        "--prefix-len", rich_help_panel=c.BENCH_PANEL, help="Shared-prefix: system prompt tokens.")] = 400,
-    question_len: Annotated[int, typer.Option(
-        "--question-len", rich_help_panel=c.BENCH_PANEL, help="Shared-prefix: tokens per question.")] = 16,
-    seed: Annotated[int, typer.Option("--seed", rich_help_panel=c.BENCH_PANEL, help="Workload seed.")] = 0,
-    baseline: Annotated[Optional[list[str]], typer.Option(
-        "--baseline", rich_help_panel=c.BENCH_PANEL, help="hf-stream (default), hf-batched; repeatable.")] = None,
-    no_baseline: Annotated[bool, typer.Option(
-        "--no-baseline", rich_help_panel=c.BENCH_PANEL, help="Skip the HF baselines.")] = False,
-    peer: Annotated[Optional[list[str]], typer.Option(
-        "--peer", rich_help_panel=c.BENCH_PANEL, help="llama-cpp: llama.cpp on the same GGUF.")] = None,
-    output_json: Annotated[Optional[str], typer.Option(
-        "--output-json", rich_help_panel=c.BENCH_PANEL, help="Write every result as JSON.")] = None,
-    plot: Annotated[Optional[str], typer.Option(
-        "--plot", rich_help_panel=c.BENCH_PANEL, help="Write a PNG of throughput and latency.")] = None,
-    url: Annotated[Optional[str], typer.Option(
-        "--url", rich_help_panel=c.ONLINE_PANEL,
+    input_len: Annotated[int, workload("--input-len", help="Random: max input tokens.")] = 1024,
+    output_len: Annotated[int, workload("--output-len", help="Random: max output tokens.")] = 128,
+    range_ratio: Annotated[float, workload("--range-ratio", help="Random: lengths uniform in [len*ratio, len].")] = 1.0,
+    prefix_len: Annotated[int, workload("--prefix-len", help="Shared-prefix: system prompt tokens.")] = 400,
+    question_len: Annotated[int, workload("--question-len", help="Shared-prefix: tokens per question.")] = 16,
+    seed: Annotated[int, workload("--seed", help="Workload seed.")] = 0,
+    baseline: Annotated[Optional[list[str]], workload(
+        "--baseline", help="hf-stream (default), hf-batched; repeatable.")] = None,
+    no_baseline: Annotated[bool, workload("--no-baseline", help="Skip the HF baselines.")] = False,
+    peer: Annotated[Optional[list[str]], workload("--peer", help="llama-cpp: llama.cpp on the same GGUF.")] = None,
+    output_json: Annotated[Optional[str], workload("--output-json", help="Write every result as JSON.")] = None,
+    plot: Annotated[Optional[str], workload("--plot", help="Write a PNG of throughput and latency.")] = None,
+    url: Annotated[Optional[str], online("--url",
         help="Benchmark this OpenAI-compatible server instead of an engine here.")] = None,
-    api: Annotated[str, typer.Option(
-        "--api", rich_help_panel=c.ONLINE_PANEL, help="completions or chat.")] = "completions",
-    request_rate: Annotated[float, typer.Option(
-        "--request-rate", rich_help_panel=c.ONLINE_PANEL,
+    api: Annotated[str, online("--api", help="completions or chat.")] = "completions",
+    request_rate: Annotated[float, online("--request-rate",
         help="Requests/s, Poisson arrivals; inf = all at once.")] = math.inf,
-    max_concurrency: Annotated[Optional[int], typer.Option(
-        "--max-concurrency", rich_help_panel=c.ONLINE_PANEL,
+    max_concurrency: Annotated[Optional[int], online("--max-concurrency",
         help="Requests in flight at most (default: --concurrency).")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option(
-        "--served-model-name", rich_help_panel=c.ONLINE_PANEL,
+    served_model_name: Annotated[Optional[str], online("--served-model-name",
         help="Model field to send (default: the server's first).")] = None,
-    cache: Annotated[Optional[list[str]], typer.Option(
-        "--cache", rich_help_panel=c.SCHEDULER_PANEL,
+    cache: Annotated[Optional[list[str]], scheduler("--cache",
         help="Prefix cache: radix or naive; repeat both to compare.", show_default="radix")] = None,
-    engine: Annotated[Optional[list[str]], c.repeatable(
-        "engine", "Repeat to compare engines in one table.")] = None,
+    engine: Annotated[Optional[list[str]], c.repeatable("engine", "Repeat to compare engines in one table.")] = None,
     *,
     opts: c.EngineOptions,  # every engine option but --cache goes here in --help
     verbose: c.Verbose = False,

@@ -51,6 +51,14 @@ MEDIA_PANEL = "Media"
 BENCH_PANEL = "Bench"
 ONLINE_PANEL = "Bench a server (--url)"
 
+
+
+def in_panel(panel: str) -> Callable[..., Any]:
+    """typer.Option for the options of one --help panel: `server = in_panel(SERVER_PANEL)`, then
+    `server("--flag", help=...)`."""
+    return functools.partial(typer.Option, rich_help_panel=panel)
+
+
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="INFO logs narrating prefill, decode steps and chunks.")]
 # The HTTP fronts' shared options (`serve` and `router`).
 Host = Annotated[str, typer.Option("--host", envvar="HOST", rich_help_panel=SERVER_PANEL,

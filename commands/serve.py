@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from minisgl_cli.client.protocol import EngineClient
 
 app = typer.Typer()
+server = c.in_panel(c.SERVER_PANEL)
+limits = c.in_panel(c.LIMITS_PANEL)
+media = c.in_panel(c.MEDIA_PANEL)
 
 
 @app.command("serve")
@@ -22,53 +25,39 @@ app = typer.Typer()
 def serve(
     host: c.Host = "127.0.0.1",
     port: c.Port = 8000,
-    api_key: Annotated[Optional[str], typer.Option(
-        "--api-key", envvar="MINISGL_API_KEY", rich_help_panel=c.SERVER_PANEL,
+    api_key: Annotated[Optional[str], server("--api-key", envvar="MINISGL_API_KEY",
         help="Require 'Authorization: Bearer KEY' on every route but /health.")] = None,
     max_inflight_total: c.MaxInflightTotal = 0,
     max_inflight_per_engine: c.MaxInflightPerEngine = 0,
-    adaptive_max_new_tokens: Annotated[bool, typer.Option(
-        "--adaptive-max-new-tokens", envvar="ADAPTIVE_MAX_NEW_TOKENS", rich_help_panel=c.LIMITS_PANEL,
+    adaptive_max_new_tokens: Annotated[bool, limits("--adaptive-max-new-tokens", envvar="ADAPTIVE_MAX_NEW_TOKENS",
         help="Cut max_tokens under load (x1/2 past 50%, x1/4 past 75%).")] = False,
-    max_body_bytes: Annotated[int, typer.Option(
-        "--max-body-bytes", envvar="MAX_BODY_BYTES", rich_help_panel=c.LIMITS_PANEL,
+    max_body_bytes: Annotated[int, limits("--max-body-bytes", envvar="MAX_BODY_BYTES",
         help="Larger request bodies get 413.")] = 4 * 1024 * 1024,
-    served_model_name: Annotated[Optional[str], typer.Option(
-        "--served-model-name", rich_help_panel=c.SERVER_PANEL,
+    served_model_name: Annotated[Optional[str], server("--served-model-name",
         help="Model id in /v1/models and responses (default: the engine's).")] = None,
-    warm_prefixes: Annotated[Optional[str], typer.Option(
-        "--warm-prefixes", envvar="WARM_PREFIXES", rich_help_panel=c.SERVER_PANEL,
+    warm_prefixes: Annotated[Optional[str], server("--warm-prefixes", envvar="WARM_PREFIXES",
         help="'|'-separated prefixes prefilled into the radix cache at start.")] = None,
-    zmq_control: Annotated[bool, typer.Option(
-        "--zmq-control", envvar="ZMQ_CONTROL", rich_help_panel=c.SERVER_PANEL,
+    zmq_control: Annotated[bool, server("--zmq-control", envvar="ZMQ_CONTROL",
         help="Serve a ZMQ control channel (ping, metrics, warm <prefix>).")] = False,
-    zmq_control_endpoint: Annotated[str, typer.Option(
-        "--zmq-control-endpoint", envvar="ZMQ_CONTROL_ENDPOINT", rich_help_panel=c.SERVER_PANEL,
+    zmq_control_endpoint: Annotated[str, server("--zmq-control-endpoint", envvar="ZMQ_CONTROL_ENDPOINT",
         help="Where the control channel binds.")] = "tcp://127.0.0.1:5557",
-    web: Annotated[bool, typer.Option(
-        "--web/--no-web", envvar="MINISGL_WEB", rich_help_panel=c.SERVER_PANEL,
+    web: Annotated[bool, server("--web/--no-web", envvar="MINISGL_WEB",
         help="The web page at / (chat, live engine view).")] = True,
-    image_model_dir: Annotated[Optional[Path], typer.Option(
-        "--image-model-dir", envvar="Z_IMAGE_MODEL_DIR", rich_help_panel=c.MEDIA_PANEL,
+    image_model_dir: Annotated[Optional[Path], media("--image-model-dir", envvar="Z_IMAGE_MODEL_DIR",
         help="Diffusers pipeline dir for /v1/images/generations.")] = None,
-    video_model_dir: Annotated[Optional[Path], typer.Option(
-        "--video-model-dir", envvar="MINISGL_VIDEO_MODEL_DIR", rich_help_panel=c.MEDIA_PANEL,
+    video_model_dir: Annotated[Optional[Path], media("--video-model-dir", envvar="MINISGL_VIDEO_MODEL_DIR",
         help="Diffusers pipeline dir for /v1/videos/generations.")] = None,
-    vlm_model: Annotated[Optional[str], typer.Option(
-        "--vlm-model", envvar="MINISGL_VLM_MODEL", rich_help_panel=c.MEDIA_PANEL,
+    vlm_model: Annotated[Optional[str], media("--vlm-model", envvar="MINISGL_VLM_MODEL",
         help="Vision-language model (HF dir or hub id) for image_url chat parts.")] = None,
-    allow_local_images: Annotated[Optional[Path], typer.Option(
-        "--allow-local-images", envvar="MINISGL_ALLOW_LOCAL_IMAGES", rich_help_panel=c.MEDIA_PANEL,
+    allow_local_images: Annotated[Optional[Path], media("--allow-local-images", envvar="MINISGL_ALLOW_LOCAL_IMAGES",
         help="Let image_url name files under this dir (default: data: URLs only).")] = None,
-    allow_remote_images: Annotated[bool, typer.Option(
-        "--allow-remote-images", envvar="MINISGL_ALLOW_REMOTE_IMAGES", rich_help_panel=c.MEDIA_PANEL,
+    allow_remote_images: Annotated[bool, media("--allow-remote-images", envvar="MINISGL_ALLOW_REMOTE_IMAGES",
         help="Let the server fetch http(s) image URLs.")] = False,
-    max_image_bytes: Annotated[int, typer.Option(
-        "--max-image-bytes", envvar="MINISGL_MAX_IMAGE_BYTES", min=1, metavar="<int>", rich_help_panel=c.MEDIA_PANEL,
+    max_image_bytes: Annotated[int, media("--max-image-bytes", envvar="MINISGL_MAX_IMAGE_BYTES", min=1, metavar="<int>",
         help="Larger images get a 400.")] = DEFAULT_MAX_BYTES,
-    max_image_pixels: Annotated[int, typer.Option(
+    max_image_pixels: Annotated[int, media(
         "--max-image-pixels", envvar="MINISGL_MAX_IMAGE_PIXELS", min=1, metavar="<int>",
-        rich_help_panel=c.MEDIA_PANEL, help="Images with more pixels get a 400.")] = DEFAULT_MAX_PIXELS,
+        help="Images with more pixels get a 400.")] = DEFAULT_MAX_PIXELS,
     *,
     opts: c.EngineOptions,  # the engine options (c.ALL) go here in --help
     verbose: c.Verbose = False,

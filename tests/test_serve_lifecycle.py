@@ -110,11 +110,12 @@ def test_kill_9_of_the_server_leaves_no_orphan(serve):
     assert gone(pids) == []
 
 
-def test_the_log_at_the_default_level_says_what_happens_and_a_sigterm_ends_it_cleanly(tiny_model_dirs, tmp_path):
-    """Plain `minisgl: ...` lines: the start, the ready line (not a WARNING), the CPU compile (how long, what speed
-    until then) and its end; a SIGTERM after requests adds the shutdown line and nothing else (no Python
-    warnings: a compiled process used to leave a semaphore for the resource tracker to complain about)."""
-    s = Serve(tiny_model_dirs["llama"], tmp_path, "--torch-compile", "on")
+def test_the_log_at_the_default_level_says_what_happens_and_a_sigterm_ends_it_cleanly(tmp_path):
+    """`minisgl serve` of the default model as a newcomer runs it: plain `minisgl: ...` lines for the start, the
+    ready line (not a WARNING), the CPU compile (how long, what speed until then) and its end; a SIGTERM after
+    requests adds the shutdown line and nothing else (no Python warnings: a compiled process used to leave a
+    semaphore behind for the resource tracker to complain about at exit)."""
+    s = Serve("smollm2-135m-instruct", tmp_path)  # the default model, by its built-in alias
     try:
         s.wait_healthy()
         assert s.answers()
