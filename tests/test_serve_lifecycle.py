@@ -115,7 +115,8 @@ def test_the_log_at_the_default_level_says_what_happens_and_a_sigterm_ends_it_cl
     ready line (not a WARNING), the CPU compile (how long, what speed until then) and its end; a SIGTERM after
     requests adds the shutdown line and nothing else (no Python warnings: a compiled process used to leave a
     semaphore behind for the resource tracker to complain about at exit)."""
-    s = Serve("smollm2-135m-instruct", tmp_path)  # the default model, by its built-in alias
+    # The default model by its built-in alias; the compile as serve does by default (the tests turn it off).
+    s = Serve("smollm2-135m-instruct", tmp_path, "--torch-compile", "auto")
     try:
         s.wait_healthy()
         assert s.answers()
