@@ -52,7 +52,6 @@ BENCH_PANEL = "Bench"
 ONLINE_PANEL = "Bench a server (--url)"
 
 
-
 def in_panel(panel: str) -> Callable[..., Any]:
     """typer.Option for the options of one --help panel: `server = in_panel(SERVER_PANEL)`, then
     `server("--flag", help=...)`."""
@@ -206,8 +205,8 @@ class EngineOptions:
 
         notice.show()  # the start-up lines (and the CPU compile's), whatever the command's log set-up
         if self.runtime.dp_size == 1 and self.runtime.scheduler_mode != "rr":  # said, not silently ignored
-            notice.notice(f"--scheduler-mode {self.runtime.scheduler_mode} routes across --dp replicas; with --dp 1 "
-                      "every request goes to the one engine")
+            notice.notice(f"--scheduler-mode {self.runtime.scheduler_mode} routes across --dp replicas; with "
+                          "--dp 1 every request goes to the one engine")
         try:
             from minisgl_cli import backends
 
