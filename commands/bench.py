@@ -12,6 +12,9 @@ import typer
 from commands import common as c
 
 app = typer.Typer()
+workload = c.in_panel(c.BENCH_PANEL)
+online = c.in_panel(c.ONLINE_PANEL)
+scheduler = c.in_panel(c.SCHEDULER_PANEL)
 
 _HELP = (
     "Benchmark the engine against the HF transformers streaming baseline (same model, device, prompts, greedy).\n\n"
@@ -27,64 +30,47 @@ _HELP = (
 @app.command("bench", help=_HELP)
 @c.engine_options(c.ALL, exclude={"cache", "engine"})  # bench's --cache and --engine take lists
 def bench(
-    dataset: Annotated[str, typer.Option(
-        "--dataset", help="reference (short/medium/long), random, shared-prefix.")] = "reference",
-    preset: Annotated[Optional[str], typer.Option(
-        "--preset", help="nano-vllm: 256 requests, in/out lengths uniform in 100..1024, EOS ignored, seed 0 "
-                         "(overrides --dataset).")] = None,
-    concurrency: Annotated[Optional[list[int]], typer.Option(
-        "--concurrency", help="Requests in flight; repeat to sweep (--concurrency 1 --concurrency 4). "
-                              "Env BENCH_CONCURRENCY (e.g. '1 4 16'). [default: 4]")] = None,
-    repeat: Annotated[Optional[int], typer.Option(
-        "--repeat", help="Reference suite: times each prompt is sent. Env BENCH_REPEAT. [default: 3]")] = None,
-    warmup: Annotated[Optional[int], typer.Option(
-        "--warmup", help="Small untimed requests per stack first. Env BENCH_WARMUP. [default: 1]")] = None,
-    mixed_prompts: Annotated[Optional[bool], typer.Option(
-        "--mixed-prompts/--no-mixed-prompts", help="Reference suite: random suffix on every other prompt. "
-                                                   "Env BENCH_MIXED_PROMPTS=0 turns it off. [default: on]")] = None,
-    case: Annotated[Optional[list[str]], typer.Option(
-        "--case", help="Reference suite: keep only these cases (repeatable).")] = None,
-    num_prompts: Annotated[Optional[int], typer.Option(
-        "--num-prompts", help="Requests (random 64, shared-prefix 32, nano-vllm 256); reference: distinct prompts "
-                              "per case (default: the largest concurrency).")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(
-        "--max-new-tokens", help="Reference: cap every case's decode length; shared-prefix: output length "
-                                 "(default 16).")] = None,
-    input_len: Annotated[int, typer.Option("--input-len", help="Random: max input tokens.")] = 1024,
-    output_len: Annotated[int, typer.Option("--output-len", help="Random: max output tokens.")] = 128,
-    range_ratio: Annotated[float, typer.Option(
-        "--range-ratio", help="Random: lengths uniform in [len*ratio, len].")] = 1.0,
-    prefix_len: Annotated[int, typer.Option("--prefix-len", help="Shared-prefix: system prompt tokens.")] = 400,
-    question_len: Annotated[int, typer.Option(
-        "--question-len", help="Shared-prefix: tokens of each distinct question.")] = 16,
-    seed: Annotated[int, typer.Option("--seed", help="Workload and arrival seed.")] = 0,
-    baseline: Annotated[Optional[list[str]], typer.Option(
-        "--baseline", help="hf-stream (default) and/or hf-batched; repeatable.")] = None,
-    no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the HF baselines.")] = False,
-    peer: Annotated[Optional[list[str]], typer.Option(
-        "--peer", help="llama-cpp: llama.cpp on the same GGUF (needs llama-cpp-python).")] = None,
-    url: Annotated[Optional[str], typer.Option(
-        "--url", help="Online mode: benchmark this OpenAI-compatible server (e.g. http://127.0.0.1:8000) over "
-                      "streaming HTTP instead of loading the engine.")] = None,
-    api: Annotated[str, typer.Option(
-        "--api", help="Online: completions (/v1/completions) or chat (/v1/chat/completions).")] = "completions",
-    request_rate: Annotated[float, typer.Option(
-        "--request-rate", help="Online: requests/s, Poisson arrivals; inf = all at once.")] = math.inf,
-    max_concurrency: Annotated[Optional[int], typer.Option(
-        "--max-concurrency", help="Online: requests in flight at most (default: the --concurrency levels).")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option(
-        "--served-model-name", help="Online: model field to send (default: the server's first /v1/models id).")]
-        = None,
-    output_json: Annotated[Optional[str], typer.Option(
-        "--output-json", help="Write every result (bench_serving names) as JSON.")] = None,
-    plot: Annotated[Optional[str], typer.Option(
-        "--plot", help="Write a PNG: throughput per engine per case, latency percentiles.")] = None,
-    cache: Annotated[Optional[list[str]], typer.Option(
-        "--cache", help="Prefix cache: radix or naive; repeat both to compare them in one run. "
-                        "[default: radix]")] = None,
-    engine: Annotated[Optional[list[str]], c.repeatable(
-        "engine", "Repeat to compare engines on one workload in one table (--engine torch --engine hf "
-                  "--engine mlx). [default: auto]")] = None,
+    dataset: Annotated[str, workload("--dataset", help="reference, random or shared-prefix.")] = "reference",
+    preset: Annotated[Optional[str], workload("--preset",
+        help="nano-vllm: 256 requests, lengths 100..1024 (overrides --dataset).")] = None,
+    concurrency: Annotated[Optional[list[int]], workload("--concurrency",
+        help="Requests in flight; repeat to sweep. Env BENCH_CONCURRENCY.", show_default="4")] = None,
+    repeat: Annotated[Optional[int], workload("--repeat",
+        help="Reference: times each prompt is sent. Env BENCH_REPEAT.", show_default="3")] = None,
+    warmup: Annotated[Optional[int], workload("--warmup",
+        help="Untimed requests per stack first. Env BENCH_WARMUP.", show_default="1")] = None,
+    mixed_prompts: Annotated[Optional[bool], workload("--mixed-prompts/--no-mixed-prompts",
+        help="Reference: random suffix on every other prompt. Env BENCH_MIXED_PROMPTS.", show_default="on")] = None,
+    case: Annotated[Optional[list[str]], workload(
+        "--case", help="Reference: keep only these cases (repeatable).")] = None,
+    num_prompts: Annotated[Optional[int], workload("--num-prompts",
+        help="Requests (random 64, shared-prefix 32); reference: prompts per case.")] = None,
+    max_new_tokens: Annotated[Optional[int], workload("--max-new-tokens",
+        help="Reference: cap on decode lengths; shared-prefix: output length (16).")] = None,
+    input_len: Annotated[int, workload("--input-len", help="Random: max input tokens.")] = 1024,
+    output_len: Annotated[int, workload("--output-len", help="Random: max output tokens.")] = 128,
+    range_ratio: Annotated[float, workload("--range-ratio", help="Random: lengths uniform in [len*ratio, len].")] = 1.0,
+    prefix_len: Annotated[int, workload("--prefix-len", help="Shared-prefix: system prompt tokens.")] = 400,
+    question_len: Annotated[int, workload("--question-len", help="Shared-prefix: tokens per question.")] = 16,
+    seed: Annotated[int, workload("--seed", help="Workload seed.")] = 0,
+    baseline: Annotated[Optional[list[str]], workload(
+        "--baseline", help="hf-stream (default), hf-batched; repeatable.")] = None,
+    no_baseline: Annotated[bool, workload("--no-baseline", help="Skip the HF baselines.")] = False,
+    peer: Annotated[Optional[list[str]], workload("--peer", help="llama-cpp: llama.cpp on the same GGUF.")] = None,
+    output_json: Annotated[Optional[str], workload("--output-json", help="Write every result as JSON.")] = None,
+    plot: Annotated[Optional[str], workload("--plot", help="Write a PNG of throughput and latency.")] = None,
+    url: Annotated[Optional[str], online("--url",
+        help="Benchmark this OpenAI-compatible server instead of an engine here.")] = None,
+    api: Annotated[str, online("--api", help="completions or chat.")] = "completions",
+    request_rate: Annotated[float, online("--request-rate",
+        help="Requests/s, Poisson arrivals; inf = all at once.")] = math.inf,
+    max_concurrency: Annotated[Optional[int], online("--max-concurrency",
+        help="Requests in flight at most (default: --concurrency).")] = None,
+    served_model_name: Annotated[Optional[str], online("--served-model-name",
+        help="Model field to send (default: the server's first).")] = None,
+    cache: Annotated[Optional[list[str]], scheduler("--cache",
+        help="Prefix cache: radix or naive; repeat both to compare.", show_default="radix")] = None,
+    engine: Annotated[Optional[list[str]], c.repeatable("engine", "Repeat to compare engines in one table.")] = None,
     *,
     opts: c.EngineOptions,  # every engine option but --cache goes here in --help
     verbose: c.Verbose = False,

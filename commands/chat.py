@@ -17,9 +17,11 @@ app = typer.Typer()
 @c.engine_options((*c.MODEL, "max_total_tokens", "cache", *c.RUNTIME))
 def chat(
     max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens per reply at most.")
+        int, typer.Option("--max-new-tokens", "-n", min=1, metavar="<int>", help="Tokens per reply at most.")
     ] = 256,
-    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 = greedy.")] = 0.0,
+    temperature: Annotated[
+        float, typer.Option("--temperature", "-t", min=0.0, metavar="<float>", help="0 = greedy.")
+    ] = 0.0,
     system: Annotated[
         Optional[str], typer.Option("--system", "-s", help="System prompt (default: the model's own).")
     ] = None,
@@ -32,8 +34,8 @@ def chat(
         typer.Option(
             "--vlm-model",
             envvar="MINISGL_VLM_MODEL",
-            help="A vision-language model (HF dir or hub id: SmolVLM / Idefics3, Qwen2-VL, Qwen2.5-VL): /image PATH "
-            "attaches an image to the next prompt, and chats with images run on it (in transformers).",
+            rich_help_panel=c.MEDIA_PANEL,
+            help="Vision-language model (HF dir or hub id) for /image PATH prompts.",
         ),
     ] = None,
     *,
@@ -42,8 +44,7 @@ def chat(
 ) -> None:
     """Chat with a model. Enter submits, Esc+Enter adds a newline, Ctrl-C stops a reply, Ctrl-D leaves.
 
-    With stdin not a terminal (echo hi | minisgl chat) each input line is one prompt; replies go to
-    stdout as plain text and status lines to stderr.
+    Piped (echo hi | minisgl chat): each input line is a prompt; replies go to stdout, status lines to stderr.
     """
     from rich.console import Console
 

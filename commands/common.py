@@ -31,6 +31,7 @@ from typing import (
 
 import typer
 
+from minisgl_cli import notice
 from minisgl_cli.engine.config import EngineConfig, EngineImpl
 from minisgl_cli.runtime.config import RuntimeConfig
 from minisgl_cli.scheduler.config import SchedulerConfig
@@ -38,34 +39,62 @@ from minisgl_cli.scheduler.config import SchedulerConfig
 if TYPE_CHECKING:
     from minisgl_cli.client.protocol import EngineClient
 
+# The --help panels (Typer's rich_help_panel). Options a command adds go to the panel of their kind; the engine
+# options get theirs from the config that declares them (_declared). docs/options.md holds the details.
+MODEL_PANEL = "Model"
+ENGINE_PANEL = "Engine"
+SCHEDULER_PANEL = "Scheduler"
+PARALLEL_PANEL = "Processes and parallelism"
+SERVER_PANEL = "Server"
+LIMITS_PANEL = "Limits"
+MEDIA_PANEL = "Media"
+BENCH_PANEL = "Bench"
+ONLINE_PANEL = "Bench a server (--url)"
+
+
+def in_panel(panel: str) -> Callable[..., Any]:
+    """typer.Option for the options of one --help panel: `server = in_panel(SERVER_PANEL)`, then
+    `server("--flag", help=...)`."""
+    return functools.partial(typer.Option, rich_help_panel=panel)
+
+
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="INFO logs narrating prefill, decode steps and chunks.")]
 # The HTTP fronts' shared options (`serve` and `router`).
-Host = Annotated[str, typer.Option("--host", envvar="HOST", help="Interface to bind (0.0.0.0 for all).")]
-Port = Annotated[int, typer.Option("--port", "-p", envvar="PORT", help="TCP port.")]
+Host = Annotated[str, typer.Option("--host", envvar="HOST", rich_help_panel=SERVER_PANEL,
+                                   help="Interface to bind (0.0.0.0 for all).")]
+Port = Annotated[int, typer.Option("--port", "-p", envvar="PORT", rich_help_panel=SERVER_PANEL, help="TCP port.")]
 MaxInflightTotal = Annotated[int, typer.Option(
-    "--max-inflight-total", envvar="MAX_INFLIGHT_TOTAL", min=0,
-    help="Requests in flight at most (n choices count n); past it: 429 + Retry-After. 0 = no cap.")]
+    "--max-inflight-total", envvar="MAX_INFLIGHT_TOTAL", min=0, metavar="<int>", rich_help_panel=LIMITS_PANEL,
+    help="Requests in flight at most, then 429 (0 = no cap).")]
 MaxInflightPerEngine = Annotated[int, typer.Option(
-    "--max-inflight-per-engine", envvar="MAX_INFLIGHT_PER_ENGINE", min=0,
-    help="Requests in flight per engine (each --dp replica, each router worker) at most; routing skips a full "
-         "one, and past it on all: 429 + Retry-After. 0 = no cap.")]
+    "--max-inflight-per-engine", envvar="MAX_INFLIGHT_PER_ENGINE", min=0, metavar="<int>",
+    rich_help_panel=LIMITS_PANEL, help="Requests in flight per engine (replica, worker) at most (0 = no cap).")]
 
 
 @dataclass(frozen=True)
 class _Option:
-    """One engine option: a config field's name, type and default, and its `metadata` (flags, help, env, min, max)."""
+    """One engine option: a config field's name, type and default, its `metadata` (flags, help, env, min, max)
+    and the --help panel it shows in."""
 
     name: str
     type: Any
     default: Any
     meta: dict[str, Any]
+    panel: str
 
     def parameter(self) -> inspect.Parameter:
         """The keyword-only parameter Typer reads this option from."""
-        m = self.meta
-        option = typer.Option(*m["flags"], envvar=m.get("env"), help=m["help"], min=m.get("min"), max=m.get("max"))
         return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=self.default,
-                                 annotation=Annotated[_cli_type(self.type), option])
+                                 annotation=Annotated[_cli_type(self.type), self.option()])
+
+    def option(self, more_help: str = "", show_default: bool | str | None = None) -> Any:
+        """Its typer.Option: `more_help` appended to the help; `show_default` (default: unless a flag's False)."""
+        m = self.meta
+        ranged = "min" in m or "max" in m  # <int> rather than Typer's <int range>: the range follows it anyway
+        return typer.Option(*m["flags"], envvar=m.get("env"), help=f"{m['help']} {more_help}".strip(),
+                            min=m.get("min"), max=m.get("max"), rich_help_panel=self.panel,
+                            metavar=f"<{_scalar(self.type).__name__}>" if ranged else None,
+                            show_default=self.default is not False if show_default is None else show_default)
 
 
 def _cli_type(tp: Any) -> Any:
@@ -78,21 +107,33 @@ def _cli_type(tp: Any) -> Any:
     return tp
 
 
+def _scalar(tp: Any) -> type:
+    """int for int, int | None and Optional[int]."""
+    args = [a for a in get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
 # The one option of the command line alone: the reference stack's MODEL_LOCAL_DIR, which overrides --model.
 _MODEL_LOCAL_DIR = _Option("model_local_dir", Optional[str], None, dict(
-    flags=("--model-local-dir",), env="MODEL_LOCAL_DIR", help="A pre-downloaded model dir; overrides --model."))
+    flags=("--model-local-dir",), env="MODEL_LOCAL_DIR", help="A pre-downloaded model dir; overrides --model."),
+    MODEL_PANEL)
+# The options that say what model runs and how it is held: every engine-backed command offers them.
+MODEL: tuple[str, ...] = ("model", "model_local_dir", "engine", "load_format", "device", "dtype", "quantization",
+                          "kv_cache_dtype", "attention_backend")
+_CONFIG_PANEL = {EngineConfig: ENGINE_PANEL, SchedulerConfig: SCHEDULER_PANEL, RuntimeConfig: PARALLEL_PANEL}
 
 
 def _declared() -> dict[str, _Option]:
     """Every engine option, in --help order: EngineConfig's fields with flags, then SchedulerConfig's and
-    RuntimeConfig's."""
+    RuntimeConfig's; each in its config's --help panel, the MODEL options in the model panel."""
     out: dict[str, _Option] = {}
     for cls in (EngineConfig, SchedulerConfig, RuntimeConfig):
         hints = get_type_hints(cls)
         for f in fields(cls):
             if "flags" in f.metadata:
                 default = f.default_factory() if f.default_factory is not MISSING else f.default
-                out[f.name] = _Option(f.name, hints[f.name], default, dict(f.metadata))
+                panel = MODEL_PANEL if f.name in MODEL else _CONFIG_PANEL[cls]
+                out[f.name] = _Option(f.name, hints[f.name], default, dict(f.metadata), panel)
                 if f.name == "model":
                     out[_MODEL_LOCAL_DIR.name] = _MODEL_LOCAL_DIR
     return out
@@ -100,8 +141,6 @@ def _declared() -> dict[str, _Option]:
 
 _OPTIONS = _declared()
 ALL: tuple[str, ...] = tuple(_OPTIONS)  # serve and bench offer every engine option
-MODEL: tuple[str, ...] = ("model", "model_local_dir", "engine", "load_format", "device", "dtype", "quantization",
-                          "kv_cache_dtype", "attention_backend")
 _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 _SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
 _RUNTIME_FIELDS = {f.name for f in fields(RuntimeConfig)}
@@ -164,9 +203,10 @@ class EngineOptions:
         On a node other than 0 (`--node-rank`), this node's ranks serve until stopped; this never returns."""
         from minisgl_cli.loader.errors import ModelLoadError
 
+        notice.show()  # the start-up lines (and the CPU compile's), whatever the command's log set-up
         if self.runtime.dp_size == 1 and self.runtime.scheduler_mode != "rr":  # said, not silently ignored
-            _progress(f"--scheduler-mode {self.runtime.scheduler_mode} routes across --dp replicas; with --dp 1 "
-                      "every request goes to the one engine")
+            notice.notice(f"--scheduler-mode {self.runtime.scheduler_mode} routes across --dp replicas; with "
+                          "--dp 1 every request goes to the one engine")
         try:
             from minisgl_cli import backends
 
@@ -175,7 +215,7 @@ class EngineOptions:
             from minisgl_cli.runtime.launch import launch
             from minisgl_cli.runtime.supervisor import Runtime
 
-            started = launch(self.engine, self.scheduler, self.runtime, progress=_progress, stop=stop,
+            started = launch(self.engine, self.scheduler, self.runtime, progress=notice.notice, stop=stop,
                              per_replica_cap=per_replica_cap)
         except (ModelLoadError, ValueError, RuntimeError) as exc:
             fail(str(exc))
@@ -194,14 +234,10 @@ def compiling(client: EngineClient) -> bool:
         return False
 
 
-def _progress(line: str) -> None:
-    typer.echo(f"minisgl: {line}", err=True)
-
-
 def _serve_ranks(runtime: Any, cfg: RuntimeConfig) -> NoReturn:
     """A node other than 0: run its ranks until SIGINT / SIGTERM (exit 0) or a child dies (exit 1)."""
     ranks = cfg.dist.local_ranks()
-    _progress(f"node {cfg.node_rank}: ranks {ranks.start}..{ranks.stop - 1} serving node 0's requests")
+    notice.notice(f"node {cfg.node_rank}: ranks {ranks.start}..{ranks.stop - 1} serving node 0's requests")
     from minisgl_cli.runtime.supervisor import stop_on_signals
 
     with stop_on_signals() as stop:  # through the shutdown too: a second Ctrl-C must not cut it short
@@ -215,8 +251,8 @@ def _serve_ranks(runtime: Any, cfg: RuntimeConfig) -> NoReturn:
 def repeatable(name: str, more_help: str) -> Any:
     """The Typer option of engine option `name` (its flags, env var and help) taking a list: for a command that
     compares several values in one run (bench's --engine); the command excludes `name` from engine_options."""
-    m = _OPTIONS[name].meta
-    return typer.Option(*m["flags"], envvar=m.get("env"), help=f"{m['help']} {more_help}")
+    option = _OPTIONS[name]
+    return option.option(more_help, show_default=str(option.default))  # the command's own default is None
 
 
 def engine_options(offered: Iterable[str], exclude: Iterable[str] = ()) -> Callable[[Callable], Callable]:
@@ -260,6 +296,8 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 
 def setup_logging(verbose: bool) -> None:
+    """Logs at WARNING (INFO with -v), and the notices (minisgl_cli/notice.py) at every level."""
+    notice.show()
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -8,9 +8,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from commands import common as c
 from minisgl_cli.media.jobs import DEFAULT_IMAGE_MODEL, DEFAULT_IMAGE_MODEL_DIR, DEFAULT_IMAGE_PROMPT
 
 app = typer.Typer()
+setup = c.in_panel(c.MODEL_PANEL)  # the model and how it runs
 
 
 class Aspect(str, Enum):
@@ -33,7 +35,7 @@ def image(
         str, typer.Option("-p", "--prompt", help="What to draw.", show_default="a Hanfu portrait")
     ] = DEFAULT_IMAGE_PROMPT,
     aspect: Annotated[
-        Aspect, typer.Option(help="Aspect ratio (about 1 MP); --height/--width override.")
+        Aspect, typer.Option(metavar="<ratio>", help="1:1, 16:9, 9:16, 4:3 or 3:4 (about 1 MP).")
     ] = Aspect.square,
     height: Annotated[Optional[int], typer.Option(help="Height in pixels, a multiple of 16.")] = None,
     width: Annotated[Optional[int], typer.Option(help="Width in pixels, a multiple of 16.")] = None,
@@ -43,23 +45,26 @@ def image(
     seed: Annotated[Optional[int], typer.Option(help="Seed; same seed, same pixels. Random if unset.")] = None,
     negative_prompt: Annotated[Optional[str], typer.Option(help="What to avoid (used when CFG is on).")] = None,
     device: Annotated[
-        str, typer.Option(envvar="MINISGL_DEVICE", help="auto (mps, cuda, cpu), mps, cuda[:N], cpu.")
+        str, setup(envvar="MINISGL_DEVICE", help="auto (mps, cuda, cpu), mps, cuda[:N], cpu.")
     ] = "auto",
     model: Annotated[
-        str, typer.Option(envvar="MINISGL_IMAGE_MODEL", help="Hub repo id or local pipeline dir.")
+        str, setup(envvar="MINISGL_IMAGE_MODEL", help="Hub repo id or local pipeline dir.")
     ] = DEFAULT_IMAGE_MODEL,
     model_dir: Annotated[
         Optional[Path],
-        typer.Option(
+        setup(
             envvar="Z_IMAGE_MODEL_DIR",
-            help=f"Local pipeline dir (with model_index.json); the weights are fetched here if missing. "
-            f"[default: {DEFAULT_IMAGE_MODEL_DIR} for the default --model]",
+            help="Local pipeline dir (with model_index.json); the weights are fetched here if missing.",
+            show_default=f"{DEFAULT_IMAGE_MODEL_DIR} for the default --model",
         ),
     ] = None,
     output_dir: Annotated[Path, typer.Option(envvar="MINISGL_OUTPUT_DIR", help="Where PNGs go.")] = Path("outputs"),
-    cpu_offload: Annotated[bool, typer.Option(help="Keep idle sub-models on the CPU (CUDA only).")] = False,
-    compile: Annotated[bool, typer.Option(help="torch.compile the transformer/UNet (slow first run).")] = False,
-    attention_backend: Annotated[AttentionBackend, typer.Option(help="Attention kernels.")] = AttentionBackend.sdpa,
+    cpu_offload: Annotated[bool, setup(
+        "--cpu-offload", help="Keep idle sub-models on the CPU (CUDA only).")] = False,
+    compile: Annotated[bool, setup(
+        "--compile", help="torch.compile the transformer/UNet (slow first run).")] = False,
+    attention_backend: Annotated[AttentionBackend, setup(
+        metavar="<str>", help="Attention kernels: sdpa, flash2, flash3.")] = AttentionBackend.sdpa,
 ) -> None:
     from minisgl_cli.media.console import cli_errors, generate_with_progress, quiet_libraries
     from minisgl_cli.media.image import generate_images, save_images

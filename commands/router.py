@@ -15,23 +15,23 @@ app = typer.Typer()
 @c.engine_options(("scheduler_mode",))
 def router(
     worker_url: Annotated[list[str], typer.Option(
-        "--worker-url", help="A `minisgl serve` base URL (http://HOST:PORT); repeat for each worker.")],
+        "--worker-url", rich_help_panel=c.SERVER_PANEL,
+        help="A `minisgl serve` base URL (http://HOST:PORT); repeat for each worker.")],
     host: c.Host = "127.0.0.1",
     port: c.Port = 8000,
     max_inflight_total: c.MaxInflightTotal = 0,
     max_inflight_per_engine: c.MaxInflightPerEngine = 0,
     health_interval: Annotated[float, typer.Option(
-        "--health-interval", min=0.05,
-        help="Seconds between health checks of every worker: one that fails is taken out until it answers again.")]
+        "--health-interval", min=0.05, metavar="<float>", rich_help_panel=c.SERVER_PANEL,
+        help="Seconds between health checks (a failing worker is taken out).")]
         = 2.0,
     *,
     opts: c.EngineOptions,  # --scheduler-mode
     verbose: c.Verbose = False,
 ) -> None:
-    """Route the OpenAI API (/v1/...), /generate and every other route across `minisgl serve` workers by
-    --scheduler-mode, with health checks (a dead worker is taken out and put back when it answers), retries on
-    another worker for a request that had not started, and caps (429 + Retry-After). /health and /metrics
-    (each worker and the total) are the router's own. See docs/server.md."""
+    """One OpenAI endpoint in front of several `minisgl serve` workers (hosts).
+
+    Routes by --scheduler-mode, with health checks, retries and caps (429). See docs/server.md."""
     import httpx
 
     from minisgl_cli.router.app import create_router_app, run_router

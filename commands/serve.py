@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from minisgl_cli.client.protocol import EngineClient
 
 app = typer.Typer()
+server = c.in_panel(c.SERVER_PANEL)
+limits = c.in_panel(c.LIMITS_PANEL)
+media = c.in_panel(c.MEDIA_PANEL)
 
 
 @app.command("serve")
@@ -22,120 +25,46 @@ app = typer.Typer()
 def serve(
     host: c.Host = "127.0.0.1",
     port: c.Port = 8000,
-    api_key: Annotated[
-        Optional[str],
-        typer.Option(
-            "--api-key",
-            envvar="MINISGL_API_KEY",
-            help="Require 'Authorization: Bearer KEY' on every route but /health.",
-        ),
-    ] = None,
+    api_key: Annotated[Optional[str], server("--api-key", envvar="MINISGL_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on every route but /health.")] = None,
     max_inflight_total: c.MaxInflightTotal = 0,
     max_inflight_per_engine: c.MaxInflightPerEngine = 0,
-    adaptive_max_new_tokens: Annotated[
-        bool,
-        typer.Option(
-            "--adaptive-max-new-tokens/--no-adaptive-max-new-tokens",
-            envvar="ADAPTIVE_MAX_NEW_TOKENS",
-            help="Under load cut max_tokens (x1/2 past 50% of capacity, x1/4 past 75%, never below 16); "
-            "reported in header X-Minisgl-Max-Tokens-Downscaled.",
-        ),
-    ] = False,
-    max_body_bytes: Annotated[
-        int, typer.Option("--max-body-bytes", envvar="MAX_BODY_BYTES", help="Larger request bodies get 413.")
-    ] = 4 * 1024 * 1024,
-    served_model_name: Annotated[
-        Optional[str],
-        typer.Option(
-            "--served-model-name",
-            help="Model id in /v1/models and responses (default: the engine's). 'default' is always accepted too.",
-        ),
-    ] = None,
-    warm_prefixes: Annotated[
-        Optional[str],
-        typer.Option(
-            "--warm-prefixes",
-            envvar="WARM_PREFIXES",
-            help="'|'-separated prompt prefixes prefilled into the radix cache at start, in the background.",
-        ),
-    ] = None,
-    zmq_control: Annotated[
-        bool,
-        typer.Option(
-            "--zmq-control/--no-zmq-control",
-            envvar="ZMQ_CONTROL",
-            help="Serve a ZMQ REP control channel (commands: ping, metrics, warm <prefix>).",
-        ),
-    ] = False,
-    zmq_control_endpoint: Annotated[
-        str,
-        typer.Option("--zmq-control-endpoint", envvar="ZMQ_CONTROL_ENDPOINT", help="Where the control channel binds."),
-    ] = "tcp://127.0.0.1:5557",
-    image_model_dir: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--image-model-dir", envvar="Z_IMAGE_MODEL_DIR", help="Diffusers pipeline dir for /v1/images/generations."
-        ),
-    ] = None,
-    video_model_dir: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--video-model-dir",
-            envvar="MINISGL_VIDEO_MODEL_DIR",
-            help="Diffusers pipeline dir for /v1/videos/generations.",
-        ),
-    ] = None,
-    vlm_model: Annotated[
-        Optional[str],
-        typer.Option(
-            "--vlm-model",
-            envvar="MINISGL_VLM_MODEL",
-            help="A vision-language model (HF dir or hub id: SmolVLM / Idefics3, Qwen2-VL, Qwen2.5-VL) for chat "
-            "requests with image_url parts; it runs in transformers beside the engine. Without it they get a 400.",
-        ),
-    ] = None,
-    allow_local_images: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--allow-local-images",
-            envvar="MINISGL_ALLOW_LOCAL_IMAGES",
-            help="Let image_url name local files under this directory (off: data: URLs only).",
-        ),
-    ] = None,
-    allow_remote_images: Annotated[
-        bool,
-        typer.Option(
-            "--allow-remote-images/--no-allow-remote-images",
-            envvar="MINISGL_ALLOW_REMOTE_IMAGES",
-            help="Let the server fetch http(s) image URLs (off by default: it never fetches arbitrary URLs).",
-        ),
-    ] = False,
-    max_image_bytes: Annotated[
-        int,
-        typer.Option("--max-image-bytes", envvar="MINISGL_MAX_IMAGE_BYTES", min=1,
-                     help="Larger images (decoded data: payload, file or download) get a 400."),
-    ] = DEFAULT_MAX_BYTES,
-    max_image_pixels: Annotated[
-        int,
-        typer.Option("--max-image-pixels", envvar="MINISGL_MAX_IMAGE_PIXELS", min=1,
-                     help="Images with more pixels (width x height) get a 400."),
-    ] = DEFAULT_MAX_PIXELS,
-    web: Annotated[
-        bool,
-        typer.Option(
-            "--web/--no-web",
-            envvar="MINISGL_WEB",
-            help="Serve the web page at / (streaming chat, live engine view) and the /metrics/live it polls.",
-        ),
-    ] = True,
+    adaptive_max_new_tokens: Annotated[bool, limits("--adaptive-max-new-tokens", envvar="ADAPTIVE_MAX_NEW_TOKENS",
+        help="Cut max_tokens under load (x1/2 past 50%, x1/4 past 75%).")] = False,
+    max_body_bytes: Annotated[int, limits("--max-body-bytes", envvar="MAX_BODY_BYTES",
+        help="Larger request bodies get 413.")] = 4 * 1024 * 1024,
+    served_model_name: Annotated[Optional[str], server("--served-model-name",
+        help="Model id in /v1/models and responses (default: the engine's).")] = None,
+    warm_prefixes: Annotated[Optional[str], server("--warm-prefixes", envvar="WARM_PREFIXES",
+        help="'|'-separated prefixes prefilled into the radix cache at start.")] = None,
+    zmq_control: Annotated[bool, server("--zmq-control", envvar="ZMQ_CONTROL",
+        help="Serve a ZMQ control channel (ping, metrics, warm <prefix>).")] = False,
+    zmq_control_endpoint: Annotated[str, server("--zmq-control-endpoint", envvar="ZMQ_CONTROL_ENDPOINT",
+        help="Where the control channel binds.")] = "tcp://127.0.0.1:5557",
+    web: Annotated[bool, server("--web/--no-web", envvar="MINISGL_WEB",
+        help="The web page at / (chat, live engine view).")] = True,
+    image_model_dir: Annotated[Optional[Path], media("--image-model-dir", envvar="Z_IMAGE_MODEL_DIR",
+        help="Diffusers pipeline dir for /v1/images/generations.")] = None,
+    video_model_dir: Annotated[Optional[Path], media("--video-model-dir", envvar="MINISGL_VIDEO_MODEL_DIR",
+        help="Diffusers pipeline dir for /v1/videos/generations.")] = None,
+    vlm_model: Annotated[Optional[str], media("--vlm-model", envvar="MINISGL_VLM_MODEL",
+        help="Vision-language model (HF dir or hub id) for image_url chat parts.")] = None,
+    allow_local_images: Annotated[Optional[Path], media("--allow-local-images", envvar="MINISGL_ALLOW_LOCAL_IMAGES",
+        help="Let image_url name files under this dir (default: data: URLs only).")] = None,
+    allow_remote_images: Annotated[bool, media("--allow-remote-images", envvar="MINISGL_ALLOW_REMOTE_IMAGES",
+        help="Let the server fetch http(s) image URLs.")] = False,
+    max_image_bytes: Annotated[int, media("--max-image-bytes", envvar="MINISGL_MAX_IMAGE_BYTES", min=1, metavar="<int>",
+        help="Larger images get a 400.")] = DEFAULT_MAX_BYTES,
+    max_image_pixels: Annotated[int, media(
+        "--max-image-pixels", envvar="MINISGL_MAX_IMAGE_PIXELS", min=1, metavar="<int>",
+        help="Images with more pixels get a 400.")] = DEFAULT_MAX_PIXELS,
     *,
     opts: c.EngineOptions,  # the engine options (c.ALL) go here in --help
     verbose: c.Verbose = False,
 ) -> None:
-    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), /generate (JSON lines),
-    /metrics (JSON or Prometheus), /health, the media routes and a web page at /, over one engine or --dp replicas;
-    chat with images through --vlm-model. It listens at once (503 until the engine is up); the engine runs as
-    processes by default (--runtime). See docs/server.md."""
+    """Serve the OpenAI API (/v1/...), /generate, /metrics, /health and a web page at /.
+
+    It listens at once (503 until the engine is up). Details: docs/server.md, docs/options.md."""
     from minisgl_cli.server.app import ServerSettings
     from minisgl_cli.server.launch import LaunchConfig
     from minisgl_cli.server.launch import serve as run_server

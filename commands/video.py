@@ -8,9 +8,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from commands import common as c
 from minisgl_cli.media.jobs import DEFAULT_VIDEO_MODEL
 
 app = typer.Typer()
+setup = c.in_panel(c.MODEL_PANEL)  # the model and how it runs
 
 
 class VideoFormat(str, Enum):
@@ -29,23 +31,25 @@ def video(
     guidance_scale: Annotated[float, typer.Option(help="CFG scale.")] = 5.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed; same seed, same frames. Random if unset.")] = None,
     negative_prompt: Annotated[Optional[str], typer.Option(help="What to avoid (used when CFG is on).")] = None,
-    format: Annotated[VideoFormat, typer.Option("--format", help="mp4 file or a dir of PNG frames.")] = VideoFormat.mp4,
+    format: Annotated[VideoFormat, typer.Option(
+        "--format", metavar="<str>", help="mp4 (a file) or frames (a dir of PNGs).")] = VideoFormat.mp4,
     model: Annotated[
-        str, typer.Option(envvar="MINISGL_VIDEO_MODEL", help="Hub repo id or local pipeline dir.")
+        str, setup(envvar="MINISGL_VIDEO_MODEL", help="Hub repo id or local pipeline dir.")
     ] = DEFAULT_VIDEO_MODEL,
     model_dir: Annotated[
         Optional[Path],
-        typer.Option(
+        setup(
             envvar="MINISGL_VIDEO_MODEL_DIR",
-            help="Local pipeline dir (with model_index.json); the weights are fetched here if missing. "
-            "[default: ~/.cache/mini-sglang/<repo name>]",
+            help="Local pipeline dir (with model_index.json); the weights are fetched here if missing.",
+            show_default="~/.cache/mini-sglang/<repo name>",
         ),
     ] = None,
     device: Annotated[
-        str, typer.Option(envvar="MINISGL_DEVICE", help="auto (mps, cuda, cpu), mps, cuda[:N], cpu.")
+        str, setup(envvar="MINISGL_DEVICE", help="auto (mps, cuda, cpu), mps, cuda[:N], cpu.")
     ] = "auto",
     output_dir: Annotated[Path, typer.Option(envvar="MINISGL_OUTPUT_DIR", help="Where videos go.")] = Path("outputs"),
-    cpu_offload: Annotated[bool, typer.Option(help="Keep idle sub-models on the CPU (CUDA only).")] = False,
+    cpu_offload: Annotated[bool, setup(
+        "--cpu-offload", help="Keep idle sub-models on the CPU (CUDA only).")] = False,
 ) -> None:
     import time
 

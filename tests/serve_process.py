@@ -15,12 +15,13 @@ from minisgl_cli.api.http_server import free_port
 
 
 class Serve:
-    """One `minisgl serve --model MODEL ARGS...` process (on a free port unless given, stderr to a file in `tmp`).
+    """One `minisgl serve --model MODEL ARGS...` process (MODEL: a path or a built-in alias; on a free port unless
+    given, stderr to a file in `tmp`).
 
     With model None, `minisgl ARGS...` (e.g. `router --worker-url ...`) on the same terms; `kv_tokens` None: no
     --max-total-tokens (the hf and mlx engines have no pool)."""
 
-    def __init__(self, model: Path | None, tmp: Path, *args: str, kv_tokens: int | None = 2048,
+    def __init__(self, model: Path | str | None, tmp: Path, *args: str, kv_tokens: int | None = 2048,
                  port: int | None = None, env: dict[str, str] | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"

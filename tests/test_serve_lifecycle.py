@@ -108,3 +108,31 @@ def test_kill_9_of_the_server_leaves_no_orphan(serve):
     s.proc.kill()
     s.proc.wait(10)
     assert gone(pids) == []
+
+
+def test_the_log_at_the_default_level_says_what_happens_and_a_sigterm_ends_it_cleanly(tmp_path):
+    """`minisgl serve` of the default model as a newcomer runs it: plain `minisgl: ...` lines for the start, the
+    ready line (not a WARNING), the CPU compile (how long, what speed until then) and its end; a SIGTERM after
+    requests adds the shutdown line and nothing else (no Python warnings: a compiled process used to leave a
+    semaphore behind for the resource tracker to complain about at exit)."""
+    # The default model by its built-in alias; the compile as serve does by default (the tests turn it off).
+    s = Serve("smollm2-135m-instruct", tmp_path, "--torch-compile", "auto")
+    try:
+        s.wait_healthy()
+        assert s.answers()
+        deadline = time.monotonic() + 300
+        while "CPU decode compiled" not in s.stderr():
+            assert time.monotonic() < deadline, s.stderr()
+            time.sleep(0.5)
+        assert s.answers()  # on the compiled decode
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(10) == 0, s.stderr()
+    finally:
+        s.stop()
+    lines = s.stderr().splitlines()
+    assert all(line.startswith("minisgl: ") for line in lines), lines
+    assert any("compiling the CPU decode in the background" in line and "slower" in line for line in lines), lines
+    ready = next(i for i, line in enumerate(lines) if line.startswith("minisgl: serving "))
+    assert f"at {s.url} (OpenAI API at /v1)" in lines[ready]
+    after = [line for line in lines[ready + 1:] if "CPU decode compiled" not in line]
+    assert after == ["minisgl: stopping"], lines

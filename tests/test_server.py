@@ -72,6 +72,16 @@ def test_chat_stream_with_usage(server_url):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_a_chat_stream_carries_no_empty_content(server_url):
+    """After the role chunk (OpenAI's own shape: role + ""), every chunk carries text until the finish chunk:
+    the EOS token, which has no text, sends no chunk of its own."""
+    first, *rest = oai(server_url).chat.completions.create(model="default", messages=HI, max_tokens=64, stream=True)
+    assert first.choices[0].delta.role == "assistant"
+    *texts, last = rest
+    assert last.choices[0].finish_reason == "stop" and not last.choices[0].delta.content  # ended on EOS
+    assert texts and all(c.choices[0].delta.content for c in texts), [c.choices[0].delta for c in texts]
+
+
 def test_stream_equals_non_stream_greedy(server_url):
     full = oai(server_url).chat.completions.create(model="default", messages=HI, max_tokens=8)
     streamed = "".join(c.choices[0].delta.content or ""

@@ -85,7 +85,7 @@ class SerialClient(RoutedClient):
         if self.prefix_cache is None:
             s = self._stats
             s.cache_hit_tokens = s.cache_miss_tokens = s.cache_hit_requests = s.cache_miss_requests = None
-        self._prefill_rate, self._decode_rate = RollingRate(), RollingRate()
+        self._prefill_rate, self._decode_rate = RollingRate(), RollingRate(active=True)
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"minisgl-{self.engine}", daemon=True)

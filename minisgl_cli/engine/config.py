@@ -32,39 +32,27 @@ TORCH_COMPILES: tuple[str, ...] = get_args(TorchCompile)
 class EngineConfig:
     model: str | None = field(default=None, metadata=dict(  # None = the default model
         flags=("--model", "-m"), env="MODEL_NAME",
-        help="Model: built-in alias (default SmolLM2-135M-Instruct, bundled GGUF), HF dir, .gguf file, "
-             "hub id; with --load-format dummy a built-in config (qwen3-0.6b, llama-3.1-8b, ...)."))
+        help="Built-in alias, HF dir, .gguf file or hub id (default: SmolLM2-135M-Instruct)."))
     # What runs the model (the reference stack's BACKEND_IMPL). On EngineConfig, not RuntimeConfig: `sgl` is a
     # choice of kernels inside our engine, so it travels with the config to every scheduler process.
     engine: EngineImpl = field(default="auto", metadata=dict(
         flags=("--engine",), env="BACKEND_IMPL",
-        help="torch (ours), sgl (ours with sgl_kernel's fused ops on CUDA; else torch, saying why), hf "
-             "(transformers streaming, one request at a time), mlx (mlx-lm), auto (mlx on Apple Silicon when "
-             "mlx-lm is installed, else torch)."))
+        help="torch (ours), sgl (ours + sgl_kernel ops), hf (transformers), mlx (mlx-lm), auto."))
     load_format: LoadFormat = field(default="auto", metadata=dict(
         flags=("--load-format",), help="auto (real weights) or dummy (random weights)."))
     device: str = field(default="auto", metadata=dict(
         flags=("--device",), env="MINISGL_DEVICE", help="auto, cpu, cuda, cuda:N."))
     dtype: str = field(default="auto", metadata=dict(
-        flags=("--dtype",), help="auto (bf16 on CUDA; on CPU fp32, or bf16 with quantized weights where the CPU "
-                                 "has AVX-512 BF16), float32, bfloat16, float16."))
+        flags=("--dtype",), help="auto, float32, bfloat16, float16 (auto: bf16 on CUDA, fp32 on CPU)."))
     quantization: Quantization = field(default="auto", metadata=dict(
         flags=("--quantization",),
-        help="Linear weights: auto (on CPU a GGUF's own 4-/8-bit blocks, else none), none (dense in --dtype; with "
-             "--dtype float32 the exact mode, equal to HF fp32 token for token), int4 (4-bit groups of 32 for "
-             "decode, dense for prefill), int8 (8-bit per channel likewise), fp8 (e4m3 per output channel, "
-             "activations per token: torch._scaled_mm and an FP8 GEMV on CUDA GPUs of compute capability 8.9+ "
-             "(Ada, Hopper); the same numbers by quantize / dequantize on CPU). int4 / int8 run on CPU. A "
-             "safetensors model quantizes at load. Under fp8 the embedding, norms, LM head and first and last "
-             "decoder layers stay in --dtype."))
+        help="Linear weights: auto, none, int4, int8 (CPU), fp8 (CUDA 8.9+ or CPU)."))
     kv_cache_dtype: KVCacheDtype = field(default="auto", metadata=dict(
         flags=("--kv-cache-dtype",),
-        help="KV cache: auto (= --dtype), bf16, fp8_e4m3 (e4m3 pages with one scale per KV head, set from the "
-             "first prefill; half the bytes of bf16; CUDA 8.9+ or CPU). fp8_e4m3 runs on the triton and torch "
-             "attention backends."))
+        help="KV cache: auto (= --dtype), bf16, fp8_e4m3 (half the bytes)."))
     attention_backend: str = field(default="auto", metadata=dict(
         flags=("--attention-backend",), env="MINISGL_ATTENTION_BACKEND",
-        help="auto, torch, triton, flashinfer (auto: flashinfer or triton on CUDA, torch on CPU)."))
+        help="auto, torch, triton, flashinfer (auto: by device)."))
     page_size: int = field(default=1, metadata=dict(
         flags=("--page-size",), min=1, help="KV page size in tokens."))
     max_total_tokens: int | None = field(default=None, metadata=dict(  # None = from the memory budget
@@ -79,15 +67,10 @@ class EngineConfig:
         flags=("--disable-cuda-graph",), help="Run decode eagerly on CUDA."))
     cuda_graph_max_bs: int | None = field(default=None, metadata=dict(  # capped by max_running_requests
         flags=("--cuda-graph-max-bs",), min=1,
-        help="CUDA: largest decode batch captured in a graph (default: 256 / 128 / 32 by free memory); "
-             "bigger batches run eagerly."))
+        help="CUDA: largest decode batch run as a graph (default: by memory)."))
     torch_compile: TorchCompile = field(default_factory=env.torch_compile, metadata=dict(
         flags=("--torch-compile",), env="MINISGL_TORCH_COMPILE",
-        help="CPU decode through torch.compile, compiled in the background after start-up (eager until ready; "
-             "~1 min with a warm cache, ~2.5 min cold, on 2 cores): auto (on for int4 / int8 weights at TP 1: "
-             "~30% faster single-stream decode) in a scheduler process (--runtime processes, serve's default), off for "
-             "the exact mode, whose numbers must equal HF's; on (in-process too: exiting before the compile is done "
-             "then waits for it), off."))
+        help="CPU decode through torch.compile, built in the background: auto, on, off."))
     # Knobs of the Python API only (no flag):
     compile_in_process: bool = False  # auto compiles an in-process engine too (its owner waits, or os._exit()s)
     max_context_len: int | None = None  # None = the model's max positions (capped by the pool)

@@ -28,6 +28,7 @@ from minisgl_cli import env
 from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.core.host import HostBuffers
+from minisgl_cli.notice import notice
 
 log = logging.getLogger("minisgl.compile")
 
@@ -59,7 +60,8 @@ class CompiledDecode:
         """Start compiling (once): when serving starts, not beside the start-up, which it slowed 3x on two cores."""
         if self._thread.ident is not None:
             return
-        log.info("compiling the CPU decode in the background (torch.compile; eager until it is ready)")
+        notice("compiling the CPU decode in the background (torch.compile, ~1-3 min); until it is done, decoding "
+               "runs eagerly, several times slower")
         self._thread.start()
         # A daemon thread inside torch's C++ when the interpreter finalizes aborts the process ("terminate
         # called without an active exception"): an exit waits for the compile instead.
@@ -131,5 +133,5 @@ class CompiledDecode:
         finally:
             sys.setswitchinterval(switch_s)
         self.ready.set()
-        log.info("CPU decode compiled (torch.compile, cache %s) in %.1fs", env.inductor_cache_dir(),
-                 time.perf_counter() - t0)
+        notice(f"CPU decode compiled in {time.perf_counter() - t0:.0f}s: decoding at full speed now")
+        log.info("torch.compile's cache: %s", env.inductor_cache_dir())

@@ -15,8 +15,6 @@ Policies (the engine's `Kernels.cpu_gemm`, from `MINISGL_CPU_GEMM`):
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -24,10 +22,9 @@ POLICIES = ("auto", "mkl", "fp16")
 _ONEDNN_MAX_M = 64  # above this MKL's sgemm is already efficient (prefill)
 
 
-@functools.cache
-def _bf16_native() -> torch.dtype | None:
-    """torch.bfloat16 where oneDNN runs bf16 natively (AVX-512 BF16 / AMX), else None."""
-    return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else None
+# torch.bfloat16 where oneDNN runs bf16 natively (AVX-512 BF16 / AMX), else None. A constant, not a cached function:
+# torch.compile traces `linear` (the compiled CPU decode) and warns about a functools cache in its path.
+_BF16_NATIVE: torch.dtype | None = torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else None
 
 
 def invalidate(weight: torch.Tensor) -> None:
@@ -48,7 +45,7 @@ def _pack(weight: torch.Tensor, kind: str) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, policy: str) -> torch.Tensor:
     """F.linear(x, weight, bias), through the fastest kernel of `policy` for this shape."""
-    if x.device.type != "cpu" or policy == "mkl" or weight.dtype not in (torch.float32, _bf16_native()):
+    if x.device.type != "cpu" or policy == "mkl" or weight.dtype not in (torch.float32, _BF16_NATIVE):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]

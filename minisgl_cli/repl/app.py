@@ -273,8 +273,9 @@ def run_chat(client: EngineClient, session: ChatSession, view: ChatView, interac
     """Run the REPL to the end on a fresh event loop (terminal: prompt-toolkit; pipe: stdin lines)."""
     lines: LineSource = PromptLines(session, open_history(history_path())) if interactive else PipedLines()
     s = session.settings
-    view.ready(client.info, f"{'multi-turn' if s.multi_turn else 'single-turn (each prompt stands alone)'} · "
-                            f"temperature {s.temperature:g} · max {s.max_new_tokens} new tokens"
-                            + (f" · images: /image PATH ({vlm.name})" if vlm is not None else "")
-                            + (" · /help for commands, Ctrl-D to leave" if interactive else ""))
+    view.ready(client.info, [
+        "multi-turn" if s.multi_turn else "single-turn (each prompt stands alone)",
+        f"temperature {s.temperature:g}", f"max {s.max_new_tokens} new tokens",
+        *([f"images: /image PATH ({vlm.name})"] if vlm is not None else []),
+        *(["/help for commands, Ctrl-D to leave"] if interactive else [])])
     return asyncio.run(ChatApp(client, session, view, lines, vlm=vlm).run())

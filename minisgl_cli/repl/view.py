@@ -181,21 +181,33 @@ class ChatView:
                 self.note(message)
             yield
 
-    def ready(self, info: ModelInfo, settings_line: str) -> None:
+    def ready(self, info: ModelInfo, settings: list[str]) -> None:
+        """The header: what was loaded, then the chat's settings (`settings`: its parts)."""
         self.prefix_cache = info.prefix_cache
         kv = "n/a" if info.kv_tokens is None else f"{info.kv_tokens:,} tokens"
         if info.kv_cache_dtype not in ("", info.dtype):
             kv = f"{info.kv_cache_dtype} {kv}"
         if info.dp_size > 1:
             kv += f" over {info.dp_size} replicas"
-        self.note(
-            f"model {info.name} ({info.source}) · engine {info.engine} on {info.device} {info.dtype}"
-            f"{'' if info.quantization == 'none' else f' · {info.quantization} weights'} · "
-            f"attention {info.attention_backend} · KV pool {kv} · context {info.max_context_len:,} · "
-            f"loaded in {info.load_s:.1f}s",
-            style="green",
-        )
-        self.note(settings_line, style="dim")
+        model = [f"model {info.name} ({info.source})", f"engine {info.engine} on {info.device} {info.dtype}",
+                 *([] if info.quantization == "none" else [f"{info.quantization} weights"]),
+                 f"attention {info.attention_backend}", f"KV pool {kv}", f"context {info.max_context_len:,}",
+                 f"loaded in {info.load_s:.1f}s"]
+        self.note(self._dotted(model), style="green")
+        self.note(self._dotted(settings), style="dim")
+
+    def _dotted(self, parts: list[str]) -> str:
+        """Parts joined by ' · ', broken into lines between parts where the terminal is narrower (never a '·' left
+        dangling at a line's end); one line on a pipe."""
+        if not self.notes.is_terminal:
+            return " · ".join(parts)
+        lines = [parts[0]]
+        for part in parts[1:]:
+            if len(lines[-1]) + 3 + len(part) <= self.notes.width:
+                lines[-1] += " · " + part
+            else:
+                lines.append(part)
+        return "\n".join(lines)
 
     # --- turns ---------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from minisgl_cli.api import protocol as p
 from minisgl_cli.api.http_server import BackgroundServer
 from minisgl_cli.api.prometheus import escape_label, prometheus_family
+from minisgl_cli.notice import notice
 from minisgl_cli.router.workers import Worker, Workers
 from minisgl_cli.routing import Busy, NoReplica
 from minisgl_cli.runtime.supervisor import stop_on_signals
@@ -267,11 +268,12 @@ def run_router(app: FastAPI, host: str, port: int, log_level: str = "warning") -
     server = BackgroundServer(app, host, port, log_level=log_level, graceful_s=5)
     server.start(healthy=False)
     workers: Workers = app.state.workers
-    log.warning("minisgl router: %d workers (%s) on %s", len(workers.workers), workers.router.mode, server.url)
+    notice(f"router for {len(workers.workers)} workers ({workers.router.mode}) at {server.url} (OpenAI API at /v1)")
     with stop_on_signals() as stop:  # through the shutdown too: a second Ctrl-C must not cut it short
         try:
             while not stop.wait(0.2):
                 if not server.running():
                     raise RuntimeError("the HTTP server stopped")
+            notice("stopping")
         finally:
             server.stop()

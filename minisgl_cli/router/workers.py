@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from minisgl_cli.notice import notice
 from minisgl_cli.routing import Router
 
 log = logging.getLogger("minisgl.router")
@@ -55,7 +56,7 @@ class Workers:
 
     def put_back(self, w: Worker) -> None:
         if self.router.set_up(w.index, True):
-            log.warning("minisgl router: worker %s is %s", w.url, "up" if w.reason == "not checked yet" else "back")
+            notice(f"worker {w.url} is {'up' if w.reason == 'not checked yet' else 'back'}")
         w.reason = ""
 
     # --- health ----------------------------------------------------------------------------------

@@ -20,28 +20,25 @@ RuntimeMode = Literal["auto", "processes", "in-process"]
 class RuntimeConfig:
     mode: RuntimeMode = field(default="auto", metadata=dict(
         flags=("--runtime",), env="MINISGL_RUNTIME",
-        help="processes (API, tokenizer/detokenizer and one scheduler per TP rank over ZMQ) or in-process "
-             "(the scheduler on a thread); auto: processes for serve and whenever --tp, --dp or --nnodes > 1."))
+        help="processes (one per TP rank, over ZMQ), in-process, or auto."))
     num_tokenizer: int = field(default=0, metadata=dict(
         flags=("--num-tokenizer",), min=0, help="Processes: tokenizer workers (0 = the detokenizer tokenizes)."))
     tp_size: int = field(default=1, metadata=dict(
         flags=("--tp", "--tp-size"), min=1,
-        help="Tensor-parallel ranks, one scheduler process and device each (NCCL on CUDA, gloo on CPU)."))
+        help="Tensor-parallel ranks: one process and device each."))
     nnodes: int = field(default=1, metadata=dict(
         flags=("--nnodes",), min=1, help="Hosts the --tp ranks span (each runs --tp/--nnodes ranks)."))
     node_rank: int = field(default=0, metadata=dict(
         flags=("--node-rank",), min=0, help="This host's index; node 0 runs the API and rank 0."))
     dist_init_addr: str = field(default="127.0.0.1:29517", metadata=dict(
         flags=("--dist-init-addr",),
-        help="HOST:PORT where the ranks meet (torch.distributed's TCP store); replica i of --dp uses PORT+i."))
+        help="HOST:PORT where the ranks meet (--dp replica i: PORT+i)."))
     dp_size: int = field(default=1, metadata=dict(
         flags=("--dp", "--dp-size"), min=1,
-        help="Data parallel: engine replicas, each its own scheduler process(es) on its own --tp devices "
-             "(replica i: GPUs i*tp..i*tp+tp-1 of those visible), requests routed by --scheduler-mode."))
+        help="Data-parallel engine replicas, each on its own --tp devices."))
     scheduler_mode: SchedulerMode = field(default="rr", metadata=dict(
         flags=("--scheduler-mode",), env="SCHEDULER_MODE",
-        help="Routing across --dp replicas: rr, fsfs (first with a free slot), random, cache_aware (the "
-             "replica whose routed prompts share the longest prefix, unless it is much busier)."))
+        help="Routing across replicas: rr, fsfs, random, cache_aware."))
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "processes", "in-process"):

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from minisgl_cli import notice
 from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.runtime.config import RuntimeConfig
@@ -99,7 +100,7 @@ def _start(engine: EngineConfig, scheduler: SchedulerConfig, rt: RuntimeConfig, 
         for rank in dist.local_ranks():
             device = replica * dist.ranks_per_node + rank - first  # replica i: its own slice of the devices
             runtime.start(f"scheduler rank {rank}", run_rank,
-                          RankJob(rank, device, engine, scheduler, dist, ep, level, threads))
+                          RankJob(rank, device, engine, scheduler, dist, ep, level, threads, notice.shown()))
     except BaseException:
         runtime.shutdown()
         raise

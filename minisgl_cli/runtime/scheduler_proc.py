@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from minisgl_cli import notice
 from minisgl_cli.distributed import DistConfig
 from minisgl_cli.distributed.comm import broadcast_bytes, init_tp
 from minisgl_cli.engine.config import EngineConfig
@@ -41,6 +42,7 @@ class RankJob:
     endpoints: Endpoints
     log_level: int = logging.WARNING
     cpu_threads: int | None = None  # CPU: torch threads (this rank's share of the host's cores)
+    notices: bool = False  # print notices (minisgl_cli/notice.py): its command does
 
 
 def run_rank(job: RankJob) -> None:
@@ -56,7 +58,21 @@ def run_rank(job: RankJob) -> None:
         os._exit(0)
 
 
+def _no_process_locks() -> None:
+    """Give tqdm a thread lock before anything draws a bar (torch.compile's tracer does, even hidden): its default
+    is a multiprocessing lock, a named semaphore that this process, stopped by SIGTERM, would leave behind for
+    the resource tracker to warn about at the server's exit. No bar here is shared with another process."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def _start(job: RankJob, ctx: zmq.Context):
+    if job.notices and job.rank == 0:
+        notice.show()
+    _no_process_locks()
     import torch
 
     device = job.engine.resolved_device()

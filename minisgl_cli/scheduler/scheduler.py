@@ -66,7 +66,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.inbox: queue.SimpleQueue[ToScheduler | None] = queue.SimpleQueue()
         self.stats = SchedulerStats()
-        self._prefill_rate, self._decode_rate = RollingRate(), RollingRate()
+        self._prefill_rate, self._decode_rate = RollingRate(), RollingRate(active=True)
         self._last_was_decode = False
         on = spec.device.type == "cuda" or cfg.overlap_on_cpu
         self.overlap = on and not cfg.disable_overlap and not overlap_disabled_by_env()

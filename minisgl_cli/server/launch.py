@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from minisgl_cli.api.http_server import BackgroundServer
 from minisgl_cli.client.protocol import EngineClient
+from minisgl_cli.notice import notice
 from minisgl_cli.runtime.supervisor import stop_on_signals
 from minisgl_cli.server.app import create_app, json_metrics, shutdown_app
 from minisgl_cli.server.control import DEFAULT_ENDPOINT, ControlChannel
@@ -105,11 +106,13 @@ def serve(make_client: Callable[[threading.Event], EngineClient], settings: Serv
                 control.start()
             warm(client, cfg.warm_prefixes)
             starting.attach(app)
-            log.warning("minisgl serve: %s on %s (OpenAI API at /v1)", client.info.name, server.url)
+            notice(f"serving {client.info.name} at {server.url} (OpenAI API at /v1)")
             while not stop.wait(0.2):
                 reason = client.failure() or (None if server.running() else "the HTTP server stopped")
                 if reason is not None:
                     break
+            if reason is None:
+                notice("stopping")
         finally:
             server.stop()
             if control is not None:

@@ -170,7 +170,7 @@ class ServerMetrics:
                 ("kv_tokens_cached", sched.tokens_cached, "KV tokens held by the prefix cache."),
                 ("kv_tokens_in_use", sched.tokens_in_use, "KV tokens held by running requests."),
                 ("prefill_throughput_tokens_per_second", sched.prefill_tok_s, "Rolling prefill rate."),
-                ("decode_throughput_tokens_per_second", sched.decode_tok_s, "Rolling decode rate."),
+                ("decode_throughput_tokens_per_second", sched.decode_tok_s, "Decode speed of the last 10 s of steps."),
                 ("decode_compiling", sched.decode_compiling,
                  "Engines still compiling their CPU decode (--torch-compile); eager until then."),
             ))

@@ -76,7 +76,8 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
     def chunk(i: int, **kw: Any) -> str:
         return sse(p.chat_chunk(cid, ts, model, i, with_usage_field=with_usage, **kw))
 
-    streams = [ChoiceStream(how, names, body.parallel_tool_calls) for _ in range(body.n)]
+    timed = not ctx.client.info.has_tokenizer
+    streams = [ChoiceStream(how, names, body.parallel_tool_calls, timed) for _ in range(body.n)]
 
     def frames(i: int, d: Delta) -> list[str]:
         return [chunk(i, **kw) for kw in streams[i].feed(d)]
@@ -96,8 +97,11 @@ def _finish(final: Delta, calls: list[tools.Call]) -> str | None:
 class ChoiceStream:
     """One streamed chat choice: its deltas as chunk contents (text, tool-call pieces, logprobs, the end)."""
 
-    def __init__(self, how: str | None, names: set[str], parallel: bool | None):
+    def __init__(self, how: str | None, names: set[str], parallel: bool | None, token_only: bool = False):
         self.how, self.parallel = how, parallel
+        # Without a tokenizer every delta is token ids only: each is sent (empty content) so that clients can
+        # time the tokens. With one, text-less deltas (the EOS token, UTF-8 held back) send nothing.
+        self.token_only = token_only
         self.auto = tools.AutoStream(names) if how == "auto" else None
         self.held = ""  # a `required` reply: parsed once whole
         self.logprobs: list[TokenLogprob] = []  # not yet sent (their text is held back)
@@ -108,7 +112,7 @@ class ChoiceStream:
         out: list[dict[str, Any]] = []
         calls: list[tools.Call] = []
         if self.how is None:
-            if d.text or d.token_ids:  # token-only deltas too (no tokenizer, held-back UTF-8): clients time them
+            if d.text or (self.token_only and d.token_ids and not d.finish_reason):
                 out.append({"content": d.text})
         elif self.how.startswith("named:"):  # the text is the arguments: stream them as they come
             if d.text:
@@ -174,9 +178,10 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     offsets = [0] * len(reqs)
+    timed = not ctx.client.info.has_tokenizer  # as ChoiceStream.token_only
 
     def frames(i: int, d: Delta) -> list[str]:
-        if not (d.text or d.token_ids or d.finish_reason):  # token-only deltas count: clients time them
+        if not (d.text or d.finish_reason or (timed and d.token_ids)):  # no empty chunk, unless tokens are all
             return []
         lp = p.completion_logprobs(d.logprobs or [], offsets[i]) if with_lp else None
         offsets[i] += len(d.text)
