@@ -23,7 +23,6 @@ import torch
 
 from minisgl_cli.core.batch import ForwardBatch, Mode
 from minisgl_cli.engine.engine import Engine
-from minisgl_cli.engine.sampler import SamplingRow
 from minisgl_cli.env import disable_overlap_scheduling as overlap_disabled_by_env
 from minisgl_cli.messages import (
     AbortRequest,
@@ -136,8 +135,6 @@ class Scheduler:
         elif req.params.constrained and not self._compile(req):
             return
         else:
-            if req.params.seed is not None:
-                req.generator = torch.Generator(self.engine.device).manual_seed(req.params.seed)
             self.waiting.append(req)
 
     def _compile(self, req: Req) -> bool:
@@ -188,6 +185,7 @@ class Scheduler:
                 req.req_slot = self.engine.pool.alloc_req_slot()
                 if req.req_slot is None:
                     break
+                self.engine.admit_sampling(req.req_slot, req.params, req.input_ids, req.output_ids)
                 self.cache.match(req)
                 if not req.matched:
                     self._count_match(req)
@@ -289,10 +287,10 @@ class Scheduler:
                     self.waiting.remove(req)
                     self.running.append(req)
         self._last_was_decode = mode == "decode"
-        rows = [SamplingRow(r.params, r.generator, r.output_ids) for r in reqs]
-        if any(src_row >= 0 and _needs_history(r) for src_row, r in zip(src, reqs)):
-            # A penalty or grammar depends on the token the in-flight step is still sampling: run the
-            # forward, read that step while it runs (the CPU work still overlaps), then mask and sample.
+        rows = engine.sampling_batch(fb, req_slots, produces)
+        if any(src_row >= 0 and r.grammar is not None for src_row, r in zip(src, reqs)):
+            # A grammar depends on the token the in-flight step is still sampling: run the forward, read
+            # that step while it runs (the CPU work still overlaps), then mask and sample.
             logits = engine.forward(fb)
             unread, self._inflight = self._inflight, None
             assert unread is not None  # the src rows came from it
@@ -402,11 +400,6 @@ class Scheduler:
 
     def check_pages(self) -> None:
         self.cache.check(self.running + list(self.waiting))
-
-
-def _needs_history(req: Req) -> bool:
-    """Sampling for it depends on every earlier output token (penalties count them, a grammar follows them)."""
-    return req.params.penalized or req.grammar is not None
 
 
 def _attach_logprobs(o: TokenOutput, lp: RowLogprobs, top_n: int) -> None:
