@@ -14,7 +14,8 @@ from commands import common as c
 app = typer.Typer()
 
 _HELP = (
-    "Benchmark the engine against the HF transformers streaming baseline (same model, device, prompts, greedy).\n\n"
+    "Benchmark the engine against the HF transformers streaming baseline (same model, device, prompts; greedy "
+    "unless --temperature).\n\n"
     "With no flags it runs the reference suite: short / medium / long prompts (16 / 64 / 256 tokens) decoding up to "
     "256 / 512 / 1024 tokens on a GPU, and 32 / 64 / 128 tokens on a CPU so the whole run takes a few minutes; mixed "
     "prompts on, --repeat 3, --warmup 1, --concurrency 4; then it prints the reference stack's summary lines "
@@ -58,6 +59,12 @@ def bench(
     question_len: Annotated[int, typer.Option(
         "--question-len", help="Shared-prefix: tokens of each distinct question.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Workload and arrival seed.")] = 0,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", help="Every request's temperature (0 = greedy; e.g. 0.7 with --top-p 0.9 for a sampled "
+                              "run).")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Every request's top-p (1 = off).")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Every request's top-k (-1 = off).")] = -1,
+    min_p: Annotated[float, typer.Option("--min-p", help="Every request's min-p (0 = off).")] = 0.0,
     baseline: Annotated[Optional[list[str]], typer.Option(
         "--baseline", help="hf-stream (default) and/or hf-batched; repeatable.")] = None,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the HF baselines.")] = False,
@@ -94,6 +101,7 @@ def bench(
     from minisgl_cli import env
     from minisgl_cli.bench.report import print_report, write_plot
     from minisgl_cli.bench.suite import BenchConfig, run_offline, run_online
+    from minisgl_cli.bench.workloads import Sampling
 
     c.setup_logging(verbose)
     if url and engine:
@@ -124,6 +132,7 @@ def bench(
             request_rate=request_rate,
             max_concurrency=max_concurrency,
             served_model=served_model_name,
+            sampling=Sampling(temperature, top_p, top_k, min_p),
         )
     except ValueError as exc:
         c.fail(str(exc))

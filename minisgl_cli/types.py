@@ -278,6 +278,7 @@ class ModelInfo:
     dp_size: int = 1  # engine replicas behind the client (max_running and kv_tokens are then their sums)
     quantization: str = "none"  # how the linear weights are held: none (dense in dtype), int4, int8, fp8
     kv_cache_dtype: str = ""  # the KV pool's element type (bfloat16, float8_e4m3fn, ...); "" = dtype
+    sampler: str = ""  # our engine's cut-and-draw implementation (torch, triton); "" where another library samples
 
     @property
     def has_tokenizer(self) -> bool:

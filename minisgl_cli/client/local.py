@@ -139,5 +139,5 @@ def engine_info(e: Engine, scheduler: Scheduler) -> ModelInfo:
         str(loaded.model_dir) if loaded.model_dir is not None else None, mc.vocab_size, e.pool.page_size,
         scheduler.max_running, e.max_context_len, e.pool.num_pages * e.pool.page_size, loaded.load_s,
         scheduler.overlap, tuple(sorted(scheduler.eos)), e.tp.size, "sgl" if e.kernels.sgl is not None else "torch",
-        quantization=e.quantization, kv_cache_dtype=str(e.kv_dtype).removeprefix("torch."),
+        quantization=e.quantization, kv_cache_dtype=str(e.kv_dtype).removeprefix("torch."), sampler=e.sampler.name,
     )

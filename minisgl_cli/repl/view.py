@@ -188,10 +188,11 @@ class ChatView:
             kv = f"{info.kv_cache_dtype} {kv}"
         if info.dp_size > 1:
             kv += f" over {info.dp_size} replicas"
+        sampler = f" · sampler {info.sampler}" if info.sampler else ""
         self.note(
             f"model {info.name} ({info.source}) · engine {info.engine} on {info.device} {info.dtype}"
             f"{'' if info.quantization == 'none' else f' · {info.quantization} weights'} · "
-            f"attention {info.attention_backend} · KV pool {kv} · context {info.max_context_len:,} · "
+            f"attention {info.attention_backend}{sampler} · KV pool {kv} · context {info.max_context_len:,} · "
             f"loaded in {info.load_s:.1f}s",
             style="green",
         )

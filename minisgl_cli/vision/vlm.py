@@ -333,9 +333,12 @@ def _generate(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, rid
         pad_token_id=loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else (eos or [0])[0],
     )
     if not params.greedy:
-        gen.update(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0))
+        gen.update(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+                   min_p=params.min_p or None)
     else:  # the model's generation_config may carry sampling defaults: greedy ignores them
         gen.update(temperature=None, top_p=None, top_k=None)
+    if params.repetition_penalized:  # transformers' spans prompt and output, as the engine's does
+        gen["repetition_penalty"] = params.repetition_penalty
     if params.ignore_eos:
         gen["min_new_tokens"] = max_new
     error = None
