@@ -13,7 +13,7 @@ from minisgl_cli.types import SamplingParams
 
 V = 100
 CPU = torch.device("cpu")
-SAMPLER = create_sampler(CPU)
+SAMPLER = create_sampler(CPU, V)
 
 
 def _state(*params: SamplingParams, vocab: int = V, prompts: list[list[int]] | None = None,

@@ -123,7 +123,7 @@ class Engine:
         )
         # Every request's sampling parameters on the device, by page-table row (written at admission).
         self.sampling = SamplingState(cfg.max_running_requests, mc.vocab_size, self.device, self.host, cfg.seed)
-        self.sampler = create_sampler(self.device, cfg.sampler)
+        self.sampler = create_sampler(self.device, mc.vocab_size, cfg.sampler)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             if not cfg.disable_cuda_graph and getattr(self.attn, "supports_cuda_graph", False):

@@ -12,12 +12,15 @@ engine/triton_sampling.py).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from minisgl_cli.engine.sampling_state import Need, RowParams, SamplingBatch, SamplingState
+
+log = logging.getLogger("minisgl.sampler")
 
 
 @dataclass
@@ -145,14 +148,18 @@ class Sampler:
     draw: DrawFn
 
 
-def create_sampler(device: torch.device, choice: str = "auto") -> Sampler:
-    """`triton` on CUDA where Triton imports (auto), else the exact `torch` path."""
+def create_sampler(device: torch.device, vocab: int, choice: str = "auto") -> Sampler:
+    """`triton` on CUDA where Triton imports and its kernel compiles (auto; compiled here, not on the first
+    request), else the exact `torch` path."""
     if choice in ("auto", "triton") and device.type == "cuda":
         try:
-            from minisgl_cli.engine.triton_sampling import triton_draw
-        except ImportError:
+            from minisgl_cli.engine.triton_sampling import triton_draw, warm
+
+            warm(vocab, device)
+        except Exception as exc:
             if choice == "triton":
                 raise
+            log.warning("triton sampler unavailable (%s: %s); sampling with torch", type(exc).__name__, exc)
         else:
             return Sampler("triton", triton_draw)
     elif choice == "triton":
