@@ -4,11 +4,13 @@ overlap scheduling draws the same tokens whatever shares its batch. Skipped with
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from minisgl_cli.core.host import HostBuffers
-from minisgl_cli.engine.sampler import cut, torch_draw
+from minisgl_cli.engine.sampler import cut, rejection_draw, torch_draw
 from minisgl_cli.engine.sampling_state import SamplingState
 from minisgl_cli.types import SamplingParams
 
@@ -28,7 +30,8 @@ CASES = [
 ]
 
 
-def _draws(logits: torch.Tensor, p: SamplingParams, n: int, triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _draws(logits: torch.Tensor, p: SamplingParams, n: int, triton: bool,
+           draw=None) -> tuple[torch.Tensor, torch.Tensor]:
     """n draws of one row (a new position each) and the row's kept distribution."""
     from minisgl_cli.engine.triton_sampling import triton_draw
 
@@ -39,7 +42,7 @@ def _draws(logits: torch.Tensor, p: SamplingParams, n: int, triton: bool) -> tup
                         torch.arange(n, dtype=torch.int32, device=DEV), [True] * n)
     params = state.params(batch.slots)
     rows = logits.expand(n, v).contiguous()
-    ids = (triton_draw if triton else torch_draw)(rows, params, batch)
+    ids = (draw or (triton_draw if triton else torch_draw))(rows, params, batch)
     kept = cut(rows[:1].float() / p.temperature, state.params(batch.slots[:1]), batch)[0]
     return ids, kept.softmax(-1)
 
@@ -77,6 +80,18 @@ def test_triton_without_a_cut_draws_the_torch_paths_tokens():
     p = SamplingParams(temperature=0.8, seed=11)
     a, _ = _draws(logits, p, 4096, True)
     b, _ = _draws(logits, p, 4096, False)
+    assert (a == b).double().mean() > 0.99
+
+
+@pytest.mark.parametrize("p", [c for c in CASES if c.top_k < 0], ids=lambda p: f"p{p.top_p}-m{p.min_p}")
+def test_triton_draws_the_cpu_rejection_paths_tokens(p):
+    """Without a top-k (the CPU draws top-k rows from their candidates instead) the kernel and the CPU's torch path
+    run one rejection scheme on the same uniforms: the same tokens, up to summation order."""
+    g = torch.Generator(DEV).manual_seed(2)
+    logits = (torch.randn(1, 151936, device=DEV, generator=g) * 4).to(torch.bfloat16)
+    p = dataclasses.replace(p, seed=5)
+    a, _ = _draws(logits, p, 2048, True)
+    b, _ = _draws(logits, p, 2048, False, draw=rejection_draw)
     assert (a == b).double().mean() > 0.99
 
 

@@ -4,10 +4,20 @@ row's logprobs are of the distribution its token was drawn from, and a plain bat
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from minisgl_cli.core.host import HostBuffers
-from minisgl_cli.engine.sampler import Sampled, apply_token_bitmask, create_sampler, cut, sample
+from minisgl_cli.engine.sampler import (
+    Sampled,
+    Sampler,
+    apply_token_bitmask,
+    create_sampler,
+    cut,
+    rejection_draw,
+    sample,
+    torch_draw,
+)
 from minisgl_cli.engine.sampling_state import SamplingBatch, SamplingState
 from minisgl_cli.types import SamplingParams
 
@@ -61,25 +71,29 @@ def test_sampled_frequencies_match_the_softmax():
     assert _chi2(counts, logits[0].softmax(-1).double()) > 100  # the test can tell temperature 1 from 0.8
 
 
-def test_cut_draws_follow_the_kept_distribution():
-    """top-k 4 + top-p 0.45 (the one that binds: 3 tokens) + min-p 0.05 over 12 tokens: draws land only on the
-    kept tokens, in their proportions."""
+@pytest.mark.parametrize("top_k", [4, -1])
+@pytest.mark.parametrize("sampler", [Sampler("cpu", rejection_draw), Sampler("mask", torch_draw)],
+                         ids=lambda s: s.name)
+def test_cut_draws_follow_the_kept_distribution(sampler, top_k):
+    """top-p 0.45 (the cut that binds: 3 tokens) + min-p 0.05, with or without top-k 4, over 12 tokens: draws land
+    only on the kept tokens, in their proportions (the CPU path draws the top-k row from its candidates, the other
+    by rejection)."""
     torch.manual_seed(1)
     logits = torch.randn(1, 12) * 1.5
-    p = SamplingParams(temperature=1.0, top_k=4, top_p=0.45, min_p=0.05, seed=9)
+    p = SamplingParams(temperature=1.0, top_k=top_k, top_p=0.45, min_p=0.05, seed=9)
     probs = logits[0].softmax(-1)
     order = probs.argsort(descending=True)
     keep = torch.zeros(12, dtype=torch.bool)
     mass = 0.0
     for rank, t in enumerate(order.tolist()):
-        if rank < 4 and mass <= 0.45 and probs[t] >= 0.05 * probs.max():
+        if (top_k < 0 or rank < top_k) and mass <= 0.45 and probs[t] >= 0.05 * probs.max():
             keep[t] = True
         mass += float(probs[t])
     want = torch.where(keep, probs, 0.0)
     want /= want.sum()
     n = 20000
     state = _state(p, vocab=12)
-    ids = sample(logits.expand(n, 12), _batch(state, [0] * n, list(range(n))), state, SAMPLER).next_ids
+    ids = sample(logits.expand(n, 12), _batch(state, [0] * n, list(range(n))), state, sampler).next_ids
     counts = torch.bincount(ids, minlength=12).double()
     assert set(ids.unique().tolist()) == set(keep.nonzero()[:, 0].tolist())
     assert keep.sum() == 3 and _chi2(counts, want.double()) < 13.8  # 2 degrees of freedom, 0.1% quantile

@@ -5,9 +5,10 @@ Every row's parameters come from the device-side `SamplingState` (gathered by th
 decides, from facts known at admission, which of these ops the step runs, so a step never reads a device value.
 A draw is the inverse CDF, in token-id order, of the row's kept distribution at a uniform number hashed from
 (seed, position of the drawn token): the same seed gives the same tokens whatever else shares the batch, with
-no per-request generator. Two implementations of the cut and draw: `torch` (exact; every device, a sort of the
-vocabulary only for a top-p row without a top-k of at most MAX_BOUNDED_TOP_K) and `triton` (CUDA, no sort:
-engine/triton_sampling.py).
+no per-request generator. Implementations of the cut and draw, all exact: `triton` (CUDA: by rejection, no sort,
+engine/triton_sampling.py), and `torch`: on the CPU top-k candidates or the same rejection scheme (a host check
+per round is free there), on a GPU without Triton the cut as a mask (a sort of the vocabulary only for a top-p
+row without a top-k of at most MAX_BOUNDED_TOP_K beside it) and one draw, reading nothing back.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl_cli.engine.sampling_state import Need, RowParams, SamplingBatch, SamplingState
+from minisgl_cli.engine.sampling_state import MAX_BOUNDED_TOP_K, Need, RowParams, SamplingBatch, SamplingState
 
 log = logging.getLogger("minisgl.sampler")
 
@@ -118,22 +119,71 @@ def cut(scaled: torch.Tensor, p: RowParams, batch: SamplingBatch) -> torch.Tenso
     return scaled
 
 
-def draw(kept: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def draw_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF in token-id order: the first token whose cumulative weight passes u times the total."""
-    weights = (kept - kept.max(dim=-1, keepdim=True).values).exp()
-    cdf = weights.cumsum(dim=-1)
-    x = (u * cdf[:, -1])[:, None]
-    ids = torch.searchsorted(cdf, x, right=True)[:, 0].clamp_(max=kept.shape[-1] - 1)
-    # u * total may round up to the total: then no entry passes it; take the most likely token instead.
-    ok = weights.gather(1, ids[:, None])[:, 0] > 0
-    return torch.where(ok, ids, kept.argmax(dim=-1))
+    # fp64 on the CPU: an fp32 sum over a flat vocabulary rounds by more than a small weight (a tiny change of
+    # the logits, e.g. another batch size's GEMM, would then move the draw).
+    cdf = weights.double().cumsum(dim=-1) if weights.device.type == "cpu" else weights.cumsum(dim=-1)
+    x = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    ids = torch.searchsorted(cdf, x, right=True)[:, 0].clamp_(max=weights.shape[-1] - 1)
+    # u * total may round up to the total: then no entry passes it; take the last token of weight > 0.
+    last = weights.shape[-1] - 1 - (weights.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
+    return torch.where(weights.gather(1, ids[:, None])[:, 0] > 0, ids, last)
+
+
+def draw(kept: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A draw from the kept distribution (logits, -inf outside it)."""
+    return draw_weights((kept - kept.max(dim=-1, keepdim=True).values).exp(), u)
 
 
 def torch_draw(logits: torch.Tensor, p: RowParams, batch: SamplingBatch) -> torch.Tensor:
-    """The exact path: temperature, the cut, then the inverse-CDF draw (sampled rows; greedy rows get the argmax)."""
+    """Temperature, the cut as a mask, then the inverse-CDF draw (sampled rows; greedy rows get the argmax): the
+    torch path on a GPU without Triton, where it never reads a device value."""
     kept = cut(logits / p.temperature[:, None], p, batch)
     drawn = draw(kept, uniform(p.seed_lo, p.seed_hi, batch.positions))
     return torch.where(p.greedy, logits.argmax(dim=-1), drawn)
+
+
+def rejection_draw(logits: torch.Tensor, p: RowParams, batch: SamplingBatch) -> torch.Tensor:
+    """The CPU's torch path. A row with a top-k cut of at most MAX_BOUNDED_TOP_K draws from its candidates (topk,
+    no sort of the vocabulary); any other sampled row by the Triton kernel's rejection scheme
+    (engine/triton_sampling.py: exact, no sort, the same uniforms round by round). Which rows are done is read on
+    the host each round: free on the CPU, where a sort of the vocabulary costs ten rounds or more. The split is by
+    each row's own parameters, so a row draws alike whatever shares its batch."""
+    scaled = logits.float() / p.temperature[:, None]
+    out = scaled.argmax(dim=-1)
+    sampled = ~p.greedy
+    bounded = sampled & (p.top_k < scaled.shape[-1]) & (p.top_k <= MAX_BOUNDED_TOP_K)  # top_k = vocab: no cut
+    if bounded.any():
+        rows = bounded.nonzero()[:, 0]
+        sub = RowParams(*(getattr(p, f)[rows] for f in RowParams.__dataclass_fields__))
+        kept = _cut_bounded(scaled[rows], sub.top_k, sub.top_p, int(sub.top_k.max()))
+        if batch.needs & Need.MIN_P:
+            kept = _min_p(kept, sub.min_p)
+        out[rows] = draw(kept, uniform(sub.seed_lo, sub.seed_hi, batch.positions[rows]))
+    rows = (sampled & ~bounded).nonzero()[:, 0]
+    if not rows.numel():
+        return out
+    scaled, top_k, top_p = scaled[rows], p.top_k[rows], p.top_p[rows]
+    seed_lo, seed_hi, positions = p.seed_lo[rows], p.seed_hi[rows], batch.positions[rows]
+    top = scaled.gather(1, out[rows][:, None])
+    weights = (scaled - top).exp()
+    total = weights.sum(dim=-1)
+    support = weights.masked_fill(scaled < top + p.min_p[rows].log()[:, None], 0.0)  # min-p
+    todo = torch.arange(rows.shape[0], device=logits.device)  # rows (of `rows`) not yet accepted
+    low = torch.full((rows.shape[0],), float("-inf"), device=logits.device)  # the support is s > low
+    rnd = 0
+    while todo.numel():
+        s = scaled[todo]
+        w = support[todo].masked_fill(s <= low[:, None], 0.0)
+        ids = draw_weights(w, uniform(seed_lo[todo], seed_hi[todo], positions[todo], rnd))
+        picked = s.gather(1, ids[:, None])
+        above = s > picked
+        ok = (above.sum(dim=-1) < top_k[todo]) & ((weights[todo] * above).sum(dim=-1) <= top_p[todo] * total[todo])
+        out[rows[todo[ok]]] = ids[ok]
+        todo, low = todo[~ok], picked[~ok, 0]
+        rnd += 1
+    return out
 
 
 # What draws a step's tokens: (fp32 or model-dtype logits after penalties / masks, the rows, the batch) -> [B] ids.
@@ -150,7 +200,7 @@ class Sampler:
 
 def create_sampler(device: torch.device, vocab: int, choice: str = "auto") -> Sampler:
     """`triton` on CUDA where Triton imports and its kernel compiles (auto; compiled here, not on the first
-    request), else the exact `torch` path."""
+    request), else `torch`: on the CPU `rejection_draw`, elsewhere the cut as a mask (`torch_draw`)."""
     if choice in ("auto", "triton") and device.type == "cuda":
         try:
             from minisgl_cli.engine.triton_sampling import triton_draw, warm
@@ -164,7 +214,7 @@ def create_sampler(device: torch.device, vocab: int, choice: str = "auto") -> Sa
             return Sampler("triton", triton_draw)
     elif choice == "triton":
         raise ValueError("the triton sampler needs CUDA")
-    return Sampler("torch", torch_draw)
+    return Sampler("torch", rejection_draw if device.type == "cpu" else torch_draw)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, state: SamplingState, sampler: Sampler,
