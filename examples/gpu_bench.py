@@ -239,14 +239,7 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
             row(
                 model=tag,
                 workload="batch-1 decode",
-                engine="minisgl",
-                dtypes=dtype_tag(engine),
-                backend=engine.attn.name,
-                sampling=sampling_label(sampling),
-                sampler=engine.sampler.name,
-                graphs=graphs,
-                overlap=ovl,
-                fused=engine.kernels.fused,
+                **setting(engine, sampling, graphs, ovl),
                 pdl=engine.kernels.pdl,
                 tok_s=round(tps, 1),
                 step_ms=round(1e3 / tps, 3),
@@ -271,14 +264,7 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
                 row(
                     model=tag,
                     workload="nano-vllm preset",
-                    engine="minisgl",
-                    dtypes=dtype_tag(engine),
-                    backend=engine.attn.name,
-                    sampling=sampling_label(sampling),
-                    sampler=engine.sampler.name,
-                    graphs=graphs,
-                    overlap=ovl,
-                    fused=engine.kernels.fused,
+                    **setting(engine, sampling, graphs, ovl),
                     tok_s=round(st.tokens / st.wall, 1),
                     wall_s=round(st.wall, 2),
                     prefill_phase_s=round(st.all_started, 2),
@@ -290,10 +276,11 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
             with_graphs(engine, True, saved)
 
 
-def sampling_label(sampling: dict | None) -> str:
-    if not sampling:
-        return "greedy"
-    return " ".join(f"{k}={v:g}" for k, v in sampling.items())
+def setting(engine: Engine, sampling: dict | None, graphs: bool, overlap: bool) -> dict:
+    """The fields naming what an engine row ran: dtypes, kernels, sampling, graphs, overlap."""
+    label = " ".join(f"{k}={v:g}" for k, v in sampling.items()) if sampling else "greedy"
+    return dict(engine="minisgl", dtypes=dtype_tag(engine), backend=engine.attn.name, sampling=label,
+                sampler=engine.sampler.name, graphs=graphs, overlap=overlap, fused=engine.kernels.fused)
 
 
 def pdl_off(engine: Engine, tag: str) -> None:
