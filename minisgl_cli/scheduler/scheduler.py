@@ -182,6 +182,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) + len(reqs) >= self.max_running:
                 break
             if req.req_slot is None:
+                if any(r.input_ids == req.input_ids for r in reqs):
+                    continue  # the same prompt (n > 1 choices): next step, from the cache this step fills
                 req.req_slot = self.engine.pool.alloc_req_slot()
                 if req.req_slot is None:
                     break
