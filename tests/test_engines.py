@@ -67,8 +67,8 @@ def test_a_serial_engine_refuses_the_flags_of_ours_in_one_line(engine):
 def test_auto_is_mlx_on_apple_silicon_with_mlx_lm_else_torch(monkeypatch, caplog):
     def auto(apple: bool, mlx: bool) -> str:
         backends._auto.cache_clear()
-        monkeypatch.setattr(engines, "apple_silicon", lambda: apple)
-        monkeypatch.setattr(engines, "mlx_available", lambda: mlx)
+        monkeypatch.setattr(backends, "apple_silicon", lambda: apple)
+        monkeypatch.setattr(backends, "mlx_available", lambda: mlx)
         return backends.resolve("auto")
 
     try:
