@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minisgl_cli.core.host import HostBuffers
-from minisgl_cli.engine.sampler import cut, rejection_draw, torch_draw
+from minisgl_cli.engine.sampler import cpu_draw, cut, torch_draw
 from minisgl_cli.engine.sampling_state import SamplingState
 from minisgl_cli.types import SamplingParams
 
@@ -91,7 +91,7 @@ def test_triton_draws_the_cpu_rejection_paths_tokens(p):
     logits = (torch.randn(1, 151936, device=DEV, generator=g) * 4).to(torch.bfloat16)
     p = dataclasses.replace(p, seed=5)
     a, _ = _draws(logits, p, 2048, True)
-    b, _ = _draws(logits, p, 2048, False, draw=rejection_draw)
+    b, _ = _draws(logits, p, 2048, False, draw=cpu_draw)
     assert (a == b).double().mean() > 0.99
 
 

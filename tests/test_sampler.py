@@ -12,9 +12,9 @@ from minisgl_cli.engine.sampler import (
     Sampled,
     Sampler,
     apply_token_bitmask,
+    cpu_draw,
     create_sampler,
     cut,
-    rejection_draw,
     sample,
     torch_draw,
 )
@@ -72,7 +72,7 @@ def test_sampled_frequencies_match_the_softmax():
 
 
 @pytest.mark.parametrize("top_k", [4, -1])
-@pytest.mark.parametrize("sampler", [Sampler("cpu", rejection_draw), Sampler("mask", torch_draw)],
+@pytest.mark.parametrize("sampler", [Sampler("cpu", cpu_draw), Sampler("mask", torch_draw)],
                          ids=lambda s: s.name)
 def test_cut_draws_follow_the_kept_distribution(sampler, top_k):
     """top-p 0.45 (the cut that binds: 3 tokens) + min-p 0.05, with or without top-k 4, over 12 tokens: draws land

@@ -144,7 +144,7 @@ def torch_draw(logits: torch.Tensor, p: RowParams, batch: SamplingBatch) -> torc
     return torch.where(p.greedy, logits.argmax(dim=-1), drawn)
 
 
-def rejection_draw(logits: torch.Tensor, p: RowParams, batch: SamplingBatch) -> torch.Tensor:
+def cpu_draw(logits: torch.Tensor, p: RowParams, batch: SamplingBatch) -> torch.Tensor:
     """The CPU's torch path. A row with a top-k cut of at most MAX_BOUNDED_TOP_K draws from its candidates (topk,
     no sort of the vocabulary); any other sampled row by the Triton kernel's rejection scheme
     (engine/triton_sampling.py: exact, no sort, the same uniforms round by round). Which rows are done is read on
@@ -200,7 +200,7 @@ class Sampler:
 
 def create_sampler(device: torch.device, vocab: int, choice: str = "auto") -> Sampler:
     """`triton` on CUDA where Triton imports and its kernel compiles (auto; compiled here, not on the first
-    request), else `torch`: on the CPU `rejection_draw`, elsewhere the cut as a mask (`torch_draw`)."""
+    request), else `torch`: on the CPU `cpu_draw`, elsewhere the cut as a mask (`torch_draw`)."""
     if choice in ("auto", "triton") and device.type == "cuda":
         try:
             from minisgl_cli.engine.triton_sampling import triton_draw, warm
@@ -214,7 +214,7 @@ def create_sampler(device: torch.device, vocab: int, choice: str = "auto") -> Sa
             return Sampler("triton", triton_draw)
     elif choice == "triton":
         raise ValueError("the triton sampler needs CUDA")
-    return Sampler("torch", rejection_draw if device.type == "cpu" else torch_draw)
+    return Sampler("torch", cpu_draw if device.type == "cpu" else torch_draw)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, state: SamplingState, sampler: Sampler,
