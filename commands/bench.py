@@ -17,7 +17,8 @@ online = c.in_panel(c.ONLINE_PANEL)
 scheduler = c.in_panel(c.SCHEDULER_PANEL)
 
 _HELP = (
-    "Benchmark the engine against the HF transformers streaming baseline (same model, device, prompts, greedy).\n\n"
+    "Benchmark the engine against the HF transformers streaming baseline (same model, device, prompts; greedy "
+    "unless --temperature).\n\n"
     "With no flags it runs the reference suite: short / medium / long prompts (16 / 64 / 256 tokens) decoding up to "
     "256 / 512 / 1024 tokens on a GPU, and 32 / 64 / 128 tokens on a CPU so the whole run takes a few minutes; mixed "
     "prompts on, --repeat 3, --warmup 1, --concurrency 4; then it prints the reference stack's summary lines "
@@ -53,6 +54,11 @@ def bench(
     prefix_len: Annotated[int, workload("--prefix-len", help="Shared-prefix: system prompt tokens.")] = 400,
     question_len: Annotated[int, workload("--question-len", help="Shared-prefix: tokens per question.")] = 16,
     seed: Annotated[int, workload("--seed", help="Workload seed.")] = 0,
+    temperature: Annotated[float, workload("--temperature",
+        help="Every request's temperature (0 = greedy; e.g. 0.7 with --top-p 0.9).")] = 0.0,
+    top_p: Annotated[float, workload("--top-p", help="Every request's top-p (1 = off).")] = 1.0,
+    top_k: Annotated[int, workload("--top-k", help="Every request's top-k (-1 = off).")] = -1,
+    min_p: Annotated[float, workload("--min-p", help="Every request's min-p (0 = off).")] = 0.0,
     baseline: Annotated[Optional[list[str]], workload(
         "--baseline", help="hf-stream (default), hf-batched; repeatable.")] = None,
     no_baseline: Annotated[bool, workload("--no-baseline", help="Skip the HF baselines.")] = False,
@@ -80,6 +86,7 @@ def bench(
     from minisgl_cli import env
     from minisgl_cli.bench.report import print_report, write_plot
     from minisgl_cli.bench.suite import BenchConfig, run_offline, run_online
+    from minisgl_cli.bench.workloads import Sampling
 
     c.setup_logging(verbose)
     if url and engine:
@@ -110,6 +117,7 @@ def bench(
             request_rate=request_rate,
             max_concurrency=max_concurrency,
             served_model=served_model_name,
+            sampling=Sampling(temperature, top_p, top_k, min_p),
         )
     except ValueError as exc:
         c.fail(str(exc))

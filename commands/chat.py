@@ -13,6 +13,12 @@ from commands import common as c
 app = typer.Typer()
 
 
+def _positive(value: float) -> float:
+    if not value > 0:
+        raise typer.BadParameter("must be > 0")
+    return value
+
+
 @app.command("chat")
 @c.engine_options((*c.MODEL, "max_total_tokens", "cache", *c.RUNTIME))
 def chat(
@@ -22,6 +28,11 @@ def chat(
     temperature: Annotated[
         float, typer.Option("--temperature", "-t", min=0.0, metavar="<float>", help="0 = greedy.")
     ] = 0.0,
+    min_p: Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help=(
+        "Sampling: drop tokens less likely than this times the most likely one (0 = off)."))] = 0.0,
+    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", callback=_positive, help=(
+        "Divide positive logits (multiply negative ones) of tokens already in the prompt or reply (1 = off)."
+    ))] = 1.0,
     system: Annotated[
         Optional[str], typer.Option("--system", "-s", help="System prompt (default: the model's own).")
     ] = None,
@@ -58,8 +69,9 @@ def chat(
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     out = Console(highlight=False, soft_wrap=not interactive)
     view = ChatView(out, out if interactive else Console(stderr=True, highlight=False, soft_wrap=True), verbose)
-    settings = ChatSettings(max_new_tokens=max_new_tokens, temperature=temperature, system=system,
-                            multi_turn=multi_turn, logprobs=verbose)
+    settings = ChatSettings(max_new_tokens=max_new_tokens, temperature=temperature, min_p=min_p,
+                            repetition_penalty=repetition_penalty, system=system, multi_turn=multi_turn,
+                            logprobs=verbose)
     vlm = VlmChat(vlm_model, env.media_device()) if vlm_model else None
     try:
         if vlm is not None:  # first: on a GPU the engine then sizes its KV pool from the memory left

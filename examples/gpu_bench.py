@@ -13,6 +13,8 @@ Workloads:
     max_new_tokens=min_new_tokens=100 (HF cannot stop rows at different lengths; every preset request
     wants >= 100 tokens, so all 25,600 count). Short contexts flatter HF: it never reaches the long ones.
   * batch-1 decode: one 128-token prompt, 512 new tokens; tok/s over the decode part (first to last token).
+  * sampled rows: every preset row (and the default batch-1 row) runs again with sampled requests
+    (--temperature 0.7 --top-p 0.9 by default; --top-k, --min-p), printed beside the greedy one with the ratio.
 Variants switch CUDA graphs, overlap scheduling and the fused ops off one at a time to show what each buys;
 `wait` is the time the scheduler spent blocked on the GPU (reading tokens), `cpu/step` the rest per step.
 
@@ -44,6 +46,7 @@ from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
 from minisgl_cli.types import SamplingParams
 
 ROWS: list[dict] = []
+SAMPLED: dict = {}  # the sampled rows' SamplingParams fields (from the flags)
 
 
 def row(**kw) -> None:
@@ -100,7 +103,7 @@ class RunStats:
 
 
 def run_requests(engine: Engine, prompts: list[list[int]], out_lens: list[int], overlap: bool,
-                 prefill_tokens: int = 16384, profile_steps: int = 0) -> RunStats:
+                 prefill_tokens: int = 16384, profile_steps: int = 0, sampling: dict | None = None) -> RunStats:
     got = [0]
     stamps: list[float] = []
     left = [len(prompts)]
@@ -126,7 +129,8 @@ def run_requests(engine: Engine, prompts: list[list[int]], out_lens: list[int], 
     PHASES.clear()
     t0 = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, out_lens)):
-        sched.handle(AddRequest(f"r{i}", p, SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.0)))
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True, **(sampling or {}))
+        sched.handle(AddRequest(f"r{i}", p, params))
     steps = 0
     prof = cprof = None
     while left[0] > 0:
@@ -228,23 +232,19 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
         with_graphs(engine, graphs, saved)
         prompt = [[g.randint(0, 10000) for _ in range(128)]]
         run_requests(engine, prompt, [16], overlap=ovl)
-        st = run_requests(engine, prompt, [512], overlap=ovl)
-        tps = (st.tokens - 1) / (st.last_tok - st.first_tok)
-        row(
-            model=tag,
-            workload="batch-1 decode",
-            engine="minisgl",
-            dtypes=dtype_tag(engine),
-            backend=engine.attn.name,
-            graphs=graphs,
-            overlap=ovl,
-            fused=engine.kernels.fused,
-            pdl=engine.kernels.pdl,
-            tok_s=round(tps, 1),
-            step_ms=round(1e3 / tps, 3),
-            cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
-            split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()},
-        )
+        for sampling in [None, SAMPLED] if graphs and ovl else [None]:
+            st = run_requests(engine, prompt, [512], overlap=ovl, sampling=sampling)
+            tps = (st.tokens - 1) / (st.last_tok - st.first_tok)
+            row(
+                model=tag,
+                workload="batch-1 decode",
+                **setting(engine, sampling, graphs, ovl),
+                pdl=engine.kernels.pdl,
+                tok_s=round(tps, 1),
+                step_ms=round(1e3 / tps, 3),
+                cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
+                split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()},
+            )
         if profile and graphs and ovl:  # where a batch-1 step's GPU time goes
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 run_requests(engine, prompt, [9], overlap=ovl)
@@ -255,28 +255,31 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
         prompts, outs = preset()
         for graphs, ovl in preset_variants:
             with_graphs(engine, graphs, saved)
-            st = run_requests(
-                engine, prompts, outs, overlap=ovl, profile_steps=3 if (profile and graphs and ovl) else 0
-            )
-            assert st.tokens == sum(outs), (st.tokens, sum(outs))
-            row(
-                model=tag,
-                workload="nano-vllm preset",
-                engine="minisgl",
-                dtypes=dtype_tag(engine),
-                backend=engine.attn.name,
-                graphs=graphs,
-                overlap=ovl,
-                fused=engine.kernels.fused,
-                tok_s=round(st.tokens / st.wall, 1),
-                wall_s=round(st.wall, 2),
-                prefill_phase_s=round(st.all_started, 2),
-                steps=st.steps,
-                wait_s=round(st.wait, 2),
-                cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
-                split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()},
-            )
+            for sampling in (None, SAMPLED):  # a sampled row beside every greedy one
+                st = run_requests(engine, prompts, outs, overlap=ovl,
+                                  profile_steps=3 if (profile and graphs and ovl and sampling is None) else 0,
+                                  sampling=sampling)
+                assert st.tokens == sum(outs), (st.tokens, sum(outs))
+                row(
+                    model=tag,
+                    workload="nano-vllm preset",
+                    **setting(engine, sampling, graphs, ovl),
+                    tok_s=round(st.tokens / st.wall, 1),
+                    wall_s=round(st.wall, 2),
+                    prefill_phase_s=round(st.all_started, 2),
+                    steps=st.steps,
+                    wait_s=round(st.wait, 2),
+                    cpu_ms_per_step=round(1e3 * (st.wall - st.wait) / st.steps, 3),
+                    split_ms_per_step={k: round(1e3 * v / st.steps, 3) for k, v in PHASES.items()},
+                )
             with_graphs(engine, True, saved)
+
+
+def setting(engine: Engine, sampling: dict | None, graphs: bool, overlap: bool) -> dict:
+    """The fields naming what an engine row ran: dtypes, kernels, sampling, graphs, overlap."""
+    label = " ".join(f"{k}={v:g}" for k, v in sampling.items()) if sampling else "greedy"
+    return dict(engine="minisgl", dtypes=dtype_tag(engine), backend=engine.attn.name, sampling=label,
+                sampler=engine.sampler.name, graphs=graphs, overlap=overlap, fused=engine.kernels.fused)
 
 
 def pdl_off(engine: Engine, tag: str) -> None:
@@ -594,12 +597,18 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8_e4m3"], help="every engine's KV cache dtype")
     ap.add_argument("--quantization", choices=["auto", "none", "fp8"], help="every engine's linear weights")
+    ap.add_argument("--temperature", type=float, default=0.7, help="the sampled rows' temperature")
+    ap.add_argument("--top-p", type=float, default=0.9, help="the sampled rows' top-p")
+    ap.add_argument("--top-k", type=int, default=-1, help="the sampled rows' top-k (-1: off)")
+    ap.add_argument("--min-p", type=float, default=0.0, help="the sampled rows' min-p (0: off)")
     ap.add_argument("--fp8", action="store_true",
                     help="each model in bf16 and its FP8 settings, side by side (implies --main-only)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     only = set(args.only.split(","))
     BACKEND[0] = args.attention_backend
+    SAMPLED.update(temperature=args.temperature, top_p=args.top_p)
+    SAMPLED.update({k: v for k, v, off in (("top_k", args.top_k, -1), ("min_p", args.min_p, 0.0)) if v != off})
     DTYPES.update({k: v for k, v in (("kv_cache_dtype", args.kv_cache_dtype), ("quantization", args.quantization))
                    if v is not None})
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
@@ -691,8 +700,19 @@ def main() -> None:
             print("  ".join(f"{k}={v}" for k, v in r.items()))
     table = {}  # (model, workload) -> {dtypes: tok/s}, the engine rows of the default variant
     for r in ROWS:
-        if r.get("engine") == "minisgl" and r.get("graphs") and r.get("overlap") and r.get("fused", True):
+        if r.get("engine") == "minisgl" and r.get("graphs") and r.get("overlap") and r.get("fused", True) \
+                and r.get("sampling", "greedy") == "greedy":
             table.setdefault((r["model"], r["workload"]), {})[r["dtypes"]] = r["tok_s"]
+    greedy: dict = {}  # sampled rows next to the greedy row of the same setting: their ratio
+    for r in ROWS:
+        if r.get("engine") == "minisgl" and "sampling" in r:
+            key = tuple(r.get(k) for k in ("model", "workload", "dtypes", "graphs", "overlap", "fused", "pdl"))
+            if r["sampling"] == "greedy":
+                greedy[key] = r["tok_s"]
+            elif key in greedy:
+                print(f"sampled {r['model']:<13} {r['workload']:<17} {r['dtypes']:<9} graphs={r['graphs']} "
+                      f"overlap={r['overlap']} {r['sampling']} ({r['sampler']}): {r['tok_s']:,.1f} tok/s = "
+                      f"{r['tok_s'] / greedy[key]:.2f} x greedy ({greedy[key]:,.1f})")
     cols = ["bf16", "fp8-kv", "fp8-w", "fp8-w+kv"]
     if any(len(v) > 1 for v in table.values()):
         print("\n==== output tok/s by dtypes (" + torch.cuda.get_device_name() + ") ====")

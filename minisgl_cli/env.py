@@ -69,6 +69,11 @@ def cpu_gemm() -> str:
     return _text("MINISGL_CPU_GEMM") or "auto"
 
 
+def sampler() -> str:
+    """MINISGL_SAMPLER: the sampler's cut-and-draw implementation (auto, torch, triton; see engine/sampler.py)."""
+    return _text("MINISGL_SAMPLER") or "auto"
+
+
 def torch_compile() -> Any:
     """MINISGL_TORCH_COMPILE: the default of --torch-compile (auto, on, off; EngineConfig checks the value)."""
     return _text("MINISGL_TORCH_COMPILE") or "auto"

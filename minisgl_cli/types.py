@@ -37,12 +37,16 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 means no top-k cut
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (0 = off)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # HF / vLLM semantics over the prompt and the output so far: a positive logit is divided by it, a negative one
+    # multiplied (1 = off).
+    repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     logprobs: bool = False  # report each output token's logprob (from the distribution the sampler drew from)
     top_logprobs: int = 0  # and the n most likely alternatives at each position (0..20)
@@ -65,6 +69,12 @@ class SamplingParams:
             raise ValueError("temperature must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError("top_k must be -1 (off), 0 (off) or a positive count")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError("repetition_penalty must be > 0")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         if sum(x is not None for x in (self.json_schema, self.regex, self.ebnf)) > 1:
@@ -85,8 +95,13 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Presence or frequency penalty on: sampling depends on every earlier output token."""
+        """Presence or frequency penalty on: sampling depends on how often each token was output."""
         return bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def repetition_penalized(self) -> bool:
+        """Repetition penalty on: sampling depends on which tokens the prompt and output hold."""
+        return self.repetition_penalty != 1.0
 
 
 @dataclass
@@ -276,6 +291,7 @@ class ModelInfo:
     dp_size: int = 1  # engine replicas behind the client (max_running and kv_tokens are then their sums)
     quantization: str = "none"  # how the linear weights are held: none (dense in dtype), int4, int8, fp8
     kv_cache_dtype: str = ""  # the KV pool's element type (bfloat16, float8_e4m3fn, ...); "" = dtype
+    sampler: str = ""  # our engine's cut-and-draw implementation (torch, triton); "" where another library samples
 
     @property
     def has_tokenizer(self) -> bool:

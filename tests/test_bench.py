@@ -208,6 +208,19 @@ def test_online_runner_streams_and_limits_concurrency(fake_url):
     assert body["stream"] and body["ignore_eos"] and body["prompt"] == "hi there" and body["max_tokens"] == 3
 
 
+def test_online_runner_sends_the_sampling_knobs(fake_url):
+    from minisgl_cli.bench.online import HttpTarget
+
+    url, state = fake_url
+    sampling = wl.Sampling(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05)
+    HttpTarget(url).run(wl.Case("t", [wl.BenchRequest([1], 3, sampling=sampling)]), 1, lambda: None)
+    body = state["bodies"][-1]
+    assert (body["temperature"], body["top_p"], body["top_k"], body["min_p"]) == (0.7, 0.9, 20, 0.05)
+    assert sampling.label == "t=0.7 top_p=0.9 top_k=20 min_p=0.05" and wl.Sampling().label == "greedy"
+    with pytest.raises(ValueError, match="min_p"):
+        wl.Sampling(temperature=1.0, min_p=2.0)
+
+
 def test_online_poisson_arrivals_spread_requests(fake_url):
     from minisgl_cli.bench.online import HttpTarget
 
@@ -298,6 +311,18 @@ def test_offline_bench_vs_hf_stream_end_to_end(tmp_path):
     except ImportError:
         assert any("llama-cpp-python is not installed" in n for n in doc["notes"])
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_offline_bench_samples_when_asked(tmp_path):
+    out_json = tmp_path / "bench.json"
+    result = _invoke([*TINY, "--no-baseline", "--temperature", "0.7", "--top-p", "0.9", "--output-json",
+                      str(out_json)])
+    assert "sampling=t=0.7 top_p=0.9" in result.output
+    doc = json.loads(out_json.read_text())
+    assert doc["meta"]["config"]["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0}
+    (r,) = doc["results"]
+    assert r["completed"] == 2 and r["failed"] == 0
 
 
 @pytest.mark.slow

@@ -341,6 +341,14 @@ def _minisgl(args: list[str], stdin: str, home) -> subprocess.CompletedProcess:
                           text=True, env=env, timeout=300)
 
 
+def test_sampling_flags_reach_the_request_and_bad_ones_are_refused(tmp_path):
+    p = ChatSettings(temperature=0.7, min_p=0.1, repetition_penalty=1.2).sampling()
+    assert (p.temperature, p.min_p, p.repetition_penalty) == (0.7, 0.1, 1.2)
+    for flag, value in (("--min-p", "2"), ("--repetition-penalty", "0")):
+        res = _minisgl(["chat", flag, value], "", tmp_path)
+        assert res.returncode == 2 and flag in res.stderr, res.stderr
+
+
 @pytest.mark.slow
 def test_piped_stdin_prints_plain_reply(tmp_path):
     res = _minisgl(["chat", "--max-new-tokens", "8", "--max-total-tokens", "2048"], f"{FACT}\n", tmp_path)

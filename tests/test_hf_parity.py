@@ -23,13 +23,13 @@ PROMPTS = [
 ]
 
 
-def hf_greedy(model_dir, prompt_ids: list[list[int]], n: int) -> list[list[int]]:
+def hf_greedy(model_dir, prompt_ids: list[list[int]], n: int, **options) -> list[list[int]]:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for ids in prompt_ids:
             gen = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                              pad_token_id=0, min_new_tokens=n)
+                              pad_token_id=0, min_new_tokens=n, **options)
             out.append(gen[0, len(ids):].tolist())
     return out
 
@@ -37,9 +37,11 @@ def hf_greedy(model_dir, prompt_ids: list[list[int]], n: int) -> list[list[int]]
 EXACT = dict(dtype="float32", quantization="none")  # the mode that equals HF fp32 token for token
 
 
-def ours_greedy(model_dir, prompt_ids: list[list[int]], n: int, **kw) -> list[list[int]]:
+def ours_greedy(model_dir, prompt_ids: list[list[int]], n: int, repetition_penalty: float = 1.0,
+                **kw) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True, repetition_penalty=repetition_penalty)
     with LLM(str(model_dir), attention_backend="torch", **EXACT, **kw) as llm:
-        res = llm.generate(prompt_ids, [SamplingParams(max_new_tokens=n, ignore_eos=True)] * len(prompt_ids))
+        res = llm.generate(prompt_ids, [params] * len(prompt_ids))
         llm.client.check_pages()
     return [r.token_ids for r in res]
 
@@ -60,3 +62,14 @@ def test_tiny_models_greedy_match_hf(tiny_model_dirs, arch):
     theirs = hf_greedy(model_dir, ids, 24)
     assert len({tuple(t) for t in theirs}) > 1, "degenerate tiny model: outputs do not depend on the prompt"
     assert ours_greedy(model_dir, ids, 24) == theirs
+
+
+def test_repetition_penalty_matches_hf(tiny_model_dirs):
+    """HF's repetition penalty (over prompt and output; positive logits divided, negative multiplied), token for
+    token, with the requests batched together on our side (each row its own seen-token set)."""
+    model_dir = tiny_model_dirs["qwen2"]
+    g = torch.Generator().manual_seed(2)
+    ids = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 17, 33)]
+    theirs = hf_greedy(model_dir, ids, 24, repetition_penalty=1.5)
+    assert theirs != hf_greedy(model_dir, ids, 24), "the penalty changed nothing: the test could not tell"
+    assert ours_greedy(model_dir, ids, 24, repetition_penalty=1.5) == theirs

@@ -164,6 +164,22 @@ def test_logit_bias_steers_the_choice(server_url, default_model_dir):
     assert r.choices[0].logprobs.tokens == [Tokenizer(default_model_dir).token_text(72)] * 3
 
 
+def test_min_p_and_repetition_penalty_as_extra_fields(server_url):
+    """sglang / vLLM's extra fields: min_p 1 keeps only the most likely token (a draw equals greedy); a strong
+    repetition penalty steers a repetitive greedy continuation elsewhere (and /generate takes both)."""
+    client = oai(server_url)
+    kw = dict(model="default", prompt="one one one one one", max_tokens=12)
+    greedy = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    top_only = client.completions.create(**kw, temperature=1.0, seed=3, extra_body={"min_p": 1.0, "ignore_eos": True})
+    assert top_only.choices[0].text == greedy
+    rep = client.completions.create(**kw, extra_body={"repetition_penalty": 2.0, "ignore_eos": True}).choices[0].text
+    assert rep != greedy
+    body = {"prompt": kw["prompt"], "max_new_tokens": 12, "ignore_eos": True, "stream": False,
+            "temperature": 1.0, "min_p": 1.0, "repetition_penalty": 2.0}
+    r = httpx.post(f"{server_url}/generate", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["text"] == rep
+
+
 def test_generate_structured_and_logprobs_stream(server_url):
     body = {"messages": ASK, "max_new_tokens": 24, "json_schema": {"type": "object", "properties": {
         "city": {"type": "string", "enum": ["Paris", "Lyon"]}}, "required": ["city"], "additionalProperties": False},

@@ -1,31 +1,209 @@
-"""The sampler's logprobs, logit bias and grammar masks on random logits: each row's logprobs are the
-log-softmax of the distribution its token was drawn from, and a plain batch costs nothing extra."""
+"""The sampler on random logits, with its real device-side state: draws follow the softmax (chi-square), top-k /
+top-p / min-p keep exactly their tokens, penalties equal a plain reference, seeded rows ignore the batch, each
+row's logprobs are of the distribution its token was drawn from, and a plain batch costs nothing extra."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from minisgl_cli.engine.sampler import SamplingRow, apply_token_bitmask, sample
+from minisgl_cli.core.host import HostBuffers
+from minisgl_cli.engine.sampler import (
+    Sampled,
+    Sampler,
+    apply_token_bitmask,
+    cpu_draw,
+    create_sampler,
+    cut,
+    sample,
+    torch_draw,
+)
+from minisgl_cli.engine.sampling_state import SamplingBatch, SamplingState
 from minisgl_cli.types import SamplingParams
 
 V = 100
+CPU = torch.device("cpu")
+SAMPLER = create_sampler(CPU, V)
 
 
-def _rows(*params: SamplingParams, seed: int = 0) -> list[SamplingRow]:
-    return [SamplingRow(p, torch.Generator().manual_seed(seed + i) if p.seed is not None else None, [])
-            for i, p in enumerate(params)]
+def _state(*params: SamplingParams, vocab: int = V, prompts: list[list[int]] | None = None,
+           outputs: list[list[int]] | None = None) -> SamplingState:
+    state = SamplingState(max(len(params), 1), vocab, CPU, HostBuffers())
+    for slot, p in enumerate(params):
+        state.admit(slot, p, prompts[slot] if prompts else [1], outputs[slot] if outputs else [])
+    return state
+
+
+def _batch(state: SamplingState, slots: list[int], positions: list[int] | None = None) -> SamplingBatch:
+    pos = torch.tensor(positions if positions is not None else [7] * len(slots))
+    return state.batch(slots, torch.tensor(slots), pos, [True] * len(slots))
+
+
+def _sample(logits: torch.Tensor, *params: SamplingParams, bitmask: torch.Tensor | None = None) -> Sampled:
+    state = _state(*params, vocab=logits.shape[-1])
+    return sample(logits, _batch(state, list(range(len(params)))), state, SAMPLER, bitmask)
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
 def test_plain_batch_computes_no_logprobs():
     logits = torch.randn(3, V)
-    out = sample(logits, _rows(SamplingParams(), SamplingParams(), SamplingParams()))
+    out = _sample(logits, SamplingParams(), SamplingParams(), SamplingParams())
     assert out.lp_rows is None and out.logprob is None and out.top_ids is None
     assert out.next_ids.tolist() == logits.argmax(-1).tolist()
 
 
+def test_sampled_frequencies_match_the_softmax():
+    """20k draws of one row (a new position each) over 10 tokens: chi-square with 9 degrees of freedom stays
+    below its 0.1% quantile (27.9); a wrong temperature or an off-by-one mask lands far above it."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 10) * 2
+    n = 20000
+    state = _state(SamplingParams(temperature=0.8, seed=5), vocab=10)
+    batch = _batch(state, [0] * n, list(range(n)))
+    ids = sample(logits.expand(n, 10), batch, state, SAMPLER).next_ids
+    counts = torch.bincount(ids, minlength=10).double()
+    assert _chi2(counts, (logits[0] / 0.8).softmax(-1).double()) < 27.9
+    assert _chi2(counts, logits[0].softmax(-1).double()) > 100  # the test can tell temperature 1 from 0.8
+
+
+@pytest.mark.parametrize("top_k", [4, -1])
+@pytest.mark.parametrize("sampler", [Sampler("cpu", cpu_draw), Sampler("mask", torch_draw)],
+                         ids=lambda s: s.name)
+def test_cut_draws_follow_the_kept_distribution(sampler, top_k):
+    """top-p 0.45 (the cut that binds: 3 tokens) + min-p 0.05, with or without top-k 4, over 12 tokens: draws land
+    only on the kept tokens, in their proportions (the CPU path draws the top-k row from its candidates, the other
+    by rejection)."""
+    torch.manual_seed(1)
+    logits = torch.randn(1, 12) * 1.5
+    p = SamplingParams(temperature=1.0, top_k=top_k, top_p=0.45, min_p=0.05, seed=9)
+    probs = logits[0].softmax(-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros(12, dtype=torch.bool)
+    mass = 0.0
+    for rank, t in enumerate(order.tolist()):
+        if (top_k < 0 or rank < top_k) and mass <= 0.45 and probs[t] >= 0.05 * probs.max():
+            keep[t] = True
+        mass += float(probs[t])
+    want = torch.where(keep, probs, 0.0)
+    want /= want.sum()
+    n = 20000
+    state = _state(p, vocab=12)
+    ids = sample(logits.expand(n, 12), _batch(state, [0] * n, list(range(n))), state, sampler).next_ids
+    counts = torch.bincount(ids, minlength=12).double()
+    assert set(ids.unique().tolist()) == set(keep.nonzero()[:, 0].tolist())
+    assert keep.sum() == 3 and _chi2(counts, want.double()) < 13.8  # 2 degrees of freedom, 0.1% quantile
+
+
+def _kept(logits: torch.Tensor, p: SamplingParams) -> set[int]:
+    state = _state(p, vocab=logits.shape[-1])
+    batch = _batch(state, [0])
+    params = state.params(batch.slots)
+    return set(torch.isfinite(cut(logits / p.temperature, params, batch))[0].nonzero()[:, 0].tolist())
+
+
+def test_top_k_top_p_min_p_keep_exactly_their_tokens():
+    torch.manual_seed(2)
+    logits = torch.randn(1, V) * 3
+    probs = logits[0].softmax(-1)
+    order = probs.argsort(descending=True).tolist()
+    assert _kept(logits, SamplingParams(temperature=1.0, top_k=7)) == set(order[:7])
+    before = probs[order].cumsum(0) - probs[order]
+    n_p = int((before <= 0.5).sum())
+    assert _kept(logits, SamplingParams(temperature=1.0, top_p=0.5)) == set(order[:n_p])  # the sort path
+    # top_k bounds the candidates (the topk path): the same set as the sort gives
+    assert _kept(logits, SamplingParams(temperature=1.0, top_p=0.5, top_k=50)) == set(order[:min(n_p, 50)])
+    floor = 0.1 * probs.max()
+    assert _kept(logits, SamplingParams(temperature=1.0, min_p=0.1)) == set((probs >= floor).nonzero()[:, 0].tolist())
+    assert _kept(logits, SamplingParams(temperature=1.0)) == set(range(V))
+
+
+def test_mixed_batch_cuts_each_row_by_its_own_params():
+    """A top-p row beside a top-k row and an uncut row: each keeps its own set (the sort path serves all three)."""
+    torch.manual_seed(3)
+    logits = torch.randn(3, V) * 3
+    ps = [SamplingParams(temperature=1.0, top_p=0.6), SamplingParams(temperature=1.0, top_k=5),
+          SamplingParams(temperature=1.0)]
+    state = _state(*ps)
+    batch = _batch(state, [0, 1, 2])
+    kept = torch.isfinite(cut(logits, state.params(batch.slots), batch))
+    for row, p in enumerate(ps):
+        assert set(kept[row].nonzero()[:, 0].tolist()) == _kept(logits[row : row + 1], p)
+
+
+def _reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
+    """HF / vLLM repetition penalty over prompt + output, then OpenAI presence / frequency over the output, then
+    the bias."""
+    out = logits.clone()
+    for t in set(prompt) | set(output):
+        out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+    for t in set(output):
+        out[t] -= p.presence_penalty + p.frequency_penalty * output.count(t)
+    for t, b in (p.logit_bias or {}).items():
+        out[t] += b
+    return out
+
+
+def test_penalties_equal_a_plain_reference():
+    torch.manual_seed(4)
+    logits = torch.randn(3, V) * 3
+    prompts = [[1, 2, 3, 2], [5, 6], [9]]
+    outputs = [[3, 4, 4, 7], [6, 6, 6], []]
+    ps = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25, logprobs=True),
+          SamplingParams(repetition_penalty=0.7, logit_bias={0: 2.0, 6: -1.5}, logprobs=True),
+          SamplingParams(frequency_penalty=1.0, logprobs=True)]
+    # The outputs reach the state two ways: row 0 at admission (as after a retraction), rows 1-2 by `record`.
+    state = SamplingState(3, V, CPU, HostBuffers())
+    state.admit(0, ps[0], prompts[0], outputs[0])
+    state.admit(1, ps[1], prompts[1], [])
+    state.admit(2, ps[2], prompts[2], [])
+    for tok in outputs[1]:
+        b = state.batch([1], torch.tensor([1]), torch.tensor([0]), [True])
+        state.record(b, torch.tensor([tok]))
+    batch = _batch(state, [0, 1, 2])
+    got = logits.clone()
+    state.penalize(got, batch, state.params(batch.slots))
+    for row in range(3):
+        want = _reference_penalties(logits[row], prompts[row], outputs[row], ps[row])
+        torch.testing.assert_close(got[row], want)
+    # and the logprobs report the penalized distribution
+    out = sample(logits, batch, state, SAMPLER)
+    assert torch.allclose(out.logprob, got.log_softmax(-1).gather(1, out.next_ids[:, None])[:, 0])
+
+
+def test_record_skips_rows_that_drew_no_token():
+    """A prompt chunk's row draws nothing real: its token must not count."""
+    state = _state(SamplingParams(frequency_penalty=1.0), SamplingParams(frequency_penalty=1.0))
+    b = state.batch([0, 1], torch.tensor([0, 1]), torch.tensor([3, 3]), [True, False])
+    state.record(b, torch.tensor([4, 5]))
+    assert state.counts is not None
+    assert state.counts[0, 4] == 1 and state.counts[1].sum() == 0
+
+
+def test_seeded_row_draws_the_same_tokens_in_any_batch():
+    torch.manual_seed(5)
+    logits = torch.randn(1, V)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
+    others = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(), SamplingParams(temperature=1.0, min_p=0.1)]
+    alone_state = _state(seeded)
+    alone = [int(sample(logits, _batch(alone_state, [0], [pos]), alone_state, SAMPLER).next_ids[0])
+             for pos in range(40)]
+    mixed_state = _state(*others, seeded)
+    mixed = []
+    for pos in range(40):
+        batch = _batch(mixed_state, [3, 0, 1, 2], [pos, 11, 12, 13])
+        mixed.append(int(sample(torch.cat([logits, torch.randn(3, V)]), batch, mixed_state, SAMPLER).next_ids[0]))
+    assert alone == mixed
+    assert len(set(alone)) > 5  # really sampled
+
+
 def test_greedy_logprob_is_the_top_entry():
     logits = torch.randn(2, V)
-    out = sample(logits, _rows(SamplingParams(logprobs=True, top_logprobs=5), SamplingParams()))
+    out = _sample(logits, SamplingParams(logprobs=True, top_logprobs=5), SamplingParams())
     assert out.lp_rows == [0]
     want = logits[0].log_softmax(-1)
     tok = int(out.next_ids[0])
@@ -37,8 +215,7 @@ def test_greedy_logprob_is_the_top_entry():
 
 def test_sampled_logprob_is_of_the_tempered_cut_distribution():
     logits = torch.randn(1, V)
-    p = SamplingParams(temperature=0.7, top_k=10, seed=3, logprobs=True, top_logprobs=12)
-    out = sample(logits, _rows(p))
+    out = _sample(logits, SamplingParams(temperature=0.7, top_k=10, seed=3, logprobs=True, top_logprobs=12))
     scaled = logits[0] / 0.7
     kth = scaled.topk(10).values[-1]
     want = scaled.masked_fill(scaled < kth, float("-inf")).log_softmax(-1)
@@ -48,9 +225,9 @@ def test_sampled_logprob_is_of_the_tempered_cut_distribution():
     assert torch.isinf(out.top_logprobs[0, 10:]).all()  # past top-k: impossible tokens
 
 
-def test_logit_bias_and_penalties_shape_the_distribution():
+def test_logit_bias_shapes_the_distribution():
     logits = torch.zeros(1, V)
-    out = sample(logits, _rows(SamplingParams(logit_bias={7: 5.0, 8: -100.0}, logprobs=True)))
+    out = _sample(logits, SamplingParams(logit_bias={7: 5.0, 8: -100.0}, logprobs=True))
     assert out.next_ids.tolist() == [7]
     want = torch.zeros(V)
     want[7], want[8] = 5.0, -100.0
@@ -63,7 +240,7 @@ def test_bitmask_allows_only_its_tokens():
     mask = torch.zeros(2, words, dtype=torch.int32)
     mask[0, 1] = 1 << 3  # row 0: token 35 only
     mask[1] = -1  # row 1: everything
-    out = sample(logits, _rows(SamplingParams(logprobs=True), SamplingParams()), bitmask=mask)
+    out = _sample(logits, SamplingParams(logprobs=True), SamplingParams(), bitmask=mask)
     assert out.next_ids.tolist() == [35, int(logits[1].argmax())]
     assert abs(out.logprob[0].item()) < 1e-6  # the only allowed token has probability 1
     masked = logits.clone()

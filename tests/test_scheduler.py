@@ -159,3 +159,31 @@ def test_running_request_shares_its_prompt_before_it_finishes(tiny_model_dirs, p
         assert a_last.finish_reason == "length"  # A was still running when B matched
         assert b.stats.cached_tokens == len(system) - len(system) % page_size
         settle(llm)
+
+
+def test_same_prompt_admitted_together_is_prefilled_once(tiny_model_dirs):
+    """n > 1 choices arrive as requests with one prompt: the first prefills it, the others start from the cache it
+    fills (one token each) and, greedy, give its tokens."""
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.messages import AddRequest
+    from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    outs: dict[str, list[int]] = {}
+
+    def sink(msg):
+        for o in msg.outputs:
+            if o.token_id is not None:
+                outs.setdefault(o.rid, []).append(o.token_id)
+
+    sched = Scheduler(Engine(EngineConfig(model=str(tiny_model_dirs["llama"]), max_total_tokens=4096)),
+                      SchedulerConfig(), sink)
+    ids = list(range(500, 590))
+    for i in range(3):  # in the inbox together, as a request with n = 3 puts them
+        sched.handle(AddRequest(f"c{i}", ids, SamplingParams(max_new_tokens=5, ignore_eos=True)))
+    while sched.waiting or sched.running or sched._inflight:
+        sched.step()
+    s = sched.snapshot()
+    assert s.prefill_tokens == len(ids) + 2 and s.cache_hit_tokens == 2 * (len(ids) - 1)
+    assert outs["c0"] == outs["c1"] == outs["c2"] and len(outs["c0"]) == 5
+    sched.check_pages()

@@ -170,6 +170,7 @@ def test_metrics_json_and_prometheus(server_url):
     assert m["server"]["inflight"] == 0
     assert m["latency"]["window"] > 0 and m["latency"]["ttft_ms"]["p50"] > 0 and m["latency"]["e2e_ms"]["p99"] > 0
     assert "completion_tok_s" in m["throughput"]
+    assert m["engine"]["sampler"] == "torch" and m["engine"]["attention_backend"] == "torch"  # the CPU's kernels
     for r in (httpx.get(f"{server_url}/metrics?format=prometheus", timeout=30),
               httpx.get(f"{server_url}/metrics", headers={"Accept": "text/plain"}, timeout=30)):
         assert r.headers["content-type"].startswith("text/plain")
@@ -178,6 +179,7 @@ def test_metrics_json_and_prometheus(server_url):
         assert re.search(r"^minisgl_cache_hit_tokens_total\{[^}]*\} \d+$", text, re.M)
         assert re.search(r'^minisgl_time_to_first_token_seconds_bucket\{.*le="\+Inf"\} [1-9]', text, re.M)
         assert "minisgl_e2e_request_latency_seconds_count" in text
+        assert re.search(r'^minisgl_engine_info\{.*sampler="torch".*\} 1$', text, re.M)
 
 
 def test_auth(auth_url):

@@ -26,6 +26,11 @@ CASES = [
     (CHAT, {"messages": MSG, "max_tokens": 100_000}, 400),
     (CHAT, {"messages": MSG, "temperature": -0.5}, 400),
     (CHAT, {"messages": MSG, "top_p": 0}, 400),
+    (CHAT, {"messages": MSG, "min_p": 2}, 400),
+    (CHAT, {"messages": MSG, "repetition_penalty": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "min_p": -0.1}, 400),
+    ("/generate", {"prompt": "hi", "repetition_penalty": 0}, 400),
+    ("/generate", {"prompt": "hi", "min_p": 2}, 400),
     (CHAT, {"messages": MSG, "n": 0}, 400),
     (CHAT, {"messages": MSG, "seed": 2**70}, 400),
     (CHAT, {"messages": MSG, "model": "gpt-9"}, 404),
@@ -88,6 +93,7 @@ def assert_openai_error(r: httpx.Response, status: int) -> dict:
     ({"tools": "nope"}, "tools"), ({"logit_bias": {"abc": "zzz"}}, "logit_bias.abc"),
     ({"frobnicate": 1}, "frobnicate"), ({"audio": {}}, "audio"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"regex": "((("}, "regex"), ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
 ])
 def test_bad_field_errors_name_the_field(server_url, body, param):
     err = assert_openai_error(httpx.post(f"{server_url}{CHAT}", json={"messages": MSG, **body}, timeout=60), 400)

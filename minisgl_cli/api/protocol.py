@@ -124,11 +124,16 @@ class _Sampling(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy (the default).")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOKENS_LIMIT, description="Extension; -1 or 0 = off.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="Extension (sglang, vLLM): drop tokens less "
+                                "likely than min_p times the most likely one; 0 = off.")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP, description="Extension.")
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, description=(
+        "Extension (sglang, vLLM): over the prompt and the output so far, a positive logit is divided by it and "
+        "a negative one multiplied; 1 = off."))
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
     logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         None, max_length=1024, description="Token id -> bias in [-100, 100] added to its logit before sampling.",
@@ -171,12 +176,14 @@ class _Sampling(_Strict):
             temperature=self.temperature if self.temperature is not None else 0.0,
             top_p=self.top_p if self.top_p is not None else 1.0,
             top_k=self.top_k if self.top_k is not None else -1,
+            min_p=self.min_p or 0.0,
             seed=seed,
             stop=[s for s in stop if s],
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
             **(extra or {}),
         )

@@ -57,6 +57,9 @@ class HFModel:
             max_new_tokens=params.max_new_tokens, do_sample=sample, pad_token_id=self.pad_id,
             temperature=params.temperature if sample else None, top_p=params.top_p if sample else None,
             top_k=max(params.top_k, 0) if sample else None,  # 0: no top-k cut (the config's default is 50)
+            min_p=params.min_p if sample and params.min_p else None,
+            # HF's repetition penalty spans prompt and output, as ours does.
+            repetition_penalty=params.repetition_penalty if params.repetition_penalized else None,
             # Nothing may end it early (ignore_eos): it runs to max_new_tokens, EOS kept from being drawn.
             eos_token_id=eos or self.eos_ids or None, min_new_tokens=None if eos else params.max_new_tokens,
         )

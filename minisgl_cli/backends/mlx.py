@@ -120,10 +120,11 @@ class MLXClient(SerialClient):
 
     def _check(self, req: GenerateRequest) -> None:
         p = req.params
-        # mlx-lm's presence / frequency penalties look at a window of 20 tokens, prompt included: not OpenAI's.
+        # mlx-lm's presence / frequency / repetition penalties look at a window of 20 tokens, prompt included: not
+        # OpenAI's (nor HF's, for the repetition penalty).
         refuse(self.engine, {
             "logprobs": p.wants_logprobs, "presence_penalty": bool(p.presence_penalty),
-            "frequency_penalty": bool(p.frequency_penalty),
+            "frequency_penalty": bool(p.frequency_penalty), "repetition_penalty": p.repetition_penalized,
             "json_schema": p.json_schema is not None, "regex": p.regex is not None, "ebnf": p.ebnf is not None,
         })
 
@@ -146,7 +147,7 @@ class MLXClient(SerialClient):
         cached = len(ids) - len(rest)
         if params.seed is not None:
             mx.random.seed(params.seed)  # one request at a time: the global generator is this one's
-        sampler = make_sampler(params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0))
+        sampler = make_sampler(params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=max(params.top_k, 0))
         processors = make_logits_processors(logit_bias=params.logit_bias) if params.logit_bias else None
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos))

@@ -14,7 +14,6 @@ from minisgl_cli.bench.metrics import RequestTiming
 from minisgl_cli.bench.offline import EngineTarget
 from minisgl_cli.bench.target import OnDone, RunOutput
 from minisgl_cli.bench.workloads import BenchRequest, Case
-from minisgl_cli.types import SamplingParams
 
 BASELINES = ("hf-stream", "hf-batched")
 PEERS = ("llama-cpp",)
@@ -75,7 +74,7 @@ class HFBatchedTarget:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                params = SamplingParams(max_new_tokens=new, ignore_eos=all(r.ignore_eos for r in reqs))
+                params = reqs[0].sampling.params(new, all(r.ignore_eos for r in reqs))
                 out = hf.model.generate(input_ids=ids.to(hf.device), attention_mask=mask.to(hf.device),
                                         **hf.gen_kwargs(params))
         except Exception as exc:
@@ -131,7 +130,9 @@ class LlamaCppTarget(_OneAtATime):
                          seed=0, verbose=False)
 
     def _one(self, req: BenchRequest) -> RequestTiming:
-        kwargs: dict[str, Any] = {"max_tokens": req.max_new_tokens, "temperature": 0.0, "stream": True}
+        sp = req.sampling
+        kwargs: dict[str, Any] = {"max_tokens": req.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+                                  "top_k": max(sp.top_k, 0), "min_p": sp.min_p, "stream": True}
         if req.ignore_eos:
             kwargs["logit_bias"] = {self.llm.token_eos(): -1e9}
         timing = RequestTiming(prompt_tokens=req.prompt_tokens)

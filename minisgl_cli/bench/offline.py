@@ -9,7 +9,7 @@ from minisgl_cli.bench.metrics import RequestTiming
 from minisgl_cli.bench.target import OnDone, RunOutput
 from minisgl_cli.bench.workloads import BenchRequest, Case
 from minisgl_cli.client.protocol import EngineClient
-from minisgl_cli.types import GenerateRequest, SamplingParams
+from minisgl_cli.types import GenerateRequest
 
 COMPILE_WAIT_S = 900.0  # the longest a warm-up waits for the engine's CPU decode to compile
 
@@ -22,7 +22,7 @@ class EngineTarget:
         self.name = name
 
     async def _one(self, req: BenchRequest) -> RequestTiming:
-        params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=0.0, ignore_eos=req.ignore_eos)
+        params = req.sampling.params(req.max_new_tokens, req.ignore_eos)
         timing = RequestTiming(prompt_tokens=req.prompt_tokens)
         parts: list[str] = []
         t0 = time.perf_counter()

@@ -75,7 +75,7 @@ class HttpTarget:
         self.name = f"server@{httpx.URL(self.url).host}:{httpx.URL(self.url).port}"
 
     def _payload(self, req: BenchRequest) -> tuple[str, dict]:
-        common = {"model": self.model, "max_tokens": req.max_new_tokens, "temperature": 0.0, "stream": True,
+        common = {"model": self.model, "max_tokens": req.max_new_tokens, **req.sampling.wire(), "stream": True,
                   "stream_options": {"include_usage": True}}
         if req.ignore_eos:
             common["ignore_eos"] = True  # sglang / vLLM extension; other servers ignore it

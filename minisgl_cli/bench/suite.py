@@ -44,6 +44,7 @@ class BenchConfig:
     peers: list[str] = field(default_factory=list)
     caches: list[str] = field(default_factory=lambda: ["radix"])
     engines: list[str] = field(default_factory=lambda: ["auto"])  # --engine, repeated to compare engines
+    sampling: wl.Sampling = field(default_factory=wl.Sampling)  # every request's (greedy by default)
     # online
     url: str | None = None
     api: str = "completions"
@@ -97,6 +98,14 @@ def build_levels(
 
 
 def build_cases(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool) -> list[wl.Case]:
+    cases = _workload(cfg, tokenizer, vocab_size, on_gpu)
+    for case in cases:
+        for req in case.requests:
+            req.sampling = cfg.sampling
+    return cases
+
+
+def _workload(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool) -> list[wl.Case]:
     if cfg.preset == "nano-vllm":
         return [wl.nano_vllm_case(vocab_size, cfg.num_prompts or 256, cfg.seed)]
     if cfg.dataset == "random":
@@ -202,6 +211,7 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str, str | None], Any],
             bench = Bench(cfg, report, console)
             console.print(f"model={info.name} device={info.device} dtype={info.dtype} quantization={info.quantization} "
                           f"kv_cache_dtype={info.kv_cache_dtype} backend={info.attention_backend} "
+                          f"sampling={cfg.sampling.label} "
                           f"cases={', '.join(f'{c.name}({len(c.requests)} req)' for c in cases[0])} "
                           f"concurrency={cfg.concurrency}", highlight=False)
         if len(cfg.engines) > 1:

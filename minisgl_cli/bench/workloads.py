@@ -10,6 +10,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl_cli.types import SamplingParams
+
 DATASETS = ("reference", "random", "shared-prefix")
 PRESETS = ("nano-vllm",)
 
@@ -42,12 +44,49 @@ REFERENCE_CASES = (
 )
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a bench's requests draw their tokens (--temperature, --top-p, --top-k, --min-p): greedy by default."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.params(1, False)  # the engine's own checks: a bad value fails before anything loads
+
+    def params(self, max_new_tokens: int, ignore_eos: bool) -> SamplingParams:
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, min_p=self.min_p, ignore_eos=ignore_eos)
+
+    def wire(self) -> dict[str, Any]:
+        """The OpenAI body's fields (top_k and min_p are sglang / vLLM extensions: sent only when set)."""
+        out: dict[str, Any] = {"temperature": self.temperature}
+        if self.top_p < 1.0:
+            out["top_p"] = self.top_p
+        if self.top_k > 0:
+            out["top_k"] = self.top_k
+        if self.min_p > 0:
+            out["min_p"] = self.min_p
+        return out
+
+    @property
+    def label(self) -> str:
+        if self.temperature == 0.0:
+            return "greedy"
+        parts = [f"t={self.temperature:g}"] + [f"{k}={v:g}" for k, v, off in (
+            ("top_p", self.top_p, 1.0), ("top_k", self.top_k, -1), ("min_p", self.min_p, 0.0)) if v != off]
+        return " ".join(parts)
+
+
 @dataclass
 class BenchRequest:
     input_ids: list[int]
     max_new_tokens: int
     ignore_eos: bool = False
     prompt: str | None = None  # the same prompt as text, when a tokenizer made it
+    sampling: Sampling = field(default_factory=Sampling)
 
     @property
     def prompt_tokens(self) -> int:

@@ -7,6 +7,8 @@ them. Each engine has its own: two engines in one process never share a slot.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -22,7 +24,7 @@ class _UploadRing:
         self._events: dict[torch.dtype, list[torch.cuda.Event | None]] = {}
         self._next: dict[torch.dtype, int] = {}
 
-    def copy(self, data: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def copy(self, data: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         bufs = self._bufs.setdefault(dtype, [None] * self.SLOTS)
         events = self._events.setdefault(dtype, [None] * self.SLOTS)
         i = self._next.get(dtype, 0)
@@ -72,8 +74,9 @@ class HostBuffers:
         self._upload = _UploadRing()
         self._readback = _ReadbackSlots()
 
-    def to_device(self, data: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A host int list on `device`: asynchronously through the pinned ring on CUDA, directly elsewhere."""
+    def to_device(self, data: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A host list (ints, or floats for a float dtype) on `device`: asynchronously through the pinned ring on
+        CUDA, directly elsewhere."""
         if device.type != "cuda":
             return torch.tensor(data, dtype=dtype, device=device)
         return self._upload.copy(data, dtype, device)

@@ -26,6 +26,7 @@ KVCacheDtype = Literal["auto", "bf16", "fp8_e4m3"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 TorchCompile = Literal["auto", "on", "off"]
 TORCH_COMPILES: tuple[str, ...] = get_args(TorchCompile)
+SAMPLERS: tuple[str, ...] = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -81,6 +82,7 @@ class EngineConfig:
     disable_fused_ops: bool = field(default_factory=env.disable_fused_ops)  # CUDA: torch ops, not fused Triton ones
     disable_pdl: bool = field(default_factory=env.disable_pdl)  # CUDA: no programmatic dependent launch
     cpu_gemm: str = field(default_factory=env.cpu_gemm)  # CPU: GEMM policy (auto, mkl, fp16)
+    sampler: str = field(default_factory=env.sampler)  # auto (triton on CUDA where it imports), torch, triton
 
     def resolved_device(self) -> torch.device:
         import torch
@@ -94,6 +96,8 @@ class EngineConfig:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
         if self.torch_compile not in TORCH_COMPILES:
             raise ValueError(f"--torch-compile must be one of {', '.join(TORCH_COMPILES)}, not {self.torch_compile!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"MINISGL_SAMPLER must be one of {', '.join(SAMPLERS)}, not {self.sampler!r}")
         if self.kv_cache_scale is not None and not self.kv_cache_scale > 0:
             raise ValueError(f"kv_cache_scale must be positive, got {self.kv_cache_scale}")
 

@@ -24,7 +24,8 @@ from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.cpu_compile import CompiledDecode
 from minisgl_cli.engine.graph import DecodeGraphs, default_max_bs
-from minisgl_cli.engine.sampler import Sampled, SamplingRow, sample
+from minisgl_cli.engine.sampler import Sampled, create_sampler, sample
+from minisgl_cli.engine.sampling_state import Need, SamplingBatch, SamplingState
 from minisgl_cli.kvcache.pool import KVPool, KVShape
 from minisgl_cli.layers.fused import Kernels, load_sgl_kernel
 from minisgl_cli.layers.quant import METHODS
@@ -34,7 +35,7 @@ from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.loader.hf import iter_safetensors, read_hf_config
 from minisgl_cli.models import ModelConfig, create_model
 from minisgl_cli.models.dummy import dummy_checkpoint
-from minisgl_cli.types import ModelInfo
+from minisgl_cli.types import ModelInfo, SamplingParams
 
 log = logging.getLogger("minisgl.engine")
 
@@ -141,6 +142,9 @@ class Engine:
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
             mc.head_dim, mc.head_dim**-0.5, self.device, self.kernels,
         )
+        # Every request's sampling parameters on the device, by page-table row (written at admission).
+        self.sampling = SamplingState(cfg.max_running_requests, mc.vocab_size, self.device, self.host, cfg.seed)
+        self.sampler = create_sampler(self.device, mc.vocab_size, cfg.sampler)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             if not cfg.disable_cuda_graph and getattr(self.attn, "supports_cuda_graph", False):
@@ -155,9 +159,9 @@ class Engine:
                                cfg.max_running_requests, frozenset(mc.eos_token_ids), model_dir)
         log.info(
             "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s backend=%s "
-            "kv_tokens=%d page_size=%d eos=%s (%.1fs)",
+            "sampler=%s kv_tokens=%d page_size=%d eos=%s (%.1fs)",
             name, source, self.device, str(self.dtype).removeprefix("torch."), self.quantization,
-            str(self.kv_dtype).removeprefix("torch."), self.attn.name, capacity, cfg.page_size,
+            str(self.kv_dtype).removeprefix("torch."), self.attn.name, self.sampler.name, capacity, cfg.page_size,
             list(mc.eos_token_ids), self.loaded.load_s,
         )
 
@@ -171,7 +175,7 @@ class Engine:
             spec.max_requests, spec.max_context_len, spec.num_pages * spec.page_size, loaded.load_s, overlap,
             tuple(sorted(eos_token_ids)), self.tp.size, "sgl" if self.kernels.sgl is not None else "torch",
             quantization=self.quantization, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
-            prefix_cache=prefix_cache,
+            prefix_cache=prefix_cache, sampler=self.sampler.name,
         )
 
     def start_serving(self) -> None:
@@ -259,15 +263,25 @@ class Engine:
         self.attn.prepare(batch)
         return self.model.logits(self.model(batch, self.attn))
 
+    def admit_sampling(self, slot: int, params: SamplingParams, input_ids: list[int], output_ids: list[int]) -> None:
+        """A request took page-table row `slot`: its sampling state goes there (on the device with the next step)."""
+        self.sampling.admit(slot, params, input_ids, output_ids)
+
+    def sampling_batch(self, batch: ForwardBatch, slots: list[int], produces: list[bool]) -> SamplingBatch:
+        """The step's rows for the sampler (`slots`: the batch's page-table rows; `produces`: which rows draw a real
+        token -- a chunk of a long prompt does not)."""
+        return self.sampling.batch(slots, batch.req_slots, batch.seq_lens, produces, logprobs=self.tp.rank == 0)
+
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None = None) -> Sampled:
+    def sample(self, logits: torch.Tensor, rows: SamplingBatch, bitmask: torch.Tensor | None = None) -> Sampled:
         """The next token per request (left on the device); logprobs on rank 0 only, the one that reports them."""
-        out = sample(logits, rows, bitmask, logprobs=self.tp.rank == 0)
-        if self.tp.size > 1 and not all(r.params.greedy for r in rows):
+        out = sample(logits, rows, self.sampling, self.sampler, bitmask)
+        if self.tp.size > 1 and rows.needs & Need.SAMPLED:
             broadcast_from_rank0(out.next_ids, self.tp)  # random draws: every rank feeds rank 0's tokens next
+        self.sampling.record(rows, out.next_ids)
         return out
 
     @torch.inference_mode()
-    def step(self, batch: ForwardBatch, rows: list[SamplingRow], bitmask: torch.Tensor | None = None) -> Sampled:
+    def step(self, batch: ForwardBatch, rows: SamplingBatch, bitmask: torch.Tensor | None = None) -> Sampled:
         """Forward and sample (`bitmask`: the grammar's allowed tokens per row, xgrammar's layout)."""
         return self.sample(self.forward(batch), rows, bitmask)

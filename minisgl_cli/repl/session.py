@@ -47,6 +47,8 @@ class ChatSettings:
 
     max_new_tokens: int = 256
     temperature: float = 0.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     system: str | None = None
     multi_turn: bool = False
     json: bool = False  # constrain replies to a JSON object
@@ -54,6 +56,7 @@ class ChatSettings:
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                               json_schema='{"type": "object"}' if self.json else None, logprobs=self.logprobs)
 
 

@@ -191,8 +191,9 @@ class ChatView:
             kv += f" over {info.dp_size} replicas"
         model = [f"model {info.name} ({info.source})", f"engine {info.engine} on {info.device} {info.dtype}",
                  *([] if info.quantization == "none" else [f"{info.quantization} weights"]),
-                 f"attention {info.attention_backend}", f"KV pool {kv}", f"context {info.max_context_len:,}",
-                 f"loaded in {info.load_s:.1f}s"]
+                 f"attention {info.attention_backend}",
+                 *([f"sampler {info.sampler}"] if info.sampler else []), f"KV pool {kv}",
+                 f"context {info.max_context_len:,}", f"loaded in {info.load_s:.1f}s"]
         self.note(self._dotted(model), style="green")
         self.note(self._dotted(settings), style="dim")
 

@@ -83,7 +83,7 @@ def _start(job: RankJob, ctx: zmq.Context):
         device = torch.device("cuda", job.device_index)
         torch.cuda.set_device(device)
     tp = init_tp(job.rank, job.dist, device)
-    torch.manual_seed(job.engine.seed)  # every rank draws the same random numbers when sampling
+    torch.manual_seed(job.engine.seed)  # every rank's torch RNG alike (sampling itself uses counter-based streams)
     cfg = dataclasses.replace(job.engine, device=str(device),
                               num_threads=job.cpu_threads if device.type == "cpu" else job.engine.num_threads)
     from minisgl_cli.engine.engine import Engine

@@ -6,10 +6,11 @@ step (scheduling, page allocation, building the batch, handling outputs) hides b
 Two consequences, handled here and in the scheduler: a decode input that step N sampled is gathered
 on the device from N's output; and a request that finished at step N is seen one step late, so it may
 have run one extra token in step N+1 -- that token is dropped and its pages are freed with the rest.
-Presence/frequency penalties and grammars need every earlier token on the host before sampling: for a
-step holding such a request whose last token is still in flight, the scheduler launches the forward,
-then reads the previous step while it runs, then fills the grammar masks and samples (see
-`Scheduler._launch`): the forward still overlaps the CPU work, only the sampling waits.
+Penalties need no host round trip (their token counts live on the device, engine/sampling_state.py), but a
+grammar needs every earlier token on the host before its mask: for a step holding a grammar request whose last
+token is still in flight, the scheduler launches the forward, then reads the previous step while it runs, then
+fills the grammar masks and samples (see `Scheduler._launch`): the forward still overlaps the CPU work, only the
+sampling waits.
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from minisgl_cli.kvcache.radix import RadixNode
 from minisgl_cli.types import SamplingParams
 
@@ -27,7 +25,6 @@ class Req:
     done: bool = False  # finished or aborted: an in-flight step's token for it is dropped
     cached_tokens: int = 0  # prefix hit at first admission (reported to the user)
     matched: bool = False
-    generator: torch.Generator | None = None
     grammar: Any = None  # xgrammar's GrammarMatcher when the request has a structured output (grammar.py)
     arrival: float = field(default_factory=time.perf_counter)
     prefill_started_at: float = 0.0  # when it first joined a prefill batch (queueing excluded)

@@ -24,7 +24,6 @@ import torch
 from minisgl_cli.admission import AdmissionError, admit
 from minisgl_cli.core.batch import Mode
 from minisgl_cli.engine.engine import Engine
-from minisgl_cli.engine.sampler import SamplingRow
 from minisgl_cli.env import disable_overlap_scheduling as overlap_disabled_by_env
 from minisgl_cli.messages import (
     AbortRequest,
@@ -139,8 +138,6 @@ class Scheduler:
         elif req.params.constrained and not self._compile(req):
             return
         else:
-            if req.params.seed is not None:
-                req.generator = torch.Generator(self.engine.spec.device).manual_seed(req.params.seed)
             self.waiting.append(req)
 
     def _compile(self, req: Req) -> bool:
@@ -188,8 +185,12 @@ class Scheduler:
             if budget <= 0 or len(self.running) + len(reqs) >= self.max_running:
                 break
             if req.req_slot is None:
+                if any(r.input_ids == req.input_ids for r in reqs):
+                    continue  # the same prompt (n > 1 choices): next step, from the cache this step fills
                 if not self.cache.admit(req):
                     break
+                assert req.req_slot is not None  # admit gave it a row
+                self.engine.admit_sampling(req.req_slot, req.params, req.input_ids, req.output_ids)
                 if not req.matched:
                     self._count_match(req)
             n = min(req.remaining_prefill, budget)
@@ -290,10 +291,10 @@ class Scheduler:
                     self.waiting.remove(req)
                     self.running.append(req)
         self._last_was_decode = mode == "decode"
-        rows = [SamplingRow(r.params, r.generator, r.output_ids) for r in reqs]
-        if any(src_row >= 0 and _needs_history(r) for src_row, r in zip(src, reqs)):
-            # A penalty or grammar depends on the token the in-flight step is still sampling: run the
-            # forward, read that step while it runs (the CPU work still overlaps), then mask and sample.
+        rows = engine.sampling_batch(fb, req_slots, produces)
+        if any(src_row >= 0 and r.grammar is not None for src_row, r in zip(src, reqs)):
+            # A grammar depends on the token the in-flight step is still sampling: run the forward, read
+            # that step while it runs (the CPU work still overlaps), then mask and sample.
             logits = engine.forward(fb)
             unread, self._inflight = self._inflight, None
             assert unread is not None  # the src rows came from it
@@ -399,11 +400,6 @@ class Scheduler:
 
     def check_pages(self) -> None:
         self.cache.check(self.running + list(self.waiting))
-
-
-def _needs_history(req: Req) -> bool:
-    """Sampling for it depends on every earlier output token (penalties count them, a grammar follows them)."""
-    return req.params.penalized or req.grammar is not None
 
 
 def _attach_logprobs(o: TokenOutput, lp: RowLogprobs, top_n: int) -> None:

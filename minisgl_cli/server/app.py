@@ -45,7 +45,7 @@ async def metrics_route(request: Request, ctx: Ctx,
     prometheus = format == "prometheus" or (
         format is None and "text/plain" in accept and "application/json" not in accept)
     if prometheus:
-        return PlainTextResponse(ctx.metrics.to_prometheus(stats, ctx.model_name),
+        return PlainTextResponse(ctx.metrics.to_prometheus(stats, ctx.model_name, ctx.client.info),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
     return ctx.metrics_json(stats)
 

@@ -114,7 +114,7 @@ class ServerContext:
         return p.ModelCard(id=self.model_name, created=self.created, max_model_len=self.client.info.max_context_len)
 
     def metrics_json(self, stats: SchedulerStats) -> dict[str, Any]:
-        return self.metrics.to_json(stats, self.model_name, self.gate.cap)
+        return self.metrics.to_json(stats, self.model_name, self.gate.cap, self.client.info)
 
     async def shutdown(self) -> None:
         """Abort the requests still in flight while this event loop still takes the scheduler's replies

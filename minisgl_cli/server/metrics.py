@@ -15,7 +15,7 @@ from typing import Any
 
 from minisgl_cli.api.prometheus import escape_label, number, prometheus_family
 from minisgl_cli.scheduler.stats import RollingRate
-from minisgl_cli.types import RequestStats, SchedulerStats
+from minisgl_cli.types import ModelInfo, RequestStats, SchedulerStats
 
 # Seconds; wide enough for a CPU box under load and a GPU alike.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -108,11 +108,14 @@ class ServerMetrics:
             return list(self._recent)
 
     # --- rendering -----------------------------------------------------------------------------
-    def to_json(self, sched: SchedulerStats, model: str, max_inflight: int | None) -> dict[str, Any]:
+    def to_json(self, sched: SchedulerStats, model: str, max_inflight: int | None,
+                info: ModelInfo | None = None) -> dict[str, Any]:
+        """`info`: the engine behind the server (its kernels: attention backend, sampler)."""
         with self._lock:
             ttft, e2e = list(self._recent_ttft), list(self._recent_e2e)
             return {
                 "model": model,
+                **({"engine": _engine_info(info)} if info is not None else {}),
                 "uptime_s": round(time.time() - self.started, 3),
                 "scheduler": sched.to_dict(),
                 "server": {
@@ -139,7 +142,7 @@ class ServerMetrics:
                 },
             }
 
-    def to_prometheus(self, sched: SchedulerStats, model: str) -> str:
+    def to_prometheus(self, sched: SchedulerStats, model: str, info: ModelInfo | None = None) -> str:
         """Prometheus text exposition format 0.0.4, written by hand (no client library needed)."""
         lines: list[str] = []
         label = f'model_name="{escape_label(model)}"'
@@ -156,6 +159,10 @@ class ServerMetrics:
                     metric(name, kind, help_, [(one(), value)])
 
         with self._lock:
+            if info is not None:
+                labels = ",".join(f'{k}="{escape_label(v)}"' for k, v in _engine_info(info).items())
+                metric("engine_info", "gauge", "The engine's kernels (value 1; the labels say which).",
+                       [(one(labels), 1)])
             metric("num_requests_running", "gauge", "Requests in the decode batch.", [(one(), sched.running)])
             metric("num_requests_waiting", "gauge", "Requests queued for prefill.", [(one(), sched.waiting)])
             metric(
@@ -225,6 +232,10 @@ def _recent_entry(seq: int, stats: RequestStats | None, reason: str) -> dict[str
             "ttft_ms": _ms(s.ttft_s) if s.completion_tokens else None,
             "tpot_ms": _ms(tpot) if tpot is not None else None,
             "latency_ms": _ms(s.latency_s) if stats is not None else None}
+
+
+def _engine_info(info: ModelInfo) -> dict[str, str]:
+    return {"engine": info.engine, "attention_backend": info.attention_backend, "sampler": info.sampler}
 
 
 def _ms(seconds: float) -> float:

@@ -298,6 +298,7 @@ def _generate(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, rid
     from transformers import (
         LogitsProcessor,
         LogitsProcessorList,
+        MinPLogitsWarper,
         StoppingCriteria,
         StoppingCriteriaList,
         TemperatureLogitsWarper,
@@ -345,6 +346,8 @@ def _generate(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, rid
                 self.warp.append(TopKLogitsWarper(params.top_k))
             if params.top_p < 1.0:
                 self.warp.append(TopPLogitsWarper(params.top_p))
+            if params.min_p > 0:
+                self.warp.append(MinPLogitsWarper(params.min_p))
             self.gen = torch.Generator(loaded.device)
             if params.seed is not None:
                 self.gen.manual_seed(params.seed % 2**64)
@@ -367,6 +370,8 @@ def _generate(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, rid
     gen.update(temperature=None, top_p=None, top_k=None)
     if not params.greedy:
         gen["logits_processor"] = LogitsProcessorList([Draw()])
+    if params.repetition_penalized:  # transformers' spans prompt and output, as the engine's does
+        gen["repetition_penalty"] = params.repetition_penalty
     if params.ignore_eos:
         gen["min_new_tokens"] = max_new
     error = None

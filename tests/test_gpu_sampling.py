@@ -1,0 +1,119 @@
+"""The CUDA sampler (engine/triton_sampling.py) against the exact torch path: draws stay in the kept set and follow
+its distribution (chi-square), on a small and on Qwen3's vocabulary; and a seeded request through CUDA graphs and
+overlap scheduling draws the same tokens whatever shares its batch. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from minisgl_cli.core.host import HostBuffers
+from minisgl_cli.engine.sampler import cpu_draw, cut, torch_draw
+from minisgl_cli.engine.sampling_state import SamplingState
+from minisgl_cli.types import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DEV = torch.device("cuda")
+CASES = [
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.0, top_k=20),
+    SamplingParams(temperature=1.0, top_k=50, top_p=0.8),
+    SamplingParams(temperature=1.2, min_p=0.05),
+    SamplingParams(temperature=1.0, top_p=0.5, min_p=0.02),
+    SamplingParams(temperature=0.9),
+]
+
+
+def _draws(logits: torch.Tensor, p: SamplingParams, n: int, triton: bool,
+           draw=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """n draws of one row (a new position each) and the row's kept distribution."""
+    from minisgl_cli.engine.triton_sampling import triton_draw
+
+    v = logits.shape[-1]
+    state = SamplingState(1, v, DEV, HostBuffers())
+    state.admit(0, p, [1], [])
+    batch = state.batch([0] * n, torch.zeros(n, dtype=torch.int64, device=DEV),
+                        torch.arange(n, dtype=torch.int32, device=DEV), [True] * n)
+    params = state.params(batch.slots)
+    rows = logits.expand(n, v).contiguous()
+    ids = (draw or (triton_draw if triton else torch_draw))(rows, params, batch)
+    kept = cut(rows[:1].float() / p.temperature, state.params(batch.slots[:1]), batch)[0]
+    return ids, kept.softmax(-1)
+
+
+def _chi2(ids: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    counts = torch.bincount(ids, minlength=probs.shape[0]).double()
+    expected = probs.double() * ids.shape[0]
+    big = expected >= 5  # the usual validity rule; the rest pooled into one cell
+    cells = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    return float(((cells[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("vocab", [64, 151936])
+@pytest.mark.parametrize("p", CASES, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+def test_triton_draws_follow_the_kept_distribution(vocab, p):
+    g = torch.Generator(DEV).manual_seed(vocab)
+    logits = (torch.randn(1, vocab, device=DEV, generator=g) * (2.0 if vocab < 1000 else 4.0)).to(torch.bfloat16)
+    n = 40000
+    for triton in (True, False):
+        ids, probs = _draws(logits, p, n, triton)
+        assert (probs[ids] > 0).all(), "a draw outside the kept set"
+        chi2, df = _chi2(ids, probs)
+        # mean df, sd sqrt(2 df): 6 sd above the mean fails only a wrong distribution
+        assert chi2 < df + 6 * (2 * df) ** 0.5 + 10, (triton, chi2, df)
+        # every kept token of probability >= 1e-3 shows up (40 draws expected: missing one is a e^-40 event)
+        assert set((probs >= 1e-3).nonzero()[:, 0].tolist()) <= set(ids.unique().tolist())
+
+
+def test_triton_without_a_cut_draws_the_torch_paths_tokens():
+    """No top-k / top-p cut: the same uniform and the same CDF order, so the same tokens (up to summation order)."""
+    g = torch.Generator(DEV).manual_seed(1)
+    logits = torch.randn(1, 151936, device=DEV, generator=g).to(torch.bfloat16)
+    p = SamplingParams(temperature=0.8, seed=11)
+    a, _ = _draws(logits, p, 4096, True)
+    b, _ = _draws(logits, p, 4096, False)
+    assert (a == b).double().mean() > 0.99
+
+
+@pytest.mark.parametrize("p", [c for c in CASES if c.top_k < 0], ids=lambda p: f"p{p.top_p}-m{p.min_p}")
+def test_triton_draws_the_cpu_rejection_paths_tokens(p):
+    """Without a top-k (the CPU draws top-k rows from their candidates instead) the kernel and the CPU's torch path
+    run one rejection scheme on the same uniforms: the same tokens, up to summation order."""
+    g = torch.Generator(DEV).manual_seed(2)
+    logits = (torch.randn(1, 151936, device=DEV, generator=g) * 4).to(torch.bfloat16)
+    p = dataclasses.replace(p, seed=5)
+    a, _ = _draws(logits, p, 2048, True)
+    b, _ = _draws(logits, p, 2048, False, draw=cpu_draw)
+    assert (a == b).double().mean() > 0.99
+
+
+def test_seeded_request_ignores_its_batch_through_graphs_and_overlap():
+    """The same seeded request beside greedy requests and beside sampled / penalized ones: the same tokens. The
+    batch keeps its size and prompt lengths (the GEMMs' rounding depends on them, not on the rows' contents)."""
+    from minisgl_cli import LLM
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 30000, (12 + 3 * i,), generator=g).tolist() for i in range(4)]
+    others_b = [torch.randint(3, 30000, (len(p),), generator=g).tolist() for p in prompts[1:]]
+    seeded = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=40, seed=1234)
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    sampled = [SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, min_p=0.05),
+               SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.7, top_p=0.9,
+                              repetition_penalty=1.3, presence_penalty=0.5),
+               SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=1.0, logit_bias={5: 3.0})]
+    # No prefix cache: a cached prompt would prefill fewer rows, and the GEMMs would round differently.
+    with LLM("qwen3-0.6b", load_format="dummy", max_total_tokens=16384, cache="naive") as llm:
+        assert llm.client.info.sampler == "triton"
+        a = llm.generate(prompts, [seeded] + [greedy] * 3)[0].token_ids
+        b = llm.generate([prompts[0]] + others_b, [seeded] + sampled)[0].token_ids
+        c = llm.generate(prompts, [seeded] + [greedy] * 3)[0].token_ids
+        llm.client.check_pages()
+    assert a == b == c and len(set(a)) > 3
