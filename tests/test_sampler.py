@@ -122,6 +122,23 @@ def test_top_k_top_p_min_p_keep_exactly_their_tokens():
     assert _kept(logits, SamplingParams(temperature=1.0)) == set(range(V))
 
 
+@pytest.mark.parametrize("sampler", [Sampler("cpu", cpu_draw), Sampler("mask", torch_draw)], ids=lambda s: s.name)
+def test_a_tie_at_the_cut_keeps_all_of_its_tokens(sampler):
+    """Tied logits share one fate (HF's and vLLM's top-k, and the Triton kernel, keep a boundary tie whole): the
+    cut and the draws agree on it, on the sort path and on the top-k candidates alike. bf16 logits tie often."""
+    logits = torch.full((1, 16), -4.0)
+    logits[0, [3, 9, 12, 5]] = torch.tensor([3.0, 2.0, 2.0, 1.0])  # token 3 first, 9 and 12 tied second
+    assert _kept(logits, SamplingParams(temperature=1.0, top_k=2)) == {3, 9, 12}
+    assert _kept(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.99)) == {3, 9, 12}
+    probs = logits[0].softmax(-1)
+    assert probs[3] < 0.6  # so top-p 0.6 passes token 3's mass: the tie after it stays, both of its tokens
+    assert _kept(logits, SamplingParams(temperature=1.0, top_p=0.6)) == {3, 9, 12}
+    n = 3000
+    state = _state(SamplingParams(temperature=1.0, top_k=2), vocab=16)
+    ids = sample(logits.expand(n, 16), _batch(state, [0] * n, list(range(n))), state, sampler).next_ids
+    assert set(ids.tolist()) == {3, 9, 12}
+
+
 def test_mixed_batch_cuts_each_row_by_its_own_params():
     """A top-p row beside a top-k row and an uncut row: each keeps its own set (the sort path serves all three)."""
     torch.manual_seed(3)

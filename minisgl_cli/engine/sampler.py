@@ -76,28 +76,37 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(~allowed, float("-inf"))
 
 
+def _threshold(vals: torch.Tensor, lse: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[B, 1] the smallest logit each row keeps, from its candidates `vals` (sorted, largest first) and the log of
+    its whole distribution's mass: a token stays when fewer than top_k tokens lie strictly above it and their mass
+    is at most top_p (the top token always stays). Tied tokens share one fate, as in HF's and vLLM's top-k and in
+    the Triton kernel: a tie at the boundary keeps all of its tokens."""
+    n = vals.shape[-1]
+    ranks = torch.arange(n, device=vals.device)[None, :].expand_as(vals)
+    starts = torch.ones_like(vals, dtype=torch.bool)
+    starts[:, 1:] = vals[:, 1:] != vals[:, :-1]
+    first = torch.where(starts, ranks, 0).cummax(dim=-1).values  # where each token's group of ties begins
+    probs = (vals - lse).exp()
+    above = (probs.cumsum(dim=-1) - probs).gather(-1, first)  # the mass strictly above each token
+    keep = (first < top_k[:, None]) & (above <= top_p[:, None])  # a prefix: both sides grow down the order
+    last = keep.sum(dim=-1, keepdim=True).clamp_(min=1) - 1
+    return vals.gather(-1, last)
+
+
 def _cut_sorted(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask logits outside each row's top-k and nucleus (top-p) sets with -inf: a sort of the whole vocabulary."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
-    cut = ranks >= top_k[:, None]
-    probs = sorted_logits.softmax(dim=-1)
-    # Keep a token while the mass before it is at most top_p (the top token always stays).
-    cut |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
-    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+    vals = scaled.sort(dim=-1, descending=True).values
+    tau = _threshold(vals, scaled.logsumexp(dim=-1, keepdim=True), top_k, top_p)
+    return scaled.masked_fill(scaled < tau, float("-inf"))
 
 
 def _cut_bounded(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k: int) -> torch.Tensor:
-    """The same cut when every cut row keeps at most k tokens: the k largest as candidates, no full sort.
-    Rows without a top-k cut (top_k = vocab) are left alone (they have no top-p cut either, or we would not
+    """The same cut when every cut row keeps at most k tokens (ties aside): the k largest as candidates, no full
+    sort. Rows without a top-k cut (top_k = vocab) are left alone (they have no top-p cut either, or we would not
     be here)."""
-    vals, idx = scaled.topk(k, dim=-1)  # sorted, largest first
-    ranks = torch.arange(k, device=scaled.device)[None, :]
-    cut = ranks >= top_k[:, None]
-    probs = (vals - scaled.logsumexp(dim=-1, keepdim=True)).exp()  # of the full distribution, as in the sort
-    cut |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]
-    kept = torch.full_like(scaled, float("-inf")).scatter_(-1, idx, vals.masked_fill(cut, float("-inf")))
+    vals = scaled.topk(k, dim=-1).values  # sorted, largest first
+    tau = _threshold(vals, scaled.logsumexp(dim=-1, keepdim=True), top_k, top_p)
+    kept = scaled.masked_fill(scaled < tau, float("-inf"))  # over the whole row: ties past the k candidates stay
     return torch.where((top_k < scaled.shape[-1])[:, None], kept, scaled)
 
 
