@@ -114,3 +114,39 @@ def test_quantized_experts_are_refused_in_one_line(tiny_moe_dirs, quantization):
     with pytest.raises(ValueError) as err:
         Engine(EngineConfig(model=str(tiny_moe_dirs["mixtral"]), quantization=quantization, max_total_tokens=256))
     assert "\n" not in str(err.value) and f"--quantization {quantization}" in str(err.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_experts_on_cuda_match_the_loop_and_replay_in_a_cuda_graph():
+    """bf16 on the GPU: the grouped GEMM (where it runs) equals the per-expert loop, and a CUDA graph captures it
+    (no host sync) and replays it on new tokens and routes."""
+    from minisgl_cli.layers.moe import grouped_mm_runs
+
+    dev = torch.device("cuda")
+    if not grouped_mm_runs(dev, torch.bfloat16):
+        pytest.skip("torch._grouped_mm's kernel needs SM 9.0+ and torch 2.8+")
+    n_exp, hidden, inter, top_k, n_tok = 16, 256, 128, 4, 24
+    e = _experts(_expert_mats(n_exp, hidden, inter, seed=1), TPInfo()).to(dev, torch.bfloat16)
+    kernels = Kernels()
+
+    def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n_tok, hidden, generator=g).to(dev, torch.bfloat16)
+        weights, ids = route(torch.randn(n_tok, n_exp, generator=g).to(dev), top_k, True)
+        return x, weights, ids
+
+    x, weights, ids = inputs(0)
+    loop = fused_experts(x, e.gate_up_proj, e.down_proj, weights, ids, kernels, grouped=False)
+    grouped = fused_experts(x, e.gate_up_proj, e.down_proj, weights, ids, kernels, grouped=True)
+    torch.testing.assert_close(grouped, loop, rtol=2e-2, atol=2e-2)
+    static = [t.clone() for t in (x, weights, ids)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(*static[:1], e.gate_up_proj, e.down_proj, *static[1:], kernels, grouped=True)
+    x2, w2, i2 = inputs(1)
+    for dst, src in zip(static, (x2, w2, i2)):
+        dst.copy_(src)
+    graph.replay()
+    want = fused_experts(x2, e.gate_up_proj, e.down_proj, w2, i2, kernels, grouped=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
