@@ -93,6 +93,22 @@ def test_tiny_moe_logits_match_hf_fp32(tiny_moe_dirs, arch):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_hf_twin_of_a_moe_model_is_the_checkpoint(tiny_moe_dirs, arch):
+    """models/hf_export.hf_twin (the GPU numerics tests' reference) holds our stacked experts under transformers'
+    names: it computes what the checkpoint loaded by transformers does."""
+    from minisgl_cli.loader.hf import read_hf_config
+    from minisgl_cli.models.hf_export import hf_twin
+
+    model_dir = tiny_moe_dirs[arch]
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", quantization="none", max_total_tokens=256))
+    twin = hf_twin(engine.model, read_hf_config(model_dir))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    x = torch.tensor([[5, 17, 99, 4000, 12, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x).logits, hf(x).logits, rtol=0, atol=1e-6)
+
+
 def test_dummy_weights_of_an_moe_config_run(tiny_moe_dirs):
     """--load-format dummy on a MoE config: random experts of the config's shapes, finite logits."""
     engine = Engine(EngineConfig(model=str(tiny_moe_dirs["qwen3_moe"]), load_format="dummy", max_total_tokens=256))
@@ -116,7 +132,7 @@ def test_grouped_experts_on_cuda_match_the_loop_and_replay_in_a_cuda_graph():
 
     dev = torch.device("cuda")
     if not grouped_mm_runs(dev, torch.bfloat16):
-        pytest.skip("torch._grouped_mm's kernel needs SM 9.0+ and torch 2.8+")
+        pytest.skip("torch._grouped_mm's kernel needs SM 9.x / 10.x and torch 2.8+")
     n_exp, hidden, inter, top_k, n_tok = 16, 256, 128, 4, 24
     e = _experts(_expert_mats(n_exp, hidden, inter, seed=1), TPInfo()).to(dev, torch.bfloat16)
     kernels = Kernels()

@@ -153,7 +153,7 @@ class Engine:
                     self.capture_graphs()
                 elif tp.rank == 0:
                     log.warning("decode runs without CUDA graphs: the MoE experts' grouped GEMM needs bf16 on "
-                                "SM 9.0+ and torch 2.8+ (elsewhere they read expert row counts back each step)")
+                                "SM 9.x / 10.x and torch 2.8+ (elsewhere they read expert row counts back each step)")
         self.compiled: CompiledDecode | None = None
         if cfg.compiles_decode(self.quantization, tp.size, own_process):
             # Up to the rows the low-bit GEMVs take (past them a step is GEMM-bound: nothing to gain).

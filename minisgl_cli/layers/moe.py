@@ -10,7 +10,7 @@ expert, the token rows gathered in that order, one matmul per expert over its co
 routing weights and put back in slot order, then summed per token. Where the matmuls run:
 
   grouped  torch._grouped_mm over the sorted rows with the experts' row offsets on the device: no host sync, so
-           CUDA graphs capture it (its CUTLASS kernel: bf16 on SM 9.0+, torch 2.8+)
+           CUDA graphs capture it (its CUTLASS kernel: bf16 on SM 9.x / 10.x, torch 2.8+)
   loop     one F.linear per expert that received rows, the offsets read back once a step: the CPU path (reading
            them costs nothing there) and CUDA's elsewhere, where decode runs eagerly (`graph_safe`)
 
@@ -49,8 +49,9 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the experts run as torch._grouped_mm's device kernel there (no host sync: CUDA graphs capture it)."""
+    # torch's CUTLASS kernel is built for Hopper and datacenter Blackwell; elsewhere _grouped_mm is a host loop.
     return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+            and torch.cuda.get_device_capability(device)[0] in (9, 10))
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
