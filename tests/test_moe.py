@@ -47,6 +47,21 @@ def _per_token(x, mats, weights, ids) -> torch.Tensor:
     return out
 
 
+def test_sparse_layers_are_the_ones_transformers_picks():
+    """Qwen3-MoE: every decoder_sparse_step-th layer, less mlp_only_layers; Mixtral: every layer."""
+    from minisgl_cli.loader.configs import builtin_config
+    from minisgl_cli.models import ModelConfig
+
+    qwen = ModelConfig.from_hf({**builtin_config("qwen3-30b-a3b"), "num_hidden_layers": 8, "decoder_sparse_step": 2,
+                                "mlp_only_layers": [3]})
+    assert [i for i in range(8) if qwen.is_moe_layer(i)] == [1, 5, 7]
+    mixtral = ModelConfig.from_hf(builtin_config("mixtral-8x7b"))
+    assert all(mixtral.is_moe_layer(i) for i in range(mixtral.num_layers)) and mixtral.norm_topk_prob
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 14336)
+    dense = ModelConfig.from_hf(builtin_config("qwen3-0.6b"))
+    assert not any(dense.is_moe_layer(i) for i in range(dense.num_layers))
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n_exp,top_k,n_tok", [(8, 2, 1), (8, 2, 3), (4, 4, 5), (16, 3, 7), (6, 1, 40)])
 def test_moe_block_equals_the_per_token_definition(n_exp, top_k, n_tok, path):
