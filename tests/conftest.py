@@ -1,4 +1,5 @@
-"""Shared fixtures: the real default model dir, and tiny random Llama/Qwen2/Qwen3 checkpoints on disk."""
+"""Shared fixtures: the real default model dir, and tiny random Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral checkpoints on
+disk."""
 
 from __future__ import annotations
 
@@ -44,20 +45,29 @@ def text_docs(default_model_dir) -> list[list[int]]:
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+# The MoE ones: Qwen3-MoE with a dense second layer (mlp_only_layers) and top-3 weights as the softmax gives
+# them; Mixtral with its renormalized top 2 in every layer.
+TINY_MOE = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False,
+                      mlp_only_layers=[1]),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+}
+_HF_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
 
 
 def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
     """Save a tiny random HF model of `arch` with the default model's tokenizer, via save_pretrained."""
     import transformers
 
-    cfg_cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[arch]
-    model_cls = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    name = _HF_CLASSES[arch]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, cfg_cls)(**TINY, tie_word_embeddings=arch != "llama", eos_token_id=2, bos_token_id=1)
-    model = getattr(transformers, model_cls)(cfg).eval()
+    fields = {**TINY, **TINY_MOE.get(arch, {})}
+    tie = arch not in ("llama", "mixtral")
+    cfg = getattr(transformers, f"{name}Config")(**fields, tie_word_embeddings=tie, eos_token_id=2, bos_token_id=1)
+    model = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
     with torch.no_grad():  # larger weights than the init default, so greedy tokens vary
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and transformers' stacked experts
                 p.normal_(0, 0.08)
     model.save_pretrained(out, safe_serialization=True)
     for f in tokenizer_from.iterdir():
@@ -70,6 +80,12 @@ def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int =
 def tiny_model_dirs(tmp_path_factory, default_model_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {a: make_tiny_checkpoint(a, root / a, default_model_dir) for a in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dirs(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_moe")
+    return {a: make_tiny_checkpoint(a, root / a, default_model_dir) for a in TINY_MOE}
 
 
 def pytest_unconfigure(config):

@@ -45,7 +45,7 @@ def _compare(ours: torch.Tensor, ref: torch.Tensor, tie: float = TOL) -> tuple[f
     return diff, a == b or (lr[b] - lr[a]).item() < tie
 
 
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.1-8b"])
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b"])
 @pytest.mark.parametrize("lens", [[17, 100, 250], [100]], ids=["3req", "1req"])
 def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
     """3 requests pad to the graph of 4 (cuBLAS linears); 1 request takes the batch-1 GEMV kernels."""

@@ -1,4 +1,5 @@
-"""Greedy token ids equal HF transformers fp32 on the same weights: SmolLM2 and tiny Llama/Qwen2/Qwen3.
+"""Greedy token ids equal HF transformers fp32 on the same weights: SmolLM2 and tiny Llama/Qwen2/Qwen3 and
+Qwen3-MoE/Mixtral.
 
 Our side runs the exact mode, pinned (`--dtype float32 --quantization none`): on CPU the default model
 otherwise runs its GGUF's 4-bit weights (tests/test_quant.py checks that mode's quality)."""
@@ -54,9 +55,9 @@ def test_smollm2_greedy_matches_hf_fp32(default_model_dir):
     assert ours_greedy(default_model_dir, ids, 32) == hf_greedy(default_model_dir, ids, 32)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_models_greedy_match_hf(tiny_model_dirs, arch):
-    model_dir = tiny_model_dirs[arch]
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+def test_tiny_models_greedy_match_hf(tiny_model_dirs, tiny_moe_dirs, arch):
+    model_dir = {**tiny_model_dirs, **tiny_moe_dirs}[arch]
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 17, 33, 64)]
     theirs = hf_greedy(model_dir, ids, 24)

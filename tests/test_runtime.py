@@ -66,6 +66,12 @@ def test_tp2_equals_one_process_on_tiny_models(tiny_model_dirs, arch):
     _same_tokens_as_one_process(str(tiny_model_dirs[arch]), tp=2)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_tp2_equals_one_process_on_tiny_moe_models(tiny_moe_dirs, arch):
+    """Each rank runs its slice of every expert; the all-reduce after the MoE block makes the whole."""
+    _same_tokens_as_one_process(str(tiny_moe_dirs[arch]), tp=2)
+
+
 def test_tp2_equals_one_process_on_the_default_model(default_model_dir):
     # SmolLM2 has 9 query / 3 KV heads: rank 0 takes 2 KV heads (6 query), rank 1 one (3).
     _same_tokens_as_one_process(str(default_model_dir), tp=2, num_tokenizer=2)

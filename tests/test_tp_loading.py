@@ -53,3 +53,21 @@ def test_each_tp_rank_reads_only_its_shard(tiny_model_dirs, arch, monkeypatch):
     assert torch.equal(torch.cat([p[o] for p in parts], dim=1), w[o])
     assert sum(p[q].shape[0] for p in parts) == w[q].shape[0]
     assert torch.equal(parts[0]["norm.weight"], w["norm.weight"])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_each_tp_rank_reads_only_its_slice_of_every_expert(tiny_moe_dirs, arch, monkeypatch):
+    model_dir = tiny_moe_dirs[arch]
+    whole, read1, total = _load(model_dir, 0, 1, monkeypatch)
+    assert read1 == total
+    ranks = [_load(model_dir, r, 2, monkeypatch) for r in range(2)]
+    for _, read, _ in ranks:  # experts split in two like the dense MLP; the routers are read whole by both
+        assert read < 0.55 * total
+    w = {n: p for n, p in whole.named_parameters()}
+    parts = [{n: p for n, p in m.named_parameters()} for m, _, _ in ranks]
+    gate_up, down = "layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.experts.down_proj"
+    assert torch.equal(torch.cat([p[down] for p in parts], dim=2), w[down])
+    n = parts[0][gate_up].shape[1] // 2  # each rank: [its gate rows; its up rows] of every expert
+    gates, ups = zip(*(p[gate_up].split(n, dim=1) for p in parts))
+    assert torch.equal(torch.cat(gates + ups, dim=1), w[gate_up])
+    assert torch.equal(parts[1]["layers.0.mlp.gate.weight"], w["layers.0.mlp.gate.weight"])

@@ -106,7 +106,8 @@ class Engine:
             self.model_cfg = ModelConfig.from_hf(hf_cfg)
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(
-                f"model config not usable ({exc})", model_dir or name, "a Llama, Qwen2 or Qwen3 config"
+                f"model config not usable ({exc})", model_dir or name,
+                "a Llama, Qwen2, Qwen3, Qwen3-MoE or Mixtral config",
             ) from None
         mc = self.model_cfg
 
@@ -148,7 +149,11 @@ class Engine:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             if not cfg.disable_cuda_graph and getattr(self.attn, "supports_cuda_graph", False):
-                self.capture_graphs()
+                if self.model.graph_safe(self.device, self.dtype):
+                    self.capture_graphs()
+                elif tp.rank == 0:
+                    log.warning("decode runs without CUDA graphs: the MoE experts' grouped GEMM needs bf16 on "
+                                "SM 9.x / 10.x and torch 2.8+ (elsewhere they read expert row counts back each step)")
         self.compiled: CompiledDecode | None = None
         if cfg.compiles_decode(self.quantization, tp.size, own_process):
             # Up to the rows the low-bit GEMVs take (past them a step is GEMM-bound: nothing to gain).

@@ -15,7 +15,7 @@ from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.loader.hf import Weight, whole
 
 
-def _divide(n: int, tp: TPInfo, what: str) -> int:
+def divide(n: int, tp: TPInfo, what: str) -> int:
     if n % tp.size:
         raise ValueError(f"{what}={n} is not divisible by tensor-parallel size {tp.size}")
     return n // tp.size
@@ -39,7 +39,7 @@ class ColumnParallelLinear(nn.Module):
         self.kernels = kernels or Kernels()
         self.method = method or LinearMethod()
         if ranges is None:
-            ranges = [(tp.rank * n, n) for n in (_divide(s, tp, "output size") for s in out_sizes)]
+            ranges = [(tp.rank * n, n) for n in (divide(s, tp, "output size") for s in out_sizes)]
         self.ranges = ranges
         self.local_sizes = [n for _, n in ranges]
         self.method.create(self, sum(self.local_sizes), in_features)
@@ -81,7 +81,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.kernels = kernels or Kernels()
         self.method = method or LinearMethod()
-        n = _divide(in_features, tp, "input size") if in_range is None else in_range[1]
+        n = divide(in_features, tp, "input size") if in_range is None else in_range[1]
         self.in_start, self.local_in = in_range if in_range is not None else (tp.rank * n, n)
         self.method.create(self, out_features, self.local_in)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None

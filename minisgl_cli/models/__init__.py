@@ -1,4 +1,4 @@
-"""Models in plain torch: Llama, Qwen2, Qwen3 decoders, chosen by the config's architecture."""
+"""Models in plain torch: Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral decoders, chosen by the config's architecture."""
 
 from __future__ import annotations
 
@@ -6,13 +6,21 @@ from minisgl_cli.distributed import TPInfo
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.models.config import ModelConfig
-from minisgl_cli.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from minisgl_cli.models.llama import (
+    LlamaForCausalLM,
+    MixtralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 
 _CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

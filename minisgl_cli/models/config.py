@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                 "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,19 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral; 0 experts: dense). A layer is sparse unless listed in
+    # mlp_only_layers or off the decoder_sparse_step (Qwen3-MoE's switches; see is_moe_layer).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's; intermediate_size is the dense layers'
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1 (Mixtral always does)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer `layer_id` has a sparse MoE block (else the dense MLP), as transformers decides."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     def heads_of(self, rank: int, tp_size: int) -> HeadSplit:
         """Rank `rank`'s attention heads under TP: whole GQA groups, as even as the counts allow.
@@ -83,7 +97,24 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            **_moe_fields(arch, cfg),
         )
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of an HF config (none for dense architectures). Qwen3-MoE's checkpoints say num_experts,
+    transformers 5 writes num_local_experts (Mixtral's name) for both; Mixtral's experts use intermediate_size."""
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        return {}
+    mixtral = arch == "MixtralForCausalLM"
+    return dict(
+        num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+        num_experts_per_tok=cfg["num_experts_per_tok"],
+        moe_intermediate_size=cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"],
+        norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=1 if mixtral else cfg.get("decoder_sparse_step") or 1,
+        mlp_only_layers=() if mixtral else tuple(cfg.get("mlp_only_layers") or ()),
+    )

@@ -27,9 +27,16 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         if mc.qk_norm:
             yield f"{p}self_attn.q_norm.weight", (d,)
             yield f"{p}self_attn.k_norm.weight", (d,)
-        yield f"{p}mlp.gate_proj.weight", (inter, h)
-        yield f"{p}mlp.up_proj.weight", (inter, h)
-        yield f"{p}mlp.down_proj.weight", (h, inter)
+        if mc.is_moe_layer(i):  # Qwen3-MoE's names (the loader takes Mixtral's too)
+            yield f"{p}mlp.gate.weight", (mc.num_experts, h)
+            for e in range(mc.num_experts):
+                yield f"{p}mlp.experts.{e}.gate_proj.weight", (mc.moe_intermediate_size, h)
+                yield f"{p}mlp.experts.{e}.up_proj.weight", (mc.moe_intermediate_size, h)
+                yield f"{p}mlp.experts.{e}.down_proj.weight", (h, mc.moe_intermediate_size)
+        else:
+            yield f"{p}mlp.gate_proj.weight", (inter, h)
+            yield f"{p}mlp.up_proj.weight", (inter, h)
+            yield f"{p}mlp.down_proj.weight", (h, inter)
         yield f"{p}input_layernorm.weight", (h,)
         yield f"{p}post_attention_layernorm.weight", (h,)
     yield "model.norm.weight", (h,)

@@ -8,11 +8,13 @@ import torch
 from minisgl_cli.models.llama import LlamaForCausalLM
 
 _HF_CONFIG_CLASS = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
-                    "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config"}
+                    "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
+                    "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MixtralForCausalLM": "MixtralConfig"}
 
 
 def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """HF-named views of our parameters (merged q/k/v and gate/up split back); tensor parallel size 1 only."""
+    """HF-named views of our parameters (merged q/k/v and gate/up split back; stacked experts as transformers 5
+    holds them: mlp.experts.gate_up_proj / down_proj); tensor parallel size 1 only."""
     if model.tp.size != 1:
         raise ValueError("hf_state_dict needs the whole model (tp_size 1)")
     out: dict[str, torch.Tensor] = {}

@@ -1,7 +1,11 @@
-"""The decoder for Llama, Qwen2 and Qwen3 over flat token batches: one class, three config switches."""
+"""The decoder for Llama, Qwen2, Qwen3 and their MoE kin over flat token batches: one class, config switches.
+
+Qwen3-MoE and Mixtral are the same decoder with a sparse MoE block (layers/moe.py) in place of the dense MLP
+in the layers their config makes sparse (ModelConfig.is_moe_layer)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -14,6 +18,7 @@ from minisgl_cli.distributed import TPInfo
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
+from minisgl_cli.layers.moe import EXPERT_PROJ, Experts, MoE, grouped_mm_runs
 from minisgl_cli.layers.norm import RMSNorm
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.layers.rotary import RotaryEmbedding
@@ -84,6 +89,9 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, kernels=kernels,
                                            method=method)
 
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        return self.gate_up_proj.takes_fp8_rows(x)
+
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
@@ -95,7 +103,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.self_attn = Attention(cfg, layer_id, rope, tp, kernels, method)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = MLP(cfg, tp, kernels, method)
+        self.mlp: MLP | MoE = (
+            MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                cfg.norm_topk_prob, tp, kernels)
+            if cfg.is_moe_layer(layer_id) else MLP(cfg, tp, kernels, method)
+        )
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend,
@@ -107,7 +119,7 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.forward_residual(h, residual, self.self_attn.qkv_proj.takes_fp8_rows(h))
         h = self.self_attn(x, batch, attn, rope_at)
-        fp8 = self.mlp.gate_up_proj.takes_fp8_rows(h)
+        fp8 = self.mlp.takes_fp8_rows(h)
         x, residual = self.post_attention_layernorm.forward_residual(h, residual, fp8)
         return self.mlp(x), residual
 
@@ -120,10 +132,14 @@ _MERGED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# One expert's matrix in a checkpoint: Qwen3-MoE's mlp.experts.E.{gate,up,down}_proj, Mixtral's
+# block_sparse_moe.experts.E.w{1,3,2} (its router is block_sparse_moe.gate: our mlp.gate).
+_EXPERT = re.compile(r"(?P<layer>layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight")
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral; Qwen2 (bias on q/k/v) and Qwen3 (q/k norm) differ only by config switches.
+    """Llama / Mistral; Qwen2 (bias on q/k/v), Qwen3 (q/k norm), Qwen3-MoE and Mixtral (MoE blocks) differ only
+    by config switches.
 
     `kernels` is the engine's choice of implementation, shared by every layer of this model; `method` how its
     linear layers and LM head hold their weights (layers/quant.py: dense, int4, int8, fp8; a method may keep
@@ -136,6 +152,8 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.kernels = kernels = kernels or Kernels()
         method = method or LinearMethod()
+        if cfg.num_experts and method.quantized:
+            raise ValueError(f"--quantization {method.name} does not cover MoE experts yet; use --quantization none")
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope, tp, kernels, method.for_layer(i, cfg.num_layers))
@@ -158,6 +176,10 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.norm.forward_residual(h, residual)
         return h
 
+    def graph_safe(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a forward makes no host sync there, so CUDA graphs can capture it (MoE experts: the grouped GEMM)."""
+        return not self.cfg.num_experts or grouped_mm_runs(device, dtype)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, vocab] in the model dtype: the sampler widens to fp32 only where it computes on them."""
         return self.lm_head.logits(hidden)
@@ -171,7 +193,14 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
                 continue
             path = name.removeprefix("model.")
-            mod_path, _, leaf = path.rpartition(".")
+            expert = _EXPERT.fullmatch(path)
+            if expert is not None and f"{expert['layer']}.mlp.experts" in modules:
+                experts = modules[f"{expert['layer']}.mlp.experts"]
+                assert isinstance(experts, Experts)
+                experts.load_expert(int(expert["e"]), EXPERT_PROJ[expert["proj"]], tensor)
+                used.add(name)
+                continue
+            mod_path, _, leaf = path.replace(".block_sparse_moe.", ".mlp.").rpartition(".")
             owner, _, short = mod_path.rpartition(".")
             shard = 0
             if short in _MERGED:
@@ -193,4 +222,12 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
     pass

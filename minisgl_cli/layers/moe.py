@@ -1,0 +1,143 @@
+"""Mixture-of-experts block: a softmax top-k router and stacked, TP-sliced expert weights run as a grouped GEMM.
+
+Each of a layer's E experts is a SiLU-gated MLP. The weights are stacked per layer: `gate_up_proj` [E, 2 I, H]
+(every expert's gate rows, then its up rows) and `down_proj` [E, H, I], the layout and names of transformers'
+own MoE modules. Under TP every rank holds its slice of every expert's intermediate size, as the dense MLP is
+split: gate/up rows (column-parallel), down columns (row-parallel), and one all-reduce after the block.
+
+The computation (`fused_experts`): each token's k (expert, weight) choices flattened to T k rows, sorted by
+expert, the token rows gathered in that order, one matmul per expert over its contiguous rows, scaled by the
+routing weights and put back in slot order, then summed per token. Where the matmuls run:
+
+  grouped  torch._grouped_mm over the sorted rows with the experts' row offsets on the device: no host sync, so
+           CUDA graphs capture it (its CUTLASS kernel: bf16 on SM 9.x / 10.x, torch 2.8+)
+  loop     one F.linear per expert that received rows, the offsets read back once a step: the CPU path (reading
+           them costs nothing there) and CUDA's elsewhere, where decode runs eagerly (`graph_safe`)
+
+Shared experts (Qwen2-MoE, DeepSeek) would be a dense MLP added beside the routed ones; neither Qwen3-MoE nor
+Mixtral has one, so there is none here yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl_cli.core.fp8 import Fp8Rows
+from minisgl_cli.distributed import TPInfo
+from minisgl_cli.distributed.comm import all_reduce
+from minisgl_cli.layers.activation import silu_and_mul
+from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.linear import divide
+from minisgl_cli.loader.hf import Weight, whole
+
+# Checkpoint names of one expert's projections: Qwen3-MoE's and Mixtral's (w1 gate, w3 up, w2 down).
+EXPERT_PROJ = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
+               "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k]): softmax over the experts in fp32, the k largest, renormalized to
+    sum to 1 where the model says so (Qwen3-MoE's norm_topk_prob; Mixtral always)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the experts run as torch._grouped_mm's device kernel there (no host sync: CUDA graphs capture it)."""
+    # torch's CUTLASS kernel is built for Hopper and datacenter Blackwell; elsewhere _grouped_mm is a host loop.
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(device)[0] in (9, 10))
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, kernels: Kernels, grouped: bool) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H].
+
+    gate_up [E, 2I, H], down [E, H, I]; `grouped`: one torch._grouped_mm per projection (see the module docstring),
+    else one F.linear per expert that received rows. Every shape is static but the loop's."""
+    n_tok, k = ids.shape
+    n_exp = gate_up.shape[0]
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)  # slots grouped by expert, tokens ascending within each
+    # ends[e]: one past expert e's last sorted row (searchsorted, not bincount: CUDA's bincount reads its max back)
+    ends = torch.searchsorted(flat[order], torch.arange(1, n_exp + 1, device=flat.device, dtype=flat.dtype))
+    rows = x[order // k]
+    if grouped:
+        offs = ends.to(torch.int32)
+        h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(silu_and_mul(h, kernels), down.transpose(1, 2), offs=offs)
+    else:
+        y = torch.empty_like(rows)
+        start = 0
+        for e, end in enumerate(ends.tolist()):
+            if end > start:
+                h = F.linear(rows[start:end], gate_up[e])
+                y[start:end] = F.linear(silu_and_mul(h, kernels), down[e])
+            start = end
+    y = y * weights.flatten()[order, None].to(y.dtype)
+    # Back to slot order, then each token's k contributions summed: no atomics, so the sum is deterministic.
+    return torch.empty_like(y).index_copy_(0, order, y).view(n_tok, k, -1).sum(dim=1)
+
+
+class Router(nn.Module):
+    """The gate: logits over the experts from the hidden state, replicated on every rank (E x H is small)."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
+        if name != "weight":
+            raise KeyError(f"checkpoint has a router {name!r}; routers here have a weight only")
+        self.weight.data.copy_(whole(loaded))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Experts(nn.Module):
+    """Every expert's gate/up and down weights, stacked; this rank's slice of each expert's intermediate size."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPInfo):
+        super().__init__()
+        self.local = n = divide(intermediate_size, tp, "moe intermediate size")
+        self.start = tp.rank * n
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, n), requires_grad=False)
+
+    def load_expert(self, expert: int, proj: str, loaded: Weight) -> None:
+        """One checkpoint matrix of expert `expert` (`proj`: gate_proj [I, H], up_proj [I, H], down_proj [H, I]):
+        only this rank's rows or columns are read."""
+        n, start = self.local, self.start
+        if proj == "down_proj":
+            self.down_proj.data[expert].copy_(whole(loaded.narrow(1, start, n)))
+        else:
+            row = 0 if proj == "gate_proj" else n
+            self.gate_up_proj.data[expert, row : row + n].copy_(whole(loaded.narrow(0, start, n)))
+
+
+class MoE(nn.Module):
+    """The sparse MLP of one decoder layer: route each token to its top-k experts, run them, all-reduce."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 tp: TPInfo, kernels: Kernels):
+        super().__init__()
+        self.top_k, self.renormalize, self.tp, self.kernels = top_k, renormalize, tp, kernels
+        self.gate = Router(hidden_size, num_experts)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp)
+
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        return False  # the experts are dense: the norm before them writes plain rows
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        e = self.experts
+        y = fused_experts(x, e.gate_up_proj, e.down_proj, weights, ids, self.kernels,
+                          grouped_mm_runs(x.device, x.dtype))
+        return all_reduce(y, self.tp)

@@ -1,0 +1,174 @@
+"""Mixture of experts: the MoE block against a per-token reference, TP slices of the experts, tiny Qwen3-MoE /
+Mixtral checkpoints' logits through the engine against HF fp32, and what is refused. Their greedy tokens against
+HF: tests/test_hf_parity.py; TP 2 against one process: tests/test_runtime.py; each rank's reads:
+tests/test_tp_loading.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_engine import _extend
+from transformers import AutoModelForCausalLM
+
+from minisgl_cli.distributed import TPInfo
+from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.engine.engine import Engine
+from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.moe import Experts, fused_experts, route
+
+PATHS = ["loop"] + (["grouped"] if hasattr(torch, "_grouped_mm") else [])  # CPU runs torch's grouped fallback
+
+
+def _expert_mats(n_exp: int, hidden: int, inter: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"gate_proj": torch.randn(inter, hidden, generator=g) * 0.2,
+             "up_proj": torch.randn(inter, hidden, generator=g) * 0.2,
+             "down_proj": torch.randn(hidden, inter, generator=g) * 0.2} for _ in range(n_exp)]
+
+
+def _experts(mats: list[dict[str, torch.Tensor]], tp: TPInfo) -> Experts:
+    inter, hidden = mats[0]["gate_proj"].shape
+    experts = Experts(len(mats), hidden, inter, tp)
+    for e, m in enumerate(mats):
+        for proj, w in m.items():
+            experts.load_expert(e, proj, w)
+    return experts
+
+
+def _per_token(x, mats, weights, ids) -> torch.Tensor:
+    """The definition, one token and one choice at a time."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            m = mats[e]
+            h = F.silu(x[t] @ m["gate_proj"].T) * (x[t] @ m["up_proj"].T)
+            out[t] += w * (h @ m["down_proj"].T)
+    return out
+
+
+def test_sparse_layers_are_the_ones_transformers_picks():
+    """Qwen3-MoE: every decoder_sparse_step-th layer, less mlp_only_layers; Mixtral: every layer."""
+    from minisgl_cli.loader.configs import builtin_config
+    from minisgl_cli.models import ModelConfig
+
+    qwen = ModelConfig.from_hf({**builtin_config("qwen3-30b-a3b"), "num_hidden_layers": 8, "decoder_sparse_step": 2,
+                                "mlp_only_layers": [3]})
+    assert [i for i in range(8) if qwen.is_moe_layer(i)] == [1, 5, 7]
+    mixtral = ModelConfig.from_hf(builtin_config("mixtral-8x7b"))
+    assert all(mixtral.is_moe_layer(i) for i in range(mixtral.num_layers)) and mixtral.norm_topk_prob
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 14336)
+    dense = ModelConfig.from_hf(builtin_config("qwen3-0.6b"))
+    assert not any(dense.is_moe_layer(i) for i in range(dense.num_layers))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("n_exp,top_k,n_tok", [(8, 2, 1), (8, 2, 3), (4, 4, 5), (16, 3, 7), (6, 1, 40)])
+def test_moe_block_equals_the_per_token_definition(n_exp, top_k, n_tok, path):
+    hidden, inter = 32, 24
+    mats = _expert_mats(n_exp, hidden, inter, seed=n_exp * 100 + n_tok)
+    x = torch.randn(n_tok, hidden, generator=torch.Generator().manual_seed(n_tok))
+    logits = torch.randn(n_tok, n_exp, generator=torch.Generator().manual_seed(7))
+    for renormalize in (False, True):
+        weights, ids = route(logits, top_k, renormalize)
+        sums = weights.sum(-1)
+        assert torch.allclose(sums, torch.ones_like(sums)) if renormalize else (sums < 1 + 1e-6).all()
+        e = _experts(mats, TPInfo())
+        got = fused_experts(x, e.gate_up_proj, e.down_proj, weights, ids, Kernels(), grouped=path == "grouped")
+        torch.testing.assert_close(got, _per_token(x, mats, weights, ids), rtol=1e-5, atol=1e-5)
+    if n_tok * top_k < n_exp:
+        assert len(set(ids.flatten().tolist())) < n_exp  # some experts received no token
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_tp_ranks_slices_of_every_expert_sum_to_the_whole(path):
+    """Each rank holds half of every expert's intermediate size; their partial outputs add up (the all-reduce)."""
+    mats = _expert_mats(8, 32, 48, seed=3)
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(4))
+    weights, ids = route(torch.randn(9, 8, generator=torch.Generator().manual_seed(5)), 2, True)
+    grouped = path == "grouped"
+    whole = _experts(mats, TPInfo())
+    want = fused_experts(x, whole.gate_up_proj, whole.down_proj, weights, ids, Kernels(), grouped)
+    parts = [_experts(mats, TPInfo(r, 2)) for r in range(2)]
+    assert parts[0].gate_up_proj.shape == (8, 48, 32) and parts[0].down_proj.shape == (8, 32, 24)
+    got = sum(fused_experts(x, p.gate_up_proj, p.down_proj, weights, ids, Kernels(), grouped) for p in parts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_tiny_moe_logits_match_hf_fp32(tiny_moe_dirs, arch):
+    model_dir = tiny_moe_dirs[arch]
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 17, 1)]
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", quantization="none",
+                                 attention_backend="torch", max_total_tokens=4096))
+    ours = _extend(engine, prompts, 0)  # one batched prefill: the last token's logits of each prompt
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = torch.cat([hf(torch.tensor([p])).logits[:, -1] for p in prompts])
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_hf_twin_of_a_moe_model_is_the_checkpoint(tiny_moe_dirs, arch):
+    """models/hf_export.hf_twin (the GPU numerics tests' reference) holds our stacked experts under transformers'
+    names: it computes what the checkpoint loaded by transformers does."""
+    from minisgl_cli.loader.hf import read_hf_config
+    from minisgl_cli.models.hf_export import hf_twin
+
+    model_dir = tiny_moe_dirs[arch]
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", quantization="none", max_total_tokens=256))
+    twin = hf_twin(engine.model, read_hf_config(model_dir))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    x = torch.tensor([[5, 17, 99, 4000, 12, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x).logits, hf(x).logits, rtol=0, atol=1e-6)
+
+
+def test_dummy_weights_of_an_moe_config_run(tiny_moe_dirs):
+    """--load-format dummy on a MoE config: random experts of the config's shapes, finite logits."""
+    engine = Engine(EngineConfig(model=str(tiny_moe_dirs["qwen3_moe"]), load_format="dummy", max_total_tokens=256))
+    logits = _extend(engine, [[1, 2, 3, 4]], 0)
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_experts_are_refused_in_one_line(tiny_moe_dirs, quantization):
+    with pytest.raises(ValueError) as err:
+        Engine(EngineConfig(model=str(tiny_moe_dirs["mixtral"]), quantization=quantization, max_total_tokens=256))
+    assert "\n" not in str(err.value) and f"--quantization {quantization}" in str(err.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_experts_on_cuda_match_the_loop_and_replay_in_a_cuda_graph():
+    """bf16 on the GPU: the grouped GEMM (where it runs) equals the per-expert loop, and a CUDA graph captures it
+    (no host sync) and replays it on new tokens and routes."""
+    from minisgl_cli.layers.moe import grouped_mm_runs
+
+    dev = torch.device("cuda")
+    if not grouped_mm_runs(dev, torch.bfloat16):
+        pytest.skip("torch._grouped_mm's kernel needs SM 9.x / 10.x and torch 2.8+")
+    n_exp, hidden, inter, top_k, n_tok = 16, 256, 128, 4, 24
+    e = _experts(_expert_mats(n_exp, hidden, inter, seed=1), TPInfo()).to(dev, torch.bfloat16)
+    kernels = Kernels()
+
+    def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n_tok, hidden, generator=g).to(dev, torch.bfloat16)
+        weights, ids = route(torch.randn(n_tok, n_exp, generator=g).to(dev), top_k, True)
+        return x, weights, ids
+
+    x, weights, ids = inputs(0)
+    loop = fused_experts(x, e.gate_up_proj, e.down_proj, weights, ids, kernels, grouped=False)
+    grouped = fused_experts(x, e.gate_up_proj, e.down_proj, weights, ids, kernels, grouped=True)
+    torch.testing.assert_close(grouped, loop, rtol=2e-2, atol=2e-2)
+    static = [t.clone() for t in (x, weights, ids)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(*static[:1], e.gate_up_proj, e.down_proj, *static[1:], kernels, grouped=True)
+    x2, w2, i2 = inputs(1)
+    for dst, src in zip(static, (x2, w2, i2)):
+        dst.copy_(src)
+    graph.replay()
+    want = fused_experts(x2, e.gate_up_proj, e.down_proj, w2, i2, kernels, grouped=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
