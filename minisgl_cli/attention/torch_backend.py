@@ -14,6 +14,9 @@ from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.core.batch import ForwardBatch
 
 
+_PAD = 16  # the CPU's fp32 vector width (AVX-512; twice AVX2's): see TorchBackend.prepare
+
+
 @dataclass
 class TorchDecodeMeta:
     slots: torch.Tensor  # [B * L] KV slots, row-major, padded with the scratch slot 0
@@ -34,7 +37,10 @@ class TorchBackend(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         table = self.pool.page_table
         if batch.is_decode:
-            max_len = max(batch.seq_lens_cpu)
+            # Padded to a multiple of _PAD: a request's softmax sums then take the same vector lanes and tail
+            # whatever the longest request beside it (masked positions add exact zeros to full lanes), so its
+            # decode rounds alike in any batch.
+            max_len = min(-(-max(batch.seq_lens_cpu) // _PAD) * _PAD, table.shape[1])
             slots = table[batch.req_slots, :max_len].long()
             pad = torch.arange(max_len, device=slots.device)[None, :] >= batch.seq_lens[:, None]
             # Additive float mask, built once per step: SDPA would convert a bool mask in every layer.
@@ -65,16 +71,25 @@ class TorchBackend(AttentionBackend):
         if isinstance(meta, TorchDecodeMeta):
             return self._decode(q, layer_id, meta)
         outs = []
-        gqa = self.num_heads != self.num_kv_heads
         for i, (slots, mask) in enumerate(zip(meta.slots, meta.masks)):
             a, b = meta.starts[i], meta.starts[i + 1]
             ki, vi = (k[a:b], v[a:b]) if slots is None else self.pool.read(layer_id, slots, q.dtype)
-            oi = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None],
-                attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa,
-            )
-            outs.append(oi[0].transpose(0, 1))
+            # A request's last row (the token it samples) attends alone, over all its keys: SDPA rounds a row by
+            # the rows it runs with, and this row must come out the same whether the prompt is prefilled cold
+            # or extended by its last token after a prefix hit. The rows before it attend over the keys before it.
+            if b - a > 1:
+                outs.append(self._sdpa(q[a : b - 1], ki[:-1], vi[:-1], None if mask is None else mask[:-1, :-1]))
+            outs.append(self._sdpa(q[b - 1 : b], ki, vi, None, causal=False))
         return torch.cat(outs, dim=0)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              causal: bool = True) -> torch.Tensor:
+        """One request's rows [T, H, D] over its keys [L, Hkv, D]: under `mask`, else causal (or all keys)."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+            is_causal=causal and mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out[0].transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, layer_id: int, meta: TorchDecodeMeta):
         bsz, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
