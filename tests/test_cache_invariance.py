@@ -4,10 +4,14 @@ prompts cached, and inside a batch of 16 other requests give the same tokens (is
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 from test_hf_parity import PROMPTS
 
 from minisgl_cli import LLM, SamplingParams
+from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.layers import cpu_kernels, quant
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.linear import RowParallelLinear
@@ -15,8 +19,8 @@ from minisgl_cli.layers.linear import RowParallelLinear
 CHATS = [[{"role": "user", "content": p}] for p in PROMPTS]
 ANSWER = SamplingParams(max_new_tokens=32, ignore_eos=True)
 # Other requests of other lengths, decoding beside the parity prompts from their prefill to their last token.
-OTHERS = [[{"role": "user", "content": f"Count from {i} to {i + 3 * i} in words, then say why {i} is {'odd' if i % 2 else 'even'}."}]
-          for i in range(1, 17)]
+OTHERS = [[{"role": "user", "content": f"Count from {i} to {4 * i} in words, then say why {i} is {kind}."}]
+          for i, kind in zip(range(1, 17), ["odd", "even"] * 8)]
 BESIDE = SamplingParams(max_new_tokens=48, ignore_eos=True)
 
 
@@ -55,7 +59,7 @@ def test_each_kernel_gives_a_row_the_same_result_whatever_the_rows_beside_it():
             torch.set_default_dtype(torch.float32)
         down.load_shard("weight", torch.randn(576, 1536) * 0.05)
         down.finish_loading()
-        assert _rows_alike(lambda r: down(r, decode=True), x), method.name
+        assert _rows_alike(functools.partial(down, decode=True), x), method.name
         assert _rows_alike(down, x), f"{method.name} dense"
     embed = VocabParallelEmbedding(4096, 576)
     head = ParallelLMHead(4096, 576, method=quant.Int4Method().for_lm_head(), tied=embed)
@@ -65,3 +69,13 @@ def test_each_kernel_gives_a_row_the_same_result_whatever_the_rows_beside_it():
     fp32 = torch.randn(17, 1536)
     w = torch.randn(576, 1536) * 0.05
     assert _rows_alike(lambda r: cpu_kernels.linear(r, w, None, "invariant"), fp32)
+
+
+def test_deterministic_decodes_eagerly_with_one_fp32_gemm_kernel_and_refuses_a_compile():
+    cfg = EngineConfig(device="cpu", deterministic=True, torch_compile="auto", compile_in_process=True)
+    assert cfg.cpu_gemm == "invariant"
+    assert not cfg.compiles_decode("int4", tp_size=1, own_process=True)
+    with pytest.raises(ValueError, match="--torch-compile on"):
+        EngineConfig(device="cpu", deterministic=True, torch_compile="on")
+    with pytest.raises(ValueError, match="MINISGL_CPU_GEMM"):
+        EngineConfig(device="cpu", deterministic=True, cpu_gemm="fp16")

@@ -124,7 +124,7 @@ class EngineConfig:
             self._make_deterministic()
 
     def _make_deterministic(self) -> None:
-        """--deterministic: refuse what it cannot make invariant, pick the GEMM policy that is (layers/cpu_kernels.py)."""
+        """--deterministic: refuse what it cannot keep; take the GEMM policy that is (layers/cpu_kernels.py)."""
         if self.resolved_device().type != "cpu":
             raise ValueError("--deterministic runs on the CPU (the CUDA kernels pick their arithmetic by batch size)")
         if self.torch_compile == "on":
