@@ -125,10 +125,12 @@ def test_quantized_perplexity_stays_close_to_the_exact_path(default_model_dir, t
     assert abs(got["int4"] / exact - 1) < 0.03
 
 
-# On-topic words the exact fp32 mode's answers carry too (tests/test_hf_parity.py's prompts).
+# On-topic words the exact fp32 mode's answers carry too (tests/test_hf_parity.py's prompts). The cities prompt's
+# int4 (and int8) answer names two more ("The cities of Shanghai and Beijing ..."), the exact one repeats the three
+# ("Zürich, Krakow, and 東京 are all cities."): a near tie, which answer a rounding decides.
 TOPICS = {"What is the capital of France?": "Paris", "Write a haiku about the sea.": "sea",
           "List three prime numbers.": "2", "Explain what a KV cache is in one sentence.": "cache",
-          "Zürich, Kraków and 東京 are cities. Name one more:": "Zürich", "def fibonacci(n):": "fibonacci",
+          "Zürich, Kraków and 東京 are cities. Name one more:": "cities", "def fibonacci(n):": "fibonacci",
           "Once upon a time, in a small village,": "village"}
 
 
@@ -146,7 +148,7 @@ def test_default_model_runs_its_int4_blocks_and_answers_the_parity_prompts_sensi
         llm.client.check_pages()
     for prompt, done in zip(PROMPTS, out):
         assert len(done.text.split()) >= 3, (prompt, done.text)
-        assert TOPICS.get(prompt, "") in done.text, (prompt, done.text)
+        assert TOPICS.get(prompt, "").lower() in done.text.lower(), (prompt, done.text)
 
 
 @pytest.mark.parametrize("q", ["int4", "int8"])
