@@ -230,7 +230,7 @@ class Int8LogitsMethod(LinearMethod):
     embedding's).
 
     fbgemm quantizes its whole input with one scale and zero point, from the input's min and max: rows scaled to
-    +-127 first, plus two anchor columns at +-128 (zero weights) so that min and max, and with them every row's
+    +-127 first, plus two anchor columns at +-127 (zero weights) so that min and max, and with them every row's
     codes, are the same whatever the other rows of the batch hold."""
 
     name = "int8-logits"
@@ -255,7 +255,7 @@ class Int8LogitsMethod(LinearMethod):
         x2 = x.reshape(-1, x.shape[-1]).float()
         x_scale = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / 127  # the activations quantized per row
         if layer.fbgemm is not None:  # one input scale for fbgemm: rows scaled alike, anchors fix its min and max
-            xa = torch.cat([x2 / x_scale, _ANCHORS.expand(x2.shape[0], -1)], dim=1)
+            xa = torch.cat([(x2 / x_scale).clamp_(-127, 127), _ANCHORS.expand(x2.shape[0], -1)], dim=1)
             y = torch.ops.quantized.linear_dynamic(xa, layer.fbgemm, _REDUCE_RANGE) * x_scale
         else:
             xq = (x2 / x_scale).round_().to(torch.int8)
@@ -267,8 +267,8 @@ class Int8LogitsMethod(LinearMethod):
 # fbgemm multiplies uint8 activations by int8 weights; without VNNI its 16-bit pair sums can saturate, so it
 # keeps activations to 7 bits there (reduce_range).
 _REDUCE_RANGE = not torch.cpu._is_vnni_supported()
-# Past any row scaled to +-127 (which rounding may leave a hair above 127): the input's min and max, always.
-_ANCHORS = torch.tensor([[128.0, -128.0]])
+# The input's min and max whatever its rows (clamped to them: rounding may leave a scaled row a hair past 127).
+_ANCHORS = torch.tensor([[127.0, -127.0]])
 
 
 def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> Any | None:
