@@ -58,6 +58,16 @@ def in_panel(panel: str) -> Callable[..., Any]:
     return functools.partial(typer.Option, rich_help_panel=panel)
 
 
+def pipeline_options(model_env: str, dir_env: str, dir_default: str) -> tuple[Any, Any]:
+    """The --model and --model-dir options of a diffusion command (image, video): a hub repo id or a local dir,
+    and where its weights live."""
+    model = typer.Option(envvar=model_env, rich_help_panel=MODEL_PANEL, help="Hub repo id or local pipeline dir.")
+    model_dir = typer.Option(
+        envvar=dir_env, rich_help_panel=MODEL_PANEL, show_default=dir_default,
+        help="Local pipeline dir (with model_index.json); the weights are fetched here if missing.")
+    return model, model_dir
+
+
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="INFO logs narrating prefill, decode steps and chunks.")]
 # The HTTP fronts' shared options (`serve` and `router`).
 Host = Annotated[str, typer.Option("--host", envvar="HOST", rich_help_panel=SERVER_PANEL,

@@ -13,6 +13,8 @@ from minisgl_cli.media.jobs import DEFAULT_IMAGE_MODEL, DEFAULT_IMAGE_MODEL_DIR,
 
 app = typer.Typer()
 setup = c.in_panel(c.MODEL_PANEL)  # the model and how it runs
+MODEL, MODEL_DIR = c.pipeline_options("MINISGL_IMAGE_MODEL", "Z_IMAGE_MODEL_DIR",
+                                      f"{DEFAULT_IMAGE_MODEL_DIR} for the default --model")
 
 
 class Aspect(str, Enum):
@@ -47,17 +49,8 @@ def image(
     device: Annotated[
         str, setup(envvar="MINISGL_DEVICE", help="auto (mps, cuda, cpu), mps, cuda[:N], cpu.")
     ] = "auto",
-    model: Annotated[
-        str, setup(envvar="MINISGL_IMAGE_MODEL", help="Hub repo id or local pipeline dir.")
-    ] = DEFAULT_IMAGE_MODEL,
-    model_dir: Annotated[
-        Optional[Path],
-        setup(
-            envvar="Z_IMAGE_MODEL_DIR",
-            help="Local pipeline dir (with model_index.json); the weights are fetched here if missing.",
-            show_default=f"{DEFAULT_IMAGE_MODEL_DIR} for the default --model",
-        ),
-    ] = None,
+    model: Annotated[str, MODEL] = DEFAULT_IMAGE_MODEL,
+    model_dir: Annotated[Optional[Path], MODEL_DIR] = None,
     output_dir: Annotated[Path, typer.Option(envvar="MINISGL_OUTPUT_DIR", help="Where PNGs go.")] = Path("outputs"),
     cpu_offload: Annotated[bool, setup(
         "--cpu-offload", help="Keep idle sub-models on the CPU (CUDA only).")] = False,

@@ -11,6 +11,9 @@ import typer
 from commands import common as c
 from minisgl_cli.media.jobs import DEFAULT_VIDEO_MODEL
 
+MODEL, MODEL_DIR = c.pipeline_options("MINISGL_VIDEO_MODEL", "MINISGL_VIDEO_MODEL_DIR",
+                                      "~/.cache/mini-sglang/<repo name>")
+
 app = typer.Typer()
 setup = c.in_panel(c.MODEL_PANEL)  # the model and how it runs
 
@@ -33,17 +36,8 @@ def video(
     negative_prompt: Annotated[Optional[str], typer.Option(help="What to avoid (used when CFG is on).")] = None,
     format: Annotated[VideoFormat, typer.Option(
         "--format", metavar="<str>", help="mp4 (a file) or frames (a dir of PNGs).")] = VideoFormat.mp4,
-    model: Annotated[
-        str, setup(envvar="MINISGL_VIDEO_MODEL", help="Hub repo id or local pipeline dir.")
-    ] = DEFAULT_VIDEO_MODEL,
-    model_dir: Annotated[
-        Optional[Path],
-        setup(
-            envvar="MINISGL_VIDEO_MODEL_DIR",
-            help="Local pipeline dir (with model_index.json); the weights are fetched here if missing.",
-            show_default="~/.cache/mini-sglang/<repo name>",
-        ),
-    ] = None,
+    model: Annotated[str, MODEL] = DEFAULT_VIDEO_MODEL,
+    model_dir: Annotated[Optional[Path], MODEL_DIR] = None,
     device: Annotated[
         str, setup(envvar="MINISGL_DEVICE", help="auto (mps, cuda, cpu), mps, cuda[:N], cpu.")
     ] = "auto",

@@ -1,6 +1,6 @@
 """One-shot GPU benchmark: our engine vs HF transformers `generate` on the same dummy weights, in one run.
 
-    PYTHONPATH=. python examples/gpu_bench.py [--only ops,gemv,qwen,llama] [--out DIR] [--profile] [--sweep]
+    PYTHONPATH=. python examples/gpu_bench.py [--only ops,gemv,qwen,llama,moe] [--out DIR] [--profile] [--sweep]
     PYTHONPATH=. python examples/gpu_bench.py --only fp8ops   # activation quant, RoPE + KV store block shapes
     PYTHONPATH=. python examples/gpu_bench.py --fp8 --main-only --no-hf      # bf16 and FP8 side by side
 
@@ -180,9 +180,9 @@ DTYPES: dict = {}  # --kv-cache-dtype / --quantization: EngineConfig fields for 
 
 
 def make_engine(name: str, **kw) -> Engine:
-    kw = {**DTYPES, **kw}
-    cfg = EngineConfig(model=name, load_format="dummy", max_running_requests=256, cuda_graph_max_bs=256,
-                       max_total_tokens=300_000, attention_backend=BACKEND[0], **kw)
+    kw = {"max_running_requests": 256, "cuda_graph_max_bs": 256, "max_total_tokens": 300_000,
+          "attention_backend": BACKEND[0], **DTYPES, **kw}
+    cfg = EngineConfig(model=name, load_format="dummy", **kw)
     t0 = time.perf_counter()
     e = Engine(cfg)
     print(
@@ -651,6 +651,11 @@ def main() -> None:
             if not args.no_hf:
                 hf_bench("Qwen3-0.6B", e, "qwen3-0.6b", True, 128)
         sections.append(("qwen", qwen))
+    if "moe" in only:
+        def moe():  # Qwen3-30B-A3B: 61 GB of bf16 weights leave an H100 room for ~120k KV tokens
+            e = make_engine("qwen3-30b-a3b", max_total_tokens=120_000)
+            bench_engine("Qwen3-30B-A3B", e, True, [(True, True)], [(True, True)], args.profile)
+        sections.append(("moe", moe))
     if "llama" in only and not args.fp8:
         def llama():
             e = make_engine("llama-3.1-8b")

@@ -65,7 +65,7 @@ def disable_pdl() -> bool:
 
 
 def cpu_gemm() -> str:
-    """MINISGL_CPU_GEMM: the CPU GEMM policy (auto, mkl, fp16; see layers/cpu_kernels.py)."""
+    """MINISGL_CPU_GEMM: the CPU GEMM policy (auto, invariant, mkl, fp16; see layers/cpu_kernels.py)."""
     return _text("MINISGL_CPU_GEMM") or "auto"
 
 

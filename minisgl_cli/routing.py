@@ -20,6 +20,8 @@ import time
 from collections.abc import Collection, Hashable, Sequence
 from typing import Literal, get_args
 
+from minisgl_cli.types import ErrorCode
+
 SchedulerMode = Literal["rr", "fsfs", "random", "cache_aware"]
 SCHEDULER_MODES: tuple[str, ...] = get_args(SchedulerMode)
 
@@ -32,6 +34,8 @@ TREE_ITEMS = 1 << 22  # per replica, when the caller does not know its cache siz
 
 class Busy(Exception):
     """Every replica that is up has its cap of requests in flight (the server answers 429 + Retry-After)."""
+
+    code = ErrorCode.OVERLOADED
 
 
 class NoReplica(Exception):

@@ -19,7 +19,17 @@ class ErrorCode(str, Enum):
     UNSUPPORTED = "unsupported"  # a feature this engine or install lacks (e.g. structured output without xgrammar)
     ENGINE_FAILED = "engine_failed"  # the engine (or a process of it) failed while serving the request
     OVERLOADED = "overloaded"  # every replica is at its cap: retry later
+    UNAVAILABLE = "unavailable"  # the engine is gone (a process or thread of it died)
     CANCELLED = "cancelled"  # the engine is shutting down or the client was closed
+
+
+def error_code_of(exc: BaseException) -> ErrorCode:
+    """The code of an exception a client raised instead of streaming: its own `code` where it has one, else the
+    input's fault for a ValueError and the engine's for anything else."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, ErrorCode):
+        return code
+    return ErrorCode.INVALID_REQUEST if isinstance(exc, ValueError) else ErrorCode.ENGINE_FAILED
 MAX_TOP_LOGPROBS = 20
 
 _ids = itertools.count()

@@ -59,7 +59,8 @@ def _decode(engine: Engine, rows: list[tuple[int, torch.Tensor]]) -> ForwardBatc
 @pytest.mark.slow
 def test_compiled_decode_matches_eager_against_the_fp32_truth():
     """Engine.forward's decode through the compiled function (bf16 activations) is as close to the same int4
-    weights run in fp32 as the eager step: the same top-1 token for every row at batch 1, 3 and 5 (one shape
+    weights run in fp32 as the eager step: the same top-1 token for every row not tied within that error, at batch 1,
+    3 and 5 (one shape
     compiled for 2..max_bs rows), within eager's own distance of the fp32 logits. Batches over max_bs rows and
     prefills run eagerly; nothing is sent back to eager for want of a compile."""
     truth_engine = Engine(EngineConfig(max_total_tokens=2048, dtype="float32", quantization="int4",
@@ -71,6 +72,7 @@ def test_compiled_decode_matches_eager_against_the_fp32_truth():
     assert compiled.wait(900), compiled.error
     assert not engine.compiling
     truth_rows, rows = _prefill(truth_engine, 5), _prefill(engine, 5)
+    decided = 0
     for n in (1, 3, 5):
         truth = truth_engine.forward(_decode(truth_engine, truth_rows[:n])).float()
         batch = _decode(engine, rows[:n])
@@ -80,9 +82,16 @@ def test_compiled_decode_matches_eager_against_the_fp32_truth():
         steps = compiled.steps
         got = engine.forward(_decode(engine, rows[:n])).float()
         assert compiled.steps == steps + 1  # it ran compiled
-        assert torch.equal(got.argmax(-1), truth.argmax(-1)) and torch.equal(eager.argmax(-1), truth.argmax(-1))
-        assert (got - truth).abs().max() <= 1.25 * (eager - truth).abs().max()
+        tol = (eager - truth).abs().max()
+        assert (got - truth).abs().max() <= 1.25 * tol
+        # The top-1 token where no rounding within bf16's own error can flip it (a near tie is not decidable).
+        top2 = truth.topk(2, dim=-1).values
+        sure = top2[:, 0] - top2[:, 1] > 2.5 * tol
+        decided += int(sure.sum())
+        for out in (got, eager):
+            assert torch.equal(out.argmax(-1)[sure], truth.argmax(-1)[sure])
         assert not torch.equal(got, eager)  # it is another program (fused, fp32 inside), not eager again
+    assert decided >= 4  # of the 9 rows: the check above is not empty
     assert compiled.declined == 0
     assert not compiled.can_run(_decode(engine, [rows[0]] * (compiled.max_bs + 1)))
     assert not compiled.can_run(ForwardBatch.build("extend", [1, 2], [rows[0][0]], [0], [2], [0, 0], "cpu",

@@ -13,6 +13,28 @@ import torch.nn.functional as F
 from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.core.batch import ForwardBatch
 
+# A row's attention must round alike whatever computes it (a cold prefill, an extend after a prefix hit, a
+# chunk): SDPA rounds a row by the rows it runs with and by how many keys it reads. So extend rows run in blocks
+# of _BLOCK rows at fixed positions (a block's missing rows zero), and keys count in multiples of _PAD, the CPU's
+# fp32 vector width (AVX-512; twice AVX2's): masked keys past a row's own then add exact zeros to full vector
+# lanes, whatever their number. Decode rows (one per request) read their keys padded alike.
+_PAD = 16
+_BLOCK = 32  # SDPA's own query block on the CPU: one per call
+
+
+def _padded(n: int, limit: int) -> int:
+    return min(-(-n // _PAD) * _PAD, limit)
+
+
+@dataclass
+class _Block:
+    """Query rows [start, start + _BLOCK) of a request, of which this step has `rows` (at `at` in the block)."""
+
+    rows: slice  # of the request's rows in this step
+    at: slice  # where they sit in the block
+    keys: int  # the keys the block reads (its last position's, padded)
+    mask: torch.Tensor  # [_BLOCK, keys] bool: row r sees the keys up to position start + r
+
 
 @dataclass
 class TorchDecodeMeta:
@@ -24,8 +46,8 @@ class TorchDecodeMeta:
 @dataclass
 class TorchExtendMeta:
     starts: list[int]  # row offsets of each request in the flat batch
-    slots: list[torch.Tensor | None]  # per request: [seq_len] KV slots; None when nothing is cached
-    masks: list[torch.Tensor | None]  # per request: [extend, seq_len] causal mask; None = plain causal
+    slots: list[torch.Tensor | None]  # per request: its KV slots (padded); None: nothing cached, this step's k/v
+    blocks: list[list[_Block]]  # per request: its rows' query blocks
 
 
 class TorchBackend(AttentionBackend):
@@ -34,7 +56,7 @@ class TorchBackend(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         table = self.pool.page_table
         if batch.is_decode:
-            max_len = max(batch.seq_lens_cpu)
+            max_len = _padded(max(batch.seq_lens_cpu), table.shape[1])  # whatever the longest request beside
             slots = table[batch.req_slots, :max_len].long()
             pad = torch.arange(max_len, device=slots.device)[None, :] >= batch.seq_lens[:, None]
             # Additive float mask, built once per step: SDPA would convert a bool mask in every layer.
@@ -45,18 +67,23 @@ class TorchBackend(AttentionBackend):
             batch.attn_meta = TorchDecodeMeta(slots.reshape(-1), max_len, mask[:, None, None, :])
             return
         kv_slots: list[torch.Tensor | None] = []
-        masks: list[torch.Tensor | None] = []
-        rows = batch.req_slots.tolist()
-        for row, seq_len, ext in zip(rows, batch.seq_lens_cpu, batch.extend_lens_cpu):
-            prefix = seq_len - ext
-            if prefix == 0 and not self.pool.quantized:  # nothing cached: this step's own k/v, no gather
-                kv_slots.append(None)
-                masks.append(None)
-                continue
-            kv_slots.append(table[row, :seq_len].long())
-            q_pos = torch.arange(prefix, seq_len, device=table.device)[:, None]
-            masks.append(torch.arange(seq_len, device=table.device)[None, :] <= q_pos)
-        batch.attn_meta = TorchExtendMeta(batch.qo_indptr.tolist(), kv_slots, masks)
+        blocks: list[list[_Block]] = []
+        masks: dict[tuple[int, int], torch.Tensor] = {}  # by (block start, keys): shared by requests alike
+        for row, seq_len, ext in zip(batch.req_slots.tolist(), batch.seq_lens_cpu, batch.extend_lens_cpu):
+            prefix, limit = seq_len - ext, _padded(seq_len, table.shape[1])
+            # Nothing cached: this step's own k/v (zero-padded in attend), no gather.
+            kv_slots.append(None if prefix == 0 and not self.pool.quantized else table[row, :limit].long())
+            mine = []
+            for start in range(prefix - prefix % _BLOCK, seq_len, _BLOCK):
+                lo, hi = max(start, prefix), min(start + _BLOCK, seq_len)
+                keys = _padded(start + _BLOCK, limit)
+                if (start, keys) not in masks:
+                    pos = torch.arange(start, start + _BLOCK, device=table.device)[:, None]
+                    masks[start, keys] = torch.arange(keys, device=table.device)[None, :] <= pos
+                mine.append(_Block(slice(lo - prefix, hi - prefix), slice(lo - start, hi - start), keys,
+                                   masks[start, keys]))
+            blocks.append(mine)
+        batch.attn_meta = TorchExtendMeta(batch.qo_indptr.tolist(), kv_slots, blocks)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -66,14 +93,25 @@ class TorchBackend(AttentionBackend):
             return self._decode(q, layer_id, meta)
         outs = []
         gqa = self.num_heads != self.num_kv_heads
-        for i, (slots, mask) in enumerate(zip(meta.slots, meta.masks)):
+        for i, (slots, blocks) in enumerate(zip(meta.slots, meta.blocks)):
             a, b = meta.starts[i], meta.starts[i + 1]
-            ki, vi = (k[a:b], v[a:b]) if slots is None else self.pool.read(layer_id, slots, q.dtype)
-            oi = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None],
-                attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa,
-            )
-            outs.append(oi[0].transpose(0, 1))
+            if slots is None:  # this step's own k/v, zero-padded to the keys its last block reads
+                pad = (0, 0, 0, 0, 0, blocks[-1].keys - (b - a))
+                ki, vi = F.pad(k[a:b], pad), F.pad(v[a:b], pad)
+            else:
+                ki, vi = self.pool.read(layer_id, slots, q.dtype)
+            qi = q[a:b]
+            for blk in blocks:
+                if blk.at.stop - blk.at.start == _BLOCK:
+                    qb = qi[blk.rows]
+                else:
+                    qb = qi.new_zeros(_BLOCK, *qi.shape[1:])
+                    qb[blk.at] = qi[blk.rows]
+                out = F.scaled_dot_product_attention(
+                    qb.transpose(0, 1)[None], ki[: blk.keys].transpose(0, 1)[None],
+                    vi[: blk.keys].transpose(0, 1)[None], attn_mask=blk.mask, scale=self.scale, enable_gqa=gqa,
+                )
+                outs.append(out[0].transpose(0, 1)[blk.at])
         return torch.cat(outs, dim=0)
 
     def _decode(self, q: torch.Tensor, layer_id: int, meta: TorchDecodeMeta):

@@ -25,7 +25,7 @@ from minisgl_cli.client.routed import RoutedClient
 from minisgl_cli.messages import AbortRequest, AddRequest, DecodedPiece
 from minisgl_cli.scheduler.stats import RollingRate
 from minisgl_cli.tokenizer import StopStringMatcher, Tokenizer, prompt_ids
-from minisgl_cli.types import FinishReason, GenerateRequest, SamplingParams, SchedulerStats
+from minisgl_cli.types import ErrorCode, FinishReason, GenerateRequest, SamplingParams, SchedulerStats, error_code_of
 
 log = logging.getLogger("minisgl.backends")
 
@@ -145,11 +145,12 @@ class SerialClient(RoutedClient):
                 params = dataclasses.replace(params, max_new_tokens=room)
             self._run_job(rid, ids, params, stopped)
         except _Refused as exc:
-            self._emit(DecodedPiece(rid, error=str(exc)))
+            self._emit(DecodedPiece(rid, error=str(exc), error_code=error_code_of(exc)))
         except Exception as exc:  # the backend failed: this request ends with the error, the engine goes on
             log.exception("%s engine: request %s failed", self.engine, rid)
             if rid in self._live:  # not already ended (a failure after its last piece only gets logged)
-                self._emit(DecodedPiece(rid, error=f"internal error: {type(exc).__name__}: {exc}"))
+                self._emit(DecodedPiece(rid, error=f"internal error: {type(exc).__name__}: {exc}",
+                                        error_code=ErrorCode.ENGINE_FAILED))
 
     def _run_job(self, rid: str, ids: list[int], params: SamplingParams, stopped: Callable[[], bool]) -> None:
         if stopped():
@@ -200,8 +201,8 @@ class SerialClient(RoutedClient):
             self._live.add(msg.rid)
         self._jobs.put(msg)
 
-    def _error_item(self, rid: str, error: str) -> DecodedPiece:
-        return DecodedPiece(rid, error=error)
+    def _error_item(self, rid: str, error: str, code: ErrorCode) -> DecodedPiece:
+        return DecodedPiece(rid, error=error, error_code=code)
 
     def _decoder(self, params: SamplingParams) -> Callable[[list], DecodedPiece]:
         return PieceDecoder(params).feed

@@ -25,7 +25,7 @@ from minisgl_cli.engine.engine import Engine
 from minisgl_cli.messages import DecodedPiece, FromScheduler, StepOutput, TokenOutput, ToScheduler
 from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, prompt_ids
-from minisgl_cli.types import GenerateRequest, SamplingParams
+from minisgl_cli.types import ErrorCode, GenerateRequest, SamplingParams
 
 log = logging.getLogger("minisgl.client")
 
@@ -81,8 +81,8 @@ class LocalClient(RoutedClient):
     def _send(self, msg: ToScheduler) -> None:
         self._inbox.put(msg)
 
-    def _error_item(self, rid: str, error: str) -> TokenOutput:
-        return TokenOutput(rid, None, None, error=error)
+    def _error_item(self, rid: str, error: str, code: ErrorCode) -> TokenOutput:
+        return TokenOutput(rid, None, None, error=error, error_code=code)
 
     def _on_output(self, msg: FromScheduler) -> None:
         """On the scheduler thread: route a step's outputs by request id."""
@@ -123,7 +123,7 @@ class LocalClient(RoutedClient):
         self._inbox.put(None)  # wake an idle loop
         self._thread.join(timeout=30)
         self._tokenize_pool.shutdown(wait=False)
-        self._fail_all("the client was closed")  # streams still open end with an error, not silence
+        self._fail_all("the client was closed", ErrorCode.CANCELLED)  # open streams end with an error, not silence
         if not self._thread.is_alive():
             # Free the engine now (its parts refer to each other) and give its CUDA memory back to the device: the
             # next engine in this process sizes its KV pool from the free memory.

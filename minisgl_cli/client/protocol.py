@@ -12,10 +12,19 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from minisgl_cli.types import Completion, Delta, GenerateRequest, ModelInfo, SchedulerStats, TokenLogprob
+from minisgl_cli.types import Completion, Delta, ErrorCode, GenerateRequest, ModelInfo, SchedulerStats, TokenLogprob
 
 STALL_S = 30.0  # a scheduler loop silent this long is reported unhealthy (a step never takes that long)
 ENGINE_GONE = "the engine is gone"  # how the error of a request whose engine died begins
+
+
+class EngineGone(RuntimeError):
+    """The engine died (or every replica did): nothing can run the request."""
+
+    code = ErrorCode.UNAVAILABLE
+
+    def __init__(self, reason: str):
+        super().__init__(f"{ENGINE_GONE}: {reason}")
 
 
 @dataclass

@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from minisgl_cli.admission import AdmissionError, admit
-from minisgl_cli.client.protocol import ENGINE_GONE, PrefixWarm
+from minisgl_cli.client.protocol import ENGINE_GONE, EngineGone, PrefixWarm
 from minisgl_cli.messages import (
     AbortRequest,
     AddRequest,
@@ -75,8 +75,8 @@ class RoutedClient:
     def _decoder(self, params: SamplingParams) -> Callable[[list], DecodedPiece]:
         raise NotImplementedError
 
-    def _error_item(self, rid: str, error: str) -> Any:
-        """An item that ends a stream with `error`, of the kind `_decoder` reads."""
+    def _error_item(self, rid: str, error: str, code: ErrorCode) -> Any:
+        """An item that ends a stream with `error` (of kind `code`), of the kind `_decoder` reads."""
         raise NotImplementedError
 
     def _check(self, req: GenerateRequest) -> None:
@@ -98,9 +98,9 @@ class RoutedClient:
             except RuntimeError:  # that consumer's event loop is closed: nobody is listening any more
                 pass
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, code: ErrorCode = ErrorCode.UNAVAILABLE) -> None:
         """The engine is gone: end every open stream and pending query with `reason` (from any thread)."""
-        self._route({rid: [self._error_item(rid, f"{ENGINE_GONE}: {reason}")] for rid in list(self._streams)},
+        self._route({rid: [self._error_item(rid, f"{ENGINE_GONE}: {reason}", code)] for rid in list(self._streams)},
                     lambda items: True)
         for qid in list(self._replies):
             fut = self._replies.pop(qid, None)
@@ -128,7 +128,7 @@ class RoutedClient:
     # --- requests ------------------------------------------------------------------------------
     async def submit(self, req: GenerateRequest) -> AsyncGenerator[Delta, None]:
         if (reason := self.failure()) is not None:
-            raise RuntimeError(f"{ENGINE_GONE}: {reason}")
+            raise EngineGone(reason)
         self._check(req)
         ids = await self.tokenize(req)
         try:
@@ -145,7 +145,7 @@ class RoutedClient:
         sent = done = False
         try:  # from here on the stream's entry goes whatever happens (a failed send, a decoder error, a hang-up)
             if (reason := self.failure()) is not None:  # it died while we tokenized: its end-of-streams missed this
-                raise RuntimeError(f"{ENGINE_GONE}: {reason}")
+                raise EngineGone(reason)
             decode = self._decoder(req.params)
             stats = RequestStats(prompt_tokens=len(ids))
             t0 = time.perf_counter()

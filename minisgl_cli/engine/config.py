@@ -72,6 +72,13 @@ class EngineConfig:
     torch_compile: TorchCompile = field(default_factory=env.torch_compile, metadata=dict(
         flags=("--torch-compile",), env="MINISGL_TORCH_COMPILE",
         help="CPU decode through torch.compile, built in the background: auto, on, off."))
+    deterministic: bool = field(default=False, metadata=dict(
+        flags=("--deterministic",), env="MINISGL_DETERMINISTIC",
+        help="CPU: a greedy request answers alike cold, with its prompt cached and in any batch, in every mode: the "
+             "decode runs eagerly (no --torch-compile, whose kernels round unlike the eager ones it stands in for) and "
+             "fp32 GEMMs through one kernel at every row count (MINISGL_CPU_GEMM=invariant). The int4 / int8 CPU "
+             "modes promise it already where the decode is not compiled (the README's Models section says what "
+             "stays out). Refused on CUDA."))
     # Knobs of the Python API only (no flag):
     compile_in_process: bool = False  # auto compiles an in-process engine too (its owner waits, or os._exit()s)
     max_context_len: int | None = None  # None = the model's max positions (capped by the pool)
@@ -81,7 +88,7 @@ class EngineConfig:
     # Kernel choices (layers/fused.py's Kernels), by default from the environment:
     disable_fused_ops: bool = field(default_factory=env.disable_fused_ops)  # CUDA: torch ops, not fused Triton ones
     disable_pdl: bool = field(default_factory=env.disable_pdl)  # CUDA: no programmatic dependent launch
-    cpu_gemm: str = field(default_factory=env.cpu_gemm)  # CPU: GEMM policy (auto, mkl, fp16)
+    cpu_gemm: str = field(default_factory=env.cpu_gemm)  # CPU: GEMM policy (auto, invariant, mkl, fp16)
     sampler: str = field(default_factory=env.sampler)  # auto (triton on CUDA where it imports), torch, triton
 
     def resolved_device(self) -> torch.device:
@@ -100,6 +107,18 @@ class EngineConfig:
             raise ValueError(f"MINISGL_SAMPLER must be one of {', '.join(SAMPLERS)}, not {self.sampler!r}")
         if self.kv_cache_scale is not None and not self.kv_cache_scale > 0:
             raise ValueError(f"kv_cache_scale must be positive, got {self.kv_cache_scale}")
+        if self.deterministic:
+            self._make_deterministic()
+
+    def _make_deterministic(self) -> None:
+        """--deterministic: refuse what it cannot keep; take the GEMM policy that is (layers/cpu_kernels.py)."""
+        if self.resolved_device().type != "cpu":
+            raise ValueError("--deterministic runs on the CPU (the CUDA kernels pick their arithmetic by batch size)")
+        if self.torch_compile == "on":
+            raise ValueError("--deterministic decodes eagerly; drop --torch-compile on")
+        if self.cpu_gemm not in ("auto", "invariant"):
+            raise ValueError(f"--deterministic takes MINISGL_CPU_GEMM=invariant, not {self.cpu_gemm!r}")
+        self.cpu_gemm = "invariant"
 
     def resolved_quantization(self, native: str | None = None) -> str:
         """The linear method (a key of layers/quant.py's METHODS): `quantization`, or for auto the checkpoint's
@@ -122,6 +141,8 @@ class EngineConfig:
         """Whether the engine compiles its CPU decode (see torch_compile); on raises where it cannot run.
         `own_process`: the engine is a scheduler process's, whose exit the runtime makes (auto compiles only
         there: an interpreter that exits mid-compile would wait for it, or abort)."""
+        if self.deterministic:  # __post_init__ refused on
+            return False
         cpu = self.resolved_device().type == "cpu"
         if self.torch_compile == "on" and not (cpu and tp_size == 1):
             raise ValueError("--torch-compile on runs on the CPU at TP 1 (CUDA decodes through CUDA graphs)")

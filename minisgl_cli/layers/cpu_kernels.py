@@ -5,12 +5,18 @@ is 2-3x faster for 2 <= M <= 64. Packs are built lazily on first CPU use and cac
 Parameter itself, so tied weights (embedding / LM head) share one pack; `invalidate` drops them
 when a loader overwrites the weight in place.
 
-Policies (the engine's `Kernels.cpu_gemm`, from `MINISGL_CPU_GEMM`):
-  auto  fp32, the default: MKL for M == 1 and large M, packed oneDNN in between; bf16 weights (--dtype
-        bfloat16, where the CPU has AVX-512 BF16): packed oneDNN at every M (faster than F.linear's).
-  mkl   fp32: always F.linear (MKL sgemm), torch's stock path.
-  fp16  opt-in, NOT bit-faithful: fbgemm fp16 weights with fp32 activations/accumulation (half the
-        weight bytes); greedy output may drift from the fp32 reference.
+Policies (the engine's `Kernels.cpu_gemm`, from `MINISGL_CPU_GEMM`; --deterministic takes `invariant`):
+  auto       fp32, the default: MKL for M == 1 and large M, packed oneDNN in between; bf16 weights (--dtype
+             bfloat16, where the CPU has AVX-512 BF16): packed oneDNN at every M (faster than F.linear's).
+  invariant  packed oneDNN at every M for fp32 too: each row's result whatever the other rows (MKL's blocking,
+             and the switch between the two, change a row's rounding with M).
+  mkl        fp32: always F.linear (MKL sgemm), torch's stock path.
+  fp16       opt-in, NOT bit-faithful: fbgemm fp16 weights with fp32 activations/accumulation (half the
+             weight bytes); greedy output may drift from the fp32 reference.
+
+Packed oneDNN runs one row as two (the row twice): its one-row kernel sums in another order than its kernel for
+more rows, and a prompt's last token must come out the same whether it is prefilled with the rest or extended
+alone after a prefix hit. Two rows cost what one does (the step reads the weight either way).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-POLICIES = ("auto", "mkl", "fp16")
+POLICIES = ("auto", "invariant", "mkl", "fp16")
 _ONEDNN_MAX_M = 64  # above this MKL's sgemm is already efficient (prefill)
 
 
@@ -49,12 +55,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pol
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    if weight.dtype == torch.bfloat16:  # bf16 (--dtype bfloat16): packed oneDNN at every M
-        y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), _pack(weight, "onednn"), bias, "none", [], "")
+    if weight.dtype == torch.bfloat16 or policy == "invariant":  # packed oneDNN at every M
+        y = _onednn(x2, weight, bias)
     elif policy == "fp16":
         y = torch.ops.aten.fbgemm_linear_fp16_weight_fp32_activation(x2.contiguous(), _pack(weight, "fp16"), bias)
     elif 1 < m <= _ONEDNN_MAX_M:
-        y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), _pack(weight, "onednn"), bias, "none", [], "")
+        y = _onednn(x2, weight, bias)
     else:
         return F.linear(x, weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _onednn(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2 W^T (+ bias) through the packed oneDNN weight; one row as two (see the module docstring)."""
+    rows = x2.expand(2, -1) if x2.shape[0] == 1 else x2
+    y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), _pack(weight, "onednn"), bias, "none", [], "")
+    return y[: x2.shape[0]]

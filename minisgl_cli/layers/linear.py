@@ -63,10 +63,11 @@ class ColumnParallelLinear(nn.Module):
         """Whether forward takes x already quantized per token (core/fp8.Fp8Rows: the norm before it writes them)."""
         return self.method.takes_fp8_rows(self, x)
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows, decode: bool = False) -> torch.Tensor:
+        """`decode`: x is a decode step's rows (the method may hold a copy for them: layers/quant.py)."""
         if isinstance(x, Fp8Rows):
             return self.method.apply_fp8_rows(self, x, self.bias)
-        return self.method.apply(self, x, self.bias)
+        return self.method.apply(self, x, self.bias, decode)
 
 
 class RowParallelLinear(nn.Module):
@@ -97,12 +98,12 @@ class RowParallelLinear(nn.Module):
     def finish_loading(self) -> None:
         self.method.finish(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._finish(self.method.apply(self, x, None))
+    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        return self._finish(self.method.apply(self, x, None, decode))
 
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward_silu_mul(self, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """forward(silu(gate) * up) of a fused [T, 2I] gate-up (fused into one kernel where the method can)."""
-        return self._finish(self.method.apply_silu_mul(self, gate_up))
+        return self._finish(self.method.apply_silu_mul(self, gate_up, decode))
 
     def _finish(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial products, then add the (unsplit) bias once."""

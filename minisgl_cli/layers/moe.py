@@ -134,7 +134,8 @@ class MoE(nn.Module):
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         return False  # the experts are dense: the norm before them writes plain rows
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows, decode: bool = False) -> torch.Tensor:
+        """`decode` is the dense MLP's (which copy a quantized linear takes): the experts hold one copy."""
         assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         e = self.experts

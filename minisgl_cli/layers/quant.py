@@ -21,13 +21,16 @@ runs (EngineConfig refuses the others with a one-line error).
 The quantized copies run PyTorch's own CPU kernels, `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`,
 with bf16 activations (their only vectorized path, on AVX2 and AVX-512 alike; fp32 in and out around
 them). Reading 4 or 8 bits per weight, they win while a step has few rows (decode), but their cost grows
-with every row, so above `max_rows` rows (prefill, big decode batches) the dense weight runs instead:
-the GEMM is compute-bound there, and the prompt is read with the model's exact weights.
+with every row, so an extend step (prefill) runs the dense weight: the GEMM is compute-bound there, and
+the prompt is read with the model's exact weights. The step's kind picks the copy, never its row count
+(`apply`'s `decode`): a prompt's last token takes the same arithmetic whether it is prefilled cold or
+extended alone after a prefix hit, and a decode row the same whatever the batch size (both kernels give
+each row the same result whatever the rows beside it), so a greedy answer does not depend on the cache.
 
 The LM head of an int4 / int8 model is held as int8 per channel and multiplied with the activations
-quantized to int8 per row on the fly (torch._int_mm, int32 sums, fp32 logits): 8 bits because 4-bit
-logits cost SmolLM2 6% perplexity (8-bit: 0.2%), and this kernel because it is the fastest 8-bit one at
-every batch size here, and its logits are not rounded to bf16 (near-tied greedy choices stay as exact).
+quantized to int8 per row on the fly (int32 sums, fp32 logits): 8 bits because 4-bit logits cost SmolLM2
+6% perplexity (8-bit: 0.2%), and int8 sums because they are the fastest 8-bit kernel at every batch size
+here, exact whatever the batch, and not rounded to bf16 (near-tied greedy choices stay as exact).
 
 Under fp8 the LM head, the embedding, the norms and the first and last decoder layers stay in the engine
 dtype (as vLLM and sglang keep the head): on SmolLM2-135M (the second story of tests/data/perplexity_en.txt,
@@ -85,18 +88,19 @@ class LinearMethod:
     def finish(self, layer: Layer) -> None:
         """Called once all rows are loaded."""
 
-    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ bias) through the fastest kernel for the shape: Triton GEMV, CPU packs, or F.linear."""
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, decode: bool = False) -> torch.Tensor:
+        """x W^T (+ bias) through the fastest kernel for the shape: Triton GEMV, CPU packs, or F.linear. `decode`:
+        x is a decode step's rows (the quantized CPU methods run their low-bit copy for them, else the dense one)."""
         ops = gemv_ops(x, layer.weight, layer.kernels)
         if ops is not None:
             return ops.gemv(x.contiguous(), layer.weight, bias, pdl=layer.kernels.pdl)
         return cpu_kernels.linear(x, layer.weight, bias, layer.kernels.cpu_gemm)
 
-    def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor) -> torch.Tensor:
+    def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """apply(silu(gate) * up) of a fused [T, 2I] gate-up: at one CUDA row, one GEMV that reads the gate-up."""
         ops = gemv_ops(gate_up, layer.weight, layer.kernels)
         if ops is None:
-            return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None)
+            return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None, decode)
         return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, pdl=layer.kernels.pdl)
 
     def takes_fp8_rows(self, layer: Layer, x: torch.Tensor) -> bool:
@@ -117,12 +121,14 @@ class LinearMethod:
 
 
 class _WeightOnly(LinearMethod):
-    """The dense weight plus a low-bit copy (int4 / int8) for steps of at most `max_rows` rows."""
+    """The dense weight for extend steps plus a low-bit copy (int4 / int8) for decode steps."""
 
     quantized = True
     devices = ("cpu",)
     takes_blocks = True
-    max_rows = 8  # rows of x up to which the low-bit kernel beats the dense GEMM (docs/benchmarks.md)
+    # Rows up to which the low-bit kernel beats the dense GEMM (docs/benchmarks.md): the decode batches worth
+    # compiling (engine/cpu_compile.py). Bigger decode batches still take the low-bit copy: one arithmetic per row.
+    max_rows = 8
 
     def create(self, layer: Layer, out_features: int, in_features: int) -> None:
         super().create(layer, out_features, in_features)
@@ -136,16 +142,16 @@ class _WeightOnly(LinearMethod):
     def finish(self, layer: Layer) -> None:
         layer.qweight, layer.qscale = self._pack(layer.__dict__.pop("staged"))
 
-    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] > self.max_rows:
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, decode: bool = False) -> torch.Tensor:
+        if not decode:
             return super().apply(layer, x, bias)
+        x2 = x.reshape(-1, x.shape[-1])
         n = layer.weight.shape[0]
         y = self._mm(x2.to(_KERNEL_DTYPE).contiguous(), layer)[:, :n].to(x.dtype).view(*x.shape[:-1], n)
         return y + bias if bias is not None else y
 
-    def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None)
+    def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None, decode)
 
     def for_lm_head(self) -> LinearMethod:
         return Int8LogitsMethod()
@@ -221,7 +227,11 @@ class Int8LogitsMethod(LinearMethod):
     the fly, int32 sums, fp32 logits. fbgemm's dynamic int8 linear (`quantized::linear_dynamic`: 2-3x faster than
     torch._int_mm here at every batch size) runs it; where this torch no longer builds its packed weight (its
     qint8 tensors are deprecated since 2.13), torch._int_mm does. It keeps no dense copy (a tied head reads the
-    embedding's)."""
+    embedding's).
+
+    fbgemm quantizes its whole input with one scale and zero point, from the input's min and max: rows scaled to
+    +-127 first, plus two anchor columns at +-127 (zero weights) so that min and max, and with them every row's
+    codes, are the same whatever the other rows of the batch hold."""
 
     name = "int8-logits"
     quantized = True
@@ -237,15 +247,16 @@ class Int8LogitsMethod(LinearMethod):
 
     def finish(self, layer: Layer) -> None:
         q, scale = layer.__dict__.pop("staged")
-        layer.fbgemm = _fbgemm_pack(q, scale[:, 0])
+        layer.fbgemm = _fbgemm_pack(F.pad(q, (0, _ANCHORS.shape[1])), scale[:, 0])  # the anchors' zero weights
         if layer.fbgemm is None:
             layer.qweight_t, layer.qscale = q.t(), scale[:, 0]  # _int_mm takes [K, N]: this transposed view is fastest
 
-    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, decode: bool = False) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).float()
         x_scale = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / 127  # the activations quantized per row
-        if layer.fbgemm is not None:  # fbgemm quantizes its input with one scale: rows scaled alike first
-            y = torch.ops.quantized.linear_dynamic(x2 / x_scale, layer.fbgemm, _REDUCE_RANGE) * x_scale
+        if layer.fbgemm is not None:  # one input scale for fbgemm: rows scaled alike, anchors fix its min and max
+            xa = torch.cat([(x2 / x_scale).clamp_(-127, 127), _ANCHORS.expand(x2.shape[0], -1)], dim=1)
+            y = torch.ops.quantized.linear_dynamic(xa, layer.fbgemm, _REDUCE_RANGE) * x_scale
         else:
             xq = (x2 / x_scale).round_().to(torch.int8)
             y = torch._int_mm(xq, layer.qweight_t) * x_scale * layer.qscale  # fp32 logits whatever the engine dtype
@@ -256,6 +267,8 @@ class Int8LogitsMethod(LinearMethod):
 # fbgemm multiplies uint8 activations by int8 weights; without VNNI its 16-bit pair sums can saturate, so it
 # keeps activations to 7 bits there (reduce_range).
 _REDUCE_RANGE = not torch.cpu._is_vnni_supported()
+# The input's min and max whatever its rows (clamped to them: rounding may leave a scaled row a hair past 127).
+_ANCHORS = torch.tensor([[127.0, -127.0]])
 
 
 def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> Any | None:
@@ -309,7 +322,7 @@ class Fp8Method(LinearMethod):
     def apply_fp8_rows(self, layer: Layer, rows: fp8.Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         return self._scaled_mm(rows.codes, rows.scales, layer, bias, rows.dtype)
 
-    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, decode: bool = False) -> torch.Tensor:
         ops = self._ops(layer, x)
         if ops is None:
             return self._reference(layer, x, bias)
@@ -321,7 +334,7 @@ class Fp8Method(LinearMethod):
         xq, xs = ops.quant_rows(x2.contiguous(), pdl=pdl)
         return self._scaled_mm(xq, xs, layer, bias, x.dtype).view(*x.shape[:-1], n)
 
-    def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor) -> torch.Tensor:
+    def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
         ops = self._ops(layer, gate_up)
         if ops is None or gate_up.dim() != 2:
             return self._reference(layer, silu_and_mul(gate_up, layer.kernels), None)

@@ -50,7 +50,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend,
                 rope_at: RopeAt | None) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, batch.is_decode)
         sgl = self.kernels.sgl_ops(qkv)  # --engine sgl: its RoPE (and RMSNorm) below, attention stores K/V
         ops = self.kernels.triton(qkv) if sgl is None and self.head_dim in (64, 128, 256) else None
         kv_out = attn.kv_buffers(self.layer_id, batch) if ops is not None else None
@@ -78,7 +78,7 @@ class Attention(nn.Module):
                 qk = self.rope.rotate(qk, at)
                 q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=kv_out is not None)
-        return self.o_proj(o.reshape(-1, q_size))
+        return self.o_proj(o.reshape(-1, q_size), batch.is_decode)
 
 
 class MLP(nn.Module):
@@ -92,8 +92,9 @@ class MLP(nn.Module):
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         return self.gate_up_proj.takes_fp8_rows(x)
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
-        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
+    def forward(self, x: torch.Tensor | Fp8Rows, decode: bool) -> torch.Tensor:
+        """`decode`: a decode step's rows (a quantized method's low-bit copy takes them: layers/quant.py)."""
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x, decode), decode)
 
 
 class DecoderLayer(nn.Module):
@@ -121,7 +122,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(x, batch, attn, rope_at)
         fp8 = self.mlp.takes_fp8_rows(h)
         x, residual = self.post_attention_layernorm.forward_residual(h, residual, fp8)
-        return self.mlp(x), residual
+        return self.mlp(x, batch.is_decode), residual
 
 
 # HF checkpoint names that land in one of our merged parameters: (our name, shard index).

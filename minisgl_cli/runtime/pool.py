@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import AsyncGenerator, Sequence
 
-from minisgl_cli.client.protocol import ENGINE_GONE, EngineClient, PrefixWarm
+from minisgl_cli.client.protocol import EngineClient, EngineGone, PrefixWarm
 from minisgl_cli.routing import NoReplica, Router
 from minisgl_cli.types import Delta, GenerateRequest, ReplicaStats, SchedulerStats
 
@@ -75,7 +75,7 @@ class EnginePool:
             try:
                 i = self.router.pick(ids, tried)
             except NoReplica:
-                raise RuntimeError(f"{ENGINE_GONE}: {self.failure() or 'no replica left to try'}") from None
+                raise EngineGone(self.failure() or "no replica left to try") from None
             self._where[req.rid] = i
             finished = False
             started = False
@@ -112,7 +112,7 @@ class EnginePool:
             except RuntimeError:
                 if not self._gone(i):
                     raise
-        raise RuntimeError(f"{ENGINE_GONE}: {self.failure()}")
+        raise EngineGone(str(self.failure()))
 
     def abort(self, rid: str) -> None:
         i = self._where.get(rid)
@@ -124,7 +124,7 @@ class EnginePool:
         leave it out: on every replica alike, it changes no choice.)"""
         warms = [self.replicas[i].insert_prefix(prefix) for i in self._serving()]
         if not warms:
-            raise RuntimeError(f"{ENGINE_GONE}: {self.failure()}")
+            raise EngineGone(str(self.failure()))
         both = PrefixWarm(warms[0].tokens)
 
         def wait_all() -> None:

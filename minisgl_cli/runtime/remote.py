@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import zmq
 
-from minisgl_cli.client.protocol import ENGINE_GONE, STALL_S, PrefixWarm
+from minisgl_cli.client.protocol import ENGINE_GONE, STALL_S, EngineGone, PrefixWarm
 from minisgl_cli.client.routed import RoutedClient
 from minisgl_cli.messages import (
     AbortRequest,
@@ -31,7 +31,7 @@ from minisgl_cli.messages import (
 )
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.runtime.supervisor import Runtime
-from minisgl_cli.types import GenerateRequest, ModelInfo, SamplingParams
+from minisgl_cli.types import ErrorCode, GenerateRequest, ModelInfo, SamplingParams
 
 
 def _merge(pieces: list[DecodedPiece]) -> DecodedPiece:
@@ -90,7 +90,8 @@ class RemoteClient(RoutedClient):
         """End what waits on a message that could not be sent: its stream, or its query."""
         reason = "the tokenizer/detokenizer does not take messages (gone or wedged)"
         if isinstance(msg, AddRequest):
-            self._route({msg.rid: [self._error_item(msg.rid, f"{ENGINE_GONE}: {reason}")]}, lambda items: True)
+            self._route({msg.rid: [self._error_item(msg.rid, f"{ENGINE_GONE}: {reason}", ErrorCode.UNAVAILABLE)]},
+                        lambda items: True)
         elif not isinstance(msg, AbortRequest) and (fut := self._replies.pop(msg.qid, None)) is not None:
             fut.set_exception(RuntimeError(reason))
 
@@ -114,8 +115,8 @@ class RemoteClient(RoutedClient):
     def _decoder(self, params: SamplingParams) -> Callable[[list], DecodedPiece]:
         return _merge
 
-    def _error_item(self, rid: str, error: str) -> DecodedPiece:
-        return DecodedPiece(rid, "", [], None, error, 0, None)
+    def _error_item(self, rid: str, error: str, code: ErrorCode) -> DecodedPiece:
+        return DecodedPiece(rid, "", [], None, error, 0, None, error_code=code)
 
     # --- EngineClient --------------------------------------------------------------------------
     async def tokenize(self, req: GenerateRequest) -> list[int]:
@@ -126,7 +127,7 @@ class RemoteClient(RoutedClient):
         self._replies[qid] = fut
         if (reason := self.failure()) is not None:  # it died before the query was registered: no reply will come
             self._replies.pop(qid, None)
-            raise RuntimeError(f"{ENGINE_GONE}: {reason}")
+            raise EngineGone(reason)
         self._send(TokenizeQuery(qid, req))
         reply: TokenizeReply = await asyncio.wrap_future(fut)
         if reply.ids is None:

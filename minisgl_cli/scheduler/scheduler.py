@@ -43,7 +43,7 @@ from minisgl_cli.scheduler.grammar import GrammarError, Grammars
 from minisgl_cli.scheduler.overlap import Launched, RowLogprobs, feed_input_ids
 from minisgl_cli.scheduler.request import Req
 from minisgl_cli.scheduler.stats import RollingRate
-from minisgl_cli.types import FinishReason, ModelInfo, SamplingParams, SchedulerStats
+from minisgl_cli.types import ErrorCode, FinishReason, ModelInfo, SamplingParams, SchedulerStats
 
 log = logging.getLogger("minisgl.scheduler")
 
@@ -90,7 +90,8 @@ class Scheduler:
                 log.exception("scheduler step failed; failing in-flight requests")
                 self._inflight = None
                 for req in list(self.running) + list(self.waiting):
-                    self._finish(req, None, error="internal error in the engine step (see server log)")
+                    self._finish(req, None, error="internal error in the engine step (see server log)",
+                                 code=ErrorCode.ENGINE_FAILED)
         # Stopped: hand every page back, the prefix cache's too (the engine may serve a next scheduler). Whoever
         # stopped the loop ends the requests' streams; a step still in flight on the GPU finishes before any later
         # use of its pages (one stream).
@@ -131,7 +132,7 @@ class Scheduler:
         try:  # every client checked this already; what reaches a scheduler is checked the same way, never trusted
             admit(req.input_ids, req.params, self.engine.spec.vocab_size, self.engine.spec.max_context_len)
         except AdmissionError as exc:
-            self._finish(req, None, error=exc.message)
+            self._finish(req, None, error=exc.message, code=exc.code)
             return
         if req.params.max_new_tokens == 0:
             self._finish(req, "length")
@@ -204,7 +205,8 @@ class Scheduler:
                     self.cache.release(req, cache=False)
                 if not reqs and not self.running and req.kv_len == 0:
                     self.waiting.remove(req)
-                    self._finish(req, None, error="the request needs more KV cache than the pool holds")
+                    self._finish(req, None, error="the request needs more KV cache than the pool holds",
+                                 code=ErrorCode.CONTEXT_LENGTH)
                     continue
                 break
             reqs.append(req)
@@ -326,7 +328,8 @@ class Scheduler:
                 error = f"internal error: the grammar rejected token {tok} it had allowed"
             reason = self._stop_reason(req, tok)
             o = TokenOutput(req.rid, tok, reason, len(req.input_ids), req.cached_tokens, error,
-                            now - req.prefill_started_at if first else None)
+                            now - req.prefill_started_at if first else None,
+                            error_code=ErrorCode.ENGINE_FAILED if error is not None else None)
             if logprobs and row in logprobs:
                 _attach_logprobs(o, logprobs[row], req.params.top_logprobs)
             out.append(o)
@@ -358,10 +361,12 @@ class Scheduler:
         self.stats.finished_requests += 1
         self.stats.aborted_requests += reason == "abort"
 
-    def _finish(self, req: Req, reason: FinishReason | None, error: str | None = None) -> None:
-        """End a request outside a step's output (abort, error) and report it."""
+    def _finish(self, req: Req, reason: FinishReason | None, error: str | None = None,
+                code: ErrorCode = ErrorCode.INVALID_REQUEST) -> None:
+        """End a request outside a step's output (abort, error: `code` says what kind) and report it."""
         self._release(req, reason or "abort")
-        self._emit_outputs([TokenOutput(req.rid, None, reason, len(req.input_ids), req.cached_tokens, error)])
+        self._emit_outputs([TokenOutput(req.rid, None, reason, len(req.input_ids), req.cached_tokens, error,
+                                        error_code=code if error is not None else None)])
 
     def _emit_outputs(self, outputs: list[TokenOutput]) -> None:
         """A consumer that fails must not take the scheduler loop down with it."""

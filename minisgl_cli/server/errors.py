@@ -18,7 +18,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minisgl_cli.admission import AdmissionError
 from minisgl_cli.api import protocol as p
 from minisgl_cli.api.protocol import InputError
-from minisgl_cli.client.protocol import ENGINE_GONE
 from minisgl_cli.types import Delta, ErrorCode
 
 __all__ = ["InputError", "Disconnected", "engine_error", "error_frame", "install_error_handlers"]
@@ -37,6 +36,7 @@ CODE_TABLE: dict[ErrorCode, tuple[int, str | None]] = {
     ErrorCode.UNSUPPORTED: (400, "unsupported_feature"),
     ErrorCode.ENGINE_FAILED: (500, "engine_error"),
     ErrorCode.OVERLOADED: (429, "too_many_requests"),
+    ErrorCode.UNAVAILABLE: (503, "engine_unavailable"),
     ErrorCode.CANCELLED: (503, "engine_unavailable"),
 }
 
@@ -51,17 +51,13 @@ class Disconnected(Exception):
 
 
 def engine_error(delta: Delta, retry_after_s: int = 1) -> InputError:
-    """The error a failed engine request answers with: 503 when the engine died (with --dp: every replica),
-    500 for engine faults, 429 (+ Retry-After) when every --dp replica is at its cap, 400 for the input's."""
-    message = delta.error or "unknown engine error"
-    if message.startswith(ENGINE_GONE):
-        return InputError(message, status=503, code="engine_unavailable")
-    if message.startswith("internal error"):
-        return InputError(message, status=500, code="engine_error")
-    if message.startswith("server busy"):
-        return InputError(message, None, 429, "too_many_requests", {"Retry-After": str(retry_after_s)})
-    grammar = next((k for k in ("json_schema", "regex", "ebnf") if message.startswith(f"invalid {k}:")), None)
-    return InputError(message, grammar, code="context_length_exceeded" if "context limit" in message else None)
+    """The error a failed engine request answers with, by its code (CODE_TABLE): 503 when the engine died (with
+    --dp: every replica), 500 for engine faults, 429 (+ Retry-After) when every --dp replica is at its cap, 400
+    for the input's. A delta without a code is an engine fault."""
+    code = delta.error_code or ErrorCode.ENGINE_FAILED
+    status, name = CODE_TABLE[code]
+    headers = {"Retry-After": str(retry_after_s)} if code is ErrorCode.OVERLOADED else None
+    return InputError(delta.error or "unknown engine error", None, status, name, headers)
 
 
 def error_frame(delta: Delta) -> dict[str, Any]:

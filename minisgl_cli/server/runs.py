@@ -21,7 +21,7 @@ from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.server.errors import Disconnected, engine_error
 from minisgl_cli.server.gate import InflightGate, downscale_headers
 from minisgl_cli.server.metrics import ServerMetrics
-from minisgl_cli.types import Delta, GenerateRequest, RequestStats, TokenLogprob
+from minisgl_cli.types import Delta, GenerateRequest, RequestStats, TokenLogprob, error_code_of
 
 log = logging.getLogger("minisgl.server")
 T = TypeVar("T")
@@ -54,7 +54,8 @@ class EngineRun:
             async for delta in self.client.submit(req):
                 self.queue.put_nowait((i, delta))
         except Exception as exc:  # e.g. a tokenizer failure: report it as this choice's error
-            self.queue.put_nowait((i, Delta(req.rid, error=str(exc) or type(exc).__name__)))
+            self.queue.put_nowait((i, Delta(req.rid, error=str(exc) or type(exc).__name__,
+                                            error_code=error_code_of(exc))))
 
     async def next(self) -> tuple[int, Delta] | None:
         """The next event, or None once every request has finished."""

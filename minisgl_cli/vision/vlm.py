@@ -26,7 +26,15 @@ from typing import Any
 
 from minisgl_cli.admission import new_tokens
 from minisgl_cli.media.device import pick_device, pick_dtype
-from minisgl_cli.types import Delta, ErrorCode, FinishReason, GenerateRequest, RequestStats, SamplingParams
+from minisgl_cli.types import (
+    Delta,
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    RequestStats,
+    SamplingParams,
+    error_code_of,
+)
 
 log = logging.getLogger("minisgl.vlm")
 
@@ -264,7 +272,7 @@ class VlmChat:
         refused = refused_fields(req.params)
         if refused:
             yield Delta(req.rid, error=f"{', '.join(refused)}: not supported with images (the VLM runs in "
-                                       "transformers)")
+                                       "transformers)", error_code=ErrorCode.UNSUPPORTED)
             return
         loop = asyncio.get_running_loop()
         try:
@@ -273,7 +281,7 @@ class VlmChat:
             room = check_budget(loaded, prepared, None)  # a reply stops at the context limit, as the engine's do
             params = dataclasses.replace(req.params, max_new_tokens=min(req.params.max_new_tokens, room))
         except (ValueError, VlmLoadError) as exc:
-            yield Delta(req.rid, error=str(exc))
+            yield Delta(req.rid, error=str(exc), error_code=error_code_of(exc))
             return
         async with contextlib.aclosing(stream(loaded, prepared, params, req.rid)) as deltas:
             async for d in deltas:

@@ -1,0 +1,81 @@
+"""A greedy answer does not depend on what is cached or batched beside it, in the default CPU mode (the bundled
+GGUF's int4 weights, bf16 activations where the CPU has AVX-512 BF16): the parity prompts answered cold, with their
+prompts cached, and inside a batch of 16 other requests give the same tokens (issue 27)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_hf_parity import PROMPTS
+
+from minisgl_cli import LLM, SamplingParams
+from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.layers import cpu_kernels, quant
+from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl_cli.layers.linear import RowParallelLinear
+
+CHATS = [[{"role": "user", "content": p}] for p in PROMPTS]
+ANSWER = SamplingParams(max_new_tokens=32, ignore_eos=True)
+# Other requests of other lengths, decoding beside the parity prompts from their prefill to their last token.
+OTHERS = [[{"role": "user", "content": f"Count from {i} to {4 * i} in words, then say why {i} is {kind}."}]
+          for i, kind in zip(range(1, 17), ["odd", "even"] * 8)]
+BESIDE = SamplingParams(max_new_tokens=48, ignore_eos=True)
+
+
+def test_parity_prompts_answer_alike_cold_cached_and_in_a_batch_of_16():
+    with LLM(cache="naive", attention_backend="torch") as llm:
+        assert llm.client.info.quantization == "int4"
+        cold = [llm.generate(chat, ANSWER)[0] for chat in CHATS]  # one at a time, nothing reused
+    with LLM(attention_backend="torch") as llm:
+        batch = llm.generate(CHATS + OTHERS, [ANSWER] * len(CHATS) + [BESIDE] * len(OTHERS))[: len(CHATS)]
+        cached = [llm.generate(chat, ANSWER)[0] for chat in CHATS]  # all but the last prompt token cached
+        llm.client.check_pages()
+    assert all(c.stats.cached_tokens == c.stats.prompt_tokens - 1 for c in cached)
+    cold_ids = [c.token_ids for c in cold]
+    assert [c.token_ids for c in cached] == cold_ids
+    assert [c.token_ids for c in batch] == cold_ids
+
+
+def _rows_alike(f, x: torch.Tensor) -> bool:
+    """f gives each row of x the same result alone as among all of x's rows."""
+    whole = f(x)
+    return all(torch.equal(f(x[i : i + 1]), whole[i : i + 1]) for i in (0, x.shape[0] - 1))
+
+
+def test_each_kernel_gives_a_row_the_same_result_whatever_the_rows_beside_it():
+    """The kernels a step's rows go through in the default CPU mode, alone and in a batch of 17 rows: the int4 and
+    int8 decode kernels, the dense GEMM of extend steps (oneDNN's one-row kernel rounds otherwise: run as two), and
+    the int8 LM head (fbgemm quantizes its input with one scale: anchors fix it)."""
+    torch.manual_seed(0)
+    dtype = cpu_kernels._bf16_native() or torch.float32  # the engine's beside quantized weights
+    x = torch.randn(17, 1536).to(dtype)
+    for method in (quant.Int4Method(), quant.Int8Method()):
+        torch.set_default_dtype(dtype)  # as the engine builds its model
+        try:
+            down = RowParallelLinear(1536, 576, method=method)  # K = 1536: where oneDNN's one-row kernel differs
+        finally:
+            torch.set_default_dtype(torch.float32)
+        down.load_shard("weight", torch.randn(576, 1536) * 0.05)
+        down.finish_loading()
+        assert _rows_alike(functools.partial(down, decode=True), x), method.name
+        assert _rows_alike(down, x), f"{method.name} dense"
+    embed = VocabParallelEmbedding(4096, 576)
+    head = ParallelLMHead(4096, 576, method=quant.Int4Method().for_lm_head(), tied=embed)
+    embed.load_shard("weight", torch.randn(4096, 576))
+    head.finish_loading()
+    assert _rows_alike(head.logits, torch.randn(17, 576))
+    fp32 = torch.randn(17, 1536)
+    w = torch.randn(576, 1536) * 0.05
+    assert _rows_alike(lambda r: cpu_kernels.linear(r, w, None, "invariant"), fp32)
+
+
+def test_deterministic_decodes_eagerly_with_one_fp32_gemm_kernel_and_refuses_a_compile():
+    cfg = EngineConfig(device="cpu", deterministic=True, torch_compile="auto", compile_in_process=True)
+    assert cfg.cpu_gemm == "invariant"
+    assert not cfg.compiles_decode("int4", tp_size=1, own_process=True)
+    with pytest.raises(ValueError, match="--torch-compile on"):
+        EngineConfig(device="cpu", deterministic=True, torch_compile="on")
+    with pytest.raises(ValueError, match="MINISGL_CPU_GEMM"):
+        EngineConfig(device="cpu", deterministic=True, cpu_gemm="fp16")
