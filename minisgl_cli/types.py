@@ -187,6 +187,9 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
 
 
+_NOT_SUMMED = ("replicas", "process_cpu_s")  # SchedulerStats' fields that are not one figure
+
+
 @dataclass
 class SchedulerStats:
     """The engine's figures: queues, KV use, cache hits, token rates (for chat, /metrics, bench).
@@ -213,6 +216,9 @@ class SchedulerStats:
     aborted_requests: int = 0
     retracted_requests: int | None = 0
     decode_compiling: int = 0  # engines still compiling their CPU decode (engine/cpu_compile.py)
+    # CPU seconds (user + system) of each engine process by name ("detokenizer", "scheduler rank 0", ...): the
+    # multi-process runtime's children; empty where the engine runs in the caller's process.
+    process_cpu_s: dict[str, float] = field(default_factory=dict)
     # Data parallel: each replica's own figures (the fields above are then their sum over live replicas).
     replicas: list[ReplicaStats] = field(default_factory=list)
 
@@ -239,11 +245,13 @@ class SchedulerStats:
             values = [getattr(p, name) for p in parts]
             return None if None in values else sum(values)
 
-        return cls(**{f.name: summed(f.name) for f in fields(cls) if f.name != "replicas"})
+        total = cls(**{f.name: summed(f.name) for f in fields(cls) if f.name not in _NOT_SUMMED})
+        total.process_cpu_s = {name: s for p in parts for name, s in p.process_cpu_s.items()}  # names differ
+        return total
 
     def to_dict(self) -> dict[str, Any]:
         rate = self.cache_hit_rate
-        out = {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "replicas"},
+        out = {**{f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_SUMMED},
                "cache_hit_rate": None if rate is None else round(rate, 4)}
         if self.replicas:
             out["replicas"] = [r.to_dict() for r in self.replicas]

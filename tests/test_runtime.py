@@ -154,3 +154,21 @@ def test_tp2_logprobs_and_grammars_equal_one_process(tiny_model_dirs):
         assert [t.token for t in g.logprobs] == [t.token for t in w.logprobs]
         assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(g.logprobs, w.logprobs))
     assert all(len(t.top) == 2 for t in got[0].logprobs)
+
+
+def test_metrics_count_each_processs_cpu_seconds_while_requests_run(tiny_model_dirs, tmp_path):
+    serve = Serve(tiny_model_dirs["qwen3"], tmp_path, "--num-tokenizer", "1")
+    try:
+        serve.wait_healthy()
+        with httpx.Client(base_url=serve.url, timeout=60) as http:
+            before = http.get("/metrics").json()["process_cpu_seconds"]
+            assert set(before) == {"api", "detokenizer", "tokenizer 0", "scheduler rank 0"}
+            for _ in range(3):
+                http.post("/v1/completions", json={"prompt": [5, 17, 99], "max_tokens": 64, "ignore_eos": True})
+            after = http.get("/metrics").json()["process_cpu_seconds"]
+            prom = http.get("/metrics", params={"format": "prometheus"}).text
+        assert after["scheduler rank 0"] > before["scheduler rank 0"]  # 192 decode steps: many clock ticks
+        assert all(after[name] >= before[name] for name in before)
+        assert 'minisgl_process_cpu_seconds_total{model_name=' in prom and 'process="detokenizer"}' in prom
+    finally:
+        serve.stop()
