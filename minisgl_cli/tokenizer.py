@@ -198,6 +198,8 @@ class RequestDecoder:
         self.with_logprobs = params.wants_logprobs
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
         self.stopper = StopStringMatcher(list(params.stop))
+        # Text only at the end: the ids are kept and decoded once when the request ends (no per-token decode).
+        self.whole = not params.stream_text and not params.stop
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id) if self.tokenizer else ""
@@ -216,9 +218,15 @@ class RequestDecoder:
                                 error_code=last.error_code)
         logprobs = self._logprobs(items) if self.with_logprobs else None
         reason = last.finish_reason
-        text = self.detok.feed(tokens) if self.detok else ""
-        if reason is not None and self.detok:
-            text += self.detok.flush()
+        if self.detok is None:
+            text = ""
+        elif self.whole:
+            self.detok.ids.extend(tokens)
+            text = "" if reason is None else self.detok.tokenizer.decode(self.detok.ids, self.detok.skip_special_tokens)
+        else:
+            text = self.detok.feed(tokens)
+            if reason is not None:
+                text += self.detok.flush()
         text, hit_stop = self.stopper.push(text)
         early = hit_stop and reason is None
         if hit_stop:

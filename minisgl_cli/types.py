@@ -55,6 +55,9 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # False: the text comes whole with the last delta, decoded once at the end (no stop strings: they need it as
+    # it grows), for a consumer that only wants the whole text (LLM.generate, the offline bench).
+    stream_text: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
