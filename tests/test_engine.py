@@ -150,6 +150,32 @@ def test_text_decoded_once_or_in_groups_equals_the_streamed_text(default_model_d
     assert "".join(stopped) == "Größe: " and any(stopped[:-1])
 
 
+def test_a_steps_text_decoded_in_one_call_equals_each_request_decoded_alone(default_model_dir):
+    """The detokenizer's bulk decode (decode_steps: one call per step) gives every request the pieces it would get
+    alone: special tokens kept or skipped, text once at the end, stop strings, a character split across steps."""
+    from minisgl_cli.messages import TokenOutput
+    from minisgl_cli.tokenizer import RequestDecoder, decode_steps
+
+    tok = Tokenizer(default_model_dir)
+    ids = tok.encode("Größe: 東京 🚀 ok") + [tok.hf.eos_token_id] + tok.encode(" naïve")
+    params = [SamplingParams(), SamplingParams(skip_special_tokens=False), SamplingParams(stream_text=False),
+              SamplingParams(stop=["京"]), SamplingParams(logprobs=True)]
+    alone = [RequestDecoder(tok, p) for p in params]
+    bulk = [RequestDecoder(tok, p) for p in params]
+    live, texts = list(range(len(params))), [""] * len(params)
+    for k, token in enumerate(ids):
+        reason = "length" if k == len(ids) - 1 else None
+        outs = {r: [TokenOutput(f"r{r}", token, reason, logprob=-1.0 if params[r].logprobs else None)] for r in live}
+        want = [alone[r].feed(outs[r]) for r in live]
+        assert decode_steps(tok, [(bulk[r], outs[r]) for r in live]) == want, k
+        for r, piece in zip(list(live), want):
+            texts[r] += piece.text
+            if piece.finish_reason:  # the stop string ended it
+                live.remove(r)
+    assert texts[0] == tok.decode(ids) and texts[2] == texts[0] and texts[3] == "Größe: 東"
+    assert texts[1] == tok.decode(ids, skip_special_tokens=False) != texts[0]
+
+
 def test_generate_gives_the_streamed_text_and_logprobs(llm):
     params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=True, top_logprobs=2)
     done = llm.generate([11, 22, 33], params)[0]

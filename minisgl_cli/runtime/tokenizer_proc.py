@@ -34,7 +34,7 @@ from minisgl_cli.messages import (
 )
 from minisgl_cli.runtime.child import Child
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
-from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, prompt_ids
+from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, decode_steps, prompt_ids
 from minisgl_cli.types import ErrorCode
 
 log = logging.getLogger("minisgl.runtime")
@@ -137,7 +137,7 @@ class _Worker:
         by_rid: dict[str, list[TokenOutput]] = {}
         for o in step.outputs:
             by_rid.setdefault(o.rid, []).append(o)
-        pieces: list[DecodedPiece] = []
+        work: list[tuple[str, RequestDecoder, list[TokenOutput]]] = []
         for rid, items in by_rid.items():
             decoder = self.decoders.get(rid)
             if decoder is None:
@@ -150,14 +150,19 @@ class _Worker:
                 if not self._due(held):
                     continue
                 items, self.held[rid] = held, []
-            try:
-                piece = decoder.feed(items)
-            except Exception as exc:  # one request's failure ends that request, not every stream of the process
-                log.exception("decoding the output of %s failed", rid)
-                piece = DecodedPiece(rid, error=f"internal error: could not decode the output ({type(exc).__name__})",
-                                     error_code=ErrorCode.ENGINE_FAILED)
+            work.append((rid, decoder, items))
+        # One decode call for the whole step's text, not two per request.
+        results = decode_steps(self.tokenizer, [(decoder, items) for _, decoder, items in work])
+        pieces: list[DecodedPiece] = []
+        for (rid, _, items), result in zip(work, results):
+            if isinstance(result, BaseException):  # one request's failure ends that request, not every stream
+                log.error("decoding the output of %s failed", rid, exc_info=result)
+                why = f"internal error: could not decode the output ({type(result).__name__})"
+                piece = DecodedPiece(rid, error=why, error_code=ErrorCode.ENGINE_FAILED)
                 if not any(o.finish_reason or o.error for o in items):  # still running: free its KV
                     send(self.to_scheduler, AbortRequest(rid))
+            else:
+                piece = result
             if piece.finished:
                 del self.decoders[rid]
                 self._ended(rid)
