@@ -151,7 +151,7 @@ class _Worker:
                     continue
                 items, self.held[rid] = held, []
             work.append((rid, decoder, items))
-        # One decode call for the whole step's text, not two per request.
+        # The whole step's text in one pass through the Rust tokenizer, not two HF calls per request.
         results = decode_steps(self.tokenizer, [(decoder, items) for _, decoder, items in work])
         pieces: list[DecodedPiece] = []
         for (rid, _, items), result in zip(work, results):
