@@ -74,6 +74,9 @@ def bench(
         help="Requests in flight at most (default: --concurrency).")] = None,
     served_model_name: Annotated[Optional[str], online("--served-model-name",
         help="Model field to send (default: the server's first).")] = None,
+    client_procs: Annotated[Optional[int], online("--client-procs",
+        help="Client processes the streams are spread over (default: one per 64 in flight, up to the cores).")
+    ] = None,
     cache: Annotated[Optional[list[str]], scheduler("--cache",
         help="Prefix cache: radix or naive; repeat both to compare.", show_default="radix")] = None,
     engine: Annotated[Optional[list[str]], c.repeatable("engine", "Repeat to compare engines in one table.")] = None,
@@ -117,6 +120,7 @@ def bench(
             request_rate=request_rate,
             max_concurrency=max_concurrency,
             served_model=served_model_name,
+            client_procs=client_procs,
             sampling=Sampling(temperature, top_p, top_k, min_p),
         )
     except ValueError as exc:

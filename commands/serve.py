@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -41,6 +42,8 @@ def serve(
         help="Serve a ZMQ control channel (ping, metrics, warm <prefix>).")] = False,
     zmq_control_endpoint: Annotated[str, server("--zmq-control-endpoint", envvar="ZMQ_CONTROL_ENDPOINT",
         help="Where the control channel binds.")] = "tcp://127.0.0.1:5557",
+    stream_interval: Annotated[int, server("--stream-interval", envvar="STREAM_INTERVAL", metavar="<int>",
+        help="Send a stream's text every N tokens (the first and the end at once).")] = 1,
     web: Annotated[bool, server("--web/--no-web", envvar="MINISGL_WEB",
         help="The web page at / (chat, live engine view).")] = True,
     image_model_dir: Annotated[Optional[Path], media("--image-model-dir", envvar="Z_IMAGE_MODEL_DIR",
@@ -74,6 +77,16 @@ def serve(
     from minisgl_cli.vision.vlm import VlmLoadError, load_vlm
 
     c.setup_logging(verbose)
+    if stream_interval != 1:  # the detokenizer process holds the tokens: the multi-process runtime only
+        from minisgl_cli import backends
+
+        if opts.runtime.mode == "in-process" or backends.resolve(opts.engine.engine) in backends.SERIAL:
+            c.fail("--stream-interval is the detokenizer process's: it needs the multi-process runtime "
+                   "(--runtime processes, --engine torch or sgl)", code=2)
+        try:
+            opts = replace(opts, runtime=replace(opts.runtime, stream_interval=stream_interval))
+        except ValueError as exc:
+            c.fail(str(exc), code=2)
     if warm_prefixes and opts.engine.engine == "hf":
         c.fail("--warm-prefixes fills a prefix cache, and --engine hf has none", code=2)
     # The total cap admits at most every replica's share; the pool keeps each replica within its own.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import cast
 
 from minisgl_cli.backends import in_process_client
@@ -42,7 +42,8 @@ class LLM:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
 
         async def run() -> list[Completion]:
-            reqs = [self._request(p, sp) for p, sp in zip(batch, plist)]
+            # The whole text is all a Completion holds: decoded once per request at its end, not per token.
+            reqs = [self._request(p, replace(sp, stream_text=False)) for p, sp in zip(batch, plist)]
             return list(await asyncio.gather(*(complete(self.client, r) for r in reqs)))
 
         return asyncio.run(run())

@@ -86,6 +86,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return cast(str, self.hf.decode(ids, skip_special_tokens=skip_special_tokens))  # one id list: one string
 
+    def decode_batch(self, seqs: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """Several id lists, each straight through the Rust tokenizer where the HF one has it and adds no clean-up
+        pass of its own (each string is then what `decode` gives, at a quarter of its cost: the HF wrapper's Python
+        is most of a short decode); `decode` each otherwise. Not the Rust `decode_batch`: its thread pool, woken
+        for a few ids, cost 10x more than it saved."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is not None and not getattr(self.hf, "clean_up_tokenization_spaces", True):
+            return [backend.decode(ids, skip_special_tokens=skip_special_tokens) for ids in seqs]
+        return [self.decode(ids, skip_special_tokens) for ids in seqs]
+
 
 @dataclass
 class IncrementalDetokenizer:
@@ -103,19 +113,31 @@ class IncrementalDetokenizer:
 
     def feed(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        window = self.tokenizer.decode(self.ids[self.prefix :], self.skip_special_tokens)
-        if window.endswith("\ufffd"):
-            return ""
-        emitted = self.tokenizer.decode(self.ids[self.prefix : self.read], self.skip_special_tokens)
-        # The window restarts at the last emitted token, so each decode stays a few tokens long.
-        self.prefix, self.read = self.read, len(self.ids)
-        return window[len(emitted) :]
+        return self.advance(*self._decoded())
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
-        window = self.tokenizer.decode(self.ids[self.prefix :], self.skip_special_tokens)
-        emitted = self.tokenizer.decode(self.ids[self.prefix : self.read], self.skip_special_tokens)
-        self.read = len(self.ids)
+        return self.advance(*self._decoded(), final=True)
+
+    def _decoded(self) -> tuple[str, str]:
+        # decode(ids, skip) only: the VLM and mlx paths hand in their own tokenizers, duck-typed.
+        window, emitted = (self.tokenizer.decode(ids, self.skip_special_tokens) for ids in self.spans())
+        return window, emitted
+
+    def spans(self) -> list[list[int]]:
+        """The two id lists to decode for the text the newest ids add: the window, and its part already emitted."""
+        return [self.ids[self.prefix :], self.ids[self.prefix : self.read]]
+
+    def advance(self, window: str, emitted: str, final: bool = False) -> str:
+        """The new text, given the spans' decoded strings; "" while the window ends in an incomplete character
+        (unless final: then what there is)."""
+        if final:
+            self.read = len(self.ids)
+            return window[len(emitted) :]
+        if window.endswith("\ufffd"):
+            return ""
+        # The window restarts at the last emitted token, so each decode stays a few tokens long.
+        self.prefix, self.read = self.read, len(self.ids)
         return window[len(emitted) :]
 
 
@@ -198,6 +220,8 @@ class RequestDecoder:
         self.with_logprobs = params.wants_logprobs
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
         self.stopper = StopStringMatcher(list(params.stop))
+        # Text only at the end: the ids are kept and decoded once when the request ends (no per-token decode).
+        self.whole = not params.stream_text and not params.stop
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id) if self.tokenizer else ""
@@ -208,6 +232,24 @@ class RequestDecoder:
                 for o in items if o.token_id is not None and o.logprob is not None]
 
     def feed(self, items: list[TokenOutput]) -> DecodedPiece:
+        """The piece these outputs add (decoding on its own; `decode_steps` decodes many requests' at once)."""
+        spans = self.spans(items)
+        texts = self.tokenizer.decode_batch(spans, self.detok.skip_special_tokens) if spans and self.detok and \
+            self.tokenizer else []
+        return self.piece(items, texts)
+
+    def spans(self, items: list[TokenOutput]) -> list[list[int]]:
+        """Take the outputs' token ids in; the id lists whose decoded strings `piece` needs for their text."""
+        last = items[-1]
+        if self.detok is None or last.error:
+            return []
+        self.detok.ids.extend(o.token_id for o in items if o.token_id is not None)
+        if self.whole:  # the whole text once, at the end
+            return [list(self.detok.ids)] if last.finish_reason is not None else []
+        return self.detok.spans()
+
+    def piece(self, items: list[TokenOutput], texts: list[str]) -> DecodedPiece:
+        """The piece for the outputs `spans` took in, given its spans' decoded strings."""
         tokens = [o.token_id for o in items if o.token_id is not None]
         last = items[-1]
         prefill_s = next((o.prefill_s for o in items if o.prefill_s is not None), None)
@@ -216,9 +258,12 @@ class RequestDecoder:
                                 error_code=last.error_code)
         logprobs = self._logprobs(items) if self.with_logprobs else None
         reason = last.finish_reason
-        text = self.detok.feed(tokens) if self.detok else ""
-        if reason is not None and self.detok:
-            text += self.detok.flush()
+        if self.detok is None or not texts:
+            text = ""
+        elif self.whole:
+            text = texts[0]
+        else:  # the end also takes what an incomplete character held back
+            text = self.detok.advance(texts[0], texts[1], final=reason is not None)
         text, hit_stop = self.stopper.push(text)
         early = hit_stop and reason is None
         if hit_stop:
@@ -226,3 +271,46 @@ class RequestDecoder:
         elif reason is not None:
             text += self.stopper.flush()
         return DecodedPiece(last.rid, text, tokens, reason, None, last.cached_tokens, prefill_s, early, logprobs)
+
+
+def decode_steps(tokenizer: Tokenizer | None,
+                 work: list[tuple[RequestDecoder, list[TokenOutput]]]) -> list[DecodedPiece | BaseException]:
+    """Many requests' outputs of one step as pieces, their text decoded in one pass per skip_special_tokens value
+    (`Tokenizer.decode_batch`) instead of two HF calls per request; a request whose decoding fails gets its
+    exception in its place."""
+    spans: list[list[list[int]] | BaseException] = []
+    for decoder, items in work:
+        try:
+            spans.append(decoder.spans(items))
+        except Exception as exc:  # noqa: BLE001 -- that request fails alone
+            spans.append(exc)
+    texts: list[list[str]] = [[] for _ in work]
+    if tokenizer is not None:
+        for skip in (True, False):
+            rows = [i for i, (d, _) in enumerate(work)
+                    if isinstance(spans[i], list) and spans[i] and d.detok and d.detok.skip_special_tokens == skip]
+            if not rows:
+                continue
+            try:
+                flat = tokenizer.decode_batch([ids for i in rows for ids in cast(list, spans[i])], skip)
+            except Exception:  # noqa: BLE001 -- some request's ids: find it by decoding each request alone
+                for i in rows:
+                    try:
+                        texts[i] = tokenizer.decode_batch(cast(list, spans[i]), skip)
+                    except Exception as exc:  # noqa: BLE001
+                        spans[i] = exc
+                continue
+            at = 0
+            for i in rows:
+                n = len(cast(list, spans[i]))
+                texts[i], at = flat[at : at + n], at + n
+    out: list[DecodedPiece | BaseException] = []
+    for (decoder, items), span, text in zip(work, spans, texts):
+        if isinstance(span, BaseException):
+            out.append(span)
+            continue
+        try:
+            out.append(decoder.piece(items, text))
+        except Exception as exc:  # noqa: BLE001 -- that request fails alone
+            out.append(exc)
+    return out

@@ -65,6 +65,9 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # False: the text comes whole with the last delta, decoded once at the end (no stop strings: they need it as
+    # it grows), for a consumer that only wants the whole text (LLM.generate, the offline bench).
+    stream_text: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -197,6 +200,9 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
 
 
+_NOT_SUMMED = ("replicas", "process_cpu_s")  # SchedulerStats' fields that are not one figure
+
+
 @dataclass
 class SchedulerStats:
     """The engine's figures: queues, KV use, cache hits, token rates (for chat, /metrics, bench).
@@ -223,6 +229,9 @@ class SchedulerStats:
     aborted_requests: int = 0
     retracted_requests: int | None = 0
     decode_compiling: int = 0  # engines still compiling their CPU decode (engine/cpu_compile.py)
+    # CPU seconds (user + system) of each engine process by name ("detokenizer", "scheduler rank 0", ...): the
+    # multi-process runtime's children; empty where the engine runs in the caller's process.
+    process_cpu_s: dict[str, float] = field(default_factory=dict)
     # Data parallel: each replica's own figures (the fields above are then their sum over live replicas).
     replicas: list[ReplicaStats] = field(default_factory=list)
 
@@ -249,11 +258,13 @@ class SchedulerStats:
             values = [getattr(p, name) for p in parts]
             return None if None in values else sum(values)
 
-        return cls(**{f.name: summed(f.name) for f in fields(cls) if f.name != "replicas"})
+        total = cls(**{f.name: summed(f.name) for f in fields(cls) if f.name not in _NOT_SUMMED})
+        total.process_cpu_s = {name: s for p in parts for name, s in p.process_cpu_s.items()}  # names differ
+        return total
 
     def to_dict(self) -> dict[str, Any]:
         rate = self.cache_hit_rate
-        out = {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "replicas"},
+        out = {**{f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_SUMMED},
                "cache_hit_rate": None if rate is None else round(rate, 4)}
         if self.replicas:
             out["replicas"] = [r.to_dict() for r in self.replicas]

@@ -208,6 +208,28 @@ def test_online_runner_streams_and_limits_concurrency(fake_url):
     assert body["stream"] and body["ignore_eos"] and body["prompt"] == "hi there" and body["max_tokens"] == 3
 
 
+def test_client_processes_merge_every_request_once(fake_url):
+    from minisgl_cli.bench.online import HttpTarget
+    from minisgl_cli.bench.report import BenchResult
+    from minisgl_cli.bench.suite import BenchConfig
+
+    url, state = fake_url
+    # Each request's prompt names it, so the merged timings can be matched to the requests they came from.
+    case = wl.Case("t", [wl.BenchRequest([1, 2, 3][: 1 + i % 3], 3, True, f"req {i}") for i in range(7)])
+    done = []
+    out = HttpTarget(url, client_procs=3).run(case, 4, lambda: done.append(1))
+    assert len(done) == 7 and len(out.timings) == 7 and state["peak"] <= 4
+    assert sorted(b["prompt"] for b in state["bodies"]) == sorted(f"req {i}" for i in range(7))  # each sent once
+    assert [t.prompt_tokens for t in out.timings] == [r.prompt_tokens for r in case.requests]  # in request order
+    m = compute_metrics(out.timings, out.duration_s)
+    assert (m.completed, m.total_output_tokens, m.ttft_ms.count) == (7, 21, 7)
+    assert len(out.client_cpu) == 3 and all(u.cpu_s > 0 and u.wall_s > 0 for u in out.client_cpu)
+    flat = BenchResult("server", "t", 4, 7, m, client_cpu=out.client_cpu).flat()
+    assert flat["client_procs"] == 3 and len(flat["client_core_share"]) == 3
+    with pytest.raises(ValueError, match="--client-procs"):  # offline, the engine's client is in this process
+        BenchConfig(client_procs=2)
+
+
 def test_online_runner_sends_the_sampling_knobs(fake_url):
     from minisgl_cli.bench.online import HttpTarget
 
@@ -249,6 +271,9 @@ RESULT_SCHEMA = {
         "concurrency": {"type": "integer", "minimum": 1}, "num_requests": {"type": "integer"},
         "completed": {"type": "integer"}, "failed": {"type": "integer"},
         "total_cached_tokens": {"type": ["integer", "null"]}, "case_params": {"type": "object"},
+        "client_procs": {"type": "integer", "minimum": 1},  # the HTTP client's processes and each one's CPU
+        "client_cpu_seconds": {"type": "array", "items": {"type": "number", "minimum": 0}},
+        "client_core_share": {"type": "array", "items": {"type": "number", "minimum": 0}},
     },
     "patternProperties": {"_(ms|throughput|s)$": {"type": "number", "minimum": 0}},
 }
@@ -343,6 +368,7 @@ def test_online_bench_against_minisgl_server(tmp_path):
     assert r["engine"].startswith("server@127.0.0.1") and r["concurrency"] == 2
     assert r["completed"] == 2 and r["failed"] == 0 and r["total_output_tokens"] == 8  # server usage counts
     assert r["median_ttft_ms"] > 0 and doc["meta"]["mode"] == "online"
+    assert r["client_procs"] == 1 and r["client_cpu_seconds"][0] > 0  # the client measured itself
 
 
 @pytest.mark.slow

@@ -121,6 +121,73 @@ def test_detokenizer_never_splits_utf8(default_model_dir):
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_text_decoded_once_or_in_groups_equals_the_streamed_text(default_model_dir):
+    """The same text whether a request's tokens are decoded one by one, in groups (serve --stream-interval) or once
+    at the end (stream_text off: LLM.generate, the offline bench), on characters split across tokens."""
+    from minisgl_cli.messages import TokenOutput
+    from minisgl_cli.tokenizer import RequestDecoder
+
+    tok = Tokenizer(default_model_dir)
+    ids = tok.encode("Größe: 東京 🚀👩‍👩‍👧 ok")
+    outs = [TokenOutput("r", i, "length" if k == len(ids) - 1 else None) for k, i in enumerate(ids)]
+
+    def texts(params: SamplingParams, group: int) -> list[str]:
+        decoder, out = RequestDecoder(tok, params), []
+        for k in range(0, len(outs), group):
+            piece = decoder.feed(outs[k : k + group])
+            out.append(piece.text)
+            if piece.finish_reason:  # a stop string ends it early
+                break
+        return out
+
+    one = texts(SamplingParams(), 1)
+    assert "".join(one) == tok.decode(ids) and len([t for t in one if t]) > 5
+    for group in (2, 3, 7):
+        assert "".join(texts(SamplingParams(), group)) == "".join(one)
+    whole = texts(SamplingParams(stream_text=False), 1)
+    assert whole[:-1] == [""] * (len(ids) - 1) and whole[-1] == "".join(one)
+    stopped = texts(SamplingParams(stream_text=False, stop=["東"]), 1)  # stop strings: decoded as it grows
+    assert "".join(stopped) == "Größe: " and any(stopped[:-1])
+
+
+def test_a_steps_text_decoded_in_one_call_equals_each_request_decoded_alone(default_model_dir):
+    """The detokenizer's bulk decode (decode_steps: one call per step) gives every request the pieces it would get
+    alone: special tokens kept or skipped, text once at the end, stop strings, a character split across steps."""
+    from minisgl_cli.messages import TokenOutput
+    from minisgl_cli.tokenizer import RequestDecoder, decode_steps
+
+    tok = Tokenizer(default_model_dir)
+    ids = tok.encode("Größe: 東京 🚀 ok") + [tok.hf.eos_token_id] + tok.encode(" naïve")
+    params = [SamplingParams(), SamplingParams(skip_special_tokens=False), SamplingParams(stream_text=False),
+              SamplingParams(stop=["京"]), SamplingParams(logprobs=True)]
+    alone = [RequestDecoder(tok, p) for p in params]
+    bulk = [RequestDecoder(tok, p) for p in params]
+    live, texts = list(range(len(params))), [""] * len(params)
+    for k, token in enumerate(ids):
+        reason = "length" if k == len(ids) - 1 else None
+        outs = {r: [TokenOutput(f"r{r}", token, reason, logprob=-1.0 if params[r].logprobs else None)] for r in live}
+        want = [alone[r].feed(outs[r]) for r in live]
+        assert decode_steps(tok, [(bulk[r], outs[r]) for r in live]) == want, k
+        for r, piece in zip(list(live), want):
+            texts[r] += piece.text
+            if piece.finish_reason:  # the stop string ended it
+                live.remove(r)
+    assert texts[0] == tok.decode(ids) and texts[2] == texts[0] and texts[3] == "Größe: 東"
+    assert texts[1] == tok.decode(ids, skip_special_tokens=False) != texts[0]
+
+
+def test_generate_gives_the_streamed_text_and_logprobs(llm):
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=True, top_logprobs=2)
+    done = llm.generate([11, 22, 33], params)[0]
+
+    async def stream():
+        return [d async for d in llm.client.submit(GenerateRequest(input_ids=[11, 22, 33], params=params))]
+
+    deltas = asyncio.run(stream())
+    assert done.text == "".join(d.text for d in deltas)
+    assert done.logprobs == [lp for d in deltas for lp in d.logprobs or []]
+
+
 def test_stop_string_matcher_holds_back_partial_matches():
     m = StopStringMatcher(["<END>"])
     assert m.push("hello <E") == ("hello ", False)

@@ -4,6 +4,7 @@ real child processes. TP 2 must give the same greedy tokens as one process."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -160,3 +161,71 @@ def test_tp2_logprobs_and_grammars_equal_one_process(tiny_model_dirs):
         assert [t.token for t in g.logprobs] == [t.token for t in w.logprobs]
         assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(g.logprobs, w.logprobs))
     assert all(len(t.top) == 2 for t in got[0].logprobs)
+
+
+def test_metrics_count_each_processs_cpu_seconds_while_requests_run(tiny_model_dirs, tmp_path):
+    serve = Serve(tiny_model_dirs["qwen3"], tmp_path, "--num-tokenizer", "1")
+    try:
+        serve.wait_healthy()
+        with httpx.Client(base_url=serve.url, timeout=60) as http:
+            before = http.get("/metrics").json()["process_cpu_seconds"]
+            assert set(before) == {"api", "detokenizer", "tokenizer 0", "scheduler rank 0"}
+            for _ in range(3):
+                http.post("/v1/completions", json={"prompt": [5, 17, 99], "max_tokens": 64, "ignore_eos": True})
+            after = http.get("/metrics").json()["process_cpu_seconds"]
+            prom = http.get("/metrics", params={"format": "prometheus"}).text
+        assert after["scheduler rank 0"] > before["scheduler rank 0"]  # 192 decode steps: many clock ticks
+        assert all(after[name] >= before[name] for name in before)
+        assert 'minisgl_process_cpu_seconds_total{model_name=' in prom and 'process="detokenizer"}' in prom
+    finally:
+        serve.stop()
+
+
+def _sse_text(http: httpx.Client, body: dict) -> tuple[dict[int, str], dict[int, int]]:
+    """A streamed completion's text per choice index, and how many frames carried text for each."""
+    text: dict[int, str] = {}
+    frames: dict[int, int] = {}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for c in json.loads(line[6:]).get("choices", []):
+                if c.get("text"):
+                    text[c["index"]] = text.get(c["index"], "") + c["text"]
+                    frames[c["index"]] = frames.get(c["index"], 0) + 1
+    return text, frames
+
+
+def test_stream_interval_sends_fewer_frames_and_the_same_text(tiny_model_dirs, tmp_path):
+    """Random weights through the real tokenizer: multi-byte characters split across tokens are common. With
+    --stream-interval 4, text, stop strings, logprobs and n behave as with 1; the stream is the same text in
+    fewer frames."""
+    model = tiny_model_dirs["qwen3"]
+    every, fourth = Serve(model, tmp_path), Serve(model, tmp_path, "--stream-interval", "4")
+    try:
+        every.wait_healthy()
+        fourth.wait_healthy()
+        with httpx.Client(base_url=every.url, timeout=120) as a, httpx.Client(base_url=fourth.url, timeout=120) as b:
+            # Seeded draws are the same on both servers; biased to the byte tokens of multi-byte characters (and
+            # a few words), they split characters across tokens.
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(model))
+            ids = tok.encode("世界 🎉 über naïve the cat", add_special_tokens=False)
+            base = {"prompt": [5, 17, 99, 4000, 12], "max_tokens": 24, "ignore_eos": True, "temperature": 1.0,
+                    "seed": 3, "logit_bias": {str(i): 30 for i in set(ids)}}
+            plain = a.post("/v1/completions", json=base).json()["choices"][0]["text"]
+            assert any(ord(ch) > 127 for ch in plain), plain  # the case this test is about
+            stop = plain[8:11]
+            for body in (base, {**base, "logprobs": 2}, {**base, "stop": [stop]}, {**base, "n": 2}):
+                want, got = a.post("/v1/completions", json=body).json(), b.post("/v1/completions", json=body).json()
+                assert got["choices"] == want["choices"], body
+                assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"], body
+                streamed, frames = _sse_text(b, body)
+                assert streamed == {c["index"]: c["text"] for c in got["choices"] if c["text"]}, body
+            _, frames = _sse_text(b, base)
+            assert frames[0] <= 1 + 6 + 1  # the first token, then groups of 4 (the last with the end)
+            assert _sse_text(a, base)[1][0] > frames[0]
+    finally:
+        every.stop()
+        fourth.stop()

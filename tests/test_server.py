@@ -338,3 +338,14 @@ def test_a_command_gets_the_engine_options_it_offers_as_one_object():
     assert (got.engine.model, got.engine.attention_backend, got.scheduler.cache) == ("/models/x", "triton", "naive")
     bad = CliRunner().invoke(app, ["--page-size", "4"])
     assert bad.exit_code == 2 and "--page-size" in bad.output
+
+
+def test_stream_interval_is_refused_where_no_detokenizer_process_runs():
+    from typer.testing import CliRunner
+
+    from minisgl_cli.app import app
+
+    for args in (["--runtime", "in-process", "--stream-interval", "2"], ["--engine", "hf", "--stream-interval", "2"],
+                 ["--stream-interval", "0"]):
+        bad = CliRunner().invoke(app, ["serve", *args], env={"COLUMNS": "200"})
+        assert bad.exit_code == 2 and "--stream-interval" in bad.output, (args, bad.output)

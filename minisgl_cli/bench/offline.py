@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from minisgl_cli.bench.metrics import RequestTiming
@@ -22,7 +23,8 @@ class EngineTarget:
         self.name = name
 
     async def _one(self, req: BenchRequest) -> RequestTiming:
-        params = req.sampling.params(req.max_new_tokens, req.ignore_eos)
+        # The timings need the tokens as they come, the text only at the end: no per-token decode beside the engine.
+        params = dataclasses.replace(req.sampling.params(req.max_new_tokens, req.ignore_eos), stream_text=False)
         timing = RequestTiming(prompt_tokens=req.prompt_tokens)
         parts: list[str] = []
         t0 = time.perf_counter()
@@ -37,7 +39,7 @@ class EngineTarget:
                         timing.ttft_s = now
                     timing.chunk_times_s.append(now)
                     timing.output_tokens += len(delta.token_ids)
-                    parts.append(delta.text)
+                parts.append(delta.text)  # whole in the last delta (stream_text off), which may carry no token
                 if delta.stats is not None and self.client.info.prefix_cache is not None:  # else n/a
                     timing.cached_tokens = delta.stats.cached_tokens
         except Exception as exc:  # one failed request is a data point, not the end of the run

@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from minisgl_cli.bench.metrics import BenchMetrics
+from minisgl_cli.bench.target import ClientCpu
 
 _DISTS = ("ttft", "tpot", "itl", "e2e_latency")
 _STATS = ("mean", "median", "std", "p90", "p95", "p99")
@@ -27,6 +28,7 @@ class BenchResult:
     num_requests: int
     metrics: BenchMetrics
     case_params: dict[str, Any] = field(default_factory=dict)
+    client_cpu: list[ClientCpu] = field(default_factory=list)  # each client process's, where measured
 
     def flat(self) -> dict[str, Any]:
         """bench_serving's flat names: request_throughput, mean_ttft_ms, p99_itl_ms, ..."""
@@ -44,6 +46,10 @@ class BenchResult:
             for s in _STATS:
                 out[f"{s}_{d}_ms"] = getattr(dist, s)
         out["case_params"] = self.case_params
+        if self.client_cpu:
+            out["client_procs"] = len(self.client_cpu)
+            out["client_cpu_seconds"] = [round(u.cpu_s, 3) for u in self.client_cpu]
+            out["client_core_share"] = [round(u.core_share, 3) for u in self.client_cpu]
         return out
 
 
@@ -117,10 +123,19 @@ def _ms(x: float, n: int) -> str:
     return f"{x:.1f}" if n else "-"
 
 
+def _client(r: BenchResult) -> str:
+    """The client processes and the busiest one's share of a core: "4x max 35%"."""
+    if not r.client_cpu:
+        return "-"
+    return f"{len(r.client_cpu)}x max {max(u.core_share for u in r.client_cpu):.0%}"
+
+
 def results_table(report: BenchReport) -> Table:
     t = Table(title=f"minisgl bench — {report.meta.get('model', '?')} on {report.meta.get('device', '?')}")
+    client = any(r.client_cpu for r in report.results)  # the column only where a client measured itself
     for col in ("engine", "case", "conc", "reqs", "ok", "in tok", "out tok", "cached", "dur s", "req/s",
-                "out tok/s", "total tok/s", "TTFT p50/p99 ms", "TPOT p50 ms", "ITL p50 ms", "E2E p50/p99 ms"):
+                "out tok/s", "total tok/s", "TTFT p50/p99 ms", "TPOT p50 ms", "ITL p50 ms", "E2E p50/p99 ms",
+                *(["client CPU"] if client else [])):
         t.add_column(col, justify="left" if col in ("engine", "case") else "right")
     for r in report.results:
         m = r.metrics
@@ -133,6 +148,7 @@ def results_table(report: BenchReport) -> Table:
             f"{_ms(m.ttft_ms.median, m.ttft_ms.count)}/{_ms(m.ttft_ms.p99, m.ttft_ms.count)}",
             _ms(m.tpot_ms.median, m.tpot_ms.count), _ms(m.itl_ms.median, m.itl_ms.count),
             f"{m.e2e_latency_ms.median:.1f}/{m.e2e_latency_ms.p99:.1f}",
+            *([_client(r)] if client else []),
         )
     return t
 

@@ -20,6 +20,8 @@ from minisgl_cli.bench.metrics import compute_metrics
 from minisgl_cli.bench.report import BenchReport, BenchResult
 from minisgl_cli.bench.target import BenchTarget
 
+BUSY_SHARE = 0.7  # a client process above this share of a core may be what limits the run
+
 
 @dataclass
 class BenchConfig:
@@ -51,6 +53,7 @@ class BenchConfig:
     request_rate: float = math.inf
     max_concurrency: int | None = None
     served_model: str | None = None
+    client_procs: int | None = None  # HTTP client worker processes (None: one per 64 streams, up to the cores)
 
     def __post_init__(self) -> None:
         if self.dataset not in wl.DATASETS:
@@ -65,6 +68,9 @@ class BenchConfig:
             raise ValueError("--cache needs at least one prefix cache kind")
         if not self.engines:
             raise ValueError("--engine needs at least one engine")
+        if self.client_procs is not None and (self.url is None or self.client_procs < 1):
+            raise ValueError("--client-procs spreads --url's streams over processes (>= 1); without --url the "
+                             "engine's client runs in this process")
 
     def variants(self) -> list[tuple[str, str | None, str]]:
         """(engine, prefix cache, result name) of each engine run: a serial engine (hf, mlx) once, ours per cache;
@@ -160,8 +166,14 @@ class Bench:
                 out = target.run(case, c, functools.partial(progress.advance, task))
                 metrics = compute_metrics(out.timings, out.duration_s)
                 self.report.results.append(
-                    BenchResult(target.name, case.name, c, len(case.requests), metrics, case.params)
+                    BenchResult(target.name, case.name, c, len(case.requests), metrics, case.params, out.client_cpu)
                 )
+                busy = [i for i, u in enumerate(out.client_cpu) if u.core_share > BUSY_SHARE]
+                if busy:
+                    worst = max(u.core_share for u in out.client_cpu)
+                    self.note(f"{target.name} {case.name} c={c}: {len(busy)} of {len(out.client_cpu)} client "
+                              f"process(es) above {BUSY_SHARE:.0%} of a core (max {worst:.0%}): the client may be "
+                              "what limits this figure; raise --client-procs")
                 errors = {t.error or "no error message" for t in out.timings if not t.success}
                 if errors:
                     self.note(
@@ -307,7 +319,7 @@ def run_online(cfg: BenchConfig, console: Console, model_arg: str | None) -> Ben
         raise ValueError("online mode needs --url")
     tokenizer, vocab_size = _local_tokenizer(model_arg, console)
     target = HttpTarget(cfg.url, api=cfg.api, model=cfg.served_model, request_rate=cfg.request_rate,
-                          tokenizer=tokenizer, seed=cfg.seed)
+                          tokenizer=tokenizer, seed=cfg.seed, client_procs=cfg.client_procs)
     levels = [cfg.max_concurrency] if cfg.max_concurrency else cfg.concurrency
     import torch
 
@@ -316,7 +328,8 @@ def run_online(cfg: BenchConfig, console: Console, model_arg: str | None) -> Ben
                          torch.cuda.is_available(), levels)
     report = BenchReport(_meta(cfg, mode="online", model=target.model, device=cfg.url))
     console.print(f"server={cfg.url} model={target.model} api={cfg.api} request_rate={cfg.request_rate} "
-                  f"max_concurrency={levels} cases={', '.join(f'{c.name}({len(c.requests)} req)' for c in cases[0])}",
+                  f"max_concurrency={levels} client_procs={[target.procs_for(c) for c in levels]} "
+                  f"cases={', '.join(f'{c.name}({len(c.requests)} req)' for c in cases[0])}",
                   highlight=False)
     Bench(cfg, report, console).run(target, cases, levels, vocab_size)
     return report

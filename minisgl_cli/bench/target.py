@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from minisgl_cli.bench.metrics import RequestTiming
@@ -13,11 +13,26 @@ OnDone = Callable[[], None]  # called once per finished request (drives the prog
 
 
 @dataclass
+class ClientCpu:
+    """One client process's CPU over a timed run (user + system seconds) and the run's wall time there."""
+
+    cpu_s: float
+    wall_s: float
+
+    @property
+    def core_share(self) -> float:
+        """Its share of one core: near 1 the client, not the server, sets the pace."""
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
 class RunOutput:
-    """One case run at one concurrency: every request's timing plus the wall-clock duration."""
+    """One case run at one concurrency: every request's timing plus the wall-clock duration, and the CPU of each
+    client process where the target measures it (the HTTP client; empty where the client shares the engine's)."""
 
     timings: list[RequestTiming]
     duration_s: float
+    client_cpu: list[ClientCpu] = field(default_factory=list)
 
 
 class BenchTarget(Protocol):

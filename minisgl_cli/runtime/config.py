@@ -39,10 +39,15 @@ class RuntimeConfig:
     scheduler_mode: SchedulerMode = field(default="rr", metadata=dict(
         flags=("--scheduler-mode",), env="SCHEDULER_MODE",
         help="Routing across replicas: rr, fsfs, random, cache_aware."))
+    # `serve --stream-interval`: the detokenizer sends a request's text every this many tokens (the first token
+    # and the end at once); not an engine option of every command, so no flags here.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "processes", "in-process"):
             raise ValueError(f"--runtime must be auto, processes or in-process, not {self.mode!r}")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be >= 1")
         if self.num_tokenizer < 0:
             raise ValueError("--num-tokenizer must be >= 0")
         if self.mode == "in-process" and (self.tp_size > 1 or self.nnodes > 1 or self.dp_size > 1):

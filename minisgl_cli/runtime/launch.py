@@ -93,7 +93,8 @@ def _start(engine: EngineConfig, scheduler: SchedulerConfig, rt: RuntimeConfig, 
     threads = max(1, _cpus() // share) if share > 1 and engine.num_threads is None else engine.num_threads
     try:
         if dist.node_rank == 0:
-            runtime.start("detokenizer", run_worker, WorkerJob(-1, model_dir, ep, rt.num_tokenizer == 0, True, level))
+            runtime.start("detokenizer", run_worker, WorkerJob(-1, model_dir, ep, rt.num_tokenizer == 0, True, level,
+                                                                rt.stream_interval))
             for i in range(rt.num_tokenizer):
                 runtime.start(f"tokenizer {i}", run_worker, WorkerJob(i, model_dir, ep, True, False, level))
         first = dist.local_ranks()[0]

@@ -31,7 +31,7 @@ from minisgl_cli.messages import (
 )
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.runtime.supervisor import Runtime
-from minisgl_cli.types import ErrorCode, GenerateRequest, ModelInfo, SamplingParams
+from minisgl_cli.types import ErrorCode, GenerateRequest, ModelInfo, SamplingParams, SchedulerStats
 
 
 def _merge(pieces: list[DecodedPiece]) -> DecodedPiece:
@@ -142,6 +142,11 @@ class RemoteClient(RoutedClient):
                 raise ValueError(getattr(reply, "error", None) or "the tokenizer worker did not answer")
             return self._warm(reply.ids)
         return self._warm(list(prefix))
+
+    def stats(self, timeout: float = 10.0) -> SchedulerStats:
+        stats = super().stats(timeout)
+        stats.process_cpu_s = self.runtime.cpu_seconds()  # the children's pids are known here, not in them
+        return stats
 
     def healthy(self) -> bool:
         return not self._closed and self.runtime.alive() and time.monotonic() - self._beat < STALL_S

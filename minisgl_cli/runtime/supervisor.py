@@ -25,6 +25,7 @@ from typing import Any, cast
 import zmq
 
 from minisgl_cli.messages import Failed, Ready
+from minisgl_cli.runtime.cpu import cpu_seconds
 from minisgl_cli.runtime.ipc import Endpoints, pull, recv
 
 log = logging.getLogger("minisgl.runtime")
@@ -112,6 +113,14 @@ class Runtime:
                 hook(self.dead)
 
         threading.Thread(target=run, name="minisgl-watch", daemon=True).start()
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """Each running child's CPU seconds so far (user + system), by its name with the replica's label."""
+        out = {}
+        for name, proc in self.procs.items():
+            if proc.pid is not None and proc.exitcode is None and (s := cpu_seconds(proc.pid)) is not None:
+                out[f"{self.label}{name}"] = s
+        return out
 
     def alive(self) -> bool:
         return self.dead is None and all(p.exitcode is None for p in self.procs.values())

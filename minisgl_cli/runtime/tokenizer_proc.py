@@ -5,6 +5,10 @@ to the detokenizer (which then knows the request's stop strings) and to schedule
 queries go straight through. The detokenizer turns each scheduler step into text pieces for the API
 process, ends requests at stop strings (telling rank 0 to free them), and forwards replies and
 heartbeats. With `--num-tokenizer 0` the detokenizer does both jobs.
+
+With `--stream-interval N` the detokenizer holds a request's tokens until N have come (the first token and the
+end go at once), then decodes and sends them as one piece: N times fewer decodes, messages and SSE frames. A
+request with stop strings is decoded every token, so its stop is found at the token that makes it, as before.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from minisgl_cli.messages import (
 )
 from minisgl_cli.runtime.child import Child
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
-from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, prompt_ids
+from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, decode_steps, prompt_ids
 from minisgl_cli.types import ErrorCode
 
 log = logging.getLogger("minisgl.runtime")
@@ -43,6 +47,7 @@ class WorkerJob:
     tokenizes: bool
     detokenizes: bool
     log_level: int = logging.WARNING
+    stream_interval: int = 1  # the detokenizer: send a request's text every this many tokens
 
     @property
     def name(self) -> str:
@@ -66,6 +71,10 @@ class _Worker:
         self.to_scheduler = push(ctx, ep.scheduler)
         self.to_detok = push(ctx, ep.detokenizer) if job.tokenizes and not job.detokenizes else None
         self.decoders: dict[str, RequestDecoder] = {}
+        # --stream-interval: requests whose tokens may be held (no stop strings), and, once their first token went
+        # out, the tokens each holds.
+        self.may_hold: set[str] = set()
+        self.held: dict[str, list[TokenOutput]] = {}
         self.early: dict[str, list[TokenOutput]] = {}  # outputs that beat their AddRequest here
         self.ended: collections.deque[str] = collections.deque(maxlen=4096)  # late outputs of these are dropped
         self.ended_set: set[str] = set()
@@ -103,6 +112,8 @@ class _Worker:
                     error_code=ErrorCode.ENGINE_FAILED)]))
                 send(self.to_scheduler, AbortRequest(msg.rid))
                 return
+            if self.job.stream_interval > 1 and not msg.params.stop:
+                self.may_hold.add(msg.rid)
             if msg.rid in self.early:
                 self._detokenize(StepOutput(self.early.pop(msg.rid)))
         if self.job.tokenizes:
@@ -116,28 +127,49 @@ class _Worker:
         self.ended.append(rid)
         self.ended_set.add(rid)
 
+    def _due(self, held: list[TokenOutput]) -> bool:
+        """Whether held tokens go out now: --stream-interval of them, or the request's end."""
+        last = held[-1]
+        return last.finish_reason is not None or last.error is not None or \
+            sum(o.token_id is not None for o in held) >= self.job.stream_interval
+
     def _detokenize(self, step: StepOutput) -> None:
         by_rid: dict[str, list[TokenOutput]] = {}
         for o in step.outputs:
             by_rid.setdefault(o.rid, []).append(o)
-        pieces: list[DecodedPiece] = []
+        work: list[tuple[str, RequestDecoder, list[TokenOutput]]] = []
         for rid, items in by_rid.items():
             decoder = self.decoders.get(rid)
             if decoder is None:
                 if rid not in self.ended_set:  # e.g. the abort that follows a stop string: already answered
                     self.early.setdefault(rid, []).extend(items)
                 continue
-            try:
-                piece = decoder.feed(items)
-            except Exception as exc:  # one request's failure ends that request, not every stream of the process
-                log.exception("decoding the output of %s failed", rid)
-                piece = DecodedPiece(rid, error=f"internal error: could not decode the output ({type(exc).__name__})",
-                                     error_code=ErrorCode.ENGINE_FAILED)
+            if rid in self.held:
+                held = self.held[rid]
+                held.extend(items)
+                if not self._due(held):
+                    continue
+                items, self.held[rid] = held, []
+            work.append((rid, decoder, items))
+        # The whole step's text in one pass through the Rust tokenizer, not two HF calls per request.
+        results = decode_steps(self.tokenizer, [(decoder, items) for _, decoder, items in work])
+        pieces: list[DecodedPiece] = []
+        for (rid, _, items), result in zip(work, results):
+            if isinstance(result, BaseException):  # one request's failure ends that request, not every stream
+                log.error("decoding the output of %s failed", rid, exc_info=result)
+                why = f"internal error: could not decode the output ({type(result).__name__})"
+                piece = DecodedPiece(rid, error=why, error_code=ErrorCode.ENGINE_FAILED)
                 if not any(o.finish_reason or o.error for o in items):  # still running: free its KV
                     send(self.to_scheduler, AbortRequest(rid))
+            else:
+                piece = result
             if piece.finished:
                 del self.decoders[rid]
                 self._ended(rid)
+                self.may_hold.discard(rid)
+                self.held.pop(rid, None)
+            elif rid in self.may_hold and piece.token_ids:  # its first token is out: hold what follows
+                self.held.setdefault(rid, [])
             if piece.stopped_early:  # a stop string ended it: free its KV on the scheduler now
                 send(self.to_scheduler, AbortRequest(rid, "stop"))
                 piece.stopped_early = False

@@ -135,6 +135,7 @@ class ServerMetrics:
                     "ttft_ms": {"p50": _ms(_percentile(ttft, 0.5)), "p99": _ms(_percentile(ttft, 0.99))},
                     "e2e_ms": {"p50": _ms(_percentile(e2e, 0.5)), "p99": _ms(_percentile(e2e, 0.99))},
                 },
+                "process_cpu_seconds": _process_cpu(sched),
                 "throughput": {
                     "completion_tok_s": round(self._completions.rate(), 3),
                     "decode_tok_s": round(sched.decode_tok_s, 3),
@@ -206,6 +207,9 @@ class ServerMetrics:
                        each([r.inflight for r in reps]))
                 metric("replica_cache_hit_rate", "gauge", "The replica's prefix cache hits over prompt tokens.",
                        each([r.stats.cache_hit_rate if r.stats else 0.0 for r in reps]))
+            metric("process_cpu_seconds_total", "counter",
+                   "CPU seconds (user + system) of each server process: the API, tokenizers, detokenizer, ranks.",
+                   [(one(f'process="{escape_label(name)}"'), s) for name, s in _process_cpu(sched).items()])
             metric("http_requests_total", "counter", "HTTP requests by endpoint and status.",
                    [(one(f'endpoint="{ep}",status="{st}"'), n) for (ep, st), n in sorted(self.requests.items())])
             metric("request_success_total", "counter", "Engine requests by finish reason.",
@@ -232,6 +236,11 @@ def _recent_entry(seq: int, stats: RequestStats | None, reason: str) -> dict[str
             "ttft_ms": _ms(s.ttft_s) if s.completion_tokens else None,
             "tpot_ms": _ms(tpot) if tpot is not None else None,
             "latency_ms": _ms(s.latency_s) if stats is not None else None}
+
+
+def _process_cpu(sched: SchedulerStats) -> dict[str, float]:
+    """CPU seconds by process: this one ("api": with an in-process engine, the engine's too) and the engine's."""
+    return {"api": round(time.process_time(), 3), **{k: round(v, 3) for k, v in sched.process_cpu_s.items()}}
 
 
 def _engine_info(info: ModelInfo) -> dict[str, str]:

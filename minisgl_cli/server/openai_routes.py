@@ -51,7 +51,9 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
             raise InputError(f"tool_choice {mode} already constrains the output: drop response_format / regex / "
                              "ebnf", "tool_choice")
         structured = {"json_schema": forced}
-    extra = dict(logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, **structured)
+    # Not streamed: the text is needed only at the end, decoded once there (stream_text), not token by token.
+    extra = dict(logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, stream_text=bool(body.stream),
+                 **structured)
     vocab = ctx.client.info.vocab_size
     reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, i, vocab, extra),
                             rid=new_request_id("chat")) for i in range(body.n)]
@@ -158,7 +160,8 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
         raise InputError("prompt must not be empty", "prompt")
     ids_list = [await ctx.tokens_of(prompt=pr, param="prompt") for pr in prompts]
     max_new, note = ctx.budget(ids_list, body.max_tokens, "max_tokens")
-    extra = dict(logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, **body.structured())
+    extra = dict(logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, stream_text=bool(body.stream),
+                 **body.structured())
     vocab = ctx.client.info.vocab_size
     # Choice index = prompt index * n + sample index (OpenAI's order).
     reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, j, vocab, extra),
