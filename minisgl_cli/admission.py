@@ -47,9 +47,13 @@ def admit(ids: list[int], params: SamplingParams, vocab_size: int, max_context_l
     _in_vocab(params.stop_token_ids, vocab_size, "stop_token_ids")
     _in_vocab(list(params.logit_bias or ()), vocab_size, "logit_bias")
     if params.constrained and not structured_output_available():
-        raise AdmissionError(STRUCTURED_MISSING, ErrorCode.UNSUPPORTED,
-                             "json_schema" if params.json_schema is not None else
-                             "regex" if params.regex is not None else "ebnf")
+        raise AdmissionError(STRUCTURED_MISSING, ErrorCode.UNSUPPORTED, grammar_field(params))
+
+
+def grammar_field(params: SamplingParams) -> str | None:
+    """The field that holds the request's grammar (json_schema, regex, ebnf), or None: what a grammar's error is
+    about."""
+    return next((f for f in ("json_schema", "regex", "ebnf") if getattr(params, f) is not None), None)
 
 
 def new_tokens(prompt_tokens: int, requested: int | None, max_context_len: int, param: str = "max_tokens",

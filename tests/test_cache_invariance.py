@@ -49,7 +49,7 @@ def test_each_kernel_gives_a_row_the_same_result_whatever_the_rows_beside_it():
     int8 decode kernels, the dense GEMM of extend steps (oneDNN's one-row kernel rounds otherwise: run as two), and
     the int8 LM head (fbgemm quantizes its input with one scale: anchors fix it)."""
     torch.manual_seed(0)
-    dtype = cpu_kernels._bf16_native() or torch.float32  # the engine's beside quantized weights
+    dtype = cpu_kernels._BF16_NATIVE or torch.float32  # the engine's beside quantized weights
     x = torch.randn(17, 1536).to(dtype)
     for method in (quant.Int4Method(), quant.Int8Method()):
         torch.set_default_dtype(dtype)  # as the engine builds its model

@@ -59,7 +59,7 @@ def _decode(engine: Engine, rows: list[tuple[int, torch.Tensor]]) -> ForwardBatc
 @pytest.mark.slow
 def test_compiled_decode_matches_eager_against_the_fp32_truth():
     """Engine.forward's decode through the compiled function (bf16 activations) is as close to the same int4
-    weights run in fp32 as the eager step: the same top-1 token for every row not tied within that error, at batch 1,
+    weights run in fp32 as the eager step, and the same top-1 token wherever bf16's error cannot flip it, at batch 1,
     3 and 5 (one shape
     compiled for 2..max_bs rows), within eager's own distance of the fp32 logits. Batches over max_bs rows and
     prefills run eagerly; nothing is sent back to eager for want of a compile."""
@@ -82,16 +82,16 @@ def test_compiled_decode_matches_eager_against_the_fp32_truth():
         steps = compiled.steps
         got = engine.forward(_decode(engine, rows[:n])).float()
         assert compiled.steps == steps + 1  # it ran compiled
-        tol = (eager - truth).abs().max()
-        assert (got - truth).abs().max() <= 1.25 * tol
-        # The top-1 token where no rounding within bf16's own error can flip it (a near tie is not decidable).
-        top2 = truth.topk(2, dim=-1).values
-        sure = top2[:, 0] - top2[:, 1] > 2.5 * tol
+        assert (got - truth).abs().max() <= 1.25 * (eager - truth).abs().max()
+        # The top-1 token wherever bf16's own error cannot flip it (a near tie in fp32 is not decidable in bf16).
+        top2 = truth.topk(2, dim=-1)
+        moved = (eager - truth).abs().gather(-1, top2.indices).amax(dim=-1)  # how far bf16 moved the two leaders
+        sure = top2.values[:, 0] - top2.values[:, 1] > 2 * moved
         decided += int(sure.sum())
         for out in (got, eager):
             assert torch.equal(out.argmax(-1)[sure], truth.argmax(-1)[sure])
         assert not torch.equal(got, eager)  # it is another program (fused, fp32 inside), not eager again
-    assert decided >= 4  # of the 9 rows: the check above is not empty
+    assert decided > 0  # the top-1 check above is not empty
     assert compiled.declined == 0
     assert not compiled.can_run(_decode(engine, [rows[0]] * (compiled.max_bs + 1)))
     assert not compiled.can_run(ForwardBatch.build("extend", [1, 2], [rows[0][0]], [0], [2], [0, 0], "cpu",

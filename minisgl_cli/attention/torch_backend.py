@@ -13,27 +13,7 @@ import torch.nn.functional as F
 from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.core.batch import ForwardBatch
 
-# A row's attention must round alike whatever computes it (a cold prefill, an extend after a prefix hit, a
-# chunk): SDPA rounds a row by the rows it runs with and by how many keys it reads. So extend rows run in blocks
-# of _BLOCK rows at fixed positions (a block's missing rows zero), and keys count in multiples of _PAD, the CPU's
-# fp32 vector width (AVX-512; twice AVX2's): masked keys past a row's own then add exact zeros to full vector
-# lanes, whatever their number. Decode rows (one per request) read their keys padded alike.
-_PAD = 16
-_BLOCK = 32  # SDPA's own query block on the CPU: one per call
-
-
-def _padded(n: int, limit: int) -> int:
-    return min(-(-n // _PAD) * _PAD, limit)
-
-
-@dataclass
-class _Block:
-    """Query rows [start, start + _BLOCK) of a request, of which this step has `rows` (at `at` in the block)."""
-
-    rows: slice  # of the request's rows in this step
-    at: slice  # where they sit in the block
-    keys: int  # the keys the block reads (its last position's, padded)
-    mask: torch.Tensor  # [_BLOCK, keys] bool: row r sees the keys up to position start + r
+_PAD = 16  # the CPU's fp32 vector width (AVX-512; twice AVX2's): see TorchBackend.prepare
 
 
 @dataclass
@@ -46,8 +26,8 @@ class TorchDecodeMeta:
 @dataclass
 class TorchExtendMeta:
     starts: list[int]  # row offsets of each request in the flat batch
-    slots: list[torch.Tensor | None]  # per request: its KV slots (padded); None: nothing cached, this step's k/v
-    blocks: list[list[_Block]]  # per request: its rows' query blocks
+    slots: list[torch.Tensor | None]  # per request: [seq_len] KV slots; None when nothing is cached
+    masks: list[torch.Tensor | None]  # per request: [extend, seq_len] causal mask; None = plain causal
 
 
 class TorchBackend(AttentionBackend):
@@ -56,7 +36,10 @@ class TorchBackend(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         table = self.pool.page_table
         if batch.is_decode:
-            max_len = _padded(max(batch.seq_lens_cpu), table.shape[1])  # whatever the longest request beside
+            # Padded to a multiple of _PAD: a request's softmax sums then take the same vector lanes and tail
+            # whatever the longest request beside it (masked positions add exact zeros to full lanes), so its
+            # decode rounds alike in any batch.
+            max_len = min(-(-max(batch.seq_lens_cpu) // _PAD) * _PAD, table.shape[1])
             slots = table[batch.req_slots, :max_len].long()
             pad = torch.arange(max_len, device=slots.device)[None, :] >= batch.seq_lens[:, None]
             # Additive float mask, built once per step: SDPA would convert a bool mask in every layer.
@@ -67,23 +50,18 @@ class TorchBackend(AttentionBackend):
             batch.attn_meta = TorchDecodeMeta(slots.reshape(-1), max_len, mask[:, None, None, :])
             return
         kv_slots: list[torch.Tensor | None] = []
-        blocks: list[list[_Block]] = []
-        masks: dict[tuple[int, int], torch.Tensor] = {}  # by (block start, keys): shared by requests alike
-        for row, seq_len, ext in zip(batch.req_slots.tolist(), batch.seq_lens_cpu, batch.extend_lens_cpu):
-            prefix, limit = seq_len - ext, _padded(seq_len, table.shape[1])
-            # Nothing cached: this step's own k/v (zero-padded in attend), no gather.
-            kv_slots.append(None if prefix == 0 and not self.pool.quantized else table[row, :limit].long())
-            mine = []
-            for start in range(prefix - prefix % _BLOCK, seq_len, _BLOCK):
-                lo, hi = max(start, prefix), min(start + _BLOCK, seq_len)
-                keys = _padded(start + _BLOCK, limit)
-                if (start, keys) not in masks:
-                    pos = torch.arange(start, start + _BLOCK, device=table.device)[:, None]
-                    masks[start, keys] = torch.arange(keys, device=table.device)[None, :] <= pos
-                mine.append(_Block(slice(lo - prefix, hi - prefix), slice(lo - start, hi - start), keys,
-                                   masks[start, keys]))
-            blocks.append(mine)
-        batch.attn_meta = TorchExtendMeta(batch.qo_indptr.tolist(), kv_slots, blocks)
+        masks: list[torch.Tensor | None] = []
+        rows = batch.req_slots.tolist()
+        for row, seq_len, ext in zip(rows, batch.seq_lens_cpu, batch.extend_lens_cpu):
+            prefix = seq_len - ext
+            if prefix == 0 and not self.pool.quantized:  # nothing cached: this step's own k/v, no gather
+                kv_slots.append(None)
+                masks.append(None)
+                continue
+            kv_slots.append(table[row, :seq_len].long())
+            q_pos = torch.arange(prefix, seq_len, device=table.device)[:, None]
+            masks.append(torch.arange(seq_len, device=table.device)[None, :] <= q_pos)
+        batch.attn_meta = TorchExtendMeta(batch.qo_indptr.tolist(), kv_slots, masks)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -92,27 +70,25 @@ class TorchBackend(AttentionBackend):
         if isinstance(meta, TorchDecodeMeta):
             return self._decode(q, layer_id, meta)
         outs = []
-        gqa = self.num_heads != self.num_kv_heads
-        for i, (slots, blocks) in enumerate(zip(meta.slots, meta.blocks)):
+        for i, (slots, mask) in enumerate(zip(meta.slots, meta.masks)):
             a, b = meta.starts[i], meta.starts[i + 1]
-            if slots is None:  # this step's own k/v, zero-padded to the keys its last block reads
-                pad = (0, 0, 0, 0, 0, blocks[-1].keys - (b - a))
-                ki, vi = F.pad(k[a:b], pad), F.pad(v[a:b], pad)
-            else:
-                ki, vi = self.pool.read(layer_id, slots, q.dtype)
-            qi = q[a:b]
-            for blk in blocks:
-                if blk.at.stop - blk.at.start == _BLOCK:
-                    qb = qi[blk.rows]
-                else:
-                    qb = qi.new_zeros(_BLOCK, *qi.shape[1:])
-                    qb[blk.at] = qi[blk.rows]
-                out = F.scaled_dot_product_attention(
-                    qb.transpose(0, 1)[None], ki[: blk.keys].transpose(0, 1)[None],
-                    vi[: blk.keys].transpose(0, 1)[None], attn_mask=blk.mask, scale=self.scale, enable_gqa=gqa,
-                )
-                outs.append(out[0].transpose(0, 1)[blk.at])
+            ki, vi = (k[a:b], v[a:b]) if slots is None else self.pool.read(layer_id, slots, q.dtype)
+            # A request's last row (the token it samples) attends alone, over all its keys: SDPA rounds a row by
+            # the rows it runs with, and this row must come out the same whether the prompt is prefilled cold
+            # or extended by its last token after a prefix hit. The rows before it attend over the keys before it.
+            if b - a > 1:
+                outs.append(self._sdpa(q[a : b - 1], ki[:-1], vi[:-1], None if mask is None else mask[:-1, :-1]))
+            outs.append(self._sdpa(q[b - 1 : b], ki, vi, None, causal=False))
         return torch.cat(outs, dim=0)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              causal: bool = True) -> torch.Tensor:
+        """One request's rows [T, H, D] over its keys [L, Hkv, D]: under `mask`, else causal (or all keys)."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+            is_causal=causal and mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out[0].transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, layer_id: int, meta: TorchDecodeMeta):
         bsz, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim

@@ -15,10 +15,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minisgl_cli.admission import AdmissionError
+from minisgl_cli.admission import AdmissionError, grammar_field
 from minisgl_cli.api import protocol as p
 from minisgl_cli.api.protocol import InputError
-from minisgl_cli.types import Delta, ErrorCode
+from minisgl_cli.types import Delta, ErrorCode, SamplingParams
 
 __all__ = ["InputError", "Disconnected", "engine_error", "error_frame", "install_error_handlers"]
 
@@ -50,14 +50,16 @@ class Disconnected(Exception):
     """The client hung up before its response was ready."""
 
 
-def engine_error(delta: Delta, retry_after_s: int = 1) -> InputError:
+def engine_error(delta: Delta, retry_after_s: int = 1, params: SamplingParams | None = None) -> InputError:
     """The error a failed engine request answers with, by its code (CODE_TABLE): 503 when the engine died (with
     --dp: every replica), 500 for engine faults, 429 (+ Retry-After) when every --dp replica is at its cap, 400
-    for the input's. A delta without a code is an engine fault."""
+    for the input's (the engine refuses only a grammar that does not compile: `params` name its field). A delta
+    without a code is an engine fault."""
     code = delta.error_code or ErrorCode.ENGINE_FAILED
     status, name = CODE_TABLE[code]
     headers = {"Retry-After": str(retry_after_s)} if code is ErrorCode.OVERLOADED else None
-    return InputError(delta.error or "unknown engine error", None, status, name, headers)
+    param = grammar_field(params) if params is not None and code is ErrorCode.INVALID_REQUEST else None
+    return InputError(delta.error or "unknown engine error", param, status, name, headers)
 
 
 def error_frame(delta: Delta) -> dict[str, Any]:

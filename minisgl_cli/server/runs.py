@@ -93,7 +93,7 @@ class EngineRun:
             raise
         if event is not None and event[1].error:
             self.close()
-            raise engine_error(event[1], self.gate.retry_after_s)
+            raise engine_error(event[1], self.gate.retry_after_s, self.reqs[event[0]].params)
         return event
 
     async def finish_all(self, request: Request) -> list[tuple[str, Delta]]:
@@ -102,10 +102,10 @@ class EngineRun:
             results = await unless_disconnected(request, self.collect())
         finally:
             self.close()
-        for _, final in results:
+        for req, (_, final) in zip(self.reqs, results):
             if final is None or final.error:
                 raise engine_error(final or Delta("", error="request ended without a result"),
-                                   self.gate.retry_after_s)
+                                   self.gate.retry_after_s, req.params)
         return results
 
     def close(self) -> None:
