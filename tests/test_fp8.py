@@ -156,8 +156,7 @@ def _ppl(default_model_dir, docs: list[list[int]], **kw) -> float:
 @pytest.mark.slow
 def test_fp8_costs_little_perplexity_on_real_weights(default_model_dir, text_docs):
     """SmolLM2-135M on conftest's PERPLEXITY_TEXT (each story chunked through the paged pool), all in bf16 but
-    for the FP8 parts: FP8 KV within 1% of bf16's perplexity, FP8 weights + KV within 2.5% (+1.7% measured, +2.0%
-    with an intermediate CPU attention of issue 27's: the simulation moves with the attention's rounding).
+    for the FP8 parts: FP8 KV within 1% of bf16's perplexity, FP8 weights + KV within 2%.
     (Read as one 6,000-token sequence the same text costs more -- docs/gpu.md: FP8 KV's cost grows with the
     context.)"""
     assert sum(len(d) for d in text_docs) > 5000
@@ -168,7 +167,7 @@ def test_fp8_costs_little_perplexity_on_real_weights(default_model_dir, text_doc
           f"fp8 weights + KV {both:.4f} ({both / base - 1:+.2%})")
     assert 3 < base < 30  # the model reads English
     assert kv != base and both != kv  # the flags change the numbers
-    assert abs(kv / base - 1) <= 0.01 and abs(both / base - 1) <= 0.025
+    assert abs(kv / base - 1) <= 0.01 and abs(both / base - 1) <= 0.02
 
 
 def _tp_perplexity(rank: int, size: int, addr: str, model_dir: str, docs: list[list[int]], out) -> None:

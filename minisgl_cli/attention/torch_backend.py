@@ -33,6 +33,11 @@ class TorchExtendMeta:
 class TorchBackend(AttentionBackend):
     name = "torch"
 
+    @property
+    def split_last(self) -> bool:
+        """Whether a request's last extend row attends alone (attend): on the CPU, over a 16-bit pool."""
+        return self.pool.device.type == "cpu" and not self.pool.quantized
+
     def prepare(self, batch: ForwardBatch) -> None:
         table = self.pool.page_table
         if batch.is_decode:
@@ -76,6 +81,11 @@ class TorchBackend(AttentionBackend):
             # A request's last row (the token it samples) attends alone, over all its keys: SDPA rounds a row by
             # the rows it runs with, and this row must come out the same whether the prompt is prefilled cold
             # or extended by its last token after a prefix hit. The rows before it attend over the keys before it.
+            # Only where that promise is made (the CPU's modes with a 16-bit pool): as the GPU kernels' reference
+            # and as the FP8 KV simulation, every row attends in one call, as the kernels compute it.
+            if not self.split_last:
+                outs.append(self._sdpa(q[a:b], ki, vi, mask))
+                continue
             if b - a > 1:
                 outs.append(self._sdpa(q[a : b - 1], ki[:-1], vi[:-1], None if mask is None else mask[:-1, :-1]))
             outs.append(self._sdpa(q[b - 1 : b], ki, vi, None, causal=False))
