@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -28,15 +27,11 @@ from pathlib import Path
 
 import httpx
 
+from minisgl_cli.api.http_server import free_port
+
 SERVE = "--model qwen3-0.6b --load-format dummy --max-running-requests 256 --cuda-graph-max-bs 256 " \
         "--max-total-tokens 300000"
 BENCH = "--preset nano-vllm --num-prompts 256 --concurrency 256 --concurrency 256 --warmup 1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli(*args: str) -> list[str]:
