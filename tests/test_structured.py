@@ -75,3 +75,13 @@ def test_logprobs_equal_hf_log_softmax(tiny_model_dirs):
     assert all(t.top[0].token_id == t.token_id and t.top[0].logprob == t.logprob for t in top)
     assert all(len(t.top) == 3 and t.top[0].logprob >= t.top[1].logprob >= t.top[2].logprob for t in top)
     assert outs[1].logprobs[0].top == []
+
+
+def test_closing_at_once_waits_for_the_grammar_build(tiny_model_dirs):
+    """A quick start-and-quit must not leave xgrammar's native build running into interpreter exit (that aborts
+    the process: "terminate called without an active exception", seen with `chat` under load)."""
+    import threading
+
+    with LLM(str(tiny_model_dirs["llama"])):
+        pass
+    assert not [t.name for t in threading.enumerate() if t.name == "minisgl-grammar"]

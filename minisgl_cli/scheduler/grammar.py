@@ -49,6 +49,12 @@ class Grammars:
             self._building = threading.Thread(target=self._build_quietly, name="minisgl-grammar", daemon=True)
             self._building.start()
 
+    def close(self) -> None:
+        """Wait for a background build still running: a process that exits while xgrammar's native code runs on
+        that thread aborts ("terminate called without an active exception"), which a quick start-and-quit hits."""
+        if self._building is not None:
+            self._building.join()
+
     def _build_quietly(self) -> None:
         try:
             self.compiler()

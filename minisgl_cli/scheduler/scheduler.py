@@ -99,6 +99,7 @@ class Scheduler:
         for req in list(self.running) + list(self.waiting):
             self._release(req, "abort")
         self.cache.clear()
+        self.grammars.close()
 
     def drain(self, block: bool) -> list[ToScheduler]:
         """Every message in the inbox (waiting up to 0.5 s for the first one if `block`); None only wakes."""
