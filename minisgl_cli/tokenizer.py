@@ -231,8 +231,20 @@ class RequestDecoder:
                              [TopLogprob(t, self._text(t), lp) for t, lp in zip(o.top_ids or [], o.top_logprobs or [])])
                 for o in items if o.token_id is not None and o.logprob is not None]
 
+    def one_by_one(self, items: list[TokenOutput]) -> bool:
+        """Whether these outputs must be decoded a token at a time: several tokens of a request with stop strings
+        (a verify step's accepted run), which end at the token that completes a stop string, as without speculation."""
+        return bool(self.stopper.stops) and sum(o.token_id is not None for o in items) > 1
+
     def feed(self, items: list[TokenOutput]) -> DecodedPiece:
         """The piece these outputs add (decoding on its own; `decode_steps` decodes many requests' at once)."""
+        if self.one_by_one(items):
+            pieces: list[DecodedPiece] = []
+            for o in items:
+                pieces.append(self.feed([o]))
+                if pieces[-1].finished:
+                    break  # a stop string (or the end): the tokens after it are not the request's
+            return _joined(pieces)
         spans = self.spans(items)
         texts = self.tokenizer.decode_batch(spans, self.detok.skip_special_tokens) if spans and self.detok and \
             self.tokenizer else []
@@ -273,6 +285,16 @@ class RequestDecoder:
         return DecodedPiece(last.rid, text, tokens, reason, None, last.cached_tokens, prefill_s, early, logprobs)
 
 
+def _joined(pieces: list[DecodedPiece]) -> DecodedPiece:
+    """Consecutive pieces of one request as one."""
+    last = pieces[-1]
+    lps = [lp for p in pieces for lp in p.logprobs or []]
+    return DecodedPiece(last.rid, "".join(p.text for p in pieces), [t for p in pieces for t in p.token_ids],
+                        last.finish_reason, last.error, last.cached_tokens,
+                        next((p.prefill_s for p in pieces if p.prefill_s is not None), None), last.stopped_early,
+                        lps if any(p.logprobs is not None for p in pieces) else None, last.error_code)
+
+
 def decode_steps(tokenizer: Tokenizer | None,
                  work: list[tuple[RequestDecoder, list[TokenOutput]]]) -> list[DecodedPiece | BaseException]:
     """Many requests' outputs of one step as pieces, their text decoded in one pass per skip_special_tokens value
@@ -280,6 +302,9 @@ def decode_steps(tokenizer: Tokenizer | None,
     exception in its place."""
     spans: list[list[list[int]] | BaseException] = []
     for decoder, items in work:
+        if decoder.one_by_one(items):
+            spans.append([])  # decoded alone below
+            continue
         try:
             spans.append(decoder.spans(items))
         except Exception as exc:  # noqa: BLE001 -- that request fails alone
@@ -310,7 +335,7 @@ def decode_steps(tokenizer: Tokenizer | None,
             out.append(span)
             continue
         try:
-            out.append(decoder.piece(items, text))
+            out.append(decoder.feed(items) if decoder.one_by_one(items) else decoder.piece(items, text))
         except Exception as exc:  # noqa: BLE001 -- that request fails alone
             out.append(exc)
     return out

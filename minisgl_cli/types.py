@@ -229,6 +229,16 @@ class SchedulerStats:
     aborted_requests: int = 0
     retracted_requests: int | None = 0
     decode_compiling: int = 0  # engines still compiling their CPU decode (engine/cpu_compile.py)
+    # Speculative decoding: requests' verify rows run (each carrying drafts), the drafts they ran, those accepted.
+    spec_verifies: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_tok_s: float = 0.0  # rolling: accepted draft tokens per second of decode
+
+    @property
+    def spec_accept_length(self) -> float | None:
+        """Tokens a request gained per verify (its accepted drafts + the one drawn after them); None before any."""
+        return (self.spec_accepted_tokens + self.spec_verifies) / self.spec_verifies if self.spec_verifies else None
     # CPU seconds (user + system) of each engine process by name ("detokenizer", "scheduler rank 0", ...): the
     # multi-process runtime's children; empty where the engine runs in the caller's process.
     process_cpu_s: dict[str, float] = field(default_factory=dict)
@@ -263,9 +273,10 @@ class SchedulerStats:
         return total
 
     def to_dict(self) -> dict[str, Any]:
-        rate = self.cache_hit_rate
+        rate, accept = self.cache_hit_rate, self.spec_accept_length
         out = {**{f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_SUMMED},
-               "cache_hit_rate": None if rate is None else round(rate, 4)}
+               "cache_hit_rate": None if rate is None else round(rate, 4),
+               "spec_accept_length": None if accept is None else round(accept, 3)}
         if self.replicas:
             out["replicas"] = [r.to_dict() for r in self.replicas]
         return out

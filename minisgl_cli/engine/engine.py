@@ -272,10 +272,12 @@ class Engine:
         """A request took page-table row `slot`: its sampling state goes there (on the device with the next step)."""
         self.sampling.admit(slot, params, input_ids, output_ids)
 
-    def sampling_batch(self, batch: ForwardBatch, slots: list[int], produces: list[bool]) -> SamplingBatch:
+    def sampling_batch(self, batch: ForwardBatch, slots: list[int], produces: list[bool],
+                       drafts: list[list[int]] | None = None) -> SamplingBatch:
         """The step's rows for the sampler (`slots`: the batch's page-table rows; `produces`: which rows draw a real
-        token -- a chunk of a long prompt does not)."""
-        return self.sampling.batch(slots, batch.req_slots, batch.seq_lens, produces, logprobs=self.tp.rank == 0)
+        token -- a chunk of a long prompt does not; `drafts`: a verify step's, per request, see SamplingState)."""
+        return self.sampling.batch(slots, batch.req_slots, batch.seq_lens, produces, logprobs=self.tp.rank == 0,
+                                   drafts=drafts)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: SamplingBatch, bitmask: torch.Tensor | None = None) -> Sampled:

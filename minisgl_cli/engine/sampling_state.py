@@ -11,6 +11,10 @@ Token counts for presence / frequency penalties (output tokens) and the seen-set
 and updated on the device by each step's sampled ids (`record`), so a penalized request needs no host round trip
 between steps. `logit_bias` is a padded sparse table: (token id, bias) pairs per slot, as wide as the largest
 bias seen.
+
+A verify step (speculative decoding) samples a row per position of each request's drafts: row j of a request draws
+the token after its first j drafts, so its penalties count those drafts too (`Drafts.prior`), and only the rows of
+the accepted run (every draft before them drawn as proposed) are counted into the tables (`Drafts.kept`).
 """
 
 from __future__ import annotations
@@ -94,6 +98,41 @@ class RowParams:
 
 
 @dataclass
+class Drafts:
+    """A verify step's rows beyond decode's: [T] device tensors, one entry per row."""
+
+    next: torch.Tensor  # int64: the draft the row's drawn token must equal for its request's run to go on (-1: none)
+    first: torch.Tensor  # int64: the row of its request's first row
+    prior: tuple[torch.Tensor, torch.Tensor] | None  # (row, token) for each draft before each row (penalties only)
+
+    def kept(self, next_ids: torch.Tensor) -> torch.Tensor:
+        """[T] bool: rows whose drawn token is output (every earlier row of the request drew its draft)."""
+        miss = (next_ids != self.next).to(torch.int32)  # a request's last row always "misses": it has no draft
+        before = miss.cumsum(0) - miss
+        return before == before[self.first]
+
+
+def draft_rows(drafts: list[list[int]], penalized: bool) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Host lists of a verify step's `Drafts` (per request: the drafts after its first row): next, first, and the
+    prior pairs' rows and tokens (empty unless `penalized`)."""
+    nxt: list[int] = []
+    first: list[int] = []
+    prior_rows: list[int] = []
+    prior_ids: list[int] = []
+    row = 0
+    for d in drafts:
+        n = len(d)
+        nxt += d + [-1]
+        first += [row] * (n + 1)
+        if penalized:
+            for j, tok in enumerate(d):  # draft j precedes rows j+1..n
+                prior_rows += range(row + j + 1, row + n + 1)
+                prior_ids += [tok] * (n - j)
+        row += n + 1
+    return nxt, first, prior_rows, prior_ids
+
+
+@dataclass
 class SamplingBatch:
     """One step's rows for the sampler: where each row's state lives, and the host facts choosing the paths."""
 
@@ -105,6 +144,7 @@ class SamplingBatch:
     lp_index: torch.Tensor | None  # the same on the device
     top_logprobs: int  # the most top candidates any lp row asked for
     produced: torch.Tensor | None  # rows whose drawn token is real (None: all) -- prompt chunks draw none
+    drafts: Drafts | None = None  # a verify step's
 
     @property
     def plain(self) -> bool:
@@ -222,10 +262,11 @@ class SamplingState:
 
     # --- per step -------------------------------------------------------------------------------
     def batch(self, slots: list[int], slots_dev: torch.Tensor, positions: torch.Tensor, produces: list[bool],
-              logprobs: bool = True) -> SamplingBatch:
+              logprobs: bool = True, drafts: list[list[int]] | None = None) -> SamplingBatch:
         """The step's rows (`slots_dev`: `slots` on the device; `positions`: each row's drawn token's position).
 
-        `logprobs`: whether this rank reports them (rank 0 only)."""
+        `logprobs`: whether this rank reports them (rank 0 only). `drafts`: a verify step's, per request (the tokens
+        its rows after the first feed; the rows are in request order)."""
         if self._pending:
             self._flush()
         rows = [self._rows[s] for s in slots]
@@ -246,12 +287,27 @@ class SamplingState:
         track = (self.counts is not None or self.seen is not None) and not all(produces)
         if track:
             extra += [i for i, p in enumerate(produces) if p]
+        n_track = len(extra) - len(lp_rows)
+        verify = drafts is not None and any(drafts)
+        if verify:
+            assert drafts is not None and not track  # a verify step is a decode step: every row draws
+            parts = draft_rows(drafts, bool(needs & (Need.PENALTY | Need.REPETITION)))
+            extra += [x for part in parts for x in part]
         dev = self.host.to_device(extra, torch.int64, self.device) if extra else None
         lp_index = dev[: len(lp_rows)] if dev is not None and lp_rows else None
-        produced = dev[len(lp_rows):] if dev is not None and track else None
+        produced = dev[len(lp_rows) : len(lp_rows) + n_track] if dev is not None and track else None
+        verified = None
+        if verify:
+            assert dev is not None
+            views, at = [], len(lp_rows)
+            for part in parts:
+                views.append(dev[at : at + len(part)])
+                at += len(part)
+            nxt, first, prior_rows, prior_ids = views
+            verified = Drafts(nxt, first, (prior_rows, prior_ids) if prior_rows.numel() else None)
         return SamplingBatch(
             slots_dev, positions, needs, k_bound, lp_rows, lp_index,
-            max((rows[i].top_logprobs for i in lp_rows), default=0), produced,
+            max((rows[i].top_logprobs for i in lp_rows), default=0), produced, verified,
         )
 
     def params(self, slots: torch.Tensor) -> RowParams:
@@ -268,12 +324,18 @@ class SamplingState:
         Every row of the batch goes through the same ops: a row without a penalty has the neutral values
         (repetition 1, presence / frequency 0, bias 0), which change no logit."""
         slots = batch.slots
+        prior = batch.drafts.prior if batch.drafts is not None else None  # a verify row's drafts before it
         if batch.needs & Need.REPETITION and self.seen is not None:
             r = p.repetition[:, None]
             penalized = torch.where(logits > 0, logits / r, logits * r)
-            logits.copy_(torch.where(self.seen[slots], penalized, logits))
+            seen = self.seen[slots]
+            if prior is not None:
+                seen[prior] = True
+            logits.copy_(torch.where(seen, penalized, logits))
         if batch.needs & Need.PENALTY and self.counts is not None:
             counts = self.counts[slots].to(logits.dtype)
+            if prior is not None:
+                counts.index_put_(prior, torch.ones_like(prior[1], dtype=counts.dtype), accumulate=True)
             logits -= p.frequency[:, None] * counts + p.presence[:, None] * (counts > 0).to(logits.dtype)
         if batch.needs & Need.BIAS and self.bias_ids is not None and self.bias_vals is not None:
             logits.scatter_add_(1, self.bias_ids[slots], self.bias_vals[slots])
@@ -285,6 +347,9 @@ class SamplingState:
         slots, ids = batch.slots, next_ids
         if batch.produced is not None:
             slots, ids = slots[batch.produced], ids[batch.produced]
+        if batch.drafts is not None:
+            kept = batch.drafts.kept(next_ids)
+            slots, ids = slots[kept], ids[kept]
         if self.counts is not None:
             self.counts.index_put_((slots, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
         if self.seen is not None:

@@ -84,6 +84,14 @@ class CacheManager:
             req.pages.extend(pages)
         return True
 
+    def rewind(self, req: Req) -> None:
+        """Give back the pages past `req.kv_len` (a verify step's rejected drafts); the page table's entries past it
+        are never read (attention reads each row up to its length) and the next step overwrites them."""
+        keep = -(-req.kv_len // self.page_size) - req.prefix_len // self.page_size
+        if keep < len(req.pages):
+            self.engine.free_pages(req.pages[keep:])
+            del req.pages[keep:]
+
     def slots(self, req: Req, start: int, end: int) -> list[int]:
         """KV slots of positions start..end-1 (reserved already), computed on the host: no device read."""
         p, first = self.page_size, req.prefix_len

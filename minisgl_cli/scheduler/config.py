@@ -1,4 +1,4 @@
-"""SchedulerConfig: the knobs of one scheduler (prefill budget, policy, prefix cache, overlap).
+"""SchedulerConfig: the knobs of one scheduler (prefill budget, policy, prefix cache, overlap, speculative decoding).
 
 Fields that are also command-line options carry their flags in `metadata`, as on EngineConfig
 (engine/config.py says how); commands/common.py builds the options from them.
@@ -7,9 +7,12 @@ Fields that are also command-line options carry their flags in `metadata`, as on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 Policy = Literal["prefill-first", "decode-first"]
+# Speculative decoding (scheduler/speculative.py): none, prompt lookup, or a smaller draft model.
+SpeculativeAlgorithm = Literal["none", "ngram", "draft"]
+SPECULATIVE_ALGORITHMS: tuple[str, ...] = get_args(SpeculativeAlgorithm)
 
 
 @dataclass
@@ -23,4 +26,29 @@ class SchedulerConfig:
     disable_overlap: bool = field(default=False, metadata=dict(
         flags=("--disable-overlap",), env="MINISGL_DISABLE_OVERLAP_SCHEDULING",
         help="CUDA: read each step's tokens before launching the next (no overlap scheduling)."))
+    speculative_algorithm: SpeculativeAlgorithm = field(default="none", metadata=dict(
+        flags=("--speculative-algorithm",), env="MINISGL_SPECULATIVE_ALGORITHM",
+        help="Speculative decoding: none, ngram (prompt lookup), draft (--speculative-draft-model)."))
+    speculative_num_draft_tokens: int = field(default=4, metadata=dict(
+        flags=("--speculative-num-draft-tokens",), min=1, max=16,
+        help="Draft tokens a request proposes per step at most (its verify step runs k + 1 rows)."))
+    speculative_ngram_min_match_window_size: int = field(default=1, metadata=dict(
+        flags=("--speculative-ngram-min-match-window-size",), min=1,
+        help="ngram: the shortest suffix of a request's tokens looked up in its earlier tokens."))
+    speculative_ngram_max_match_window_size: int = field(default=12, metadata=dict(
+        flags=("--speculative-ngram-max-match-window-size",), min=1,
+        help="ngram: the longest suffix matched (the longest match proposes)."))
+    speculative_draft_model: str | None = field(default=None, metadata=dict(
+        flags=("--speculative-draft-model", "--speculative-draft-model-path"),
+        help="draft: a smaller model with the same tokenizer (HF dir, .gguf or alias)."))
     overlap_on_cpu: bool = False  # overlap is a CUDA feature; tests force it on the CPU to check the logic
+
+    def __post_init__(self) -> None:
+        algo = self.speculative_algorithm
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
+                             f"not {algo!r}")
+        if (algo == "draft") != (self.speculative_draft_model is not None):
+            raise ValueError("--speculative-algorithm draft takes --speculative-draft-model PATH (and only it does)")
+        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
+            raise ValueError("--speculative-ngram-min-match-window-size is above the max match window size")

@@ -1,12 +1,13 @@
 """Grammars: structured output (JSON schema, regex, EBNF) compiled by xgrammar into per-request token matchers.
 
-A request with `json_schema`, `regex` or `ebnf` gets a matcher at admission (compiling is milliseconds and
-cached by grammar text, and doing it in the loop keeps every TP rank's schedule identical). Before each
-step that samples for such a request, its matcher writes the allowed next tokens into one row of a
-bitmask the sampler applies; after the step it accepts the token drawn. xgrammar's index of the tokenizer is
-built on a thread when the scheduler starts serving (`prepare`), so the first constrained request does not stall
-every running one for the seconds it takes; without xgrammar nothing is built and such requests are refused at
-admission (admission.py), never reaching `matcher`.
+A request with `json_schema`, `regex` or `ebnf` gets a matcher at admission (compiling is milliseconds and cached by
+grammar text, and doing it in the loop keeps every TP rank's schedule identical). Before each step that samples for
+such a request, its matcher writes the allowed next tokens into one row of a bitmask the sampler applies; after the
+step it accepts the token drawn. A verify step (speculative decoding) has a row per draft: the matcher walks the
+drafts to fill them and rolls back, then accepts what the step kept. xgrammar's index of the tokenizer is built on a
+thread when the scheduler starts serving (`prepare`), so the first constrained request does not stall every running
+one for the seconds it takes; without xgrammar nothing is built and such requests are refused at admission
+(admission.py), never reaching `matcher`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import re
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -99,14 +101,29 @@ class Grammars:
         except Exception as exc:  # xgrammar raises RuntimeError (and others) with its parser's message
             message = _CPP_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
             raise GrammarError(f"invalid {kind}: {message or type(exc).__name__}") from None
-        return xgr.GrammarMatcher(compiled)
+        return xgr.GrammarMatcher(compiled)  # rolls back any number of tokens
 
-    def bitmask(self, matchers: list) -> torch.Tensor | None:
-        """Allowed-token bitmask [B, ceil(V/32)] int32 for one step (None when no row is constrained): each
-        live matcher fills its row; other rows allow everything. Pinned on CUDA, so its upload is async."""
-        if all(m is None for m in matchers):
+    @staticmethod
+    def trim(matcher, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the grammar allows after what `matcher` accepted (ending at a token that
+        completes it); the matcher is left as it was."""
+        n = 0
+        for tok in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(tok):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return drafts[:n]
+
+    def bitmask(self, rows: list[tuple[Any, list[int]]]) -> torch.Tensor | None:
+        """Allowed-token bitmask [rows, ceil(V/32)] int32 for one step (None when no row is constrained). `rows`: per
+        request, its matcher (None: unconstrained) and the drafts its verify rows feed (allowed: `trim`ed), each
+        request's rows in order: the first from the matcher's state, each next one after the draft before it.
+        Other rows allow everything. Pinned on CUDA, so its upload is async."""
+        if all(m is None for m, _ in rows):
             return None
-        n, words = len(matchers), (self.vocab_size + 31) // 32
+        n, words = sum(1 + len(d) for _, d in rows), (self.vocab_size + 31) // 32
         i = self._next
         self._next = (i + 1) % self.SLOTS
         if len(self._buffers) <= i:
@@ -116,7 +133,15 @@ class Grammars:
                                            pin_memory=self.device.type == "cuda")
         mask = self._buffers[i][:n]
         mask.fill_(-1)
-        for row, m in enumerate(matchers):
-            if m is not None and not m.is_terminated():
-                m.fill_next_token_bitmask(mask, row)
+        at = 0
+        for m, drafts in rows:
+            if m is not None:
+                for j in range(len(drafts) + 1):
+                    if j:
+                        m.accept_token(drafts[j - 1])
+                    if not m.is_terminated():
+                        m.fill_next_token_bitmask(mask, at + j)
+                if drafts:
+                    m.rollback(len(drafts))
+            at += 1 + len(drafts)
         return mask

@@ -41,6 +41,7 @@ class Launched:
     host_lp: list[torch.Tensor | None] | None = None  # pinned copies of the logprob tensors, likewise
     event: torch.cuda.Event | None = None
     rows: dict[int, int] = field(default_factory=dict)  # id(req) -> row, for requests that sampled
+    drafts: list[list[int]] | None = None  # a verify step's, per request (its rows: 1 + its drafts, in order)
 
     @property
     def next_ids(self) -> torch.Tensor:
@@ -48,11 +49,12 @@ class Launched:
 
     @staticmethod
     def start(mode: Mode, reqs: list[Req], lens: list[int], produces: list[bool], sampled: Sampled,
-              engine: Engine, async_copy: bool) -> Launched:
+              engine: Engine, async_copy: bool, drafts: list[list[int]] | None = None) -> Launched:
         """With `async_copy` (overlap) on CUDA, the results start their way back into pinned host memory (the
-        engine's read-back buffers)."""
-        rows = {id(r): i for i, (r, p) in enumerate(zip(reqs, produces)) if p}
-        step = Launched(mode, reqs, lens, produces, sampled, rows=rows)
+        engine's read-back buffers). A verify step (`drafts`) is read at once: `rows` (for the next step's inputs)
+        holds plain steps' only."""
+        rows = {id(r): i for i, (r, p) in enumerate(zip(reqs, produces)) if p} if drafts is None else {}
+        step = Launched(mode, reqs, lens, produces, sampled, rows=rows, drafts=drafts)
         next_ids = sampled.next_ids
         if async_copy and next_ids.is_cuda:
             step.host = engine.readback(next_ids.shape[0])

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl_cli.kvcache.radix import RadixNode
+from minisgl_cli.scheduler.speculative import DraftBudget
 from minisgl_cli.types import SamplingParams
 
 
@@ -26,6 +27,7 @@ class Req:
     cached_tokens: int = 0  # prefix hit at first admission (reported to the user)
     matched: bool = False
     grammar: Any = None  # xgrammar's GrammarMatcher when the request has a structured output (grammar.py)
+    draft: DraftBudget | None = None  # speculative decoding: how many drafts it proposes next (speculative.py)
     arrival: float = field(default_factory=time.perf_counter)
     prefill_started_at: float = 0.0  # when it first joined a prefill batch (queueing excluded)
 

@@ -6,7 +6,8 @@ last one's tokens are read (overlap scheduling, see `overlap.py`; `disable_overl
 pages run short, the prefix cache is evicted first, then the newest running request is retracted (its KV
 cached, it re-queues) — nothing is dropped and nothing crashes.
 Requests with a grammar (structured output) get a matcher at admission; each step's allowed tokens come
-from it (`grammar.py`).
+from it (`grammar.py`). With speculative decoding a decode step carries each request's draft tokens as extra rows
+and keeps the accepted run (`speculative.py`).
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from minisgl_cli.messages import (
     TokenOutput,
     ToScheduler,
 )
+from minisgl_cli.scheduler import speculative
 from minisgl_cli.scheduler.cache import CacheManager
 from minisgl_cli.scheduler.config import SchedulerConfig
 from minisgl_cli.scheduler.grammar import GrammarError, Grammars
 from minisgl_cli.scheduler.overlap import Launched, RowLogprobs, feed_input_ids
 from minisgl_cli.scheduler.request import Req
+from minisgl_cli.scheduler.speculative import DraftBudget, accepted_run
 from minisgl_cli.scheduler.stats import RollingRate
 from minisgl_cli.types import ErrorCode, FinishReason, ModelInfo, SamplingParams, SchedulerStats
 
@@ -66,12 +69,14 @@ class Scheduler:
         self.inbox: queue.SimpleQueue[ToScheduler | None] = queue.SimpleQueue()
         self.stats = SchedulerStats()
         self._prefill_rate, self._decode_rate = RollingRate(), RollingRate(active=True)
+        self._accepted_rate = RollingRate(active=True)  # accepted draft tokens
         self._last_was_decode = False
         on = spec.device.type == "cuda" or cfg.overlap_on_cpu
         self.overlap = on and not cfg.disable_overlap and not overlap_disabled_by_env()
         self._inflight: Launched | None = None  # overlap: the launched step whose tokens are unread
         self.grammars = Grammars(spec.model_dir, spec.vocab_size, self.eos, spec.device)
         self.heartbeat = time.monotonic()  # last time the loop came round: a stalled loop stops updating it
+        self.proposer = speculative.create_proposer(cfg, engine)  # None: no speculative decoding
 
     # --- loop ----------------------------------------------------------------------------------
     def run_forever(self, stop: threading.Event, receive: Callable[[bool], list[ToScheduler]] | None = None) -> None:
@@ -100,6 +105,8 @@ class Scheduler:
             self._release(req, "abort")
         self.cache.clear()
         self.grammars.close()
+        if self.proposer is not None:
+            self.proposer.close()
 
     def drain(self, block: bool) -> list[ToScheduler]:
         """Every message in the inbox (waiting up to 0.5 s for the first one if `block`); None only wakes."""
@@ -140,6 +147,8 @@ class Scheduler:
         elif req.params.constrained and not self._compile(req):
             return
         else:
+            if self.proposer is not None:
+                req.draft = DraftBudget(self.cfg.speculative_num_draft_tokens)
             self.waiting.append(req)
 
     def _compile(self, req: Req) -> bool:
@@ -157,10 +166,14 @@ class Scheduler:
                 return
 
     def step(self) -> None:
+        if self._inflight is not None and self._may_draft():
+            # Proposals need every token on the host: read the step in flight first (this step does not overlap).
+            unread, self._inflight = self._inflight, None
+            self._process(unread)
         batch = self._schedule()
         launched = self._launch(*batch) if batch is not None else None
-        if not self.overlap:
-            if launched is not None:
+        if not self.overlap or (launched is not None and launched.drafts is not None):
+            if launched is not None:  # a verify step's accepted lengths decide the next step: read it now
                 self._process(launched)
             return
         # Overlap: read the previous step's tokens while the GPU runs the one just launched (unless
@@ -169,7 +182,11 @@ class Scheduler:
         if prev is not None:
             self._process(prev)
 
-    def _schedule(self) -> tuple[Mode, list[Req], list[int]] | None:
+    def _may_draft(self) -> bool:
+        """Whether a running request would ask for drafts in a decode step now."""
+        return any(r.draft is not None and r.draft.wants(len(r.output_ids)) for r in self.running)
+
+    def _schedule(self) -> tuple[Mode, list[Req], list[int], list[list[int]] | None] | None:
         prefill_turn = self.cfg.policy == "prefill-first" or self._last_was_decode or not self.running
         if self.waiting and prefill_turn:
             batch = self._prefill_batch()
@@ -179,7 +196,7 @@ class Scheduler:
             return self._decode_batch()
         return None
 
-    def _prefill_batch(self) -> tuple[Mode, list[Req], list[int]] | None:
+    def _prefill_batch(self) -> tuple[Mode, list[Req], list[int], None] | None:
         budget = self.cfg.max_prefill_tokens
         reqs: list[Req] = []
         lens: list[int] = []
@@ -213,7 +230,7 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
             budget -= n
-        return ("extend", reqs, lens) if reqs else None
+        return ("extend", reqs, lens, None) if reqs else None
 
     def _count_match(self, req: Req) -> None:
         req.matched = True
@@ -222,7 +239,7 @@ class Scheduler:
         self.stats.add(cache_hit_tokens=req.prefix_len, cache_miss_tokens=len(req.input_ids) - req.prefix_len,
                        cache_hit_requests=int(req.prefix_len > 0), cache_miss_requests=int(req.prefix_len == 0))
 
-    def _decode_batch(self) -> tuple[Mode, list[Req], list[int]] | None:
+    def _decode_batch(self) -> tuple[Mode, list[Req], list[int], list[list[int]] | None] | None:
         retracted = False
         for req in list(self.running):
             if retracted and req not in self.running:
@@ -238,7 +255,36 @@ class Scheduler:
                 retracted = True
                 if victim is req:
                     break
-        return ("decode", list(self.running), [1] * len(self.running)) if self.running else None
+        if not self.running:
+            return None
+        reqs = list(self.running)
+        drafts = self._drafts(reqs) if self.proposer is not None and self._inflight is None else None
+        return "decode", reqs, [1] * len(reqs), drafts
+
+    def _drafts(self, reqs: list[Req]) -> list[list[int]] | None:
+        """Each request's drafts for this step (None when none has any): as many as its budget asks, short of its
+        max_new_tokens and the context (the token after the drafts comes too), trimmed to what its grammar allows,
+        and only where pages for them can be had (no retraction for drafts)."""
+        assert self.proposer is not None
+        limit = self.engine.spec.max_context_len
+        asks = []
+        for r in reqs:
+            assert r.draft is not None  # every request of a speculating scheduler has one
+            asks.append(min(r.draft.wants(len(r.output_ids)), r.params.max_new_tokens - len(r.output_ids) - 1,
+                            limit - r.seq_len - 1))
+        chosen = [i for i, n in enumerate(asks) if n > 0]
+        if not chosen:
+            return None
+        drafts: list[list[int]] = [[] for _ in reqs]
+        proposed = self.proposer.propose([reqs[i] for i in chosen], [asks[i] for i in chosen])
+        for i, d in zip(chosen, proposed):
+            req = reqs[i]
+            d = d[: asks[i]]
+            if d and req.grammar is not None:
+                d = self.grammars.trim(req.grammar, d)
+            if d and self.cache.reserve(req, 1 + len(d)):
+                drafts[i] = d
+        return drafts if any(drafts) else None
 
     def _retract(self, req: Req) -> None:
         """Free a running request's pages (caching its KV) and queue it first for re-prefill."""
@@ -252,8 +298,9 @@ class Scheduler:
         """Whether the launched-but-unread step sampled a token for `req` (overlap only)."""
         return self._inflight is not None and id(req) in self._inflight.rows
 
-    def _launch(self, mode: Mode, reqs: list[Req], lens: list[int]) -> Launched:
-        """Build the step's batch on the host, have its page-table rows written, and start it on the device."""
+    def _launch(self, mode: Mode, reqs: list[Req], lens: list[int], drafts: list[list[int]] | None = None) -> Launched:
+        """Build the step's batch on the host, have its page-table rows written, and start it on the device. A decode
+        step with `drafts` (per request) is a verify step: a request with k drafts takes k + 1 decode rows."""
         if mode == "extend":
             log.info("prefill: %d req, %d tokens (%s)", len(reqs), sum(lens),
                      ", ".join(f"{r.rid}: +{n} after {r.kv_len} cached" for r, n in zip(reqs, lens)))
@@ -261,40 +308,56 @@ class Scheduler:
         ids: list[int] = []
         locs: list[int] = []
         starts: list[int] = []
-        src: list[int] = []  # decode: row of the in-flight step that sampled this input, or -1
+        row_slots: list[int] = []  # decode: each row's page-table row (a verify step repeats a request's)
+        src: list[int] = []  # decode: row of the in-flight step that sampled the request's input, or -1
         produces: list[bool] = []
         slots_of = self.cache.slots
-        for req, n in zip(reqs, lens):
+        for i, (req, n) in enumerate(zip(reqs, lens)):
             start = req.kv_len
-            starts.append(start)
-            locs += slots_of(req, start, start + n)
-            prompt = len(req.input_ids)
+            assert req.req_slot is not None  # each scheduled request holds a slot
             if mode == "decode":
-                row = prev_rows.get(id(req), -1)
+                extra = drafts[i] if drafts is not None else []
+                n_rows = 1 + len(extra)
+                row = prev_rows.get(id(req), -1)  # never for a verify step: it runs with no step in flight
                 src.append(row)
+                prompt = len(req.input_ids)
                 if row >= 0:
                     ids.append(0)  # sampled by the in-flight step: gathered on the device below
                 else:
                     ids.append(req.input_ids[start] if start < prompt else req.output_ids[start - prompt])
+                ids += extra
+                starts += range(start, start + n_rows)
+                row_slots += [req.req_slot] * n_rows
+                locs += slots_of(req, start, start + n_rows)
                 produces.append(True)
+                req.kv_len = start + n_rows
             else:
+                starts.append(start)
+                locs += slots_of(req, start, start + n)
                 ids += req.all_ids[start : start + n]
                 produces.append(start + n >= req.seq_len)
-            req.kv_len = start + n
+                req.kv_len = start + n
         engine = self.engine
-        req_slots = cast(list[int], [r.req_slot for r in reqs])  # each scheduled request holds a slot
-        fb = engine.build_batch(mode, ids, req_slots, starts, lens, locs)
+        req_slots = cast(list[int], [r.req_slot for r in reqs])
+        if mode == "decode":
+            fb = engine.build_batch(mode, ids, row_slots, starts, [1] * len(ids), locs)
+        else:
+            fb = engine.build_batch(mode, ids, req_slots, starts, lens, locs)
         self.cache.write_rows(fb)
         if prev_rows and any(r >= 0 for r in src):
-            assert self._inflight is not None  # prev_rows came from it
+            assert self._inflight is not None and drafts is None  # prev_rows came from it; src is per row then
             fb.input_ids = feed_input_ids(fb.input_ids, src, self._inflight, engine)
         if mode == "extend":
             for req, done_prefill in zip(reqs, produces):
                 if done_prefill and req in self.waiting:
                     self.waiting.remove(req)
                     self.running.append(req)
+        else:
+            req_slots, row_produces = row_slots, [True] * len(ids)
         self._last_was_decode = mode == "decode"
-        rows = engine.sampling_batch(fb, req_slots, produces)
+        if drafts is not None:
+            log.info("verify: %d req, %d rows, %d drafts", len(reqs), len(ids), len(ids) - len(reqs))
+        rows = engine.sampling_batch(fb, req_slots, produces if mode == "extend" else row_produces, drafts)
         if any(src_row >= 0 and r.grammar is not None for src_row, r in zip(src, reqs)):
             # A grammar depends on the token the in-flight step is still sampling: run the forward, read
             # that step while it runs (the CPU work still overlaps), then mask and sample.
@@ -302,43 +365,63 @@ class Scheduler:
             unread, self._inflight = self._inflight, None
             assert unread is not None  # the src rows came from it
             self._process(unread)
-            sampled = engine.sample(logits, rows, self._bitmask(reqs, produces))
+            sampled = engine.sample(logits, rows, self._bitmask(reqs, produces, drafts))
         else:
-            sampled = engine.step(fb, rows, self._bitmask(reqs, produces))
+            sampled = engine.step(fb, rows, self._bitmask(reqs, produces, drafts))
         if mode == "extend":  # after the launch: the step still writes the pages this may free
             for req in reqs:
                 self.cache.cache_prefilled(req)
-        return Launched.start(mode, reqs, lens, produces, sampled, engine, async_copy=self.overlap)
+        return Launched.start(mode, reqs, lens, produces, sampled, engine, async_copy=self.overlap and drafts is None,
+                              drafts=drafts)
 
-    def _bitmask(self, reqs: list[Req], produces: list[bool]) -> torch.Tensor | None:
+    def _bitmask(self, reqs: list[Req], produces: list[bool], drafts: list[list[int]] | None) -> torch.Tensor | None:
         """The grammar rows' allowed next tokens (None when no request in the step has a grammar)."""
-        return self.grammars.bitmask([r.grammar if p and not r.done else None for r, p in zip(reqs, produces)])
+        return self.grammars.bitmask([(r.grammar if p and not r.done else None, drafts[i] if drafts else [])
+                                      for i, (r, p) in enumerate(zip(reqs, produces))])
 
     def _process(self, step: Launched) -> None:
-        """Read a step's tokens (the one wait on the device), append them, stop finished requests."""
+        """Read a step's tokens (the one wait on the device), append them, stop finished requests. A verify step's
+        request appends its accepted run (stopping inside it where a token ends the request) and gives the KV of its
+        rejected drafts back."""
         tokens, logprobs = step.read()
         now = time.perf_counter()
         out: list[TokenOutput] = []
-        for row, (req, tok, produced) in enumerate(zip(step.reqs, tokens, step.produces)):
+        emitted = accepted = 0
+        row = 0
+        for i, (req, produced) in enumerate(zip(step.reqs, step.produces)):
+            drafts = step.drafts[i] if step.drafts is not None else []
+            first, row = row, row + 1 + len(drafts)
             if not produced or req.done:
                 continue  # a prompt chunk, or the extra token of a request that finished one step earlier
-            first = not req.output_ids
-            req.output_ids.append(tok)
-            error = None
-            if req.grammar is not None and not req.grammar.accept_token(tok):
-                error = f"internal error: the grammar rejected token {tok} it had allowed"
-            reason = self._stop_reason(req, tok)
-            o = TokenOutput(req.rid, tok, reason, len(req.input_ids), req.cached_tokens, error,
-                            now - req.prefill_started_at if first else None,
-                            error_code=ErrorCode.ENGINE_FAILED if error is not None else None)
-            if logprobs and row in logprobs:
-                _attach_logprobs(o, logprobs[row], req.params.top_logprobs)
-            out.append(o)
-            if error is not None:
-                reason = "abort"
-            if reason is not None:
-                self._release(req, reason)
-        self._account(step.mode, step.lens, now)
+            n = accepted_run(drafts, tokens[first : first + len(drafts)])
+            if drafts:
+                req.kv_len -= len(drafts) - n  # rejected drafts: their KV is given back
+                self.cache.rewind(req)
+                assert req.draft is not None  # it proposed
+                req.draft.update(len(drafts), n, self.cfg.speculative_num_draft_tokens, len(req.output_ids) + n + 1)
+                self.stats.add(spec_verifies=1, spec_draft_tokens=len(drafts), spec_accepted_tokens=n)
+                accepted += n
+            for j in range(first, first + n + 1):
+                tok = tokens[j]
+                first_token = not req.output_ids
+                req.output_ids.append(tok)
+                emitted += 1
+                error = None
+                if req.grammar is not None and not req.grammar.accept_token(tok):
+                    error = f"internal error: the grammar rejected token {tok} it had allowed"
+                reason = self._stop_reason(req, tok)
+                o = TokenOutput(req.rid, tok, reason, len(req.input_ids), req.cached_tokens, error,
+                                now - req.prefill_started_at if first_token else None,
+                                error_code=ErrorCode.ENGINE_FAILED if error is not None else None)
+                if logprobs and j in logprobs:
+                    _attach_logprobs(o, logprobs[j], req.params.top_logprobs)
+                out.append(o)
+                if error is not None:
+                    reason = "abort"
+                if reason is not None:
+                    self._release(req, reason)
+                    break
+        self._account(step.mode, step.lens, emitted, accepted, now)
         if out:
             self._emit_outputs(out)
 
@@ -359,6 +442,8 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.cache.release(req)
+        if self.proposer is not None:
+            self.proposer.release(req)
         self.stats.finished_requests += 1
         self.stats.aborted_requests += reason == "abort"
 
@@ -376,15 +461,17 @@ class Scheduler:
         except Exception:
             log.exception("dropping a step's output (%d requests): its consumer failed", len(outputs))
 
-    def _account(self, mode: str, lens: list[int], now: float) -> None:
+    def _account(self, mode: str, lens: list[int], emitted: int, accepted: int, now: float) -> None:
         s = self.stats
         s.add(steps=1)
         if mode == "extend":
             s.prefill_tokens += sum(lens)
             self._prefill_rate.add(sum(lens), now)
         else:
-            s.decode_tokens += len(lens)
-            self._decode_rate.add(len(lens), now)
+            s.decode_tokens += emitted
+            self._decode_rate.add(emitted, now)
+            if self.proposer is not None:
+                self._accepted_rate.add(accepted, now)
 
     # --- inspection (on the scheduler's own thread: queries arrive as messages) -----------------
     def snapshot(self) -> SchedulerStats:
@@ -396,6 +483,7 @@ class Scheduler:
         s.tokens_cached = tree.cached_tokens
         s.tokens_in_use = self.cache.pages_in_use(self.running + list(self.waiting)) * p
         s.prefill_tok_s, s.decode_tok_s = self._prefill_rate.rate(), self._decode_rate.rate()
+        s.spec_accepted_tok_s = self._accepted_rate.rate()
         s.decode_compiling = int(self.engine.compiling)
         return SchedulerStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
 

@@ -1,0 +1,98 @@
+"""Speculative decoding, the scheduler's side: who proposes draft tokens (a `Proposer`), how many each request asks
+for (`DraftBudget`, from its recent acceptance), and what a verify step accepted.
+
+A request with drafts d1..dk runs them in its decode step as k + 1 rows [x, d1, .., dk] (x: its last token) at
+consecutive positions of its page-table row: a verify step is a decode step whose rows share a request, each row
+attending over the keys up to its own position, so it computes exactly what k + 1 decode steps would (the decode
+kernels, the decode attention: a greedy answer cannot change). Every row samples as decode would at its position
+(same penalties -- counting the drafts before it --, bias, grammar mask, seed); the request keeps the longest run of
+drafts equal to what their rows drew, plus the token drawn after it. For a deterministic proposal (q = 1 on its draft,
+as every proposer here makes) this is the speculative-sampling rule: draft d is accepted with probability p(d), and
+on rejection the token drawn is distributed as p with d removed, renormalised -- the output distribution is exactly
+the non-speculative one, and a seeded request draws the very same tokens. The KV of rejected drafts is given back
+(their pages freed; the page table past the kept length is never read), so the prefix cache sees accepted tokens only.
+
+Verify steps run non-overlapped: proposals need every earlier token on the host, so the scheduler reads the step in
+flight before proposing and reads a verify step before launching the next (steps without drafts still overlap).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from minisgl_cli.scheduler.config import SchedulerConfig
+
+if TYPE_CHECKING:
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.scheduler.request import Req
+
+log = logging.getLogger("minisgl.speculative")
+
+MAX_WAIT = 16  # plain steps at most between a request's one-token probes while nothing of its drafts is accepted
+
+
+class Proposer(Protocol):
+    """What proposes draft tokens: the n-gram lookup, a draft model, later an EAGLE-style head. It proposes
+    deterministically (the verify rule treats each draft as certain, q = 1) and the same on every TP rank."""
+
+    name: str
+
+    def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
+        """Up to budgets[i] tokens likely to follow reqs[i]'s tokens (every one known on the host); [] for none."""
+        ...
+
+    def release(self, req: Req) -> None:
+        """`req` finished: drop what is kept for it."""
+        ...
+
+    def close(self) -> None:
+        """The scheduler stops: give back what the proposer holds."""
+        ...
+
+
+@dataclass
+class DraftBudget:
+    """How many drafts a request proposes next, from its recent verify steps: all accepted -> one more (up to k);
+    some rejected -> as many as were accepted; none accepted -> none, then a one-token probe after 1, 2, 4 .. 16
+    plain steps (doubling while probes fail). A request whose drafts keep failing then costs a step ~nothing."""
+
+    size: int
+    resume_at: int = 0  # while size is 0: the output length at which it probes again
+    backoff: int = 0
+
+    def wants(self, outputs: int) -> int:
+        """Drafts to ask for at this output length."""
+        return self.size if self.size else int(outputs >= self.resume_at)
+
+    def update(self, proposed: int, accepted: int, k: int, outputs: int) -> None:
+        if accepted == proposed:
+            self.size, self.backoff = min(k, max(self.size, proposed + 1)), 0
+        elif accepted:
+            self.size, self.backoff = accepted, 0
+        else:
+            self.backoff = min(2 * self.backoff or 1, MAX_WAIT)
+            self.size, self.resume_at = 0, outputs + self.backoff
+
+
+def accepted_run(drafts: list[int], drawn: list[int]) -> int:
+    """How many leading drafts a verify step accepted: drawn[j] is what row j drew, drafts[j] what row j + 1 fed."""
+    n = 0
+    while n < len(drafts) and drawn[n] == drafts[n]:
+        n += 1
+    return n
+
+
+def create_proposer(cfg: SchedulerConfig, engine: Engine) -> Proposer | None:
+    """The proposer `cfg` asks for (None without speculation)."""
+    if cfg.speculative_algorithm == "ngram":
+        from minisgl_cli.scheduler.ngram import NgramProposer
+
+        return NgramProposer(cfg.speculative_ngram_min_match_window_size, cfg.speculative_ngram_max_match_window_size)
+    if cfg.speculative_algorithm == "draft":
+        from minisgl_cli.scheduler.draft_model import DraftModelProposer
+
+        assert cfg.speculative_draft_model is not None  # SchedulerConfig checks it
+        return DraftModelProposer(engine, cfg.speculative_draft_model)
+    return None
