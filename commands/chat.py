@@ -20,7 +20,7 @@ def _positive(value: float) -> float:
 
 
 @app.command("chat")
-@c.engine_options((*c.MODEL, "max_total_tokens", "cache", *c.RUNTIME))
+@c.engine_options((*c.MODEL, "max_total_tokens", "cache", *c.SPECULATIVE, *c.RUNTIME))
 def chat(
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", "-n", min=1, metavar="<int>", help="Tokens per reply at most.")

@@ -155,6 +155,9 @@ _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 _SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
 _RUNTIME_FIELDS = {f.name for f in fields(RuntimeConfig)}
 RUNTIME: tuple[str, ...] = tuple(n for n in ALL if n in _RUNTIME_FIELDS)  # every engine-backed command offers these
+# Speculative decoding: serve and bench (ALL) and chat offer these.
+SPECULATIVE: tuple[str, ...] = ("speculative_algorithm", "num_speculative_tokens", "prompt_lookup_min",
+                                "prompt_lookup_max", "speculative_draft_model")
 
 
 @dataclass

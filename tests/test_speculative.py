@@ -18,6 +18,7 @@ from minisgl_cli.core.host import HostBuffers
 from minisgl_cli.engine.sampler import create_sampler, sample
 from minisgl_cli.engine.sampling_state import SamplingState
 from minisgl_cli.scheduler import speculative
+from minisgl_cli.scheduler.ngram import NgramIndex
 from minisgl_cli.scheduler.speculative import DraftBudget, accepted_run
 
 CHATS = [[{"role": "user", "content": p}] for p in (
@@ -59,7 +60,7 @@ def _with_oracle(monkeypatch, llm_kw: dict, prompts, params, k: int = 3):
         ids = [llm.client.tokenizer.apply_chat_template(p) for p in prompts]
     oracle = Oracle({tuple(i): c.token_ids for i, c in zip(ids, plain)})
     monkeypatch.setattr(speculative, "create_proposer", lambda cfg, engine: oracle)
-    with LLM(**llm_kw, speculative_algorithm="ngram", speculative_num_draft_tokens=k) as llm:
+    with LLM(**llm_kw, speculative_algorithm="ngram", num_speculative_tokens=k) as llm:
         spec = llm.generate(prompts, params)
         llm.client.check_pages()
         stats = llm.client.stats()
@@ -96,28 +97,46 @@ def test_greedy_and_seeded_sampling_with_drafts_equal_plain_decode_in_the_defaul
     assert stats.steps < sum(len(c.token_ids) for c in spec) // len(CHATS)  # fewer steps than tokens per request
 
 
+SCHEMA = json.dumps({"type": "object", "required": ["city", "population"],
+                     "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}})
+PARAGRAPH = ("The lighthouse keeper climbed the stairs every evening at six, lit the lamp, and wrote the weather in "
+             "his log before he ate his supper by the window.")
+# Prompts whose answers repeat what they hold (prompt lookup proposes from it), with stop strings, a max_tokens cut
+# inside a run, logprobs and a JSON schema.
+LOOKUP = [
+    ([{"role": "user", "content": f"Repeat this paragraph word for word: {PARAGRAPH}"}],
+     SamplingParams(max_new_tokens=40, stop=[" supper"])),
+    ([{"role": "user", "content": f"Copy this text exactly: {PARAGRAPH}"}],
+     SamplingParams(max_new_tokens=13, ignore_eos=True, logprobs=True, top_logprobs=3)),
+    ([{"role": "user", "content": "Give the capital of France and its population as JSON with keys city and "
+                                  "population, like {\"city\": \"Paris\", \"population\": 2100000}."}],
+     SamplingParams(max_new_tokens=30, json_schema=SCHEMA)),
+    ([{"role": "user", "content": "Write the numbers from one to twenty in words, separated by commas."}],
+     SamplingParams(max_new_tokens=40, stop=["twelve"])),
+]
+
+
+@pytest.fixture(scope="module")
+def lookup_plain():
+    with LLM(**EXACT) as llm:
+        return llm.generate([c for c, _ in LOOKUP], [p for _, p in LOOKUP])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 5])
-def test_exact_mode_greedy_with_stop_strings_max_tokens_logprobs_and_grammar(monkeypatch, k):
-    """--deterministic fp32: stop strings and max_tokens cut inside an accepted run, logprobs at every position, a JSON
-    schema's mask on every verify row (drafts it refuses are trimmed)."""
-    schema = json.dumps({"type": "object", "required": ["city", "population"],
-                         "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}})
-    chats = [[{"role": "user", "content": p}] for p in (
-        "What is the capital of France?", "Write a haiku about the sea.", "Give the capital of France as JSON.",
-        "List three prime numbers.")]
-    params = [
-        SamplingParams(max_new_tokens=24, stop=["."]),
-        SamplingParams(max_new_tokens=7, ignore_eos=True, logprobs=True, top_logprobs=3),
-        SamplingParams(max_new_tokens=24, json_schema=schema),
-        SamplingParams(max_new_tokens=24, stop=[" and", "\n"], ignore_eos=True),
-    ]
-    plain, spec, stats = _with_oracle(monkeypatch, EXACT, chats, params, k=k)
-    _same(plain, spec)
-    assert plain[0].finish_reason == "stop" and "." not in plain[0].text
-    assert len(plain[1].token_ids) == 7
-    assert plain[2].text.startswith('{"city": "')
-    assert stats.spec_accepted_tokens > 0
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_exact_mode_greedy_with_ngram_drafts_equals_plain_decode(lookup_plain, k):
+    """--deterministic fp32, prompt lookup's drafts: token for token the plain answers, stop strings and a
+    max_tokens cut inside accepted runs, logprobs at every position, the JSON schema's mask on every verify row."""
+    with LLM(**EXACT, speculative_algorithm="ngram", num_speculative_tokens=k) as llm:
+        spec = llm.generate([c for c, _ in LOOKUP], [p for _, p in LOOKUP])
+        llm.client.check_pages()
+        stats = llm.client.stats()
+    _same(lookup_plain, spec)
+    assert lookup_plain[0].finish_reason == "stop" and "supper" not in lookup_plain[0].text
+    assert len(lookup_plain[1].token_ids) == 13
+    assert json.loads(lookup_plain[2].text)["city"] == "Paris"
+    assert lookup_plain[3].finish_reason == "stop"
+    assert stats.spec_accepted_tokens > 0 and stats.spec_accept_length > 1.5
 
 
 @pytest.mark.slow
@@ -132,7 +151,7 @@ def test_overlap_scheduling_with_drafts_and_aborts_leaves_no_page_held(monkeypat
         alone = asyncio.run(run_concurrently(llm, work))
     oracle = Oracle({tuple(ids): out for (ids, _), out in zip(work, alone)}, spoil=2)
     monkeypatch.setattr(speculative, "create_proposer", lambda cfg, engine: oracle)
-    with LLM(**kw, speculative_algorithm="ngram", speculative_num_draft_tokens=3) as llm:
+    with LLM(**kw, speculative_algorithm="ngram", num_speculative_tokens=3) as llm:
         got = asyncio.run(run_concurrently(llm, work, abort_every=3))
         settle(llm)
         stats = llm.client.stats()
@@ -173,19 +192,55 @@ def test_a_verify_step_draws_from_the_target_distribution():
     assert ((got[mask] - expected[mask]) ** 2 / expected[mask]).sum().item() < 22.5  # 6 degrees of freedom
 
 
-def test_draft_budget_grows_with_acceptance_and_backs_off_when_nothing_is_accepted():
-    b = DraftBudget(4)
-    assert b.wants(0) == 4
-    b.update(4, 2, 4, outputs=3)
-    assert b.wants(3) == 2
-    b.update(2, 2, 4, outputs=6)
-    assert b.wants(6) == 3
-    b.update(3, 0, 4, outputs=7)  # nothing accepted: none next step, a probe of one after it
-    assert b.wants(7) == 0 and b.wants(8) == 1
-    b.update(1, 0, 4, outputs=9)  # the probe failed: wait twice as long
-    assert [b.wants(o) for o in (9, 10, 11)] == [0, 0, 1]
-    for o in range(12, 200, 2):
-        b.update(1, 0, 4, outputs=o)
-    assert b.resume_at - 198 == speculative.MAX_WAIT
-    b.update(1, 1, 4, outputs=300)
-    assert b.wants(300) == 2
+def test_draft_budget_follows_acceptance_and_backs_off_when_nothing_is_accepted():
+    b = DraftBudget(3)
+    assert b.wants(0) == 3  # optimistic at first
+    outputs = 0
+    for accepted in (0, 1, 0, 0):  # mostly rejected: fewer drafts
+        outputs += accepted + 1
+        b.update(b.wants(outputs) or 1, accepted, outputs)
+    assert b.wants(outputs) <= 1
+    for _ in range(6):  # nothing accepted at all: none, and probes further and further apart
+        outputs += 1
+        b.update(1, 0, outputs)
+    assert b.wants(outputs) == 0 and b.resume_at - outputs == speculative.MAX_WAIT
+    assert b.wants(b.resume_at) == 1
+    for _ in range(4):  # the probes come true (a copied passage): back to k
+        outputs += 4
+        b.update(max(b.wants(outputs), 1), max(b.wants(outputs), 1), outputs)
+    assert b.wants(outputs) == 3
+
+
+def test_ngram_index_proposes_what_followed_the_longest_latest_match():
+    index = NgramIndex(min_n=1, max_n=4)
+    index.extend([1, 2, 3, 9, 5, 2, 3, 7, 8])
+    index.extend([1, 2, 3])  # incremental: the same as one build
+    assert index.propose(3) == [9, 5, 2]  # "1 2 3" (3 long) beats the later "2 3" -> 7
+    rebuilt = NgramIndex(1, 4)
+    rebuilt.extend(index.tokens)
+    assert rebuilt.prev == index.prev and rebuilt.propose(3) == [9, 5, 2]
+    index.extend([4])
+    assert index.propose(2) == []  # 4 never came before
+    periodic = NgramIndex(2, 8)
+    periodic.extend([6, 1, 2, 1, 2])
+    assert periodic.propose(5) == [1, 2, 1, 2, 1]  # the match runs into the end: its period repeats
+    short = NgramIndex(3, 8)
+    short.extend([1, 2, 5, 1, 2])
+    assert short.propose(2) == []  # only 2 tokens match: under min_n
+
+
+def test_speculative_options_that_contradict_each_other_are_refused():
+    from typer.testing import CliRunner
+
+    from minisgl_cli.app import app
+    from minisgl_cli.scheduler.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match="--speculative-draft-model"):
+        SchedulerConfig(speculative_algorithm="draft")
+    with pytest.raises(ValueError, match="--speculative-draft-model"):
+        SchedulerConfig(speculative_draft_model="smollm2")  # a draft model without the draft algorithm: refused
+    with pytest.raises(ValueError, match="must be one of none, ngram, draft"):
+        SchedulerConfig(speculative_algorithm="eagle")  # type: ignore[arg-type]
+    result = CliRunner().invoke(app, ["chat", "--speculative-algorithm", "ngram", "--prompt-lookup-min", "5",
+                                      "--prompt-lookup-max", "2"])
+    assert result.exit_code != 0 and "--prompt-lookup-min is above --prompt-lookup-max" in result.output

@@ -28,18 +28,18 @@ class SchedulerConfig:
         help="CUDA: read each step's tokens before launching the next (no overlap scheduling)."))
     speculative_algorithm: SpeculativeAlgorithm = field(default="none", metadata=dict(
         flags=("--speculative-algorithm",), env="MINISGL_SPECULATIVE_ALGORITHM",
-        help="Speculative decoding: none, ngram (prompt lookup), draft (--speculative-draft-model)."))
-    speculative_num_draft_tokens: int = field(default=4, metadata=dict(
-        flags=("--speculative-num-draft-tokens",), min=1, max=16,
+        help="Speculative decoding: none, ngram (prompt lookup) or draft (a draft model)."))
+    num_speculative_tokens: int = field(default=3, metadata=dict(  # 4 rows: the CPU int4 kernel's row block
+        flags=("--num-speculative-tokens",), min=1, max=16,
         help="Draft tokens a request proposes per step at most (its verify step runs k + 1 rows)."))
-    speculative_ngram_min_match_window_size: int = field(default=1, metadata=dict(
-        flags=("--speculative-ngram-min-match-window-size",), min=1,
-        help="ngram: the shortest suffix of a request's tokens looked up in its earlier tokens."))
-    speculative_ngram_max_match_window_size: int = field(default=12, metadata=dict(
-        flags=("--speculative-ngram-max-match-window-size",), min=1,
-        help="ngram: the longest suffix matched (the longest match proposes)."))
+    prompt_lookup_min: int = field(default=1, metadata=dict(
+        flags=("--prompt-lookup-min",), min=1,
+        help="ngram: the fewest last tokens of a request matched in its earlier tokens."))
+    prompt_lookup_max: int = field(default=12, metadata=dict(
+        flags=("--prompt-lookup-max",), min=1,
+        help="ngram: the most last tokens matched (the longest match proposes)."))
     speculative_draft_model: str | None = field(default=None, metadata=dict(
-        flags=("--speculative-draft-model", "--speculative-draft-model-path"),
+        flags=("--speculative-draft-model",),
         help="draft: a smaller model with the same tokenizer (HF dir, .gguf or alias)."))
     overlap_on_cpu: bool = False  # overlap is a CUDA feature; tests force it on the CPU to check the logic
 
@@ -50,5 +50,5 @@ class SchedulerConfig:
                              f"not {algo!r}")
         if (algo == "draft") != (self.speculative_draft_model is not None):
             raise ValueError("--speculative-algorithm draft takes --speculative-draft-model PATH (and only it does)")
-        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
-            raise ValueError("--speculative-ngram-min-match-window-size is above the max match window size")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("--prompt-lookup-min is above --prompt-lookup-max")

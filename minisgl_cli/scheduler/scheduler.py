@@ -148,7 +148,7 @@ class Scheduler:
             return
         else:
             if self.proposer is not None:
-                req.draft = DraftBudget(self.cfg.speculative_num_draft_tokens)
+                req.draft = DraftBudget(self.cfg.num_speculative_tokens)
             self.waiting.append(req)
 
     def _compile(self, req: Req) -> bool:
@@ -398,7 +398,7 @@ class Scheduler:
                 req.kv_len -= len(drafts) - n  # rejected drafts: their KV is given back
                 self.cache.rewind(req)
                 assert req.draft is not None  # it proposed
-                req.draft.update(len(drafts), n, self.cfg.speculative_num_draft_tokens, len(req.output_ids) + n + 1)
+                req.draft.update(len(drafts), n, len(req.output_ids) + n + 1)
                 self.stats.add(spec_verifies=1, spec_draft_tokens=len(drafts), spec_accepted_tokens=n)
                 accepted += n
             for j in range(first, first + n + 1):

@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("minisgl.speculative")
 
-MAX_WAIT = 16  # plain steps at most between a request's one-token probes while nothing of its drafts is accepted
+MAX_WAIT = 16  # plain steps at most between a request's one-token probes while its drafts keep failing
+KEEP = 0.3  # a draft is proposed while the chance its run gets that far is at least this (a row costs ~0.2 of a step)
+DECAY = 0.6  # per verify: how fast a request's acceptance rate forgets
 
 
 class Proposer(Protocol):
@@ -54,26 +56,36 @@ class Proposer(Protocol):
 
 @dataclass
 class DraftBudget:
-    """How many drafts a request proposes next, from its recent verify steps: all accepted -> one more (up to k);
-    some rejected -> as many as were accepted; none accepted -> none, then a one-token probe after 1, 2, 4 .. 16
-    plain steps (doubling while probes fail). A request whose drafts keep failing then costs a step ~nothing."""
+    """How many drafts a request proposes next, from its recent verify steps. Its acceptance rate `rate` (of a draft
+    whose run got that far; decayed, optimistic at first) sets the longest run d <= k whose last draft is reached
+    with a chance of at least KEEP (rate**d). Below one draft it proposes none, then a one-draft probe after 1, 2, 4 ..
+    16 plain steps (doubling while probes fail): a request whose drafts keep failing costs a step ~nothing."""
 
-    size: int
-    resume_at: int = 0  # while size is 0: the output length at which it probes again
+    k: int
+    hits: float = 0.0  # accepted drafts (decayed)
+    misses: float = 0.0  # rejected ones: at most one per verify, the first that differed
+    resume_at: int = 0  # while no draft pays: the output length at which it probes again
     backoff: int = 0
+
+    @property
+    def rate(self) -> float:
+        return (self.hits + 1) / (self.hits + self.misses + 1)
 
     def wants(self, outputs: int) -> int:
         """Drafts to ask for at this output length."""
-        return self.size if self.size else int(outputs >= self.resume_at)
+        d, rate = 0, self.rate
+        while d < self.k and rate ** (d + 1) >= KEEP:
+            d += 1
+        return d or int(outputs >= self.resume_at)
 
-    def update(self, proposed: int, accepted: int, k: int, outputs: int) -> None:
-        if accepted == proposed:
-            self.size, self.backoff = min(k, max(self.size, proposed + 1)), 0
-        elif accepted:
-            self.size, self.backoff = accepted, 0
+    def update(self, proposed: int, accepted: int, outputs: int) -> None:
+        self.hits = DECAY * self.hits + accepted
+        self.misses = DECAY * self.misses + (accepted < proposed)
+        if accepted:
+            self.backoff, self.resume_at = 0, 0
         else:
             self.backoff = min(2 * self.backoff or 1, MAX_WAIT)
-            self.size, self.resume_at = 0, outputs + self.backoff
+            self.resume_at = outputs + self.backoff
 
 
 def accepted_run(drafts: list[int], drawn: list[int]) -> int:
@@ -89,7 +101,7 @@ def create_proposer(cfg: SchedulerConfig, engine: Engine) -> Proposer | None:
     if cfg.speculative_algorithm == "ngram":
         from minisgl_cli.scheduler.ngram import NgramProposer
 
-        return NgramProposer(cfg.speculative_ngram_min_match_window_size, cfg.speculative_ngram_max_match_window_size)
+        return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.speculative_algorithm == "draft":
         from minisgl_cli.scheduler.draft_model import DraftModelProposer
 

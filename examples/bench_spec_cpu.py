@@ -1,0 +1,109 @@
+"""Single-stream decode tok/s with and without n-gram speculation (prompt lookup), interleaved in one run, on three
+workloads of the default model: rewrite a paragraph, edit a code listing, open chat.
+
+    python examples/bench_spec_cpu.py [--new-tokens 256] [--repeat 3] [--k 4] [--torch-compile off|on]
+
+Two in-process engines of the same model and mode (the default: the GGUF's int4 weights) -- one plain, one with
+`--speculative-algorithm ngram` -- answer each prompt in turn, `--repeat` times, greedy, one request at a time. tok/s is
+the request's output tokens after the first over the time after its first token (decode); the table gives the best of
+the runs of each (the least disturbed on a shared machine), their ratio, the acceptance length, and whether the two
+answers are the same tokens (they must be). The load average is printed beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+PARAGRAPH = (
+    "The old lighthouse stood at the edge of the cliff for more then a hundred years. Every night it's lamp turned "
+    "slowly, sending a beam of light accross the dark water so that ships could find there way home. The keeper, a "
+    "quiet man named Thomas, climbed the ninety-nine steps each evening to light the lamp and wind the clockwork. He "
+    "wrote the weather in his log book, watched the horizon for storms, and recieved letters from his sister only "
+    "twice a year, when the supply boat came. Many people thought his life was lonely, but Thomas said he had never "
+    "felt more at peace then when the sea was calm and the light was burning bright."
+)
+CODE = '''import json
+
+
+def load_prices(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def compute_total(prices, tax_rate):
+    total = 0.0
+    for item, price in prices.items():
+        total += price
+    return total * (1 + tax_rate)
+
+
+def cheapest(prices):
+    best_item, best_price = None, None
+    for item, price in prices.items():
+        if best_price is None or price < best_price:
+            best_item, best_price = item, price
+    return best_item
+
+
+def report(path, tax_rate=0.2):
+    prices = load_prices(path)
+    print("items:", len(prices))
+    print("total:", compute_total(prices, tax_rate))
+    print("cheapest:", cheapest(prices))
+'''
+WORKLOADS = {
+    "rewrite": "Fix the spelling mistakes in this paragraph and write out the whole corrected paragraph:\n\n"
+               + PARAGRAPH,
+    "code edit": "Rename the function compute_total to sum_prices everywhere in this Python module and write out the "
+                 "whole module:\n\n```python\n" + CODE + "```",
+    "open chat": "Write a short story about a dragon who learns to bake bread.",
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--k", type=int, default=3, help="--num-speculative-tokens")
+    ap.add_argument("--torch-compile", default="off", choices=("off", "on"))
+    ap.add_argument("--workload", action="append", choices=list(WORKLOADS), help="(repeatable; default: all)")
+    args = ap.parse_args()
+    from minisgl_cli import LLM, SamplingParams
+
+    kw = dict(torch_compile=args.torch_compile)
+    plain, spec = LLM(**kw), LLM(**kw, speculative_algorithm="ngram", num_speculative_tokens=args.k)
+    for llm in (plain, spec):  # a compiled decode: wait for it, as serving would
+        while llm.client.stats().decode_compiling:
+            time.sleep(1)
+    params = SamplingParams(max_new_tokens=args.new_tokens)
+    print(f"load average before: {os.getloadavg()[0]:.2f}; k={args.k}, torch_compile={args.torch_compile}, "
+          f"new_tokens<={args.new_tokens}, repeat={args.repeat}")
+    print(f"{'workload':12}{'tokens':>8}{'plain tok/s':>13}{'ngram tok/s':>13}{'ratio':>8}{'accept len':>12}"
+          f"{'verifies':>10}{'same':>6}{'load':>7}")
+    for name in args.workload or WORKLOADS:
+        prompt = WORKLOADS[name]
+        chat = [{"role": "user", "content": prompt}]
+        plain.generate(chat, SamplingParams(max_new_tokens=4))  # the prompt's prefill, once each
+        spec.generate(chat, SamplingParams(max_new_tokens=4))
+        rates: dict[str, list[float]] = {"plain": [], "ngram": []}
+        answers = {}
+        before = spec.client.stats()
+        for _ in range(args.repeat):
+            for label, llm in (("plain", plain), ("ngram", spec)):
+                out = llm.generate(chat, params)[0]
+                rates[label].append(out.stats.decode_tok_s)
+                answers[label] = out.token_ids
+        after = spec.client.stats()
+        verifies = after.spec_verifies - before.spec_verifies
+        accept = (after.spec_accepted_tokens - before.spec_accepted_tokens + verifies) / verifies if verifies else 0
+        p, s = max(rates["plain"]), max(rates["ngram"])
+        print(f"{name:12}{len(answers['plain']):>8}{p:>13.1f}{s:>13.1f}{s / p:>8.2f}{accept:>12.2f}"
+              f"{verifies:>10}{str(answers['plain'] == answers['ngram']):>6}{os.getloadavg()[0]:>7.2f}", flush=True)
+    plain.close()
+    spec.close()
+
+
+if __name__ == "__main__":
+    main()
