@@ -77,6 +77,7 @@ class TokenOutput:
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
     error_code: ErrorCode | None = None  # with `error`: what kind of failure (a plain str once it crossed msgpack)
+    drafted: bool = False  # a draft token a verify step accepted (speculative decoding)
 
 
 @dataclass
@@ -131,6 +132,7 @@ class DecodedPiece:
     stopped_early: bool = False  # a stop string ended it while the scheduler still runs it
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     error_code: ErrorCode | None = None  # with `error`: what kind of failure
+    drafted: int = 0  # of its tokens, the accepted drafts of verify steps (speculative decoding)
 
     @property
     def finished(self) -> bool:

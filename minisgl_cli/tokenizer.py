@@ -282,7 +282,9 @@ class RequestDecoder:
             reason = "stop"
         elif reason is not None:
             text += self.stopper.flush()
-        return DecodedPiece(last.rid, text, tokens, reason, None, last.cached_tokens, prefill_s, early, logprobs)
+        drafted = sum(o.drafted for o in items if o.token_id is not None)
+        return DecodedPiece(last.rid, text, tokens, reason, None, last.cached_tokens, prefill_s, early, logprobs,
+                            drafted=drafted)
 
 
 def _joined(pieces: list[DecodedPiece]) -> DecodedPiece:
@@ -292,7 +294,8 @@ def _joined(pieces: list[DecodedPiece]) -> DecodedPiece:
     return DecodedPiece(last.rid, "".join(p.text for p in pieces), [t for p in pieces for t in p.token_ids],
                         last.finish_reason, last.error, last.cached_tokens,
                         next((p.prefill_s for p in pieces if p.prefill_s is not None), None), last.stopped_early,
-                        lps if any(p.logprobs is not None for p in pieces) else None, last.error_code)
+                        lps if any(p.logprobs is not None for p in pieces) else None, last.error_code,
+                        sum(p.drafted for p in pieces))
 
 
 def decode_steps(tokenizer: Tokenizer | None,

@@ -144,11 +144,25 @@ class RequestStats:
     ttft_s: float = 0.0
     latency_s: float = 0.0
     prefill_s: float = 0.0  # scheduler time from joining a prefill batch to the first token
+    drafted_tokens: int = 0  # speculative decoding: output tokens that were accepted drafts
 
     @property
     def decode_tok_s(self) -> float:
         decode_time = self.latency_s - self.ttft_s
         return (self.completion_tokens - 1) / decode_time if decode_time > 0 and self.completion_tokens > 1 else 0.0
+
+    @property
+    def accept_length(self) -> float:
+        """Output tokens per engine step of this request (1 without accepted drafts: each step adds one token of
+        its own, after the drafts it accepted)."""
+        steps = self.completion_tokens - self.drafted_tokens
+        return self.completion_tokens / steps if steps > 0 else 1.0
+
+    @property
+    def drafted_tok_s(self) -> float:
+        """Accepted draft tokens per second of decode."""
+        decode_time = self.latency_s - self.ttft_s
+        return self.drafted_tokens / decode_time if decode_time > 0 else 0.0
 
 
 @dataclass
@@ -324,6 +338,7 @@ class ModelInfo:
     quantization: str = "none"  # how the linear weights are held: none (dense in dtype), int4, int8, fp8
     kv_cache_dtype: str = ""  # the KV pool's element type (bfloat16, float8_e4m3fn, ...); "" = dtype
     sampler: str = ""  # our engine's cut-and-draw implementation (torch, triton); "" where another library samples
+    speculative: str = ""  # speculative decoding, e.g. "ngram k=3"; "" without
 
     @property
     def has_tokenizer(self) -> bool:

@@ -244,3 +244,30 @@ def test_speculative_options_that_contradict_each_other_are_refused():
     result = CliRunner().invoke(app, ["chat", "--speculative-algorithm", "ngram", "--prompt-lookup-min", "5",
                                       "--prompt-lookup-max", "2"])
     assert result.exit_code != 0 and "--prompt-lookup-min is above --prompt-lookup-max" in result.output
+
+
+@pytest.mark.slow
+def test_acceptance_shows_in_the_request_stats_metrics_status_line_and_bench_figures():
+    """A copy prompt with prompt lookup in the default mode: the reply's tokens per step and drafted tokens (chat's
+    status line), the scheduler's counters (/metrics, JSON and Prometheus), and the bench's accept length."""
+    from minisgl_cli.bench.metrics import RequestTiming, compute_metrics
+    from minisgl_cli.repl.view import status_line
+    from minisgl_cli.server.metrics import ServerMetrics
+
+    with LLM(speculative_algorithm="ngram") as llm:
+        assert llm.client.info.speculative == "ngram k=3"
+        out = llm.generate(LOOKUP[0][0], SamplingParams(max_new_tokens=32, ignore_eos=True))[0]
+        stats = llm.client.stats()
+    s = out.stats
+    assert 0 < s.drafted_tokens == stats.spec_accepted_tokens < s.completion_tokens
+    assert s.accept_length == s.completion_tokens / (s.completion_tokens - s.drafted_tokens) > 1.5
+    assert stats.spec_accept_length == (stats.spec_accepted_tokens + stats.spec_verifies) / stats.spec_verifies
+    assert f"accept {s.accept_length:.2f} tok/step" in status_line(s, "length", "radix", speculative=True)
+    assert "accept" not in status_line(s, "length", "radix")
+    metrics = ServerMetrics()
+    text = metrics.to_prometheus(stats, "m", llm.client.info)
+    assert f"minisgl_spec_accepted_tokens_total{{model_name=\"m\"}} {stats.spec_accepted_tokens}" in text
+    assert 'speculative="ngram k=3"' in text and "minisgl_spec_accept_length" in text
+    assert metrics.to_json(stats, "m", None)["scheduler"]["spec_accept_length"] == round(stats.spec_accept_length, 3)
+    m = compute_metrics([RequestTiming(5, s.completion_tokens, 0.1, 1.0, drafted_tokens=s.drafted_tokens)], 1.0)
+    assert m.accept_length == s.accept_length

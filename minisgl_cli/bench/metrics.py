@@ -24,6 +24,7 @@ class RequestTiming:
     latency_s: float = 0.0  # E2E
     chunk_times_s: list[float] = field(default_factory=list)  # arrival of each streamed chunk, from send
     cached_tokens: int | None = None  # prefix-cache hit, when the target knows it
+    drafted_tokens: int | None = None  # output tokens that were accepted drafts, when the target speculates
     success: bool = True
     error: str | None = None
     text: str = ""
@@ -71,6 +72,15 @@ class BenchMetrics:
     tpot_ms: Dist
     itl_ms: Dist
     e2e_latency_ms: Dist
+    total_drafted_tokens: int | None = None  # speculative decoding: accepted draft tokens (None: not speculating)
+
+    @property
+    def accept_length(self) -> float | None:
+        """Output tokens per engine step of a request (speculative decoding; None without it)."""
+        if self.total_drafted_tokens is None:
+            return None
+        steps = self.total_output_tokens - self.total_drafted_tokens
+        return self.total_output_tokens / steps if steps > 0 else 1.0
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -101,6 +111,7 @@ def compute_metrics(timings: list[RequestTiming], duration_s: float) -> BenchMet
     total_in = sum(t.prompt_tokens for t in ok)
     total_out = sum(t.output_tokens for t in ok)
     cached = [t.cached_tokens for t in ok if t.cached_tokens is not None]
+    drafted = [t.drafted_tokens for t in ok if t.drafted_tokens is not None]
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
     return BenchMetrics(
         completed=len(ok),
@@ -117,4 +128,5 @@ def compute_metrics(timings: list[RequestTiming], duration_s: float) -> BenchMet
         tpot_ms=distribution([x for t in ok if (x := t.tpot_s) is not None]),
         itl_ms=distribution([g for t in ok for g in t.itl_s]),
         e2e_latency_ms=distribution([t.latency_s for t in ok]),
+        total_drafted_tokens=sum(drafted) if drafted else None,
     )

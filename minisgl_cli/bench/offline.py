@@ -42,6 +42,8 @@ class EngineTarget:
                 parts.append(delta.text)  # whole in the last delta (stream_text off), which may carry no token
                 if delta.stats is not None and self.client.info.prefix_cache is not None:  # else n/a
                     timing.cached_tokens = delta.stats.cached_tokens
+                if delta.stats is not None and self.client.info.speculative:
+                    timing.drafted_tokens = delta.stats.drafted_tokens
         except Exception as exc:  # one failed request is a data point, not the end of the run
             timing.success, timing.error = False, f"{type(exc).__name__}: {exc}"
         timing.latency_s = time.perf_counter() - t0

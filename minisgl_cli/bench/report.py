@@ -45,6 +45,9 @@ class BenchResult:
             dist = getattr(m, f"{d}_ms")
             for s in _STATS:
                 out[f"{s}_{d}_ms"] = getattr(dist, s)
+        if m.total_drafted_tokens is not None:
+            out["total_drafted_tokens"] = m.total_drafted_tokens
+            out["accept_length"] = m.accept_length
         out["case_params"] = self.case_params
         if self.client_cpu:
             out["client_procs"] = len(self.client_cpu)
@@ -133,9 +136,10 @@ def _client(r: BenchResult) -> str:
 def results_table(report: BenchReport) -> Table:
     t = Table(title=f"minisgl bench — {report.meta.get('model', '?')} on {report.meta.get('device', '?')}")
     client = any(r.client_cpu for r in report.results)  # the column only where a client measured itself
+    spec = any(r.metrics.accept_length is not None for r in report.results)  # and where an engine speculated
     for col in ("engine", "case", "conc", "reqs", "ok", "in tok", "out tok", "cached", "dur s", "req/s",
                 "out tok/s", "total tok/s", "TTFT p50/p99 ms", "TPOT p50 ms", "ITL p50 ms", "E2E p50/p99 ms",
-                *(["client CPU"] if client else [])):
+                *(["accept len"] if spec else []), *(["client CPU"] if client else [])):
         t.add_column(col, justify="left" if col in ("engine", "case") else "right")
     for r in report.results:
         m = r.metrics
@@ -148,6 +152,7 @@ def results_table(report: BenchReport) -> Table:
             f"{_ms(m.ttft_ms.median, m.ttft_ms.count)}/{_ms(m.ttft_ms.p99, m.ttft_ms.count)}",
             _ms(m.tpot_ms.median, m.tpot_ms.count), _ms(m.itl_ms.median, m.itl_ms.count),
             f"{m.e2e_latency_ms.median:.1f}/{m.e2e_latency_ms.p99:.1f}",
+            *([f"{m.accept_length:.2f}" if m.accept_length is not None else "-"] if spec else []),
             *([_client(r)] if client else []),
         )
     return t

@@ -200,6 +200,7 @@ def _delta(rid: str, piece: DecodedPiece, stats: RequestStats, t0: float) -> Del
         stats.ttft_s = now - t0
         stats.prefill_s = piece.prefill_s if piece.prefill_s is not None else stats.ttft_s
     stats.completion_tokens += len(piece.token_ids)
+    stats.drafted_tokens += piece.drafted
     stats.cached_tokens = piece.cached_tokens
     if piece.error or piece.finish_reason:
         stats.latency_s = now - t0

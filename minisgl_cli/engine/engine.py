@@ -170,9 +170,11 @@ class Engine:
             list(mc.eos_token_ids), self.loaded.load_s,
         )
 
-    def model_info(self, *, overlap: bool, eos_token_ids: Iterable[int], prefix_cache: str | None) -> ModelInfo:
+    def model_info(self, *, overlap: bool, eos_token_ids: Iterable[int], prefix_cache: str | None,
+                   speculative: str = "") -> ModelInfo:
         """What a front may know of this engine, under a scheduler that runs with `overlap`, stops on
-        `eos_token_ids` and reuses prefixes through `prefix_cache` (None: no reuse)."""
+        `eos_token_ids`, reuses prefixes through `prefix_cache` (None: no reuse) and speculates as `speculative`
+        says ("": not)."""
         spec, loaded = self.spec, self.loaded
         return ModelInfo(
             loaded.name, loaded.source, str(self.device), str(self.dtype).removeprefix("torch."), self.attn.name,
@@ -180,7 +182,7 @@ class Engine:
             spec.max_requests, spec.max_context_len, spec.num_pages * spec.page_size, loaded.load_s, overlap,
             tuple(sorted(eos_token_ids)), self.tp.size, "sgl" if self.kernels.sgl is not None else "torch",
             quantization=self.quantization, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
-            prefix_cache=prefix_cache, sampler=self.sampler.name,
+            prefix_cache=prefix_cache, sampler=self.sampler.name, speculative=speculative,
         )
 
     def start_serving(self) -> None:

@@ -24,9 +24,11 @@ from minisgl_cli.types import ModelInfo, RequestStats, SchedulerStats
 LOGGERS = "minisgl"  # parent of minisgl.scheduler / .client / .engine / .chat
 
 
-def status_line(stats: RequestStats | None, finish_reason: str | None, prefix_cache: str | None = "radix") -> str:
+def status_line(stats: RequestStats | None, finish_reason: str | None, prefix_cache: str | None = "radix",
+                speculative: bool = False) -> str:
     """One compact line of per-turn figures: prompt, cached share (`prefix_cache` names the engine's cache;
-    None: it has none, n/a), prefill/TTFT, decode speed, finish."""
+    None: it has none, n/a), prefill/TTFT, decode speed (with `speculative`: tokens per step and accepted draft
+    tokens per second), finish."""
     if stats is None:
         return f"finish {finish_reason or '?'}"
     hit = stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
@@ -37,6 +39,8 @@ def status_line(stats: RequestStats | None, finish_reason: str | None, prefix_ca
         f"prefill {stats.prefill_s * 1000:.0f} ms",
         f"TTFT {stats.ttft_s * 1000:.0f} ms",
         f"decode {stats.decode_tok_s:.1f} tok/s",
+        *([f"accept {stats.accept_length:.2f} tok/step ({stats.drafted_tok_s:.1f} drafted tok/s)"]
+          if speculative else []),
         f"{stats.completion_tokens} tok out",
         f"finish {finish_reason or '?'}",
     ]
@@ -114,7 +118,7 @@ class ReplyStream:
             self.view.console.file.flush()
 
     def finish(self, stats: RequestStats | None, finish_reason: str | None) -> None:
-        line = status_line(stats, finish_reason, self.view.prefix_cache)
+        line = status_line(stats, finish_reason, self.view.prefix_cache, self.view.speculative)
         if self.live is not None:
             self.footer = Text(line, style="dim")
             self.live.refresh()
@@ -145,6 +149,7 @@ class ChatView:
         self.panel: LogPanel | None = LogPanel() if verbose and self.live_ok else None
         self._handler: logging.Handler | None = None
         self.prefix_cache: str | None = "radix"  # the engine's (ModelInfo.prefix_cache), from ready()
+        self.speculative = False  # the engine speculates (ModelInfo.speculative), from ready()
 
     # --- logging -------------------------------------------------------------------------------
     def attach_logs(self) -> None:
@@ -184,6 +189,7 @@ class ChatView:
     def ready(self, info: ModelInfo, settings: list[str]) -> None:
         """The header: what was loaded, then the chat's settings (`settings`: its parts)."""
         self.prefix_cache = info.prefix_cache
+        self.speculative = bool(info.speculative)
         kv = "n/a" if info.kv_tokens is None else f"{info.kv_tokens:,} tokens"
         if info.kv_cache_dtype not in ("", info.dtype):
             kv = f"{info.kv_cache_dtype} {kv}"
@@ -192,7 +198,8 @@ class ChatView:
         model = [f"model {info.name} ({info.source})", f"engine {info.engine} on {info.device} {info.dtype}",
                  *([] if info.quantization == "none" else [f"{info.quantization} weights"]),
                  f"attention {info.attention_backend}",
-                 *([f"sampler {info.sampler}"] if info.sampler else []), f"KV pool {kv}",
+                 *([f"sampler {info.sampler}"] if info.sampler else []),
+                 *([f"speculative {info.speculative}"] if info.speculative else []), f"KV pool {kv}",
                  f"context {info.max_context_len:,}", f"loaded in {info.load_s:.1f}s"]
         self.note(self._dotted(model), style="green")
         self.note(self._dotted(settings), style="dim")

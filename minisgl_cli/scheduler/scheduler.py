@@ -355,8 +355,6 @@ class Scheduler:
         else:
             req_slots, row_produces = row_slots, [True] * len(ids)
         self._last_was_decode = mode == "decode"
-        if drafts is not None:
-            log.info("verify: %d req, %d rows, %d drafts", len(reqs), len(ids), len(ids) - len(reqs))
         rows = engine.sampling_batch(fb, req_slots, produces if mode == "extend" else row_produces, drafts)
         if any(src_row >= 0 and r.grammar is not None for src_row, r in zip(src, reqs)):
             # A grammar depends on the token the in-flight step is still sampling: run the forward, read
@@ -412,7 +410,8 @@ class Scheduler:
                 reason = self._stop_reason(req, tok)
                 o = TokenOutput(req.rid, tok, reason, len(req.input_ids), req.cached_tokens, error,
                                 now - req.prefill_started_at if first_token else None,
-                                error_code=ErrorCode.ENGINE_FAILED if error is not None else None)
+                                error_code=ErrorCode.ENGINE_FAILED if error is not None else None,
+                                drafted=j < first + n)
                 if logprobs and j in logprobs:
                     _attach_logprobs(o, logprobs[j], req.params.top_logprobs)
                 out.append(o)
@@ -421,6 +420,8 @@ class Scheduler:
                 if reason is not None:
                     self._release(req, reason)
                     break
+        if step.drafts is not None:
+            log.info("verify: %d req, %d drafts, %d accepted", len(step.reqs), sum(map(len, step.drafts)), accepted)
         self._account(step.mode, step.lens, emitted, accepted, now)
         if out:
             self._emit_outputs(out)
@@ -489,7 +490,8 @@ class Scheduler:
 
     def model_info(self) -> ModelInfo:
         """What a front may know of the engine this scheduler drives (in whichever process they live)."""
-        return self.engine.model_info(overlap=self.overlap, eos_token_ids=self.eos,
+        spec = f"{self.proposer.name} k={self.cfg.num_speculative_tokens}" if self.proposer is not None else ""
+        return self.engine.model_info(overlap=self.overlap, eos_token_ids=self.eos, speculative=spec,
                                       prefix_cache=None if self.cfg.cache == "naive" else "radix")  # naive reuses none
 
     def check_pages(self) -> None:

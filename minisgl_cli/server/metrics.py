@@ -140,6 +140,7 @@ class ServerMetrics:
                     "completion_tok_s": round(self._completions.rate(), 3),
                     "decode_tok_s": round(sched.decode_tok_s, 3),
                     "prefill_tok_s": round(sched.prefill_tok_s, 3),
+                    "spec_accepted_tok_s": round(sched.spec_accepted_tok_s, 3),
                 },
             }
 
@@ -181,6 +182,10 @@ class ServerMetrics:
                 ("decode_throughput_tokens_per_second", sched.decode_tok_s, "Decode speed of the last 10 s of steps."),
                 ("decode_compiling", sched.decode_compiling,
                  "Engines still compiling their CPU decode (--torch-compile); eager until then."),
+                ("spec_accept_length", sched.spec_accept_length,
+                 "Speculative decoding: tokens a request gains per verify step (its accepted drafts + 1)."),
+                ("spec_accepted_tokens_per_second", sched.spec_accepted_tok_s,
+                 "Speculative decoding: accepted draft tokens per second of decode (rolling)."),
             ))
             families("counter", (
                 ("cache_hit_tokens_total", sched.cache_hit_tokens, "Prompt tokens served from the prefix cache."),
@@ -193,6 +198,9 @@ class ServerMetrics:
                 ("requests_disconnected_total", self.disconnects, "Streams the client closed early."),
                 ("max_tokens_downscaled_total", self.downscaled, "Requests whose max_tokens was cut under load."),
                 ("retracted_requests_total", sched.retracted_requests, "Requests retracted to free KV."),
+                ("spec_verifies_total", sched.spec_verifies, "Requests' verify steps that carried drafts."),
+                ("spec_draft_tokens_total", sched.spec_draft_tokens, "Draft tokens verified."),
+                ("spec_accepted_tokens_total", sched.spec_accepted_tokens, "Draft tokens accepted."),
             ))
             if sched.replicas:  # data parallel: each replica's own
                 def each(values: list[float | None]) -> list[tuple[str, float]]:
@@ -244,7 +252,8 @@ def _process_cpu(sched: SchedulerStats) -> dict[str, float]:
 
 
 def _engine_info(info: ModelInfo) -> dict[str, str]:
-    return {"engine": info.engine, "attention_backend": info.attention_backend, "sampler": info.sampler}
+    return {"engine": info.engine, "attention_backend": info.attention_backend, "sampler": info.sampler,
+            "speculative": info.speculative or "none"}
 
 
 def _ms(seconds: float) -> float:
