@@ -192,7 +192,10 @@ class EngineOptions:
         """ValueError (one line) naming the flags the chosen engine has no use for: the hf and mlx engines run
         in this process, one request at a time, without our KV pool, scheduler or ranks."""
         from minisgl_cli import backends
+        from minisgl_cli.scheduler.speculative import DRAFT_TP
 
+        if self.scheduler.speculative_algorithm == "draft" and self.runtime.tp_size > 1:
+            raise ValueError(DRAFT_TP)
         engine = backends.resolve(self.engine.engine)
         if engine not in backends.SERIAL:
             return

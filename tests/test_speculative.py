@@ -79,8 +79,18 @@ def _same(plain, spec) -> None:
             assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
 
 
+@pytest.fixture
+def invariant():
+    """What keeps the default mode's plain answers themselves from depending on the timing of a concurrent run (the
+    README's Models section): torch on one thread (its multi-threaded CPU attention may round a row by the rows beside
+    it) and no prefix reuse (a prompt whose system prompt another request cached runs its rest as another extend)."""
+    threads = torch.get_num_threads()
+    yield {"num_threads": 1, "cache": "naive"}
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
-def test_greedy_and_seeded_sampling_with_drafts_equal_plain_decode_in_the_default_mode(monkeypatch):
+def test_greedy_and_seeded_sampling_with_drafts_equal_plain_decode_in_the_default_mode(monkeypatch, invariant):
     """The int4 default: greedy rows, and sampled rows with a seed, penalties and a logit bias, draw the same tokens
     (a verify row is a decode row: same kernels, same attention, same uniform at its position)."""
     params = [
@@ -90,7 +100,7 @@ def test_greedy_and_seeded_sampling_with_drafts_equal_plain_decode_in_the_defaul
         SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.2),
         SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, top_p=0.9, seed=3, logit_bias={11: 3.0}),
     ]
-    plain, spec, stats = _with_oracle(monkeypatch, {}, CHATS, params)
+    plain, spec, stats = _with_oracle(monkeypatch, invariant, CHATS, params)
     _same(plain, spec)
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens  # some drafts kept, some rejected
     assert stats.decode_tokens == sum(len(c.token_ids) - 1 for c in spec)
@@ -118,7 +128,7 @@ LOOKUP = [
 
 @pytest.fixture(scope="module")
 def lookup_plain():
-    with LLM(**EXACT) as llm:
+    with LLM(**EXACT, cache="naive") as llm:  # naive: see `invariant` below
         return llm.generate([c for c, _ in LOOKUP], [p for _, p in LOOKUP])
 
 
@@ -127,7 +137,7 @@ def lookup_plain():
 def test_exact_mode_greedy_with_ngram_drafts_equals_plain_decode(lookup_plain, k):
     """--deterministic fp32, prompt lookup's drafts: token for token the plain answers, stop strings and a
     max_tokens cut inside accepted runs, logprobs at every position, the JSON schema's mask on every verify row."""
-    with LLM(**EXACT, speculative_algorithm="ngram", num_speculative_tokens=k) as llm:
+    with LLM(**EXACT, cache="naive", speculative_algorithm="ngram", num_speculative_tokens=k) as llm:
         spec = llm.generate([c for c, _ in LOOKUP], [p for _, p in LOOKUP])
         llm.client.check_pages()
         stats = llm.client.stats()
@@ -271,3 +281,42 @@ def test_acceptance_shows_in_the_request_stats_metrics_status_line_and_bench_fig
     assert metrics.to_json(stats, "m", None)["scheduler"]["spec_accept_length"] == round(stats.spec_accept_length, 3)
     m = compute_metrics([RequestTiming(5, s.completion_tokens, 0.1, 1.0, drafted_tokens=s.drafted_tokens)], 1.0)
     assert m.accept_length == s.accept_length
+
+
+@pytest.mark.slow
+def test_a_draft_model_equal_to_the_target_accepts_every_draft():
+    """--speculative-algorithm draft with the target itself as the draft (exact mode): every draft is the target's own
+    greedy token, so every one is accepted, and the answers are the plain ones."""
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    with LLM(**EXACT) as llm:
+        plain = llm.generate(CHATS[:3], params)
+    with LLM(**EXACT, speculative_algorithm="draft", speculative_draft_model="smollm2") as llm:
+        assert llm.client.info.speculative == "draft k=3"
+        spec = llm.generate(CHATS[:3], params)
+        llm.client.check_pages()
+        stats = llm.client.stats()
+    _same(plain, spec)
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused_in_one_line(tiny_model_dirs, tmp_path):
+    """A draft model must share the target's tokenizer (a tiny Llama whose tokenizer swaps two tokens: refused), and
+    runs at --tp 1."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from minisgl_cli.app import app
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dirs["llama"], other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="has another tokenizer than the model"):
+        LLM(str(tiny_model_dirs["llama"]), speculative_algorithm="draft", speculative_draft_model=str(other))
+    result = CliRunner().invoke(app, ["chat", "--speculative-algorithm", "draft", "--speculative-draft-model",
+                                      str(other), "--tp", "2"])
+    assert result.exit_code != 0 and "runs at --tp 1" in result.output

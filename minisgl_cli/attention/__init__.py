@@ -36,7 +36,8 @@ def create_backend(
     on_cuda = torch.device(device).type == "cuda"
     args = (pool, num_heads, num_kv_heads, head_dim, scale)
     if name == "torch" or (name == "auto" and not on_cuda):
-        return TorchBackend(*args)
+        # --deterministic (the invariant GEMM policy): decode attention on one thread, alike in any batch.
+        return TorchBackend(*args, serial_decode=kernels is not None and kernels.cpu_gemm == "invariant")
     if not on_cuda:
         raise ValueError(f"attention backend {name!r} needs a CUDA device (got {device}); use 'torch' or 'auto'")
     if name == "triton":

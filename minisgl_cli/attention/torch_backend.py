@@ -5,6 +5,8 @@ Reads go through `KVPool.read`, which dequantizes an FP8 pool: on the CPU this i
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 
 from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.kvcache.pool import KVPool
 
 _PAD = 16  # the CPU's fp32 vector width (AVX-512; twice AVX2's): see TorchBackend.prepare
 
@@ -32,6 +35,14 @@ class TorchExtendMeta:
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 serial_decode: bool = False):
+        """`serial_decode`: decode attention on one thread (--deterministic). torch's CPU SDPA splits its work by
+        the batch and the thread count, and a row then rounds by the rows beside it (on 2 threads a lone row
+        unlike the same row among others: batch 1 against a verify step's rows); on one thread it does not."""
+        super().__init__(pool, num_heads, num_kv_heads, head_dim, scale)
+        self.serial_decode = serial_decode
 
     @property
     def split_last(self) -> bool:
@@ -111,6 +122,18 @@ class TorchBackend(AttentionBackend):
         keys = k_all.view(shape).transpose(1, 2)
         values = v_all.view(shape).transpose(1, 2)
         # GQA without copying K/V per query head: a KV head's query heads act as its query rows.
-        out = F.scaled_dot_product_attention(q.reshape(bsz, hkv, group, d), keys, values, attn_mask=meta.mask,
-                                             scale=self.scale)
+        with one_thread() if self.serial_decode else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q.reshape(bsz, hkv, group, d), keys, values, attn_mask=meta.mask,
+                                                 scale=self.scale)
         return out.reshape(bsz, self.num_heads, d)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op threads set to one for the block."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -8,6 +8,7 @@ read-backs of a step (`build_batch`, `upload`, `readback`), `forward` / `sample`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -185,6 +186,13 @@ class Engine:
             prefix_cache=prefix_cache, sampler=self.sampler.name, speculative=speculative,
         )
 
+    def draft_engine(self, model: str) -> Engine:
+        """An engine for a speculative draft model beside this one (scheduler/draft_model.py): the same device and
+        modes, TP 1, page size 1, a KV pool of as many tokens as this one's, no compiled decode."""
+        cfg = dataclasses.replace(self.cfg, model=model, page_size=1, max_total_tokens=self.spec.num_pages *
+                                  self.spec.page_size, device=str(self.device), torch_compile="off")
+        return Engine(cfg)
+
     def start_serving(self) -> None:
         """The scheduler starts stepping: start what runs beside serving (the CPU decode's compile)."""
         if self.compiled is not None:
@@ -218,6 +226,15 @@ class Engine:
         graphs = DecodeGraphs(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device, self.dtype)
         graphs.capture()
         self.graphs = graphs
+
+    def decode_rows(self, rows: int) -> None:
+        """Decode steps will run up to `rows` rows (speculative decoding's verify steps: k + 1 per request): on CUDA,
+        capture graphs that far, within the memory-based cap (an explicit --cuda-graph-max-bs stays as it is)."""
+        if self.graphs is None or self.cfg.cuda_graph_max_bs is not None:
+            return
+        want = default_max_bs(self._free_after_weights, rows)
+        if want > self.graphs.max_bs:
+            self.capture_graphs(want)
 
     # --- KV memory: the pool's pages and page-table rows (the scheduler's CacheManager alone calls these) ----------
     @property

@@ -77,6 +77,8 @@ class Scheduler:
         self.grammars = Grammars(spec.model_dir, spec.vocab_size, self.eos, spec.device)
         self.heartbeat = time.monotonic()  # last time the loop came round: a stalled loop stops updating it
         self.proposer = speculative.create_proposer(cfg, engine)  # None: no speculative decoding
+        if self.proposer is not None:  # verify steps are decode steps of up to k + 1 rows a request
+            engine.decode_rows(self.max_running * (cfg.num_speculative_tokens + 1))
 
     # --- loop ----------------------------------------------------------------------------------
     def run_forever(self, stop: threading.Event, receive: Callable[[bool], list[ToScheduler]] | None = None) -> None:

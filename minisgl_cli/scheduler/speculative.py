@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("minisgl.speculative")
 
+DRAFT_TP = "--speculative-algorithm draft runs at --tp 1 (the ranks would have to share the draft's tokens: not built)"
+
 MAX_WAIT = 16  # plain steps at most between a request's one-token probes while its drafts keep failing
 KEEP = 0.3  # a draft is proposed while the chance its run gets that far is at least this (a row costs ~0.2 of a step)
 DECAY = 0.6  # per verify: how fast a request's acceptance rate forgets
@@ -106,5 +108,7 @@ def create_proposer(cfg: SchedulerConfig, engine: Engine) -> Proposer | None:
         from minisgl_cli.scheduler.draft_model import DraftModelProposer
 
         assert cfg.speculative_draft_model is not None  # SchedulerConfig checks it
+        if engine.tp.size > 1:  # each rank would run its own draft model, whose tokens the ranks must share
+            raise ValueError(DRAFT_TP)
         return DraftModelProposer(engine, cfg.speculative_draft_model)
     return None
