@@ -69,17 +69,22 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="--num-speculative-tokens")
     ap.add_argument("--torch-compile", default="off", choices=("off", "on"))
     ap.add_argument("--workload", action="append", choices=list(WORKLOADS), help="(repeatable; default: all)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's; 1 on a shared machine: threads that wait on each other "
+                         "turn its contention into noise)")
     args = ap.parse_args()
+    import torch
+
     from minisgl_cli import LLM, SamplingParams
 
-    kw = dict(torch_compile=args.torch_compile)
+    kw = dict(torch_compile=args.torch_compile, num_threads=args.threads)
     plain, spec = LLM(**kw), LLM(**kw, speculative_algorithm="ngram", num_speculative_tokens=args.k)
     for llm in (plain, spec):  # a compiled decode: wait for it, as serving would
         while llm.client.stats().decode_compiling:
             time.sleep(1)
     params = SamplingParams(max_new_tokens=args.new_tokens)
     print(f"load average before: {os.getloadavg()[0]:.2f}; k={args.k}, torch_compile={args.torch_compile}, "
-          f"new_tokens<={args.new_tokens}, repeat={args.repeat}")
+          f"threads={torch.get_num_threads()}, new_tokens<={args.new_tokens}, repeat={args.repeat}")
     print(f"{'workload':12}{'tokens':>8}{'plain tok/s':>13}{'ngram tok/s':>13}{'ratio':>8}{'accept len':>12}"
           f"{'verifies':>10}{'same':>6}{'load':>7}")
     for name in args.workload or WORKLOADS:

@@ -19,7 +19,8 @@ from minisgl_cli.engine.sampler import create_sampler, sample
 from minisgl_cli.engine.sampling_state import SamplingState
 from minisgl_cli.scheduler import speculative
 from minisgl_cli.scheduler.ngram import NgramIndex
-from minisgl_cli.scheduler.speculative import DraftBudget, accepted_run
+from minisgl_cli.scheduler.request import MAX_WAIT, DraftBudget
+from minisgl_cli.scheduler.speculative import accepted_run
 
 CHATS = [[{"role": "user", "content": p}] for p in (
     "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
@@ -205,19 +206,19 @@ def test_a_verify_step_draws_from_the_target_distribution():
 def test_draft_budget_follows_acceptance_and_backs_off_when_nothing_is_accepted():
     b = DraftBudget(3)
     assert b.wants(0) == 3  # optimistic at first
-    outputs = 0
-    for accepted in (0, 1, 0, 0):  # mostly rejected: fewer drafts
-        outputs += accepted + 1
-        b.update(b.wants(outputs) or 1, accepted, outputs)
-    assert b.wants(outputs) <= 1
-    for _ in range(6):  # nothing accepted at all: none, and probes further and further apart
-        outputs += 1
-        b.update(1, 0, outputs)
-    assert b.wants(outputs) == 0 and b.resume_at - outputs == speculative.MAX_WAIT
-    assert b.wants(b.resume_at) == 1
-    for _ in range(4):  # the probes come true (a copied passage): back to k
-        outputs += 4
-        b.update(max(b.wants(outputs), 1), max(b.wants(outputs), 1), outputs)
+    b.update(3, 1, outputs=2)  # one of three: fewer next time
+    assert b.wants(2) == 2
+    b.update(1, 0, outputs=3)  # none: a pause of 1, 2, 4 .. MAX_WAIT plain steps, doubling
+    assert b.wants(3) == 0 and b.wants(4) == 1
+    outputs = 4
+    for _ in range(8):
+        b.update(1, 0, outputs=outputs)
+        outputs = b.resume_at
+    assert b.backoff == MAX_WAIT and b.wants(outputs - 1) == 0 and b.wants(outputs) == 1
+    for _ in range(4):  # the drafts come true (a copied passage): back to k
+        d = b.wants(outputs)
+        outputs += d + 1
+        b.update(d, d, outputs)
     assert b.wants(outputs) == 3
 
 

@@ -188,9 +188,9 @@ class Engine:
 
     def draft_engine(self, model: str) -> Engine:
         """An engine for a speculative draft model beside this one (scheduler/draft_model.py): the same device and
-        modes, TP 1, page size 1, a KV pool of as many tokens as this one's, no compiled decode."""
-        cfg = dataclasses.replace(self.cfg, model=model, page_size=1, max_total_tokens=self.spec.num_pages *
-                                  self.spec.page_size, device=str(self.device), torch_compile="off")
+        modes, TP 1, a KV pool of as many tokens as this one's, no compiled decode."""
+        cfg = dataclasses.replace(self.cfg, model=model, max_total_tokens=self.spec.num_pages * self.spec.page_size,
+                                  device=str(self.device), torch_compile="off")
         return Engine(cfg)
 
     def start_serving(self) -> None:

@@ -12,31 +12,18 @@ batch-invariant modes.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
+from minisgl_cli.scheduler.cache import CacheManager
+from minisgl_cli.scheduler.request import Req
 
 if TYPE_CHECKING:
     from minisgl_cli.engine.engine import Engine
-    from minisgl_cli.scheduler.request import Req
-
-log = logging.getLogger("minisgl.speculative")
-
-
-@dataclass
-class _Draft:
-    """One request's state in the draft engine: its page-table row, and the tokens whose KV the pool holds, by
-    position, with their slots (page size 1)."""
-
-    row: int
-    ids: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
 
 
 class DraftModelProposer:
-    """The `draft` proposer (see the module docstring)."""
+    """The `draft` proposer (see the module docstring). The draft engine's KV is a CacheManager's (no prefix reuse):
+    each request has a shadow `Req` there whose kv_len is how many of its tokens the draft pool holds."""
 
     name = "draft"
 
@@ -44,21 +31,21 @@ class DraftModelProposer:
         self.engine = target.draft_engine(model)
         self.vocab = min(self.engine.spec.vocab_size, target.spec.vocab_size)
         _check_tokenizers(target, self.engine, model)
-        self.drafts: dict[str, _Draft] = {}
+        self.cache = CacheManager(self.engine, "naive")
+        self.drafts: dict[str, Req] = {}  # rid -> its shadow in the draft engine (input_ids: the tokens in its KV)
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in reqs]
-        ready: list[tuple[int, _Draft, list[int]]] = []  # (index, state, its tokens) of the requests that draft
+        ready: list[tuple[int, Req, list[int]]] = []  # (index, shadow, the request's tokens) of those that draft
         for i, req in enumerate(reqs):
-            state = self._catch_up_plan(req)
-            if state is not None:
-                ready.append((i, state, req.all_ids))
+            shadow = self._cut_back(req)
+            if shadow is not None:
+                ready.append((i, shadow, req.all_ids))
         if not ready:
             return out
-        prompt_rows = [(s, ids, min(len(reqs[i].input_ids), len(ids) - 1)) for i, s, ids in ready]
-        self._extend([(s, ids[: n]) for s, ids, n in prompt_rows if len(s.ids) < n])
+        self._extend([(s, ids[: min(len(reqs[i].input_ids), len(ids) - 1)]) for i, s, ids in ready])
         # The rest (at least each request's last token) as decode rows: the last row of each gives its first draft.
-        firsts = self._decode([(s, ids[len(s.ids):]) for _, s, ids in ready])
+        firsts = self._decode([(s, ids[s.kv_len:]) for _, s, ids in ready])
         chains = {i: [tok] for (i, _, _), tok in zip(ready, firsts) if tok is not None}
         live = [(i, s) for i, s, _ in ready if i in chains and budgets[i] > 1]
         while live:
@@ -74,99 +61,92 @@ class DraftModelProposer:
             out[i] = chain[:n]
         return out
 
-    def _catch_up_plan(self, req: Req) -> _Draft | None:
-        """The request's draft state with its KV cut back to the tokens it shares with the request (None: no draft
-        for it now -- no page-table row free, or a token the draft model does not know)."""
+    def _cut_back(self, req: Req) -> Req | None:
+        """The request's shadow with its KV cut back to the tokens it shares with the request, the last one excepted
+        (its row gives the first draft); None: no draft for it now (no page-table row free, or a token the draft
+        model does not know)."""
         ids = req.all_ids
-        state = self.drafts.get(req.rid)
-        if state is None:
-            row = self.engine.alloc_req_slot()
-            if row is None:
+        shadow = self.drafts.get(req.rid)
+        if shadow is None:
+            shadow = Req(req.rid, [], req.params)
+            if not self.cache.admit(shadow):
                 return None
-            state = self.drafts[req.rid] = _Draft(row)
+            self.drafts[req.rid] = shadow
         keep = 0
-        for a, b in zip(state.ids, ids):
+        for a, b in zip(shadow.input_ids, ids):
             if a != b:
                 break
             keep += 1
-        keep = min(keep, len(ids) - 1)  # the last token runs again: its row gives the first draft
-        self.engine.free_pages(state.slots[keep:])
-        del state.ids[keep:], state.slots[keep:]
-        if max(ids) >= self.engine.spec.vocab_size:
-            return None
-        return state
+        shadow.kv_len = min(keep, len(ids) - 1)
+        self.cache.rewind(shadow)
+        del shadow.input_ids[shadow.kv_len:]
+        return None if max(ids) >= self.engine.spec.vocab_size else shadow
 
-    def _take(self, state: _Draft, ids: list[int]) -> list[int] | None:
-        """Slots for `ids` after the state's tokens (the state then holds them), or None when the pool is short."""
-        slots = self.engine.alloc_pages(len(ids))  # page size 1: a page is a slot
-        if slots is None:
+    def _take(self, shadow: Req, ids: list[int]) -> list[int] | None:
+        """KV slots for `ids` after the shadow's tokens (it then holds them), or None when the pool is short."""
+        start = shadow.kv_len
+        if not self.cache.reserve(shadow, len(ids)):
             return None
-        state.ids += ids
-        state.slots += slots
-        return slots
+        shadow.kv_len += len(ids)
+        shadow.input_ids += ids
+        return self.cache.slots(shadow, start, shadow.kv_len)
 
-    def _extend(self, work: list[tuple[_Draft, list[int]]]) -> None:
-        """Write the KV of each state's prompt tokens it lacks (`work`: the state and its prompt) in one extend."""
-        eng = self.engine
+    def _extend(self, work: list[tuple[Req, list[int]]]) -> None:
+        """One extend writing the KV of the prompt tokens each shadow lacks (`work`: the shadow and its prompt)."""
         ids: list[int] = []
         rows: list[int] = []
         starts: list[int] = []
         lens: list[int] = []
         locs: list[int] = []
-        for state, prompt in work:
-            start, new = len(state.ids), prompt[len(state.ids):]
-            slots = self._take(state, new)
-            if slots is None:
+        for shadow, prompt in work:
+            start, new = shadow.kv_len, prompt[shadow.kv_len:]
+            if not new or (slots := self._take(shadow, new)) is None:
                 continue
+            assert shadow.req_slot is not None  # admitted
             ids += new
-            rows.append(state.row)
+            rows.append(shadow.req_slot)
             starts.append(start)
             lens.append(len(new))
             locs += slots
         if ids:
-            batch = eng.build_batch("extend", ids, rows, starts, lens, locs)
-            row_of = torch.repeat_interleave(batch.req_slots, batch.extend_lens, output_size=batch.num_tokens)
-            eng.write_page_table(row_of, batch.positions, batch.out_cache_loc.to(torch.int32))
-            eng.forward(batch)
+            batch = self.engine.build_batch("extend", ids, rows, starts, lens, locs)
+            self.cache.write_rows(batch)
+            self.engine.forward(batch)
 
-    def _decode(self, work: list[tuple[_Draft, list[int]]]) -> list[int | None]:
-        """Decode rows for each state's `ids` (at its next positions); the greedy token after each state's last row
-        (None for a state the pool had no room for)."""
-        eng = self.engine
+    def _decode(self, work: list[tuple[Req, list[int]]]) -> list[int | None]:
+        """Decode rows for each shadow's `ids` (at its next positions); the greedy token after each one's last row
+        (None for a shadow the pool had no room for)."""
         ids: list[int] = []
         rows: list[int] = []
         starts: list[int] = []
         locs: list[int] = []
-        last: list[int | None] = []  # each state's last row
-        for state, new in work:
-            start = len(state.ids)
-            slots = self._take(state, new)
-            if slots is None:
+        last: list[int | None] = []  # each shadow's last row
+        for shadow, new in work:
+            start = shadow.kv_len
+            if (slots := self._take(shadow, new)) is None:
                 last.append(None)
                 continue
+            assert shadow.req_slot is not None  # admitted
             ids += new
-            rows += [state.row] * len(new)
+            rows += [shadow.req_slot] * len(new)
             starts += range(start, start + len(new))
             locs += slots
             last.append(len(ids) - 1)
         if not ids:
             return [None] * len(work)
-        batch = eng.build_batch("decode", ids, rows, starts, [1] * len(ids), locs)
-        eng.write_page_table(batch.req_slots, batch.positions, batch.out_cache_loc.to(torch.int32))
-        tokens = eng.forward(batch).argmax(dim=-1).tolist()
+        batch = self.engine.build_batch("decode", ids, rows, starts, [1] * len(ids), locs)
+        self.cache.write_rows(batch)
+        tokens = self.engine.forward(batch).argmax(dim=-1).tolist()
         return [None if r is None else tokens[r] for r in last]
 
     def release(self, req: Req) -> None:
-        state = self.drafts.pop(req.rid, None)
-        if state is not None:
-            self.engine.free_pages(state.slots)
-            self.engine.free_req_slot(state.row)
+        shadow = self.drafts.pop(req.rid, None)
+        if shadow is not None:
+            self.cache.release(shadow, cache=False)
 
     def close(self) -> None:
         for rid in list(self.drafts):
-            state = self.drafts.pop(rid)
-            self.engine.free_pages(state.slots)
-            self.engine.free_req_slot(state.row)
+            self.cache.release(self.drafts.pop(rid), cache=False)
 
 
 def _check_tokenizers(target: Engine, draft: Engine, model: str) -> None:

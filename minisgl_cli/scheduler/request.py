@@ -1,4 +1,4 @@
-"""Req: one request's state inside the scheduler, from admission to finish."""
+"""Req: one request's state inside the scheduler, from admission to finish (with its speculative draft budget)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,49 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl_cli.kvcache.radix import RadixNode
-from minisgl_cli.scheduler.speculative import DraftBudget
 from minisgl_cli.types import SamplingParams
+
+# A request's draft budget (speculative decoding, speculative.py):
+MAX_WAIT = 32  # plain steps at most between a request's probes while none of its drafts is accepted
+KEEP = 0.3  # a draft is proposed while the chance its run gets that far is at least this (a row costs ~0.2 of a step)
+DECAY = 0.6  # per verify: how fast a request's acceptance rate forgets
+
+
+@dataclass
+class DraftBudget:
+    """How many drafts a request proposes next, from its recent verify steps. Its acceptance rate `rate` (of a draft
+    whose run got that far; decayed, optimistic at first) sets the longest run d <= k whose last draft is reached
+    with a chance of at least KEEP (rate**d), at least one. A verify that accepted nothing pauses the request's drafts
+    for 1, 2, 4 .. MAX_WAIT plain steps (doubling while it goes on): a request whose drafts keep failing costs a step
+    ~nothing, and one that starts to copy (a quoted passage) is found again within MAX_WAIT tokens."""
+
+    k: int
+    hits: float = 0.0  # accepted drafts (decayed)
+    misses: float = 0.0  # rejected ones: at most one per verify, the first that differed
+    resume_at: int = 0  # after a verify that accepted nothing: the output length at which it proposes again
+    backoff: int = 0
+
+    @property
+    def rate(self) -> float:
+        return (self.hits + 1) / (self.hits + self.misses + 1)
+
+    def wants(self, outputs: int) -> int:
+        """Drafts to ask for at this output length."""
+        if outputs < self.resume_at:
+            return 0
+        d, rate = 1, self.rate
+        while d < self.k and rate ** (d + 1) >= KEEP:
+            d += 1
+        return d
+
+    def update(self, proposed: int, accepted: int, outputs: int) -> None:
+        self.hits = DECAY * self.hits + accepted
+        self.misses = DECAY * self.misses + (accepted < proposed)
+        if accepted:
+            self.backoff, self.resume_at = 0, 0
+        else:
+            self.backoff = min(2 * self.backoff or 1, MAX_WAIT)
+            self.resume_at = outputs + self.backoff
 
 
 @dataclass(eq=False)
@@ -27,7 +68,7 @@ class Req:
     cached_tokens: int = 0  # prefix hit at first admission (reported to the user)
     matched: bool = False
     grammar: Any = None  # xgrammar's GrammarMatcher when the request has a structured output (grammar.py)
-    draft: DraftBudget | None = None  # speculative decoding: how many drafts it proposes next (speculative.py)
+    draft: DraftBudget | None = None  # speculative decoding: how many drafts it proposes next
     arrival: float = field(default_factory=time.perf_counter)
     prefill_started_at: float = 0.0  # when it first joined a prefill batch (queueing excluded)
 

@@ -43,8 +43,8 @@ from minisgl_cli.scheduler.cache import CacheManager
 from minisgl_cli.scheduler.config import SchedulerConfig
 from minisgl_cli.scheduler.grammar import GrammarError, Grammars
 from minisgl_cli.scheduler.overlap import Launched, RowLogprobs, feed_input_ids
-from minisgl_cli.scheduler.request import Req
-from minisgl_cli.scheduler.speculative import DraftBudget, accepted_run
+from minisgl_cli.scheduler.request import DraftBudget, Req
+from minisgl_cli.scheduler.speculative import accepted_run
 from minisgl_cli.scheduler.stats import RollingRate
 from minisgl_cli.types import ErrorCode, FinishReason, ModelInfo, SamplingParams, SchedulerStats
 

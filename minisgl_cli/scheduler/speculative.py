@@ -19,7 +19,6 @@ flight before proposing and reads a verify step before launching the next (steps
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from minisgl_cli.scheduler.config import SchedulerConfig
@@ -31,11 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("minisgl.speculative")
 
 DRAFT_TP = "--speculative-algorithm draft runs at --tp 1 (the ranks would have to share the draft's tokens: not built)"
-
-MAX_WAIT = 16  # plain steps at most between a request's one-token probes while its drafts keep failing
-KEEP = 0.3  # a draft is proposed while the chance its run gets that far is at least this (a row costs ~0.2 of a step)
-DECAY = 0.6  # per verify: how fast a request's acceptance rate forgets
-
 
 class Proposer(Protocol):
     """What proposes draft tokens: the n-gram lookup, a draft model, later an EAGLE-style head. It proposes
@@ -54,40 +48,6 @@ class Proposer(Protocol):
     def close(self) -> None:
         """The scheduler stops: give back what the proposer holds."""
         ...
-
-
-@dataclass
-class DraftBudget:
-    """How many drafts a request proposes next, from its recent verify steps. Its acceptance rate `rate` (of a draft
-    whose run got that far; decayed, optimistic at first) sets the longest run d <= k whose last draft is reached
-    with a chance of at least KEEP (rate**d). Below one draft it proposes none, then a one-draft probe after 1, 2, 4 ..
-    16 plain steps (doubling while probes fail): a request whose drafts keep failing costs a step ~nothing."""
-
-    k: int
-    hits: float = 0.0  # accepted drafts (decayed)
-    misses: float = 0.0  # rejected ones: at most one per verify, the first that differed
-    resume_at: int = 0  # while no draft pays: the output length at which it probes again
-    backoff: int = 0
-
-    @property
-    def rate(self) -> float:
-        return (self.hits + 1) / (self.hits + self.misses + 1)
-
-    def wants(self, outputs: int) -> int:
-        """Drafts to ask for at this output length."""
-        d, rate = 0, self.rate
-        while d < self.k and rate ** (d + 1) >= KEEP:
-            d += 1
-        return d or int(outputs >= self.resume_at)
-
-    def update(self, proposed: int, accepted: int, outputs: int) -> None:
-        self.hits = DECAY * self.hits + accepted
-        self.misses = DECAY * self.misses + (accepted < proposed)
-        if accepted:
-            self.backoff, self.resume_at = 0, 0
-        else:
-            self.backoff = min(2 * self.backoff or 1, MAX_WAIT)
-            self.resume_at = outputs + self.backoff
 
 
 def accepted_run(drafts: list[int], drawn: list[int]) -> int:
