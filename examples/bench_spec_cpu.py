@@ -6,14 +6,17 @@ workloads of the default model: rewrite a paragraph, edit a code listing, open c
 Two in-process engines of the same model and mode (the default: the GGUF's int4 weights) -- one plain, one with
 `--speculative-algorithm ngram` -- answer each prompt in turn, `--repeat` times, greedy, one request at a time. tok/s is
 the request's output tokens after the first over the time after its first token (decode); the table gives the best of
-the runs of each (the least disturbed on a shared machine), their ratio, the acceptance length, and whether the two
-answers are the same tokens (they must be). The load average is printed beside the figures.
+the runs of each (the least disturbed on a shared machine) and their ratio; `cpu` is the same per second of this
+process's CPU time over the whole request (median of the runs): with `--threads 1` the engine's work alone, which
+other processes on the cores do not stretch. Then the acceptance length, and whether the two answers are the same
+tokens. The load average is printed beside the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 PARAGRAPH = (
@@ -85,26 +88,30 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.new_tokens)
     print(f"load average before: {os.getloadavg()[0]:.2f}; k={args.k}, torch_compile={args.torch_compile}, "
           f"threads={torch.get_num_threads()}, new_tokens<={args.new_tokens}, repeat={args.repeat}")
-    print(f"{'workload':12}{'tokens':>8}{'plain tok/s':>13}{'ngram tok/s':>13}{'ratio':>8}{'accept len':>12}"
-          f"{'verifies':>10}{'same':>6}{'load':>7}")
+    print(f"{'workload':12}{'tokens':>8}{'plain tok/s':>13}{'ngram tok/s':>13}{'ratio':>8}{'cpu ratio':>11}"
+          f"{'accept len':>12}{'verifies':>10}{'same':>6}{'load':>7}")
     for name in args.workload or WORKLOADS:
         prompt = WORKLOADS[name]
         chat = [{"role": "user", "content": prompt}]
         plain.generate(chat, SamplingParams(max_new_tokens=4))  # the prompt's prefill, once each
         spec.generate(chat, SamplingParams(max_new_tokens=4))
         rates: dict[str, list[float]] = {"plain": [], "ngram": []}
+        cpu: dict[str, list[float]] = {"plain": [], "ngram": []}
         answers = {}
         before = spec.client.stats()
         for _ in range(args.repeat):
             for label, llm in (("plain", plain), ("ngram", spec)):
+                t0 = time.process_time()
                 out = llm.generate(chat, params)[0]
+                cpu[label].append(len(out.token_ids) / (time.process_time() - t0))
                 rates[label].append(out.stats.decode_tok_s)
                 answers[label] = out.token_ids
         after = spec.client.stats()
         verifies = after.spec_verifies - before.spec_verifies
         accept = (after.spec_accepted_tokens - before.spec_accepted_tokens + verifies) / verifies if verifies else 0
         p, s = max(rates["plain"]), max(rates["ngram"])
-        print(f"{name:12}{len(answers['plain']):>8}{p:>13.1f}{s:>13.1f}{s / p:>8.2f}{accept:>12.2f}"
+        cpu_ratio = statistics.median(cpu["ngram"]) / statistics.median(cpu["plain"])
+        print(f"{name:12}{len(answers['plain']):>8}{p:>13.1f}{s:>13.1f}{s / p:>8.2f}{cpu_ratio:>11.2f}{accept:>12.2f}"
               f"{verifies:>10}{str(answers['plain'] == answers['ngram']):>6}{os.getloadavg()[0]:>7.2f}", flush=True)
     plain.close()
     spec.close()

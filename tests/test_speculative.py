@@ -321,3 +321,28 @@ def test_a_draft_model_with_another_tokenizer_is_refused_in_one_line(tiny_model_
     result = CliRunner().invoke(app, ["chat", "--speculative-algorithm", "draft", "--speculative-draft-model",
                                       str(other), "--tp", "2"])
     assert result.exit_code != 0 and "runs at --tp 1" in result.output
+
+
+@pytest.mark.slow
+def test_serve_with_prompt_lookup_stops_at_a_stop_string_and_reports_acceptance(default_model_dir, tmp_path):
+    """`minisgl serve --speculative-algorithm ngram` (the multi-process runtime, compile off): a streamed completion
+    with a stop string in an accepted run ends where it would without speculation (the detokenizer decodes the run a
+    token at a time), and /metrics counts the accepted drafts."""
+    import httpx
+    from serve_process import Serve
+
+    body = {"messages": LOOKUP[0][0], "max_tokens": 40, "temperature": 0, "stop": [" supper"]}
+    with LLM(cache="naive") as llm:
+        plain = llm.generate(LOOKUP[0][0], SamplingParams(max_new_tokens=40, stop=[" supper"]))[0]
+    server = Serve(default_model_dir, tmp_path, "--speculative-algorithm", "ngram", "--torch-compile", "off",
+                   "--cache", "naive")
+    try:
+        server.wait_healthy()
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).json()
+    finally:
+        server.stop()
+    choice = reply["choices"][0]
+    assert choice["message"]["content"] == plain.text and choice["finish_reason"] == "stop"
+    assert reply["usage"]["completion_tokens"] == len(plain.token_ids)
+    assert metrics["engine"]["speculative"] == "ngram k=3" and metrics["scheduler"]["spec_accepted_tokens"] > 0
