@@ -7,10 +7,10 @@ rank that cannot set symmetric memory up takes every rank back to NCCL instead o
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 
 import pytest
 import torch
+from ranks import run_ranks
 
 from minisgl_cli.distributed import DistConfig, TPInfo, comm, one_shot
 from minisgl_cli.runtime.config import RuntimeConfig
@@ -87,7 +87,7 @@ def test_all_reduce_takes_the_one_shot_path_for_the_messages_it_fits(monkeypatch
     assert comm.all_reduce(x, TPInfo(0, 1, one_shot=fake)) is x and len(fake.seen) == 1  # TP 1: nothing to sum
 
 
-def _rank(rank: int, addr: str, fail_on: int, out) -> None:
+def _rank(rank: int, addr: str, out, fail_on: int) -> None:
     """A gloo rank whose symmetric-memory steps 'work' except allocation on rank `fail_on`: what it chose."""
     from minisgl_cli.distributed import comm, one_shot
 
@@ -103,7 +103,7 @@ def _rank(rank: int, addr: str, fail_on: int, out) -> None:
     tp = comm.init_tp(rank, DistConfig(tp_size=2, init_addr=addr), torch.device("cpu"))
     # The device says cuda so the set-up runs; the agreement itself goes over the gloo host group.
     chosen = comm.setup_all_reduce(tp, torch.device("cuda"), torch.bfloat16, 1 << 20)
-    out.put((rank, chosen.one_shot is not None, comm.describe_all_reduce(chosen)))
+    out.put((rank, (chosen.one_shot is not None, comm.describe_all_reduce(chosen))))
     comm.close_tp()
 
 
@@ -112,23 +112,8 @@ def _rank(rank: int, addr: str, fail_on: int, out) -> None:
 def test_ranks_agree_on_the_all_reduce_when_one_cannot_set_it_up(fail_on):
     """Rank 1 failing to allocate takes rank 0 back to the group's all-reduce too (or both would hang in
     different collectives); with every step working on both, both take the one-shot."""
-    from minisgl_cli.api.http_server import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    addr = f"127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank, args=(r, addr, fail_on, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = sorted(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = sorted(run_ranks(_rank, 2, fail_on, timeout=120).items())
     if fail_on == 1:
-        assert got == [(0, False, "gloo"), (1, False, "gloo")]
+        assert got == [(0, (False, "gloo")), (1, (False, "gloo"))]
     else:
-        assert [(r, made) for r, made, _ in got] == [(0, True), (1, True)]
-        assert all(text == "one-shot <= 1024 KiB, else nccl" for _, _, text in got)
+        assert got == [(0, (True, "one-shot <= 1024 KiB, else nccl")), (1, (True, "one-shot <= 1024 KiB, else nccl"))]

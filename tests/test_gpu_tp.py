@@ -11,12 +11,12 @@ split at a near-tie and then differ (docs/benchmarks.md, `--tp 2` vs `--tp 1`).
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import random
 import traceback
 
 import pytest
 import torch
+from ranks import run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,21 +75,7 @@ def _sums(rank: int, addr: str, out) -> None:
 
 
 def test_one_shot_all_reduce_equals_nccl_eager_and_in_a_graph():
-    from minisgl_cli.api.http_server import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    addr = f"127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_sums, args=(r, addr, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=240) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = run_ranks(_sums, 2)
     assert results == {0: None, 1: None}, "\n".join(str(v) for v in results.values() if v)
 
 
