@@ -14,6 +14,7 @@ never used (no multimem op here; comm.init_tp sets TORCH_SYMM_MEM_DISABLE_MULTIC
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -67,6 +68,10 @@ class OneShotAllReduce:
 
         assert self.buffer is not None
         name: Any = group.group_name  # by name: what every torch with these ops takes (and the ops want)
+        if torch.__version__ < "2.11":  # before 2.11 a group had to be enabled first (deprecated since)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(name)
         symm_mem.rendezvous(self.buffer, name)
         self.group_name = name
 
