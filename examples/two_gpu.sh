@@ -70,7 +70,7 @@ want a && part "(a) all-reduce micro-benchmark" 90 30 "$OUT/allreduce.log" \
 
 # (b) the two-GPU tests: ~90 s (the sums test ~25 s; Qwen3-0.6B at --tp 1 and --tp 2, one start each)
 want b && part "(b) pytest tests/test_gpu_tp.py" 170 60 "$OUT/pytest.log" \
-  $PY -m pytest -q -x -p no:cacheprovider tests/test_gpu_tp.py
+  $PY -m pytest -q -p no:cacheprovider tests/test_gpu_tp.py
 
 # (c) Llama-3.1-8B batch-1 decode and greedy tokens: ~40-60 s per configuration (start, 4x32 greedy tokens,
 # warm-up, 3 x 256 tokens at batch 1)
