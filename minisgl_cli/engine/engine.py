@@ -20,10 +20,11 @@ from minisgl_cli.attention import create_backend
 from minisgl_cli.core.batch import ForwardBatch, Mode
 from minisgl_cli.core.host import HostBuffers
 from minisgl_cli.distributed import TPInfo
-from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks
+from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks, setup_all_reduce
+from minisgl_cli.distributed.one_shot import buffer_bytes
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.cpu_compile import CompiledDecode
-from minisgl_cli.engine.graph import DecodeGraphs, default_max_bs
+from minisgl_cli.engine.graph import MAX_DEFAULT_BS, DecodeGraphs, default_max_bs
 from minisgl_cli.engine.sampler import Sampled, create_sampler, sample
 from minisgl_cli.engine.sampling_state import Need, SamplingBatch, SamplingState
 from minisgl_cli.kvcache.pool import KVPool, KVShape
@@ -110,6 +111,11 @@ class Engine:
                 "a Llama, Qwen2, Qwen3, Qwen3-MoE or Mixtral config",
             ) from None
         mc = self.model_cfg
+        if tp.size > 1 and self.device.type == "cuda":
+            # The one-shot all-reduce takes messages up to the largest decode batch the graphs may capture.
+            rows = min(cfg.cuda_graph_max_bs or MAX_DEFAULT_BS, cfg.max_running_requests)
+            nbytes = buffer_bytes(rows * mc.hidden_size * self.dtype.itemsize, tp.size)
+            self.tp = tp = setup_all_reduce(tp, self.device, self.dtype, nbytes)
 
         # Allocate parameters straight on the device in the engine dtype (no fp32 CPU copy of an 8B model).
         with torch.device(self.device):
@@ -211,6 +217,9 @@ class Engine:
             max_bs = self.cfg.cuda_graph_max_bs
         if max_bs is None:
             max_bs = default_max_bs(self._free_after_weights, self.cfg.max_running_requests)
+        # Every rank captures the same sizes (free memory may differ): a batch pads alike on all, so their
+        # collectives meet with the same shapes.
+        max_bs = min_over_ranks(max_bs, self.tp)
         self.graphs = None
         torch.cuda.empty_cache()
         graphs = DecodeGraphs(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device, self.dtype)

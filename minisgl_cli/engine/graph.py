@@ -29,10 +29,13 @@ def capture_sizes(max_bs: int) -> list[int]:
     return sorted(set(out))
 
 
+MAX_DEFAULT_BS = 256  # the most rows default_max_bs captures
+
+
 def default_max_bs(free_bytes: int, max_running: int) -> int:
     """By free memory after weights and KV sizing inputs: big cards capture up to 256 rows."""
     gib = free_bytes / (1 << 30)
-    cap = 256 if gib >= 40 else 128 if gib >= 16 else 32
+    cap = MAX_DEFAULT_BS if gib >= 40 else 128 if gib >= 16 else 32
     return max(1, min(cap, max_running))
 
 

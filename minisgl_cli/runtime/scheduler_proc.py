@@ -20,7 +20,7 @@ import zmq
 
 from minisgl_cli import notice
 from minisgl_cli.distributed import DistConfig
-from minisgl_cli.distributed.comm import broadcast_bytes, init_tp
+from minisgl_cli.distributed.comm import broadcast_bytes, describe_all_reduce, init_tp
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.messages import FromScheduler, Heartbeat, RankBatch, ToScheduler, decode, encode
 from minisgl_cli.runtime.child import Child
@@ -50,8 +50,10 @@ def run_rank(job: RankJob) -> None:
     child = Child(f"scheduler rank {job.rank}", f"rank{job.rank}", job.log_level, job.endpoints.launcher)
     scheduler, tp, receive, stop = child.start(functools.partial(_start, job))
     e, info = scheduler.engine, scheduler.model_info()
+    summed = describe_all_reduce(e.tp)
     child.ready(info if tp.rank == 0 else None,
-                f"{info.device} {info.dtype}, {info.kv_tokens:,} KV tokens, loaded in {info.load_s:.1f}s")
+                f"{info.device} {info.dtype}, {info.kv_tokens:,} KV tokens, loaded in {info.load_s:.1f}s"
+                + (f", all-reduce {summed}" if summed else ""))
     scheduler.run_forever(stop, receive)
     if e.compiling:  # an interpreter exit would wait for the compile thread or abort in it: leave at once
         logging.shutdown()
