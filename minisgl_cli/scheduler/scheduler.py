@@ -41,6 +41,7 @@ from minisgl_cli.scheduler.cache import CacheManager
 from minisgl_cli.scheduler.config import SchedulerConfig
 from minisgl_cli.scheduler.grammar import GrammarError, Grammars
 from minisgl_cli.scheduler.overlap import Launched, RowLogprobs, feed_input_ids
+from minisgl_cli.scheduler.profile import StepProfiler
 from minisgl_cli.scheduler.request import Req
 from minisgl_cli.scheduler.stats import RollingRate
 from minisgl_cli.types import ErrorCode, FinishReason, ModelInfo, SamplingParams, SchedulerStats
@@ -80,12 +81,16 @@ class Scheduler:
         receive = receive or self.drain
         self.engine.start_serving()
         self.grammars.prepare()
+        profiler = StepProfiler.from_env(self.engine.spec.device)
         while not stop.is_set():
             self.heartbeat = time.monotonic()
             for msg in receive(not (self.waiting or self.running or self._inflight)):
                 self.handle(msg)
             try:
+                busy = bool(self.waiting or self.running)
                 self.step()
+                if busy:
+                    profiler.busy_step_done()
             except Exception:  # a bug must not kill the loop silently: fail what is in flight, go on
                 log.exception("scheduler step failed; failing in-flight requests")
                 self._inflight = None
