@@ -230,7 +230,11 @@ def build_tiny_qwen2_vl(out_dir: Path, version: str = "2") -> Path:
     tokenizer.chat_template = QWEN2_VL_TEMPLATE
     ids = {m: tokenizer.convert_tokens_to_ids(m) for m in markers}
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # head_dim 16: 2 * 8
-    common = dict(patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE, temporal_patch_size=2, num_heads=2, depth=2)
+    # Weights drawn 10x wider than transformers' default (std 0.02): a reply then depends on the picture and the
+    # words, so greedy ids compared against HF's test something (at 0.02 every prompt gives the same reply).
+    init = dict(initializer_range=0.2)
+    common = dict(patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE, temporal_patch_size=2, num_heads=2, depth=2,
+                  **init)
     if version == "2":
         vision = dict(embed_dim=32, hidden_size=64, **common)
         config_cls, model_cls = tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration
@@ -239,7 +243,7 @@ def build_tiny_qwen2_vl(out_dir: Path, version: str = "2") -> Path:
                       fullatt_block_indexes=[1], **common)
         config_cls, model_cls = tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration
     config = config_cls(
-        text_config=_tiny_decoder(tokenizer, "<|im_end|>", rope_parameters=rope), vision_config=vision,
+        text_config=_tiny_decoder(tokenizer, "<|im_end|>", rope_parameters=rope, **init), vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
     )

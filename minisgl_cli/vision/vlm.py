@@ -26,6 +26,7 @@ from typing import Any
 
 from minisgl_cli.admission import new_tokens
 from minisgl_cli.media.device import pick_device, pick_dtype
+from minisgl_cli.processor import load_processor
 from minisgl_cli.types import (
     Delta,
     ErrorCode,
@@ -98,43 +99,6 @@ def resolve_vlm_dir(model: str | Path) -> Path:
                            "(expected one AutoModelForImageTextToText loads: SmolVLM / Idefics3, Qwen2-VL, "
                            "Qwen2.5-VL, ...)")
     return path
-
-
-def load_processor(model_dir: Path) -> Any:
-    """AutoProcessor; where its video processor cannot be built (transformers needs torchvision for the
-    Qwen2-VL and SmolVLM ones), the same processor class without it: images only, which is all chat sends."""
-    from transformers import AutoProcessor
-
-    try:
-        return AutoProcessor.from_pretrained(model_dir)
-    except ImportError as exc:
-        if "torchvision" not in str(exc).lower():
-            raise
-    import inspect
-
-    import transformers
-    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-
-    cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[AutoConfig.from_pretrained(model_dir).model_type])
-
-    class ImageOnly(cls):  # type: ignore[misc, valid-type]
-        def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
-            return None if name == "video_processor" and arg is None else super().check_argument_for_proper_class(
-                name, arg)
-
-    ImageOnly.__name__ = cls.__name__
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    # The processor's own settings (image_seq_len, ...) from processor_config.json, where the dir has one.
-    saved = model_dir / "processor_config.json"
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "image_processor", "tokenizer",
-                                                                   "video_processor", "chat_template"}
-    extra = {k: v for k, v in json.loads(saved.read_text()).items() if k in accepted} if saved.is_file() else {}
-    template = tokenizer.chat_template
-    if (model_dir / "chat_template.jinja").is_file():
-        template = (model_dir / "chat_template.jinja").read_text()
-    return ImageOnly(image_processor=AutoImageProcessor.from_pretrained(model_dir), tokenizer=tokenizer,
-                     video_processor=None, chat_template=template, **extra)
 
 
 def load_vlm(model: str | Path, device: str | None = None) -> LoadedVlm:
