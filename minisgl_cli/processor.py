@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl_cli.core import pixels
+from minisgl_cli.models.config import VISION_ARCHITECTURES
 from minisgl_cli.tokenizer import hermes_messages
 from minisgl_cli.types import ImageInput, Prompt
 
@@ -88,6 +89,15 @@ def load_processor(model_dir: Path) -> Any:
 
 class VisionProcessor:
     """One model's image prompts (the HF processor loads on first use; one thread at a time uses it)."""
+
+    @classmethod
+    def of(cls, model_dir: Path | str) -> VisionProcessor | None:
+        """The processor of a model on the engine that takes images (Qwen2-VL / Qwen2.5-VL); None for another."""
+        try:
+            cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return cls(model_dir) if (cfg.get("architectures") or [""])[0] in VISION_ARCHITECTURES else None
 
     def __init__(self, model_dir: Path | str):
         self.model_dir = Path(model_dir)

@@ -82,3 +82,116 @@ def test_same_image_reuses_its_kv_and_another_image_never_does(tiny_vlms):
     assert again.stats.cached_tokens >= image.offset + image.tokens  # the image's tokens came from the cache
     assert other.stats.cached_tokens <= image.offset  # the same ids before and in the image: no hit past it
     assert stats.images_encoded == 2  # red once (its second request reused the KV, not even the tower), blue once
+
+
+# --- the multi-process runtime and the real server ---------------------------------------------------------
+
+
+def _greedy_remote_and_local(model_dir: Path, chats: list[list[dict]], tp: int) -> tuple[list, list]:
+    from minisgl_cli.api.http_server import free_port
+    from minisgl_cli.client.local import LocalClient
+    from minisgl_cli.client.protocol import complete
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.runtime.config import RuntimeConfig
+    from minisgl_cli.runtime.launch import launch
+    from minisgl_cli.scheduler.config import SchedulerConfig
+
+    def greedy(client) -> list[list[int]]:
+        async def run():
+            reqs = [GenerateRequest(messages=c, params=SamplingParams(max_new_tokens=N, ignore_eos=True))
+                    for c in chats]
+            return await asyncio.gather(*(complete(client, r) for r in reqs))
+        return [c.token_ids for c in asyncio.run(run())]
+
+    cfg = EngineConfig(model=str(model_dir), max_total_tokens=2048, dtype="float32", quantization="none")
+    local = LocalClient(cfg)
+    try:
+        want = greedy(local)
+    finally:
+        local.close()
+    rt = RuntimeConfig(tp_size=tp, dist_init_addr=f"127.0.0.1:{free_port()}")
+    remote = launch(cfg, SchedulerConfig(max_prefill_tokens=9), rt)  # 9-token chunks: images cut on both ranks
+    try:
+        got = greedy(remote)
+        remote.check_pages()
+    finally:
+        remote.close()
+    return got, want
+
+
+@pytest.mark.slow
+def test_tp2_equals_one_process_with_images_and_leaves_no_shared_memory(tiny_vlms):
+    from minisgl_cli.core import pixels
+
+    chats = [*CHATS, [{"role": "user", "content": "Text only, beside the images."}]]
+    got, want = _greedy_remote_and_local(tiny_vlms["qwen2.5-vl"], chats, tp=2)
+    assert got == want
+    assert not list(pixels._ROOT.glob(f"{pixels.PREFIX}*")), "pixel segments left behind"
+
+
+def _png_url(w: int, h: int, seed: int) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    picture(w, h, seed).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.slow
+def test_eight_concurrent_image_chats_through_the_server_equal_their_one_at_a_time_replies(tiny_vlms, tmp_path):
+    """`serve --model QWEN2-VL-DIR`: the VLM is the served model; every text-request feature works with images."""
+    import concurrent.futures
+
+    import httpx
+    import openai
+    from serve_process import Serve
+
+    server = Serve(tiny_vlms["qwen2-vl"], tmp_path, "--dtype", "float32", "--quantization", "none",
+                   kv_tokens=4096)
+    try:
+        server.wait_healthy()
+        oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+        def ask(i: int) -> tuple[str | None, int]:
+            messages = [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": _png_url(40 + 8 * i, 32, i)}},
+                {"type": "text", "text": f"Question {i}?"}]}]
+            r = oc.chat.completions.create(model="qwen2-vl", messages=messages, max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True})
+            return r.choices[0].message.content, r.usage.completion_tokens
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # first, cold: prefills batch different images
+            together = list(pool.map(ask, range(8)))
+        alone = [ask(i) for i in range(8)]
+        assert together == alone and len({text for text, _ in alone}) > 1
+
+        one = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_url(50, 40, 1)}},
+                                            {"type": "text", "text": "Hi"}]}]
+        r = oc.chat.completions.create(model="qwen2-vl", messages=one, max_tokens=4, logprobs=True, top_logprobs=2,
+                                       n=2, temperature=0.8, seed=3, frequency_penalty=0.5, presence_penalty=0.2,
+                                       logit_bias={"5": -5})
+        assert len(r.choices) == 2 and all(len(c.logprobs.content) == 4 for c in r.choices), r
+        assert len(r.choices[0].logprobs.content[0].top_logprobs) == 2
+        r = oc.chat.completions.create(model="qwen2-vl", messages=one, max_tokens=10, extra_body={"regex": "(yes|no)"})
+        assert r.choices[0].message.content in ("yes", "no") and r.choices[0].finish_reason == "stop"
+        chunks = list(oc.chat.completions.create(model="qwen2-vl", messages=one, max_tokens=5, stream=True,
+                                                 stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens == 5
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                          json={"messages": one, "stream": True, "max_tokens": 500, "ignore_eos": True}) as resp:
+            for line in resp.iter_lines():
+                if '"content"' in line:
+                    break  # hang up mid-reply: the request is aborted, its KV and pixels freed
+        text = oc.chat.completions.create(model="qwen2-vl", messages=[{"role": "user", "content": "Hello"}],
+                                          max_tokens=3)
+        assert text.usage.completion_tokens == 3  # the same model serves text
+
+        metrics = httpx.get(f"{server.url}/metrics", params={"format": "json"}, timeout=10).json()
+        sched = metrics["scheduler"]
+        assert sched["images_encoded"] >= 9 and sched["vision_s"] > 0
+        assert metrics["server"]["disconnects"] >= 1 and sched["running"] == sched["waiting"] == 0
+        prom = httpx.get(f"{server.url}/metrics", params={"format": "prometheus"}, timeout=10).text
+        assert "minisgl_images_encoded_total" in prom and "minisgl_vision_seconds_total" in prom
+    finally:
+        server.stop()

@@ -56,7 +56,7 @@ class LocalClient(RoutedClient):
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
         self.info = scheduler.model_info()
         # A vision-language model's image prompts: its HF processor, run where this client tokenizes.
-        self.processor = VisionProcessor(self.info.model_dir) if self.info.images and self.info.model_dir else None
+        self.processor = VisionProcessor.of(self.info.model_dir) if self.info.images and self.info.model_dir else None
         # Only the thread holds the scheduler (and the engine it built): both go when it ends, weights and KV pool
         # with them, while this client may be kept (an LLM closed but still referenced).
         self._inbox = scheduler.inbox

@@ -4,7 +4,8 @@ scheduler rank, unlinked once every rank holds its copy.
 A segment is a file on the shared-memory filesystem (/dev/shm: what shm_open creates), written and read here
 directly rather than through multiprocessing.shared_memory, whose resource tracker (Python 3.11) unlinks a
 segment when any process that merely attached to it exits, and warns about segments other processes unlinked.
-Names carry a per-process prefix, so a runtime can sweep what a dead process left (`sweep`).
+Names carry a per-process prefix, so a runtime can sweep what a dead process left (`sweep`). torch loads only
+where pixels are read or written.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import itertools
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 PREFIX = "minisgl-px"  # every segment's name starts so: `sweep` finds them
@@ -34,6 +37,8 @@ def owner_tag(pid: int | None = None) -> str:
 
 def write(pixels: torch.Tensor) -> str:
     """Put a float32 tensor's bytes into a new segment; its name (read it with `read(name, shape)`)."""
+    import torch
+
     name = f"{owner_tag()}{next(_ids)}"
     data = pixels.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
     with os.fdopen(os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600), "wb") as f:
@@ -43,6 +48,8 @@ def write(pixels: torch.Tensor) -> str:
 
 def read(name: str, shape: list[int]) -> torch.Tensor:
     """The segment's pixels as a tensor of this process (ValueError naming the segment when it is gone or short)."""
+    import torch
+
     numel = 1
     for n in shape:
         numel *= n
@@ -57,6 +64,11 @@ def read(name: str, shape: list[int]) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.float32)
     # A private mapping: pages are read from the segment, nothing is written back, and unlinking it is safe.
     return torch.from_file(str(path), shared=False, size=numel, dtype=torch.float32).view(shape)
+
+
+def copy(name: str, shape: list[int]) -> str:
+    """A new segment holding what segment `name` holds (one request's own copy of a shared image)."""
+    return write(read(name, shape))
 
 
 def unlink(name: str) -> None:

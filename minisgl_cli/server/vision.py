@@ -20,13 +20,12 @@ from fastapi.responses import JSONResponse
 from minisgl_cli.admission import AdmissionError
 from minisgl_cli.api import protocol as p
 from minisgl_cli.media.jobs import MediaError
-from minisgl_cli.server.context import ServerContext
+from minisgl_cli.server.context import ServerContext, chat_with_images
 from minisgl_cli.server.errors import InputError, admission_error, engine_error, error_frame
 from minisgl_cli.server.gate import downscale_headers
 from minisgl_cli.server.runs import sse, stream_response, unless_disconnected
 from minisgl_cli.server.settings import VisionSettings
 from minisgl_cli.types import Delta, RequestStats, new_request_id
-from minisgl_cli.vision.image_source import ImagePolicy, load_image_url
 from minisgl_cli.vision.vlm import (
     LoadedVlm,
     VlmLoadError,
@@ -39,21 +38,6 @@ from minisgl_cli.vision.vlm import (
 log = logging.getLogger("minisgl.server")
 
 ENDPOINT = "/v1/chat/completions"
-
-
-def _images_of(messages: list[p.ChatMessage], policy: ImagePolicy) -> list[dict]:
-    """The chat as the vlm takes it: image parts decoded to PIL images (MediaError names the bad part)."""
-    out = []
-    for i, m in enumerate(messages):
-        d = m.as_template_dict()
-        if isinstance(m, p.UserMessage) and isinstance(m.content, list) and m.images:
-            d["content"] = [
-                {"type": "text", "text": part.text} if isinstance(part, p.TextPart) else
-                {"type": "image", "image": load_image_url(part.image_url.url, policy,
-                                                          f"messages.{i}.content.{j}.image_url.url")}
-                for j, part in enumerate(m.content)]
-        out.append(d)
-    return out
 
 
 def _refuse(body: p.ChatCompletionRequest) -> None:
@@ -122,7 +106,7 @@ async def chat(body: p.ChatCompletionRequest, request: Request, ctx: ServerConte
     _refuse(body)
     loop = asyncio.get_running_loop()
     try:
-        messages = await loop.run_in_executor(None, _images_of, body.messages, settings.images)
+        messages = await loop.run_in_executor(None, chat_with_images, body.messages, settings.images)
     except MediaError as exc:
         raise InputError(exc.message, exc.param) from None
     try:
