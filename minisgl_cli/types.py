@@ -133,6 +133,7 @@ class ImageInput:
     shape: list[int]  # the pixel rows' shape
     shm: str | None = None  # the shared-memory segment holding the pixels (multi-process runtime)
     pixels: Any = None  # the pixel rows (torch.Tensor) in this process; None on the wire
+    data: bytes | None = None  # the pixel rows' bytes, only for TP ranks on other hosts (--nnodes > 1)
 
     def __post_init__(self) -> None:
         self.grid, self.shape = list(self.grid), list(self.shape)  # msgpack hands back lists or tuples

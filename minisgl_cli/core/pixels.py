@@ -66,6 +66,20 @@ def read(name: str, shape: list[int]) -> torch.Tensor:
     return torch.from_file(str(path), shared=False, size=numel, dtype=torch.float32).view(shape)
 
 
+def read_bytes(name: str) -> bytes | None:
+    """The segment's bytes (None when it is gone): what ranks on other hosts get inline."""
+    try:
+        return _path(name).read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def from_bytes(data: bytes, shape: list[int]) -> torch.Tensor:
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).view(shape)
+
+
 def copy(name: str, shape: list[int]) -> str:
     """A new segment holding what segment `name` holds (one request's own copy of a shared image)."""
     return write(read(name, shape))

@@ -79,6 +79,9 @@ class VisionState:
         for img in images:
             if img.pixels is not None:
                 continue
+            if img.data is not None:  # a rank on another host than the tokenizer's: rank 0 sent the bytes
+                img.pixels, img.data = pixels.from_bytes(img.data, img.shape), None
+                continue
             if img.shm is None:
                 raise ValueError("an image came without its pixels")
             img.pixels = pixels.read(img.shm, img.shape)

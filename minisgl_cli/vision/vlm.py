@@ -3,8 +3,10 @@ streamed as `Delta`s, the same objects the text engine streams.
 
 What runs where: the whole VLM (vision tower, connector and its decoder) runs here, in transformers'
 `generate`, beside the text engine and off its path: no paged KV, no radix cache, no batching; one
-generation at a time per loaded model (later requests wait their turn). Families: SmolVLM / Idefics3,
-Qwen2-VL, Qwen2.5-VL (any model AutoModelForImageTextToText loads and whose processor takes `images=`).
+generation at a time per loaded model (later requests wait their turn). Families: SmolVLM / Idefics3, and any
+model AutoModelForImageTextToText loads and whose processor takes `images=`. Qwen2-VL and Qwen2.5-VL run on the
+engine instead (models/qwen2_vl.py; `on_engine` says where a --vlm-model goes), unless a front pairs one with
+another served model.
 
 Messages are chat dicts whose content is text or a list of parts: `{"type": "text", "text": ...}` and
 `{"type": "image", "image": <PIL image>}` (vision/image_source.py turns URLs and files into those).
@@ -99,6 +101,25 @@ def resolve_vlm_dir(model: str | Path) -> Path:
                            "(expected one AutoModelForImageTextToText loads: SmolVLM / Idefics3, Qwen2-VL, "
                            "Qwen2.5-VL, ...)")
     return path
+
+
+def on_engine(model: str | Path, engine_model: str | None) -> tuple[str | None, str | None, str]:
+    """Where `--vlm-model` runs, beside the engine's `--model` (None: the default): (the engine's model to use
+    instead, the VLM the transformers chat loads, the one line that says so). A Qwen2-VL / Qwen2.5-VL directory runs
+    on the engine as its served model (text and images), unless --model names another model; every other family
+    runs here, in transformers. VlmLoadError when the VLM cannot be found."""
+    from minisgl_cli.processor import VisionProcessor
+
+    path = resolve_vlm_dir(model)
+    family = json.loads((path / "config.json").read_text()).get("model_type")
+    if VisionProcessor.of(path) is None:
+        return None, str(model), (f"--vlm-model {path.name} ({family}) runs in transformers beside the engine, one "
+                                  "request at a time (Qwen2-VL / Qwen2.5-VL run on the engine)")
+    if engine_model is None:
+        return str(path), None, (f"--vlm-model {path.name} ({family}) runs on the engine as the served model: text "
+                                 "and images, batched and cached")
+    return None, str(model), (f"--vlm-model {path.name} ({family}) runs in transformers beside --model "
+                              f"{engine_model}, one request at a time; give it as --model to run it on the engine")
 
 
 def load_vlm(model: str | Path, device: str | None = None) -> LoadedVlm:
