@@ -68,6 +68,22 @@ def test_greedy_ids_equal_hf_with_images_whole_and_cut_across_prefill_chunks(tin
     assert ours(tiny_vlms[name], CHATS, max_prefill_tokens=7) == theirs
 
 
+def test_image_requests_retracted_for_kv_re_prefill_to_the_same_tokens(tiny_vlms):
+    """A pool too small for all four at once: the newest are retracted (their KV cached, maybe evicted) and come
+    back, their images embedded again where needed; each reply is a prefix of its roomy-pool reply (a request left
+    alone without room ends at the pool's limit)."""
+    chats = [*CHATS, chat(picture(40, 40, 9), "Third?"), chat("Fourth", picture(56, 24, 4))]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    with LLM(str(tiny_vlms["qwen2-vl"]), **EXACT) as llm:
+        want = [r.token_ids for r in llm.generate(chats, params)]
+    with LLM(str(tiny_vlms["qwen2-vl"]), **EXACT, max_total_tokens=150, max_prefill_tokens=16) as llm:
+        got = [r.token_ids for r in llm.generate(chats, params)]
+        stats = llm.client.stats()
+        llm.client.check_pages()
+    assert stats.retracted_requests > 0
+    assert all(g == w[: len(g)] and len(g) >= 20 for g, w in zip(got, want)), (got, want)
+
+
 def test_same_image_reuses_its_kv_and_another_image_never_does(tiny_vlms):
     with LLM(str(tiny_vlms["qwen2-vl"]), **EXACT) as llm:
         params = SamplingParams(max_new_tokens=2, ignore_eos=True)

@@ -267,8 +267,13 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, tp: TPInfo = TPInfo(), kernels: Kernels | None = None,
                  method: LinearMethod | None = None):
         super().__init__(cfg, tp, kernels, method)
-        assert cfg.vision is not None  # the config's architecture chose this class
-        self.visual = VisionTower(cfg.vision, tp, self.kernels)
+        vc = cfg.vision
+        assert vc is not None  # the config's architecture chose this class
+        # The tower splits its heads, MLP and merger across TP ranks where they divide evenly (Qwen2.5-VL-7B's MLP
+        # of 3420 does not at TP 8); else every rank runs all of it, the same numbers, no collective.
+        split = all(n % tp.size == 0 for n in (vc.num_heads, vc.intermediate_size,
+                                                vc.hidden_size * vc.spatial_merge_size**2))
+        self.visual = VisionTower(vc, tp if split else TPInfo(), self.kernels)
         # Each page-table row's M-RoPE delta (its request's last position minus its length), for decode steps: the
         # engine sizes it (`bind_slots`) and writes a row when a request takes it.
         self.rope_deltas = torch.zeros(1, dtype=torch.int64)

@@ -110,6 +110,8 @@ def on_engine(model: str | Path, engine_model: str | None) -> tuple[str | None, 
     runs here, in transformers. VlmLoadError when the VLM cannot be found."""
     from minisgl_cli.processor import VisionProcessor
 
+    if engine_model is not None and Path(engine_model).is_dir() and VisionProcessor.of(engine_model) is not None:
+        raise VlmLoadError(f"--model {engine_model} takes images itself (on the engine): drop --vlm-model")
     path = resolve_vlm_dir(model)
     family = json.loads((path / "config.json").read_text()).get("model_type")
     if VisionProcessor.of(path) is None:
