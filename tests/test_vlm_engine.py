@@ -140,9 +140,10 @@ def test_tp2_equals_one_process_with_images_and_leaves_no_shared_memory(tiny_vlm
     from minisgl_cli.core import pixels
 
     chats = [*CHATS, [{"role": "user", "content": "Text only, beside the images."}]]
+    before = set(pixels._ROOT.glob(f"{pixels.PREFIX}*"))
     got, want = _greedy_remote_and_local(tiny_vlms["qwen2.5-vl"], chats, tp=2)
     assert got == want
-    assert not list(pixels._ROOT.glob(f"{pixels.PREFIX}*")), "pixel segments left behind"
+    assert not set(pixels._ROOT.glob(f"{pixels.PREFIX}*")) - before, "pixel segments left behind"
 
 
 def _png_url(w: int, h: int, seed: int) -> str:
@@ -199,6 +200,10 @@ def test_eight_concurrent_image_chats_through_the_server_equal_their_one_at_a_ti
             for line in resp.iter_lines():
                 if '"content"' in line:
                     break  # hang up mid-reply: the request is aborted, its KV and pixels freed
+        broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD"}}  # not a picture
+        bad = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                         json={"messages": [{"role": "user", "content": [broken]}]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.0.content.0.image_url.url"
         text = oc.chat.completions.create(model="qwen2-vl", messages=[{"role": "user", "content": "Hello"}],
                                           max_tokens=3)
         assert text.usage.completion_tokens == 3  # the same model serves text

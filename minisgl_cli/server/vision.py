@@ -1,7 +1,9 @@
-"""Vision-language chat: the /v1/chat/completions requests that carry `image_url` parts, served by the in-process
-VLM chat (vision/vlm.py) in the same response shapes, usage and errors as text chat.
+"""Vision-language chat in transformers: the /v1/chat/completions requests that carry `image_url` parts while the
+engine's model takes no images, served by the in-process VLM chat (vision/vlm.py: SmolVLM / Idefics3, or a Qwen VLM
+beside another served model) in the same response shapes, usage and errors as text chat.
 
-The chat route hands a request here when a user message holds an image; text-only requests never come here.
+The chat route hands a request here when a user message holds an image and the engine cannot take it (a
+Qwen2-VL / Qwen2.5-VL engine runs image chats itself, as text ones); text-only requests never come here.
 Images are read under the server's `ImagePolicy` (data: URLs always; local paths and http(s) only where
 allowed), off the event loop, and every refusal is a 400 naming the part it is about.
 """
@@ -97,8 +99,8 @@ async def chat(body: p.ChatCompletionRequest, request: Request, ctx: ServerConte
     vlm = ctx.vlm
     if vlm is None:
         raise InputError("this request has image_url parts but the server has no vision-language model: start "
-                         "`minisgl serve` with --vlm-model PATH (or set MINISGL_VLM_MODEL)", "messages",
-                         code="vlm_not_loaded")
+                         "`minisgl serve` with --vlm-model PATH (or set MINISGL_VLM_MODEL), or serve a Qwen2-VL / "
+                         "Qwen2.5-VL model as --model", "messages", code="vlm_not_loaded")
     settings: VisionSettings = ctx.settings.vision or VisionSettings()
     if body.model and body.model.lower() not in ctx.aliases | {vlm.name.lower()}:
         raise InputError(f"model {body.model!r} does not exist; this server's vision-language model is "
