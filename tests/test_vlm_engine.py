@@ -216,3 +216,27 @@ def test_eight_concurrent_image_chats_through_the_server_equal_their_one_at_a_ti
         assert "minisgl_images_encoded_total" in prom and "minisgl_vision_seconds_total" in prom
     finally:
         server.stop()
+
+
+def test_pixel_segments_round_trip_copy_inline_and_sweep():
+    """core/pixels.py: what the tokenizer step writes a rank reads back exactly (from the segment, a request's copy,
+    or the bytes sent inline to another host); a gone segment is a clear error; a dead writer's are swept."""
+    import os
+
+    from minisgl_cli.core import pixels
+
+    rows = torch.randn(6, 384)
+    name = pixels.write(rows)
+    copy = pixels.copy(name, [6, 384])
+    assert torch.equal(pixels.read(name, [6, 384]), rows) and torch.equal(pixels.read(copy, [6, 384]), rows)
+    data = pixels.read_bytes(name)
+    assert data is not None and torch.equal(pixels.from_bytes(data, [6, 384]), rows)
+    with pytest.raises(ValueError, match="are 9216 bytes, not 2304"):
+        pixels.read(name, [6, 96])
+    pixels.unlink(name)
+    pixels.unlink(name)  # twice is fine: owner and reader may both clean up
+    with pytest.raises(ValueError, match="pixels are gone"):
+        pixels.read(name, [6, 384])
+    assert pixels.read_bytes(name) is None
+    assert pixels.sweep(os.getpid()) >= 1  # the copy
+    assert not list(pixels._ROOT.glob(f"{pixels.owner_tag()}*"))

@@ -65,22 +65,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (xf * cos[:, None] + turned * sin[:, None]).to(x.dtype)
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Bidirectional attention within each run of `lengths` rows of q, k, v [S, H, D] (an image, a frame or a
-    window), none across: runs of one length go through SDPA together, as a batch."""
+class Segments:
+    """Runs of rows that attend among themselves and not across (an image, a frame or a window), grouped by length
+    once per forward: each group's rows as one index (a batch for SDPA), made on the device before the first layer."""
+
+    def __init__(self, lengths: list[int], device: torch.device):
+        self.whole = len(lengths) == 1
+        starts: dict[int, list[int]] = {}
+        at = 0
+        for n in lengths:
+            starts.setdefault(n, []).append(at)
+            at += n
+        self.groups = [(n, len(firsts), (torch.tensor(firsts)[:, None] + torch.arange(n)).reshape(-1).to(device))
+                       for n, firsts in starts.items()]
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """Bidirectional attention of q, k, v [S, H, D] within each segment, none across: the segments of one length go
+    through SDPA together, as a batch."""
     S, H, D = q.shape
-    if len(lengths) == 1:
+    if segments.whole:
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         return o[0].transpose(0, 1)
     out = torch.empty_like(q)
-    starts: dict[int, list[int]] = {}
-    at = 0
-    for n in lengths:
-        starts.setdefault(n, []).append(at)
-        at += n
-    for n, firsts in starts.items():
-        rows = (torch.tensor(firsts, device=q.device)[:, None] + torch.arange(n, device=q.device)).reshape(-1)
-        m = len(firsts)
+    for n, m, rows in segments.groups:
         qs, ks, vs = (t[rows].view(m, n, H, D).transpose(1, 2) for t in (q, k, v))
         out[rows] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(m * n, H, D)
     return out
@@ -95,9 +103,9 @@ class VisionAttention(nn.Module):
         self.qkv = ColumnParallelLinear(dim, [dim] * 3, bias=True, tp=tp, kernels=kernels, method=LinearMethod())
         self.proj = RowParallelLinear(dim, dim, bias=True, tp=tp, kernels=kernels, method=LinearMethod())
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.local_heads, self.head_dim).unbind(1)
-        o = segment_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, lengths)
+        o = segment_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, segments)
         return self.proj(o.reshape(x.shape[0], -1))
 
 
@@ -127,8 +135,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(vc, tp, kernels)
         self.mlp = VisionMLP(vc, tp, kernels)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -208,11 +216,12 @@ class VisionTower(nn.Module):
         freqs = (pos[..., None].float() * self.inv_freq).flatten(1)  # [S, D/2]: the row's, then the column's
         emb = torch.cat((freqs, freqs), -1)
         cos, sin = emb.cos(), emb.sin()
-        whole_images = [h * w for t, h, w in grids for _ in range(t)]
-        windows: list[int] = whole_images
+        whole_images = Segments([h * w for t, h, w in grids for _ in range(t)], device)
+        windows = whole_images
         order = None
         if self.vc.version != "2":
-            order, windows = self._windows(grids)
+            order, window_lengths = self._windows(grids)
+            windows = Segments(window_lengths, device)
             order = order.to(device)
             unit = self.vc.spatial_merge_size**2
 
