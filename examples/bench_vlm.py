@@ -152,8 +152,9 @@ def cpu(out: Path, n: int, size: int, new: int, serve_args: list[str]) -> list[d
 def gpu(out: Path, config: str, n: int, size: int, new: int, serve_args: list[str]) -> list[dict]:
     from minisgl_cli.loader.configs import builtin_config
 
-    cfg = json.loads(Path(config).read_text()) if config.endswith(".json") else builtin_config(config)
-    model = tiny.write_dummy_vlm_dir(out / f"dummy-{Path(config).stem}", cfg)
+    from_file = config.endswith(".json")
+    cfg = json.loads(Path(config).read_text()) if from_file else builtin_config(config)
+    model = tiny.write_dummy_vlm_dir(out / f"dummy-{Path(config).parent.name if from_file else config}", cfg)
     rows = []
     # Four tokenizer workers run the image processor side by side (~50 ms a 448x448 picture on one core).
     args = ["--model", str(model), "--load-format", "dummy", "--num-tokenizer", "4", *serve_args]
