@@ -226,17 +226,20 @@ def test_pixel_segments_round_trip_copy_inline_and_sweep():
     from minisgl_cli.core import pixels
 
     rows = torch.randn(6, 384)
-    name = pixels.write(rows)
-    copy = pixels.copy(name, [6, 384])
-    assert torch.equal(pixels.read(name, [6, 384]), rows) and torch.equal(pixels.read(copy, [6, 384]), rows)
-    data = pixels.read_bytes(name)
-    assert data is not None and torch.equal(pixels.from_bytes(data, [6, 384]), rows)
-    with pytest.raises(ValueError, match="are 9216 bytes, not 2304"):
-        pixels.read(name, [6, 96])
-    pixels.unlink(name)
-    pixels.unlink(name)  # twice is fine: owner and reader may both clean up
-    with pytest.raises(ValueError, match="pixels are gone"):
-        pixels.read(name, [6, 384])
-    assert pixels.read_bytes(name) is None
-    assert pixels.sweep(os.getpid()) >= 1  # the copy
-    assert not list(pixels._ROOT.glob(f"{pixels.owner_tag()}*"))
+    try:
+        name = pixels.write(rows)
+        copy = pixels.copy(name, [6, 384])
+        assert torch.equal(pixels.read(name, [6, 384]), rows) and torch.equal(pixels.read(copy, [6, 384]), rows)
+        data = pixels.read_bytes(name)
+        assert data is not None and torch.equal(pixels.from_bytes(data, [6, 384]), rows)
+        with pytest.raises(ValueError, match="are 9216 bytes, not 2304"):
+            pixels.read(name, [6, 96])
+        pixels.unlink(name)
+        pixels.unlink(name)  # twice is fine: owner and reader may both clean up
+        with pytest.raises(ValueError, match="pixels are gone"):
+            pixels.read(name, [6, 384])
+        assert pixels.read_bytes(name) is None
+        assert pixels.sweep(os.getpid()) >= 1  # the copy
+        assert not list(pixels._ROOT.glob(f"{pixels.owner_tag()}*"))
+    finally:
+        pixels.sweep(os.getpid())
