@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import queue
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable
 
@@ -19,6 +21,7 @@ import zmq
 
 from minisgl_cli.client.protocol import ENGINE_GONE, STALL_S, EngineGone, PrefixWarm
 from minisgl_cli.client.routed import RoutedClient
+from minisgl_cli.core import pixels
 from minisgl_cli.messages import (
     AbortRequest,
     AddRequest,
@@ -29,9 +32,10 @@ from minisgl_cli.messages import (
     TokenizeReply,
     ToScheduler,
 )
+from minisgl_cli.processor import has_images, messages_to_wire
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.runtime.supervisor import Runtime
-from minisgl_cli.types import ErrorCode, GenerateRequest, ModelInfo, SamplingParams, SchedulerStats
+from minisgl_cli.types import ErrorCode, GenerateRequest, ImageInput, ModelInfo, Prompt, SamplingParams, SchedulerStats
 
 
 def _merge(pieces: list[DecodedPiece]) -> DecodedPiece:
@@ -65,6 +69,9 @@ class RemoteClient(RoutedClient):
         self._outbox: queue.SimpleQueue[ToScheduler | TokenizeQuery | None] = queue.SimpleQueue()
         self._beat = time.monotonic()
         self._closed = False
+        # Image pixels a tokenizer worker put in shared memory for this process's prompts, not yet handed to a
+        # scheduler (which unlinks what it is handed): unlinked here when their prompt is dropped unsent.
+        self._unsent: dict[str, weakref.finalize] = {}
         self._sender = threading.Thread(target=self._send_loop, name="minisgl-api-send", daemon=True)
         self._sender.start()
         self._receiver = threading.Thread(target=self._receive, name="minisgl-api-recv", daemon=True)
@@ -122,6 +129,15 @@ class RemoteClient(RoutedClient):
     async def tokenize(self, req: GenerateRequest) -> list[int]:
         if req.input_ids is not None:
             return list(req.input_ids)
+        return (await self.prompt(req)).ids
+
+    async def prompt(self, req: GenerateRequest) -> Prompt:
+        if not self.info.images and (req.images or has_images(req.messages)):
+            return await super().prompt(req)  # refuses them
+        if req.input_ids is not None:
+            return Prompt(list(req.input_ids), list(req.images or []))
+        if has_images(req.messages):  # PIL images cross to the tokenizer worker as raw RGB bytes
+            req = dataclasses.replace(req, messages=messages_to_wire(req.messages or []))
         qid = next(self._qids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._replies[qid] = fut
@@ -132,7 +148,29 @@ class RemoteClient(RoutedClient):
         reply: TokenizeReply = await asyncio.wrap_future(fut)
         if reply.ids is None:
             raise ValueError(reply.error)
-        return reply.ids
+        for img in reply.images:
+            assert img.shm is not None  # the worker shares what it made
+            self._unsent[img.shm] = weakref.finalize(img, self._dropped, img.shm)
+        return Prompt(reply.ids, reply.images)
+
+    def _dropped(self, name: str) -> None:
+        """A prompt's image was never handed to a scheduler: its pixels go."""
+        self._unsent.pop(name, None)
+        pixels.unlink(name)
+
+    def _own(self, images: list[ImageInput]) -> list[ImageInput]:
+        """Each image as the scheduler will own it: the prompt's own segment the first time it is sent, a copy for
+        every other request made from the same prompt (n choices, a retry), so each request's end unlinks its own."""
+        out = []
+        for img in images:
+            keep = img.shm is not None and (gone := self._unsent.pop(img.shm, None)) is not None and gone.detach()
+            if keep:
+                out.append(img)
+            elif img.shm is not None:
+                out.append(dataclasses.replace(img, shm=pixels.copy(img.shm, img.shape), pixels=None))
+            else:  # pixels made in this process (an in-process processor's)
+                out.append(dataclasses.replace(img, shm=pixels.write(img.pixels), pixels=None))
+        return out
 
     def insert_prefix(self, prefix: str | list[int]) -> PrefixWarm:
         if isinstance(prefix, str):

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import zmq
 
 from minisgl_cli import notice
+from minisgl_cli.core import pixels
 from minisgl_cli.distributed import DistConfig
 from minisgl_cli.distributed.comm import broadcast_bytes, describe_all_reduce, init_tp
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.messages import FromScheduler, Heartbeat, RankBatch, ToScheduler, decode, encode
+from minisgl_cli.messages import AddRequest, FromScheduler, Heartbeat, RankBatch, ToScheduler, decode, encode
 from minisgl_cli.runtime.child import Child
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -113,6 +114,8 @@ def _start(job: RankJob, ctx: zmq.Context):
                 last_beat[0] = now
                 send(out, Heartbeat(time.time()))
             msgs = scheduler.drain(block)
+            if job.dist.nnodes > 1:  # ranks on other hosts cannot read this host's shared memory
+                _inline_pixels(msgs)
             if tp.size > 1:
                 broadcast_bytes(encode(RankBatch(msgs)) if msgs else None, tp)
             return msgs
@@ -124,6 +127,16 @@ def _start(job: RankJob, ctx: zmq.Context):
             return decode(data).msgs if data else []
 
     return scheduler, tp, receive, stop
+
+
+def _inline_pixels(msgs: list[ToScheduler]) -> None:
+    """Multi-node TP: the pixels of each new request's images go with the rank batch (a segment already gone stays
+    a reference: every rank then fails that request alike)."""
+    for msg in msgs:
+        if isinstance(msg, AddRequest):
+            for img in msg.images:
+                if img.shm is not None and img.data is None:
+                    img.data = pixels.read_bytes(img.shm)
 
 
 def _feed_inbox(ctx: zmq.Context, addr: str, inbox: queue.SimpleQueue) -> None:

@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import zmq
 
+from minisgl_cli.core import pixels
 from minisgl_cli.messages import Failed, Ready
 from minisgl_cli.runtime.cpu import cpu_seconds
 from minisgl_cli.runtime.ipc import Endpoints, pull, recv
@@ -145,6 +146,8 @@ class Runtime:
             if p.exitcode is None:
                 p.kill()
                 p.join(1.0)
+            if p.pid is not None:  # image pixels its tokenizer workers wrote and no scheduler read
+                pixels.sweep(p.pid)
         self._close_launcher()
         shutil.rmtree(self.root, ignore_errors=True)
 

@@ -32,6 +32,7 @@ from minisgl_cli.messages import (
     TokenizeReply,
     TokenOutput,
 )
+from minisgl_cli.processor import VisionProcessor, has_images
 from minisgl_cli.runtime.child import Child
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, decode_steps, prompt_ids
@@ -65,6 +66,8 @@ class _Worker:
     def __init__(self, job: WorkerJob, ctx: zmq.Context):
         self.job = job
         self.tokenizer = Tokenizer(job.model_dir) if job.model_dir is not None else None
+        # A vision-language model's image prompts (the HF processor loads with the first one).
+        self.processor = VisionProcessor.of(job.model_dir) if job.tokenizes and job.model_dir is not None else None
         ep = job.endpoints
         self.inbox = pull(ctx, ep.detokenizer if job.detokenizes else ep.tokenizer(job.index))
         self.to_api = push(ctx, ep.api)
@@ -95,6 +98,9 @@ class _Worker:
 
     def _tokenize(self, q: TokenizeQuery) -> TokenizeReply:
         try:
+            if self.processor is not None and has_images(q.req.messages):  # the pixels go by shared memory
+                prompt = self.processor.prompt(q.req.messages or [], q.req.tools, share=True)
+                return TokenizeReply(q.qid, prompt.ids, images=prompt.images)
             return TokenizeReply(q.qid, prompt_ids(self.tokenizer, q.req))
         except Exception as exc:  # template or tokenizer failures are the request's fault
             return TokenizeReply(q.qid, None, str(exc) or type(exc).__name__)

@@ -120,7 +120,7 @@ class Scheduler:
 
     def handle(self, msg: ToScheduler) -> None:
         if isinstance(msg, AddRequest):
-            self._admit(Req(msg.rid, msg.input_ids, msg.params))
+            self._admit(Req(msg.rid, msg.input_ids, msg.params, images=msg.images))
         elif isinstance(msg, AbortRequest):
             self._abort(msg.rid, msg.reason)
         elif isinstance(msg, StatsQuery):
@@ -137,8 +137,12 @@ class Scheduler:
     def _admit(self, req: Req) -> None:
         try:  # every client checked this already; what reaches a scheduler is checked the same way, never trusted
             admit(req.input_ids, req.params, self.engine.spec.vocab_size, self.engine.spec.max_context_len)
+            self.engine.load_images(req.images)
         except AdmissionError as exc:
             self._finish(req, None, error=exc.message, code=exc.code)
+            return
+        except ValueError as exc:  # its images: pixels gone, or a model that takes none
+            self._finish(req, None, error=str(exc))
             return
         if req.params.max_new_tokens == 0:
             self._finish(req, "length")
@@ -192,12 +196,13 @@ class Scheduler:
             if budget <= 0 or len(self.running) + len(reqs) >= self.max_running:
                 break
             if req.req_slot is None:
-                if any(r.input_ids == req.input_ids for r in reqs):
+                if any(r.key_ids == req.key_ids for r in reqs):
                     continue  # the same prompt (n > 1 choices): next step, from the cache this step fills
                 if not self.cache.admit(req):
                     break
                 assert req.req_slot is not None  # admit gave it a row
                 self.engine.admit_sampling(req.req_slot, req.params, req.input_ids, req.output_ids)
+                self.engine.admit_images(req.req_slot, req.input_ids, req.images)
                 if not req.matched:
                     self._count_match(req)
             n = min(req.remaining_prefill, budget)
@@ -364,6 +369,7 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.cache.release(req)
+        self.engine.drop_images(req.images)
         self.stats.finished_requests += 1
         self.stats.aborted_requests += reason == "abort"
 
@@ -402,6 +408,7 @@ class Scheduler:
         s.tokens_in_use = self.cache.pages_in_use(self.running + list(self.waiting)) * p
         s.prefill_tok_s, s.decode_tok_s = self._prefill_rate.rate(), self._decode_rate.rate()
         s.decode_compiling = int(self.engine.compiling)
+        s.images_encoded, s.image_cache_hits, s.vision_s = self.engine.vision_stats()
         return SchedulerStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
 
     def model_info(self) -> ModelInfo:

@@ -16,17 +16,39 @@ from fastapi import Depends, Request
 from minisgl_cli.admission import AdmissionError, admit, new_tokens
 from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
+from minisgl_cli.media.jobs import MediaError
 from minisgl_cli.server.errors import InputError, admission_error
 from minisgl_cli.server.gate import InflightGate
 from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.server.runs import EngineRun
-from minisgl_cli.server.settings import ServerSettings
-from minisgl_cli.types import GenerateRequest, SamplingParams, SchedulerStats
+from minisgl_cli.server.settings import ServerSettings, VisionSettings
+from minisgl_cli.types import GenerateRequest, Prompt, SamplingParams, SchedulerStats
+from minisgl_cli.vision.image_source import ImagePolicy, load_image_url
 
 if TYPE_CHECKING:
     from minisgl_cli.vision.vlm import VlmChat
 
 log = logging.getLogger("minisgl.server")
+
+
+def has_images(messages: list[p.ChatMessage]) -> bool:
+    return any(isinstance(m, p.UserMessage) and m.images for m in messages)
+
+
+def chat_with_images(messages: list[p.ChatMessage], policy: ImagePolicy) -> list[dict]:
+    """The chat as templates take it, image parts read under `policy` into PIL images (a MediaError names the
+    part it is about)."""
+    out = []
+    for i, m in enumerate(messages):
+        d = m.as_template_dict()
+        if isinstance(m, p.UserMessage) and isinstance(m.content, list) and m.images:
+            d["content"] = [
+                {"type": "text", "text": part.text} if isinstance(part, p.TextPart) else
+                {"type": "image", "image": load_image_url(part.image_url.url, policy,
+                                                          f"messages.{i}.content.{j}.image_url.url")}
+                for j, part in enumerate(m.content)]
+        out.append(d)
+    return out
 
 
 @dataclass
@@ -59,27 +81,37 @@ class ServerContext:
     async def tokens_of(self, prompt: str | list[int] | None = None, messages: list[p.ChatMessage] | None = None,
                         param: str = "prompt", tools: list[p.Tool] | None = None) -> list[int]:
         """The prompt's token ids (chat template applied to messages and tools), checked against vocab and context."""
+        if messages is not None and has_images(messages):
+            raise InputError("image_url parts are served by /v1/chat/completions only", param)
+        return (await self.prompt_of(prompt, messages, param, tools)).ids
+
+    async def prompt_of(self, prompt: str | list[int] | None = None, messages: list[p.ChatMessage] | None = None,
+                        param: str = "prompt", tools: list[p.Tool] | None = None) -> Prompt:
+        """`tokens_of`, and the images of a chat for a model on the engine that takes them (`info.images`)."""
         info = self.client.info
-        if messages is not None and any(isinstance(m, p.UserMessage) and m.images for m in messages):
-            raise InputError("image_url parts are served by /v1/chat/completions only (with --vlm-model)", param)
         try:
             if messages is not None:
-                ids = await self.client.tokenize(GenerateRequest(
-                    messages=[m.as_template_dict() for m in messages],
-                    tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None))
+                chat = [m.as_template_dict() for m in messages]
+                if has_images(messages):  # read off the event loop: files, remote fetches, decoding
+                    policy = (self.settings.vision or VisionSettings()).images
+                    chat = await asyncio.get_running_loop().run_in_executor(None, chat_with_images, messages, policy)
+                out = await self.client.prompt(GenerateRequest(
+                    messages=chat, tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None))
             elif isinstance(prompt, list):
-                ids = list(prompt)
+                out = Prompt(list(prompt))
             else:
-                ids = await self.client.tokenize(GenerateRequest(prompt=prompt or ""))
+                out = Prompt(await self.client.tokenize(GenerateRequest(prompt=prompt or "")))
+        except MediaError as exc:
+            raise InputError(exc.message, exc.param) from None
         except InputError:
             raise
         except Exception as exc:  # template or tokenizer failures are the input's fault here
             raise InputError(f"could not tokenize the {param}: {exc}", param) from exc
         try:  # the prompt's own checks now: the token budget below needs a prompt that fits
-            admit(ids, SamplingParams(), info.vocab_size, info.max_context_len, param)
+            admit(out.ids, SamplingParams(), info.vocab_size, info.max_context_len, param)
         except AdmissionError as exc:
             raise admission_error(exc) from None
-        return ids
+        return out
 
     def budget(self, ids_list: list[list[int]], requested: int | None, param: str) -> tuple[int, str | None]:
         """max_new_tokens for the run and the downscale note (None if not applied)."""
