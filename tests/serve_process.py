@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from minisgl_cli.api.http_server import free_port
 
@@ -85,6 +86,23 @@ def gone(pids: list[int], timeout: float = 10) -> list[int]:
         alive = [p for p in alive if _alive(p)]
         time.sleep(0.1)
     return alive
+
+
+def running(procs: list[psutil.Process], timeout: float = 10) -> list[psutil.Process]:
+    """Those of `procs` still running after `timeout` (zombies count as gone; psutil tells a reused pid apart)."""
+    deadline = time.monotonic() + timeout
+    alive = list(procs)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _running(p)]
+        time.sleep(0.1)
+    return alive
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _alive(pid: int) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import signal
 from dataclasses import dataclass
 
 import zmq
@@ -32,7 +33,7 @@ from minisgl_cli.messages import (
     TokenizeReply,
     TokenOutput,
 )
-from minisgl_cli.runtime.child import Child
+from minisgl_cli.runtime.child import Child, exit_clean
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, decode_steps, prompt_ids
 from minisgl_cli.types import ErrorCode
@@ -55,8 +56,11 @@ class WorkerJob:
 
 
 def run_worker(job: WorkerJob) -> None:
+    """Process entry point: report Ready (or Failed) to the launcher, serve until SIGTERM, then exit 0 (a worker
+    holds nothing to hand back)."""
     child = Child(job.name, job.name, job.log_level, job.endpoints.launcher)
     worker = child.start(functools.partial(_Worker, job))
+    signal.signal(signal.SIGTERM, exit_clean)
     child.ready()
     worker.serve()
 
