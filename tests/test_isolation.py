@@ -84,6 +84,35 @@ def test_a_request_whose_decoding_fails_frees_its_stream_and_kv(local_client, mo
     assert again.text == good.text
 
 
+def test_a_request_whose_send_or_decoder_fails_leaves_no_stream_behind(local_client, monkeypatch):
+    """The steps between a stream's registration and its first output (building its decoder, sending it to the
+    scheduler) may raise too (injected here): the caller gets the error, the stream's entry goes with it, and the
+    same request id runs again at once (a left entry said "already in flight" for ever)."""
+    from minisgl_cli.messages import AddRequest
+
+    send = local_client._send
+
+    def failing_send(msg):
+        if isinstance(msg, AddRequest):
+            raise RuntimeError("injected: the transport took nothing")
+        send(msg)
+
+    def failing_decoder(params):
+        raise MemoryError("injected: no decoder")
+
+    req = GenerateRequest(messages=HI, params=SamplingParams(max_new_tokens=4))
+    for name, broken, error in (("_send", failing_send, RuntimeError), ("_decoder", failing_decoder, MemoryError)):
+        with monkeypatch.context() as m:
+            m.setattr(local_client, name, broken)
+            with pytest.raises(error, match="injected"):
+                asyncio.run(complete(local_client, req))
+        assert not local_client._streams, name
+        assert asyncio.run(complete(local_client, req)).finish_reason == "length", name
+    wait_idle(local_client)
+    assert local_client.stats().tokens_in_use == 0
+    local_client.check_pages()
+
+
 def test_out_of_vocabulary_ids_get_a_clear_error_and_others_finish_unchanged(local_client, server_url):
     """Token ids are never trusted: a prompt id, a stop id or a logit_bias key outside the vocabulary is refused
     with one clear message (on CUDA such an id would be a device-side assert), beside requests that finish as if
