@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from serve_process import Serve, gone, running
+from serve_process import Serve, gone
 
 from minisgl_cli.api.http_server import free_port
 
@@ -105,7 +105,7 @@ def test_a_dead_child_stops_the_server_with_one_line_naming_it(serve, kind):
     after = lines[next(i for i, line in enumerate(lines) if line.startswith("minisgl: serving ")) + 1:]
     assert len(after) == 1, lines
     assert after[0].startswith("error: ") and f"{kind} (pid {children[kind]}) exited with code -9" in after[0], lines
-    assert running(tree) == []
+    assert gone(tree) == []
 
 
 def test_kill_9_of_the_server_leaves_no_orphan(serve):
@@ -114,7 +114,7 @@ def test_kill_9_of_the_server_leaves_no_orphan(serve):
     tree = psutil.Process(s.proc.pid).children(recursive=True)
     s.proc.kill()
     s.proc.wait(10)
-    assert running(tree) == []
+    assert gone(tree) == []
 
 
 def test_the_log_at_the_default_level_says_what_happens_and_a_sigterm_ends_it_cleanly(tmp_path):

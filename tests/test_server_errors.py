@@ -204,3 +204,15 @@ def test_an_admission_refusal_names_its_field_and_runs_nothing(server_url, engin
     wait_idle(engine_client)
     engine_client.check_pages()
     assert engine_client.stats().tokens_in_use == 0
+
+
+def test_a_body_the_engine_processes_cannot_carry_is_a_400_and_the_server_goes_on(server_url):
+    """An integer past 64 bits inside a tool's JSON schema (found by the schema fuzz): msgpack cannot carry it to the
+    tokenizer process. It used to kill the API's sender thread, after which every request hung; now it is that
+    request's 400, and the next request is served."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "maximum": 10**30}}}
+    r = httpx.post(f"{server_url}{CHAT}", json={"messages": MSG, "tools": [tool], "max_tokens": 2}, timeout=60)
+    err = assert_openai_error(r, 400)
+    assert err["param"] == "messages" and "past 64 bits" in err["message"], err
+    r = httpx.post(f"{server_url}{CHAT}", json={"messages": MSG, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text

@@ -6,8 +6,9 @@ detokenizer, with a heartbeat about once a second. Ranks 1.. only follow rank 0.
 
 Stopping (SIGTERM, what the runtime's shutdown sends): rank 0 finishes its step, hands the other ranks a stop in
 place of the next step's messages, and every rank leaves its loop there, through the scheduler's clean-up (pages
-handed back, the grammar build joined), and exits 0. Ranks 1.. ignore the signal itself: one that left on its own
-would leave rank 0 waiting in a collective (a hung rank 0 is killed by the shutdown after its 5 s).
+handed back, the grammar build joined), and exits 0. Ranks 1.. on rank 0's node ignore the signal itself: one that
+left on its own would leave rank 0 waiting in a collective (a hung rank 0 is killed by the shutdown after its 5 s).
+On another node (--node-rank > 0) the signal ends a rank at once, as that node stops alone.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def run_rank(job: RankJob) -> None:
     scheduler, tp = rank.scheduler, rank.tp
     if tp.rank == 0:
         signal.signal(signal.SIGTERM, lambda *_: rank.ask_stop())
-    else:
+    elif job.dist.node_rank == 0:  # rank 0's stop comes (a node of ranks only stops alone: the signal ends it)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     info = scheduler.model_info()
     child.ready(info if tp.rank == 0 else None,
