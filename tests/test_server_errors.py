@@ -216,3 +216,17 @@ def test_a_body_the_engine_processes_cannot_carry_is_a_400_and_the_server_goes_o
     assert err["param"] == "messages" and "past 64 bits" in err["message"], err
     r = httpx.post(f"{server_url}{CHAT}", json={"messages": MSG, "max_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_penalty_that_overflows_the_logits_is_served_and_stalls_nothing(server_url, temperature):
+    """repetition_penalty=5e-324 (found by the schema fuzz) divides the logits into inf: the reply's logprobs were
+    NaN (a 500: JSON has no NaN), and a sampled row spun the CPU sampler for ever, stalling every request. Now the
+    reply is served (logprobs at OpenAI's floor) and the next request too."""
+    body = {"messages": MSG, "max_tokens": 2, "logprobs": True, "repetition_penalty": 5e-324,
+            "temperature": temperature}
+    r = httpx.post(f"{server_url}{CHAT}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert all(t["logprob"] >= -9999.0 for t in r.json()["choices"][0]["logprobs"]["content"])
+    r = httpx.post(f"{server_url}{CHAT}", json={"messages": MSG, "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200, r.text

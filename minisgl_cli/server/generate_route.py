@@ -72,8 +72,8 @@ async def generate(body: p.GenerateBody, request: Request, ctx: Ctx) -> Any:
 
 def _logprobs(lps: list[TokenLogprob]) -> list[dict[str, Any]]:
     """Each token's id, text and logprob, with its top candidates (`top`: [[id, text, logprob], ...])."""
-    return [{"token_id": t.token_id, "token": t.token, "logprob": max(t.logprob, -9999.0),
-             "top": [[c.token_id, c.token, max(c.logprob, -9999.0)] for c in t.top]} for t in lps]
+    return [{"token_id": t.token_id, "token": t.token, "logprob": p.json_logprob(t.logprob),
+             "top": [[c.token_id, c.token, p.json_logprob(c.logprob)] for c in t.top]} for t in lps]
 
 
 def _done(final: Delta, note: str | None, text: str | None = None) -> p.GenerateDone:
