@@ -70,12 +70,12 @@ class Child:
         send(self.launcher, Ready(self.name, info, detail))
 
 
-def exit_clean(*_: object) -> NoReturn:
-    """Exit 0 at once, once the child has handed back what it holds (also a SIGTERM handler, for a child that holds
-    nothing). Not through the interpreter's exit: that tears down zmq sockets other threads still block on (it
-    hangs there), and waits for a CPU compile thread (or aborts in it)."""
+def leave(code: int = 0) -> NoReturn:
+    """Exit at once, once the child has handed back what it holds. Not through the interpreter's exit: that tears
+    down zmq sockets other threads still block on (it hangs there), and waits for a CPU compile thread (or aborts
+    in it)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(0)
+    os._exit(code)

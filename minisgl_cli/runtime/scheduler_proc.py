@@ -30,7 +30,7 @@ from minisgl_cli.distributed import DistConfig, TPInfo
 from minisgl_cli.distributed.comm import broadcast_bytes, init_tp
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.messages import FromScheduler, Heartbeat, RankBatch, ToScheduler, decode, encode
-from minisgl_cli.runtime.child import Child, exit_clean
+from minisgl_cli.runtime.child import Child, leave
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -66,14 +66,21 @@ def run_rank(job: RankJob) -> None:
     info = scheduler.model_info()
     child.ready(info if tp.rank == 0 else None,
                 f"{info.device} {info.dtype}, {info.kv_tokens:,} KV tokens, loaded in {info.load_s:.1f}s")
-    scheduler.run_forever(rank.stop, rank.receive)
+    try:
+        scheduler.run_forever(rank.stop, rank.receive)
+    except Exception:
+        if tp.size == 1:
+            raise
+        # A collective failed: another rank died (the runtime's one line names it); this rank's side is for -v.
+        log.info("%s: its TP group broke", child.name, exc_info=True)
+        leave(1)
     s = scheduler.snapshot()
     log.info("%s stopped: %d of %d KV tokens free", child.name, s.tokens_free, s.tokens_total)
     if tp.size > 1:
         import torch.distributed
 
         torch.distributed.destroy_process_group()
-    exit_clean()
+    leave()
 
 
 @dataclass

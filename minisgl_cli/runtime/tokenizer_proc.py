@@ -33,7 +33,7 @@ from minisgl_cli.messages import (
     TokenizeReply,
     TokenOutput,
 )
-from minisgl_cli.runtime.child import Child, exit_clean
+from minisgl_cli.runtime.child import Child, leave
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, decode_steps, prompt_ids
 from minisgl_cli.types import ErrorCode
@@ -60,7 +60,7 @@ def run_worker(job: WorkerJob) -> None:
     holds nothing to hand back)."""
     child = Child(job.name, job.name, job.log_level, job.endpoints.launcher)
     worker = child.start(functools.partial(_Worker, job))
-    signal.signal(signal.SIGTERM, exit_clean)
+    signal.signal(signal.SIGTERM, lambda *_: leave())
     child.ready()
     worker.serve()
 
