@@ -22,7 +22,7 @@ media = c.in_panel(c.MEDIA_PANEL)
 
 
 @app.command("serve")
-@c.engine_options(c.ALL)
+@c.engine_options(c.ALL, processes=True)
 def serve(
     host: c.Host = "127.0.0.1",
     port: c.Port = 8000,
@@ -123,7 +123,7 @@ def serve(
         zmq_control=zmq_control, zmq_endpoint=zmq_control_endpoint, log_level="info" if verbose else "warning",
     )
     if opts.runtime.node_rank > 0:  # a node other than 0 runs its TP ranks only: no HTTP there
-        opts.client(processes=True)
+        opts.client()
 
     def make_client(stop: threading.Event) -> EngineClient:
         if vision.model:  # first: on a GPU the engine then sizes its KV pool from the memory left
@@ -131,7 +131,7 @@ def serve(
                 load_vlm(vision.model, vision.device)
             except VlmLoadError as exc:
                 raise RuntimeError(str(exc)) from None
-        return opts.client(processes=True, stop=stop, per_replica_cap=per_replica)
+        return opts.client(stop=stop, per_replica_cap=per_replica)
 
     try:
         run_server(make_client, settings, launch)

@@ -196,7 +196,8 @@ def _default(obj: Any) -> msgpack.ExtType:
     cls = type(obj)
     code = _CODE.get(cls)
     if code is None:
-        raise TypeError(f"cannot send a {cls.__name__} between processes")
+        what = f"the integer {obj} (past 64 bits)" if cls is int else f"a {cls.__name__}"
+        raise TypeError(f"cannot send {what} between processes")
     rows = _ROWS.get(cls)
     if rows is not None:
         row_fields = _FIELDS[rows[0]]

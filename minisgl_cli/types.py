@@ -158,6 +158,9 @@ class GenerateRequest:
     rid: str = field(default_factory=new_request_id)
     tools: list[dict] | None = None  # OpenAI function tools, handed to the chat template with `messages`
     images: list[ImageInput] | None = None
+    # The request field an error about the prompt names (OpenAI's `param`), for a front that tokenized the prompt
+    # itself and sends input_ids (the server: "messages", "prompt"); None: input_ids if given, else prompt.
+    prompt_param: str | None = None
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.input_ids))
@@ -165,6 +168,11 @@ class GenerateRequest:
             raise ValueError("give exactly one of prompt, messages, input_ids")
         if self.images and self.input_ids is None:
             raise ValueError("images go with input_ids (a tokenized prompt); messages carry their own image parts")
+
+    @property
+    def prompt_field(self) -> str:
+        """The field an error about the prompt names: prompt_param, else input_ids or prompt."""
+        return self.prompt_param or ("input_ids" if self.input_ids is not None else "prompt")
 
 
 @dataclass
@@ -223,6 +231,7 @@ class Delta:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     error_code: ErrorCode | None = None  # what kind of failure `error` is (set with it)
+    error_param: str | None = None  # the request field `error` is about (OpenAI's `param`), where it names one
 
     @property
     def finished(self) -> bool:

@@ -149,9 +149,9 @@ class RoutedClient:
         ids = prompt.ids
         try:
             admit(ids, req.params, self.info.vocab_size, self.info.max_context_len,
-                  "input_ids" if req.input_ids is not None else "prompt")
+                  req.prompt_field)
         except AdmissionError as exc:  # refused before it reaches the engine: a stream of one error, like any other
-            yield Delta(req.rid, error=exc.message, error_code=exc.code,
+            yield Delta(req.rid, error=exc.message, error_code=exc.code, error_param=exc.param,
                         stats=RequestStats(prompt_tokens=len(ids), latency_s=0.0))
             return
         if req.rid in self._streams:

@@ -81,9 +81,9 @@ class EnginePool:
             finished = False
             started = False
             try:
-                async with contextlib.aclosing(self.replicas[i].submit(
-                        GenerateRequest(input_ids=ids, params=req.params, rid=req.rid,
-                                        images=prompt.images or None))) as stream:
+                async with contextlib.aclosing(self.replicas[i].submit(GenerateRequest(
+                        input_ids=ids, params=req.params, rid=req.rid, images=prompt.images or None,
+                        prompt_param=req.prompt_field))) as stream:
                     async for delta in stream:
                         if delta.error and not started and self._gone(i):
                             break  # it died before this request got anything: another replica takes it

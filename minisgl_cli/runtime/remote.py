@@ -31,9 +31,10 @@ from minisgl_cli.messages import (
     TokenizeQuery,
     TokenizeReply,
     ToScheduler,
+    encode,
 )
 from minisgl_cli.processor import has_images, messages_to_wire
-from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
+from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv
 from minisgl_cli.runtime.supervisor import Runtime
 from minisgl_cli.types import ErrorCode, GenerateRequest, ImageInput, ModelInfo, Prompt, SamplingParams, SchedulerStats
 
@@ -66,7 +67,7 @@ class RemoteClient(RoutedClient):
         # queue, so a send never blocks an event loop; one that cannot leave in SEND_TIMEOUT_MS (the worker is gone
         # or wedged) fails its request instead of waiting for ever.
         self._out = [push(self._ctx, t, timeout_ms=SEND_TIMEOUT_MS) for t in targets]
-        self._outbox: queue.SimpleQueue[ToScheduler | TokenizeQuery | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[ToScheduler | TokenizeQuery, bytes] | None] = queue.SimpleQueue()
         self._beat = time.monotonic()
         self._closed = False
         # Image pixels a tokenizer worker put in shared memory for this process's prompts, not yet handed to a
@@ -80,14 +81,22 @@ class RemoteClient(RoutedClient):
 
     # --- transport -----------------------------------------------------------------------------
     def _send(self, msg: ToScheduler | TokenizeQuery) -> None:
-        if not self._closed:  # an abort from a stream that outlives close() goes nowhere
-            self._outbox.put(msg)
+        """Hand `msg` to the sender thread, encoded here: a request holding what msgpack cannot carry (an integer past
+        64 bits in a tool's JSON schema) is a ValueError for its caller, not the end of the sender."""
+        if self._closed:  # an abort from a stream that outlives close() goes nowhere
+            return
+        try:
+            data = encode(msg)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"the request holds a value the engine's processes cannot carry: {exc}") from None
+        self._outbox.put((msg, data))
 
     def _send_loop(self) -> None:
-        while (msg := self._outbox.get()) is not None:
+        while (item := self._outbox.get()) is not None:
+            msg, data = item
             key = msg.rid if isinstance(msg, AddRequest | AbortRequest) else str(msg.qid)
             try:
-                send(self._out[zlib.crc32(key.encode()) % len(self._out)], msg)
+                self._out[zlib.crc32(key.encode()) % len(self._out)].send(data, copy=False)
             except zmq.Again:
                 self._undeliverable(msg)
             except zmq.ZMQError:  # the context is being destroyed: nothing more leaves
@@ -144,7 +153,11 @@ class RemoteClient(RoutedClient):
         if (reason := self.failure()) is not None:  # it died before the query was registered: no reply will come
             self._replies.pop(qid, None)
             raise EngineGone(reason)
-        self._send(TokenizeQuery(qid, req))
+        try:
+            self._send(TokenizeQuery(qid, req))
+        except ValueError:
+            self._replies.pop(qid, None)
+            raise
         reply: TokenizeReply = await asyncio.wrap_future(fut)
         if reply.ids is None:
             raise ValueError(reply.error)

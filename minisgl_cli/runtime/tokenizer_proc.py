@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import signal
 from dataclasses import dataclass
 
 import zmq
@@ -33,7 +34,7 @@ from minisgl_cli.messages import (
     TokenOutput,
 )
 from minisgl_cli.processor import VisionProcessor, has_images
-from minisgl_cli.runtime.child import Child
+from minisgl_cli.runtime.child import Child, leave
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, decode_steps, prompt_ids
 from minisgl_cli.types import ErrorCode
@@ -56,8 +57,11 @@ class WorkerJob:
 
 
 def run_worker(job: WorkerJob) -> None:
+    """Process entry point: report Ready (or Failed) to the launcher, serve until SIGTERM, then exit 0 (a worker
+    holds nothing to hand back)."""
     child = Child(job.name, job.name, job.log_level, job.endpoints.launcher)
     worker = child.start(functools.partial(_Worker, job))
+    signal.signal(signal.SIGTERM, lambda *_: leave())
     child.ready()
     worker.serve()
 

@@ -84,7 +84,10 @@ class Scheduler:
         profiler = StepProfiler.from_env(self.engine.spec.device)
         while not stop.is_set():
             self.heartbeat = time.monotonic()
-            for msg in receive(not (self.waiting or self.running or self._inflight)):
+            msgs = receive(not (self.waiting or self.running or self._inflight))
+            if stop.is_set():  # set while receiving (TP ranks learn rank 0's stop there): no step after it
+                break
+            for msg in msgs:
                 self.handle(msg)
             try:
                 busy = bool(self.waiting or self.running)

@@ -44,7 +44,7 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
     mode = body.tool_mode
     prompt = await ctx.prompt_of(messages=body.messages, param="messages", tools=body.tools if mode else None)
     ids = prompt.ids
-    max_new, note = ctx.budget([ids], body.requested_max_tokens, "max_tokens")
+    max_new, note = ctx.budget([ids], body.requested_max_tokens, "max_tokens", "messages")
     structured = body.structured()
     forced = tools.forced_schema(body)
     if forced is not None:
@@ -57,7 +57,8 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
                  **structured)
     vocab = ctx.client.info.vocab_size
     reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, i, vocab, extra),
-                            rid=new_request_id("chat"), images=prompt.images or None) for i in range(body.n)]
+                            rid=new_request_id("chat"), images=prompt.images or None, prompt_param="messages")
+                for i in range(body.n)]
     run = ctx.start(reqs, "/v1/chat/completions", body.user or body.safety_identifier)
     cid, ts, model = p.new_id("chatcmpl"), p.now(), ctx.model_name
     names = {t.function.name for t in body.tools or []}
@@ -166,7 +167,8 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
     vocab = ctx.client.info.vocab_size
     # Choice index = prompt index * n + sample index (OpenAI's order).
     reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, j, vocab, extra),
-                            rid=new_request_id("cmpl")) for ids in ids_list for j in range(body.n)]
+                            rid=new_request_id("cmpl"), prompt_param="prompt")
+            for ids in ids_list for j in range(body.n)]
     run = ctx.start(reqs, "/v1/completions", body.user)
     cid, ts, model = p.new_id("cmpl"), p.now(), ctx.model_name
     with_lp = body.logprobs is not None

@@ -204,7 +204,8 @@ def prepare(loaded: LoadedVlm, messages: list[dict]) -> Prepared:
 def check_budget(loaded: LoadedVlm, prepared: Prepared, requested: int | None, param: str = "max_tokens") -> int:
     """max_new_tokens for the request: what was asked, or what fits (AdmissionError, a ValueError, naming the
     context limit)."""
-    return new_tokens(prepared.prompt_tokens, requested, loaded.max_context_len, param, " (images included)")
+    return new_tokens(prepared.prompt_tokens, requested, loaded.max_context_len, param, " (images included)",
+                      "messages")
 
 
 async def stream(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, rid: str,
