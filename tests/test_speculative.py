@@ -21,6 +21,7 @@ from minisgl_cli.scheduler import speculative
 from minisgl_cli.scheduler.ngram import NgramIndex
 from minisgl_cli.scheduler.request import MAX_WAIT, DraftBudget
 from minisgl_cli.scheduler.speculative import accepted_run
+from minisgl_cli.types import GenerateRequest
 
 CHATS = [[{"role": "user", "content": p}] for p in (
     "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
@@ -58,7 +59,7 @@ def _with_oracle(monkeypatch, llm_kw: dict, prompts, params, k: int = 3):
     """(answers without speculation, answers with the oracle's drafts, the speculating engine's stats)."""
     with LLM(**llm_kw) as llm:
         plain = llm.generate(prompts, params)
-        ids = [llm.client.tokenizer.apply_chat_template(p) for p in prompts]
+        ids = [asyncio.run(llm.client.prompt(GenerateRequest(messages=p))).ids for p in prompts]
     oracle = Oracle({tuple(i): c.token_ids for i, c in zip(ids, plain)})
     monkeypatch.setattr(speculative, "create_proposer", lambda cfg, engine: oracle)
     with LLM(**llm_kw, speculative_algorithm="ngram", num_speculative_tokens=k) as llm:
@@ -169,6 +170,22 @@ def test_overlap_scheduling_with_drafts_and_aborts_leaves_no_page_held(monkeypat
     assert sum(g is None for g in got) == 8
     assert all(g == a for g, a in zip(got, alone) if g is not None)
     assert stats.spec_accepted_tokens > 0 and stats.tokens_in_use == 0
+
+
+def test_image_requests_verify_drafts_at_their_m_rope_positions(monkeypatch, tiny_vlms):
+    """Qwen2-VL on the engine: a verify row turns by its request's M-RoPE delta, as a decode row does, so image chats
+    (one image; two of different sizes) answer with the plain greedy ids under the oracle's drafts. The draft model,
+    which would not see the images, is refused in one line."""
+    from test_vlm_engine import CHATS as IMAGE_CHATS
+    from test_vlm_engine import EXACT as VLM_EXACT
+
+    kw = dict(model=str(tiny_vlms["qwen2-vl"]), **VLM_EXACT)
+    plain, spec, stats = _with_oracle(monkeypatch, kw, IMAGE_CHATS, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    _same(plain, spec)
+    assert stats.images_encoded >= 3 and 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    monkeypatch.undo()  # the real proposers again
+    with pytest.raises(ValueError, match="a draft model would not see"):
+        LLM(**kw, speculative_algorithm="draft", speculative_draft_model=str(tiny_vlms["qwen2-vl"]))
 
 
 def test_a_verify_step_draws_from_the_target_distribution():

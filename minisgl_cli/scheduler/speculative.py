@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("minisgl.speculative")
 
 DRAFT_TP = "--speculative-algorithm draft runs at --tp 1 (the ranks would have to share the draft's tokens: not built)"
+DRAFT_IMAGES = ("--speculative-algorithm draft: the model takes images, which a draft model would not see (not built); "
+                "--speculative-algorithm ngram speculates on image requests too")
 
 class Proposer(Protocol):
     """What proposes draft tokens: the n-gram lookup, a draft model, later an EAGLE-style head. It proposes
@@ -70,5 +72,7 @@ def create_proposer(cfg: SchedulerConfig, engine: Engine) -> Proposer | None:
         assert cfg.speculative_draft_model is not None  # SchedulerConfig checks it
         if engine.tp.size > 1:  # each rank would run its own draft model, whose tokens the ranks must share
             raise ValueError(DRAFT_TP)
+        if engine.vision is not None:  # the draft's KV would hold the placeholders' embeddings, not the images'
+            raise ValueError(DRAFT_IMAGES)
         return DraftModelProposer(engine, cfg.speculative_draft_model)
     return None
