@@ -35,6 +35,12 @@ REFUSED = [
     (["bench", "--url", "http://127.0.0.1:9", "--engine", "hf"], "--url benchmarks", "drop --engine"),
     (["bench", "--api", "chat", "--request-rate", "4"], "drop --api, --request-rate or add --url", "a server"),
     (["bench", "--served-model-name", "m"], "drop --served-model-name or add --url", "a server"),
+    # Speculative decoding's knobs without the algorithm they configure, and speculation on a serial engine.
+    (["chat", "--num-speculative-tokens", "5"], "drop --num-speculative-tokens or use --speculative-algorithm "
+     "ngram or draft", "(speculative decoding is off)"),
+    (["serve", "--speculative-algorithm", "draft", "--speculative-draft-model", "smollm2", "--prompt-lookup-max",
+      "4"], "drop --prompt-lookup-max or use --speculative-algorithm ngram", "(draft does not use them)"),
+    (["serve", "--engine", "hf", "--speculative-algorithm", "ngram"], "--engine hf", "drop --speculative-algorithm"),
 ]
 
 

@@ -269,6 +269,10 @@ def test_speculative_options_that_contradict_each_other_are_refused():
         SchedulerConfig(speculative_draft_model="smollm2")  # a draft model without the draft algorithm: refused
     with pytest.raises(ValueError, match="must be one of none, ngram, draft"):
         SchedulerConfig(speculative_algorithm="eagle")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="drop --num-speculative-tokens or use --speculative-algorithm ngram or draft"):
+        SchedulerConfig(num_speculative_tokens=5)  # a knob without speculation changes nothing: refused
+    with pytest.raises(ValueError, match=r"drop --prompt-lookup-min or use --speculative-algorithm ngram \(draft"):
+        SchedulerConfig(speculative_algorithm="draft", speculative_draft_model="smollm2", prompt_lookup_min=2)
     result = CliRunner().invoke(app, ["chat", "--speculative-algorithm", "ngram", "--prompt-lookup-min", "5",
                                       "--prompt-lookup-max", "2"])
     assert result.exit_code != 0 and "--prompt-lookup-min is above --prompt-lookup-max" in result.output

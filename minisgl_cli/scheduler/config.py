@@ -6,7 +6,7 @@ Fields that are also command-line options carry their flags in `metadata`, as on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
 Policy = Literal["prefill-first", "decode-first"]
@@ -52,3 +52,18 @@ class SchedulerConfig:
             raise ValueError("--speculative-algorithm draft takes --speculative-draft-model PATH (and only it does)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("--prompt-lookup-min is above --prompt-lookup-max")
+        # A flag that would change nothing is refused (issue 27's rule): each speculative knob needs its algorithm.
+        unused = [(flag, needs) for flag, name, needs in _SPEC_KNOBS
+                  if algo not in needs and getattr(self, name) != _DEFAULTS[name]]
+        if unused:
+            flags = ", ".join(flag for flag, _ in unused)
+            users = [a for a in SPECULATIVE_ALGORITHMS if all(a in needs for _, needs in unused)]
+            why = "speculative decoding is off" if algo == "none" else f"{algo} does not use them"
+            raise ValueError(f"drop {flags} or use --speculative-algorithm {' or '.join(users)} ({why})")
+
+
+# (flag, field, the algorithms it configures): the others would ignore it.
+_SPEC_KNOBS = (("--num-speculative-tokens", "num_speculative_tokens", ("ngram", "draft")),
+               ("--prompt-lookup-min", "prompt_lookup_min", ("ngram",)),
+               ("--prompt-lookup-max", "prompt_lookup_max", ("ngram",)))
+_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}
