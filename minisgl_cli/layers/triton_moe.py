@@ -1,0 +1,223 @@
+"""The fused MoE experts in Triton (CUDA): softmax top-k routing, per-expert block alignment, two grouped GEMMs.
+
+One layer's experts in four launches and a sum, none reading a value back to the host (CUDA graphs capture them):
+
+  route     one program per token: softmax over the experts in fp32, the k largest (lowest id first on a tie),
+            renormalized where the model says so (`route` in layers/moe.py is the reference)
+  align     one program: the T k (token, choice) slots sorted by expert (stable: slots ascending within one),
+            each expert's run padded to a whole number of BLOCK_M rows with an out-of-range slot id, and the
+            expert of each block; blocks past the padded total are skipped by the GEMMs
+  gate/up   per (block, BLOCK_N columns): the block's token rows times its expert's gate and up rows in two
+            accumulators, SiLU(gate) * up written per slot [T k, I]: the [T k, 2I] gate-up never exists
+  down      per (block, BLOCK_N columns): those rows times the expert's down rows, scaled by the slot's routing
+            weight, written per slot [T k, H]; a torch sum over each token's k slots follows (no atomics: the
+            result does not depend on the order blocks run in)
+
+Each output row is one MMA row of its block, so where a slot lands in its block changes nothing in its value.
+FP8 expert weights (e4m3, an fp32 scale per output row) are widened to the activation dtype in the tile and
+the scale multiplies the finished accumulator. The grid is sized for the worst case the shapes allow:
+min(T k BLOCK_M, T k + E (BLOCK_M - 1)) rows, so a decode step's handful of slots launches a handful of blocks.
+
+The align kernel is one program: linear in T k, it is a few microseconds at decode sizes, and the caller
+(layers/moe.py) takes the torch grouped GEMM past `FUSED_MAX_TOKENS` (prefill chunks), where it also wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tile of both expert GEMMs: BLOCK_M slot rows (the alignment unit), BLOCK_N output columns, BLOCK_K deep."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (most tokens, config) by batch size, first match wins. Seeded from the shapes' arithmetic (Qwen3-30B-A3B:
+# H 2048, I 768, 128 experts, top 8): at a few tokens every block holds one or two real rows, the step is a
+# pass over the chosen experts' weights, and narrow N tiles give the grid enough programs to fill the SMs;
+# from ~32 slots per expert the tiles widen and deepen so each weight tile is reused across more rows.
+# Re-tune with `examples/moe_bench.py --sweep` on the GPU that ships.
+CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
+    (4, MoeConfig(16, 32, 128, 4, 4)),
+    (32, MoeConfig(16, 64, 128, 4, 3)),
+    (128, MoeConfig(16, 128, 128, 4, 3)),
+    (512, MoeConfig(32, 128, 64, 4, 3)),
+    (2048, MoeConfig(64, 128, 64, 8, 3)),
+    (1 << 62, MoeConfig(128, 128, 64, 8, 4)),
+)
+# Batches of up to this many tokens take the fused path; larger ones (prefill chunks) the torch grouped GEMM,
+# where the one-program alignment would start to show.
+FUSED_MAX_TOKENS = 1024
+
+
+def pick_config(n_tokens: int) -> MoeConfig:
+    return next(cfg for most, cfg in CONFIGS if n_tokens <= most)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E, K: tl.constexpr, E_P2: tl.constexpr,
+                  RENORMALIZE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_P2)
+    x = tl.load(logits_ptr + row * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(e < E, p, -1.0)  # padding lanes never win
+    total = 0.0
+    for j in tl.static_range(K):
+        best = tl.max(p, axis=0)
+        pick = tl.min(tl.where(p == best, e, E_P2), axis=0)
+        tl.store(w_ptr + row * K + j, best)
+        tl.store(ids_ptr + row * K + j, pick)
+        total += best
+        p = tl.where(e == pick, -1.0, p)
+    if RENORMALIZE:
+        inv = 1.0 / total
+        for j in tl.static_range(K):
+            tl.store(w_ptr + row * K + j, tl.load(w_ptr + row * K + j) * inv)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int32) of router logits [T, E]: layers/moe.py's `route` in one launch."""
+    n_tok, n_exp = logits.shape
+    weights = torch.empty(n_tok, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(n_tok, top_k, dtype=torch.int32, device=logits.device)
+    if n_tok:
+        _route_kernel[(n_tok,)](logits, weights, ids, logits.stride(0), n_exp, K=top_k,
+                                E_P2=triton.next_power_of_2(n_exp), RENORMALIZE=renormalize)
+    return weights, ids
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, numel, n_blocks,
+                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    experts = tl.arange(0, E_P2)
+    r = tl.arange(0, CHUNK)
+    # 1. slots per expert
+    counts = tl.zeros((E_P2,), dtype=tl.int32)
+    for s in range(0, numel, CHUNK):
+        e = tl.load(ids_ptr + s + r, mask=s + r < numel, other=-1)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(total_ptr, tl.sum(padded, axis=0))
+    # 2. each block's expert (the number of experts whose run ends at or before its first row), every row the
+    # out-of-range slot id `numel` until step 3 writes the real ones
+    for b0 in range(0, n_blocks, CHUNK):
+        b = b0 + r
+        first = b * BLOCK_M
+        owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, owner, mask=b < n_blocks)
+    for p0 in range(0, n_blocks * BLOCK_M, CHUNK):
+        tl.store(sorted_ptr + p0 + r, tl.full((CHUNK,), 0, tl.int32) + numel, mask=p0 + r < n_blocks * BLOCK_M)
+    tl.debug_barrier()  # the fill above lands before the scatter below (one program: a CTA barrier orders them)
+    # 3. each slot to its expert's next free row; the rank among a chunk's slots of one expert from a running sum
+    seen = tl.zeros((E_P2,), dtype=tl.int32)
+    for s in range(0, numel, CHUNK):
+        e = tl.load(ids_ptr + s + r, mask=s + r < numel, other=-1)
+        hit = (e[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.sum(tl.cumsum(hit, axis=0) * hit, axis=1) - 1
+        base = tl.sum(hit * (starts + seen)[None, :], axis=1)
+        tl.store(sorted_ptr + base + rank, s + r, mask=s + r < numel)
+        seen += tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _expert_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                        N, K, numel, stride_a, stride_we, stride_wn, stride_c, stride_se,
+                        A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """c[slot, n] for the slots of block program_id(0), columns of program_id(1): a[slot // A_DIV] . w[expert, n]
+    (GATED: silu(. w[expert, n]) * (. w[expert, N + n])); ROUTED: times rw[slot]."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slot < numel
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (slot // A_DIV).to(tl.int64)[:, None] * stride_a + rk[None, :]
+    # the weight tile read as [BLOCK_K, BLOCK_N] of the row-major [N, K] matrix
+    w_ptrs = w_ptr + expert * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mk = k0 + rk < K
+        a = tl.load(a_ptrs + k0, mask=valid[:, None] & mk[None, :], other=0.0)
+        wm = mk[:, None] & mask_n[None, :]
+        acc = tl.dot(a, tl.load(w_ptrs + k0, mask=wm, other=0.0).to(a.dtype), acc)
+        if GATED:
+            acc_up = tl.dot(a, tl.load(w_ptrs + N * stride_wn + k0, mask=wm, other=0.0).to(a.dtype), acc_up)
+    if HAS_SCALE:  # FP8 weights: w = code * scale[expert, row]
+        s_ptrs = s_ptr + expert * stride_se + rn
+        acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(s_ptrs + N, mask=mask_n, other=0.0)[None, :]
+    dtype = c_ptr.dtype.element_ty
+    if GATED:  # rounded where the unfused path rounds: gate and up, silu(gate), the product
+        g = acc.to(dtype).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        acc = act * acc_up.to(dtype).to(tl.float32)
+    if ROUTED:
+        acc *= tl.load(rw_ptr + slot, mask=valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + slot.to(tl.int64)[:, None] * stride_c + rn[None, :]
+    tl.store(c_ptrs, acc.to(dtype), mask=valid[:, None] & mask_n[None, :])
+
+
+def align(ids: torch.Tensor, n_exp: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted slot ids [rows], each block's expert [rows / block_m], padded total [1]) of expert ids [T, k]."""
+    numel = ids.numel()
+    rows = triton.cdiv(min(numel * block_m, numel + n_exp * (block_m - 1)), block_m) * block_m
+    dev = ids.device
+    sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](ids, sorted_ids, block_expert, total, numel, rows // block_m,
+                        E_P2=triton.next_power_of_2(n_exp), BLOCK_M=block_m, CHUNK=64)
+    return sorted_ids, block_expert, total
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                  config: MoeConfig | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H] in x's dtype.
+
+    x [T, H]; gate_up [E, 2I, H] and down [E, H, I] in x's dtype, or e4m3 with fp32 scales [E, 2I] / [E, H];
+    weights [T, k] fp32, ids [T, k]; `config` the tile (default: `pick_config(T)`)."""
+    n_tok, k = ids.shape
+    n_exp, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    cfg = config or pick_config(n_tok)
+    numel = n_tok * k
+    out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
+    if numel == 0:
+        return out.view(n_tok, k, hidden).sum(dim=1)
+    sorted_ids, block_expert, total = align(ids.contiguous(), n_exp, cfg.block_m)
+    n_blocks = block_expert.numel()
+    h = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
+    rw = weights.contiguous().view(-1)
+    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages)
+    x = x.contiguous()
+    for a, w, s, c, n, div, gated in ((x, gate_up, gate_up_scale, h, inter, k, True),
+                                      (h, down, down_scale, out, hidden, 1, False)):
+        grid = (n_blocks, triton.cdiv(n, cfg.block_n))
+        _expert_gemm_kernel[grid](a, w, s, c, rw, sorted_ids, block_expert, total, n, a.shape[1], numel,
+                                  a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+                                  s.stride(0) if s is not None else 0,
+                                  A_DIV=div, GATED=gated, ROUTED=not gated, HAS_SCALE=s is not None, **tiles)
+    return out.view(n_tok, k, hidden).sum(dim=1)
