@@ -12,7 +12,11 @@ routing weights and put back in slot order, then summed per token. Where the mat
   grouped  torch._grouped_mm over the sorted rows with the experts' row offsets on the device: no host sync, so
            CUDA graphs capture it (its CUTLASS kernel: bf16 on SM 9.x / 10.x, torch 2.8+)
   loop     one F.linear per expert that received rows, the offsets read back once a step: the CPU path (reading
-           them costs nothing there) and CUDA's elsewhere, where decode runs eagerly (`graph_safe`)
+           them costs nothing there)
+
+On CUDA with the fused ops on (16-bit activations) the whole block but the router's linear runs in Triton instead
+(layers/triton_moe.py: routing, block alignment, gate/up with SiLU fused, down with the routing weights) up to
+its FUSED_MAX_TOKENS, and at every size where torch's grouped kernel is missing, so decode is graph-safe there too.
 
 Shared experts (Qwen2-MoE, DeepSeek) would be a dense MLP added beside the routed ones; neither Qwen3-MoE nor
 Mixtral has one, so there is none here yet.
@@ -52,6 +56,14 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     # torch's CUTLASS kernel is built for Hopper and datacenter Blackwell; elsewhere _grouped_mm is a host loop.
     return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(device)[0] in (9, 10))
+
+
+def triton_runs(x: torch.Tensor, kernels: Kernels) -> bool:
+    """Whether the experts of a step with activations `x` [T, H] take the fused Triton path (layers/triton_moe.py)."""
+    ops = kernels.triton(x)
+    if ops is None or x.dtype not in (torch.bfloat16, torch.float16):  # fp32's tl.dot would round through tf32
+        return False
+    return x.shape[0] <= ops.MOE_FUSED_MAX_TOKENS or not grouped_mm_runs(x.device, x.dtype)
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -137,8 +149,12 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Rows, decode: bool = False) -> torch.Tensor:
         """`decode` is the dense MLP's (which copy a quantized linear takes): the experts hold one copy."""
         assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         e = self.experts
+        if triton_runs(x, self.kernels):
+            ops = self.kernels.triton(x)
+            weights, ids = ops.moe_route(self.gate(x), self.top_k, self.renormalize)
+            return all_reduce(ops.moe_experts(x, e.gate_up_proj, e.down_proj, weights, ids), self.tp)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         y = fused_experts(x, e.gate_up_proj, e.down_proj, weights, ids, self.kernels,
                           grouped_mm_runs(x.device, x.dtype))
         return all_reduce(y, self.tp)

@@ -187,8 +187,10 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def graph_safe(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether a forward makes no host sync there, so CUDA graphs can capture it (MoE experts: the grouped GEMM)."""
-        return not self.cfg.num_experts or grouped_mm_runs(device, dtype)
+        """Whether a forward makes no host sync there, so CUDA graphs can capture it (MoE experts: the grouped GEMM,
+        or the fused Triton experts, which take every batch size where the grouped GEMM is missing)."""
+        fused = device.type == "cuda" and self.kernels.fused and dtype in (torch.bfloat16, torch.float16)
+        return not self.cfg.num_experts or grouped_mm_runs(device, dtype) or fused
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, vocab] in the model dtype: the sampler widens to fp32 only where it computes on them."""
