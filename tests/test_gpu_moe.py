@@ -172,7 +172,7 @@ def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok):
     (the grouped GEMM or the loop) agree."""
     from minisgl_cli.distributed import TPInfo
     from minisgl_cli.layers.fused import Kernels
-    from minisgl_cli.layers.moe import MoE, triton_runs
+    from minisgl_cli.layers.moe import MoE, triton_experts
 
     kernels = Kernels()
     block = MoE(32, 8, 2048, 768, True, TPInfo(), kernels).to(DEV, DTYPE)
@@ -180,8 +180,8 @@ def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok):
     for p in block.parameters():
         p.data.copy_(torch.randn(p.shape, device=DEV, generator=g) * p.shape[-1] ** -0.5)
     x = torch.randn(n_tok, 2048, device=DEV, generator=g, dtype=DTYPE)
-    assert triton_runs(x, kernels)
+    assert triton_experts(x, kernels) is not None
     fused = block(x)
     kernels.fused = False
-    assert not triton_runs(x, kernels)
+    assert triton_experts(x, kernels) is None
     _close(fused, block(x))

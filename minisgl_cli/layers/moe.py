@@ -24,6 +24,8 @@ Mixtral has one, so there is none here yet.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,12 +60,13 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.cuda.get_device_capability(device)[0] in (9, 10))
 
 
-def triton_runs(x: torch.Tensor, kernels: Kernels) -> bool:
-    """Whether the experts of a step with activations `x` [T, H] take the fused Triton path (layers/triton_moe.py)."""
+def triton_experts(x: torch.Tensor, kernels: Kernels) -> ModuleType | None:
+    """The Triton ops when the experts of a step with activations `x` [T, H] take the fused path
+    (layers/triton_moe.py), else None."""
     ops = kernels.triton(x)
     if ops is None or x.dtype not in (torch.bfloat16, torch.float16):  # fp32's tl.dot would round through tf32
-        return False
-    return x.shape[0] <= ops.MOE_FUSED_MAX_TOKENS or not grouped_mm_runs(x.device, x.dtype)
+        return None
+    return ops if x.shape[0] <= ops.MOE_FUSED_MAX_TOKENS or not grouped_mm_runs(x.device, x.dtype) else None
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -150,8 +153,8 @@ class MoE(nn.Module):
         """`decode` is the dense MLP's (which copy a quantized linear takes): the experts hold one copy."""
         assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
         e = self.experts
-        if triton_runs(x, self.kernels):
-            ops = self.kernels.triton(x)
+        ops = triton_experts(x, self.kernels)
+        if ops is not None:
             weights, ids = ops.moe_route(self.gate(x), self.top_k, self.renormalize)
             return all_reduce(ops.moe_experts(x, e.gate_up_proj, e.down_proj, weights, ids), self.tp)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
