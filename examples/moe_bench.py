@@ -61,6 +61,9 @@ def time_size(m: int, blocks: list[MoE], q: list, kernels: Kernels, g: torch.Gen
 
     kernels.fused = True
     us = {"fused": _graph_us([lambda b=b: fused(b) for b in blocks])}  # the block's own choice may be grouped
+    block_m = triton_moe.pick_config(m).block_m  # the router, the routing and the alignment alone:
+    us["route_align"] = _graph_us([lambda b=b: triton_moe.align(triton_moe.route(b.gate(x), TOP_K, True)[1], EXPERTS,
+                                                                block_m) for b in blocks])
     us["fused_fp8"] = _graph_us([lambda b=b, qb=qb: fused(b, qb) for b, qb in zip(blocks, q)])
     kernels.fused = False
     us["grouped"] = _graph_us([lambda b=b: b(x) for b in blocks])
@@ -144,11 +147,12 @@ def main() -> None:
         json.dump(rows, f, indent=1)
     print(f"\n==== MoE layer, Qwen3-30B-A3B shapes, {LAYERS} layers in a graph ({torch.cuda.get_device_name()}) ====")
     print(f"{'M':>6} {'experts':>8} {'fused us':>9} {'grouped us':>11} {'speedup':>8} {'fused fp8 us':>13} "
-          f"{'fused TB/s':>11} {'rel err':>8}  picked" + ("  best (us)" if args.sweep else ""))
+          f"{'route+align us':>15} {'fused TB/s':>11} {'rel err':>8}  picked" + ("  best (us)" if args.sweep else ""))
     for r in rows:
         if "M" in r:
             print(f"{r['M']:>6} {r['experts_chosen']:>8} {r['fused_us']:>9} {r['grouped_us']:>11} "
-                  f"{r['grouped_us'] / r['fused_us']:>7.2f}x {r['fused_fp8_us']:>13} {r['fused_tbs']:>11} "
+                  f"{r['grouped_us'] / r['fused_us']:>7.2f}x {r['fused_fp8_us']:>13} {r['route_align_us']:>15} "
+                  f"{r['fused_tbs']:>11} "
                   f"{r['rel_err_vs_grouped']:>8}  {r['picked']}"
                   + (f"  {r['best_cfg']} ({r['best_us']})" if "best_cfg" in r else ""))
         elif "tok_s" in r:

@@ -100,7 +100,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, numel, n_blocks,
-                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
     experts = tl.arange(0, E_P2)
     r = tl.arange(0, CHUNK)
     # 1. slots per expert
@@ -119,15 +119,17 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, numel, n_blo
         first = b * BLOCK_M
         owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + b, owner, mask=b < n_blocks)
-    for p0 in range(0, n_blocks * BLOCK_M, CHUNK):
-        tl.store(sorted_ptr + p0 + r, tl.full((CHUNK,), 0, tl.int32) + numel, mask=p0 + r < n_blocks * BLOCK_M)
+    fill = tl.arange(0, FILL)
+    for p0 in range(0, n_blocks * BLOCK_M, FILL):
+        tl.store(sorted_ptr + p0 + fill, tl.full((FILL,), 0, tl.int32) + numel, mask=p0 + fill < n_blocks * BLOCK_M)
     tl.debug_barrier()  # the fill above lands before the scatter below (one program: a CTA barrier orders them)
-    # 3. each slot to its expert's next free row; the rank among a chunk's slots of one expert from a running sum
+    # 3. each slot to its expert's next free row: its run's start, the expert's slots in earlier chunks, and the
+    # earlier slots of this chunk that chose the same expert (stable: slots ascend within an expert)
     seen = tl.zeros((E_P2,), dtype=tl.int32)
     for s in range(0, numel, CHUNK):
         e = tl.load(ids_ptr + s + r, mask=s + r < numel, other=-1)
         hit = (e[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.sum(tl.cumsum(hit, axis=0) * hit, axis=1) - 1
+        rank = tl.sum(((e[:, None] == e[None, :]) & (r[None, :] < r[:, None])).to(tl.int32), axis=1)
         base = tl.sum(hit * (starts + seen)[None, :], axis=1)
         tl.store(sorted_ptr + base + rank, s + r, mask=s + r < numel)
         seen += tl.sum(hit, axis=0)
@@ -187,7 +189,7 @@ def align(ids: torch.Tensor, n_exp: int, block_m: int) -> tuple[torch.Tensor, to
     block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
     _align_kernel[(1,)](ids, sorted_ids, block_expert, total, numel, rows // block_m,
-                        E_P2=triton.next_power_of_2(n_exp), BLOCK_M=block_m, CHUNK=64)
+                        E_P2=triton.next_power_of_2(n_exp), BLOCK_M=block_m, CHUNK=64, FILL=1024)
     return sorted_ids, block_expert, total
 
 
