@@ -1,21 +1,24 @@
 """The MoE layer on one GPU: the fused Triton experts against torch's grouped GEMM, then Qwen3-30B-A3B's batch-1 decode.
 
-    PYTHONPATH=. python examples/moe_bench.py [--out DIR] [--sweep] [--no-engine]
+    PYTHONPATH=. python examples/moe_bench.py [--out DIR] [--sizes 1,8,64,256] [--fp8] [--sweep] [--no-engine]
 
-1. The MoE block of Qwen3-30B-A3B (H 2048, 128 experts of I 768, top 8; router included) at M = 1 to 4096
-   tokens, random bf16 weights, `LAYERS` blocks captured back to back in one CUDA graph (so weights come
-   from DRAM, as in a decode step): fused Triton (layers/triton_moe.py, the tile its table picks) vs the
-   grouped GEMM path (the fused ops off), and the fused kernels over e4m3 weights (per-row scales). The bytes of
-   the experts the tokens chose over the fused time give an effective TB/s. `--sweep` also times a few tiles.
+1. The MoE block of Qwen3-30B-A3B (H 2048, 128 experts of I 768, top 8; router included) at M = 1, 8, 64, 256
+   tokens (--sizes; past FUSED_MAX_TOKENS the block itself takes the grouped GEMM), random bf16 weights, `LAYERS`
+   blocks captured back to back in one CUDA graph (so weights come from DRAM, as in a decode step): fused Triton
+   (layers/triton_moe.py, the tile its table picks) vs the grouped GEMM path (the fused ops off); the router +
+   routing + alignment alone; --fp8: the fused kernels over e4m3 weights (per-row scales). The bytes of the
+   experts the tokens chose over the fused time give an effective TB/s. `--sweep` also times a few tiles.
 2. Qwen3-30B-A3B with dummy weights (bf16): one 128-token prompt, 256 new tokens, EOS ignored, CUDA graphs and
    overlap on; decode tok/s with the fused experts and with the grouped GEMM (graphs recaptured).
 
-Prints a table and writes moe_bench.json under --out ($OUT). One H100: ~75 s, most of it the engine's start.
+Prints a table and writes moe_bench.json under --out ($OUT). One H100, defaults: ~70 s (Triton compiles on a cold
+cache, the 61 GB engine's start); each of --fp8 and --sweep adds ~10-30 s.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -36,7 +39,6 @@ from minisgl_cli.layers.moe import MoE  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # Qwen3-30B-A3B
 LAYERS = 4  # 4 x 1.2 GB of experts: none stays in the 50 MB L2 between its calls
-SIZES = (1, 8, 64, 256, 1024, 4096)  # past 1024 (FUSED_MAX_TOKENS) the block takes the grouped GEMM
 SWEEP = [triton_moe.MoeConfig(*c) for c in ((16, 32, 64, 4, 4), (16, 32, 128, 4, 4), (16, 64, 128, 4, 3),
                                              (16, 128, 128, 4, 3), (32, 64, 128, 4, 3), (32, 128, 64, 4, 3),
                                              (64, 128, 64, 4, 3), (64, 128, 64, 8, 4), (128, 128, 64, 8, 4))]
@@ -47,7 +49,7 @@ def fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
 
 
-def time_size(m: int, blocks: list[MoE], q: list, kernels: Kernels, g: torch.Generator, sweep: bool) -> dict:
+def time_size(m: int, blocks: list[MoE], q: list | None, kernels: Kernels, g: torch.Generator, sweep: bool) -> dict:
     """One row of the layer table: M tokens through every block, fused / fused FP8 / grouped."""
     x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
     chosen = len(set(blocks[0].gate(x).topk(TOP_K, dim=-1).indices.flatten().tolist()))
@@ -64,7 +66,8 @@ def time_size(m: int, blocks: list[MoE], q: list, kernels: Kernels, g: torch.Gen
     block_m = triton_moe.pick_config(m).block_m  # the router, the routing and the alignment alone:
     us["route_align"] = _graph_us([lambda b=b: triton_moe.align(triton_moe.route(b.gate(x), TOP_K, True)[1], EXPERTS,
                                                                 block_m) for b in blocks])
-    us["fused_fp8"] = _graph_us([lambda b=b, qb=qb: fused(b, qb) for b, qb in zip(blocks, q)])
+    if q is not None:
+        us["fused_fp8"] = _graph_us([lambda b=b, qb=qb: fused(b, qb) for b, qb in zip(blocks, q)])
     kernels.fused = False
     us["grouped"] = _graph_us([lambda b=b: b(x) for b in blocks])
     ref = blocks[0](x).float()  # the grouped path
@@ -85,7 +88,7 @@ def time_size(m: int, blocks: list[MoE], q: list, kernels: Kernels, g: torch.Gen
     return r
 
 
-def bench_layer(sweep: bool, rows: list[dict]) -> None:
+def bench_layer(sizes: list[int], fp8: bool, sweep: bool, rows: list[dict]) -> None:
     kernels = Kernels()
     g = torch.Generator("cuda").manual_seed(0)
     blocks = []
@@ -94,11 +97,12 @@ def bench_layer(sweep: bool, rows: list[dict]) -> None:
         for p in b.parameters():
             p.data.normal_(0, p.shape[-1] ** -0.5, generator=g)
         blocks.append(b)
-    q = [(fp8_rows(b.experts.gate_up_proj), fp8_rows(b.experts.down_proj)) for b in blocks]
-    for m in SIZES:
+    q = [(fp8_rows(b.experts.gate_up_proj), fp8_rows(b.experts.down_proj)) for b in blocks] if fp8 else None
+    for m in sizes:
         rows.append(time_size(m, blocks, q, kernels, g, sweep))
         print("RESULT " + json.dumps(rows[-1]), flush=True)
     del blocks, q
+    gc.collect()
     torch.cuda.empty_cache()
 
 
@@ -126,13 +130,15 @@ def bench_decode(rows: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sizes", default="1,8,64,256", help="token counts of the layer table")
+    ap.add_argument("--fp8", action="store_true", help="also the fused kernels over e4m3 expert weights")
     ap.add_argument("--sweep", action="store_true", help="also time a few tiles per M (for the CONFIGS table)")
     ap.add_argument("--no-engine", action="store_true", help="the layer table only")
     args = ap.parse_args()
     t0 = time.perf_counter()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     rows: list[dict] = []
-    sections = [("layer", lambda: bench_layer(args.sweep, rows))]
+    sections = [("layer", lambda: bench_layer([int(m) for m in args.sizes.split(",")], args.fp8, args.sweep, rows))]
     if not args.no_engine:
         sections.append(("decode", lambda: bench_decode(rows)))
     for name, fn in sections:
@@ -151,8 +157,8 @@ def main() -> None:
     for r in rows:
         if "M" in r:
             print(f"{r['M']:>6} {r['experts_chosen']:>8} {r['fused_us']:>9} {r['grouped_us']:>11} "
-                  f"{r['grouped_us'] / r['fused_us']:>7.2f}x {r['fused_fp8_us']:>13} {r['route_align_us']:>15} "
-                  f"{r['fused_tbs']:>11} "
+                  f"{r['grouped_us'] / r['fused_us']:>7.2f}x {r.get('fused_fp8_us', '-'):>13} "
+                  f"{r['route_align_us']:>15} {r['fused_tbs']:>11} "
                   f"{r['rel_err_vs_grouped']:>8}  {r['picked']}"
                   + (f"  {r['best_cfg']} ({r['best_us']})" if "best_cfg" in r else ""))
         elif "tok_s" in r:
