@@ -36,6 +36,7 @@ from minisgl_cli.distributed.comm import all_reduce
 from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import divide
+from minisgl_cli.layers.quant import gemv_ops
 from minisgl_cli.loader.hf import Weight, whole
 
 # Checkpoint names of one expert's projections: Qwen3-MoE's and Mixtral's (w1 gate, w3 up, w2 down).
@@ -102,8 +103,9 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
 class Router(nn.Module):
     """The gate: logits over the experts from the hidden state, replicated on every rank (E x H is small)."""
 
-    def __init__(self, hidden_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, num_experts: int, kernels: Kernels):
         super().__init__()
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
 
     def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
@@ -112,6 +114,9 @@ class Router(nn.Module):
         self.weight.data.copy_(whole(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = gemv_ops(x, self.weight, self.kernels)  # batch-1 decode on CUDA: the Triton GEMV
+        if ops is not None:
+            return ops.gemv(x.contiguous(), self.weight, None, pdl=self.kernels.pdl)
         return F.linear(x, self.weight)
 
 
@@ -143,7 +148,7 @@ class MoE(nn.Module):
                  tp: TPInfo, kernels: Kernels):
         super().__init__()
         self.top_k, self.renormalize, self.tp, self.kernels = top_k, renormalize, tp, kernels
-        self.gate = Router(hidden_size, num_experts)
+        self.gate = Router(hidden_size, num_experts, kernels)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, tp)
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
