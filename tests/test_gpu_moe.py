@@ -82,7 +82,7 @@ def test_route_picks_torchs_top_k(T, n_exp, top_k, n_tok):
 
 
 @pytest.mark.parametrize("n_exp,top_k,n_tok,block_m", [(8, 2, 1, 16), (8, 2, 64, 16), (128, 8, 3, 16),
-                                                      (128, 8, 64, 32), (4, 1, 70, 64)])
+                                                      (128, 8, 64, 32), (4, 1, 70, 64), (128, 8, 600, 16)])
 def test_align_sorts_every_slot_once_into_its_experts_blocks(T, n_exp, top_k, n_tok, block_m):
     g = torch.Generator().manual_seed(n_tok)
     ids = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(n_tok)]).to(DEV)

@@ -1,12 +1,13 @@
 """The fused MoE experts in Triton (CUDA): softmax top-k routing, per-expert block alignment, two grouped GEMMs.
 
-One layer's experts in four launches and a sum, none reading a value back to the host (CUDA graphs capture them):
+One layer's experts in four or five launches and a sum, none reading a value back to the host (CUDA graphs capture them):
 
   route     one program per token: softmax over the experts in fp32, the k largest (lowest id first on a tie),
             renormalized where the model says so (`route` in layers/moe.py is the reference)
-  align     one program: the T k (token, choice) slots sorted by expert (stable: slots ascending within one),
-            each expert's run padded to a whole number of BLOCK_M rows with an out-of-range slot id, and the
-            expert of each block; blocks past the padded total are skipped by the GEMMs
+  align     the T k (token, choice) slots sorted by expert (stable: slots ascending within one), each expert's
+            run padded to a whole number of BLOCK_M rows with an out-of-range slot id, and the expert of each
+            block; blocks past the padded total are skipped by the GEMMs. One program per chunk of slots, after
+            a launch that counts each chunk's slots per expert (none when one chunk holds them all: decode)
   gate/up   per (block, BLOCK_N columns): the block's token rows times its expert's gate and up rows in two
             accumulators, SiLU(gate) * up written per slot [T k, I]: the [T k, 2I] gate-up never exists
   down      per (block, BLOCK_N columns): those rows times the expert's down rows, scaled by the slot's routing
@@ -18,8 +19,8 @@ FP8 expert weights (e4m3, an fp32 scale per output row) are widened to the activ
 the scale multiplies the finished accumulator. The grid is sized for the worst case the shapes allow:
 min(T k BLOCK_M, T k + E (BLOCK_M - 1)) rows, so a decode step's handful of slots launches a handful of blocks.
 
-The align kernel is one program: linear in T k, it is a few microseconds at decode sizes, and the caller
-(layers/moe.py) takes the torch grouped GEMM past `FUSED_MAX_TOKENS` (prefill chunks), where it also wins.
+The caller (layers/moe.py) takes torch's grouped GEMM past `FUSED_MAX_TOKENS` tokens (prefill chunks) on the
+GPUs where it runs (examples/moe_bench.py measures both; the table below says what was chosen and why).
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
     (2048, MoeConfig(64, 128, 64, 8, 3)),
     (1 << 62, MoeConfig(128, 128, 64, 8, 4)),
 )
-# Batches of up to this many tokens take the fused path; larger ones (prefill chunks) the torch grouped GEMM,
-# where the one-program alignment would start to show.
+# Batches of up to this many tokens take the fused path; larger ones (prefill chunks) torch's grouped GEMM, a
+# CUTLASS kernel built for compute-bound shapes. Not yet measured: a first guess between decode batches (<= 256)
+# and prefill chunks (16k).
 FUSED_MAX_TOKENS = 1024
 
 
@@ -99,40 +101,60 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, numel, n_blocks,
-                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+def _count_kernel(ids_ptr, hist_ptr, numel, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """hist[c, e]: the slots of chunk c (CHUNK slots from c CHUNK) that chose expert e."""
+    c = tl.program_id(0)
+    r = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + r, mask=r < numel, other=-1)
+    experts = tl.arange(0, E_P2)
+    tl.store(hist_ptr + c * E_P2 + experts, tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _place_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr, numel, n_chunks, n_blocks,
+                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                  BLOCKS: tl.constexpr):
+    """Chunk c's slots to their rows; its share of the blocks' experts and padding rows."""
+    c = tl.program_id(0)
     experts = tl.arange(0, E_P2)
     r = tl.arange(0, CHUNK)
-    # 1. slots per expert
-    counts = tl.zeros((E_P2,), dtype=tl.int32)
-    for s in range(0, numel, CHUNK):
-        e = tl.load(ids_ptr + s + r, mask=s + r < numel, other=-1)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    e = tl.load(ids_ptr + c * CHUNK + r, mask=c * CHUNK + r < numel, other=-1)
+    hit = (e[:, None] == experts[None, :]).to(tl.int32)
+    if ONE_CHUNK:  # decode-sized: no count launch before this one
+        counts = tl.sum(hit, axis=0)
+        before = tl.zeros((E_P2,), dtype=tl.int32)
+    else:  # every chunk's counts; those of the chunks before this one
+        counts = tl.zeros((E_P2,), dtype=tl.int32)
+        before = tl.zeros((E_P2,), dtype=tl.int32)
+        rows = tl.arange(0, 16)
+        for c0 in range(0, n_chunks, 16):
+            h = tl.load(hist_ptr + (c0 + rows)[:, None] * E_P2 + experts[None, :],
+                        mask=(c0 + rows < n_chunks)[:, None], other=0)
+            counts += tl.sum(h, axis=0)
+            before += tl.sum(tl.where((c0 + rows < c)[:, None], h, 0), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    tl.store(total_ptr, tl.sum(padded, axis=0))
-    # 2. each block's expert (the number of experts whose run ends at or before its first row), every row the
-    # out-of-range slot id `numel` until step 3 writes the real ones
-    for b0 in range(0, n_blocks, CHUNK):
-        b = b0 + r
+    if c == 0:
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+    # each slot: its expert's run start, that expert's slots in earlier chunks, the earlier ones of this chunk
+    # that chose it (stable: slots ascend within an expert)
+    rank = tl.sum(tl.cumsum(hit, axis=0) * hit, axis=1) - 1
+    pos = tl.sum(hit * (starts + before)[None, :], axis=1) + rank
+    tl.store(sorted_ptr + pos, c * CHUNK + r, mask=c * CHUNK + r < numel)
+    # blocks c, c + n_chunks, ...: the expert (the number of runs ending at or before the block's first row) and
+    # the out-of-range slot id `numel` in its rows past the expert's slots (rows no slot above writes)
+    m = tl.arange(0, BLOCK_M)
+    for b0 in range(c * BLOCKS, n_blocks, n_chunks * BLOCKS):
+        b = b0 + tl.arange(0, BLOCKS)
         first = b * BLOCK_M
         owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + b, owner, mask=b < n_blocks)
-    fill = tl.arange(0, FILL)
-    for p0 in range(0, n_blocks * BLOCK_M, FILL):
-        tl.store(sorted_ptr + p0 + fill, tl.full((FILL,), 0, tl.int32) + numel, mask=p0 + fill < n_blocks * BLOCK_M)
-    tl.debug_barrier()  # the fill above lands before the scatter below (one program: a CTA barrier orders them)
-    # 3. each slot to its expert's next free row: its run's start, the expert's slots in earlier chunks, and the
-    # earlier slots of this chunk that chose the same expert (stable: slots ascend within an expert)
-    seen = tl.zeros((E_P2,), dtype=tl.int32)
-    for s in range(0, numel, CHUNK):
-        e = tl.load(ids_ptr + s + r, mask=s + r < numel, other=-1)
-        hit = (e[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.sum(((e[:, None] == e[None, :]) & (r[None, :] < r[:, None])).to(tl.int32), axis=1)
-        base = tl.sum(hit * (starts + seen)[None, :], axis=1)
-        tl.store(sorted_ptr + base + rank, s + r, mask=s + r < numel)
-        seen += tl.sum(hit, axis=0)
+        mine = owner[:, None] == experts[None, :]
+        used = tl.sum(tl.where(mine, (starts + counts)[None, :], 0), axis=1)  # one past the expert's last slot row
+        row = first[:, None] + m[None, :]
+        tl.store(sorted_ptr + row, tl.full((BLOCKS, BLOCK_M), 0, tl.int32) + numel,
+                 mask=(b < n_blocks)[:, None] & (row >= used[:, None]))
 
 
 @triton.jit
@@ -188,8 +210,16 @@ def align(ids: torch.Tensor, n_exp: int, block_m: int) -> tuple[torch.Tensor, to
     sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
     block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](ids, sorted_ids, block_expert, total, numel, rows // block_m,
-                        E_P2=triton.next_power_of_2(n_exp), BLOCK_M=block_m, CHUNK=64, FILL=1024)
+    e_p2 = triton.next_power_of_2(n_exp)
+    chunk = 64 if numel <= 4096 else 256  # few programs at decode sizes, few count rows to sum at prefill sizes
+    n_chunks = triton.cdiv(numel, chunk)
+    hist = torch.empty(n_chunks if n_chunks > 1 else 0, e_p2, dtype=torch.int32, device=dev)
+    warps = 4 if chunk == 64 else 8
+    if n_chunks > 1:
+        _count_kernel[(n_chunks,)](ids, hist, numel, E_P2=e_p2, CHUNK=chunk, num_warps=warps)
+    _place_kernel[(n_chunks,)](ids, hist, sorted_ids, block_expert, total, numel, n_chunks, rows // block_m,
+                               E_P2=e_p2, BLOCK_M=block_m, CHUNK=chunk, ONE_CHUNK=n_chunks == 1, BLOCKS=16,
+                               num_warps=warps)
     return sorted_ids, block_expert, total
 
 
