@@ -1,6 +1,7 @@
 """The fused MoE experts in Triton (CUDA): softmax top-k routing, per-expert block alignment, two grouped GEMMs.
 
-One layer's experts in four or five launches and a sum, none reading a value back to the host (CUDA graphs capture them):
+One layer's experts in four or five launches and a sum, none reading a value back to the host (CUDA graphs
+capture them):
 
   route     one program per token: softmax over the experts in fp32, the k largest (lowest id first on a tie),
             renormalized where the model says so (`route` in layers/moe.py is the reference)
