@@ -214,7 +214,7 @@ def align(ids: torch.Tensor, n_exp: int, block_m: int) -> tuple[torch.Tensor, to
     e_p2 = triton.next_power_of_2(n_exp)
     chunk = 64 if numel <= 4096 else 256  # few programs at decode sizes, few count rows to sum at prefill sizes
     n_chunks = triton.cdiv(numel, chunk)
-    hist = torch.empty(n_chunks if n_chunks > 1 else 0, e_p2, dtype=torch.int32, device=dev)
+    hist = torch.empty(n_chunks, e_p2, dtype=torch.int32, device=dev)  # unread when one chunk
     warps = 4 if chunk == 64 else 8
     if n_chunks > 1:
         _count_kernel[(n_chunks,)](ids, hist, numel, E_P2=e_p2, CHUNK=chunk, num_warps=warps)
