@@ -36,10 +36,7 @@ from minisgl_cli.core.fp8 import quantize_rows  # noqa: E402
 from minisgl_cli.distributed import TPInfo  # noqa: E402
 from minisgl_cli.engine.config import EngineConfig  # noqa: E402
 from minisgl_cli.engine.engine import Engine  # noqa: E402
-from minisgl_cli.layers import (
-    triton_moe,  # noqa: E402
-    triton_ops,  # noqa: E402
-)
+from minisgl_cli.layers import moe, triton_moe, triton_ops  # noqa: E402
 from minisgl_cli.layers.fused import Kernels  # noqa: E402
 from minisgl_cli.layers.moe import MoE  # noqa: E402
 
@@ -87,8 +84,10 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
         us["fused_fp8"] = _graph_us([lambda b=b, qb=qb: fused(b, qb) for b, qb in zip(blocks, q)])
     with grouped_experts():
         us["grouped"] = _graph_us([lambda b=b: b(x) for b in blocks])
-        ref = blocks[0](x).float()
-    rel = ((fused(blocks[0]).float() - ref).norm() / ref.norm()).item()
+    e = blocks[0].experts  # the same routes through the grouped GEMM (bf16 logits can tie: the routes may differ)
+    w, ids = triton_moe.route(blocks[0].gate(x), TOP_K, True)
+    ref = moe.fused_experts(x, e.gate_up_proj, e.down_proj, w, ids, Kernels(), grouped=True).float()
+    rel = ((triton_moe.fused_experts(x, e.gate_up_proj, e.down_proj, w, ids).float() - ref).norm() / ref.norm()).item()
     best = None
     if sweep:
         for cfg in SWEEP:

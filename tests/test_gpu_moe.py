@@ -148,7 +148,7 @@ def test_fused_experts_replay_in_a_cuda_graph(T):
 
     def inputs(seed: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
-        logits = torch.randn(n_tok, n_exp, generator=g).to(DEV, DTYPE)
+        logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)  # fp32: no ties for torch.topk to break its way
         return [torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE), logits]
 
     def run(x, logits):
@@ -196,6 +196,9 @@ def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok, fp8)
     x = torch.randn(n_tok, 2048, device=DEV, generator=g, dtype=DTYPE)
     assert triton_experts(x, kernels, fp8) is not None
     fused = block(x)
+    # bf16 logits tie now and then; where the 8th and 9th probabilities do, either expert is right
+    probs = torch.softmax(block.gate(x).float(), dim=-1).sort(dim=-1, descending=True).values
+    clear = probs[:, 7] > probs[:, 8]
     kernels.fused = False
     assert triton_experts(x, kernels, fp8) is None
-    _close(fused, block(x))
+    _close(fused[clear], block(x)[clear])
