@@ -125,6 +125,29 @@ def test_fp8_experts_hold_e4m3_rows_and_run_their_dequantized_weights():
     assert ((block(x) - dense).norm() / dense.norm()).item() < 0.05
 
 
+def test_fp8_moe_engine_holds_e4m3_experts_between_its_dense_edge_layers(monkeypatch):
+    """--quantization fp8 on a Qwen3-MoE config (dummy weights, CPU): the middle layers' experts are e4m3 with
+    per-row scales, the first and last stay dense (as the dense linears do), and the logits stay within FP8's
+    rounding of the bf16 model's."""
+    from minisgl_cli.core.fp8 import FP8
+    from minisgl_cli.loader.configs import BUILTIN_CONFIGS
+
+    small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                 num_experts_per_tok=2, bos_token_id=1, eos_token_id=2)
+    monkeypatch.setitem(BUILTIN_CONFIGS, "test-moe", {**BUILTIN_CONFIGS["qwen3-30b-a3b"], **small})
+    logits = {}
+    for quantization in ("none", "fp8"):
+        engine = Engine(EngineConfig(model="test-moe", load_format="dummy", dtype="bfloat16",
+                                     quantization=quantization, attention_backend="torch", max_total_tokens=1024))
+        experts = [layer.mlp.experts for layer in engine.model.layers]
+        want = [quantization == "fp8" and 0 < i < 3 for i in range(4)]
+        assert [e.gate_up_proj.dtype == FP8 and e.down_proj.dtype == FP8 for e in experts] == want
+        logits[quantization] = _extend(engine, [[5, 6, 7, 8, 9]], 0).float()
+    dense, fp8 = logits["none"], logits["fp8"]
+    assert not torch.equal(fp8, dense) and ((fp8 - dense).norm() / dense.norm()).item() < 0.1
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_tiny_moe_logits_match_hf_fp32(tiny_moe_dirs, arch):
     model_dir = tiny_moe_dirs[arch]
