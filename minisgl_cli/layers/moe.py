@@ -16,7 +16,8 @@ routing weights and put back in slot order, then summed per token. Where the mat
 
 On CUDA with the fused ops on (16-bit activations) the whole block but the router's linear runs in Triton instead
 (layers/triton_moe.py: routing, block alignment, gate/up with SiLU fused, down with the routing weights) up to
-its FUSED_MAX_TOKENS, and at every size where torch's grouped kernel is missing, so decode is graph-safe there too.
+its FUSED_MAX_TOKENS, and at every size for FP8 experts or where torch's grouped kernel is missing, so decode is
+graph-safe there too.
 
 Shared experts (Qwen2-MoE, DeepSeek) would be a dense MLP added beside the routed ones; neither Qwen3-MoE nor
 Mixtral has one, so there is none here yet.
@@ -191,7 +192,7 @@ class MoE(nn.Module):
         self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8)
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
-        return False  # the experts are dense: the norm before them writes plain rows
+        return False  # the experts take 16-bit activations (FP8 experts too): the norm before them writes plain rows
 
     def forward(self, x: torch.Tensor | Fp8Rows, decode: bool = False) -> torch.Tensor:
         """`decode` is the dense MLP's (which copy a quantized linear takes): the experts hold one copy."""
