@@ -70,7 +70,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-2) -> None:
     assert err <= tol * want.abs().max().item(), (err, want.abs().max().item())
 
 
-@pytest.mark.parametrize("n_exp,top_k,n_tok", [(8, 2, 1), (8, 2, 33), (60, 8, 5), (128, 8, 1), (128, 8, 64)])
+@pytest.mark.parametrize("n_exp,top_k,n_tok", [(8, 2, 1), (8, 2, 33), (16, 3, 9), (60, 8, 5), (128, 8, 1),
+                                               (128, 8, 64)])
 def test_route_picks_torchs_top_k(T, n_exp, top_k, n_tok):
     from minisgl_cli.layers.moe import route
 

@@ -68,26 +68,27 @@ def pick_config(n_tokens: int) -> MoeConfig:
 
 
 @triton.jit
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E, K: tl.constexpr, E_P2: tl.constexpr,
-                  RENORMALIZE: tl.constexpr):
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E, K: tl.constexpr, K_P2: tl.constexpr,
+                  E_P2: tl.constexpr, RENORMALIZE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_P2)
     x = tl.load(logits_ptr + row * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(e < E, p, -1.0)  # padding lanes never win
-    total = 0.0
-    for j in tl.static_range(K):
+    j = tl.arange(0, K_P2)
+    weights = tl.zeros((K_P2,), dtype=tl.float32)
+    ids = tl.zeros((K_P2,), dtype=tl.int32)
+    for i in tl.static_range(K):  # the k largest one by one, in registers
         best = tl.max(p, axis=0)
         pick = tl.min(tl.where(p == best, e, E_P2), axis=0)
-        tl.store(w_ptr + row * K + j, best)
-        tl.store(ids_ptr + row * K + j, pick)
-        total += best
+        weights = tl.where(j == i, best, weights)
+        ids = tl.where(j == i, pick, ids)
         p = tl.where(e == pick, -1.0, p)
     if RENORMALIZE:
-        inv = 1.0 / total
-        for j in tl.static_range(K):
-            tl.store(w_ptr + row * K + j, tl.load(w_ptr + row * K + j) * inv)
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(w_ptr + row * K + j, weights, mask=j < K)
+    tl.store(ids_ptr + row * K + j, ids, mask=j < K)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +98,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     ids = torch.empty(n_tok, top_k, dtype=torch.int32, device=logits.device)
     if n_tok:
         _route_kernel[(n_tok,)](logits, weights, ids, logits.stride(0), n_exp, K=top_k,
-                                E_P2=triton.next_power_of_2(n_exp), RENORMALIZE=renormalize)
+                                K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(n_exp),
+                                RENORMALIZE=renormalize)
     return weights, ids
 
 
