@@ -25,37 +25,7 @@ BUDGET=${BUDGET:-400}
 PARTS=${PARTS:-a b c d}
 TP_MODEL=${TP_MODEL:-llama-3.1-8b}
 read -r -a TP_ARGS <<< "${TP_ARGS:-}"
-T0=$(date +%s)
-STATUS=()
-
-left() { echo $((BUDGET - ($(date +%s) - T0))); }
-
-# part NAME LIMIT MIN LOG COMMAND...: run COMMAND under `timeout` for min(LIMIT, time left - 15 s), appending to
-# LOG; skipped when fewer than MIN seconds are left. Records "NAME: ok | failed (rc) | TIMED OUT | skipped".
-part() {
-  local name=$1 limit=$2 min=$3 log=$4; shift 4
-  local secs=$(( $(left) - 15 )); [ "$secs" -gt "$limit" ] && secs=$limit
-  if [ "$secs" -lt "$min" ]; then
-    STATUS+=("$name: skipped (${secs}s left of the budget, needs ${min}s)"); echo "== $name: skipped" | tee -a "$log"
-    return 1
-  fi
-  echo "== $name (limit ${secs}s, at +$(( $(date +%s) - T0 ))s)" | tee -a "$log"
-  if [ -n "$DRY" ]; then
-    echo "   $*" | tee -a "$log"; STATUS+=("$name: dry run"); return 0
-  fi
-  local t=$(date +%s) rc
-  timeout -k 10 "$secs" "$@" >> "$log" 2>&1; rc=$?
-  local took=$(( $(date +%s) - t ))
-  case $rc in
-    0) STATUS+=("$name: ok (${took}s)") ;;
-    124|137) STATUS+=("$name: TIMED OUT after ${took}s (see $(basename "$log"))") ;;
-    *) STATUS+=("$name: failed, exit $rc, ${took}s (see $(basename "$log"))") ;;
-  esac
-  echo "-- $name: exit $rc after ${took}s" | tee -a "$log"
-  return $rc
-}
-
-want() { [[ " $PARTS " == *" $1 "* ]]; }
+. examples/parts.sh
 
 { echo "two_gpu.sh at $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -4

@@ -95,6 +95,59 @@ def test_tp_ranks_slices_of_every_expert_sum_to_the_whole(path):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_fp8_experts_hold_e4m3_rows_and_run_their_dequantized_weights():
+    """--quantization fp8: each expert matrix is quantized per output row as it loads; the torch path multiplies by
+    codes x scales, which stay within e4m3's rounding of the checkpoint's weights."""
+    from minisgl_cli.core.fp8 import FP8
+    from minisgl_cli.layers.moe import MoE
+
+    mats = _expert_mats(8, 32, 48, seed=11)
+    e = _experts(mats, TPInfo())
+    q = Experts(8, 32, 48, TPInfo(), fp8=True)
+    for i, m in enumerate(mats):
+        for proj, w in m.items():
+            q.load_expert(i, proj, w)
+    assert q.gate_up_proj.dtype == q.down_proj.dtype == FP8
+    assert q.gate_up_scale is not None and q.gate_up_scale.shape == (8, 96)
+    assert q.down_scale is not None and q.down_scale.shape == (8, 32)
+    gate_up, down = q.dense(torch.float32)
+    for got, want in ((gate_up, e.gate_up_proj), (down, e.down_proj)):  # e4m3: 3 mantissa bits, scale per row
+        assert ((got - want).abs() <= want.abs().amax(-1, keepdim=True) / 448 * 32 / 2 + 1e-7).all()
+        assert not torch.equal(got, want)
+    block = MoE(8, 2, 32, 48, True, TPInfo(), Kernels(), fp8=True)
+    block.experts = q
+    block.gate.weight.data.normal_(generator=torch.Generator().manual_seed(1))
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))
+    weights, ids = route(block.gate(x), 2, True)
+    want = fused_experts(x, gate_up, down, weights, ids, Kernels(), grouped=False)
+    torch.testing.assert_close(block(x), want, rtol=0, atol=0)
+    dense = fused_experts(x, e.gate_up_proj, e.down_proj, weights, ids, Kernels(), grouped=False)
+    assert ((block(x) - dense).norm() / dense.norm()).item() < 0.05
+
+
+def test_fp8_moe_engine_holds_e4m3_experts_between_its_dense_edge_layers(monkeypatch):
+    """--quantization fp8 on a Qwen3-MoE config (dummy weights, CPU): the middle layers' experts are e4m3 with
+    per-row scales, the first and last stay dense (as the dense linears do), and the logits stay within FP8's
+    rounding of the bf16 model's."""
+    from minisgl_cli.core.fp8 import FP8
+    from minisgl_cli.loader.configs import BUILTIN_CONFIGS
+
+    small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                 num_experts_per_tok=2, bos_token_id=1, eos_token_id=2)
+    monkeypatch.setitem(BUILTIN_CONFIGS, "test-moe", {**BUILTIN_CONFIGS["qwen3-30b-a3b"], **small})
+    logits = {}
+    for quantization in ("none", "fp8"):
+        engine = Engine(EngineConfig(model="test-moe", load_format="dummy", dtype="bfloat16",
+                                     quantization=quantization, attention_backend="torch", max_total_tokens=1024))
+        experts = [layer.mlp.experts for layer in engine.model.layers]
+        want = [quantization == "fp8" and 0 < i < 3 for i in range(4)]
+        assert [e.gate_up_proj.dtype == FP8 and e.down_proj.dtype == FP8 for e in experts] == want
+        logits[quantization] = _extend(engine, [[5, 6, 7, 8, 9]], 0).float()
+    dense, fp8 = logits["none"], logits["fp8"]
+    assert not torch.equal(fp8, dense) and ((fp8 - dense).norm() / dense.norm()).item() < 0.1
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_tiny_moe_logits_match_hf_fp32(tiny_moe_dirs, arch):
     model_dir = tiny_moe_dirs[arch]

@@ -164,8 +164,9 @@ class Engine:
                 if self.model.graph_safe(self.device, self.dtype):
                     self.capture_graphs()
                 elif tp.rank == 0:
-                    log.warning("decode runs without CUDA graphs: the MoE experts' grouped GEMM needs bf16 on "
-                                "SM 9.x / 10.x and torch 2.8+ (elsewhere they read expert row counts back each step)")
+                    log.warning("decode runs without CUDA graphs: the MoE experts need the fused Triton ops (16-bit) "
+                                "or torch's grouped GEMM (bf16, SM 9.x / 10.x, torch 2.8+); elsewhere they read "
+                                "expert row counts back each step")
         self.compiled: CompiledDecode | None = None
         if cfg.compiles_decode(self.quantization, tp.size, own_process):
             # Up to the rows the low-bit GEMVs take (past them a step is GEMM-bound: nothing to gain).

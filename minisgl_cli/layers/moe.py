@@ -12,7 +12,12 @@ routing weights and put back in slot order, then summed per token. Where the mat
   grouped  torch._grouped_mm over the sorted rows with the experts' row offsets on the device: no host sync, so
            CUDA graphs capture it (its CUTLASS kernel: bf16 on SM 9.x / 10.x, torch 2.8+)
   loop     one F.linear per expert that received rows, the offsets read back once a step: the CPU path (reading
-           them costs nothing there) and CUDA's elsewhere, where decode runs eagerly (`graph_safe`)
+           them costs nothing there)
+
+On CUDA with the fused ops on (16-bit activations) the whole block but the router's linear runs in Triton instead
+(layers/triton_moe.py: routing, block alignment, gate/up with SiLU fused, down with the routing weights) up to
+its FUSED_MAX_TOKENS, and at every size for FP8 experts or where torch's grouped kernel is missing, so decode is
+graph-safe there too.
 
 Shared experts (Qwen2-MoE, DeepSeek) would be a dense MLP added beside the routed ones; neither Qwen3-MoE nor
 Mixtral has one, so there is none here yet.
@@ -20,16 +25,19 @@ Mixtral has one, so there is none here yet.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl_cli.core.fp8 import Fp8Rows
+from minisgl_cli.core.fp8 import FP8, Fp8Rows, dequantize, quantize_rows
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import all_reduce
 from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import divide
+from minisgl_cli.layers.quant import gemv_ops
 from minisgl_cli.loader.hf import Weight, whole
 
 # Checkpoint names of one expert's projections: Qwen3-MoE's and Mixtral's (w1 gate, w3 up, w2 down).
@@ -52,6 +60,18 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     # torch's CUTLASS kernel is built for Hopper and datacenter Blackwell; elsewhere _grouped_mm is a host loop.
     return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(device)[0] in (9, 10))
+
+
+def triton_experts(x: torch.Tensor, kernels: Kernels, fp8: bool = False) -> ModuleType | None:
+    """The Triton ops when the experts of a step with activations `x` [T, H] take the fused path
+    (layers/triton_moe.py), else None. FP8 experts take it at every size (the grouped GEMM would need them
+    dequantized per call)."""
+    ops = kernels.triton(x)
+    if ops is None or x.dtype not in (torch.bfloat16, torch.float16):  # fp32's tl.dot would round through tf32
+        return None
+    if fp8 or x.shape[0] <= ops.MOE_FUSED_MAX_TOKENS or not grouped_mm_runs(x.device, x.dtype):
+        return ops
+    return None
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -87,8 +107,9 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
 class Router(nn.Module):
     """The gate: logits over the experts from the hidden state, replicated on every rank (E x H is small)."""
 
-    def __init__(self, hidden_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, num_experts: int, kernels: Kernels):
         super().__init__()
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
 
     def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
@@ -97,48 +118,91 @@ class Router(nn.Module):
         self.weight.data.copy_(whole(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = gemv_ops(x, self.weight, self.kernels)  # batch-1 decode on CUDA: the Triton GEMV
+        if ops is not None:
+            return ops.gemv(x.contiguous(), self.weight, None, pdl=self.kernels.pdl)
         return F.linear(x, self.weight)
 
 
 class Experts(nn.Module):
-    """Every expert's gate/up and down weights, stacked; this rank's slice of each expert's intermediate size."""
+    """Every expert's gate/up and down weights, stacked; this rank's slice of each expert's intermediate size.
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPInfo):
+    `fp8` (--quantization fp8): e4m3 codes with an fp32 scale per output row (`gate_up_scale` [E, 2I],
+    `down_scale` [E, H]), each matrix quantized as it loads; activations stay 16-bit (the Triton kernels widen the
+    codes in the tile). The torch paths multiply by the dequantized weights (`dense`)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPInfo, fp8: bool = False):
         super().__init__()
         self.local = n = divide(intermediate_size, tp, "moe intermediate size")
         self.start = tp.rank * n
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, n), requires_grad=False)
+        self.fp8 = fp8
+        dtype = FP8 if fp8 else None
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, n, dtype=dtype), requires_grad=False)
+        self.gate_up_scale = self.down_scale = None
+        if fp8:
+            self.gate_up_scale = nn.Parameter(torch.ones(num_experts, 2 * n, dtype=torch.float32), requires_grad=False)
+            self.down_scale = nn.Parameter(torch.ones(num_experts, hidden_size, dtype=torch.float32),
+                                           requires_grad=False)
 
     def load_expert(self, expert: int, proj: str, loaded: Weight) -> None:
         """One checkpoint matrix of expert `expert` (`proj`: gate_proj [I, H], up_proj [I, H], down_proj [H, I]):
         only this rank's rows or columns are read."""
         n, start = self.local, self.start
         if proj == "down_proj":
-            self.down_proj.data[expert].copy_(whole(loaded.narrow(1, start, n)))
+            self._put(self.down_proj, self.down_scale, expert, slice(None), whole(loaded.narrow(1, start, n)))
         else:
             row = 0 if proj == "gate_proj" else n
-            self.gate_up_proj.data[expert, row : row + n].copy_(whole(loaded.narrow(0, start, n)))
+            self._put(self.gate_up_proj, self.gate_up_scale, expert, slice(row, row + n),
+                      whole(loaded.narrow(0, start, n)))
+
+    @staticmethod
+    def _put(param: nn.Parameter, scale: nn.Parameter | None, expert: int, rows: slice, w: torch.Tensor) -> None:
+        if scale is None:
+            param.data[expert, rows].copy_(w)
+            return
+        codes, s = quantize_rows(w.to(param.device))
+        param.data[expert, rows].copy_(codes)
+        scale.data[expert, rows].copy_(s[:, 0])
+
+    def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) in `dtype` for the torch paths: the weights, or FP8's dequantized (kept on the CPU,
+        rebuilt per call on CUDA, where the fused kernels read the codes themselves)."""
+        if not self.fp8:
+            return self.gate_up_proj, self.down_proj
+        cached = self.__dict__.get("_dense")
+        if cached is not None and cached[0].dtype == dtype:
+            return cached
+        assert self.gate_up_scale is not None and self.down_scale is not None
+        pair = (dequantize(self.gate_up_proj, self.gate_up_scale[..., None], dtype),
+                dequantize(self.down_proj, self.down_scale[..., None], dtype))
+        if self.gate_up_proj.device.type == "cpu":
+            self.__dict__["_dense"] = pair
+        return pair
 
 
 class MoE(nn.Module):
     """The sparse MLP of one decoder layer: route each token to its top-k experts, run them, all-reduce."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 tp: TPInfo, kernels: Kernels):
+                 tp: TPInfo, kernels: Kernels, fp8: bool = False):
         super().__init__()
         self.top_k, self.renormalize, self.tp, self.kernels = top_k, renormalize, tp, kernels
-        self.gate = Router(hidden_size, num_experts)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp)
+        self.gate = Router(hidden_size, num_experts, kernels)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8)
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
-        return False  # the experts are dense: the norm before them writes plain rows
+        return False  # the experts take 16-bit activations (FP8 experts too): the norm before them writes plain rows
 
     def forward(self, x: torch.Tensor | Fp8Rows, decode: bool = False) -> torch.Tensor:
         """`decode` is the dense MLP's (which copy a quantized linear takes): the experts hold one copy."""
         assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         e = self.experts
-        y = fused_experts(x, e.gate_up_proj, e.down_proj, weights, ids, self.kernels,
-                          grouped_mm_runs(x.device, x.dtype))
+        ops = triton_experts(x, self.kernels, e.fp8)
+        if ops is not None:
+            weights, ids = ops.moe_route(self.gate(x), self.top_k, self.renormalize)
+            return all_reduce(ops.moe_experts(x, e.gate_up_proj, e.down_proj, weights, ids, e.gate_up_scale,
+                                              e.down_scale), self.tp)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        y = fused_experts(x, *e.dense(x.dtype), weights, ids, self.kernels, grouped_mm_runs(x.device, x.dtype))
         return all_reduce(y, self.tp)

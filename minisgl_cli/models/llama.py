@@ -106,7 +106,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.mlp: MLP | MoE = (
             MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                cfg.norm_topk_prob, tp, kernels)
+                cfg.norm_topk_prob, tp, kernels, fp8=method.name == "fp8")
             if cfg.is_moe_layer(layer_id) else MLP(cfg, tp, kernels, method)
         )
 
@@ -153,8 +153,9 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.kernels = kernels = kernels or Kernels()
         method = method or LinearMethod()
-        if cfg.num_experts and method.quantized:
-            raise ValueError(f"--quantization {method.name} does not cover MoE experts yet; use --quantization none")
+        if cfg.num_experts and method.quantized and method.name != "fp8":
+            raise ValueError(f"--quantization {method.name} does not cover MoE experts yet; use --quantization none "
+                             "or fp8")
         self.rope = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
                      if cfg.vision is None else  # a VLM's decoder: M-RoPE
                      MRotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
@@ -187,8 +188,10 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def graph_safe(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether a forward makes no host sync there, so CUDA graphs can capture it (MoE experts: the grouped GEMM)."""
-        return not self.cfg.num_experts or grouped_mm_runs(device, dtype)
+        """Whether a forward makes no host sync there, so CUDA graphs can capture it (MoE experts: the grouped GEMM,
+        or the fused Triton experts, which take every batch size where the grouped GEMM is missing)."""
+        fused = device.type == "cuda" and self.kernels.fused and dtype in (torch.bfloat16, torch.float16)
+        return not self.cfg.num_experts or grouped_mm_runs(device, dtype) or fused
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, vocab] in the model dtype: the sampler widens to fp32 only where it computes on them."""

@@ -1,0 +1,258 @@
+"""The fused MoE experts in Triton (CUDA): softmax top-k routing, per-expert block alignment, two grouped GEMMs.
+
+One layer's experts in four or five launches and a sum, none reading a value back to the host (CUDA graphs
+capture them):
+
+  route     one program per token: softmax over the experts in fp32, the k largest (lowest id first on a tie),
+            renormalized where the model says so (`route` in layers/moe.py is the reference)
+  align     the T k (token, choice) slots sorted by expert (stable: slots ascending within one), each expert's
+            run padded to a whole number of BLOCK_M rows with an out-of-range slot id, and the expert of each
+            block; blocks past the padded total are skipped by the GEMMs. One program per chunk of slots, after
+            a launch that counts each chunk's slots per expert (none when one chunk holds them all: decode)
+  gate/up   per (block, BLOCK_N columns): the block's token rows times its expert's gate and up rows in two
+            accumulators, SiLU(gate) * up written per slot [T k, I]: the [T k, 2I] gate-up never exists
+  down      per (block, BLOCK_N columns): those rows times the expert's down rows, scaled by the slot's routing
+            weight, written per slot [T k, H]; a torch sum over each token's k slots follows (no atomics: the
+            result does not depend on the order blocks run in)
+
+Each output row is one MMA row of its block, so where a slot lands in its block changes nothing in its value.
+FP8 expert weights (e4m3, an fp32 scale per output row) are widened to the activation dtype in the tile and
+the scale multiplies the finished accumulator. The grid is sized for the worst case the shapes allow:
+min(T k BLOCK_M, T k + E (BLOCK_M - 1)) rows, so a decode step's handful of slots launches a handful of blocks.
+
+The caller (layers/moe.py) takes torch's grouped GEMM past `FUSED_MAX_TOKENS` tokens (prefill chunks) on the
+GPUs where it runs (examples/moe_bench.py measures both; the table below says what was chosen and why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tile of both expert GEMMs: BLOCK_M slot rows (the alignment unit), BLOCK_N output columns, BLOCK_K deep."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (most tokens, config) by batch size, first match wins. Seeded from the shapes' arithmetic (Qwen3-30B-A3B:
+# H 2048, I 768, 128 experts, top 8): at a few tokens every block holds one or two real rows, the step is a
+# pass over the chosen experts' weights, and narrow N tiles give the grid enough programs to fill the SMs;
+# from ~32 slots per expert the tiles widen and deepen so each weight tile is reused across more rows.
+# Re-tune with `examples/moe_bench.py --sweep` on the GPU that ships.
+CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
+    (4, MoeConfig(16, 32, 128, 4, 4)),
+    (32, MoeConfig(16, 64, 128, 4, 3)),
+    (128, MoeConfig(16, 128, 128, 4, 3)),
+    (512, MoeConfig(32, 128, 64, 4, 3)),
+    (2048, MoeConfig(64, 128, 64, 8, 3)),
+    (1 << 62, MoeConfig(128, 128, 64, 8, 4)),
+)
+# Batches of up to this many tokens take the fused path; larger ones (prefill chunks) torch's grouped GEMM, a
+# CUTLASS kernel built for compute-bound shapes. Not yet measured: a first guess between decode batches (<= 256)
+# and prefill chunks (16k).
+FUSED_MAX_TOKENS = 1024
+
+
+def pick_config(n_tokens: int) -> MoeConfig:
+    return next(cfg for most, cfg in CONFIGS if n_tokens <= most)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E, K: tl.constexpr, K_P2: tl.constexpr,
+                  E_P2: tl.constexpr, RENORMALIZE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_P2)
+    x = tl.load(logits_ptr + row * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(e < E, p, -1.0)  # padding lanes never win
+    j = tl.arange(0, K_P2)
+    weights = tl.zeros((K_P2,), dtype=tl.float32)
+    ids = tl.zeros((K_P2,), dtype=tl.int32)
+    for i in tl.static_range(K):  # the k largest one by one, in registers
+        best = tl.max(p, axis=0)
+        pick = tl.min(tl.where(p == best, e, E_P2), axis=0)
+        weights = tl.where(j == i, best, weights)
+        ids = tl.where(j == i, pick, ids)
+        p = tl.where(e == pick, -1.0, p)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(w_ptr + row * K + j, weights, mask=j < K)
+    tl.store(ids_ptr + row * K + j, ids, mask=j < K)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int32) of router logits [T, E]: layers/moe.py's `route` in one launch."""
+    n_tok, n_exp = logits.shape
+    weights = torch.empty(n_tok, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(n_tok, top_k, dtype=torch.int32, device=logits.device)
+    if n_tok:
+        _route_kernel[(n_tok,)](logits, weights, ids, logits.stride(0), n_exp, K=top_k,
+                                K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(n_exp),
+                                RENORMALIZE=renormalize)
+    return weights, ids
+
+
+@triton.jit
+def _count_kernel(ids_ptr, hist_ptr, numel, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """hist[c, e]: the slots of chunk c (CHUNK slots from c CHUNK) that chose expert e."""
+    c = tl.program_id(0)
+    r = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + r, mask=r < numel, other=-1)
+    experts = tl.arange(0, E_P2)
+    tl.store(hist_ptr + c * E_P2 + experts, tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _place_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr, numel, n_chunks, n_blocks,
+                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                  BLOCKS: tl.constexpr):
+    """Chunk c's slots to their rows; its share of the blocks' experts and padding rows."""
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_P2)
+    r = tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + c * CHUNK + r, mask=c * CHUNK + r < numel, other=-1)
+    hit = (e[:, None] == experts[None, :]).to(tl.int32)
+    if ONE_CHUNK:  # decode-sized: no count launch before this one
+        counts = tl.sum(hit, axis=0)
+        before = tl.zeros((E_P2,), dtype=tl.int32)
+    else:  # every chunk's counts; those of the chunks before this one
+        counts = tl.zeros((E_P2,), dtype=tl.int32)
+        before = tl.zeros((E_P2,), dtype=tl.int32)
+        rows = tl.arange(0, 16)
+        for c0 in range(0, n_chunks, 16):
+            h = tl.load(hist_ptr + (c0 + rows)[:, None] * E_P2 + experts[None, :],
+                        mask=(c0 + rows < n_chunks)[:, None], other=0)
+            counts += tl.sum(h, axis=0)
+            before += tl.sum(tl.where((c0 + rows < c)[:, None], h, 0), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    if c == 0:
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+    # each slot: its expert's run start, that expert's slots in earlier chunks, the earlier ones of this chunk
+    # that chose it (stable: slots ascend within an expert)
+    rank = tl.sum(tl.cumsum(hit, axis=0) * hit, axis=1) - 1
+    pos = tl.sum(hit * (starts + before)[None, :], axis=1) + rank
+    tl.store(sorted_ptr + pos, c * CHUNK + r, mask=c * CHUNK + r < numel)
+    # blocks c, c + n_chunks, ...: the expert (the number of runs ending at or before the block's first row) and
+    # the out-of-range slot id `numel` in its rows past the expert's slots (rows no slot above writes)
+    m = tl.arange(0, BLOCK_M)
+    for b0 in range(c * BLOCKS, n_blocks, n_chunks * BLOCKS):
+        b = b0 + tl.arange(0, BLOCKS)
+        first = b * BLOCK_M
+        owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, owner, mask=b < n_blocks)
+        mine = owner[:, None] == experts[None, :]
+        used = tl.sum(tl.where(mine, (starts + counts)[None, :], 0), axis=1)  # one past the expert's last slot row
+        row = first[:, None] + m[None, :]
+        tl.store(sorted_ptr + row, tl.full((BLOCKS, BLOCK_M), 0, tl.int32) + numel,
+                 mask=(b < n_blocks)[:, None] & (row >= used[:, None]))
+
+
+@triton.jit
+def _expert_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                        N, K, numel, stride_a, stride_we, stride_wn, stride_c, stride_se,
+                        A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """c[slot, n] for the slots of block program_id(0), columns of program_id(1): a[slot // A_DIV] . w[expert, n]
+    (GATED: silu(. w[expert, n]) * (. w[expert, N + n])); ROUTED: times rw[slot]."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slot < numel
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (slot // A_DIV).to(tl.int64)[:, None] * stride_a + rk[None, :]
+    # the weight tile read as [BLOCK_K, BLOCK_N] of the row-major [N, K] matrix
+    w_ptrs = w_ptr + expert * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mk = k0 + rk < K
+        a = tl.load(a_ptrs + k0, mask=valid[:, None] & mk[None, :], other=0.0)
+        wm = mk[:, None] & mask_n[None, :]
+        acc = tl.dot(a, tl.load(w_ptrs + k0, mask=wm, other=0.0).to(a.dtype), acc)
+        if GATED:
+            acc_up = tl.dot(a, tl.load(w_ptrs + N * stride_wn + k0, mask=wm, other=0.0).to(a.dtype), acc_up)
+    if HAS_SCALE:  # FP8 weights: w = code * scale[expert, row]
+        s_ptrs = s_ptr + expert * stride_se + rn
+        acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(s_ptrs + N, mask=mask_n, other=0.0)[None, :]
+    dtype = c_ptr.dtype.element_ty
+    if GATED:  # rounded where the unfused path rounds: gate and up, silu(gate), the product
+        g = acc.to(dtype).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        acc = act * acc_up.to(dtype).to(tl.float32)
+    if ROUTED:
+        acc *= tl.load(rw_ptr + slot, mask=valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + slot.to(tl.int64)[:, None] * stride_c + rn[None, :]
+    tl.store(c_ptrs, acc.to(dtype), mask=valid[:, None] & mask_n[None, :])
+
+
+def align(ids: torch.Tensor, n_exp: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted slot ids [rows], each block's expert [rows / block_m], padded total [1]) of expert ids [T, k]."""
+    numel = ids.numel()
+    rows = triton.cdiv(min(numel * block_m, numel + n_exp * (block_m - 1)), block_m) * block_m
+    dev = ids.device
+    sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    e_p2 = triton.next_power_of_2(n_exp)
+    chunk = 64 if numel <= 4096 else 256  # few programs at decode sizes, few count rows to sum at prefill sizes
+    n_chunks = triton.cdiv(numel, chunk)
+    hist = torch.empty(n_chunks, e_p2, dtype=torch.int32, device=dev)  # unread when one chunk
+    warps = 4 if chunk == 64 else 8
+    if n_chunks > 1:
+        _count_kernel[(n_chunks,)](ids, hist, numel, E_P2=e_p2, CHUNK=chunk, num_warps=warps)
+    _place_kernel[(n_chunks,)](ids, hist, sorted_ids, block_expert, total, numel, n_chunks, rows // block_m,
+                               E_P2=e_p2, BLOCK_M=block_m, CHUNK=chunk, ONE_CHUNK=n_chunks == 1, BLOCKS=16,
+                               num_warps=warps)
+    return sorted_ids, block_expert, total
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                  config: MoeConfig | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H] in x's dtype.
+
+    x [T, H]; gate_up [E, 2I, H] and down [E, H, I] in x's dtype, or e4m3 with fp32 scales [E, 2I] / [E, H];
+    weights [T, k] fp32, ids [T, k]; `config` the tile (default: `pick_config(T)`)."""
+    n_tok, k = ids.shape
+    n_exp, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    cfg = config or pick_config(n_tok)
+    numel = n_tok * k
+    out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
+    if numel == 0:
+        return out.view(n_tok, k, hidden).sum(dim=1)
+    sorted_ids, block_expert, total = align(ids.contiguous(), n_exp, cfg.block_m)
+    n_blocks = block_expert.numel()
+    h = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
+    rw = weights.contiguous().view(-1)
+    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages)
+    x = x.contiguous()
+    for a, w, s, c, n, div, gated in ((x, gate_up, gate_up_scale, h, inter, k, True),
+                                      (h, down, down_scale, out, hidden, 1, False)):
+        grid = (n_blocks, triton.cdiv(n, cfg.block_n))
+        _expert_gemm_kernel[grid](a, w, s, c, rw, sorted_ids, block_expert, total, n, a.shape[1], numel,
+                                  a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+                                  s.stride(0) if s is not None else 0,
+                                  A_DIV=div, GATED=gated, ROUTED=not gated, HAS_SCALE=s is not None, **tiles)
+    return out.view(n_tok, k, hidden).sum(dim=1)

@@ -1,0 +1,205 @@
+"""The fused Triton MoE experts (layers/triton_moe.py) against the torch reference of layers/moe.py.
+
+Runs on CUDA (bf16); without a GPU, under Triton's interpreter on CPU tensors (fp16: the interpreter's bf16
+tl.dot is wrong), where triton is importable and TRITON_INTERPRET=1 was set before it was imported:
+
+    PYTHONPATH=$PWD:/path/to/triton TRITON_INTERPRET=1 python -m pytest -q tests/test_gpu_moe.py
+
+Cases: 4 to 128 experts, top-k 1, 2 and 8, 1 to 64 tokens, experts that get no token, FP8 expert weights; on the
+GPU also a CUDA graph's replay and the whole MoE block against its grouped / loop path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+INTERPRET = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() and not (INTERPRET and importlib.util.find_spec("triton")),
+                       reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)"),
+]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
+SMALL = (16, 16, 32, 4, 1)  # a tile smaller than the shapes: several blocks and column tiles, masked K edges
+NO_FP8 = DEV == "cuda" and torch.cuda.get_device_capability() < (8, 9)  # e4m3 in Triton: Ada / Hopper and newer
+
+
+@pytest.fixture(scope="module")
+def T():
+    if INTERPRET:  # triton 3.6's interpreter calls int() on 1-element arrays, an error from numpy 2.3 on
+        import numpy as np
+        from triton.runtime import interpreter
+
+        patch = interpreter._patch_lang_tensor
+
+        def patched(tensor, scope):
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+        interpreter._patch_lang_tensor = patched
+    from minisgl_cli.layers import triton_moe
+
+    return triton_moe
+
+
+def _weights(n_exp: int, hidden: int, inter: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n_exp, 2 * inter, hidden, generator=g) * hidden**-0.5,
+            torch.randn(n_exp, hidden, inter, generator=g) * inter**-0.5)
+
+
+def _reference(x, gate_up, down, weights, ids) -> torch.Tensor:
+    """fp32, one (token, choice) at a time."""
+    x, gate_up, down = x.float(), gate_up.float(), down.float()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += w * (down[e] @ (F.silu(gate) * up))
+    return out
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-2) -> None:
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol * want.abs().max().item(), (err, want.abs().max().item())
+
+
+@pytest.mark.parametrize("n_exp,top_k,n_tok", [(8, 2, 1), (8, 2, 33), (16, 3, 9), (60, 8, 5), (128, 8, 1),
+                                               (128, 8, 64)])
+def test_route_picks_torchs_top_k(T, n_exp, top_k, n_tok):
+    from minisgl_cli.layers.moe import route
+
+    logits = torch.randn(n_tok, n_exp, generator=torch.Generator().manual_seed(n_exp + n_tok)).to(DEV)
+    for renormalize in (False, True):
+        want_w, want_ids = route(logits, top_k, renormalize)
+        got_w, got_ids = T.route(logits, top_k, renormalize)
+        assert torch.equal(got_ids.long(), want_ids)
+        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_exp,top_k,n_tok,block_m", [(8, 2, 1, 16), (8, 2, 64, 16), (128, 8, 3, 16),
+                                                      (128, 8, 64, 32), (4, 1, 70, 64), (128, 8, 600, 16)])
+def test_align_sorts_every_slot_once_into_its_experts_blocks(T, n_exp, top_k, n_tok, block_m):
+    g = torch.Generator().manual_seed(n_tok)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(n_tok)]).to(DEV)
+    sorted_ids, block_expert, total = (t.cpu() for t in T.align(ids, n_exp, block_m))
+    flat = ids.flatten().cpu()
+    counts = torch.bincount(flat, minlength=n_exp)
+    assert total.item() == int(((counts + block_m - 1) // block_m * block_m).sum())
+    rows = sorted_ids[: total.item()].view(-1, block_m)
+    real = rows < flat.numel()
+    assert sorted(rows[real].tolist()) == list(range(flat.numel()))  # every slot once, padding out of range
+    for b, row in enumerate(rows):  # a block's slots chose its expert, in slot order; experts ascend over blocks
+        slots = row[real[b]]
+        assert (flat[slots] == block_expert[b]).all() and (slots.diff() > 0).all()
+    assert (block_expert[: rows.shape[0]].diff() >= 0).all()
+    if n_tok * top_k < n_exp:
+        assert len(set(block_expert[: rows.shape[0]].tolist())) < n_exp  # experts with no token hold no block
+
+
+@pytest.mark.parametrize("n_exp,top_k,n_tok", [(8, 2, 1), (8, 2, 64), (16, 8, 3), (128, 8, 1), (128, 8, 17),
+                                               (4, 1, 40)])
+@pytest.mark.parametrize("tile", ["picked", "small"])
+def test_fused_experts_match_the_reference(T, n_exp, top_k, n_tok, tile):
+    from minisgl_cli.layers.moe import route
+
+    hidden, inter = 64, 48  # K = 48 is not a multiple of the small tile's 32: the masked edge
+    gate_up, down = _weights(n_exp, hidden, inter, seed=n_exp + n_tok)
+    g = torch.Generator().manual_seed(n_tok)
+    x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
+    weights, ids = route(torch.randn(n_tok, n_exp, generator=g).to(DEV), top_k, True)
+    config = T.MoeConfig(*SMALL) if tile == "small" else None
+    got = T.fused_experts(x, gate_up.to(DEV, DTYPE), down.to(DEV, DTYPE), weights, ids, config=config)
+    assert got.shape == (n_tok, hidden) and got.dtype == DTYPE
+    _close(got, _reference(x, gate_up.to(DTYPE), down.to(DTYPE), weights, ids))
+
+
+@pytest.mark.skipif(NO_FP8, reason="FP8 needs compute capability 8.9+")
+def test_fp8_experts_match_their_dequantized_weights(T):
+    from minisgl_cli.layers.moe import route
+
+    n_exp, top_k, n_tok, hidden, inter = 16, 4, 9, 64, 48
+    gate_up, down = _weights(n_exp, hidden, inter, seed=2)
+    codes, scales = [], []
+    for w in (gate_up, down):  # e4m3 with an fp32 scale per output row, as --quantization fp8 stores a linear
+        s = w.abs().amax(-1) / 448.0
+        codes.append((w / s[..., None]).to(torch.float8_e4m3fn))
+        scales.append(s)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
+    weights, ids = route(torch.randn(n_tok, n_exp, generator=g).to(DEV), top_k, False)
+    got = T.fused_experts(x, codes[0].to(DEV), codes[1].to(DEV), weights, ids, scales[0].to(DEV),
+                          scales[1].to(DEV), config=T.MoeConfig(*SMALL))
+    want = _reference(x, *(c.float() * s[..., None] for c, s in zip(codes, scales)), weights, ids)
+    _close(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph")
+def test_fused_experts_replay_in_a_cuda_graph(T):
+    from minisgl_cli.layers.moe import route
+
+    n_exp, top_k, n_tok, hidden, inter = 128, 8, 4, 256, 128
+    gate_up, down = (w.to(DEV, DTYPE) for w in _weights(n_exp, hidden, inter, seed=5))
+
+    def inputs(seed: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)  # fp32: no ties for torch.topk to break its way
+        return [torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE), logits]
+
+    def run(x, logits):
+        return T.fused_experts(x, gate_up, down, *T.route(logits, top_k, True))
+
+    static = inputs(0)
+    run(*static)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(*static)
+    for dst, src in zip(static, inputs(1)):
+        dst.copy_(src)
+    graph.replay()
+    torch.testing.assert_close(out, run(*static), rtol=0, atol=0)
+    w, ids = route(static[1], top_k, True)
+    _close(out, _reference(static[0], gate_up, down, w, ids))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the MoE block on CUDA")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("n_tok", [1, 8, 200])
+def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok, fp8):
+    """Qwen3-30B-A3B's expert shapes (a quarter of its experts), bf16 or FP8 experts: the block with the fused ops
+    on (Triton) and off (the grouped GEMM or the loop, over the dequantized FP8 weights) agree."""
+    from minisgl_cli.distributed import TPInfo
+    from minisgl_cli.layers.fused import Kernels
+    from minisgl_cli.layers.moe import MoE, triton_experts
+
+    if fp8 and NO_FP8:
+        pytest.skip("FP8 needs compute capability 8.9+")
+    kernels = Kernels()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPE)
+    try:
+        with torch.device(DEV):  # as the engine builds a model: FP8 codes stay e4m3
+            block = MoE(32, 8, 2048, 768, True, TPInfo(), kernels, fp8=fp8)
+    finally:
+        torch.set_default_dtype(prev)
+    g = torch.Generator(DEV).manual_seed(n_tok)
+    block.gate.weight.data.normal_(0, 2048**-0.5, generator=g)
+    for e in range(32):
+        for proj, shape in (("gate_proj", (768, 2048)), ("up_proj", (768, 2048)), ("down_proj", (2048, 768))):
+            w = torch.randn(shape, device=DEV, generator=g, dtype=DTYPE) * shape[1] ** -0.5
+            block.experts.load_expert(e, proj, w)
+    x = torch.randn(n_tok, 2048, device=DEV, generator=g, dtype=DTYPE)
+    assert triton_experts(x, kernels, fp8) is not None
+    fused = block(x)
+    # bf16 logits tie now and then; where the 8th and 9th probabilities do, either expert is right
+    probs = torch.softmax(block.gate(x).float(), dim=-1).sort(dim=-1, descending=True).values
+    clear = probs[:, 7] > probs[:, 8]
+    kernels.fused = False
+    assert triton_experts(x, kernels, fp8) is None
+    _close(fused[clear], block(x)[clear])
