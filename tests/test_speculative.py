@@ -188,6 +188,18 @@ def test_image_requests_verify_drafts_at_their_m_rope_positions(monkeypatch, tin
         LLM(**kw, speculative_algorithm="draft", speculative_draft_model=str(tiny_vlms["qwen2-vl"]))
 
 
+def test_the_step_profiler_profiles_verify_steps(tiny_model_dirs, tmp_path, monkeypatch):
+    """MINISGL_TORCH_PROFILER_DIR with prompt lookup on: the profiled window holds verify steps, its table is written."""
+    monkeypatch.setenv("MINISGL_TORCH_PROFILER_DIR", str(tmp_path))
+    monkeypatch.setenv("MINISGL_PROFILE_SKIP", "1")
+    monkeypatch.setenv("MINISGL_PROFILE_STEPS", "4")
+    with LLM(str(tiny_model_dirs["llama"]), speculative_algorithm="ngram") as llm:
+        llm.generate([5, 6, 7, 8] * 8, SamplingParams(max_new_tokens=16, ignore_eos=True))
+        stats = llm.client.stats()
+    assert stats.spec_verifies > 0
+    assert (tmp_path / "rank0-steps.txt").read_text().startswith("rank0: 4 busy steps after 1: wall ")
+
+
 def test_a_verify_step_draws_from_the_target_distribution():
     """The acceptance rule on a synthetic distribution (8 tokens): a row whose draft d has p(d) = 0.3 keeps it with
     probability 0.3, and the token it outputs is distributed as p (chi-square over 20,000 seeded rows), the rejected
