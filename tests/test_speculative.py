@@ -189,7 +189,7 @@ def test_image_requests_verify_drafts_at_their_m_rope_positions(monkeypatch, tin
 
 
 def test_the_step_profiler_profiles_verify_steps(tiny_model_dirs, tmp_path, monkeypatch):
-    """MINISGL_TORCH_PROFILER_DIR with prompt lookup on: the profiled window holds verify steps, its table is written."""
+    """MINISGL_TORCH_PROFILER_DIR with prompt lookup on: its window holds verify steps, its table is written."""
     monkeypatch.setenv("MINISGL_TORCH_PROFILER_DIR", str(tmp_path))
     monkeypatch.setenv("MINISGL_PROFILE_SKIP", "1")
     monkeypatch.setenv("MINISGL_PROFILE_STEPS", "4")
