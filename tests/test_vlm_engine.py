@@ -146,6 +146,43 @@ def test_tp2_equals_one_process_with_images_and_leaves_no_shared_memory(tiny_vlm
     assert not set(pixels._ROOT.glob(f"{pixels.PREFIX}*")) - before, "pixel segments left behind"
 
 
+@pytest.mark.slow
+def test_requests_made_from_one_image_prompt_each_get_their_own_pixels(tiny_vlms):
+    """n choices (or a retry) are requests made from one processed prompt: each hands the scheduler its own copy of
+    the prompt's pixels, so one request's end (its rank unlinks what it was given) cannot take them from the next;
+    the prompt's own segment goes when the prompt is dropped."""
+    import gc
+
+    from minisgl_cli.api.http_server import free_port
+    from minisgl_cli.client.protocol import complete
+    from minisgl_cli.core import pixels
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.runtime.config import RuntimeConfig
+    from minisgl_cli.runtime.launch import launch
+    from minisgl_cli.scheduler.config import SchedulerConfig
+
+    before = set(pixels._ROOT.glob(f"{pixels.PREFIX}*"))
+    cfg = EngineConfig(model=str(tiny_vlms["qwen2-vl"]), max_total_tokens=2048, dtype="float32", quantization="none")
+    remote = launch(cfg, SchedulerConfig(), RuntimeConfig(dist_init_addr=f"127.0.0.1:{free_port()}"))
+    try:
+        async def run() -> list[list[int]]:
+            prompt = await remote.prompt(GenerateRequest(messages=CHATS[0]))
+            params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+            out = []
+            for _ in range(2):  # one after the other: the first has ended (its segment unlinked) when the next goes
+                req = GenerateRequest(input_ids=prompt.ids, images=prompt.images, params=params)
+                out.append((await complete(remote, req)).token_ids)
+            return out
+
+        first, second = asyncio.run(run())
+        assert first == second and len(first) == N
+        remote.check_pages()
+    finally:
+        remote.close()
+    gc.collect()
+    assert not set(pixels._ROOT.glob(f"{pixels.PREFIX}*")) - before, "pixel segments left behind"
+
+
 def _png_url(w: int, h: int, seed: int) -> str:
     import base64
     import io

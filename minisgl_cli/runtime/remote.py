@@ -172,14 +172,12 @@ class RemoteClient(RoutedClient):
         pixels.unlink(name)
 
     def _own(self, images: list[ImageInput]) -> list[ImageInput]:
-        """Each image as the scheduler will own it: the prompt's own segment the first time it is sent, a copy for
-        every other request made from the same prompt (n choices, a retry), so each request's end unlinks its own."""
+        """Each image as the scheduler will own it: a copy of the prompt's segment for every request, so each
+        request's end unlinks its own. The prompt's segment lives as long as the prompt (`_dropped`): handing the
+        segment itself to the first request let its scheduler unlink it before the next choice (n > 1) copied it."""
         out = []
         for img in images:
-            keep = img.shm is not None and (gone := self._unsent.pop(img.shm, None)) is not None and gone.detach()
-            if keep:
-                out.append(img)
-            elif img.shm is not None:
+            if img.shm is not None:
                 out.append(dataclasses.replace(img, shm=pixels.copy(img.shm, img.shape), pixels=None))
             else:  # pixels made in this process (an in-process processor's)
                 out.append(dataclasses.replace(img, shm=pixels.write(img.pixels), pixels=None))
