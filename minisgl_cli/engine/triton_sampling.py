@@ -1,4 +1,4 @@
-"""The CUDA sampler's cut and draw: one Triton program per row, exact, no sort of the vocabulary, no host sync.
+"""The CUDA sampler's cut and draw: exact, no sort of the vocabulary, no host sync, a row on one program or many.
 
 A row's kept set (top-k, top-p over the full distribution, min-p) is {s >= tau} for one threshold tau of the
 temperature-scaled logits s. Rather than find tau (a sort), the kernel draws by rejection, flashinfer's sorting-free
@@ -9,6 +9,16 @@ again with the next uniform of the row's stream. An accepted draw is distributed
 distribution; the most likely token is always accepted, so the loop ends. Round 0's uniform is the torch path's
 (engine/sampler.uniform), later rounds hash the round number in. Passes over the row: 2 + 2 per round (1 for a
 row without a top-k or top-p cut).
+
+Two paths run this scheme. One program per row (`_draw_kernel`) fills the GPU only at a large batch: at batch 1 one
+SM would make all the passes over 151,936 logits. The split path (up to SPLIT_MAX_ROWS rows) gives each row
+cdiv(V, SPLIT) programs, one block each, and a launch per pass: each program stores its block's partials (max,
+argmax, masses; counts and mass above the pick), and the row's last program to arrive (an atomic counter per row)
+combines them, picks the block holding the draw's target from the blocks' masses and scans that block alone. A
+launch's first pass (max and masses at once, each block relative to its own max; min-p rows need the row's max
+first: one more launch) draws round 0; each of SPLIT_ROUNDS test launches accepts the pick or draws the next
+round's; a row still rejected after them finishes in one program (rare: a round rejects at most the mass outside
+the kept set). Both paths draw the same tokens, up to fp32 summation order.
 """
 
 from __future__ import annotations
