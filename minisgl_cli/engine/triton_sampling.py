@@ -167,7 +167,7 @@ def _block_draw(base, V, inv_t, m, floor, low, mass, target, SPLIT: tl.constexpr
     hit = (ends > target) & (mass > 0)
     b = tl.min(tl.where(hit, bs, NBP), axis=0)
     none = b == NBP  # the target rounds past the summed masses: the support's last token
-    b = tl.where(none, tl.max(tl.where(mass > 0, bs, -1), axis=0), b)
+    b = tl.where(none, tl.maximum(tl.max(tl.where(mass > 0, bs, -1), axis=0), 0), b)  # (0: an empty support)
     cum = tl.sum(tl.where(bs < b, mass, 0.0), axis=0)
     target = tl.where(none, float("inf"), target)
     idx = b * SPLIT + tl.arange(0, SPLIT)
