@@ -88,9 +88,10 @@ def test_triton_without_a_cut_draws_the_torch_paths_tokens():
     g = torch.Generator(DEV).manual_seed(1)
     logits = (torch.randn(1, 151936, device=DEV, generator=g) * 4).to(torch.bfloat16)
     p = SamplingParams(temperature=0.8, seed=11)
-    a, _ = _draws(logits, p, 4096, True)
     b, _ = _draws(logits, p, 4096, False)
-    assert (a == b).double().mean() > 0.99
+    for split in (False, True):
+        a, _ = _draws(logits, p, 4096, True, split=split)
+        assert (a == b).double().mean() > 0.99, split
 
 
 @pytest.mark.parametrize("p", [c for c in CASES if c.top_k < 0], ids=lambda p: f"p{p.top_p}-m{p.min_p}")
@@ -100,9 +101,10 @@ def test_triton_draws_the_cpu_rejection_paths_tokens(p):
     g = torch.Generator(DEV).manual_seed(2)
     logits = (torch.randn(1, 151936, device=DEV, generator=g) * 4).to(torch.bfloat16)
     p = dataclasses.replace(p, seed=5)
-    a, _ = _draws(logits, p, 2048, True)
     b, _ = _draws(logits, p, 2048, False, draw=cpu_draw)
-    assert (a == b).double().mean() > 0.99
+    for split in (False, True):
+        a, _ = _draws(logits, p, 2048, True, split=split)
+        assert (a == b).double().mean() > 0.99, split
 
 
 @pytest.mark.parametrize("b", [1, 7, 64, 300])
