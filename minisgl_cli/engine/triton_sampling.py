@@ -31,8 +31,8 @@ from minisgl_cli.engine.sampling_state import Need, RowParams, SamplingBatch
 
 BLOCK = 2048
 SPLIT = 2048  # the split path's tokens per program
-SPLIT_MAX_ROWS = 64  # the split path up to this many rows
-SPLIT_ROUNDS = 2  # rejection rounds the split path tests in parallel; a row rejected more finishes in one program
+SPLIT_MAX_ROWS = 256  # the split path up to this many rows (the largest batch bench_sampling.py measures)
+SPLIT_ROUNDS = 3  # rejection rounds the split path tests in parallel; a row rejected more finishes in one program
 
 
 @triton.jit
