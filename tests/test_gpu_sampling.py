@@ -1,6 +1,7 @@
-"""The CUDA sampler (engine/triton_sampling.py) against the exact torch path: draws stay in the kept set and follow
-its distribution (chi-square), on a small and on Qwen3's vocabulary; and a seeded request through CUDA graphs and
-overlap scheduling draws the same tokens whatever shares its batch. Skipped without CUDA."""
+"""The CUDA sampler (engine/triton_sampling.py, both its paths: one program per row and a row split over many)
+against the exact torch path: draws stay in the kept set and follow its distribution (chi-square), on a small and on
+Qwen3's vocabulary; the split path draws the single-program path's tokens, in a CUDA graph too; and a seeded request
+through CUDA graphs and overlap scheduling draws the same tokens whatever shares its batch. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ CASES = [
 ]
 
 
-def _draws(logits: torch.Tensor, p: SamplingParams, n: int, triton: bool,
-           draw=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _draws(logits: torch.Tensor, p: SamplingParams, n: int, triton: bool, draw=None,
+           split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """n draws of one row (a new position each) and the row's kept distribution. Drawn 4096 rows at a time: a
-    batch of 40,000 rows of Qwen3's vocabulary would not fit the GPU."""
+    batch of 40,000 rows of Qwen3's vocabulary would not fit the GPU. `split`: the Triton path's choice."""
     from minisgl_cli.engine.triton_sampling import triton_draw
 
     v = logits.shape[-1]
@@ -46,7 +47,10 @@ def _draws(logits: torch.Tensor, p: SamplingParams, n: int, triton: bool,
         batch = state.batch([0] * m, torch.zeros(m, dtype=torch.int64, device=DEV),
                             torch.arange(start, start + m, dtype=torch.int32, device=DEV), [True] * m)
         rows = logits.expand(m, v).contiguous()
-        ids.append((draw or (triton_draw if triton else torch_draw))(rows, state.params(batch.slots), batch))
+        if draw is None and triton:
+            ids.append(triton_draw(rows, state.params(batch.slots), batch, split))
+        else:
+            ids.append((draw or torch_draw)(rows, state.params(batch.slots), batch))
     kept = cut(logits[:1].float() / p.temperature, state.params(batch.slots[:1]), batch)[0]
     return torch.cat(ids), kept.softmax(-1)
 
@@ -67,12 +71,12 @@ def test_triton_draws_follow_the_kept_distribution(vocab, p):
     g = torch.Generator(DEV).manual_seed(vocab)
     logits = (torch.randn(1, vocab, device=DEV, generator=g) * (2.0 if vocab < 1000 else 4.0)).to(torch.bfloat16)
     n = 40000
-    for triton in (True, False):
-        ids, probs = _draws(logits, p, n, triton)
+    for triton, split in ((True, False), (True, True), (False, None)):
+        ids, probs = _draws(logits, p, n, triton, split=split)
         assert (probs[ids] > 0).all(), "a draw outside the kept set"
         chi2, df = _chi2(ids, probs)
         # mean df, sd sqrt(2 df): 6 sd above the mean fails only a wrong distribution
-        assert chi2 < df + 6 * (2 * df) ** 0.5 + 10, (triton, chi2, df)
+        assert chi2 < df + 6 * (2 * df) ** 0.5 + 10, (triton, split, chi2, df)
         # every kept token of probability >= 1e-3 shows up (40 draws expected: missing one is a e^-40 event)
         assert set((probs >= 1e-3).nonzero()[:, 0].tolist()) <= set(ids.unique().tolist())
 
@@ -84,9 +88,10 @@ def test_triton_without_a_cut_draws_the_torch_paths_tokens():
     g = torch.Generator(DEV).manual_seed(1)
     logits = (torch.randn(1, 151936, device=DEV, generator=g) * 4).to(torch.bfloat16)
     p = SamplingParams(temperature=0.8, seed=11)
-    a, _ = _draws(logits, p, 4096, True)
     b, _ = _draws(logits, p, 4096, False)
-    assert (a == b).double().mean() > 0.99
+    for split in (False, True):
+        a, _ = _draws(logits, p, 4096, True, split=split)
+        assert (a == b).double().mean() > 0.99, split
 
 
 @pytest.mark.parametrize("p", [c for c in CASES if c.top_k < 0], ids=lambda p: f"p{p.top_p}-m{p.min_p}")
@@ -96,9 +101,50 @@ def test_triton_draws_the_cpu_rejection_paths_tokens(p):
     g = torch.Generator(DEV).manual_seed(2)
     logits = (torch.randn(1, 151936, device=DEV, generator=g) * 4).to(torch.bfloat16)
     p = dataclasses.replace(p, seed=5)
-    a, _ = _draws(logits, p, 2048, True)
     b, _ = _draws(logits, p, 2048, False, draw=cpu_draw)
-    assert (a == b).double().mean() > 0.99
+    for split in (False, True):
+        a, _ = _draws(logits, p, 2048, True, split=split)
+        assert (a == b).double().mean() > 0.99, split
+
+
+@pytest.mark.parametrize("b", [1, 7, 64, 300])
+def test_the_split_path_draws_the_single_programs_tokens(b):
+    """A mixed batch (every CASES row, greedy rows, a min-p row beside cut rows) at several sizes: split and single
+    draw the same tokens up to summation order, greedy rows exactly their argmax; and a CUDA graph of the split call
+    replays to the eager call's tokens (its per-row counters start from zero at every launch), on new logits too."""
+    from minisgl_cli.engine.triton_sampling import triton_draw
+
+    v = 151936
+    params = [dataclasses.replace(CASES[i % len(CASES)], seed=i) if i % 4 else SamplingParams() for i in range(b)]
+    state = SamplingState(b, v, DEV, HostBuffers())
+    for i, p in enumerate(params):
+        state.admit(i, p, [1], [])
+    batch = state.batch(list(range(b)), torch.arange(b, device=DEV), torch.arange(b, dtype=torch.int32, device=DEV) + 5,
+                        [True] * b)
+    rp = state.params(batch.slots)
+    g = torch.Generator(DEV).manual_seed(b)
+    logits = (torch.randn(b, v, device=DEV, generator=g) * 4).to(torch.bfloat16)
+    one = triton_draw(logits, rp, batch, split=False)
+    split = triton_draw(logits, rp, batch, split=True)
+    greedy = torch.tensor([p.greedy for p in params], device=DEV)
+    assert (split[greedy] == logits[greedy].argmax(-1)).all()
+    kept = cut(logits.float() / rp.temperature[:, None], rp, batch)
+    assert (kept.gather(1, split[:, None]) > float("-inf")).all(), "a draw outside its row's kept set"
+    assert int((one != split).sum()) <= max(1, b // 50)  # summation order moves a boundary draw rarely
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        triton_draw(logits, rp, batch, split=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_draw(logits, rp, batch, split=True)
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(captured, split)
+    logits.copy_((torch.randn(b, v, device=DEV, generator=g) * 4).to(torch.bfloat16))
+    graph.replay()
+    assert torch.equal(captured, triton_draw(logits, rp, batch, split=True))
 
 
 def test_seeded_request_ignores_its_batch_through_graphs_and_overlap():
