@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One GPU, this round's checks within BUDGET seconds (default 280), in order of value: the GPU tests of the new
+# paths first (correctness before speed), then each issue's micro-benchmark. Parts run under examples/parts.sh
+# (skipped when the budget is short, a failure logged and the next part run); every log lands in $OUT as it goes:
+#   tests.log      (t) the split Triton sampler, the fused MoE kernels, speculative verify steps under graphs,
+#                      Qwen2-VL on CUDA, an out-of-vocabulary id: pytest over two workers (files side by side)
+#   sampling.log   (s) examples/bench_sampling.py: the sampler's µs per call, one program a row vs the split path
+#   spec.log       (p) examples/spec_bench_gpu.py: a verify step's cost, batch-1 decode plain / oracle / ngram
+#   moe.log        (m) examples/moe_bench.py: the MoE layer fused vs grouped, Qwen3-30B-A3B batch-1 decode
+#   summary.txt    the parts' status and each table
+#
+#   OUT=/tmp/round bash examples/gpu_round.sh
+#   PARTS="t s" BUDGET=120 OUT=/tmp/round bash examples/gpu_round.sh   # some parts only
+#   DRY=1 OUT=/tmp/round bash examples/gpu_round.sh                    # the plan, nothing run
+# The speculative GPU test reads the default model's tokenizer from .tok (MINISGL_TEST_TOKENIZER_DIR): copy
+# tokenizer.json, tokenizer_config.json and chat_template.jinja of the default model there and carry it.
+set -o pipefail
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+[ -d .tok ] && export MINISGL_TEST_TOKENIZER_DIR=${MINISGL_TEST_TOKENIZER_DIR:-$PWD/.tok}
+OUT=${OUT:-/tmp/gpu_round}; mkdir -p "$OUT"
+WORK=$(mktemp -d /tmp/gpu_round.XXXXXX)
+PY=${PY:-python3}
+BUDGET=${BUDGET:-280}
+PARTS=${PARTS:-t s p m}
+. examples/parts.sh
+
+{ echo "gpu_round.sh at $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
+  $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1 | tail -1
+} > "$WORK/machine.txt"
+cat "$WORK/machine.txt"
+
+# (t) ~80 s over two workers (Triton compiles, tiny models built with transformers, a few engines)
+want t && part "(t) GPU tests of this round" 150 60 "$OUT/tests.log" \
+  $PY -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/test_gpu_sampling.py tests/test_gpu_moe.py \
+  tests/test_gpu_speculative.py tests/test_gpu_vlm.py tests/test_gpu_isolation.py
+
+# (s) ~25 s, mostly Triton's first compiles
+want s && part "(s) sampler micro-benchmark" 60 20 "$OUT/sampling.log" \
+  $PY examples/bench_sampling.py --out "$WORK/sampling"
+
+# (p) ~50 s: Llama-3.1-8B dummy, two batch-1 engines
+want p && part "(p) speculative decoding" 100 45 "$OUT/spec.log" \
+  $PY examples/spec_bench_gpu.py --out "$WORK/spec"
+
+# (m) ~70 s: the layer table, then the 61 GB Qwen3-30B-A3B engine
+want m && part "(m) fused MoE" 120 60 "$OUT/moe.log" \
+  $PY examples/moe_bench.py --out "$WORK/moe"
+
+{
+  cat "$WORK/machine.txt"
+  echo; echo "== parts (budget ${BUDGET}s, used $(( $(date +%s) - T0 ))s)"
+  printf '%s\n' "${STATUS[@]}"
+  echo; echo "== (t) tests"
+  grep -E "passed|failed|error" "$OUT/tests.log" 2>/dev/null | tail -3 || echo "(not run)"
+  for f in sampling/sampling_bench.txt spec/spec_bench.txt; do
+    echo; echo "== $f"; cat "$WORK/$f" 2>/dev/null || echo "(not run)"
+  done
+  echo; echo "== moe"; tail -25 "$OUT/moe.log" 2>/dev/null || echo "(not run)"
+} > "$OUT/summary.txt"
+cp "$WORK"/sampling/*.json "$WORK"/moe/*.json "$OUT"/ 2>/dev/null
+echo; cat "$OUT/summary.txt"
