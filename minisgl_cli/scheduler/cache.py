@@ -84,6 +84,24 @@ class CacheManager:
             req.pages.extend(pages)
         return True
 
+    def reserve_each(self, reqs: list[Req], n: int) -> bool:
+        """`reserve(req, n)` for every request at once, with one allocation (a decode step's new pages); False, and
+        nothing taken, when the pool (after eviction) cannot cover all of them."""
+        p = self.page_size
+        needs = [-(-(r.kv_len + n) // p) - (r.prefix_len // p + len(r.pages)) for r in reqs]
+        total = sum(k for k in needs if k > 0)
+        if not total:
+            return True
+        pages = self.allocate(total)
+        if pages is None:
+            return False
+        at = 0
+        for r, k in zip(reqs, needs):
+            if k > 0:
+                r.pages += pages[at : at + k]
+                at += k
+        return True
+
     def slots(self, req: Req, start: int, end: int) -> list[int]:
         """KV slots of positions start..end-1 (reserved already), computed on the host: no device read."""
         p, first = self.page_size, req.prefix_len
