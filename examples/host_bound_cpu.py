@@ -65,7 +65,7 @@ def offline_child(model: str, streams: int) -> None:
 
     reqs = workload(streams)
     with LLM(model, device="cpu", max_running_requests=streams, max_total_tokens=streams * 400,
-             torch_compile="off") as llm:
+             torch_compile="off", num_threads=1) as llm:
         llm.generate([p for p, _ in reqs[:8]], SamplingParams(max_new_tokens=8, ignore_eos=True))
         steps0 = llm.client.stats().steps or 0
         w0, c0 = time.perf_counter(), time.process_time()
@@ -76,8 +76,13 @@ def offline_child(model: str, streams: int) -> None:
     print(json.dumps({"tok_s": tokens / wall, "us_per_step": 1e6 * cpu / steps, "steps": steps, "tokens": tokens}))
 
 
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment of a run of `tree`: its code first; one torch thread (a second only spins on 2 shared cores)."""
+    return {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+
+
 def run_offline(tree: Path, model: Path, streams: int, log: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = tree_env(tree)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child-offline", str(model), "--streams", str(streams)]
     with log.open("w") as f:
         p = subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=f, text=True, timeout=900)
@@ -94,7 +99,7 @@ def run_http(tree: Path, model: Path, streams: int, out: Path, tag: str) -> dict
 
     from minisgl_cli.api.http_server import free_port
 
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = tree_env(tree)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     serve = [sys.executable, "-m", "minisgl_cli.app", "serve", "--model", str(model), "--device", "cpu",
