@@ -3,7 +3,8 @@ through the scheduler driven directly (raw), `minisgl bench` offline and `minisg
 with the same prefill budget (raw's 16,384 tokens unless --max-prefill-tokens says otherwise), then a short table of
 out tok/s, each as a share of raw, and the scheduler process's CPU share over HTTP.
 
-    OUT=/tmp/fronts PYTHONPATH=. python examples/fronts_gpu.py        # ~90 s on one H100, starts included
+    OUT=/tmp/fronts PYTHONPATH=. python examples/fronts_gpu.py        # ~100 s on one H100, starts included
+    OUT=/tmp/fronts PYTHONPATH=. python examples/fronts_gpu.py --paths raw,http   # ~70 s
 
 Logs and JSON under $OUT (raw.log, offline.log / offline.json, http/: fronts_cpu.py's serve and bench logs).
 """
