@@ -58,6 +58,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 9
     sys.exit(f"serve not healthy after {timeout:.0f}s; see {log}")
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """End a `minisgl serve` as its user would (SIGTERM), killing it after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def cpu(url: str) -> dict[str, float]:
     return httpx.get(f"{url}/metrics", timeout=30).json()["process_cpu_seconds"]
 
@@ -126,11 +135,7 @@ def run_variant(name: str, serve_args: list[str], bench_args: list[str], model: 
             rc = running.wait()
         after = cpu(url)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     if rc != 0 or not report.exists():
         sys.exit(f"bench failed (code {rc}); see {out / f'bench-{name}.txt'}")
     results = json.loads(report.read_text())["results"]

@@ -63,7 +63,7 @@ ToScheduler = AddRequest | AbortRequest | StatsQuery | CheckPagesQuery
 
 
 # --- from the scheduler ------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)  # one per request per step: slots make it a quarter cheaper to build
 class TokenOutput:
     """One request's result of one step: a token, or the end (finish reason or error)."""
 
@@ -121,7 +121,7 @@ class TokenizeReply:
     images: list[ImageInput] = field(default_factory=list)  # a VLM prompt's (their pixels in shared memory)
 
 
-@dataclass
+@dataclass(slots=True)
 class DecodedPiece:
     """What one batch of a request's token outputs adds: text, ids, and how it ends (if it does)."""
 

@@ -44,16 +44,34 @@ log = logging.getLogger("minisgl.client")
 
 
 class _Stream:
-    """Where one request's outputs go: a queue on its consumer's event loop."""
+    """Where one request's outputs go: a list on its consumer's event loop and, while the consumer waits, the future
+    that wakes it (an asyncio.Queue's get and put cost several times this, paid per request per step)."""
+
+    __slots__ = ("loop", "items", "waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue[list] = asyncio.Queue()
+        self.items: list = []
+        self.waiter: asyncio.Future | None = None
+
+    async def take(self) -> list:
+        """Every item delivered since the last take (waiting for one): a slow consumer gets several at once."""
+        if not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
 
 
 def _deliver(batch: list[tuple[_Stream, list]]) -> None:
+    """On the consumers' event loop."""
     for stream, items in batch:
-        stream.queue.put_nowait(items)
+        stream.items += items
+        if stream.waiter is not None and not stream.waiter.done():
+            stream.waiter.set_result(None)
 
 
 class RoutedClient:
@@ -168,10 +186,7 @@ class RoutedClient:
             self._send(AddRequest(req.rid, ids, req.params, self._own(prompt.images)))
             sent = True
             while not done:
-                items = await stream.queue.get()
-                while not stream.queue.empty():  # a slow consumer gets several tokens in one delta
-                    items = items + stream.queue.get_nowait()
-                piece = decode(items)
+                piece = decode(await stream.take())
                 delta = _delta(req.rid, piece, stats, t0)
                 done = delta.finished
                 if done and piece.stopped_early:

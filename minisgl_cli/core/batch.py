@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -84,22 +85,23 @@ class ForwardBatch:
 
         On CUDA the copies go through `host` (the engine's pinned buffers) asynchronously, so building the
         next step's batch never waits for the step the GPU is running."""
-        if positions is None:
-            if mode == "decode":
-                positions = list(prefix_lens)
-            else:
+        B = len(req_slots)
+        if mode == "decode" and len(input_ids) == B:  # one token a request: the offsets are the row numbers
+            positions = list(prefix_lens) if positions is None else positions
+            seq_lens = [p + 1 for p in prefix_lens]
+            indptr = list(range(B + 1))
+        else:
+            if positions is None:
                 positions = []
                 for p, e in zip(prefix_lens, extend_lens):
                     positions.extend(range(p, p + e))
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        indptr = [0]
-        for e in extend_lens:
-            indptr.append(indptr[-1] + e)
+            seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+            indptr = [0, *itertools.accumulate(extend_lens)]
         if isinstance(out_cache_loc, torch.Tensor):
             out_cache_loc = out_cache_loc.tolist()
-        T, B = len(input_ids), len(req_slots)
+        T = len(input_ids)
         device = torch.device(device)
-        wide = host.to_device(input_ids + positions + out_cache_loc + req_slots + [i - 1 for i in indptr[1:]],
+        wide = host.to_device([*input_ids, *positions, *out_cache_loc, *req_slots, *(i - 1 for i in indptr[1:])],
                               torch.int64, device)
         narrow = host.to_device(seq_lens + list(extend_lens) + indptr, torch.int32, device)
         return ForwardBatch(

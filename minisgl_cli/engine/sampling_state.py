@@ -271,8 +271,8 @@ class SamplingState:
             self._flush()
         rows = [self._rows[s] for s in slots]
         needs = Need.NONE
-        for r in rows:
-            needs |= r.needs
+        for n in {r.needs for r in rows}:  # a few distinct flag sets: an IntFlag `|` per row cost ~1 us
+            needs |= n
         if not logprobs:
             needs &= ~Need.LOGPROBS
         k_bound = 0

@@ -75,14 +75,7 @@ class CacheManager:
 
     def reserve(self, req: Req, n: int) -> bool:
         """Make sure pages cover positions up to kv_len+n (allocating, evicting); False if out of pages."""
-        p = self.page_size
-        need = -(-(req.kv_len + n) // p) - (req.prefix_len // p + len(req.pages))
-        if need > 0:
-            pages = self.allocate(need)
-            if pages is None:
-                return False
-            req.pages.extend(pages)
-        return True
+        return self.reserve_each([req], n)
 
     def rewind(self, req: Req) -> None:
         """Give back the pages past `req.kv_len` (a verify step's rejected drafts); the page table's entries past it
@@ -91,6 +84,24 @@ class CacheManager:
         if keep < len(req.pages):
             self.engine.free_pages(req.pages[keep:])
             del req.pages[keep:]
+
+    def reserve_each(self, reqs: list[Req], n: int) -> bool:
+        """`reserve(req, n)` for every request at once, with one allocation (a decode step's new pages); False, and
+        nothing taken, when the pool (after eviction) cannot cover all of them."""
+        p = self.page_size
+        needs = [-(-(r.kv_len + n) // p) - (r.prefix_len // p + len(r.pages)) for r in reqs]
+        total = sum(k for k in needs if k > 0)
+        if not total:
+            return True
+        pages = self.allocate(total)
+        if pages is None:
+            return False
+        at = 0
+        for r, k in zip(reqs, needs):
+            if k > 0:
+                r.pages += pages[at : at + k]
+                at += k
+        return True
 
     def slots(self, req: Req, start: int, end: int) -> list[int]:
         """KV slots of positions start..end-1 (reserved already), computed on the host: no device read."""

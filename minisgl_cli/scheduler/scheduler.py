@@ -47,7 +47,7 @@ from minisgl_cli.scheduler.profile import StepProfiler
 from minisgl_cli.scheduler.request import DraftBudget, Req
 from minisgl_cli.scheduler.speculative import accepted_run
 from minisgl_cli.scheduler.stats import RollingRate
-from minisgl_cli.types import ErrorCode, FinishReason, ModelInfo, SamplingParams, SchedulerStats
+from minisgl_cli.types import ErrorCode, FinishReason, ModelInfo, SchedulerStats
 
 log = logging.getLogger("minisgl.scheduler")
 
@@ -156,7 +156,10 @@ class Scheduler:
         except ValueError as exc:  # its images: pixels gone, or a model that takes none
             self._finish(req, None, error=str(exc))
             return
-        if req.params.max_new_tokens == 0:
+        p = req.params
+        req.stop_ids = frozenset(p.stop_token_ids) if p.ignore_eos else self.eos.union(p.stop_token_ids)
+        req.max_output = min(p.max_new_tokens, self.engine.spec.max_context_len - len(req.input_ids))
+        if p.max_new_tokens == 0:
             self._finish(req, "length")
         elif req.params.constrained and not self._compile(req):
             return
@@ -256,7 +259,8 @@ class Scheduler:
 
     def _decode_batch(self) -> tuple[Mode, list[Req], list[int], list[list[int]] | None] | None:
         retracted = False
-        for req in list(self.running):
+        # Most steps: one allocation covers every request's next token. Otherwise request by request, making room.
+        for req in [] if self.cache.reserve_each(self.running, 1) else list(self.running):
             if retracted and req not in self.running:
                 continue  # retracted below while making room
             while not self.cache.reserve(req, 1):
@@ -442,12 +446,11 @@ class Scheduler:
             self._emit_outputs(out)
 
     def _stop_reason(self, req: Req, tok: int) -> FinishReason | None:
-        p: SamplingParams = req.params
-        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+        if tok in req.stop_ids:
             return "stop"
         if req.grammar is not None and req.grammar.is_terminated():
             return "stop"  # the grammar is complete (and accepted a stop token)
-        if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.engine.spec.max_context_len:
+        if len(req.output_ids) >= req.max_output:
             return "length"
         return None
 
