@@ -5,6 +5,8 @@
 #   tests.log      (t) the split Triton sampler, the fused MoE kernels, speculative verify steps under graphs,
 #                      Qwen2-VL on CUDA, an out-of-vocabulary id: pytest over two workers (files side by side)
 #   sampling.log   (s) examples/bench_sampling.py: the sampler's µs per call, one program a row vs the split path
+#   fronts.log     (f) examples/fronts_gpu.py --paths raw,http: Qwen3-0.6B FP8 KV preset, the scheduler driven
+#                      directly vs serve + bench --url, one prefill budget (16,384) for both
 #   spec.log       (p) examples/spec_bench_gpu.py: a verify step's cost, batch-1 decode plain / oracle / ngram
 #   moe.log        (m) examples/moe_bench.py: the MoE layer fused vs grouped, Qwen3-30B-A3B batch-1 decode
 #   summary.txt    the parts' status and each table
@@ -21,7 +23,7 @@ OUT=${OUT:-/tmp/gpu_round}; mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/gpu_round.XXXXXX)
 PY=${PY:-python3}
 BUDGET=${BUDGET:-280}
-PARTS=${PARTS:-t s p m}
+PARTS=${PARTS:-t s f p m}
 . examples/parts.sh
 
 { echo "gpu_round.sh at $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)"
@@ -31,13 +33,17 @@ PARTS=${PARTS:-t s p m}
 cat "$WORK/machine.txt"
 
 # (t) ~80 s over two workers (Triton compiles, tiny models built with transformers, a few engines)
-want t && part "(t) GPU tests of this round" 150 60 "$OUT/tests.log" \
+want t && part "(t) GPU tests of this round" 130 60 "$OUT/tests.log" \
   $PY -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/test_gpu_sampling.py tests/test_gpu_moe.py \
   tests/test_gpu_speculative.py tests/test_gpu_vlm.py tests/test_gpu_isolation.py
 
 # (s) ~25 s, mostly Triton's first compiles
 want s && part "(s) sampler micro-benchmark" 60 20 "$OUT/sampling.log" \
   $PY examples/bench_sampling.py --out "$WORK/sampling"
+
+# (f) ~70 s: two engine starts (raw in a child, then the server)
+want f && part "(f) the fronts against the raw engine" 100 60 "$OUT/fronts.log" \
+  $PY examples/fronts_gpu.py --out "$WORK/fronts" --paths raw,http
 
 # (p) ~50 s: Llama-3.1-8B dummy, two batch-1 engines
 want p && part "(p) speculative decoding" 100 45 "$OUT/spec.log" \
@@ -56,6 +62,7 @@ want m && part "(m) fused MoE" 120 60 "$OUT/moe.log" \
   for f in sampling/sampling_bench.txt spec/spec_bench.txt; do
     echo; echo "== $f"; cat "$WORK/$f" 2>/dev/null || echo "(not run)"
   done
+  echo; echo "== fronts"; tail -12 "$OUT/fronts.log" 2>/dev/null || echo "(not run)"
   echo; echo "== moe"; tail -25 "$OUT/moe.log" 2>/dev/null || echo "(not run)"
 } > "$OUT/summary.txt"
 cp "$WORK"/sampling/*.json "$WORK"/moe/*.json "$OUT"/ 2>/dev/null
