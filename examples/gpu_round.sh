@@ -33,8 +33,9 @@ PARTS=${PARTS:-t s f p m}
 cat "$WORK/machine.txt"
 
 # (t) ~80 s over two workers (Triton compiles, tiny models built with transformers, a few engines)
+XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n 2 --dist loadfile")  # pytest-xdist where installed
 want t && part "(t) GPU tests of this round" 130 60 "$OUT/tests.log" \
-  $PY -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/test_gpu_sampling.py tests/test_gpu_moe.py \
+  $PY -m pytest -q -p no:cacheprovider $XDIST tests/test_gpu_sampling.py tests/test_gpu_moe.py \
   tests/test_gpu_speculative.py tests/test_gpu_vlm.py tests/test_gpu_isolation.py
 
 # (s) ~25 s, mostly Triton's first compiles
