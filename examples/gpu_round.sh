@@ -13,6 +13,7 @@
 #
 #   OUT=/tmp/round bash examples/gpu_round.sh
 #   PARTS="t s" BUDGET=120 OUT=/tmp/round bash examples/gpu_round.sh   # some parts only
+#   TESTS="tests/test_gpu_moe.py" PARTS="t m" OUT=/tmp/round bash examples/gpu_round.sh   # some tests only
 #   DRY=1 OUT=/tmp/round bash examples/gpu_round.sh                    # the plan, nothing run
 # The speculative GPU test reads the default model's tokenizer from .tok (MINISGL_TEST_TOKENIZER_DIR): copy
 # tokenizer.json, tokenizer_config.json and chat_template.jinja of the default model there and carry it.
@@ -24,6 +25,8 @@ WORK=$(mktemp -d /tmp/gpu_round.XXXXXX)
 PY=${PY:-python3}
 BUDGET=${BUDGET:-280}
 PARTS=${PARTS:-t s f p m}
+TESTS=${TESTS:-tests/test_gpu_sampling.py tests/test_gpu_moe.py tests/test_gpu_speculative.py tests/test_gpu_vlm.py \
+tests/test_gpu_isolation.py}
 . examples/parts.sh
 
 { echo "gpu_round.sh at $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)"
@@ -35,8 +38,7 @@ cat "$WORK/machine.txt"
 # (t) ~80 s over two workers (Triton compiles, tiny models built with transformers, a few engines)
 XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n 2 --dist loadfile")  # pytest-xdist where installed
 want t && part "(t) GPU tests of this round" 130 60 "$OUT/tests.log" \
-  $PY -m pytest -q -p no:cacheprovider $XDIST tests/test_gpu_sampling.py tests/test_gpu_moe.py \
-  tests/test_gpu_speculative.py tests/test_gpu_vlm.py tests/test_gpu_isolation.py
+  $PY -m pytest -q -p no:cacheprovider $XDIST $TESTS
 
 # (s) ~25 s, mostly Triton's first compiles
 want s && part "(s) sampler micro-benchmark" 60 20 "$OUT/sampling.log" \

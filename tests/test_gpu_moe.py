@@ -56,7 +56,7 @@ def _weights(n_exp: int, hidden: int, inter: int, seed: int) -> tuple[torch.Tens
 
 def _reference(x, gate_up, down, weights, ids) -> torch.Tensor:
     """fp32, one (token, choice) at a time."""
-    x, gate_up, down = x.float(), gate_up.float(), down.float()
+    x, gate_up, down = x.float(), gate_up.to(x.device).float(), down.to(x.device).float()
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for w, e in zip(weights[t].tolist(), ids[t].tolist()):

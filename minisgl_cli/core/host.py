@@ -47,8 +47,9 @@ class _UploadRing:
         n = len(data)
         buf = bufs[i]
         if buf is None or buf.numel() < n:
-            buf = bufs[i] = torch.empty(max(n, 4096, 2 * (buf.numel() if buf is not None else 0)),
-                                        dtype=dtype, pin_memory=True)
+            with torch.inference_mode(False):  # a normal tensor, written in and out of inference mode alike
+                buf = bufs[i] = torch.empty(max(n, 4096, 2 * (buf.numel() if buf is not None else 0)),
+                                            dtype=dtype, pin_memory=True)
         host = buf[:n]
         host.copy_(host_tensor(data, dtype))
         out = host.to(device, non_blocking=True)
@@ -75,7 +76,8 @@ class _ReadbackSlots:
         if len(self._slots) <= i:
             self._slots.append(torch.empty(0, dtype=torch.int64))
         if self._slots[i].numel() < n:
-            self._slots[i] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
+            with torch.inference_mode(False):  # as the upload ring's
+                self._slots[i] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
         return self._slots[i][:n]
 
 
