@@ -172,6 +172,33 @@ def test_overlap_scheduling_with_drafts_and_aborts_leaves_no_page_held(monkeypat
     assert stats.spec_accepted_tokens > 0 and stats.tokens_in_use == 0
 
 
+def test_a_request_with_nothing_to_copy_asks_for_drafts_rarely(monkeypatch, tiny_model_dirs):
+    """Asking for drafts reads the step in flight first (that step loses its overlap): a request whose proposer
+    finds nothing backs off as after a rejected verify, so 64 tokens ask ~log2(64) times, not 64."""
+
+    class Nothing:
+        name, calls = "nothing", 0
+
+        def propose(self, reqs, budgets):
+            self.calls += 1
+            return [[] for _ in reqs]
+
+        def release(self, req) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    none = Nothing()
+    monkeypatch.setattr(speculative, "create_proposer", lambda cfg, engine: none)
+    with LLM(model=str(tiny_model_dirs["llama"]), overlap_on_cpu=True, speculative_algorithm="ngram",
+             num_speculative_tokens=3) as llm:
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=64, ignore_eos=True))[0]
+        llm.client.check_pages()
+    assert len(out.token_ids) == 64
+    assert 1 <= none.calls <= 8, none.calls
+
+
 def test_image_requests_verify_drafts_at_their_m_rope_positions(monkeypatch, tiny_vlms):
     """Qwen2-VL on the engine: a verify row turns by its request's M-RoPE delta, as a decode row does, so image chats
     (one image; two of different sizes) answer with the plain greedy ids under the oracle's drafts. The draft model,
@@ -249,6 +276,10 @@ def test_draft_budget_follows_acceptance_and_backs_off_when_nothing_is_accepted(
         outputs += d + 1
         b.update(d, d, outputs)
     assert b.wants(outputs) == 3
+    b.found_none(outputs)  # asked, nothing to copy: the same pause, the rate untouched
+    assert b.wants(outputs) == 0 and b.wants(outputs + 1) == 3
+    b.found_none(outputs + 1)
+    assert b.wants(outputs + 2) == 0 and b.wants(outputs + 3) == 3
 
 
 def test_ngram_index_proposes_what_followed_the_longest_latest_match():

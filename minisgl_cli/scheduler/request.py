@@ -48,8 +48,17 @@ class DraftBudget:
         if accepted:
             self.backoff, self.resume_at = 0, 0
         else:
-            self.backoff = min(2 * self.backoff or 1, MAX_WAIT)
-            self.resume_at = outputs + self.backoff
+            self._pause(outputs)
+
+    def found_none(self, outputs: int) -> None:
+        """It asked and the proposer had nothing (no earlier match): pause as after a verify that accepted nothing.
+        Asking costs the step its overlap (the step in flight is read first), so a request with nothing to copy
+        must not ask every step."""
+        self._pause(outputs)
+
+    def _pause(self, outputs: int) -> None:
+        self.backoff = min(2 * self.backoff or 1, MAX_WAIT)
+        self.resume_at = outputs + self.backoff
 
 
 @dataclass(eq=False)

@@ -303,6 +303,9 @@ class Scheduler:
                 d = self.grammars.trim(req.grammar, d)
             if d and self.cache.reserve(req, 1 + len(d)):
                 drafts[i] = d
+            elif not d:
+                assert req.draft is not None
+                req.draft.found_none(len(req.output_ids))
         return drafts if any(drafts) else None
 
     def _retract(self, req: Req) -> None:
