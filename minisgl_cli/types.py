@@ -228,7 +228,8 @@ class SchedulerStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     retracted_requests: int | None = 0
-    decode_compiling: int = 0  # engines still compiling their CPU decode (engine/cpu_compile.py)
+    decode_compiling: int = 0  # engines building their compiled CPU decode step (engine/cpu_compile.py)
+    decode_compiled: int = 0  # engines decoding through it
     # CPU seconds (user + system) of each engine process by name ("detokenizer", "scheduler rank 0", ...): the
     # multi-process runtime's children; empty where the engine runs in the caller's process.
     process_cpu_s: dict[str, float] = field(default_factory=dict)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import queue
 import threading
 import time
@@ -49,13 +48,10 @@ def run_rank(job: RankJob) -> None:
     """Process entry point: report Ready (or Failed) to the launcher, then serve until killed."""
     child = Child(f"scheduler rank {job.rank}", f"rank{job.rank}", job.log_level, job.endpoints.launcher)
     scheduler, tp, receive, stop = child.start(functools.partial(_start, job))
-    e, info = scheduler.engine, scheduler.model_info()
+    info = scheduler.model_info()
     child.ready(info if tp.rank == 0 else None,
                 f"{info.device} {info.dtype}, {info.kv_tokens:,} KV tokens, loaded in {info.load_s:.1f}s")
     scheduler.run_forever(stop, receive)
-    if e.compiling:  # an interpreter exit would wait for the compile thread or abort in it: leave at once
-        logging.shutdown()
-        os._exit(0)
 
 
 def _no_process_locks() -> None:

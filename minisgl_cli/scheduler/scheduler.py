@@ -397,6 +397,7 @@ class Scheduler:
         s.tokens_in_use = self.cache.pages_in_use(self.running + list(self.waiting)) * p
         s.prefill_tok_s, s.decode_tok_s = self._prefill_rate.rate(), self._decode_rate.rate()
         s.decode_compiling = int(self.engine.compiling)
+        s.decode_compiled = int(self.engine.decode_step == "compiled")
         return SchedulerStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
 
     def model_info(self) -> ModelInfo:
