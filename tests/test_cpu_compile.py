@@ -160,16 +160,17 @@ def default_step() -> None:
 @pytest.mark.slow
 def test_compiled_greedy_answers_equal_eager_on_the_parity_prompts(default_step):
     """The default model (int4 GGUF) through the stored step: the parity prompts' greedy tokens equal the eager
-    step's, one at a time and all in one batch."""
-    with LLM(torch_compile="off") as llm:
-        eager = [o.token_ids for o in llm.generate(CHATS, [ANSWER] * len(CHATS))]
-    with LLM(torch_compile="auto") as llm:
-        stats = llm.client.stats()
-        assert stats.decode_compiled == 1 and stats.decode_compiling == 0  # loaded, not built
-        alone = [llm.generate(chat, ANSWER)[0].token_ids for chat in CHATS]
-        together = [o.token_ids for o in llm.generate(CHATS, [ANSWER] * len(CHATS))]
-    assert alone == eager
-    assert together == eager
+    step's, one at a time and all in one batch. (Eager against compiled in the same arrangement, without prefix
+    reuse: a system prompt cached by another prompt's prefill, and torch's CPU flash attention on two threads, can
+    each move a row's bits whatever runs the step.)"""
+    answers = {}
+    for mode in ("off", "auto"):
+        with LLM(torch_compile=mode, cache="naive") as llm:
+            assert llm.client.stats().decode_compiled == (mode == "auto")  # loaded, not built
+            assert llm.client.stats().decode_compiling == 0
+            answers[mode] = ([llm.generate(chat, ANSWER)[0].token_ids for chat in CHATS],
+                             [o.token_ids for o in llm.generate(CHATS, [ANSWER] * len(CHATS))])
+    assert answers["auto"] == answers["off"]
 
 
 @pytest.mark.slow
