@@ -92,8 +92,20 @@ def bench(
     from minisgl_cli.bench.workloads import Sampling
 
     c.setup_logging(verbose)
-    if url and engine:
-        c.fail("--engine picks the engine bench loads here; --url benchmarks a running server instead", code=2)
+    if url:  # the server runs its own engine: only --model (the prompts' tokenizer) means something here
+        here = [*(["--engine"] * bool(engine)), *map(c.flag, opts.changed(n for n in c.ALL if n != "model")),
+                *(name for name, used in (("--cache", cache), ("--baseline", baseline), ("--no-baseline", no_baseline),
+                                          ("--peer", peer)) if used)]
+        if here:
+            c.fail(f"--url benchmarks a running server: drop {', '.join(here)} (they configure what bench runs "
+                   "here)", code=2)
+    else:
+        online_only = [name for name, used in (
+            ("--api", api != "completions"), ("--request-rate", request_rate != math.inf),
+            ("--max-concurrency", max_concurrency is not None), ("--served-model-name", served_model_name is not None),
+        ) if used]
+        if online_only:
+            c.fail(f"drop {', '.join(online_only)} or add --url: options of benchmarking a server", code=2)
     try:
         cfg = BenchConfig(
             dataset=dataset,

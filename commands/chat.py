@@ -46,7 +46,8 @@ def chat(
             "--vlm-model",
             envvar="MINISGL_VLM_MODEL",
             rich_help_panel=c.MEDIA_PANEL,
-            help="Vision-language model (HF dir or hub id) for /image PATH prompts.",
+            help="Vision-language model (HF dir or hub id) for /image PATH prompts: Qwen2-VL / Qwen2.5-VL run on the "
+                 "engine (as the chat's model), others in transformers.",
         ),
     ] = None,
     *,
@@ -64,7 +65,7 @@ def chat(
     from minisgl_cli.repl.app import load_engine, run_chat
     from minisgl_cli.repl.session import ChatSession, ChatSettings
     from minisgl_cli.repl.view import ChatView
-    from minisgl_cli.vision.vlm import VlmChat, VlmLoadError
+    from minisgl_cli.vision.vlm import VlmChat, VlmLoadError, on_engine
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     out = Console(highlight=False, soft_wrap=not interactive)
@@ -72,7 +73,16 @@ def chat(
     settings = ChatSettings(max_new_tokens=max_new_tokens, temperature=temperature, min_p=min_p,
                             repetition_penalty=repetition_penalty, system=system, multi_turn=multi_turn,
                             logprobs=verbose)
-    vlm = VlmChat(vlm_model, env.media_device()) if vlm_model else None
+    vlm = None
+    if vlm_model:  # Qwen2-VL / Qwen2.5-VL: the engine's model; other families: transformers beside it
+        try:
+            engine_model, vlm_model, line = on_engine(vlm_model, opts.engine.model)
+        except VlmLoadError as exc:
+            c.fail(str(exc))
+        view.note(line, style="dim")
+        if engine_model is not None:
+            opts = replace(opts, engine=replace(opts.engine, model=engine_model))
+        vlm = VlmChat(vlm_model, env.media_device()) if vlm_model else None
     try:
         if vlm is not None:  # first: on a GPU the engine then sizes its KV pool from the memory left
             with view.loading(f"loading vision-language model {vlm_model} (transformers) ..."):

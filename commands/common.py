@@ -155,58 +155,75 @@ _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 _SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
 _RUNTIME_FIELDS = {f.name for f in fields(RuntimeConfig)}
 RUNTIME: tuple[str, ...] = tuple(n for n in ALL if n in _RUNTIME_FIELDS)  # every engine-backed command offers these
+# The runtime options of its processes alone, which change nothing where the engine runs in the caller's (the
+# others there: --tp, --dp, --nnodes need processes, RuntimeConfig says; --dist-init-addr needs --tp 2+, check() says).
+PROCESSES_ONLY = ("num_tokenizer",)
+
+
+def flag(name: str, runtime: RuntimeConfig | None = None) -> str:
+    """The flag of engine option `name` (its first name: --tp for tp_size); --runtime with its value."""
+    first = cast(str, _OPTIONS[name].meta["flags"][0])
+    return f"{first} {runtime.mode}" if name == "mode" and runtime is not None else first
 
 
 @dataclass
 class EngineOptions:
-    """What an engine-backed command's flags built: the engine's config, its scheduler's, and how it runs."""
+    """What an engine-backed command's flags built: the engine's config, its scheduler's, and how it runs
+    (`processes`: the command's choice for --runtime auto; serve's is the multi-process runtime, the others'
+    this process)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    processes: bool = False
 
     @classmethod
-    def from_params(cls, params: dict[str, Any], **overrides: Any) -> EngineOptions:
-        """The configs from a command's option values (other params are ignored), `overrides` taking precedence."""
+    def from_params(cls, params: dict[str, Any], *, processes: bool = False, **overrides: Any) -> EngineOptions:
+        """The configs from a command's option values (other params are ignored), `overrides` taking precedence.
+        ValueError (one line) for options that contradict each other (--tp 3 --nnodes 2) or change nothing."""
         values = {k: v for k, v in {**params, **overrides}.items() if k in _OPTIONS}
         local_dir = values.pop("model_local_dir", None)
         if local_dir:
             values["model"] = local_dir
-        try:
-            opts = cls(EngineConfig(**{k: v for k, v in values.items() if k in _ENGINE_FIELDS}),
-                       SchedulerConfig(**{k: v for k, v in values.items() if k in _SCHEDULER_FIELDS}),
-                       RuntimeConfig(**{k: v for k, v in values.items() if k in _RUNTIME_FIELDS}))
-            opts.check()
-            return opts
-        except ValueError as exc:  # options that contradict each other, e.g. --tp 3 --nnodes 2
-            raise typer.BadParameter(str(exc)) from None
+        opts = cls(EngineConfig(**{k: v for k, v in values.items() if k in _ENGINE_FIELDS}),
+                   SchedulerConfig(**{k: v for k, v in values.items() if k in _SCHEDULER_FIELDS}),
+                   RuntimeConfig(**{k: v for k, v in values.items() if k in _RUNTIME_FIELDS}), processes)
+        opts.check()
+        return opts
 
     def with_engine(self, engine: str) -> EngineOptions:
         """These options with another --engine (ValueError for one that does not exist)."""
         return replace(self, engine=replace(self.engine, engine=cast(EngineImpl, engine)))
 
+    def changed(self, names: Iterable[str] = ALL) -> list[str]:
+        """Those of the engine options `names` set away from their defaults (by a flag or its env var)."""
+        configs = ((self.engine, _ENGINE_FIELDS), (self.scheduler, _SCHEDULER_FIELDS), (self.runtime, _RUNTIME_FIELDS))
+        return [n for n in names for cfg, known in configs if n in known and getattr(cfg, n) != _OPTIONS[n].default]
+
     def check(self) -> None:
-        """ValueError (one line) naming the flags the chosen engine has no use for: the hf and mlx engines run
-        in this process, one request at a time, without our KV pool, scheduler or ranks."""
+        """ValueError (one line) naming the flags set that would change nothing: our engine's under the hf and mlx
+        engines, the multi-process runtime's where the engine runs in this process, --dist-init-addr with one rank."""
         from minisgl_cli import backends
 
         engine = backends.resolve(self.engine.engine)
-        if engine not in backends.SERIAL:
-            return
-        flags = backends.serial_conflicts(engine, self.engine, self.scheduler)
         r = self.runtime
-        flags += [flag for flag, used in (("--runtime processes", r.mode == "processes"),
-                                          ("--num-tokenizer", r.num_tokenizer > 0), ("--tp", r.tp_size > 1),
-                                          ("--dp", r.dp_size > 1), ("--nnodes", r.nnodes > 1),
-                                          ("--node-rank", r.node_rank > 0)) if used]
-        if flags:
-            raise ValueError(f"--engine {engine} runs in this process, one request at a time, on its own KV cache: "
-                             f"drop {', '.join(flags)} (they configure the torch engine) or use --engine torch")
+        if engine in backends.SERIAL:  # --scheduler-mode with one replica: a notice for every engine (client())
+            names = [n for n in self.changed() if n not in (*backends.SERIAL_OPTIONS, "scheduler_mode")
+                     and not (n == "mode" and r.mode == "in-process")]
+            if names:
+                raise ValueError(f"--engine {engine} runs in this process, one request at a time, on its own KV "
+                                 f"cache: drop {', '.join(flag(n, r) for n in names)} (they configure the torch "
+                                 "engine) or use --engine torch")
+        elif not r.processes(self.processes) and (names := self.changed(PROCESSES_ONLY)):
+            how = "--runtime in-process" if r.mode == "in-process" else "this command's default for --runtime auto"
+            raise ValueError(f"drop {', '.join(map(flag, names))} or add --runtime processes: the engine runs in this "
+                             f"process ({how}), where the multi-process runtime's options change nothing")
+        if r.tp_size == 1 and self.changed(["dist_init_addr"]):
+            raise ValueError("--dist-init-addr is where the --tp ranks meet, and --tp 1 has one rank: drop it")
 
-    def client(self, processes: bool = False, stop: threading.Event | None = None,
-               per_replica_cap: int | None = None) -> EngineClient:
+    def client(self, stop: threading.Event | None = None, per_replica_cap: int | None = None) -> EngineClient:
         """Build the engine client — in this process, or the multi-process runtime when `--runtime` says so
-        (`processes`: the command's choice for auto; the hf and mlx engines always run here; `stop` set abandons
+        (or `processes` for auto; the hf and mlx engines always run here; `stop` set abandons
         the start; `per_replica_cap`: requests in flight per --dp replica at most). Start-up failures become one
         line and exit code 1; an interrupted start exits 130.
 
@@ -220,7 +237,7 @@ class EngineOptions:
         try:
             from minisgl_cli import backends
 
-            if backends.resolve(self.engine.engine) in backends.SERIAL or not self.runtime.processes(processes):
+            if backends.resolve(self.engine.engine) in backends.SERIAL or not self.runtime.processes(self.processes):
                 return backends.in_process_client(self.engine, self.scheduler)
             from minisgl_cli.runtime.launch import launch
             from minisgl_cli.runtime.supervisor import Runtime
@@ -270,9 +287,12 @@ def repeatable(name: str, more_help: str) -> Any:
     return option.option(more_help, show_default=str(option.default))  # the command's own default is None
 
 
-def engine_options(offered: Iterable[str], exclude: Iterable[str] = ()) -> Callable[[Callable], Callable]:
+def engine_options(offered: Iterable[str], exclude: Iterable[str] = (),
+                   processes: bool = False) -> Callable[[Callable], Callable]:
     """Add the engine options `offered` (names from ALL) to a command where its `opts: EngineOptions` parameter
-    stands (keyword-only, after `*`), and call the command with them built into that one object."""
+    stands (keyword-only, after `*`), and call the command with them built into that one object (`processes`: the
+    command runs the multi-process runtime for --runtime auto). Options that contradict each other or change
+    nothing are a usage error: one line, exit 2."""
     names = [n for n in offered if n not in set(exclude)]
     if unknown := [n for n in names if n not in _OPTIONS]:
         raise TypeError(f"not engine options: {', '.join(unknown)}")
@@ -285,7 +305,10 @@ def engine_options(offered: Iterable[str], exclude: Iterable[str] = ()) -> Calla
 
         @functools.wraps(command)
         def run(**kwargs: Any) -> Any:
-            opts = EngineOptions.from_params({n: kwargs.pop(n) for n in names})
+            try:
+                opts = EngineOptions.from_params({n: kwargs.pop(n) for n in names}, processes=processes)
+            except ValueError as exc:
+                fail(str(exc), code=2)
             return command(**kwargs, opts=opts)
 
         # Typer reads a command's options from its signature and annotations: show it the new ones

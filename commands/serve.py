@@ -22,7 +22,7 @@ media = c.in_panel(c.MEDIA_PANEL)
 
 
 @app.command("serve")
-@c.engine_options(c.ALL)
+@c.engine_options(c.ALL, processes=True)
 def serve(
     host: c.Host = "127.0.0.1",
     port: c.Port = 8000,
@@ -51,7 +51,8 @@ def serve(
     video_model_dir: Annotated[Optional[Path], media("--video-model-dir", envvar="MINISGL_VIDEO_MODEL_DIR",
         help="Diffusers pipeline dir for /v1/videos/generations.")] = None,
     vlm_model: Annotated[Optional[str], media("--vlm-model", envvar="MINISGL_VLM_MODEL",
-        help="Vision-language model (HF dir or hub id) for image_url chat parts.")] = None,
+        help="Vision-language model (HF dir or hub id) for image_url chat parts: Qwen2-VL / Qwen2.5-VL run on the "
+             "engine (as the served model), others in transformers.")] = None,
     allow_local_images: Annotated[Optional[Path], media("--allow-local-images", envvar="MINISGL_ALLOW_LOCAL_IMAGES",
         help="Let image_url name files under this dir (default: data: URLs only).")] = None,
     allow_remote_images: Annotated[bool, media("--allow-remote-images", envvar="MINISGL_ALLOW_REMOTE_IMAGES",
@@ -71,13 +72,14 @@ def serve(
     """Serve the OpenAI API (/v1/...), /generate, /metrics, /health and a web page at /.
 
     It listens at once (503 until the engine is up). Details: docs/server.md, docs/options.md."""
+    from minisgl_cli.notice import notice
     from minisgl_cli.server.app import ServerSettings
     from minisgl_cli.server.launch import LaunchConfig
     from minisgl_cli.server.launch import serve as run_server
     from minisgl_cli.server.media import MediaSettings
     from minisgl_cli.server.settings import VisionSettings
     from minisgl_cli.vision.image_source import ImagePolicy
-    from minisgl_cli.vision.vlm import VlmLoadError, load_vlm
+    from minisgl_cli.vision.vlm import VlmLoadError, load_vlm, on_engine
 
     c.setup_logging(verbose)
     if prebuild:
@@ -107,6 +109,14 @@ def serve(
         c.fail(f"--allow-local-images {allow_local_images}: not a directory")
     images = ImagePolicy(local_dir=allow_local_images, allow_remote=allow_remote_images, max_bytes=max_image_bytes,
                          max_pixels=max_image_pixels)
+    if vlm_model:  # Qwen2-VL / Qwen2.5-VL: the engine's model; other families: transformers beside it
+        try:
+            engine_model, vlm_model, line = on_engine(vlm_model, opts.engine.model)
+        except VlmLoadError as exc:
+            c.fail(str(exc))
+        notice(line)
+        if engine_model is not None:
+            opts = replace(opts, engine=replace(opts.engine, model=engine_model))
     vision = VisionSettings(model=vlm_model or None, device=media.device, images=images)
     settings = ServerSettings(
         api_key=api_key or None, max_inflight_total=min(caps) if caps else None,
@@ -118,7 +128,7 @@ def serve(
         zmq_control=zmq_control, zmq_endpoint=zmq_control_endpoint, log_level="info" if verbose else "warning",
     )
     if opts.runtime.node_rank > 0:  # a node other than 0 runs its TP ranks only: no HTTP there
-        opts.client(processes=True)
+        opts.client()
 
     def make_client(stop: threading.Event) -> EngineClient:
         if vision.model:  # first: on a GPU the engine then sizes its KV pool from the memory left
@@ -126,7 +136,7 @@ def serve(
                 load_vlm(vision.model, vision.device)
             except VlmLoadError as exc:
                 raise RuntimeError(str(exc)) from None
-        return opts.client(processes=True, stop=stop, per_replica_cap=per_replica)
+        return opts.client(stop=stop, per_replica_cap=per_replica)
 
     try:
         run_server(make_client, settings, launch)

@@ -4,6 +4,7 @@
 # the table reports the second, warm one, and each row's output throughput over --dp 1's. Logs under $OUT.
 #
 #   OUT=/tmp/dp bash examples/dp_scaling.sh                       # two GPUs: Qwen3-0.6B dummy weights
+#   NUM_PROMPTS=128 GRAPH_BS=128 OUT=/tmp/dp bash examples/dp_scaling.sh   # shorter (examples/two_gpu.sh)
 #   MODEL=/tmp/tiny-llama LOAD_FORMAT=auto DEVICE=cpu NUM_PROMPTS=64 MAX_TOTAL_TOKENS=40000 \
 #     WORK="--dataset random --input-len 256 --output-len 128" bash examples/dp_scaling.sh   # a CPU check
 set -o pipefail
@@ -17,7 +18,7 @@ PY=${PY:-python3}
 ENGINE=(--model "$MODEL" --load-format "$LOAD_FORMAT" --max-running-requests 256
         --max-total-tokens "${MAX_TOTAL_TOKENS:-300000}")
 [ -n "$DEVICE" ] && ENGINE+=(--device "$DEVICE")
-[ "${DEVICE:-cuda}" != cpu ] && ENGINE+=(--cuda-graph-max-bs 256)
+[ "${DEVICE:-cuda}" != cpu ] && ENGINE+=(--cuda-graph-max-bs "${GRAPH_BS:-256}")
 read -r -a SHAPE <<< "${WORK:---preset nano-vllm}"
 BENCH=("${SHAPE[@]}" --num-prompts "$NUM_PROMPTS" --warmup 1 --concurrency "$NUM_PROMPTS" --concurrency "$NUM_PROMPTS")
 

@@ -12,13 +12,19 @@ own client processes from its JSON). Every variant runs in the same invocation, 
 
 A share is CPU seconds over the timed runs' summed duration (the untimed warm-up adds a little); 100% is one
 core. Logs and each run's JSON under --out.
+
+`--py-spy SECONDS` also samples every server process (py-spy, non-blocking) for SECONDS once the bench has run
+`--py-spy-delay` seconds, writes each one's collapsed stacks to --out (pyspy-<variant>-<process>.txt) and prints
+each one's functions by own and by total samples: where a saturated process spends its core.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -56,7 +62,51 @@ def cpu(url: str) -> dict[str, float]:
     return httpx.get(f"{url}/metrics", timeout=30).json()["process_cpu_seconds"]
 
 
-def run_variant(name: str, serve_args: list[str], bench_args: list[str], model: str | None, out: Path) -> dict:
+def server_pids(proc: subprocess.Popen, log: Path) -> dict[str, int]:
+    """The serve process ("api") and each child its log names: "starting scheduler rank 0 (pid 123)"."""
+    pids = {"api": proc.pid}
+    for name, pid in re.findall(r"starting (.+?) \(pid (\d+)\)", log.read_text()):
+        pids[name.replace(" ", "-")] = int(pid)
+    return pids
+
+
+def top_functions(raw: Path, n: int = 12) -> list[str]:
+    """py-spy's collapsed stacks ("f (file.py:12);g (file.py:30) 7" per line) summed by function: the n with the
+    most own samples, then the n with the most samples inside them."""
+    own: collections.Counter[str] = collections.Counter()
+    total: collections.Counter[str] = collections.Counter()
+    samples = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
+        k = int(count)
+        samples += k
+        own[frames[-1]] += k
+        for f in set(frames):
+            total[f] += k
+    pct = lambda c: f"{100 * c / samples:5.1f}%" if samples else "-"  # noqa: E731
+    return ([f"{samples} samples; own:"] + [f"  {pct(c)} {f}" for f, c in own.most_common(n)] + ["total:"]
+            + [f"  {pct(c)} {f}" for f, c in total.most_common(n)])
+
+
+def py_spy(pids: dict[str, int], seconds: int, tag: str, out: Path) -> None:
+    """Sample every process at once for `seconds`; print each one's top functions."""
+    runs = {name: (out / f"pyspy-{tag}-{name}.txt",
+                   subprocess.Popen(["py-spy", "record", "--nonblocking", "--format", "raw", "-r", "200", "-d",
+                                     str(seconds), "-p", str(pid), "-o", str(out / f"pyspy-{tag}-{name}.txt")],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            for name, pid in pids.items()}
+    for name, (path, p) in runs.items():
+        _, err = p.communicate(timeout=seconds + 60)
+        print(f"-- py-spy {tag} {name}:", flush=True)
+        print("\n".join(top_functions(path)) if path.exists() else f"  no samples ({err.decode()[-300:].strip()})",
+              flush=True)
+
+
+def run_variant(name: str, serve_args: list[str], bench_args: list[str], model: str | None, out: Path,
+                spy: tuple[int, float] = (0, 0.0)) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = out / f"serve-{name}.log"
@@ -69,7 +119,11 @@ def run_variant(name: str, serve_args: list[str], bench_args: list[str], model: 
         bench = cli("bench", "--url", url, *(["--model", model] if model else []), *bench_args,
                     "--output-json", str(report))
         with (out / f"bench-{name}.txt").open("w") as f:
-            rc = subprocess.run(bench, stdout=f, stderr=subprocess.STDOUT).returncode
+            running = subprocess.Popen(bench, stdout=f, stderr=subprocess.STDOUT)
+            if spy[0]:
+                time.sleep(spy[1])
+                py_spy(server_pids(proc, log), spy[0], name, out)
+            rc = running.wait()
         after = cpu(url)
     finally:
         proc.terminate()
@@ -95,6 +149,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=EXTRA_SERVE_FLAGS[|EXTRA_BENCH_FLAGS]; repeat for an A/B (default: one run, `base=`)")
     ap.add_argument("--out", default="/tmp/fronts_cpu")
+    ap.add_argument("--py-spy", type=int, default=0, metavar="SECONDS", help="sample each server process this long")
+    ap.add_argument("--py-spy-delay", type=float, default=10.0, help="seconds into the bench before sampling")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.out)
@@ -108,7 +164,7 @@ def main() -> None:
         serve = serve_args + shlex.split(serve_extra)
         bench = shlex.split(args.bench_args) + shlex.split(bench_extra)
         print(f"== {name}: serve {' '.join(serve)}; bench {' '.join(bench)}", flush=True)
-        rows.append(run_variant(name, serve, bench, model, out))
+        rows.append(run_variant(name, serve, bench, model, out, (args.py_spy, args.py_spy_delay)))
         r = rows[-1]
         print(f"   {r['out_tok_s']:.1f} out tok/s (last run), timed runs {r['duration_s']:.1f}s", flush=True)
 

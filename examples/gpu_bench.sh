@@ -9,7 +9,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.
 python3 -c "from minisgl_cli import LLM; print('import ok', LLM)" 2>&1 | tee "$OUT/import.txt"
 if [ -z "$SKIP_TESTS" ]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests/test_gpu_ops.py tests/test_attention_kernels.py \
-    tests/test_gpu_numerics.py tests/test_gpu_structured.py tests/test_gpu_fp8.py -q -s -p no:cacheprovider 2>&1 |
+    tests/test_gpu_numerics.py tests/test_gpu_structured.py tests/test_gpu_fp8.py tests/test_gpu_isolation.py \
+    -q -s -p no:cacheprovider 2>&1 |
     tee "$OUT/tests.txt" | grep -E "passed|failed|FAIL|Error|vs HF|fp8"
 fi
 [ -n "$SKIP_BENCH" ] || timeout ${BENCH_TIMEOUT:-420} python3 examples/gpu_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.txt"

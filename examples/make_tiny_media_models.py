@@ -179,11 +179,11 @@ QWEN_PATCH, QWEN_MERGE, QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 8, 2, 16 * 16, 64 * 6
 
 
 def _tiny_decoder(tokenizer, eos: str, **extra) -> dict:
-    """A 2-layer decoder config (64 wide, 4 heads of 16, GQA 2) for the tokenizer."""
-    return dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(eos),
-                pad_token_id=tokenizer.pad_token_id, **extra)
+    """A 2-layer decoder config (64 wide, 4 heads of 16, GQA 2) for the tokenizer; `extra` overrides or adds."""
+    return {**dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                   bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(eos),
+                   pad_token_id=tokenizer.pad_token_id), **extra}
 
 
 def build_tiny_idefics3(out_dir: Path) -> Path:
@@ -214,9 +214,34 @@ def build_tiny_idefics3(out_dir: Path) -> Path:
     return out_dir
 
 
-def build_tiny_qwen2_vl(out_dir: Path, version: str = "2") -> Path:
+QWEN_MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def _qwen_tokenizer():
+    tokenizer = tiny_tokenizer(QWEN_MARKERS)
+    tokenizer.chat_template = QWEN2_VL_TEMPLATE
+    return tokenizer
+
+
+def _marker_ids(tokenizer) -> dict:
+    ids = {m: tokenizer.convert_tokens_to_ids(m) for m in QWEN_MARKERS}
+    return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """Qwen's split of a head's frequencies over time, height and width (16, 24, 24 of 64), for any head size."""
+    half = head_dim // 2
+    t = half // 4
+    return [t, (half - t) // 2, half - t - (half - t) // 2]
+
+
+def build_tiny_qwen2_vl(out_dir: Path, version: str = "2", width: int = 64, layers: int = 2, heads: int = 4,
+                        vision_width: int = 32, vision_depth: int = 2, patch: int = QWEN_PATCH,
+                        max_pixels: int = QWEN_MAX_PIXELS) -> Path:
     """Qwen2VLForConditionalGeneration (version "2") or Qwen2_5_VLForConditionalGeneration ("2.5"): a 2-layer
-    vision tower with 2x2 patch merging and a 2-layer Qwen2 decoder with M-RoPE.
+    vision tower with 2x2 patch merging and a 2-layer Qwen2 decoder with M-RoPE (larger ones by the arguments:
+    the decoder's width, layers and heads, the tower's width and depth, the patch size, the processor's pixel cap).
 
     Saved as the hub's Qwen2-VL checkpoints are (tokenizer files + preprocessor_config.json, no
     processor_config.json): transformers builds their video processor only with torchvision, so a
@@ -225,29 +250,56 @@ def build_tiny_qwen2_vl(out_dir: Path, version: str = "2") -> Path:
     import transformers as tf
 
     torch.manual_seed(0)
-    markers = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-    tokenizer = tiny_tokenizer(markers)
-    tokenizer.chat_template = QWEN2_VL_TEMPLATE
-    ids = {m: tokenizer.convert_tokens_to_ids(m) for m in markers}
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # head_dim 16: 2 * 8
-    common = dict(patch_size=QWEN_PATCH, spatial_merge_size=QWEN_MERGE, temporal_patch_size=2, num_heads=2, depth=2)
+    tokenizer = _qwen_tokenizer()
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope_section(width // heads)}
+    # Weights drawn 10x wider than transformers' default (std 0.02): a reply then depends on the picture and the
+    # words, so greedy ids compared against HF's test something (at 0.02 every prompt gives the same reply).
+    init = dict(initializer_range=0.2)
+    common = dict(patch_size=patch, spatial_merge_size=QWEN_MERGE, temporal_patch_size=2, num_heads=2,
+                  depth=vision_depth, **init)
     if version == "2":
-        vision = dict(embed_dim=32, hidden_size=64, **common)
+        vision = dict(embed_dim=vision_width, hidden_size=width, **common)
         config_cls, model_cls = tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration
     else:
-        vision = dict(hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=32,
-                      fullatt_block_indexes=[1], **common)
+        vision = dict(hidden_size=vision_width, out_hidden_size=width, intermediate_size=2 * vision_width,
+                      window_size=4 * patch, fullatt_block_indexes=[vision_depth - 1], **common)
         config_cls, model_cls = tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration
-    config = config_cls(
-        text_config=_tiny_decoder(tokenizer, "<|im_end|>", rope_parameters=rope), vision_config=vision,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-    )
-    image_processor = tf.Qwen2VLImageProcessor(patch_size=QWEN_PATCH, merge_size=QWEN_MERGE, temporal_patch_size=2,
-                                               min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS)
+    text = _tiny_decoder(tokenizer, "<|im_end|>", rope_parameters=rope, hidden_size=width,
+                         intermediate_size=2 * width, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=max(1, heads // 2), **init)
+    config = config_cls(text_config=text, vision_config=vision, **_marker_ids(tokenizer))
     model_cls(config).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    image_processor.save_pretrained(out_dir)
+    _qwen_image_processor(patch, QWEN_MIN_PIXELS, max_pixels).save_pretrained(out_dir)
+    return out_dir
+
+
+def _qwen_image_processor(patch: int, min_pixels: int, max_pixels: int):
+    import transformers as tf
+
+    return tf.Qwen2VLImageProcessor(patch_size=patch, merge_size=QWEN_MERGE, temporal_patch_size=2,
+                                    min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def write_dummy_vlm_dir(out_dir: Path, config: dict) -> Path:
+    """A model directory for `--load-format dummy` of a full-size Qwen2-VL / Qwen2.5-VL config (e.g. the built-in
+    qwen2.5-vl-7b): the config, a byte-level tokenizer whose image markers replace the config's ids, the image
+    processor of the config's patch size (Qwen's own pixel range) and an empty weights file (the engine draws the
+    weights). Enough for the whole serving path, tokenizer worker and processor included, with no download."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _qwen_tokenizer()
+    tokenizer.save_pretrained(out_dir)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    (out_dir / "config.json").write_text(json.dumps({**config, **_marker_ids(tokenizer), "eos_token_id": eos,
+                                                     "bos_token_id": None}, indent=1))
+    patch = config["vision_config"].get("patch_size", 14)
+    _qwen_image_processor(patch, 56 * 56, 28 * 28 * 16384).save_pretrained(out_dir)
+    save_file({}, str(out_dir / "model.safetensors"))
     return out_dir
 
 

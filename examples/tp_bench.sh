@@ -16,7 +16,8 @@ ENGINE=(--model "$MODEL" --load-format dummy --max-running-requests 256 --max-to
 [ -n "$DEVICE" ] && ENGINE+=(--device "$DEVICE")
 
 for tp in 1 "$TP"; do
-  addr=(--dist-init-addr "127.0.0.1:$((29600 + tp))")
+  addr=()  # where the ranks meet: --tp 1 has one rank (and refuses the flag)
+  [ "$tp" -gt 1 ] && addr=(--dist-init-addr "127.0.0.1:$((29600 + tp))")
   echo "== --tp $tp: greedy tokens"
   # A file, not stdin: multiprocessing's spawn re-runs the parent's __main__ file in each child.
   cat > "$OUT/tokens.py" <<'EOF'
@@ -29,7 +30,7 @@ def main() -> None:
     tp, out, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     opts = dict(zip((a.lstrip("-").replace("-", "_") for a in args[::2]), args[1::2]))
     opts["max_running_requests"], opts["max_total_tokens"] = int(opts["max_running_requests"]), int(opts["max_total_tokens"])
-    client = EngineOptions.from_params({**opts, "tp_size": tp}).client(processes=True)
+    client = EngineOptions.from_params({**opts, "tp_size": tp}, processes=True).client()
     rnd = random.Random(0)
     prompts = [[rnd.randrange(10000) for _ in range(n)] for n in (17, 100, 250, 600)]
 

@@ -1,8 +1,10 @@
 """The one admission check every request passes before it reaches a scheduler, whichever front sent it.
 
 Token ids in the vocabulary (prompt, stop ids, logit bias keys), a prompt that fits the context, and the features whose
-library is missing. Each refusal is an `AdmissionError` with one `ErrorCode` and one message, so the server, `LLM`,
-the REPL and `/generate` say the same thing; the scheduler relies on it instead of checking again.
+library is missing. Each refusal is an `AdmissionError` with one `ErrorCode`, one message and the field it is about,
+so the server, `LLM`, the REPL and `/generate` say the same thing. Every client checks each request after tokenizing
+it (a refusal is a stream of one error Delta carrying code and field); each scheduler checks what reaches it the same
+way, never trusting it. The server itself only sizes the token budget (`new_tokens`).
 """
 
 from __future__ import annotations
@@ -57,13 +59,14 @@ def grammar_field(params: SamplingParams) -> str | None:
 
 
 def new_tokens(prompt_tokens: int, requested: int | None, max_context_len: int, param: str = "max_tokens",
-               what: str = "") -> int:
-    """How many tokens a request may generate: what it asked, or all that fit (AdmissionError when it asked for more
-    than fits, or nothing fits). `what` qualifies the prompt's count (" (images included)")."""
+               what: str = "", prompt_param: str = "prompt") -> int:
+    """How many tokens a request may generate: what it asked (`param`), or all that fit (AdmissionError when it asked
+    for more than fits, or nothing fits: a prompt, `prompt_param`, as long as the context, which `admit` refuses
+    alike). `what` qualifies the prompt's count (" (images included)")."""
     room = max_context_len - prompt_tokens
     if room <= 0:
         raise AdmissionError(f"the prompt has {prompt_tokens} tokens{what}; the context limit is {max_context_len}",
-                             ErrorCode.CONTEXT_LENGTH, "messages" if what else "prompt")
+                             ErrorCode.CONTEXT_LENGTH, prompt_param)
     if requested is not None and requested > room:
         raise AdmissionError(f"{param}={requested} is too large: the prompt has {prompt_tokens} tokens{what} and the "
                              f"context limit is {max_context_len}, so at most {room} new tokens fit",

@@ -64,6 +64,18 @@ def disable_pdl() -> bool:
     return flag("MINISGL_DISABLE_PDL")
 
 
+def torch_profiler_dir() -> Path | None:
+    """MINISGL_TORCH_PROFILER_DIR: profile a window of busy scheduler steps with torch.profiler and write one
+    table per rank there (sglang's SGLANG_TORCH_PROFILER_DIR); unset: no profiling."""
+    return _path("MINISGL_TORCH_PROFILER_DIR")
+
+
+def profile_steps() -> tuple[int, int]:
+    """MINISGL_PROFILE_SKIP / MINISGL_PROFILE_STEPS: busy steps to let pass first (default 50), then to profile
+    (default 20)."""
+    return _int("MINISGL_PROFILE_SKIP", 50), _int("MINISGL_PROFILE_STEPS", 20)
+
+
 def cpu_gemm() -> str:
     """MINISGL_CPU_GEMM: the CPU GEMM policy (auto, invariant, mkl, fp16; see layers/cpu_kernels.py)."""
     return _text("MINISGL_CPU_GEMM") or "auto"

@@ -17,7 +17,8 @@ Prompt = str | list[int] | list[dict]
 
 class LLM:
     """Offline generation over the same client the servers use. Extra keyword arguments go to
-    EngineConfig or SchedulerConfig by name (e.g. attention_backend="torch", cache="naive", engine="hf")."""
+    EngineConfig or SchedulerConfig by name (e.g. attention_backend="torch", cache="naive", engine="hf").
+    A Qwen2-VL / Qwen2.5-VL model takes chats whose parts hold images: {"type": "image", "image": <PIL image>}."""
 
     def __init__(self, model: str | None = None, **kwargs):
         names = {f.name for f in fields(SchedulerConfig)}

@@ -20,6 +20,7 @@ from minisgl_cli.types import (
     ErrorCode,
     FinishReason,
     GenerateRequest,
+    ImageInput,
     ModelInfo,
     SamplingParams,
     SchedulerStats,
@@ -34,6 +35,7 @@ class AddRequest:
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    images: list[ImageInput] = field(default_factory=list)  # a VLM prompt's (their pixels in shared memory)
 
 
 @dataclass
@@ -115,6 +117,7 @@ class TokenizeReply:
     qid: int
     ids: list[int] | None
     error: str | None = None
+    images: list[ImageInput] = field(default_factory=list)  # a VLM prompt's (their pixels in shared memory)
 
 
 @dataclass
@@ -178,7 +181,7 @@ class Failed:
 
 # --- wire format -------------------------------------------------------------------------------------
 _TYPES: list[type] = [
-    SamplingParams, GenerateRequest, SchedulerStats, ModelInfo, TokenLogprob, TopLogprob,
+    SamplingParams, GenerateRequest, SchedulerStats, ModelInfo, TokenLogprob, TopLogprob, ImageInput,
     AddRequest, AbortRequest, StatsQuery, CheckPagesQuery,
     TokenOutput, StepOutput, StatsReply, CheckPagesReply,
     TokenizeQuery, TokenizeReply, DecodedPiece, DetokOutput, Heartbeat, RankBatch, Ready, Failed,
@@ -193,7 +196,8 @@ def _default(obj: Any) -> msgpack.ExtType:
     cls = type(obj)
     code = _CODE.get(cls)
     if code is None:
-        raise TypeError(f"cannot send a {cls.__name__} between processes")
+        what = f"the integer {obj} (past 64 bits)" if cls is int else f"a {cls.__name__}"
+        raise TypeError(f"cannot send {what} between processes")
     rows = _ROWS.get(cls)
     if rows is not None:
         row_fields = _FIELDS[rows[0]]

@@ -118,8 +118,38 @@ class SamplingParams:
 
 
 @dataclass
+class ImageInput:
+    """One image of a tokenized prompt, as the engine takes it: where its placeholder tokens sit in the prompt's
+    ids, its patch grid, its content hash and where its pixels are (processor.py makes it).
+
+    The pixels (the processor's `pixel_values` rows, float32 [patches, channels * temporal * patch * patch]) are a
+    tensor in the process that made them (`pixels`, never sent) and cross processes through shared memory (`shm`:
+    core/pixels.py), never inside a message."""
+
+    hash: str  # hex digest of the processed pixels and grid: the radix cache keys the image's positions by it
+    offset: int  # index of its first placeholder token in the prompt's ids
+    tokens: int  # its placeholder tokens (t * h * w / merge**2)
+    grid: list[int]  # [t, h, w] in patches
+    shape: list[int]  # the pixel rows' shape
+    shm: str | None = None  # the shared-memory segment holding the pixels (multi-process runtime)
+    pixels: Any = None  # the pixel rows (torch.Tensor) in this process; None on the wire
+    data: bytes | None = None  # the pixel rows' bytes, only for TP ranks on other hosts (--nnodes > 1)
+
+    def __post_init__(self) -> None:
+        self.grid, self.shape = list(self.grid), list(self.shape)  # msgpack hands back lists or tuples
+
+    @property
+    def key(self) -> int:
+        """A number derived from the hash: the radix cache's stand-in for each of this image's placeholder ids."""
+        return int(self.hash[:15], 16)
+
+
+@dataclass
 class GenerateRequest:
-    """One generation request as a front builds it: exactly one of prompt, messages, input_ids."""
+    """One generation request as a front builds it: exactly one of prompt, messages, input_ids.
+
+    `images`: the images of a tokenized prompt (given with `input_ids`, as a client's `prompt` returns them);
+    messages carry theirs as `{"type": "image", "image": <PIL image>}` parts."""
 
     prompt: str | None = None
     messages: list[dict] | None = None
@@ -127,11 +157,30 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     rid: str = field(default_factory=new_request_id)
     tools: list[dict] | None = None  # OpenAI function tools, handed to the chat template with `messages`
+    images: list[ImageInput] | None = None
+    # The request field an error about the prompt names (OpenAI's `param`), for a front that tokenized the prompt
+    # itself and sends input_ids (the server: "messages", "prompt"); None: input_ids if given, else prompt.
+    prompt_param: str | None = None
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.input_ids))
         if given != 1:
             raise ValueError("give exactly one of prompt, messages, input_ids")
+        if self.images and self.input_ids is None:
+            raise ValueError("images go with input_ids (a tokenized prompt); messages carry their own image parts")
+
+    @property
+    def prompt_field(self) -> str:
+        """The field an error about the prompt names: prompt_param, else input_ids or prompt."""
+        return self.prompt_param or ("input_ids" if self.input_ids is not None else "prompt")
+
+
+@dataclass
+class Prompt:
+    """A request's prompt as the engine takes it: token ids, and the images whose placeholders they hold."""
+
+    ids: list[int]
+    images: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass
@@ -182,6 +231,7 @@ class Delta:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     error_code: ErrorCode | None = None  # what kind of failure `error` is (set with it)
+    error_param: str | None = None  # the request field `error` is about (OpenAI's `param`), where it names one
 
     @property
     def finished(self) -> bool:
@@ -230,6 +280,11 @@ class SchedulerStats:
     retracted_requests: int | None = 0
     decode_compiling: int = 0  # engines building their compiled CPU decode step (engine/cpu_compile.py)
     decode_compiled: int = 0  # engines decoding through it
+    # Vision-language models on the engine (engine/vision.py): images the vision tower encoded, images whose
+    # embeddings came from its cache instead, and the tower's seconds.
+    images_encoded: int = 0
+    image_cache_hits: int = 0
+    vision_s: float = 0.0
     # CPU seconds (user + system) of each engine process by name ("detokenizer", "scheduler rank 0", ...): the
     # multi-process runtime's children; empty where the engine runs in the caller's process.
     process_cpu_s: dict[str, float] = field(default_factory=dict)
@@ -314,6 +369,7 @@ class ModelInfo:
     quantization: str = "none"  # how the linear weights are held: none (dense in dtype), int4, int8, fp8
     kv_cache_dtype: str = ""  # the KV pool's element type (bfloat16, float8_e4m3fn, ...); "" = dtype
     sampler: str = ""  # our engine's cut-and-draw implementation (torch, triton); "" where another library samples
+    images: bool = False  # the model takes images in chat messages (a vision-language model on the engine)
 
     @property
     def has_tokenizer(self) -> bool:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from minisgl_cli.api.http_server import free_port
 
@@ -74,19 +75,20 @@ class Serve:
             self.proc.wait(10)
 
 
-def gone(pids: list[int], timeout: float = 10) -> list[int]:
-    """The pids still alive after `timeout` (zombies count as gone: their parent is dead or reaping)."""
+def gone(procs: list[int] | list[psutil.Process], timeout: float = 10) -> list:
+    """Those of `procs` (pids, or psutil's processes, which tell a reused pid apart) still running after `timeout`
+    (zombies count as gone: their parent is dead or reaping)."""
     deadline = time.monotonic() + timeout
-    alive = list(pids)
+    alive: list = list(procs)
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _alive(p)]
+        alive = [p for p in alive if _running(p)]
         time.sleep(0.1)
     return alive
 
 
-def _alive(pid: int) -> bool:
+def _running(p: int | psutil.Process) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+        proc = psutil.Process(p) if isinstance(p, int) else p
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False

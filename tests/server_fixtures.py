@@ -27,7 +27,7 @@ def shared_client():
     # 16k KV tokens: room for 100+ short requests at once; the context limit stays the model's 8192. The exact
     # mode (fp32, dense): logprobs are compared with HF fp32 and across prefix-cache hits to 1e-3.
     client = EngineOptions.from_params(dict(max_running_requests=64, max_total_tokens=16384, dtype="float32",
-                                            quantization="none")).client(processes=True)
+                                            quantization="none"), processes=True).client()
     atexit.register(client.close)
     return client
 

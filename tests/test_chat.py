@@ -366,7 +366,9 @@ def test_piped_chat_with_vlm_model_flag_answers_an_image_prompt(tmp_path, tiny_v
     res = _minisgl(["chat", "--vlm-model", str(tiny_vlms["qwen2-vl"]), "--max-new-tokens", "3",
                     "--max-total-tokens", "2048"], f"/image {tmp_path / 'sun.png'}\nWhat is it?\n", tmp_path)
     assert res.returncode == 0, res.stderr
-    assert "attached sun.png (40x40)" in res.stderr and "images: /image PATH (qwen2-vl)" in res.stderr
+    # The VLM is the served model now: the header offers /image as for any model that takes images.
+    assert "attached sun.png (40x40)" in res.stderr and "images: /image PATH" in res.stderr
+    assert "runs on the engine as the served model" in res.stderr
     assert "finish " in res.stderr and "Traceback" not in res.stderr
 
 

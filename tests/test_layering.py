@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("backends", ["minisgl_cli.backends"]),  # --engine: the hf and mlx EngineClients, and which one runs
     ("client", ["minisgl_cli.client"]),
     ("routing policies", ["minisgl_cli.routing"]),  # which replica takes a request (the pool and the router)
+    ("processor", ["minisgl_cli.processor"]),  # a VLM's image prompts: chat template, HF processor, pixels
     ("tokenizer", ["minisgl_cli.tokenizer"]),
     ("scheduler", ["minisgl_cli.scheduler"]),
     ("engine", ["minisgl_cli.engine"]),

@@ -229,3 +229,39 @@ def test_stream_interval_sends_fewer_frames_and_the_same_text(tiny_model_dirs, t
     finally:
         every.stop()
         fourth.stop()
+
+
+def test_a_shutdown_stops_every_rank_through_its_clean_up_and_each_child_exits_0(tiny_model_dirs, capfd):
+    """The runtime's shutdown (SIGTERM) while requests run: rank 0 finishes its step and hands rank 1 the stop, so
+    both leave their loops at the same step through the scheduler's clean-up (every KV page back in the pool, the
+    prefix cache's too), and every child exits 0 within the 5 s, none killed."""
+    import logging
+    import re
+
+    logging.getLogger("minisgl").setLevel(logging.INFO)  # the children log at the launcher's level
+    try:
+        remote = _launch(str(tiny_model_dirs["llama"]), tp=2, num_tokenizer=1)
+    finally:
+        logging.getLogger("minisgl").setLevel(logging.NOTSET)
+    procs = remote.runtime.procs
+
+    async def start_then_stop() -> None:
+        streams = [remote.submit(GenerateRequest(input_ids=[5, 17, 99 + i], params=SamplingParams(
+            max_new_tokens=900, ignore_eos=True))) for i in range(3)]
+        for s in streams:
+            await anext(s)  # every request decoding, its pages held
+        t0 = time.monotonic()
+        remote.runtime.shutdown()
+        assert time.monotonic() - t0 < 5
+        for s in streams:
+            await s.aclose()
+
+    try:
+        asyncio.run(start_then_stop())
+    finally:
+        remote.close()
+    assert {name: p.exitcode for name, p in procs.items()} == dict.fromkeys(procs, 0)
+    err = capfd.readouterr().err
+    stopped = re.findall(r"rank(\d) minisgl\.runtime: scheduler rank \d stopped: (\d+) of (\d+) KV tokens free", err)
+    assert sorted(r for r, _, _ in stopped) == ["0", "1"] and all(free == total for _, free, total in stopped), err
+    assert "Traceback" not in err, err

@@ -263,3 +263,17 @@ def test_bitmask_allows_only_its_tokens():
     masked = logits.clone()
     apply_token_bitmask(masked, mask)
     assert torch.isinf(masked[0]).sum() == V - 1 and not torch.isinf(masked[1]).any()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sampler", [Sampler("cpu", cpu_draw), Sampler("mask", torch_draw)], ids=lambda s: s.name)
+def test_a_row_of_overflowed_logits_still_draws_a_token(sampler):
+    """A repetition penalty near 0 divides positive logits into inf (NaN after the softmax shift): that row takes some
+    token of the vocabulary, and the draw ends (the CPU's rejection loop used to spin for ever, stalling the
+    scheduler and every request beside it)."""
+    logits = torch.randn(3, V)
+    logits[0, :5], logits[1] = float("inf"), float("nan")
+    state = _state(SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9),
+                   SamplingParams(temperature=1.0))
+    ids = sample(logits, _batch(state, [0, 1, 2]), state, sampler).next_ids
+    assert ((ids >= 0) & (ids < V)).all(), ids

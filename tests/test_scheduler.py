@@ -187,3 +187,14 @@ def test_same_prompt_admitted_together_is_prefilled_once(tiny_model_dirs):
     assert s.prefill_tokens == len(ids) + 2 and s.cache_hit_tokens == 2 * (len(ids) - 1)
     assert outs["c0"] == outs["c1"] == outs["c2"] and len(outs["c0"]) == 5
     sched.check_pages()
+
+
+def test_torch_profiler_dir_writes_a_table_of_the_profiled_steps(tiny_model_dirs, tmp_path, monkeypatch):
+    """MINISGL_TORCH_PROFILER_DIR: after SKIP busy steps, STEPS are profiled and rank 0's table written."""
+    monkeypatch.setenv("MINISGL_TORCH_PROFILER_DIR", str(tmp_path))
+    monkeypatch.setenv("MINISGL_PROFILE_SKIP", "2")
+    monkeypatch.setenv("MINISGL_PROFILE_STEPS", "3")
+    with LLM(str(tiny_model_dirs["llama"])) as llm:
+        llm.generate([1, 2, 3], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    text = (tmp_path / "rank0-steps.txt").read_text()
+    assert text.startswith("rank0: 3 busy steps after 2: wall ") and "aten::" in text

@@ -6,7 +6,7 @@ import socket
 
 import httpx
 import pytest
-from server_fixtures import API_KEY
+from server_fixtures import API_KEY, wait_idle
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
@@ -158,3 +158,75 @@ def test_still_serving_after_bad_input(server_url, auth_url, engine_client):
     m = httpx.get(f"{server_url}/metrics").json()
     assert not any(k.endswith(" 500") for k in m["server"]["requests"]), m["server"]["requests"]
     engine_client.check_pages()
+
+
+# Refusals of the one admission check (the client's, under every route): status, OpenAI code, field, message.
+ADMISSION = [
+    (CHAT, {"messages": [{"role": "user", "content": "x " * 9000}], "max_tokens": 1},
+     "context_length_exceeded", "messages", r"the prompt has \d+ tokens; the context limit is 8192"),
+    (CHAT, {"messages": MSG, "max_tokens": 100_000}, "context_length_exceeded", "max_tokens",
+     r"max_tokens=100000 is too large: the prompt has \d+ tokens"),
+    ("/v1/completions", {"prompt": "", "max_tokens": 1}, None, "prompt", "the prompt is empty"),
+    ("/v1/completions", {"prompt": [10**9], "max_tokens": 1}, None, "prompt",
+     "token id 1000000000 in prompt is out of range: the vocabulary has 49152 tokens"),
+    ("/v1/completions", {"prompt": [[5, 6], [7, 10**9]], "max_tokens": 1}, None, "prompt",
+     "token id 1000000000 in prompt is out of range"),
+    ("/v1/completions", {"prompt": "x " * 9000, "max_tokens": 1}, "context_length_exceeded", "prompt",
+     r"the prompt has \d+ tokens; the context limit is 8192"),
+    ("/generate", {"input_ids": [-1]}, None, "input_ids", "token id -1 in input_ids is out of range"),
+    ("/generate", {"prompt": "hi", "stop_token_ids": [10**7]}, None, "stop_token_ids",
+     "token id 10000000 in stop_token_ids is out of range"),
+    ("/generate", {"messages": MSG, "max_new_tokens": 9000}, "context_length_exceeded", "max_new_tokens",
+     "max_new_tokens=9000 is too large"),
+    ("/generate", {"input_ids": [1] * 8192}, "context_length_exceeded", "input_ids",
+     "the prompt has 8192 tokens; the context limit is 8192"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("route,body,code,param,message", ADMISSION, ids=[f"{a[0]}-{a[3]}-{i}"
+                                                                         for i, a in enumerate(ADMISSION)])
+def test_an_admission_refusal_names_its_field_and_runs_nothing(server_url, engine_client, route, body, code, param,
+                                                               message, stream):
+    """Whichever layer finds it (the route's budget or the client's admission), a refused request is a 400 before
+    any frame, naming its field, with the engine left idle and its page accounting whole."""
+    import re
+
+    def counts() -> tuple[int, int, int]:
+        server = httpx.get(f"{server_url}/metrics", timeout=60).json()["server"]
+        return server["finished"].get("error", 0), server["finished"].get("stop", 0), server["disconnects"]
+
+    before = counts()
+    r = httpx.post(f"{server_url}{route}", json={**body, "stream": stream}, timeout=120)
+    err = assert_openai_error(r, 400)
+    assert (err["code"], err["param"]) == (code, param) and re.match(message, err["message"]), err
+    assert counts() == before  # it never ran (a prompt beside it may have started: aborted at once, no disconnect)
+    wait_idle(engine_client)
+    engine_client.check_pages()
+    assert engine_client.stats().tokens_in_use == 0
+
+
+def test_a_body_the_engine_processes_cannot_carry_is_a_400_and_the_server_goes_on(server_url):
+    """An integer past 64 bits inside a tool's JSON schema (found by the schema fuzz): msgpack cannot carry it to the
+    tokenizer process. It used to kill the API's sender thread, after which every request hung; now it is that
+    request's 400, and the next request is served."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "maximum": 10**30}}}
+    r = httpx.post(f"{server_url}{CHAT}", json={"messages": MSG, "tools": [tool], "max_tokens": 2}, timeout=60)
+    err = assert_openai_error(r, 400)
+    assert err["param"] == "messages" and "past 64 bits" in err["message"], err
+    r = httpx.post(f"{server_url}{CHAT}", json={"messages": MSG, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_penalty_that_overflows_the_logits_is_served_and_stalls_nothing(server_url, temperature):
+    """repetition_penalty=5e-324 (found by the schema fuzz) divides the logits into inf: the reply's logprobs were
+    NaN (a 500: JSON has no NaN), and a sampled row spun the CPU sampler for ever, stalling every request. Now the
+    reply is served (logprobs at OpenAI's floor) and the next request too."""
+    body = {"messages": MSG, "max_tokens": 2, "logprobs": True, "repetition_penalty": 5e-324,
+            "temperature": temperature}
+    r = httpx.post(f"{server_url}{CHAT}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert all(t["logprob"] >= -9999.0 for t in r.json()["choices"][0]["logprobs"]["content"])
+    r = httpx.post(f"{server_url}{CHAT}", json={"messages": MSG, "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200, r.text

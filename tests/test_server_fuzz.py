@@ -1,10 +1,13 @@
-"""Fuzz the OpenAPI schema of the text endpoints with schemathesis: whatever it sends, never a 5xx.
+"""Fuzz the OpenAPI schema of the text endpoints with schemathesis: whatever it sends, never a 5xx, and no KV left
+held after it (issue 27: 1,000 generated hostile bodies).
 
 Cases come from `operation.as_strategy()` driven by a plain hypothesis test: schemathesis' own
 pytest integration (`schemathesis.pytest.from_fixture`) fails on pytest 9 ('Function' has no '_nodeid').
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -17,6 +20,11 @@ pytestmark = pytest.mark.slow
 
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/generate"),
               ("GET", "/v1/models"), ("GET", "/health")]
+# Generated bodies (schema-valid and schema-violating) over the three POST routes: 402 by default, ~3 minutes on 2
+# shared cores; MINISGL_FUZZ_BODIES=1000 is issue 27's run (~7 minutes there; 0 5xx, no KV held). The GET routes
+# take no body (a handful of cases: their query and headers).
+BODIES = int(os.environ.get("MINISGL_FUZZ_BODIES", "402"))
+EXAMPLES = {"POST": -(-BODIES // 3), "GET": 10}
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
 
 
@@ -59,7 +67,8 @@ def test_no_server_errors(api_schema, server_url, method, path):
     cases = operation.as_strategy(GenerationMode.POSITIVE) | operation.as_strategy(GenerationMode.NEGATIVE)
 
     @given(case=cases)
-    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
+    @settings(max_examples=EXAMPLES[method], deadline=None, suppress_health_check=list(HealthCheck), database=None,
+              derandomize=True)
     def check(case):
         case.body = tiny_budget(path, case.body)
         response = case.call(base_url=server_url, timeout=300)
@@ -69,8 +78,10 @@ def test_no_server_errors(api_schema, server_url, method, path):
 
     statuses: dict[int, int] = {}
     check()
-    print(f"{method} {path}: statuses {dict(sorted(statuses.items()))}")
+    print(f"{method} {path}: {sum(statuses.values())} cases, statuses {dict(sorted(statuses.items()))}")
     assert statuses.get(200), "no case reached the engine"
+    if method == "POST":  # hypothesis stops early only when a strategy runs dry: not these
+        assert sum(statuses.values()) >= EXAMPLES[method] * 0.9, statuses
 
 
 def test_engine_idle_after_fuzz(engine_client):

@@ -579,15 +579,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
     )
 
 
-def _lp(x: float) -> float:
-    return max(x, -9999.0)  # OpenAI's floor: JSON has no -inf (a token the grammar or top-k ruled out)
+def json_logprob(x: float) -> float:
+    """A logprob JSON can carry: OpenAI's floor -9999 for -inf (a token the grammar or top-k ruled out) and for NaN
+    (a row whose logits overflowed, e.g. under a repetition penalty near 0)."""
+    return x if x >= -9999.0 else -9999.0
 
 
 def chat_logprobs(lps: list[TokenLogprob]) -> ChoiceLogprobs:
     """OpenAI's `choices[].logprobs` of chat: one entry per output token, each with its top candidates."""
     return ChoiceLogprobs(content=[TokenLogprobOut(
-        token=t.token, logprob=_lp(t.logprob), bytes=list(t.token.encode()),
-        top_logprobs=[TopLogprobOut(token=c.token, logprob=_lp(c.logprob), bytes=list(c.token.encode()))
+        token=t.token, logprob=json_logprob(t.logprob), bytes=list(t.token.encode()),
+        top_logprobs=[TopLogprobOut(token=c.token, logprob=json_logprob(c.logprob), bytes=list(c.token.encode()))
                       for c in t.top]) for t in lps])
 
 
@@ -597,8 +599,8 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int = 0) -> CompletionL
     for t in lps:
         offsets.append(offset)
         offset += len(t.token)
-    return CompletionLogprobs(tokens=[t.token for t in lps], token_logprobs=[_lp(t.logprob) for t in lps],
-                              top_logprobs=[{c.token: _lp(c.logprob) for c in t.top} for t in lps],
+    return CompletionLogprobs(tokens=[t.token for t in lps], token_logprobs=[json_logprob(t.logprob) for t in lps],
+                              top_logprobs=[{c.token: json_logprob(c.logprob) for c in t.top} for t in lps],
                               text_offset=offsets)
 
 

@@ -13,7 +13,6 @@ import importlib.util
 import logging
 import platform
 import sys
-from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from minisgl_cli.engine.config import EngineConfig
@@ -25,9 +24,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("minisgl.backends")
 
 SERIAL = ("hf", "mlx")  # engines of their own: no paged KV pool, no scheduler, no multi-process runtime
-# EngineConfig's options that configure our engine only (the serial engines would ignore them).
-TORCH_ONLY = ("load_format", "quantization", "attention_backend", "page_size", "max_total_tokens", "kv_cache_gib",
-              "mem_fraction", "max_running_requests", "disable_cuda_graph", "cuda_graph_max_bs")
+# The engine options a serial engine honours; every other one configures ours (commands/common.py refuses it there).
+SERIAL_OPTIONS = ("model", "engine", "device", "dtype")
 
 
 def apple_silicon() -> bool:
@@ -50,18 +48,6 @@ def _auto() -> str:
             return "mlx"
         log.warning("--engine auto: the torch engine (mlx-lm is not installed: pip install 'minisgl[mlx]')")
     return "torch"
-
-
-def serial_conflicts(engine: str, cfg: EngineConfig, sched: SchedulerConfig) -> list[str]:
-    """The flags set away from their defaults that a serial engine has no use for (they configure ours)."""
-    if engine not in SERIAL:
-        return []
-    out = []
-    for obj, names in ((cfg, TORCH_ONLY), (sched, [f.name for f in fields(sched) if "flags" in f.metadata])):
-        for f in fields(obj):
-            if f.name in names and getattr(obj, f.name) != f.default:
-                out.append(f.metadata["flags"][0])
-    return out
 
 
 def in_process_client(cfg: EngineConfig, sched: SchedulerConfig | None = None) -> EngineClient:

@@ -23,9 +23,10 @@ from minisgl_cli.client.routed import RoutedClient
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.messages import DecodedPiece, FromScheduler, StepOutput, TokenOutput, ToScheduler
+from minisgl_cli.processor import VisionProcessor, has_images
 from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, prompt_ids
-from minisgl_cli.types import ErrorCode, GenerateRequest, SamplingParams
+from minisgl_cli.types import ErrorCode, GenerateRequest, Prompt, SamplingParams
 
 log = logging.getLogger("minisgl.client")
 
@@ -54,6 +55,8 @@ class LocalClient(RoutedClient):
         scheduler = built.result()  # re-raises what the build raised (ModelLoadError, ValueError)
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
         self.info = scheduler.model_info()
+        # A vision-language model's image prompts: its HF processor, run where this client tokenizes.
+        self.processor = VisionProcessor.of(self.info.model_dir) if self.info.images and self.info.model_dir else None
         # Only the thread holds the scheduler (and the engine it built): both go when it ends, weights and KV pool
         # with them, while this client may be kept (an LLM closed but still referenced).
         self._inbox = scheduler.inbox
@@ -104,7 +107,19 @@ class LocalClient(RoutedClient):
     async def tokenize(self, req: GenerateRequest) -> list[int]:
         if req.input_ids is not None:
             return list(req.input_ids)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.input_ids, req)
+        return (await self.prompt(req)).ids
+
+    async def prompt(self, req: GenerateRequest) -> Prompt:
+        processor = self.processor
+        if processor is None and (req.images or has_images(req.messages)):
+            return await super().prompt(req)  # refuses them
+        if req.input_ids is not None:
+            return Prompt(list(req.input_ids), list(req.images or []))
+        loop = asyncio.get_running_loop()
+        if processor is not None and has_images(req.messages):
+            messages, tools = req.messages or [], req.tools
+            return await loop.run_in_executor(self._tokenize_pool, lambda: processor.prompt(messages, tools))
+        return Prompt(await loop.run_in_executor(self._tokenize_pool, self.input_ids, req))
 
     def insert_prefix(self, prefix: str | list[int]) -> PrefixWarm:
         return self._warm(prompt_ids(self.tokenizer, GenerateRequest(prompt=prefix) if isinstance(prefix, str)

@@ -12,7 +12,16 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from minisgl_cli.types import Completion, Delta, ErrorCode, GenerateRequest, ModelInfo, SchedulerStats, TokenLogprob
+from minisgl_cli.types import (
+    Completion,
+    Delta,
+    ErrorCode,
+    GenerateRequest,
+    ModelInfo,
+    Prompt,
+    SchedulerStats,
+    TokenLogprob,
+)
 
 STALL_S = 30.0  # a scheduler loop silent this long is reported unhealthy (a step never takes that long)
 ENGINE_GONE = "the engine is gone"  # how the error of a request whose engine died begins
@@ -47,6 +56,11 @@ class EngineClient(Protocol):
 
     async def tokenize(self, req: GenerateRequest) -> list[int]:
         """Token ids of the request's prompt (chat template applied), computed off the event loop."""
+        ...
+
+    async def prompt(self, req: GenerateRequest) -> Prompt:
+        """The prompt's ids and, for a model that takes images (`info.images`), the images of its messages
+        (ValueError for images a model does not take); a request made with both (input_ids, images) runs them."""
         ...
 
     def abort(self, rid: str) -> None: ...

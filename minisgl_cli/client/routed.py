@@ -26,11 +26,14 @@ from minisgl_cli.messages import (
     StatsQuery,
     StatsReply,
 )
+from minisgl_cli.processor import has_images
 from minisgl_cli.types import (
     Delta,
     ErrorCode,
     GenerateRequest,
+    ImageInput,
     ModelInfo,
+    Prompt,
     RequestStats,
     SamplingParams,
     SchedulerStats,
@@ -71,6 +74,18 @@ class RoutedClient:
 
     async def tokenize(self, req: GenerateRequest) -> list[int]:
         raise NotImplementedError
+
+    async def prompt(self, req: GenerateRequest) -> Prompt:
+        """The request's prompt as the engine takes it: its ids, and its images where the model takes images (a
+        client whose engine does overrides this)."""
+        if req.images or has_images(req.messages):
+            raise ValueError(f"{self.info.name} takes no images: send text, or serve a vision-language model "
+                             "(Qwen2-VL / Qwen2.5-VL) on the engine")
+        return Prompt(await self.tokenize(req))
+
+    def _own(self, images: list[ImageInput]) -> list[ImageInput]:
+        """The images as one request hands them to the scheduler (a transport may need its own copy of each)."""
+        return images
 
     def _decoder(self, params: SamplingParams) -> Callable[[list], DecodedPiece]:
         raise NotImplementedError
@@ -130,12 +145,13 @@ class RoutedClient:
         if (reason := self.failure()) is not None:
             raise EngineGone(reason)
         self._check(req)
-        ids = await self.tokenize(req)
+        prompt = await self.prompt(req)
+        ids = prompt.ids
         try:
             admit(ids, req.params, self.info.vocab_size, self.info.max_context_len,
-                  "input_ids" if req.input_ids is not None else "prompt")
+                  req.prompt_field)
         except AdmissionError as exc:  # refused before it reaches the engine: a stream of one error, like any other
-            yield Delta(req.rid, error=exc.message, error_code=exc.code,
+            yield Delta(req.rid, error=exc.message, error_code=exc.code, error_param=exc.param,
                         stats=RequestStats(prompt_tokens=len(ids), latency_s=0.0))
             return
         if req.rid in self._streams:
@@ -149,7 +165,7 @@ class RoutedClient:
             decode = self._decoder(req.params)
             stats = RequestStats(prompt_tokens=len(ids))
             t0 = time.perf_counter()
-            self._send(AddRequest(req.rid, ids, req.params))
+            self._send(AddRequest(req.rid, ids, req.params, self._own(prompt.images)))
             sent = True
             while not done:
                 items = await stream.queue.get()

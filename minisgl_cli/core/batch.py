@@ -13,6 +13,27 @@ Mode = Literal["extend", "decode"]
 
 
 @dataclass
+class ImageChunk:
+    """Placeholder rows of one image in a step: rows `row..row+count` of the step take the image's embeddings
+    `first..first+count` (a chunked prefill may cut an image)."""
+
+    image: Any  # types.ImageInput
+    row: int
+    first: int
+    count: int
+
+
+@dataclass
+class StepImages:
+    """A vision-language model's extend step: every token's M-RoPE positions, and the image rows it writes."""
+
+    positions: torch.Tensor  # [3, T] int64: time, height, width position of each token
+    chunks: list[ImageChunk]  # the images this step's rows hold, in row order
+    rows: torch.Tensor | None = None  # [R] int64: the step's rows that take an image embedding
+    embeds: torch.Tensor | None = None  # [R, hidden]: their embeddings (the engine fills both before the forward)
+
+
+@dataclass
 class ForwardBatch:
     """Flat token batch (no padding) for one forward: an extend (prefill) step or a decode step.
 
@@ -33,6 +54,7 @@ class ForwardBatch:
     qo_indptr: torch.Tensor  # [B+1] int32: prefix sum of extend_lens
     logits_indices: torch.Tensor  # [B] int64: row of each request's last token
     attn_meta: Any = field(default=None)  # filled by the attention backend's prepare()
+    images: StepImages | None = None  # a VLM's extend step where a request holds images (engine/vision.py)
 
     @property
     def batch_size(self) -> int:

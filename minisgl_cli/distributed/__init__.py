@@ -1,13 +1,19 @@
 """Tensor-parallel layout: this rank's place (`TPInfo`) and where the ranks meet (`DistConfig`). No torch here.
 
 The process group's start-up and the collectives layers call are in `comm.py` (torch.distributed: NCCL on
-CUDA, gloo on the CPU, so TP is testable without a GPU).
+CUDA, gloo on the CPU, so TP is testable without a GPU); the one-shot all-reduce of small messages over
+symmetric memory (CUDA) is in `one_shot.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
+
+# How a TP group sums the layers' partial products: auto (torch's one-shot kernel over symmetric memory for small
+# messages on one CUDA host, NCCL above them), nccl (the process group's own all-reduce for every message).
+AllReduce = Literal["auto", "nccl"]
+ALL_REDUCES: tuple[str, ...] = get_args(AllReduce)
 
 
 @dataclass(frozen=True)
@@ -17,18 +23,25 @@ class TPInfo:
     # The gloo group for the schedulers' own host messages (rank 0 hands the others each step's requests),
     # so those never queue behind the model's collectives on the GPU. None at TP 1.
     host_group: Any = field(default=None, compare=False, repr=False)
+    all_reduce: AllReduce = "auto"  # what the group may use (DistConfig's, nccl across hosts)
+    # The one-shot all-reduce (one_shot.OneShotAllReduce) once comm.setup_all_reduce made it on every rank.
+    one_shot: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
 class DistConfig:
-    """Where the ranks of one TP group meet: `--tp`, `--nnodes`, `--node-rank`, `--dist-init-addr`."""
+    """Where the ranks of one TP group meet, and how they sum: `--tp`, `--nnodes`, `--node-rank`, `--dist-init-addr`,
+    `--all-reduce`."""
 
     tp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
     init_addr: str = "127.0.0.1:29517"  # HOST:PORT of the rendezvous (torch.distributed's TCP store)
+    all_reduce: AllReduce = "auto"  # --all-reduce
 
     def __post_init__(self) -> None:
+        if self.all_reduce not in ALL_REDUCES:
+            raise ValueError(f"--all-reduce must be one of {', '.join(ALL_REDUCES)}, not {self.all_reduce!r}")
         if self.tp_size < 1 or self.nnodes < 1:
             raise ValueError("--tp and --nnodes must be >= 1")
         if self.tp_size % self.nnodes:

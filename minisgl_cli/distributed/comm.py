@@ -1,20 +1,31 @@
 """Tensor-parallel collectives over torch.distributed: joining the group, and the few collectives layers call.
 
-Every collective is bounded by `TIMEOUT` (set on the group): a peer that died makes its partners fail
-instead of hanging for ever. TP 1 never touches torch.distributed.
+Every collective of the process groups is bounded by `TIMEOUT` (set on the group): a peer that died makes its
+partners fail instead of hanging for ever. TP 1 never touches torch.distributed. On CUDA, `setup_all_reduce`
+adds the one-shot all-reduce (one_shot.py) for small messages where every rank can run it; `all_reduce`
+takes it for the messages it fits and NCCL for the rest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import logging
 import os
+import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from minisgl_cli.distributed import DistConfig, TPInfo
 
+log = logging.getLogger("minisgl.distributed")
+
 TIMEOUT = datetime.timedelta(seconds=120)
+# NVLink multicast (NVLS) can take the GPUs of a shared host down: off (unless the user set these), before any
+# NCCL or symmetric-memory start-up.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def init_tp(rank: int, cfg: DistConfig, device: torch.device) -> TPInfo:
@@ -23,15 +34,69 @@ def init_tp(rank: int, cfg: DistConfig, device: torch.device) -> TPInfo:
         return TPInfo()
     url = f"tcp://{cfg.init_addr}"
     if device.type == "cuda":
-        # NVLink multicast (NVLS) can take the GPUs of a shared host down; off unless the user says otherwise.
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        for name, value in NO_MULTICAST.items():
+            os.environ.setdefault(name, value)
         dist.init_process_group("nccl", init_method=url, world_size=cfg.tp_size, rank=rank, timeout=TIMEOUT,
                                 device_id=device)
         host = dist.new_group(backend="gloo", timeout=TIMEOUT)
     else:
         dist.init_process_group("gloo", init_method=url, world_size=cfg.tp_size, rank=rank, timeout=TIMEOUT)
         host = dist.group.WORLD
-    return TPInfo(rank, cfg.tp_size, host)
+    # Symmetric memory maps peers' GPU memory: one host only.
+    return TPInfo(rank, cfg.tp_size, host, all_reduce=cfg.all_reduce if cfg.nnodes == 1 else "nccl")
+
+
+def setup_all_reduce(tp: TPInfo, device: torch.device, dtype: torch.dtype, max_bytes: int) -> TPInfo:
+    """tp with the one-shot all-reduce for `dtype` messages up to `max_bytes`, where --all-reduce auto lets it and
+    every rank can set it up; else tp as it was (NCCL, or gloo on the CPU), one line logged saying why.
+
+    Collective: every rank of the group calls it at the same point. Each step (allocate, map the peers' buffers,
+    sum known values once) ends with the ranks agreeing over the host group, so they choose alike."""
+    from minisgl_cli.distributed import one_shot
+
+    if tp.size == 1 or device.type != "cuda" or tp.all_reduce != "auto" or dtype not in one_shot.DTYPES:
+        return tp
+    made = one_shot.OneShotAllReduce(device, max_bytes)
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("allocate", made.allocate),
+        ("rendezvous", lambda: made.rendezvous(dist.group.WORLD)),
+        ("check", lambda: made.check(tp.rank, tp.size, dtype)),
+    ]
+    for step, action in steps:
+        why = ""
+        try:
+            action()
+        except one_shot.Hung:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of symmetric memory means NCCL, never a failed start
+            why = f"{step}: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+        if min_over_ranks(int(not why), tp) == 0:
+            if tp.rank == 0 or why:
+                log.warning("TP all-reduce: NCCL only (symmetric memory: %s)", why or f"{step} failed on another rank")
+            return tp
+    if tp.rank == 0:
+        log.info("TP all-reduce: one-shot up to %d KiB, NCCL above", made.nbytes >> 10)
+    return dataclasses.replace(tp, one_shot=made)
+
+
+def describe_all_reduce(tp: TPInfo) -> str:
+    """What sums the partial products: 'one-shot <= N KiB, else nccl', 'nccl' or 'gloo' ('' at TP 1)."""
+    if tp.size == 1:
+        return ""
+    if tp.one_shot is not None:
+        return f"one-shot <= {tp.one_shot.nbytes >> 10} KiB, else nccl"
+    return dist.get_backend()
+
+
+def close_tp(timeout_s: float = 30.0) -> bool:
+    """Leave the process group (torch.distributed's destroy), waiting at most `timeout_s`: False if it did not
+    finish (a peer gone mid-collective can hold it; the process exits anyway)."""
+    if not dist.is_initialized():
+        return True
+    t = threading.Thread(target=dist.destroy_process_group, name="minisgl-destroy-pg", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return not t.is_alive()
 
 
 def broadcast_bytes(data: bytes | None, tp: TPInfo) -> bytes:
@@ -67,8 +132,11 @@ def broadcast_from_rank0(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
 
 
 def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    """The sum of every rank's x: one-shot where it fits (a new tensor), else the group's all-reduce (in place)."""
     if tp.size == 1:
         return x
+    if tp.one_shot is not None and tp.one_shot.takes(x):
+        return tp.one_shot(x)
     dist.all_reduce(x)
     return x
 

@@ -22,12 +22,14 @@ from minisgl_cli.attention.torch_backend import TorchBackend
 from minisgl_cli.core.batch import ForwardBatch, Mode
 from minisgl_cli.core.host import HostBuffers
 from minisgl_cli.distributed import TPInfo
-from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks
+from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks, setup_all_reduce
+from minisgl_cli.distributed.one_shot import buffer_bytes
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.cpu_compile import CompiledDecode, StepKey
-from minisgl_cli.engine.graph import DecodeGraphs, default_max_bs
+from minisgl_cli.engine.graph import MAX_DEFAULT_BS, DecodeGraphs, default_max_bs
 from minisgl_cli.engine.sampler import Sampled, create_sampler, sample
 from minisgl_cli.engine.sampling_state import Need, SamplingBatch, SamplingState
+from minisgl_cli.engine.vision import VisionState
 from minisgl_cli.kvcache.pool import KVPool, KVShape
 from minisgl_cli.layers.fused import Kernels, load_sgl_kernel
 from minisgl_cli.layers.quant import METHODS
@@ -37,7 +39,8 @@ from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.loader.hf import iter_safetensors, read_hf_config
 from minisgl_cli.models import ModelConfig, create_model
 from minisgl_cli.models.dummy import dummy_checkpoint
-from minisgl_cli.types import ModelInfo, SamplingParams
+from minisgl_cli.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from minisgl_cli.types import ImageInput, ModelInfo, SamplingParams
 
 log = logging.getLogger("minisgl.engine")
 
@@ -111,9 +114,14 @@ class Engine:
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(
                 f"model config not usable ({exc})", model_dir or name,
-                "a Llama, Qwen2, Qwen3, Qwen3-MoE or Mixtral config",
+                "a Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Qwen2-VL or Qwen2.5-VL config",
             ) from None
         mc = self.model_cfg
+        if tp.size > 1 and self.device.type == "cuda":
+            # The one-shot all-reduce takes messages up to the largest decode batch the graphs may capture.
+            rows = min(cfg.cuda_graph_max_bs or MAX_DEFAULT_BS, cfg.max_running_requests)
+            nbytes = buffer_bytes(rows * mc.hidden_size * self.dtype.itemsize, tp.size)
+            self.tp = tp = setup_all_reduce(tp, self.device, self.dtype, nbytes)
 
         # Allocate parameters straight on the device in the engine dtype (no fp32 CPU copy of an 8B model).
         with torch.device(self.device):
@@ -150,6 +158,9 @@ class Engine:
         # Every request's sampling parameters on the device, by page-table row (written at admission).
         self.sampling = SamplingState(cfg.max_running_requests, mc.vocab_size, self.device, self.host, cfg.seed)
         self.sampler = create_sampler(self.device, mc.vocab_size, cfg.sampler)
+        # A vision-language model's images: pixels, M-RoPE positions, the tower's runs (engine/vision.py).
+        self.vision = (VisionState(self.model, cfg.max_running_requests, self.device, self.host, tp)
+                       if isinstance(self.model, Qwen2VLForConditionalGeneration) else None)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             if not cfg.disable_cuda_graph and getattr(self.attn, "supports_cuda_graph", False):
@@ -184,7 +195,7 @@ class Engine:
             spec.max_requests, spec.max_context_len, spec.num_pages * spec.page_size, loaded.load_s, overlap,
             tuple(sorted(eos_token_ids)), self.tp.size, "sgl" if self.kernels.sgl is not None else "torch",
             quantization=self.quantization, kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
-            prefix_cache=prefix_cache, sampler=self.sampler.name,
+            prefix_cache=prefix_cache, sampler=self.sampler.name, images=self.vision is not None,
         )
 
     def start_serving(self) -> None:
@@ -220,6 +231,9 @@ class Engine:
             max_bs = self.cfg.cuda_graph_max_bs
         if max_bs is None:
             max_bs = default_max_bs(self._free_after_weights, self.cfg.max_running_requests)
+        # Every rank captures the same sizes (free memory may differ): a batch pads alike on all, so their
+        # collectives meet with the same shapes.
+        max_bs = min_over_ranks(max_bs, self.tp)
         self.graphs = None
         torch.cuda.empty_cache()
         graphs = DecodeGraphs(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device, self.dtype)
@@ -250,12 +264,37 @@ class Engine:
         """page_table[rows, positions] = slots (int32, on the device): one device op."""
         self.pool.page_table[rows, positions] = slots
 
+    # --- a request's images (a vision-language model's; engine/vision.py) ------------------------------------------
+    def load_images(self, images: list[ImageInput]) -> None:
+        """A request arrived with images: hold their pixels (ValueError, the request's fault, when it cannot)."""
+        if images and self.vision is None:
+            raise ValueError(f"{self.loaded.name} takes no images (a Qwen2-VL / Qwen2.5-VL model does)")
+        if images and self.vision is not None:
+            self.vision.load(images)
+
+    def admit_images(self, slot: int, input_ids: list[int], images: list[ImageInput]) -> None:
+        """A request took page-table row `slot` (as admit_sampling): its images' positions go there."""
+        if self.vision is not None:
+            self.vision.admit(slot, input_ids, images)
+
+    def drop_images(self, images: list[ImageInput]) -> None:
+        """A request ended: what shared memory its images still hold goes."""
+        if images and self.vision is not None:
+            self.vision.drop(images)
+
+    def vision_stats(self) -> tuple[int, int, float]:
+        """(images the tower encoded, images served from its cache, the tower's seconds)."""
+        return self.vision.stats() if self.vision is not None else (0, 0, 0.0)
+
     # --- a step's host <-> device traffic, through this engine's pinned buffers -----------------------------------
     def build_batch(self, mode: Mode, input_ids: list[int], req_slots: list[int], prefix_lens: list[int],
                     extend_lens: list[int], out_cache_loc: list[int]) -> ForwardBatch:
         """A ForwardBatch on this engine's device (see `ForwardBatch.build`: never waits on the step in flight)."""
-        return ForwardBatch.build(mode, input_ids, req_slots, prefix_lens, extend_lens, out_cache_loc, self.device,
-                                  self.host)
+        fb = ForwardBatch.build(mode, input_ids, req_slots, prefix_lens, extend_lens, out_cache_loc, self.device,
+                                self.host)
+        if mode == "extend" and self.vision is not None:
+            fb.images = self.vision.step(req_slots, prefix_lens, extend_lens)
+        return fb
 
     def upload(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
         """A host int list on this engine's device, asynchronously on CUDA (see `HostBuffers.to_device`)."""
@@ -274,8 +313,14 @@ class Engine:
             hidden = self.compiled.run(batch)
             if hidden is not None:
                 return self.model.logits(hidden)
+        if batch.images is not None:
+            assert self.vision is not None  # only its build_batch sets them
+            self.vision.encode(batch.images)
         self.attn.prepare(batch)
-        return self.model.logits(self.model(batch, self.attn))
+        logits = self.model.logits(self.model(batch, self.attn))
+        if self.vision is not None:
+            self.vision.confirm()
+        return logits
 
     def admit_sampling(self, slot: int, params: SamplingParams, input_ids: list[int], output_ids: list[int]) -> None:
         """A request took page-table row `slot`: its sampling state goes there (on the device with the next step)."""

@@ -29,10 +29,13 @@ def capture_sizes(max_bs: int) -> list[int]:
     return sorted(set(out))
 
 
+MAX_DEFAULT_BS = 256  # the most rows default_max_bs captures
+
+
 def default_max_bs(free_bytes: int, max_running: int) -> int:
     """By free memory after weights and KV sizing inputs: big cards capture up to 256 rows."""
     gib = free_bytes / (1 << 30)
-    cap = 256 if gib >= 40 else 128 if gib >= 16 else 32
+    cap = MAX_DEFAULT_BS if gib >= 40 else 128 if gib >= 16 else 32
     return max(1, min(cap, max_running))
 
 
@@ -50,6 +53,7 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
+        self.req_slots = torch.zeros(n, dtype=torch.int64, device=device)  # a VLM reads its rows' M-RoPE deltas
         self.logits = torch.empty((n, vocab), dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._dirty = 0  # rows of out_cache_loc that may hold a real slot from an earlier replay
@@ -58,7 +62,7 @@ class DecodeGraphs:
         ones = torch.ones(bs, dtype=torch.int32, device=self.device)
         return ForwardBatch(
             mode="decode", input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs], req_slots=torch.zeros(bs, dtype=torch.int64, device=self.device),
+            out_cache_loc=self.out_cache_loc[:bs], req_slots=self.req_slots[:bs],
             seq_lens=ones, extend_lens=ones, seq_lens_cpu=[1] * bs, extend_lens_cpu=[1] * bs,
             qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=self.device),
             logits_indices=torch.arange(bs, dtype=torch.int64, device=self.device),
@@ -101,6 +105,7 @@ class DecodeGraphs:
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
         self.positions[:n].copy_(batch.positions, non_blocking=True)
         self.out_cache_loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
+        self.req_slots[:n].copy_(batch.req_slots, non_blocking=True)
         if self._dirty > n:  # rows a bigger step wrote must not scribble over live KV slots now
             self.out_cache_loc[n : self._dirty].zero_()
         self._dirty = n

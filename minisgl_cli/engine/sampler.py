@@ -188,7 +188,9 @@ def cpu_draw(logits: torch.Tensor, p: RowParams, batch: SamplingBatch) -> torch.
         ids = draw_weights(w, uniform(seed_lo[todo], seed_hi[todo], positions[todo], rnd))
         picked = s.gather(1, ids[:, None])
         above = s > picked
-        ok = (above.sum(dim=-1) < top_k[todo]) & ((weights[todo] * above).sum(dim=-1) <= top_p[todo] * total[todo])
+        # Rejected only where the cut surely excludes the pick (the kernel's test): a row of non-finite logits (a
+        # repetition penalty that overflows them) compares false and takes its first draw instead of looping forever.
+        ok = ~((above.sum(dim=-1) >= top_k[todo]) | ((weights[todo] * above).sum(dim=-1) > top_p[todo] * total[todo]))
         out[rows[todo[ok]]] = ids[ok]
         todo, low = todo[~ok], picked[~ok, 0]
         rnd += 1

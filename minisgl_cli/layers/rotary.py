@@ -1,8 +1,10 @@
-"""Rotary position embedding with the configs' rope scaling (default, linear, llama3), cached per position."""
+"""Rotary position embedding with the configs' rope scaling (default, linear, llama3), cached per position; and
+M-RoPE (Qwen2-VL): three position axes (time, height, width), each turning its own share of the frequencies."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -32,6 +34,17 @@ def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[torch.T
     raise ValueError(f"unsupported rope scaling type: {kind!r}")
 
 
+@dataclass(frozen=True)
+class RopeTable:
+    """One step's rotation, for every layer: token t turns by row `rows[t]` of `cos` / `sin` ([N, head_dim] fp32,
+    each half holding the frequencies). Plain RoPE: the positions into the embedding's own tables; M-RoPE: a row
+    per token, made for the step (every kernel that takes positions and tables takes these as they are)."""
+
+    rows: torch.Tensor  # [T] int64
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # [max_positions, head_dim] fp32 buffers (registered below)
     sin: torch.Tensor
@@ -46,11 +59,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * mult, persistent=False)
         self._cos_sin: torch.Tensor | None = None  # sgl_kernel's layout, built on its first use
 
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin (see rotate) at `positions`, [T, 1, D] in `dtype`: once per step, for every layer."""
-        sin = self.sin[positions].to(dtype)
+    def table(self, positions: torch.Tensor) -> RopeTable:
+        return RopeTable(positions, self.cos, self.sin)
+
+    def at(self, positions: torch.Tensor | RopeTable, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (see rotate) at `positions` (or a step's table), [T, 1, D] in `dtype`: once per
+        step, for every layer."""
+        t = positions if isinstance(positions, RopeTable) else self.table(positions)
+        sin = t.sin[t.rows].to(dtype)
         half = sin.shape[-1] // 2
-        return self.cos[positions].to(dtype)[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), -1)[:, None, :]
+        return t.cos[t.rows].to(dtype)[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), -1)[:, None, :]
 
     def rotate(self, x: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [T, H, D] rotated: x cos + rotate_half(x) sin, where rotate_half(x) = (-x2, x1) is roll(x, D/2) with
@@ -64,11 +82,40 @@ class RotaryEmbedding(nn.Module):
         at = at if at is not None else self.at(positions, q.dtype)
         return self.rotate(q, at), self.rotate(k, at)
 
-    def apply_sgl_(self, sgl: ModuleType, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+    def apply_sgl_(self, sgl: ModuleType, positions: torch.Tensor | RopeTable, q: torch.Tensor,
+                   k: torch.Tensor) -> None:
         """RoPE in place on q [T, H, D] and k [T, Hkv, D] through sgl_kernel (neox layout, as `forward`)."""
-        if self._cos_sin is None:  # [positions, D]: the cos half, then the sin half (fp32)
-            half = self.cos.shape[-1] // 2
-            self._cos_sin = torch.cat((self.cos[:, :half], self.sin[:, :half]), dim=-1).contiguous()
+        t = positions if isinstance(positions, RopeTable) else self.table(positions)
+        half = t.cos.shape[-1] // 2
+        if t.cos is not self.cos:  # a step's own table (M-RoPE)
+            cos_sin = torch.cat((t.cos[:, :half], t.sin[:, :half]), dim=-1).contiguous()
+        elif self._cos_sin is None:  # [positions, D]: the cos half, then the sin half (fp32)
+            cos_sin = self._cos_sin = torch.cat((self.cos[:, :half], self.sin[:, :half]), dim=-1).contiguous()
+        else:
+            cos_sin = self._cos_sin
         # .view, not .reshape: a copy would take the rotation away from q and k.
-        sgl.apply_rope_with_cos_sin_cache_inplace(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1),
-                                                  q.shape[-1], self._cos_sin, is_neox=True)
+        sgl.apply_rope_with_cos_sin_cache_inplace(t.rows, q.view(q.shape[0], -1), k.view(k.shape[0], -1),
+                                                  q.shape[-1], cos_sin, is_neox=True)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's M-RoPE: a token has a time, a height and a width position; frequency j of each half turns by
+    the position of the axis `mrope_section` gives it (the first section's by time, and so on). A text token's
+    three positions are equal: its rotation is plain RoPE's, so decode steps use the inherited tables as they are."""
+
+    axis: torch.Tensor  # [D]: the position axis (0, 1, 2) of each column (a buffer, registered below)
+
+    def __init__(self, head_dim: int, max_positions: int, base: float, mrope_section: tuple[int, ...]):
+        super().__init__(head_dim, max_positions, base)
+        if sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {list(mrope_section)} must add up to head_dim / 2 = {head_dim // 2}")
+        axis = torch.cat([torch.full((n,), i) for i, n in enumerate(mrope_section)])
+        self.register_buffer("axis", torch.cat((axis, axis)), persistent=False)  # [D]: the axis of each column
+
+    def table_3d(self, positions: torch.Tensor) -> RopeTable:
+        """A table with a row per token of `positions` [3, T] (time, height, width)."""
+        T, D = positions.shape[1], self.cos.shape[-1]
+        pick = self.axis.view(1, 1, D).expand(1, T, D)
+        cos = self.cos[positions].gather(0, pick)[0]  # [3, T, D] -> [T, D]: each column from its axis' row
+        sin = self.sin[positions].gather(0, pick)[0]
+        return RopeTable(torch.arange(T, device=positions.device), cos, sin)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 _LLAMA3_ROPE = {
@@ -65,6 +66,23 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0, "max_position_embeddings": 32768, "tie_word_embeddings": False,
         "bos_token_id": 1, "eos_token_id": 2,
     },
+    # A vision-language model (models/qwen2_vl.py): the Qwen2 decoder with M-RoPE and a 32-block ViT. Serving images
+    # needs a tokenizer and an image processor: examples/make_tiny_media_models.py's write_dummy_vlm_dir writes a
+    # directory for this config (examples/bench_vlm.py gpu).
+    "qwen2.5-vl-7b": {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "vocab_size": 152064, "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 128000,
+        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653,
+        "vision_config": {
+            "depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+            "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2,
+        },
+    },
 }
 
 
@@ -72,4 +90,4 @@ def builtin_config(name: str) -> dict[str, Any]:
     key = name.lower().split("/")[-1]
     if key not in BUILTIN_CONFIGS:
         raise KeyError(f"no built-in config named {name!r}; choose one of: {', '.join(BUILTIN_CONFIGS)}")
-    return dict(BUILTIN_CONFIGS[key])
+    return copy.deepcopy(BUILTIN_CONFIGS[key])  # nested dicts too: a caller may edit its copy

@@ -1,4 +1,5 @@
-"""Models in plain torch: Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral decoders, chosen by the config's architecture."""
+"""Models in plain torch: Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral decoders, and Qwen2-VL / Qwen2.5-VL (the
+Qwen2 decoder with a vision tower), chosen by the config's architecture."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from minisgl_cli.models.llama import (
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
 )
+from minisgl_cli.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
 _CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -21,6 +23,8 @@ _CLASSES = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 

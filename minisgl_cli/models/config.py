@@ -5,8 +5,51 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                 "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                 "Qwen3MoeForCausalLM", "MixtralForCausalLM", *VISION_ARCHITECTURES)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A Qwen2-VL / Qwen2.5-VL vision tower and how its images meet the decoder (M-RoPE, placeholder ids)."""
+
+    version: str  # "2" (Qwen2-VL: LayerNorm, QuickGELU MLP) or "2.5" (RMSNorm, gated SiLU MLP, windowed attention)
+    depth: int
+    hidden_size: int  # the tower's width
+    num_heads: int
+    intermediate_size: int  # its MLP's
+    out_hidden_size: int  # the decoder's width: what the patch merger writes
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    image_token_id: int
+    vision_start_token_id: int
+    mrope_section: tuple[int, ...]  # the decoder's rotary frequencies given to the t, h and w positions
+    window_size: int = 0  # 2.5: windowed attention over window_size x window_size pixels
+    fullatt_block_indexes: tuple[int, ...] = ()  # 2.5: the blocks that attend over the whole image
+    rope_theta: float = 10000.0
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any], arch: str, text: dict[str, Any]) -> VisionConfig:
+        v = cfg["vision_config"]
+        rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+        common = dict(depth=v["depth"], num_heads=v["num_heads"], patch_size=v.get("patch_size", 14),
+                      temporal_patch_size=v.get("temporal_patch_size", 2),
+                      spatial_merge_size=v.get("spatial_merge_size", 2),
+                      in_channels=v.get("in_channels", v.get("in_chans", 3)),
+                      image_token_id=cfg["image_token_id"], vision_start_token_id=cfg["vision_start_token_id"],
+                      mrope_section=tuple(rope.get("mrope_section") or (16, 24, 24)),
+                      rope_theta=(v.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        if arch == "Qwen2VLForConditionalGeneration":
+            width = v.get("embed_dim", 1280)
+            return VisionConfig("2", hidden_size=width, intermediate_size=int(width * v.get("mlp_ratio", 4)),
+                                out_hidden_size=v.get("hidden_size", text["hidden_size"]), **common)
+        return VisionConfig("2.5", hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+                            out_hidden_size=v.get("out_hidden_size", text["hidden_size"]),
+                            window_size=v.get("window_size", 112),
+                            fullatt_block_indexes=tuple(v.get("fullatt_block_indexes") or ()), **common)
 
 
 @dataclass(frozen=True)
@@ -46,6 +89,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1 (Mixtral always does)
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    vision: VisionConfig | None = None  # a vision-language model's tower (Qwen2-VL, Qwen2.5-VL)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether decoder layer `layer_id` has a sparse MoE block (else the dense MLP), as transformers decides."""
@@ -71,10 +115,13 @@ class ModelConfig:
         return HeadSplit(rank * n_q, n_q, rank * n_q // group, 1)
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> ModelConfig:
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    def from_hf(top: dict[str, Any]) -> ModelConfig:
+        arch = (top.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; minisgl runs {', '.join(ARCHITECTURES)}")
+        vlm = arch in VISION_ARCHITECTURES
+        # A VLM's decoder fields: its text_config (transformers 5 writes one) over the top level (the hub's files).
+        cfg = {**top, **top.get("text_config", {})} if vlm else top
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -82,6 +129,8 @@ class ModelConfig:
         scaling = cfg.get("rope_scaling") or (
             rope_params if rope_params.get("rope_type", "default") != "default" else None
         )
+        if vlm:  # M-RoPE: default frequencies, split across the t / h / w positions (VisionConfig.mrope_section)
+            scaling = None
         return ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -96,10 +145,11 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or vlm or bool(cfg.get("attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            vision=VisionConfig.from_hf(top, arch, cfg) if vlm else None,
             **_moe_fields(arch, cfg),
         )
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from minisgl_cli.models.config import ModelConfig
+from minisgl_cli.models.config import ModelConfig, VisionConfig
 
 
 def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -42,6 +42,33 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "model.norm.weight", (h,)
     if not mc.tie_word_embeddings:
         yield "lm_head.weight", (mc.vocab_size, h)
+    if mc.vision is not None:
+        yield from _vision_shapes(mc.vision)
+
+
+def _vision_shapes(vc: VisionConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A Qwen2-VL / Qwen2.5-VL vision tower, as the hub's checkpoints name it."""
+    d, inner, merged = vc.hidden_size, vc.intermediate_size, vc.hidden_size * vc.spatial_merge_size**2
+    yield "visual.patch_embed.proj.weight", (d, vc.in_channels, vc.temporal_patch_size, vc.patch_size, vc.patch_size)
+    norms = ("weight", "bias") if vc.version == "2" else ("weight",)  # LayerNorm / RMSNorm
+    mlp = ({"fc1": (inner, d), "fc2": (d, inner)} if vc.version == "2" else
+           {"gate_proj": (inner, d), "up_proj": (inner, d), "down_proj": (d, inner)})
+    for i in range(vc.depth):
+        p = f"visual.blocks.{i}."
+        for norm in ("norm1", "norm2"):
+            yield from ((f"{p}{norm}.{leaf}", (d,)) for leaf in norms)
+        yield f"{p}attn.qkv.weight", (3 * d, d)
+        yield f"{p}attn.qkv.bias", (3 * d,)
+        yield f"{p}attn.proj.weight", (d, d)
+        yield f"{p}attn.proj.bias", (d,)
+        for name, shape in mlp.items():
+            yield f"{p}mlp.{name}.weight", shape
+            yield f"{p}mlp.{name}.bias", shape[:1]
+    yield from ((f"visual.merger.ln_q.{leaf}", (d,)) for leaf in norms)
+    yield "visual.merger.mlp.0.weight", (merged, merged)
+    yield "visual.merger.mlp.0.bias", (merged,)
+    yield "visual.merger.mlp.2.weight", (vc.out_hidden_size, merged)
+    yield "visual.merger.mlp.2.bias", (vc.out_hidden_size,)
 
 
 @torch.no_grad()

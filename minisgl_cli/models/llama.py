@@ -21,7 +21,7 @@ from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl_cli.layers.moe import EXPERT_PROJ, Experts, MoE, grouped_mm_runs
 from minisgl_cli.layers.norm import RMSNorm
 from minisgl_cli.layers.quant import LinearMethod
-from minisgl_cli.layers.rotary import RotaryEmbedding
+from minisgl_cli.layers.rotary import MRotaryEmbedding, RopeTable, RotaryEmbedding
 from minisgl_cli.loader.hf import Weight
 from minisgl_cli.models.config import ModelConfig
 
@@ -47,7 +47,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend,
+    def forward(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend, rope: RopeTable,
                 rope_at: RopeAt | None) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x, batch.is_decode)
@@ -57,7 +57,7 @@ class Attention(nn.Module):
         if ops is not None:  # one kernel: q/k head norms and RoPE in place on the fused qkv rows, K/V to the pool
             qn, kn = self.q_norm, self.k_norm
             ops.qk_norm_rope_(
-                qkv, batch.positions, self.rope.cos, self.rope.sin, self.num_heads, self.num_kv_heads,
+                qkv, rope.rows, rope.cos, rope.sin, self.num_heads, self.num_kv_heads,
                 self.head_dim, qn.weight if qn is not None else None, kn.weight if kn is not None else None,
                 qn.eps if qn is not None else 0.0, kv_out, pdl=self.kernels.pdl,
             )
@@ -68,11 +68,11 @@ class Attention(nn.Module):
         if ops is None and sgl is not None:
             if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
                 q, k = self.q_norm(q), self.k_norm(k)
-            self.rope.apply_sgl_(sgl, batch.positions, q, k)
+            self.rope.apply_sgl_(sgl, rope, q, k)
         elif ops is None:
-            at = rope_at if rope_at is not None else self.rope.at(batch.positions, qkv.dtype)
+            at = rope_at if rope_at is not None else self.rope.at(rope, qkv.dtype)
             if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.rope(batch.positions, self.q_norm(q), self.k_norm(k), at)
+                q, k = self.rope.rotate(self.q_norm(q), at), self.rope.rotate(self.k_norm(k), at)
             else:  # q and k sit side by side in qkv: one rotation for both
                 qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
                 qk = self.rope.rotate(qk, at)
@@ -112,14 +112,14 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend,
-        rope_at: RopeAt | None,
+        rope: RopeTable, rope_at: RopeAt | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x: torch.Tensor | Fp8Rows  # a norm's output: FP8 codes where the linear after it takes them
         if residual is None:
             residual, x = h, self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm.forward_residual(h, residual, self.self_attn.qkv_proj.takes_fp8_rows(h))
-        h = self.self_attn(x, batch, attn, rope_at)
+        h = self.self_attn(x, batch, attn, rope, rope_at)
         fp8 = self.mlp.takes_fp8_rows(h)
         x, residual = self.post_attention_layernorm.forward_residual(h, residual, fp8)
         return self.mlp(x, batch.is_decode), residual
@@ -155,7 +155,10 @@ class LlamaForCausalLM(nn.Module):
         method = method or LinearMethod()
         if cfg.num_experts and method.quantized:
             raise ValueError(f"--quantization {method.name} does not cover MoE experts yet; use --quantization none")
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+                     if cfg.vision is None else  # a VLM's decoder: M-RoPE
+                     MRotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.vision.mrope_section))
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope, tp, kernels, method.for_layer(i, cfg.num_layers))
                                     for i in range(cfg.num_layers))
@@ -165,12 +168,18 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states of each request's last token: [B, hidden]."""
-        h, residual = self.embed_tokens(batch.input_ids), None
+        return self.decode_layers(self.embed_tokens(batch.input_ids), batch, attn, self.rope.table(batch.positions))
+
+    def decode_layers(self, h: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
+                      rope: RopeTable) -> torch.Tensor:
+        """The decoder over the step's input embeddings `h` [T, hidden], each token turned by `rope`'s row: hidden
+        states of each request's last token [B, hidden]."""
+        residual = None
         # The torch RoPE's cos / sin of this step's positions, once for every layer (CUDA's fused ops need none).
         fused = self.kernels.triton(h) is not None or self.kernels.sgl_ops(h) is not None
-        rope_at = None if fused else self.rope.at(batch.positions, h.dtype)
+        rope_at = None if fused else self.rope.at(rope, h.dtype)
         for layer in self.layers:
-            h, residual = layer(h, residual, batch, attn, rope_at)
+            h, residual = layer(h, residual, batch, attn, rope, rope_at)
         assert residual is not None  # set by the first layer
         if not batch.is_decode:  # only each request's last token is sampled
             h, residual = h[batch.logits_indices], residual[batch.logits_indices]

@@ -118,7 +118,7 @@ class ChatApp:
                  catch_sigint: bool = True, vlm: VlmChat | None = None):
         self.client = client
         self.vlm = vlm  # chats with images (/image) go to it
-        session.vision = vlm is not None
+        session.vision = vlm is not None or client.info.images  # /image: the transformers VLM's, or the engine's
         self.session = session
         self.view = view
         self.lines = lines
@@ -276,6 +276,7 @@ def run_chat(client: EngineClient, session: ChatSession, view: ChatView, interac
     view.ready(client.info, [
         "multi-turn" if s.multi_turn else "single-turn (each prompt stands alone)",
         f"temperature {s.temperature:g}", f"max {s.max_new_tokens} new tokens",
-        *([f"images: /image PATH ({vlm.name})"] if vlm is not None else []),
+        *([f"images: /image PATH ({vlm.name})"] if vlm is not None else
+          ["images: /image PATH"] if client.info.images else []),
         *(["/help for commands, Ctrl-D to leave"] if interactive else [])])
     return asyncio.run(ChatApp(client, session, view, lines, vlm=vlm).run())

@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "/temp": ("X", "sampling temperature (0 = greedy)"),
     "/max-tokens": ("N", "tokens to generate at most per reply"),
     "/json": ("[on|off]", "replies as one JSON object (grammar-constrained); no argument toggles"),
-    "/image": ("PATH", "attach an image to the next prompt (needs --vlm-model); 'off' drops the attached ones"),
+    "/image": ("PATH", "attach an image to the next prompt (needs a vision-language model); 'off' drops them"),
     "/save": ("FILE", "write the transcript: .json as JSON, anything else as markdown"),
     "/exit": ("", "leave (also Ctrl-D)"),
 }
@@ -193,7 +193,8 @@ class ChatSession:
 
     def _image(self, arg: str) -> Action:
         if not self.vision:
-            return Action("error", "/image needs a vision-language model: start `minisgl chat --vlm-model PATH`")
+            return Action("error", "/image needs a vision-language model: start `minisgl chat --vlm-model PATH` "
+                                   "(or --model QWEN2-VL-DIR)")
         if not arg:
             return Action("error", "/image needs a file path ('off' drops the attached images)")
         if arg.lower() == "off":

@@ -32,6 +32,7 @@ from minisgl_cli.runtime.supervisor import stop_on_signals
 log = logging.getLogger("minisgl.router")
 
 WORKER_HEADER = "X-Minisgl-Worker"  # which worker answered (every proxied response)
+KEEPALIVE_S = 4.0  # idle connections to a worker are closed after this (under uvicorn's 5 s)
 # Hop-by-hop headers, and what the proxy sets itself, are not passed on.
 _DROP = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
                    "upgrade", "accept-encoding", "content-encoding"})
@@ -77,10 +78,14 @@ class _Relay:
         self._closed = False
 
     async def frames(self) -> AsyncIterator[bytes]:
+        """The worker's bytes as they came (never decoded or re-encoded), cut only at frame ends."""
         sep = b"\n\n" if self.sse else b"\n"
         buf = b""
         try:
             async for chunk in self.resp.aiter_raw():
+                if not buf and chunk.endswith(sep):  # the common case: the worker wrote whole frames
+                    yield chunk
+                    continue
                 head, found, buf = (buf + chunk).rpartition(sep)
                 if found:
                     yield head + found
@@ -136,7 +141,8 @@ class Proxy:
     async def forward(self, request: Request) -> Response:
         assert self.http is not None
         body = await request.body()
-        key = routing_key(body) if body else None
+        # Only cache_aware matches prompts: the other modes never parse the body.
+        key = routing_key(body) if body and self.workers.router.mode == "cache_aware" else None
         if self.total_cap and self.inflight >= self.total_cap:
             return self._busy(f"server busy: {self.inflight} requests in flight (cap {self.total_cap}); retry shortly")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP]
@@ -198,8 +204,12 @@ def create_router_app(urls: Sequence[str], mode: str = "rr", per_worker_cap: int
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        proxy.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        # One client for every request: its connections to the workers stay open between requests (every one
+        # kept, however many streams were in flight at once), and are dropped idle before a worker's uvicorn drops
+        # them (its keep-alive is 5 s): a request never meets a connection the worker just closed, which would
+        # take the worker out.
+        proxy.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(
+            max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S))
         await workers.check(proxy.http)
         workers.start(proxy.http)
         try:

@@ -10,13 +10,14 @@ Every child (scheduler ranks, tokenizer workers, the detokenizer) starts the sam
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import traceback
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import zmq
 
@@ -67,3 +68,14 @@ class Child:
 
     def ready(self, info: ModelInfo | None = None, detail: str = "") -> None:
         send(self.launcher, Ready(self.name, info, detail))
+
+
+def leave(code: int = 0) -> NoReturn:
+    """Exit at once, once the child has handed back what it holds. Not through the interpreter's exit: that tears
+    down zmq sockets other threads still block on (it hangs there), and waits for a CPU compile thread (or aborts
+    in it)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

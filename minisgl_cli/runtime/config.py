@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from minisgl_cli.distributed import DistConfig
+from minisgl_cli.distributed import AllReduce, DistConfig
 from minisgl_cli.routing import SCHEDULER_MODES, SchedulerMode
 
 RuntimeMode = Literal["auto", "processes", "in-process"]
@@ -33,6 +33,9 @@ class RuntimeConfig:
     dist_init_addr: str = field(default="127.0.0.1:29517", metadata=dict(
         flags=("--dist-init-addr",),
         help="HOST:PORT where the ranks meet (--dp replica i: PORT+i)."))
+    all_reduce: AllReduce = field(default="auto", metadata=dict(
+        flags=("--all-reduce",), env="MINISGL_ALL_REDUCE",
+        help="CUDA --tp: auto (one-shot over symmetric memory for small messages, NCCL above) or nccl."))
     dp_size: int = field(default=1, metadata=dict(
         flags=("--dp", "--dp-size"), min=1,
         help="Data-parallel engine replicas, each on its own --tp devices."))
@@ -60,7 +63,7 @@ class RuntimeConfig:
         if self.scheduler_mode not in SCHEDULER_MODES:
             raise ValueError(f"--scheduler-mode must be one of {', '.join(SCHEDULER_MODES)}, "
                              f"not {self.scheduler_mode!r}")
-        _ = self.dist  # validates --tp / --nnodes / --node-rank / --dist-init-addr now, as a usage error
+        _ = self.dist  # validates --tp / --nnodes / --node-rank / --dist-init-addr / --all-reduce now, as a usage error
 
     @property
     def dist(self) -> DistConfig:
@@ -70,7 +73,7 @@ class RuntimeConfig:
         """Where replica `replica`'s ranks meet: --dist-init-addr's port plus the replica's index."""
         host, _, port = self.dist_init_addr.rpartition(":")
         addr = f"{host}:{int(port) + replica}" if replica and port.isdigit() else self.dist_init_addr
-        return DistConfig(self.tp_size, self.nnodes, self.node_rank, addr)
+        return DistConfig(self.tp_size, self.nnodes, self.node_rank, addr, self.all_reduce)
 
     def processes(self, by_default: bool) -> bool:
         """Whether the engine runs as processes; `by_default` is the command's choice for `auto`."""

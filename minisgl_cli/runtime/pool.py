@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Sequence
 
 from minisgl_cli.client.protocol import EngineClient, EngineGone, PrefixWarm
 from minisgl_cli.routing import NoReplica, Router
-from minisgl_cli.types import Delta, GenerateRequest, ReplicaStats, SchedulerStats
+from minisgl_cli.types import Delta, GenerateRequest, Prompt, ReplicaStats, SchedulerStats
 
 log = logging.getLogger("minisgl.runtime")
 
@@ -68,7 +68,8 @@ class EnginePool:
 
     # --- requests --------------------------------------------------------------------------------
     async def submit(self, req: GenerateRequest) -> AsyncGenerator[Delta, None]:
-        ids = await self.tokenize(req)
+        prompt = await self.prompt(req)
+        ids = prompt.ids
         tried: set[int] = set()
         while True:
             self._serving()
@@ -80,8 +81,9 @@ class EnginePool:
             finished = False
             started = False
             try:
-                async with contextlib.aclosing(self.replicas[i].submit(
-                        GenerateRequest(input_ids=ids, params=req.params, rid=req.rid))) as stream:
+                async with contextlib.aclosing(self.replicas[i].submit(GenerateRequest(
+                        input_ids=ids, params=req.params, rid=req.rid, images=prompt.images or None,
+                        prompt_param=req.prompt_field))) as stream:
                     async for delta in stream:
                         if delta.error and not started and self._gone(i):
                             break  # it died before this request got anything: another replica takes it
@@ -105,10 +107,15 @@ class EnginePool:
     async def tokenize(self, req: GenerateRequest) -> list[int]:
         if req.input_ids is not None:
             return list(req.input_ids)
+        return (await self.prompt(req)).ids
+
+    async def prompt(self, req: GenerateRequest) -> Prompt:
+        if req.input_ids is not None:
+            return Prompt(list(req.input_ids), list(req.images or []))
         while serving := self._serving():
             i = serving[next(self._turn) % len(serving)]
             try:
-                return await self.replicas[i].tokenize(req)
+                return await self.replicas[i].prompt(req)
             except RuntimeError:
                 if not self._gone(i):
                     raise

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import queue
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable
 
@@ -19,6 +21,7 @@ import zmq
 
 from minisgl_cli.client.protocol import ENGINE_GONE, STALL_S, EngineGone, PrefixWarm
 from minisgl_cli.client.routed import RoutedClient
+from minisgl_cli.core import pixels
 from minisgl_cli.messages import (
     AbortRequest,
     AddRequest,
@@ -28,10 +31,12 @@ from minisgl_cli.messages import (
     TokenizeQuery,
     TokenizeReply,
     ToScheduler,
+    encode,
 )
-from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
+from minisgl_cli.processor import has_images, messages_to_wire
+from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv
 from minisgl_cli.runtime.supervisor import Runtime
-from minisgl_cli.types import ErrorCode, GenerateRequest, ModelInfo, SamplingParams, SchedulerStats
+from minisgl_cli.types import ErrorCode, GenerateRequest, ImageInput, ModelInfo, Prompt, SamplingParams, SchedulerStats
 
 
 def _merge(pieces: list[DecodedPiece]) -> DecodedPiece:
@@ -62,9 +67,12 @@ class RemoteClient(RoutedClient):
         # queue, so a send never blocks an event loop; one that cannot leave in SEND_TIMEOUT_MS (the worker is gone
         # or wedged) fails its request instead of waiting for ever.
         self._out = [push(self._ctx, t, timeout_ms=SEND_TIMEOUT_MS) for t in targets]
-        self._outbox: queue.SimpleQueue[ToScheduler | TokenizeQuery | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[ToScheduler | TokenizeQuery, bytes] | None] = queue.SimpleQueue()
         self._beat = time.monotonic()
         self._closed = False
+        # Image pixels a tokenizer worker put in shared memory for this process's prompts, not yet handed to a
+        # scheduler (which unlinks what it is handed): unlinked here when their prompt is dropped unsent.
+        self._unsent: dict[str, weakref.finalize] = {}
         self._sender = threading.Thread(target=self._send_loop, name="minisgl-api-send", daemon=True)
         self._sender.start()
         self._receiver = threading.Thread(target=self._receive, name="minisgl-api-recv", daemon=True)
@@ -73,14 +81,22 @@ class RemoteClient(RoutedClient):
 
     # --- transport -----------------------------------------------------------------------------
     def _send(self, msg: ToScheduler | TokenizeQuery) -> None:
-        if not self._closed:  # an abort from a stream that outlives close() goes nowhere
-            self._outbox.put(msg)
+        """Hand `msg` to the sender thread, encoded here: a request holding what msgpack cannot carry (an integer past
+        64 bits in a tool's JSON schema) is a ValueError for its caller, not the end of the sender."""
+        if self._closed:  # an abort from a stream that outlives close() goes nowhere
+            return
+        try:
+            data = encode(msg)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"the request holds a value the engine's processes cannot carry: {exc}") from None
+        self._outbox.put((msg, data))
 
     def _send_loop(self) -> None:
-        while (msg := self._outbox.get()) is not None:
+        while (item := self._outbox.get()) is not None:
+            msg, data = item
             key = msg.rid if isinstance(msg, AddRequest | AbortRequest) else str(msg.qid)
             try:
-                send(self._out[zlib.crc32(key.encode()) % len(self._out)], msg)
+                self._out[zlib.crc32(key.encode()) % len(self._out)].send(data, copy=False)
             except zmq.Again:
                 self._undeliverable(msg)
             except zmq.ZMQError:  # the context is being destroyed: nothing more leaves
@@ -122,17 +138,52 @@ class RemoteClient(RoutedClient):
     async def tokenize(self, req: GenerateRequest) -> list[int]:
         if req.input_ids is not None:
             return list(req.input_ids)
+        return (await self.prompt(req)).ids
+
+    async def prompt(self, req: GenerateRequest) -> Prompt:
+        if not self.info.images and (req.images or has_images(req.messages)):
+            return await super().prompt(req)  # refuses them
+        if req.input_ids is not None:
+            return Prompt(list(req.input_ids), list(req.images or []))
+        if has_images(req.messages):  # PIL images cross to the tokenizer worker as raw RGB bytes
+            req = dataclasses.replace(req, messages=messages_to_wire(req.messages or []))
         qid = next(self._qids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._replies[qid] = fut
         if (reason := self.failure()) is not None:  # it died before the query was registered: no reply will come
             self._replies.pop(qid, None)
             raise EngineGone(reason)
-        self._send(TokenizeQuery(qid, req))
+        try:
+            self._send(TokenizeQuery(qid, req))
+        except ValueError:
+            self._replies.pop(qid, None)
+            raise
         reply: TokenizeReply = await asyncio.wrap_future(fut)
         if reply.ids is None:
             raise ValueError(reply.error)
-        return reply.ids
+        for img in reply.images:
+            assert img.shm is not None  # the worker shares what it made
+            self._unsent[img.shm] = weakref.finalize(img, self._dropped, img.shm)
+        return Prompt(reply.ids, reply.images)
+
+    def _dropped(self, name: str) -> None:
+        """A prompt's image was never handed to a scheduler: its pixels go."""
+        self._unsent.pop(name, None)
+        pixels.unlink(name)
+
+    def _own(self, images: list[ImageInput]) -> list[ImageInput]:
+        """Each image as the scheduler will own it: the prompt's own segment the first time it is sent, a copy for
+        every other request made from the same prompt (n choices, a retry), so each request's end unlinks its own."""
+        out = []
+        for img in images:
+            keep = img.shm is not None and (gone := self._unsent.pop(img.shm, None)) is not None and gone.detach()
+            if keep:
+                out.append(img)
+            elif img.shm is not None:
+                out.append(dataclasses.replace(img, shm=pixels.copy(img.shm, img.shape), pixels=None))
+            else:  # pixels made in this process (an in-process processor's)
+                out.append(dataclasses.replace(img, shm=pixels.write(img.pixels), pixels=None))
+        return out
 
     def insert_prefix(self, prefix: str | list[int]) -> PrefixWarm:
         if isinstance(prefix, str):

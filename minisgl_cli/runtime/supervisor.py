@@ -1,7 +1,7 @@
 """Runtime: this node's child processes — start them, wait until each is ready, watch for a death, stop them.
 
-A watcher thread notices the first child to die: it logs one line naming it and calls the death hooks
-(the client fails its open streams; `minisgl serve` exits non-zero). Children are killed with their
+A watcher thread notices the first child to die and calls the death hooks with one line naming it (the client
+fails its open streams with it; `minisgl serve` exits non-zero with it as its one line). Children are killed with their
 parent whatever happens to it (see `child.die_with_parent`); `shutdown` stops all of them within 5 s.
 """
 
@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import zmq
 
+from minisgl_cli.core import pixels
 from minisgl_cli.messages import Failed, Ready
 from minisgl_cli.runtime.cpu import cpu_seconds
 from minisgl_cli.runtime.ipc import Endpoints, pull, recv
@@ -107,7 +108,7 @@ class Runtime:
             proc = self.procs[name]
             proc.join(1.0)  # the sentinel fires as it dies; the exit code follows
             self.dead = f"{self.label}{name} (pid {proc.pid}) exited with code {proc.exitcode}"
-            log.error("minisgl runtime: %s", self.dead)
+            log.info("minisgl runtime: %s", self.dead)  # said by whoever the hooks tell (serve's error line)
             self._died.set()
             for hook in self._hooks:
                 hook(self.dead)
@@ -133,7 +134,8 @@ class Runtime:
         return None
 
     def shutdown(self) -> None:
-        """SIGTERM every child, SIGKILL what is left after STOP_TIMEOUT_S; remove the ipc directory."""
+        """SIGTERM every child (each stops through its own clean-up and exits 0), SIGKILL what is left after
+        STOP_TIMEOUT_S (saying so); remove the ipc directory."""
         self.stopping = True
         for p in self.procs.values():
             if p.exitcode is None:
@@ -141,10 +143,15 @@ class Runtime:
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs.values():
-            if p.exitcode is None:
+        for name, p in self.procs.items():
+            if p.exitcode is None:  # its stop path hung (each child's exits 0 on SIGTERM)
+                log.warning("minisgl runtime: %s%s did not stop within %.0fs: killed", self.label, name, STOP_TIMEOUT_S)
                 p.kill()
                 p.join(1.0)
+            if p.pid is not None:  # image pixels its tokenizer workers wrote and no scheduler read
+                pixels.sweep(p.pid)
+        log.info("minisgl runtime: stopped (%s)", ", ".join(f"{self.label}{n} exit {p.exitcode}"
+                                                            for n, p in self.procs.items()))
         self._close_launcher()
         shutil.rmtree(self.root, ignore_errors=True)
 

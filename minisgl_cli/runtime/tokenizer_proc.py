@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import signal
 from dataclasses import dataclass
 
 import zmq
@@ -32,7 +33,8 @@ from minisgl_cli.messages import (
     TokenizeReply,
     TokenOutput,
 )
-from minisgl_cli.runtime.child import Child
+from minisgl_cli.processor import VisionProcessor, has_images
+from minisgl_cli.runtime.child import Child, leave
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, decode_steps, prompt_ids
 from minisgl_cli.types import ErrorCode
@@ -55,8 +57,11 @@ class WorkerJob:
 
 
 def run_worker(job: WorkerJob) -> None:
+    """Process entry point: report Ready (or Failed) to the launcher, serve until SIGTERM, then exit 0 (a worker
+    holds nothing to hand back)."""
     child = Child(job.name, job.name, job.log_level, job.endpoints.launcher)
     worker = child.start(functools.partial(_Worker, job))
+    signal.signal(signal.SIGTERM, lambda *_: leave())
     child.ready()
     worker.serve()
 
@@ -65,6 +70,8 @@ class _Worker:
     def __init__(self, job: WorkerJob, ctx: zmq.Context):
         self.job = job
         self.tokenizer = Tokenizer(job.model_dir) if job.model_dir is not None else None
+        # A vision-language model's image prompts (the HF processor loads with the first one).
+        self.processor = VisionProcessor.of(job.model_dir) if job.tokenizes and job.model_dir is not None else None
         ep = job.endpoints
         self.inbox = pull(ctx, ep.detokenizer if job.detokenizes else ep.tokenizer(job.index))
         self.to_api = push(ctx, ep.api)
@@ -95,6 +102,9 @@ class _Worker:
 
     def _tokenize(self, q: TokenizeQuery) -> TokenizeReply:
         try:
+            if self.processor is not None and has_images(q.req.messages):  # the pixels go by shared memory
+                prompt = self.processor.prompt(q.req.messages or [], q.req.tools, share=True)
+                return TokenizeReply(q.qid, prompt.ids, images=prompt.images)
             return TokenizeReply(q.qid, prompt_ids(self.tokenizer, q.req))
         except Exception as exc:  # template or tokenizer failures are the request's fault
             return TokenizeReply(q.qid, None, str(exc) or type(exc).__name__)

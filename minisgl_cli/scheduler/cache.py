@@ -56,7 +56,7 @@ class CacheManager:
         row = req.req_slot = self.engine.alloc_req_slot()
         if row is None:
             return False
-        ids = req.all_ids
+        ids = req.all_key_ids
         m = self.tree.match(ids[: len(ids) - 1])
         self.tree.lock(m.node)
         req.prefix_node, req.prefix_len, req.kv_len = m.node, m.length, m.length
@@ -114,7 +114,7 @@ class CacheManager:
         old = req.prefix_len
         if aligned <= old:
             return
-        ids = req.all_ids[:aligned]
+        ids = req.all_key_ids[:aligned]
         existing = self.tree.insert(ids, torch.tensor(self.slots(req, 0, aligned), dtype=torch.int64))
         m = self.tree.match(ids)
         self.tree.lock(m.node)
@@ -139,7 +139,7 @@ class CacheManager:
         if cache and req.kv_len > req.prefix_len:
             # Under overlap scheduling kv_len may run one ahead of the known tokens: cache what is known.
             n = min(req.kv_len, req.seq_len)
-            ids = req.all_ids[:n]
+            ids = req.all_key_ids[:n]
             slots = torch.tensor(self.slots(req, 0, n), dtype=torch.int64)
             aligned = n - n % p
             existing = self.tree.insert(ids[:aligned], slots[:aligned])

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl_cli.kvcache.radix import RadixNode
-from minisgl_cli.types import SamplingParams
+from minisgl_cli.types import ImageInput, SamplingParams
 
 
 @dataclass(eq=False)
@@ -28,10 +28,26 @@ class Req:
     grammar: Any = None  # xgrammar's GrammarMatcher when the request has a structured output (grammar.py)
     arrival: float = field(default_factory=time.perf_counter)
     prefill_started_at: float = 0.0  # when it first joined a prefill batch (queueing excluded)
+    images: list[ImageInput] = field(default_factory=list)  # a VLM prompt's images, by placeholder run
+    # The prompt as the prefix cache keys it: each image's placeholder ids replaced by a number from its content
+    # hash, so the same image matches its cached KV and another image with the same placeholders never does.
+    key_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key_ids = self.input_ids
+        if self.images:
+            self.key_ids = list(self.input_ids)
+            for img in self.images:
+                self.key_ids[img.offset : img.offset + img.tokens] = [-1 - img.key] * img.tokens  # no token's id
 
     @property
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    @property
+    def all_key_ids(self) -> list[int]:
+        """all_ids as the prefix cache keys them (see key_ids)."""
+        return self.key_ids + self.output_ids
 
     @property
     def seq_len(self) -> int:

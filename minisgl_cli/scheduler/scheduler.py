@@ -41,6 +41,7 @@ from minisgl_cli.scheduler.cache import CacheManager
 from minisgl_cli.scheduler.config import SchedulerConfig
 from minisgl_cli.scheduler.grammar import GrammarError, Grammars
 from minisgl_cli.scheduler.overlap import Launched, RowLogprobs, feed_input_ids
+from minisgl_cli.scheduler.profile import StepProfiler
 from minisgl_cli.scheduler.request import Req
 from minisgl_cli.scheduler.stats import RollingRate
 from minisgl_cli.types import ErrorCode, FinishReason, ModelInfo, SamplingParams, SchedulerStats
@@ -80,12 +81,19 @@ class Scheduler:
         receive = receive or self.drain
         self.engine.start_serving()
         self.grammars.prepare()
+        profiler = StepProfiler.from_env(self.engine.spec.device)
         while not stop.is_set():
             self.heartbeat = time.monotonic()
-            for msg in receive(not (self.waiting or self.running or self._inflight)):
+            msgs = receive(not (self.waiting or self.running or self._inflight))
+            if stop.is_set():  # set while receiving (TP ranks learn rank 0's stop there): no step after it
+                break
+            for msg in msgs:
                 self.handle(msg)
             try:
+                busy = bool(self.waiting or self.running)
                 self.step()
+                if busy:
+                    profiler.busy_step_done()
             except Exception:  # a bug must not kill the loop silently: fail what is in flight, go on
                 log.exception("scheduler step failed; failing in-flight requests")
                 self._inflight = None
@@ -115,7 +123,7 @@ class Scheduler:
 
     def handle(self, msg: ToScheduler) -> None:
         if isinstance(msg, AddRequest):
-            self._admit(Req(msg.rid, msg.input_ids, msg.params))
+            self._admit(Req(msg.rid, msg.input_ids, msg.params, images=msg.images))
         elif isinstance(msg, AbortRequest):
             self._abort(msg.rid, msg.reason)
         elif isinstance(msg, StatsQuery):
@@ -132,8 +140,12 @@ class Scheduler:
     def _admit(self, req: Req) -> None:
         try:  # every client checked this already; what reaches a scheduler is checked the same way, never trusted
             admit(req.input_ids, req.params, self.engine.spec.vocab_size, self.engine.spec.max_context_len)
+            self.engine.load_images(req.images)
         except AdmissionError as exc:
             self._finish(req, None, error=exc.message, code=exc.code)
+            return
+        except ValueError as exc:  # its images: pixels gone, or a model that takes none
+            self._finish(req, None, error=str(exc))
             return
         if req.params.max_new_tokens == 0:
             self._finish(req, "length")
@@ -187,12 +199,13 @@ class Scheduler:
             if budget <= 0 or len(self.running) + len(reqs) >= self.max_running:
                 break
             if req.req_slot is None:
-                if any(r.input_ids == req.input_ids for r in reqs):
+                if any(r.key_ids == req.key_ids for r in reqs):
                     continue  # the same prompt (n > 1 choices): next step, from the cache this step fills
                 if not self.cache.admit(req):
                     break
                 assert req.req_slot is not None  # admit gave it a row
                 self.engine.admit_sampling(req.req_slot, req.params, req.input_ids, req.output_ids)
+                self.engine.admit_images(req.req_slot, req.input_ids, req.images)
                 if not req.matched:
                     self._count_match(req)
             n = min(req.remaining_prefill, budget)
@@ -359,6 +372,7 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.cache.release(req)
+        self.engine.drop_images(req.images)
         self.stats.finished_requests += 1
         self.stats.aborted_requests += reason == "abort"
 
@@ -398,6 +412,7 @@ class Scheduler:
         s.prefill_tok_s, s.decode_tok_s = self._prefill_rate.rate(), self._decode_rate.rate()
         s.decode_compiling = int(self.engine.compiling)
         s.decode_compiled = int(self.engine.decode_step == "compiled")
+        s.images_encoded, s.image_cache_hits, s.vision_s = self.engine.vision_stats()
         return SchedulerStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
 
     def model_info(self) -> ModelInfo:

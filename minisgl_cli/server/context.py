@@ -1,7 +1,8 @@
 """ServerContext: what every route shares (client, settings, gate, metrics) and the steps generation routes take.
 
 Handlers get it with `ctx: Ctx` (a FastAPI dependency reading `app.state.ctx`) and only translate:
-check the model, tokenize (off the event loop), size the token budget, start an `EngineRun`.
+check the model, tokenize (off the event loop), size the token budget, start an `EngineRun` (whose client admits
+each request: admission.py).
 """
 
 from __future__ import annotations
@@ -13,20 +14,42 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
-from minisgl_cli.admission import AdmissionError, admit, new_tokens
+from minisgl_cli.admission import AdmissionError, new_tokens
 from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
+from minisgl_cli.media.jobs import MediaError
 from minisgl_cli.server.errors import InputError, admission_error
 from minisgl_cli.server.gate import InflightGate
 from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.server.runs import EngineRun
-from minisgl_cli.server.settings import ServerSettings
-from minisgl_cli.types import GenerateRequest, SamplingParams, SchedulerStats
+from minisgl_cli.server.settings import ServerSettings, VisionSettings
+from minisgl_cli.types import GenerateRequest, Prompt, SchedulerStats
+from minisgl_cli.vision.image_source import ImagePolicy, load_image_url
 
 if TYPE_CHECKING:
     from minisgl_cli.vision.vlm import VlmChat
 
 log = logging.getLogger("minisgl.server")
+
+
+def has_images(messages: list[p.ChatMessage]) -> bool:
+    return any(isinstance(m, p.UserMessage) and m.images for m in messages)
+
+
+def chat_with_images(messages: list[p.ChatMessage], policy: ImagePolicy) -> list[dict]:
+    """The chat as templates take it, image parts read under `policy` into PIL images (a MediaError names the
+    part it is about)."""
+    out = []
+    for i, m in enumerate(messages):
+        d = m.as_template_dict()
+        if isinstance(m, p.UserMessage) and isinstance(m.content, list) and m.images:
+            d["content"] = [
+                {"type": "text", "text": part.text} if isinstance(part, p.TextPart) else
+                {"type": "image", "image": load_image_url(part.image_url.url, policy,
+                                                          f"messages.{i}.content.{j}.image_url.url")}
+                for j, part in enumerate(m.content)]
+        out.append(d)
+    return out
 
 
 @dataclass
@@ -58,48 +81,50 @@ class ServerContext:
 
     async def tokens_of(self, prompt: str | list[int] | None = None, messages: list[p.ChatMessage] | None = None,
                         param: str = "prompt", tools: list[p.Tool] | None = None) -> list[int]:
-        """The prompt's token ids (chat template applied to messages and tools), checked against vocab and context."""
-        info = self.client.info
-        if messages is not None and any(isinstance(m, p.UserMessage) and m.images for m in messages):
-            raise InputError("image_url parts are served by /v1/chat/completions only (with --vlm-model)", param)
+        """The prompt's token ids (chat template applied to messages and tools). Not checked here: `budget` sizes
+        the reply, the client admits the request (errors naming `param`: GenerateRequest.prompt_param)."""
+        if messages is not None and has_images(messages):
+            raise InputError("image_url parts are served by /v1/chat/completions only", param)
+        return (await self.prompt_of(prompt, messages, param, tools)).ids
+
+    async def prompt_of(self, prompt: str | list[int] | None = None, messages: list[p.ChatMessage] | None = None,
+                        param: str = "prompt", tools: list[p.Tool] | None = None) -> Prompt:
+        """`tokens_of`, and the images of a chat for a model on the engine that takes them (`info.images`)."""
         try:
             if messages is not None:
-                ids = await self.client.tokenize(GenerateRequest(
-                    messages=[m.as_template_dict() for m in messages],
-                    tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None))
+                chat = [m.as_template_dict() for m in messages]
+                if has_images(messages):  # read off the event loop: files, remote fetches, decoding
+                    policy = (self.settings.vision or VisionSettings()).images
+                    chat = await asyncio.get_running_loop().run_in_executor(None, chat_with_images, messages, policy)
+                out = await self.client.prompt(GenerateRequest(
+                    messages=chat, tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None))
             elif isinstance(prompt, list):
-                ids = list(prompt)
+                out = Prompt(list(prompt))
             else:
-                ids = await self.client.tokenize(GenerateRequest(prompt=prompt or ""))
+                out = Prompt(await self.client.tokenize(GenerateRequest(prompt=prompt or "")))
+        except MediaError as exc:
+            raise InputError(exc.message, exc.param) from None
         except InputError:
             raise
         except Exception as exc:  # template or tokenizer failures are the input's fault here
             raise InputError(f"could not tokenize the {param}: {exc}", param) from exc
-        try:  # the prompt's own checks now: the token budget below needs a prompt that fits
-            admit(ids, SamplingParams(), info.vocab_size, info.max_context_len, param)
-        except AdmissionError as exc:
-            raise admission_error(exc) from None
-        return ids
+        return out
 
-    def budget(self, ids_list: list[list[int]], requested: int | None, param: str) -> tuple[int, str | None]:
-        """max_new_tokens for the run and the downscale note (None if not applied)."""
+    def budget(self, ids_list: list[list[int]], requested: int | None, param: str,
+               prompt_param: str = "prompt") -> tuple[int, str | None]:
+        """max_new_tokens for the run (`param`: the field that asked; a prompt as long as the context is refused
+        naming `prompt_param`) and the downscale note (None if not applied)."""
         try:
             requested = new_tokens(max(len(ids) for ids in ids_list), requested, self.client.info.max_context_len,
-                                   param)
+                                   param, prompt_param=prompt_param)
         except AdmissionError as exc:
             raise admission_error(exc) from None
         cut = self.gate.downscale(requested)
         return (cut, f"{requested}->{cut}") if cut < requested else (requested, None)
 
     def start(self, reqs: list[GenerateRequest], endpoint: str, user: str | None = None) -> EngineRun:
-        """Admit the requests (429 past the cap) and start them; `user` (the request's end-user id) is logged."""
-        info = self.client.info
-        for r in reqs:  # the sampling fields' checks (stop ids, bias keys, a grammar's library) before any starts
-            assert r.input_ids is not None  # the routes tokenize before they start a run
-            try:
-                admit(r.input_ids, r.params, info.vocab_size, info.max_context_len)
-            except AdmissionError as exc:
-                raise admission_error(exc) from None
+        """Start the requests (429 past the cap); the client admits each (a refusal is the run's first event, a 400
+        with its field); `user` (the request's end-user id) is logged."""
         self.gate.admit(len(reqs))
         if log.isEnabledFor(logging.INFO):
             for r in reqs:

@@ -20,7 +20,7 @@ from minisgl_cli.api import protocol as p
 from minisgl_cli.api.protocol import InputError
 from minisgl_cli.types import Delta, ErrorCode, SamplingParams
 
-__all__ = ["InputError", "Disconnected", "engine_error", "error_frame", "install_error_handlers"]
+__all__ = ["InputError", "Disconnected", "engine_error", "error_frame", "install_error_handlers", "refused"]
 
 log = logging.getLogger("minisgl.server")
 
@@ -53,13 +53,20 @@ class Disconnected(Exception):
 def engine_error(delta: Delta, retry_after_s: int = 1, params: SamplingParams | None = None) -> InputError:
     """The error a failed engine request answers with, by its code (CODE_TABLE): 503 when the engine died (with
     --dp: every replica), 500 for engine faults, 429 (+ Retry-After) when every --dp replica is at its cap, 400
-    for the input's (the engine refuses only a grammar that does not compile: `params` name its field). A delta
-    without a code is an engine fault."""
+    for the input's, naming the field the delta names (admission's), else the grammar's (`params`: the scheduler
+    refuses a grammar that does not compile). A delta without a code is an engine fault."""
     code = delta.error_code or ErrorCode.ENGINE_FAILED
     status, name = CODE_TABLE[code]
     headers = {"Retry-After": str(retry_after_s)} if code is ErrorCode.OVERLOADED else None
-    param = grammar_field(params) if params is not None and code is ErrorCode.INVALID_REQUEST else None
+    param = delta.error_param
+    if param is None and params is not None and code is ErrorCode.INVALID_REQUEST:
+        param = grammar_field(params)
     return InputError(delta.error or "unknown engine error", param, status, name, headers)
+
+
+def refused(delta: Delta) -> bool:
+    """Whether the delta ends a request its client refused at admission (it never ran): the error names a field."""
+    return delta.error_param is not None
 
 
 def error_frame(delta: Delta) -> dict[str, Any]:

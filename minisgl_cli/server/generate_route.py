@@ -29,16 +29,16 @@ async def generate(body: p.GenerateBody, request: Request, ctx: Ctx) -> Any:
     given = sum(x is not None for x in (body.prompt, body.messages, body.input_ids))
     if given != 1:
         raise InputError("give exactly one of prompt, messages, input_ids", "prompt")
+    field = "messages" if body.messages is not None else "prompt" if body.prompt is not None else "input_ids"
     if body.messages is not None:
-        ids = await ctx.tokens_of(messages=body.messages, param="messages")
+        ids = await ctx.tokens_of(messages=body.messages, param=field)
     else:
-        ids = await ctx.tokens_of(prompt=body.prompt if body.prompt is not None else body.input_ids,
-                                  param="prompt" if body.prompt is not None else "input_ids")
-    max_new, note = ctx.budget([ids], body.max_new_tokens, "max_new_tokens")
+        ids = await ctx.tokens_of(prompt=body.prompt if body.prompt is not None else body.input_ids, param=field)
+    max_new, note = ctx.budget([ids], body.max_new_tokens, "max_new_tokens", field)
     params = body.sampling_params(max_new, vocab_size=ctx.client.info.vocab_size, extra=dict(
         logprobs=body.return_logprob, top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
         **body.structured()))
-    req = GenerateRequest(input_ids=ids, params=params, rid=new_request_id("gen"))
+    req = GenerateRequest(input_ids=ids, params=params, rid=new_request_id("gen"), prompt_param=field)
     run = ctx.start([req], "/generate")
     if not body.stream:
         [(text, final)] = await run.finish_all(request)
@@ -72,8 +72,8 @@ async def generate(body: p.GenerateBody, request: Request, ctx: Ctx) -> Any:
 
 def _logprobs(lps: list[TokenLogprob]) -> list[dict[str, Any]]:
     """Each token's id, text and logprob, with its top candidates (`top`: [[id, text, logprob], ...])."""
-    return [{"token_id": t.token_id, "token": t.token, "logprob": max(t.logprob, -9999.0),
-             "top": [[c.token_id, c.token, max(c.logprob, -9999.0)] for c in t.top]} for t in lps]
+    return [{"token_id": t.token_id, "token": t.token, "logprob": p.json_logprob(t.logprob),
+             "top": [[c.token_id, c.token, p.json_logprob(c.logprob)] for c in t.top]} for t in lps]
 
 
 def _done(final: Delta, note: str | None, text: str | None = None) -> p.GenerateDone:

@@ -194,6 +194,13 @@ class ServerMetrics:
                 ("max_tokens_downscaled_total", self.downscaled, "Requests whose max_tokens was cut under load."),
                 ("retracted_requests_total", sched.retracted_requests, "Requests retracted to free KV."),
             ))
+            if info is not None and info.images:  # a vision-language model on the engine
+                families("counter", (
+                    ("images_encoded_total", sched.images_encoded, "Images the vision tower encoded."),
+                    ("image_cache_hits_total", sched.image_cache_hits,
+                     "Images whose embeddings came from the engine's cache instead of the vision tower."),
+                    ("vision_seconds_total", sched.vision_s, "Seconds the vision tower ran."),
+                ))
             if sched.replicas:  # data parallel: each replica's own
                 def each(values: list[float | None]) -> list[tuple[str, float]]:
                     return [(one(f'replica="{r.replica}"'), v) for r, v in zip(sched.replicas, values) if v is not None]

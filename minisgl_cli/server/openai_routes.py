@@ -1,6 +1,6 @@
 """The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models (and a 400 for /v1/embeddings) —
-handlers that only translate; tool calls are parsed by `tools.py`; chat requests with `image_url` parts go to
-the vision-language model (`vision.py`).
+handlers that only translate; tool calls are parsed by `tools.py`; chat requests with `image_url` parts run on the
+engine where its model takes images (Qwen2-VL / Qwen2.5-VL), else go to the transformers VLM (`vision.py`).
 
 Protocol models in, engine requests out (through `ServerContext`), engine deltas back as OpenAI
 responses or SSE `chunk` frames ending in `data: [DONE]`.
@@ -38,12 +38,13 @@ async def model_card(model: str, ctx: Ctx) -> Any:
 
 @router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse)
 async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx: Ctx) -> Any:
-    if body.has_images:  # image_url parts: the vision-language model's (vision.py)
+    if body.has_images and not ctx.client.info.images:  # the transformers VLM beside the engine (vision.py)
         return await vision.chat(body, request, ctx)
     ctx.check_model(body.model)
     mode = body.tool_mode
-    ids = await ctx.tokens_of(messages=body.messages, param="messages", tools=body.tools if mode else None)
-    max_new, note = ctx.budget([ids], body.requested_max_tokens, "max_tokens")
+    prompt = await ctx.prompt_of(messages=body.messages, param="messages", tools=body.tools if mode else None)
+    ids = prompt.ids
+    max_new, note = ctx.budget([ids], body.requested_max_tokens, "max_tokens", "messages")
     structured = body.structured()
     forced = tools.forced_schema(body)
     if forced is not None:
@@ -56,7 +57,8 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
                  **structured)
     vocab = ctx.client.info.vocab_size
     reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, i, vocab, extra),
-                            rid=new_request_id("chat")) for i in range(body.n)]
+                            rid=new_request_id("chat"), images=prompt.images or None, prompt_param="messages")
+                for i in range(body.n)]
     run = ctx.start(reqs, "/v1/chat/completions", body.user or body.safety_identifier)
     cid, ts, model = p.new_id("chatcmpl"), p.now(), ctx.model_name
     names = {t.function.name for t in body.tools or []}
@@ -165,7 +167,8 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
     vocab = ctx.client.info.vocab_size
     # Choice index = prompt index * n + sample index (OpenAI's order).
     reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, j, vocab, extra),
-                            rid=new_request_id("cmpl")) for ids in ids_list for j in range(body.n)]
+                            rid=new_request_id("cmpl"), prompt_param="prompt")
+            for ids in ids_list for j in range(body.n)]
     run = ctx.start(reqs, "/v1/completions", body.user)
     cid, ts, model = p.new_id("cmpl"), p.now(), ctx.model_name
     with_lp = body.logprobs is not None

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from minisgl_cli.client.protocol import EngineClient
-from minisgl_cli.server.errors import Disconnected, engine_error
+from minisgl_cli.server.errors import Disconnected, engine_error, refused
 from minisgl_cli.server.gate import InflightGate, downscale_headers
 from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.types import Delta, GenerateRequest, RequestStats, TokenLogprob, error_code_of
@@ -70,19 +70,22 @@ class EngineRun:
             self.open -= 1
             self.finals[i] = delta
             self._log_finish(i, delta)
-            self.metrics.finish(delta.stats, delta.finish_reason if not delta.error else None)
+            if not refused(delta):  # one its client refused never ran: its HTTP status alone counts it
+                self.metrics.finish(delta.stats, delta.finish_reason if not delta.error else None)
             if self.open == 0:
                 self._release()
         return i, delta
 
-    async def collect(self) -> list[tuple[str, Delta]]:
-        """Run every request to the end: [(text, final delta)] in choice order."""
+    async def collect(self, until_error: bool = False) -> list[tuple[str, Delta | None]]:
+        """Run every request to the end (`until_error`: or until one fails): [(text, final delta)] in choice
+        order."""
         texts = [""] * len(self.reqs)
         while (event := await self.next()) is not None:
             i, delta = event
             texts[i] += delta.text
-        # next() returned None: every request finished, so every final delta is set.
-        return list(zip(texts, cast("list[Delta]", self.finals)))
+            if until_error and delta.error:
+                break
+        return list(zip(texts, self.finals))
 
     async def first_event(self, request: Request) -> tuple[int, Delta] | None:
         """Wait for the first delta before answering, so early engine errors get a real status."""
@@ -97,16 +100,17 @@ class EngineRun:
         return event
 
     async def finish_all(self, request: Request) -> list[tuple[str, Delta]]:
-        """Run to the end (a non-stream response): [(text, final delta)], or the first engine error raised."""
+        """Run to the end (a non-stream response): [(text, final delta)]; the first engine error is raised as soon
+        as it comes (the response fails as a whole: closing aborts the others)."""
         try:
-            results = await unless_disconnected(request, self.collect())
+            results = await unless_disconnected(request, self.collect(until_error=True))
         finally:
             self.close()
         for req, (_, final) in zip(self.reqs, results):
-            if final is None or final.error:
-                raise engine_error(final or Delta("", error="request ended without a result"),
-                                   self.gate.retry_after_s, req.params)
-        return results
+            if final is not None and final.error:
+                raise engine_error(final, self.gate.retry_after_s, req.params)
+        # No error: every request finished, so every final delta is set.
+        return cast("list[tuple[str, Delta]]", results)
 
     def close(self) -> None:
         """Abort what is unfinished (client gone, error) and give the inflight slots back."""
@@ -117,11 +121,13 @@ class EngineRun:
         for task in self.tasks:
             task.cancel()
         if unfinished:
-            self.metrics.disconnect()
+            failed = any(f is not None and f.error for f in self.finals)  # the response fails as a whole
+            if not failed:
+                self.metrics.disconnect()
             for i in unfinished:
                 self.metrics.finish(None, "abort")
-                log.info("rid=%s %s: client gone after %d chunks, aborted (KV freed)",
-                         self.reqs[i].rid, self.endpoint, self.chunks[i])
+                log.info("rid=%s %s: %s after %d chunks, aborted (KV freed)", self.reqs[i].rid, self.endpoint,
+                         "another choice failed" if failed else "client gone", self.chunks[i])
         self._release()
 
     def _release(self) -> None:

@@ -1,7 +1,9 @@
-"""Vision-language chat: the /v1/chat/completions requests that carry `image_url` parts, served by the in-process
-VLM chat (vision/vlm.py) in the same response shapes, usage and errors as text chat.
+"""Vision-language chat in transformers: the /v1/chat/completions requests that carry `image_url` parts while the
+engine's model takes no images, served by the in-process VLM chat (vision/vlm.py: SmolVLM / Idefics3, or a Qwen VLM
+beside another served model) in the same response shapes, usage and errors as text chat.
 
-The chat route hands a request here when a user message holds an image; text-only requests never come here.
+The chat route hands a request here when a user message holds an image and the engine cannot take it (a
+Qwen2-VL / Qwen2.5-VL engine runs image chats itself, as text ones); text-only requests never come here.
 Images are read under the server's `ImagePolicy` (data: URLs always; local paths and http(s) only where
 allowed), off the event loop, and every refusal is a 400 naming the part it is about.
 """
@@ -20,13 +22,12 @@ from fastapi.responses import JSONResponse
 from minisgl_cli.admission import AdmissionError
 from minisgl_cli.api import protocol as p
 from minisgl_cli.media.jobs import MediaError
-from minisgl_cli.server.context import ServerContext
+from minisgl_cli.server.context import ServerContext, chat_with_images
 from minisgl_cli.server.errors import InputError, admission_error, engine_error, error_frame
 from minisgl_cli.server.gate import downscale_headers
 from minisgl_cli.server.runs import sse, stream_response, unless_disconnected
 from minisgl_cli.server.settings import VisionSettings
 from minisgl_cli.types import Delta, RequestStats, new_request_id
-from minisgl_cli.vision.image_source import ImagePolicy, load_image_url
 from minisgl_cli.vision.vlm import (
     LoadedVlm,
     VlmLoadError,
@@ -39,21 +40,6 @@ from minisgl_cli.vision.vlm import (
 log = logging.getLogger("minisgl.server")
 
 ENDPOINT = "/v1/chat/completions"
-
-
-def _images_of(messages: list[p.ChatMessage], policy: ImagePolicy) -> list[dict]:
-    """The chat as the vlm takes it: image parts decoded to PIL images (MediaError names the bad part)."""
-    out = []
-    for i, m in enumerate(messages):
-        d = m.as_template_dict()
-        if isinstance(m, p.UserMessage) and isinstance(m.content, list) and m.images:
-            d["content"] = [
-                {"type": "text", "text": part.text} if isinstance(part, p.TextPart) else
-                {"type": "image", "image": load_image_url(part.image_url.url, policy,
-                                                          f"messages.{i}.content.{j}.image_url.url")}
-                for j, part in enumerate(m.content)]
-        out.append(d)
-    return out
 
 
 def _refuse(body: p.ChatCompletionRequest) -> None:
@@ -113,8 +99,8 @@ async def chat(body: p.ChatCompletionRequest, request: Request, ctx: ServerConte
     vlm = ctx.vlm
     if vlm is None:
         raise InputError("this request has image_url parts but the server has no vision-language model: start "
-                         "`minisgl serve` with --vlm-model PATH (or set MINISGL_VLM_MODEL)", "messages",
-                         code="vlm_not_loaded")
+                         "`minisgl serve` with --vlm-model PATH (or set MINISGL_VLM_MODEL), or serve a Qwen2-VL / "
+                         "Qwen2.5-VL model as --model", "messages", code="vlm_not_loaded")
     settings: VisionSettings = ctx.settings.vision or VisionSettings()
     if body.model and body.model.lower() not in ctx.aliases | {vlm.name.lower()}:
         raise InputError(f"model {body.model!r} does not exist; this server's vision-language model is "
@@ -122,7 +108,7 @@ async def chat(body: p.ChatCompletionRequest, request: Request, ctx: ServerConte
     _refuse(body)
     loop = asyncio.get_running_loop()
     try:
-        messages = await loop.run_in_executor(None, _images_of, body.messages, settings.images)
+        messages = await loop.run_in_executor(None, chat_with_images, body.messages, settings.images)
     except MediaError as exc:
         raise InputError(exc.message, exc.param) from None
     try:

@@ -3,8 +3,10 @@ streamed as `Delta`s, the same objects the text engine streams.
 
 What runs where: the whole VLM (vision tower, connector and its decoder) runs here, in transformers'
 `generate`, beside the text engine and off its path: no paged KV, no radix cache, no batching; one
-generation at a time per loaded model (later requests wait their turn). Families: SmolVLM / Idefics3,
-Qwen2-VL, Qwen2.5-VL (any model AutoModelForImageTextToText loads and whose processor takes `images=`).
+generation at a time per loaded model (later requests wait their turn). Families: SmolVLM / Idefics3, and any
+model AutoModelForImageTextToText loads and whose processor takes `images=`. Qwen2-VL and Qwen2.5-VL run on the
+engine instead (models/qwen2_vl.py; `on_engine` says where a --vlm-model goes), unless a front pairs one with
+another served model.
 
 Messages are chat dicts whose content is text or a list of parts: `{"type": "text", "text": ...}` and
 `{"type": "image", "image": <PIL image>}` (vision/image_source.py turns URLs and files into those).
@@ -26,6 +28,7 @@ from typing import Any
 
 from minisgl_cli.admission import new_tokens
 from minisgl_cli.media.device import pick_device, pick_dtype
+from minisgl_cli.processor import load_processor
 from minisgl_cli.types import (
     Delta,
     ErrorCode,
@@ -100,41 +103,25 @@ def resolve_vlm_dir(model: str | Path) -> Path:
     return path
 
 
-def load_processor(model_dir: Path) -> Any:
-    """AutoProcessor; where its video processor cannot be built (transformers needs torchvision for the
-    Qwen2-VL and SmolVLM ones), the same processor class without it: images only, which is all chat sends."""
-    from transformers import AutoProcessor
+def on_engine(model: str | Path, engine_model: str | None) -> tuple[str | None, str | None, str]:
+    """Where `--vlm-model` runs, beside the engine's `--model` (None: the default): (the engine's model to use
+    instead, the VLM the transformers chat loads, the one line that says so). A Qwen2-VL / Qwen2.5-VL directory runs
+    on the engine as its served model (text and images), unless --model names another model; every other family
+    runs here, in transformers. VlmLoadError when the VLM cannot be found."""
+    from minisgl_cli.processor import VisionProcessor
 
-    try:
-        return AutoProcessor.from_pretrained(model_dir)
-    except ImportError as exc:
-        if "torchvision" not in str(exc).lower():
-            raise
-    import inspect
-
-    import transformers
-    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-
-    cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[AutoConfig.from_pretrained(model_dir).model_type])
-
-    class ImageOnly(cls):  # type: ignore[misc, valid-type]
-        def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
-            return None if name == "video_processor" and arg is None else super().check_argument_for_proper_class(
-                name, arg)
-
-    ImageOnly.__name__ = cls.__name__
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    # The processor's own settings (image_seq_len, ...) from processor_config.json, where the dir has one.
-    saved = model_dir / "processor_config.json"
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "image_processor", "tokenizer",
-                                                                   "video_processor", "chat_template"}
-    extra = {k: v for k, v in json.loads(saved.read_text()).items() if k in accepted} if saved.is_file() else {}
-    template = tokenizer.chat_template
-    if (model_dir / "chat_template.jinja").is_file():
-        template = (model_dir / "chat_template.jinja").read_text()
-    return ImageOnly(image_processor=AutoImageProcessor.from_pretrained(model_dir), tokenizer=tokenizer,
-                     video_processor=None, chat_template=template, **extra)
+    if engine_model is not None and Path(engine_model).is_dir() and VisionProcessor.of(engine_model) is not None:
+        raise VlmLoadError(f"--model {engine_model} takes images itself (on the engine): drop --vlm-model")
+    path = resolve_vlm_dir(model)
+    family = json.loads((path / "config.json").read_text()).get("model_type")
+    if VisionProcessor.of(path) is None:
+        return None, str(model), (f"--vlm-model {path.name} ({family}) runs in transformers beside the engine, one "
+                                  "request at a time (Qwen2-VL / Qwen2.5-VL run on the engine)")
+    if engine_model is None:
+        return str(path), None, (f"--vlm-model {path.name} ({family}) runs on the engine as the served model: text "
+                                 "and images, batched and cached")
+    return None, str(model), (f"--vlm-model {path.name} ({family}) runs in transformers beside --model "
+                              f"{engine_model}, one request at a time; give it as --model to run it on the engine")
 
 
 def load_vlm(model: str | Path, device: str | None = None) -> LoadedVlm:
@@ -217,7 +204,8 @@ def prepare(loaded: LoadedVlm, messages: list[dict]) -> Prepared:
 def check_budget(loaded: LoadedVlm, prepared: Prepared, requested: int | None, param: str = "max_tokens") -> int:
     """max_new_tokens for the request: what was asked, or what fits (AdmissionError, a ValueError, naming the
     context limit)."""
-    return new_tokens(prepared.prompt_tokens, requested, loaded.max_context_len, param, " (images included)")
+    return new_tokens(prepared.prompt_tokens, requested, loaded.max_context_len, param, " (images included)",
+                      "messages")
 
 
 async def stream(loaded: LoadedVlm, prepared: Prepared, params: SamplingParams, rid: str,

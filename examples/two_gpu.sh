@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Issue 35's run on a two-GPU machine, in order of value, within BUDGET seconds (default 400): each part under
+# `timeout` (its whole process group), a part that fails or runs out is logged and the next one runs, and a
+# summary table ends it. Six files under $OUT:
+#   summary.txt    the table printed at the end (also on stdout)
+#   allreduce.log  (a) examples/allreduce_bench.py: NCCL vs one-shot all-reduce, 4 KB-4 MB, eager and in a graph
+#   pytest.log     (b) tests/test_gpu_tp.py: one-shot == NCCL bit for bit; TP 2 greedy tokens vs TP 1
+#   tp.log         (c) examples/tp_decode.py: Llama-3.1-8B dummy bf16, batch-1 decode and greedy tokens at
+#                      --tp 1, --tp 2 (--all-reduce auto: one-shot) and --tp 2 --all-reduce nccl
+#   dp.log         (d) examples/dp_scaling.sh, shortened: Qwen3-0.6B --dp 2 vs --dp 1 through HTTP, and the router
+#   results.json   the rows of (a), (c) and (d)
+#
+#   OUT=/tmp/two_gpu bash examples/two_gpu.sh
+#   PARTS="a c" BUDGET=200 OUT=/tmp/two_gpu bash examples/two_gpu.sh   # some parts only
+#   DRY=1 OUT=/tmp/two_gpu bash examples/two_gpu.sh                    # the plan, nothing run
+#   PARTS="a b c" TP_MODEL=smollm2-135m TP_ARGS="--output-len 8 --input-len 32 --num-prompts 2 --max-total-tokens 4096" \
+#     OUT=/tmp/two_gpu bash examples/two_gpu.sh                         # the flow on a CPU machine (a fails, b skips)
+set -o pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/two_gpu}; mkdir -p "$OUT"
+WORK=$(mktemp -d /tmp/two_gpu.XXXXXX)  # everything else: only the six files above go to $OUT
+PY=${PY:-python3}
+BUDGET=${BUDGET:-400}
+PARTS=${PARTS:-a b c d}
+TP_MODEL=${TP_MODEL:-llama-3.1-8b}
+read -r -a TP_ARGS <<< "${TP_ARGS:-}"
+T0=$(date +%s)
+STATUS=()
+
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+
+# part NAME LIMIT MIN LOG COMMAND...: run COMMAND under `timeout` for min(LIMIT, time left - 15 s), appending to
+# LOG; skipped when fewer than MIN seconds are left. Records "NAME: ok | failed (rc) | TIMED OUT | skipped".
+part() {
+  local name=$1 limit=$2 min=$3 log=$4; shift 4
+  local secs=$(( $(left) - 15 )); [ "$secs" -gt "$limit" ] && secs=$limit
+  if [ "$secs" -lt "$min" ]; then
+    STATUS+=("$name: skipped (${secs}s left of the budget, needs ${min}s)"); echo "== $name: skipped" | tee -a "$log"
+    return 1
+  fi
+  echo "== $name (limit ${secs}s, at +$(( $(date +%s) - T0 ))s)" | tee -a "$log"
+  if [ -n "$DRY" ]; then
+    echo "   $*" | tee -a "$log"; STATUS+=("$name: dry run"); return 0
+  fi
+  local t=$(date +%s) rc
+  timeout -k 10 "$secs" "$@" >> "$log" 2>&1; rc=$?
+  local took=$(( $(date +%s) - t ))
+  case $rc in
+    0) STATUS+=("$name: ok (${took}s)") ;;
+    124|137) STATUS+=("$name: TIMED OUT after ${took}s (see $(basename "$log"))") ;;
+    *) STATUS+=("$name: failed, exit $rc, ${took}s (see $(basename "$log"))") ;;
+  esac
+  echo "-- $name: exit $rc after ${took}s" | tee -a "$log"
+  return $rc
+}
+
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+
+{ echo "two_gpu.sh at $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -4
+  $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
+"gpus", torch.cuda.device_count())' 2>&1 | tail -1
+  nvidia-smi topo -m 2>&1 | head -4; } > "$WORK/machine.txt"
+cat "$WORK/machine.txt"
+
+# (a) the all-reduce micro-benchmark: ~40 s (two ranks start, NCCL and symmetric memory set up, 11 sizes)
+want a && part "(a) all-reduce micro-benchmark" 90 30 "$OUT/allreduce.log" \
+  $PY examples/allreduce_bench.py --json "$WORK/allreduce.json"
+
+# (b) the two-GPU tests: ~90 s (the sums test ~25 s; Qwen3-0.6B at --tp 1 and --tp 2, one start each)
+want b && part "(b) pytest tests/test_gpu_tp.py" 170 60 "$OUT/pytest.log" \
+  $PY -m pytest -q -p no:cacheprovider tests/test_gpu_tp.py
+
+# (c) Llama-3.1-8B batch-1 decode and greedy tokens: ~40-60 s per configuration (start, 4x32 greedy tokens,
+# warm-up, 3 x 256 tokens at batch 1)
+if want c; then
+  for cfg in "1 auto tp1" "2 auto tp2" "2 nccl tp2-nccl"; do
+    read -r tp ar tag <<< "$cfg"
+    part "(c) $TP_MODEL --tp $tp --all-reduce $ar" 120 45 "$OUT/tp.log" \
+      $PY examples/tp_decode.py --model "$TP_MODEL" --tp "$tp" --all-reduce "$ar" "${TP_ARGS[@]}" --json "$WORK/$tag.json"
+  done
+  # Against TP 1, then the one-shot against NCCL at TP 2 (the same sums: the same tokens).
+  [ -z "$DRY" ] && { $PY examples/tp_decode.py --report "$WORK"/tp1.json "$WORK"/tp2.json "$WORK"/tp2-nccl.json
+    echo; $PY examples/tp_decode.py --report "$WORK"/tp2.json "$WORK"/tp2-nccl.json; } > "$WORK/tp_table.txt" 2>&1
+  cat "$WORK/tp_table.txt" >> "$OUT/tp.log" 2>/dev/null
+fi
+
+# (d) data parallelism through HTTP, shortened (128 requests of the nano-vllm preset, graphs up to 128):
+# ~40 s per configuration; whatever finishes is in the table
+if want d; then
+  part "(d) Qwen3-0.6B --dp 2 vs --dp 1 and the router (HTTP)" 400 90 "$OUT/dp.log" \
+    env OUT="$WORK/dp" NUM_PROMPTS=128 GRAPH_BS=128 PY="$PY" bash examples/dp_scaling.sh
+  for f in "$WORK"/dp/*.log; do [ -f "$f" ] && { echo "---- $(basename "$f") (last 15 lines)"; tail -15 "$f"; }; done \
+    >> "$OUT/dp.log" 2>/dev/null
+  [ -z "$DRY" ] && $PY examples/bench_table.py "$WORK/dp" dp1:"serve --dp 1" dp2:"serve --dp 2" \
+    router:"router over 2 x serve --dp 1" > "$WORK/dp_table.txt" 2>&1
+fi
+
+# The summary, and the rows in one JSON.
+{
+  cat "$WORK/machine.txt"
+  echo; echo "== parts (budget ${BUDGET}s, used $(( $(date +%s) - T0 ))s)"
+  printf '%s\n' "${STATUS[@]}"
+  echo; echo "== (a) all-reduce, µs per call"
+  grep -E "^ *(size|[0-9]+ [KM]B) " "$OUT/allreduce.log" 2>/dev/null || echo "(no table: see allreduce.log)"
+  echo; echo "== (b) tests"
+  grep -E "passed|failed|error|skipped" "$OUT/pytest.log" 2>/dev/null | tail -3 || echo "(not run)"
+  echo; echo "== (c) $TP_MODEL bf16 dummy weights, batch 1"
+  cat "$WORK/tp_table.txt" 2>/dev/null || echo "(not run)"
+  echo; echo "== (d) Qwen3-0.6B through HTTP, nano-vllm preset x 128 (second draw)"
+  cat "$WORK/dp_table.txt" 2>/dev/null || echo "(not run)"
+} > "$OUT/summary.txt"
+$PY - "$WORK" "$OUT/results.json" <<'EOF'
+import glob, json, os, sys
+work, out = sys.argv[1:]
+def read(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+tp = {os.path.basename(p)[:-5]: read(p) for p in sorted(glob.glob(f"{work}/tp*.json"))}
+dp = {}
+for p in sorted(glob.glob(f"{work}/dp/*.json")):
+    r = read(p)
+    dp[os.path.basename(p)[:-5]] = r["results"] if r and "results" in r else None
+json.dump({"allreduce": read(f"{work}/allreduce.json"), "tp": tp, "dp": dp}, open(out, "w"), indent=1)
+EOF
+echo; cat "$OUT/summary.txt"

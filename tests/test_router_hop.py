@@ -1,0 +1,69 @@
+"""The router's second hop, against a stand-in worker: one kept connection for request after request, the
+worker's SSE bytes passed through exactly as written however they are cut, and no body parsed where the
+routing mode has no use for it (only cache_aware matches prompts)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from minisgl_cli.api.http_server import BackgroundServer
+from minisgl_cli.router import app as router_app
+
+# Frames cut the awkward ways a TCP stream may cut them: one split in two, two in one write.
+PIECES = [b'data: {"a": 1}\n\n', b'data: {"b"', b': 2}\n\ndata: {"c": 3}\n\n', b"data: [DONE]\n\n"]
+
+
+def _worker(ports: list[int]) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        assert request.client is not None
+        ports.append(request.client.port)  # one per TCP connection the router opened
+
+        async def body():
+            for piece in PIECES:
+                yield piece
+                await asyncio.sleep(0.01)  # separate writes
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture
+def hop():
+    ports: list[int] = []
+    with BackgroundServer(_worker(ports)) as worker:
+        router = BackgroundServer(router_app.create_router_app([worker], mode="rr", health_interval=60))
+        with router as url:
+            yield url, ports
+
+
+def test_the_router_keeps_one_connection_and_passes_sse_bytes_through(hop):
+    url, ports = hop
+    for _ in range(5):
+        r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi", "stream": true}', timeout=30)
+        assert r.status_code == 200 and r.content == b"".join(PIECES)
+        assert r.headers["content-type"].startswith("text/event-stream")
+    assert len(ports) == 5 and len(set(ports)) == 1  # every request over the same kept connection
+
+
+def test_rr_routes_without_parsing_the_body(hop, monkeypatch):
+    url, _ = hop
+
+    def boom(body: bytes):
+        raise AssertionError("rr parsed the body")
+
+    monkeypatch.setattr(router_app, "routing_key", boom)
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi"}', timeout=30)
+    assert r.status_code == 200 and r.content == b"".join(PIECES)
