@@ -306,6 +306,12 @@ class SchedulerStats:
         total = self.cache_hit_tokens + self.cache_miss_tokens
         return self.cache_hit_tokens / total if total else 0.0
 
+    @property
+    def decode_step(self) -> str:
+        """What runs the CPU decode (engine/cpu_compile.py): `building` while an engine builds its compiled step
+        (decoding eagerly meanwhile), `compiled` where one runs it and none builds, else `eager` (CUDA: graphs)."""
+        return "building" if self.decode_compiling else "compiled" if self.decode_compiled else "eager"
+
     @classmethod
     def total(cls, parts: list[SchedulerStats]) -> SchedulerStats:
         """The sum of several schedulers' figures (counters, queues, pools and rolling rates alike; n/a in any
@@ -321,7 +327,7 @@ class SchedulerStats:
     def to_dict(self) -> dict[str, Any]:
         rate = self.cache_hit_rate
         out = {**{f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_SUMMED},
-               "cache_hit_rate": None if rate is None else round(rate, 4)}
+               "cache_hit_rate": None if rate is None else round(rate, 4), "decode_step": self.decode_step}
         if self.replicas:
             out["replicas"] = [r.to_dict() for r in self.replicas]
         return out

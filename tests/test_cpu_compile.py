@@ -184,6 +184,7 @@ def test_serve_answers_while_building_and_stops_at_once(default_model_dir, tmp_p
         s.wait_healthy()
         scheduler = httpx.get(f"{s.url}/metrics", timeout=10).json()["scheduler"]
         assert scheduler["decode_compiling"] == 1 and scheduler["decode_compiled"] == 0
+        assert scheduler["decode_step"] == "building"
         r = httpx.post(f"{s.url}/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16,
             "temperature": 0})

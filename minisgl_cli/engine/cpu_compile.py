@@ -275,8 +275,9 @@ class CompiledDecode:
             self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=out,
                                           stderr=subprocess.STDOUT, start_new_session=True)
         assert self._proc.stdin is not None
-        notice(f"starting the compiled CPU decode build (pid {self._proc.pid}) in the background: ~2-3 min on 2 "
-               "cores, once for this model, torch and CPU; decoding runs eagerly until then, about half as fast")
+        notice(f"starting the compiled CPU decode build (pid {self._proc.pid}) in the background: ~3 min on 2 cores, "
+               "once for this model, torch and CPU (`serve --prebuild` does it ahead); until then decoding runs "
+               "eagerly, several times slower while the build shares the cores")
         self._proc.stdin.write(pickle.dumps(BuildJob(self.cfg, self.key, self.path)))
         self._proc.stdin.flush()
         atexit.register(self.close)

@@ -180,7 +180,8 @@ class ServerMetrics:
                 ("prefill_throughput_tokens_per_second", sched.prefill_tok_s, "Rolling prefill rate."),
                 ("decode_throughput_tokens_per_second", sched.decode_tok_s, "Decode speed of the last 10 s of steps."),
                 ("decode_compiling", sched.decode_compiling,
-                 "Engines still compiling their CPU decode (--torch-compile); eager until then."),
+                 "Engines still building their compiled CPU decode step (--torch-compile); eager until then."),
+                ("decode_compiled", sched.decode_compiled, "Engines decoding through their compiled CPU decode step."),
             ))
             families("counter", (
                 ("cache_hit_tokens_total", sched.cache_hit_tokens, "Prompt tokens served from the prefix cache."),
@@ -251,7 +252,8 @@ def _process_cpu(sched: SchedulerStats) -> dict[str, float]:
 
 
 def _engine_info(info: ModelInfo) -> dict[str, str]:
-    return {"engine": info.engine, "attention_backend": info.attention_backend, "sampler": info.sampler}
+    return {"engine": info.engine, "device": info.device, "attention_backend": info.attention_backend,
+            "sampler": info.sampler}
 
 
 def _ms(seconds: float) -> float:
