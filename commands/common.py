@@ -260,7 +260,9 @@ def prebuild(opts: EngineOptions) -> NoReturn:
 
     try:
         path = build(opts.engine)
-    except (ModelLoadError, ValueError, RuntimeError) as exc:
+    except ValueError as exc:  # these options decode eagerly: the flag would change nothing
+        fail(str(exc), 2)
+    except (ModelLoadError, RuntimeError) as exc:
         fail(str(exc))
     notice.notice(f"the compiled CPU decode step is stored: {path}")
     raise typer.Exit(0)

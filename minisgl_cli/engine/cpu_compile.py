@@ -206,6 +206,22 @@ def build(job: BuildJob) -> None:
             os.replace(partial, job.path)
         finally:
             partial.unlink(missing_ok=True)
+        _prune(job.key, job.path)
+
+
+def _prune(key: StepKey, keep: Path) -> None:
+    """Remove the store's packages this build supersedes: the same model and mode on this CPU, built by another
+    torch or another minisgl source (each is ~100 MB; nothing would load them again)."""
+    same = ("weights", "config", "quantization", "dtype", "kv_dtype", "cpu")
+    for path in keep.parent.glob("decode-*.pt2"):
+        stored = _stored_key(path)
+        if path == keep or stored is None:
+            continue
+        other = json.loads(stored)
+        if all(other.get(f) == getattr(key, f) for f in same):
+            log.info("removing %s: superseded by %s", path, keep)
+            path.unlink(missing_ok=True)
+            path.with_suffix(".lock").unlink(missing_ok=True)
 
 
 def _stored_key(path: Path) -> str | None:
@@ -248,6 +264,7 @@ class CompiledDecode:
         self.steps = self.declined = 0  # batches it ran / sent back to eager
         self._proc: subprocess.Popen | None = None
         self._watch: threading.Thread | None = None
+        self.serving = True  # the engine decodes while it builds (not a prebuild)
         t0 = time.perf_counter()
         self._runner = _load(self.path, key)
         if self._runner is not None:
@@ -264,10 +281,12 @@ class CompiledDecode:
         return self._runner is None and self.builds and self.error is None and (
             self._watch is None or self._watch.is_alive())
 
-    def start(self) -> None:
-        """Serving starts: build the step in a child process if none was stored (once)."""
+    def start(self, serving: bool = True) -> None:
+        """Serving starts (`serving`; else a prebuild waits for it): build the step in a child process if none was
+        stored (once)."""
         if not self.compiling or self._watch is not None:
             return
+        self.serving = serving
         log_path = self.path.with_suffix(".log")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as out:
@@ -275,9 +294,11 @@ class CompiledDecode:
             self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=out,
                                           stderr=subprocess.STDOUT, start_new_session=True)
         assert self._proc.stdin is not None
-        notice(f"starting the compiled CPU decode build (pid {self._proc.pid}) in the background: ~3 min on 2 cores, "
-               "once for this model, torch and CPU (`serve --prebuild` does it ahead); until then decoding runs "
-               "eagerly, several times slower while the build shares the cores")
+        cost = "~3 min on 2 cores, once for this model, torch and CPU"
+        notice(f"starting the compiled CPU decode build (pid {self._proc.pid}) in the background: {cost} "
+               "(`serve --prebuild` does it ahead); until then decoding runs eagerly, several times slower while the "
+               "build shares the cores" if serving else
+               f"starting the compiled CPU decode build (pid {self._proc.pid}): {cost}")
         self._proc.stdin.write(pickle.dumps(BuildJob(self.cfg, self.key, self.path)))
         self._proc.stdin.flush()
         atexit.register(self.close)
@@ -287,7 +308,7 @@ class CompiledDecode:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Start the build if needed, then block until the step runs (True) or the build failed / timed out."""
-        self.start()
+        self.start(serving=False)
         if self._watch is not None:
             self._watch.join(timeout)
         return self._runner is not None
@@ -318,7 +339,7 @@ class CompiledDecode:
         self._runner = runner
         log_path.unlink(missing_ok=True)
         notice(f"CPU decode: the compiled step is built ({time.perf_counter() - t0:.0f}s) and stored in "
-               f"{self.path.parent}: decoding at full speed now")
+               f"{self.path.parent}" + (": decoding at full speed now" if self.serving else ""))
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return self._runner is not None and batch.is_decode and batch.batch_size <= MAX_ROWS
