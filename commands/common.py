@@ -255,7 +255,7 @@ class EngineOptions:
 
 def prebuild(opts: EngineOptions) -> NoReturn:
     """--prebuild: build the compiled CPU decode step of these options (engine/cpu_compile.py), then exit."""
-    from minisgl_cli.engine.cpu_compile import prebuild as build
+    from minisgl_cli.engine.cpu_build import prebuild as build
     from minisgl_cli.loader.errors import ModelLoadError
 
     try:

@@ -21,7 +21,7 @@ from test_cache_invariance import ANSWER, CHATS
 
 from minisgl_cli import LLM
 from minisgl_cli.core.batch import ForwardBatch
-from minisgl_cli.engine import cpu_compile
+from minisgl_cli.engine import cpu_build, cpu_compile
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
 
@@ -65,7 +65,7 @@ def test_a_build_removes_the_packages_it_supersedes_only(tmp_path, monkeypatch):
         with zipfile.ZipFile(k.path, "w") as z:
             z.writestr("m/x.wrapper_metadata.json", json.dumps({cpu_compile._KEY: k.to_json()}))
     assert cpu_compile._stored_key(older.path) == older.to_json()
-    cpu_compile._prune(key, key.path)
+    cpu_build._prune(key, key.path)
     assert key.path.exists() and other.path.exists() and not older.path.exists()
 
 
@@ -170,7 +170,7 @@ def test_a_package_of_another_key_is_rebuilt_never_loaded(tiny_step, store, tiny
 @pytest.fixture(scope="module")
 def default_step() -> None:
     """The default model's step in the shared store (built now if it is not there: minutes)."""
-    cpu_compile.prebuild(EngineConfig(torch_compile="auto"))
+    cpu_build.prebuild(EngineConfig(torch_compile="auto"))
 
 
 @pytest.mark.slow

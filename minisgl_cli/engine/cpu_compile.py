@@ -5,7 +5,7 @@ ops, and its int4 GEMVs are under a third of the step (docs/benchmarks.md). Expo
 AOTInductor, the step is one shared library: inductor's C++ loops for the norms, RoPE, residual adds and the rest
 around the same GEMV and attention kernels eager calls, run with no Python, no guards and no per-op dispatch.
 
-Built once, in a child process (`python -m minisgl_cli.engine.cpu_compile`, minutes of one core; the engine decodes
+Built once, in a child process (`python -m minisgl_cli.engine.cpu_build`, minutes of one core; the engine decodes
 eagerly meanwhile), into a package under env.compiled_dir() named by the digest of its StepKey: the weights (inside
 the package), the model's shapes, the linear method, the dtypes, torch's version, this CPU (the C++ targets its ISA)
 and the source of the modules the step runs. Every later start with the same key loads it before serving; a package
@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import copy
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
@@ -56,7 +55,8 @@ MAX_ROWS = 1024  # decode rows a step takes at most (past them it runs eagerly)
 _FORMAT = 1  # DecodeStep's inputs and outputs: bump on a change
 _KEY = "minisgl_step_key"  # the package's metadata entry holding its StepKey
 _ROOT = Path(__file__).resolve().parents[1]  # minisgl_cli/
-_TRACED = ("models", "layers", "attention", "core", "kvcache", "engine/cpu_compile.py")  # the code the step runs
+# The code the step runs and the code that builds it: an edit there rebuilds (StepKey.source).
+_TRACED = ("models", "layers", "attention", "core", "kvcache", "engine/cpu_compile.py", "engine/cpu_build.py")
 
 
 @dataclass(frozen=True)
@@ -160,70 +160,6 @@ class BuildJob:
     path: Path
 
 
-def build(job: BuildJob) -> None:
-    """Compile the decode step of the engine `job.engine` describes into `job.path` (in this process: minutes).
-    Another process building the same path first: wait for it, and keep its package."""
-    from minisgl_cli.engine.engine import Engine  # (engine.py imports this module)
-
-    job.path.parent.mkdir(parents=True, exist_ok=True)
-    with open(job.path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _stored_key(job.path) == job.key.to_json():
-            return
-        for stale in job.path.parent.glob(f"{job.path.stem}.*.partial.pt2"):  # a killed build's
-            stale.unlink()
-        torch.set_num_threads(1)
-        cfg = dataclasses.replace(job.engine, torch_compile="off", max_total_tokens=256, max_running_requests=1,
-                                  num_threads=1)
-        engine = Engine(cfg)
-        if engine.spec.model_dir is not None and engine.loaded.source != "dummy":
-            key = StepKey.of(cfg, engine.model_cfg, engine.spec.model_dir, engine.loaded.source, engine.dtype,
-                             engine.kv_dtype, engine.quantization)
-            assert key.to_json() == job.key.to_json(), "the model or minisgl changed since the engine started"
-        assert isinstance(engine.attn, TorchBackend)
-        delattr(engine.model, "lm_head")  # the head stays eager: its fbgemm weight cannot be exported
-        step, pool = DecodeStep(engine.model, engine.attn), engine.pool
-        b, n = 2, 32  # example sizes: dynamic below (export specializes on 1)
-        dt = pool.shape.dtype
-        args = (torch.full((b,), 5), torch.full((b,), n - 1), torch.zeros(b, dtype=torch.long),
-                torch.zeros(b, n, dtype=torch.long), torch.zeros(b, 1, 1, n, dtype=dt), pool.k, pool.v)
-        rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
-        keys = 16 * torch.export.Dim("keys16", min=1, max=-(-engine.model_cfg.max_position_embeddings // 16))
-        slots = torch.export.Dim("slots", min=2)
-        kv = [{0: slots}] * len(pool.k)
-        dims = ({0: rows}, {0: rows}, {0: rows}, {0: rows, 1: keys}, {0: rows, 3: keys}, kv, kv)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            program = torch.export.export(step, args, dynamic_shapes=dims, strict=False)
-        log.info("exported the decode step in %.0fs", time.perf_counter() - t0)
-        partial = job.path.with_suffix(f".{os.getpid()}.partial.pt2")
-        try:
-            torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs={
-                "compile_threads": 1,  # no worker pool: the serving engine decodes on the other cores
-                "emulate_precision_casts": True,
-                "aot_inductor.metadata": {_KEY: job.key.to_json()},
-            })
-            os.replace(partial, job.path)
-        finally:
-            partial.unlink(missing_ok=True)
-        _prune(job.key, job.path)
-
-
-def _prune(key: StepKey, keep: Path) -> None:
-    """Remove the store's packages this build supersedes: the same model and mode on this CPU, built by another
-    torch or another minisgl source (each is ~100 MB; nothing would load them again)."""
-    same = ("weights", "config", "quantization", "dtype", "kv_dtype", "cpu")
-    for path in keep.parent.glob("decode-*.pt2"):
-        stored = _stored_key(path)
-        if path == keep or stored is None:
-            continue
-        other = json.loads(stored)
-        if all(other.get(f) == getattr(key, f) for f in same):
-            log.info("removing %s: superseded by %s", path, keep)
-            path.unlink(missing_ok=True)
-            path.with_suffix(".lock").unlink(missing_ok=True)
-
-
 def _stored_key(path: Path) -> str | None:
     """The key a package was built for, read without loading its code; None where there is none (or no package)."""
     import zipfile
@@ -291,8 +227,8 @@ class CompiledDecode:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as out:
             # stdin stays open: the child stops when it closes (this process gone, however it went).
-            self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=out,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = subprocess.Popen([sys.executable, "-m", "minisgl_cli.engine.cpu_build"], stdin=subprocess.PIPE,
+                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         assert self._proc.stdin is not None
         cost = "~3 min on 2 cores, once for this model, torch and CPU"
         notice(f"starting the compiled CPU decode build (pid {self._proc.pid}) in the background: {cost} "
@@ -354,49 +290,3 @@ class CompiledDecode:
         assert self._runner is not None  # can_run said so
         self.steps += 1
         return self._runner.run(inputs)[0]
-
-
-def prebuild(cfg: EngineConfig) -> Path:
-    """Build the compiled decode step of the engine `cfg` describes, in the foreground, unless it is stored already
-    (`minisgl serve --prebuild`: a container image that starts at full speed). Its package's path; ValueError where
-    that engine decodes eagerly, RuntimeError where the build fails."""
-    from minisgl_cli.engine.engine import Engine
-
-    on = "on" if cfg.torch_compile == "auto" else cfg.torch_compile
-    engine = Engine(dataclasses.replace(cfg, torch_compile=on, max_total_tokens=256, max_running_requests=1))
-    compiled = engine.compiled
-    if compiled is None:
-        raise ValueError("this engine decodes eagerly (--torch-compile off, or no int4 / int8 CPU mode at TP 1): "
-                         "there is no compiled step to build")
-    if not compiled.wait():
-        raise RuntimeError(f"building the compiled CPU decode step failed ({compiled.error}; see "
-                           f"{compiled.path.with_suffix('.log')})")
-    return compiled.path
-
-
-def _main() -> None:
-    """The build process: build the BuildJob pickled on stdin; exit as soon as stdin closes (the parent is gone)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(env.inductor_cache_dir()))  # outlives /tmp: reused
-    job: BuildJob = pickle.load(sys.stdin.buffer)
-
-    def orphaned() -> None:  # the whole process group: this process and the compiler it runs
-        sys.stdin.buffer.read()
-        os.killpg(0, signal.SIGKILL)
-
-    threading.Thread(target=orphaned, daemon=True).start()
-    os.nice(5)  # the engine that waits for it serves on the same cores: it comes first
-    code = 0
-    try:
-        build(job)
-    except BaseException:  # noqa: BLE001 - told in the build's log, which the engine's warning names
-        log.exception("the build failed")
-        code = 1
-    logging.shutdown()
-    os._exit(code)  # not a normal exit: the stdin thread is blocked in a read
-
-
-if __name__ == "__main__":
-    from minisgl_cli.engine import cpu_compile  # the module's own classes, as the engine pickled them, not __main__'s
-
-    cpu_compile._main()
