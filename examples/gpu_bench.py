@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from timing import accumulate  # examples/, beside this script
 
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
@@ -71,24 +72,10 @@ overlap_mod.Launched.read = _timed_read
 PHASES: dict[str, float] = {}
 
 
-def _phase(owner, attr: str, label: str) -> None:
-    """Accumulate wall time spent in owner.attr under PHASES[label] (host-side step split)."""
-    fn = getattr(owner, attr)
-
-    def wrapped(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **kw)
-        finally:
-            PHASES[label] = PHASES.get(label, 0.0) + time.perf_counter() - t0
-
-    setattr(owner, attr, wrapped)
-
-
-_phase(Scheduler, "_schedule", "schedule")
-_phase(Scheduler, "_launch", "launch (build+forward+sample)")
-_phase(Engine, "forward", "engine.forward")
-_phase(Scheduler, "_process", "process (incl. wait)")
+for _owner, _attr, _label in ((Scheduler, "_schedule", "schedule"),
+                              (Scheduler, "_launch", "launch (build+forward+sample)"),
+                              (Engine, "forward", "engine.forward"), (Scheduler, "_process", "process (incl. wait)")):
+    accumulate(_owner, _attr, _label, PHASES)  # the host-side step split
 
 
 @dataclass

@@ -90,6 +90,7 @@ def steps_child(model: str, streams: int) -> None:
     an emit that encodes each step's outputs as rank 0 does; the thread's CPU time per step, with the engine's step
     (the tiny forward and sampling) apart from the rest (the host work). Best of 4 runs; one JSON line."""
     import torch
+    from timing import accumulate  # examples/ (this script's folder), whichever tree is under test
 
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.engine.engine import Engine
@@ -102,23 +103,11 @@ def steps_child(model: str, streams: int) -> None:
                                  max_total_tokens=streams * 400, torch_compile="off", num_threads=1))
     spent: dict[str, float] = {}
 
-    def timed(owner: object, name: str, label: str) -> None:
-        """Count the thread CPU time inside owner.name under `label` (methods both trees have)."""
-        f = getattr(owner, name)
-
-        def wrapper(*a, **kw):
-            t = time.thread_time()
-            try:
-                return f(*a, **kw)
-            finally:
-                spent[label] = spent.get(label, 0.0) + time.thread_time() - t
-
-        setattr(owner, name, wrapper)
-
-    timed(engine, "step", "engine")
+    # Thread CPU time inside each (methods both trees have).
+    accumulate(engine, "step", "engine", spent, time.thread_time)
     for owner, name in ((Scheduler, "_schedule"), (Engine, "build_batch"), (Engine, "sampling_batch"),
                         (Scheduler, "_process"), (Scheduler, "_emit_outputs")):
-        timed(owner, name, name.strip("_"))
+        accumulate(owner, name, name.strip("_"), spent, time.thread_time)
     left = [0]
 
     def emit(msg) -> None:
