@@ -265,3 +265,22 @@ def test_a_shutdown_stops_every_rank_through_its_clean_up_and_each_child_exits_0
     stopped = re.findall(r"rank(\d) minisgl\.runtime: scheduler rank \d stopped: (\d+) of (\d+) KV tokens free", err)
     assert sorted(r for r, _, _ in stopped) == ["0", "1"] and all(free == total for _, free, total in stopped), err
     assert "Traceback" not in err, err
+
+
+def test_closing_engines_in_turn_gives_their_memory_back():
+    """An app (a notebook, a test suite) that opens and closes engines in turn stays at one engine's memory: each
+    closed engine's CPU memory goes back to the OS (core/host.py trim_heap), not into a thread's malloc arena."""
+    import os
+
+    from minisgl_cli import LLM, SamplingParams
+
+    def rss_mb() -> int:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+
+    after = []
+    for _ in range(3):
+        with LLM() as llm:  # the default model: a 1 GiB KV pool
+            llm.generate("Hi", SamplingParams(max_new_tokens=2))
+        after.append(rss_mb())
+    assert after[2] - after[0] < 300, after

@@ -20,6 +20,7 @@ import torch
 
 from minisgl_cli.client.protocol import STALL_S, PrefixWarm
 from minisgl_cli.client.routed import RoutedClient
+from minisgl_cli.core.host import trim_heap
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.messages import DecodedPiece, FromScheduler, StepOutput, TokenOutput, ToScheduler
@@ -143,6 +144,7 @@ class LocalClient(RoutedClient):
             # Free the engine now (its parts refer to each other) and give its CUDA memory back to the device: the
             # next engine in this process sizes its KV pool from the free memory.
             gc.collect()
+            trim_heap()
             if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
 

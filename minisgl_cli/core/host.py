@@ -8,6 +8,9 @@ them. Each engine has its own: two engines in one process never share a slot.
 from __future__ import annotations
 
 import array
+import ctypes
+import ctypes.util
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +25,24 @@ def host_tensor(data: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
     if code is None or not data:
         return torch.tensor(data, dtype=dtype)
     return torch.frombuffer(array.array(code, data), dtype=dtype)
+
+
+@functools.cache
+def _libc_trim():
+    """glibc's malloc_trim, or None (another C library)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the OS. A closed engine's CPU memory (its KV pool, weights, step
+    buffers) was allocated from its scheduler thread's malloc arena, which glibc keeps once freed: a process that
+    opens and closes engines in turn (tests, notebooks) grew ~0.8 GB an engine without this."""
+    trim = _libc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class _UploadRing:
