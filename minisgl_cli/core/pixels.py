@@ -39,8 +39,11 @@ def write(pixels: torch.Tensor) -> str:
     """Put a float32 tensor's bytes into a new segment; its name (read it with `read(name, shape)`)."""
     import torch
 
+    return _write_bytes(pixels.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+
+
+def _write_bytes(data: bytes) -> str:
     name = f"{owner_tag()}{next(_ids)}"
-    data = pixels.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
     with os.fdopen(os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600), "wb") as f:
         f.write(data)
     return name
@@ -50,16 +53,12 @@ def read(name: str, shape: list[int]) -> torch.Tensor:
     """The segment's pixels as a tensor of this process (ValueError naming the segment when it is gone or short)."""
     import torch
 
-    numel = 1
-    for n in shape:
-        numel *= n
     path = _path(name)
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        raise ValueError(f"the image's pixels are gone (shared-memory segment {name})") from None
-    if size != numel * 4:
-        raise ValueError(f"the image's pixels are {size} bytes, not {numel * 4} (shared-memory segment {name})")
+        size = None
+    numel = _checked_numel(name, size, shape)
     if not numel:
         return torch.empty(shape, dtype=torch.float32)
     # A private mapping: pages are read from the segment, nothing is written back, and unlinking it is safe.
@@ -81,8 +80,24 @@ def from_bytes(data: bytes, shape: list[int]) -> torch.Tensor:
 
 
 def copy(name: str, shape: list[int]) -> str:
-    """A new segment holding what segment `name` holds (one request's own copy of a shared image)."""
-    return write(read(name, shape))
+    """A new segment holding what segment `name` holds (one request's own copy of a shared image: every image
+    request makes one, so bytes to bytes, no tensor between)."""
+    data = read_bytes(name)
+    _checked_numel(name, None if data is None else len(data), shape)
+    assert data is not None
+    return _write_bytes(data)
+
+
+def _checked_numel(name: str, size: int | None, shape: list[int]) -> int:
+    """The float32 count of `shape`, once a segment's `size` in bytes (None: it is gone) is known to hold it."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if size is None:
+        raise ValueError(f"the image's pixels are gone (shared-memory segment {name})")
+    if size != numel * 4:
+        raise ValueError(f"the image's pixels are {size} bytes, not {numel * 4} (shared-memory segment {name})")
+    return numel
 
 
 def unlink(name: str) -> None:
