@@ -1,6 +1,6 @@
 """One-shot GPU benchmark: our engine vs HF transformers `generate` on the same dummy weights, in one run.
 
-    PYTHONPATH=. python examples/gpu_bench.py [--only ops,gemv,qwen,llama,moe] [--out DIR] [--profile] [--sweep]
+    PYTHONPATH=. python examples/gpu_bench.py [--only ops,gemv,qwen,llama,moe,mixtral] [--out DIR] [--profile] [--sweep]
     PYTHONPATH=. python examples/gpu_bench.py --only fp8ops   # activation quant, RoPE + KV store block shapes
     PYTHONPATH=. python examples/gpu_bench.py --fp8 --main-only --no-hf      # bf16 and FP8 side by side
 
@@ -14,13 +14,15 @@ Workloads:
     wants >= 100 tokens, so all 25,600 count). Short contexts flatter HF: it never reaches the long ones.
   * batch-1 decode: one 128-token prompt, 512 new tokens; tok/s over the decode part (first to last token).
   * sampled rows: every preset row (and the default batch-1 row) runs again with sampled requests
-    (--temperature 0.7 --top-p 0.9 by default; --top-k, --min-p), printed beside the greedy one with the ratio.
+    (--temperature 0.7 --top-p 0.9 by default; --top-k, --min-p; --also-temperature 1.0 adds a row at that
+    temperature alone; --greedy-only none), printed beside the greedy one with the ratio.
 Variants switch CUDA graphs, overlap scheduling and the fused ops off one at a time to show what each buys;
 `wait` is the time the scheduler spent blocked on the GPU (reading tokens), `cpu/step` the rest per step.
 
 FP8: `--kv-cache-dtype` / `--quantization` set the engines' flags (EngineConfig's); `--fp8` runs each model
 once per dtype setting in the same process -- Qwen3: bf16, then FP8 KV; Llama-8B: bf16, FP8 weights, FP8
-weights + KV -- and ends with a side-by-side table (the GEMV section adds FP8-weight rows).
+weights + KV; Qwen3-30B-A3B (moe): bf16, FP8 weights; Mixtral-8x7B (mixtral, --fp8 or not): FP8 weights -- and
+ends with a side-by-side table (the GEMV section adds FP8-weight rows).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
 from minisgl_cli.types import SamplingParams
 
 ROWS: list[dict] = []
-SAMPLED: dict = {}  # the sampled rows' SamplingParams fields (from the flags)
+SAMPLED: list[dict] = []  # each sampled row's SamplingParams fields (from the flags); empty: greedy rows only
 
 
 def row(**kw) -> None:
@@ -219,7 +221,7 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
         with_graphs(engine, graphs, saved)
         prompt = [[g.randint(0, 10000) for _ in range(128)]]
         run_requests(engine, prompt, [16], overlap=ovl)
-        for sampling in [None, SAMPLED] if graphs and ovl else [None]:
+        for sampling in [None, *SAMPLED] if graphs and ovl else [None]:
             st = run_requests(engine, prompt, [512], overlap=ovl, sampling=sampling)
             tps = (st.tokens - 1) / (st.last_tok - st.first_tok)
             row(
@@ -242,7 +244,7 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
         prompts, outs = preset()
         for graphs, ovl in preset_variants:
             with_graphs(engine, graphs, saved)
-            for sampling in (None, SAMPLED):  # a sampled row beside every greedy one
+            for sampling in (None, *SAMPLED):  # the sampled rows beside every greedy one
                 st = run_requests(engine, prompts, outs, overlap=ovl,
                                   profile_steps=3 if (profile and graphs and ovl and sampling is None) else 0,
                                   sampling=sampling)
@@ -588,14 +590,19 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=0.9, help="the sampled rows' top-p")
     ap.add_argument("--top-k", type=int, default=-1, help="the sampled rows' top-k (-1: off)")
     ap.add_argument("--min-p", type=float, default=0.0, help="the sampled rows' min-p (0: off)")
+    ap.add_argument("--also-temperature", type=float, action="append", default=[],
+                    help="one more sampled row at this temperature alone (1.0: the OpenAI default); repeatable")
+    ap.add_argument("--greedy-only", action="store_true", help="no sampled rows")
     ap.add_argument("--fp8", action="store_true",
                     help="each model in bf16 and its FP8 settings, side by side (implies --main-only)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     only = set(args.only.split(","))
     BACKEND[0] = args.attention_backend
-    SAMPLED.update(temperature=args.temperature, top_p=args.top_p)
-    SAMPLED.update({k: v for k, v, off in (("top_k", args.top_k, -1), ("min_p", args.min_p, 0.0)) if v != off})
+    if not args.greedy_only:
+        SAMPLED.append(dict(temperature=args.temperature, top_p=args.top_p, **{
+            k: v for k, v, off in (("top_k", args.top_k, -1), ("min_p", args.min_p, 0.0)) if v != off}))
+        SAMPLED.extend(dict(temperature=t) for t in args.also_temperature)
     DTYPES.update({k: v for k, v in (("kv_cache_dtype", args.kv_cache_dtype), ("quantization", args.quantization))
                    if v is not None})
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
@@ -638,11 +645,17 @@ def main() -> None:
             if not args.no_hf:
                 hf_bench("Qwen3-0.6B", e, "qwen3-0.6b", True, 128)
         sections.append(("qwen", qwen))
-    if "moe" in only:
-        def moe():  # Qwen3-30B-A3B: 61 GB of bf16 weights leave an H100 room for ~120k KV tokens
+    # Qwen3-30B-A3B: 61 GB of bf16 weights leave an H100 room for ~120k KV tokens
+    if "moe" in only and args.fp8:
+        sections.append(("moe", lambda: side_by_side("qwen3-30b-a3b", "Qwen3-30B-A3B", [
+            dict(quantization="none", max_total_tokens=120_000), dict(quantization="fp8")])))
+    if "moe" in only and not args.fp8:
+        def moe():
             e = make_engine("qwen3-30b-a3b", max_total_tokens=120_000)
             bench_engine("Qwen3-30B-A3B", e, True, [(True, True)], [(True, True)], args.profile)
         sections.append(("moe", moe))
+    if "mixtral" in only:  # 93 GB in bf16: FP8 weights only (47 GB), so one H100 holds it
+        sections.append(("mixtral", lambda: side_by_side("mixtral-8x7b", "Mixtral-8x7B", [dict(quantization="fp8")])))
     if "llama" in only and not args.fp8:
         def llama():
             e = make_engine("llama-3.1-8b")

@@ -5,10 +5,14 @@
 #   tests.log      (t) the split Triton sampler, the fused MoE kernels, speculative verify steps under graphs,
 #                      Qwen2-VL on CUDA, an out-of-vocabulary id: pytest over two workers (files side by side)
 #   sampling.log   (s) examples/bench_sampling.py: the sampler's µs per call, one program a row vs the split path
-#   fronts.log     (f) examples/fronts_gpu.py --paths raw,http: Qwen3-0.6B FP8 KV preset, the scheduler driven
-#                      directly vs serve + bench --url, one prefill budget (16,384) for both
+#   fronts.log     (f) examples/fronts_gpu.py --kv bf16,fp8_e4m3: Qwen3-0.6B preset, the scheduler driven directly
+#                      vs minisgl bench offline vs serve + bench --url, one prefill budget (16,384) for all
 #   spec.log       (p) examples/spec_bench_gpu.py: a verify step's cost, batch-1 decode plain / oracle / ngram
-#   moe.log        (m) examples/moe_bench.py: the MoE layer fused vs grouped, Qwen3-30B-A3B batch-1 decode
+#   moe.log        (m) examples/moe_bench.py: the MoE layer fused vs grouped (bf16 and FP8 experts), no engine
+#   bench.log      (g) examples/gpu_bench.py qwen,llama: each preset and batch-1 row greedy, t=0.7/top_p=0.9 and t=1.0
+#   models.log     (e) examples/gpu_bench.py --fp8 moe,llama,mixtral: Qwen3-30B-A3B bf16 / FP8 weights beside
+#                      Llama-3.1-8B's dtypes, Mixtral-8x7B FP8 (greedy)
+#   vlm.log        (v) examples/bench_vlm.py gpu: Qwen2.5-VL-7B dummy, 64 image chats through serve, shared image too
 #   summary.txt    the parts' status and each table
 #
 #   OUT=/tmp/round bash examples/gpu_round.sh
@@ -24,7 +28,7 @@ OUT=${OUT:-/tmp/gpu_round}; mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/gpu_round.XXXXXX)
 PY=${PY:-python3}
 BUDGET=${BUDGET:-280}
-PARTS=${PARTS:-t s f p m}
+PARTS=${PARTS:-t s f p m g e v}
 TESTS=${TESTS:-tests/test_gpu_sampling.py tests/test_gpu_moe.py tests/test_gpu_speculative.py tests/test_gpu_vlm.py \
 tests/test_gpu_isolation.py}
 . examples/parts.sh
@@ -44,17 +48,29 @@ want t && part "(t) GPU tests of this round" 130 60 "$OUT/tests.log" \
 want s && part "(s) sampler micro-benchmark" 60 20 "$OUT/sampling.log" \
   $PY examples/bench_sampling.py --out "$WORK/sampling"
 
-# (f) ~70 s: two engine starts (raw in a child, then the server)
-want f && part "(f) the fronts against the raw engine" 100 60 "$OUT/fronts.log" \
-  $PY examples/fronts_gpu.py --out "$WORK/fronts" --paths raw,http
+# (f) ~200 s: per KV dtype three engine starts (raw in a child, bench offline, the server)
+want f && part "(f) the fronts against the raw engine" 260 100 "$OUT/fronts.log" \
+  $PY examples/fronts_gpu.py --out "$WORK/fronts" --kv bf16,fp8_e4m3
 
 # (p) ~50 s: Llama-3.1-8B dummy, two batch-1 engines
 want p && part "(p) speculative decoding" 100 45 "$OUT/spec.log" \
   $PY examples/spec_bench_gpu.py --out "$WORK/spec"
 
-# (m) ~70 s: the layer table, then the 61 GB Qwen3-30B-A3B engine
-want m && part "(m) fused MoE" 120 60 "$OUT/moe.log" \
-  $PY examples/moe_bench.py --out "$WORK/moe"
+# (m) ~40 s: the layer table, bf16 and FP8 experts (the engines are (e)'s)
+want m && part "(m) fused MoE layer" 90 30 "$OUT/moe.log" \
+  $PY examples/moe_bench.py --out "$WORK/moe" --fp8 --no-engine
+
+# (g) ~200 s: Qwen3-0.6B then Llama-3.1-8B, each row greedy and sampled two ways
+want g && part "(g) sampled against greedy" 300 120 "$OUT/bench.log" \
+  $PY examples/gpu_bench.py --only qwen,llama --main-only --no-hf --also-temperature 1.0 --out "$WORK"
+
+# (e) ~400 s: five engines, one at a time (Llama-8B bf16 / FP8 w / FP8 w+kv, Qwen3-30B-A3B bf16 / FP8, Mixtral FP8)
+want e && part "(e) MoE models beside Llama-8B" 480 200 "$OUT/models.log" \
+  $PY examples/gpu_bench.py --only llama,moe,mixtral --fp8 --no-hf --greedy-only --out "$WORK"
+
+# (v) ~150 s: the 7B VLM server's start, 64 chats with distinct images, then 64 with one shared image
+want v && part "(v) image chats on Qwen2.5-VL-7B" 240 100 "$OUT/vlm.log" \
+  $PY examples/bench_vlm.py gpu --out "$WORK/vlm"
 
 {
   cat "$WORK/machine.txt"
@@ -65,8 +81,13 @@ want m && part "(m) fused MoE" 120 60 "$OUT/moe.log" \
   for f in sampling/sampling_bench.txt spec/spec_bench.txt; do
     echo; echo "== $f"; cat "$WORK/$f" 2>/dev/null || echo "(not run)"
   done
-  echo; echo "== fronts"; tail -12 "$OUT/fronts.log" 2>/dev/null || echo "(not run)"
-  echo; echo "== moe"; tail -25 "$OUT/moe.log" 2>/dev/null || echo "(not run)"
+  echo; echo "== fronts"; grep -A14 "^Qwen3-0.6B dummy" "$OUT/fronts.log" 2>/dev/null || echo "(not run)"
+  echo; echo "== moe layer"; tail -25 "$OUT/moe.log" 2>/dev/null || echo "(not run)"
+  for f in bench models; do  # gpu_bench's ratios and dtype table
+    echo; echo "== $f"; sed -n '/^==== summary/,$p' "$OUT/$f.log" 2>/dev/null | grep -v "^gemv" | cut -c1-260 \
+      || echo "(not run)"
+  done
+  echo; echo "== vlm"; tail -12 "$OUT/vlm.log" 2>/dev/null || echo "(not run)"
 } > "$OUT/summary.txt"
-cp "$WORK"/sampling/*.json "$WORK"/moe/*.json "$OUT"/ 2>/dev/null
+cp "$WORK"/sampling/*.json "$WORK"/moe/*.json "$WORK"/vlm/*.json "$OUT"/ 2>/dev/null
 echo; cat "$OUT/summary.txt"
