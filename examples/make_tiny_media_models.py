@@ -23,13 +23,16 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<pad>", "<unk>", "</s>", "<|im_start|>", "<|im_end|>"]
 
 
-def tiny_tokenizer(extra_special: tuple[str, ...] = ()):
-    """A byte-level tokenizer with no merges: covers any text with a ~260-entry vocab, no download."""
+def tiny_tokenizer(extra_special: tuple[str, ...] = (), words_up_to: int = 0):
+    """A byte-level tokenizer with no merges: covers any text with a ~260-entry vocab, no download. `words_up_to`:
+    filler words " w<id>" take the ids up to that many (less the specials) -- never produced by encoding, but
+    every id a full-size dummy model samples then decodes to text, so a stream has chunks to time."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + sorted(alphabet))}
+    vocab.update({f"\u0120w{i}": i for i in range(len(vocab), words_up_to - len(extra_special))})  # \u0120: space
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -217,8 +220,8 @@ def build_tiny_idefics3(out_dir: Path) -> Path:
 QWEN_MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def _qwen_tokenizer():
-    tokenizer = tiny_tokenizer(QWEN_MARKERS)
+def _qwen_tokenizer(words_up_to: int = 0):
+    tokenizer = tiny_tokenizer(QWEN_MARKERS, words_up_to)
     tokenizer.chat_template = QWEN2_VL_TEMPLATE
     return tokenizer
 
@@ -292,7 +295,7 @@ def write_dummy_vlm_dir(out_dir: Path, config: dict) -> Path:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = _qwen_tokenizer()
+    tokenizer = _qwen_tokenizer(words_up_to=config["vocab_size"])
     tokenizer.save_pretrained(out_dir)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     (out_dir / "config.json").write_text(json.dumps({**config, **_marker_ids(tokenizer), "eos_token_id": eos,

@@ -70,7 +70,9 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     # needs a tokenizer and an image processor: examples/make_tiny_media_models.py's write_dummy_vlm_dir writes a
     # directory for this config (examples/bench_vlm.py gpu).
     "qwen2.5-vl-7b": {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "vocab_size": 152064, "hidden_size": 3584,
+        # model_type: transformers' AutoProcessor picks the processor class by it
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "vocab_size": 152064,
+        "hidden_size": 3584,
         "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 128000,
         "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
