@@ -169,3 +169,67 @@ def test_seeded_request_ignores_its_batch_through_graphs_and_overlap():
         c = llm.generate(prompts, [seeded] + [greedy] * 3)[0].token_ids
         llm.client.check_pages()
     assert a == b == c and len(set(a)) > 3
+
+
+def test_small_sampled_batches_draw_by_replay_the_eager_samplers_tokens(monkeypatch):
+    """engine/sampler_graphs.py: a decode batch of plain sampled rows draws by replaying a captured graph -- each of
+    its four variants (no cut, a cut, min-p, both), greedy rows beside -- and every row's tokens equal those of the
+    same run with the eager sampler; a penalized batch does not replay."""
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.messages import AddRequest
+    from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    engine = Engine(EngineConfig(model="qwen3-0.6b", load_format="dummy", max_total_tokens=16384,
+                                 max_running_requests=16, cuda_graph_max_bs=16))
+    sg = engine.sampler_graphs
+    assert sg is not None and len(sg.graphs) == 4 * len(sg.sizes)
+    replays = [0]
+    draw = sg.draw
+
+    def counted(n, needs):
+        replays[0] += 1
+        return draw(n, needs)
+
+    monkeypatch.setattr(sg, "draw", counted)
+    g = torch.Generator().manual_seed(3)
+    steps = 16
+
+    def run(params: list[SamplingParams]) -> list[list[int]]:
+        prompts = [torch.randint(3, 30000, (20 + 7 * i,), generator=g).tolist() for i in range(len(params))]
+        got: dict[str, list[int]] = {}
+        left = [len(params)]
+
+        def sink(msg):
+            for it in msg.outputs:
+                if it.token_id is not None:
+                    got.setdefault(it.rid, []).append(it.token_id)
+                if it.finish_reason is not None or it.error:
+                    left[0] -= 1
+
+        sched = Scheduler(engine, SchedulerConfig(cache="naive"), sink)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            sched.handle(AddRequest(f"r{i}", p, dataclasses.replace(sp, max_new_tokens=steps, ignore_eos=True)))
+        while left[0] > 0:
+            sched.step()
+        while sched._inflight is not None:
+            sched.step()
+        sched.check_pages()
+        return [got[f"r{i}"] for i in range(len(params))]
+
+    seeded = [dataclasses.replace(p, seed=100 + i) for i, p in enumerate(CASES)]
+    groups = [seeded + [SamplingParams()], [seeded[5]], [seeded[0]], [seeded[3]], [seeded[4]]]
+    penalized = [dataclasses.replace(seeded[0], presence_penalty=0.5)]
+    for params in groups + [penalized]:
+        state = g.get_state()
+        before = replays[0]
+        replayed = run(params)
+        taken = replays[0] - before
+        g.set_state(state)  # the same prompts
+        engine.sampler_graphs = None
+        eager = run(params)
+        engine.sampler_graphs = sg
+        assert replayed == eager, params
+        # every decode step after the prefill replays (overlap may launch one more), none with a penalized row
+        assert taken == 0 if params is penalized else steps - 1 <= taken <= steps, (params, taken)
+    assert len({t for row in replayed for t in row}) > 3

@@ -27,6 +27,7 @@ from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.cpu_compile import CompiledDecode
 from minisgl_cli.engine.graph import MAX_DEFAULT_BS, DecodeGraphs, default_max_bs
 from minisgl_cli.engine.sampler import Sampled, create_sampler, sample
+from minisgl_cli.engine.sampler_graphs import SamplerGraphs
 from minisgl_cli.engine.sampling_state import Need, SamplingBatch, SamplingState
 from minisgl_cli.engine.vision import VisionState
 from minisgl_cli.kvcache.pool import KVPool, KVShape
@@ -159,6 +160,7 @@ class Engine:
         self.vision = (VisionState(self.model, cfg.max_running_requests, self.device, self.host, tp)
                        if isinstance(self.model, Qwen2VLForConditionalGeneration) else None)
         self.graphs: DecodeGraphs | None = None
+        self.sampler_graphs: SamplerGraphs | None = None
         if self.device.type == "cuda":
             if not cfg.disable_cuda_graph and getattr(self.attn, "supports_cuda_graph", False):
                 if self.model.graph_safe(self.device, self.dtype):
@@ -237,11 +239,14 @@ class Engine:
         # Every rank captures the same sizes (free memory may differ): a batch pads alike on all, so their
         # collectives meet with the same shapes.
         max_bs = min_over_ranks(max_bs, self.tp)
-        self.graphs = None
+        self.graphs = self.sampler_graphs = None
         torch.cuda.empty_cache()
         graphs = DecodeGraphs(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device, self.dtype)
         graphs.capture()
         self.graphs = graphs
+        if self.sampler.name == "triton":  # small sampled batches draw by replay too (engine/sampler_graphs.py)
+            self.sampler_graphs = SamplerGraphs(graphs, self.sampling, self.sampler.draw)
+            self.sampler_graphs.capture()
 
     def decode_rows(self, rows: int) -> None:
         """Decode steps will run up to `rows` rows (speculative decoding's verify steps: k + 1 per request): on CUDA,
@@ -348,7 +353,11 @@ class Engine:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: SamplingBatch, bitmask: torch.Tensor | None = None) -> Sampled:
         """The next token per request (left on the device); logprobs on rank 0 only, the one that reports them."""
-        out = sample(logits, rows, self.sampling, self.sampler, bitmask)
+        sg = self.sampler_graphs
+        if sg is not None and bitmask is None and sg.takes(logits, rows):
+            out = Sampled(sg.draw(logits.shape[0], rows.needs))
+        else:
+            out = sample(logits, rows, self.sampling, self.sampler, bitmask)
         if self.tp.size > 1 and rows.needs & Need.SAMPLED:
             broadcast_from_rank0(out.next_ids, self.tp)  # random draws: every rank feeds rank 0's tokens next
         self.sampling.record(rows, out.next_ids)
