@@ -39,9 +39,9 @@ tests/test_gpu_isolation.py}
 } > "$WORK/machine.txt"
 cat "$WORK/machine.txt"
 
-# (t) ~80 s over two workers (Triton compiles, tiny models built with transformers, a few engines)
+# (t) ~200 s over two workers (the two Qwen-VL tests ~70 s each) (Triton compiles, tiny models built with transformers, a few engines)
 XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n 2 --dist loadfile")  # pytest-xdist where installed
-want t && part "(t) GPU tests of this round" 130 60 "$OUT/tests.log" \
+want t && part "(t) GPU tests of this round" 240 60 "$OUT/tests.log" \
   $PY -m pytest -q -p no:cacheprovider $XDIST $TESTS
 
 # (s) ~25 s, mostly Triton's first compiles
