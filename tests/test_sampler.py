@@ -277,3 +277,15 @@ def test_a_row_of_overflowed_logits_still_draws_a_token(sampler):
                    SamplingParams(temperature=1.0))
     ids = sample(logits, _batch(state, [0, 1, 2]), state, sampler).next_ids
     assert ((ids >= 0) & (ids < V)).all(), ids
+
+
+def test_a_slot_no_request_took_reads_as_a_greedy_row():
+    """Padded rows of a captured sampler graph read slots nobody wrote: they must hold a greedy row's neutral values
+    (with zeros, top_k 0 kept the Triton kernel's rejection rounds going forever and hung the GPU)."""
+    state = SamplingState(4, 1000, CPU, HostBuffers())
+    state.admit(1, SamplingParams(temperature=0.7, top_p=0.9, top_k=5), [1], [])
+    state.batch([1], torch.tensor([1]), torch.tensor([3], dtype=torch.int32), [True])  # flushes slot 1's row
+    p = state.params(torch.tensor([0, 1, 3]))
+    assert p.greedy.tolist() == [True, False, True]
+    assert p.temperature.tolist()[::2] == [1.0, 1.0] and p.top_p.tolist()[::2] == [1.0, 1.0]
+    assert p.top_k.tolist() == [1000, 5, 1000] and p.repetition.tolist()[::2] == [1.0, 1.0]

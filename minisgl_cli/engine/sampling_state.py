@@ -157,8 +157,14 @@ class SamplingState:
         self.vocab = vocab
         self.device = device
         self.host = host
+        # A slot no request has taken yet holds a greedy row's neutral values, not zeros: a captured sampler graph
+        # (engine/sampler_graphs.py) draws for padded rows too, and a zero temperature / top-p there would send
+        # the Triton kernel's rejection rounds on forever.
         self.floats = torch.zeros((max_slots, 6), dtype=torch.float32, device=device)
+        self.floats[:, [_TEMPERATURE, _TOP_P, _REPETITION]] = 1.0
         self.ints = torch.zeros((max_slots, 4), dtype=torch.int64, device=device)
+        self.ints[:, _TOP_K] = vocab
+        self.ints[:, _GREEDY] = 1
         self.counts: torch.Tensor | None = None  # [slots, vocab] int32: output token counts
         self.seen: torch.Tensor | None = None  # [slots, vocab] bool: prompt + output tokens
         self.bias_ids: torch.Tensor | None = None  # [slots, width] int64 (padding: token 0 with bias 0)
