@@ -48,8 +48,8 @@ want t && part "(t) GPU tests of this round" 240 60 "$OUT/tests.log" \
 want s && part "(s) sampler micro-benchmark" 60 20 "$OUT/sampling.log" \
   $PY examples/bench_sampling.py --out "$WORK/sampling"
 
-# (f) ~200 s: per KV dtype three engine starts (raw in a child, bench offline, the server)
-want f && part "(f) the fronts against the raw engine" 260 100 "$OUT/fronts.log" \
+# (f) ~280 s: per KV dtype three engine starts, three timed draws each (raw in a child, bench offline, the server)
+want f && part "(f) the fronts against the raw engine" 340 100 "$OUT/fronts.log" \
   $PY examples/fronts_gpu.py --out "$WORK/fronts" --kv bf16,fp8_e4m3
 
 # (p) ~50 s: Llama-3.1-8B dummy, two batch-1 engines
