@@ -24,14 +24,17 @@ _HELP = (
     "prompts on, --repeat 3, --warmup 1, --concurrency 4; then it prints the reference stack's summary lines "
     "(Streaming chat summary / Baseline HF streaming chat summary / Comparison).\n\n"
     "Other workloads: --dataset random, --dataset shared-prefix (compare --cache radix --cache naive), "
-    "--preset nano-vllm. --url benchmarks any OpenAI-compatible server instead of loading the engine here."
+    "--dataset rewrite / code-edit / open-chat (one chat prompt, sent --num-prompts times: compare "
+    "--speculative-algorithm ngram), --preset nano-vllm. --url benchmarks any OpenAI-compatible server instead of "
+    "loading the engine here."
 )
 
 
 @app.command("bench", help=_HELP)
 @c.engine_options(c.ALL, exclude={"cache", "engine"})  # bench's --cache and --engine take lists
 def bench(
-    dataset: Annotated[str, workload("--dataset", help="reference, random or shared-prefix.")] = "reference",
+    dataset: Annotated[str, workload("--dataset",
+        help="reference, random, shared-prefix, rewrite, code-edit or open-chat.")] = "reference",
     preset: Annotated[Optional[str], workload("--preset",
         help="nano-vllm: 256 requests, lengths 100..1024 (overrides --dataset).")] = None,
     concurrency: Annotated[Optional[list[int]], workload("--concurrency",
@@ -45,9 +48,9 @@ def bench(
     case: Annotated[Optional[list[str]], workload(
         "--case", help="Reference: keep only these cases (repeatable).")] = None,
     num_prompts: Annotated[Optional[int], workload("--num-prompts",
-        help="Requests (random 64, shared-prefix 32); reference: prompts per case.")] = None,
+        help="Requests (random 64, shared-prefix 32, chat prompts 4); reference: prompts per case.")] = None,
     max_new_tokens: Annotated[Optional[int], workload("--max-new-tokens",
-        help="Reference: cap on decode lengths; shared-prefix: output length (16).")] = None,
+        help="Reference: cap on decode lengths; shared-prefix: output length (16); chat prompts: cap (256).")] = None,
     input_len: Annotated[int, workload("--input-len", help="Random: max input tokens.")] = 1024,
     output_len: Annotated[int, workload("--output-len", help="Random: max output tokens.")] = 128,
     range_ratio: Annotated[float, workload("--range-ratio", help="Random: lengths uniform in [len*ratio, len].")] = 1.0,

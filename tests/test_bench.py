@@ -133,6 +133,25 @@ def test_random_nano_vllm_and_shared_prefix():
     assert [p.input_ids for p in sp.prime] == [prefix]  # the system prompt alone, sent untimed first
 
 
+def test_a_chat_prompt_goes_out_in_the_models_chat_template(default_model_dir):
+    from transformers import AutoTokenizer
+
+    from minisgl_cli.bench.suite import BenchConfig, build_cases
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    case, = build_cases(BenchConfig(dataset="rewrite", num_prompts=3), tok, len(tok), on_gpu=False)
+    assert case.name == "rewrite" and len(case.requests) == 3
+    req = case.requests[0]
+    assert req.prompt is not None and wl.CHAT_PROMPTS["rewrite"] in req.prompt
+    assert req.prompt.startswith("<|im_start|>") and req.prompt.endswith("<|im_start|>assistant\n")
+    assert req.input_ids == tok.encode(req.prompt, add_special_tokens=False)  # the text a server gets, as ids
+    assert req.max_new_tokens == wl.CHAT_NEW_TOKENS and not req.ignore_eos  # the answer ends where it ends
+    capped, = build_cases(BenchConfig(dataset="code-edit", max_new_tokens=16), tok, len(tok), on_gpu=False)
+    assert len(capped.requests) == 4 and capped.requests[0].max_new_tokens == 16
+    with pytest.raises(ValueError, match="tokenizer"):  # dummy weights: no chat template to apply
+        wl.chat_case(None, "open-chat", num_prompts=1, max_new_tokens=8)
+
+
 # --- online runner on a fake OpenAI-compatible server ---------------------------------------------
 
 

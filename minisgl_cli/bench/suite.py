@@ -27,7 +27,7 @@ BUSY_SHARE = 0.7  # a client process above this share of a core may be what limi
 class BenchConfig:
     """Everything one `minisgl bench` invocation decides; the command only fills it in."""
 
-    dataset: str = "reference"  # reference | random | shared-prefix
+    dataset: str = "reference"  # reference | random | shared-prefix | a chat prompt (workloads.CHAT_PROMPTS)
     preset: str | None = None  # nano-vllm
     concurrency: list[int] = field(default_factory=lambda: [4])
     repeat: int = 3
@@ -129,6 +129,9 @@ def _workload(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool) -
                 seed=cfg.seed,
             )
         ]
+    if cfg.dataset in wl.CHAT_PROMPTS:
+        return [wl.chat_case(tokenizer, cfg.dataset, num_prompts=cfg.num_prompts or 4,
+                             max_new_tokens=cfg.max_new_tokens or wl.CHAT_NEW_TOKENS)]
     # The reference suite sends num_prompts x repeat requests per case; one request set for every level.
     return wl.reference_cases(tokenizer, vocab_size, num_prompts=cfg.num_prompts or max(cfg.concurrency),
                               repeat=cfg.repeat, mixed_prompts=cfg.mixed_prompts, on_gpu=on_gpu,

@@ -1,4 +1,5 @@
-"""Benchmark workloads: the reference suite (short/medium/long, mixed prompts), random, shared-prefix, nano-vllm.
+"""Benchmark workloads: the reference suite (short/medium/long, mixed prompts), random, shared-prefix, nano-vllm,
+and three chat prompts (rewrite, code-edit, open-chat: speculative decoding's best, middling and worst case).
 
 Every request carries exact token ids, so the engine, the HF baselines and llama.cpp see the same prompt;
 `prompt` (text) is kept only where a tokenizer made it, for HTTP servers that want text.
@@ -12,7 +13,55 @@ from typing import Any
 
 from minisgl_cli.types import SamplingParams
 
-DATASETS = ("reference", "random", "shared-prefix")
+_PARAGRAPH = (
+    "The old lighthouse stood at the edge of the cliff for more then a hundred years. Every night it's lamp turned "
+    "slowly, sending a beam of light accross the dark water so that ships could find there way home. The keeper, a "
+    "quiet man named Thomas, climbed the ninety-nine steps each evening to light the lamp and wind the clockwork. He "
+    "wrote the weather in his log book, watched the horizon for storms, and recieved letters from his sister only "
+    "twice a year, when the supply boat came. Many people thought his life was lonely, but Thomas said he had never "
+    "felt more at peace then when the sea was calm and the light was burning bright."
+)
+_CODE = '''import json
+
+
+def load_prices(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def compute_total(prices, tax_rate):
+    total = 0.0
+    for item, price in prices.items():
+        total += price
+    return total * (1 + tax_rate)
+
+
+def cheapest(prices):
+    best_item, best_price = None, None
+    for item, price in prices.items():
+        if best_price is None or price < best_price:
+            best_item, best_price = item, price
+    return best_item
+
+
+def report(path, tax_rate=0.2):
+    prices = load_prices(path)
+    print("items:", len(prices))
+    print("total:", compute_total(prices, tax_rate))
+    print("cheapest:", cheapest(prices))
+'''
+# One user message each: an answer that copies its prompt (speculative decoding's best case), one that copies it
+# with edits, and one with nothing to copy.
+CHAT_PROMPTS = {
+    "rewrite": "Fix the spelling mistakes in this paragraph and write out the whole corrected paragraph:\n\n"
+               + _PARAGRAPH,
+    "code-edit": "Rename the function compute_total to sum_prices everywhere in this Python module and write out the "
+                 "whole module:\n\n```python\n" + _CODE + "```",
+    "open-chat": "Write a short story about a dragon who learns to bake bread.",
+}
+CHAT_NEW_TOKENS = 256  # a chat prompt's default --max-new-tokens: the rewrite's whole answer (~170 tokens)
+
+DATASETS = ("reference", "random", "shared-prefix", *CHAT_PROMPTS)
 PRESETS = ("nano-vllm",)
 
 # A plain English filler: tokenizes to roughly one token per word in every BPE vocab we ship.
@@ -222,6 +271,21 @@ def shared_prefix_case(
     # The system prompt is sent once, untimed, first: a long-lived server has it cached already, and a cache
     # that fills only when a request finishes would otherwise see no reuse among requests sent together.
     return Case("shared-prefix", reqs, params, prime=[BenchRequest(list(prefix), 1, True)])
+
+
+def chat_case(tokenizer: Any, name: str, *, num_prompts: int, max_new_tokens: int) -> Case:
+    """CHAT_PROMPTS[name] in the model's chat template, sent `num_prompts` times (one after another at
+    --concurrency 1), up to `max_new_tokens` tokens, stopping at EOS.
+
+    The templated text goes out as the prompt (over HTTP through /v1/completions), so every server decodes from the
+    same tokens whatever chat template it would have applied itself."""
+    if tokenizer is None:
+        raise ValueError(f"--dataset {name} needs the model's tokenizer (its chat template)")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[name]}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    reqs = [BenchRequest(list(ids), max_new_tokens, False, text) for _ in range(num_prompts)]
+    return Case(name, reqs, dict(dataset=name, num_prompts=num_prompts, max_new_tokens=max_new_tokens))
 
 
 def warmup_requests(vocab_size: int, n: int) -> list[BenchRequest]:
