@@ -176,9 +176,7 @@ def default_step() -> None:
 @pytest.mark.slow
 def test_compiled_greedy_answers_equal_eager_on_the_parity_prompts(default_step):
     """The default model (int4 GGUF) through the stored step: the parity prompts' greedy tokens equal the eager
-    step's, one at a time and all in one batch. (Eager against compiled in the same arrangement, without prefix
-    reuse: a system prompt cached by another prompt's prefill, and torch's CPU flash attention on two threads, can
-    each move a row's bits whatever runs the step.)"""
+    step's, one at a time and all in one batch."""
     answers = {}
     for mode in ("off", "auto"):
         with LLM(torch_compile=mode, cache="naive") as llm:
