@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import replace
 from typing import Annotated, Optional
@@ -88,6 +87,8 @@ def chat(
         if vlm is not None:  # first: on a GPU the engine then sizes its KV pool from the memory left
             with view.loading(f"loading vision-language model {vlm_model} (transformers) ..."):
                 vlm.load()
+        # The compiled CPU decode step: built in the background where none is stored yet (engine/cpu_compile.py).
+        opts = replace(opts, engine=replace(opts.engine, compile_in_process=True))
         client = load_engine(view, opts.engine.model, opts.engine.load_format, opts.client)
     except (ModelLoadError, VlmLoadError) as exc:
         c.fail(str(exc))
@@ -101,10 +102,5 @@ def chat(
     except KeyboardInterrupt:  # Ctrl-C outside a reply on a pipe: leave quietly
         code = 130
     finally:
-        compiling = c.compiling(client)
         client.close()
-    if compiling:  # (MINISGL_TORCH_COMPILE=on) its thread is in torch's C++: an exit would wait for it, or abort
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
     raise typer.Exit(code)

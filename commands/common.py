@@ -259,12 +259,19 @@ class EngineOptions:
         return started
 
 
-def compiling(client: EngineClient) -> bool:
-    """Whether the client's in-process engine is still compiling its CPU decode (engine/cpu_compile.py)."""
+def prebuild(opts: EngineOptions) -> NoReturn:
+    """--prebuild: build the compiled CPU decode step of these options (engine/cpu_compile.py), then exit."""
+    from minisgl_cli.engine.cpu_build import prebuild as build
+    from minisgl_cli.loader.errors import ModelLoadError
+
     try:
-        return client.stats(timeout=2).decode_compiling > 0
-    except (TimeoutError, RuntimeError):  # a dead or stalled engine: nothing of ours to wait for
-        return False
+        path = build(opts.engine)
+    except ValueError as exc:  # these options decode eagerly: the flag would change nothing
+        fail(str(exc), 2)
+    except (ModelLoadError, RuntimeError) as exc:
+        fail(str(exc))
+    notice.notice(f"the compiled CPU decode step is stored: {path}")
+    raise typer.Exit(0)
 
 
 def _serve_ranks(runtime: Any, cfg: RuntimeConfig) -> NoReturn:

@@ -62,6 +62,9 @@ def serve(
     max_image_pixels: Annotated[int, media(
         "--max-image-pixels", envvar="MINISGL_MAX_IMAGE_PIXELS", min=1, metavar="<int>",
         help="Images with more pixels get a 400.")] = DEFAULT_MAX_PIXELS,
+    prebuild: Annotated[bool, server("--prebuild",
+        help="Build the compiled CPU decode step of these options (stored for every later start), then exit: for "
+             "container images.")] = False,
     *,
     opts: c.EngineOptions,  # the engine options (c.ALL) go here in --help
     verbose: c.Verbose = False,
@@ -79,6 +82,8 @@ def serve(
     from minisgl_cli.vision.vlm import VlmLoadError, load_vlm, on_engine
 
     c.setup_logging(verbose)
+    if prebuild:
+        c.prebuild(opts)
     if stream_interval != 1:  # the detokenizer process holds the tokens: the multi-process runtime only
         from minisgl_cli import backends
 

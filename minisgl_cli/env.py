@@ -103,6 +103,12 @@ def inductor_cache_dir() -> Path:
     return _path("TORCHINDUCTOR_CACHE_DIR") or cache_dir() / "inductor"
 
 
+def compiled_dir() -> Path:
+    """MINISGL_COMPILED_DIR: where the compiled CPU decode steps are stored (engine/cpu_compile.py); default
+    <MINISGL_CACHE_DIR>/compiled."""
+    return _path("MINISGL_COMPILED_DIR") or cache_dir() / "compiled"
+
+
 def hub_offline() -> bool:
     """HF_HUB_OFFLINE: resolve hub ids from the local HF cache only."""
     return flag("HF_HUB_OFFLINE")

@@ -292,7 +292,8 @@ class SchedulerStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     retracted_requests: int | None = 0
-    decode_compiling: int = 0  # engines still compiling their CPU decode (engine/cpu_compile.py)
+    decode_compiling: int = 0  # engines building their compiled CPU decode step (engine/cpu_compile.py)
+    decode_compiled: int = 0  # engines decoding through it
     # Speculative decoding: requests' verify rows run (each carrying drafts), the drafts they ran, those accepted.
     spec_verifies: int = 0
     spec_draft_tokens: int = 0
@@ -329,6 +330,12 @@ class SchedulerStats:
         total = self.cache_hit_tokens + self.cache_miss_tokens
         return self.cache_hit_tokens / total if total else 0.0
 
+    @property
+    def decode_step(self) -> str:
+        """What runs the CPU decode (engine/cpu_compile.py): `building` while an engine builds its compiled step
+        (decoding eagerly meanwhile), `compiled` where one runs it and none builds, else `eager` (CUDA: graphs)."""
+        return "building" if self.decode_compiling else "compiled" if self.decode_compiled else "eager"
+
     @classmethod
     def total(cls, parts: list[SchedulerStats]) -> SchedulerStats:
         """The sum of several schedulers' figures (counters, queues, pools and rolling rates alike; n/a in any
@@ -345,7 +352,7 @@ class SchedulerStats:
         rate, accept = self.cache_hit_rate, self.spec_accept_length
         out = {**{f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_SUMMED},
                "cache_hit_rate": None if rate is None else round(rate, 4),
-               "spec_accept_length": None if accept is None else round(accept, 3)}
+               "spec_accept_length": None if accept is None else round(accept, 3), "decode_step": self.decode_step}
         if self.replicas:
             out["replicas"] = [r.to_dict() for r in self.replicas]
         return out

@@ -4,6 +4,7 @@ lines), its stderr."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -60,12 +61,8 @@ class Serve:
 
     def children(self) -> dict[str, int]:
         """Child pids by name, from the 'starting NAME (pid N)' lines."""
-        out = {}
-        for line in self.stderr().splitlines():
-            if "starting " in line and "(pid " in line:
-                name = line.split("starting ", 1)[1].rsplit(" (pid ", 1)[0]
-                out[name] = int(line.rsplit("(pid ", 1)[1].rstrip(")"))
-        return out
+        return {m["name"]: int(m["pid"]) for m in re.finditer(r"starting (?P<name>.+?) \(pid (?P<pid>\d+)\)",
+                                                              self.stderr())}
 
     def answers(self) -> bool:
         r = httpx.post(f"{self.url}/v1/completions", json={"model": "default", "prompt": [1, 2, 3], "max_tokens": 4,

@@ -247,3 +247,48 @@ def test_torch_decode_equals_last_row_of_extend():
     be.prepare(dec)
     last = be.forward(q[-1:], k[-1:], v[-1:], 0, dec)
     torch.testing.assert_close(last, full[-1:], rtol=1e-5, atol=1e-5)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_decode_rows_come_out_alike_alone_in_any_batch_on_any_thread_count(dtype):
+    """On the CPU over a 16-bit pool a decode row rounds alike alone and beside longer rows, whatever the thread
+    count: torch's flash attention rounded a (request, KV head) by the thread the batch size handed it to."""
+    lens = [40, 75, 130, 600, 61, 90]
+    pool, batch, q, k, v = make_case("decode", [n - 1 for n in lens], [1] * len(lens), (9, 3, 64), 1, dtype, "cpu",
+                                     seed=7)
+    be = create_backend("torch", pool, 9, 3, 64, 0.125, "cpu")
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            be.prepare(batch)
+            together = be.forward(q, k, v, 0, batch)
+            if n == 1:
+                first = together
+            assert torch.equal(together, first), n
+            for i in (0, 1, 4):
+                one = ForwardBatch.build("decode", [0], batch.req_slots.tolist()[i : i + 1], [lens[i] - 1], [1],
+                                         batch.out_cache_loc[i : i + 1], "cpu", HostBuffers())
+                be.prepare(one)
+                assert torch.equal(be.forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], 0, one), together[i : i + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_torch_extend_rows_come_out_alike_cold_after_a_prefix_hit_and_in_chunks():
+    """On the CPU over a 16-bit pool every extend row rounds alike whatever of its prompt was cached and wherever the
+    step ends: a prompt's KV, and so its greedy answer, does not depend on what ran before it (issue 30: SDPA rounded
+    a row by the rows of its call, which a prefix hit or a chunk boundary changes)."""
+    heads, L = (9, 3, 64), 100
+    pool, batch, q, k, v = make_case("extend", [0], [L], heads, 1, torch.bfloat16, "cpu", seed=5)
+    be = create_backend("torch", pool, 9, 3, 64, 0.125, "cpu")
+    be.prepare(batch)
+    cold = be.forward(q, k, v, 0, batch)  # stores the prompt's KV: the prefix the steps below reuse
+    loc, row = batch.out_cache_loc, batch.req_slots.tolist()
+    for start, end in [(24, L), (24, 35), (31, 33), (L - 1, L), (50, 80)]:
+        step = ForwardBatch.build("extend", [0] * (end - start), row, [start], [end - start], loc[start:end], "cpu",
+                                  HostBuffers())
+        be.prepare(step)
+        out = be.forward(q[start:end], k[start:end], v[start:end], 0, step)
+        assert torch.equal(out, cold[start:end]), (start, end)

@@ -74,7 +74,7 @@ def test_each_kernel_gives_a_row_the_same_result_whatever_the_rows_beside_it():
 def test_deterministic_decodes_eagerly_with_one_fp32_gemm_kernel_and_refuses_a_compile():
     cfg = EngineConfig(device="cpu", deterministic=True, torch_compile="auto", compile_in_process=True)
     assert cfg.cpu_gemm == "invariant"
-    assert not cfg.compiles_decode("int4", tp_size=1, own_process=True)
+    assert cfg.decode_step("int4", torch.bfloat16, tp_size=1, own_process=True) == "off"
     with pytest.raises(ValueError, match="--torch-compile on"):
         EngineConfig(device="cpu", deterministic=True, torch_compile="on")
     with pytest.raises(ValueError, match="MINISGL_CPU_GEMM"):

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -282,7 +283,7 @@ def test_context_overflow_is_one_line_and_session_lives(client):
     out = r.out.getvalue()
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(errors) == 2 and "context limit" in errors[0] and "unknown command /nonsense" in errors[1]
-    assert "radix cache hit rate" in out
+    assert "radix cache hit rate" in out and re.search(r"CPU decode step +eager", out)
     client.check_pages()
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from minisgl_cli import env
@@ -25,3 +29,13 @@ def test_unset_variables_take_their_default_and_unclear_ones_are_refused_by_name
         env.disable_fused_ops()
     monkeypatch.setenv("BENCH_CONCURRENCY", "1, 4 16")
     assert env.bench_concurrency() == [1, 4, 16]
+
+
+def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
+    """minisgl_cli sets OMP_WAIT_POLICY before torch loads libgomp (spinning threads stall a step on shared cores)."""
+    code = "import os, minisgl_cli; print(os.environ['OMP_WAIT_POLICY'])"
+    for given, want in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | (
+            {"OMP_WAIT_POLICY": given} if given else {})
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want

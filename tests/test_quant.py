@@ -128,10 +128,11 @@ def test_quantized_perplexity_stays_close_to_the_exact_path(default_model_dir, t
 # On-topic words the exact fp32 mode's answers carry too (tests/test_hf_parity.py's prompts). The cities prompt's
 # int4 (and int8) answer names two more ("The cities of Shanghai and Beijing ..."), the exact one repeats the three
 # ("Zürich, Krakow, and 東京 are all cities."): a near tie, which answer a rounding decides.
-TOPICS = {"What is the capital of France?": "Paris", "Write a haiku about the sea.": "sea",
-          "List three prime numbers.": "2", "Explain what a KV cache is in one sentence.": "cache",
-          "Zürich, Kraków and 東京 are cities. Name one more:": "cities", "def fibonacci(n):": "fibonacci",
-          "Once upon a time, in a small village,": "village"}
+# A word each sensible answer holds (any of several: a rounding change may pick another sensible one).
+TOPICS = {"What is the capital of France?": ("paris",), "Write a haiku about the sea.": ("sea", "ocean"),
+          "List three prime numbers.": ("2",), "Explain what a KV cache is in one sentence.": ("cache",),
+          "Zürich, Kraków and 東京 are cities. Name one more:": ("cities",), "def fibonacci(n):": ("fibonacci",),
+          "Once upon a time, in a small village,": ("village",)}
 
 
 def test_default_model_runs_its_int4_blocks_and_answers_the_parity_prompts_sensibly():
@@ -148,7 +149,7 @@ def test_default_model_runs_its_int4_blocks_and_answers_the_parity_prompts_sensi
         llm.client.check_pages()
     for prompt, done in zip(PROMPTS, out):
         assert len(done.text.split()) >= 3, (prompt, done.text)
-        assert TOPICS.get(prompt, "").lower() in done.text.lower(), (prompt, done.text)
+        assert any(word in done.text.lower() for word in TOPICS.get(prompt, ("",))), (prompt, done.text)
 
 
 @pytest.mark.parametrize("q", ["int4", "int8"])

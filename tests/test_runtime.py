@@ -118,9 +118,12 @@ def _text(client, ids: list[int]) -> str:
 
 
 def test_smoke_with_tp_2_answers_paris():
+    """In the exact mode, whose answer is HF's (the 4-bit mode's first token here is a near tie, "The" against "L",
+    that any rounding change at TP 2 may flip: "L'Étoile, ...")."""
     out = subprocess.run([sys.executable, "-m", "minisgl_cli.app", "smoke", "--tp", "2",
                           "--dist-init-addr", f"127.0.0.1:{free_port()}", "What is the capital of France?",
-                          "--max-new-tokens", "12"], capture_output=True, text=True, timeout=300)
+                          "--max-new-tokens", "12", "--dtype", "float32", "--quantization", "none"],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
     assert "scheduler rank 1 ready" in out.stderr

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import psutil
 import pytest
 from serve_process import Serve, gone
@@ -117,20 +118,23 @@ def test_kill_9_of_the_server_leaves_no_orphan(serve):
     assert gone(tree) == []
 
 
+@pytest.mark.slow
 def test_the_log_at_the_default_level_says_what_happens_and_a_sigterm_ends_it_cleanly(tmp_path):
-    """`minisgl serve` of the default model as a newcomer runs it: plain `minisgl: ...` lines for the start, the
-    ready line (not a WARNING), the CPU compile (how long, what speed until then) and its end; a SIGTERM after
-    requests adds the shutdown line and nothing else (no Python warnings: a compiled process used to leave a
-    semaphore behind for the resource tracker to complain about at exit)."""
+    """`minisgl serve` of the default model as a newcomer runs it, on an empty store of compiled steps: plain
+    `minisgl: ...` lines for the start, the ready line (not a WARNING), the compiled CPU decode's build (how long,
+    what speed until then) and its end; a SIGTERM after requests adds the shutdown line and nothing else (no Python
+    warnings). The second start loads the stored step before it answers /health: compiled from the first request."""
     # The default model by its built-in alias; the compile as serve does by default (the tests turn it off).
-    s = Serve("smollm2-135m-instruct", tmp_path, "--torch-compile", "auto")
+    env = {"MINISGL_COMPILED_DIR": str(tmp_path / "compiled")}
+    s = Serve("smollm2-135m-instruct", tmp_path, "--torch-compile", "auto", env=env)
     try:
         s.wait_healthy()
         assert s.answers()
-        deadline = time.monotonic() + 300
-        while "CPU decode compiled" not in s.stderr():
+        deadline = time.monotonic() + 400
+        while "the compiled step is built" not in s.stderr():
             assert time.monotonic() < deadline, s.stderr()
             time.sleep(0.5)
+        assert httpx.get(f"{s.url}/metrics", timeout=10).json()["scheduler"]["decode_step"] == "compiled"
         assert s.answers()  # on the compiled decode
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(10) == 0, s.stderr()
@@ -138,10 +142,20 @@ def test_the_log_at_the_default_level_says_what_happens_and_a_sigterm_ends_it_cl
         s.stop()
     lines = s.stderr().splitlines()
     assert all(line.startswith("minisgl: ") for line in lines), lines
-    assert any("compiling the CPU decode in the background" in line and "slower" in line for line in lines), lines
+    assert any("compiled CPU decode build" in line and "slower" in line for line in lines), lines
     ready = next(i for i, line in enumerate(lines) if line.startswith("minisgl: serving "))
     assert f"at {s.url} (OpenAI API at /v1)" in lines[ready]
-    # The compile's lines come from the scheduler process: its start may print after the API's ready line.
-    after = [line for line in lines[ready + 1:] if "CPU decode compiled" not in line
-             and "compiling the CPU decode" not in line]
+    # The build's lines come from the scheduler process: its start may print after the API's ready line.
+    after = [line for line in lines[ready + 1:] if "the compiled step is built" not in line
+             and "compiled CPU decode build" not in line]
     assert after == ["minisgl: stopping"], lines
+
+    again = Serve("smollm2-135m-instruct", tmp_path, "--torch-compile", "auto", env=env)
+    try:
+        again.wait_healthy()
+        assert httpx.get(f"{again.url}/metrics", timeout=10).json()["scheduler"]["decode_step"] == "compiled"
+        assert again.answers()
+    finally:
+        again.stop()
+    assert "CPU decode: the compiled step, loaded from" in again.stderr()
+    assert "compiled CPU decode build" not in again.stderr(), again.stderr()

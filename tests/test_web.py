@@ -233,6 +233,7 @@ def test_live_pane_counters_move_during_a_burst(web):
         web.wait_number("m-running", "x >= 2")  # the batch, as the scheduler runs it
         web.wait_number("m-kv-used", "x > 0")
         web.wait_number("m-decode", "x > 0")
+        assert page.locator("#m-step").inner_text() == "(eager step)"  # the suite's CPU decode: --torch-compile off
     finally:
         for t in burst:
             t.join()

@@ -17,6 +17,8 @@ from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.kvcache.pool import KVPool
 
 _PAD = 16  # the CPU's fp32 vector width (AVX-512; twice AVX2's): see TorchBackend.prepare
+_ROWS = 32  # extend rows attend in blocks of this many positions (TorchBackend._blocks): SDPA's own row block
+_GROUP = 8  # decode: a KV head's query rows padded to a multiple of this (TorchBackend._decode)
 
 
 @dataclass
@@ -30,7 +32,11 @@ class TorchDecodeMeta:
 class TorchExtendMeta:
     starts: list[int]  # row offsets of each request in the flat batch
     slots: list[torch.Tensor | None]  # per request: [seq_len] KV slots; None when nothing is cached
-    masks: list[torch.Tensor | None]  # per request: [extend, seq_len] causal mask; None = plain causal
+    masks: list[torch.Tensor | None]  # per request: [extend, seq_len] causal mask; None = plain causal, or band
+    prefixes: list[int]  # per request: its cached tokens (the position of its first row)
+    # [_ROWS, L] additive, 0 where key j <= L - _ROWS + row: the causal mask of the block ending at e is its last e
+    # columns (TorchBackend._blocks); None where a request's rows attend in one call (not row_invariant)
+    band: torch.Tensor | None
 
 
 class TorchBackend(AttentionBackend):
@@ -38,15 +44,15 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  serial_decode: bool = False):
-        """`serial_decode`: decode attention on one thread (--deterministic). torch's CPU SDPA splits its work by
-        the batch and the thread count, and a row then rounds by the rows beside it (on 2 threads a lone row
-        unlike the same row among others: batch 1 against a verify step's rows); on one thread it does not."""
+        """`serial_decode`: decode attention on one thread (--deterministic)."""
         super().__init__(pool, num_heads, num_kv_heads, head_dim, scale)
         self.serial_decode = serial_decode
 
     @property
-    def split_last(self) -> bool:
-        """Whether a request's last extend row attends alone (attend): on the CPU, over a 16-bit pool."""
+    def row_invariant(self) -> bool:
+        """Whether a row rounds alike whatever rows share its call (extend rows in position-aligned blocks, decode
+        query rows padded): on the CPU over a 16-bit pool, where a greedy answer must not depend on the cache or the
+        batch. As the GPU kernels' reference and as the FP8 KV simulation, rows attend as the kernels compute them."""
         return self.pool.device.type == "cpu" and not self.pool.quantized
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -67,17 +73,26 @@ class TorchBackend(AttentionBackend):
             return
         kv_slots: list[torch.Tensor | None] = []
         masks: list[torch.Tensor | None] = []
+        prefixes = [seq_len - ext for seq_len, ext in zip(batch.seq_lens_cpu, batch.extend_lens_cpu)]
         rows = batch.req_slots.tolist()
-        for row, seq_len, ext in zip(rows, batch.seq_lens_cpu, batch.extend_lens_cpu):
-            prefix = seq_len - ext
+        for row, seq_len, prefix in zip(rows, batch.seq_lens_cpu, prefixes):
             if prefix == 0 and not self.pool.quantized:  # nothing cached: this step's own k/v, no gather
                 kv_slots.append(None)
                 masks.append(None)
                 continue
             kv_slots.append(table[row, :seq_len].long())
+            if self.row_invariant:  # their masks come from the band
+                masks.append(None)
+                continue
             q_pos = torch.arange(prefix, seq_len, device=table.device)[:, None]
             masks.append(torch.arange(seq_len, device=table.device)[None, :] <= q_pos)
-        batch.attn_meta = TorchExtendMeta(batch.qo_indptr.tolist(), kv_slots, masks)
+        band = None
+        if self.row_invariant:
+            width = -(-max(batch.seq_lens_cpu) // _ROWS) * _ROWS
+            keys = torch.arange(width, device=table.device)[None, :]
+            last_keys = torch.arange(width - _ROWS, width, device=table.device)[:, None]
+            band = torch.zeros(_ROWS, width, device=table.device).masked_fill_(keys > last_keys, float("-inf"))
+        batch.attn_meta = TorchExtendMeta(batch.qo_indptr.tolist(), kv_slots, masks, prefixes, band)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -89,25 +104,38 @@ class TorchBackend(AttentionBackend):
         for i, (slots, mask) in enumerate(zip(meta.slots, meta.masks)):
             a, b = meta.starts[i], meta.starts[i + 1]
             ki, vi = (k[a:b], v[a:b]) if slots is None else self.pool.read(layer_id, slots, q.dtype)
-            # A request's last row (the token it samples) attends alone, over all its keys: SDPA rounds a row by
-            # the rows it runs with, and this row must come out the same whether the prompt is prefilled cold
-            # or extended by its last token after a prefix hit. The rows before it attend over the keys before it.
-            # Only where that promise is made (the CPU's modes with a 16-bit pool): as the GPU kernels' reference
-            # and as the FP8 KV simulation, every row attends in one call, as the kernels compute it.
-            if not self.split_last:
+            if meta.band is None:  # not row_invariant: in one call
                 outs.append(self._sdpa(q[a:b], ki, vi, mask))
-                continue
-            if b - a > 1:
-                outs.append(self._sdpa(q[a : b - 1], ki[:-1], vi[:-1], None if mask is None else mask[:-1, :-1]))
-            outs.append(self._sdpa(q[b - 1 : b], ki, vi, None, causal=False))
+            else:
+                outs.append(self._blocks(q[a:b], ki, vi, meta.prefixes[i], meta))
         return torch.cat(outs, dim=0)
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              causal: bool = True) -> torch.Tensor:
-        """One request's rows [T, H, D] over its keys [L, Hkv, D]: under `mask`, else causal (or all keys)."""
+    def _blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
+                meta: TorchExtendMeta) -> torch.Tensor:
+        """One request's rows [T, H, D] at positions prefix.. over its keys [prefix + T, Hkv, D], causal, each row
+        computed in a call of the same shapes wherever it runs: SDPA rounds a row by the rows of its call (their
+        count, its place among them), so a row attends in the block of _ROWS positions holding it (absent rows:
+        zeros) over the keys up to the block's end (absent keys: zeros, masked). Its KV, and so a greedy answer,
+        then comes out alike whether the prompt is prefilled cold, extended after a prefix hit or in chunks (and
+        _ROWS rows keep each thread's scratch aligned whatever the thread count: see _decode)."""
+        end = prefix + q.shape[0]
+        first, last = prefix // _ROWS * _ROWS, -(-end // _ROWS) * _ROWS
+        q = F.pad(q, (0, 0, 0, 0, prefix - first, last - end))
+        if last > end:
+            k, v = (F.pad(t, (0, 0, 0, 0, 0, last - end)) for t in (k, v))
+        assert meta.band is not None
+        if meta.band.dtype != q.dtype:
+            meta.band = meta.band.to(q.dtype)
+        width = meta.band.shape[1]
+        outs = [self._sdpa(q[s - first : s - first + _ROWS], k[: s + _ROWS], v[: s + _ROWS],
+                           meta.band[:, width - s - _ROWS :]) for s in range(first, last, _ROWS)]
+        return torch.cat(outs)[prefix - first : end - first]
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """One request's rows [T, H, D] over its keys [L, Hkv, D]: under `mask`, else causal."""
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-            is_causal=causal and mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+            is_causal=mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return out[0].transpose(0, 1)
 
@@ -121,11 +149,18 @@ class TorchBackend(AttentionBackend):
         # [B, Hkv, L, D] as strided views: SDPA reads them in place, a .contiguous() copy costs more.
         keys = k_all.view(shape).transpose(1, 2)
         values = v_all.view(shape).transpose(1, 2)
-        # GQA without copying K/V per query head: a KV head's query heads act as its query rows.
+        # GQA without copying K/V per query head: a KV head's query heads act as its query rows. torch's CPU flash
+        # attention lays each thread's scratch after the previous one's, (query rows) x (keys + head dim + 2) floats
+        # and (query rows) x keys 16-bit values: with 3 query rows (SmolLM2) a thread's starts off a 64-byte line,
+        # its GEMMs round otherwise, and a (request, KV head) rounded by the thread its batch size handed it to
+        # (batch 1 against batch 2 on 2 threads). Padded to a multiple of _GROUP rows (keys are to _PAD) every
+        # thread's scratch starts aligned: a row rounds alike in any batch, on any thread count, eager or compiled.
+        rows = q.reshape(bsz, hkv, group, d)
+        if self.row_invariant and group % _GROUP:
+            rows = F.pad(rows, (0, 0, 0, _GROUP - group % _GROUP))
         with one_thread() if self.serial_decode else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q.reshape(bsz, hkv, group, d), keys, values, attn_mask=meta.mask,
-                                                 scale=self.scale)
-        return out.reshape(bsz, self.num_heads, d)
+            out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=meta.mask, scale=self.scale)
+        return out[:, :, :group].reshape(bsz, self.num_heads, d)
 
 
 @contextlib.contextmanager

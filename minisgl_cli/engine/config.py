@@ -26,6 +26,7 @@ KVCacheDtype = Literal["auto", "bf16", "fp8_e4m3"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 TorchCompile = Literal["auto", "on", "off"]
 TORCH_COMPILES: tuple[str, ...] = get_args(TorchCompile)
+DecodeStep = Literal["off", "load", "build"]  # EngineConfig.decode_step
 SAMPLERS: tuple[str, ...] = ("auto", "torch", "triton")
 
 
@@ -71,7 +72,8 @@ class EngineConfig:
         help="CUDA: largest decode batch run as a graph (default: by memory)."))
     torch_compile: TorchCompile = field(default_factory=env.torch_compile, metadata=dict(
         flags=("--torch-compile",), env="MINISGL_TORCH_COMPILE",
-        help="CPU decode through torch.compile, built in the background: auto, on, off."))
+        help="CPU decode through a compiled step, stored once built (auto: int4 / int8, built in the background by "
+             "serve, chat and bench, loaded by every engine; on: also built by the Python API; off: eager)."))
     deterministic: bool = field(default=False, metadata=dict(
         flags=("--deterministic",), env="MINISGL_DETERMINISTIC",
         help="CPU: a greedy request answers alike cold, with its prompt cached and in any batch, in every mode: the "
@@ -80,7 +82,7 @@ class EngineConfig:
              "modes promise it already where the decode is not compiled (the README's Models section says what "
              "stays out). Refused on CUDA."))
     # Knobs of the Python API only (no flag):
-    compile_in_process: bool = False  # auto compiles an in-process engine too (its owner waits, or os._exit()s)
+    compile_in_process: bool = False  # auto builds the compiled decode of an in-process engine too (chat, bench)
     max_context_len: int | None = None  # None = the model's max positions (capped by the pool)
     seed: int = 0  # dummy weights
     num_threads: int | None = None  # CPU: torch intra-op threads (None = torch's default)
@@ -137,19 +139,23 @@ class EngineConfig:
             _require_fp8(device, "--quantization fp8")
         return self.quantization
 
-    def compiles_decode(self, quantization: str, tp_size: int, own_process: bool) -> bool:
-        """Whether the engine compiles its CPU decode (see torch_compile); on raises where it cannot run.
-        `own_process`: the engine is a scheduler process's, whose exit the runtime makes (auto compiles only
-        there: an interpreter that exits mid-compile would wait for it, or abort)."""
+    def decode_step(self, quantization: str, kv_dtype: torch.dtype, tp_size: int, own_process: bool) -> DecodeStep:
+        """How the engine decodes on the CPU (engine/cpu_compile.py): `off` eagerly, `load` through a stored compiled
+        step where there is one, `build` also building it (in the background) where there is none. auto takes the
+        int4 / int8 CPU modes at TP 1, and builds in a scheduler process (`own_process`) or where
+        compile_in_process says; on raises where it cannot run."""
         if self.deterministic:  # __post_init__ refused on
-            return False
-        cpu = self.resolved_device().type == "cpu"
-        if self.torch_compile == "on" and not (cpu and tp_size == 1):
-            raise ValueError("--torch-compile on runs on the CPU at TP 1 (CUDA decodes through CUDA graphs)")
-        if self.torch_compile == "auto":
-            owner_waits = own_process or self.compile_in_process
-            return owner_waits and cpu and tp_size == 1 and quantization in ("int4", "int8")
-        return self.torch_compile == "on"
+            return "off"
+        import torch
+
+        runs = (self.resolved_device().type == "cpu" and tp_size == 1 and quantization in ("int4", "int8")
+                and kv_dtype != torch.float8_e4m3fn)
+        if self.torch_compile == "on" and not runs:
+            raise ValueError("--torch-compile on runs the CPU's int4 / int8 modes at TP 1 over a 16-bit KV cache "
+                             "(CUDA decodes through CUDA graphs)")
+        if self.torch_compile == "off" or not runs:
+            return "off"
+        return "build" if self.torch_compile == "on" or own_process or self.compile_in_process else "load"
 
     def resolved_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The KV pool's element type: the engine dtype (`dtype`), bf16, or e4m3."""

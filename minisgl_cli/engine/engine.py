@@ -3,7 +3,8 @@
 What a scheduler uses of it is the seam below, nothing else: `spec` (the fixed facts it plans with), `model_info`,
 the KV-memory verbs its CacheManager calls (pages, page-table rows, page-table writes), the host-buffer uploads and
 read-backs of a step (`build_batch`, `upload`, `readback`), `forward` / `sample` / `step`, and `start_serving` /
-`compiling`. Its fields (model, pool, host buffers, configs) are the engine's own and the layers below it.
+`compiling` / `decode_step`. Its fields (model, pool, host buffers, configs) are the engine's own and the layers below
+it.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from pathlib import Path
 import torch
 
 from minisgl_cli.attention import create_backend
+from minisgl_cli.attention.torch_backend import TorchBackend
 from minisgl_cli.core.batch import ForwardBatch, Mode
 from minisgl_cli.core.host import HostBuffers
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks, setup_all_reduce
 from minisgl_cli.distributed.one_shot import buffer_bytes
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.engine.cpu_compile import CompiledDecode
+from minisgl_cli.engine.cpu_compile import CompiledDecode, StepKey
 from minisgl_cli.engine.graph import MAX_DEFAULT_BS, DecodeGraphs, default_max_bs
 from minisgl_cli.engine.sampler import Sampled, create_sampler, sample
 from minisgl_cli.engine.sampler_graphs import SamplerGraphs
@@ -106,6 +108,8 @@ class Engine:
         blocks = blocks_file(model_dir) if model_dir is not None and source != "dummy" else None
         self.quantization = cfg.resolved_quantization(native_quantization(blocks) if blocks else None)
         self.dtype = cfg.resolved_dtype(quantized=self.quantization != "none")
+        # The modes whose decode may run compiled normalize as the compiled step does, compiled or not (layers/norm.py).
+        self.kernels.ordered_sums = self.device.type == "cpu" and self.quantization in ("int4", "int8")
         self.kv_dtype = cfg.resolved_kv_dtype(self.dtype)
         try:
             self.model_cfg = ModelConfig.from_hf(hf_cfg)
@@ -170,10 +174,10 @@ class Engine:
                                 "or torch's grouped GEMM (bf16, SM 9.x / 10.x, torch 2.8+); elsewhere they read "
                                 "expert row counts back each step")
         self.compiled: CompiledDecode | None = None
-        if cfg.compiles_decode(self.quantization, tp.size, own_process):
-            # Up to the rows the low-bit GEMVs take (past them a step is GEMM-bound: nothing to gain).
-            max_bs = getattr(METHODS[self.quantization], "max_rows", cfg.max_running_requests)
-            self.compiled = CompiledDecode(self.model, self.attn, max_bs, self.device)  # started by start_serving
+        step = cfg.decode_step(self.quantization, self.kv_dtype, tp.size, own_process)
+        if step != "off" and isinstance(self.attn, TorchBackend):
+            key = StepKey.of(cfg, mc, model_dir, source, self.dtype, self.kv_dtype, self.quantization)
+            self.compiled = CompiledDecode(cfg, self.attn, key, builds=step == "build")  # builds from start_serving
         self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0, self.quantization)
         self.spec = EngineSpec(self.device, mc.vocab_size, self.max_context_len, cfg.page_size, num_pages,
                                cfg.max_running_requests, frozenset(mc.eos_token_ids), model_dir)
@@ -215,8 +219,13 @@ class Engine:
 
     @property
     def compiling(self) -> bool:
-        """Whether the CPU decode is still compiling in the background (engine/cpu_compile.py)."""
+        """Whether the CPU decode's compiled step is being built in the background (engine/cpu_compile.py)."""
         return self.compiled is not None and self.compiled.compiling
+
+    @property
+    def decode_step(self) -> str:
+        """What runs a decode step on the CPU: compiled, building (eager meanwhile) or eager (engine/cpu_compile.py)."""
+        return self.compiled.state if self.compiled is not None else "eager"
 
     def _kv_pages(self, shape: KVShape) -> int:
         cfg = self.cfg

@@ -42,6 +42,7 @@ class Kernels:
     fused: bool = True  # CUDA: fused Triton ops (add+RMSNorm, q/k-norm+RoPE+KV store, SiLU-and-mul, GEMV)
     pdl: bool = True  # CUDA, Hopper and newer: programmatic dependent launch between our Triton kernels
     cpu_gemm: str = "auto"  # CPU: the GEMM policy of layers/cpu_kernels.py (auto, invariant, mkl, fp16)
+    ordered_sums: bool = False  # RMSNorm sums through ATen's cumsum, as a compiled CPU step does (layers/norm.py)
     # --engine sgl: sgl_kernel's RMSNorm (+add), SiLU-and-mul and RoPE take those ops' place on CUDA;
     # the batch-1 GEMV (SiLU fused in) and attention stay ours.
     sgl: ModuleType | None = None

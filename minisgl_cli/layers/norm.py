@@ -1,4 +1,9 @@
-"""RMSNorm computed in fp32 exactly as HF transformers does, so greedy outputs match token for token."""
+"""RMSNorm computed in fp32 exactly as HF transformers does, so greedy outputs match token for token.
+
+Where the engine's decode may run compiled (Kernels.ordered_sums: the int4 / int8 CPU modes) the mean square is a
+cumsum's last entry instead of a mean: inductor would generate its own reduction for a mean, whose order of sums
+rounds unlike ATen's now and then (enough to flip a greedy token), while it calls ATen's cumsum as it is, so the
+compiled step (engine/cpu_compile.py) and eager normalize bit for bit alike."""
 
 from __future__ import annotations
 
@@ -29,10 +34,12 @@ class RMSNorm(nn.Module):
         ops = self.kernels.triton(x)
         if ops is not None:
             return ops.rmsnorm(x, self.weight, self.eps, pdl=self.kernels.pdl)
-        dtype = x.dtype
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        if self.kernels.ordered_sums:  # cumsum: one ATen kernel, summing in order, that inductor calls as it is
+            mean_sq = h.pow(2).cumsum(-1)[..., -1:] / h.shape[-1]
+        else:
+            mean_sq = h.pow(2).mean(-1, keepdim=True)
+        return self.weight * (h * torch.rsqrt(mean_sq + self.eps)).to(x.dtype)
 
     @overload
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor,

@@ -126,9 +126,6 @@ class _WeightOnly(LinearMethod):
     quantized = True
     devices = ("cpu",)
     takes_blocks = True
-    # Rows up to which the low-bit kernel beats the dense GEMM (docs/benchmarks.md): the decode batches worth
-    # compiling (engine/cpu_compile.py). Bigger decode batches still take the low-bit copy: one arithmetic per row.
-    max_rows = 8
 
     def create(self, layer: Layer, out_features: int, in_features: int) -> None:
         super().create(layer, out_features, in_features)
@@ -140,7 +137,9 @@ class _WeightOnly(LinearMethod):
             dst.narrow(0, row, part.shape[0]).copy_(part)
 
     def finish(self, layer: Layer) -> None:
-        layer.qweight, layer.qscale = self._pack(layer.__dict__.pop("staged"))
+        # Buffers, not plain attributes: an exported step (engine/cpu_compile.py) names them by module path.
+        for name, t in zip(("qweight", "qscale"), self._pack(layer.__dict__.pop("staged"))):
+            layer.register_buffer(name, t, persistent=False)
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, decode: bool = False) -> torch.Tensor:
         if not decode:
@@ -204,7 +203,6 @@ class Int8Method(_WeightOnly):
     """8 bits per weight, one scale per output channel: w = scale * q, q in -127..127."""
 
     name = "int8"
-    max_rows = 4
 
     def _stage(self, n: int, k: int) -> tuple[torch.Tensor, ...]:
         return torch.zeros(n, k, dtype=torch.int8), torch.zeros(n, 1)

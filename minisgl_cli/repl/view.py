@@ -262,6 +262,7 @@ class ChatView:
             ("KV cached (radix tree)", pages(s.tokens_cached)),
             ("KV in use (running)", pages(s.tokens_in_use)),
             ("prefill / decode tokens", f"{s.prefill_tokens:,} / {s.decode_tokens:,}"),
+            ("CPU decode step", s.decode_step),
             *session_rows,
         ]
         for k, v in rows:

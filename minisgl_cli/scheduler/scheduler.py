@@ -508,6 +508,7 @@ class Scheduler:
         s.prefill_tok_s, s.decode_tok_s = self._prefill_rate.rate(), self._decode_rate.rate()
         s.spec_accepted_tok_s = self._accepted_rate.rate()
         s.decode_compiling = int(self.engine.compiling)
+        s.decode_compiled = int(self.engine.decode_step == "compiled")
         s.images_encoded, s.image_cache_hits, s.vision_s = self.engine.vision_stats()
         return SchedulerStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
 

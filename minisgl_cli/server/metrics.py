@@ -181,7 +181,8 @@ class ServerMetrics:
                 ("prefill_throughput_tokens_per_second", sched.prefill_tok_s, "Rolling prefill rate."),
                 ("decode_throughput_tokens_per_second", sched.decode_tok_s, "Decode speed of the last 10 s of steps."),
                 ("decode_compiling", sched.decode_compiling,
-                 "Engines still compiling their CPU decode (--torch-compile); eager until then."),
+                 "Engines still building their compiled CPU decode step (--torch-compile); eager until then."),
+                ("decode_compiled", sched.decode_compiled, "Engines decoding through their compiled CPU decode step."),
                 ("spec_accept_length", sched.spec_accept_length,
                  "Speculative decoding: tokens a request gains per verify step (its accepted drafts + 1)."),
                 ("spec_accepted_tokens_per_second", sched.spec_accepted_tok_s,
@@ -259,8 +260,8 @@ def _process_cpu(sched: SchedulerStats) -> dict[str, float]:
 
 
 def _engine_info(info: ModelInfo) -> dict[str, str]:
-    return {"engine": info.engine, "attention_backend": info.attention_backend, "sampler": info.sampler,
-            "speculative": info.speculative or "none"}
+    return {"engine": info.engine, "device": info.device, "attention_backend": info.attention_backend,
+            "sampler": info.sampler, "speculative": info.speculative or "none"}
 
 
 def _ms(seconds: float) -> float:

@@ -182,6 +182,10 @@ function render(m) {
   const decode = tp.decode_tok_s ?? s.decode_tok_s;
   show("m-prefill", fixed(prefill));
   show("m-decode", fixed(decode));
+  // Which CPU decode step runs (engine/cpu_compile.py); CUDA decodes through graphs, not this.
+  const cpu = m.engine && m.engine.device === "cpu";
+  show("m-step", !cpu ? "" : s.decode_step === "building" ? "(eager: the compiled step is building)"
+    : `(${s.decode_step} step)`);
   plot("plot-prefill", state.series.prefill, prefill, "#e0802c");
   plot("plot-decode", state.series.decode, decode, "#2f6fde");
   renderRecent(m.recent || []);
