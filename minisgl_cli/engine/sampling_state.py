@@ -158,8 +158,8 @@ class SamplingState:
         self.device = device
         self.host = host
         # A slot no request has taken yet holds a greedy row's neutral values, not zeros: a captured sampler graph
-        # (engine/sampler_graphs.py) draws for padded rows too, and a zero temperature / top-p there would send
-        # the Triton kernel's rejection rounds on forever.
+        # (engine/sampler_graphs.py) draws for padded rows too, and top_k 0 there keeps the Triton kernel's
+        # rejection rounds going forever (no token has fewer than 0 tokens above it).
         self.floats = torch.zeros((max_slots, 6), dtype=torch.float32, device=device)
         self.floats[:, [_TEMPERATURE, _TOP_P, _REPETITION]] = 1.0
         self.ints = torch.zeros((max_slots, 4), dtype=torch.int64, device=device)
