@@ -177,10 +177,14 @@ def make_engine(name: str, **kw) -> Engine:
     print(
         f"[{name}] engine up in {time.perf_counter() - t0:.1f}s "
         f"(backend: {e.attn.name}, graphs: {e.graphs is not None}, weights: {e.quantization}, "
-        f"kv: {str(e.kv_dtype).removeprefix('torch.')}, {e.pool.num_pages * e.pool.page_size:,} tokens)",
+        f"kv: {str(e.kv_dtype).removeprefix('torch.')}, {kv_tokens(e):,} tokens)",
         flush=True,
     )
     return e
+
+
+def kv_tokens(engine: Engine) -> int:
+    return engine.pool.num_pages * engine.pool.page_size
 
 
 def drop_engine(engine: Engine) -> None:
@@ -267,9 +271,8 @@ def bench_engine(tag: str, engine: Engine, do_preset: bool, preset_variants: lis
 def setting(engine: Engine, sampling: dict | None, graphs: bool, overlap: bool) -> dict:
     """The fields naming what an engine row ran: dtypes, kernels, sampling, graphs, overlap."""
     label = " ".join(f"{k}={v:g}" for k, v in sampling.items()) if sampling else "greedy"
-    return dict(engine="minisgl", dtypes=dtype_tag(engine), kv_tokens=engine.pool.num_pages * engine.pool.page_size,
-                backend=engine.attn.name, sampling=label,
-                sampler=engine.sampler.name, graphs=graphs, overlap=overlap, fused=engine.kernels.fused)
+    return dict(engine="minisgl", dtypes=dtype_tag(engine), kv_tokens=kv_tokens(engine), backend=engine.attn.name,
+                sampling=label, sampler=engine.sampler.name, graphs=graphs, overlap=overlap, fused=engine.kernels.fused)
 
 
 def pdl_off(engine: Engine, tag: str) -> None:

@@ -7,6 +7,7 @@
 #   sampling.log   (s) examples/bench_sampling.py: the sampler's µs per call, one program a row vs the split path
 #   fronts.log     (f) examples/fronts_gpu.py --kv bf16,fp8_e4m3: Qwen3-0.6B preset, the scheduler driven directly
 #                      vs minisgl bench offline vs serve + bench --url, one prefill budget (16,384) for all
+#   sampled_fronts.log (o) the same, FP8 KV, raw vs HTTP with every request sampled at t=0.7 / top_p=0.9
 #   spec.log       (p) examples/spec_bench_gpu.py: a verify step's cost, batch-1 decode plain / oracle / ngram
 #   moe.log        (m) examples/moe_bench.py: the MoE layer fused vs grouped (bf16 and FP8 experts), no engine
 #   bench.log      (g) examples/gpu_bench.py qwen,llama: each preset and batch-1 row greedy, t=0.7/top_p=0.9 and t=1.0
@@ -28,7 +29,7 @@ OUT=${OUT:-/tmp/gpu_round}; mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/gpu_round.XXXXXX)
 PY=${PY:-python3}
 BUDGET=${BUDGET:-280}
-PARTS=${PARTS:-t s f p m g e v}
+PARTS=${PARTS:-t s f o p m g e v}
 TESTS=${TESTS:-tests/test_gpu_sampling.py tests/test_gpu_moe.py tests/test_gpu_speculative.py tests/test_gpu_vlm.py \
 tests/test_gpu_isolation.py}
 . examples/parts.sh
@@ -39,7 +40,8 @@ tests/test_gpu_isolation.py}
 } > "$WORK/machine.txt"
 cat "$WORK/machine.txt"
 
-# (t) ~200 s over two workers (the two Qwen-VL tests ~70 s each) (Triton compiles, tiny models built with transformers, a few engines)
+# (t) ~200 s over two workers: Triton compiles, tiny models built with transformers, a few engines (the two Qwen-VL
+# tests ~70 s each)
 XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n 2 --dist loadfile")  # pytest-xdist where installed
 want t && part "(t) GPU tests of this round" 240 60 "$OUT/tests.log" \
   $PY -m pytest -q -p no:cacheprovider $XDIST $TESTS
@@ -51,6 +53,10 @@ want s && part "(s) sampler micro-benchmark" 60 20 "$OUT/sampling.log" \
 # (f) ~280 s: per KV dtype three engine starts, three timed draws each (raw in a child, bench offline, the server)
 want f && part "(f) the fronts against the raw engine" 340 100 "$OUT/fronts.log" \
   $PY examples/fronts_gpu.py --out "$WORK/fronts" --kv bf16,fp8_e4m3
+
+# (o) ~110 s: what chat clients get: the FP8 preset sampled (t=0.7, top_p=0.9), raw against serve + bench --url
+want o && part "(o) sampled requests through HTTP" 180 90 "$OUT/sampled_fronts.log" \
+  $PY examples/fronts_gpu.py --out "$WORK/sampled_fronts" --kv fp8_e4m3 --paths raw,http --sampled
 
 # (p) ~50 s: Llama-3.1-8B dummy, two batch-1 engines
 want p && part "(p) speculative decoding" 100 45 "$OUT/spec.log" \
@@ -81,7 +87,9 @@ want v && part "(v) image chats on Qwen2.5-VL-7B" 240 100 "$OUT/vlm.log" \
   for f in sampling/sampling_bench.txt spec/spec_bench.txt; do
     echo; echo "== $f"; cat "$WORK/$f" 2>/dev/null || echo "(not run)"
   done
-  echo; echo "== fronts"; grep -A14 "^Qwen3-0.6B dummy" "$OUT/fronts.log" 2>/dev/null || echo "(not run)"
+  for f in fronts sampled_fronts; do
+    echo; echo "== $f"; grep -A14 "^Qwen3-0.6B dummy" "$OUT/$f.log" 2>/dev/null || echo "(not run)"
+  done
   echo; echo "== moe layer"; tail -25 "$OUT/moe.log" 2>/dev/null || echo "(not run)"
   for f in bench models; do  # gpu_bench's ratios and dtype table
     echo; echo "== $f"; sed -n '/^==== summary/,$p' "$OUT/$f.log" 2>/dev/null | grep -v "^gemv" | cut -c1-260 \
