@@ -64,7 +64,7 @@ def timed(cmd: list[str], log: Path, timeout: float = 300) -> tuple[int, float, 
 
 
 def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool, out: Path) -> None:
-    """Each path of one KV dtype, then its table: each path's median of `draws` warm draws."""
+    """Each path of one KV dtype, then its table: each path's median of `draws` warm draws (and the fronts' first)."""
     out.mkdir(parents=True, exist_ok=True)
     got: dict[str, float] = {}
     notes: dict[str, str] = {}
@@ -74,20 +74,24 @@ def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool
     sampling = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in SAMPLED.items()) + " " if sampled else ""
 
     def path(name: str, cmd: list[str], figures) -> None:
-        """Run one path's command (its log under out), its draws' median into `got` and their spread into `notes`."""
+        """Run one path's command (its log under out), its timed draws' median into `got`, their spread and the first
+        draw (right after the start and a one-request warm-up: every prefill shape still new) into `notes`."""
         rc, secs, stdout = timed(cmd, out / f"{name}.log")
-        spread = ""
-        if rc == 0:
-            got[name], spread = median(figures(stdout))
-        notes[name] = f"{secs:.0f}s, " + (spread if rc == 0 else f"failed ({rc}): see {name}.log")
+        if rc != 0:
+            notes[name] = f"{secs:.0f}s, failed ({rc}): see {name}.log"
+            return
+        first, draws_ = figures(stdout)
+        got[name], spread = median(draws_)
+        notes[name] = f"{secs:.0f}s, {spread}" + (f"; first draw {first:,.0f}" if first is not None else "")
 
-    def bench_draws(report: Path) -> list[float]:
-        return [r["output_throughput"] for r in json.loads(report.read_text())["results"][1:]]
+    def bench_draws(report: Path) -> tuple[float, list[float]]:
+        tok_s = [r["output_throughput"] for r in json.loads(report.read_text())["results"]]
+        return tok_s[0], tok_s[1:]
 
     if "raw" in paths:
         path("raw", [sys.executable, __file__, "--child-raw", "--max-prefill-tokens", str(prefill), "--kv", kv,
                      "--draws", str(draws), *(["--sampled"] if sampled else [])],
-             lambda stdout: json.loads(stdout.strip().splitlines()[-1])["draws"])
+             lambda stdout: (None, json.loads(stdout.strip().splitlines()[-1])["draws"]))
     if "offline" in paths:
         path("offline", [sys.executable, "-m", "minisgl_cli.app", "bench", "--preset", "nano-vllm", *flags(kv).split(),
                          *budget.split(), "--no-baseline", *sweep.split(), *sampling.split(), "--warmup", "1",
