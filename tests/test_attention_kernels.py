@@ -249,7 +249,6 @@ def test_torch_decode_equals_last_row_of_extend():
     torch.testing.assert_close(last, full[-1:], rtol=1e-5, atol=1e-5)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_decode_rows_come_out_alike_alone_in_any_batch_on_any_thread_count(dtype):
     """On the CPU over a 16-bit pool a decode row rounds alike alone and beside longer rows, whatever the thread
