@@ -9,6 +9,10 @@
 #                      --tp 1, --tp 2 (--all-reduce auto: one-shot) and --tp 2 --all-reduce nccl
 #   dp.log         (d) examples/dp_scaling.sh, shortened: Qwen3-0.6B --dp 2 vs --dp 1 through HTTP, and the router
 #   results.json   the rows of (a), (c) and (d)
+#   prof.log       (e) where a batch-1 step's time goes at --tp 1 and --tp 2: each rank's StepProfiler table (wall vs
+#                      device-busy ms per step, kernels by device time; scheduler/profile.py)
+#   fronts.log     (f) examples/fronts_cpu.py: Qwen3-0.6B --dp 1 vs --dp 2 through HTTP with each server process's
+#                      CPU share (API, detokenizers, ranks) and the client's: what holds --dp 2
 #
 #   OUT=/tmp/two_gpu bash examples/two_gpu.sh
 #   PARTS="a c" BUDGET=200 OUT=/tmp/two_gpu bash examples/two_gpu.sh   # some parts only
@@ -22,7 +26,7 @@ OUT=${OUT:-/tmp/two_gpu}; mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/two_gpu.XXXXXX)  # everything else: only the six files above go to $OUT
 PY=${PY:-python3}
 BUDGET=${BUDGET:-400}
-PARTS=${PARTS:-a b c d}
+PARTS=${PARTS:-a b c d e f}
 TP_MODEL=${TP_MODEL:-llama-3.1-8b}
 read -r -a TP_ARGS <<< "${TP_ARGS:-}"
 . examples/parts.sh
@@ -67,6 +71,24 @@ if want d; then
     router:"router over 2 x serve --dp 1" > "$WORK/dp_table.txt" 2>&1
 fi
 
+# (e) a profile of 50 batch-1 steps on every rank (after 400 busy steps: inside the timed requests), --tp 1 and
+# --tp 2: is a TP-2 step waiting for the host or for kernels, and which? ~60 s per configuration
+if want e; then
+  for tp in 1 2; do
+    part "(e) $TP_MODEL --tp $tp profiled" 120 45 "$OUT/prof.log" \
+      env MINISGL_TORCH_PROFILER_DIR="$WORK/prof-tp$tp" MINISGL_PROFILE_SKIP=${PROF_SKIP:-400} MINISGL_PROFILE_STEPS=${PROF_STEPS:-50} \
+      $PY examples/tp_decode.py --model "$TP_MODEL" --tp "$tp" "${TP_ARGS[@]}"
+    for f in "$WORK/prof-tp$tp"/*-steps.txt; do [ -f "$f" ] && { echo "---- --tp $tp $(basename "$f")"; cat "$f"; }; done \
+      >> "$OUT/prof.log" 2>/dev/null
+  done
+fi
+
+# (f) --dp 1 vs --dp 2 through HTTP with every process's CPU share (fronts_cpu.py; four client processes so the
+# client is not the limit): ~70 s per configuration
+want f && part "(f) Qwen3-0.6B --dp 1 vs --dp 2, CPU per process" 300 120 "$OUT/fronts.log" \
+  $PY examples/fronts_cpu.py --out "$WORK/fronts" --variant "dp1=--dp 1|--client-procs 4" \
+    --variant "dp2=--dp 2|--client-procs 4" ${FRONTS_ARGS:-}
+
 # The summary, and the rows in one JSON.
 {
   cat "$WORK/machine.txt"
@@ -80,6 +102,10 @@ fi
   cat "$WORK/tp_table.txt" 2>/dev/null || echo "(not run)"
   echo; echo "== (d) Qwen3-0.6B through HTTP, nano-vllm preset x 128 (second draw)"
   cat "$WORK/dp_table.txt" 2>/dev/null || echo "(not run)"
+  echo; echo "== (e) wall vs device-busy per step"
+  grep -E "^---- |busy steps after" "$OUT/prof.log" 2>/dev/null || echo "(not run)"
+  echo; echo "== (f) CPU per process through HTTP"
+  sed -n '/^ *dp1 /,$p' "$OUT/fronts.log" 2>/dev/null | head -20 || echo "(not run)"
 } > "$OUT/summary.txt"
 $PY - "$WORK" "$OUT/results.json" <<'EOF'
 import glob, json, os, sys
