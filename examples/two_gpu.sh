@@ -5,8 +5,9 @@
 #   summary.txt    the table printed at the end (also on stdout)
 #   allreduce.log  (a) examples/allreduce_bench.py: NCCL vs one-shot all-reduce, 4 KB-4 MB, eager and in a graph
 #   pytest.log     (b) tests/test_gpu_tp.py: one-shot == NCCL bit for bit; TP 2 greedy tokens vs TP 1
-#   tp.log         (c) examples/tp_decode.py: Llama-3.1-8B dummy bf16, batch-1 decode and greedy tokens at
-#                      --tp 1, --tp 2 (--all-reduce auto: one-shot) and --tp 2 --all-reduce nccl
+#   tp.log         (c) examples/tp_decode.py: Llama-3.1-8B dummy weights, batch-1 decode and greedy tokens at
+#                      --tp 1, --tp 2 (--all-reduce auto: the fused all-reduce + RMSNorm), --all-reduce one-shot
+#                      and nccl; FP8 weights at --tp 1 and --tp 2
 #   dp.log         (d) examples/dp_scaling.sh, shortened: Qwen3-0.6B --dp 2 vs --dp 1 through HTTP, and the router
 #   results.json   the rows of (a), (c) and (d)
 #   prof.log       (e) where a batch-1 step's time goes at --tp 1 and --tp 2: each rank's StepProfiler table (wall vs
@@ -49,14 +50,18 @@ want b && part "(b) pytest tests/test_gpu_tp.py" 170 60 "$OUT/pytest.log" \
 # (c) Llama-3.1-8B batch-1 decode and greedy tokens: ~40-60 s per configuration (start, 4x32 greedy tokens,
 # warm-up, 3 x 256 tokens at batch 1)
 if want c; then
-  for cfg in "1 auto tp1" "2 auto tp2" "2 nccl tp2-nccl"; do
-    read -r tp ar tag <<< "$cfg"
-    part "(c) $TP_MODEL --tp $tp --all-reduce $ar" 120 45 "$OUT/tp.log" \
-      $PY examples/tp_decode.py --model "$TP_MODEL" --tp "$tp" --all-reduce "$ar" "${TP_ARGS[@]}" --json "$WORK/$tag.json"
+  for cfg in "1 auto tp1 none" "2 auto tp2 none" "2 one-shot tp2-oneshot none" "2 nccl tp2-nccl none" \
+             "1 auto tp1-fp8 fp8" "2 auto tp2-fp8 fp8"; do
+    read -r tp ar tag quant <<< "$cfg"
+    part "(c) $TP_MODEL --tp $tp --all-reduce $ar --quantization $quant" 120 45 "$OUT/tp.log" \
+      $PY examples/tp_decode.py --model "$TP_MODEL" --tp "$tp" --all-reduce "$ar" --quantization "$quant" \
+        "${TP_ARGS[@]}" --json "$WORK/$tag.json"
   done
-  # Against TP 1, then the one-shot against NCCL at TP 2 (the same sums: the same tokens).
-  [ -z "$DRY" ] && { $PY examples/tp_decode.py --report "$WORK"/tp1.json "$WORK"/tp2.json "$WORK"/tp2-nccl.json
-    echo; $PY examples/tp_decode.py --report "$WORK"/tp2.json "$WORK"/tp2-nccl.json; } > "$WORK/tp_table.txt" 2>&1
+  # Against TP 1; the fused kernel and the one-shot against NCCL at TP 2 (the same sums: the same tokens); FP8.
+  [ -z "$DRY" ] && { $PY examples/tp_decode.py --report "$WORK"/tp1.json "$WORK"/tp2.json "$WORK"/tp2-oneshot.json \
+      "$WORK"/tp2-nccl.json
+    echo; $PY examples/tp_decode.py --report "$WORK"/tp2-nccl.json "$WORK"/tp2.json "$WORK"/tp2-oneshot.json
+    echo; $PY examples/tp_decode.py --report "$WORK"/tp1-fp8.json "$WORK"/tp2-fp8.json; } > "$WORK/tp_table.txt" 2>&1
   cat "$WORK/tp_table.txt" >> "$OUT/tp.log" 2>/dev/null
 fi
 
@@ -74,7 +79,7 @@ fi
 # (e) a profile of 50 batch-1 steps on every rank (after 400 busy steps: inside the timed requests), --tp 1 and
 # --tp 2: is a TP-2 step waiting for the host or for kernels, and which? ~60 s per configuration
 if want e; then
-  for tp in 1 2; do
+  for tp in ${PROF_TPS:-1 2}; do
     part "(e) $TP_MODEL --tp $tp profiled" 120 45 "$OUT/prof.log" \
       env MINISGL_TORCH_PROFILER_DIR="$WORK/prof-tp$tp" MINISGL_PROFILE_SKIP=${PROF_SKIP:-400} MINISGL_PROFILE_STEPS=${PROF_STEPS:-50} \
       $PY examples/tp_decode.py --model "$TP_MODEL" --tp "$tp" "${TP_ARGS[@]}"

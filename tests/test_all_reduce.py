@@ -20,8 +20,9 @@ def test_all_reduce_flag_reaches_every_replicas_ranks(monkeypatch):
     assert RuntimeConfig().dist.all_reduce == "auto"
     rt = RuntimeConfig(all_reduce="nccl", dp_size=2, tp_size=2)
     assert rt.replica_dist(0).all_reduce == rt.replica_dist(1).all_reduce == "nccl"
-    with pytest.raises(ValueError, match="--all-reduce must be one of auto, nccl"):
-        RuntimeConfig(all_reduce="one-shot")  # type: ignore[arg-type]
+    assert RuntimeConfig(all_reduce="one-shot").dist.all_reduce == "one-shot"
+    with pytest.raises(ValueError, match="--all-reduce must be one of auto, one-shot, nccl"):
+        RuntimeConfig(all_reduce="custom")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--all-reduce"):
         DistConfig(all_reduce="mpi")  # type: ignore[arg-type]
 
@@ -40,7 +41,8 @@ def test_all_reduce_flag_and_its_variable_are_parsed_and_checked(args, env, ok):
     if ok:
         assert result.exit_code == 0 and "--all-reduce" in result.output and "MINISGL_ALL_REDUCE" in result.output
     else:
-        assert result.exit_code == 2 and "--all-reduce must be one of auto, nccl" in result.output, result.output
+        assert result.exit_code == 2, result.output
+        assert "--all-reduce must be one of auto, one-shot, nccl" in result.output, result.output
 
 
 def test_the_buffer_caps_what_one_rank_reads_from_its_peers():

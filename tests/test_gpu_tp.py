@@ -1,5 +1,6 @@
 """Two GPUs: the one-shot all-reduce (distributed/one_shot.py) gives NCCL's sums bit for bit — bf16, 4 KB to
-2 MB, eager and replayed in a CUDA graph — and TP 2's greedy tokens agree with TP 1's within the GPU numerics
+2 MB, eager and replayed in a CUDA graph — the fused all-reduce + RMSNorm (distributed/push_rows.py) gives the
+one-shot sum then the RMSNorm bit for bit, and TP 2's greedy tokens agree with TP 1's within the GPU numerics
 tolerance (test_gpu_numerics.py's: logprobs within 6e-2; a different token only where TP 1's top two are that
 close). Skipped without two CUDA GPUs.
 
@@ -79,6 +80,67 @@ def test_one_shot_all_reduce_equals_nccl_eager_and_in_a_graph():
     assert results == {0: None, 1: None}, "\n".join(str(v) for v in results.values() if v)
 
 
+def _fused(rank: int, addr: str, out) -> None:
+    """One rank: the fused all-reduce + RMSNorm against the one-shot sum then the Triton RMSNorm, bit for bit (the
+    normed rows, FP8 codes too, and the residual), 1 to 64 rows, eager and replayed in a graph; puts (rank, None |
+    traceback)."""
+    from minisgl_cli.distributed import DistConfig, comm
+    from minisgl_cli.distributed.push_rows import FUSED_NORM_ROWS
+    from minisgl_cli.layers import triton_ops as ops
+
+    try:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        tp = comm.init_tp(rank, DistConfig(tp_size=2, init_addr=addr), device)
+        hidden = 4096
+        tp = comm.setup_all_reduce(tp, device, torch.bfloat16, 2 << 20, (FUSED_NORM_ROWS, hidden))
+        assert tp.push_rows is not None, "the fused kernel's buffers could not be set up: see the warning above"
+        g = torch.Generator(device=device).manual_seed(rank)  # each rank's partial rows differ
+        alike = torch.Generator(device=device).manual_seed(1234)  # the weight and residual are the same on both
+        weight = torch.randn(hidden, generator=alike, device=device).to(torch.bfloat16)
+
+        def reference(x, residual, quant):
+            r = residual.clone()
+            normed = ops.rmsnorm(comm.all_reduce(x, tp), weight, 1e-6, residual=r, pdl=False, quant=quant)
+            return normed, r
+
+        def same(a, b) -> bool:
+            if isinstance(a, torch.Tensor):
+                return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            return same(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+
+        for rows in (1, 3, 8, FUSED_NORM_ROWS):
+            for quant in (False, True):
+                x = torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16)
+                residual = torch.randn(rows, hidden, generator=alike, device=device).to(torch.bfloat16)
+                want, want_r = reference(x, residual, quant)
+                for pdl in (False, True):
+                    r = residual.clone()
+                    got = ops.all_reduce_rmsnorm(x, r, weight, 1e-6, tp.push_rows, pdl=pdl, quant=quant)
+                    assert same(got, want) and torch.equal(r, want_r), f"eager {rows} rows, quant {quant}, pdl {pdl}"
+                static_x, static_r = torch.zeros_like(x), torch.zeros_like(residual)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_out = ops.all_reduce_rmsnorm(static_x, static_r, weight, 1e-6, tp.push_rows, quant=quant)
+                for _ in range(3):  # both parities of the buffers, and again
+                    static_x.copy_(torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16))
+                    static_r.copy_(residual)
+                    want, want_r = reference(static_x, residual, quant)
+                    graph.replay()
+                    assert same(static_out, want) and torch.equal(static_r, want_r), f"graph {rows} rows, {quant}"
+        torch.cuda.synchronize()
+        out.put((rank, None))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        out.put((rank, traceback.format_exc()))
+    finally:
+        comm.close_tp()
+
+
+def test_fused_all_reduce_rmsnorm_equals_the_sum_then_the_norm():
+    results = run_ranks(_fused, 2, timeout=180)
+    assert results == {0: None, 1: None}, "\n".join(str(v) for v in results.values() if v)
+
+
 def _greedy(tp: int) -> tuple[list, list[str]]:
     """Qwen3-0.6B dummy weights at --tp `tp`: each prompt's 16 greedy tokens with their top-2 logprobs, and the
     start-up lines (which name the all-reduce)."""
@@ -111,7 +173,7 @@ def _greedy(tp: int) -> tuple[list, list[str]]:
 def test_tp2_greedy_tokens_agree_with_tp1_within_the_numerics_tolerance():
     one, _ = _greedy(1)
     two, lines = _greedy(2)
-    assert any("all-reduce one-shot" in line for line in lines), lines  # the path under test ran
+    assert any("all-reduce fused with RMSNorm" in line for line in lines), lines  # the path under test ran
     for a, b in zip(one, two):
         for i, (x, y) in enumerate(zip(a, b)):
             if x.token_id != y.token_id:

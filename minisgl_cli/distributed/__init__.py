@@ -2,7 +2,7 @@
 
 The process group's start-up and the collectives layers call are in `comm.py` (torch.distributed: NCCL on
 CUDA, gloo on the CPU, so TP is testable without a GPU); the one-shot all-reduce of small messages over
-symmetric memory (CUDA) is in `one_shot.py`.
+symmetric memory (CUDA) is in `one_shot.py`, the buffers of the all-reduce fused with RMSNorm in `push_rows.py`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-# How a TP group sums the layers' partial products: auto (torch's one-shot kernel over symmetric memory for small
-# messages on one CUDA host, NCCL above them), nccl (the process group's own all-reduce for every message).
-AllReduce = Literal["auto", "nccl"]
+# How a TP group sums the layers' partial products: auto (on one CUDA host: small decode batches' sums fused with the
+# residual add + RMSNorm after them (push_rows.py), other small messages by torch's one-shot kernel over symmetric
+# memory, NCCL above them), one-shot (the same without the fused kernel), nccl (the group's all-reduce for all).
+AllReduce = Literal["auto", "one-shot", "nccl"]
 ALL_REDUCES: tuple[str, ...] = get_args(AllReduce)
 
 
@@ -26,6 +27,8 @@ class TPInfo:
     all_reduce: AllReduce = "auto"  # what the group may use (DistConfig's, nccl across hosts)
     # The one-shot all-reduce (one_shot.OneShotAllReduce) once comm.setup_all_reduce made it on every rank.
     one_shot: Any = field(default=None, compare=False, repr=False)
+    # The fused all-reduce + RMSNorm's buffers (push_rows.PushRows), likewise (--all-reduce auto).
+    push_rows: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

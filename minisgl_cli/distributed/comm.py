@@ -46,22 +46,43 @@ def init_tp(rank: int, cfg: DistConfig, device: torch.device) -> TPInfo:
     return TPInfo(rank, cfg.tp_size, host, all_reduce=cfg.all_reduce if cfg.nnodes == 1 else "nccl")
 
 
-def setup_all_reduce(tp: TPInfo, device: torch.device, dtype: torch.dtype, max_bytes: int) -> TPInfo:
-    """tp with the one-shot all-reduce for `dtype` messages up to `max_bytes`, where --all-reduce auto lets it and
-    every rank can set it up; else tp as it was (NCCL, or gloo on the CPU), one line logged saying why.
+def setup_all_reduce(tp: TPInfo, device: torch.device, dtype: torch.dtype, max_bytes: int,
+                     push: tuple[int, int] | None = None) -> TPInfo:
+    """tp with the one-shot all-reduce for `dtype` messages up to `max_bytes`, and (`push`: max rows, row size;
+    --all-reduce auto) the fused all-reduce + RMSNorm's buffers, where every rank can set them up; else tp as it
+    was (NCCL, or gloo on the CPU), one line logged saying why.
 
     Collective: every rank of the group calls it at the same point. Each step (allocate, map the peers' buffers,
     sum known values once) ends with the ranks agreeing over the host group, so they choose alike."""
-    from minisgl_cli.distributed import one_shot
+    from minisgl_cli.distributed import one_shot, push_rows
 
-    if tp.size == 1 or device.type != "cuda" or tp.all_reduce != "auto" or dtype not in one_shot.DTYPES:
+    if tp.size == 1 or device.type != "cuda" or tp.all_reduce == "nccl" or dtype not in one_shot.DTYPES:
         return tp
     made = one_shot.OneShotAllReduce(device, max_bytes)
-    steps: list[tuple[str, Callable[[], None]]] = [
+    if not _agreed(tp, "NCCL only (symmetric memory", [
         ("allocate", made.allocate),
         ("rendezvous", lambda: made.rendezvous(dist.group.WORLD)),
         ("check", lambda: made.check(tp.rank, tp.size, dtype)),
-    ]
+    ]):
+        return tp
+    tp = dataclasses.replace(tp, one_shot=made)
+    if push is not None and tp.all_reduce == "auto":
+        rows = push_rows.PushRows(device, tp.rank, tp.size, push[0], push[1], dtype)
+        if _agreed(tp, "no fused all-reduce + RMSNorm (its buffers", [
+            ("allocate", rows.allocate),
+            ("rendezvous", lambda: rows.rendezvous(dist.group.WORLD)),
+        ]):
+            tp = dataclasses.replace(tp, push_rows=rows)
+    if tp.rank == 0:
+        log.info("TP all-reduce: %s", describe_all_reduce(tp))
+    return tp
+
+
+def _agreed(tp: TPInfo, what: str, steps: list[tuple[str, Callable[[], None]]]) -> bool:
+    """Run the set-up steps on this rank; after each, whether every rank got through it (else one warning saying
+    `what` and why, and False on every rank)."""
+    from minisgl_cli.distributed import one_shot
+
     for step, action in steps:
         why = ""
         try:
@@ -72,19 +93,19 @@ def setup_all_reduce(tp: TPInfo, device: torch.device, dtype: torch.dtype, max_b
             why = f"{step}: {type(exc).__name__}: {exc}".splitlines()[0][:300]
         if min_over_ranks(int(not why), tp) == 0:
             if tp.rank == 0 or why:
-                log.warning("TP all-reduce: NCCL only (symmetric memory: %s)", why or f"{step} failed on another rank")
-            return tp
-    if tp.rank == 0:
-        log.info("TP all-reduce: one-shot up to %d KiB, NCCL above", made.nbytes >> 10)
-    return dataclasses.replace(tp, one_shot=made)
+                log.warning("TP all-reduce: %s: %s)", what, why or f"{step} failed on another rank")
+            return False
+    return True
 
 
 def describe_all_reduce(tp: TPInfo) -> str:
-    """What sums the partial products: 'one-shot <= N KiB, else nccl', 'nccl' or 'gloo' ('' at TP 1)."""
+    """What sums the partial products: '[fused with RMSNorm <= R rows, ]one-shot <= N KiB, else nccl', 'nccl' or
+    'gloo' ('' at TP 1)."""
     if tp.size == 1:
         return ""
     if tp.one_shot is not None:
-        return f"one-shot <= {tp.one_shot.nbytes >> 10} KiB, else nccl"
+        fused = f"fused with RMSNorm <= {tp.push_rows.max_rows} rows, " if tp.push_rows is not None else ""
+        return f"{fused}one-shot <= {tp.one_shot.nbytes >> 10} KiB, else nccl"
     return dist.get_backend()
 
 

@@ -25,6 +25,7 @@ from minisgl_cli.core.host import HostBuffers
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks, setup_all_reduce
 from minisgl_cli.distributed.one_shot import buffer_bytes
+from minisgl_cli.distributed.push_rows import FUSED_NORM_ROWS
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.cpu_compile import CompiledDecode, StepKey
 from minisgl_cli.engine.graph import MAX_DEFAULT_BS, DecodeGraphs, default_max_bs
@@ -123,7 +124,9 @@ class Engine:
             # The one-shot all-reduce takes messages up to the largest decode batch the graphs may capture.
             rows = min(cfg.cuda_graph_max_bs or MAX_DEFAULT_BS, cfg.max_running_requests)
             nbytes = buffer_bytes(rows * mc.hidden_size * self.dtype.itemsize, tp.size)
-            self.tp = tp = setup_all_reduce(tp, self.device, self.dtype, nbytes)
+            # The fused all-reduce + RMSNorm: small decode batches, where kernel latency is the step's cost.
+            push = (min(rows, FUSED_NORM_ROWS), mc.hidden_size)
+            self.tp = tp = setup_all_reduce(tp, self.device, self.dtype, nbytes, push)
 
         # Allocate parameters straight on the device in the engine dtype (no fp32 CPU copy of an 8B model).
         with torch.device(self.device):

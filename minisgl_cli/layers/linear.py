@@ -10,6 +10,7 @@ from torch import nn
 from minisgl_cli.core.fp8 import Fp8Rows
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import all_reduce
+from minisgl_cli.distributed.push_rows import Partial
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.loader.hf import Weight, whole
@@ -99,13 +100,23 @@ class RowParallelLinear(nn.Module):
         self.method.finish(self)
 
     def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        return self._finish(self.method.apply(self, x, None, decode))
+        return self._sum(self.method.apply(self, x, None, decode))
 
     def forward_silu_mul(self, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """forward(silu(gate) * up) of a fused [T, 2I] gate-up (fused into one kernel where the method can)."""
-        return self._finish(self.method.apply_silu_mul(self, gate_up, decode))
+        return self._sum(self.method.apply_silu_mul(self, gate_up, decode))
 
-    def _finish(self, partial: torch.Tensor) -> torch.Tensor:
+    def to_norm(self, x: torch.Tensor, decode: bool = False, silu_mul: bool = False) -> torch.Tensor | Partial:
+        """forward (or forward_silu_mul) for an RMSNorm's forward_residual to take: where the TP group has the
+        fused all-reduce + RMSNorm and the rows fit, this rank's `Partial` sum, which that norm sums (push_rows.py)."""
+        m = self.method
+        partial = m.apply_silu_mul(self, x, decode) if silu_mul else m.apply(self, x, None, decode)
+        push = self.tp.push_rows
+        if self.bias is None and push is not None and push.takes(partial):
+            return Partial(partial, self.tp)
+        return self._sum(partial)
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial products, then add the (unsplit) bias once."""
         y = all_reduce(partial, self.tp)
         return y + self.bias if self.bias is not None else y

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from minisgl_cli.core.fp8 import Fp8Rows
+from minisgl_cli.distributed.comm import all_reduce
+from minisgl_cli.distributed.push_rows import Partial
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.loader.hf import Weight, whole
 
@@ -42,20 +44,29 @@ class RMSNorm(nn.Module):
         return self.weight * (h * torch.rsqrt(mean_sq + self.eps)).to(x.dtype)
 
     @overload
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor,
+    def forward_residual(self, x: torch.Tensor | Partial, residual: torch.Tensor,
                          fp8: Literal[False] = False) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @overload
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor,
+    def forward_residual(self, x: torch.Tensor | Partial, residual: torch.Tensor,
                          fp8: bool) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]: ...
 
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor,
+    def forward_residual(self, x: torch.Tensor | Partial, residual: torch.Tensor,
                          fp8: bool = False) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         """Add the residual, then normalise: returns (normed, new residual).
 
         The fused CUDA kernels update `residual` in place (callers own it; sgl_kernel's `x` too); the torch
         path does not. fp8: the next linear takes rows quantized per token (its `takes_fp8_rows`), which the
-        Triton kernel then writes in place of the 16-bit rows; the other paths return the 16-bit rows."""
+        Triton kernel then writes in place of the 16-bit rows; the other paths return the 16-bit rows.
+        A `Partial` x (TP: a rank's share of a row-split linear) is summed over the ranks first: in the same
+        kernel where the Triton ops run (distributed/push_rows.py), else by the group's all-reduce."""
+        if isinstance(x, Partial):
+            ops = self.kernels.triton(x.rows)
+            if ops is not None and residual.is_contiguous():
+                normed = ops.all_reduce_rmsnorm(x.rows, residual, self.weight, self.eps, x.tp.push_rows,
+                                                pdl=self.kernels.pdl, quant=fp8)
+                return normed, residual
+            x = all_reduce(x.rows, x.tp)
         sgl = self.kernels.sgl_ops(x)
         if sgl is not None and x.is_contiguous() and residual.is_contiguous():
             sgl.fused_add_rmsnorm(x, residual, self.weight, self.eps)

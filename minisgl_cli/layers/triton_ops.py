@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the decoder's small ops (CUDA only): add+RMSNorm, q/k-norm+RoPE (+KV store), SiLU-and-mul.
+"""Fused Triton kernels for the decoder's small ops (CUDA only): add+RMSNorm (TP: all-reduce+add+RMSNorm),
+q/k-norm+RoPE (+KV store), SiLU-and-mul.
 
 Each replaces a chain of 3 to 10 elementwise torch kernels with one pass over the data. They round
 to the engine dtype at the same points as the torch reference (and HF transformers) do, so bf16
@@ -13,6 +14,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from minisgl_cli.core.fp8 import FP8, INV_MAX, TINY, Fp8Rows, KVQuant
+from minisgl_cli.distributed.push_rows import PushRows
 from minisgl_cli.layers.pdl import pdl_kwargs
 from minisgl_cli.layers.triton_fp8 import fp8_codes, quant_rows  # noqa: F401  (quant_rows re-exported, as gemv)
 from minisgl_cli.layers.triton_gemv import gemv  # noqa: F401  (re-exported: one switch for every Triton layer op)
@@ -22,17 +24,9 @@ from minisgl_cli.layers.triton_moe import route as moe_route  # noqa: F401  (as 
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, stride_x, stride_r, stride_o, N, eps, tiny, inv_max,
-                    HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:  # see layers/pdl.py: the weight is read before the wait, activations after
-        gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if USE_PDL:
-        gdc_wait()
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+def _add_norm_store(x, row, offs, mask, r_ptr, w, out_ptr, s_ptr, stride_r, stride_o, N, eps, tiny, inv_max,
+                    HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr):
+    """Row `row`'s x (the engine dtype): add the residual (written back), normalize by w, store (or FP8 codes)."""
     if HAS_RESIDUAL:
         # residual = x + residual in the engine dtype (as the torch add rounds), written back in place
         s = (x.to(tl.float32) + tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32))
@@ -49,6 +43,71 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, stride_x, stride_r, str
         tl.store(s_ptr + row, scale)
     else:
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, stride_x, stride_r, stride_o, N, eps, tiny, inv_max,
+                    HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # see layers/pdl.py: the weight is read before the wait, activations after
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        gdc_wait()
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    _add_norm_store(x, row, offs, mask, r_ptr, w, out_ptr, s_ptr, stride_r, stride_o, N, eps, tiny, inv_max,
+                    HAS_RESIDUAL, QUANT)
+
+
+@triton.jit
+def _all_reduce_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, data_ptrs, flag_ptrs, epoch_ptr, rank, slot,
+                               max_rows, stride_r, stride_o, N, eps, tiny, inv_max, WORLD: tl.constexpr,
+                               QUANT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Row `row` of every rank's partial sum x, summed over the TP group, then the residual add and RMSNorm:
+    the memory protocol is distributed/push_rows.py's."""
+    if USE_PDL:
+        gdc_launch_dependents()
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        gdc_wait()
+    x = tl.load(x_ptr + row.to(tl.int64) * N + offs, mask=mask, other=0.0)
+    epoch = tl.load(epoch_ptr + row) + 1
+    tl.store(epoch_ptr + row, epoch)
+    parity = (epoch % 2).to(tl.int64)
+    dt = x_ptr.dtype.element_ty
+    # This rank's row into its slot of every peer's buffer, then (all stores issued: the barrier) the flags.
+    mine = (parity * WORLD + rank) * slot + row.to(tl.int64) * N
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            peer = tl.load(data_ptrs + q).to(tl.pointer_type(dt))
+            tl.store(peer + mine + offs, x, mask=mask)
+    tl.debug_barrier()
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            flag = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int32)) + rank * max_rows + row
+            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+    # The peers' rows, as each arrives, summed in rank order in fp32: every rank rounds alike, and (two ranks)
+    # each element is one correctly rounded addition, as NCCL's and the one-shot's.
+    own_data = tl.load(data_ptrs + rank).to(tl.pointer_type(dt))
+    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for q in tl.static_range(WORLD):
+        if q == rank:
+            acc += x.to(tl.float32)
+        else:
+            seen = tl.atomic_add(own_flags + q * max_rows + row, 0, sem="acquire", scope="sys")
+            while seen < epoch:
+                seen = tl.atomic_add(own_flags + q * max_rows + row, 0, sem="acquire", scope="sys")
+            tl.debug_barrier()
+            theirs = own_data + (parity * WORLD + q) * slot + row.to(tl.int64) * N
+            acc += tl.load(theirs + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+    _add_norm_store(acc.to(dt), row.to(tl.int64), offs, mask, r_ptr, w, out_ptr, s_ptr, stride_r, stride_o, N, eps,
+                    tiny, inv_max, True, QUANT)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -72,6 +131,24 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     if quant:
         return Fp8Rows(out, scales, x2.dtype)
     return out.view(x.shape)
+
+
+def all_reduce_rmsnorm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       push: PushRows, pdl: bool = True, quant: bool = False) -> torch.Tensor | Fp8Rows:
+    """rmsnorm(sum of every TP rank's `partial`, residual) in one kernel (distributed/push_rows.py): residual +=
+    the sum (in place), and the normed rows (FP8 codes with `quant`), as all_reduce then rmsnorm would give.
+    Collective: every rank calls it with the same shapes. `push.takes(partial)` must hold."""
+    assert push.data_ptrs is not None and push.flag_ptrs is not None
+    t, n = partial.shape
+    out = torch.empty((t, n), dtype=FP8 if quant else partial.dtype, device=partial.device)
+    scales = torch.empty((t, 1), dtype=torch.float32, device=partial.device) if quant else out
+    block = triton.next_power_of_2(n)
+    _all_reduce_rmsnorm_kernel[(t,)](
+        partial, residual, weight, out, scales, push.data_ptrs, push.flag_ptrs, push.epochs, push.rank, push.slot,
+        push.max_rows, residual.stride(0), out.stride(0), n, eps, TINY, INV_MAX, WORLD=push.world, QUANT=quant,
+        BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl_kwargs(partial, pdl),
+    )
+    return Fp8Rows(out, scales, partial.dtype) if quant else out
 
 
 @triton.jit

@@ -15,6 +15,7 @@ from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.core.fp8 import Fp8Rows
 from minisgl_cli.distributed import TPInfo
+from minisgl_cli.distributed.push_rows import Partial
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -48,7 +49,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend, rope: RopeTable,
-                rope_at: RopeAt | None) -> torch.Tensor:
+                rope_at: RopeAt | None) -> torch.Tensor | Partial:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x, batch.is_decode)
         sgl = self.kernels.sgl_ops(qkv)  # --engine sgl: its RoPE (and RMSNorm) below, attention stores K/V
@@ -78,7 +79,7 @@ class Attention(nn.Module):
                 qk = self.rope.rotate(qk, at)
                 q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=kv_out is not None)
-        return self.o_proj(o.reshape(-1, q_size), batch.is_decode)
+        return self.o_proj.to_norm(o.reshape(-1, q_size), batch.is_decode)  # for post_attention_layernorm
 
 
 class MLP(nn.Module):
@@ -92,9 +93,10 @@ class MLP(nn.Module):
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         return self.gate_up_proj.takes_fp8_rows(x)
 
-    def forward(self, x: torch.Tensor | Fp8Rows, decode: bool) -> torch.Tensor:
-        """`decode`: a decode step's rows (a quantized method's low-bit copy takes them: layers/quant.py)."""
-        return self.down_proj.forward_silu_mul(self.gate_up_proj(x, decode), decode)
+    def forward(self, x: torch.Tensor | Fp8Rows, decode: bool) -> torch.Tensor | Partial:
+        """`decode`: a decode step's rows (a quantized method's low-bit copy takes them: layers/quant.py). The
+        next layer's input norm (or the final norm) takes the result: it may stay a `Partial` sum for it."""
+        return self.down_proj.to_norm(self.gate_up_proj(x, decode), decode, silu_mul=True)
 
 
 class DecoderLayer(nn.Module):
@@ -111,16 +113,19 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend,
+        self, h: torch.Tensor | Partial, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend,
         rope: RopeTable, rope_at: RopeAt | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | Partial, torch.Tensor]:
+        """(the layer's output, the residual): the output may be a TP rank's `Partial` sum, for the next norm."""
         x: torch.Tensor | Fp8Rows  # a norm's output: FP8 codes where the linear after it takes them
         if residual is None:
+            assert isinstance(h, torch.Tensor)  # the first layer's input: the embeddings
             residual, x = h, self.input_layernorm(h)
         else:
-            x, residual = self.input_layernorm.forward_residual(h, residual, self.self_attn.qkv_proj.takes_fp8_rows(h))
+            fp8 = self.self_attn.qkv_proj.takes_fp8_rows(h.rows if isinstance(h, Partial) else h)
+            x, residual = self.input_layernorm.forward_residual(h, residual, fp8)
         h = self.self_attn(x, batch, attn, rope, rope_at)
-        fp8 = self.mlp.takes_fp8_rows(h)
+        fp8 = self.mlp.takes_fp8_rows(h.rows if isinstance(h, Partial) else h)
         x, residual = self.post_attention_layernorm.forward_residual(h, residual, fp8)
         return self.mlp(x, batch.is_decode), residual
 
@@ -176,15 +181,18 @@ class LlamaForCausalLM(nn.Module):
         """The decoder over the step's input embeddings `h` [T, hidden], each token turned by `rope`'s row: hidden
         states of each request's last token [B, hidden]."""
         residual = None
+        h_: torch.Tensor | Partial = h
         # The torch RoPE's cos / sin of this step's positions, once for every layer (CUDA's fused ops need none).
         fused = self.kernels.triton(h) is not None or self.kernels.sgl_ops(h) is not None
         rope_at = None if fused else self.rope.at(rope, h.dtype)
         for layer in self.layers:
-            h, residual = layer(h, residual, batch, attn, rope, rope_at)
+            h_, residual = layer(h_, residual, batch, attn, rope, rope_at)
         assert residual is not None  # set by the first layer
         if not batch.is_decode:  # only each request's last token is sampled
-            h, residual = h[batch.logits_indices], residual[batch.logits_indices]
-        h, _ = self.norm.forward_residual(h, residual)
+            idx = batch.logits_indices
+            h_ = Partial(h_.rows[idx], h_.tp) if isinstance(h_, Partial) else h_[idx]
+            residual = residual[idx]
+        h, _ = self.norm.forward_residual(h_, residual)
         return h
 
     def graph_safe(self, device: torch.device, dtype: torch.dtype) -> bool:

@@ -35,7 +35,8 @@ class RuntimeConfig:
         help="HOST:PORT where the ranks meet (--dp replica i: PORT+i)."))
     all_reduce: AllReduce = field(default="auto", metadata=dict(
         flags=("--all-reduce",), env="MINISGL_ALL_REDUCE",
-        help="CUDA --tp: auto (one-shot over symmetric memory for small messages, NCCL above) or nccl."))
+        help="CUDA --tp: auto (small decode sums fused with the RMSNorm after them, one-shot over symmetric memory "
+             "for other small messages, NCCL above), one-shot (no fused kernel) or nccl."))
     dp_size: int = field(default=1, metadata=dict(
         flags=("--dp", "--dp-size"), min=1,
         help="Data-parallel engine replicas, each on its own --tp devices."))
