@@ -7,7 +7,7 @@ The fused kernel (layers/triton_ops.py `all_reduce_rmsnorm`) does all three in o
 stores its partial row straight into every peer's buffer, raises one flag per (sender, row) there, waits for the
 peers' flags in its own buffer, sums the rows in rank order and normalizes. This module holds that memory:
 
-    per rank: data [2 parities][world senders][max_rows x row] of the engine dtype, then flags [world][max_rows] int32
+    per rank: data [2 parities][world senders][max_rows x row] of the engine dtype, then flags [world][max_rows] int64
 
 and a local epoch per row: call k of row r writes parity k % 2 and raises its flags to k. A peer can be at most
 one call ahead (it needs this rank's rows of call k to finish call k), so the other parity is never overwritten
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-FLAG = torch.int32
+FLAG = torch.int64  # call counts: at 20k calls a second an int32 would wrap within days
 # The most rows the fused kernel takes (one program each): decode batches up to this; larger ones are bandwidth
 # work, where the one-shot / NCCL sum and a separate norm cost little more.
 FUSED_NORM_ROWS = 64

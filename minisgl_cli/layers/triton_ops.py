@@ -78,7 +78,7 @@ def _all_reduce_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, data_ptrs, f
     x = tl.load(x_ptr + row.to(tl.int64) * N + offs, mask=mask, other=0.0)
     epoch = tl.load(epoch_ptr + row) + 1
     tl.store(epoch_ptr + row, epoch)
-    parity = (epoch % 2).to(tl.int64)
+    parity = epoch % 2
     dt = x_ptr.dtype.element_ty
     # This rank's row into its slot of every peer's buffer, then (all stores issued: the barrier) the flags.
     mine = (parity * WORLD + rank) * slot + row.to(tl.int64) * N
@@ -89,12 +89,12 @@ def _all_reduce_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, data_ptrs, f
     tl.debug_barrier()
     for q in tl.static_range(WORLD):
         if q != rank:
-            flag = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int32)) + rank * max_rows + row
+            flag = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int64)) + rank * max_rows + row
             tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
     # The peers' rows, as each arrives, summed in rank order in fp32: every rank rounds alike, and (two ranks)
     # each element is one correctly rounded addition, as NCCL's and the one-shot's.
     own_data = tl.load(data_ptrs + rank).to(tl.pointer_type(dt))
-    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
+    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for q in tl.static_range(WORLD):
         if q == rank:

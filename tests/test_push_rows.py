@@ -1,0 +1,65 @@
+"""The fused all-reduce + RMSNorm's memory protocol (distributed/push_rows.py) under Triton's interpreter: two ranks
+in one process, their buffers plain CPU tensors. tests/test_gpu_tp.py runs the kernel on two GPUs.
+
+A kernel waits for its peer's flags, so the ranks cannot run one after the other as they are: rank 1's push for
+each call is written by hand first, then rank 0's kernel runs (it pushes to rank 1 and finds rank 1's rows), then
+rank 1's (it finds rank 0's). Three calls cover both parities of the buffers and the growing flags. Runs where
+TRITON_INTERPRET=1 was set before triton was imported (as tests/test_gpu_moe.py):
+
+    PYTHONPATH=$PWD:/path/to/triton TRITON_INTERPRET=1 python -m pytest -q tests/test_push_rows.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+INTERPRET = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not (INTERPRET and importlib.util.find_spec("triton")),
+                                reason="needs TRITON_INTERPRET=1 with triton importable (no GPU)")
+
+
+def test_two_ranks_sum_add_and_normalize_like_the_unfused_ops():
+    from minisgl_cli.core.fp8 import INV_MAX, TINY
+    from minisgl_cli.distributed.push_rows import FLAG
+    from minisgl_cli.layers import triton_ops
+
+    world, max_rows, n, dt = 2, 4, 64, torch.float16  # the interpreter's bf16 is not native: fp16
+    slot = max_rows * n
+    data_bytes = 2 * world * slot * dt.itemsize
+    bufs = [torch.zeros(data_bytes + world * max_rows * FLAG.itemsize, dtype=torch.uint8) for _ in range(world)]
+    data_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    flag_ptrs = torch.tensor([b.data_ptr() + data_bytes for b in bufs], dtype=torch.int64)
+    epochs = [torch.zeros(max_rows, dtype=FLAG) for _ in range(world)]
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, generator=g).to(dt)
+
+    def fused(rank: int, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        triton_ops._all_reduce_rmsnorm_kernel[(x.shape[0],)](
+            x, residual, w, out, out, data_ptrs, flag_ptrs, epochs[rank], rank, slot, max_rows, residual.stride(0),
+            out.stride(0), n, 1e-6, TINY, INV_MAX, WORLD=world, QUANT=False, BLOCK=n, USE_PDL=False)
+        return out
+
+    for call, rows in ((1, 3), (2, 3), (3, 1)):
+        parts = [torch.randn(rows, n, generator=g).to(dt) for _ in range(world)]
+        residual = torch.randn(rows, n, generator=g).to(dt)
+        rank0_data = bufs[0][:data_bytes].view(dt).view(2, world, max_rows, n)
+        rank0_flags = bufs[0][data_bytes:].view(FLAG).view(world, max_rows)
+        rank0_data[call % 2, 1, :rows] = parts[1]  # rank 1's push of this call, by hand
+        rank0_flags[1, :rows] = call
+        res = [residual.clone() for _ in range(world)]
+        outs = [fused(r, parts[r], res[r]) for r in range(world)]
+        # The unfused ops: the sum rounded to the dtype, + residual rounded, then RMSNorm as layers/norm.py does.
+        summed = ((parts[0].float() + parts[1].float()).to(dt).float() + residual.float()).to(dt)
+        h = summed.float()
+        want = (w.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dt).float()).to(dt)
+        for r in range(world):
+            assert torch.equal(res[r], summed), (call, r)
+            assert torch.equal(outs[r], want), (call, r, (outs[r].float() - want.float()).abs().max())
+        assert epochs[0][:rows].tolist() == epochs[1][:rows].tolist() == [call] * rows
+        flags1 = bufs[1][data_bytes:].view(FLAG).view(world, max_rows)
+        assert flags1[0, :rows].tolist() == [call] * rows  # rank 0 raised its flags on rank 1
