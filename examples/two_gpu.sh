@@ -12,6 +12,7 @@
 #   results.json   the rows of (a), (c) and (d)
 #   prof.log       (e) where a batch-1 step's time goes at --tp 1 and --tp 2: each rank's StepProfiler table (wall vs
 #                      device-busy ms per step, kernels by device time; scheduler/profile.py)
+#                  (g) the same at the nano-vllm preset, --tp 1 and --tp 2 (its throughput in the summary)
 #   fronts.log     (f) examples/fronts_cpu.py: Qwen3-0.6B --dp 1 vs --dp 2 through HTTP with each server process's
 #                      CPU share (API, detokenizers, ranks) and the client's: what holds --dp 2
 #
@@ -27,7 +28,7 @@ OUT=${OUT:-/tmp/two_gpu}; mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/two_gpu.XXXXXX)  # everything else: only the six files above go to $OUT
 PY=${PY:-python3}
 BUDGET=${BUDGET:-400}
-PARTS=${PARTS:-a b c d e f}
+PARTS=${PARTS:-a b c d e f g}
 TP_MODEL=${TP_MODEL:-llama-3.1-8b}
 read -r -a TP_ARGS <<< "${TP_ARGS:-}"
 . examples/parts.sh
@@ -94,6 +95,34 @@ want f && part "(f) Qwen3-0.6B --dp 1 vs --dp 2, CPU per process" 300 120 "$OUT/
   $PY examples/fronts_cpu.py --out "$WORK/fronts" --variant "dp1=--dp 1|--client-procs 4" \
     --variant "dp2=--dp 2|--client-procs 4" ${FRONTS_ARGS:-}
 
+# (g) the nano-vllm preset (256 requests in flight) at --tp 1 and --tp 2, each rank profiled for 20 busy steps after
+# 300: throughput, and whether a TP-2 step waits for the host or the kernels. ~60-90 s per configuration
+if want g; then
+  for tp in 1 2; do
+    addr=(); [ "$tp" -gt 1 ] && addr=(--dist-init-addr "127.0.0.1:$((29700 + tp))")
+    part "(g) $TP_MODEL --tp $tp, the nano-vllm preset" 180 60 "$OUT/tp.log" \
+      env MINISGL_TORCH_PROFILER_DIR="$WORK/preset-prof-tp$tp" MINISGL_PROFILE_SKIP=300 MINISGL_PROFILE_STEPS=20 \
+      $PY -m minisgl_cli.app bench --model "$TP_MODEL" --load-format dummy --max-running-requests 256 \
+        --max-total-tokens 300000 --tp "$tp" "${addr[@]}" --runtime processes --preset nano-vllm --num-prompts 256 \
+        --concurrency 256 --no-baseline --output-json "$WORK/preset-tp$tp.json"
+    for f in "$WORK/preset-prof-tp$tp"/*-steps.txt; do
+      [ -f "$f" ] && { echo "---- preset --tp $tp $(basename "$f")"; cat "$f"; }
+    done >> "$OUT/prof.log" 2>/dev/null
+  done
+  [ -z "$DRY" ] && $PY - "$WORK" > "$WORK/preset_table.txt" 2>&1 <<'EOF'
+import json, sys
+rows = {}
+for tp in (1, 2):
+    try:
+        rows[tp] = json.load(open(f"{sys.argv[1]}/preset-tp{tp}.json"))["results"][-1]["output_throughput"]
+    except (OSError, ValueError, KeyError, IndexError):
+        rows[tp] = None
+for tp, v in rows.items():
+    ratio = f"{v / rows[1]:.2f}x" if v and rows[1] else "-"
+    print(f"--tp {tp}: {v or 0:,.0f} out tok/s  {ratio}")
+EOF
+fi
+
 # The summary, and the rows in one JSON.
 {
   cat "$WORK/machine.txt"
@@ -108,7 +137,9 @@ want f && part "(f) Qwen3-0.6B --dp 1 vs --dp 2, CPU per process" 300 120 "$OUT/
   echo; echo "== (d) Qwen3-0.6B through HTTP, nano-vllm preset x 128 (second draw)"
   cat "$WORK/dp_table.txt" 2>/dev/null || echo "(not run)"
   echo; echo "== (e) wall vs device-busy per step"
-  grep -E "^---- |busy steps after" "$OUT/prof.log" 2>/dev/null || echo "(not run)"
+  grep -E "^---- |busy steps after" "$OUT/prof.log" 2>/dev/null || echo "(not run)"  # parts e and g
+  echo; echo "== (g) $TP_MODEL, the nano-vllm preset"
+  cat "$WORK/preset_table.txt" 2>/dev/null || echo "(not run)"
   echo; echo "== (f) CPU per process through HTTP"
   sed -n '/^ *dp1 /,$p' "$OUT/fronts.log" 2>/dev/null | head -20 || echo "(not run)"
 } > "$OUT/summary.txt"
