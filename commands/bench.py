@@ -144,6 +144,10 @@ def bench(
     out = Console(width=None if sys.stdout.isatty() else 200)  # piped: no 80-column squeeze
     model_arg = opts.engine.model
 
+    # On CUDA `--runtime auto` runs the engine as processes, as `serve` does: in this process the scheduler's thread
+    # would share one GIL with the bench's own per-token work, and a fast GPU waits on it (issue 29).
+    if not url and opts.engine.resolved_device().type == "cuda":
+        opts = replace(opts, processes=True)
     try:
         for name in cfg.engines:  # every engine's flags are checked before the first one runs
             opts.with_engine(name).check()
