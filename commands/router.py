@@ -28,7 +28,8 @@ def router(
     processes: Annotated[int, typer.Option(
         "--processes", envvar="ROUTER_PROCESSES", min=0, metavar="<int>", rich_help_panel=c.SERVER_PANEL,
         help="Router processes on the port (the kernel spreads connections over them; each routes on its own, "
-             "caps are split among them). 0 = auto: 1 for cache_aware, else one per core up to 4.")]
+             "caps are split among them; one that dies stops the router, exit 1). 0 = auto: 1 for cache_aware, "
+             "else one per core up to 4.")]
         = 0,
     *,
     opts: c.EngineOptions,  # --scheduler-mode

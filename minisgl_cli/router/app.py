@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from minisgl_cli.api import protocol as p
 from minisgl_cli.api.prometheus import escape_label, prometheus_family
+from minisgl_cli.router.connections import KeptConnections
 from minisgl_cli.router.tally import ProcessFigures, Tally
 from minisgl_cli.router.workers import Worker, Workers
 from minisgl_cli.routing import Busy, NoReplica
@@ -219,8 +220,8 @@ def create_router_app(urls: Sequence[str], mode: str = "rr", per_worker_cap: int
         # kept, however many streams were in flight at once), and are dropped idle before a worker's uvicorn drops
         # them (its keep-alive is 5 s): a request never meets a connection the worker just closed, which would
         # take the worker out.
-        proxy.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(
-            max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S))
+        proxy.http = httpx.AsyncClient(transport=KeptConnections(KEEPALIVE_S),
+                                       timeout=httpx.Timeout(None, connect=5.0))
         await workers.check(proxy.http)
         workers.start(proxy.http)
         try:
