@@ -40,7 +40,7 @@ def router(
     Routes by --scheduler-mode, with health checks, retries and caps (429). See docs/server.md."""
     import httpx
 
-    from minisgl_cli.router.processes import RouterConfig, auto_processes, run_router
+    from minisgl_cli.router.processes import SPREADS, RouterConfig, auto_processes, run_router
 
     c.setup_logging(verbose)
     for url in worker_url:
@@ -49,6 +49,8 @@ def router(
             c.fail(f"--worker-url must be http://HOST:PORT, not {url!r}")
     cfg = RouterConfig(tuple(worker_url), opts.runtime.scheduler_mode, max_inflight_per_engine or None,
                        max_inflight_total or None, health_interval)
+    if processes > 1 and not SPREADS:
+        c.fail("--processes above 1 needs Linux (SO_REUSEPORT spreads a port's connections only there)", 2)
     if processes and (most := cfg.max_processes()) is not None and processes > most:
         c.fail(f"--processes {processes} cannot split a cap of {most} (--max-inflight-per-engine, "
                "--max-inflight-total: each process needs at least 1): lower --processes or raise the cap", 2)

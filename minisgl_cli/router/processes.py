@@ -1,7 +1,7 @@
 """How `minisgl router` runs: the app in this process, or N router processes on one port under this one.
 
-One Python process relays some 25k SSE frames a second (one per token per stream): the router over two fast
-GPU servers is held there. With `--processes N` each of N child processes runs the whole router app (app.py) on
+One Python process relays a few tens of thousands of SSE frames a second (one per token per stream): less than
+two fast GPU servers stream. With `--processes N` each of N child processes runs the whole router app (app.py) on
 its own listening socket of the same port (SO_REUSEPORT: the kernel spreads the connections over them), with its
 own client to the workers, health checks and routing state; the caps are split among them, and their figures
 meet in a `Tally` so that /metrics from any of them is the whole router's. This process binds the port, starts
@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -32,6 +33,7 @@ from minisgl_cli.runtime.supervisor import Runtime, stop_on_signals
 log = logging.getLogger("minisgl.router")
 
 MAX_AUTO_PROCESSES = 4  # ~100k frames/s: past what two GPU servers stream, each a process's memory and cap share
+SPREADS = sys.platform.startswith("linux")  # SO_REUSEPORT balances connections on Linux; elsewhere one socket takes all
 GRACEFUL_S = 3  # a child's uvicorn lets open requests finish this long: within the runtime's 5 s before SIGKILL
 
 
@@ -67,9 +69,10 @@ def split(cap: int | None, n: int, i: int) -> int | None:
 
 
 def auto_processes(cfg: RouterConfig) -> int:
-    """--processes 0: one process for cache_aware (its prefix trees see every prompt only in one), else one per
-    core up to MAX_AUTO_PROCESSES, and no more than the caps split over."""
-    if cfg.mode == "cache_aware":
+    """--processes 0: one process for cache_aware (its prefix trees see every prompt only in one) and where the
+    kernel does not spread a port's connections (`SPREADS`), else one per core up to MAX_AUTO_PROCESSES, and no
+    more than the caps split over."""
+    if cfg.mode == "cache_aware" or not SPREADS:
         return 1
     return max(1, min(MAX_AUTO_PROCESSES, usable_cores(), cfg.max_processes() or MAX_AUTO_PROCESSES))
 
