@@ -25,6 +25,12 @@ def router(
         "--health-interval", min=0.05, metavar="<float>", rich_help_panel=c.SERVER_PANEL,
         help="Seconds between health checks (a failing worker is taken out).")]
         = 2.0,
+    processes: Annotated[int, typer.Option(
+        "--processes", envvar="ROUTER_PROCESSES", min=0, metavar="<int>", rich_help_panel=c.SERVER_PANEL,
+        help="Router processes on the port (the kernel spreads connections over them; each routes on its own, "
+             "caps are split among them; one that dies stops the router, exit 1). 0 = auto: 1 for cache_aware, "
+             "else one per core up to 4.")]
+        = 0,
     *,
     opts: c.EngineOptions,  # --scheduler-mode
     verbose: c.Verbose = False,
@@ -34,16 +40,21 @@ def router(
     Routes by --scheduler-mode, with health checks, retries and caps (429). See docs/server.md."""
     import httpx
 
-    from minisgl_cli.router.app import create_router_app, run_router
+    from minisgl_cli.router.processes import SPREADS, RouterConfig, auto_processes, run_router
 
     c.setup_logging(verbose)
     for url in worker_url:
         parsed = httpx.URL(url)
         if parsed.scheme not in ("http", "https") or not parsed.host:
             c.fail(f"--worker-url must be http://HOST:PORT, not {url!r}")
-    app_ = create_router_app(worker_url, opts.runtime.scheduler_mode, max_inflight_per_engine or None,
-                             max_inflight_total or None, health_interval)
+    cfg = RouterConfig(tuple(worker_url), opts.runtime.scheduler_mode, max_inflight_per_engine or None,
+                       max_inflight_total or None, health_interval)
+    if processes > 1 and not SPREADS:
+        c.fail("--processes above 1 needs Linux (SO_REUSEPORT spreads a port's connections only there)", 2)
+    if processes and (most := cfg.max_processes()) is not None and processes > most:
+        c.fail(f"--processes {processes} cannot split a cap of {most} (--max-inflight-per-engine, "
+               "--max-inflight-total: each process needs at least 1): lower --processes or raise the cap", 2)
     try:
-        run_router(app_, host, port, log_level="info" if verbose else "warning")
-    except RuntimeError as exc:  # the port is taken, or not an address here
+        run_router(cfg, host, port, processes or auto_processes(cfg), log_level="info" if verbose else "warning")
+    except RuntimeError as exc:  # the port is taken or not an address here, or a router process died
         c.fail(str(exc))

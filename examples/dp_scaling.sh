@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Data parallelism through HTTP, in one run: the nano-vllm preset against `minisgl serve --dp 1`, `--dp 2`, and
-# `minisgl router` in front of two `minisgl serve --dp 1` (one GPU each). Each runs the preset twice (two draws);
-# the table reports the second, warm one, and each row's output throughput over --dp 1's. Logs under $OUT.
+# `minisgl router --processes N` in front of two `minisgl serve --dp 1` (one GPU each), once per N in ROUTER_PROCS
+# (default "1 4": one router process, and four on the same port). Each runs the preset twice (two draws); the
+# table reports the second, warm one, and each row's output throughput over --dp 1's. Logs under $OUT.
 #
 #   OUT=/tmp/dp bash examples/dp_scaling.sh                       # two GPUs: Qwen3-0.6B dummy weights
+#   ROUTER_PROCS=4 OUT=/tmp/dp bash examples/dp_scaling.sh        # the router with 4 processes only
 #   NUM_PROMPTS=128 GRAPH_BS=128 OUT=/tmp/dp bash examples/dp_scaling.sh   # shorter (examples/two_gpu.sh)
 #   MODEL=/tmp/tiny-llama LOAD_FORMAT=auto DEVICE=cpu NUM_PROMPTS=64 MAX_TOTAL_TOKENS=40000 \
 #     WORK="--dataset random --input-len 256 --output-len 128" bash examples/dp_scaling.sh   # a CPU check
@@ -49,18 +51,25 @@ for dp in 1 2; do
   kill -TERM $pid; wait $pid
 done
 
-echo "== router over two serve --dp 1"
+echo "== two serve --dp 1 (one GPU each) for the router"
 pids=()
 for i in 0 1; do
   CUDA_VISIBLE_DEVICES=$i "${ONE[@]}" $PY -m minisgl_cli.app serve "${ENGINE[@]}" --port $((PORT + 1 + i)) \
     > "$OUT/worker$i.log" 2>&1 &
   pids+=($!)
 done
-$PY -m minisgl_cli.app router --worker-url "http://127.0.0.1:$((PORT + 1))" \
-  --worker-url "http://127.0.0.1:$((PORT + 2))" --port "$PORT" > "$OUT/router.log" 2>&1 &
-router=$!
-wait_healthy $((PORT + 1)) "${pids[0]}" && wait_healthy $((PORT + 2)) "${pids[1]}" && \
-  wait_healthy "$PORT" $router && sleep 3 && bench router "$PORT"  # sleep: the router's next health check sees both
-kill -TERM $router "${pids[@]}"; wait $router "${pids[@]}"
+rows=()
+if wait_healthy $((PORT + 1)) "${pids[0]}" && wait_healthy $((PORT + 2)) "${pids[1]}"; then
+  for n in ${ROUTER_PROCS:-1 4}; do
+    echo "== router --processes $n over them"
+    $PY -m minisgl_cli.app router --worker-url "http://127.0.0.1:$((PORT + 1))" \
+      --worker-url "http://127.0.0.1:$((PORT + 2))" --processes "$n" --port "$PORT" > "$OUT/router-p$n.log" 2>&1 &
+    router=$!
+    wait_healthy "$PORT" $router && sleep 3 && bench "router-p$n" "$PORT"  # sleep: every process's check sees both
+    kill -TERM $router; wait $router
+    rows+=("router-p$n:router ($n process$([ "$n" = 1 ] || echo es)) over 2 x serve --dp 1")
+  done
+fi
+kill -TERM "${pids[@]}"; wait "${pids[@]}"
 
-$PY examples/bench_table.py "$OUT" dp1:"serve --dp 1" dp2:"serve --dp 2" router:"router over 2 x serve --dp 1"
+$PY examples/bench_table.py "$OUT" dp1:"serve --dp 1" dp2:"serve --dp 2" "${rows[@]}"

@@ -74,7 +74,8 @@ if want d; then
   for f in "$WORK"/dp/*.log; do [ -f "$f" ] && { echo "---- $(basename "$f") (last 15 lines)"; tail -15 "$f"; }; done \
     >> "$OUT/dp.log" 2>/dev/null
   [ -z "$DRY" ] && $PY examples/bench_table.py "$WORK/dp" dp1:"serve --dp 1" dp2:"serve --dp 2" \
-    router:"router over 2 x serve --dp 1" > "$WORK/dp_table.txt" 2>&1
+    router-p1:"router (1 process) over 2 x serve --dp 1" router-p4:"router (4 processes) over 2 x serve --dp 1" \
+    > "$WORK/dp_table.txt" 2>&1
 fi
 
 # (e) a profile of 50 batch-1 steps on every rank (after 400 busy steps: inside the timed requests), --tp 1 and

@@ -1,6 +1,8 @@
 """`minisgl router` in front of two real `minisgl serve` processes: clients see one unchanged OpenAI server;
 a worker killed mid-run is taken out (its started stream ends with an error frame, requests that had not
-started go to the other), and put back once it is restarted and answers its health check again."""
+started go to the other), and put back once it is restarted and answers its health check again. With
+--processes 2, both router processes serve the one port and /metrics counts them all; a stop or a dead router
+process leaves no process behind."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from serve_process import Serve
+from serve_process import Serve, gone
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +27,7 @@ def cluster(tiny_model_dirs, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
     model = tiny_model_dirs["llama"]
     workers = [Serve(model, tmp, "--runtime", "in-process") for _ in range(2)]
-    router = Serve(None, tmp, "router", *(x for w in workers for x in ("--worker-url", w.url)),
-                   "--scheduler-mode", "rr", "--health-interval", "0.3")
+    router = _router(workers, tmp, "--processes", "1")  # one process: one rr turn for the whole router
     started = [*workers, router]
     try:
         for w in workers:
@@ -36,6 +37,11 @@ def cluster(tiny_model_dirs, tmp_path_factory):
     finally:
         for s in started:
             s.stop()
+
+
+def _router(workers: list[Serve], tmp, *args: str) -> Serve:
+    return Serve(None, tmp, "router", *(x for w in workers for x in ("--worker-url", w.url)),
+                 "--scheduler-mode", "rr", "--health-interval", "0.3", *args)
 
 
 def _metrics(router: Serve) -> dict:
@@ -142,3 +148,54 @@ def test_a_dead_worker_is_taken_out_and_put_back_when_it_answers_again(cluster):
     assert "worker " + victim.url + " is out" in router.stderr() and "is back" in router.stderr()
     os.kill(router.proc.pid, signal.SIGTERM)
     assert router.proc.wait(10) == 0, router.stderr()
+
+
+def _started(workers: list[Serve], tmp, started: list[Serve], processes: int) -> tuple[Serve, dict[str, int]]:
+    """A router with --processes over the workers, serving both; its processes' pids by name ("router 0")."""
+    router = _router(workers, tmp, "--processes", str(processes))
+    started.append(router)
+    _wait(lambda: f"in {processes} processes at" in router.stderr(), router)  # every one of them ready
+    _wait(lambda: _metrics(router)["total"]["workers_up"] == 2, router)
+    pids = router.children()
+    assert sorted(pids) == [f"router {i}" for i in range(processes)], router.stderr()
+    return router, pids
+
+
+def test_router_processes_share_the_port_and_metrics_count_them_all(cluster):
+    _, tmp, workers, _, started = cluster
+    router, pids = _started(workers, tmp, started, 2)
+    for _ in range(12):  # each on a connection of its own: the kernel spreads them over the processes
+        r = httpx.post(f"{router.url}/v1/completions", timeout=60,
+                       json={"model": "default", "prompt": [1, 2, 3], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none")
+    chunks = list(client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=5, stream=True))
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    m = _metrics(router)
+    assert {p["pid"] for p in m["processes"]} == set(pids.values())
+    assert all(p["requests"] > 0 for p in m["processes"]), m["processes"]  # both served
+    assert m["total"]["requests"] == sum(p["requests"] for p in m["processes"]) == 13
+    assert sum(w["requests"] for w in m["workers"]) == 13 and m["total"]["inflight"] == 0
+    prom = httpx.get(f"{router.url}/metrics", params={"format": "prometheus"}).text
+    assert 'minisgl_router_process_requests_total{process="1"}' in prom
+    router.proc.send_signal(signal.SIGINT)  # Ctrl-C: the router stops its processes
+    assert router.proc.wait(20) == 0, router.stderr()
+    assert gone(list(pids.values())) == []
+
+
+def test_sigterm_stops_every_router_process(cluster):
+    _, tmp, workers, _, started = cluster
+    router, pids = _started(workers, tmp, started, 2)
+    router.proc.send_signal(signal.SIGTERM)
+    assert router.proc.wait(20) == 0, router.stderr()
+    assert gone(list(pids.values())) == []
+
+
+def test_a_router_process_that_dies_takes_the_router_down_in_one_line(cluster):
+    _, tmp, workers, _, started = cluster
+    router, pids = _started(workers, tmp, started, 2)
+    os.kill(pids["router 1"], signal.SIGKILL)
+    assert router.proc.wait(20) == 1
+    assert f"error: router 1 (pid {pids['router 1']}) exited with code -9" in router.stderr().splitlines()
+    assert gone([pids["router 0"]]) == []

@@ -1,6 +1,7 @@
-"""The router's second hop, against a stand-in worker: one kept connection for request after request, the
-worker's SSE bytes passed through exactly as written however they are cut, and no body parsed where the
-routing mode has no use for it (only cache_aware matches prompts)."""
+"""The router's second hop, against a stand-in worker: one kept connection for request after request (one each
+for streams at once, reused by the next ones; none past its keep-alive), the worker's SSE bytes passed through
+exactly as written however they are cut, and no body parsed where the routing mode has no use for it (only
+cache_aware matches prompts)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from minisgl_cli.api.http_server import BackgroundServer
 from minisgl_cli.router import app as router_app
+from minisgl_cli.router.connections import KeptConnections
 
 # Frames cut the awkward ways a TCP stream may cut them: one split in two, two in one write.
 PIECES = [b'data: {"a": 1}\n\n', b'data: {"b"', b': 2}\n\ndata: {"c": 3}\n\n', b"data: [DONE]\n\n"]
@@ -67,3 +69,31 @@ def test_rr_routes_without_parsing_the_body(hop, monkeypatch):
     monkeypatch.setattr(router_app, "routing_key", boom)
     r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi"}', timeout=30)
     assert r.status_code == 200 and r.content == b"".join(PIECES)
+
+
+def test_streams_at_once_get_a_connection_each_and_the_next_ones_reuse_them(hop):
+    url, ports = hop
+
+    async def together() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            rs = await asyncio.gather(*(client.post(f"{url}/v1/completions", content=b'{"stream": true}')
+                                        for _ in range(3)))
+        assert all(r.content == b"".join(PIECES) for r in rs)
+
+    asyncio.run(together())
+    asyncio.run(together())
+    assert len(ports) == 6 and len(set(ports)) == 3
+
+
+def test_a_connection_idle_past_its_keep_alive_is_not_reused():
+    ports: list[int] = []
+
+    async def twice(url: str) -> None:
+        async with httpx.AsyncClient(transport=KeptConnections(keepalive_s=0.2)) as client:
+            for pause in (0.0, 0.05, 0.4):
+                await asyncio.sleep(pause)
+                assert (await client.post(f"{url}/v1/completions")).content == b"".join(PIECES)
+
+    with BackgroundServer(_worker(ports)) as url:
+        asyncio.run(twice(url))
+    assert ports[0] == ports[1] != ports[2]

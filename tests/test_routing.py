@@ -119,6 +119,8 @@ def test_router_keys_come_from_messages_prompts_or_token_ids():
     (["serve", "--scheduler-mode", "fastest"], "--scheduler-mode must be one of rr, fsfs, random, cache_aware"),
     (["router", "--worker-url", "http://127.0.0.1:1", "--scheduler-mode", "x"], "--scheduler-mode must be"),
     (["router"], "--worker-url"),
+    (["router", "--worker-url", "http://127.0.0.1:1", "--processes", "3", "--max-inflight-per-engine", "2"],
+     "--processes 3 cannot split a cap of 2"),
 ])
 def test_bad_data_parallel_flags_are_usage_errors(args, message):
     from typer.testing import CliRunner
@@ -153,3 +155,51 @@ def test_router_totals_leave_out_workers_without_a_prefix_cache():
     prom = _prometheus([hf, worker("http://ours:1", 30, 10)])
     assert 'minisgl_router_cache_hit_rate{worker="http://ours:1"} 0.75' in prom
     assert 'cache_hit_rate{worker="http://hf:1"}' not in prom and 'worker_up{worker="http://hf:1"} 1' in prom
+
+
+def test_router_processes_split_the_caps_and_auto_keeps_cache_aware_in_one():
+    from minisgl_cli.router.processes import RouterConfig, auto_processes
+
+    cfg = RouterConfig(("http://a:1", "http://b:1"), per_worker_cap=5, total_cap=None)
+    assert [cfg.share(3, i).per_worker_cap for i in range(3)] == [2, 2, 1]  # they add up to the cap
+    assert {cfg.share(3, i).total_cap for i in range(3)} == {None}
+    assert auto_processes(RouterConfig(cfg.urls, mode="cache_aware")) == 1  # one tree sees every prompt
+    assert auto_processes(RouterConfig(cfg.urls, total_cap=1)) == 1  # never more than the caps split over
+    assert 1 <= auto_processes(RouterConfig(cfg.urls)) <= 4
+
+
+def test_router_processes_figures_add_up_in_the_tally():
+    from minisgl_cli.router.app import _prometheus
+    from minisgl_cli.router.tally import Tally
+
+    tally = Tally(2, 2)
+    tally.claim(0)
+    tally.write(1, [3, 4], [1, 0])
+    tally.claim(1)  # (as the second process would: here, the same pid)
+    tally.write(2, [0, 5], [0, 2])
+    a, b = tally.rows()
+    assert (a.requests, a.inflight, b.requests, b.load) == (7, 1, 5, (0, 2))
+    prom = _prometheus([], [a, b])
+    assert 'minisgl_router_process_requests_total{process="0"} 7' in prom
+    assert 'minisgl_router_process_inflight{process="1"} 2' in prom
+
+
+@pytest.mark.parametrize("reuse_port", [False, True])
+def test_router_processes_on_a_taken_port_fail_in_one_line(reuse_port):
+    """Taken by any program, even one holding it with SO_REUSEPORT (the router's own sockets would join it)."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from minisgl_cli.app import app
+
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(reuse_port))
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["router", "--worker-url", "http://127.0.0.1:1", "--processes", "2",
+                                          "--port", str(port)])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and lines[-1] == f"error: could not serve on 127.0.0.1:{port} (Address already " \
+        "in use)", result.output

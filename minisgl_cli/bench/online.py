@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing as mp
-import os
 import queue
 import time
 from typing import Any
@@ -21,6 +20,7 @@ from minisgl_cli.bench.http_client import Send, Sent, Share, stream_requests, wo
 from minisgl_cli.bench.metrics import RequestTiming
 from minisgl_cli.bench.target import ClientCpu, OnDone, RunOutput
 from minisgl_cli.bench.workloads import BenchRequest, Case
+from minisgl_cli.runtime.cpu import usable_cores
 
 APIS = ("completions", "chat")
 STREAMS_PER_PROC = 64  # the default: one client process per this many streams in flight, up to the cores
@@ -29,11 +29,7 @@ START_TIMEOUT_S = 60.0  # a client worker that is not ready by then failed to st
 
 def default_client_procs(concurrency: int) -> int:
     """One client process per STREAMS_PER_PROC streams in flight, at most one per core this process may use."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(math.ceil(concurrency / STREAMS_PER_PROC), cores))
+    return max(1, min(math.ceil(concurrency / STREAMS_PER_PROC), usable_cores()))
 
 
 def served_model(url: str, timeout: float = 10.0) -> str:

@@ -6,6 +6,9 @@ same for clients. A worker that cannot be reached, or answers 503 (starting, or 
 the client got anything is taken out and the request retried on another; a stream whose worker dies after
 it started ends with an error frame in the stream's own format. Caps answer 429 + Retry-After, like
 `serve`'s. /health and /metrics (each worker and the total) are the router's own.
+
+This app is one router process; `minisgl router --processes N` runs N of them on one port (processes.py), each
+routing on its own, their figures shared through a `Tally` so that /metrics from any of them is the whole router's.
 """
 
 from __future__ import annotations
@@ -22,12 +25,11 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from minisgl_cli.api import protocol as p
-from minisgl_cli.api.http_server import BackgroundServer
 from minisgl_cli.api.prometheus import escape_label, prometheus_family
-from minisgl_cli.notice import notice
+from minisgl_cli.router.connections import KeptConnections
+from minisgl_cli.router.tally import ProcessFigures, Tally
 from minisgl_cli.router.workers import Worker, Workers
 from minisgl_cli.routing import Busy, NoReplica
-from minisgl_cli.runtime.supervisor import stop_on_signals
 
 log = logging.getLogger("minisgl.router")
 
@@ -125,14 +127,18 @@ class _RelayResponse(StreamingResponse):
 class Proxy:
     """Forwards a request to a worker the router picks, retrying on another while nothing has reached the client."""
 
-    def __init__(self, workers: Workers, total_cap: int | None, retry_after_s: int = 1):
-        self.workers, self.total_cap, self.retry_after_s = workers, total_cap, retry_after_s
+    def __init__(self, workers: Workers, total_cap: int | None, tally: Tally, retry_after_s: int = 1):
+        self.workers, self.total_cap, self.tally, self.retry_after_s = workers, total_cap, tally, retry_after_s
         self.inflight = 0
         self.http: httpx.AsyncClient | None = None  # opened by the app's lifespan
 
     def release(self, w: Worker) -> None:
         self.inflight -= 1
         self.workers.done(w)
+        self._publish()
+
+    def _publish(self) -> None:
+        self.tally.write(self.inflight, self.workers.router.routed, self.workers.router.load)
 
     def _busy(self, message: str) -> Response:
         return p.error_response(429, message, "rate_limit_error", None, "too_many_requests",
@@ -159,6 +165,7 @@ class Proxy:
                     failures or [f"{x.url}: {x.reason}" for x in self.workers.workers]), "server_error", None,
                     "no_worker")
             self.inflight += 1
+            self._publish()
             relayed = False
             try:
                 try:
@@ -197,10 +204,15 @@ class Proxy:
 
 
 def create_router_app(urls: Sequence[str], mode: str = "rr", per_worker_cap: int | None = None,
-                      total_cap: int | None = None, health_interval: float = 2.0) -> FastAPI:
-    """The router over these worker base URLs (http://HOST:PORT)."""
-    workers = Workers(urls, mode, per_worker_cap, health_interval)
-    proxy = Proxy(workers, total_cap)
+                      total_cap: int | None = None, health_interval: float = 2.0, tally: Tally | None = None,
+                      label: str = "") -> FastAPI:
+    """The router over these worker base URLs (http://HOST:PORT). One of several processes: `tally` with this
+    process's row claimed, and `label` ("router 1: ") before its lines about the workers."""
+    workers = Workers(urls, mode, per_worker_cap, health_interval, label)
+    if tally is None:
+        tally = Tally(1, len(urls))
+        tally.claim(0)
+    proxy = Proxy(workers, total_cap, tally)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -208,8 +220,8 @@ def create_router_app(urls: Sequence[str], mode: str = "rr", per_worker_cap: int
         # kept, however many streams were in flight at once), and are dropped idle before a worker's uvicorn drops
         # them (its keep-alive is 5 s): a request never meets a connection the worker just closed, which would
         # take the worker out.
-        proxy.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(
-            max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S))
+        proxy.http = httpx.AsyncClient(transport=KeptConnections(KEEPALIVE_S),
+                                       timeout=httpx.Timeout(None, connect=5.0))
         await workers.check(proxy.http)
         workers.start(proxy.http)
         try:
@@ -235,11 +247,15 @@ def create_router_app(urls: Sequence[str], mode: str = "rr", per_worker_cap: int
     async def metrics(request: Request, format: str | None = Query(None, pattern="^(json|prometheus)$")) -> Any:
         assert proxy.http is not None
         auth = request.headers.get("authorization")
-        per = await workers.metrics(proxy.http, {"Authorization": auth} if auth else None)
+        rows = tally.rows()
+        per = await workers.metrics(proxy.http, {"Authorization": auth} if auth else None,
+                                    [sum(x) for x in zip(*(r.routed for r in rows))],
+                                    [sum(x) for x in zip(*(r.load for r in rows))])
         accept = request.headers.get("accept", "")
         if format == "prometheus" or (format is None and "text/plain" in accept and "application/json" not in accept):
-            return PlainTextResponse(_prometheus(per), media_type="text/plain; version=0.0.4; charset=utf-8")
-        return {"mode": workers.router.mode, "workers": per, "total": _total(per, proxy.inflight)}
+            return PlainTextResponse(_prometheus(per, rows), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return {"mode": workers.router.mode, "workers": per, "total": _total(per, sum(r.inflight for r in rows)),
+                "processes": [{"pid": r.pid, "requests": r.requests, "inflight": r.inflight} for r in rows]}
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
     async def forward(path: str, request: Request) -> Response:
@@ -259,9 +275,12 @@ def _total(per: list[dict[str, Any]], inflight: int) -> dict[str, Any]:
             "cache_hit_rate": (round(hit / (hit + miss), 4) if hit + miss else 0.0) if scheds else None}
 
 
-def _prometheus(per: list[dict[str, Any]]) -> str:
+def _prometheus(per: list[dict[str, Any]], rows: Sequence[ProcessFigures] = ()) -> str:
     def each(field: str) -> list[tuple[str, float]]:  # a null figure (hf has no prefix cache): no sample
         return [(f'{{worker="{escape_label(w["url"])}"}}', float(w[field])) for w in per if w[field] is not None]
+
+    def process(field: str) -> list[tuple[str, float]]:
+        return [(f'{{process="{i}"}}', float(getattr(r, field))) for i, r in enumerate(rows)]
 
     lines = [
         *prometheus_family("router_worker_up", "gauge", "1 while the worker serves, 0 while it is out.", each("alive")),
@@ -269,21 +288,10 @@ def _prometheus(per: list[dict[str, Any]]) -> str:
         *prometheus_family("router_inflight", "gauge", "Requests at the worker now (its load).", each("inflight")),
         *prometheus_family("router_cache_hit_rate", "gauge", "The worker's prefix cache hits over prompt tokens.",
                            each("cache_hit_rate")),
+        *prometheus_family("router_process_requests_total", "counter", "Requests this router process routed.",
+                           process("requests")),
+        *prometheus_family("router_process_inflight", "gauge", "Requests in flight through this router process.",
+                           process("inflight")),
     ]
     return "\n".join(lines) + "\n"
 
-
-def run_router(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
-    """Serve the router until SIGINT / SIGTERM (RuntimeError in one line if the port cannot be bound)."""
-    server = BackgroundServer(app, host, port, log_level=log_level, graceful_s=5)
-    server.start(healthy=False)
-    workers: Workers = app.state.workers
-    notice(f"router for {len(workers.workers)} workers ({workers.router.mode}) at {server.url} (OpenAI API at /v1)")
-    with stop_on_signals() as stop:  # through the shutdown too: a second Ctrl-C must not cut it short
-        try:
-            while not stop.wait(0.2):
-                if not server.running():
-                    raise RuntimeError("the HTTP server stopped")
-            notice("stopping")
-        finally:
-            server.stop()

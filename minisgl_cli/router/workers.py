@@ -32,7 +32,9 @@ class Worker:
 
 
 class Workers:
-    def __init__(self, urls: Sequence[str], mode: str = "rr", cap: int | None = None, interval: float = 2.0):
+    def __init__(self, urls: Sequence[str], mode: str = "rr", cap: int | None = None, interval: float = 2.0,
+                 label: str = ""):
+        self.label = label  # which router process says the lines about the workers ("" when it is the only one)
         self.workers = [Worker(i, url.rstrip("/")) for i, url in enumerate(urls)]
         self.router = Router(len(urls), mode, cap, up=False)  # each is put in by its first good health check
         self.interval = interval
@@ -51,12 +53,12 @@ class Workers:
 
     def take_out(self, w: Worker, reason: str) -> None:
         if self.router.set_up(w.index, False) or w.reason == "not checked yet":
-            log.warning("minisgl router: worker %s is out (%s)", w.url, reason)
+            log.warning("minisgl router: %sworker %s is out (%s)", self.label, w.url, reason)
         w.reason = reason
 
     def put_back(self, w: Worker) -> None:
         if self.router.set_up(w.index, True):
-            notice(f"worker {w.url} is {'up' if w.reason == 'not checked yet' else 'back'}")
+            notice(f"{self.label}worker {w.url} is {'up' if w.reason == 'not checked yet' else 'back'}")
         w.reason = ""
 
     # --- health ----------------------------------------------------------------------------------
@@ -91,9 +93,11 @@ class Workers:
                 await self._task
 
     # --- figures ---------------------------------------------------------------------------------
-    async def metrics(self, http: httpx.AsyncClient, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
-        """Each worker: up or out (and why), requests routed, its load, and its own /metrics scheduler figures
-        (asked with `headers`: the client's Authorization, for workers behind --api-key)."""
+    async def metrics(self, http: httpx.AsyncClient, headers: dict[str, str] | None, routed: Sequence[int],
+                      load: Sequence[int]) -> list[dict[str, Any]]:
+        """Each worker: up or out (and why) as this process sees it, requests routed and its load (`routed`, `load`:
+        every router process's, from the tally), and its own /metrics scheduler figures (asked with `headers`: the
+        client's Authorization, for workers behind --api-key)."""
 
         async def one(w: Worker) -> dict[str, Any]:
             sched = None
@@ -103,7 +107,7 @@ class Workers:
                                        timeout=CHECK_TIMEOUT_S)
                     sched = r.json()["scheduler"] if r.status_code == 200 else None
             return {"url": w.url, "alive": self.up(w), "reason": w.reason or None,
-                    "requests": self.router.routed[w.index], "inflight": self.router.load[w.index],
+                    "requests": routed[w.index], "inflight": load[w.index],
                     "cache_hit_rate": sched.get("cache_hit_rate") if sched else None, "scheduler": sched}
 
         return list(await asyncio.gather(*(one(w) for w in self.workers)))

@@ -1,4 +1,5 @@
-"""Process CPU time: a process's user + system seconds, from /proc/<pid>/stat (Linux; elsewhere unknown)."""
+"""Process CPU: a process's user + system seconds, from /proc/<pid>/stat (Linux; elsewhere unknown), and the cores
+this process may use."""
 
 from __future__ import annotations
 
@@ -17,3 +18,11 @@ def cpu_seconds(pid: int) -> float | None:
     # The name (field 2) is in parentheses and may hold spaces: the fields that follow start after the last ")".
     fields = stat[stat.rindex(b")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime: fields 14 and 15 of stat(5)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask on Linux, else every core)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

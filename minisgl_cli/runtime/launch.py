@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from minisgl_cli import notice
 from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.runtime.config import RuntimeConfig
+from minisgl_cli.runtime.cpu import usable_cores
 from minisgl_cli.runtime.pool import EnginePool
 from minisgl_cli.runtime.remote import RemoteClient
 from minisgl_cli.runtime.scheduler_proc import RankJob, run_rank
@@ -90,7 +90,7 @@ def _start(engine: EngineConfig, scheduler: SchedulerConfig, rt: RuntimeConfig, 
     dist = rt.replica_dist(replica)
     # CPU: the ranks sharing this host split its cores instead of each running torch's all-core default.
     share = rt.dp_size * dist.ranks_per_node
-    threads = max(1, _cpus() // share) if share > 1 and engine.num_threads is None else engine.num_threads
+    threads = max(1, usable_cores() // share) if share > 1 and engine.num_threads is None else engine.num_threads
     try:
         if dist.node_rank == 0:
             runtime.start("detokenizer", run_worker, WorkerJob(-1, model_dir, ep, rt.num_tokenizer == 0, True, level,
@@ -106,10 +106,3 @@ def _start(engine: EngineConfig, scheduler: SchedulerConfig, rt: RuntimeConfig, 
         runtime.shutdown()
         raise
     return runtime
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
