@@ -11,7 +11,17 @@ own client processes from its JSON). Every variant runs in the same invocation, 
         --bench-args "--dataset random --num-prompts 8 --input-len 64 --output-len 32 --concurrency 8"
 
 A share is CPU seconds over the timed runs' summed duration (the untimed warm-up adds a little); 100% is one
-core. Logs and each run's JSON under --out.
+core; µs/tok is CPU microseconds per output token of the timed runs. Logs and each run's JSON under --out.
+
+`--old TREE` also runs every variant's server from TREE (a `git archive` of the old commit; the bench client stays
+this tree's), alternating old and new for `--rounds` rounds: a change's CPU per token, A/B in one run. On the CPU,
+a tiny random model (examples/host_bound_cpu.py builds one) makes the engine cheap and the fronts the work:
+
+    git archive main | (mkdir -p /tmp/base && tar -x -C /tmp/base)
+    python examples/fronts_cpu.py --old /tmp/base --rounds 2 --serve-args "--model /tmp/host_bound_cpu/tiny-model \
+        --device cpu --max-running-requests 256 --max-total-tokens 204800 --torch-compile off" --bench-args \
+        "--dataset random --num-prompts 256 --input-len 64 --output-len 768 --range-ratio 0.5 --concurrency 256 \
+        --warmup 1 --client-procs 2"
 
 `--py-spy SECONDS` also samples every server process (py-spy, non-blocking) for SECONDS once the bench has run
 `--py-spy-delay` seconds, writes each one's collapsed stacks to --out (pyspy-<variant>-<process>.txt) and prints
@@ -114,13 +124,27 @@ def py_spy(pids: dict[str, int], seconds: int, tag: str, out: Path) -> None:
               flush=True)
 
 
+def chunks(result: dict) -> float:
+    """The streamed chunks of a bench run, from the client's figures: each request's gaps between chunks span its
+    first to its last chunk (~ e2e - TTFT), so the gaps number n * (e2e - TTFT) / ITL, and the chunks n more. Below
+    one per token where a consumer behind the engine got several tokens' text in one chunk."""
+    n = result["completed"]
+    return n * (result["mean_e2e_latency_ms"] - result["mean_ttft_ms"]) / result["mean_itl_ms"] + n \
+        if result["mean_itl_ms"] else float(n)
+
+
 def run_variant(name: str, serve_args: list[str], bench_args: list[str], model: str | None, out: Path,
-                spy: tuple[int, float] = (0, 0.0)) -> dict:
+                spy: tuple[int, float] = (0, 0.0), tree: Path | None = None) -> dict:
+    """One `serve` (from `tree`'s code when given) and one `minisgl bench --url` against it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = out / f"serve-{name}.log"
+    env = None
+    if tree is not None:  # the old tree's package first on the path (its own cwd too)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     with log.open("w") as f:
-        proc = subprocess.Popen(cli("serve", *serve_args, "--port", str(port)), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cli("serve", *serve_args, "--port", str(port)), stdout=f, stderr=subprocess.STDOUT,
+                                cwd=tree, env=env)
     try:
         wait_healthy(url, proc, log)
         before = cpu(url)
@@ -143,6 +167,7 @@ def run_variant(name: str, serve_args: list[str], bench_args: list[str], model: 
     last = results[-1]  # the warm draw
     server = {p: after[p] - before.get(p, 0.0) for p in after}
     return {"name": name, "out_tok_s": last["output_throughput"], "duration_s": duration,
+            "tokens": sum(r["total_output_tokens"] for r in results), "chunks": sum(map(chunks, results)),
             "client": [(s, c) for s, c in zip(last.get("client_core_share", []), last.get("client_cpu_seconds", []))],
             "server": server}
 
@@ -156,34 +181,43 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/fronts_cpu")
     ap.add_argument("--py-spy", type=int, default=0, metavar="SECONDS", help="sample each server process this long")
     ap.add_argument("--py-spy-delay", type=float, default=10.0, help="seconds into the bench before sampling")
+    ap.add_argument("--old", help="also serve every variant from this tree (the old commit's files): an A/B")
+    ap.add_argument("--rounds", type=int, default=1, help="run the variants (old and new alternating) this often")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     serve_args = shlex.split(args.serve_args)
     model = serve_args[serve_args.index("--model") + 1] if "--model" in serve_args else None
+    trees = ([("@old", Path(args.old).resolve())] if args.old else []) + [("", None)]
     rows = []
-    for spec in args.variant or ["base="]:
-        name, _, extra = spec.partition("=")
-        serve_extra, _, bench_extra = extra.partition("|")
-        serve = serve_args + shlex.split(serve_extra)
-        bench = shlex.split(args.bench_args) + shlex.split(bench_extra)
-        print(f"== {name}: serve {' '.join(serve)}; bench {' '.join(bench)}", flush=True)
-        rows.append(run_variant(name, serve, bench, model, out, (args.py_spy, args.py_spy_delay)))
-        r = rows[-1]
-        print(f"   {r['out_tok_s']:.1f} out tok/s (last run), timed runs {r['duration_s']:.1f}s", flush=True)
+    for r in range(args.rounds):
+        for spec in args.variant or ["base="]:
+            name, _, extra = spec.partition("=")
+            serve_extra, _, bench_extra = extra.partition("|")
+            serve = serve_args + shlex.split(serve_extra)
+            bench = shlex.split(args.bench_args) + shlex.split(bench_extra)
+            for suffix, tree in trees:
+                tag = name + suffix + (f"#{r}" if args.rounds > 1 else "")
+                print(f"== {tag}: serve {' '.join(serve)}; bench {' '.join(bench)}", flush=True)
+                rows.append(run_variant(tag, serve, bench, model, out, (args.py_spy, args.py_spy_delay), tree))
+                done = rows[-1]
+                print(f"   {done['out_tok_s']:.1f} out tok/s (last run), timed runs {done['duration_s']:.1f}s",
+                      flush=True)
 
     procs = list(dict.fromkeys(p for r in rows for p in r["server"]))
     width = max(len(p) for p in [*procs, "client (busiest)"]) + 2
     print()
     print("".ljust(width) + "".join(f"{r['name']:>24}" for r in rows))
     print("out tok/s (last run)".ljust(width) + "".join(f"{r['out_tok_s']:>24.1f}" for r in rows))
+    print("chunks / token".ljust(width) + "".join(f"{r['chunks'] / max(r['tokens'], 1):>24.3f}" for r in rows))
     for p in procs:
         cells = []
         for r in rows:
             s = r["server"].get(p)
             share = f" {s / r['duration_s']:.0%}" if s is not None and r["duration_s"] else ""
-            cells.append("-" if s is None else f"{s:.1f}s{share}")
+            per_token = f" {1e6 * s / r['tokens']:.1f}µs/tok" if s is not None and r["tokens"] else ""
+            cells.append("-" if s is None else f"{s:.1f}s{share}{per_token}")
         print(p.ljust(width) + "".join(f"{c:>24}" for c in cells))
     cells = []
     for r in rows:
@@ -193,8 +227,8 @@ def main() -> None:
         else:
             cells.append("-")
     print("client (busiest)".ljust(width) + "".join(f"{c:>24}" for c in cells))
-    print(f"\nCPU seconds over all timed runs, share = seconds / their duration (100% = one core); the client's from "
-          f"the last run. Logs and JSON in {out}")
+    print(f"\nCPU seconds over all timed runs, share = seconds / their duration (100% = one core), µs/tok = CPU "
+          f"microseconds per output token of the timed runs; the client's from the last run. Logs and JSON in {out}")
 
 
 if __name__ == "__main__":
