@@ -162,6 +162,61 @@ def test_generate_json_lines(server_url):
     assert r["event"] == "done" and r["text"] == "".join(d["text_delta"] for d in deltas)
 
 
+# Characters JSON escapes or writes as more than one byte: what a frame made from a template must write as
+# json.dumps(..., ensure_ascii=False) does.
+TRICKY = ["", "plain", "café naïve", "世界 🎉", 'say "hi"', "back\\slash", "line\nbreak\ttab\r", "\x00\x1f\x7f",
+          "\u2028\u2029", "\ud800 lone surrogate", "\u0000text\u0000"]
+
+
+def test_a_templated_frame_is_byte_for_byte_the_json_of_its_chunk():
+    from minisgl_cli.api import protocol as p
+    from minisgl_cli.server.runs import sse, templated
+
+    def chunk(text: str) -> str:
+        return sse(p.completion_chunk("cmpl-1", 7, "m", 0, text, None, True))
+
+    made = templated(chunk)
+    assert made is not chunk  # the template was taken
+    for text in TRICKY:
+        assert made(text) == chunk(text) == f"data: {json.dumps(json.loads(chunk(text)[6:]), ensure_ascii=False)}\n\n"
+    # Where the text cannot be put in the same way, the frame is made whole each time.
+    ascii_only = lambda text: json.dumps({"t": text}) + "\n"  # noqa: E731 - ensure_ascii on: "é" is \\u00e9
+    twice = lambda text: json.dumps({"a": text, "b": text}, ensure_ascii=False)  # noqa: E731
+    assert templated(ascii_only) is ascii_only and templated(twice) is twice
+
+
+def test_every_route_streams_the_text_of_its_reply_byte_for_byte(server_url, default_model_dir):
+    """Sampling biased to the byte tokens of multi-byte characters (and quotes, backslashes, newlines) splits them
+    across tokens; each route's stream, joined, is the text of the same request not streamed, and each text frame is
+    its object's JSON as json.dumps writes it (ensure_ascii off)."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(default_model_dir)).encode('世界 🎉 über naïve "q" \\ \n the')
+    sampling = {"temperature": 1.0, "seed": 3, "logit_bias": {str(i): 30 for i in set(ids)}, "ignore_eos": True}
+    routes = {  # path: (body, the text of a reply not streamed, the text of one streamed object)
+        "/v1/completions": ({"prompt": "hi", "max_tokens": 24}, lambda o: o["choices"][0]["text"],
+                            lambda o: "".join(c["text"] for c in o["choices"])),
+        "/v1/chat/completions": ({"messages": HI, "max_tokens": 24}, lambda o: o["choices"][0]["message"]["content"],
+                                 lambda o: "".join(c["delta"].get("content") or "" for c in o["choices"])),
+        "/generate": ({"prompt": "hi", "max_new_tokens": 24}, lambda o: o["text"], lambda o: o.get("text_delta", "")),
+    }
+    with httpx.Client(base_url=server_url, timeout=120) as http:
+        for path, (body, whole, piece) in routes.items():
+            want = whole(http.post(path, json={**body, **sampling, "stream": False}).json())
+            assert any(ord(ch) > 127 for ch in want), want  # the case this test is about
+            streamed = ""
+            with http.stream("POST", path, json={**body, **sampling, "stream": True}) as r:
+                for line in r.iter_lines():
+                    raw = line.removeprefix("data: ")
+                    if not raw or raw == "[DONE]":
+                        continue
+                    obj = json.loads(raw)
+                    if "event" not in obj:  # /generate's done line is the pydantic model's own JSON
+                        assert raw == json.dumps(obj, ensure_ascii=False)
+                    streamed += piece(obj)
+            assert streamed == want, path
+
+
 def test_metrics_json_and_prometheus(server_url):
     oai(server_url).chat.completions.create(model="default", messages=HI, max_tokens=2)
     m = httpx.get(f"{server_url}/metrics", timeout=30).json()

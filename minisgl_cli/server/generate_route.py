@@ -18,7 +18,7 @@ from minisgl_cli.api import protocol as p
 from minisgl_cli.server.context import Ctx
 from minisgl_cli.server.errors import InputError, error_frame
 from minisgl_cli.server.gate import downscale_headers
-from minisgl_cli.server.runs import stream_response
+from minisgl_cli.server.runs import stream_response, templated
 from minisgl_cli.types import Delta, GenerateRequest, RequestStats, TokenLogprob, new_request_id
 
 router = APIRouter(tags=["reference"], responses=p.ERROR_RESPONSES)
@@ -47,6 +47,7 @@ async def generate(body: p.GenerateBody, request: Request, ctx: Ctx) -> Any:
             done.logprobs = _logprobs(run.logprobs[0])
         return JSONResponse(done.model_dump(), headers=downscale_headers(note))
     first = await run.first_event(request)
+    text_line = templated(lambda text: json.dumps({"text_delta": text}, ensure_ascii=False) + "\n")
 
     async def lines() -> AsyncIterator[str]:
         try:
@@ -56,11 +57,11 @@ async def generate(body: p.GenerateBody, request: Request, ctx: Ctx) -> Any:
                 if d.error:
                     yield json.dumps({"event": "error", **error_frame(d)}) + "\n"
                     break
-                if d.text or d.logprobs:
-                    line: dict[str, Any] = {"text_delta": d.text}
-                    if d.logprobs:
-                        line["logprobs"] = _logprobs(d.logprobs)
+                if d.logprobs:
+                    line = {"text_delta": d.text, "logprobs": _logprobs(d.logprobs)}
                     yield json.dumps(line, ensure_ascii=False) + "\n"
+                elif d.text:  # the usual line: its JSON made once
+                    yield text_line(d.text)
                 if d.finish_reason:
                     yield _done(d, note).model_dump_json(exclude_none=True) + "\n"
                 event = await run.next()

@@ -19,7 +19,7 @@ from minisgl_cli.server import tools, vision
 from minisgl_cli.server.context import Ctx
 from minisgl_cli.server.errors import InputError, error_frame
 from minisgl_cli.server.gate import downscale_headers
-from minisgl_cli.server.runs import EngineRun, sse, stream_response
+from minisgl_cli.server.runs import EngineRun, sse, stream_response, templated
 from minisgl_cli.types import Delta, GenerateRequest, RequestStats, TokenLogprob, new_request_id
 
 router = APIRouter(tags=["openai"], responses=p.ERROR_RESPONSES)
@@ -83,8 +83,14 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
     timed = not ctx.client.info.has_tokenizer
     streams = [ChoiceStream(how, names, body.parallel_tool_calls, timed) for _ in range(body.n)]
 
+    def content_only(i: int) -> Callable[[str], str]:
+        """Choice i's usual chunk (content alone): its JSON made once, the text put in."""
+        return templated(lambda text: chunk(i, content=text))
+
+    plain = [content_only(i) for i in range(body.n)]
+
     def frames(i: int, d: Delta) -> list[str]:
-        return [chunk(i, **kw) for kw in streams[i].feed(d)]
+        return [plain[i](kw["content"]) if kw.keys() == {"content"} else chunk(i, **kw) for kw in streams[i].feed(d)]
 
     def usage() -> str:
         u = _usage([f for f in run.finals if f is not None], prompts=1)
@@ -186,9 +192,17 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
     offsets = [0] * len(reqs)
     timed = not ctx.client.info.has_tokenizer  # as ChoiceStream.token_only
 
+    def text_only(i: int) -> Callable[[str], str]:
+        """Choice i's usual chunk (text, no end, no logprobs): its JSON made once, the text put in."""
+        return templated(lambda text: sse(p.completion_chunk(cid, ts, model, i, text, None, with_usage)))
+
+    plain = [text_only(i) for i in range(len(reqs))]
+
     def frames(i: int, d: Delta) -> list[str]:
         if not (d.text or d.finish_reason or (timed and d.token_ids)):  # no empty chunk, unless tokens are all
             return []
+        if d.finish_reason is None and not with_lp:
+            return [plain[i](d.text)]
         lp = p.completion_logprobs(d.logprobs or [], offsets[i]) if with_lp else None
         offsets[i] += len(d.text)
         return [sse(p.completion_chunk(cid, ts, model, i, d.text, d.finish_reason, with_usage, lp))]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar, cast
 
 from fastapi import Request
@@ -47,21 +47,38 @@ class EngineRun:
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in reqs]  # per choice, when its request asked
         self._released = False
         self.closed = False
-        self.tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(reqs)]
+        # One request (most runs) is read straight from its stream by whoever awaits `next`: no task and no queue,
+        # one wake-up per output instead of two. Several are merged through the queue, each pumped by a task.
+        self.stream = client.submit(reqs[0]) if len(reqs) == 1 else None
+        self.tasks = [] if self.stream else [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(reqs)]
+        self._reading = False  # a task awaits the stream's next output right now
+        self._closing: asyncio.Future | None = None
 
     async def _pump(self, i: int, req: GenerateRequest) -> None:
         try:
             async for delta in self.client.submit(req):
                 self.queue.put_nowait((i, delta))
         except Exception as exc:  # e.g. a tokenizer failure: report it as this choice's error
-            self.queue.put_nowait((i, Delta(req.rid, error=str(exc) or type(exc).__name__,
-                                            error_code=error_code_of(exc))))
+            self.queue.put_nowait((i, _failed(req, exc)))
+
+    async def _take(self) -> tuple[int, Delta]:
+        if self.stream is None:
+            return await self.queue.get()
+        self._reading = True
+        try:
+            return 0, await anext(self.stream)
+        except StopAsyncIteration:  # a client's stream always ends with a finished delta; never wait for one
+            return 0, _failed(self.reqs[0], RuntimeError("the engine's stream ended before its request finished"))
+        except Exception as exc:  # as _pump
+            return 0, _failed(self.reqs[0], exc)
+        finally:
+            self._reading = False
 
     async def next(self) -> tuple[int, Delta] | None:
         """The next event, or None once every request has finished."""
         if self.open == 0:
             return None
-        i, delta = await self.queue.get()
+        i, delta = await self._take()
         if delta.text or delta.token_ids:
             self.chunks[i] += 1
         if delta.logprobs:
@@ -120,6 +137,10 @@ class EngineRun:
         unfinished = [i for i, f in enumerate(self.finals) if f is None]
         for task in self.tasks:
             task.cancel()
+        if self.stream is not None and not self._reading:
+            # Between outputs (or past the last): closing it runs its `finally`, which drops its entry and aborts the
+            # request if unfinished. One read right now ends with its reader, being cancelled, or by shutdown's abort.
+            self._closing = asyncio.ensure_future(self.stream.aclose())
         if unfinished:
             failed = any(f is not None and f.error for f in self.finals)  # the response fails as a whole
             if not failed:
@@ -147,6 +168,11 @@ class EngineRun:
                  "ttft=%.0fms latency=%.0fms%s", self.reqs[i].rid, self.endpoint, d.finish_reason,
                  s.prompt_tokens, s.cached_tokens, s.completion_tokens, self.chunks[i], s.ttft_s * 1000,
                  s.latency_s * 1000, f" error={d.error!r}" if d.error else "")
+
+
+def _failed(req: GenerateRequest, exc: Exception) -> Delta:
+    """A request's stream raised (e.g. a tokenizer failure): its error, as the choice's last delta."""
+    return Delta(req.rid, error=str(exc) or type(exc).__name__, error_code=error_code_of(exc))
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -196,6 +222,25 @@ def stream_response(run: Closable, body: AsyncIterator[str], note: str | None,
     return EngineStreamingResponse(run, body, media_type=media_type, headers=headers)
 
 
+_JSON = json.JSONEncoder(ensure_ascii=False)  # json.dumps(x, ensure_ascii=False), without a new encoder per call
+
+
 def sse(obj: dict[str, Any] | str) -> str:
     """One server-sent event frame: a JSON object, or a bare string such as "[DONE]"."""
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {obj if isinstance(obj, str) else _JSON.encode(obj)}\n\n"
+
+
+_SLOT = "\x00text\x00"  # JSON writes it as "\u0000text\u0000": no real id or model name holds a NUL
+
+
+def templated(frame: Callable[[str], str]) -> Callable[[str], str]:
+    """`frame`, made once: a frame whose only varying part is one text, written as a JSON string (ensure_ascii off),
+    costs one string encode per call (a token's SSE chunk: no dict, no whole-object JSON), byte for byte the same.
+    Falls back to calling `frame` where the text is not found exactly once, or not written that way."""
+    parts = frame(_SLOT).split(_JSON.encode(_SLOT))
+    if len(parts) != 2:
+        return frame
+    head, tail = parts
+    made = lambda text: head + _JSON.encode(text) + tail  # noqa: E731
+    probe = 'é"\\\n\x01😀'  # non-ASCII, characters JSON escapes, a control character, an emoji
+    return made if made(probe) == frame(probe) else frame
