@@ -22,6 +22,7 @@ from typing import NoReturn, TypeVar
 import zmq
 
 from minisgl_cli.messages import Failed, Ready
+from minisgl_cli.runtime.cpu import freeze_startup_heap
 from minisgl_cli.runtime.ipc import push, send
 from minisgl_cli.types import ModelInfo
 
@@ -67,6 +68,7 @@ class Child:
             raise SystemExit(1) from None
 
     def ready(self, info: ModelInfo | None = None, detail: str = "") -> None:
+        freeze_startup_heap()
         send(self.launcher, Ready(self.name, info, detail))
 
 

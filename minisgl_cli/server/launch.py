@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from minisgl_cli.api.http_server import BackgroundServer
 from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.notice import notice
+from minisgl_cli.runtime.cpu import freeze_startup_heap
 from minisgl_cli.runtime.supervisor import stop_on_signals
 from minisgl_cli.server.app import create_app, json_metrics, shutdown_app
 from minisgl_cli.server.control import DEFAULT_ENDPOINT, ControlChannel
@@ -105,6 +106,7 @@ def serve(make_client: Callable[[threading.Event], EngineClient], settings: Serv
                                          lambda text: client.insert_prefix(text).tokens)
                 control.start()
             warm(client, cfg.warm_prefixes)
+            freeze_startup_heap()
             starting.attach(app)
             notice(f"serving {client.info.name} at {server.url} (OpenAI API at /v1)")
             while not stop.wait(0.2):
