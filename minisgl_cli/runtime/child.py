@@ -68,8 +68,8 @@ class Child:
             raise SystemExit(1) from None
 
     def ready(self, info: ModelInfo | None = None, detail: str = "") -> None:
-        freeze_startup_heap()
         send(self.launcher, Ready(self.name, info, detail))
+        freeze_startup_heap()  # while the launcher waits for the others (a collection: ~0.1 s)
 
 
 def leave(code: int = 0) -> NoReturn:
