@@ -10,7 +10,8 @@ and the stand-in's fixed step makes every side see the same arrivals: the API's 
 
 Sides alternate for --rounds rounds; the table shows each run: output tokens/s, SSE chunks per token (below one
 where the API fell behind and sent several tokens' text in one chunk), the API process's CPU seconds and
-microseconds per token and per chunk, the stand-ins' and the client's CPU.
+microseconds per token and per chunk (and the share of it in the kernel: mostly the socket writes, one per chunk),
+the stand-ins' and the client's CPU.
 
     git archive main | (mkdir -p /tmp/base && tar -x -C /tmp/base)
     PYTHONPATH=. python examples/api_cpu.py --old /tmp/base --rounds 3
@@ -127,10 +128,11 @@ def api_child(roots: list[str], port: int, model_dir: str, streams: int) -> None
     serve(make_client, ServerSettings(), LaunchConfig(port=port))
 
 
-def cpu_s(pid: int) -> float:
+def cpu_s(pid: int) -> tuple[float, float]:
+    """The process's user and system CPU seconds so far (/proc/<pid>/stat)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         fields = f.read().rpartition(b")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 def run(tree: Path, args: argparse.Namespace, model: Path, out: Path, tag: str) -> dict:
@@ -160,14 +162,14 @@ def run(tree: Path, args: argparse.Namespace, model: Path, out: Path, tag: str) 
                  "random", "--num-prompts", str(args.streams), "--concurrency", str(args.streams), "--input-len", "64",
                  "--output-len", str(args.tokens), "--range-ratio", "1.0", "--warmup", "1", "--output-json",
                  str(report), *shlex.split(args.bench_args)]
-        c0 = cpu_s(api.pid), sum(cpu_s(e.pid) for e in engines)
+        c0 = cpu_s(api.pid), sum(sum(cpu_s(e.pid)) for e in engines)
         with (out / f"bench-{tag}.txt").open("w") as f:
             running = subprocess.Popen(bench, stdout=f, stderr=subprocess.STDOUT)
             if args.py_spy:
                 time.sleep(2.0)
                 py_spy({"api": api.pid}, args.py_spy, tag, out)
             rc = running.wait(900)
-        c1 = cpu_s(api.pid), sum(cpu_s(e.pid) for e in engines)
+        c1 = cpu_s(api.pid), sum(sum(cpu_s(e.pid)) for e in engines)
     finally:
         stop(api)
         for e in engines:
@@ -178,9 +180,10 @@ def run(tree: Path, args: argparse.Namespace, model: Path, out: Path, tag: str) 
     results = json.loads(report.read_text())["results"]
     tokens = sum(r["total_output_tokens"] for r in results)
     n_chunks = sum(map(chunks, results))
-    api_s, engine_s = c1[0] - c0[0], c1[1] - c0[1]
+    api_s, engine_s = sum(c1[0]) - sum(c0[0]), c1[1] - c0[1]
     last = results[-1]
     return {"tok_s": last["output_throughput"], "tokens": tokens, "chunks": n_chunks, "api_s": api_s,
+            "api_sys": (c1[0][1] - c0[0][1]) / max(api_s, 1e-9),
             "api_us_tok": 1e6 * api_s / tokens, "api_us_chunk": 1e6 * api_s / n_chunks, "engine_s": engine_s,
             "client_s": max(last.get("client_cpu_seconds") or [0.0])}
 
@@ -223,11 +226,12 @@ def main() -> None:
             print(f"{side}{r}: {res['tok_s']:.0f} tok/s, {res['chunks'] / res['tokens']:.3f} chunks/token, API "
                   f"{res['api_s']:.2f}s = {res['api_us_tok']:.1f} us/token, {res['api_us_chunk']:.1f} us/chunk; "
                   f"stand-ins {res['engine_s']:.2f}s, busiest client {res['client_s']:.2f}s", flush=True)
-    print(f"\n{'run':<8}{'tok/s':>9}{'chunks/tok':>12}{'API s':>8}{'API us/tok':>12}{'API us/chunk':>14}"
-          f"{'stand-ins s':>13}{'client s':>10}")
+    print(f"\n{'run':<8}{'tok/s':>9}{'chunks/tok':>12}{'API s':>8}{'of it sys':>11}{'API us/tok':>12}"
+          f"{'API us/chunk':>14}{'stand-ins s':>13}{'client s':>10}")
     for name, res in rows:
         print(f"{name:<8}{res['tok_s']:>9.0f}{res['chunks'] / res['tokens']:>12.3f}{res['api_s']:>8.2f}"
-              f"{res['api_us_tok']:>12.1f}{res['api_us_chunk']:>14.1f}{res['engine_s']:>13.2f}{res['client_s']:>10.2f}")
+              f"{res['api_sys']:>11.0%}{res['api_us_tok']:>12.1f}{res['api_us_chunk']:>14.1f}{res['engine_s']:>13.2f}"
+              f"{res['client_s']:>10.2f}")
     for side, _ in sides:
         best = min(res["api_us_tok"] for name, res in rows if name.startswith(side))
         print(f"{side}: best {best:.1f} us/token")
