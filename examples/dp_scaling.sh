@@ -23,6 +23,7 @@ ENGINE=(--model "$MODEL" --load-format "$LOAD_FORMAT" --max-running-requests 256
 [ "${DEVICE:-cuda}" != cpu ] && ENGINE+=(--cuda-graph-max-bs "${GRAPH_BS:-256}")
 read -r -a SHAPE <<< "${WORK:---preset nano-vllm}"
 BENCH=("${SHAPE[@]}" --num-prompts "$NUM_PROMPTS" --warmup 1 --concurrency "$NUM_PROMPTS" --concurrency "$NUM_PROMPTS")
+[ -n "$CLIENT_PROCS" ] && BENCH+=(--client-procs "$CLIENT_PROCS")  # default: one per 64 streams, up to the cores
 
 wait_healthy() {  # port pid
   for _ in $(seq 1 1200); do
@@ -42,7 +43,7 @@ bench() {  # name port
 ONE=()
 [ "${DEVICE:-cuda}" = cpu ] && ONE=(env OMP_NUM_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )))
 
-for dp in 1 2; do
+for dp in ${DP_SIZES:-1 2}; do  # DP_SIZES=1: --dp 1 only (the router's baseline)
   echo "== serve --dp $dp"
   run=("${ONE[@]}"); [ "$dp" = 2 ] && run=()
   "${run[@]}" $PY -m minisgl_cli.app serve "${ENGINE[@]}" --dp "$dp" --port "$PORT" > "$OUT/serve-dp$dp.log" 2>&1 &

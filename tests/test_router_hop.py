@@ -97,3 +97,32 @@ def test_a_connection_idle_past_its_keep_alive_is_not_reused():
     with BackgroundServer(_worker(ports)) as url:
         asyncio.run(twice(url))
     assert ports[0] == ports[1] != ports[2]
+
+
+def test_a_health_check_that_times_out_takes_a_worker_out_only_when_it_keeps_timing_out(monkeypatch):
+    """A full load can queue /health behind stream frames: one or two slow answers leave a serving worker in; the
+    SLOW_CHECKS-th in a row takes it out, and a good answer resets the count."""
+    from minisgl_cli.router import workers as w
+
+    monkeypatch.setattr(w, "CHECK_TIMEOUT_S", 0.2)
+    delay = [0.0]
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        await asyncio.sleep(delay[0])
+        return {"status": "ok"}
+
+    async def checks(url: str) -> list[bool]:
+        pool = w.Workers([url])
+        seen = []
+        async with httpx.AsyncClient() as http:
+            for slow in (0.0, 0.5, 0.5, 0.0, 0.5, 0.5, 0.5):
+                delay[0] = slow
+                await pool.check(http)
+                seen.append(pool.up(pool.workers[0]))
+        assert "Timeout" in pool.workers[0].reason and "(3 in a row)" in pool.workers[0].reason
+        return seen
+
+    with BackgroundServer(app) as url:
+        assert asyncio.run(checks(url)) == [True, True, True, True, True, True, False]

@@ -2,7 +2,10 @@
 
 A background task asks every worker's /health every `interval` seconds. A worker that fails it (or that
 cannot be reached by a request) is taken out — the `Router` stops picking it and forgets its prefix tree —
-and put back as soon as its /health answers 200 again. Lives on the router's event loop.
+and put back as soon as its /health answers 200 again. A check that only times out counts as failed from the
+SLOW_CHECKS-th in a row: under a full load the answer can queue behind thousands of stream frames (in the
+worker's API or this router's own loop) while the worker serves well, and taking it out then would turn a busy
+moment into failed requests. Lives on the router's event loop.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from minisgl_cli.routing import Router
 log = logging.getLogger("minisgl.router")
 
 CHECK_TIMEOUT_S = 2.0
+SLOW_CHECKS = 3  # timed-out checks in a row that take a worker out (a refused or non-200 one does at once)
 
 
 @dataclass
@@ -29,6 +33,7 @@ class Worker:
     index: int
     url: str
     reason: str = "not checked yet"  # why it is out ("" while it serves)
+    slow: int = 0  # health checks timed out in a row
 
 
 class Workers:
@@ -69,9 +74,15 @@ class Workers:
             try:
                 r = await http.get(f"{w.url}/health", timeout=CHECK_TIMEOUT_S)
                 ok, why = r.status_code == 200, f"/health answered {r.status_code}"
+            except httpx.TimeoutException as exc:
+                w.slow += 1
+                if w.slow < SLOW_CHECKS and self.up(w):
+                    return  # busy, not gone (yet): it keeps serving
+                ok, why = False, f"/health failed: {type(exc).__name__} ({w.slow} in a row)"
             except httpx.HTTPError as exc:
                 ok, why = False, f"/health failed: {type(exc).__name__}"
             if ok:
+                w.slow = 0
                 self.put_back(w)
             else:
                 self.take_out(w, why)
