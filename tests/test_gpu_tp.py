@@ -28,116 +28,111 @@ SIZES = [4 << 10, 8 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20]  # bytes of bf
 TOL = 6e-2
 
 
-def _sums(rank: int, addr: str, out) -> None:
-    """One rank: every size's one-shot sum against NCCL's, eager and in a graph; puts (rank, None | traceback)."""
-    import torch.distributed as dist
-
+def _on_rank(rank: int, addr: str, out, check) -> None:
+    """One of two ranks: join the group on GPU `rank`, run check(rank, device, tp), put (rank, None | traceback)."""
     from minisgl_cli.distributed import DistConfig, comm
 
     try:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        tp = comm.init_tp(rank, DistConfig(tp_size=2, init_addr=addr), device)
-        tp = comm.setup_all_reduce(tp, device, torch.bfloat16, max(SIZES))
-        assert tp.one_shot is not None, "symmetric memory could not be set up: see the warning above"
-        g = torch.Generator(device=device).manual_seed(rank)
-
-        def data(nbytes: int) -> torch.Tensor:
-            return torch.randn(nbytes // 2 // 1024, 1024, generator=g, device=device).to(torch.bfloat16)
-
-        def nccl(x: torch.Tensor) -> torch.Tensor:
-            y = x.clone()
-            dist.all_reduce(y)
-            return y
-
-        for n in SIZES:
-            x = data(n)
-            assert tp.one_shot.takes(x), n
-            got = comm.all_reduce(x, tp)
-            assert got is not x and torch.equal(got, nccl(x)), f"eager {n} B: {(got - nccl(x)).abs().max()}"
-            static = torch.zeros_like(x)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_out = comm.all_reduce(static, tp)
-            for _ in range(2):
-                static.copy_(data(n))
-                graph.replay()
-                want = nccl(static)
-                assert torch.equal(static_out, want), f"graph {n} B: {(static_out - want).abs().max()}"
-        big = data(2 * max(SIZES))  # past the buffer: NCCL, in place
-        want = nccl(big)
-        assert not tp.one_shot.takes(big) and comm.all_reduce(big, tp) is big and torch.equal(big, want)
+        check(rank, device, comm.init_tp(rank, DistConfig(tp_size=2, init_addr=addr), device))
         torch.cuda.synchronize()
         out.put((rank, None))
     except BaseException:  # noqa: BLE001 - the parent reports it
         out.put((rank, traceback.format_exc()))
     finally:
         comm.close_tp()
+
+
+def _sums(rank: int, device: torch.device, tp) -> None:
+    """Every size's one-shot sum against NCCL's, eager and in a graph."""
+    import torch.distributed as dist
+
+    from minisgl_cli.distributed import comm
+
+    tp = comm.setup_all_reduce(tp, device, torch.bfloat16, max(SIZES))
+    assert tp.one_shot is not None, "symmetric memory could not be set up: see the warning above"
+    g = torch.Generator(device=device).manual_seed(rank)
+
+    def data(nbytes: int) -> torch.Tensor:
+        return torch.randn(nbytes // 2 // 1024, 1024, generator=g, device=device).to(torch.bfloat16)
+
+    def nccl(x: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        dist.all_reduce(y)
+        return y
+
+    for n in SIZES:
+        x = data(n)
+        assert tp.one_shot.takes(x), n
+        got = comm.all_reduce(x, tp)
+        assert got is not x and torch.equal(got, nccl(x)), f"eager {n} B: {(got - nccl(x)).abs().max()}"
+        static = torch.zeros_like(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = comm.all_reduce(static, tp)
+        for _ in range(2):
+            static.copy_(data(n))
+            graph.replay()
+            want = nccl(static)
+            assert torch.equal(static_out, want), f"graph {n} B: {(static_out - want).abs().max()}"
+    big = data(2 * max(SIZES))  # past the buffer: NCCL, in place
+    want = nccl(big)
+    assert not tp.one_shot.takes(big) and comm.all_reduce(big, tp) is big and torch.equal(big, want)
 
 
 def test_one_shot_all_reduce_equals_nccl_eager_and_in_a_graph():
-    results = run_ranks(_sums, 2)
+    results = run_ranks(_on_rank, 2, _sums)
     assert results == {0: None, 1: None}, "\n".join(str(v) for v in results.values() if v)
 
 
-def _fused(rank: int, addr: str, out) -> None:
-    """One rank: the fused all-reduce + RMSNorm against the one-shot sum then the Triton RMSNorm, bit for bit (the
-    normed rows, FP8 codes too, and the residual), 1 to 64 rows, eager and replayed in a graph; puts (rank, None |
-    traceback)."""
-    from minisgl_cli.distributed import DistConfig, comm
+def _fused(rank: int, device: torch.device, tp) -> None:
+    """The fused all-reduce + RMSNorm against the one-shot sum then the Triton RMSNorm, bit for bit (the normed
+    rows, FP8 codes too, and the residual), 1 to 64 rows, eager and replayed in a graph."""
+    from minisgl_cli.distributed import comm
     from minisgl_cli.distributed.push_rows import FUSED_NORM_ROWS
     from minisgl_cli.layers import triton_ops as ops
 
-    try:
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        tp = comm.init_tp(rank, DistConfig(tp_size=2, init_addr=addr), device)
-        hidden = 4096
-        tp = comm.setup_all_reduce(tp, device, torch.bfloat16, 2 << 20, (FUSED_NORM_ROWS, hidden))
-        assert tp.push_rows is not None, "the fused kernel's buffers could not be set up: see the warning above"
-        g = torch.Generator(device=device).manual_seed(rank)  # each rank's partial rows differ
-        alike = torch.Generator(device=device).manual_seed(1234)  # the weight and residual are the same on both
-        weight = torch.randn(hidden, generator=alike, device=device).to(torch.bfloat16)
+    hidden = 4096
+    tp = comm.setup_all_reduce(tp, device, torch.bfloat16, 2 << 20, (FUSED_NORM_ROWS, hidden))
+    assert tp.push_rows is not None, "the fused kernel's buffers could not be set up: see the warning above"
+    g = torch.Generator(device=device).manual_seed(rank)  # each rank's partial rows differ
+    alike = torch.Generator(device=device).manual_seed(1234)  # the weight and residual are the same on both
+    weight = torch.randn(hidden, generator=alike, device=device).to(torch.bfloat16)
 
-        def reference(x, residual, quant):
-            r = residual.clone()
-            normed = ops.rmsnorm(comm.all_reduce(x, tp), weight, 1e-6, residual=r, pdl=False, quant=quant)
-            return normed, r
+    def reference(x, residual, quant):
+        r = residual.clone()
+        normed = ops.rmsnorm(comm.all_reduce(x, tp), weight, 1e-6, residual=r, pdl=False, quant=quant)
+        return normed, r
 
-        def same(a, b) -> bool:
-            if isinstance(a, torch.Tensor):
-                return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-            return same(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor):
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return same(a.codes, b.codes) and torch.equal(a.scales, b.scales)
 
-        for rows in (1, 3, 8, FUSED_NORM_ROWS):
-            for quant in (False, True):
-                x = torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16)
-                residual = torch.randn(rows, hidden, generator=alike, device=device).to(torch.bfloat16)
-                want, want_r = reference(x, residual, quant)
-                for pdl in (False, True):
-                    r = residual.clone()
-                    got = ops.all_reduce_rmsnorm(x, r, weight, 1e-6, tp.push_rows, pdl=pdl, quant=quant)
-                    assert same(got, want) and torch.equal(r, want_r), f"eager {rows} rows, quant {quant}, pdl {pdl}"
-                static_x, static_r = torch.zeros_like(x), torch.zeros_like(residual)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    static_out = ops.all_reduce_rmsnorm(static_x, static_r, weight, 1e-6, tp.push_rows, quant=quant)
-                for _ in range(3):  # both parities of the buffers, and again
-                    static_x.copy_(torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16))
-                    static_r.copy_(residual)
-                    want, want_r = reference(static_x, residual, quant)
-                    graph.replay()
-                    assert same(static_out, want) and torch.equal(static_r, want_r), f"graph {rows} rows, {quant}"
-        torch.cuda.synchronize()
-        out.put((rank, None))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        out.put((rank, traceback.format_exc()))
-    finally:
-        comm.close_tp()
+    for rows in (1, 3, 8, FUSED_NORM_ROWS):
+        for quant in (False, True):
+            x = torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16)
+            residual = torch.randn(rows, hidden, generator=alike, device=device).to(torch.bfloat16)
+            want, want_r = reference(x, residual, quant)
+            for pdl in (False, True):
+                r = residual.clone()
+                got = ops.all_reduce_rmsnorm(x, r, weight, 1e-6, tp.push_rows, pdl=pdl, quant=quant)
+                assert same(got, want) and torch.equal(r, want_r), f"eager {rows} rows, quant {quant}, pdl {pdl}"
+            static_x, static_r = torch.zeros_like(x), torch.zeros_like(residual)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = ops.all_reduce_rmsnorm(static_x, static_r, weight, 1e-6, tp.push_rows, quant=quant)
+            for _ in range(3):  # both parities of the buffers, and again
+                static_x.copy_(torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16))
+                static_r.copy_(residual)
+                want, want_r = reference(static_x, residual, quant)
+                graph.replay()
+                assert same(static_out, want) and torch.equal(static_r, want_r), f"graph {rows} rows, {quant}"
 
 
 def test_fused_all_reduce_rmsnorm_equals_the_sum_then_the_norm():
-    results = run_ranks(_fused, 2, timeout=180)
+    results = run_ranks(_on_rank, 2, _fused, timeout=180)
     assert results == {0: None, 1: None}, "\n".join(str(v) for v in results.values() if v)
 
 
