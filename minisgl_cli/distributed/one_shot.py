@@ -38,6 +38,19 @@ def buffer_bytes(message_bytes: int, world: int) -> int:
     return max(ALIGN, min(message_bytes, cap) // ALIGN * ALIGN)
 
 
+def map_peers(buffer: torch.Tensor, group: Any) -> tuple[Any, Any]:
+    """Map every peer's part of the symmetric `buffer` (collective over the process group `group`): torch's handle
+    (its `buffer_ptrs`: each rank's address) and the group's name, which the symm_mem ops take."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    name: Any = group.group_name  # by name: what every torch with these ops takes (and the ops want)
+    if torch.__version__ < "2.11":  # before 2.11 a group had to be enabled first (deprecated since)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(name)
+    return symm_mem.rendezvous(buffer, name), name
+
+
 class OneShotAllReduce:
     """One rank's symmetric buffer of `nbytes` and the one-shot sum over the group named `group_name`."""
 
@@ -64,16 +77,8 @@ class OneShotAllReduce:
 
     def rendezvous(self, group: Any) -> None:
         """Map every peer's buffer (collective over the process group `group`: every rank calls it once)."""
-        import torch.distributed._symmetric_memory as symm_mem
-
         assert self.buffer is not None
-        name: Any = group.group_name  # by name: what every torch with these ops takes (and the ops want)
-        if torch.__version__ < "2.11":  # before 2.11 a group had to be enabled first (deprecated since)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                symm_mem.enable_symm_mem_for_group(name)
-        symm_mem.rendezvous(self.buffer, name)
-        self.group_name = name
+        self.group_name = map_peers(self.buffer, group)[1]
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether x goes one-shot: a contiguous bf16 / fp32 CUDA tensor that fits the buffer, 16-byte aligned.

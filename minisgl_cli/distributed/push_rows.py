@@ -16,11 +16,12 @@ while it is read; flags only grow, so nothing is reset between calls (or between
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from minisgl_cli.distributed import TPInfo
 
 FLAG = torch.int64  # call counts: at 20k calls a second an int32 would wrap within days
 # The most rows the fused kernel takes (one program each): decode batches up to this; larger ones are bandwidth
@@ -33,7 +34,16 @@ class Partial:
     """This rank's partial sum of a row-split linear, left for the norm after it to all-reduce (fused)."""
 
     rows: torch.Tensor  # [T, hidden], contiguous, the engine dtype
-    tp: Any  # TPInfo: its push_rows holds the buffers; all_reduce(rows, tp) where the norm cannot fuse
+    tp: TPInfo  # its push_rows holds the buffers; all_reduce(rows, tp) where the norm cannot fuse
+
+    def select(self, idx: torch.Tensor) -> Partial:
+        """These rows' partial sums (the sum of a row needs only that row from each rank)."""
+        return Partial(self.rows[idx], self.tp)
+
+
+def rows_of(x: torch.Tensor | Partial) -> torch.Tensor:
+    """The rows a layer's output holds, summed or still this rank's part (their shape, dtype, device alike)."""
+    return x.rows if isinstance(x, Partial) else x
 
 
 class PushRows:
@@ -60,15 +70,10 @@ class PushRows:
 
     def rendezvous(self, group: Any) -> None:
         """Map every peer's buffer (collective over `group`) and keep their addresses on the device."""
-        import torch.distributed._symmetric_memory as symm_mem
+        from minisgl_cli.distributed.one_shot import map_peers
 
         assert self.buffer is not None
-        name: Any = group.group_name
-        if torch.__version__ < "2.11":  # as one_shot.rendezvous
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                symm_mem.enable_symm_mem_for_group(name)
-        handle = symm_mem.rendezvous(self.buffer, name)
+        handle, _ = map_peers(self.buffer, group)
         ptrs = [int(p) for p in handle.buffer_ptrs]
         self.data_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
         self.flag_ptrs = torch.tensor([p + self.data_bytes for p in ptrs], dtype=torch.int64, device=self.device)

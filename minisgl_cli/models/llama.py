@@ -15,7 +15,7 @@ from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.core.fp8 import Fp8Rows
 from minisgl_cli.distributed import TPInfo
-from minisgl_cli.distributed.push_rows import Partial
+from minisgl_cli.distributed.push_rows import Partial, rows_of
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -122,10 +122,10 @@ class DecoderLayer(nn.Module):
             assert isinstance(h, torch.Tensor)  # the first layer's input: the embeddings
             residual, x = h, self.input_layernorm(h)
         else:
-            fp8 = self.self_attn.qkv_proj.takes_fp8_rows(h.rows if isinstance(h, Partial) else h)
+            fp8 = self.self_attn.qkv_proj.takes_fp8_rows(rows_of(h))
             x, residual = self.input_layernorm.forward_residual(h, residual, fp8)
         h = self.self_attn(x, batch, attn, rope, rope_at)
-        fp8 = self.mlp.takes_fp8_rows(h.rows if isinstance(h, Partial) else h)
+        fp8 = self.mlp.takes_fp8_rows(rows_of(h))
         x, residual = self.post_attention_layernorm.forward_residual(h, residual, fp8)
         return self.mlp(x, batch.is_decode), residual
 
@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None  # set by the first layer
         if not batch.is_decode:  # only each request's last token is sampled
             idx = batch.logits_indices
-            h_ = Partial(h_.rows[idx], h_.tp) if isinstance(h_, Partial) else h_[idx]
+            h_ = h_.select(idx) if isinstance(h_, Partial) else h_[idx]
             residual = residual[idx]
         h, _ = self.norm.forward_residual(h_, residual)
         return h
