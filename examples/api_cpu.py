@@ -129,10 +129,13 @@ def api_child(roots: list[str], port: int, model_dir: str, streams: int) -> None
 
 
 def cpu_s(pid: int) -> tuple[float, float]:
-    """The process's user and system CPU seconds so far (/proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rpartition(b")")[2].split()
-    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
+    """The process's user and system CPU seconds so far (it must be alive: the bench's figures need them)."""
+    from minisgl_cli.runtime.cpu import cpu_times
+
+    times = cpu_times(pid)
+    if times is None:
+        sys.exit(f"process {pid} is gone: no CPU seconds to read")
+    return times
 
 
 def run(tree: Path, args: argparse.Namespace, model: Path, out: Path, tag: str) -> dict:
