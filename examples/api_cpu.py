@@ -143,7 +143,7 @@ def run(tree: Path, args: argparse.Namespace, model: Path, out: Path, tag: str) 
     import httpx
 
     sys.path.insert(0, str(HERE))
-    from fronts_cpu import chunks, py_spy, stop, wait_healthy
+    from fronts_cpu import chunks, py_spy, stop, tree_env, wait_healthy
 
     from minisgl_cli.api.http_server import free_port
 
@@ -153,10 +153,10 @@ def run(tree: Path, args: argparse.Namespace, model: Path, out: Path, tag: str) 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = out / f"api-{tag}.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     with log.open("w") as f:
         api = subprocess.Popen([*me, "--child-api", ",".join(roots), "--port", str(port), "--model-dir", str(model),
-                                "--streams", str(args.streams)], cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT)
+                                "--streams", str(args.streams)], cwd=tree, env=tree_env(tree), stdout=f,
+                               stderr=subprocess.STDOUT)
     try:
         wait_healthy(url, api, log, timeout=120)
         httpx.get(f"{url}/v1/models", timeout=10)
