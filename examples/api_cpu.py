@@ -129,10 +129,13 @@ def api_child(roots: list[str], port: int, model_dir: str, streams: int) -> None
 
 
 def cpu_s(pid: int) -> tuple[float, float]:
-    """The process's user and system CPU seconds so far (/proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rpartition(b")")[2].split()
-    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
+    """The process's user and system CPU seconds so far (it must be alive: the bench's figures need them)."""
+    from minisgl_cli.runtime.cpu import cpu_times
+
+    times = cpu_times(pid)
+    if times is None:
+        sys.exit(f"process {pid} is gone: no CPU seconds to read")
+    return times
 
 
 def run(tree: Path, args: argparse.Namespace, model: Path, out: Path, tag: str) -> dict:
@@ -140,7 +143,7 @@ def run(tree: Path, args: argparse.Namespace, model: Path, out: Path, tag: str) 
     import httpx
 
     sys.path.insert(0, str(HERE))
-    from fronts_cpu import chunks, py_spy, stop, wait_healthy
+    from fronts_cpu import chunks, py_spy, stop, tree_env, wait_healthy
 
     from minisgl_cli.api.http_server import free_port
 
@@ -150,10 +153,10 @@ def run(tree: Path, args: argparse.Namespace, model: Path, out: Path, tag: str) 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = out / f"api-{tag}.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     with log.open("w") as f:
         api = subprocess.Popen([*me, "--child-api", ",".join(roots), "--port", str(port), "--model-dir", str(model),
-                                "--streams", str(args.streams)], cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT)
+                                "--streams", str(args.streams)], cwd=tree, env=tree_env(tree), stdout=f,
+                               stderr=subprocess.STDOUT)
     try:
         wait_healthy(url, api, log, timeout=120)
         httpx.get(f"{url}/v1/models", timeout=10)

@@ -77,6 +77,11 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+def tree_env(tree: Path) -> dict[str, str]:
+    """This environment with `tree`'s package first on the path: a child that runs another tree's code (an A/B)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
+
+
 def cpu(url: str) -> dict[str, float]:
     return httpx.get(f"{url}/metrics", timeout=30).json()["process_cpu_seconds"]
 
@@ -139,12 +144,9 @@ def run_variant(name: str, serve_args: list[str], bench_args: list[str], model: 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = out / f"serve-{name}.log"
-    env = None
-    if tree is not None:  # the old tree's package first on the path (its own cwd too)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     with log.open("w") as f:
         proc = subprocess.Popen(cli("serve", *serve_args, "--port", str(port)), stdout=f, stderr=subprocess.STDOUT,
-                                cwd=tree, env=env)
+                                cwd=tree, env=None if tree is None else tree_env(tree))
     try:
         wait_healthy(url, proc, log)
         before = cpu(url)

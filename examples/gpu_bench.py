@@ -189,10 +189,15 @@ def kv_tokens(engine: Engine) -> int:
 
 def drop_engine(engine: Engine) -> None:
     """Give an engine's weights, KV pool and graphs back before the next one is built."""
+    del engine.model
+    drop_cache(engine)
+
+
+def drop_cache(engine: Engine) -> None:
+    """Give an engine's KV pool and graphs back (its weights stay)."""
     engine.graphs = engine.sampler_graphs = None
     engine.pool.k.clear()
     engine.pool.v.clear()
-    del engine.model
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -287,12 +292,7 @@ def pdl_off(engine: Engine, tag: str) -> None:
 def hf_bench(tag: str, engine: Engine, name: str, do_preset: bool, b1_tokens: int) -> None:
     from minisgl_cli.models.hf_export import hf_twin
 
-    # Our engine is done: give its KV pool and graphs back so HF's cache has the room.
-    engine.graphs = engine.sampler_graphs = None
-    engine.pool.k.clear()
-    engine.pool.v.clear()
-    gc.collect()
-    torch.cuda.empty_cache()
+    drop_cache(engine)  # our engine is done: HF's cache gets the room (its twin needs the weights)
     hf = hf_twin(engine.model, builtin_config(name))
     dev = engine.device
     g = random.Random(2)

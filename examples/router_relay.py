@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fronts_cpu import wait_healthy  # examples/, beside this script
+from fronts_cpu import stop, wait_healthy  # examples/, beside this script
 
 from minisgl_cli.api.http_server import free_port
 from minisgl_cli.runtime.cpu import cpu_seconds
@@ -153,8 +152,7 @@ def measure(args: argparse.Namespace, workers: list[str], processes: int, logs: 
         waves = asyncio.run(client(port, lengths, args.waves))
         cpu = sum((cpu_seconds(p) or before[p]) - before[p] for p in pids)
     finally:
-        router.send_signal(signal.SIGTERM)
-        router.wait(30)
+        stop(router)
     return {"processes": processes, "waves": waves, "router_cpu_s": cpu}
 
 

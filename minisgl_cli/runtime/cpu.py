@@ -9,8 +9,8 @@ import os
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds the process has used so far; None where it is gone or /proc is not there."""
+def cpu_times(pid: int) -> tuple[float, float] | None:
+    """User and system CPU seconds the process has used so far; None where it is gone or /proc is not there."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -18,7 +18,13 @@ def cpu_seconds(pid: int) -> float | None:
         return None
     # The name (field 2) is in parentheses and may hold spaces: the fields that follow start after the last ")".
     fields = stat[stat.rindex(b")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime: fields 14 and 15 of stat(5)
+    return int(fields[11]) / _TICKS, int(fields[12]) / _TICKS  # utime, stime: fields 14 and 15 of stat(5)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds the process has used so far; None where it is gone or /proc is not there."""
+    times = cpu_times(pid)
+    return None if times is None else sum(times)
 
 
 def usable_cores() -> int:
