@@ -170,7 +170,7 @@ def test_router_processes_split_the_caps_and_auto_keeps_cache_aware_in_one():
 
 def test_router_processes_figures_add_up_in_the_tally():
     from minisgl_cli.router.app import _prometheus
-    from minisgl_cli.router.tally import Tally
+    from minisgl_cli.router.tally import ProcessFigures, Tally
 
     tally = Tally(2, 2)
     tally.claim(0)
@@ -179,6 +179,7 @@ def test_router_processes_figures_add_up_in_the_tally():
     tally.write(2, [0, 5], [0, 2])
     a, b = tally.rows()
     assert (a.requests, a.inflight, b.requests, b.load) == (7, 1, 5, (0, 2))
+    assert ProcessFigures.whole([a, b]) == ProcessFigures(0, 3, (3, 9), (1, 2))  # per worker, as /metrics adds them
     prom = _prometheus([], [a, b])
     assert 'minisgl_router_process_requests_total{process="0"} 7' in prom
     assert 'minisgl_router_process_inflight{process="1"} 2' in prom

@@ -248,13 +248,12 @@ def create_router_app(urls: Sequence[str], mode: str = "rr", per_worker_cap: int
         assert proxy.http is not None
         auth = request.headers.get("authorization")
         rows = tally.rows()
-        per = await workers.metrics(proxy.http, {"Authorization": auth} if auth else None,
-                                    [sum(x) for x in zip(*(r.routed for r in rows))],
-                                    [sum(x) for x in zip(*(r.load for r in rows))])
+        whole = ProcessFigures.whole(rows)
+        per = await workers.metrics(proxy.http, {"Authorization": auth} if auth else None, whole.routed, whole.load)
         accept = request.headers.get("accept", "")
         if format == "prometheus" or (format is None and "text/plain" in accept and "application/json" not in accept):
             return PlainTextResponse(_prometheus(per, rows), media_type="text/plain; version=0.0.4; charset=utf-8")
-        return {"mode": workers.router.mode, "workers": per, "total": _total(per, sum(r.inflight for r in rows)),
+        return {"mode": workers.router.mode, "workers": per, "total": _total(per, whole.inflight),
                 "processes": [{"pid": r.pid, "requests": r.requests, "inflight": r.inflight} for r in rows]}
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)

@@ -28,6 +28,12 @@ class ProcessFigures:
     def requests(self) -> int:
         return sum(self.routed)
 
+    @classmethod
+    def whole(cls, rows: Sequence[ProcessFigures]) -> ProcessFigures:
+        """Every process's figures added up, per worker (the whole router's; pid 0: no one process)."""
+        return cls(0, sum(r.inflight for r in rows), tuple(map(sum, zip(*(r.routed for r in rows)))),
+                   tuple(map(sum, zip(*(r.load for r in rows)))))
+
 
 class Tally:
     """Every router process's figures (made by the parent, passed to each child as it starts; `claim` its row)."""

@@ -30,9 +30,10 @@ T = TypeVar("T")
 class EngineRun:
     """n engine requests merged into one stream of (choice index, Delta).
 
-    Each request is pumped by its own task; `close()` cancels the pumps, and a cancelled pump closes
-    its `client.submit` stream, which aborts the request and frees its KV. The inflight slots come
-    back on close or when the last request ends, whichever is first.
+    One request is read straight from its `client.submit` stream; several are each pumped by a task into a
+    queue. `close()` closes the stream or cancels the pumps (a cancelled pump closes its stream), which aborts
+    what is unfinished and frees its KV. The inflight slots come back on close or when the last request ends,
+    whichever is first.
     """
 
     def __init__(self, client: EngineClient, reqs: list[GenerateRequest], gate: InflightGate,
