@@ -78,7 +78,7 @@ def bench(
     served_model_name: Annotated[Optional[str], online("--served-model-name",
         help="Model field to send (default: the server's first).")] = None,
     client_procs: Annotated[Optional[int], online("--client-procs",
-        help="Client processes the streams are spread over (default: one per 64 in flight, up to the cores).")
+        help="Client processes the streams are spread over (default: one per 32 in flight, up to the cores).")
     ] = None,
     cache: Annotated[Optional[list[str]], scheduler("--cache",
         help="Prefix cache: radix or naive; repeat both to compare.", show_default="radix")] = None,

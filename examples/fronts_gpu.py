@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from fronts_cpu import SERVE  # examples/, beside this script
+import step_trace  # examples/, beside this script
+from fronts_cpu import SERVE
 
 HERE = Path(__file__).resolve().parent
 
@@ -55,10 +56,12 @@ def median(draws: list[float]) -> tuple[float, str]:
     return statistics.median(draws), f"{min(draws):,.0f}-{max(draws):,.0f} over {len(draws)}"
 
 
-def timed(cmd: list[str], log: Path, timeout: float = 300) -> tuple[int, float, str]:
+def timed(cmd: list[str], log: Path, trace: Path, timeout: float = 300) -> tuple[int, float, str]:
+    """Run cmd (its scheduler's step trace under `trace`), its stderr then stdout into log."""
     t0 = time.perf_counter()
     with log.open("w") as f:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, timeout=timeout)
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, timeout=timeout,
+                           env={**os.environ, "MINISGL_STEP_TRACE_DIR": str(trace)})
     log.write_text(log.read_text() + p.stdout)
     return p.returncode, time.perf_counter() - t0, p.stdout
 
@@ -68,6 +71,8 @@ def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool
     out.mkdir(parents=True, exist_ok=True)
     got: dict[str, float] = {}
     notes: dict[str, str] = {}
+    timelines: dict[str, list[str]] = {}  # each path's step trace, by draw
+    latency: dict[str, list[str]] = {}  # each front's draws: TTFT and ITL
     budget = f"--max-prefill-tokens {prefill}"
     # The fronts' sweeps: a first draw at 256 meets every prefill shape (as raw's warm-up does), then the timed ones.
     sweep = "--concurrency 256 " * (draws + 1)
@@ -76,22 +81,28 @@ def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool
     def path(name: str, cmd: list[str], figures) -> None:
         """Run one path's command (its log under out), its timed draws' median into `got`, their spread and the first
         draw (right after the start and a one-request warm-up: every prefill shape still new) into `notes`."""
-        rc, secs, stdout = timed(cmd, out / f"{name}.log")
+        rc, secs, stdout = timed(cmd, out / f"{name}.log", out / f"{name}-trace")
         if rc != 0:
             notes[name] = f"{secs:.0f}s, failed ({rc}): see {name}.log"
             return
-        first, draws_ = figures(stdout)
+        first, draws_, windows = figures(stdout)
+        timelines[name] = step_trace.report(out / f"{name}-trace", windows=windows)
         got[name], spread = median(draws_)
         notes[name] = f"{secs:.0f}s, {spread}" + (f"; first draw {first:,.0f}" if first is not None else "")
 
-    def bench_draws(report: Path) -> tuple[float, list[float]]:
-        tok_s = [r["output_throughput"] for r in json.loads(report.read_text())["results"]]
-        return tok_s[0], tok_s[1:]
+    def bench_draws(report: Path) -> tuple[float, list[float], list[tuple[float, float]]]:
+        """The first draw's tok/s, the timed draws', every draw's (start, seconds); each draw's TTFT / ITL kept."""
+        results = json.loads(report.read_text())["results"]
+        latency[report.stem] = [f"  draw {i}: {r['output_throughput']:,.0f} tok/s, TTFT p50 / p99 "
+                                f"{r['median_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f} ms, ITL p50 / p99 "
+                                f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} ms" for i, r in enumerate(results)]
+        tok_s = [r["output_throughput"] for r in results]
+        return tok_s[0], tok_s[1:], [(r["started_at"], r["duration_s"]) for r in results]
 
     if "raw" in paths:
         path("raw", [sys.executable, __file__, "--child-raw", "--max-prefill-tokens", str(prefill), "--kv", kv,
                      "--draws", str(draws), *(["--sampled"] if sampled else [])],
-             lambda stdout: (None, json.loads(stdout.strip().splitlines()[-1])["draws"]))
+             lambda stdout: (None, json.loads(stdout.strip().splitlines()[-1])["draws"], None))
     if "offline" in paths:
         path("offline", [sys.executable, "-m", "minisgl_cli.app", "bench", "--preset", "nano-vllm", *flags(kv).split(),
                          *budget.split(), "--no-baseline", *sweep.split(), *sampling.split(), "--warmup", "1",
@@ -110,6 +121,10 @@ def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool
         v = got.get(p)
         share = f"{v / raw:.2f}" if v and raw else "-"
         print(f"{p:<9}{(f'{v:,.0f}' if v else '-'):>12}{share:>9}  {notes.get(p, '')}")
+    for p in paths:
+        print(f"\n{p}, by draw (the first: the warm-up sweep):")
+        print("\n".join(latency.get("offline" if p == "offline" else "bench-base", []) if p != "raw" else []))
+        print("\n".join(timelines.get(p, [])))
     if "http" in paths and (out / "http.log").exists():
         print("\nover HTTP, CPU per process (fronts_cpu.py):")
         print("\n".join(line for line in (out / "http.log").read_text().splitlines()

@@ -70,6 +70,12 @@ def torch_profiler_dir() -> Path | None:
     return _path("MINISGL_TORCH_PROFILER_DIR")
 
 
+def step_trace_dir() -> Path | None:
+    """MINISGL_STEP_TRACE_DIR: write every scheduler step's launch (wall time, mode, rows, tokens, running, waiting)
+    to `<dir>/rank<r>-trace.tsv`, for a timeline of a run (stalls, batch sizes); unset: no trace."""
+    return _path("MINISGL_STEP_TRACE_DIR")
+
+
 def profile_steps() -> tuple[int, int]:
     """MINISGL_PROFILE_SKIP / MINISGL_PROFILE_STEPS: busy steps to let pass first (default 50), then to profile
     (default 20)."""

@@ -23,7 +23,7 @@ from minisgl_cli.bench.workloads import BenchRequest, Case
 from minisgl_cli.runtime.cpu import usable_cores
 
 APIS = ("completions", "chat")
-STREAMS_PER_PROC = 64  # the default: one client process per this many streams in flight, up to the cores
+STREAMS_PER_PROC = 32  # the default: one client process per this many streams in flight, up to the cores
 START_TIMEOUT_S = 60.0  # a client worker that is not ready by then failed to start
 
 

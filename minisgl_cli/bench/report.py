@@ -29,6 +29,7 @@ class BenchResult:
     metrics: BenchMetrics
     case_params: dict[str, Any] = field(default_factory=dict)
     client_cpu: list[ClientCpu] = field(default_factory=list)  # each client process's, where measured
+    started_at: float = 0.0  # time.time() as the run began: lines the run up with a server's step trace
 
     def flat(self) -> dict[str, Any]:
         """bench_serving's flat names: request_throughput, mean_ttft_ms, p99_itl_ms, ..."""
@@ -36,7 +37,7 @@ class BenchResult:
         out: dict[str, Any] = {
             "engine": self.engine, "case": self.case, "concurrency": self.concurrency,
             "num_requests": self.num_requests, "completed": m.completed, "failed": m.failed,
-            "duration_s": m.duration_s, "total_input_tokens": m.total_input_tokens,
+            "started_at": self.started_at, "duration_s": m.duration_s, "total_input_tokens": m.total_input_tokens,
             "total_output_tokens": m.total_output_tokens, "total_cached_tokens": m.total_cached_tokens,
             "request_throughput": m.request_throughput, "input_throughput": m.input_throughput,
             "output_throughput": m.output_throughput, "total_throughput": m.total_throughput,

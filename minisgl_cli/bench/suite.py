@@ -7,6 +7,7 @@ import datetime
 import functools
 import math
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +54,7 @@ class BenchConfig:
     request_rate: float = math.inf
     max_concurrency: int | None = None
     served_model: str | None = None
-    client_procs: int | None = None  # HTTP client worker processes (None: one per 64 streams, up to the cores)
+    client_procs: int | None = None  # HTTP client worker processes (None: one per 32 streams, up to the cores)
 
     def __post_init__(self) -> None:
         if self.dataset not in wl.DATASETS:
@@ -166,11 +167,11 @@ class Bench:
                 if case.prime:
                     target.warmup(case.prime)
                 task = progress.add_task(escape(f"{target.name} {case.name} c={c}"), total=len(case.requests))
+                started = time.time()
                 out = target.run(case, c, functools.partial(progress.advance, task))
                 metrics = compute_metrics(out.timings, out.duration_s)
-                self.report.results.append(
-                    BenchResult(target.name, case.name, c, len(case.requests), metrics, case.params, out.client_cpu)
-                )
+                self.report.results.append(BenchResult(target.name, case.name, c, len(case.requests), metrics,
+                                                       case.params, out.client_cpu, started))
                 busy = [i for i, u in enumerate(out.client_cpu) if u.core_share > BUSY_SHARE]
                 if busy:
                     worst = max(u.core_share for u in out.client_cpu)

@@ -1,4 +1,5 @@
-"""StepProfiler: torch.profiler over a window of busy scheduler steps, written as one table per rank.
+"""Per-step measurement of the scheduler: StepProfiler (torch.profiler over a window of busy steps, one table per
+rank) and StepTrace (one line per step's launch, for the timeline of a whole run).
 
 Set MINISGL_TORCH_PROFILER_DIR (and optionally MINISGL_PROFILE_SKIP / MINISGL_PROFILE_STEPS): after SKIP steps
 that ran a batch, the next STEPS are profiled (CPU and, on CUDA, kernels) and `<dir>/<tag>-steps.txt` gets the
@@ -8,7 +9,9 @@ the first question of a slow step: is the device busy, or waiting for the host?
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import torch
 from minisgl_cli import env
 
 log = logging.getLogger("minisgl.profile")
+_made = itertools.count()  # a process's schedulers (a benchmark may make one per draw): one trace file each
 
 
 class StepProfiler:
@@ -67,3 +71,35 @@ class StepProfiler:
         path = self.out_dir / f"{self.tag}-steps.txt"
         path.write_text("\n".join(lines))
         log.warning("profile of %d steps written to %s", n, path)
+
+
+class StepTrace:
+    """MINISGL_STEP_TRACE_DIR: one TSV line per launched step (time.time(), mode, rows, tokens, running, waiting),
+    written every 1,000 steps and at exit; the gaps between launches are the steps' wall times. Off: `record` is
+    never called (the scheduler holds None)."""
+
+    FLUSH = 1000
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._rows: list[str] = []
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("time\tmode\trows\ttokens\trunning\twaiting\n")
+
+    @classmethod
+    def from_env(cls) -> StepTrace | None:
+        out = env.step_trace_dir()
+        if out is None:
+            return None
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return cls(out / f"rank{rank}-{os.getpid()}-{next(_made)}-trace.tsv")
+
+    def record(self, mode: str, rows: int, tokens: int, running: int, waiting: int) -> None:
+        self._rows.append(f"{time.time():.6f}\t{mode}\t{rows}\t{tokens}\t{running}\t{waiting}\n")
+        if len(self._rows) >= self.FLUSH:
+            self.flush()
+
+    def flush(self) -> None:
+        with self.path.open("a") as f:
+            f.writelines(self._rows)
+        self._rows.clear()

@@ -43,7 +43,7 @@ from minisgl_cli.scheduler.cache import CacheManager
 from minisgl_cli.scheduler.config import SchedulerConfig
 from minisgl_cli.scheduler.grammar import GrammarError, Grammars
 from minisgl_cli.scheduler.overlap import Launched, RowLogprobs, feed_input_ids
-from minisgl_cli.scheduler.profile import StepProfiler
+from minisgl_cli.scheduler.profile import StepProfiler, StepTrace
 from minisgl_cli.scheduler.request import DraftBudget, Req
 from minisgl_cli.scheduler.speculative import accepted_run
 from minisgl_cli.scheduler.stats import RollingRate
@@ -78,6 +78,7 @@ class Scheduler:
         self.grammars = Grammars(spec.model_dir, spec.vocab_size, self.eos, spec.device)
         self.heartbeat = time.monotonic()  # last time the loop came round: a stalled loop stops updating it
         self.proposer = speculative.create_proposer(cfg, engine)  # None: no speculative decoding
+        self.trace = StepTrace.from_env()  # None unless MINISGL_STEP_TRACE_DIR is set
         if self.proposer is not None:  # verify steps are decode steps of up to k + 1 rows a request
             engine.decode_rows(self.max_running * (cfg.num_speculative_tokens + 1))
 
@@ -98,6 +99,8 @@ class Scheduler:
                 self.handle(msg)
             try:
                 busy = bool(self.waiting or self.running)
+                if not busy and self.trace is not None:
+                    self.trace.flush()  # idle: the run so far is on disk
                 self.step()
                 if busy:
                     profiler.busy_step_done()
@@ -114,6 +117,8 @@ class Scheduler:
         for req in list(self.running) + list(self.waiting):
             self._release(req, "abort")
         self.cache.clear()
+        if self.trace is not None:
+            self.trace.flush()
         self.grammars.close()
         if self.proposer is not None:
             self.proposer.close()
@@ -323,7 +328,7 @@ class Scheduler:
     def _launch(self, mode: Mode, reqs: list[Req], lens: list[int], drafts: list[list[int]] | None = None) -> Launched:
         """Build the step's batch on the host, have its page-table rows written, and start it on the device. A decode
         step with `drafts` (per request) is a verify step: a request with k drafts takes k + 1 decode rows."""
-        if mode == "extend":
+        if mode == "extend" and log.isEnabledFor(logging.INFO):
             log.info("prefill: %d req, %d tokens (%s)", len(reqs), sum(lens),
                      ", ".join(f"{r.rid}: +{n} after {r.kv_len} cached" for r, n in zip(reqs, lens)))
         prev_rows = self._inflight.rows if self._inflight is not None else {}
@@ -391,6 +396,8 @@ class Scheduler:
         if mode == "extend":  # after the launch: the step still writes the pages this may free
             for req in reqs:
                 self.cache.cache_prefilled(req)
+        if self.trace is not None:
+            self.trace.record(mode, len(reqs), len(ids), len(self.running), len(self.waiting))
         return Launched.start(mode, reqs, lens, produces, sampled, engine, async_copy=self.overlap and drafts is None,
                               drafts=drafts)
 

@@ -1,0 +1,98 @@
+"""Read the scheduler's step traces (MINISGL_STEP_TRACE_DIR, scheduler/profile.py's StepTrace) and summarise each
+burst of work: a run of launches with no idle gap over --gap seconds, i.e. one draw of a benchmark (or a warm-up).
+What a slow draw did differently shows here: a few long steps (a compile, a collection) or many slower ones, fewer
+rows a decode step (requests arriving late, or held back for pages), more prefill.
+
+    MINISGL_STEP_TRACE_DIR=/tmp/trace minisgl bench ... ; python examples/step_trace.py /tmp/trace
+
+Columns: wall s (first to last launch), steps, decode steps, mean rows of a decode step, prefill tokens, the mean,
+p99 and longest gap between launches in ms (a step's wall time), and the seconds spent in decode steps with fewer
+than 90% of the burst's largest decode batch (the ramp up and the tail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Burst:
+    wall_s: float
+    steps: int
+    decode_steps: int
+    mean_rows: float
+    prefill_tokens: int
+    mean_gap_ms: float
+    p99_gap_ms: float
+    max_gap_ms: float
+    thin_s: float  # seconds of decode steps under 90% of the burst's largest batch
+
+    def line(self) -> str:
+        return (f"{self.wall_s:7.2f} {self.steps:6d} {self.decode_steps:6d} {self.mean_rows:7.1f} "
+                f"{self.prefill_tokens:9,d} {self.mean_gap_ms:7.2f} {self.p99_gap_ms:7.2f} {self.max_gap_ms:8.1f} "
+                f"{self.thin_s:6.2f}")
+
+
+HEADER = f"{'wall s':>7} {'steps':>6} {'decode':>6} {'rows':>7} {'prefill':>9} {'gap ms':>7} {'p99':>7} " \
+         f"{'max':>8} {'thin s':>6}"
+
+
+def read(path: Path) -> list[tuple[float, str, int, int]]:
+    """(time, mode, rows, tokens) of each launch in one trace file."""
+    out = []
+    for line in path.read_text().splitlines()[1:]:
+        t, mode, rows, tokens, *_ = line.split("\t")
+        out.append((float(t), mode, int(rows), int(tokens)))
+    return out
+
+
+def bursts(launches: list[tuple[float, str, int, int]], gap_s: float) -> list[Burst]:
+    groups: list[list[tuple[float, str, int, int]]] = []
+    for launch in launches:
+        if not groups or launch[0] - groups[-1][-1][0] > gap_s:
+            groups.append([])
+        groups[-1].append(launch)
+    return [summarise(g) for g in groups if len(g) > 1]
+
+
+def summarise(g: list[tuple[float, str, int, int]]) -> Burst:
+    gaps = [(b[0] - a[0], a) for a, b in zip(g, g[1:])]
+    ms = sorted(d * 1e3 for d, _ in gaps)
+    decode = [x for x in g if x[1] == "decode"]
+    top = max((x[2] for x in decode), default=0)
+    thin = sum(d for d, a in gaps if a[1] == "decode" and a[2] < 0.9 * top)
+    rows = statistics.mean(x[2] for x in decode) if decode else 0.0
+    p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))]
+    return Burst(g[-1][0] - g[0][0], len(g), len(decode), rows, sum(x[3] for x in g if x[1] == "extend"),
+                 statistics.mean(ms), p99, ms[-1], thin)
+
+
+def windowed(launches: list[tuple[float, str, int, int]], windows: list[tuple[float, float]]) -> list[Burst]:
+    """One burst per (start, seconds) window: a benchmark's draws by their own clocks (bench JSON's started_at)."""
+    groups = [[x for x in launches if t0 <= x[0] <= t0 + d] for t0, d in windows]
+    return [summarise(g) for g in groups if len(g) > 1]
+
+
+def report(trace_dir: Path, gap_s: float = 0.3, windows: list[tuple[float, float]] | None = None) -> list[str]:
+    """One header and a line per burst (or per window, where given), for each trace file under trace_dir."""
+    lines = []
+    for path in sorted(trace_dir.glob("*-trace.tsv")):
+        found = windowed(read(path), windows) if windows else bursts(read(path), gap_s)
+        if found:
+            lines += [f"{path.name}: {len(found)} burst(s)", "  " + HEADER] + ["  " + b.line() for b in found]
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace_dir", type=Path)
+    ap.add_argument("--gap", type=float, default=0.3, help="idle seconds that end a burst")
+    args = ap.parse_args()
+    print("\n".join(report(args.trace_dir, args.gap)))
+
+
+if __name__ == "__main__":
+    main()
