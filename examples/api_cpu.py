@@ -130,7 +130,7 @@ def api_child(roots: list[str], port: int, model_dir: str, streams: int) -> None
 
 def cpu_s(pid: int) -> tuple[float, float]:
     """The process's user and system CPU seconds so far (it must be alive: the bench's figures need them)."""
-    from minisgl_cli.runtime.cpu import cpu_times
+    from minisgl_cli.process_cpu import cpu_times
 
     times = cpu_times(pid)
     if times is None:

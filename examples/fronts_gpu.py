@@ -90,12 +90,20 @@ def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool
         got[name], spread = median(draws_)
         notes[name] = f"{secs:.0f}s, {spread}" + (f"; first draw {first:,.0f}" if first is not None else "")
 
+    def client(r: dict) -> str:
+        """The bench client's processes over a draw: the busiest one's share of a core, their GC pauses."""
+        if not r.get("client_core_share"):
+            return ""
+        return (f"; client: {len(r['client_core_share'])} proc, busiest {max(r['client_core_share']):.0%}, GC "
+                f"{sum(r['client_gc_seconds']) * 1e3:.0f} ms (longest {max(r['client_gc_max_s']) * 1e3:.0f})")
+
     def bench_draws(report: Path) -> tuple[float, list[float], list[tuple[float, float]]]:
         """The first draw's tok/s, the timed draws', every draw's (start, seconds); each draw's TTFT / ITL kept."""
         results = json.loads(report.read_text())["results"]
         latency[report.stem] = [f"  draw {i}: {r['output_throughput']:,.0f} tok/s, TTFT p50 / p99 "
                                 f"{r['median_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f} ms, ITL p50 / p99 "
-                                f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} ms" for i, r in enumerate(results)]
+                                f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} ms{client(r)}"
+                                for i, r in enumerate(results)]
         tok_s = [r["output_throughput"] for r in results]
         return tok_s[0], tok_s[1:], [(r["started_at"], r["duration_s"]) for r in results]
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from fronts_cpu import stop, wait_healthy  # examples/, beside this script
 
 from minisgl_cli.api.http_server import free_port
-from minisgl_cli.runtime.cpu import cpu_seconds
+from minisgl_cli.process_cpu import cpu_seconds
 
 FRAME = (b'data: {"id":"cmpl-0","object":"text_completion","created":0,"model":"m","choices":[{"index":0,'
          b'"text":" token","logprobs":null,"finish_reason":null}]}\n\n')

@@ -7,12 +7,15 @@ rows a decode step (requests arriving late, or held back for pages), more prefil
 
 Columns: wall s (first to last launch), steps, decode steps, mean rows of a decode step, prefill tokens, the mean,
 p99 and longest gap between launches in ms (a step's wall time), and the seconds spent in decode steps with fewer
-than 90% of the burst's largest decode batch (the ramp up and the tail).
+than 90% of the burst's largest decode batch (the ramp up and the tail); the scheduler process's garbage collection
+over the burst and its longest between two launches, in ms; with a benchmark's windows, the seconds from a draw's
+start to its first launch and from its last launch to its end (the fronts' own share of the draw).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,28 +32,35 @@ class Burst:
     p99_gap_ms: float
     max_gap_ms: float
     thin_s: float  # seconds of decode steps under 90% of the burst's largest batch
+    gc_ms: float  # the scheduler's garbage collection over the burst
+    gc_max_ms: float  # its longest between two launches
+    lead_s: float = 0.0  # a window's start to its first launch: the fronts' ramp (requests on their way in)
+    trail_s: float = 0.0  # its last launch to the window's end: the last tokens on their way out
 
     def line(self) -> str:
         return (f"{self.wall_s:7.2f} {self.steps:6d} {self.decode_steps:6d} {self.mean_rows:7.1f} "
                 f"{self.prefill_tokens:9,d} {self.mean_gap_ms:7.2f} {self.p99_gap_ms:7.2f} {self.max_gap_ms:8.1f} "
-                f"{self.thin_s:6.2f}")
+                f"{self.thin_s:6.2f} {self.gc_ms:7.1f} {self.gc_max_ms:7.1f} {self.lead_s:6.3f} {self.trail_s:6.3f}")
 
 
 HEADER = f"{'wall s':>7} {'steps':>6} {'decode':>6} {'rows':>7} {'prefill':>9} {'gap ms':>7} {'p99':>7} " \
-         f"{'max':>8} {'thin s':>6}"
+         f"{'max':>8} {'thin s':>6} {'gc ms':>7} {'gc max':>7} {'lead s':>6} {'trail':>6}"
 
 
-def read(path: Path) -> list[tuple[float, str, int, int]]:
-    """(time, mode, rows, tokens) of each launch in one trace file."""
+Launch = tuple[float, str, int, int, float]  # time, mode, rows, tokens, gc ms since the launch before
+
+
+def read(path: Path) -> list[Launch]:
+    """Each launch in one trace file."""
     out = []
     for line in path.read_text().splitlines()[1:]:
-        t, mode, rows, tokens, *_ = line.split("\t")
-        out.append((float(t), mode, int(rows), int(tokens)))
+        t, mode, rows, tokens, _running, _waiting, gc_ms = line.split("\t")
+        out.append((float(t), mode, int(rows), int(tokens), float(gc_ms)))
     return out
 
 
-def bursts(launches: list[tuple[float, str, int, int]], gap_s: float) -> list[Burst]:
-    groups: list[list[tuple[float, str, int, int]]] = []
+def bursts(launches: list[Launch], gap_s: float) -> list[Burst]:
+    groups: list[list[Launch]] = []
     for launch in launches:
         if not groups or launch[0] - groups[-1][-1][0] > gap_s:
             groups.append([])
@@ -58,7 +68,7 @@ def bursts(launches: list[tuple[float, str, int, int]], gap_s: float) -> list[Bu
     return [summarise(g) for g in groups if len(g) > 1]
 
 
-def summarise(g: list[tuple[float, str, int, int]]) -> Burst:
+def summarise(g: list[Launch]) -> Burst:
     gaps = [(b[0] - a[0], a) for a, b in zip(g, g[1:])]
     ms = sorted(d * 1e3 for d, _ in gaps)
     decode = [x for x in g if x[1] == "decode"]
@@ -67,13 +77,17 @@ def summarise(g: list[tuple[float, str, int, int]]) -> Burst:
     rows = statistics.mean(x[2] for x in decode) if decode else 0.0
     p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))]
     return Burst(g[-1][0] - g[0][0], len(g), len(decode), rows, sum(x[3] for x in g if x[1] == "extend"),
-                 statistics.mean(ms), p99, ms[-1], thin)
+                 statistics.mean(ms), p99, ms[-1], thin, sum(x[4] for x in g[1:]), max(x[4] for x in g[1:]))
 
 
-def windowed(launches: list[tuple[float, str, int, int]], windows: list[tuple[float, float]]) -> list[Burst]:
+def windowed(launches: list[Launch], windows: list[tuple[float, float]]) -> list[Burst]:
     """One burst per (start, seconds) window: a benchmark's draws by their own clocks (bench JSON's started_at)."""
-    groups = [[x for x in launches if t0 <= x[0] <= t0 + d] for t0, d in windows]
-    return [summarise(g) for g in groups if len(g) > 1]
+    out = []
+    for t0, d in windows:
+        g = [x for x in launches if t0 <= x[0] <= t0 + d]
+        if len(g) > 1:
+            out.append(dataclasses.replace(summarise(g), lead_s=g[0][0] - t0, trail_s=t0 + d - g[-1][0]))
+    return out
 
 
 def report(trace_dir: Path, gap_s: float = 0.3, windows: list[tuple[float, float]] | None = None) -> list[str]:

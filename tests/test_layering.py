@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("core", ["minisgl_cli.core"]),
     ("messages", ["minisgl_cli.messages"]),
     ("admission", ["minisgl_cli.admission"]),  # the one check every request passes (every client and scheduler)
-    ("bottom", ["minisgl_cli.types", "minisgl_cli.env", "minisgl_cli.notice"]),
+    ("bottom", ["minisgl_cli.types", "minisgl_cli.env", "minisgl_cli.notice", "minisgl_cli.process_cpu"]),
 ]
 
 

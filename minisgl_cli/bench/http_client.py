@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from minisgl_cli.bench.metrics import RequestTiming
+from minisgl_cli.process_cpu import GcPauses
 
 
 @dataclass
@@ -141,9 +142,11 @@ def worker(n: int, url: str, share: Share, timeout_s: float, start: Any, events:
     try:
         events.put(("ready", n))
         start.wait()
+        pauses = GcPauses.watch()
         cpu0, t0 = time.process_time(), time.perf_counter()  # perf_counter: the host's monotonic clock, shared
         sents = asyncio.run(stream_requests(url, share, timeout_s, lambda i: events.put(("done", i))))
         cpu, t1 = time.process_time() - cpu0, time.perf_counter()
-        events.put(("result", n, sents, cpu, t0, t1))
+        pauses.stop()
+        events.put(("result", n, sents, cpu, t0, t1, pauses.total_s, pauses.max_s))
     except BaseException:
         events.put(("error", n, traceback.format_exc(limit=5)))

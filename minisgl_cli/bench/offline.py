@@ -7,9 +7,10 @@ import dataclasses
 import time
 
 from minisgl_cli.bench.metrics import RequestTiming
-from minisgl_cli.bench.target import OnDone, RunOutput
+from minisgl_cli.bench.target import ClientCpu, OnDone, RunOutput
 from minisgl_cli.bench.workloads import BenchRequest, Case
 from minisgl_cli.client.protocol import EngineClient
+from minisgl_cli.process_cpu import GcPauses
 from minisgl_cli.types import GenerateRequest
 
 COMPILE_WAIT_S = 900.0  # the longest a warm-up waits for the engine's CPU decode to compile
@@ -18,9 +19,10 @@ COMPILE_WAIT_S = 900.0  # the longest a warm-up waits for the engine's CPU decod
 class EngineTarget:
     sequential = False
 
-    def __init__(self, client: EngineClient, name: str = "minisgl"):
+    def __init__(self, client: EngineClient, name: str = "minisgl", remote: bool = False):
         self.client = client
         self.name = name
+        self.remote = remote  # the engine runs in other processes: this one's CPU is the client's alone
 
     async def _one(self, req: BenchRequest) -> RequestTiming:
         # The timings need the tokens as they come, the text only at the end: no per-token decode beside the engine.
@@ -71,9 +73,13 @@ class EngineTarget:
             asyncio.run(self._run(requests, len(requests), lambda: None))
 
     def run(self, case: Case, concurrency: int, on_done: OnDone) -> RunOutput:
-        t0 = time.perf_counter()
+        pauses = GcPauses.watch()
+        cpu0, t0 = time.process_time(), time.perf_counter()
         timings = asyncio.run(self._run(case.requests, concurrency, on_done))
-        return RunOutput(timings, time.perf_counter() - t0)
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+        pauses.stop()
+        used = [ClientCpu(cpu, wall, pauses.total_s, pauses.max_s)] if self.remote else []
+        return RunOutput(timings, wall, used)
 
     def close(self) -> None:
         self.client.close()

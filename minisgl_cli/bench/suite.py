@@ -171,7 +171,7 @@ class Bench:
                 out = target.run(case, c, functools.partial(progress.advance, task))
                 metrics = compute_metrics(out.timings, out.duration_s)
                 self.report.results.append(BenchResult(target.name, case.name, c, len(case.requests), metrics,
-                                                       case.params, out.client_cpu, started))
+                                                       case.params, out.client_cpu, out.started_at or started))
                 busy = [i for i, u in enumerate(out.client_cpu) if u.core_share > BUSY_SHARE]
                 if busy:
                     worst = max(u.core_share for u in out.client_cpu)
@@ -198,6 +198,8 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str, str | None], Any],
     import torch
 
     from minisgl_cli.bench.offline import EngineTarget
+    from minisgl_cli.runtime.pool import EnginePool
+    from minisgl_cli.runtime.remote import RemoteClient
     from minisgl_cli.tokenizer import Tokenizer
 
     report: BenchReport | None = None
@@ -233,7 +235,7 @@ def run_offline(cfg: BenchConfig, make_client: Callable[[str, str | None], Any],
         if len(cfg.engines) > 1:
             console.print(escape(f"{name}: engine {info.engine} on {info.device} {info.dtype}, attention "
                                  f"{info.attention_backend}"), highlight=False)
-        target = EngineTarget(client, name)
+        target = EngineTarget(client, name, remote=isinstance(client, (RemoteClient, EnginePool)))
         try:
             bench.run(target, cases, cfg.concurrency, vocab_size)
         finally:

@@ -14,10 +14,13 @@ OnDone = Callable[[], None]  # called once per finished request (drives the prog
 
 @dataclass
 class ClientCpu:
-    """One client process's CPU over a timed run (user + system seconds) and the run's wall time there."""
+    """One client process's CPU over a timed run (user + system seconds), the run's wall time there, and its garbage
+    collector's pauses meanwhile (a client that pauses holds back what it would send and read)."""
 
     cpu_s: float
     wall_s: float
+    gc_s: float = 0.0
+    gc_max_s: float = 0.0
 
     @property
     def core_share(self) -> float:
@@ -28,11 +31,13 @@ class ClientCpu:
 @dataclass
 class RunOutput:
     """One case run at one concurrency: every request's timing plus the wall-clock duration, and the CPU of each
-    client process where the target measures it (the HTTP client; empty where the client shares the engine's)."""
+    client process where the target measures it (the HTTP client, the offline one of an engine in other processes;
+    empty where the client shares the engine's process)."""
 
     timings: list[RequestTiming]
     duration_s: float
     client_cpu: list[ClientCpu] = field(default_factory=list)
+    started_at: float | None = None  # time.time() as duration_s began, where later than the call (client spawns)
 
 
 class BenchTarget(Protocol):

@@ -81,7 +81,8 @@ class ForwardBatch:
         host: HostBuffers,
         positions: list[int] | None = None,
     ) -> ForwardBatch:
-        """Derive positions and offsets on the host, then move them in two copies (int64, int32 fields).
+        """Derive positions and offsets on the host, then move them in two copies (int64, int32 fields), each field
+        a view that starts on a 16-byte boundary (one compiled variant of every Triton kernel, whatever the sizes).
 
         On CUDA the copies go through `host` (the engine's pinned buffers) asynchronously, so building the
         next step's batch never waits for the step the GPU is running."""
@@ -99,21 +100,20 @@ class ForwardBatch:
             indptr = [0, *itertools.accumulate(extend_lens)]
         if isinstance(out_cache_loc, torch.Tensor):
             out_cache_loc = out_cache_loc.tolist()
-        T = len(input_ids)
         device = torch.device(device)
-        wide = host.to_device([*input_ids, *positions, *out_cache_loc, *req_slots, *(i - 1 for i in indptr[1:])],
-                              torch.int64, device)
-        narrow = host.to_device(seq_lens + list(extend_lens) + indptr, torch.int32, device)
+        ids, pos, loc, slots, last = host.to_device_parts(
+            [input_ids, positions, out_cache_loc, req_slots, [i - 1 for i in indptr[1:]]], torch.int64, device)
+        lens, extends, qo_indptr = host.to_device_parts([seq_lens, extend_lens, indptr], torch.int32, device)
         return ForwardBatch(
             mode=mode,
-            input_ids=wide[:T],
-            positions=wide[T : 2 * T],
-            out_cache_loc=wide[2 * T : 3 * T],
-            req_slots=wide[3 * T : 3 * T + B],
-            seq_lens=narrow[:B],
-            extend_lens=narrow[B : 2 * B],
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=loc,
+            req_slots=slots,
+            seq_lens=lens,
+            extend_lens=extends,
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=list(extend_lens),
-            qo_indptr=narrow[2 * B :],
-            logits_indices=wide[3 * T + B :],
+            qo_indptr=qo_indptr,
+            logits_indices=last,
         )

@@ -199,7 +199,7 @@ class SamplingState:
         if any(p.seen for p in pend.values()) and self.seen is None:
             self.seen = torch.zeros((len(self._rows), self.vocab), dtype=torch.bool, device=self.device)
         width = 0 if self.bias_ids is None else self.bias_ids.shape[1]
-        ints: list[int] = list(slots)
+        ints: list[int] = []  # per slot: top_k, seed (two halves), greedy, then its logit_bias ids
         floats: list[float] = []
         bias_vals: list[float] = []
         zero_counts: list[int] = []  # slots whose counts restart (penalized requests)
@@ -228,24 +228,16 @@ class SamplingState:
                 zero_seen.append(slot)
                 seen_at += [slot] * len(pe.seen)
                 seen_ids += pe.seen
-        parts = [zero_counts, count_at, count_ids, zero_seen, seen_at, seen_ids]
-        for part in parts:
-            ints += part
-        dev_i = self.host.to_device(ints, torch.int64, self.device)
-        dev_f = self.host.to_device(floats + bias_vals, torch.float32, self.device)
-        idx = dev_i[:n]
-        rows_i = dev_i[n : n + n * (4 + width)].view(n, 4 + width)
+        idx, flat_i, zc, ca, ci, zs, sa, si = self.host.to_device_parts(
+            [list(slots), ints, zero_counts, count_at, count_ids, zero_seen, seen_at, seen_ids], torch.int64,
+            self.device)
+        flat_f, flat_bias = self.host.to_device_parts([floats, bias_vals], torch.float32, self.device)
+        rows_i = flat_i.view(n, 4 + width)
         self.ints.index_copy_(0, idx, rows_i[:, :4])
-        self.floats.index_copy_(0, idx, dev_f[: 6 * n].view(n, 6))
+        self.floats.index_copy_(0, idx, flat_f.view(n, 6))
         if self.bias_ids is not None and self.bias_vals is not None:
             self.bias_ids.index_copy_(0, idx, rows_i[:, 4:])
-            self.bias_vals.index_copy_(0, idx, dev_f[6 * n :].view(n, width))
-        at = n + n * (4 + width)
-        views = []
-        for part in parts:
-            views.append(dev_i[at : at + len(part)])
-            at += len(part)
-        zc, ca, ci, zs, sa, si = views
+            self.bias_vals.index_copy_(0, idx, flat_bias.view(n, width))
         if zero_counts and self.counts is not None:
             self.counts.index_fill_(0, zc, 0)
             if count_ids:
@@ -287,30 +279,22 @@ class SamplingState:
             if all(r.top_k for r in cut) and max(r.top_k for r in cut) <= MAX_BOUNDED_TOP_K:
                 k_bound = max(r.top_k for r in cut)
         lp_rows = [i for i, r in enumerate(rows) if r.needs & Need.LOGPROBS] if needs & Need.LOGPROBS else []
-        extra: list[int] = []
-        if lp_rows:
-            extra += lp_rows
         track = (self.counts is not None or self.seen is not None) and not all(produces)
-        if track:
-            extra += [i for i, p in enumerate(produces) if p]
-        n_track = len(extra) - len(lp_rows)
+        produced_rows = [i for i, p in enumerate(produces) if p] if track else []
         verify = drafts is not None and any(drafts)
+        parts: list[list[int]] = []
         if verify:
             assert drafts is not None and not track  # a verify step is a decode step: every row draws
-            parts = draft_rows(drafts, bool(needs & (Need.PENALTY | Need.REPETITION)))
-            extra += [x for part in parts for x in part]
-        dev = self.host.to_device(extra, torch.int64, self.device) if extra else None
-        lp_index = dev[: len(lp_rows)] if dev is not None and lp_rows else None
-        produced = dev[len(lp_rows) : len(lp_rows) + n_track] if dev is not None and track else None
-        verified = None
-        if verify:
-            assert dev is not None
-            views, at = [], len(lp_rows)
-            for part in parts:
-                views.append(dev[at : at + len(part)])
-                at += len(part)
-            nxt, first, prior_rows, prior_ids = views
-            verified = Drafts(nxt, first, (prior_rows, prior_ids) if prior_rows.numel() else None)
+            parts = list(draft_rows(drafts, bool(needs & (Need.PENALTY | Need.REPETITION))))
+        lp_index = produced = verified = None
+        if lp_rows or track or verify:  # one upload for all of them
+            lp_dev, produced_dev, *drafted = self.host.to_device_parts([lp_rows, produced_rows, *parts], torch.int64,
+                                                                        self.device)
+            lp_index = lp_dev if lp_rows else None
+            produced = produced_dev if track else None
+            if verify:
+                nxt, first, prior_rows, prior_ids = drafted
+                verified = Drafts(nxt, first, (prior_rows, prior_ids) if prior_rows.numel() else None)
         return SamplingBatch(
             slots_dev, positions, needs, k_bound, lp_rows, lp_index,
             max((rows[i].top_logprobs for i in lp_rows), default=0), produced, verified,

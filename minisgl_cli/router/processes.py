@@ -24,10 +24,10 @@ from fastapi import FastAPI
 
 from minisgl_cli import notice
 from minisgl_cli.api.http_server import BackgroundServer, shared_port
+from minisgl_cli.process_cpu import usable_cores
 from minisgl_cli.router.app import create_router_app
 from minisgl_cli.router.tally import Tally
 from minisgl_cli.runtime.child import Child, leave
-from minisgl_cli.runtime.cpu import usable_cores
 from minisgl_cli.runtime.supervisor import Runtime, stop_on_signals
 
 log = logging.getLogger("minisgl.router")

@@ -22,7 +22,7 @@ from typing import NoReturn, TypeVar
 import zmq
 
 from minisgl_cli.messages import Failed, Ready
-from minisgl_cli.runtime.cpu import freeze_startup_heap
+from minisgl_cli.process_cpu import freeze_startup_heap
 from minisgl_cli.runtime.ipc import push, send
 from minisgl_cli.types import ModelInfo
 

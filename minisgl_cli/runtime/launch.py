@@ -17,8 +17,8 @@ from collections.abc import Callable
 from minisgl_cli import notice
 from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.process_cpu import usable_cores
 from minisgl_cli.runtime.config import RuntimeConfig
-from minisgl_cli.runtime.cpu import usable_cores
 from minisgl_cli.runtime.pool import EnginePool
 from minisgl_cli.runtime.remote import RemoteClient
 from minisgl_cli.runtime.scheduler_proc import RankJob, run_rank

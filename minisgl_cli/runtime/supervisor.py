@@ -26,7 +26,7 @@ import zmq
 
 from minisgl_cli.core import pixels
 from minisgl_cli.messages import Failed, Ready
-from minisgl_cli.runtime.cpu import cpu_seconds
+from minisgl_cli.process_cpu import cpu_seconds
 from minisgl_cli.runtime.ipc import Endpoints, pull, recv
 
 log = logging.getLogger("minisgl.runtime")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from minisgl_cli import env
+from minisgl_cli.process_cpu import GcPauses
 
 log = logging.getLogger("minisgl.profile")
 _made = itertools.count()  # a process's schedulers (a benchmark may make one per draw): one trace file each
@@ -74,17 +75,20 @@ class StepProfiler:
 
 
 class StepTrace:
-    """MINISGL_STEP_TRACE_DIR: one TSV line per launched step (time.time(), mode, rows, tokens, running, waiting),
-    written every 1,000 steps and at exit; the gaps between launches are the steps' wall times. Off: `record` is
-    never called (the scheduler holds None)."""
+    """MINISGL_STEP_TRACE_DIR: one TSV line per launched step (time.time(), mode, rows, tokens, running, waiting,
+    and the ms this process spent in garbage collection since the last launch), written every 1,000 steps and when
+    idle; the gaps between launches are the steps' wall times. Off: `record` is never called (the scheduler holds
+    None)."""
 
     FLUSH = 1000
 
     def __init__(self, path: Path):
         self.path = path
         self._rows: list[str] = []
+        self._gc = GcPauses.watch()
+        self._gc_seen = 0.0
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("time\tmode\trows\ttokens\trunning\twaiting\n")
+        path.write_text("time\tmode\trows\ttokens\trunning\twaiting\tgc_ms\n")
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
@@ -95,7 +99,8 @@ class StepTrace:
         return cls(out / f"rank{rank}-{os.getpid()}-{next(_made)}-trace.tsv")
 
     def record(self, mode: str, rows: int, tokens: int, running: int, waiting: int) -> None:
-        self._rows.append(f"{time.time():.6f}\t{mode}\t{rows}\t{tokens}\t{running}\t{waiting}\n")
+        gc_ms, self._gc_seen = (self._gc.total_s - self._gc_seen) * 1e3, self._gc.total_s
+        self._rows.append(f"{time.time():.6f}\t{mode}\t{rows}\t{tokens}\t{running}\t{waiting}\t{gc_ms:.1f}\n")
         if len(self._rows) >= self.FLUSH:
             self.flush()
 

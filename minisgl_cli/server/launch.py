@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from minisgl_cli.api.http_server import BackgroundServer
 from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.notice import notice
-from minisgl_cli.runtime.cpu import freeze_startup_heap
+from minisgl_cli.process_cpu import freeze_startup_heap
 from minisgl_cli.runtime.supervisor import stop_on_signals
 from minisgl_cli.server.app import create_app, json_metrics, shutdown_app
 from minisgl_cli.server.control import DEFAULT_ENDPOINT, ControlChannel

@@ -1,10 +1,12 @@
 """A process's CPU: its user + system seconds, from /proc/<pid>/stat (Linux; elsewhere unknown), the cores it may
-use, and its startup heap kept out of the garbage collector's way once it serves."""
+use, its startup heap kept out of the garbage collector's way once it serves, and the collector's pauses."""
 
 from __future__ import annotations
 
 import gc
 import os
+import time
+from dataclasses import dataclass
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -42,3 +44,37 @@ def freeze_startup_heap() -> None:
     process's (examples/fronts_cpu.py, a tiny model on the CPU). Its garbage is collected first, so none is kept."""
     gc.collect()
     gc.freeze()
+
+
+
+@dataclass
+class GcPauses:
+    """The cyclic garbage collector's pauses in this process (every generation) while watched: how many, their
+    seconds together and the longest. A pause stops the whole process: in a stage of a pipeline it stalls the stages
+    before it too, once their sends fill the queue between (ZMQ's high-water mark)."""
+
+    count: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+    _started: float = 0.0
+
+    def _timed(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        took = time.perf_counter() - self._started
+        self.count += 1
+        self.total_s += took
+        self.max_s = max(self.max_s, took)
+
+    @classmethod
+    def watch(cls) -> GcPauses:
+        """Start counting (a `gc.callbacks` entry of its own, so watchers do not disturb each other)."""
+        pauses = cls()
+        gc.callbacks.append(pauses._timed)
+        return pauses
+
+    def stop(self) -> GcPauses:
+        if self._timed in gc.callbacks:
+            gc.callbacks.remove(self._timed)
+        return self
