@@ -87,6 +87,10 @@ def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool
             return
         first, draws_, windows = figures(stdout)
         timelines[name] = step_trace.report(out / f"{name}-trace", windows=windows)
+        if windows and os.environ.get("TRITON_CACHE_DIR"):  # kernels Triton compiled during each draw
+            made = [d.stat().st_mtime for d in Path(os.environ["TRITON_CACHE_DIR"]).iterdir()]
+            counts = [sum(t0 <= t <= t0 + d for t in made) for t0, d in windows]
+            timelines[name].append(f"Triton kernels compiled during each draw: {counts}")
         got[name], spread = median(draws_)
         notes[name] = f"{secs:.0f}s, {spread}" + (f"; first draw {first:,.0f}" if first is not None else "")
 
