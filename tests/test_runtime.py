@@ -199,10 +199,21 @@ def _sse_text(http: httpx.Client, body: dict) -> tuple[dict[int, str], dict[int,
     return text, frames
 
 
+def _sse_arguments(http: httpx.Client, body: dict) -> str:
+    """A streamed chat completion's first tool call's arguments, its pieces joined."""
+    parts = []
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:]).get("choices", []):
+                    parts += [t["function"].get("arguments") or "" for t in c["delta"].get("tool_calls") or []]
+    return "".join(parts)
+
+
 def test_stream_interval_sends_fewer_frames_and_the_same_text(tiny_model_dirs, tmp_path):
     """Random weights through the real tokenizer: multi-byte characters split across tokens are common. With
-    --stream-interval 4, text, stop strings, logprobs and n behave as with 1; the stream is the same text in
-    fewer frames."""
+    --stream-interval 4, text, stop strings, logprobs, n and tool calls behave as with 1; the stream is the same
+    text in fewer frames."""
     model = tiny_model_dirs["qwen3"]
     every, fourth = Serve(model, tmp_path), Serve(model, tmp_path, "--stream-interval", "4")
     try:
@@ -229,6 +240,18 @@ def test_stream_interval_sends_fewer_frames_and_the_same_text(tiny_model_dirs, t
             _, frames = _sse_text(b, base)
             assert frames[0] <= 1 + 6 + 1  # the first token, then groups of 4 (the last with the end)
             assert _sse_text(a, base)[1][0] > frames[0]
+            # A tool call (its arguments held to the schema by the grammar): the same call from both servers, and
+            # the streamed argument pieces add up to the whole.
+            params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                      "required": ["city"]}
+            chat = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 40,
+                    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": params}}],
+                    "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "temperature": 0}
+            want = a.post("/v1/chat/completions", json=chat).json()["choices"]
+            got = b.post("/v1/chat/completions", json=chat).json()["choices"]
+            assert [c["message"]["tool_calls"][0]["function"] for c in got] == \
+                [c["message"]["tool_calls"][0]["function"] for c in want]
+            assert _sse_arguments(b, chat) == want[0]["message"]["tool_calls"][0]["function"]["arguments"]
     finally:
         every.stop()
         fourth.stop()
