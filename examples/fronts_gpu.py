@@ -99,7 +99,7 @@ def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool
         if not r.get("client_core_share"):
             return ""
         return (f"; client: {len(r['client_core_share'])} proc, busiest {max(r['client_core_share']):.0%}, GC "
-                f"{sum(r['client_gc_seconds']) * 1e3:.0f} ms (longest {max(r['client_gc_max_s']) * 1e3:.0f})")
+                f"{sum(r['client_gc_seconds']) * 1e3:.0f} ms (longest {max(r['client_gc_longest_seconds']) * 1e3:.0f})")
 
     def bench_draws(report: Path) -> tuple[float, list[float], list[tuple[float, float]]]:
         """The first draw's tok/s, the timed draws', every draw's (start, seconds); each draw's TTFT / ITL kept."""

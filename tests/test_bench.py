@@ -293,6 +293,9 @@ RESULT_SCHEMA = {
         "client_procs": {"type": "integer", "minimum": 1},  # the HTTP client's processes and each one's CPU
         "client_cpu_seconds": {"type": "array", "items": {"type": "number", "minimum": 0}},
         "client_core_share": {"type": "array", "items": {"type": "number", "minimum": 0}},
+        "client_gc_seconds": {"type": "array", "items": {"type": "number", "minimum": 0}},  # its collector's pauses
+        "client_gc_longest_seconds": {"type": "array", "items": {"type": "number", "minimum": 0}},
+        "started_at": {"type": "number"},  # time.time() as the run's clock started
     },
     "patternProperties": {"_(ms|throughput|s)$": {"type": "number", "minimum": 0}},
 }
@@ -388,6 +391,7 @@ def test_online_bench_against_minisgl_server(tmp_path):
     assert r["completed"] == 2 and r["failed"] == 0 and r["total_output_tokens"] == 8  # server usage counts
     assert r["median_ttft_ms"] > 0 and doc["meta"]["mode"] == "online"
     assert r["client_procs"] == 1 and r["client_cpu_seconds"][0] > 0  # the client measured itself
+    assert r["client_gc_seconds"][0] >= 0 and abs(r["started_at"] - time.time()) < 600
 
 
 @pytest.mark.slow

@@ -4,12 +4,13 @@ timing each; the same loop in the bench's own process or in each of its client w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,13 +111,20 @@ async def _one(http: httpx.AsyncClient, url: str, send: Send) -> Sent:
     return Sent(timing, usage_tokens)
 
 
-async def stream_requests(url: str, share: Share, timeout_s: float, on_done: Callable[[int], None]) -> list[Sent]:
+async def stream_requests(url: str, share: Share, timeout_s: float, on_done: Callable[[int], None],
+                          ready: Callable[[], Awaitable[None]] | None = None) -> list[Sent]:
     """Send the share's requests, Poisson arrivals at its rate (inf: all at once), at most its concurrency in
-    flight; on_done(index) as each ends. The results in the share's order."""
+    flight; on_done(index) as each ends. The results in the share's order. `ready`: awaited first, after one
+    request to /health (its answer does not matter): a fresh client's first request pays its own set-up (TLS
+    context, lazy imports, ~50 ms), which is not the server's time to first token."""
     rng = random.Random(share.seed)
     gate = asyncio.Semaphore(share.concurrency) if share.concurrency else None
     limits = httpx.Limits(max_connections=share.concurrency or len(share.sends) or 1)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as http:
+        if ready is not None:
+            with contextlib.suppress(httpx.HTTPError):
+                await http.get(url + "/health")
+            await ready()
 
         async def limited(i: int, send: Send) -> Sent:
             if gate is None:
@@ -136,17 +144,22 @@ async def stream_requests(url: str, share: Share, timeout_s: float, on_done: Cal
 
 
 def worker(n: int, url: str, share: Share, timeout_s: float, start: Any, events: Any) -> None:
-    """A client worker process: say ready, wait for the common start, run its share, send back its results with
+    """A client worker process: one request to warm its client, say ready, wait for the common start, run its share,
+    send back its results with
     its CPU seconds and wall time over the run. `events` gets ("ready", n), ("done", index) per request, then
-    ("result", n, sents, cpu_s, t_start, t_end) or ("error", n, traceback)."""
-    try:
+    ("result", n, sents, cpu_s, t_start, t_end, gc_s, gc_max_s) or ("error", n, traceback)."""
+    clock: dict[str, Any] = {}
+
+    async def ready() -> None:
         events.put(("ready", n))
-        start.wait()
-        pauses = GcPauses.watch()
-        cpu0, t0 = time.process_time(), time.perf_counter()  # perf_counter: the host's monotonic clock, shared
-        sents = asyncio.run(stream_requests(url, share, timeout_s, lambda i: events.put(("done", i))))
-        cpu, t1 = time.process_time() - cpu0, time.perf_counter()
-        pauses.stop()
-        events.put(("result", n, sents, cpu, t0, t1, pauses.total_s, pauses.max_s))
+        await asyncio.get_running_loop().run_in_executor(None, start.wait)
+        # perf_counter: the host's monotonic clock, shared by the processes
+        clock.update(pauses=GcPauses.watch(), cpu0=time.process_time(), t0=time.perf_counter())
+
+    try:
+        sents = asyncio.run(stream_requests(url, share, timeout_s, lambda i: events.put(("done", i)), ready))
+        cpu, t1 = time.process_time() - clock["cpu0"], time.perf_counter()
+        pauses = clock["pauses"].stop()
+        events.put(("result", n, sents, cpu, clock["t0"], t1, pauses.total_s, pauses.max_s))
     except BaseException:
         events.put(("error", n, traceback.format_exc(limit=5)))

@@ -55,7 +55,7 @@ class BenchResult:
             out["client_cpu_seconds"] = [round(u.cpu_s, 3) for u in self.client_cpu]
             out["client_core_share"] = [round(u.core_share, 3) for u in self.client_cpu]
             out["client_gc_seconds"] = [round(u.gc_s, 3) for u in self.client_cpu]
-            out["client_gc_max_s"] = [round(u.gc_max_s, 3) for u in self.client_cpu]
+            out["client_gc_longest_seconds"] = [round(u.gc_max_s, 3) for u in self.client_cpu]
         return out
 
 
