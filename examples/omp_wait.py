@@ -4,8 +4,8 @@ settings share whatever load the machine has (report it: the policy matters on s
 
     python examples/omp_wait.py [--tokens 16] [--rounds 2]
 
-Prints ms per token for each round of: libgomp's default, OMP_WAIT_POLICY=PASSIVE (minisgl's default), and a short
-spin (GOMP_SPINCOUNT=10000), with the load average after each.
+Prints ms per token for each round of: libgomp's default (minisgl's), OMP_WAIT_POLICY=PASSIVE, ACTIVE (spin
+at every barrier), and a short spin (GOMP_SPINCOUNT=10000), with the load average after each.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import os
 import subprocess
 import sys
 
-SETTINGS = {"gomp default": {}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin 10k": {"GOMP_SPINCOUNT": "10000"}}
+SETTINGS = {"gomp default": {}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}, "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},
+            "spin 10k": {"GOMP_SPINCOUNT": "10000"}}
 
 CHILD = """
 import sys, time

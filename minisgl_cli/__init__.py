@@ -2,15 +2,7 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
-
-# OpenMP threads that wait at a barrier sleep instead of spinning (unless the user says otherwise). Read once, when
-# torch loads libgomp: set here, before any import of torch by minisgl, and inherited by every engine process. On
-# shared cores (the engine's own API, detokenizer and background build, other programs) a spinning thread holds the
-# core its peer needs to reach the barrier: a decode step of the default model took 321 ms under load ~8 on 2 cores
-# against 22 ms passive (docs/benchmarks.md).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]

@@ -8,8 +8,12 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-import torch
+# The suite runs dozens of engines and servers on a few shared cores: OpenMP threads that sleep at a barrier instead
+# of spinning keep one busy process from starving the others (libgomp reads this once, when torch loads it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The CPU default compiles its decode in the background (engine/cpu_compile.py): a minute of both cores per
