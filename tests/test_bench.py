@@ -276,6 +276,26 @@ def test_online_poisson_arrivals_spread_requests(fake_url):
     assert time.perf_counter() - t0 >= sum(rng.expovariate(20.0) for _ in range(4))
 
 
+def test_gc_pauses_count_collections_while_watched_and_not_after():
+    """The client's collector pauses (process_cpu.GcPauses): each watcher counts the collections made while it
+    watches, every generation's, and none once stopped; two watchers do not disturb each other."""
+    import gc
+
+    from minisgl_cli.process_cpu import GcPauses
+
+    outer = GcPauses.watch()
+    inner = GcPauses.watch()
+    gc.collect()
+    gc.collect(0)
+    inner.stop()
+    gc.collect()
+    outer.stop()
+    gc.collect()
+    assert inner.count >= 2 and outer.count >= inner.count + 1  # (an automatic collection may add one)
+    assert 0 < inner.max_s <= inner.total_s and outer.total_s > 0
+    assert inner._timed not in gc.callbacks and outer._timed not in gc.callbacks
+
+
 # --- end to end --------------------------------------------------------------------------------
 
 RESULT_SCHEMA = {

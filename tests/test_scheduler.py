@@ -198,3 +198,27 @@ def test_torch_profiler_dir_writes_a_table_of_the_profiled_steps(tiny_model_dirs
         llm.generate([1, 2, 3], SamplingParams(max_new_tokens=8, ignore_eos=True))
     text = (tmp_path / "rank0-steps.txt").read_text()
     assert text.startswith("rank0: 3 busy steps after 2: wall ") and "aten::" in text
+
+
+def test_step_trace_writes_a_line_per_launched_step(tiny_model_dirs, tmp_path, monkeypatch):
+    """MINISGL_STEP_TRACE_DIR: each launched step is one line (a lone request: its prefill, then one decode step a
+    token), on disk once the scheduler stops; examples/step_trace.py reads the run back as one burst."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setenv("MINISGL_STEP_TRACE_DIR", str(tmp_path))
+    with LLM(str(tiny_model_dirs["llama"])) as llm:
+        llm.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    [path] = tmp_path.glob("rank0-*-trace.tsv")
+    rows = [line.split("\t") for line in path.read_text().splitlines()[1:]]
+    assert [r[1] for r in rows] == ["extend"] + ["decode"] * 5
+    assert [(r[2], r[3]) for r in rows] == [("1", "4")] + [("1", "1")] * 5  # rows, tokens
+    assert all(float(r[6]) >= 0 for r in rows)  # ms of garbage collection since the launch before
+    spec = importlib.util.spec_from_file_location("step_trace", Path(__file__).parents[1] / "examples/step_trace.py")
+    assert spec is not None and spec.loader is not None
+    step_trace = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "step_trace", step_trace)  # its dataclass looks its module up there
+    spec.loader.exec_module(step_trace)
+    [burst] = step_trace.bursts(step_trace.read(path), gap_s=5.0)
+    assert (burst.steps, burst.decode_steps, burst.prefill_tokens, burst.mean_rows) == (6, 5, 4, 1.0)

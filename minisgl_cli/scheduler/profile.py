@@ -105,6 +105,8 @@ class StepTrace:
             self.flush()
 
     def flush(self) -> None:
+        if not self._rows:
+            return
         with self.path.open("a") as f:
             f.writelines(self._rows)
         self._rows.clear()
