@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from minisgl_cli.bench.metrics import RequestTiming
-from minisgl_cli.process_cpu import GcPauses
+from minisgl_cli.bench.target import ClientClock, ClientCpu
 
 
 @dataclass
@@ -143,23 +143,43 @@ async def stream_requests(url: str, share: Share, timeout_s: float, on_done: Cal
         return list(await asyncio.gather(*tasks))
 
 
+@dataclass
+class ShareRun:
+    """One share's run as its process saw it: the results, that process's CPU / wall / GC over it, and its clock's
+    start (perf_counter, shared by the processes; time.time())."""
+
+    sents: list[Sent]
+    cpu: ClientCpu
+    t0: float
+    started_at: float
+
+
+async def run_share(url: str, share: Share, timeout_s: float, on_done: Callable[[int], None],
+                    before_clock: Callable[[], Awaitable[None]] | None = None) -> ShareRun:
+    """stream_requests on this process's clock, which starts once the client is warm and `before_clock` returned
+    (a worker's common start)."""
+    clock: list[ClientClock] = []
+
+    async def start() -> None:
+        if before_clock is not None:
+            await before_clock()
+        clock.append(ClientClock())
+
+    sents = await stream_requests(url, share, timeout_s, on_done, start)
+    return ShareRun(sents, clock[0].stop(), clock[0].t0, clock[0].started_at)
+
+
 def worker(n: int, url: str, share: Share, timeout_s: float, start: Any, events: Any) -> None:
-    """A client worker process: one request to warm its client, say ready, wait for the common start, run its share,
-    send back its results with
-    its CPU seconds and wall time over the run. `events` gets ("ready", n), ("done", index) per request, then
-    ("result", n, sents, cpu_s, t_start, t_end, gc_s, gc_max_s) or ("error", n, traceback)."""
-    clock: dict[str, Any] = {}
+    """A client worker process: warm its client, say ready, wait for the common start, run its share, send back its
+    ShareRun. `events` gets ("ready", n), ("done", index) per request, then ("result", n, ShareRun) or ("error", n,
+    traceback)."""
 
     async def ready() -> None:
         events.put(("ready", n))
         await asyncio.get_running_loop().run_in_executor(None, start.wait)
-        # perf_counter: the host's monotonic clock, shared by the processes
-        clock.update(pauses=GcPauses.watch(), cpu0=time.process_time(), t0=time.perf_counter())
 
     try:
-        sents = asyncio.run(stream_requests(url, share, timeout_s, lambda i: events.put(("done", i)), ready))
-        cpu, t1 = time.process_time() - clock["cpu0"], time.perf_counter()
-        pauses = clock["pauses"].stop()
-        events.put(("result", n, sents, cpu, clock["t0"], t1, pauses.total_s, pauses.max_s))
+        run = asyncio.run(run_share(url, share, timeout_s, lambda i: events.put(("done", i)), ready))
+        events.put(("result", n, run))
     except BaseException:
         events.put(("error", n, traceback.format_exc(limit=5)))

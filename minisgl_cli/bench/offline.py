@@ -7,10 +7,9 @@ import dataclasses
 import time
 
 from minisgl_cli.bench.metrics import RequestTiming
-from minisgl_cli.bench.target import ClientCpu, OnDone, RunOutput
+from minisgl_cli.bench.target import ClientClock, OnDone, RunOutput
 from minisgl_cli.bench.workloads import BenchRequest, Case
 from minisgl_cli.client.protocol import EngineClient
-from minisgl_cli.process_cpu import GcPauses
 from minisgl_cli.types import GenerateRequest
 
 COMPILE_WAIT_S = 900.0  # the longest a warm-up waits for the engine's CPU decode to compile
@@ -73,13 +72,10 @@ class EngineTarget:
             asyncio.run(self._run(requests, len(requests), lambda: None))
 
     def run(self, case: Case, concurrency: int, on_done: OnDone) -> RunOutput:
-        pauses = GcPauses.watch()
-        cpu0, t0 = time.process_time(), time.perf_counter()
+        clock = ClientClock()
         timings = asyncio.run(self._run(case.requests, concurrency, on_done))
-        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
-        pauses.stop()
-        used = [ClientCpu(cpu, wall, pauses.total_s, pauses.max_s)] if self.remote else []
-        return RunOutput(timings, wall, used)
+        used = clock.stop()
+        return RunOutput(timings, used.wall_s, [used] if self.remote else [], clock.started_at)
 
     def close(self) -> None:
         self.client.close()

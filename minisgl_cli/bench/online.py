@@ -16,11 +16,11 @@ from typing import Any
 
 import httpx
 
-from minisgl_cli.bench.http_client import Send, Sent, Share, stream_requests, worker
+from minisgl_cli.bench.http_client import Send, Sent, Share, run_share, worker
 from minisgl_cli.bench.metrics import RequestTiming
 from minisgl_cli.bench.target import ClientCpu, OnDone, RunOutput
 from minisgl_cli.bench.workloads import BenchRequest, Case
-from minisgl_cli.process_cpu import GcPauses, usable_cores
+from minisgl_cli.process_cpu import usable_cores
 
 APIS = ("completions", "chat")
 STREAMS_PER_PROC = 32  # the default: one client process per this many streams in flight, up to the cores
@@ -106,13 +106,8 @@ class HttpTarget:
              procs: int) -> RunOutput:
         shares = self._shares(requests, concurrency, procs)
         if len(shares) == 1:  # in this process: nothing to spread
-            pauses = GcPauses.watch()
-            cpu0, t0 = time.process_time(), time.perf_counter()
-            sents = asyncio.run(stream_requests(self.url, shares[0], self.timeout_s, lambda i: on_done()))
-            cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
-            pauses.stop()
-            used = ClientCpu(cpu, wall, pauses.total_s, pauses.max_s)
-            return RunOutput([self._timing(s) for s in sents], wall, [used])
+            run = asyncio.run(run_share(self.url, shares[0], self.timeout_s, lambda i: on_done()))
+            return RunOutput([self._timing(s) for s in run.sents], run.cpu.wall_s, [run.cpu], run.started_at)
         return self._spread(shares, len(requests), on_done)
 
     def _spread(self, shares: list[Share], total: int, on_done: OnDone) -> RunOutput:
@@ -139,11 +134,11 @@ class HttpTarget:
                 if event[0] == "done":
                     on_done()
                 elif event[0] == "result":
-                    n, sents, cpu_s, t_start, t_end, gc_s, gc_max_s = event[1:]
-                    for i, sent in zip(shares[n].index, sents):
+                    n, run = event[1:]
+                    for i, sent in zip(shares[n].index, run.sents):
                         timings[i] = self._timing(sent)
-                    cpu[n] = ClientCpu(cpu_s, t_end - t_start, gc_s, gc_max_s)
-                    ends.append(t_end)
+                    cpu[n] = run.cpu
+                    ends.append(run.t0 + run.cpu.wall_s)
             assert all(t is not None for t in timings)
             return RunOutput([t for t in timings if t is not None], max(ends) - t0, cpu, wall_t0)
         finally:

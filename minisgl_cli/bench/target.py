@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from minisgl_cli.bench.metrics import RequestTiming
 from minisgl_cli.bench.workloads import BenchRequest, Case
+from minisgl_cli.process_cpu import GcPauses
 
 OnDone = Callable[[], None]  # called once per finished request (drives the progress bar)
 
@@ -26,6 +28,21 @@ class ClientCpu:
     def core_share(self) -> float:
         """Its share of one core: near 1 the client, not the server, sets the pace."""
         return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class ClientClock:
+    """This process's CPU, wall time and collector pauses from its making to `stop`: a client process's part of a
+    timed run. `t0` is perf_counter's (the host's monotonic clock: every process reads the same one)."""
+
+    def __init__(self) -> None:
+        self._pauses = GcPauses.watch()
+        self.started_at = time.time()
+        self._cpu0, self.t0 = time.process_time(), time.perf_counter()
+
+    def stop(self) -> ClientCpu:
+        cpu, wall = time.process_time() - self._cpu0, time.perf_counter() - self.t0
+        self._pauses.stop()
+        return ClientCpu(cpu, wall, self._pauses.total_s, self._pauses.max_s)
 
 
 @dataclass
