@@ -71,8 +71,7 @@ def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool
     out.mkdir(parents=True, exist_ok=True)
     got: dict[str, float] = {}
     notes: dict[str, str] = {}
-    timelines: dict[str, list[str]] = {}  # each path's step trace, by draw
-    latency: dict[str, list[str]] = {}  # each front's draws: TTFT and ITL
+    by_draw: dict[str, list[str]] = {}  # each path's draws: TTFT / ITL and the client (fronts), the step trace
     budget = f"--max-prefill-tokens {prefill}"
     # The fronts' sweeps: a first draw at 256 meets every prefill shape (as raw's warm-up does), then the timed ones.
     sweep = "--concurrency 256 " * (draws + 1)
@@ -85,12 +84,12 @@ def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool
         if rc != 0:
             notes[name] = f"{secs:.0f}s, failed ({rc}): see {name}.log"
             return
-        first, draws_, windows = figures(stdout)
-        timelines[name] = step_trace.report(out / f"{name}-trace", windows=windows)
+        first, draws_, windows, lines = figures(stdout)
+        by_draw[name] = lines + step_trace.report(out / f"{name}-trace", windows=windows)
         if windows and os.environ.get("TRITON_CACHE_DIR"):  # kernels Triton compiled during each draw
             made = [d.stat().st_mtime for d in Path(os.environ["TRITON_CACHE_DIR"]).iterdir()]
             counts = [sum(t0 <= t <= t0 + d for t in made) for t0, d in windows]
-            timelines[name].append(f"Triton kernels compiled during each draw: {counts}")
+            by_draw[name].append(f"Triton kernels compiled during each draw: {counts}")
         got[name], spread = median(draws_)
         notes[name] = f"{secs:.0f}s, {spread}" + (f"; first draw {first:,.0f}" if first is not None else "")
 
@@ -101,20 +100,19 @@ def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool
         return (f"; client: {len(r['client_core_share'])} proc, busiest {max(r['client_core_share']):.0%}, GC "
                 f"{sum(r['client_gc_seconds']) * 1e3:.0f} ms (longest {max(r['client_gc_longest_seconds']) * 1e3:.0f})")
 
-    def bench_draws(report: Path) -> tuple[float, list[float], list[tuple[float, float]]]:
-        """The first draw's tok/s, the timed draws', every draw's (start, seconds); each draw's TTFT / ITL kept."""
+    def bench_draws(report: Path) -> tuple[float, list[float], list[tuple[float, float]], list[str]]:
+        """The first draw's tok/s, the timed draws', every draw's (start, seconds) and its TTFT / ITL line."""
         results = json.loads(report.read_text())["results"]
-        latency[report.stem] = [f"  draw {i}: {r['output_throughput']:,.0f} tok/s, TTFT p50 / p99 "
-                                f"{r['median_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f} ms, ITL p50 / p99 "
-                                f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} ms{client(r)}"
-                                for i, r in enumerate(results)]
+        lines = [f"  draw {i}: {r['output_throughput']:,.0f} tok/s, TTFT p50 / p99 {r['median_ttft_ms']:,.0f} / "
+                 f"{r['p99_ttft_ms']:,.0f} ms, ITL p50 / p99 {r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} ms"
+                 f"{client(r)}" for i, r in enumerate(results)]
         tok_s = [r["output_throughput"] for r in results]
-        return tok_s[0], tok_s[1:], [(r["started_at"], r["duration_s"]) for r in results]
+        return tok_s[0], tok_s[1:], [(r["started_at"], r["duration_s"]) for r in results], lines
 
     if "raw" in paths:
         path("raw", [sys.executable, __file__, "--child-raw", "--max-prefill-tokens", str(prefill), "--kv", kv,
                      "--draws", str(draws), *(["--sampled"] if sampled else [])],
-             lambda stdout: (None, json.loads(stdout.strip().splitlines()[-1])["draws"], None))
+             lambda stdout: (None, json.loads(stdout.strip().splitlines()[-1])["draws"], None, []))
     if "offline" in paths:
         path("offline", [sys.executable, "-m", "minisgl_cli.app", "bench", "--preset", "nano-vllm", *flags(kv).split(),
                          *budget.split(), "--no-baseline", *sweep.split(), *sampling.split(), "--warmup", "1",
@@ -135,8 +133,7 @@ def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool
         print(f"{p:<9}{(f'{v:,.0f}' if v else '-'):>12}{share:>9}  {notes.get(p, '')}")
     for p in paths:
         print(f"\n{p}, by draw (the first: the warm-up sweep):")
-        print("\n".join(latency.get("offline" if p == "offline" else "bench-base", []) if p != "raw" else []))
-        print("\n".join(timelines.get(p, [])))
+        print("\n".join(by_draw.get(p, [])))
     if "http" in paths and (out / "http.log").exists():
         print("\nover HTTP, CPU per process (fronts_cpu.py):")
         print("\n".join(line for line in (out / "http.log").read_text().splitlines()

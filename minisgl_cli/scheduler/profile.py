@@ -110,3 +110,8 @@ class StepTrace:
         with self.path.open("a") as f:
             f.writelines(self._rows)
         self._rows.clear()
+
+    def close(self) -> None:
+        """The rest on disk; the collector no longer watched for it."""
+        self.flush()
+        self._gc.stop()

@@ -118,7 +118,7 @@ class Scheduler:
             self._release(req, "abort")
         self.cache.clear()
         if self.trace is not None:
-            self.trace.flush()
+            self.trace.close()
         self.grammars.close()
         if self.proposer is not None:
             self.proposer.close()
