@@ -121,7 +121,7 @@ class HostBuffers:
         """Several host lists in one upload, each a view of it that starts on a 16-byte boundary. Triton compiles a
         kernel once per alignment of its pointers: views at offsets that vary with a step's sizes made steps of a
         new parity compile a new variant mid-serving (a ~1 s stall, 1 draw in 4 of the nano-vllm preset)."""
-        step = max(1, 16 // torch.empty(0, dtype=dtype).element_size())
+        step = max(1, 16 // dtype.itemsize)
         flat: list[float] = []
         starts = []
         for part in parts:
