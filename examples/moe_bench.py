@@ -7,7 +7,8 @@
    blocks captured back to back in one CUDA graph (so weights come from DRAM, as in a decode step): fused Triton
    (layers/triton_moe.py, the tile its table picks) vs the block on torch's grouped GEMM; the router +
    routing + alignment alone; --fp8: the fused kernels over e4m3 weights (per-row scales). The bytes of the
-   experts the tokens chose over the fused time give an effective TB/s. `--sweep` also times a few tiles.
+   experts the tokens chose over the fused time give an effective TB/s. `--sweep` also times every
+   candidate tile of each GEMM per BLOCK_M, bf16 and (--fp8) FP8, for the TILES tables.
 2. Qwen3-30B-A3B with dummy weights (bf16; --fp8: then FP8 experts and linears, a second engine): one 128-token
    prompt, 256 new tokens, EOS ignored, CUDA graphs and overlap on; decode tok/s with the fused experts and with
    the grouped GEMM (graphs recaptured; every other fused op stays on).
@@ -26,6 +27,7 @@ import os
 import random
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -42,9 +44,14 @@ from minisgl_cli.layers.moe import MoE  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # Qwen3-30B-A3B
 LAYERS = 4  # 4 x 1.2 GB of experts: none stays in the 50 MB L2 between its calls
-SWEEP = [triton_moe.MoeConfig(*c) for c in ((16, 32, 64, 4, 4), (16, 32, 128, 4, 4), (16, 64, 128, 4, 3),
-                                             (16, 128, 128, 4, 3), (32, 64, 128, 4, 3), (32, 128, 64, 4, 3),
-                                             (64, 128, 64, 4, 3), (64, 128, 64, 8, 4), (128, 128, 64, 8, 4))]
+# The sweep's candidates for one GEMM (BLOCK_N, BLOCK_K, warps, stages) and BLOCK_M by batch size (the slots an
+# expert holds at T tokens: T k / E on average).
+SWEEP_NK = [(n, k, w, st) for n in (32, 64, 128) for k in (64, 128, 256) for w, st in ((4, 3), (4, 4), (8, 3))] + [
+    (256, 64, 8, 3), (256, 128, 8, 3)]
+
+
+def sweep_block_m(m: int) -> tuple[int, ...]:
+    return (16,) if m <= 64 else (16, 32) if m <= 256 else (32, 64) if m <= 1024 else (64, 128)
 
 
 @contextlib.contextmanager
@@ -69,15 +76,15 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
     x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
     chosen = len(set(blocks[0].gate(x).topk(TOP_K, dim=-1).indices.flatten().tolist()))
 
-    def fused(b, qb=None, cfg=None):
+    def fused(b, qb=None):
         w, ids = triton_moe.route(b.gate(x), TOP_K, True)
         e = b.experts
         if qb is None:
-            return triton_moe.fused_experts(x, e.gate_up_proj, e.down_proj, w, ids, config=cfg)
-        return triton_moe.fused_experts(x, qb[0][0], qb[1][0], w, ids, qb[0][1], qb[1][1], config=cfg)
+            return triton_moe.fused_experts(x, e.gate_up_proj, e.down_proj, w, ids)
+        return triton_moe.fused_experts(x, qb[0][0], qb[1][0], w, ids, qb[0][1], qb[1][1])
 
     us = {"fused": _graph_us([lambda b=b: fused(b) for b in blocks])}  # the block's own choice may be grouped
-    block_m = triton_moe.pick_config(m).block_m  # the router, the routing and the alignment alone:
+    block_m = triton_moe.pick_tiles(m).gate_up.block_m  # the router, the routing and the alignment alone:
     us["route_align"] = _graph_us([lambda b=b: triton_moe.align(triton_moe.route(b.gate(x), TOP_K, True)[1], EXPERTS,
                                                                 block_m) for b in blocks])
     if q is not None:
@@ -88,19 +95,60 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
     w, ids = triton_moe.route(blocks[0].gate(x), TOP_K, True)
     ref = moe.fused_experts(x, e.gate_up_proj, e.down_proj, w, ids, Kernels(), grouped=True).float()
     rel = ((triton_moe.fused_experts(x, e.gate_up_proj, e.down_proj, w, ids).float() - ref).norm() / ref.norm()).item()
-    best = None
-    if sweep:
-        for cfg in SWEEP:
-            t = _graph_us([lambda b=b, cfg=cfg: fused(b, cfg=cfg) for b in blocks])
-            if best is None or t < best[1]:
-                best = (cfg, t)
+    best = sweep_tiles(m, x, blocks, q) if sweep else None
     expert_bytes = 3 * HIDDEN * INTER * 2  # one expert's bf16 gate, up, down
     r = dict(M=m, experts_chosen=chosen, **{f"{k}_us": round(v, 1) for k, v in us.items()},
              fused_tbs=round(chosen * expert_bytes / us["fused"] / 1e6, 2), rel_err_vs_grouped=f"{rel:.1e}",
-             picked=list(vars(triton_moe.pick_config(m)).values()))
+             picked=str(triton_moe.pick_tiles(m)))
     if best is not None:
-        r.update(best_cfg=list(vars(best[0]).values()), best_us=round(best[1], 1))
+        r.update(best)
     return r
+
+
+def sweep_tiles(m: int, x: torch.Tensor, blocks: list[MoE], q: list | None) -> dict:
+    """For each expert dtype, the fastest tiles of each GEMM at M tokens: every SWEEP_NK candidate for gate/up and
+    for down at each BLOCK_M of `sweep_block_m` (the slots aligned once per BLOCK_M), the block's best total."""
+    routes = [triton_moe.route(b.gate(x), TOP_K, True) for b in blocks]
+    weights = {"bf16": [(b.experts.gate_up_proj, None, b.experts.down_proj, None) for b in blocks]}
+    if q is not None:
+        weights["fp8"] = [(gu[0], gu[1], dn[0], dn[1]) for gu, dn in q]
+    found = {}
+    for dtype, experts in weights.items():
+        best = None
+        for bm in sweep_block_m(m):
+            layers = [(triton_moe.Slots(*triton_moe.align(ids, EXPERTS, bm), w.view(-1), TOP_K), *e,
+                       torch.empty(m * TOP_K, INTER, device="cuda", dtype=torch.bfloat16),
+                       torch.empty(m * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16))
+                      for (w, ids), e in zip(routes, experts)]
+            picks = [min(_sweep_gemm(x, layers, bm, gated), key=lambda t: t[0]) for gated in (True, False)]
+            print(f"  M={m} {dtype} BLOCK_M={bm}: gate/up {picks[0]}, down {picks[1]}", flush=True)
+            if best is None or picks[0][0] + picks[1][0] < best[0][0] + best[1][0]:
+                best = picks
+        assert best is not None
+        (gu_us, gu_cfg), (dn_us, dn_cfg) = best
+        found[f"best_{dtype}"] = dict(gate_up=list(vars(gu_cfg).values()), gate_up_us=round(gu_us, 1),
+                                      down=list(vars(dn_cfg).values()), down_us=round(dn_us, 1))
+    return found
+
+
+def _sweep_gemm(x: torch.Tensor, layers: list[tuple], bm: int, gated: bool) -> list[tuple[float, Any]]:
+    """(µs a layer, tile) of one GEMM over `layers` (slots, gate/up codes and scale, down codes and scale, h, out)
+    for every SWEEP_NK candidate at BLOCK_M bm."""
+    def call(layer: tuple, cfg: Any) -> None:
+        slots, gu, gs, dn, ds, h, out = layer
+        if gated:
+            triton_moe.expert_gemm(x, gu, gs, h, slots, cfg, gated=True)
+        else:
+            triton_moe.expert_gemm(h, dn, ds, out, slots, cfg, gated=False)
+
+    times = []
+    for n, k, w, st in SWEEP_NK:
+        cfg = triton_moe.MoeConfig(bm, n, k, w, st)
+        try:
+            times.append((_graph_us([lambda layer=layer, cfg=cfg: call(layer, cfg) for layer in layers]), cfg))
+        except Exception as exc:  # a tile past the SM's shared memory: not a candidate
+            print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
+    return times
 
 
 def bench_layer(sizes: list[int], fp8: bool, sweep: bool, rows: list[dict]) -> None:
@@ -171,14 +219,16 @@ def main() -> None:
         json.dump(rows, f, indent=1)
     print(f"\n==== MoE layer, Qwen3-30B-A3B shapes, {LAYERS} layers in a graph ({torch.cuda.get_device_name()}) ====")
     print(f"{'M':>6} {'experts':>8} {'fused us':>9} {'grouped us':>11} {'speedup':>8} {'fused fp8 us':>13} "
-          f"{'route+align us':>15} {'fused TB/s':>11} {'rel err':>8}  picked" + ("  best (us)" if args.sweep else ""))
+          f"{'route+align us':>15} {'fused TB/s':>11} {'rel err':>8}  picked")
     for r in rows:
         if "M" in r:
             print(f"{r['M']:>6} {r['experts_chosen']:>8} {r['fused_us']:>9} {r['grouped_us']:>11} "
                   f"{r['grouped_us'] / r['fused_us']:>7.2f}x {r.get('fused_fp8_us', '-'):>13} "
                   f"{r['route_align_us']:>15} {r['fused_tbs']:>11} "
-                  f"{r['rel_err_vs_grouped']:>8}  {r['picked']}"
-                  + (f"  {r['best_cfg']} ({r['best_us']})" if "best_cfg" in r else ""))
+                  f"{r['rel_err_vs_grouped']:>8}  {r['picked']}")
+            for key in ("best_bf16", "best_fp8"):
+                if key in r:
+                    print(f"{'':>6} {key}: {r[key]}")
         elif "tok_s" in r:
             print(f"{r['model']} {r['workload']} ({r['weights']} weights, {r['experts']} experts): "
                   f"{r['tok_s']:,.1f} tok/s ({r['step_ms']} ms/step)")

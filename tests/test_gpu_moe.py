@@ -114,8 +114,8 @@ def test_fused_experts_match_the_reference(T, n_exp, top_k, n_tok, tile):
     g = torch.Generator().manual_seed(n_tok)
     x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
     weights, ids = route(torch.randn(n_tok, n_exp, generator=g).to(DEV), top_k, True)
-    config = T.MoeConfig(*SMALL) if tile == "small" else None
-    got = T.fused_experts(x, gate_up.to(DEV, DTYPE), down.to(DEV, DTYPE), weights, ids, config=config)
+    tiles = T.MoeTiles.both(T.MoeConfig(*SMALL)) if tile == "small" else None
+    got = T.fused_experts(x, gate_up.to(DEV, DTYPE), down.to(DEV, DTYPE), weights, ids, tiles=tiles)
     assert got.shape == (n_tok, hidden) and got.dtype == DTYPE
     _close(got, _reference(x, gate_up.to(DTYPE), down.to(DTYPE), weights, ids))
 
@@ -135,7 +135,7 @@ def test_fp8_experts_match_their_dequantized_weights(T):
     x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
     weights, ids = route(torch.randn(n_tok, n_exp, generator=g).to(DEV), top_k, False)
     got = T.fused_experts(x, codes[0].to(DEV), codes[1].to(DEV), weights, ids, scales[0].to(DEV),
-                          scales[1].to(DEV), config=T.MoeConfig(*SMALL))
+                          scales[1].to(DEV), tiles=T.MoeTiles.both(T.MoeConfig(*SMALL)))
     want = _reference(x, *(c.float() * s[..., None] for c, s in zip(codes, scales)), weights, ids)
     _close(got, want)
 

@@ -35,7 +35,7 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Tile of both expert GEMMs: BLOCK_M slot rows (the alignment unit), BLOCK_N output columns, BLOCK_K deep."""
+    """Tile of one expert GEMM: BLOCK_M slot rows (the alignment unit), BLOCK_N output columns, BLOCK_K deep."""
 
     block_m: int
     block_n: int
@@ -44,18 +44,48 @@ class MoeConfig:
     num_stages: int
 
 
-# (most tokens, config) by batch size, first match wins. Seeded from the shapes' arithmetic (Qwen3-30B-A3B:
-# H 2048, I 768, 128 experts, top 8): at a few tokens every block holds one or two real rows, the step is a
-# pass over the chosen experts' weights, and narrow N tiles give the grid enough programs to fill the SMs;
-# from ~32 slots per expert the tiles widen and deepen so each weight tile is reused across more rows.
-# Re-tune with `examples/moe_bench.py --sweep` on the GPU that ships.
-CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
-    (4, MoeConfig(16, 32, 128, 4, 4)),
-    (32, MoeConfig(16, 64, 128, 4, 3)),
-    (128, MoeConfig(16, 128, 128, 4, 3)),
-    (512, MoeConfig(32, 128, 64, 4, 3)),
-    (2048, MoeConfig(64, 128, 64, 8, 3)),
-    (1 << 62, MoeConfig(128, 128, 64, 8, 4)),
+@dataclass(frozen=True)
+class MoeTiles:
+    """The tiles of a layer's two expert GEMMs: gate/up (K = hidden, two accumulators) and down (K = the expert's
+    width) differ in shape, so each has its own; they share BLOCK_M, the unit the slots are aligned to."""
+
+    gate_up: MoeConfig
+    down: MoeConfig
+
+    def __post_init__(self) -> None:
+        if self.gate_up.block_m != self.down.block_m:
+            raise ValueError("both expert GEMMs take the slots aligned to one BLOCK_M")
+
+    @classmethod
+    def both(cls, cfg: MoeConfig) -> MoeTiles:
+        return cls(cfg, cfg)
+
+
+def _tiles(m: int, gate_up: tuple[int, int, int, int], down: tuple[int, int, int, int]) -> MoeTiles:
+    return MoeTiles(MoeConfig(m, *gate_up), MoeConfig(m, *down))
+
+
+# (most tokens, tiles) by batch size, first match wins; one table for 16-bit experts, one for FP8 codes. Up to
+# 512 tokens from `examples/moe_bench.py --fp8 --sweep --sizes 1,8,64,256` on one H200 (2026-11-27: every
+# candidate of each GEMM at each BLOCK_M, Qwen3-30B-A3B's H 2048, I 768, 128 experts, top 8; docs/gpu.md): at a few
+# tokens every block holds one or two real rows and the step is a pass over the chosen experts' weights, so
+# narrow N tiles give the grid enough programs; from ~16 slots an expert BLOCK_M 32 holds them in one block, each
+# weight tile read once. Past 512 tokens (prefill chunks; FP8 experts take the fused path at every size) the seed
+# tiles from the shapes' arithmetic, not yet swept: wider, deeper tiles reuse a weight tile across more rows.
+_PREFILL = ((2048, _tiles(64, (128, 64, 8, 3), (128, 64, 8, 3))),
+            (1 << 62, _tiles(128, (128, 64, 8, 4), (128, 64, 8, 4))))
+TILES_16BIT: tuple[tuple[int, MoeTiles], ...] = (
+    (4, _tiles(16, (32, 128, 4, 4), (64, 128, 4, 3))),
+    (32, _tiles(16, (32, 256, 4, 3), (64, 128, 4, 3))),
+    (128, _tiles(16, (128, 128, 4, 3), (128, 128, 4, 3))),
+    (512, _tiles(32, (64, 128, 4, 3), (64, 128, 4, 3))),
+    *_PREFILL,
+)
+TILES_FP8: tuple[tuple[int, MoeTiles], ...] = (
+    (32, _tiles(16, (32, 128, 4, 3), (64, 128, 4, 3))),
+    (128, _tiles(16, (32, 128, 4, 4), (64, 128, 4, 3))),
+    (512, _tiles(32, (64, 128, 8, 3), (64, 128, 4, 3))),
+    *_PREFILL,
 )
 # Batches of up to this many tokens take the fused path; larger ones (prefill chunks) torch's grouped GEMM, a
 # CUTLASS kernel built for compute-bound shapes. Not yet measured: a first guess between decode batches (<= 256)
@@ -63,8 +93,8 @@ CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
 FUSED_MAX_TOKENS = 1024
 
 
-def pick_config(n_tokens: int) -> MoeConfig:
-    return next(cfg for most, cfg in CONFIGS if n_tokens <= most)
+def pick_tiles(n_tokens: int, fp8: bool = False) -> MoeTiles:
+    return next(t for most, t in (TILES_FP8 if fp8 else TILES_16BIT) if n_tokens <= most)
 
 
 @triton.jit
@@ -228,31 +258,45 @@ def align(ids: torch.Tensor, n_exp: int, block_m: int) -> tuple[torch.Tensor, to
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-                  config: MoeConfig | None = None) -> torch.Tensor:
+                  tiles: MoeTiles | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H] in x's dtype.
 
     x [T, H]; gate_up [E, 2I, H] and down [E, H, I] in x's dtype, or e4m3 with fp32 scales [E, 2I] / [E, H];
-    weights [T, k] fp32, ids [T, k]; `config` the tile (default: `pick_config(T)`)."""
+    weights [T, k] fp32, ids [T, k]; `tiles` (default: `pick_tiles(T, fp8)`)."""
     n_tok, k = ids.shape
     n_exp, two_i, hidden = gate_up.shape
-    inter = two_i // 2
-    cfg = config or pick_config(n_tok)
+    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None)
     numel = n_tok * k
     out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
     if numel == 0:
         return out.view(n_tok, k, hidden).sum(dim=1)
-    sorted_ids, block_expert, total = align(ids.contiguous(), n_exp, cfg.block_m)
-    n_blocks = block_expert.numel()
-    h = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
-    rw = weights.contiguous().view(-1)
-    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-                 num_stages=cfg.num_stages)
-    x = x.contiguous()
-    for a, w, s, c, n, div, gated in ((x, gate_up, gate_up_scale, h, inter, k, True),
-                                      (h, down, down_scale, out, hidden, 1, False)):
-        grid = (n_blocks, triton.cdiv(n, cfg.block_n))
-        _expert_gemm_kernel[grid](a, w, s, c, rw, sorted_ids, block_expert, total, n, a.shape[1], numel,
-                                  a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-                                  s.stride(0) if s is not None else 0,
-                                  A_DIV=div, GATED=gated, ROUTED=not gated, HAS_SCALE=s is not None, **tiles)
+    slots = Slots(*align(ids.contiguous(), n_exp, tiles.gate_up.block_m), weights.contiguous().view(-1), k)
+    h = torch.empty(numel, two_i // 2, dtype=x.dtype, device=x.device)
+    expert_gemm(x.contiguous(), gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True)
+    expert_gemm(h, down, down_scale, out, slots, tiles.down, gated=False)
     return out.view(n_tok, k, hidden).sum(dim=1)
+
+
+@dataclass
+class Slots:
+    """A layer's (token, choice) slots aligned to BLOCK_M (`align`), their routing weights, the choices a token."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    total: torch.Tensor
+    weights: torch.Tensor  # [T k] fp32
+    top_k: int
+
+
+def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c: torch.Tensor, slots: Slots,
+                cfg: MoeConfig, gated: bool) -> None:
+    """One of the two expert GEMMs into c [T k, N]: gated, gate/up from the tokens' rows a [T, H]; else down from
+    the slots' rows a [T k, I], scaled by their routing weights."""
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    grid = (slots.block_expert.numel(), triton.cdiv(n, cfg.block_n))
+    _expert_gemm_kernel[grid](a, w, scale, c, slots.weights, slots.sorted_ids, slots.block_expert, slots.total, n,
+                              a.shape[1], c.shape[0], a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+                              scale.stride(0) if scale is not None else 0, A_DIV=slots.top_k if gated else 1,
+                              GATED=gated, ROUTED=not gated, HAS_SCALE=scale is not None, BLOCK_M=cfg.block_m,
+                              BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                              num_stages=cfg.num_stages)
