@@ -62,6 +62,7 @@ def build(job: BuildJob) -> None:
             program = torch.export.export(step, args, dynamic_shapes=dims, strict=False)
         log.info("exported the decode step in %.0fs", time.perf_counter() - t0)
         partial = job.path.with_suffix(f".{os.getpid()}.partial.pt2")
+        _gather_in_aten()
         try:
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs={
                 "compile_threads": 1,  # no worker pool: the serving engine decodes on the other cores
@@ -72,6 +73,21 @@ def build(job: BuildJob) -> None:
         finally:
             partial.unlink(missing_ok=True)
         _prune(job.key, job.path)
+
+
+def _gather_in_aten() -> None:
+    """Inductor keeps `index_select` (KVPool.read: the attention's gather of the KV pool) an ATen call, not a loop of
+    its own. Its loops run on one thread (built with one), so the main thread would write all of a step's gathered
+    keys and values, and SDPA's second thread read its half of them out of the first core's cache: where the two
+    cores sit far apart (a VM whose host moves its vCPUs: cache-line round trips of ~650 ns, not ~160) that doubled
+    the attention, and the 16-row SmolLM2 step went from ~41 to ~58 ms for dozens of steps at a time. ATen's
+    index_select splits the rows over the threads as SDPA splits its batch (the first half on the first thread), so
+    each thread attends over keys it gathered itself. A copy: no value changes. It is not in AOTInductor's C shim:
+    the package calls it through its proxy executor (two calls a layer, cheaper than the pull they save)."""
+    from torch._inductor import decomposition, lowering
+
+    decomposition.decompositions.pop(torch.ops.aten.index_select.default, None)
+    lowering.make_fallback(torch.ops.aten.index_select, warn=False)
 
 
 def _prune(key: StepKey, keep: Path) -> None:

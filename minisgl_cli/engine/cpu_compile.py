@@ -3,7 +3,8 @@
 A CPU decode step of a small model is mostly op overhead, not arithmetic: SmolLM2-135M's int4 step runs ~1,300 torch
 ops, and its int4 GEMVs are under a third of the step (docs/benchmarks.md). Exported (torch.export) and compiled by
 AOTInductor, the step is one shared library: inductor's C++ loops for the norms, RoPE, residual adds and the rest
-around the same GEMV and attention kernels eager calls, run with no Python, no guards and no per-op dispatch.
+around the same GEMV, KV gather (cpu_build._gather_in_aten) and attention kernels eager calls, run with no Python, no
+guards and no per-op dispatch.
 
 Built once, in a child process (`python -m minisgl_cli.engine.cpu_build`, minutes of one core; the engine decodes
 eagerly meanwhile), into a package under env.compiled_dir() named by the digest of its StepKey: the weights (inside
