@@ -183,7 +183,10 @@ def _load(path: Path, key: StepKey) -> Any | None:
         log.warning("the stored CPU decode step %s was built for another engine; rebuilding it", path)
         path.unlink(missing_ok=True)
         return None
-    return torch._inductor.aoti_load_package(str(path)).loader
+    try:  # the package's runner alone: aoti_load_package first reads the whole archive in Python (~2.5 s here)
+        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    except (AttributeError, TypeError):  # another torch's binding: the public call
+        return torch._inductor.aoti_load_package(str(path)).loader
 
 
 class CompiledDecode:
