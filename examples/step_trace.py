@@ -4,6 +4,7 @@ What a slow draw did differently shows here: a few long steps (a compile, a coll
 rows a decode step (requests arriving late, or held back for pages), more prefill.
 
     MINISGL_STEP_TRACE_DIR=/tmp/trace minisgl bench ... ; python examples/step_trace.py /tmp/trace
+    python examples/step_trace.py /tmp/trace --by-rows      # a step's ms by its kind and rows, over the whole trace
 
 Columns: wall s (first to last launch), steps, decode steps, mean rows of a decode step, prefill tokens, the mean,
 p99 and longest gap between launches in ms (a step's wall time), and the seconds spent in decode steps with fewer
@@ -100,12 +101,32 @@ def report(trace_dir: Path, gap_s: float = 0.3, windows: list[tuple[float, float
     return lines
 
 
+def by_rows(trace_dir: Path, rows: int = 16) -> list[str]:
+    """A step's time (the gap to the next launch) by its mode and rows (rows past `rows` counted as `rows`+), over
+    each trace file: how many, the median and p10 / p90 in ms (steps before an idle gap over 1 s left out)."""
+    lines = []
+    for path in sorted(trace_dir.glob("*-trace.tsv")):
+        launches = read(path)
+        times: dict[tuple[str, int], list[float]] = {}
+        for a, b in zip(launches, launches[1:]):
+            if b[0] - a[0] <= 1.0:
+                times.setdefault((a[1], min(a[2], rows)), []).append((b[0] - a[0]) * 1e3)
+        lines.append(f"{path.name}:")
+        for (mode, n), ms in sorted(times.items()):
+            ms.sort()
+            p10, p90 = ms[len(ms) // 10], ms[len(ms) * 9 // 10]
+            lines.append(f"  {mode:7s} {n:>4}{'+' if n == rows else ' '} rows: {len(ms):>5} steps, median "
+                         f"{statistics.median(ms):.1f} ms, p10 {p10:.1f}, p90 {p90:.1f}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace_dir", type=Path)
     ap.add_argument("--gap", type=float, default=0.3, help="idle seconds that end a burst")
+    ap.add_argument("--by-rows", action="store_true", help="each step's time by its mode and rows instead")
     args = ap.parse_args()
-    print("\n".join(report(args.trace_dir, args.gap)))
+    print("\n".join(by_rows(args.trace_dir) if args.by_rows else report(args.trace_dir, args.gap)))
 
 
 if __name__ == "__main__":
