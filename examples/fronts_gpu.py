@@ -1,13 +1,14 @@
 """One GPU, one run: the nano-vllm preset (256 requests in flight, greedy; --sampled: t=0.7, top_p=0.9) on Qwen3-0.6B
-dummy weights, for each KV dtype of --kv (FP8 by default), through the scheduler driven directly (raw), `minisgl bench`
-offline and `minisgl serve` + `minisgl bench --url`, each with the same prefill budget (raw's 16,384 tokens unless
---max-prefill-tokens says otherwise), then a short table of out tok/s, each as a share of raw, and each process's CPU
-over HTTP. Each path's figure is the median of --draws (3) warm draws of one engine or server: one 5-second draw moved
-by 20% between calls.
+(--model: another built-in config; --quantization its weights) dummy weights, for each KV dtype of --kv (FP8 by
+default), through the scheduler driven directly (raw), `minisgl bench` offline and `minisgl serve` + `minisgl bench
+--url`, each with the same prefill budget (raw's 16,384 tokens unless --max-prefill-tokens says otherwise), then a
+short table of out tok/s, each as a share of raw, and each process's CPU over HTTP. Each path's figure is the median
+of --draws (3) warm draws of one engine or server: one 5-second draw moved by 20% between calls.
 
     OUT=/tmp/fronts PYTHONPATH=. python examples/fronts_gpu.py        # ~130 s on one H100, starts included
     OUT=/tmp/fronts PYTHONPATH=. python examples/fronts_gpu.py --paths raw,http   # ~90 s
     OUT=/tmp/fronts PYTHONPATH=. python examples/fronts_gpu.py --kv bf16,fp8_e4m3  # both KV dtypes, ~260 s
+    OUT=/tmp/fronts PYTHONPATH=. python examples/fronts_gpu.py --model qwen3-30b-a3b --quantization fp8 --sampled
 
 Logs and JSON under $OUT/<kv>/ (raw.log, offline.log / offline.json, http/: fronts_cpu.py's serve and bench logs).
 """
@@ -29,20 +30,22 @@ from fronts_cpu import SERVE
 HERE = Path(__file__).resolve().parent
 
 
-def flags(kv: str) -> str:
-    """`serve` / `bench` flags of the engine raw runs: fronts_cpu.py's (gpu_bench.make_engine's limits) and the KV."""
-    return f"{SERVE} --kv-cache-dtype {kv}"
+def flags(kv: str, model: str, quantization: str) -> str:
+    """`serve` / `bench` flags of the engine raw runs: fronts_cpu.py's (gpu_bench.make_engine's limits) with this
+    model, its weights and the KV."""
+    return f"{SERVE.replace('--model qwen3-0.6b', f'--model {model}')} --quantization {quantization} " \
+           f"--kv-cache-dtype {kv}"
 
 
 SAMPLED = dict(temperature=0.7, top_p=0.9)  # --sampled: what chat clients send (issue 28's sampled rows)
 
 
-def raw_child(prefill: int, kv: str, draws: int, sampled: bool) -> None:
+def raw_child(prefill: int, kv: str, draws: int, sampled: bool, model: str, quantization: str) -> None:
     """The scheduler driven directly (gpu_bench.py's run_requests): a warm-up of every prefill shape, timed draws."""
     sys.path.insert(0, str(HERE))
     import gpu_bench as gb
 
-    e = gb.make_engine("qwen3-0.6b", kv_cache_dtype=kv)
+    e = gb.make_engine(model, kv_cache_dtype=kv, quantization=quantization)
     prompts, outs = gb.preset()
     sampling = SAMPLED if sampled else None
     gb.run_requests(e, prompts, [2] * len(prompts), overlap=True, prefill_tokens=prefill, sampling=sampling)
@@ -66,13 +69,15 @@ def timed(cmd: list[str], log: Path, trace: Path, timeout: float = 300) -> tuple
     return p.returncode, time.perf_counter() - t0, p.stdout
 
 
-def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool, out: Path) -> None:
+def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool, out: Path, model: str,
+              quantization: str) -> None:
     """Each path of one KV dtype, then its table: each path's median of `draws` warm draws (and the fronts' first)."""
     out.mkdir(parents=True, exist_ok=True)
     got: dict[str, float] = {}
     notes: dict[str, str] = {}
     by_draw: dict[str, list[str]] = {}  # each path's draws: TTFT / ITL and the client (fronts), the step trace
     budget = f"--max-prefill-tokens {prefill}"
+    engine = flags(kv, model, quantization)
     # The fronts' sweeps: a first draw at 256 meets every prefill shape (as raw's warm-up does), then the timed ones.
     sweep = "--concurrency 256 " * (draws + 1)
     sampling = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in SAMPLED.items()) + " " if sampled else ""
@@ -111,21 +116,24 @@ def one_dtype(kv: str, paths: list[str], prefill: int, draws: int, sampled: bool
 
     if "raw" in paths:
         path("raw", [sys.executable, __file__, "--child-raw", "--max-prefill-tokens", str(prefill), "--kv", kv,
-                     "--draws", str(draws), *(["--sampled"] if sampled else [])],
+                     "--draws", str(draws), "--model", model, "--quantization", quantization,
+                     *(["--sampled"] if sampled else [])],
              lambda stdout: (None, json.loads(stdout.strip().splitlines()[-1])["draws"], None, []))
     if "offline" in paths:
-        path("offline", [sys.executable, "-m", "minisgl_cli.app", "bench", "--preset", "nano-vllm", *flags(kv).split(),
+        path("offline", [sys.executable, "-m", "minisgl_cli.app", "bench", "--preset", "nano-vllm", *engine.split(),
                          *budget.split(), "--no-baseline", *sweep.split(), *sampling.split(), "--warmup", "1",
                          "--output-json", str(out / "offline.json")],
              lambda _: bench_draws(out / "offline.json"))
     if "http" in paths:
-        path("http", [sys.executable, str(HERE / "fronts_cpu.py"), "--serve-args", f"{flags(kv)} {budget}",
+        path("http", [sys.executable, str(HERE / "fronts_cpu.py"), "--serve-args",
+                      f"{engine} {budget}",
                       "--bench-args", f"--preset nano-vllm --num-prompts 256 {sweep}{sampling}--warmup 1",
                       "--out", str(out / "http")],
              lambda _: bench_draws(out / "http" / "bench-base.json"))
     raw = got.get("raw")
     what = ", ".join(f"{k}={v}" for k, v in SAMPLED.items()) if sampled else "greedy"
-    print(f"\nQwen3-0.6B dummy, {kv} KV, nano-vllm preset (256 in flight, {what}), prefill budget {prefill}")
+    print(f"\n{model} dummy, {quantization} weights, {kv} KV, nano-vllm preset (256 in flight, {what}), "
+          f"prefill budget {prefill}")
     print(f"{'path':<9}{'out tok/s':>12}{'of raw':>9}  wall, draws")
     for p in paths:
         v = got.get(p)
@@ -149,13 +157,16 @@ def main() -> None:
     ap.add_argument("--kv", default="fp8_e4m3", help="KV cache dtypes, comma-separated (bf16, fp8_e4m3)")
     ap.add_argument("--draws", type=int, default=3, help="timed draws per path (the table shows their median)")
     ap.add_argument("--sampled", action="store_true", help="every request sampled at t=0.7, top_p=0.9 (else greedy)")
+    ap.add_argument("--model", default="qwen3-0.6b", help="a built-in config (dummy weights)")
+    ap.add_argument("--quantization", default="none", help="its weights: none or fp8 (`serve --quantization`)")
     ap.add_argument("--child-raw", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_raw:
-        raw_child(args.max_prefill_tokens, args.kv, args.draws, args.sampled)
+        raw_child(args.max_prefill_tokens, args.kv, args.draws, args.sampled, args.model, args.quantization)
         return
     for kv in args.kv.split(","):
-        one_dtype(kv, args.paths.split(","), args.max_prefill_tokens, args.draws, args.sampled, Path(args.out) / kv)
+        one_dtype(kv, args.paths.split(","), args.max_prefill_tokens, args.draws, args.sampled, Path(args.out) / kv,
+                  args.model, args.quantization)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import os
 import random
 import sys
 import time
-from typing import Any
 
 import torch
 
@@ -131,10 +130,10 @@ def sweep_tiles(m: int, x: torch.Tensor, blocks: list[MoE], q: list | None) -> d
     return found
 
 
-def _sweep_gemm(x: torch.Tensor, layers: list[tuple], bm: int, gated: bool) -> list[tuple[float, Any]]:
+def _sweep_gemm(x: torch.Tensor, layers: list[tuple], bm: int, gated: bool) -> list[tuple[float, triton_moe.MoeConfig]]:
     """(µs a layer, tile) of one GEMM over `layers` (slots, gate/up codes and scale, down codes and scale, h, out)
     for every SWEEP_NK candidate at BLOCK_M bm."""
-    def call(layer: tuple, cfg: Any) -> None:
+    def call(layer: tuple, cfg: triton_moe.MoeConfig) -> None:
         slots, gu, gs, dn, ds, h, out = layer
         if gated:
             triton_moe.expert_gemm(x, gu, gs, h, slots, cfg, gated=True)
