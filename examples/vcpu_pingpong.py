@@ -7,9 +7,10 @@ that hands data from one thread to the other (an OpenMP barrier, a gather on one
 with them: on the 2-core machine of docs/benchmarks.md the CPU decode's 16-row step ran at ~41 ms in near phases
 and ~58 ms in far ones, where a first version of this probe (20,000 round trips, its thread's start counted) read
 ~160 and 520-670 ns; this one counts 100,000 and reads lower (66-330 ns within 5 s there). Run it beside a
-benchmark (or before each of an A/B's runs) to say which phase a figure was taken in. Builds its C once with the system compiler (cc, which the compiled CPU step
-needs anyway) into a temporary directory; prints one line per --every seconds: the mean over 100,000 round trips
-(fewer would count the second thread's start and first migration to its CPU).
+benchmark (or before each of an A/B's runs) to say which phase a figure was taken in. Builds its C once with the
+system compiler (cc, which the compiled CPU step needs anyway) into a temporary directory; prints one line per
+--every seconds: the mean over 100,000 round trips (fewer would count the second thread's start and its first
+migration to its CPU).
 """
 
 from __future__ import annotations
