@@ -222,3 +222,8 @@ def test_step_trace_writes_a_line_per_launched_step(tiny_model_dirs, tmp_path, m
     spec.loader.exec_module(step_trace)
     [burst] = step_trace.bursts(step_trace.read(path), gap_s=5.0)
     assert (burst.steps, burst.decode_steps, burst.prefill_tokens, burst.mean_rows) == (6, 5, 4, 1.0)
+    # --by-rows: a step's time is the gap to the next launch, so the last decode launch has none
+    by_rows = step_trace.by_rows(tmp_path)
+    assert by_rows[0] == f"{path.name}:" and len(by_rows) == 3
+    assert by_rows[1].split()[:5] == ["decode", "1", "rows:", "4", "steps,"]
+    assert by_rows[2].split()[:5] == ["extend", "1", "rows:", "1", "steps,"]
