@@ -4,12 +4,13 @@
 
 Each kernel multiplies `rows` activations by all 30 layers' weights (qkv, o, gate_up, down: 30 copies, so
 the 80-540 MB stream from memory as in a real step, not from cache) and by the LM head [49152, 576];
-prints the best time of `--repeat` in ms. Kernels (all PyTorch's own):
+prints the best time of `--repeat` in ms. Kernels (PyTorch's own but int4-minisgl):
 
   fp32-mkl     F.linear, fp32 (MKL sgemm)
   fp32-onednn  oneDNN with the weight packed once, fp32 (layers/cpu_kernels.py for 2..64 rows)
   bf16-onednn  the same in bf16 (--dtype bfloat16)
   int4         aten._weight_int4pack_mm_for_cpu, groups of 32 with scale and zero, bf16 activations
+  int4-minisgl minisgl::int4_mm (layers/cpu_int4.py), the same groups, AVX512-BF16 pair dot products
   int8         aten._weight_int8pack_mm, int8 per channel, bf16 activations
   int8-int8    torch._int_mm on int8 weights and int8 activations (scaled per row), fp32 out
 """
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 LAYERS = 30
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
-KERNELS = ("fp32-mkl", "fp32-onednn", "bf16-onednn", "int4", "int8", "int8-int8")
+KERNELS = ("fp32-mkl", "fp32-onednn", "bf16-onednn", "int4", "int4-minisgl", "int8", "int8-int8")
 
 
 def make(kernel: str, n: int, k: int):
@@ -35,6 +36,13 @@ def make(kernel: str, n: int, k: int):
     if kernel in ("fp32-onednn", "bf16-onednn"):
         packed = torch.ops.mkldnn._reorder_linear_weight(w if kernel == "fp32-onednn" else w.bfloat16(), None)
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    if kernel == "int4-minisgl":
+        from minisgl_cli.layers import cpu_int4
+
+        assert cpu_int4.kernel() == "minisgl", "this CPU or build runs ATen's int4 kernel"
+        scale = torch.rand(n, k // 32) * 0.01
+        q4, sm = cpu_int4.pack(torch.randint(0, 16, (n, k), dtype=torch.uint8), scale, -8 * scale)
+        return lambda x: cpu_int4.mm(x, q4, sm)
     if kernel == "int4":
         q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 1)
         scale_zero = (torch.rand(k // 32, n, 2) * 0.01).bfloat16()
@@ -65,7 +73,7 @@ def main() -> None:
     print(f"{'kernel':12s} {'rows':>5s} {'total':>8s} " + " ".join(f"{n:>8s}" for n in SHAPES))
     with torch.inference_mode():
         for kernel in args.kernels:
-            dtype = torch.bfloat16 if kernel in ("bf16-onednn", "int4", "int8") else torch.float32
+            dtype = torch.bfloat16 if kernel in ("bf16-onednn", "int4", "int4-minisgl", "int8") else torch.float32
             fns = {name: [make(kernel, *shape) for _ in range(1 if name == "head" else LAYERS)]
                    for name, shape in SHAPES.items()}
             for rows in args.rows:

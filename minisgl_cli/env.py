@@ -87,6 +87,15 @@ def cpu_gemm() -> str:
     return _text("MINISGL_CPU_GEMM") or "auto"
 
 
+def cpu_int4() -> str:
+    """MINISGL_CPU_INT4: the CPU int4 decode kernel: auto (minisgl's where it builds, else ATen's), minisgl (an error
+    if it cannot build), aten (layers/cpu_int4.py)."""
+    value = (_text("MINISGL_CPU_INT4") or "auto").lower()
+    if value not in ("auto", "minisgl", "aten"):
+        raise ValueError(f"MINISGL_CPU_INT4={value!r}: use auto, minisgl or aten")
+    return value
+
+
 def sampler() -> str:
     """MINISGL_SAMPLER: the sampler's cut-and-draw implementation (auto, torch, triton; see engine/sampler.py)."""
     return _text("MINISGL_SAMPLER") or "auto"

@@ -93,13 +93,13 @@ def _gather_in_aten() -> None:
 def _prune(key: StepKey, keep: Path) -> None:
     """Remove the store's packages this build supersedes: the same model and mode on this CPU, built by another
     torch or another minisgl source (each is ~100 MB; nothing would load them again)."""
-    same = ("weights", "config", "quantization", "dtype", "kv_dtype", "cpu")
+    same = ("weights", "config", "quantization", "int4_kernel", "dtype", "kv_dtype", "cpu")
     for path in keep.parent.glob("decode-*.pt2"):
         stored = _stored_key(path)
         if path == keep or stored is None:
             continue
         other = json.loads(stored)
-        if all(other.get(f) == getattr(key, f) for f in same):
+        if all(other.get(f, getattr(key, f)) == getattr(key, f) for f in same):  # a field it predates: alike
             log.info("removing %s: superseded by %s", path, keep)
             path.unlink(missing_ok=True)
             path.with_suffix(".lock").unlink(missing_ok=True)

@@ -44,6 +44,7 @@ from torch import nn
 from minisgl_cli import env
 from minisgl_cli.attention.torch_backend import TorchBackend, TorchDecodeMeta
 from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.layers import cpu_int4
 from minisgl_cli.notice import notice
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ log = logging.getLogger("minisgl.compile")
 
 MAX_ROWS = 1024  # decode rows a step takes at most (past them it runs eagerly)
 _FORMAT = 1  # DecodeStep's inputs and outputs: bump on a change
+_CODE = (".py", ".cpp")  # the source files of _TRACED (layers/csrc: the int4 kernel the step calls)
 _KEY = "minisgl_step_key"  # the package's metadata entry holding its StepKey
 _ROOT = Path(__file__).resolve().parents[1]  # minisgl_cli/
 # The code the step runs and the code that builds it: an edit there rebuilds (StepKey.source).
@@ -72,6 +74,7 @@ class StepKey:
     torch_version: str
     cpu: str  # model name and flags: the C++ is compiled for this CPU's ISA
     source: str  # digest of the traced modules' source: an edit rebuilds
+    int4_kernel: str  # the int4 GEMM the step calls (layers/cpu_int4.py): its op and weight layout
     format: int = _FORMAT
 
     @staticmethod
@@ -84,7 +87,8 @@ class StepKey:
             files = sorted(p for p in model_dir.iterdir() if p.is_file())
             weights = _digest(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}".encode() for p in files)
         return StepKey(weights, json.dumps(dataclasses.asdict(model_cfg), sort_keys=True), quantization,
-                       str(dtype), str(kv_dtype), torch.__version__, _cpu(), _source())
+                       str(dtype), str(kv_dtype), torch.__version__, _cpu(), _source(),
+                       cpu_int4.kernel() if quantization == "int4" else "")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -114,8 +118,8 @@ def _cpu() -> str:
 
 
 def _source() -> str:
-    files = sorted(f for part in _TRACED for f in ([_ROOT / part] if part.endswith(".py")
-                                                    else (_ROOT / part).rglob("*.py")))
+    files = sorted(f for part in _TRACED for f in ([_ROOT / part] if part.endswith(".py") else
+                                                    (p for p in (_ROOT / part).rglob("*") if p.suffix in _CODE)))
     return _digest(f.read_bytes() for f in files)
 
 

@@ -18,14 +18,15 @@ runs (EngineConfig refuses the others with a one-line error).
         with the fused ops off) the same numbers by quantize / dequantize in fp32: the simulation the
         kernels are tested against and the quality checks run on.
 
-The quantized copies run PyTorch's own CPU kernels, `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`,
-with bf16 activations (their only vectorized path, on AVX2 and AVX-512 alike; fp32 in and out around
-them). Reading 4 or 8 bits per weight, they win while a step has few rows (decode), but their cost grows
-with every row, so an extend step (prefill) runs the dense weight: the GEMM is compute-bound there, and
-the prompt is read with the model's exact weights. The step's kind picks the copy, never its row count
-(`apply`'s `decode`): a prompt's last token takes the same arithmetic whether it is prefilled cold or
-extended alone after a prefix hit, and a decode row the same whatever the batch size (both kernels give
-each row the same result whatever the rows beside it), so a greedy answer does not depend on the cache.
+The int4 copy runs minisgl's own kernel where the CPU has AVX512-BF16 (layers/cpu_int4.py: ~1.7-2x PyTorch's),
+else PyTorch's `_weight_int4pack_mm_for_cpu`; the int8 copy runs `_weight_int8pack_mm`; all with bf16 activations
+(PyTorch's only vectorized path, on AVX2 and AVX-512 alike; fp32 in and out around them). Reading 4 or 8 bits
+per weight, they win while a step has few rows (decode), but their cost grows with every row, so an extend step
+(prefill) runs the dense weight: the GEMM is compute-bound there, and the prompt is read with the model's exact
+weights. The step's kind picks the copy, never its row count (`apply`'s `decode`): a prompt's last token takes the
+same arithmetic whether it is prefilled cold or extended alone after a prefix hit, and a decode row the same
+whatever the batch size (each kernel gives each row the same result whatever the rows beside it), so a greedy
+answer does not depend on the cache.
 
 The LM head of an int4 / int8 model is held as int8 per channel and multiplied with the activations
 quantized to int8 per row on the fly (int32 sums, fp32 logits): 8 bits because 4-bit logits cost SmolLM2
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl_cli.core import fp8
-from minisgl_cli.layers import cpu_kernels
+from minisgl_cli.layers import cpu_int4, cpu_kernels
 from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.loader.blocks import Int4Groups, Int8Groups, quantize_int4, quantize_int8
@@ -57,7 +58,7 @@ from minisgl_cli.loader.hf import Weight, whole
 
 Layer = Any  # the linear layer or LM head a method fills: it sets attributes (weight, qweight, ...) on it
 
-INT4_GROUP = 32  # GGUF's block size (the kernel also takes 64 / 128 / 256)
+INT4_GROUP = cpu_int4.GROUP  # GGUF's block size (ATen's kernel also takes 64 / 128 / 256)
 _KERNEL_DTYPE = torch.bfloat16  # activations, scales and zeros of the int4 / int8 weight-only kernels
 _N_ALIGN = 16  # the int4 pack takes output rows in multiples of 16: pad with zero rows
 
@@ -190,12 +191,16 @@ class Int4Method(_WeightOnly):
         q, scale, low = staged
         pad = -q.shape[0] % _N_ALIGN
         q, scale, low = (F.pad(t, (0, 0, 0, pad)) for t in (q, scale, low))
+        if cpu_int4.kernel() == "minisgl":
+            return cpu_int4.pack(q, scale, low)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # The kernel computes (q - 8) * scale + zero, so Q4_1's min becomes zero = min + 8 * scale.
         scale_zero = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1)  # [K / group, N, 2]
         return packed, scale_zero.to(_KERNEL_DTYPE).contiguous()
 
     def _mm(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        if layer.qweight.dim() == 3:  # packed for minisgl::int4_mm
+            return cpu_int4.mm(x, layer.qweight, layer.qscale)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.qweight, INT4_GROUP, layer.qscale)
 
 
