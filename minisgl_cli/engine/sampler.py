@@ -136,8 +136,11 @@ def draw_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     x = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
     ids = torch.searchsorted(cdf, x, right=True)[:, 0].clamp_(max=weights.shape[-1] - 1)
     # u * total may round up to the total: then no entry passes it; take the last token of weight > 0.
+    hit = weights.gather(1, ids[:, None])[:, 0] > 0
+    if weights.device.type == "cpu" and bool(hit.all()):  # a host check is free on the CPU: skip the fallback's pass
+        return ids
     last = weights.shape[-1] - 1 - (weights.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
-    return torch.where(weights.gather(1, ids[:, None])[:, 0] > 0, ids, last)
+    return torch.where(hit, ids, last)
 
 
 def draw(kept: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -170,7 +173,15 @@ def cpu_draw(logits: torch.Tensor, p: RowParams, batch: SamplingBatch) -> torch.
         if batch.needs & Need.MIN_P:
             kept = _min_p(kept, sub.min_p)
         out[rows] = draw(kept, uniform(sub.seed_lo, sub.seed_hi, batch.positions[rows]))
-    rows = (sampled & ~bounded).nonzero()[:, 0]
+    # A row with no cut at all (temperature alone: the OpenAI default) draws from the whole softmax at once: the
+    # rejection scheme's first draw, which nothing rejects, without its passes over the vocabulary.
+    whole = sampled & ~bounded & (p.top_k >= scaled.shape[-1]) & (p.top_p >= 1) & (p.min_p <= 0)
+    if whole.any():
+        rows = whole.nonzero()[:, 0]
+        top = scaled[rows].gather(1, out[rows][:, None])
+        out[rows] = draw_weights((scaled[rows] - top).exp(), uniform(p.seed_lo[rows], p.seed_hi[rows],
+                                                                       batch.positions[rows], 0))
+    rows = (sampled & ~bounded & ~whole).nonzero()[:, 0]
     if not rows.numel():
         return out
     scaled, top_k, top_p = scaled[rows], p.top_k[rows], p.top_p[rows]
@@ -178,19 +189,27 @@ def cpu_draw(logits: torch.Tensor, p: RowParams, batch: SamplingBatch) -> torch.
     top = scaled.gather(1, out[rows][:, None])
     weights = (scaled - top).exp()
     total = weights.sum(dim=-1)
-    support = weights.masked_fill(scaled < top + p.min_p[rows].log()[:, None], 0.0)  # min-p
+    min_p = p.min_p[rows]
+    # min-p's support; the first round's draw over it (low = -inf masks only weights that are 0 already); the top-k
+    # count where a row has a top-k: each skipped where it would change nothing, being a pass over the vocabulary
+    support = weights.masked_fill(scaled < top + min_p.log()[:, None], 0.0) if bool((min_p > 0).any()) else weights
+    counted = bool((top_k < scaled.shape[-1]).any())
     todo = torch.arange(rows.shape[0], device=logits.device)  # rows (of `rows`) not yet accepted
     low = torch.full((rows.shape[0],), float("-inf"), device=logits.device)  # the support is s > low
     rnd = 0
     while todo.numel():
-        s = scaled[todo]
-        w = support[todo].masked_fill(s <= low[:, None], 0.0)
+        s, w, mass = (scaled, support, weights) if rnd == 0 else (scaled[todo], support[todo], weights[todo])
+        if rnd:
+            w = w.masked_fill(s <= low[:, None], 0.0)
         ids = draw_weights(w, uniform(seed_lo[todo], seed_hi[todo], positions[todo], rnd))
         picked = s.gather(1, ids[:, None])
         above = s > picked
         # Rejected only where the cut surely excludes the pick (the kernel's test): a row of non-finite logits (a
         # repetition penalty that overflows them) compares false and takes its first draw instead of looping forever.
-        ok = ~((above.sum(dim=-1) >= top_k[todo]) | ((weights[todo] * above).sum(dim=-1) > top_p[todo] * total[todo]))
+        cut_off = (mass * above).sum(dim=-1) > top_p[todo] * total[todo]
+        if counted:
+            cut_off |= above.sum(dim=-1) >= top_k[todo]
+        ok = ~cut_off
         out[rows[todo[ok]]] = ids[ok]
         todo, low = todo[~ok], picked[~ok, 0]
         rnd += 1
