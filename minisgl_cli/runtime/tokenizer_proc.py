@@ -8,7 +8,9 @@ heartbeats. With `--num-tokenizer 0` the detokenizer does both jobs.
 
 With `--stream-interval N` the detokenizer holds a request's tokens until N have come (the first token and the
 end go at once), then decodes and sends them as one piece: N times fewer decodes, messages and SSE frames. A
-request with stop strings is decoded every token, so its stop is found at the token that makes it, as before.
+request not streamed (stream_text off: a non-streaming API call, `LLM`) holds them to its end: its first token
+(the API's TTFT) and then one message. A request with stop strings is decoded every token, so its stop is found
+at the token that makes it, as before.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import os
 import signal
 from dataclasses import dataclass
 
@@ -50,6 +53,7 @@ class WorkerJob:
     detokenizes: bool
     log_level: int = logging.WARNING
     stream_interval: int = 1  # the detokenizer: send a request's text every this many tokens
+    nice: int = 0  # added to the process's nice value (a CPU engine: yield the cores to its scheduler)
 
     @property
     def name(self) -> str:
@@ -59,6 +63,8 @@ class WorkerJob:
 def run_worker(job: WorkerJob) -> None:
     """Process entry point: report Ready (or Failed) to the launcher, serve until SIGTERM, then exit 0 (a worker
     holds nothing to hand back)."""
+    if job.nice:
+        os.nice(job.nice)
     child = Child(job.name, job.name, job.log_level, job.endpoints.launcher)
     worker = child.start(functools.partial(_Worker, job))
     signal.signal(signal.SIGTERM, lambda *_: leave())
@@ -79,8 +85,9 @@ class _Worker:
         self.to_detok = push(ctx, ep.detokenizer) if job.tokenizes and not job.detokenizes else None
         self.decoders: dict[str, RequestDecoder] = {}
         # --stream-interval: requests whose tokens may be held (no stop strings), and, once their first token went
-        # out, the tokens each holds.
+        # out, the tokens each holds; those not streamed (stream_text off) hold theirs to the end.
         self.may_hold: set[str] = set()
+        self.to_end: set[str] = set()
         self.held: dict[str, list[TokenOutput]] = {}
         self.early: dict[str, list[TokenOutput]] = {}  # outputs that beat their AddRequest here
         self.ended: collections.deque[str] = collections.deque(maxlen=4096)  # late outputs of these are dropped
@@ -122,8 +129,10 @@ class _Worker:
                     error_code=ErrorCode.ENGINE_FAILED)]))
                 send(self.to_scheduler, AbortRequest(msg.rid))
                 return
-            if self.job.stream_interval > 1 and not msg.params.stop:
+            if not msg.params.stop and (self.job.stream_interval > 1 or not msg.params.stream_text):
                 self.may_hold.add(msg.rid)
+                if not msg.params.stream_text:  # nothing reads its text before its end: one message then
+                    self.to_end.add(msg.rid)
             if msg.rid in self.early:
                 self._detokenize(StepOutput(self.early.pop(msg.rid)))
         if self.job.tokenizes:
@@ -137,11 +146,11 @@ class _Worker:
         self.ended.append(rid)
         self.ended_set.add(rid)
 
-    def _due(self, held: list[TokenOutput]) -> bool:
-        """Whether held tokens go out now: --stream-interval of them, or the request's end."""
+    def _due(self, rid: str, held: list[TokenOutput]) -> bool:
+        """Whether held tokens go out now: the request's end, or --stream-interval of them where it streams."""
         last = held[-1]
         return last.finish_reason is not None or last.error is not None or \
-            sum(o.token_id is not None for o in held) >= self.job.stream_interval
+            (rid not in self.to_end and sum(o.token_id is not None for o in held) >= self.job.stream_interval)
 
     def _detokenize(self, step: StepOutput) -> None:
         by_rid: dict[str, list[TokenOutput]] = {}
@@ -157,7 +166,7 @@ class _Worker:
             if rid in self.held:
                 held = self.held[rid]
                 held.extend(items)
-                if not self._due(held):
+                if not self._due(rid, held):
                     continue
                 items, self.held[rid] = held, []
             work.append((rid, decoder, items))
@@ -177,6 +186,7 @@ class _Worker:
                 del self.decoders[rid]
                 self._ended(rid)
                 self.may_hold.discard(rid)
+                self.to_end.discard(rid)
                 self.held.pop(rid, None)
             elif rid in self.may_hold and piece.token_ids:  # its first token is out: hold what follows
                 self.held.setdefault(rid, [])
