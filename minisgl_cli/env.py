@@ -96,6 +96,11 @@ def cpu_int4() -> str:
     return value
 
 
+def cxx() -> str:
+    """CXX: the C++ compiler that builds the CPU int4 kernel (layers/cpu_int4.py); default c++."""
+    return _text("CXX") or "c++"
+
+
 def sampler() -> str:
     """MINISGL_SAMPLER: the sampler's cut-and-draw implementation (auto, torch, triton; see engine/sampler.py)."""
     return _text("MINISGL_SAMPLER") or "auto"

@@ -75,7 +75,7 @@ def _build() -> Path:
             return out
         notice(f"building the CPU int4 kernel for this torch and CPU (once, ~10 s) into {out.parent}")
         partial = out.with_suffix(f".{os.getpid()}.partial")
-        cmd = [os.environ.get("CXX", "c++"), *_FLAGS, abi, *(f"-I{p}" for p in include),
+        cmd = [env.cxx(), *_FLAGS, abi, *(f"-I{p}" for p in include),
                str(_SOURCE), "-o", str(partial),
                *(f"-L{p}" for p in lib), *(f"-Wl,-rpath,{p}" for p in lib), "-lc10", "-ltorch_cpu"]
         try:
