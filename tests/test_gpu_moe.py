@@ -228,6 +228,7 @@ def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok, fp8)
     from minisgl_cli.distributed import TPInfo
     from minisgl_cli.layers.fused import Kernels
     from minisgl_cli.layers.moe import MoE, triton_experts
+    from minisgl_cli.layers.moe_tiles import fp8_act
 
     if fp8 and NO_FP8:
         pytest.skip("FP8 needs compute capability 8.9+")
@@ -253,4 +254,13 @@ def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok, fp8)
     clear = probs[:, 7] > probs[:, 8]
     kernels.fused = False
     assert triton_experts(x, kernels, fp8) is None
-    _close(fused[clear], block(x)[clear])
+    torch_path = block(x)
+    if fp8 and fp8_act(n_tok):
+        # w8a8: both paths round h to bf16, by different sums; where they differ by an ulp, that element's e4m3
+        # code can move a whole step (2^-3 of it). A few percent of the elements do: the error stays a small
+        # share of the output's norm (2%), but not of each element (5% of the largest, not 2%).
+        got, want = fused[clear].float(), torch_path[clear].float()
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
+        _close(got, want, tol=5e-2)
+    else:
+        _close(fused[clear], torch_path[clear])

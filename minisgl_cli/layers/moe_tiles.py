@@ -7,7 +7,8 @@ FP8 experts (e4m3 weights, an fp32 scale per output row) run one of two ways (la
          where the widening hides under the weight stream and no activation is rounded to 8 bits
   w8a8   the activations quantized per token to e4m3 first (one fp32 scale per row; the gate/up output again after
          SiLU-and-mul, for the down GEMM), an FP8 MMA on both 8-bit tiles with fp32 sums, the token's scale times
-         the channel's in the epilogue: from `W8A8_MIN_TOKENS` tokens, where the widening was the bottleneck
+         the channel's in the epilogue: from `W8A8_MIN_TOKENS` tokens, where widening each weight tile for a 16-bit
+         MMA held the kernel well under the bandwidth (~2.2-2.8 TB/s on an H200, against 3.0-3.3 for w8a8)
 """
 
 from __future__ import annotations
@@ -65,19 +66,26 @@ TILES_16BIT: tuple[tuple[int, MoeTiles], ...] = (
     (512, _tiles(32, (64, 128, 4, 3), (64, 128, 4, 3))),
     *_PREFILL,
 )
-TILES_FP8: tuple[tuple[int, MoeTiles], ...] = (  # w8a16
+TILES_FP8: tuple[tuple[int, MoeTiles], ...] = (  # w8a16 (below W8A8_MIN_TOKENS; the rest for moe_bench's column)
     (32, _tiles(16, (32, 128, 4, 3), (64, 128, 4, 3))),
     (128, _tiles(16, (32, 128, 4, 4), (64, 128, 4, 3))),
     (512, _tiles(32, (64, 128, 8, 3), (64, 128, 4, 3))),
     *_PREFILL,
 )
-# FP8 experts from this many tokens run w8a8 (module docstring), on these tiles (FP8 MMA likes BLOCK_K 128).
-# Seeds, to be swept: `examples/moe_bench.py --fp8 --sweep` times both arithmetics at each size.
-W8A8_MIN_TOKENS = 64
+# FP8 experts from this many tokens run w8a8 (module docstring), on these tiles. `examples/moe_bench.py --fp8
+# --sizes 1,8,16,32,64,128,256,512,1024` on one H200 (2026-11-27, Qwen3-30B-A3B's shapes, 4 layers in a graph, us a
+# layer, w8a16 -> w8a8 on the seed tiles): 1 token 40.5 -> 41.3 (a tie: the two quantization launches cost what the
+# FP8 MMA saves), 8: 108.6 -> 95.0, 32: 195 -> 167, 64: 213 -> 183, 256: 274 -> 202, 1024: 516 -> 304; so w8a16
+# keeps batches under 8 tokens. The tiles up to 512 tokens: `--sweep --sweep-dtypes w8a8 --sizes 32,64,128,256,512`
+# (same card and day; fastest gate/up and down per BLOCK_M). FP8 MMAs like deep K tiles (256 at a few slots an
+# expert, 128 from BLOCK_M 32); past 512 tokens the BLOCK_M 64 / 128 seeds of the 16-bit prefill rows, K 128.
+W8A8_MIN_TOKENS = 8
 TILES_W8A8: tuple[tuple[int, MoeTiles], ...] = tuple((most, replace(t, fp8_act=True)) for most, t in (
-    (128, _tiles(16, (64, 128, 4, 3), (64, 128, 4, 3))),
-    (512, _tiles(32, (64, 128, 4, 3), (64, 128, 4, 3))),
-    (2048, _tiles(64, (128, 128, 8, 3), (128, 128, 8, 3))),
+    (32, _tiles(16, (32, 256, 4, 3), (64, 256, 4, 3))),
+    (64, _tiles(16, (64, 256, 4, 3), (64, 256, 4, 3))),
+    (128, _tiles(16, (64, 256, 4, 3), (64, 128, 4, 3))),
+    (256, _tiles(32, (64, 128, 4, 3), (128, 128, 4, 4))),
+    (2048, _tiles(64, (64, 128, 4, 3), (128, 128, 8, 3))),
     (1 << 62, _tiles(128, (128, 128, 8, 3), (128, 128, 8, 3))),
 ))
 # Batches of up to this many tokens take the fused path; larger ones (prefill chunks) torch's grouped GEMM, a
