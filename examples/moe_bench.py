@@ -6,9 +6,11 @@
    tokens (--sizes; past FUSED_MAX_TOKENS the block itself takes the grouped GEMM), random bf16 weights, `LAYERS`
    blocks captured back to back in one CUDA graph (so weights come from DRAM, as in a decode step): fused Triton
    (layers/triton_moe.py, the tile its table picks) vs the block on torch's grouped GEMM; the router +
-   routing + alignment alone; --fp8: the fused kernels over e4m3 weights (per-row scales). The bytes of the
-   experts the tokens chose over the fused time give an effective TB/s. `--sweep` also times every
-   candidate tile of each GEMM per BLOCK_M, bf16 and (--fp8) FP8, for the TILES tables.
+   routing + alignment alone; --fp8: the fused kernels over e4m3 weights (per-row scales): the table's pick, then
+   w8a16 and w8a8 each on its own tiles (layers/moe_tiles.py), with their errors against the bf16 weights. The bytes
+   of the experts the tokens chose over the fused time give an effective TB/s. `--sweep` also times every
+   candidate tile of each GEMM per BLOCK_M, bf16 and (--fp8) w8a16 and w8a8 (--sweep-dtypes picks), for the
+   TILES tables.
 2. Qwen3-30B-A3B with dummy weights (bf16; --fp8: then FP8 experts and linears, a second engine): one 128-token
    prompt, 256 new tokens, EOS ignored, CUDA graphs and overlap on; decode tok/s with the fused experts and with
    the grouped GEMM (graphs recaptured; every other fused op stays on).
