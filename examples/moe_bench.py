@@ -6,9 +6,11 @@
    tokens (--sizes; past FUSED_MAX_TOKENS the block itself takes the grouped GEMM), random bf16 weights, `LAYERS`
    blocks captured back to back in one CUDA graph (so weights come from DRAM, as in a decode step): fused Triton
    (layers/triton_moe.py, the tile its table picks) vs the block on torch's grouped GEMM; the router +
-   routing + alignment alone; --fp8: the fused kernels over e4m3 weights (per-row scales). The bytes of the
-   experts the tokens chose over the fused time give an effective TB/s. `--sweep` also times every
-   candidate tile of each GEMM per BLOCK_M, bf16 and (--fp8) FP8, for the TILES tables.
+   routing + alignment alone; --fp8: the fused kernels over e4m3 weights (per-row scales): the table's pick, then
+   w8a16 and w8a8 each on its own tiles (layers/moe_tiles.py), with their errors against the bf16 weights. The bytes
+   of the experts the tokens chose over the fused time give an effective TB/s. `--sweep` also times every
+   candidate tile of each GEMM per BLOCK_M, bf16 and (--fp8) w8a16 and w8a8 (--sweep-dtypes picks), for the
+   TILES tables.
 2. Qwen3-30B-A3B with dummy weights (bf16; --fp8: then FP8 experts and linears, a second engine): one 128-token
    prompt, 256 new tokens, EOS ignored, CUDA graphs and overlap on; decode tok/s with the fused experts and with
    the grouped GEMM (graphs recaptured; every other fused op stays on).
@@ -70,56 +72,76 @@ def fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale[..., 0]
 
 
-def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, sweep: bool) -> dict:
+def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, sweep: set[str]) -> dict:
     """One row of the layer table: M tokens through every block, fused / fused FP8 / grouped."""
     x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
     chosen = len(set(blocks[0].gate(x).topk(TOP_K, dim=-1).indices.flatten().tolist()))
 
-    def fused(b, qb=None):
+    def fused(b, qb=None, w8a8=None):
         w, ids = triton_moe.route(b.gate(x), TOP_K, True)
         e = b.experts
         if qb is None:
             return triton_moe.fused_experts(x, e.gate_up_proj, e.down_proj, w, ids)
-        return triton_moe.fused_experts(x, qb[0][0], qb[1][0], w, ids, qb[0][1], qb[1][1])
+        return triton_moe.fused_experts(x, qb[0][0], qb[1][0], w, ids, qb[0][1], qb[1][1],
+                                        tiles=triton_moe.pick_tiles(m, True, w8a8))
 
     us = {"fused": _graph_us([lambda b=b: fused(b) for b in blocks])}  # the block's own choice may be grouped
     block_m = triton_moe.pick_tiles(m).gate_up.block_m  # the router, the routing and the alignment alone:
     us["route_align"] = _graph_us([lambda b=b: triton_moe.align(triton_moe.route(b.gate(x), TOP_K, True)[1], EXPERTS,
                                                                 block_m) for b in blocks])
-    if q is not None:
-        us["fused_fp8"] = _graph_us([lambda b=b, qb=qb: fused(b, qb) for b, qb in zip(blocks, q)])
+    if q is not None:  # FP8: the table's pick, then each arithmetic on its own tiles
+        for key, w8a8 in (("fused_fp8", None), ("fp8_w8a16", False), ("fp8_w8a8", True)):
+            us[key] = _graph_us([lambda b=b, qb=qb, w8a8=w8a8: fused(b, qb, w8a8) for b, qb in zip(blocks, q)])
     with grouped_experts():
         us["grouped"] = _graph_us([lambda b=b: b(x) for b in blocks])
     e = blocks[0].experts  # the same routes through the grouped GEMM (bf16 logits can tie: the routes may differ)
     w, ids = triton_moe.route(blocks[0].gate(x), TOP_K, True)
     ref = moe.fused_experts(x, e.gate_up_proj, e.down_proj, w, ids, Kernels(), grouped=True).float()
-    rel = ((triton_moe.fused_experts(x, e.gate_up_proj, e.down_proj, w, ids).float() - ref).norm() / ref.norm()).item()
-    best = sweep_tiles(m, x, blocks, q) if sweep else None
-    expert_bytes = 3 * HIDDEN * INTER * 2  # one expert's bf16 gate, up, down
+    def rel_err(y: torch.Tensor) -> str:
+        return f"{((y.float() - ref).norm() / ref.norm()).item():.1e}"
+
+    errs = {"rel_err_vs_grouped": rel_err(triton_moe.fused_experts(x, e.gate_up_proj, e.down_proj, w, ids))}
+    if q is not None:  # FP8 against the bf16 weights they were quantized from
+        (gu, gs), (dn, ds) = q[0]
+        for name, w8a8 in (("w8a16", False), ("w8a8", True)):
+            errs[f"rel_err_fp8_{name}"] = rel_err(triton_moe.fused_experts(
+                x, gu, dn, w, ids, gs, ds, tiles=triton_moe.pick_tiles(m, True, w8a8)))
+    best = sweep_tiles(m, x, blocks, q, sweep) if sweep else None
+    expert_bytes = 3 * HIDDEN * INTER * 2  # one expert's bf16 gate, up, down (FP8: half, the scales aside)
     r = dict(M=m, experts_chosen=chosen, **{f"{k}_us": round(v, 1) for k, v in us.items()},
-             fused_tbs=round(chosen * expert_bytes / us["fused"] / 1e6, 2), rel_err_vs_grouped=f"{rel:.1e}",
+             fused_tbs=round(chosen * expert_bytes / us["fused"] / 1e6, 2), **errs,
              picked=str(triton_moe.pick_tiles(m)))
+    if q is not None:
+        r.update({f"{k}_tbs": round(chosen * expert_bytes / 2 / us[k] / 1e6, 2)
+                  for k in ("fused_fp8", "fp8_w8a16", "fp8_w8a8")}, picked_fp8=str(triton_moe.pick_tiles(m, True)))
     if best is not None:
         r.update(best)
     return r
 
 
-def sweep_tiles(m: int, x: torch.Tensor, blocks: list[MoE], q: list | None) -> dict:
-    """For each expert dtype, the fastest tiles of each GEMM at M tokens: every SWEEP_NK candidate for gate/up and
-    for down at each BLOCK_M of `sweep_block_m` (the slots aligned once per BLOCK_M), the block's best total."""
+def sweep_tiles(m: int, x: torch.Tensor, blocks: list[MoE], q: list | None, dtypes: set[str]) -> dict:
+    """For each expert arithmetic of `dtypes` (bf16; FP8 weights: fp8 = w8a16, w8a8), the fastest tiles of each GEMM
+    at M tokens: every SWEEP_NK candidate for gate/up and for down at each BLOCK_M of `sweep_block_m` (the slots
+    aligned once per BLOCK_M), the block's best total."""
     routes = [triton_moe.route(b.gate(x), TOP_K, True) for b in blocks]
     weights = {"bf16": [(b.experts.gate_up_proj, None, b.experts.down_proj, None) for b in blocks]}
     if q is not None:
-        weights["fp8"] = [(gu[0], gu[1], dn[0], dn[1]) for gu, dn in q]
+        weights["fp8"] = weights["w8a8"] = [(gu[0], gu[1], dn[0], dn[1]) for gu, dn in q]
     found = {}
     for dtype, experts in weights.items():
+        if dtype not in dtypes:
+            continue
+        w8a8 = dtype == "w8a8"  # the GEMMs' inputs as the kernels get them: e4m3 codes and row scales
+        a = triton_ops.quant_rows(x, pdl=False) if w8a8 else (x, None)
         best = None
         for bm in sweep_block_m(m):
-            layers = [(triton_moe.Slots(*triton_moe.align(ids, EXPERTS, bm), w.view(-1), TOP_K), *e,
-                       torch.empty(m * TOP_K, INTER, device="cuda", dtype=torch.bfloat16),
-                       torch.empty(m * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16))
-                      for (w, ids), e in zip(routes, experts)]
-            picks = [min(_sweep_gemm(x, layers, bm, gated), key=lambda t: t[0]) for gated in (True, False)]
+            layers = []
+            for (w, ids), e in zip(routes, experts):
+                h = torch.randn(m * TOP_K, INTER, device="cuda", dtype=torch.bfloat16)
+                layers.append((triton_moe.Slots(*triton_moe.align(ids, EXPERTS, bm), w.view(-1), TOP_K), *e, h,
+                               torch.empty(m * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16),
+                               triton_ops.quant_rows(h, pdl=False) if w8a8 else (h, None)))
+            picks = [min(_sweep_gemm(a, layers, bm, gated), key=lambda t: t[0]) for gated in (True, False)]
             print(f"  M={m} {dtype} BLOCK_M={bm}: gate/up {picks[0]}, down {picks[1]}", flush=True)
             if best is None or picks[0][0] + picks[1][0] < best[0][0] + best[1][0]:
                 best = picks
@@ -130,15 +152,15 @@ def sweep_tiles(m: int, x: torch.Tensor, blocks: list[MoE], q: list | None) -> d
     return found
 
 
-def _sweep_gemm(x: torch.Tensor, layers: list[tuple], bm: int, gated: bool) -> list[tuple[float, triton_moe.MoeConfig]]:
-    """(µs a layer, tile) of one GEMM over `layers` (slots, gate/up codes and scale, down codes and scale, h, out)
-    for every SWEEP_NK candidate at BLOCK_M bm."""
+def _sweep_gemm(a: tuple, layers: list[tuple], bm: int, gated: bool) -> list[tuple[float, triton_moe.MoeConfig]]:
+    """(µs a layer, tile) of one GEMM over `layers` (slots, gate/up codes and scale, down codes and scale, h, out,
+    down's input and its row scales) for every SWEEP_NK candidate at BLOCK_M bm; `a`: gate/up's input, row scales."""
     def call(layer: tuple, cfg: triton_moe.MoeConfig) -> None:
-        slots, gu, gs, dn, ds, h, out = layer
+        slots, gu, gs, dn, ds, h, out, ha = layer
         if gated:
-            triton_moe.expert_gemm(x, gu, gs, h, slots, cfg, gated=True)
+            triton_moe.expert_gemm(a[0], gu, gs, h, slots, cfg, gated=True, a_scale=a[1])
         else:
-            triton_moe.expert_gemm(h, dn, ds, out, slots, cfg, gated=False)
+            triton_moe.expert_gemm(ha[0], dn, ds, out, slots, cfg, gated=False, a_scale=ha[1])
 
     times = []
     for n, k, w, st in SWEEP_NK:
@@ -150,7 +172,7 @@ def _sweep_gemm(x: torch.Tensor, layers: list[tuple], bm: int, gated: bool) -> l
     return times
 
 
-def bench_layer(sizes: list[int], fp8: bool, sweep: bool, rows: list[dict]) -> None:
+def bench_layer(sizes: list[int], fp8: bool, sweep: set[str], rows: list[dict]) -> None:
     kernels = Kernels()
     g = torch.Generator("cuda").manual_seed(0)
     blocks = []
@@ -195,13 +217,15 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sizes", default="1,8,64,256", help="token counts of the layer table")
     ap.add_argument("--fp8", action="store_true", help="also the fused kernels over e4m3 expert weights")
-    ap.add_argument("--sweep", action="store_true", help="also time a few tiles per M (for the CONFIGS table)")
+    ap.add_argument("--sweep", action="store_true", help="also time a few tiles per M (for the TILES tables)")
+    ap.add_argument("--sweep-dtypes", default="bf16,fp8,w8a8", help="--sweep: which arithmetics (fp8: w8a16)")
     ap.add_argument("--no-engine", action="store_true", help="the layer table only")
     args = ap.parse_args()
     t0 = time.perf_counter()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     rows: list[dict] = []
-    sections = [("layer", lambda: bench_layer([int(m) for m in args.sizes.split(",")], args.fp8, args.sweep, rows))]
+    sections = [("layer", lambda: bench_layer([int(m) for m in args.sizes.split(",")], args.fp8,
+                                                     set(args.sweep_dtypes.split(",")) if args.sweep else set(), rows))]
     if not args.no_engine:
         sections.append(("decode", lambda: bench_decode("none", rows)))
         if args.fp8:
@@ -225,7 +249,11 @@ def main() -> None:
                   f"{r['grouped_us'] / r['fused_us']:>7.2f}x {r.get('fused_fp8_us', '-'):>13} "
                   f"{r['route_align_us']:>15} {r['fused_tbs']:>11} "
                   f"{r['rel_err_vs_grouped']:>8}  {r['picked']}")
-            for key in ("best_bf16", "best_fp8"):
+            if "fp8_w8a8_us" in r:
+                print(f"{'':>6} fp8: table {r['fused_fp8_us']} us {r['fused_fp8_tbs']} TB/s ({r['picked_fp8']}); "
+                      f"w8a16 {r['fp8_w8a16_us']} us {r['fp8_w8a16_tbs']} TB/s err {r['rel_err_fp8_w8a16']}; "
+                      f"w8a8 {r['fp8_w8a8_us']} us {r['fp8_w8a8_tbs']} TB/s err {r['rel_err_fp8_w8a8']}")
+            for key in ("best_bf16", "best_fp8", "best_w8a8"):
                 if key in r:
                     print(f"{'':>6} {key}: {r[key]}")
         elif "tok_s" in r:

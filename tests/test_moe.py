@@ -125,6 +125,34 @@ def test_fp8_experts_hold_e4m3_rows_and_run_their_dequantized_weights():
     assert ((block(x) - dense).norm() / dense.norm()).item() < 0.05
 
 
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_fp8_experts_simulate_the_activations_the_kernels_round(w8a8):
+    """FP8 experts on the torch path model the arithmetic the GPU picks for the batch (layers/moe_tiles.py): from
+    W8A8_MIN_TOKENS tokens both projections' inputs go per token through e4m3 and back (w8a8), below it none."""
+    from minisgl_cli.core.fp8 import round_trip_rows
+    from minisgl_cli.layers.moe import MoE
+    from minisgl_cli.layers.moe_tiles import W8A8_MIN_TOKENS
+
+    block = MoE(8, 2, 32, 48, True, TPInfo(), Kernels(), fp8=True)
+    for i, m in enumerate(_expert_mats(8, 32, 48, seed=12)):
+        for proj, w in m.items():
+            block.experts.load_expert(i, proj, w)
+    block.gate.weight.data.normal_(generator=torch.Generator().manual_seed(3))
+    x = torch.randn(W8A8_MIN_TOKENS - (not w8a8), 32, generator=torch.Generator().manual_seed(4))
+    weights, ids = route(block.gate(x), 2, True)
+    gate_up, down = block.experts.dense(torch.float32)
+    act = round_trip_rows if w8a8 else torch.Tensor.float
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            gate, up = (gate_up[e] @ act(x[t : t + 1])[0]).chunk(2)
+            want[t] += w * (down[e] @ act((F.silu(gate) * up)[None])[0])
+    got = block(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = fused_experts(x, gate_up, down, weights, ids, Kernels(), grouped=False)
+    assert torch.equal(got, plain) != w8a8 and ((got - plain).norm() / plain.norm()).item() < 0.1
+
+
 def test_fp8_moe_engine_holds_e4m3_experts_between_its_dense_edge_layers(monkeypatch):
     """--quantization fp8 on a Qwen3-MoE config (dummy weights, CPU): the middle layers' experts are e4m3 with
     per-row scales, the first and last stay dense (as the dense linears do), and the logits stay within FP8's

@@ -31,12 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl_cli.core.fp8 import FP8, Fp8Rows, dequantize, quantize_rows
+from minisgl_cli.core.fp8 import FP8, Fp8Rows, dequantize, quantize_rows, round_trip_rows
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import all_reduce
 from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import divide
+from minisgl_cli.layers.moe_tiles import fp8_act
 from minisgl_cli.layers.quant import gemv_ops
 from minisgl_cli.loader.hf import Weight, whole
 
@@ -75,11 +76,16 @@ def triton_experts(x: torch.Tensor, kernels: Kernels, fp8: bool = False) -> Modu
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, kernels: Kernels, grouped: bool) -> torch.Tensor:
+                  ids: torch.Tensor, kernels: Kernels, grouped: bool, fp8_rows: bool = False) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H].
 
     gate_up [E, 2I, H], down [E, H, I]; `grouped`: one torch._grouped_mm per projection (see the module docstring),
-    else one F.linear per expert that received rows. Every shape is static but the loop's."""
+    else one F.linear per expert that received rows. Every shape is static but the loop's. `fp8_rows`: the
+    inputs of both projections through e4m3 per row and back (the w8a8 kernels' activations, simulated)."""
+    def act(t: torch.Tensor) -> torch.Tensor:
+        return round_trip_rows(t).to(t.dtype) if fp8_rows else t
+
+    x = act(x)
     n_tok, k = ids.shape
     n_exp = gate_up.shape[0]
     flat = ids.flatten()
@@ -90,14 +96,14 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     if grouped:
         offs = ends.to(torch.int32)
         h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
-        y = torch._grouped_mm(silu_and_mul(h, kernels), down.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(act(silu_and_mul(h, kernels)), down.transpose(1, 2), offs=offs)
     else:
         y = torch.empty_like(rows)
         start = 0
         for e, end in enumerate(ends.tolist()):
             if end > start:
                 h = F.linear(rows[start:end], gate_up[e])
-                y[start:end] = F.linear(silu_and_mul(h, kernels), down[e])
+                y[start:end] = F.linear(act(silu_and_mul(h, kernels)), down[e])
             start = end
     y = y * weights.flatten()[order, None].to(y.dtype)
     # Back to slot order, then each token's k contributions summed: no atomics, so the sum is deterministic.
@@ -128,8 +134,10 @@ class Experts(nn.Module):
     """Every expert's gate/up and down weights, stacked; this rank's slice of each expert's intermediate size.
 
     `fp8` (--quantization fp8): e4m3 codes with an fp32 scale per output row (`gate_up_scale` [E, 2I],
-    `down_scale` [E, H]), each matrix quantized as it loads; activations stay 16-bit (the Triton kernels widen the
-    codes in the tile). The torch paths multiply by the dequantized weights (`dense`)."""
+    `down_scale` [E, H]), each matrix quantized as it loads. The Triton kernels run them w8a16 (the codes widened
+    in the tile) or, from `moe_tiles.W8A8_MIN_TOKENS` tokens, w8a8 (activations per token to e4m3). The torch
+    paths (the CPU, the fused ops off) multiply by the dequantized weights (`dense`), the activations through
+    e4m3 and back where the kernels would run w8a8: the same numbers, simulated."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPInfo, fp8: bool = False):
         super().__init__()
@@ -204,5 +212,6 @@ class MoE(nn.Module):
             return all_reduce(ops.moe_experts(x, e.gate_up_proj, e.down_proj, weights, ids, e.gate_up_scale,
                                               e.down_scale), self.tp)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        y = fused_experts(x, *e.dense(x.dtype), weights, ids, self.kernels, grouped_mm_runs(x.device, x.dtype))
+        y = fused_experts(x, *e.dense(x.dtype), weights, ids, self.kernels, grouped_mm_runs(x.device, x.dtype),
+                          fp8_rows=e.fp8 and fp8_act(x.shape[0]))
         return all_reduce(y, self.tp)

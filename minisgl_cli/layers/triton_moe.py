@@ -1,7 +1,7 @@
 """The fused MoE experts in Triton (CUDA): softmax top-k routing, per-expert block alignment, two grouped GEMMs.
 
-One layer's experts in four or five launches and a sum, none reading a value back to the host (CUDA graphs
-capture them):
+One layer's experts in four or five launches (w8a8: two more, the quantizations) and a sum, none reading a value
+back to the host (CUDA graphs capture them):
 
   route     one program per token: softmax over the experts in fp32, the k largest (lowest id first on a tie),
             renormalized where the model says so (`route` in layers/moe.py is the reference)
@@ -16,12 +16,14 @@ capture them):
             result does not depend on the order blocks run in)
 
 Each output row is one MMA row of its block, so where a slot lands in its block changes nothing in its value.
-FP8 expert weights (e4m3, an fp32 scale per output row) are widened to the activation dtype in the tile and
-the scale multiplies the finished accumulator. The grid is sized for the worst case the shapes allow:
+FP8 expert weights (e4m3, an fp32 scale per output row) run w8a16 or w8a8 (layers/moe_tiles.py says which and
+when): w8a16 widens the weight tile to the activation dtype; w8a8 takes the activations as e4m3 codes with a scale
+per row (triton_fp8.quant_rows: the tokens before gate/up, the gate/up output before down), an FP8 MMA on the two
+8-bit tiles. The scales multiply the finished accumulator. The grid is sized for the worst case the shapes allow:
 min(T k BLOCK_M, T k + E (BLOCK_M - 1)) rows, so a decode step's handful of slots launches a handful of blocks.
 
 The caller (layers/moe.py) takes torch's grouped GEMM past `FUSED_MAX_TOKENS` tokens (prefill chunks) on the
-GPUs where it runs (examples/moe_bench.py measures both; the table below says what was chosen and why).
+GPUs where it runs (examples/moe_bench.py measures both; layers/moe_tiles.py says what was chosen and why).
 """
 
 from __future__ import annotations
@@ -32,69 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """Tile of one expert GEMM: BLOCK_M slot rows (the alignment unit), BLOCK_N output columns, BLOCK_K deep."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-@dataclass(frozen=True)
-class MoeTiles:
-    """The tiles of a layer's two expert GEMMs: gate/up (K = hidden, two accumulators) and down (K = the expert's
-    width) differ in shape, so each has its own; they share BLOCK_M, the unit the slots are aligned to."""
-
-    gate_up: MoeConfig
-    down: MoeConfig
-
-    def __post_init__(self) -> None:
-        if self.gate_up.block_m != self.down.block_m:
-            raise ValueError("both expert GEMMs take the slots aligned to one BLOCK_M")
-
-    @classmethod
-    def both(cls, cfg: MoeConfig) -> MoeTiles:
-        return cls(cfg, cfg)
-
-
-def _tiles(m: int, gate_up: tuple[int, int, int, int], down: tuple[int, int, int, int]) -> MoeTiles:
-    return MoeTiles(MoeConfig(m, *gate_up), MoeConfig(m, *down))
-
-
-# (most tokens, tiles) by batch size, first match wins; one table for 16-bit experts, one for FP8 codes. Up to
-# 512 tokens from `examples/moe_bench.py --fp8 --sweep --sizes 1,8,64,256` on one H200 (2026-11-27: every
-# candidate of each GEMM at each BLOCK_M, Qwen3-30B-A3B's H 2048, I 768, 128 experts, top 8; docs/gpu.md): at a few
-# tokens every block holds one or two real rows and the step is a pass over the chosen experts' weights, so
-# narrow N tiles give the grid enough programs; from ~16 slots an expert BLOCK_M 32 holds them in one block, each
-# weight tile read once. Past 512 tokens (prefill chunks; FP8 experts take the fused path at every size) the seed
-# tiles from the shapes' arithmetic, not yet swept: wider, deeper tiles reuse a weight tile across more rows.
-_PREFILL = ((2048, _tiles(64, (128, 64, 8, 3), (128, 64, 8, 3))),
-            (1 << 62, _tiles(128, (128, 64, 8, 4), (128, 64, 8, 4))))
-TILES_16BIT: tuple[tuple[int, MoeTiles], ...] = (
-    (4, _tiles(16, (32, 128, 4, 4), (64, 128, 4, 3))),
-    (32, _tiles(16, (32, 256, 4, 3), (64, 128, 4, 3))),
-    (128, _tiles(16, (128, 128, 4, 3), (128, 128, 4, 3))),
-    (512, _tiles(32, (64, 128, 4, 3), (64, 128, 4, 3))),
-    *_PREFILL,
-)
-TILES_FP8: tuple[tuple[int, MoeTiles], ...] = (
-    (32, _tiles(16, (32, 128, 4, 3), (64, 128, 4, 3))),
-    (128, _tiles(16, (32, 128, 4, 4), (64, 128, 4, 3))),
-    (512, _tiles(32, (64, 128, 8, 3), (64, 128, 4, 3))),
-    *_PREFILL,
-)
-# Batches of up to this many tokens take the fused path; larger ones (prefill chunks) torch's grouped GEMM, a
-# CUTLASS kernel built for compute-bound shapes. Not yet measured: a first guess between decode batches (<= 256)
-# and prefill chunks (16k).
-FUSED_MAX_TOKENS = 1024
-
-
-def pick_tiles(n_tokens: int, fp8: bool = False) -> MoeTiles:
-    return next(t for most, t in (TILES_FP8 if fp8 else TILES_16BIT) if n_tokens <= most)
+from minisgl_cli.layers.moe_tiles import FUSED_MAX_TOKENS, MoeConfig, MoeTiles, pick_tiles  # noqa: F401  (re-exported)
+from minisgl_cli.layers.triton_fp8 import quant_rows
 
 
 @triton.jit
@@ -191,12 +132,13 @@ def _place_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr, nu
 
 
 @triton.jit
-def _expert_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                         N, K, numel, stride_a, stride_we, stride_wn, stride_c, stride_se,
                         A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr, HAS_SCALE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        A_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """c[slot, n] for the slots of block program_id(0), columns of program_id(1): a[slot // A_DIV] . w[expert, n]
-    (GATED: silu(. w[expert, n]) * (. w[expert, N + n])); ROUTED: times rw[slot]."""
+    (GATED: silu(. w[expert, n]) * (. w[expert, N + n])); ROUTED: times rw[slot]. A_SCALE: a holds e4m3 codes,
+    row r's value codes * as[r], and the MMA runs on the 8-bit tiles."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -212,7 +154,7 @@ def _expert_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, sorted_ptr, block_ex
     w_ptrs = w_ptr + expert * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):  # a e4m3 (A_SCALE): the weight tile's .to is none, an FP8 MMA
         mk = k0 + rk < K
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & mk[None, :], other=0.0)
         wm = mk[:, None] & mask_n[None, :]
@@ -224,6 +166,11 @@ def _expert_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, sorted_ptr, block_ex
         acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
         if GATED:
             acc_up *= tl.load(s_ptrs + N, mask=mask_n, other=0.0)[None, :]
+    if A_SCALE:  # FP8 activations: a = code * scale[row]
+        a_scale = tl.load(as_ptr + slot // A_DIV, mask=valid, other=0.0)[:, None]
+        acc *= a_scale
+        if GATED:
+            acc_up *= a_scale
     dtype = c_ptr.dtype.element_ty
     if GATED:  # rounded where the unfused path rounds: gate and up, silu(gate), the product
         g = acc.to(dtype).to(tl.float32)
@@ -262,18 +209,23 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H] in x's dtype.
 
     x [T, H]; gate_up [E, 2I, H] and down [E, H, I] in x's dtype, or e4m3 with fp32 scales [E, 2I] / [E, H];
-    weights [T, k] fp32, ids [T, k]; `tiles` (default: `pick_tiles(T, fp8)`)."""
+    weights [T, k] fp32, ids [T, k]; `tiles` (default: `pick_tiles(T, fp8)`; FP8 weights and `tiles.fp8_act`:
+    w8a8, x and the gate/up output quantized per row to e4m3 for the MMAs)."""
     n_tok, k = ids.shape
     n_exp, two_i, hidden = gate_up.shape
     tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None)
+    w8a8 = tiles.fp8_act and gate_up_scale is not None
     numel = n_tok * k
+    x = x.contiguous()
     out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
     if numel == 0:
         return out.view(n_tok, k, hidden).sum(dim=1)
     slots = Slots(*align(ids.contiguous(), n_exp, tiles.gate_up.block_m), weights.contiguous().view(-1), k)
     h = torch.empty(numel, two_i // 2, dtype=x.dtype, device=x.device)
-    expert_gemm(x.contiguous(), gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True)
-    expert_gemm(h, down, down_scale, out, slots, tiles.down, gated=False)
+    a: tuple[torch.Tensor, torch.Tensor | None] = quant_rows(x.contiguous(), pdl=False) if w8a8 else (x, None)
+    expert_gemm(a[0], gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True, a_scale=a[1])
+    a = quant_rows(h, pdl=False) if w8a8 else (h, None)  # h rounded to x's dtype first, as the dense FP8 MLP does
+    expert_gemm(a[0], down, down_scale, out, slots, tiles.down, gated=False, a_scale=a[1])
     return out.view(n_tok, k, hidden).sum(dim=1)
 
 
@@ -289,14 +241,15 @@ class Slots:
 
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c: torch.Tensor, slots: Slots,
-                cfg: MoeConfig, gated: bool) -> None:
+                cfg: MoeConfig, gated: bool, a_scale: torch.Tensor | None = None) -> None:
     """One of the two expert GEMMs into c [T k, N]: gated, gate/up from the tokens' rows a [T, H]; else down from
-    the slots' rows a [T k, I], scaled by their routing weights."""
+    the slots' rows a [T k, I], scaled by their routing weights. `a_scale` [rows, 1] fp32: a is e4m3 codes (w8a8)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     grid = (slots.block_expert.numel(), triton.cdiv(n, cfg.block_n))
-    _expert_gemm_kernel[grid](a, w, scale, c, slots.weights, slots.sorted_ids, slots.block_expert, slots.total, n,
-                              a.shape[1], c.shape[0], a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-                              scale.stride(0) if scale is not None else 0, A_DIV=slots.top_k if gated else 1,
-                              GATED=gated, ROUTED=not gated, HAS_SCALE=scale is not None, BLOCK_M=cfg.block_m,
+    _expert_gemm_kernel[grid](a, a_scale, w, scale, c, slots.weights, slots.sorted_ids, slots.block_expert,
+                              slots.total, n, a.shape[1], c.shape[0], a.stride(0), w.stride(0), w.stride(1),
+                              c.stride(0), scale.stride(0) if scale is not None else 0,
+                              A_DIV=slots.top_k if gated else 1, GATED=gated, ROUTED=not gated,
+                              HAS_SCALE=scale is not None, A_SCALE=a_scale is not None, BLOCK_M=cfg.block_m,
                               BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
                               num_stages=cfg.num_stages)
