@@ -26,8 +26,6 @@ from minisgl_cli.runtime.supervisor import Runtime, wait_ready
 from minisgl_cli.runtime.tokenizer_proc import WorkerJob, run_worker
 from minisgl_cli.scheduler.scheduler import SchedulerConfig
 
-HELPER_NICE = 10  # the tokenizer workers' nice value beside a CPU engine
-
 
 def model_dir_of(cfg: EngineConfig) -> str | None:
     """The HF dir the tokenizer workers load (None for a built-in dummy config): resolved once, here."""
@@ -93,15 +91,12 @@ def _start(engine: EngineConfig, scheduler: SchedulerConfig, rt: RuntimeConfig, 
     # CPU: the ranks sharing this host split its cores instead of each running torch's all-core default.
     share = rt.dp_size * dist.ranks_per_node
     threads = max(1, usable_cores() // share) if share > 1 and engine.num_threads is None else engine.num_threads
-    # A CPU engine's step runs on every core, and its threads wait for each other at every op: a worker waking
-    # per token (to decode it) must not hold a core a step thread needs (one stream on 2 cores: ~5-10% a token).
-    nice = HELPER_NICE if engine.resolved_device().type == "cpu" else 0
     try:
         if dist.node_rank == 0:
             runtime.start("detokenizer", run_worker, WorkerJob(-1, model_dir, ep, rt.num_tokenizer == 0, True, level,
-                                                                rt.stream_interval, nice))
+                                                                rt.stream_interval))
             for i in range(rt.num_tokenizer):
-                runtime.start(f"tokenizer {i}", run_worker, WorkerJob(i, model_dir, ep, True, False, level, nice=nice))
+                runtime.start(f"tokenizer {i}", run_worker, WorkerJob(i, model_dir, ep, True, False, level))
         first = dist.local_ranks()[0]
         for rank in dist.local_ranks():
             device = replica * dist.ranks_per_node + rank - first  # replica i: its own slice of the devices

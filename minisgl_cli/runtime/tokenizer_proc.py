@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import os
 import signal
 from dataclasses import dataclass
 
@@ -53,7 +52,6 @@ class WorkerJob:
     detokenizes: bool
     log_level: int = logging.WARNING
     stream_interval: int = 1  # the detokenizer: send a request's text every this many tokens
-    nice: int = 0  # added to the process's nice value (a CPU engine: yield the cores to its scheduler)
 
     @property
     def name(self) -> str:
@@ -63,8 +61,6 @@ class WorkerJob:
 def run_worker(job: WorkerJob) -> None:
     """Process entry point: report Ready (or Failed) to the launcher, serve until SIGTERM, then exit 0 (a worker
     holds nothing to hand back)."""
-    if job.nice:
-        os.nice(job.nice)
     child = Child(job.name, job.name, job.log_level, job.endpoints.launcher)
     worker = child.start(functools.partial(_Worker, job))
     signal.signal(signal.SIGTERM, lambda *_: leave())
