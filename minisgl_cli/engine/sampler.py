@@ -173,25 +173,18 @@ def cpu_draw(logits: torch.Tensor, p: RowParams, batch: SamplingBatch) -> torch.
         if batch.needs & Need.MIN_P:
             kept = _min_p(kept, sub.min_p)
         out[rows] = draw(kept, uniform(sub.seed_lo, sub.seed_hi, batch.positions[rows]))
-    # A row with no cut at all (temperature alone: the OpenAI default) draws from the whole softmax at once: the
-    # rejection scheme's first draw, which nothing rejects, without its passes over the vocabulary.
-    whole = sampled & ~bounded & (p.top_k >= scaled.shape[-1]) & (p.top_p >= 1) & (p.min_p <= 0)
-    if whole.any():
-        rows = whole.nonzero()[:, 0]
-        top = scaled[rows].gather(1, out[rows][:, None])
-        out[rows] = draw_weights((scaled[rows] - top).exp(), uniform(p.seed_lo[rows], p.seed_hi[rows],
-                                                                       batch.positions[rows], 0))
-    rows = (sampled & ~bounded & ~whole).nonzero()[:, 0]
+    rows = (sampled & ~bounded).nonzero()[:, 0]
     if not rows.numel():
         return out
-    scaled, top_k, top_p = scaled[rows], p.top_k[rows], p.top_p[rows]
+    scaled, top_k, top_p, min_p = scaled[rows], p.top_k[rows], p.top_p[rows], p.min_p[rows]
     seed_lo, seed_hi, positions = p.seed_lo[rows], p.seed_hi[rows], batch.positions[rows]
     top = scaled.gather(1, out[rows][:, None])
     weights = (scaled - top).exp()
     total = weights.sum(dim=-1)
-    min_p = p.min_p[rows]
-    # min-p's support; the first round's draw over it (low = -inf masks only weights that are 0 already); the top-k
-    # count where a row has a top-k: each skipped where it would change nothing, being a pass over the vocabulary
+    # Which rows have a cut that can reject a draw: one with temperature alone (the OpenAI default) takes its first.
+    # The min-p mask, the top-k count and the first round's copies are skipped where no row needs them, each being
+    # a pass over the vocabulary (low = -inf masks only weights that are 0 already).
+    cuts = (top_k < scaled.shape[-1]) | (top_p < 1) | (min_p > 0)
     support = weights.masked_fill(scaled < top + min_p.log()[:, None], 0.0) if bool((min_p > 0).any()) else weights
     counted = bool((top_k < scaled.shape[-1]).any())
     todo = torch.arange(rows.shape[0], device=logits.device)  # rows (of `rows`) not yet accepted
@@ -202,6 +195,10 @@ def cpu_draw(logits: torch.Tensor, p: RowParams, batch: SamplingBatch) -> torch.
         if rnd:
             w = w.masked_fill(s <= low[:, None], 0.0)
         ids = draw_weights(w, uniform(seed_lo[todo], seed_hi[todo], positions[todo], rnd))
+        ok = ~cuts[todo]
+        if bool(ok.all()):
+            out[rows[todo]] = ids
+            break
         picked = s.gather(1, ids[:, None])
         above = s > picked
         # Rejected only where the cut surely excludes the pick (the kernel's test): a row of non-finite logits (a
@@ -209,7 +206,7 @@ def cpu_draw(logits: torch.Tensor, p: RowParams, batch: SamplingBatch) -> torch.
         cut_off = (mass * above).sum(dim=-1) > top_p[todo] * total[todo]
         if counted:
             cut_off |= above.sum(dim=-1) >= top_k[todo]
-        ok = ~cut_off
+        ok |= ~cut_off
         out[rows[todo[ok]]] = ids[ok]
         todo, low = todo[~ok], picked[~ok, 0]
         rnd += 1

@@ -4,10 +4,11 @@ torch into the cache, and its weight layout.
 ATen's `_weight_int4pack_mm_for_cpu` unpacks and scales each weight again for every 4 rows and multiplies in fp32
 FMAs; this kernel unpacks a weight vector once for up to 12 rows and multiplies the 4-bit codes by the bf16
 activations with AVX512-BF16 pair dot products (exact products), applying Q4_1's scale and min once a group of 32.
-It is ~1.7x ATen's speed at one row and ~2x at 8-16 (`python examples/bench_cpu_linear.py`). Like ATen's, it gives
-a row the same bits whatever the rows beside it.
+With a step's weights streaming from memory it is 1.3x ATen's speed at one row and ~2x at 16
+(`python examples/bench_cpu_linear.py --kernels int4 int4-minisgl`). Like ATen's, it gives a row the same bits
+whatever the rows beside it.
 
-It needs AVX512-BF16 and a C++ compiler (g++, as the compiled decode step does); elsewhere, or with
+It needs AVX512-BF16 and a C++ compiler (`c++` or $CXX; the compiled decode step needs one too); elsewhere, or with
 MINISGL_CPU_INT4=aten, the int4 method packs for ATen's kernel instead. Which one a process uses is fixed at its
 first int4 layer (`kernel()`), and the compiled decode step's key names it. The two round differently: each
 process's greedy answers are consistent, not bit-equal across the two kernels.
@@ -46,7 +47,7 @@ def kernel() -> str:
         return "aten"
     try:
         torch.ops.load_library(str(_build()))
-    except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
+    except (OSError, RuntimeError) as e:  # no compiler, a failed build (_build's message), an unloadable library
         if choice == "minisgl":
             raise RuntimeError(f"MINISGL_CPU_INT4=minisgl: the int4 kernel did not build: {e}") from e
         log.warning("the int4 kernel did not build (%s); using ATen's", str(e).splitlines()[0] if str(e) else e)

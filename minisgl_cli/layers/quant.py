@@ -18,15 +18,15 @@ runs (EngineConfig refuses the others with a one-line error).
         with the fused ops off) the same numbers by quantize / dequantize in fp32: the simulation the
         kernels are tested against and the quality checks run on.
 
-The int4 copy runs minisgl's own kernel where the CPU has AVX512-BF16 (layers/cpu_int4.py: ~1.7-2x PyTorch's),
-else PyTorch's `_weight_int4pack_mm_for_cpu`; the int8 copy runs `_weight_int8pack_mm`; all with bf16 activations
-(PyTorch's only vectorized path, on AVX2 and AVX-512 alike; fp32 in and out around them). Reading 4 or 8 bits
-per weight, they win while a step has few rows (decode), but their cost grows with every row, so an extend step
-(prefill) runs the dense weight: the GEMM is compute-bound there, and the prompt is read with the model's exact
+The int4 copy runs minisgl's own kernel where the CPU has AVX512-BF16 (layers/cpu_int4.py: 1.3x PyTorch's at one
+row, ~2x at 16), else PyTorch's `_weight_int4pack_mm_for_cpu`; the int8 copy runs `_weight_int8pack_mm`; all with
+bf16 activations (PyTorch's only vectorized path, on AVX2 and AVX-512 alike; fp32 in and out around them). Reading 4
+or 8 bits per weight, they win while a step has few rows (decode), but their cost grows with every row, so an extend
+step (prefill) runs the dense weight: the GEMM is compute-bound there, and the prompt is read with the model's exact
 weights. The step's kind picks the copy, never its row count (`apply`'s `decode`): a prompt's last token takes the
 same arithmetic whether it is prefilled cold or extended alone after a prefix hit, and a decode row the same
-whatever the batch size (each kernel gives each row the same result whatever the rows beside it), so a greedy
-answer does not depend on the cache.
+whatever the batch size (each kernel gives each row the same result whatever the rows beside it), so a greedy answer
+does not depend on the cache.
 
 The LM head of an int4 / int8 model is held as int8 per channel and multiplied with the activations
 quantized to int8 per row on the fly (int32 sums, fp32 logits): 8 bits because 4-bit logits cost SmolLM2

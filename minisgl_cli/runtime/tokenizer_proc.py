@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 import signal
 from dataclasses import dataclass
 
@@ -80,10 +81,10 @@ class _Worker:
         self.to_scheduler = push(ctx, ep.scheduler)
         self.to_detok = push(ctx, ep.detokenizer) if job.tokenizes and not job.detokenizes else None
         self.decoders: dict[str, RequestDecoder] = {}
-        # --stream-interval: requests whose tokens may be held (no stop strings), and, once their first token went
-        # out, the tokens each holds; those not streamed (stream_text off) hold theirs to the end.
-        self.may_hold: set[str] = set()
-        self.to_end: set[str] = set()
+        # Requests whose tokens may be held (no stop strings), with how many go out together: --stream-interval, or
+        # all of them at the end where the text is not streamed (stream_text off); and, once a request's first token
+        # went out, the tokens it holds.
+        self.hold: dict[str, float] = {}
         self.held: dict[str, list[TokenOutput]] = {}
         self.early: dict[str, list[TokenOutput]] = {}  # outputs that beat their AddRequest here
         self.ended: collections.deque[str] = collections.deque(maxlen=4096)  # late outputs of these are dropped
@@ -125,10 +126,9 @@ class _Worker:
                     error_code=ErrorCode.ENGINE_FAILED)]))
                 send(self.to_scheduler, AbortRequest(msg.rid))
                 return
-            if not msg.params.stop and (self.job.stream_interval > 1 or not msg.params.stream_text):
-                self.may_hold.add(msg.rid)
-                if not msg.params.stream_text:  # nothing reads its text before its end: one message then
-                    self.to_end.add(msg.rid)
+            every = self.job.stream_interval if msg.params.stream_text else math.inf  # else nothing reads it sooner
+            if every > 1 and not msg.params.stop:
+                self.hold[msg.rid] = every
             if msg.rid in self.early:
                 self._detokenize(StepOutput(self.early.pop(msg.rid)))
         if self.job.tokenizes:
@@ -143,10 +143,10 @@ class _Worker:
         self.ended_set.add(rid)
 
     def _due(self, rid: str, held: list[TokenOutput]) -> bool:
-        """Whether held tokens go out now: the request's end, or --stream-interval of them where it streams."""
+        """Whether held tokens go out now: the request's end, or as many as it holds (`hold`)."""
         last = held[-1]
         return last.finish_reason is not None or last.error is not None or \
-            (rid not in self.to_end and sum(o.token_id is not None for o in held) >= self.job.stream_interval)
+            sum(o.token_id is not None for o in held) >= self.hold[rid]
 
     def _detokenize(self, step: StepOutput) -> None:
         by_rid: dict[str, list[TokenOutput]] = {}
@@ -181,10 +181,9 @@ class _Worker:
             if piece.finished:
                 del self.decoders[rid]
                 self._ended(rid)
-                self.may_hold.discard(rid)
-                self.to_end.discard(rid)
+                self.hold.pop(rid, None)
                 self.held.pop(rid, None)
-            elif rid in self.may_hold and piece.token_ids:  # its first token is out: hold what follows
+            elif rid in self.hold and piece.token_ids:  # its first token is out: hold what follows
                 self.held.setdefault(rid, [])
             if piece.stopped_early:  # a stop string ended it: free its KV on the scheduler now
                 send(self.to_scheduler, AbortRequest(rid, "stop"))
