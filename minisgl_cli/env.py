@@ -97,7 +97,7 @@ def cpu_int4() -> str:
 
 
 def cxx() -> str:
-    """CXX: the C++ compiler that builds the CPU int4 kernel (layers/cpu_int4.py); default c++."""
+    """CXX: the C++ compiler that builds minisgl's CPU kernels (layers/cpu_library.py); default c++."""
     return _text("CXX") or "c++"
 
 

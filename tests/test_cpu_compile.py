@@ -51,7 +51,7 @@ def test_decode_step_resolves_per_device_mode_and_owner():
 
 def test_every_part_of_the_key_names_another_package():
     key = cpu_compile.StepKey("weights", "config", "int4", "torch.bfloat16", "torch.bfloat16", "2.13.0", "cpu", "src",
-                              "minisgl")
+                              "int4=minisgl attention=minisgl")
     paths = {key.path} | {dataclasses.replace(key, **{f.name: "other"}).path for f in dataclasses.fields(key)}
     assert len(paths) == 1 + len(dataclasses.fields(key))
 
@@ -60,10 +60,10 @@ def test_a_build_removes_the_packages_it_supersedes_only(tmp_path, monkeypatch):
     """After a build, the same model and mode built by another minisgl source or torch goes; another model's stays."""
     monkeypatch.setenv("MINISGL_COMPILED_DIR", str(tmp_path))
     key = cpu_compile.StepKey("weights", "config", "int4", "torch.bfloat16", "torch.bfloat16", "2.13.0", "cpu", "src",
-                              "minisgl")
+                              "int4=minisgl attention=minisgl")
     older = dataclasses.replace(key, source="older", torch_version="2.12.0")
     other = dataclasses.replace(key, weights="another model")
-    aten = dataclasses.replace(key, int4_kernel="aten")  # the other kernel's package: a mode of its own, kept
+    aten = dataclasses.replace(key, kernels="int4=aten attention=minisgl")  # another kernel's: a mode of its own, kept
     for k in (key, older, other, aten):  # packages as AOTInductor writes their key (engine/cpu_compile.py: _stored_key)
         with zipfile.ZipFile(k.path, "w") as z:
             z.writestr("m/x.wrapper_metadata.json", json.dumps({cpu_compile._KEY: k.to_json()}))

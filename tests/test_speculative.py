@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from minisgl_cli import LLM, SamplingParams
+from minisgl_cli.bench.workloads import CHAT_PROMPTS
 from minisgl_cli.core.host import HostBuffers
 from minisgl_cli.engine.sampler import create_sampler, sample
 from minisgl_cli.engine.sampling_state import SamplingState
@@ -84,7 +85,7 @@ def _same(plain, spec) -> None:
 @pytest.fixture
 def invariant():
     """What keeps the default mode's plain answers themselves from depending on the timing of a concurrent run (the
-    README's Models section): torch on one thread (its multi-threaded CPU attention may round a row by the rows beside
+    README's Models section): torch on one thread (where SDPA attends, its threads may round a row by the rows beside
     it) and no prefix reuse (a prompt whose system prompt another request cached runs its rest as another extend)."""
     threads = torch.get_num_threads()
     yield {"num_threads": 1, "cache": "naive"}
@@ -149,6 +150,23 @@ def test_exact_mode_greedy_with_ngram_drafts_equals_plain_decode(lookup_plain, k
     assert json.loads(lookup_plain[2].text)["city"] == "Paris"
     assert lookup_plain[3].finish_reason == "stop"
     assert stats.spec_accepted_tokens > 0 and stats.spec_accept_length > 1.5
+
+
+@pytest.mark.slow
+def test_a_long_default_mode_answer_with_prompt_lookup_equals_plain_decode():
+    """The int4 default on torch's threads, the real proposer, a 256-token code edit: every verify row attends as a
+    decode row (minisgl::decode_attn; SDPA over a step's padded keys rounded them otherwise, and this answer parted
+    from the plain one at its 198th token)."""
+    chat = [{"role": "user", "content": CHAT_PROMPTS["code-edit"]}]
+    params = SamplingParams(max_new_tokens=256, logprobs=True)
+    with LLM(torch_compile="off") as llm:
+        plain = llm.generate([chat], params)
+    with LLM(torch_compile="off", speculative_algorithm="ngram", num_speculative_tokens=3) as llm:
+        spec = llm.generate([chat], params)
+        llm.client.check_pages()
+        stats = llm.client.stats()
+    _same(plain, spec)
+    assert len(plain[0].token_ids) > 150 and stats.spec_accept_length > 2
 
 
 @pytest.mark.slow

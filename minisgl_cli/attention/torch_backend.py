@@ -1,7 +1,9 @@
 """The torch attention backend: SDPA over gathered paged KV; runs on CPU and is the GPU kernels' reference.
 
 Reads go through `KVPool.read`, which dequantizes an FP8 pool: on the CPU this is the FP8 KV cache itself
-(stored as e4m3 codes), and on the GPU the reference the Triton kernels are checked against."""
+(stored as e4m3 codes), and on the GPU the reference the Triton kernels are checked against. CPU decode over a 16-bit
+pool runs minisgl's own kernel where it is built (`minisgl::decode_attn`, layers/csrc/decode_attn.cpp): it reads the
+pool in place and rounds a row alike in any batch, which SDPA over a batch's padded keys does not."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.kvcache.pool import KVPool
+from minisgl_cli.layers import cpu_library
 
 _PAD = 16  # the CPU's fp32 vector width (AVX-512; twice AVX2's): see TorchBackend.prepare
 _ROWS = 32  # extend rows attend in blocks of this many positions (TorchBackend._blocks): SDPA's own row block
@@ -25,7 +28,14 @@ _GROUP = 8  # decode: a KV head's query rows padded to a multiple of this (Torch
 class TorchDecodeMeta:
     slots: torch.Tensor  # [B * L] KV slots, row-major, padded with the scratch slot 0
     max_len: int
-    mask: torch.Tensor  # [B, 1, 1, L] additive: 0 where a position is real, -inf on padding
+    lens: torch.Tensor  # [B] int64: each row's keys (its position + 1)
+    mask: torch.Tensor | None  # [B, 1, 1, L] additive, 0 where a position is real, -inf on padding; None: own kernel
+
+
+def decode_mask(lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's additive mask [B, 1, 1, max_len] of decode rows with `lens` keys each."""
+    pad = torch.arange(max_len, device=lens.device)[None, :] >= lens[:, None]
+    return torch.zeros(pad.shape, dtype=dtype, device=lens.device).masked_fill_(pad, float("-inf"))[:, None, None, :]
 
 
 @dataclass
@@ -47,6 +57,10 @@ class TorchBackend(AttentionBackend):
         """`serial_decode`: decode attention on one thread (--deterministic)."""
         super().__init__(pool, num_heads, num_kv_heads, head_dim, scale)
         self.serial_decode = serial_decode
+        # minisgl::decode_attn's cases (its checks): where it cannot run, SDPA does
+        self.own_decode = (self.row_invariant and pool.shape.dtype in (torch.bfloat16, torch.float32)
+                           and head_dim in (32, 64, 96, 128, 256) and num_heads // num_kv_heads <= 16
+                           and cpu_library.load() is None)
 
     @property
     def row_invariant(self) -> bool:
@@ -63,13 +77,12 @@ class TorchBackend(AttentionBackend):
             # decode rounds alike in any batch.
             max_len = min(-(-max(batch.seq_lens_cpu) // _PAD) * _PAD, table.shape[1])
             slots = table[batch.req_slots, :max_len].long()
-            pad = torch.arange(max_len, device=slots.device)[None, :] >= batch.seq_lens[:, None]
+            lens = batch.seq_lens.long()
             # Additive float mask, built once per step: SDPA would convert a bool mask in every layer.
             # (In the pool dtype, which is the model's unless it is FP8: then _decode converts it once.)
             dtype = torch.float32 if self.pool.quantized else self.pool.shape.dtype
-            mask = torch.zeros(pad.shape, dtype=dtype, device=slots.device)
-            mask.masked_fill_(pad, float("-inf"))
-            batch.attn_meta = TorchDecodeMeta(slots.reshape(-1), max_len, mask[:, None, None, :])
+            mask = None if self.own_decode else decode_mask(lens, max_len, dtype)
+            batch.attn_meta = TorchDecodeMeta(slots.reshape(-1), max_len, lens, mask)
             return
         kv_slots: list[torch.Tensor | None] = []
         masks: list[torch.Tensor | None] = []
@@ -141,6 +154,10 @@ class TorchBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, layer_id: int, meta: TorchDecodeMeta):
         bsz, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
+        if meta.mask is None:  # own_decode
+            return torch.ops.minisgl.decode_attn(q.reshape(bsz, self.num_heads, d).contiguous(),
+                                                 self.pool.k[layer_id], self.pool.v[layer_id],
+                                                 meta.slots.view(bsz, meta.max_len), meta.lens, self.scale)
         group = self.num_heads // hkv
         shape = (bsz, meta.max_len, hkv, d)
         k_all, v_all = self.pool.read(layer_id, meta.slots, q.dtype)

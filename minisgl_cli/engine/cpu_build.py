@@ -49,14 +49,13 @@ def build(job: BuildJob) -> None:
         delattr(engine.model, "lm_head")  # the head stays eager: its fbgemm weight cannot be exported
         step, pool = DecodeStep(engine.model, engine.attn), engine.pool
         b, n = 2, 32  # example sizes: dynamic below (export specializes on 1)
-        dt = pool.shape.dtype
         args = (torch.full((b,), 5), torch.full((b,), n - 1), torch.zeros(b, dtype=torch.long),
-                torch.zeros(b, n, dtype=torch.long), torch.zeros(b, 1, 1, n, dtype=dt), pool.k, pool.v)
+                torch.zeros(b, n, dtype=torch.long), torch.full((b,), n), pool.k, pool.v)
         rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
         keys = 16 * torch.export.Dim("keys16", min=1, max=-(-engine.model_cfg.max_position_embeddings // 16))
         slots = torch.export.Dim("slots", min=2)
         kv = [{0: slots}] * len(pool.k)
-        dims = ({0: rows}, {0: rows}, {0: rows}, {0: rows, 1: keys}, {0: rows, 3: keys}, kv, kv)
+        dims = ({0: rows}, {0: rows}, {0: rows}, {0: rows, 1: keys}, {0: rows}, kv, kv)
         t0 = time.perf_counter()
         with torch.no_grad():
             program = torch.export.export(step, args, dynamic_shapes=dims, strict=False)
@@ -93,7 +92,7 @@ def _gather_in_aten() -> None:
 def _prune(key: StepKey, keep: Path) -> None:
     """Remove the store's packages this build supersedes: the same model and mode on this CPU, built by another
     torch or another minisgl source (each is ~100 MB; nothing would load them again)."""
-    same = ("weights", "config", "quantization", "int4_kernel", "dtype", "kv_dtype", "cpu")
+    same = ("weights", "config", "quantization", "kernels", "dtype", "kv_dtype", "cpu")
     for path in keep.parent.glob("decode-*.pt2"):
         stored = _stored_key(path)
         if path == keep or stored is None:

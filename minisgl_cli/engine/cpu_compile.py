@@ -42,9 +42,9 @@ import torch
 from torch import nn
 
 from minisgl_cli import env
-from minisgl_cli.attention.torch_backend import TorchBackend, TorchDecodeMeta
+from minisgl_cli.attention.torch_backend import TorchBackend, TorchDecodeMeta, decode_mask
 from minisgl_cli.core.batch import ForwardBatch
-from minisgl_cli.layers import cpu_int4
+from minisgl_cli.layers import cpu_int4, cpu_library
 from minisgl_cli.notice import notice
 
 if TYPE_CHECKING:
@@ -54,8 +54,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("minisgl.compile")
 
 MAX_ROWS = 1024  # decode rows a step takes at most (past them it runs eagerly)
-_FORMAT = 1  # DecodeStep's inputs and outputs: bump on a change
-_CODE = (".py", ".cpp")  # the source files of _TRACED (layers/csrc: the int4 kernel the step calls)
+_FORMAT = 2  # DecodeStep's inputs and outputs: bump on a change
+_CODE = (".py", ".cpp", ".h")  # the source files of _TRACED (layers/csrc: the C++ kernels the step calls)
 _KEY = "minisgl_step_key"  # the package's metadata entry holding its StepKey
 _ROOT = Path(__file__).resolve().parents[1]  # minisgl_cli/
 # The code the step runs and the code that builds it: an edit there rebuilds (StepKey.source).
@@ -74,7 +74,8 @@ class StepKey:
     torch_version: str
     cpu: str  # model name and flags: the C++ is compiled for this CPU's ISA
     source: str  # digest of the traced modules' source: an edit rebuilds
-    int4_kernel: str  # the int4 GEMM the step calls (layers/cpu_int4.py): its op and weight layout
+    kernels: str  # the C++ kernels the step calls: the int4 GEMM (layers/cpu_int4.py: its op and weight layout) and
+    # the decode attention (minisgl's own or SDPA: attention/torch_backend.py)
     format: int = _FORMAT
 
     @staticmethod
@@ -88,7 +89,8 @@ class StepKey:
             weights = _digest(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}".encode() for p in files)
         return StepKey(weights, json.dumps(dataclasses.asdict(model_cfg), sort_keys=True), quantization,
                        str(dtype), str(kv_dtype), torch.__version__, _cpu(), _source(),
-                       cpu_int4.kernel() if quantization == "int4" else "")
+                       f"int4={cpu_int4.kernel() if quantization == 'int4' else ''} "
+                       f"attention={'sdpa' if cpu_library.load() else 'minisgl'}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -135,14 +137,15 @@ class DecodeStep(nn.Module):
         self.attn.pool = copy.copy(attn.pool)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
-                slots: torch.Tensor, mask: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
-        """Hidden states [B, hidden] of a decode step: `slots` [B, L] and `mask` [B, 1, 1, L] as TorchBackend.prepare
-        makes them (L a multiple of 16)."""
+                slots: torch.Tensor, lens: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
+        """Hidden states [B, hidden] of a decode step: `slots` [B, L] and `lens` [B] as TorchBackend.prepare makes
+        them (L a multiple of 16)."""
         pool = self.attn.pool
         pool.k, pool.v = k, v
         none = torch.empty(0, dtype=torch.int32)  # fields a decode forward never reads
+        mask = None if self.attn.own_decode else decode_mask(lens, slots.shape[1], pool.shape.dtype)
         batch = ForwardBatch("decode", input_ids, positions, out_cache_loc, none, none, none, [], [], none, none,
-                             TorchDecodeMeta(slots.reshape(-1), slots.shape[1], mask))
+                             TorchDecodeMeta(slots.reshape(-1), slots.shape[1], lens, mask))
         return self.model(batch, self.attn)
 
 
@@ -152,7 +155,7 @@ def _inputs(batch: ForwardBatch, attn: TorchBackend) -> list[torch.Tensor] | Non
     meta = batch.attn_meta
     if meta.max_len % 16:
         return None
-    return [batch.input_ids, batch.positions, batch.out_cache_loc, meta.slots.view(batch.batch_size, -1), meta.mask,
+    return [batch.input_ids, batch.positions, batch.out_cache_loc, meta.slots.view(batch.batch_size, -1), meta.lens,
             *attn.pool.k, *attn.pool.v]
 
 

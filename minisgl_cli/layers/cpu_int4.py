@@ -16,77 +16,33 @@ process's greedy answers are consistent, not bit-equal across the two kernels.
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
 import logging
-import os
-import subprocess
-from pathlib import Path
 
 import torch
-import torch.utils.cpp_extension as cpp_extension
 
 from minisgl_cli import env
-from minisgl_cli.notice import notice
+from minisgl_cli.layers import cpu_library
 
 log = logging.getLogger("minisgl.kernels")
 
-_SOURCE = Path(__file__).with_name("csrc") / "int4_mm.cpp"
-_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq",
-          "-mavx512vl", "-mavx512bf16", "-mf16c")
 GROUP = 32  # inputs per scale and min (GGUF's Q4_1 block)
 
 
 @functools.cache
 def kernel() -> str:
-    """"minisgl" where this process runs minisgl::int4_mm, else "aten" (the CPU lacks AVX512-BF16, the build
-    failed, or MINISGL_CPU_INT4=aten)."""
+    """"minisgl" where this process runs minisgl::int4_mm, else "aten" (MINISGL_CPU_INT4=aten, or the kernels'
+    library did not load: layers/cpu_library.py)."""
     choice = env.cpu_int4()
-    if choice == "aten" or not torch.cpu._is_avx512_bf16_supported():
+    if choice == "aten":
         return "aten"
-    try:
-        torch.ops.load_library(str(_build()))
-    except (OSError, RuntimeError) as e:  # no compiler, a failed build (_build's message), an unloadable library
-        if choice == "minisgl":
-            raise RuntimeError(f"MINISGL_CPU_INT4=minisgl: the int4 kernel did not build: {e}") from e
-        log.warning("the int4 kernel did not build (%s); using ATen's", str(e).splitlines()[0] if str(e) else e)
-        return "aten"
-    torch.library.register_fake("minisgl::int4_mm")(_shape)
-    return "minisgl"
-
-
-def _shape(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], q.shape[0] * 16)
-
-
-def _build() -> Path:
-    """The kernel's library for this source, torch and compiler flags: from the cache, or compiled there (~7 s)."""
-    include = cpp_extension.include_paths()
-    lib = cpp_extension.library_paths()
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), torch.__version__, abi, *_FLAGS]).encode()).hexdigest()[:16]
-    out = env.cache_dir() / "kernels" / f"int4_mm-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait, then take its library
-        if out.exists():
-            return out
-        notice(f"building the CPU int4 kernel for this torch and CPU (once, ~10 s) into {out.parent}")
-        partial = out.with_suffix(f".{os.getpid()}.partial")
-        cmd = [env.cxx(), *_FLAGS, abi, *(f"-I{p}" for p in include),
-               str(_SOURCE), "-o", str(partial),
-               *(f"-L{p}" for p in lib), *(f"-Wl,-rpath,{p}" for p in lib), "-lc10", "-ltorch_cpu"]
-        try:
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
-            os.replace(partial, out)
-        except subprocess.CalledProcessError as e:
-            raise RuntimeError(e.stderr.strip().splitlines()[-1] if e.stderr.strip() else str(e)) from None
-        finally:
-            partial.unlink(missing_ok=True)
-    return out
+    why = cpu_library.load()
+    if why is None:
+        return "minisgl"
+    if choice == "minisgl":
+        raise RuntimeError(f"MINISGL_CPU_INT4=minisgl: the int4 kernel is not available: {why}")
+    log.warning("the int4 kernel is not available (%s); using ATen's", why)
+    return "aten"
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

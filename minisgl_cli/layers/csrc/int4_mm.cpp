@@ -17,18 +17,13 @@
 
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-constexpr int kGroup = 32;  // inputs per scale: 16 pairs
+using minisgl::to_bf16;
 
-// fp32 -> bf16 as ATen rounds (vec::cvtfp32_bf16): to nearest even on the bits, NaN to 0xffff.
-inline __m256i to_bf16(__m512 v) {
-  const __m512i x = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)), x), 16);
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0xffff), r);
-  return _mm512_cvtepi32_epi16(r);
-}
+constexpr int kGroup = 32;  // inputs per scale: 16 pairs
 
 struct Args {
   const uint32_t* x;  // [M, K / 2] bf16 pairs
@@ -146,5 +141,4 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 
 }  // namespace
 
-TORCH_LIBRARY(minisgl, m) { m.def("int4_mm(Tensor x, Tensor q, Tensor sm) -> Tensor"); }
 TORCH_LIBRARY_IMPL(minisgl, CPU, m) { m.impl("int4_mm", int4_mm); }

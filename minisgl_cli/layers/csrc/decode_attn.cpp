@@ -1,0 +1,161 @@
+// minisgl::decode_attn, the CPU decode attention over the paged KV cache (attention/torch_backend.py says when it
+// runs).
+//
+// out[b, h] = softmax(scale * q[b, h] . K_b) V_b over the first lens[b] keys of row b, at the pool slots
+// slots[b, :lens[b]] of k and v [slots, Hkv, D]: no gathered copy of the keys. A row's result depends on its own
+// query, keys and length alone. Each (row, KV head) runs on one thread over exactly its keys in one order, whatever
+// the rows beside it, the thread count or the slots' padding; torch's SDPA, given the keys gathered and padded to
+// the batch's longest row, rounds a row by that padded length, so a request's decode rounded otherwise beside a
+// longer one, and a verify step's rows otherwise than decode steps' (scheduler/speculative.py). Scores, softmax and
+// the weighted sum are fp32 (a 16-bit cache's products exact); the query heads of a KV head (GQA) share its loads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) { return minisgl::from_bf16(p); }
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), minisgl::to_bf16(v));
+}
+
+// exp(x) for x <= 0: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (error < 1e-8 of it),
+// times 2^n by scalef (which underflows to 0 in order).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2's high bits: n * it is exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int kMaxGroup = 16;  // query heads a KV head serves
+
+struct Args {
+  int64_t Hkv, G, Lmax;
+  float scale;
+  const int64_t* slots;
+  const int64_t* lens;
+};
+
+// One (row b, KV head h): its G query heads of NV x 16 dims each (query and output Q, cache C).
+template <typename Q, typename C, int NV>
+void one(const Args& a, const Q* q, const C* k, const C* v, Q* out, int64_t b, int64_t h, std::vector<float>& sc) {
+  constexpr int D = NV * 16;
+  const int64_t G = a.G, L = a.lens[b];
+  const int64_t* slots = a.slots + b * a.Lmax;
+  const int64_t head0 = (b * a.Hkv + h) * G;  // the first of its query heads in q / out [B, H, D]
+  __m512 qv[kMaxGroup][NV];
+  for (int64_t g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) qv[g][i] = load16(q + (head0 + g) * D + i * 16);
+  sc.resize(G * L);
+  for (int64_t j = 0; j < L; ++j) {  // scores
+    const C* kp = k + (slots[j] * a.Hkv + h) * D;
+    __m512 kv[NV];
+    for (int i = 0; i < NV; ++i) kv[i] = load16(kp + i * 16);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[g][i], kv[i], acc);
+      sc[g * L + j] = _mm512_reduce_add_ps(acc) * a.scale;
+    }
+  }
+  float sum[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {  // softmax's weights, unnormalised
+    float* s = sc.data() + g * L;
+    float m = s[0];
+    for (int64_t j = 1; j < L; ++j) m = s[j] > m ? s[j] : m;
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; j += 16) {
+      const __mmask16 lanes = L - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (L - j)) - 1);
+      const __m512 p = _mm512_maskz_mov_ps(lanes, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + j), mv)));
+      _mm512_mask_storeu_ps(s + j, lanes, p);
+      total = _mm512_add_ps(total, p);
+    }
+    sum[g] = _mm512_reduce_add_ps(total);
+  }
+  __m512 acc[kMaxGroup][NV];
+  for (int64_t g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {  // the weighted sum of the values
+    const C* vp = v + (slots[j] * a.Hkv + h) * D;
+    __m512 vv[NV];
+    for (int i = 0; i < NV; ++i) vv[i] = load16(vp + i * 16);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(sc[g * L + j]);
+      for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(w, vv[i], acc[g][i]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 total = _mm512_set1_ps(sum[g]);
+    for (int i = 0; i < NV; ++i) store16(out + (head0 + g) * D + i * 16, _mm512_div_ps(acc[g][i], total));
+  }
+}
+
+template <typename Q, typename C, int NV>
+void run(const Args& a, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out) {
+  const Q* qp = q.const_data_ptr<Q>();
+  const C* kp = k.const_data_ptr<C>();
+  const C* vp = v.const_data_ptr<C>();
+  Q* op = out.data_ptr<Q>();
+  at::parallel_for(0, q.size(0) * a.Hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> sc;
+    for (int64_t t = t0; t < t1; ++t) one<Q, C, NV>(a, qp, kp, vp, op, t / a.Hkv, t % a.Hkv, sc);
+  });
+}
+
+template <typename Q, typename C>
+void by_dim(const Args& a, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out) {
+  switch (q.size(2) / 16) {
+    case 2: return run<Q, C, 2>(a, q, k, v, out);
+    case 4: return run<Q, C, 4>(a, q, k, v, out);
+    case 6: return run<Q, C, 6>(a, q, k, v, out);
+    case 8: return run<Q, C, 8>(a, q, k, v, out);
+    case 16: return run<Q, C, 16>(a, q, k, v, out);
+    default: TORCH_CHECK(false, "decode_attn: head_dim 32, 64, 96, 128 or 256, got ", q.size(2));
+  }
+}
+
+at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                       const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.is_contiguous() && k.is_contiguous() &&
+                  v.is_contiguous(), "decode_attn: q [B, H, D], k and v [slots, Hkv, D], contiguous");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0 &&
+                  q.size(1) / k.size(1) <= kMaxGroup, "decode_attn: q, k and v shapes disagree");
+  const auto qt = q.scalar_type(), ct = k.scalar_type();
+  TORCH_CHECK(ct == v.scalar_type() && (qt == ct || qt == at::kFloat) && (ct == at::kBFloat16 || ct == at::kFloat),
+              "decode_attn: a bf16 or fp32 cache, the query in its dtype or fp32");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == q.size(0) && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous() && lens.dim() == 1 && lens.size(0) == q.size(0) &&
+                  lens.scalar_type() == at::kLong && lens.is_contiguous(),
+              "decode_attn: slots [B, L] and lens [B] int64");
+  const int64_t* lp = lens.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= slots.size(1), "decode_attn: a row's length is outside 1..", slots.size(1));
+  at::Tensor out = at::empty_like(q);
+  const Args a{k.size(1), q.size(1) / k.size(1), slots.size(1), static_cast<float>(scale),
+               slots.const_data_ptr<int64_t>(), lp};
+  if (qt == at::kBFloat16)
+    by_dim<at::BFloat16, at::BFloat16>(a, q, k, v, out);
+  else if (ct == at::kBFloat16)
+    by_dim<float, at::BFloat16>(a, q, k, v, out);
+  else
+    by_dim<float, float>(a, q, k, v, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(minisgl, CPU, m) { m.impl("decode_attn", decode_attn); }

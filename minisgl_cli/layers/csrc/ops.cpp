@@ -1,0 +1,7 @@
+// The schemas of minisgl's CPU ops (each kernel's file registers its CPU implementation).
+#include <torch/library.h>
+
+TORCH_LIBRARY(minisgl, m) {
+  m.def("int4_mm(Tensor x, Tensor q, Tensor sm) -> Tensor");
+  m.def("decode_attn(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lens, float scale) -> Tensor");
+}
