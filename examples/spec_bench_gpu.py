@@ -87,6 +87,7 @@ class _Replay:
     """The oracle: proposes the next k tokens of the plain run's answer; with `replay` off, prompt lookup's drafts."""
 
     name = "oracle"
+    free = True
 
     def __init__(self, answer: list[int]):
         self.answer, self.replay, self.ngram = answer, True, NgramProposer(1, 12)

@@ -34,6 +34,7 @@ class Oracle:
     """Proposes what the answer without speculation said next, every `spoil`-th proposal with one token wrong."""
 
     name = "oracle"
+    free = True
 
     def __init__(self, answers: dict[tuple[int, ...], list[int]], spoil: int = 3):
         self.answers, self.spoil, self.calls, self.released = answers, spoil, 0, 0
@@ -195,7 +196,7 @@ def test_a_request_with_nothing_to_copy_asks_for_drafts_rarely(monkeypatch, tiny
     finds nothing backs off as after a rejected verify, so 64 tokens ask ~log2(64) times, not 64."""
 
     class Nothing:
-        name, calls = "nothing", 0
+        name, free, calls = "nothing", True, 0
 
         def propose(self, reqs, budgets):
             self.calls += 1
@@ -298,6 +299,19 @@ def test_draft_budget_follows_acceptance_and_backs_off_when_nothing_is_accepted(
     assert b.wants(outputs) == 0 and b.wants(outputs + 1) == 3
     b.found_none(outputs + 1)
     assert b.wants(outputs + 2) == 0 and b.wants(outputs + 3) == 3
+
+
+def test_a_budget_that_does_not_pause_keeps_drafting_at_its_acceptance_rate():
+    """Prompt lookup on the CPU (no overlap to lose): a rejected draft costs only its row, so no pause."""
+    b = DraftBudget(3, pauses=False)
+    for outputs in range(10):
+        b.update(1, 0, outputs)
+        assert b.wants(outputs + 1) == 1  # still one draft a step, at a low rate
+    b.found_none(11)
+    assert b.wants(11) == 1
+    for outputs in range(12, 20):  # a copied passage: back up to k
+        b.update(b.wants(outputs), b.wants(outputs), outputs)
+    assert b.wants(20) == 3
 
 
 def test_ngram_index_proposes_what_followed_the_longest_latest_match():

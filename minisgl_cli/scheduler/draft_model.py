@@ -26,6 +26,7 @@ class DraftModelProposer:
     each request has a shadow `Req` there whose kv_len is how many of its tokens the draft pool holds."""
 
     name = "draft"
+    free = False
 
     def __init__(self, target: Engine, model: str):
         self.engine = target.draft_engine(model)

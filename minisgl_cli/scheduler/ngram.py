@@ -69,6 +69,7 @@ class NgramProposer:
     """The `ngram` proposer: an index per running request, by request id."""
 
     name = "ngram"
+    free = True
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n

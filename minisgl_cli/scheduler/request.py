@@ -19,11 +19,15 @@ DECAY = 0.6  # per verify: how fast a request's acceptance rate forgets
 class DraftBudget:
     """How many drafts a request proposes next, from its recent verify steps. Its acceptance rate `rate` (of a draft
     whose run got that far; decayed, optimistic at first) sets the longest run d <= k whose last draft is reached
-    with a chance of at least KEEP (rate**d), at least one. A verify that accepted nothing pauses the request's drafts
-    for 1, 2, 4 .. MAX_WAIT plain steps (doubling while it goes on): a request whose drafts keep failing costs a step
-    ~nothing, and one that starts to copy (a quoted passage) is found again within MAX_WAIT tokens."""
+    with a chance of at least KEEP (rate**d), at least one. Where a failed draft costs more than its verify row
+    (`pauses`: a proposer that runs a model, or a scheduler that overlaps steps, whose verify steps do not), a verify
+    that accepted nothing pauses the request's drafts for 1, 2, 4 .. MAX_WAIT plain steps (doubling while it goes
+    on): a request whose drafts keep failing costs a step ~nothing, and one that starts to copy (a quoted passage) is
+    found again within MAX_WAIT tokens. Without them (prompt lookup on the CPU) a request keeps drafting: one draft
+    row costs a few percent of a step, and a run it starts pays for many."""
 
     k: int
+    pauses: bool = True
     hits: float = 0.0  # accepted drafts (decayed)
     misses: float = 0.0  # rejected ones: at most one per verify, the first that differed
     resume_at: int = 0  # after a verify that accepted nothing: the output length at which it proposes again
@@ -57,6 +61,8 @@ class DraftBudget:
         self._pause(outputs)
 
     def _pause(self, outputs: int) -> None:
+        if not self.pauses:
+            return
         self.backoff = min(2 * self.backoff or 1, MAX_WAIT)
         self.resume_at = outputs + self.backoff
 

@@ -170,7 +170,8 @@ class Scheduler:
             return
         else:
             if self.proposer is not None:
-                req.draft = DraftBudget(self.cfg.num_speculative_tokens)
+                req.draft = DraftBudget(self.cfg.num_speculative_tokens,
+                                        pauses=self.overlap or not self.proposer.free)
             self.waiting.append(req)
 
     def _compile(self, req: Req) -> bool:

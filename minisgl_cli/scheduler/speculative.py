@@ -38,6 +38,7 @@ class Proposer(Protocol):
     deterministically (the verify rule treats each draft as certain, q = 1) and the same on every TP rank."""
 
     name: str
+    free: bool  # proposing runs no forward pass: a rejected draft costs only its verify row
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         """Up to budgets[i] tokens likely to follow reqs[i]'s tokens (every one known on the host); [] for none."""
