@@ -2,7 +2,9 @@
 workloads of the default model: rewrite a paragraph, edit a code listing, open chat (the prompts are
 `minisgl bench`'s datasets rewrite, code-edit and open-chat).
 
-    python examples/bench_spec_cpu.py [--new-tokens 256] [--repeat 3] [--k 4] [--torch-compile off|on]
+    python examples/bench_spec_cpu.py [--new-tokens 256] [--repeat 3] [--k 4] [--torch-compile off|on] [--model PATH]
+
+(`--model` takes another model, e.g. the default model's GGUF on a GPU machine, where it runs on CUDA in bf16.)
 
 Two in-process engines of the same model and mode (the default: the GGUF's int4 weights) -- one plain, one with
 `--speculative-algorithm ngram` -- answer each prompt in turn, `--repeat` times, greedy, one request at a time. tok/s is
@@ -29,6 +31,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--k", type=int, default=3, help="--num-speculative-tokens")
     ap.add_argument("--torch-compile", default="off", choices=("off", "on"))
+    ap.add_argument("--model", default=None, help="a model path (default: the default model)")
     ap.add_argument("--workload", action="append", choices=list(WORKLOADS), help="(repeatable; default: all)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's; 1 on a shared machine: threads that wait on each other "
@@ -38,7 +41,7 @@ def main() -> None:
 
     from minisgl_cli import LLM, SamplingParams
 
-    kw = dict(torch_compile=args.torch_compile, num_threads=args.threads)
+    kw = dict(model=args.model, torch_compile=args.torch_compile, num_threads=args.threads)
     plain, spec = LLM(**kw), LLM(**kw, speculative_algorithm="ngram", num_speculative_tokens=args.k)
     for llm in (plain, spec):  # a compiled decode: wait for it, as serving would
         while llm.client.stats().decode_compiling:
