@@ -20,6 +20,9 @@
 # shorter, so that it falls inside minisgl's first build), then at steady state (minisgl: once its compiled CPU
 # decode step is built, into a fresh MINISGL_COMPILED_DIR under OUT_DIR); then minisgl serve starts again over the
 # stored step and is benchmarked as soon as it answers /health ("second start", with its seconds to /health).
+# The cold benches draw their prompts from other seeds than the steady one's levels (bench draws each level's with
+# seed + its index): the steady run would otherwise find them in the prefix cache the cold run left in the same
+# server (both servers keep one), and its TTFT flatter cold and second start.
 # LLAMACPP=0 skips llama.cpp (and its build): minisgl's moments alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +39,8 @@ case $WORKLOAD in
     MODES="int4=--quantization=auto int4-eager=--quantization=auto,--torch-compile=off fp32=--dtype=float32,--quantization=none"
     BENCH_ARGS=(--dataset random --num-prompts 32 --input-len 128 --output-len 64
                 --concurrency 1 --concurrency 4 --concurrency 16)
-    BENCH_COLD_ARGS=(--dataset random --num-prompts 16 --input-len 128 --output-len 64 --concurrency 1 --concurrency 16) ;;
+    BENCH_COLD_ARGS=(--dataset random --num-prompts 16 --input-len 128 --output-len 64 --concurrency 1 --concurrency 16
+                     --seed 100) ;;
   rewrite|code-edit|open-chat)
     MODES="plain=--quantization=auto ngram=--quantization=auto,--speculative-algorithm=ngram"
     BENCH_ARGS=(--dataset "$WORKLOAD" --num-prompts "${NUM_PROMPTS:-8}" --max-new-tokens 256 --concurrency 1)
