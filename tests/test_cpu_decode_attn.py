@@ -7,9 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minisgl_cli.attention.torch_backend import TorchBackend, TorchDecodeMeta, decode_mask
+from minisgl_cli.kvcache.pool import FP8, KVPool, KVShape
 from minisgl_cli.layers import cpu_library
 
-pytestmark = pytest.mark.skipif(cpu_library.load() is not None, reason="minisgl's CPU kernels do not build here")
+needs_kernel = pytest.mark.skipif(cpu_library.load() is not None, reason="minisgl's CPU kernels do not build here")
 
 SLOTS, HKV, SCALE = 2048, 3, 0.125
 
@@ -27,6 +29,7 @@ def _attn(q, k, v, slots, lens):
     return torch.ops.minisgl.decode_attn(q, k, v, slots, lens, SCALE)
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype,q_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
                                            (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("group,dim", [(3, 64), (4, 128), (1, 32)])
@@ -44,6 +47,7 @@ def test_it_computes_attention_as_sdpa_over_the_gathered_keys(dtype, q_dtype, gr
         torch.testing.assert_close(got[b].double(), ref.reshape(HKV * group, dim), rtol=tol, atol=tol)
 
 
+@needs_kernel
 def test_a_row_has_the_same_bits_alone_among_others_with_more_padding_and_on_any_thread_count():
     lens = [7, 150, 151, 152, 153, 290, 64]
     q, k, v, slots, t = _case(torch.bfloat16, torch.bfloat16, 3, 64, lens)
@@ -62,6 +66,7 @@ def test_a_row_has_the_same_bits_alone_among_others_with_more_padding_and_on_any
         torch.set_num_threads(threads)
 
 
+@needs_kernel
 def test_bad_inputs_are_refused():
     q, k, v, slots, t = _case(torch.bfloat16, torch.bfloat16, 3, 64, [5, 9])
     with pytest.raises(RuntimeError, match="length"):
@@ -74,3 +79,28 @@ def test_bad_inputs_are_refused():
         _attn(q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), slots, t)
     with pytest.raises(RuntimeError, match="bf16 or fp32"):
         _attn(q.half(), k.half(), v.half(), slots, t)
+
+
+@needs_kernel
+def test_the_backend_attends_through_the_kernel_where_it_is_built_else_through_sdpa(monkeypatch):
+    """A 16-bit CPU pool takes the kernel; an FP8 pool, or a process whose kernels did not build, SDPA over the
+    gathered keys: the same attention within bf16 rounding."""
+    def backend(dtype=torch.bfloat16) -> TorchBackend:
+        pool = KVPool(KVShape(1, HKV, 64, dtype), num_pages=1024, page_size=1, max_reqs=4, max_context_len=512,
+                      device="cpu")
+        return TorchBackend(pool, HKV * 3, HKV, 64, SCALE)
+
+    own = backend()
+    assert own.own_decode and not backend(FP8).own_decode
+    monkeypatch.setattr(cpu_library, "load", lambda: "no compiler")
+    sdpa = backend()
+    assert not sdpa.own_decode
+    sdpa.pool = own.pool
+    own.pool.k[0].normal_()
+    own.pool.v[0].normal_()
+    q = torch.randn(2, HKV * 3, 64).to(torch.bfloat16)
+    lens = torch.tensor([40, 19])
+    slots = torch.arange(1, 97).view(2, 48)
+    got = own._decode(q, 0, TorchDecodeMeta(slots.reshape(-1), 48, lens, None))
+    ref = sdpa._decode(q, 0, TorchDecodeMeta(slots.reshape(-1), 48, lens, decode_mask(lens, 48, torch.bfloat16)))
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
