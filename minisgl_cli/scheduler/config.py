@@ -29,7 +29,7 @@ class SchedulerConfig:
     speculative_algorithm: SpeculativeAlgorithm = field(default="none", metadata=dict(
         flags=("--speculative-algorithm",), env="MINISGL_SPECULATIVE_ALGORITHM",
         help="Speculative decoding: none, ngram (prompt lookup) or draft (a draft model)."))
-    num_speculative_tokens: int = field(default=3, metadata=dict(  # 4 rows: the CPU int4 kernel's row block
+    num_speculative_tokens: int = field(default=3, metadata=dict(  # k = 5 wins only where answers copy at length
         flags=("--num-speculative-tokens",), min=1, max=16,
         help="Draft tokens a request proposes per step at most (its verify step runs k + 1 rows)."))
     prompt_lookup_min: int = field(default=1, metadata=dict(
