@@ -46,3 +46,13 @@ def refused_before_the_device(device: str, monkeypatch) -> None:
 
 def test_an_out_of_vocabulary_id_never_reaches_the_gpu_and_the_engine_goes_on(monkeypatch):
     refused_before_the_device("cuda", monkeypatch)
+
+
+def test_a_kv_pool_larger_than_the_gpu_is_refused_in_one_line():
+    """--max-total-tokens past the memory the weights leave: a one-line error naming both sizes, not CUDA's OOM."""
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+
+    with pytest.raises(ValueError, match=r"--max-total-tokens 100,000,000 needs a .* GiB KV pool and .* GiB of cuda"):
+        Engine(EngineConfig(model="qwen3-0.6b", load_format="dummy", max_total_tokens=100_000_000))
+    torch.cuda.empty_cache()

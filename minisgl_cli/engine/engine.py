@@ -234,7 +234,13 @@ class Engine:
         cfg = self.cfg
         self._free_after_weights = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         if cfg.max_total_tokens:
-            return max(1, cfg.max_total_tokens // cfg.page_size)
+            pages = max(1, cfg.max_total_tokens // cfg.page_size)
+            need = (pages + 1) * cfg.page_size * shape.bytes_per_token()  # + the scratch page
+            if self.device.type == "cuda" and need > self._free_after_weights:  # refused, not a CUDA OOM traceback
+                raise ValueError(f"--max-total-tokens {cfg.max_total_tokens:,} needs a {need / 2**30:.1f} GiB KV pool "
+                                 f"and {self._free_after_weights / 2**30:.1f} GiB of {self.device} is free after the "
+                                 "weights: lower it, or leave it out to size the pool by --mem-fraction")
+            return pages
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cfg.mem_fraction)
