@@ -72,9 +72,9 @@ class TorchBackend(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         table = self.pool.page_table
         if batch.is_decode:
-            # Padded to a multiple of _PAD: a request's softmax sums then take the same vector lanes and tail
-            # whatever the longest request beside it (masked positions add exact zeros to full lanes), so its
-            # decode rounds alike in any batch.
+            # Keys padded to a multiple of _PAD (the compiled step's key dimension). SDPA still rounds a row by the
+            # padding now and then (examples/bench_cpu_attention.py), which is why minisgl::decode_attn takes each
+            # row's own length and never reads the padding.
             max_len = min(-(-max(batch.seq_lens_cpu) // _PAD) * _PAD, table.shape[1])
             slots = table[batch.req_slots, :max_len].long()
             lens = batch.seq_lens.long()
