@@ -4,7 +4,9 @@ workloads of the default model: rewrite a paragraph, edit a code listing, open c
 
     python examples/bench_spec_cpu.py [--new-tokens 256] [--repeat 3] [--k 4] [--torch-compile off|on] [--model PATH]
 
-(`--model` takes another model, e.g. the default model's GGUF on a GPU machine, where it runs on CUDA in bf16.)
+(`--model` takes another model, e.g. the default model's GGUF on a GPU machine, where it runs on CUDA in bf16.
+`--temperature T` samples instead, with a fixed seed: speculation then draws the very same tokens, so `same` still
+checks it.)
 
 Two in-process engines of the same model and mode (the default: the GGUF's int4 weights) -- one plain, one with
 `--speculative-algorithm ngram` -- answer each prompt in turn, `--repeat` times, greedy, one request at a time. tok/s is
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="--num-speculative-tokens")
     ap.add_argument("--torch-compile", default="off", choices=("off", "on"))
     ap.add_argument("--model", default=None, help="a model path (default: the default model)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (seed 1); 0: greedy")
     ap.add_argument("--workload", action="append", choices=list(WORKLOADS), help="(repeatable; default: all)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's; 1 on a shared machine: threads that wait on each other "
@@ -46,9 +49,11 @@ def main() -> None:
     for llm in (plain, spec):  # a compiled decode: wait for it, as serving would
         while llm.client.stats().decode_compiling:
             time.sleep(1)
-    params = SamplingParams(max_new_tokens=args.new_tokens)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature,
+                            seed=1 if args.temperature else None)
     print(f"load average before: {os.getloadavg()[0]:.2f}; k={args.k}, torch_compile={args.torch_compile}, "
-          f"threads={torch.get_num_threads()}, new_tokens<={args.new_tokens}, repeat={args.repeat}")
+          f"threads={torch.get_num_threads()}, new_tokens<={args.new_tokens}, repeat={args.repeat}, "
+          f"temperature={args.temperature:g}")
     print(f"{'workload':12}{'tokens':>8}{'plain tok/s':>13}{'ngram tok/s':>13}{'ratio':>8}{'cpu ratio':>11}"
           f"{'accept len':>12}{'verifies':>10}{'same':>6}{'load':>7}")
     for name in args.workload or WORKLOADS:

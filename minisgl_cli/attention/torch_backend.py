@@ -154,10 +154,11 @@ class TorchBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, layer_id: int, meta: TorchDecodeMeta):
         bsz, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
-        if meta.mask is None:  # own_decode
+        if self.own_decode:
             return torch.ops.minisgl.decode_attn(q.reshape(bsz, self.num_heads, d).contiguous(),
                                                  self.pool.k[layer_id], self.pool.v[layer_id],
                                                  meta.slots.view(bsz, meta.max_len), meta.lens, self.scale)
+        assert meta.mask is not None  # prepare builds it where SDPA attends
         group = self.num_heads // hkv
         shape = (bsz, meta.max_len, hkv, d)
         k_all, v_all = self.pool.read(layer_id, meta.slots, q.dtype)

@@ -242,8 +242,7 @@ class Engine:
                                  "weights: lower it, or leave it out to size the pool by --mem-fraction")
             return pages
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.mem_fraction)
+            budget = int(self._free_after_weights * cfg.mem_fraction)
         else:
             budget = int(cfg.kv_cache_gib * (1 << 30))
         return KVPool.pages_for_budget(shape, budget, cfg.page_size)

@@ -17,14 +17,11 @@ process's greedy answers are consistent, not bit-equal across the two kernels.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
 from minisgl_cli import env
 from minisgl_cli.layers import cpu_library
-
-log = logging.getLogger("minisgl.kernels")
 
 GROUP = 32  # inputs per scale and min (GGUF's Q4_1 block)
 
@@ -41,8 +38,7 @@ def kernel() -> str:
         return "minisgl"
     if choice == "minisgl":
         raise RuntimeError(f"MINISGL_CPU_INT4=minisgl: the int4 kernel is not available: {why}")
-    log.warning("the int4 kernel is not available (%s); using ATen's", why)
-    return "aten"
+    return "aten"  # cpu_library.load logged why
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from minisgl_cli.notice import notice
 log = logging.getLogger("minisgl.kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(sorted(_CSRC.glob("*.cpp")))  # compiled together; their headers (*.h) are in the library's key
+_SOURCES = tuple(sorted(_CSRC.glob("*.cpp")))  # compiled together; their headers (*.h) are in the library's key
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq",
           "-mavx512vl", "-mavx512bf16", "-mf16c")
 
@@ -33,13 +33,15 @@ _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-ma
 @functools.cache
 def load() -> str | None:
     """Load the library (building it first where the cache has none): None when it is loaded, else why not (no
-    AVX512-BF16, no compiler, a failed build)."""
+    AVX512-BF16, no compiler, a failed build; the last two logged once, here)."""
     if not torch.cpu._is_avx512_bf16_supported():
         return "this CPU lacks AVX512-BF16"
     try:
         torch.ops.load_library(str(_build()))
     except (OSError, RuntimeError) as e:  # no compiler, a failed build (_build's message), an unloadable library
-        return str(e).splitlines()[0] if str(e) else repr(e)
+        why = str(e).splitlines()[0] if str(e) else repr(e)
+        log.warning("minisgl's CPU kernels are not available (%s); PyTorch's int4 GEMM and SDPA run instead", why)
+        return why
     # Shapes for torch.export and AOTInductor (the compiled decode step calls both ops).
     torch.library.register_fake("minisgl::int4_mm")(lambda x, q, sm: x.new_empty(x.shape[0], q.shape[0] * 16))
     torch.library.register_fake("minisgl::decode_attn")(lambda q, *_: torch.empty_like(q))
@@ -51,7 +53,7 @@ def _build() -> Path:
     include = cpp_extension.include_paths()
     lib = cpp_extension.library_paths()
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    texts = [f"{p.name}\0{p.read_text()}" for p in (*SOURCES, *sorted(_CSRC.glob("*.h")))]
+    texts = [f"{p.name}\0{p.read_text()}" for p in (*_SOURCES, *sorted(_CSRC.glob("*.h")))]
     key = hashlib.sha256("\0".join([*texts, torch.__version__, abi, *_FLAGS]).encode()).hexdigest()[:16]
     out = env.cache_dir() / "kernels" / f"minisgl_cpu-{key}.so"
     if out.exists():
@@ -63,7 +65,7 @@ def _build() -> Path:
             return out
         notice(f"building minisgl's CPU kernels for this torch and CPU (once, ~20 s) into {out.parent}")
         partial = out.with_suffix(f".{os.getpid()}.partial")
-        cmd = [env.cxx(), *_FLAGS, abi, *(f"-I{p}" for p in include), *map(str, SOURCES), "-o", str(partial),
+        cmd = [env.cxx(), *_FLAGS, abi, *(f"-I{p}" for p in include), *map(str, _SOURCES), "-o", str(partial),
                *(f"-L{p}" for p in lib), *(f"-Wl,-rpath,{p}" for p in lib), "-lc10", "-ltorch_cpu"]
         try:
             subprocess.run(cmd, check=True, capture_output=True, text=True)
