@@ -9,7 +9,10 @@
 #                      vs minisgl bench offline vs serve + bench --url, one prefill budget (16,384) for all
 #   sampled_fronts.log (o) the same, FP8 KV, raw vs HTTP with every request sampled at t=0.7 / top_p=0.9
 #   spec.log       (p) examples/spec_bench_gpu.py: a verify step's cost, batch-1 decode plain / oracle / ngram
-#   moe.log        (m) examples/moe_bench.py: the MoE layer fused vs grouped (bf16 and FP8 experts), no engine
+#   moe.log        (m) examples/moe_bench.py: the MoE layer fused vs grouped (bf16 and FP8 experts), no engine;
+#                      MOE_ARGS adds to its arguments (e.g. "--sizes 1,2,4,8 --sweep --sweep-dtypes small")
+#   moe_decode.log (n) examples/moe_bench.py --sizes 1: Qwen3-30B-A3B batch-1 decode, bf16 and FP8 experts, as
+#                      shipped, without the few-token path, on the grouped GEMM
 #   bench.log      (g) examples/gpu_bench.py qwen,llama: each preset and batch-1 row greedy, t=0.7/top_p=0.9 and t=1.0
 #   models.log     (e) examples/gpu_bench.py --fp8 moe,llama,mixtral: Qwen3-30B-A3B bf16 / FP8 weights beside
 #                      Llama-3.1-8B's dtypes, Mixtral-8x7B FP8 (greedy)
@@ -29,7 +32,7 @@ OUT=${OUT:-/tmp/gpu_round}; mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/gpu_round.XXXXXX)
 PY=${PY:-python3}
 BUDGET=${BUDGET:-280}
-PARTS=${PARTS:-t s f o p m g e v}
+PARTS=${PARTS:-t s f o p m n g e v}
 TESTS=${TESTS:-tests/test_gpu_sampling.py tests/test_gpu_moe.py tests/test_gpu_speculative.py tests/test_gpu_vlm.py \
 tests/test_gpu_isolation.py}
 . examples/parts.sh
@@ -63,8 +66,12 @@ want p && part "(p) speculative decoding" 100 45 "$OUT/spec.log" \
   $PY examples/spec_bench_gpu.py --out "$WORK/spec"
 
 # (m) ~40 s: the layer table, bf16 and FP8 experts (the engines are (e)'s)
-want m && part "(m) fused MoE layer" 90 30 "$OUT/moe.log" \
-  $PY examples/moe_bench.py --out "$WORK/moe" --fp8 --no-engine
+want m && part "(m) fused MoE layer" 180 30 "$OUT/moe.log" \
+  $PY examples/moe_bench.py --out "$WORK/moe" --fp8 --no-engine $MOE_ARGS
+
+# (n) ~150 s: two 30B-A3B engines (bf16, FP8), batch-1 decode with each expert path
+want n && part "(n) MoE batch-1 decode by expert path" 240 120 "$OUT/moe_decode.log" \
+  $PY examples/moe_bench.py --out "$WORK/moe_decode" --fp8 --sizes 1
 
 # (g) ~200 s: Qwen3-0.6B then Llama-3.1-8B, each row greedy and sampled two ways
 want g && part "(g) sampled against greedy" 300 120 "$OUT/bench.log" \
@@ -91,11 +98,13 @@ want v && part "(v) image chats on Qwen2.5-VL-7B" 240 100 "$OUT/vlm.log" \
     echo; echo "== $f"; grep -A14 "^Qwen3-0.6B dummy" "$OUT/$f.log" 2>/dev/null || echo "(not run)"
   done
   echo; echo "== moe layer"; tail -25 "$OUT/moe.log" 2>/dev/null || echo "(not run)"
+  echo; echo "== moe decode"; tail -12 "$OUT/moe_decode.log" 2>/dev/null || echo "(not run)"
   for f in bench models; do  # gpu_bench's ratios and dtype table
     echo; echo "== $f"; sed -n '/^==== summary/,$p' "$OUT/$f.log" 2>/dev/null | grep -v "^gemv" | cut -c1-260 \
       || echo "(not run)"
   done
   echo; echo "== vlm"; tail -12 "$OUT/vlm.log" 2>/dev/null || echo "(not run)"
 } > "$OUT/summary.txt"
+cp "$WORK"/moe_decode/moe_bench.json "$OUT"/moe_decode.json 2>/dev/null
 cp "$WORK"/sampling/*.json "$WORK"/moe/*.json "$WORK"/vlm/*.json "$OUT"/ 2>/dev/null
 echo; cat "$OUT/summary.txt"

@@ -7,13 +7,16 @@
    blocks captured back to back in one CUDA graph (so weights come from DRAM, as in a decode step): fused Triton
    (layers/triton_moe.py, the tile its table picks) vs the block on torch's grouped GEMM; the router +
    routing + alignment alone; --fp8: the fused kernels over e4m3 weights (per-row scales): the table's pick, then
-   w8a16 and w8a8 each on its own tiles (layers/moe_tiles.py), with their errors against the bf16 weights. The bytes
+   w8a16 and w8a8 each on its own tiles (layers/moe_tiles.py), with their errors against the bf16 weights; up to 8
+   tokens also the few-token path (`small_experts`: routing inside two GEMV passes, PDL on) and the aligned path
+   with PDL on. The bytes
    of the experts the tokens chose over the fused time give an effective TB/s. `--sweep` also times every
    candidate tile of each GEMM per BLOCK_M, bf16 and (--fp8) w8a16 and w8a8 (--sweep-dtypes picks), for the
-   TILES tables.
+   TILES tables; `--sweep-dtypes small`: the few-token path's candidate tiles (SMALL_TILES).
 2. Qwen3-30B-A3B with dummy weights (bf16; --fp8: then FP8 experts and linears, a second engine): one 128-token
-   prompt, 256 new tokens, EOS ignored, CUDA graphs and overlap on; decode tok/s with the fused experts and with
-   the grouped GEMM (graphs recaptured; every other fused op stays on).
+   prompt, 256 new tokens, EOS ignored, CUDA graphs and overlap on; decode tok/s with the fused experts as shipped
+   (the few-token path at batch 1), without the few-token path ("aligned") and with the grouped GEMM (graphs
+   recaptured; every other fused op stays on).
 
 Prints a table and writes moe_bench.json under --out ($OUT). One H100, defaults: ~70 s (Triton compiles on a cold
 cache, the 61 GB engine's start); each of --fp8 and --sweep adds ~10-30 s.
@@ -51,6 +54,12 @@ SWEEP_NK = [(n, k, w, st) for n in (32, 64, 128) for k in (64, 128, 256) for w, 
     (256, 64, 8, 3), (256, 128, 8, 3)]
 
 
+SMALL_UP = [triton_moe.GemvTile(*c) for c in ((1, 1024, 4), (2, 1024, 8), (2, 512, 4), (4, 512, 8), (4, 256, 4),
+                                              (8, 256, 8), (1, 2048, 8))]
+SMALL_DOWN = [triton_moe.GemvTile(*c) for c in ((1, 1024, 8), (1, 1024, 4), (1, 512, 4), (2, 512, 8), (2, 256, 4),
+                                                (4, 256, 8))]
+
+
 def sweep_block_m(m: int) -> tuple[int, ...]:
     return (16,) if m <= 64 else (16, 32) if m <= 256 else (32, 64) if m <= 1024 else (64, 128)
 
@@ -65,6 +74,17 @@ def grouped_experts():
         yield
     finally:
         ops.MOE_FUSED_MAX_TOKENS = saved
+
+
+@contextlib.contextmanager
+def aligned_only():
+    """Every batch takes route + align + the two grouped passes (no few-token path)."""
+    saved = triton_moe.SMALL_MAX_TOKENS
+    triton_moe.SMALL_MAX_TOKENS = 0
+    try:
+        yield
+    finally:
+        triton_moe.SMALL_MAX_TOKENS = saved
 
 
 def fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +105,19 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
         return triton_moe.fused_experts(x, qb[0][0], qb[1][0], w, ids, qb[0][1], qb[1][1],
                                         tiles=triton_moe.pick_tiles(m, True, w8a8))
 
+    def small(b, qb=None, tiles=triton_moe.SMALL_TILES):
+        e = b.experts
+        w = (e.gate_up_proj, e.down_proj, None, None) if qb is None else (qb[0][0], qb[1][0], qb[0][1], qb[1][1])
+        return triton_moe.small_experts(x, b.gate(x), w[0], w[1], TOP_K, True, w[2], w[3], tiles=tiles, pdl=True)
+
     us = {"fused": _graph_us([lambda b=b: fused(b) for b in blocks])}  # the block's own choice may be grouped
+    us["aligned_pdl"] = _graph_us([lambda b=b: triton_moe.fused_experts(
+        x, b.experts.gate_up_proj, b.experts.down_proj, *triton_moe.route(b.gate(x), TOP_K, True, True), pdl=True)
+        for b in blocks])
+    if m <= 8:  # the few-token path (routing inside its two passes), whatever SMALL_MAX_TOKENS says
+        us["small"] = _graph_us([lambda b=b: small(b) for b in blocks])
+        if q is not None:
+            us["small_fp8"] = _graph_us([lambda b=b, qb=qb: small(b, qb) for b, qb in zip(blocks, q)])
     block_m = triton_moe.pick_tiles(m).gate_up.block_m  # the router, the routing and the alignment alone:
     us["route_align"] = _graph_us([lambda b=b: triton_moe.align(triton_moe.route(b.gate(x), TOP_K, True)[1], EXPERTS,
                                                                 block_m) for b in blocks])
@@ -101,12 +133,25 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
         return f"{((y.float() - ref).norm() / ref.norm()).item():.1e}"
 
     errs = {"rel_err_vs_grouped": rel_err(triton_moe.fused_experts(x, e.gate_up_proj, e.down_proj, w, ids))}
+    if m <= 8:
+        errs["rel_err_small"] = rel_err(triton_moe.small_experts(x, blocks[0].gate(x), e.gate_up_proj, e.down_proj,
+                                                                 TOP_K, True))
     if q is not None:  # FP8 against the bf16 weights they were quantized from
         (gu, gs), (dn, ds) = q[0]
         for name, w8a8 in (("w8a16", False), ("w8a8", True)):
             errs[f"rel_err_fp8_{name}"] = rel_err(triton_moe.fused_experts(
                 x, gu, dn, w, ids, gs, ds, tiles=triton_moe.pick_tiles(m, True, w8a8)))
     best = sweep_tiles(m, x, blocks, q, sweep) if sweep else None
+    if "small" in sweep and m <= 8:  # each pass's candidates with the other pass at its table tile
+        t0 = triton_moe.SMALL_TILES
+        for part, cands in (("gate_up", SMALL_UP), ("down", SMALL_DOWN)):
+            times = []
+            for c in cands:
+                tiles = triton_moe.SmallTiles(c, t0.down) if part == "gate_up" else triton_moe.SmallTiles(t0.gate_up, c)
+                times.append((round(_graph_us([lambda b=b, t=tiles: small(b, tiles=t) for b in blocks]), 1),
+                              list(vars(c).values())))
+            print(f"  M={m} small {part}: {sorted(times)}", flush=True)
+            errs[f"small_{part}_best"] = str(min(times))
     expert_bytes = 3 * HIDDEN * INTER * 2  # one expert's bf16 gate, up, down (FP8: half, the scales aside)
     r = dict(M=m, experts_chosen=chosen, **{f"{k}_us": round(v, 1) for k, v in us.items()},
              fused_tbs=round(chosen * expert_bytes / us["fused"] / 1e6, 2), **errs,
@@ -198,9 +243,11 @@ def bench_decode(quantization: str, rows: list[dict]) -> None:
     print(f"[qwen3-30b-a3b {quantization}] engine up in {up:.1f}s (graphs: {e.graphs is not None})", flush=True)
     g = random.Random(1)
     prompt = [[g.randint(0, 10000) for _ in range(128)]]
-    for experts in ("fused", "grouped") if quantization == "none" else ("fused",):  # FP8: fused at every size
-        with grouped_experts() if experts == "grouped" else contextlib.nullcontext():
-            if experts == "grouped":
+    variants = ("fused", "aligned", "grouped") if quantization == "none" else ("fused", "aligned")
+    for experts in variants:  # FP8: fused at every size; "aligned": without the few-token path
+        ctx = grouped_experts() if experts == "grouped" else aligned_only() if experts == "aligned" else None
+        with ctx or contextlib.nullcontext():
+            if experts != "fused":
                 e.capture_graphs()
             run_requests(e, prompt, [16], overlap=True)  # warm-up: every kernel of the path compiled
             st = run_requests(e, prompt, [256], overlap=True)
@@ -218,7 +265,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,8,64,256", help="token counts of the layer table")
     ap.add_argument("--fp8", action="store_true", help="also the fused kernels over e4m3 expert weights")
     ap.add_argument("--sweep", action="store_true", help="also time a few tiles per M (for the TILES tables)")
-    ap.add_argument("--sweep-dtypes", default="bf16,fp8,w8a8", help="--sweep: which arithmetics (fp8: w8a16)")
+    ap.add_argument("--sweep-dtypes", default="bf16,fp8,w8a8",
+                    help="--sweep: which arithmetics (fp8: w8a16; small: the few-token path's tiles)")
     ap.add_argument("--no-engine", action="store_true", help="the layer table only")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -249,6 +297,9 @@ def main() -> None:
                   f"{r['grouped_us'] / r['fused_us']:>7.2f}x {r.get('fused_fp8_us', '-'):>13} "
                   f"{r['route_align_us']:>15} {r['fused_tbs']:>11} "
                   f"{r['rel_err_vs_grouped']:>8}  {r['picked']}")
+            if "small_us" in r:
+                print(f"{'':>6} few-token path {r['small_us']} us (fp8 {r.get('small_fp8_us', '-')}), aligned with PDL "
+                      f"{r['aligned_pdl_us']} us, err {r['rel_err_small']}")
             if "fp8_w8a8_us" in r:
                 print(f"{'':>6} fp8: table {r['fused_fp8_us']} us {r['fused_fp8_tbs']} TB/s ({r['picked_fp8']}); "
                       f"w8a16 {r['fp8_w8a16_us']} us {r['fp8_w8a16_tbs']} TB/s err {r['rel_err_fp8_w8a16']}; "

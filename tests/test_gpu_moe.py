@@ -5,7 +5,8 @@ tl.dot is wrong), where triton is importable and TRITON_INTERPRET=1 was set befo
 
     PYTHONPATH=$PWD:/path/to/triton TRITON_INTERPRET=1 python -m pytest -q tests/test_gpu_moe.py
 
-Cases: 4 to 128 experts, top-k 1, 2 and 8, 1 to 64 tokens, experts that get no token, FP8 expert weights (w8a16,
+Cases: 4 to 128 experts, top-k 1, 2 and 8, 1 to 64 tokens (1 to 4 on the few-token path, which routes itself),
+experts that get no token, FP8 expert weights (w8a16,
 and on the GPU w8a8); on the GPU also a CUDA graph's replay and the whole MoE block against its grouped / loop path
 (FP8 at 200 tokens: w8a8 against the torch path's simulation of it).
 """
@@ -121,6 +122,44 @@ def test_fused_experts_match_the_reference(T, n_exp, top_k, n_tok, tile):
     _close(got, _reference(x, gate_up.to(DTYPE), down.to(DTYPE), weights, ids))
 
 
+@pytest.mark.parametrize("n_exp,top_k,n_tok", [(8, 2, 1), (8, 2, 4), (16, 3, 2), (128, 8, 1), (60, 8, 3),
+                                               (4, 1, 4)])
+@pytest.mark.parametrize("tile", ["picked", "small"])
+def test_small_experts_route_themselves_and_match_the_reference(T, n_exp, top_k, n_tok, tile):
+    """The few-token path (routing inside the gate/up pass, each choice's term summed by the down pass) against the
+    reference on route()'s choices, renormalized or not; a tile smaller than the shapes masks every edge."""
+    from minisgl_cli.layers.moe import route
+
+    hidden, inter = 64, 47  # 47 rows: a masked row tile in gate/up, a masked K step in down
+    gate_up, down = (w.to(DEV, DTYPE) for w in _weights(n_exp, hidden, inter, seed=n_exp + n_tok))
+    g = torch.Generator().manual_seed(n_tok + 100)
+    x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
+    logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)
+    tiles = T.SmallTiles(T.GemvTile(2, 32, 4), T.GemvTile(4, 32, 4)) if tile == "small" else T.SMALL_TILES
+    for renormalize in (False, True):
+        got = T.small_experts(x, logits, gate_up, down, top_k, renormalize, tiles=tiles)
+        assert got.shape == (n_tok, hidden) and got.dtype == DTYPE
+        _close(got, _reference(x, gate_up, down, *route(logits, top_k, renormalize)))
+        aligned = T.fused_experts(x, gate_up, down, *T.route(logits, top_k, renormalize))
+        _close(got, aligned, tol=1e-2)  # the same terms, each rounded where the aligned path rounds it
+
+
+@pytest.mark.skipif(NO_FP8, reason="FP8 needs compute capability 8.9+")
+def test_small_fp8_experts_match_their_dequantized_weights(T):
+    """FP8 experts on the few-token path run w8a16: codes widened, the row's scale on the finished dot."""
+    from minisgl_cli.layers.moe import route
+
+    n_exp, top_k, n_tok, hidden, inter = 16, 4, 3, 64, 48
+    (gu, gs), (dn, ds) = (_fp8_rows(w) for w in _weights(n_exp, hidden, inter, seed=4))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
+    logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)
+    got = T.small_experts(x, logits, gu.to(DEV), dn.to(DEV), top_k, True, gs.to(DEV), ds.to(DEV),
+                          tiles=T.SmallTiles(T.GemvTile(2, 32, 4), T.GemvTile(4, 32, 4)))
+    want = _reference(x, *(c.float() * s[..., None] for c, s in ((gu, gs), (dn, ds))), *route(logits, top_k, True))
+    _close(got, want)
+
+
 @pytest.mark.skipif(NO_FP8, reason="FP8 needs compute capability 8.9+")
 def test_fp8_experts_match_their_dequantized_weights(T):
     from minisgl_cli.layers.moe import route
@@ -203,25 +242,29 @@ def test_fused_experts_replay_in_a_cuda_graph(T):
         logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)  # fp32: no ties for torch.topk to break its way
         return [torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE), logits]
 
-    def run(x, logits):
-        return T.fused_experts(x, gate_up, down, *T.route(logits, top_k, True))
+    def aligned(x, logits):
+        return T.fused_experts(x, gate_up, down, *T.route(logits, top_k, True), pdl=True)
 
-    static = inputs(0)
-    run(*static)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(*static)
-    for dst, src in zip(static, inputs(1)):
-        dst.copy_(src)
-    graph.replay()
-    torch.testing.assert_close(out, run(*static), rtol=0, atol=0)
-    w, ids = route(static[1], top_k, True)
-    _close(out, _reference(static[0], gate_up, down, w, ids))
+    def small(x, logits):
+        return T.small_experts(x, logits, gate_up, down, top_k, True, pdl=True)
+
+    for run in (aligned, small):
+        static = inputs(0)
+        run(*static)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(*static)
+        for dst, src in zip(static, inputs(1)):
+            dst.copy_(src)
+        graph.replay()
+        torch.testing.assert_close(out, run(*static), rtol=0, atol=0)
+        w, ids = route(static[1], top_k, True)
+        _close(out, _reference(static[0], gate_up, down, w, ids))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the MoE block on CUDA")
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("n_tok", [1, 8, 200])
+@pytest.mark.parametrize("n_tok", [1, 3, 8, 200])
 def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok, fp8):
     """Qwen3-30B-A3B's expert shapes (a quarter of its experts), bf16 or FP8 experts: the block with the fused ops
     on (Triton) and off (the grouped GEMM or the loop, over the dequantized FP8 weights) agree."""

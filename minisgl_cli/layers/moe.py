@@ -208,9 +208,9 @@ class MoE(nn.Module):
         e = self.experts
         ops = triton_experts(x, self.kernels, e.fp8)
         if ops is not None:
-            weights, ids = ops.moe_route(self.gate(x), self.top_k, self.renormalize)
-            return all_reduce(ops.moe_experts(x, e.gate_up_proj, e.down_proj, weights, ids, e.gate_up_scale,
-                                              e.down_scale), self.tp)
+            return all_reduce(ops.moe_routed(x, self.gate(x), e.gate_up_proj, e.down_proj, self.top_k,
+                                             self.renormalize, e.gate_up_scale, e.down_scale, self.kernels.pdl),
+                              self.tp)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         y = fused_experts(x, *e.dense(x.dtype), weights, ids, self.kernels, grouped_mm_runs(x.device, x.dtype),
                           fp8_rows=e.fp8 and fp8_act(x.shape[0]))

@@ -94,6 +94,29 @@ TILES_W8A8: tuple[tuple[int, MoeTiles], ...] = tuple((most, replace(t, fp8_act=T
 FUSED_MAX_TOKENS = 1024
 
 
+@dataclass(frozen=True)
+class GemvTile:
+    """One pass of the few-token path (layers/triton_moe.py's `small_experts`): BLOCK_N output rows a program
+    (down: of each choice), BLOCK_K inputs a step."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class SmallTiles:
+    gate_up: GemvTile
+    down: GemvTile
+
+
+# Batches of up to this many tokens route inside the two expert passes and stream each slot's expert as a GEMV
+# (no alignment, no routing launch, no sum launch): at a decode step of a few tokens the launches, not the bytes,
+# were the block's cost (docs/gpu.md). Below W8A8_MIN_TOKENS, so FP8 experts there run w8a16 as the CPU simulates.
+SMALL_MAX_TOKENS = 4
+SMALL_TILES = SmallTiles(GemvTile(2, 1024, 8), GemvTile(1, 1024, 8))
+
+
 def fp8_act(n_tokens: int) -> bool:
     """Whether FP8 experts run w8a8 at a batch of `n_tokens` (the CPU simulation asks too)."""
     return n_tokens >= W8A8_MIN_TOKENS

@@ -15,6 +15,8 @@ _supported: dict[int, bool] = {}  # device index -> compute capability >= 9: a f
 
 def pdl_kwargs(x: torch.Tensor, on: bool) -> dict:
     """Launch options of a PDL-aware Triton kernel on x's device: USE_PDL (constexpr) and launch_pdl."""
+    if not on or x.device.type != "cuda":  # off, or Triton's interpreter on CPU tensors (tests)
+        return {"USE_PDL": False}
     idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if idx not in _supported:
         _supported[idx] = torch.cuda.get_device_capability(idx)[0] >= 9

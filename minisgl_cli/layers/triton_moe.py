@@ -33,15 +33,26 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from minisgl_cli.layers.moe_tiles import FUSED_MAX_TOKENS, MoeConfig, MoeTiles, pick_tiles  # noqa: F401  (re-exported)
+from minisgl_cli.layers.moe_tiles import (  # noqa: F401  (re-exported)
+    FUSED_MAX_TOKENS,
+    SMALL_MAX_TOKENS,
+    SMALL_TILES,
+    GemvTile,
+    MoeConfig,
+    MoeTiles,
+    SmallTiles,
+    pick_tiles,
+)
+from minisgl_cli.layers.pdl import pdl_kwargs
 from minisgl_cli.layers.triton_fp8 import quant_rows
 
 
 @triton.jit
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E, K: tl.constexpr, K_P2: tl.constexpr,
-                  E_P2: tl.constexpr, RENORMALIZE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _top_k(logits_ptr, row, stride_l, E, K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
+           RENORMALIZE: tl.constexpr):
+    """(weights [K_P2] fp32, ids [K_P2] int32) of token `row`'s router logits; lanes from K hold zeros."""
     e = tl.arange(0, E_P2)
     x = tl.load(logits_ptr + row * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
@@ -58,11 +69,24 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E, K: tl.constexpr, K_P2
         p = tl.where(e == pick, -1.0, p)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, axis=0)
+    return weights, ids
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E, K: tl.constexpr, K_P2: tl.constexpr,
+                  E_P2: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    weights, ids = _top_k(logits_ptr, row, stride_l, E, K, K_P2, E_P2, RENORMALIZE)
+    j = tl.arange(0, K_P2)
     tl.store(w_ptr + row * K + j, weights, mask=j < K)
     tl.store(ids_ptr + row * K + j, ids, mask=j < K)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, expert ids [T, k] int32) of router logits [T, E]: layers/moe.py's `route` in one launch."""
     n_tok, n_exp = logits.shape
     weights = torch.empty(n_tok, top_k, dtype=torch.float32, device=logits.device)
@@ -70,13 +94,16 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if n_tok:
         _route_kernel[(n_tok,)](logits, weights, ids, logits.stride(0), n_exp, K=top_k,
                                 K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(n_exp),
-                                RENORMALIZE=renormalize)
+                                RENORMALIZE=renormalize, **pdl_kwargs(logits, pdl))
     return weights, ids
 
 
 @triton.jit
-def _count_kernel(ids_ptr, hist_ptr, numel, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+def _count_kernel(ids_ptr, hist_ptr, numel, E_P2: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     """hist[c, e]: the slots of chunk c (CHUNK slots from c CHUNK) that chose expert e."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     c = tl.program_id(0)
     r = c * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(ids_ptr + r, mask=r < numel, other=-1)
@@ -87,8 +114,11 @@ def _count_kernel(ids_ptr, hist_ptr, numel, E_P2: tl.constexpr, CHUNK: tl.conste
 @triton.jit
 def _place_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr, numel, n_chunks, n_blocks,
                   E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                  BLOCKS: tl.constexpr):
+                  BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
     """Chunk c's slots to their rows; its share of the blocks' experts and padding rows."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     c = tl.program_id(0)
     experts = tl.arange(0, E_P2)
     r = tl.arange(0, CHUNK)
@@ -135,10 +165,14 @@ def _place_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr, nu
 def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                         N, K, numel, stride_a, stride_we, stride_wn, stride_c, stride_se,
                         A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr, HAS_SCALE: tl.constexpr,
-                        A_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        A_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     """c[slot, n] for the slots of block program_id(0), columns of program_id(1): a[slot // A_DIV] . w[expert, n]
     (GATED: silu(. w[expert, n]) * (. w[expert, N + n])); ROUTED: times rw[slot]. A_SCALE: a holds e4m3 codes,
     row r's value codes * as[r], and the MMA runs on the 8-bit tiles."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -182,7 +216,8 @@ def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, sorted_ptr, 
     tl.store(c_ptrs, acc.to(dtype), mask=valid[:, None] & mask_n[None, :])
 
 
-def align(ids: torch.Tensor, n_exp: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align(ids: torch.Tensor, n_exp: int, block_m: int,
+          pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted slot ids [rows], each block's expert [rows / block_m], padded total [1]) of expert ids [T, k]."""
     numel = ids.numel()
     rows = triton.cdiv(min(numel * block_m, numel + n_exp * (block_m - 1)), block_m) * block_m
@@ -196,16 +231,16 @@ def align(ids: torch.Tensor, n_exp: int, block_m: int) -> tuple[torch.Tensor, to
     hist = torch.empty(n_chunks, e_p2, dtype=torch.int32, device=dev)  # unread when one chunk
     warps = 4 if chunk == 64 else 8
     if n_chunks > 1:
-        _count_kernel[(n_chunks,)](ids, hist, numel, E_P2=e_p2, CHUNK=chunk, num_warps=warps)
+        _count_kernel[(n_chunks,)](ids, hist, numel, E_P2=e_p2, CHUNK=chunk, num_warps=warps, **pdl_kwargs(ids, pdl))
     _place_kernel[(n_chunks,)](ids, hist, sorted_ids, block_expert, total, numel, n_chunks, rows // block_m,
                                E_P2=e_p2, BLOCK_M=block_m, CHUNK=chunk, ONE_CHUNK=n_chunks == 1, BLOCKS=16,
-                               num_warps=warps)
+                               num_warps=warps, **pdl_kwargs(ids, pdl))
     return sorted_ids, block_expert, total
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-                  tiles: MoeTiles | None = None) -> torch.Tensor:
+                  tiles: MoeTiles | None = None, pdl: bool = False) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H] in x's dtype.
 
     x [T, H]; gate_up [E, 2I, H] and down [E, H, I] in x's dtype, or e4m3 with fp32 scales [E, 2I] / [E, H];
@@ -220,13 +255,141 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
     if numel == 0:
         return out.view(n_tok, k, hidden).sum(dim=1)
-    slots = Slots(*align(ids.contiguous(), n_exp, tiles.gate_up.block_m), weights.contiguous().view(-1), k)
+    slots = Slots(*align(ids.contiguous(), n_exp, tiles.gate_up.block_m, pdl), weights.contiguous().view(-1), k)
     h = torch.empty(numel, two_i // 2, dtype=x.dtype, device=x.device)
-    a: tuple[torch.Tensor, torch.Tensor | None] = quant_rows(x.contiguous(), pdl=False) if w8a8 else (x, None)
-    expert_gemm(a[0], gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True, a_scale=a[1])
-    a = quant_rows(h, pdl=False) if w8a8 else (h, None)  # h rounded to x's dtype first, as the dense FP8 MLP does
-    expert_gemm(a[0], down, down_scale, out, slots, tiles.down, gated=False, a_scale=a[1])
+    a: tuple[torch.Tensor, torch.Tensor | None] = quant_rows(x.contiguous(), pdl=pdl) if w8a8 else (x, None)
+    expert_gemm(a[0], gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True, a_scale=a[1], pdl=pdl)
+    a = quant_rows(h, pdl=pdl) if w8a8 else (h, None)  # h rounded to x's dtype first, as the dense FP8 MLP does
+    expert_gemm(a[0], down, down_scale, out, slots, tiles.down, gated=False, a_scale=a[1], pdl=pdl)
     return out.view(n_tok, k, hidden).sum(dim=1)
+
+
+@triton.jit
+def _small_gate_up_kernel(x_ptr, logits_ptr, w_ptr, s_ptr, h_ptr, rw_ptr, ids_ptr, N, K, E, stride_x, stride_l,
+                          stride_we, stride_wn, stride_se, stride_h, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+                          E_P2: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """Slot program_id(0) = (token t, choice j) routes itself (t's top-k from its E logits, in every program of
+    the slot), then h[slot, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n]) for BLOCK_N columns n, a GEMV pass
+    over expert e's rows. The slot's first column tile records e and its weight for the down pass."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    slot = tl.program_id(0)
+    t = slot // TOP_K
+    weights, ids = _top_k(logits_ptr, t, stride_l, E, TOP_K, K_P2, E_P2, RENORMALIZE)
+    mine = tl.arange(0, K_P2) == slot % TOP_K
+    expert = tl.sum(tl.where(mine, ids, 0), axis=0)
+    if tl.program_id(1) == 0:
+        tl.store(rw_ptr + slot, tl.sum(tl.where(mine, weights, 0.0), axis=0))
+        tl.store(ids_ptr + slot, expert)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + t.to(tl.int64) * stride_x + rk
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mk = k0 + rk < K
+        xf = tl.load(x_ptrs + k0, mask=mk, other=0.0).to(tl.float32)[None, :]
+        wm = mask_n[:, None] & mk[None, :]
+        acc += tl.load(w_ptrs + k0, mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32) * xf
+        acc_up += tl.load(w_ptrs + N * stride_wn + k0, mask=wm, other=0.0,
+                          eviction_policy="evict_first").to(tl.float32) * xf
+    g = tl.sum(acc, axis=1)
+    u = tl.sum(acc_up, axis=1)
+    if HAS_SCALE:  # FP8 weights: w = code * scale[expert, row]
+        s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + rn
+        g *= tl.load(s_ptrs, mask=mask_n, other=0.0)
+        u *= tl.load(s_ptrs + N, mask=mask_n, other=0.0)
+    dtype = h_ptr.dtype.element_ty  # rounded where the aligned path rounds: gate and up, silu(gate), the product
+    g = g.to(dtype).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(h_ptr + slot.to(tl.int64) * stride_h + rn, (act * u.to(dtype).to(tl.float32)).to(dtype), mask=mask_n)
+
+
+@triton.jit
+def _small_down_kernel(h_ptr, w_ptr, s_ptr, rw_ptr, ids_ptr, y_ptr, N, K, stride_h, stride_we, stride_wn,
+                       stride_se, stride_y, TOP_K: tl.constexpr, K_P2: tl.constexpr, HAS_SCALE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """y[t, n] = sum_j rw[t k + j] (h[t k + j] . down[ids[t k + j], n]) for token program_id(0), BLOCK_N columns:
+    one tile of K_P2 x BLOCK_N rows, row (j, n) from choice j's expert, so every choice's weights stream at once.
+    Each choice's term is rounded to y's dtype before the fp32 sum, where the aligned path writes it per slot."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    t = tl.program_id(0)
+    rows = tl.arange(0, K_P2 * BLOCK_N)
+    j = rows // BLOCK_N
+    rn = tl.program_id(1) * BLOCK_N + rows % BLOCK_N
+    live = (j < TOP_K) & (rn < N)
+    slot = t * TOP_K + j
+    expert = tl.load(ids_ptr + slot, mask=j < TOP_K, other=0).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + (expert * stride_we + rn.to(tl.int64) * stride_wn)[:, None] + rk[None, :]
+    h_ptrs = h_ptr + slot.to(tl.int64)[:, None] * stride_h + rk[None, :]
+    acc = tl.zeros((K_P2 * BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        m = live[:, None] & (k0 + rk < K)[None, :]
+        h = tl.load(h_ptrs + k0, mask=m, other=0.0).to(tl.float32)
+        acc += tl.load(w_ptrs + k0, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32) * h
+    y = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        y *= tl.load(s_ptr + expert * stride_se + rn, mask=live, other=0.0)
+    y *= tl.load(rw_ptr + slot, mask=j < TOP_K, other=0.0)
+    dtype = y_ptr.dtype.element_ty
+    y = tl.sum(tl.reshape(y.to(dtype).to(tl.float32), (K_P2, BLOCK_N)), axis=0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + t.to(tl.int64) * stride_y + cols, y.to(dtype), mask=cols < N)
+
+
+def small_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                  renormalize: bool, gate_up_scale: torch.Tensor | None = None,
+                  down_scale: torch.Tensor | None = None, tiles: SmallTiles = SMALL_TILES,
+                  pdl: bool = False) -> torch.Tensor:
+    """`fused_experts` of a few tokens with the routing inside: two launches (gate/up, down), no alignment.
+
+    x [T, H] and its router logits [T, E]; weights as fused_experts'. Each (token, choice) slot streams its own
+    expert's rows, as a GEMV does (at a few tokens the slots rarely share an expert), and the down pass sums each
+    token's k terms itself. FP8 experts run w8a16 (`moe_tiles.fp8_act` is off below W8A8_MIN_TOKENS)."""
+    n_tok, hidden = x.shape
+    n_exp, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    x, logits = x.contiguous(), logits.contiguous()
+    out = torch.empty(n_tok, hidden, dtype=x.dtype, device=x.device)
+    if n_tok == 0:
+        return out
+    numel = n_tok * top_k
+    h = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
+    rw = torch.empty(numel, dtype=torch.float32, device=x.device)
+    ids = torch.empty(numel, dtype=torch.int32, device=x.device)
+    k_p2 = triton.next_power_of_2(top_k)
+    up, dn = tiles.gate_up, tiles.down
+    _small_gate_up_kernel[(numel, triton.cdiv(inter, up.block_n))](
+        x, logits, gate_up, gate_up_scale if gate_up_scale is not None else rw, h, rw, ids, inter, hidden, n_exp,
+        x.stride(0), logits.stride(0), gate_up.stride(0), gate_up.stride(1),
+        gate_up_scale.stride(0) if gate_up_scale is not None else 0, h.stride(0), TOP_K=top_k, K_P2=k_p2,
+        E_P2=triton.next_power_of_2(n_exp), RENORMALIZE=renormalize, HAS_SCALE=gate_up_scale is not None,
+        BLOCK_N=up.block_n, BLOCK_K=min(up.block_k, triton.next_power_of_2(hidden)), num_warps=up.num_warps,
+        **pdl_kwargs(x, pdl))
+    _small_down_kernel[(n_tok, triton.cdiv(hidden, dn.block_n))](
+        h, down, down_scale if down_scale is not None else rw, rw, ids, out, hidden, inter, h.stride(0),
+        down.stride(0), down.stride(1), down_scale.stride(0) if down_scale is not None else 0, out.stride(0),
+        TOP_K=top_k, K_P2=k_p2, HAS_SCALE=down_scale is not None, BLOCK_N=dn.block_n,
+        BLOCK_K=min(dn.block_k, triton.next_power_of_2(inter)), num_warps=dn.num_warps, **pdl_kwargs(x, pdl))
+    return out
+
+
+def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                   renormalize: bool, gate_up_scale: torch.Tensor | None = None,
+                   down_scale: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """The MoE block after its router's linear: up to SMALL_MAX_TOKENS tokens `small_experts`, else `route` then
+    `fused_experts`."""
+    if x.shape[0] <= SMALL_MAX_TOKENS:
+        return small_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale, pdl=pdl)
+    weights, ids = route(logits, top_k, renormalize, pdl)
+    return fused_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale, pdl=pdl)
 
 
 @dataclass
@@ -241,7 +404,7 @@ class Slots:
 
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c: torch.Tensor, slots: Slots,
-                cfg: MoeConfig, gated: bool, a_scale: torch.Tensor | None = None) -> None:
+                cfg: MoeConfig, gated: bool, a_scale: torch.Tensor | None = None, pdl: bool = False) -> None:
     """One of the two expert GEMMs into c [T k, N]: gated, gate/up from the tokens' rows a [T, H]; else down from
     the slots' rows a [T k, I], scaled by their routing weights. `a_scale` [rows, 1] fp32: a is e4m3 codes (w8a8)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
@@ -252,4 +415,4 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c:
                               A_DIV=slots.top_k if gated else 1, GATED=gated, ROUTED=not gated,
                               HAS_SCALE=scale is not None, A_SCALE=a_scale is not None, BLOCK_M=cfg.block_m,
                               BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-                              num_stages=cfg.num_stages)
+                              num_stages=cfg.num_stages, **pdl_kwargs(a, pdl))

@@ -19,8 +19,7 @@ from minisgl_cli.layers.pdl import pdl_kwargs
 from minisgl_cli.layers.triton_fp8 import fp8_codes, quant_rows  # noqa: F401  (quant_rows re-exported, as gemv)
 from minisgl_cli.layers.triton_gemv import gemv  # noqa: F401  (re-exported: one switch for every Triton layer op)
 from minisgl_cli.layers.triton_moe import FUSED_MAX_TOKENS as MOE_FUSED_MAX_TOKENS  # noqa: F401  (as gemv)
-from minisgl_cli.layers.triton_moe import fused_experts as moe_experts  # noqa: F401  (as gemv)
-from minisgl_cli.layers.triton_moe import route as moe_route  # noqa: F401  (as gemv)
+from minisgl_cli.layers.triton_moe import routed_experts as moe_routed  # noqa: F401  (as gemv)
 
 
 @triton.jit
