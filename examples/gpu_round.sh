@@ -12,7 +12,7 @@
 #   moe.log        (m) examples/moe_bench.py: the MoE layer fused vs grouped (bf16 and FP8 experts), no engine;
 #                      MOE_ARGS adds to its arguments (e.g. "--sizes 1,2,4,8 --sweep --sweep-dtypes small")
 #   moe_decode.log (n) examples/moe_bench.py --sizes 1: Qwen3-30B-A3B batch-1 decode, bf16 and FP8 experts, as
-#                      shipped, without the few-token path, on the grouped GEMM
+#                      shipped, without a few-token path, with each (MOE_DECODE_ARGS adds, e.g. --profile)
 #   bench.log      (g) examples/gpu_bench.py qwen,llama: each preset and batch-1 row greedy, t=0.7/top_p=0.9 and t=1.0
 #   models.log     (e) examples/gpu_bench.py --fp8 moe,llama,mixtral: Qwen3-30B-A3B bf16 / FP8 weights beside
 #                      Llama-3.1-8B's dtypes, Mixtral-8x7B FP8 (greedy)
@@ -66,12 +66,12 @@ want p && part "(p) speculative decoding" 100 45 "$OUT/spec.log" \
   $PY examples/spec_bench_gpu.py --out "$WORK/spec"
 
 # (m) ~40 s: the layer table, bf16 and FP8 experts (the engines are (e)'s)
-want m && part "(m) fused MoE layer" 180 30 "$OUT/moe.log" \
+want m && part "(m) fused MoE layer" 150 30 "$OUT/moe.log" \
   $PY examples/moe_bench.py --out "$WORK/moe" --fp8 --no-engine $MOE_ARGS
 
 # (n) ~150 s: two 30B-A3B engines (bf16, FP8), batch-1 decode with each expert path
 want n && part "(n) MoE batch-1 decode by expert path" 240 120 "$OUT/moe_decode.log" \
-  $PY examples/moe_bench.py --out "$WORK/moe_decode" --fp8 --sizes 1
+  $PY examples/moe_bench.py --out "$WORK/moe_decode" --fp8 --sizes 1 $MOE_DECODE_ARGS
 
 # (g) ~200 s: Qwen3-0.6B then Llama-3.1-8B, each row greedy and sampled two ways
 want g && part "(g) sampled against greedy" 300 120 "$OUT/bench.log" \

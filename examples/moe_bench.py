@@ -14,9 +14,9 @@
    candidate tile of each GEMM per BLOCK_M, bf16 and (--fp8) w8a16 and w8a8 (--sweep-dtypes picks), for the
    TILES tables; `--sweep-dtypes small`: the few-token path's candidate tiles (SMALL_TILES).
 2. Qwen3-30B-A3B with dummy weights (bf16; --fp8: then FP8 experts and linears, a second engine): one 128-token
-   prompt, 256 new tokens, EOS ignored, CUDA graphs and overlap on; decode tok/s with the fused experts as shipped
-   (the few-token path at batch 1), without the few-token path ("aligned") and with the grouped GEMM (graphs
-   recaptured; every other fused op stays on).
+   prompt, 256 new tokens, EOS ignored, CUDA graphs and overlap on; decode tok/s with the fused experts as shipped,
+   without a few-token path ("aligned") and with each few-token path (graphs recaptured; every other fused op
+   stays on); --profile: the shipped step's kernels.
 
 Prints a table and writes moe_bench.json under --out ($OUT). One H100, defaults: ~70 s (Triton compiles on a cold
 cache, the 61 GB engine's start); each of --fp8 and --sweep adds ~10-30 s.
@@ -54,10 +54,10 @@ SWEEP_NK = [(n, k, w, st) for n in (32, 64, 128) for k in (64, 128, 256) for w, 
     (256, 64, 8, 3), (256, 128, 8, 3)]
 
 
-SMALL_UP = [triton_moe.GemvTile(*c) for c in ((1, 1024, 4), (2, 1024, 8), (2, 512, 4), (4, 512, 8), (4, 256, 4),
-                                              (8, 256, 8), (1, 2048, 8))]
-SMALL_DOWN = [triton_moe.GemvTile(*c) for c in ((1, 1024, 8), (1, 1024, 4), (1, 512, 4), (2, 512, 8), (2, 256, 4),
-                                                (4, 256, 8))]
+SMALL_UP = [triton_moe.GemvTile(*c) for c in ((8, 256, 8), (8, 128, 4), (16, 128, 8), (16, 256, 8), (32, 128, 8),
+                                              (32, 64, 4), (16, 64, 4))]
+SMALL_DOWN = [triton_moe.GemvTile(*c) for c in ((4, 256, 8), (4, 128, 4), (8, 128, 8), (8, 256, 8), (16, 128, 8),
+                                                (16, 64, 8), (32, 64, 8))]
 
 
 def sweep_block_m(m: int) -> tuple[int, ...]:
@@ -74,6 +74,17 @@ def grouped_experts():
         yield
     finally:
         ops.MOE_FUSED_MAX_TOKENS = saved
+
+
+@contextlib.contextmanager
+def small_path(name: str):
+    """Batches up to SMALL_MAX_TOKENS take the few-token path `name` ("gemv" or "one_slot")."""
+    saved = triton_moe.SMALL_PATH
+    triton_moe.SMALL_PATH = name
+    try:
+        yield
+    finally:
+        triton_moe.SMALL_PATH = saved
 
 
 @contextlib.contextmanager
@@ -105,9 +116,11 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
         return triton_moe.fused_experts(x, qb[0][0], qb[1][0], w, ids, qb[0][1], qb[1][1],
                                         tiles=triton_moe.pick_tiles(m, True, w8a8))
 
-    def small(b, qb=None, tiles=triton_moe.SMALL_TILES):
+    def small(b, qb=None, tiles=triton_moe.SMALL_TILES, one_slot=False):
         e = b.experts
         w = (e.gate_up_proj, e.down_proj, None, None) if qb is None else (qb[0][0], qb[1][0], qb[0][1], qb[1][1])
+        if one_slot:
+            return triton_moe.one_slot_experts(x, b.gate(x), w[0], w[1], TOP_K, True, w[2], w[3], pdl=True)
         return triton_moe.small_experts(x, b.gate(x), w[0], w[1], TOP_K, True, w[2], w[3], tiles=tiles, pdl=True)
 
     us = {"fused": _graph_us([lambda b=b: fused(b) for b in blocks])}  # the block's own choice may be grouped
@@ -116,8 +129,27 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
         for b in blocks])
     if m <= 8:  # the few-token path (routing inside its two passes), whatever SMALL_MAX_TOKENS says
         us["small"] = _graph_us([lambda b=b: small(b) for b in blocks])
+        us["one_slot"] = _graph_us([lambda b=b: small(b, one_slot=True) for b in blocks])
         if q is not None:
             us["small_fp8"] = _graph_us([lambda b=b, qb=qb: small(b, qb) for b, qb in zip(blocks, q)])
+            us["one_slot_fp8"] = _graph_us([lambda b=b, qb=qb: small(b, qb, one_slot=True) for b, qb in zip(blocks, q)])
+        # the block's launches one at a time (4 layers each): where its time goes
+        parts = []
+        for b in blocks:
+            sl = triton_moe.Slots(None, torch.empty(m * TOP_K, dtype=torch.int32, device="cuda"), None,
+                                  torch.empty(m * TOP_K, device="cuda"), TOP_K)
+            h = torch.empty(m * TOP_K, INTER, device="cuda", dtype=torch.bfloat16)
+            o = torch.empty(m * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            parts.append((b, sl, h, o, triton_moe.Route(b.gate(x), True)))
+        t1 = triton_moe.pick_tiles(m)
+        us["one_slot_gate_up"] = _graph_us([lambda p=p: triton_moe.expert_gemm(
+            x, p[0].experts.gate_up_proj, None, p[2], p[1], t1.gate_up, True, pdl=True, route=p[4]) for p in parts])
+        us["one_slot_down"] = _graph_us([lambda p=p: triton_moe.expert_gemm(
+            p[2], p[0].experts.down_proj, None, p[3], p[1], t1.down, False, pdl=True) for p in parts])
+        us["sum_k"] = _graph_us([lambda p=p: p[3].view(m, TOP_K, HIDDEN).sum(dim=1) for p in parts])
+        gate = [b.gate for b in blocks]
+        us["router_only"] = _graph_us([lambda g_=g_: g_(x) for g_ in gate])
+        us["router_route"] = _graph_us([lambda g_=g_: triton_moe.route(g_(x), TOP_K, True, True) for g_ in gate])
     block_m = triton_moe.pick_tiles(m).gate_up.block_m  # the router, the routing and the alignment alone:
     us["route_align"] = _graph_us([lambda b=b: triton_moe.align(triton_moe.route(b.gate(x), TOP_K, True)[1], EXPERTS,
                                                                 block_m) for b in blocks])
@@ -136,6 +168,8 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
     if m <= 8:
         errs["rel_err_small"] = rel_err(triton_moe.small_experts(x, blocks[0].gate(x), e.gate_up_proj, e.down_proj,
                                                                  TOP_K, True))
+        errs["rel_err_one_slot"] = rel_err(triton_moe.one_slot_experts(x, blocks[0].gate(x), e.gate_up_proj,
+                                                                       e.down_proj, TOP_K, True))
     if q is not None:  # FP8 against the bf16 weights they were quantized from
         (gu, gs), (dn, ds) = q[0]
         for name, w8a8 in (("w8a16", False), ("w8a8", True)):
@@ -235,7 +269,7 @@ def bench_layer(sizes: list[int], fp8: bool, sweep: set[str], rows: list[dict]) 
     torch.cuda.empty_cache()
 
 
-def bench_decode(quantization: str, rows: list[dict]) -> None:
+def bench_decode(quantization: str, rows: list[dict], profile: bool = False) -> None:
     t0 = time.perf_counter()
     e = Engine(EngineConfig(model="qwen3-30b-a3b", load_format="dummy", max_running_requests=4, cuda_graph_max_bs=4,
                             max_total_tokens=16_384, quantization=quantization))
@@ -243,14 +277,20 @@ def bench_decode(quantization: str, rows: list[dict]) -> None:
     print(f"[qwen3-30b-a3b {quantization}] engine up in {up:.1f}s (graphs: {e.graphs is not None})", flush=True)
     g = random.Random(1)
     prompt = [[g.randint(0, 10000) for _ in range(128)]]
-    variants = ("fused", "aligned", "grouped") if quantization == "none" else ("fused", "aligned")
-    for experts in variants:  # FP8: fused at every size; "aligned": without the few-token path
-        ctx = grouped_experts() if experts == "grouped" else aligned_only() if experts == "aligned" else None
+    # as shipped (the start's graphs); none; each few-token path; as shipped again (recaptured, as the others are)
+    for experts in ("fused", "aligned", "gemv", "one_slot", "fused-recaptured"):
+        ctx = (aligned_only() if experts == "aligned" else small_path(experts) if experts in ("gemv", "one_slot")
+               else None)
         with ctx or contextlib.nullcontext():
             if experts != "fused":
                 e.capture_graphs()
             run_requests(e, prompt, [16], overlap=True)  # warm-up: every kernel of the path compiled
             st = run_requests(e, prompt, [256], overlap=True)
+            if profile and experts == "fused":  # where a step's GPU time goes, kernel by kernel
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    run_requests(e, prompt, [9], overlap=True)
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24), flush=True)
         tps = (st.tokens - 1) / (st.last_tok - st.first_tok)
         r = dict(model="Qwen3-30B-A3B", workload="batch-1 decode", weights=quantization, experts=experts,
                  tok_s=round(tps, 1), step_ms=round(1e3 / tps, 3), engine_up_s=round(up, 1))
@@ -268,16 +308,18 @@ def main() -> None:
     ap.add_argument("--sweep-dtypes", default="bf16,fp8,w8a8",
                     help="--sweep: which arithmetics (fp8: w8a16; small: the few-token path's tiles)")
     ap.add_argument("--no-engine", action="store_true", help="the layer table only")
+    ap.add_argument("--profile", action="store_true", help="the batch-1 step's kernels as shipped (torch profiler)")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     rows: list[dict] = []
     sections = [("layer", lambda: bench_layer([int(m) for m in args.sizes.split(",")], args.fp8,
                                                      set(args.sweep_dtypes.split(",")) if args.sweep else set(), rows))]
     if not args.no_engine:
-        sections.append(("decode", lambda: bench_decode("none", rows)))
+        sections.append(("decode", lambda: bench_decode("none", rows, args.profile)))
         if args.fp8:
-            sections.append(("decode-fp8", lambda: bench_decode("fp8", rows)))
+            sections.append(("decode-fp8", lambda: bench_decode("fp8", rows, args.profile)))
     for name, fn in sections:
         try:
             fn()
@@ -298,8 +340,11 @@ def main() -> None:
                   f"{r['route_align_us']:>15} {r['fused_tbs']:>11} "
                   f"{r['rel_err_vs_grouped']:>8}  {r['picked']}")
             if "small_us" in r:
-                print(f"{'':>6} few-token path {r['small_us']} us (fp8 {r.get('small_fp8_us', '-')}), aligned with PDL "
-                      f"{r['aligned_pdl_us']} us, err {r['rel_err_small']}")
+                print(f"{'':>6} few-token gemv {r['small_us']} us (fp8 {r.get('small_fp8_us', '-')}), one-slot "
+                      f"{r['one_slot_us']} us (fp8 {r.get('one_slot_fp8_us', '-')}), aligned with PDL "
+                      f"{r['aligned_pdl_us']} us; router {r['router_only_us']}, + route {r['router_route_us']};"
+                      f" one-slot gate/up {r['one_slot_gate_up_us']}, down {r['one_slot_down_us']},"
+                      f" sum {r['sum_k_us']}")
             if "fp8_w8a8_us" in r:
                 print(f"{'':>6} fp8: table {r['fused_fp8_us']} us {r['fused_fp8_tbs']} TB/s ({r['picked_fp8']}); "
                       f"w8a16 {r['fp8_w8a16_us']} us {r['fp8_w8a16_tbs']} TB/s err {r['rel_err_fp8_w8a16']}; "

@@ -114,6 +114,7 @@ class SmallTiles:
 # (no alignment, no routing launch, no sum launch): at a decode step of a few tokens the launches, not the bytes,
 # were the block's cost (docs/gpu.md). Below W8A8_MIN_TOKENS, so FP8 experts there run w8a16 as the CPU simulates.
 SMALL_MAX_TOKENS = 4
+SMALL_PATH = "one_slot"  # or "gemv": being measured (examples/moe_bench.py)
 SMALL_TILES = SmallTiles(GemvTile(2, 1024, 8), GemvTile(1, 1024, 8))
 
 

@@ -38,6 +38,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from minisgl_cli.layers.moe_tiles import (  # noqa: F401  (re-exported)
     FUSED_MAX_TOKENS,
     SMALL_MAX_TOKENS,
+    SMALL_PATH,
     SMALL_TILES,
     GemvTile,
     MoeConfig,
@@ -163,23 +164,42 @@ def _place_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr, nu
 
 @triton.jit
 def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                        N, K, numel, stride_a, stride_we, stride_wn, stride_c, stride_se,
+                        logits_ptr, N, K, numel, E, stride_a, stride_we, stride_wn, stride_c, stride_se, stride_l,
                         A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr, HAS_SCALE: tl.constexpr,
                         A_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        ONE_SLOT: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, RENORMALIZE: tl.constexpr,
                         USE_PDL: tl.constexpr):
     """c[slot, n] for the slots of block program_id(0), columns of program_id(1): a[slot // A_DIV] . w[expert, n]
     (GATED: silu(. w[expert, n]) * (. w[expert, N + n])); ROUTED: times rw[slot]. A_SCALE: a holds e4m3 codes,
-    row r's value codes * as[r], and the MMA runs on the 8-bit tiles."""
+    row r's value codes * as[r], and the MMA runs on the 8-bit tiles.
+
+    ONE_SLOT (a few tokens, no alignment): block b holds slot b alone, in its first row. Gate/up routes it (its
+    token's top-k from the router logits, in every program of the slot) and its first column tile writes the
+    slot's expert and weight (block_expert, rw) for down, which reads them."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
-        return
-    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = slot < numel
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if ONE_SLOT:
+        if GATED:
+            weights, ids = _top_k(logits_ptr, pid_m // A_DIV, stride_l, E, A_DIV, K_P2, E_P2, RENORMALIZE)
+            mine = tl.arange(0, K_P2) == pid_m % A_DIV
+            expert = tl.sum(tl.where(mine, ids, 0), axis=0).to(tl.int64)
+            if pid_n == 0:
+                tl.store(rw_ptr + pid_m, tl.sum(tl.where(mine, weights, 0.0), axis=0))
+                tl.store(block_expert_ptr + pid_m, expert.to(tl.int32))
+        else:
+            expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = tl.arange(0, BLOCK_M)
+        slot = pid_m + rows * 0
+        valid = rows == 0
+    else:
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = slot < numel
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rn < N
     rk = tl.arange(0, BLOCK_K)
@@ -387,6 +407,9 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
     """The MoE block after its router's linear: up to SMALL_MAX_TOKENS tokens `small_experts`, else `route` then
     `fused_experts`."""
     if x.shape[0] <= SMALL_MAX_TOKENS:
+        if SMALL_PATH == "one_slot":
+            return one_slot_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale,
+                                    pdl=pdl)
         return small_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale, pdl=pdl)
     weights, ids = route(logits, top_k, renormalize, pdl)
     return fused_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale, pdl=pdl)
@@ -394,25 +417,64 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
 
 @dataclass
 class Slots:
-    """A layer's (token, choice) slots aligned to BLOCK_M (`align`), their routing weights, the choices a token."""
+    """A layer's (token, choice) slots aligned to BLOCK_M (`align`), their routing weights, the choices a token.
+    Unaligned (`sorted_ids` None): one slot a block, `block_expert` and `weights` written by the gate/up pass."""
 
-    sorted_ids: torch.Tensor
+    sorted_ids: torch.Tensor | None
     block_expert: torch.Tensor
-    total: torch.Tensor
+    total: torch.Tensor | None
     weights: torch.Tensor  # [T k] fp32
     top_k: int
 
 
+@dataclass
+class Route:
+    """The router's logits [T, E] for a gate/up pass that routes its slots itself, and the model's renormalization."""
+
+    logits: torch.Tensor
+    renormalize: bool
+
+
+def one_slot_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                     renormalize: bool, gate_up_scale: torch.Tensor | None = None,
+                     down_scale: torch.Tensor | None = None, tiles: MoeTiles | None = None,
+                     pdl: bool = False) -> torch.Tensor:
+    """`fused_experts` of a few tokens, routed inside the gate/up pass: one slot a block, no alignment, three launches
+    (gate/up, down, the sum). FP8 experts run w8a16 (below W8A8_MIN_TOKENS)."""
+    n_tok, hidden = x.shape
+    numel = n_tok * top_k
+    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None, w8a8=False)
+    out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
+    if numel == 0:
+        return out.view(n_tok, top_k, hidden).sum(dim=1)
+    slots = Slots(None, torch.empty(numel, dtype=torch.int32, device=x.device), None,
+                  torch.empty(numel, dtype=torch.float32, device=x.device), top_k)
+    h = torch.empty(numel, gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
+    x = x.contiguous()
+    expert_gemm(x, gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True, pdl=pdl,
+                route=Route(logits.contiguous(), renormalize))
+    expert_gemm(h, down, down_scale, out, slots, tiles.down, gated=False, pdl=pdl)
+    return out.view(n_tok, top_k, hidden).sum(dim=1)
+
+
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c: torch.Tensor, slots: Slots,
-                cfg: MoeConfig, gated: bool, a_scale: torch.Tensor | None = None, pdl: bool = False) -> None:
+                cfg: MoeConfig, gated: bool, a_scale: torch.Tensor | None = None, pdl: bool = False,
+                route: Route | None = None) -> None:
     """One of the two expert GEMMs into c [T k, N]: gated, gate/up from the tokens' rows a [T, H]; else down from
     the slots' rows a [T k, I], scaled by their routing weights. `a_scale` [rows, 1] fp32: a is e4m3 codes (w8a8)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     grid = (slots.block_expert.numel(), triton.cdiv(n, cfg.block_n))
-    _expert_gemm_kernel[grid](a, a_scale, w, scale, c, slots.weights, slots.sorted_ids, slots.block_expert,
-                              slots.total, n, a.shape[1], c.shape[0], a.stride(0), w.stride(0), w.stride(1),
-                              c.stride(0), scale.stride(0) if scale is not None else 0,
+    one_slot = slots.sorted_ids is None
+    assert not (one_slot and gated and route is None), "one-slot blocks: gate/up routes the slots"
+    logits = route.logits if route is not None else slots.weights  # (unread without a route)
+    n_exp = logits.shape[-1] if route is not None else 1
+    sorted_ids = slots.sorted_ids if slots.sorted_ids is not None else slots.block_expert  # (unread: one slot)
+    total = slots.total if slots.total is not None else slots.block_expert
+    _expert_gemm_kernel[grid](a, a_scale, w, scale, c, slots.weights, sorted_ids, slots.block_expert, total, logits, n, a.shape[1], c.shape[0], n_exp, a.stride(0), w.stride(0),
+                              w.stride(1), c.stride(0), scale.stride(0) if scale is not None else 0, logits.stride(0),
                               A_DIV=slots.top_k if gated else 1, GATED=gated, ROUTED=not gated,
                               HAS_SCALE=scale is not None, A_SCALE=a_scale is not None, BLOCK_M=cfg.block_m,
-                              BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                              BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SLOT=one_slot,
+                              K_P2=triton.next_power_of_2(slots.top_k), E_P2=triton.next_power_of_2(n_exp),
+                              RENORMALIZE=route is not None and route.renormalize, num_warps=cfg.num_warps,
                               num_stages=cfg.num_stages, **pdl_kwargs(a, pdl))
