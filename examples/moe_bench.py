@@ -176,16 +176,19 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
             errs[f"rel_err_fp8_{name}"] = rel_err(triton_moe.fused_experts(
                 x, gu, dn, w, ids, gs, ds, tiles=triton_moe.pick_tiles(m, True, w8a8)))
     best = sweep_tiles(m, x, blocks, q, sweep) if sweep else None
-    if "small" in sweep and m <= 8:  # each pass's candidates with the other pass at its table tile
+    for dtype in ("small", "small_fp8"):  # the gemv path: each pass's candidates, the other at its table tile
+        if dtype not in sweep or m > 8 or (dtype == "small_fp8" and q is None):
+            continue
         t0 = triton_moe.SMALL_TILES
         for part, cands in (("gate_up", SMALL_UP), ("down", SMALL_DOWN)):
             times = []
+            qs = q if dtype == "small_fp8" and q is not None else [None] * LAYERS
             for c in cands:
                 tiles = triton_moe.SmallTiles(c, t0.down) if part == "gate_up" else triton_moe.SmallTiles(t0.gate_up, c)
-                times.append((round(_graph_us([lambda b=b, t=tiles: small(b, tiles=t) for b in blocks]), 1),
-                              list(vars(c).values())))
-            print(f"  M={m} small {part}: {sorted(times)}", flush=True)
-            errs[f"small_{part}_best"] = str(min(times))
+                us_c = _graph_us([lambda b=b, qb=qb, t=tiles: small(b, qb, tiles=t) for b, qb in zip(blocks, qs)])
+                times.append((round(us_c, 1), list(vars(c).values())))
+            print(f"  M={m} {dtype} {part}: {sorted(times)}", flush=True)
+            errs[f"{dtype}_{part}_best"] = str(min(times))
     expert_bytes = 3 * HIDDEN * INTER * 2  # one expert's bf16 gate, up, down (FP8: half, the scales aside)
     r = dict(M=m, experts_chosen=chosen, **{f"{k}_us": round(v, 1) for k, v in us.items()},
              fused_tbs=round(chosen * expert_bytes / us["fused"] / 1e6, 2), **errs,
@@ -204,8 +207,9 @@ def sweep_tiles(m: int, x: torch.Tensor, blocks: list[MoE], q: list | None, dtyp
     aligned once per BLOCK_M), the block's best total."""
     routes = [triton_moe.route(b.gate(x), TOP_K, True) for b in blocks]
     weights = {"bf16": [(b.experts.gate_up_proj, None, b.experts.down_proj, None) for b in blocks]}
+    weights["one_slot"] = weights["bf16"]
     if q is not None:
-        weights["fp8"] = weights["w8a8"] = [(gu[0], gu[1], dn[0], dn[1]) for gu, dn in q]
+        weights["fp8"] = weights["w8a8"] = weights["one_slot_fp8"] = [(gu[0], gu[1], dn[0], dn[1]) for gu, dn in q]
     found = {}
     for dtype, experts in weights.items():
         if dtype not in dtypes:
@@ -213,13 +217,16 @@ def sweep_tiles(m: int, x: torch.Tensor, blocks: list[MoE], q: list | None, dtyp
         w8a8 = dtype == "w8a8"  # the GEMMs' inputs as the kernels get them: e4m3 codes and row scales
         a = triton_ops.quant_rows(x, pdl=False) if w8a8 else (x, None)
         best = None
-        for bm in sweep_block_m(m):
+        one_slot = dtype.startswith("one_slot")  # a slot a block, gate/up routing them (the few-token path)
+        for bm in (16,) if one_slot else sweep_block_m(m):
             layers = []
-            for (w, ids), e in zip(routes, experts):
+            for (w, ids), e, b in zip(routes, experts, blocks):
                 h = torch.randn(m * TOP_K, INTER, device="cuda", dtype=torch.bfloat16)
-                layers.append((triton_moe.Slots(*triton_moe.align(ids, EXPERTS, bm), w.view(-1), TOP_K), *e, h,
-                               torch.empty(m * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16),
-                               triton_ops.quant_rows(h, pdl=False) if w8a8 else (h, None)))
+                slots = (triton_moe.Slots(None, ids.view(-1).clone(), None, w.view(-1).clone(), TOP_K) if one_slot
+                         else triton_moe.Slots(*triton_moe.align(ids, EXPERTS, bm), w.view(-1), TOP_K))
+                layers.append((slots, *e, h, torch.empty(m * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16),
+                               triton_ops.quant_rows(h, pdl=False) if w8a8 else (h, None),
+                               triton_moe.Route(b.gate(x), True) if one_slot else None))
             picks = [min(_sweep_gemm(a, layers, bm, gated), key=lambda t: t[0]) for gated in (True, False)]
             print(f"  M={m} {dtype} BLOCK_M={bm}: gate/up {picks[0]}, down {picks[1]}", flush=True)
             if best is None or picks[0][0] + picks[1][0] < best[0][0] + best[1][0]:
@@ -235,9 +242,9 @@ def _sweep_gemm(a: tuple, layers: list[tuple], bm: int, gated: bool) -> list[tup
     """(µs a layer, tile) of one GEMM over `layers` (slots, gate/up codes and scale, down codes and scale, h, out,
     down's input and its row scales) for every SWEEP_NK candidate at BLOCK_M bm; `a`: gate/up's input, row scales."""
     def call(layer: tuple, cfg: triton_moe.MoeConfig) -> None:
-        slots, gu, gs, dn, ds, h, out, ha = layer
+        slots, gu, gs, dn, ds, h, out, ha, route = layer
         if gated:
-            triton_moe.expert_gemm(a[0], gu, gs, h, slots, cfg, gated=True, a_scale=a[1])
+            triton_moe.expert_gemm(a[0], gu, gs, h, slots, cfg, gated=True, a_scale=a[1], route=route)
         else:
             triton_moe.expert_gemm(ha[0], dn, ds, out, slots, cfg, gated=False, a_scale=ha[1])
 
@@ -306,7 +313,8 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="also the fused kernels over e4m3 expert weights")
     ap.add_argument("--sweep", action="store_true", help="also time a few tiles per M (for the TILES tables)")
     ap.add_argument("--sweep-dtypes", default="bf16,fp8,w8a8",
-                    help="--sweep: which arithmetics (fp8: w8a16; small: the few-token path's tiles)")
+                    help="--sweep: which arithmetics (fp8: w8a16); the few-token paths' tiles: one_slot, "
+                         "one_slot_fp8 (w8a16), small and small_fp8 (the gemv path)")
     ap.add_argument("--no-engine", action="store_true", help="the layer table only")
     ap.add_argument("--profile", action="store_true", help="the batch-1 step's kernels as shipped (torch profiler)")
     args = ap.parse_args()
