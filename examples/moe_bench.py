@@ -51,7 +51,7 @@ LAYERS = 4  # 4 x 1.2 GB of experts: none stays in the 50 MB L2 between its call
 # The sweep's candidates for one GEMM (BLOCK_N, BLOCK_K, warps, stages) and BLOCK_M by batch size (the slots an
 # expert holds at T tokens: T k / E on average).
 SWEEP_NK = [(n, k, w, st) for n in (32, 64, 128) for k in (64, 128, 256) for w, st in ((4, 3), (4, 4), (8, 3))] + [
-    (256, 64, 8, 3), (256, 128, 8, 3)]
+    (256, 64, 8, 3), (256, 128, 8, 3)] + [(16, k, w, st) for k in (128, 256) for w, st in ((4, 3), (4, 4), (2, 3))]
 
 
 SMALL_UP = [triton_moe.GemvTile(*c) for c in ((8, 256, 8), (8, 128, 4), (16, 128, 8), (16, 256, 8), (32, 128, 8),
@@ -116,11 +116,11 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
         return triton_moe.fused_experts(x, qb[0][0], qb[1][0], w, ids, qb[0][1], qb[1][1],
                                         tiles=triton_moe.pick_tiles(m, True, w8a8))
 
-    def small(b, qb=None, tiles=triton_moe.SMALL_TILES, one_slot=False):
+    def small(b, qb=None, tiles=triton_moe.SMALL_TILES, one_slot=False, pdl=True):
         e = b.experts
         w = (e.gate_up_proj, e.down_proj, None, None) if qb is None else (qb[0][0], qb[1][0], qb[0][1], qb[1][1])
         if one_slot:
-            return triton_moe.one_slot_experts(x, b.gate(x), w[0], w[1], TOP_K, True, w[2], w[3], pdl=True)
+            return triton_moe.one_slot_experts(x, b.gate(x), w[0], w[1], TOP_K, True, w[2], w[3], pdl=pdl)
         return triton_moe.small_experts(x, b.gate(x), w[0], w[1], TOP_K, True, w[2], w[3], tiles=tiles, pdl=True)
 
     us = {"fused": _graph_us([lambda b=b: fused(b) for b in blocks])}  # the block's own choice may be grouped
@@ -133,6 +133,11 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
         if q is not None:
             us["small_fp8"] = _graph_us([lambda b=b, qb=qb: small(b, qb) for b, qb in zip(blocks, q)])
             us["one_slot_fp8"] = _graph_us([lambda b=b, qb=qb: small(b, qb, one_slot=True) for b, qb in zip(blocks, q)])
+            us["one_slot_fp8_nopdl"] = _graph_us([lambda b=b, qb=qb: small(b, qb, one_slot=True, pdl=False)
+                                                  for b, qb in zip(blocks, q)])
+            us["aligned_fp8_pdl"] = _graph_us([lambda b=b, qb=qb: triton_moe.fused_experts(
+                x, qb[0][0], qb[1][0], *triton_moe.route(b.gate(x), TOP_K, True, True), qb[0][1], qb[1][1], pdl=True)
+                for b, qb in zip(blocks, q)])
         # the block's launches one at a time (4 layers each): where its time goes
         parts = []
         for b in blocks:
@@ -353,6 +358,9 @@ def main() -> None:
                       f"{r['aligned_pdl_us']} us; router {r['router_only_us']}, + route {r['router_route_us']};"
                       f" one-slot gate/up {r['one_slot_gate_up_us']}, down {r['one_slot_down_us']},"
                       f" sum {r['sum_k_us']}")
+            if "one_slot_fp8_nopdl_us" in r:
+                print(f"{'':>6} fp8 PDL on / off: one-slot {r['one_slot_fp8_us']} / {r['one_slot_fp8_nopdl_us']} us, "
+                      f"aligned {r['aligned_fp8_pdl_us']} / {r['fused_fp8_us']} us")
             if "fp8_w8a8_us" in r:
                 print(f"{'':>6} fp8: table {r['fused_fp8_us']} us {r['fused_fp8_tbs']} TB/s ({r['picked_fp8']}); "
                       f"w8a16 {r['fp8_w8a16_us']} us {r['fp8_w8a16_tbs']} TB/s err {r['rel_err_fp8_w8a16']}; "

@@ -242,6 +242,23 @@ def test_w8a8_experts_match_the_quantized_reference(T, n_exp, top_k, n_tok, tile
     assert not torch.equal(got, w8a16)  # the activations were rounded
 
 
+@pytest.mark.parametrize("n_tok,k", [(1, 8), (3, 2), (5, 8)])
+def test_the_norm_sums_the_experts_terms_as_torch_does(T, n_tok, k):
+    """rmsnorm(terms=k) over [T k, H] terms: the residual add and norm of their sum, as torch's sum then the norm."""
+    from minisgl_cli.layers import triton_ops
+
+    g = torch.Generator().manual_seed(n_tok)
+    terms = torch.randn(n_tok, k, 96, generator=g).to(DEV, DTYPE)
+    residual = torch.randn(n_tok, 96, generator=g).to(DEV, DTYPE)
+    weight = (1 + 0.1 * torch.randn(96, generator=g)).to(DEV, DTYPE)
+    r1, r2 = residual.clone(), residual.clone()
+    got = triton_ops.rmsnorm(terms.view(-1, 96), weight, 1e-6, residual=r1, pdl=False, terms=k)
+    want = triton_ops.rmsnorm(terms.sum(dim=1), weight, 1e-6, residual=r2, pdl=False)
+    assert got.shape == (n_tok, 96)
+    torch.testing.assert_close(r1, r2, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph")
 def test_fused_experts_replay_in_a_cuda_graph(T):
     from minisgl_cli.layers.moe import route
@@ -286,7 +303,8 @@ def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok, fp8)
     from minisgl_cli.distributed import TPInfo
     from minisgl_cli.layers.fused import Kernels
     from minisgl_cli.layers.moe import MoE, triton_experts
-    from minisgl_cli.layers.moe_tiles import fp8_act
+    from minisgl_cli.layers.moe_tiles import SMALL_PATH, fp8_act
+    from minisgl_cli.layers.norm import Terms
 
     if fp8 and NO_FP8:
         pytest.skip("FP8 needs compute capability 8.9+")
@@ -306,7 +324,9 @@ def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok, fp8)
             block.experts.load_expert(e, proj, w)
     x = torch.randn(n_tok, 2048, device=DEV, generator=g, dtype=DTYPE)
     assert triton_experts(x, kernels, fp8) is not None
-    fused = block(x)
+    out = block(x)  # one rank on CUDA: the choices' terms, for the next norm to sum
+    assert isinstance(out, Terms) and out.terms.shape[:2] == (n_tok, 8 if n_tok > 4 or SMALL_PATH == "one_slot" else 1)
+    fused = out.summed()
     # bf16 logits tie now and then; where the 8th and 9th probabilities do, either expert is right
     probs = torch.softmax(block.gate(x).float(), dim=-1).sort(dim=-1, descending=True).values
     clear = probs[:, 7] > probs[:, 8]

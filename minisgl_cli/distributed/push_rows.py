@@ -41,11 +41,6 @@ class Partial:
         return Partial(self.rows[idx], self.tp)
 
 
-def rows_of(x: torch.Tensor | Partial) -> torch.Tensor:
-    """The rows a layer's output holds, summed or still this rank's part (their shape, dtype, device alike)."""
-    return x.rows if isinstance(x, Partial) else x
-
-
 class PushRows:
     """One rank's part of the symmetric buffers, the peers' addresses, and the per-row epochs."""
 

@@ -38,6 +38,7 @@ from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import divide
 from minisgl_cli.layers.moe_tiles import fp8_act
+from minisgl_cli.layers.norm import Terms
 from minisgl_cli.layers.quant import gemv_ops
 from minisgl_cli.loader.hf import Weight, whole
 
@@ -202,15 +203,15 @@ class MoE(nn.Module):
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         return False  # the experts take 16-bit activations (FP8 experts too): the norm before them writes plain rows
 
-    def forward(self, x: torch.Tensor | Fp8Rows, decode: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows, decode: bool = False) -> torch.Tensor | Terms:
         """`decode` is the dense MLP's (which copy a quantized linear takes): the experts hold one copy."""
         assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
         e = self.experts
         ops = triton_experts(x, self.kernels, e.fp8)
-        if ops is not None:
-            return all_reduce(ops.moe_routed(x, self.gate(x), e.gate_up_proj, e.down_proj, self.top_k,
-                                             self.renormalize, e.gate_up_scale, e.down_scale, self.kernels.pdl),
-                              self.tp)
+        if ops is not None:  # one rank: the choices' terms left for the next norm to sum (layers/norm.py)
+            y = ops.moe_routed(x, self.gate(x), e.gate_up_proj, e.down_proj, self.top_k, self.renormalize,
+                               e.gate_up_scale, e.down_scale, self.kernels.pdl, terms=True)
+            return Terms(y) if self.tp.size == 1 else all_reduce(y.sum(dim=1), self.tp)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         y = fused_experts(x, *e.dense(x.dtype), weights, ids, self.kernels, grouped_mm_runs(x.device, x.dtype),
                           fp8_rows=e.fp8 and fp8_act(x.shape[0]))

@@ -7,6 +7,7 @@ compiled step (engine/cpu_compile.py) and eager normalize bit for bit alike."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, overload
 
 import torch
@@ -17,6 +18,33 @@ from minisgl_cli.distributed.comm import all_reduce
 from minisgl_cli.distributed.push_rows import Partial
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.loader.hf import Weight, whole
+
+
+@dataclass
+class Terms:
+    """A layer's output rows still as k terms each, [T, k, hidden] contiguous, for the norm after it to sum in its
+    own launch (the MoE experts' per-choice outputs on CUDA): one kernel a layer less than summing them apart."""
+
+    terms: torch.Tensor
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """A [T, hidden] view with the summed rows' shape, dtype and device (the first terms' values)."""
+        return self.terms[:, 0]
+
+    def select(self, idx: torch.Tensor) -> Terms:
+        return Terms(self.terms[idx])
+
+    def summed(self) -> torch.Tensor:
+        return self.terms.sum(dim=1)
+
+
+LayerOut = torch.Tensor | Partial | Terms  # a decoder layer's output, summed or left for the next norm to sum
+
+
+def rows_of(x: LayerOut) -> torch.Tensor:
+    """The rows a layer's output holds, summed or not yet (their shape, dtype, device alike)."""
+    return x if isinstance(x, torch.Tensor) else x.rows
 
 
 class RMSNorm(nn.Module):
@@ -44,14 +72,14 @@ class RMSNorm(nn.Module):
         return self.weight * (h * torch.rsqrt(mean_sq + self.eps)).to(x.dtype)
 
     @overload
-    def forward_residual(self, x: torch.Tensor | Partial, residual: torch.Tensor,
+    def forward_residual(self, x: LayerOut, residual: torch.Tensor,
                          fp8: Literal[False] = False) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @overload
-    def forward_residual(self, x: torch.Tensor | Partial, residual: torch.Tensor,
+    def forward_residual(self, x: LayerOut, residual: torch.Tensor,
                          fp8: bool) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]: ...
 
-    def forward_residual(self, x: torch.Tensor | Partial, residual: torch.Tensor,
+    def forward_residual(self, x: LayerOut, residual: torch.Tensor,
                          fp8: bool = False) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         """Add the residual, then normalise: returns (normed, new residual).
 
@@ -59,7 +87,15 @@ class RMSNorm(nn.Module):
         path does not. fp8: the next linear takes rows quantized per token (its `takes_fp8_rows`), which the
         Triton kernel then writes in place of the 16-bit rows; the other paths return the 16-bit rows.
         A `Partial` x (TP: a rank's share of a row-split linear) is summed over the ranks first: in the same
-        kernel where the Triton ops run (distributed/push_rows.py), else by the group's all-reduce."""
+        kernel where the Triton ops run (distributed/push_rows.py), else by the group's all-reduce. `Terms`
+        are summed in the Triton kernel too, else by torch."""
+        if isinstance(x, Terms):
+            ops = self.kernels.triton(x.terms)
+            if ops is not None and residual.is_contiguous() and x.terms.is_contiguous():
+                normed = ops.rmsnorm(x.terms.view(-1, x.terms.shape[-1]), self.weight, self.eps, residual=residual,
+                                     pdl=self.kernels.pdl, quant=fp8, terms=x.terms.shape[1])
+                return normed, residual
+            x = x.summed()
         if isinstance(x, Partial):
             ops = self.kernels.triton(x.rows)
             if ops is not None and residual.is_contiguous():

@@ -260,8 +260,9 @@ def align(ids: torch.Tensor, n_exp: int, block_m: int,
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-                  tiles: MoeTiles | None = None, pdl: bool = False) -> torch.Tensor:
-    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H] in x's dtype.
+                  tiles: MoeTiles | None = None, pdl: bool = False, terms: bool = False) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H] in x's dtype (`terms`: the
+    [T, k, H] terms, unsummed).
 
     x [T, H]; gate_up [E, 2I, H] and down [E, H, I] in x's dtype, or e4m3 with fp32 scales [E, 2I] / [E, H];
     weights [T, k] fp32, ids [T, k]; `tiles` (default: `pick_tiles(T, fp8)`; FP8 weights and `tiles.fp8_act`:
@@ -274,14 +275,14 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     x = x.contiguous()
     out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
     if numel == 0:
-        return out.view(n_tok, k, hidden).sum(dim=1)
+        return out.view(n_tok, k, hidden) if terms else out.view(n_tok, k, hidden).sum(dim=1)
     slots = Slots(*align(ids.contiguous(), n_exp, tiles.gate_up.block_m, pdl), weights.contiguous().view(-1), k)
     h = torch.empty(numel, two_i // 2, dtype=x.dtype, device=x.device)
     a: tuple[torch.Tensor, torch.Tensor | None] = quant_rows(x.contiguous(), pdl=pdl) if w8a8 else (x, None)
     expert_gemm(a[0], gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True, a_scale=a[1], pdl=pdl)
     a = quant_rows(h, pdl=pdl) if w8a8 else (h, None)  # h rounded to x's dtype first, as the dense FP8 MLP does
     expert_gemm(a[0], down, down_scale, out, slots, tiles.down, gated=False, a_scale=a[1], pdl=pdl)
-    return out.view(n_tok, k, hidden).sum(dim=1)
+    return out.view(n_tok, k, hidden) if terms else out.view(n_tok, k, hidden).sum(dim=1)
 
 
 @triton.jit
@@ -403,16 +404,17 @@ def small_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, 
 
 def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                    renormalize: bool, gate_up_scale: torch.Tensor | None = None,
-                   down_scale: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """The MoE block after its router's linear: up to SMALL_MAX_TOKENS tokens `small_experts`, else `route` then
-    `fused_experts`."""
+                   down_scale: torch.Tensor | None = None, pdl: bool = False, terms: bool = False) -> torch.Tensor:
+    """The MoE block after its router's linear: up to SMALL_MAX_TOKENS tokens a few-token path, else `route` then
+    `fused_experts`. `terms`: [T, j, H], each token's rows to sum (j = k, or 1 where the path summed them)."""
     if x.shape[0] <= SMALL_MAX_TOKENS:
         if SMALL_PATH == "one_slot":
             return one_slot_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale,
-                                    pdl=pdl)
-        return small_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale, pdl=pdl)
+                                    pdl=pdl, terms=terms)
+        y = small_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale, pdl=pdl)
+        return y[:, None] if terms else y
     weights, ids = route(logits, top_k, renormalize, pdl)
-    return fused_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale, pdl=pdl)
+    return fused_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale, pdl=pdl, terms=terms)
 
 
 @dataclass
@@ -438,15 +440,16 @@ class Route:
 def one_slot_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                      renormalize: bool, gate_up_scale: torch.Tensor | None = None,
                      down_scale: torch.Tensor | None = None, tiles: MoeTiles | None = None,
-                     pdl: bool = False) -> torch.Tensor:
+                     pdl: bool = False, terms: bool = False) -> torch.Tensor:
     """`fused_experts` of a few tokens, routed inside the gate/up pass: one slot a block, no alignment, three launches
-    (gate/up, down, the sum). FP8 experts run w8a16 (below W8A8_MIN_TOKENS)."""
+    (gate/up, down, the sum; `terms`: two, the [T, k, H] terms unsummed). FP8 experts run w8a16 (below
+    W8A8_MIN_TOKENS)."""
     n_tok, hidden = x.shape
     numel = n_tok * top_k
     tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None, w8a8=False)
     out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
     if numel == 0:
-        return out.view(n_tok, top_k, hidden).sum(dim=1)
+        return out.view(n_tok, top_k, hidden) if terms else out.view(n_tok, top_k, hidden).sum(dim=1)
     slots = Slots(None, torch.empty(numel, dtype=torch.int32, device=x.device), None,
                   torch.empty(numel, dtype=torch.float32, device=x.device), top_k)
     h = torch.empty(numel, gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
@@ -454,7 +457,7 @@ def one_slot_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
     expert_gemm(x, gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True, pdl=pdl,
                 route=Route(logits.contiguous(), renormalize))
     expert_gemm(h, down, down_scale, out, slots, tiles.down, gated=False, pdl=pdl)
-    return out.view(n_tok, top_k, hidden).sum(dim=1)
+    return out.view(n_tok, top_k, hidden) if terms else out.view(n_tok, top_k, hidden).sum(dim=1)
 
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c: torch.Tensor, slots: Slots,
@@ -470,8 +473,9 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c:
     n_exp = logits.shape[-1] if route is not None else 1
     sorted_ids = slots.sorted_ids if slots.sorted_ids is not None else slots.block_expert  # (unread: one slot)
     total = slots.total if slots.total is not None else slots.block_expert
-    _expert_gemm_kernel[grid](a, a_scale, w, scale, c, slots.weights, sorted_ids, slots.block_expert, total, logits, n, a.shape[1], c.shape[0], n_exp, a.stride(0), w.stride(0),
-                              w.stride(1), c.stride(0), scale.stride(0) if scale is not None else 0, logits.stride(0),
+    _expert_gemm_kernel[grid](a, a_scale, w, scale, c, slots.weights, sorted_ids, slots.block_expert, total, logits,
+                              n, a.shape[1], c.shape[0], n_exp, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+                              scale.stride(0) if scale is not None else 0, logits.stride(0),
                               A_DIV=slots.top_k if gated else 1, GATED=gated, ROUTED=not gated,
                               HAS_SCALE=scale is not None, A_SCALE=a_scale is not None, BLOCK_M=cfg.block_m,
                               BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SLOT=one_slot,

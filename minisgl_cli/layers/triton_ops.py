@@ -46,7 +46,10 @@ def _add_norm_store(x, row, offs, mask, r_ptr, w, out_ptr, s_ptr, stride_r, stri
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, stride_x, stride_r, stride_o, N, eps, tiny, inv_max,
-                    HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, TERMS: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    """TERMS > 1: row r of x is the sum of x's rows r TERMS ... r TERMS + TERMS - 1 (summed in fp32, rounded once,
+    as torch's sum over them)."""
     if USE_PDL:  # see layers/pdl.py: the weight is read before the wait, activations after
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -55,7 +58,13 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, stride_x, stride_r, str
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:
         gdc_wait()
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if TERMS > 1:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TERMS):
+            acc += tl.load(x_ptr + (row * TERMS + j) * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        x = acc.to(x_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     _add_norm_store(x, row, offs, mask, r_ptr, w, out_ptr, s_ptr, stride_r, stride_o, N, eps, tiny, inv_max,
                     HAS_RESIDUAL, QUANT)
 
@@ -110,26 +119,30 @@ def _all_reduce_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, data_ptrs, f
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-            pdl: bool = True, quant: bool = False) -> torch.Tensor | Fp8Rows:
+            pdl: bool = True, quant: bool = False, terms: int = 1) -> torch.Tensor | Fp8Rows:
     """RMSNorm over the last dim of a 2-D x; with `residual`, first residual += x (in place) and norm that.
 
     quant: return the normed rows as e4m3 codes with a scale per row (`Fp8Rows`, what quant_rows gives of
-    the 16-bit result) for an FP8 linear, saving that linear its own pass over the rows."""
+    the 16-bit result) for an FP8 linear, saving that linear its own pass over the rows.
+    terms: x is [T terms, n] contiguous, each row of the result the sum of `terms` consecutive rows of x."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
+    if terms > 1:
+        assert x2.is_contiguous() and x2.shape[0] % terms == 0
+        x2 = x2.view(-1, terms * n)[:, :n]  # row r's first term; the kernel reads the others after it
     out = torch.empty(x2.shape, dtype=FP8 if quant else x2.dtype, device=x2.device)
     scales = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x2.device) if quant else out
     r2 = residual.reshape(-1, n) if residual is not None else x2
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
         _rmsnorm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, scales, x2.stride(0), r2.stride(0), out.stride(0), n, eps, TINY, INV_MAX,
-            HAS_RESIDUAL=residual is not None, QUANT=quant, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-            **pdl_kwargs(x2, pdl),
+            x2, r2, weight, out, scales, n if terms > 1 else x2.stride(0), r2.stride(0), out.stride(0), n, eps, TINY,
+            INV_MAX, HAS_RESIDUAL=residual is not None, QUANT=quant, TERMS=terms, BLOCK=block,
+            num_warps=min(16, max(1, block // 256)), **pdl_kwargs(x2, pdl),
         )
     if quant:
         return Fp8Rows(out, scales, x2.dtype)
-    return out.view(x.shape)
+    return out.view(x.shape) if terms == 1 else out
 
 
 def all_reduce_rmsnorm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

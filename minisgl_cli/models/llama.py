@@ -15,12 +15,11 @@ from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.core.fp8 import Fp8Rows
 from minisgl_cli.distributed import TPInfo
-from minisgl_cli.distributed.push_rows import Partial, rows_of
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl_cli.layers.moe import EXPERT_PROJ, Experts, MoE, grouped_mm_runs
-from minisgl_cli.layers.norm import RMSNorm
+from minisgl_cli.layers.norm import LayerOut, RMSNorm, rows_of
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.layers.rotary import MRotaryEmbedding, RopeTable, RotaryEmbedding
 from minisgl_cli.loader.hf import Weight
@@ -49,7 +48,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend, rope: RopeTable,
-                rope_at: RopeAt | None) -> torch.Tensor | Partial:
+                rope_at: RopeAt | None) -> LayerOut:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x, batch.is_decode)
         sgl = self.kernels.sgl_ops(qkv)  # --engine sgl: its RoPE (and RMSNorm) below, attention stores K/V
@@ -93,7 +92,7 @@ class MLP(nn.Module):
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         return self.gate_up_proj.takes_fp8_rows(x)
 
-    def forward(self, x: torch.Tensor | Fp8Rows, decode: bool) -> torch.Tensor | Partial:
+    def forward(self, x: torch.Tensor | Fp8Rows, decode: bool) -> LayerOut:
         """`decode`: a decode step's rows (a quantized method's low-bit copy takes them: layers/quant.py). The
         next layer's input norm (or the final norm) takes the result: it may stay a `Partial` sum for it."""
         return self.down_proj.to_norm(self.gate_up_proj(x, decode), decode, silu_mul=True)
@@ -113,10 +112,11 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(
-        self, h: torch.Tensor | Partial, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend,
+        self, h: LayerOut, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend,
         rope: RopeTable, rope_at: RopeAt | None,
-    ) -> tuple[torch.Tensor | Partial, torch.Tensor]:
-        """(the layer's output, the residual): the output may be a TP rank's `Partial` sum, for the next norm."""
+    ) -> tuple[LayerOut, torch.Tensor]:
+        """(the layer's output, the residual): the output may be a TP rank's `Partial` sum or the MoE experts'
+        `Terms`, for the next norm to sum."""
         x: torch.Tensor | Fp8Rows  # a norm's output: FP8 codes where the linear after it takes them
         if residual is None:
             assert isinstance(h, torch.Tensor)  # the first layer's input: the embeddings
@@ -181,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         """The decoder over the step's input embeddings `h` [T, hidden], each token turned by `rope`'s row: hidden
         states of each request's last token [B, hidden]."""
         residual = None
-        h_: torch.Tensor | Partial = h
+        h_: LayerOut = h
         # The torch RoPE's cos / sin of this step's positions, once for every layer (CUDA's fused ops need none).
         fused = self.kernels.triton(h) is not None or self.kernels.sgl_ops(h) is not None
         rope_at = None if fused else self.rope.at(rope, h.dtype)
@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None  # set by the first layer
         if not batch.is_decode:  # only each request's last token is sampled
             idx = batch.logits_indices
-            h_ = h_.select(idx) if isinstance(h_, Partial) else h_[idx]
+            h_ = h_[idx] if isinstance(h_, torch.Tensor) else h_.select(idx)
             residual = residual[idx]
         h, _ = self.norm.forward_residual(h_, residual)
         return h
