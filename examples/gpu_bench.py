@@ -653,7 +653,8 @@ def main() -> None:
     # (an H200: the preset's ~290k tokens all held at once), ~120k on an H100 beside 61 GB of weights.
     if "moe" in only and args.fp8:
         sections.append(("moe", lambda: side_by_side("qwen3-30b-a3b", "Qwen3-30B-A3B", [
-            dict(quantization="none", max_total_tokens=None), dict(quantization="fp8")])))
+            dict(quantization="none", max_total_tokens=None), dict(quantization="fp8"),
+            dict(quantization="fp8", kv_cache_dtype="fp8_e4m3")])))
     if "moe" in only and not args.fp8:
         def moe():
             e = make_engine("qwen3-30b-a3b", max_total_tokens=None)

@@ -12,7 +12,7 @@
 #   moe.log        (m) examples/moe_bench.py: the MoE layer fused vs grouped (bf16 and FP8 experts), no engine;
 #                      MOE_ARGS adds to its arguments (e.g. "--sizes 1,2,4,8 --sweep --sweep-dtypes small")
 #   moe_decode.log (n) examples/moe_bench.py --sizes 1: Qwen3-30B-A3B batch-1 decode, bf16 and FP8 experts, as
-#                      shipped, without a few-token path, with each (MOE_DECODE_ARGS adds, e.g. --profile)
+#                      shipped and without the few-token path (MOE_DECODE_ARGS adds, e.g. --profile)
 #   bench.log      (g) examples/gpu_bench.py qwen,llama: each preset and batch-1 row greedy, t=0.7/top_p=0.9 and t=1.0
 #   models.log     (e) examples/gpu_bench.py --fp8 moe,llama,mixtral: Qwen3-30B-A3B bf16 / FP8 weights beside
 #                      Llama-3.1-8B's dtypes, Mixtral-8x7B FP8 (greedy)
@@ -77,7 +77,7 @@ want n && part "(n) MoE batch-1 decode by expert path" 240 120 "$OUT/moe_decode.
 want g && part "(g) sampled against greedy" 300 120 "$OUT/bench.log" \
   $PY examples/gpu_bench.py --only qwen,llama --main-only --no-hf --also-temperature 1.0 --out "$WORK"
 
-# (e) ~400 s: five engines, one at a time (Llama-8B bf16 / FP8 w / FP8 w+kv, Qwen3-30B-A3B bf16 / FP8, Mixtral FP8)
+# (e) ~450 s: six engines, one at a time (Llama-8B and Qwen3-30B-A3B bf16 / FP8 w / FP8 w+kv, Mixtral FP8)
 want e && part "(e) MoE models beside Llama-8B" 480 200 "$OUT/models.log" \
   $PY examples/gpu_bench.py --only llama,moe,mixtral --fp8 --no-hf --greedy-only --out "$WORK"
 

@@ -8,15 +8,15 @@
    (layers/triton_moe.py, the tile its table picks) vs the block on torch's grouped GEMM; the router +
    routing + alignment alone; --fp8: the fused kernels over e4m3 weights (per-row scales): the table's pick, then
    w8a16 and w8a8 each on its own tiles (layers/moe_tiles.py), with their errors against the bf16 weights; up to 8
-   tokens also the few-token path (`small_experts`: routing inside two GEMV passes, PDL on) and the aligned path
-   with PDL on. The bytes
+   tokens also the few-token path (`one_slot_experts`: a block a slot, routed in gate/up) with its launches one at a
+   time, and the aligned path with PDL on (FP8: PDL on and off). The bytes
    of the experts the tokens chose over the fused time give an effective TB/s. `--sweep` also times every
    candidate tile of each GEMM per BLOCK_M, bf16 and (--fp8) w8a16 and w8a8 (--sweep-dtypes picks), for the
-   TILES tables; `--sweep-dtypes small`: the few-token path's candidate tiles (SMALL_TILES).
+   TILES tables; `--sweep-dtypes one_slot,one_slot_fp8`: the few-token path's.
 2. Qwen3-30B-A3B with dummy weights (bf16; --fp8: then FP8 experts and linears, a second engine): one 128-token
    prompt, 256 new tokens, EOS ignored, CUDA graphs and overlap on; decode tok/s with the fused experts as shipped,
-   without a few-token path ("aligned") and with each few-token path (graphs recaptured; every other fused op
-   stays on); --profile: the shipped step's kernels.
+   without the few-token path ("aligned"), and as shipped again (graphs recaptured; every other fused op stays
+   on); --profile: the shipped step's kernels.
 
 Prints a table and writes moe_bench.json under --out ($OUT). One H100, defaults: ~70 s (Triton compiles on a cold
 cache, the 61 GB engine's start); each of --fp8 and --sweep adds ~10-30 s.
@@ -54,12 +54,6 @@ SWEEP_NK = [(n, k, w, st) for n in (32, 64, 128) for k in (64, 128, 256) for w, 
     (256, 64, 8, 3), (256, 128, 8, 3)] + [(16, k, w, st) for k in (128, 256) for w, st in ((4, 3), (4, 4), (2, 3))]
 
 
-SMALL_UP = [triton_moe.GemvTile(*c) for c in ((8, 256, 8), (8, 128, 4), (16, 128, 8), (16, 256, 8), (32, 128, 8),
-                                              (32, 64, 4), (16, 64, 4))]
-SMALL_DOWN = [triton_moe.GemvTile(*c) for c in ((4, 256, 8), (4, 128, 4), (8, 128, 8), (8, 256, 8), (16, 128, 8),
-                                                (16, 64, 8), (32, 64, 8))]
-
-
 def sweep_block_m(m: int) -> tuple[int, ...]:
     return (16,) if m <= 64 else (16, 32) if m <= 256 else (32, 64) if m <= 1024 else (64, 128)
 
@@ -74,17 +68,6 @@ def grouped_experts():
         yield
     finally:
         ops.MOE_FUSED_MAX_TOKENS = saved
-
-
-@contextlib.contextmanager
-def small_path(name: str):
-    """Batches up to SMALL_MAX_TOKENS take the few-token path `name` ("gemv" or "one_slot")."""
-    saved = triton_moe.SMALL_PATH
-    triton_moe.SMALL_PATH = name
-    try:
-        yield
-    finally:
-        triton_moe.SMALL_PATH = saved
 
 
 @contextlib.contextmanager
@@ -116,25 +99,20 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
         return triton_moe.fused_experts(x, qb[0][0], qb[1][0], w, ids, qb[0][1], qb[1][1],
                                         tiles=triton_moe.pick_tiles(m, True, w8a8))
 
-    def small(b, qb=None, tiles=triton_moe.SMALL_TILES, one_slot=False, pdl=True):
+    def small(b, qb=None, pdl=True):  # the few-token path, summed
         e = b.experts
         w = (e.gate_up_proj, e.down_proj, None, None) if qb is None else (qb[0][0], qb[1][0], qb[0][1], qb[1][1])
-        if one_slot:
-            return triton_moe.one_slot_experts(x, b.gate(x), w[0], w[1], TOP_K, True, w[2], w[3], pdl=pdl)
-        return triton_moe.small_experts(x, b.gate(x), w[0], w[1], TOP_K, True, w[2], w[3], tiles=tiles, pdl=True)
+        return triton_moe.one_slot_experts(x, b.gate(x), w[0], w[1], TOP_K, True, w[2], w[3], pdl=pdl)
 
     us = {"fused": _graph_us([lambda b=b: fused(b) for b in blocks])}  # the block's own choice may be grouped
     us["aligned_pdl"] = _graph_us([lambda b=b: triton_moe.fused_experts(
         x, b.experts.gate_up_proj, b.experts.down_proj, *triton_moe.route(b.gate(x), TOP_K, True, True), pdl=True)
         for b in blocks])
-    if m <= 8:  # the few-token path (routing inside its two passes), whatever SMALL_MAX_TOKENS says
-        us["small"] = _graph_us([lambda b=b: small(b) for b in blocks])
-        us["one_slot"] = _graph_us([lambda b=b: small(b, one_slot=True) for b in blocks])
+    if m <= 8:  # the few-token path (one-slot blocks routed by gate/up), whatever SMALL_MAX_TOKENS says
+        us["one_slot"] = _graph_us([lambda b=b: small(b) for b in blocks])
         if q is not None:
-            us["small_fp8"] = _graph_us([lambda b=b, qb=qb: small(b, qb) for b, qb in zip(blocks, q)])
-            us["one_slot_fp8"] = _graph_us([lambda b=b, qb=qb: small(b, qb, one_slot=True) for b, qb in zip(blocks, q)])
-            us["one_slot_fp8_nopdl"] = _graph_us([lambda b=b, qb=qb: small(b, qb, one_slot=True, pdl=False)
-                                                  for b, qb in zip(blocks, q)])
+            us["one_slot_fp8_pdl"] = _graph_us([lambda b=b, qb=qb: small(b, qb) for b, qb in zip(blocks, q)])
+            us["one_slot_fp8"] = _graph_us([lambda b=b, qb=qb: small(b, qb, pdl=False) for b, qb in zip(blocks, q)])
             us["aligned_fp8_pdl"] = _graph_us([lambda b=b, qb=qb: triton_moe.fused_experts(
                 x, qb[0][0], qb[1][0], *triton_moe.route(b.gate(x), TOP_K, True, True), qb[0][1], qb[1][1], pdl=True)
                 for b, qb in zip(blocks, q)])
@@ -171,8 +149,6 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
 
     errs = {"rel_err_vs_grouped": rel_err(triton_moe.fused_experts(x, e.gate_up_proj, e.down_proj, w, ids))}
     if m <= 8:
-        errs["rel_err_small"] = rel_err(triton_moe.small_experts(x, blocks[0].gate(x), e.gate_up_proj, e.down_proj,
-                                                                 TOP_K, True))
         errs["rel_err_one_slot"] = rel_err(triton_moe.one_slot_experts(x, blocks[0].gate(x), e.gate_up_proj,
                                                                        e.down_proj, TOP_K, True))
     if q is not None:  # FP8 against the bf16 weights they were quantized from
@@ -181,19 +157,6 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
             errs[f"rel_err_fp8_{name}"] = rel_err(triton_moe.fused_experts(
                 x, gu, dn, w, ids, gs, ds, tiles=triton_moe.pick_tiles(m, True, w8a8)))
     best = sweep_tiles(m, x, blocks, q, sweep) if sweep else None
-    for dtype in ("small", "small_fp8"):  # the gemv path: each pass's candidates, the other at its table tile
-        if dtype not in sweep or m > 8 or (dtype == "small_fp8" and q is None):
-            continue
-        t0 = triton_moe.SMALL_TILES
-        for part, cands in (("gate_up", SMALL_UP), ("down", SMALL_DOWN)):
-            times = []
-            qs = q if dtype == "small_fp8" and q is not None else [None] * LAYERS
-            for c in cands:
-                tiles = triton_moe.SmallTiles(c, t0.down) if part == "gate_up" else triton_moe.SmallTiles(t0.gate_up, c)
-                us_c = _graph_us([lambda b=b, qb=qb, t=tiles: small(b, qb, tiles=t) for b, qb in zip(blocks, qs)])
-                times.append((round(us_c, 1), list(vars(c).values())))
-            print(f"  M={m} {dtype} {part}: {sorted(times)}", flush=True)
-            errs[f"{dtype}_{part}_best"] = str(min(times))
     expert_bytes = 3 * HIDDEN * INTER * 2  # one expert's bf16 gate, up, down (FP8: half, the scales aside)
     r = dict(M=m, experts_chosen=chosen, **{f"{k}_us": round(v, 1) for k, v in us.items()},
              fused_tbs=round(chosen * expert_bytes / us["fused"] / 1e6, 2), **errs,
@@ -289,10 +252,9 @@ def bench_decode(quantization: str, rows: list[dict], profile: bool = False) -> 
     print(f"[qwen3-30b-a3b {quantization}] engine up in {up:.1f}s (graphs: {e.graphs is not None})", flush=True)
     g = random.Random(1)
     prompt = [[g.randint(0, 10000) for _ in range(128)]]
-    # as shipped (the start's graphs); none; each few-token path; as shipped again (recaptured, as the others are)
-    for experts in ("fused", "aligned", "gemv", "one_slot", "fused-recaptured"):
-        ctx = (aligned_only() if experts == "aligned" else small_path(experts) if experts in ("gemv", "one_slot")
-               else None)
+    # as shipped (the start's graphs); without the few-token path; as shipped again (recaptured, as "aligned" is)
+    for experts in ("fused", "aligned", "fused-recaptured"):
+        ctx = aligned_only() if experts == "aligned" else None
         with ctx or contextlib.nullcontext():
             if experts != "fused":
                 e.capture_graphs()
@@ -318,8 +280,8 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="also the fused kernels over e4m3 expert weights")
     ap.add_argument("--sweep", action="store_true", help="also time a few tiles per M (for the TILES tables)")
     ap.add_argument("--sweep-dtypes", default="bf16,fp8,w8a8",
-                    help="--sweep: which arithmetics (fp8: w8a16); the few-token paths' tiles: one_slot, "
-                         "one_slot_fp8 (w8a16), small and small_fp8 (the gemv path)")
+                    help="--sweep: which arithmetics (fp8: w8a16); the few-token path's tiles: one_slot, "
+                         "one_slot_fp8 (w8a16)")
     ap.add_argument("--no-engine", action="store_true", help="the layer table only")
     ap.add_argument("--profile", action="store_true", help="the batch-1 step's kernels as shipped (torch profiler)")
     args = ap.parse_args()
@@ -352,14 +314,14 @@ def main() -> None:
                   f"{r['grouped_us'] / r['fused_us']:>7.2f}x {r.get('fused_fp8_us', '-'):>13} "
                   f"{r['route_align_us']:>15} {r['fused_tbs']:>11} "
                   f"{r['rel_err_vs_grouped']:>8}  {r['picked']}")
-            if "small_us" in r:
-                print(f"{'':>6} few-token gemv {r['small_us']} us (fp8 {r.get('small_fp8_us', '-')}), one-slot "
-                      f"{r['one_slot_us']} us (fp8 {r.get('one_slot_fp8_us', '-')}), aligned with PDL "
+            if "one_slot_us" in r:
+                print(f"{'':>6} few-token (one-slot) {r['one_slot_us']} us (fp8 {r.get('one_slot_fp8_us', '-')}), "
+                      f"aligned with PDL "
                       f"{r['aligned_pdl_us']} us; router {r['router_only_us']}, + route {r['router_route_us']};"
                       f" one-slot gate/up {r['one_slot_gate_up_us']}, down {r['one_slot_down_us']},"
                       f" sum {r['sum_k_us']}")
-            if "one_slot_fp8_nopdl_us" in r:
-                print(f"{'':>6} fp8 PDL on / off: one-slot {r['one_slot_fp8_us']} / {r['one_slot_fp8_nopdl_us']} us, "
+            if "one_slot_fp8_pdl_us" in r:
+                print(f"{'':>6} fp8 PDL on / off: one-slot {r['one_slot_fp8_pdl_us']} / {r['one_slot_fp8_us']} us, "
                       f"aligned {r['aligned_fp8_pdl_us']} / {r['fused_fp8_us']} us")
             if "fp8_w8a8_us" in r:
                 print(f"{'':>6} fp8: table {r['fused_fp8_us']} us {r['fused_fp8_tbs']} TB/s ({r['picked_fp8']}); "

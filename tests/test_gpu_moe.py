@@ -125,11 +125,10 @@ def test_fused_experts_match_the_reference(T, n_exp, top_k, n_tok, tile):
 @pytest.mark.parametrize("n_exp,top_k,n_tok", [(8, 2, 1), (8, 2, 4), (16, 3, 2), (128, 8, 1), (60, 8, 3),
                                                (4, 1, 4)])
 @pytest.mark.parametrize("tile", ["picked", "small"])
-@pytest.mark.parametrize("path", ["gemv", "one_slot"])
-def test_small_experts_route_themselves_and_match_the_reference(T, n_exp, top_k, n_tok, tile, path):
-    """The few-token paths (routing inside the gate/up pass; gemv: each choice's term summed by the down pass;
-    one_slot: a slot a block of the aligned kernels) against the reference on route()'s choices, renormalized or
-    not; a tile smaller than the shapes masks every edge."""
+def test_one_slot_experts_route_themselves_and_match_the_reference(T, n_exp, top_k, n_tok, tile):
+    """The few-token path (a slot a block of the aligned kernels, routed inside the gate/up pass) against the
+    reference on route()'s choices, renormalized or not, summed or as terms; a tile smaller than the shapes masks
+    every edge."""
     from minisgl_cli.layers.moe import route
 
     hidden, inter = 64, 47  # 47 rows: a masked row tile in gate/up, a masked K step in down
@@ -137,14 +136,12 @@ def test_small_experts_route_themselves_and_match_the_reference(T, n_exp, top_k,
     g = torch.Generator().manual_seed(n_tok + 100)
     x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
     logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)
-    if path == "gemv":
-        tiles = T.SmallTiles(T.GemvTile(2, 32, 4), T.GemvTile(4, 32, 4)) if tile == "small" else T.SMALL_TILES
-        run = T.small_experts
-    else:
-        tiles = T.MoeTiles.both(T.MoeConfig(*SMALL)) if tile == "small" else None
-        run = T.one_slot_experts
+    tiles = T.MoeTiles.both(T.MoeConfig(*SMALL)) if tile == "small" else None
     for renormalize in (False, True):
-        got = run(x, logits, gate_up, down, top_k, renormalize, tiles=tiles)
+        got = T.one_slot_experts(x, logits, gate_up, down, top_k, renormalize, tiles=tiles)
+        terms = T.one_slot_experts(x, logits, gate_up, down, top_k, renormalize, tiles=tiles, terms=True)
+        assert terms.shape == (n_tok, top_k, hidden)
+        torch.testing.assert_close(terms.sum(dim=1), got, rtol=0, atol=0)
         assert got.shape == (n_tok, hidden) and got.dtype == DTYPE
         _close(got, _reference(x, gate_up, down, *route(logits, top_k, renormalize)))
         aligned = T.fused_experts(x, gate_up, down, *T.route(logits, top_k, renormalize))
@@ -152,9 +149,8 @@ def test_small_experts_route_themselves_and_match_the_reference(T, n_exp, top_k,
 
 
 @pytest.mark.skipif(NO_FP8, reason="FP8 needs compute capability 8.9+")
-@pytest.mark.parametrize("path", ["gemv", "one_slot"])
-def test_small_fp8_experts_match_their_dequantized_weights(T, path):
-    """FP8 experts on the few-token paths run w8a16: codes widened, the row's scale on the finished dot."""
+def test_one_slot_fp8_experts_match_their_dequantized_weights(T):
+    """FP8 experts on the few-token path run w8a16: codes widened, the row's scale on the finished dot."""
     from minisgl_cli.layers.moe import route
 
     n_exp, top_k, n_tok, hidden, inter = 16, 4, 3, 64, 48
@@ -162,12 +158,8 @@ def test_small_fp8_experts_match_their_dequantized_weights(T, path):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
     logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)
-    if path == "gemv":
-        got = T.small_experts(x, logits, gu.to(DEV), dn.to(DEV), top_k, True, gs.to(DEV), ds.to(DEV),
-                              tiles=T.SmallTiles(T.GemvTile(2, 32, 4), T.GemvTile(4, 32, 4)))
-    else:
-        got = T.one_slot_experts(x, logits, gu.to(DEV), dn.to(DEV), top_k, True, gs.to(DEV), ds.to(DEV),
-                                 tiles=T.MoeTiles.both(T.MoeConfig(*SMALL)))
+    got = T.one_slot_experts(x, logits, gu.to(DEV), dn.to(DEV), top_k, True, gs.to(DEV), ds.to(DEV),
+                             tiles=T.MoeTiles.both(T.MoeConfig(*SMALL)))
     want = _reference(x, *(c.float() * s[..., None] for c, s in ((gu, gs), (dn, ds))), *route(logits, top_k, True))
     _close(got, want)
 
@@ -274,13 +266,10 @@ def test_fused_experts_replay_in_a_cuda_graph(T):
     def aligned(x, logits):
         return T.fused_experts(x, gate_up, down, *T.route(logits, top_k, True), pdl=True)
 
-    def small(x, logits):
-        return T.small_experts(x, logits, gate_up, down, top_k, True, pdl=True)
-
     def one_slot(x, logits):
         return T.one_slot_experts(x, logits, gate_up, down, top_k, True, pdl=True)
 
-    for run in (aligned, small, one_slot):
+    for run in (aligned, one_slot):
         static = inputs(0)
         run(*static)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
@@ -303,7 +292,7 @@ def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok, fp8)
     from minisgl_cli.distributed import TPInfo
     from minisgl_cli.layers.fused import Kernels
     from minisgl_cli.layers.moe import MoE, triton_experts
-    from minisgl_cli.layers.moe_tiles import SMALL_PATH, fp8_act
+    from minisgl_cli.layers.moe_tiles import fp8_act
     from minisgl_cli.layers.norm import Terms
 
     if fp8 and NO_FP8:
@@ -325,7 +314,7 @@ def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok, fp8)
     x = torch.randn(n_tok, 2048, device=DEV, generator=g, dtype=DTYPE)
     assert triton_experts(x, kernels, fp8) is not None
     out = block(x)  # one rank on CUDA: the choices' terms, for the next norm to sum
-    assert isinstance(out, Terms) and out.terms.shape[:2] == (n_tok, 8 if n_tok > 4 or SMALL_PATH == "one_slot" else 1)
+    assert isinstance(out, Terms) and out.terms.shape[:2] == (n_tok, 8)
     fused = out.summed()
     # bf16 logits tie now and then; where the 8th and 9th probabilities do, either expert is right
     probs = torch.softmax(block.gate(x).float(), dim=-1).sort(dim=-1, descending=True).values

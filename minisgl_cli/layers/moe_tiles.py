@@ -67,6 +67,8 @@ TILES_16BIT: tuple[tuple[int, MoeTiles], ...] = (
     *_PREFILL,
 )
 TILES_FP8: tuple[tuple[int, MoeTiles], ...] = (  # w8a16 (below W8A8_MIN_TOKENS; the rest for moe_bench's column)
+    # the few-token path's one-slot blocks: `--sweep --sweep-dtypes one_slot_fp8 --sizes 1` on an H100 (2026-11-28)
+    (4, _tiles(16, (32, 128, 4, 3), (16, 128, 2, 3))),
     (32, _tiles(16, (32, 128, 4, 3), (64, 128, 4, 3))),
     (128, _tiles(16, (32, 128, 4, 4), (64, 128, 4, 3))),
     (512, _tiles(32, (64, 128, 8, 3), (64, 128, 4, 3))),
@@ -94,28 +96,13 @@ TILES_W8A8: tuple[tuple[int, MoeTiles], ...] = tuple((most, replace(t, fp8_act=T
 FUSED_MAX_TOKENS = 1024
 
 
-@dataclass(frozen=True)
-class GemvTile:
-    """One pass of the few-token path (layers/triton_moe.py's `small_experts`): BLOCK_N output rows a program
-    (down: of each choice), BLOCK_K inputs a step."""
-
-    block_n: int
-    block_k: int
-    num_warps: int
-
-
-@dataclass(frozen=True)
-class SmallTiles:
-    gate_up: GemvTile
-    down: GemvTile
-
-
-# Batches of up to this many tokens route inside the two expert passes and stream each slot's expert as a GEMV
-# (no alignment, no routing launch, no sum launch): at a decode step of a few tokens the launches, not the bytes,
-# were the block's cost (docs/gpu.md). Below W8A8_MIN_TOKENS, so FP8 experts there run w8a16 as the CPU simulates.
+# Batches of up to this many tokens skip the alignment: a block a (token, choice) slot, routed inside the gate/up pass
+# (layers/triton_moe.py's `one_slot_experts`), so a decode step of a few tokens runs router, gate/up and down, and
+# the next RMSNorm sums the k terms. `examples/moe_bench.py` on an H100 (2026-11-28, Qwen3-30B-A3B's shapes, one
+# token, 4 layers in a graph): 40.8 us a layer against 46.4 aligned (router, route, align, two GEMMs, the sum); at
+# 4 tokens 108.0 against 114.8. The tiles are the aligned table's (the one-slot sweep found none faster for bf16).
+# Below W8A8_MIN_TOKENS, so FP8 experts there run w8a16 as the CPU simulates.
 SMALL_MAX_TOKENS = 4
-SMALL_PATH = "one_slot"  # or "gemv": being measured (examples/moe_bench.py)
-SMALL_TILES = SmallTiles(GemvTile(2, 1024, 8), GemvTile(1, 1024, 8))
 
 
 def fp8_act(n_tokens: int) -> bool:

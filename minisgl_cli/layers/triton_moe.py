@@ -38,12 +38,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from minisgl_cli.layers.moe_tiles import (  # noqa: F401  (re-exported)
     FUSED_MAX_TOKENS,
     SMALL_MAX_TOKENS,
-    SMALL_PATH,
-    SMALL_TILES,
-    GemvTile,
     MoeConfig,
     MoeTiles,
-    SmallTiles,
     pick_tiles,
 )
 from minisgl_cli.layers.pdl import pdl_kwargs
@@ -285,134 +281,19 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     return out.view(n_tok, k, hidden) if terms else out.view(n_tok, k, hidden).sum(dim=1)
 
 
-@triton.jit
-def _small_gate_up_kernel(x_ptr, logits_ptr, w_ptr, s_ptr, h_ptr, rw_ptr, ids_ptr, N, K, E, stride_x, stride_l,
-                          stride_we, stride_wn, stride_se, stride_h, TOP_K: tl.constexpr, K_P2: tl.constexpr,
-                          E_P2: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """Slot program_id(0) = (token t, choice j) routes itself (t's top-k from its E logits, in every program of
-    the slot), then h[slot, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n]) for BLOCK_N columns n, a GEMV pass
-    over expert e's rows. The slot's first column tile records e and its weight for the down pass."""
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    slot = tl.program_id(0)
-    t = slot // TOP_K
-    weights, ids = _top_k(logits_ptr, t, stride_l, E, TOP_K, K_P2, E_P2, RENORMALIZE)
-    mine = tl.arange(0, K_P2) == slot % TOP_K
-    expert = tl.sum(tl.where(mine, ids, 0), axis=0)
-    if tl.program_id(1) == 0:
-        tl.store(rw_ptr + slot, tl.sum(tl.where(mine, weights, 0.0), axis=0))
-        tl.store(ids_ptr + slot, expert)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = rn < N
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + t.to(tl.int64) * stride_x + rk
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mk = k0 + rk < K
-        xf = tl.load(x_ptrs + k0, mask=mk, other=0.0).to(tl.float32)[None, :]
-        wm = mask_n[:, None] & mk[None, :]
-        acc += tl.load(w_ptrs + k0, mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32) * xf
-        acc_up += tl.load(w_ptrs + N * stride_wn + k0, mask=wm, other=0.0,
-                          eviction_policy="evict_first").to(tl.float32) * xf
-    g = tl.sum(acc, axis=1)
-    u = tl.sum(acc_up, axis=1)
-    if HAS_SCALE:  # FP8 weights: w = code * scale[expert, row]
-        s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + rn
-        g *= tl.load(s_ptrs, mask=mask_n, other=0.0)
-        u *= tl.load(s_ptrs + N, mask=mask_n, other=0.0)
-    dtype = h_ptr.dtype.element_ty  # rounded where the aligned path rounds: gate and up, silu(gate), the product
-    g = g.to(dtype).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    tl.store(h_ptr + slot.to(tl.int64) * stride_h + rn, (act * u.to(dtype).to(tl.float32)).to(dtype), mask=mask_n)
-
-
-@triton.jit
-def _small_down_kernel(h_ptr, w_ptr, s_ptr, rw_ptr, ids_ptr, y_ptr, N, K, stride_h, stride_we, stride_wn,
-                       stride_se, stride_y, TOP_K: tl.constexpr, K_P2: tl.constexpr, HAS_SCALE: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """y[t, n] = sum_j rw[t k + j] (h[t k + j] . down[ids[t k + j], n]) for token program_id(0), BLOCK_N columns:
-    one tile of K_P2 x BLOCK_N rows, row (j, n) from choice j's expert, so every choice's weights stream at once.
-    Each choice's term is rounded to y's dtype before the fp32 sum, where the aligned path writes it per slot."""
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    t = tl.program_id(0)
-    rows = tl.arange(0, K_P2 * BLOCK_N)
-    j = rows // BLOCK_N
-    rn = tl.program_id(1) * BLOCK_N + rows % BLOCK_N
-    live = (j < TOP_K) & (rn < N)
-    slot = t * TOP_K + j
-    expert = tl.load(ids_ptr + slot, mask=j < TOP_K, other=0).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + (expert * stride_we + rn.to(tl.int64) * stride_wn)[:, None] + rk[None, :]
-    h_ptrs = h_ptr + slot.to(tl.int64)[:, None] * stride_h + rk[None, :]
-    acc = tl.zeros((K_P2 * BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        m = live[:, None] & (k0 + rk < K)[None, :]
-        h = tl.load(h_ptrs + k0, mask=m, other=0.0).to(tl.float32)
-        acc += tl.load(w_ptrs + k0, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32) * h
-    y = tl.sum(acc, axis=1)
-    if HAS_SCALE:
-        y *= tl.load(s_ptr + expert * stride_se + rn, mask=live, other=0.0)
-    y *= tl.load(rw_ptr + slot, mask=j < TOP_K, other=0.0)
-    dtype = y_ptr.dtype.element_ty
-    y = tl.sum(tl.reshape(y.to(dtype).to(tl.float32), (K_P2, BLOCK_N)), axis=0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(y_ptr + t.to(tl.int64) * stride_y + cols, y.to(dtype), mask=cols < N)
-
-
-def small_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-                  renormalize: bool, gate_up_scale: torch.Tensor | None = None,
-                  down_scale: torch.Tensor | None = None, tiles: SmallTiles = SMALL_TILES,
-                  pdl: bool = False) -> torch.Tensor:
-    """`fused_experts` of a few tokens with the routing inside: two launches (gate/up, down), no alignment.
-
-    x [T, H] and its router logits [T, E]; weights as fused_experts'. Each (token, choice) slot streams its own
-    expert's rows, as a GEMV does (at a few tokens the slots rarely share an expert), and the down pass sums each
-    token's k terms itself. FP8 experts run w8a16 (`moe_tiles.fp8_act` is off below W8A8_MIN_TOKENS)."""
-    n_tok, hidden = x.shape
-    n_exp, two_i, _ = gate_up.shape
-    inter = two_i // 2
-    x, logits = x.contiguous(), logits.contiguous()
-    out = torch.empty(n_tok, hidden, dtype=x.dtype, device=x.device)
-    if n_tok == 0:
-        return out
-    numel = n_tok * top_k
-    h = torch.empty(numel, inter, dtype=x.dtype, device=x.device)
-    rw = torch.empty(numel, dtype=torch.float32, device=x.device)
-    ids = torch.empty(numel, dtype=torch.int32, device=x.device)
-    k_p2 = triton.next_power_of_2(top_k)
-    up, dn = tiles.gate_up, tiles.down
-    _small_gate_up_kernel[(numel, triton.cdiv(inter, up.block_n))](
-        x, logits, gate_up, gate_up_scale if gate_up_scale is not None else rw, h, rw, ids, inter, hidden, n_exp,
-        x.stride(0), logits.stride(0), gate_up.stride(0), gate_up.stride(1),
-        gate_up_scale.stride(0) if gate_up_scale is not None else 0, h.stride(0), TOP_K=top_k, K_P2=k_p2,
-        E_P2=triton.next_power_of_2(n_exp), RENORMALIZE=renormalize, HAS_SCALE=gate_up_scale is not None,
-        BLOCK_N=up.block_n, BLOCK_K=min(up.block_k, triton.next_power_of_2(hidden)), num_warps=up.num_warps,
-        **pdl_kwargs(x, pdl))
-    _small_down_kernel[(n_tok, triton.cdiv(hidden, dn.block_n))](
-        h, down, down_scale if down_scale is not None else rw, rw, ids, out, hidden, inter, h.stride(0),
-        down.stride(0), down.stride(1), down_scale.stride(0) if down_scale is not None else 0, out.stride(0),
-        TOP_K=top_k, K_P2=k_p2, HAS_SCALE=down_scale is not None, BLOCK_N=dn.block_n,
-        BLOCK_K=min(dn.block_k, triton.next_power_of_2(inter)), num_warps=dn.num_warps, **pdl_kwargs(x, pdl))
-    return out
-
-
 def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                    renormalize: bool, gate_up_scale: torch.Tensor | None = None,
                    down_scale: torch.Tensor | None = None, pdl: bool = False, terms: bool = False) -> torch.Tensor:
-    """The MoE block after its router's linear: up to SMALL_MAX_TOKENS tokens a few-token path, else `route` then
-    `fused_experts`. `terms`: [T, j, H], each token's rows to sum (j = k, or 1 where the path summed them)."""
+    """The MoE block after its router's linear: up to SMALL_MAX_TOKENS tokens `one_slot_experts`, else `route` then
+    `fused_experts`; [T, H], or with `terms` each token's k terms [T, k, H] for the caller to sum.
+
+    `pdl` reaches the 16-bit experts only: under programmatic dependent launch the FP8 (w8a16) expert kernels ran
+    far slower (examples/moe_bench.py on an H100, one token, 4 layers: 52.8 against 33.0 us a layer on one-slot
+    blocks, 47.0 against 41.6 aligned; the 16-bit ones gain: 46.4 against 49.3 aligned)."""
+    pdl = pdl and gate_up_scale is None
     if x.shape[0] <= SMALL_MAX_TOKENS:
-        if SMALL_PATH == "one_slot":
-            return one_slot_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale,
-                                    pdl=pdl, terms=terms)
-        y = small_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale, pdl=pdl)
-        return y[:, None] if terms else y
+        return one_slot_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale, pdl=pdl,
+                                terms=terms)
     weights, ids = route(logits, top_k, renormalize, pdl)
     return fused_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale, pdl=pdl, terms=terms)
 
