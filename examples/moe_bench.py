@@ -15,8 +15,8 @@
    TILES tables; `--sweep-dtypes one_slot,one_slot_fp8`: the few-token path's.
 2. Qwen3-30B-A3B with dummy weights (bf16; --fp8: then FP8 experts and linears, a second engine): one 128-token
    prompt, 256 new tokens, EOS ignored, CUDA graphs and overlap on; decode tok/s with the fused experts as shipped,
-   without the few-token path ("aligned"), as shipped again, and with attention's decode partials merged by a
-   launch of their own (graphs recaptured; every other fused op stays on); --profile: the shipped step's kernels.
+   without the few-token path ("aligned"), and as shipped again (graphs recaptured; every other fused op stays
+   on); --profile: the shipped step's kernels.
 
 Prints a table and writes moe_bench.json under --out ($OUT). One H100, defaults: ~70 s (Triton compiles on a cold
 cache, the 61 GB engine's start); each of --fp8 and --sweep adds ~10-30 s.
@@ -253,9 +253,8 @@ def bench_decode(quantization: str, rows: list[dict], profile: bool = False) -> 
     g = random.Random(1)
     prompt = [[g.randint(0, 10000) for _ in range(128)]]
     # as shipped (the start's graphs); without the few-token path; as shipped again (recaptured, as "aligned" is)
-    for experts in ("fused", "aligned", "fused-recaptured", "fused, attention's reduce pass"):
+    for experts in ("fused", "aligned", "fused-recaptured"):
         ctx = aligned_only() if experts == "aligned" else None
-        e.attn.fold_merge = experts != "fused, attention's reduce pass"  # the decode partials merged by a launch
         with ctx or contextlib.nullcontext():
             if experts != "fused":
                 e.capture_graphs()
@@ -271,7 +270,6 @@ def bench_decode(quantization: str, rows: list[dict], profile: bool = False) -> 
                  tok_s=round(tps, 1), step_ms=round(1e3 / tps, 3), engine_up_s=round(up, 1))
         rows.append(r)
         print("RESULT " + json.dumps(r), flush=True)
-    e.attn.fold_merge = True
     drop_engine(e)
 
 

@@ -22,7 +22,6 @@ class TritonDecodeMeta:
     mid_o: torch.Tensor  # [bs, H, num_splits, D] fp32: per-split normalised outputs
     mid_lse: torch.Tensor  # [bs, H, num_splits] fp32: per-split base-2 log-sum-exps
     order: torch.Tensor  # [bs] int32: the rows by context length, longest first (the kernel starts those first)
-    counts: torch.Tensor  # [bs * Hkv] int32 zeros: each (row, KV head)'s finished splits (the last one merges)
 
 
 @dataclass
@@ -59,7 +58,6 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graph = True
-    fold_merge = True  # split decode: the last split merges the partials (triton_kernels.py), no reduce launch
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  kernels: Kernels | None = None):
@@ -91,8 +89,7 @@ class TritonBackend(AttentionBackend):
             splits = max(1, min(self._splits(bs), tiles))
             mid_o, mid_lse = self._scratch(bs, splits)
             order = torch.argsort(batch.seq_lens, descending=True).to(torch.int32)
-            counts = torch.zeros(bs * self.num_kv_heads, dtype=torch.int32, device=self.pool.device)
-            batch.attn_meta = TritonDecodeMeta(batch.req_slots, batch.seq_lens, splits, mid_o, mid_lse, order, counts)
+            batch.attn_meta = TritonDecodeMeta(batch.req_slots, batch.seq_lens, splits, mid_o, mid_lse, order)
         else:
             batch.attn_meta = TritonExtendMeta(
                 batch.req_slots, batch.seq_lens, batch.qo_indptr, max(batch.extend_lens_cpu, default=0)
@@ -109,7 +106,6 @@ class TritonBackend(AttentionBackend):
             "order": torch.arange(max_bs, dtype=torch.int32, device=dev),
             "mid_o": torch.empty(rows * self.num_heads * self.head_dim, dtype=torch.float32, device=dev),
             "mid_lse": torch.empty(rows * self.num_heads, dtype=torch.float32, device=dev),
-            "counts": torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=dev),  # left zeroed
         }
         self._graph_max_bs = max_bs
 
@@ -125,7 +121,6 @@ class TritonBackend(AttentionBackend):
             mid_o=g["mid_o"][: bs * h * splits * d].view(bs, h, splits, d),
             mid_lse=g["mid_lse"][: bs * h * splits].view(bs, h, splits),
             order=g["order"][:bs],
-            counts=g["counts"][: bs * self.num_kv_heads],
         )
         if batch is not None:
             batch.attn_meta = meta
@@ -167,7 +162,6 @@ class TritonBackend(AttentionBackend):
             return tk.decode_attention(
                 q, k_cache, v_cache, table, meta.req_slots, meta.seq_lens, self.scale,
                 meta.num_splits, meta.mid_o, meta.mid_lse, pdl=self.kernels.pdl, quant=quant, order=meta.order,
-                counts=meta.counts if self.fold_merge else None,
             )
         return tk.extend_attention(
             q, k_cache, v_cache, table, meta.req_slots, meta.seq_lens, meta.qo_indptr,

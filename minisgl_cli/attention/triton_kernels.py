@@ -120,12 +120,6 @@ def store_kv(
 # once per query head -- decode is bound by these bytes. The tile has at least 16 rows because tl.dot
 # wants M >= 16; padded rows are zero queries whose results are never stored.
 #
-# Folded (a `counts` buffer given): the split of (b, kv head) that finishes last merges that group's partials itself,
-# in place of the reduce launch. Each split stores its partial, then (every thread's stores issued: a barrier)
-# takes a ticket from its (b, kv head) counter (acq_rel, GPU scope); the one holding the last ticket reads the others'
-# partials (volatile: from L2, not a stale L1 line), merges them in split order and puts the counter back to 0,
-# so CUDA graph replays find it zeroed. The memory protocol is the fused all-reduce's (layers/triton_ops.py).
-#
 # Why longest first: at big batches a program walks its request's whole context (one split), so programs
 # differ in length as much as the contexts do, and the step ends with the last one. Started in batch
 # order, a long context that starts last runs nearly alone at the end; started longest first (`order`,
@@ -148,7 +142,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
-    HAS_ORDER: tl.constexpr, count_ptr=None, num_kv_heads=1, FOLD: tl.constexpr = False,
+    HAS_ORDER: tl.constexpr,
 ):
     """Program (b, kv_head, split): attention of b's query heads of this group over one chunk of its context.
 
@@ -218,27 +212,6 @@ def _decode_partial_kernel(
             tl.store(mo + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
             ml = mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split
             tl.store(ml, m_i + tl.log2(l_i), mask=g_mask)
-            if FOLD:  # the last split of (b, kv head) to finish merges the group's partials (see above)
-                tl.debug_barrier()
-                counter = count_ptr + b * num_kv_heads + kvh
-                live = tl.cdiv(seq_len, chunk)
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == live - 1:
-                    tl.debug_barrier()
-                    mo_g = mid_o_ptr + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + offs_d[None, :]
-                    ml_g = mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh
-                    gd_mask = g_mask[:, None] & d_mask[None, :]
-                    top = tl.full([BLOCK_G], _NEG_INIT, tl.float32)
-                    for s in range(0, live):
-                        top = tl.maximum(top, tl.load(ml_g + s, mask=g_mask, other=_NEG_INIT, volatile=True))
-                    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-                    w_sum = tl.zeros([BLOCK_G], tl.float32)
-                    for s in range(0, live):
-                        w = tl.exp2(tl.load(ml_g + s, mask=g_mask, other=_NEG_INIT, volatile=True) - top)
-                        acc += w[:, None] * tl.load(mo_g + s * stride_mos, mask=gd_mask, other=0.0, volatile=True)
-                        w_sum += w
-                    o = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-                    tl.store(o, (acc / w_sum[:, None]).to(o_ptr.dtype.element_ty), mask=gd_mask)
-                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 @triton.jit
 def _decode_reduce_kernel(
@@ -312,7 +285,6 @@ def decode_attention(
     pdl: bool = True,
     quant: KVQuant | None = None,
     order: torch.Tensor | None = None,
-    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one token per request) -> [B, H, D] over positions 0..seq_lens[b]-1 of each request.
 
@@ -322,8 +294,6 @@ def decode_attention(
     quant: an FP8 cache's scales and means (core/fp8.py).
     order: [B] int32, the rows in the order their programs start (longest context first, as the backend
     passes it: the programs that start last are then short ones, which shortens the tail), or None.
-    counts: int32 zeros of >= B * Hkv (left zeroed): the last split of each (row, KV head) merges the partials,
-    no reduce launch (see "Folded" above).
     """
     B, H, D = q.shape
     hkv = k_cache.shape[1]
@@ -355,10 +325,9 @@ def decode_attention(
         GROUP=group, HEAD_DIM=D, BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype if quant is None else torch.float16), DIRECT=direct,
         KV_FP8=quant is not None, HAS_ORDER=order is not None,
-        count_ptr=counts, num_kv_heads=hkv, FOLD=counts is not None and not direct,
         num_warps=warps, num_stages=stages, **pdl_kwargs(q, pdl),
     )
-    if direct or counts is not None:
+    if direct:
         return out
     _decode_reduce_kernel[(B, H)](
         mid_o, mid_lse, seq_lens, out, num_splits,
