@@ -212,11 +212,62 @@ def test_dummy_weights_of_an_moe_config_run(tiny_moe_dirs):
     assert torch.isfinite(logits).all() and logits.std() > 0
 
 
+def _dequantized(method_name: str, w: torch.Tensor) -> torch.Tensor:
+    """What the method's copy of w holds: Q4_1-like groups of 32, or int8 per channel, back in fp32."""
+    from minisgl_cli.loader.blocks import quantize_int4, quantize_int8
+
+    return (quantize_int4(w) if method_name == "int4" else quantize_int8(w)).dequantize()
+
+
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
-def test_quantized_experts_are_refused_in_one_line(tiny_moe_dirs, quantization):
+def test_int4_int8_experts_decode_through_their_low_bit_copies(quantization):
+    """--quantization int4 / int8: each expert matrix gets the method's copy once loaded; decode rows multiply by it
+    (the expert's output is that of the dequantized copy on bf16 rows), extend rows by the dense weights."""
+    from minisgl_cli.layers.moe import MoE
+    from minisgl_cli.layers.quant import METHODS
+
+    n_exp, hidden, inter, top_k = 4, 64, 32, 2
+    block = MoE(n_exp, top_k, hidden, inter, True, TPInfo(), Kernels(), copies=METHODS[quantization]())
+    block.gate.weight.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    for e, m in enumerate(_expert_mats(n_exp, hidden, inter, seed=4)):
+        for proj, w in m.items():
+            block.experts.load_expert(e, proj, w)
+    block = block.to(torch.bfloat16)
+    block.experts.finish_loading()
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    weights, ids = route(block.gate(x), top_k, True)
+    e = block.experts
+    mats = [{"gate_proj": _dequantized(quantization, e.gate_up_proj.data[i])[:inter],
+             "up_proj": _dequantized(quantization, e.gate_up_proj.data[i])[inter:],
+             "down_proj": _dequantized(quantization, e.down_proj.data[i])} for i in range(n_exp)]
+    decoded = block(x, decode=True)
+    want = _per_token(x.float(), mats, weights, ids)
+    torch.testing.assert_close(decoded.float(), want, rtol=0, atol=3e-2 * want.abs().max().item())
+    dense = [{"gate_proj": e.gate_up_proj.data[i, :inter].float(), "up_proj": e.gate_up_proj.data[i, inter:].float(),
+              "down_proj": e.down_proj.data[i].float()} for i in range(n_exp)]
+    extended = block(x, decode=False)  # the dense weights
+    torch.testing.assert_close(extended.float(), _per_token(x.float(), dense, weights, ids), rtol=0,
+                               atol=3e-2 * want.abs().max().item())
+    assert not torch.equal(decoded, extended)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_a_quantized_moe_engine_decodes_eagerly_and_refuses_torch_compile_on(tiny_moe_dirs, quantization):
+    """The int4 / int8 CPU modes take MoE checkpoints: greedy tokens come out, decode stays eager (the experts' loop
+    reads row counts back, which no exported step holds), and --torch-compile on says so in one line."""
+    from minisgl_cli.llm import LLM
+    from minisgl_cli.types import SamplingParams
+
+    model = str(tiny_moe_dirs["qwen3_moe"])
+    engine = Engine(EngineConfig(model=model, quantization=quantization, max_total_tokens=256))
+    assert engine.quantization == quantization and engine.decode_step == "eager"
+    assert engine.model.layers[0].mlp.experts.decode_matmul() is not None
+    with LLM(model, quantization=quantization, max_total_tokens=1024) as llm:
+        out = llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert [len(c.token_ids) for c in out] == [6, 6]
     with pytest.raises(ValueError) as err:
-        Engine(EngineConfig(model=str(tiny_moe_dirs["mixtral"]), quantization=quantization, max_total_tokens=256))
-    assert "\n" not in str(err.value) and f"--quantization {quantization}" in str(err.value)
+        Engine(EngineConfig(model=model, quantization=quantization, torch_compile="on", max_total_tokens=256))
+    assert "\n" not in str(err.value) and "--torch-compile on" in str(err.value)
 
 
 @pytest.mark.gpu

@@ -25,6 +25,7 @@ Mixtral has one, so there is none here yet.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -39,7 +40,7 @@ from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import divide
 from minisgl_cli.layers.moe_tiles import fp8_act
 from minisgl_cli.layers.norm import Terms
-from minisgl_cli.layers.quant import gemv_ops
+from minisgl_cli.layers.quant import LinearMethod, gemv_ops
 from minisgl_cli.loader.hf import Weight, whole
 
 # Checkpoint names of one expert's projections: Qwen3-MoE's and Mixtral's (w1 gate, w3 up, w2 down).
@@ -76,13 +77,18 @@ def triton_experts(x: torch.Tensor, kernels: Kernels, fp8: bool = False) -> Modu
     return None
 
 
+ExpertMatmul = Callable[[int, str, torch.Tensor], torch.Tensor]  # (expert, "gate_up" | "down", rows) -> rows W^T
+
+
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, kernels: Kernels, grouped: bool, fp8_rows: bool = False) -> torch.Tensor:
+                  ids: torch.Tensor, kernels: Kernels, grouped: bool, fp8_rows: bool = False,
+                  matmul: ExpertMatmul | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H].
 
     gate_up [E, 2I, H], down [E, H, I]; `grouped`: one torch._grouped_mm per projection (see the module docstring),
-    else one F.linear per expert that received rows. Every shape is static but the loop's. `fp8_rows`: the
-    inputs of both projections through e4m3 per row and back (the w8a8 kernels' activations, simulated)."""
+    else one F.linear per expert that received rows (`matmul`, where given, in its place: the int4 / int8 decode
+    copies). Every shape is static but the loop's. `fp8_rows`: the inputs of both projections through e4m3 per row
+    and back (the w8a8 kernels' activations, simulated)."""
     def act(t: torch.Tensor) -> torch.Tensor:
         return round_trip_rows(t).to(t.dtype) if fp8_rows else t
 
@@ -101,10 +107,14 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     else:
         y = torch.empty_like(rows)
         start = 0
+        def linear(e: int, proj: str, t: torch.Tensor) -> torch.Tensor:
+            return F.linear(t, gate_up[e] if proj == "gate_up" else down[e])
+
+        mm = matmul or linear
         for e, end in enumerate(ends.tolist()):
             if end > start:
-                h = F.linear(rows[start:end], gate_up[e])
-                y[start:end] = F.linear(act(silu_and_mul(h, kernels)), down[e])
+                h = mm(e, "gate_up", rows[start:end])
+                y[start:end] = mm(e, "down", act(silu_and_mul(h, kernels)))
             start = end
     y = y * weights.flatten()[order, None].to(y.dtype)
     # Back to slot order, then each token's k contributions summed: no atomics, so the sum is deterministic.
@@ -131,6 +141,10 @@ class Router(nn.Module):
         return F.linear(x, self.weight)
 
 
+class _DecodeCopy(nn.Module):
+    """One expert matrix's int4 / int8 copy for decode steps (buffers `qweight`, `qscale`; `weight`: the dense view)."""
+
+
 class Experts(nn.Module):
     """Every expert's gate/up and down weights, stacked; this rank's slice of each expert's intermediate size.
 
@@ -138,13 +152,20 @@ class Experts(nn.Module):
     `down_scale` [E, H]), each matrix quantized as it loads. The Triton kernels run them w8a16 (the codes widened
     in the tile) or, from `moe_tiles.W8A8_MIN_TOKENS` tokens, w8a8 (activations per token to e4m3). The torch
     paths (the CPU, the fused ops off) multiply by the dequantized weights (`dense`), the activations through
-    e4m3 and back where the kernels would run w8a8: the same numbers, simulated."""
+    e4m3 and back where the kernels would run w8a8: the same numbers, simulated.
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPInfo, fp8: bool = False):
+    `copies` (--quantization int4 / int8, the CPU): once loaded, each expert matrix also gets the method's low-bit
+    copy (quantized from the dense one, as a linear layer's dense checkpoint is), which decode steps multiply by;
+    extend steps keep the dense weights (layers/quant.py says why)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPInfo, fp8: bool = False,
+                 copies: LinearMethod | None = None):
         super().__init__()
         self.local = n = divide(intermediate_size, tp, "moe intermediate size")
         self.start = tp.rank * n
         self.fp8 = fp8
+        self.copies = copies if copies is not None and copies.decode_copy else None
+        self.gate_up_copies = self.down_copies = None
         dtype = FP8 if fp8 else None
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, n, dtype=dtype), requires_grad=False)
@@ -174,6 +195,27 @@ class Experts(nn.Module):
         param.data[expert, rows].copy_(codes)
         scale.data[expert, rows].copy_(s[:, 0])
 
+    def finish_loading(self) -> None:
+        """Every expert in: build the decode copies (int4 / int8)."""
+        if self.copies is None:
+            return
+        for name, stacked in (("gate_up_copies", self.gate_up_proj), ("down_copies", self.down_proj)):
+            held = nn.ModuleList(_DecodeCopy() for _ in range(stacked.shape[0]))
+            for e, holder in enumerate(held):
+                self.copies.low_bit_copy(holder, stacked.data[e])
+            setattr(self, name, held)
+
+    def decode_matmul(self) -> ExpertMatmul | None:
+        """The decode steps' multiply by the low-bit copies, or None without copies."""
+        method, gate_up, down = self.copies, self.gate_up_copies, self.down_copies
+        if method is None or gate_up is None or down is None:
+            return None
+
+        def mm(e: int, proj: str, x: torch.Tensor) -> torch.Tensor:
+            return method.apply(gate_up[e] if proj == "gate_up" else down[e], x, None, decode=True)
+
+        return mm
+
     def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) in `dtype` for the torch paths: the weights, or FP8's dequantized (kept on the CPU,
         rebuilt per call on CUDA, where the fused kernels read the codes themselves)."""
@@ -194,17 +236,17 @@ class MoE(nn.Module):
     """The sparse MLP of one decoder layer: route each token to its top-k experts, run them, all-reduce."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 tp: TPInfo, kernels: Kernels, fp8: bool = False):
+                 tp: TPInfo, kernels: Kernels, fp8: bool = False, copies: LinearMethod | None = None):
         super().__init__()
         self.top_k, self.renormalize, self.tp, self.kernels = top_k, renormalize, tp, kernels
         self.gate = Router(hidden_size, num_experts, kernels)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8, copies)
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         return False  # the experts take 16-bit activations (FP8 experts too): the norm before them writes plain rows
 
     def forward(self, x: torch.Tensor | Fp8Rows, decode: bool = False) -> torch.Tensor | Terms:
-        """`decode` is the dense MLP's (which copy a quantized linear takes): the experts hold one copy."""
+        """`decode`: a decode step's rows, which take the experts' int4 / int8 copies where they have them."""
         assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
         e = self.experts
         ops = triton_experts(x, self.kernels, e.fp8)
@@ -213,6 +255,8 @@ class MoE(nn.Module):
                                e.gate_up_scale, e.down_scale, self.kernels.pdl, terms=True)
             return Terms(y) if self.tp.size == 1 else all_reduce(y.sum(dim=1), self.tp)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        y = fused_experts(x, *e.dense(x.dtype), weights, ids, self.kernels, grouped_mm_runs(x.device, x.dtype),
-                          fp8_rows=e.fp8 and fp8_act(x.shape[0]))
+        matmul = e.decode_matmul() if decode else None
+        y = fused_experts(x, *e.dense(x.dtype), weights, ids, self.kernels,
+                          grouped_mm_runs(x.device, x.dtype) and matmul is None,
+                          fp8_rows=e.fp8 and fp8_act(x.shape[0]), matmul=matmul)
         return all_reduce(y, self.tp)

@@ -77,6 +77,7 @@ class LinearMethod:
     quantized = False
     devices: tuple[str, ...] = ("cpu", "cuda")
     takes_blocks = False  # loads a GGUF's int4 / int8 blocks as shipped (else the dense checkpoint)
+    decode_copy = False  # decode steps run a low-bit copy beside the dense weight (`low_bit_copy`)
 
     def create(self, layer: Layer, out_features: int, in_features: int) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -112,6 +113,10 @@ class LinearMethod:
         """`apply` of rows already quantized per token: only for a method whose `takes_fp8_rows` said so."""
         raise TypeError(f"the {self.name!r} linear method takes no FP8 rows")
 
+    def low_bit_copy(self, holder: nn.Module, w: torch.Tensor) -> None:
+        """Give `holder` a decode copy of the dense matrix w: only for a method with `decode_copy`."""
+        raise TypeError(f"the {self.name!r} linear method keeps no decode copy")
+
     def for_lm_head(self) -> LinearMethod:
         """The method of the model's LM head (the vocabulary projection)."""
         return self
@@ -127,6 +132,18 @@ class _WeightOnly(LinearMethod):
     quantized = True
     devices = ("cpu",)
     takes_blocks = True
+    decode_copy = True
+
+    def low_bit_copy(self, holder: nn.Module, w: torch.Tensor) -> None:
+        """Give `holder` the decode copy of a dense matrix w [n, k] already in place (an MoE expert's, quantized from
+        it) and w itself as its `weight`, a view, not a second dense copy: `apply(holder, x, None, decode=True)`
+        then multiplies by the copy, as a linear layer's decode rows are."""
+        staged = self._stage(*w.shape)
+        for dst, part in zip(staged, self._convert(w)):
+            dst.copy_(part)
+        for name, t in zip(("qweight", "qscale"), self._pack(staged)):
+            holder.register_buffer(name, t, persistent=False)
+        holder.weight = w
 
     def create(self, layer: Layer, out_features: int, in_features: int) -> None:
         super().create(layer, out_features, in_features)

@@ -107,7 +107,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.mlp: MLP | MoE = (
             MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                cfg.norm_topk_prob, tp, kernels, fp8=method.name == "fp8")
+                cfg.norm_topk_prob, tp, kernels, fp8=method.name == "fp8", copies=method)
             if cfg.is_moe_layer(layer_id) else MLP(cfg, tp, kernels, method)
         )
 
@@ -158,9 +158,6 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.kernels = kernels = kernels or Kernels()
         method = method or LinearMethod()
-        if cfg.num_experts and method.quantized and method.name != "fp8":
-            raise ValueError(f"--quantization {method.name} does not cover MoE experts yet; use --quantization none "
-                             "or fp8")
         self.rope = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
                      if cfg.vision is None else  # a VLM's decoder: M-RoPE
                      MRotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
