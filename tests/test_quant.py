@@ -4,8 +4,6 @@ parity test's chat prompts)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
@@ -53,7 +51,7 @@ def test_gguf_block_parsing_matches_the_gguf_package(kind):
     raw[..., : scales.shape[-1]] = scales  # finite fp16 d (and m)
     raw = raw.reshape(rows, blocks * size)
     qtype = GGMLQuantizationType[kind]
-    ours = _blocks(SimpleNamespace(tensor_type=qtype, data=raw), np.ascontiguousarray)
+    ours = _blocks(kind, raw, np.ascontiguousarray)
     assert isinstance(ours, Int8Groups if kind == "Q8_0" else Int4Groups)
     assert torch.equal(ours.dequantize(), torch.from_numpy(dequantize(raw, qtype).astype(np.float32)))
 

@@ -41,6 +41,7 @@ from minisgl_cli.layers.linear import divide
 from minisgl_cli.layers.moe_tiles import fp8_act
 from minisgl_cli.layers.norm import Terms
 from minisgl_cli.layers.quant import LinearMethod, gemv_ops
+from minisgl_cli.loader.blocks import Int4Groups, Int8Groups
 from minisgl_cli.loader.hf import Weight, whole
 
 # Checkpoint names of one expert's projections: Qwen3-MoE's and Mixtral's (w1 gate, w3 up, w2 down).
@@ -155,8 +156,8 @@ class Experts(nn.Module):
     e4m3 and back where the kernels would run w8a8: the same numbers, simulated.
 
     `copies` (--quantization int4 / int8, the CPU): once loaded, each expert matrix also gets the method's low-bit
-    copy (quantized from the dense one, as a linear layer's dense checkpoint is), which decode steps multiply by;
-    extend steps keep the dense weights (layers/quant.py says why)."""
+    copy, which decode steps multiply by: a GGUF's own blocks where it shipped them, else quantized from the dense
+    matrix (as a linear layer's are); extend steps keep the dense weights (layers/quant.py says why)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPInfo, fp8: bool = False,
                  copies: LinearMethod | None = None):
@@ -166,6 +167,7 @@ class Experts(nn.Module):
         self.fp8 = fp8
         self.copies = copies if copies is not None and copies.decode_copy else None
         self.gate_up_copies = self.down_copies = None
+        self._blocks: dict[tuple[int, str], Int4Groups | Int8Groups] = {}  # (expert, proj): a GGUF's, until copied
         dtype = FP8 if fp8 else None
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, n, dtype=dtype), requires_grad=False)
@@ -179,12 +181,14 @@ class Experts(nn.Module):
         """One checkpoint matrix of expert `expert` (`proj`: gate_proj [I, H], up_proj [I, H], down_proj [H, I]):
         only this rank's rows or columns are read."""
         n, start = self.local, self.start
+        part = loaded.narrow(1, start, n) if proj == "down_proj" else loaded.narrow(0, start, n)
         if proj == "down_proj":
-            self._put(self.down_proj, self.down_scale, expert, slice(None), whole(loaded.narrow(1, start, n)))
+            self._put(self.down_proj, self.down_scale, expert, slice(None), whole(part))
         else:
             row = 0 if proj == "gate_proj" else n
-            self._put(self.gate_up_proj, self.gate_up_scale, expert, slice(row, row + n),
-                      whole(loaded.narrow(0, start, n)))
+            self._put(self.gate_up_proj, self.gate_up_scale, expert, slice(row, row + n), whole(part))
+        if self.copies is not None and isinstance(part, Int4Groups | Int8Groups):  # a GGUF's blocks: the copy's
+            self._blocks[(expert, proj)] = part
 
     @staticmethod
     def _put(param: nn.Parameter, scale: nn.Parameter | None, expert: int, rows: slice, w: torch.Tensor) -> None:
@@ -199,11 +203,15 @@ class Experts(nn.Module):
         """Every expert in: build the decode copies (int4 / int8)."""
         if self.copies is None:
             return
-        for name, stacked in (("gate_up_copies", self.gate_up_proj), ("down_copies", self.down_proj)):
+        blocks = self._blocks
+        for name, stacked, projs in (("gate_up_copies", self.gate_up_proj, ("gate_proj", "up_proj")),
+                                     ("down_copies", self.down_proj, ("down_proj",))):
             held = nn.ModuleList(_DecodeCopy() for _ in range(stacked.shape[0]))
             for e, holder in enumerate(held):
-                self.copies.low_bit_copy(holder, stacked.data[e])
+                shipped = [blocks[(e, p)] for p in projs if (e, p) in blocks]
+                self.copies.low_bit_copy(holder, stacked.data[e], shipped if len(shipped) == len(projs) else None)
             setattr(self, name, held)
+        blocks.clear()
 
     def decode_matmul(self) -> ExpertMatmul | None:
         """The decode steps' multiply by the low-bit copies, or None without copies."""

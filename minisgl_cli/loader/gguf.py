@@ -1,5 +1,9 @@
 """GGUF -> HF directory conversion: a llama GGUF once into config.json + tokenizer + its weights, twice.
 
+A llama GGUF with experts (`llama.expert_count`: Mixtral, as llama.cpp converts it) becomes a Mixtral directory:
+its router `ffn_gate_inp` and its stacked experts `ffn_{gate,up,down}_exps` [E, out, in] split into HF's
+`block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1 / w3 / w2`, each expert's blocks kept as shipped.
+
 transformers can load a GGUF directly, but it re-parses and re-dequantizes on every load
 (~26 s for SmolLM2-135M on 2 CPU cores). We do that work once with the `gguf` package and
 write a plain fp32 HF directory (model.safetensors: what transformers and the exact fp32 mode load),
@@ -45,6 +49,9 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# A MoE layer's router and stacked experts (within model.layers.{i}): llama.cpp's names -> Mixtral's.
+_MOE_ROUTER = ("ffn_gate_inp", "block_sparse_moe.gate")
+_EXPERT_TENSORS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 # Derived on the fly by llama.cpp; HF recomputes it, so it is not a weight.
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
 
@@ -68,6 +75,8 @@ class LlamaHParams:
     eos_token_id: int | None
     pad_token_id: int | None
     unk_token_id: int | None
+    num_local_experts: int = 0  # a MoE (Mixtral) GGUF: its experts, and how many each token takes
+    num_experts_per_tok: int = 0
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
@@ -128,6 +137,8 @@ def read_hparams(reader: Any, gguf_path: Path) -> LlamaHParams:
         eos_token_id=_opt_int(_field(reader, "tokenizer.ggml.eos_token_id")),
         pad_token_id=_opt_int(_field(reader, "tokenizer.ggml.padding_token_id")),
         unk_token_id=_opt_int(_field(reader, "tokenizer.ggml.unknown_token_id")),
+        num_local_experts=int(_field(reader, "llama.expert_count", 0)),
+        num_experts_per_tok=int(_field(reader, "llama.expert_used_count", 0)),
     )
 
 
@@ -151,9 +162,21 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".")  # blk.{i}.{kind}.{weight|bias}
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
+        if parts[2] in _LAYER_TENSORS:
+            return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+        if parts[2] == _MOE_ROUTER[0]:
+            return f"model.layers.{parts[1]}.{_MOE_ROUTER[1]}.{parts[3]}"
     raise KeyError(gguf_name)
+
+
+def expert_tensor_names(gguf_name: str, n_experts: int) -> list[str] | None:
+    """The HF names of a stacked-experts tensor's matrices, expert by expert; None for any other tensor."""
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _EXPERT_TENSORS:
+        return None
+    return [f"model.layers.{parts[1]}.block_sparse_moe.experts.{e}.{_EXPERT_TENSORS[parts[2]]}.{parts[3]}"
+            for e in range(n_experts)]
 
 
 # --- steps -------------------------------------------------------------------------------
@@ -183,8 +206,9 @@ def _write_weights(reader: Any, hp: LlamaHParams, gguf_path: Path, out: Path) ->
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, torch.Tensor | Blocks] = {}
     for t in reader.tensors:
+        experts = expert_tensor_names(t.name, hp.num_local_experts)
         try:
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name) if experts is None else "experts"
         except KeyError:
             raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}", gguf_path, EXPECTED_GGUF) from None
         if name is None:
@@ -197,10 +221,19 @@ def _write_weights(reader: Any, hp: LlamaHParams, gguf_path: Path, out: Path) ->
                 f"unsupported quant type {t.tensor_type.name} in {t.name}", gguf_path, EXPECTED_GGUF
             ) from None
         w = np.asarray(w, dtype=np.float32)
+        if experts is not None:  # [E, out, in]: one HF matrix an expert, each with its own blocks
+            if w.ndim != 3 or w.shape[0] != len(experts):
+                raise ModelLoadError(f"GGUF tensor {t.name!r} holds {w.shape[0] if w.ndim == 3 else 0} experts, "
+                                     f"not llama.expert_count {len(experts)}", gguf_path, EXPECTED_GGUF)
+            for e, expert_name in enumerate(experts):
+                tensors[expert_name] = torch.from_numpy(np.ascontiguousarray(w[e]))
+                blocks[expert_name] = (_blocks(t.tensor_type.name, t.data[e], np.ascontiguousarray)
+                                       or tensors[expert_name])
+            continue
         rows = _qk_rows(t.name, hp)
         # Copy: F32 tensors come back as views of the read-only memmap.
         tensors[name] = torch.from_numpy(rows(w).copy())
-        blocks[name] = _blocks(t, rows) or tensors[name]
+        blocks[name] = (_blocks(t.tensor_type.name, t.data, rows) if len(t.data.shape) == 2 else None) or tensors[name]
     missing = _expected_names(hp) - tensors.keys()
     if missing:
         raise ModelLoadError(f"GGUF lacks tensors {sorted(missing)[:3]}", gguf_path, EXPECTED_GGUF)
@@ -218,8 +251,9 @@ def _qk_rows(gguf_name: str, hp: LlamaHParams) -> Callable[[np.ndarray], np.ndar
     return np.ascontiguousarray
 
 
-def _blocks(t: Any, rows: Callable[[np.ndarray], np.ndarray]) -> Blocks | None:
-    """A Q4_0 / Q4_1 / Q8_0 tensor's integers and fp16 scales as shipped (loader/blocks.py); None for other types.
+def _blocks(kind: str, data: np.ndarray, rows: Callable[[np.ndarray], np.ndarray]) -> Blocks | None:
+    """A Q4_0 / Q4_1 / Q8_0 matrix's integers and fp16 scales as shipped (loader/blocks.py), from its bytes
+    `data` [rows, bytes a row]; None for other types.
 
     Each 32-weight block is [d: fp16][m: fp16, Q4_1 only][values]; the 4-bit kinds hold weight i in the low
     nibble of byte i and weight i + 16 in its high nibble."""
@@ -227,11 +261,10 @@ def _blocks(t: Any, rows: Callable[[np.ndarray], np.ndarray]) -> Blocks | None:
 
     from minisgl_cli.loader.blocks import Int4Groups, Int8Groups
 
-    kind = t.tensor_type.name
-    if kind not in ("Q4_0", "Q4_1", "Q8_0") or len(t.data.shape) != 2:
+    if kind not in ("Q4_0", "Q4_1", "Q8_0"):
         return None
-    n = t.data.shape[0]
-    b = np.asarray(t.data).reshape(n, -1, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind])
+    n = data.shape[0]
+    b = np.asarray(data).reshape(n, -1, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind])
 
     def plane(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(rows(a))
@@ -249,20 +282,29 @@ def _expected_names(hp: LlamaHParams) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not hp.tie_word_embeddings:
         names.add("lm_head.weight")
+    ffn = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     for i in range(hp.num_hidden_layers):
-        names |= {f"model.layers.{i}.{hf}.weight" for hf in _LAYER_TENSORS.values()}
+        names |= {f"model.layers.{i}.{hf}.weight" for hf in _LAYER_TENSORS.values()
+                  if not (hp.num_local_experts and hf in ffn)}
+        if hp.num_local_experts:
+            names.add(f"model.layers.{i}.{_MOE_ROUTER[1]}.weight")
+            for kind in _EXPERT_TENSORS:
+                names |= set(expert_tensor_names(f"blk.{i}.{kind}.weight", hp.num_local_experts) or ())
     return names
 
 
 def _write_config(hp: LlamaHParams, out: Path) -> None:
-    from transformers import GenerationConfig, LlamaConfig
+    from transformers import GenerationConfig, LlamaConfig, MixtralConfig
 
-    # Every field is named as LlamaConfig takes it (rope_theta too: transformers 5 reads it from kwargs).
-    config = LlamaConfig(
-        **asdict(hp),
-        architectures=["LlamaForCausalLM"],
-        dtype="float32",
-    )
+    # Every field is named as LlamaConfig / MixtralConfig take it (rope_theta too: transformers 5 reads it from
+    # kwargs); a dense model's config names no experts.
+    fields = asdict(hp)
+    config: LlamaConfig | MixtralConfig
+    if hp.num_local_experts:
+        config = MixtralConfig(**fields, architectures=["MixtralForCausalLM"], dtype="float32", sliding_window=None)
+    else:
+        del fields["num_local_experts"], fields["num_experts_per_tok"]
+        config = LlamaConfig(**fields, architectures=["LlamaForCausalLM"], dtype="float32")
     config.save_pretrained(out)
     # Readers that parse config.json by hand (or older transformers) look for these keys.
     path = out / "config.json"
