@@ -72,13 +72,14 @@ TINY_MOE = {
 _HF_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
 
 
-def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
-    """Save a tiny random HF model of `arch` with the default model's tokenizer, via save_pretrained."""
+def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random HF model of `arch` (config fields: TINY's, the arch's, `overrides`) with the default model's
+    tokenizer, via save_pretrained."""
     import transformers
 
     name = _HF_CLASSES[arch]
     torch.manual_seed(seed)
-    fields = {**TINY, **TINY_MOE.get(arch, {})}
+    fields = {**TINY, **TINY_MOE.get(arch, {}), **overrides}
     tie = arch not in ("llama", "mixtral")
     cfg = getattr(transformers, f"{name}Config")(**fields, tie_word_embeddings=tie, eos_token_id=2, bos_token_id=1)
     model = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()

@@ -279,18 +279,21 @@ def test_default_package_missing(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- a MoE GGUF: Mixtral as llama.cpp writes it (arch llama, stacked experts) -------------------
 
 
-def _write_mixtral_gguf(hf_dir: Path, tokenizer_gguf: Path, path: Path) -> dict[str, np.ndarray]:
-    """The tiny Mixtral checkpoint as llama.cpp's converter lays it out: q / k rows interleaved for its RoPE, each
-    layer's experts stacked into ffn_{gate,up,down}_exps [E, out, in] as Q4_0 (the rest F32), the default model's
-    tokenizer fields. Returns the experts' stacked fp32 arrays as the GGUF's Q4_0 blocks give them back."""
+def _write_moe_gguf(hf_dir: Path, tokenizer_gguf: Path, path: Path, arch: str) -> dict[str, np.ndarray]:
+    """A tiny MoE checkpoint as llama.cpp's converter lays it out: arch "llama" (Mixtral: q / k rows interleaved for
+    its RoPE) or "qwen3moe" (q / k head norms, rows as they are); each layer's experts stacked into
+    ffn_{gate,up,down}_exps [E, out, in] as Q4_0 (the rest F32); the default model's tokenizer fields. Returns the
+    experts' stacked fp32 arrays as the GGUF's Q4_0 blocks give them back, by "{layer}.{HF matrix name}"."""
     import gguf
     from gguf.quants import dequantize, quantize
     from safetensors.torch import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     sd = {k: v.float().numpy() for k, v in load_file(hf_dir / "model.safetensors").items()}
+    qwen = arch == "qwen3moe"
+    n_exp = cfg.get("num_experts") or cfg["num_local_experts"]  # transformers 5 saves Qwen3-MoE's under the latter
     reader = gguf.GGUFReader(tokenizer_gguf)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -300,8 +303,12 @@ def _write_mixtral_gguf(hf_dir: Path, tokenizer_gguf: Path, path: Path) -> dict[
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
     writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_expert_count(cfg["num_local_experts"])
+    writer.add_expert_count(n_exp)
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    if qwen:
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     for key, field in reader.fields.items():  # the default model's tokenizer, as shipped
         if key.startswith("tokenizer."):
             value, kind = field.contents(), field.types[0]
@@ -311,25 +318,33 @@ def _write_mixtral_gguf(hf_dir: Path, tokenizer_gguf: Path, path: Path) -> dict[
                 writer.add_key_value(key, value, kind)
     writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    writer.add_tensor("output.weight", sd["lm_head.weight"])
+    if "lm_head.weight" in sd:
+        writer.add_tensor("output.weight", sd["lm_head.weight"])
+    moe = "mlp" if qwen else "block_sparse_moe"
+    names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"} if qwen else {"gate": "w1", "up": "w3",
+                                                                                      "down": "w2"}
     experts: dict[str, np.ndarray] = {}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        q, k = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
+        if not qwen:
+            q, k = _llamacpp_permute(q, cfg["num_attention_heads"]), _llamacpp_permute(k, cfg["num_key_value_heads"])
+        else:
+            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
+            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
         writer.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-        writer.add_tensor(f"blk.{i}.attn_q.weight",
-                          _llamacpp_permute(sd[p + "self_attn.q_proj.weight"], cfg["num_attention_heads"]))
-        writer.add_tensor(f"blk.{i}.attn_k.weight",
-                          _llamacpp_permute(sd[p + "self_attn.k_proj.weight"], cfg["num_key_value_heads"]))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", q)
+        writer.add_tensor(f"blk.{i}.attn_k.weight", k)
         writer.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
         writer.add_tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", sd[p + "block_sparse_moe.gate.weight"])
-        for kind, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
-            stacked = np.stack([sd[f"{p}block_sparse_moe.experts.{e}.{w}.weight"]
-                                for e in range(cfg["num_local_experts"])])
-            q = quantize(stacked, gguf.GGMLQuantizationType.Q4_0)
-            writer.add_tensor(f"blk.{i}.ffn_{kind}_exps.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
-            experts[f"{i}.{w}"] = dequantize(q, gguf.GGMLQuantizationType.Q4_0).reshape(stacked.shape)
+        writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", sd[f"{p}{moe}.gate.weight"])
+        for kind, w in names.items():
+            stacked = np.stack([sd[f"{p}{moe}.experts.{e}.{w}.weight"] for e in range(n_exp)])
+            blocks = quantize(stacked, gguf.GGMLQuantizationType.Q4_0)
+            writer.add_tensor(f"blk.{i}.ffn_{kind}_exps.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+            experts[f"{i}.{moe}.experts.{{e}}.{w}"] = dequantize(blocks, gguf.GGMLQuantizationType.Q4_0).reshape(
+                stacked.shape)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -337,40 +352,49 @@ def _write_mixtral_gguf(hf_dir: Path, tokenizer_gguf: Path, path: Path) -> dict[
     return experts
 
 
-def test_a_mixtral_gguf_converts_to_a_mixtral_dir_whose_experts_are_its_blocks(
-    tmp_path: Path, tiny_moe_dirs: dict[str, Path], default_gguf: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3moe"])
+def test_a_moe_gguf_converts_to_an_hf_moe_dir_whose_experts_are_its_blocks(
+    tmp_path: Path, default_gguf: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch, arch: str
 ) -> None:
-    """A llama GGUF with experts (Mixtral, as llama.cpp converts it): a Mixtral config, each expert's matrices split
-    out of the stacked tensors, the logits transformers computes on that directory, and the int4 mode's expert
-    copies made of the GGUF's Q4_0 blocks as shipped (not re-quantized)."""
+    """A MoE GGUF as llama.cpp converts one (Mixtral: arch llama with experts; Qwen3-MoE: arch qwen3moe): the HF
+    config, each expert's matrices split out of the stacked tensors, the logits transformers computes on that
+    directory, and the int4 mode's expert copies made of the GGUF's Q4_0 blocks as shipped (not re-quantized)."""
+    from conftest import make_tiny_checkpoint
     from safetensors.torch import load_file
+    from test_engine import _extend
     from transformers import AutoModelForCausalLM
 
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.engine.engine import Engine
     from minisgl_cli.layers.quant import Int4Method
 
-    experts = _write_mixtral_gguf(tiny_moe_dirs["mixtral"], default_gguf, tmp_path / "tiny-mixtral.gguf")
-    out = convert_gguf(tmp_path / "tiny-mixtral.gguf", tmp_path / "out")
+    # Qwen3-MoE as llama.cpp runs it: every layer sparse, the top k renormalized
+    hf_dir = make_tiny_checkpoint("qwen3_moe" if arch == "qwen3moe" else "mixtral", tmp_path / "hf", tokenizer_dir,
+                                  **({"norm_topk_prob": True, "mlp_only_layers": []} if arch == "qwen3moe" else {}))
+    experts = _write_moe_gguf(hf_dir, default_gguf, tmp_path / "tiny.gguf", "qwen3moe" if arch == "qwen3moe" else
+                              "llama")
+    out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["MixtralForCausalLM"]
-    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
+    src = json.loads((hf_dir / "config.json").read_text())
+    keys = ("architectures", "num_experts_per_tok", "hidden_size", "head_dim", "num_key_value_heads",
+            "num_local_experts", *(("moe_intermediate_size", "norm_topk_prob") if arch == "qwen3moe" else
+                                   ("intermediate_size",)))
+    assert {k: config[k] for k in keys} == {k: src[k] for k in keys}
     ours = load_file(out / "model.safetensors")
     for key, stacked in experts.items():
-        layer, w = key.split(".")
+        layer, name = key.split(".", 1)
         for e in range(stacked.shape[0]):
-            got = ours[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"]
+            got = ours[f"model.layers.{layer}.{name.format(e=e)}.weight"]
             assert torch.equal(got, torch.from_numpy(stacked[e]).float())
-    hf_src = load_file(tiny_moe_dirs["mixtral"] / "model.safetensors")
-    assert torch.equal(ours["model.layers.1.self_attn.q_proj.weight"], hf_src["model.layers.1.self_attn.q_proj.weight"])
+    hf_src = load_file(hf_dir / "model.safetensors")
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        assert torch.equal(ours[name], hf_src[name].float())
 
     ids = [5, 17, 99, 4000, 12, 7]
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0, -1]
     engine = Engine(EngineConfig(model=str(out), dtype="float32", quantization="none", max_total_tokens=256))
-    from test_engine import _extend
-
     torch.testing.assert_close(_extend(engine, [ids], 0)[0], want, rtol=0, atol=1e-4)
 
     shipped: list[bool] = []

@@ -1,8 +1,9 @@
 """GGUF -> HF directory conversion: a llama GGUF once into config.json + tokenizer + its weights, twice.
 
-A llama GGUF with experts (`llama.expert_count`: Mixtral, as llama.cpp converts it) becomes a Mixtral directory:
-its router `ffn_gate_inp` and its stacked experts `ffn_{gate,up,down}_exps` [E, out, in] split into HF's
-`block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1 / w3 / w2`, each expert's blocks kept as shipped.
+Mixtures of experts, as llama.cpp converts them: a llama GGUF with experts (`llama.expert_count`: Mixtral) becomes a
+Mixtral directory, a `qwen3moe` GGUF a Qwen3-MoE one (its q / k head norms, no q / k row permutation, renormalized
+top-k as llama.cpp runs it). Each layer's router `ffn_gate_inp` and stacked experts `ffn_{gate,up,down}_exps`
+[E, out, in] split into HF's per-expert matrices, each expert's blocks kept as shipped.
 
 transformers can load a GGUF directly, but it re-parses and re-dequantizes on every load
 (~26 s for SmolLM2-135M on 2 CPU cores). We do that work once with the `gguf` package and
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from minisgl_cli.loader.blocks import Blocks
 
 GGUF_MAGIC = b"GGUF"
-EXPECTED_GGUF = "a llama-architecture .gguf file with quant types the gguf package can dequantize"
+EXPECTED_GGUF = "a llama (or Mixtral) or qwen3moe .gguf file with quant types the gguf package can dequantize"
 
 # llama.cpp per-layer tensor names -> HF Llama names (within model.layers.{i}).
 _LAYER_TENSORS = {
@@ -49,9 +50,15 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# A MoE layer's router and stacked experts (within model.layers.{i}): llama.cpp's names -> Mixtral's.
-_MOE_ROUTER = ("ffn_gate_inp", "block_sparse_moe.gate")
-_EXPERT_TENSORS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # qwen3moe's head norms
+# A MoE layer's router and stacked experts (within model.layers.{i}): llama.cpp's names -> HF's, by architecture.
+_MOE_ROUTER = {"llama": "block_sparse_moe.gate", "qwen3moe": "mlp.gate"}
+_EXPERT_TENSORS = {
+    "llama": {"ffn_gate_exps": "block_sparse_moe.experts.{e}.w1", "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+              "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"},
+    "qwen3moe": {"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
+                 "ffn_down_exps": "mlp.experts.{e}.down_proj"},
+}
 # Derived on the fly by llama.cpp; HF recomputes it, so it is not a weight.
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
 
@@ -75,8 +82,10 @@ class LlamaHParams:
     eos_token_id: int | None
     pad_token_id: int | None
     unk_token_id: int | None
-    num_local_experts: int = 0  # a MoE (Mixtral) GGUF: its experts, and how many each token takes
+    num_local_experts: int = 0  # a MoE GGUF: its experts, and how many each token takes
     num_experts_per_tok: int = 0
+    arch: str = "llama"  # the GGUF's general.architecture: "llama" (Mixtral with experts) or "qwen3moe"
+    moe_intermediate_size: int = 0  # qwen3moe: an expert's width (intermediate_size: a dense MLP's)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
@@ -106,30 +115,32 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 def read_hparams(reader: Any, gguf_path: Path) -> LlamaHParams:
     """Read LlamaConfig values from GGUF metadata, deriving them the way transformers does."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
+    if arch not in _MOE_ROUTER:
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r}", gguf_path, EXPECTED_GGUF)
 
     def need(key: str) -> Any:
-        value = _field(reader, f"llama.{key}")
+        value = _field(reader, f"{arch}.{key}")
         if value is None:
-            raise ModelLoadError(f"GGUF metadata lacks llama.{key}", gguf_path, EXPECTED_GGUF)
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}", gguf_path, EXPECTED_GGUF)
         return value
 
     hidden, n_head = int(need("embedding_length")), int(need("attention.head_count"))
-    n_kv = _field(reader, "llama.attention.head_count_kv")
-    head_dim = _field(reader, "llama.rope.dimension_count")
-    vocab = _field(reader, "llama.vocab_size")
+    n_kv = _field(reader, f"{arch}.attention.head_count_kv")
+    head_dim = _field(reader, f"{arch}.attention.key_length", _field(reader, f"{arch}.rope.dimension_count"))
+    vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:  # older files: the embedding's row count is the vocab size
         vocab = _tensor(reader, "token_embd.weight").shape[-1]
+    expert_width = int(_field(reader, f"{arch}.expert_feed_forward_length", 0))
     return LlamaHParams(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length", expert_width) if arch == "qwen3moe"
+                              else need("feed_forward_length")),
         num_hidden_layers=int(need("block_count")),
         num_attention_heads=n_head,
         num_key_value_heads=int(n_kv) if n_kv is not None else n_head,
         head_dim=int(head_dim) if head_dim is not None else hidden // n_head,
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(need("context_length")),
         tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
@@ -137,8 +148,10 @@ def read_hparams(reader: Any, gguf_path: Path) -> LlamaHParams:
         eos_token_id=_opt_int(_field(reader, "tokenizer.ggml.eos_token_id")),
         pad_token_id=_opt_int(_field(reader, "tokenizer.ggml.padding_token_id")),
         unk_token_id=_opt_int(_field(reader, "tokenizer.ggml.unknown_token_id")),
-        num_local_experts=int(_field(reader, "llama.expert_count", 0)),
-        num_experts_per_tok=int(_field(reader, "llama.expert_used_count", 0)),
+        num_local_experts=int(_field(reader, f"{arch}.expert_count", 0)),
+        num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count", 0)),
+        arch=arch,
+        moe_intermediate_size=expert_width,
     )
 
 
@@ -155,27 +168,29 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """Map a llama.cpp tensor name to its HF Llama name; None for tensors HF does not store."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """Map a llama.cpp tensor name to its HF name (Llama's; a MoE's router and a qwen3moe's head norms by `arch`);
+    None for tensors HF does not store."""
     if gguf_name in _SKIPPED_TENSORS:
         return None
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".")  # blk.{i}.{kind}.{weight|bias}
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
-        if parts[2] in _LAYER_TENSORS:
-            return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
-        if parts[2] == _MOE_ROUTER[0]:
-            return f"model.layers.{parts[1]}.{_MOE_ROUTER[1]}.{parts[3]}"
+        hf = _LAYER_TENSORS.get(parts[2]) or (_QK_NORMS.get(parts[2]) if arch == "qwen3moe" else None)
+        if parts[2] == "ffn_gate_inp":
+            hf = _MOE_ROUTER[arch]
+        if hf is not None:
+            return f"model.layers.{parts[1]}.{hf}.{parts[3]}"
     raise KeyError(gguf_name)
 
 
-def expert_tensor_names(gguf_name: str, n_experts: int) -> list[str] | None:
+def expert_tensor_names(gguf_name: str, n_experts: int, arch: str = "llama") -> list[str] | None:
     """The HF names of a stacked-experts tensor's matrices, expert by expert; None for any other tensor."""
     parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _EXPERT_TENSORS:
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _EXPERT_TENSORS[arch]:
         return None
-    return [f"model.layers.{parts[1]}.block_sparse_moe.experts.{e}.{_EXPERT_TENSORS[parts[2]]}.{parts[3]}"
+    return [f"model.layers.{parts[1]}.{_EXPERT_TENSORS[arch][parts[2]].format(e=e)}.{parts[3]}"
             for e in range(n_experts)]
 
 
@@ -206,9 +221,9 @@ def _write_weights(reader: Any, hp: LlamaHParams, gguf_path: Path, out: Path) ->
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, torch.Tensor | Blocks] = {}
     for t in reader.tensors:
-        experts = expert_tensor_names(t.name, hp.num_local_experts)
+        experts = expert_tensor_names(t.name, hp.num_local_experts, hp.arch)
         try:
-            name = hf_tensor_name(t.name) if experts is None else "experts"
+            name = hf_tensor_name(t.name, hp.arch) if experts is None else "experts"
         except KeyError:
             raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}", gguf_path, EXPECTED_GGUF) from None
         if name is None:
@@ -243,7 +258,10 @@ def _write_weights(reader: Any, hp: LlamaHParams, gguf_path: Path, out: Path) ->
 
 
 def _qk_rows(gguf_name: str, hp: LlamaHParams) -> Callable[[np.ndarray], np.ndarray]:
-    """The row order fix of a tensor (q/k: undo llama.cpp's rotary interleave), for any array with its rows first."""
+    """The row order fix of a tensor (llama's q/k: undo llama.cpp's rotary interleave; qwen3moe's are not
+    interleaved), for any array with its rows first."""
+    if hp.arch != "llama":
+        return np.ascontiguousarray
     if gguf_name.endswith(".attn_q.weight"):
         return lambda a: np.ascontiguousarray(unpermute_qk(a, hp.num_attention_heads))
     if gguf_name.endswith(".attn_k.weight"):
@@ -286,21 +304,30 @@ def _expected_names(hp: LlamaHParams) -> set[str]:
     for i in range(hp.num_hidden_layers):
         names |= {f"model.layers.{i}.{hf}.weight" for hf in _LAYER_TENSORS.values()
                   if not (hp.num_local_experts and hf in ffn)}
+        if hp.arch == "qwen3moe":
+            names |= {f"model.layers.{i}.{hf}.weight" for hf in _QK_NORMS.values()}
         if hp.num_local_experts:
-            names.add(f"model.layers.{i}.{_MOE_ROUTER[1]}.weight")
-            for kind in _EXPERT_TENSORS:
-                names |= set(expert_tensor_names(f"blk.{i}.{kind}.weight", hp.num_local_experts) or ())
+            names.add(f"model.layers.{i}.{_MOE_ROUTER[hp.arch]}.weight")
+            for kind in _EXPERT_TENSORS[hp.arch]:
+                names |= set(expert_tensor_names(f"blk.{i}.{kind}.weight", hp.num_local_experts, hp.arch) or ())
     return names
 
 
 def _write_config(hp: LlamaHParams, out: Path) -> None:
-    from transformers import GenerationConfig, LlamaConfig, MixtralConfig
+    from transformers import GenerationConfig, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
-    # Every field is named as LlamaConfig / MixtralConfig take it (rope_theta too: transformers 5 reads it from
-    # kwargs); a dense model's config names no experts.
+    # Every field is named as the config class takes it (rope_theta too: transformers 5 reads it from kwargs); a
+    # dense model's config names no experts.
     fields = asdict(hp)
-    config: LlamaConfig | MixtralConfig
-    if hp.num_local_experts:
+    del fields["arch"], fields["moe_intermediate_size"]
+    config: LlamaConfig | MixtralConfig | Qwen3MoeConfig
+    if hp.arch == "qwen3moe":  # every layer sparse; llama.cpp renormalizes the top k (its norm_w)
+        n_exp, top = fields.pop("num_local_experts"), fields.pop("num_experts_per_tok")
+        config = Qwen3MoeConfig(**fields, num_experts=n_exp, num_experts_per_tok=top,
+                                moe_intermediate_size=hp.moe_intermediate_size, norm_topk_prob=True,
+                                decoder_sparse_step=1, mlp_only_layers=[], architectures=["Qwen3MoeForCausalLM"],
+                                dtype="float32")
+    elif hp.num_local_experts:
         config = MixtralConfig(**fields, architectures=["MixtralForCausalLM"], dtype="float32", sliding_window=None)
     else:
         del fields["num_local_experts"], fields["num_experts_per_tok"]
