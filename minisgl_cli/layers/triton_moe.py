@@ -13,7 +13,12 @@ back to the host (CUDA graphs capture them):
             accumulators, SiLU(gate) * up written per slot [T k, I]: the [T k, 2I] gate-up never exists
   down      per (block, BLOCK_N columns): those rows times the expert's down rows, scaled by the slot's routing
             weight, written per slot [T k, H]; a torch sum over each token's k slots follows (no atomics: the
-            result does not depend on the order blocks run in)
+            result does not depend on the order blocks run in), or on one CUDA rank the next RMSNorm sums them
+            (`terms`: layers/norm.py's Terms)
+
+Up to SMALL_MAX_TOKENS tokens (decode) `one_slot_experts` skips route and align: block b holds slot b alone in its
+first row, and the gate/up programs route their slot themselves (the token's top-k from its E logits, recomputed in
+each) and write its expert and weight for down; router, gate/up, down: three launches a layer.
 
 Each output row is one MMA row of its block, so where a slot lands in its block changes nothing in its value.
 FP8 expert weights (e4m3, an fp32 scale per output row) run w8a16 or w8a8 (layers/moe_tiles.py says which and
