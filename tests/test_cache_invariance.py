@@ -11,10 +11,13 @@ import torch
 from test_hf_parity import PROMPTS
 
 from minisgl_cli import LLM, SamplingParams
+from minisgl_cli.distributed import TPInfo
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.layers import cpu_kernels, quant
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import RowParallelLinear
+from minisgl_cli.layers.moe import MoE
 
 CHATS = [[{"role": "user", "content": p}] for p in PROMPTS]
 ANSWER = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -38,6 +41,24 @@ def test_parity_prompts_answer_alike_cold_cached_and_in_a_batch_of_16():
     assert [c.token_ids for c in batch] == cold_ids
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_moe_model_in_int4_answers_alike_cold_cached_and_in_a_batch(tiny_moe_dirs, arch):
+    """The same for a MoE model in the int4 mode: its router and dense experts (extend) run the dense linears' GEMMs,
+    its decode rows the experts' int4 copies, each a row's result whatever the rows beside it."""
+    model = str(tiny_moe_dirs[arch])
+    with LLM(model, quantization="int4", cache="naive", attention_backend="torch") as llm:
+        cold = [llm.generate(chat, ANSWER)[0] for chat in CHATS]
+    with LLM(model, quantization="int4", attention_backend="torch") as llm:
+        batch = llm.generate(CHATS + OTHERS, [ANSWER] * len(CHATS) + [BESIDE] * len(OTHERS))[: len(CHATS)]
+        cached = [llm.generate(chat, ANSWER)[0] for chat in CHATS]
+        llm.client.check_pages()
+    assert all(c.stats.cached_tokens == c.stats.prompt_tokens - 1 for c in cached)
+    cold_ids = [c.token_ids for c in cold]
+    assert len(set(map(tuple, cold_ids))) > 1  # the prompts get answers of their own
+    assert [c.token_ids for c in cached] == cold_ids
+    assert [c.token_ids for c in batch] == cold_ids
+
+
 def _rows_alike(f, x: torch.Tensor) -> bool:
     """f gives each row of x the same result alone as among all of x's rows."""
     whole = f(x)
@@ -47,7 +68,8 @@ def _rows_alike(f, x: torch.Tensor) -> bool:
 def test_each_kernel_gives_a_row_the_same_result_whatever_the_rows_beside_it():
     """The kernels a step's rows go through in the default CPU mode, alone and in a batch of 17 rows: the int4 and
     int8 decode kernels, the dense GEMM of extend steps (oneDNN's one-row kernel rounds otherwise: run as two), and
-    the int8 LM head (fbgemm quantizes its input with one scale: anchors fix it)."""
+    the int8 LM head (fbgemm quantizes its input with one scale: anchors fix it), and a MoE block's router and
+    experts."""
     torch.manual_seed(0)
     dtype = cpu_kernels._BF16_NATIVE or torch.float32  # the engine's beside quantized weights
     x = torch.randn(17, 1536).to(dtype)
@@ -69,6 +91,17 @@ def test_each_kernel_gives_a_row_the_same_result_whatever_the_rows_beside_it():
     fp32 = torch.randn(17, 1536)
     w = torch.randn(576, 1536) * 0.05
     assert _rows_alike(lambda r: cpu_kernels.linear(r, w, None, "invariant"), fp32)
+    # A MoE block in the int4 mode: router and dense experts (extend), the experts' int4 copies (decode)
+    torch.set_default_dtype(dtype)
+    try:
+        block = MoE(8, 2, 1536, 256, True, TPInfo(), Kernels(), copies=quant.Int4Method())
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for p in block.parameters():
+        p.data.normal_(0, 0.05)
+    block.experts.finish_loading()
+    assert _rows_alike(functools.partial(block, decode=False), x) and _rows_alike(block.gate, x)
+    assert _rows_alike(functools.partial(block, decode=True), x)
 
 
 def test_deterministic_decodes_eagerly_with_one_fp32_gemm_kernel_and_refuses_a_compile():

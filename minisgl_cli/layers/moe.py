@@ -35,6 +35,7 @@ from torch import nn
 from minisgl_cli.core.fp8 import FP8, Fp8Rows, dequantize, quantize_rows, round_trip_rows
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import all_reduce
+from minisgl_cli.layers import cpu_kernels
 from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.fused import Kernels
 from minisgl_cli.layers.linear import divide
@@ -139,7 +140,7 @@ class Router(nn.Module):
         ops = gemv_ops(x, self.weight, self.kernels)  # batch-1 decode on CUDA: the Triton GEMV
         if ops is not None:
             return ops.gemv(x.contiguous(), self.weight, None, pdl=self.kernels.pdl)
-        return F.linear(x, self.weight)
+        return cpu_kernels.linear(x, self.weight, None, self.kernels.cpu_gemm)  # on CPU: as the dense linears
 
 
 class _DecodeCopy(nn.Module):
@@ -213,6 +214,21 @@ class Experts(nn.Module):
             setattr(self, name, held)
         blocks.clear()
 
+    def dense_matmul(self, kernels: Kernels) -> ExpertMatmul | None:
+        """The torch loop's multiply by the dense experts on the CPU: the dense linears' GEMMs (layers/cpu_kernels.py:
+        in the quantized modes a row's result whatever the rows beside it, so an expert's share of a prompt's rows
+        gives a token the same value cold or after a prefix hit), each matrix a view kept for its cached pack."""
+        if self.gate_up_proj.device.type != "cpu" or self.fp8:
+            return None
+        views = self.__dict__.get("_views")
+        if views is None:
+            views = self.__dict__["_views"] = (self.gate_up_proj.data.unbind(0), self.down_proj.data.unbind(0))
+
+        def mm(e: int, proj: str, x: torch.Tensor) -> torch.Tensor:
+            return cpu_kernels.linear(x, views[0][e] if proj == "gate_up" else views[1][e], None, kernels.cpu_gemm)
+
+        return mm
+
     def decode_matmul(self) -> ExpertMatmul | None:
         """The decode steps' multiply by the low-bit copies, or None without copies."""
         method, gate_up, down = self.copies, self.gate_up_copies, self.down_copies
@@ -263,7 +279,7 @@ class MoE(nn.Module):
                                e.gate_up_scale, e.down_scale, self.kernels.pdl, terms=True)
             return Terms(y) if self.tp.size == 1 else all_reduce(y.sum(dim=1), self.tp)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        matmul = e.decode_matmul() if decode else None
+        matmul = (e.decode_matmul() if decode else None) or e.dense_matmul(self.kernels)
         y = fused_experts(x, *e.dense(x.dtype), weights, ids, self.kernels,
                           grouped_mm_runs(x.device, x.dtype) and matmul is None,
                           fp8_rows=e.fp8 and fp8_act(x.shape[0]), matmul=matmul)
