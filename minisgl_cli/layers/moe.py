@@ -11,8 +11,9 @@ routing weights and put back in slot order, then summed per token. Where the mat
 
   grouped  torch._grouped_mm over the sorted rows with the experts' row offsets on the device: no host sync, so
            CUDA graphs capture it (its CUTLASS kernel: bf16 on SM 9.x / 10.x, torch 2.8+)
-  loop     one F.linear per expert that received rows, the offsets read back once a step: the CPU path (reading
-           them costs nothing there)
+  loop     one GEMM per expert that received rows, the offsets read back once a step: the CPU path (reading
+           them costs nothing there), through the dense linears' packed GEMMs (`Experts.dense_matmul`) or, for
+           a decode step under int4 / int8, the experts' low-bit copies (`Experts.decode_matmul`)
 
 On CUDA with the fused ops on (16-bit activations) the whole block but the router's linear runs in Triton instead
 (layers/triton_moe.py: routing, block alignment, gate/up with SiLU fused, down with the routing weights) up to
