@@ -76,7 +76,7 @@ def main() -> None:
             width = -(-n // 16) * 16 + extra
             meta = TorchDecodeMeta(slots[:, :width].reshape(-1), width, torch.tensor([n]),
                                    decode_mask(torch.tensor([n]), width, torch.bfloat16))
-            outs.append(sdpa_attn._decode(q, 0, meta))
+            outs.append(sdpa_attn.decode(q, 0, meta))
         total += 1
         changed += any(not torch.equal(o, outs[0]) for o in outs[1:])
     print(f"SDPA: {changed} of {total} rows ({100 * changed / total:.1f}%) change with the padding beside them")

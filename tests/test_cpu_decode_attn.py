@@ -101,6 +101,6 @@ def test_the_backend_attends_through_the_kernel_where_it_is_built_else_through_s
     q = torch.randn(2, HKV * 3, 64).to(torch.bfloat16)
     lens = torch.tensor([40, 19])
     slots = torch.arange(1, 97).view(2, 48)
-    got = own._decode(q, 0, TorchDecodeMeta(slots.reshape(-1), 48, lens, None))
-    ref = sdpa._decode(q, 0, TorchDecodeMeta(slots.reshape(-1), 48, lens, decode_mask(lens, 48, torch.bfloat16)))
+    got = own.decode(q, 0, TorchDecodeMeta(slots.reshape(-1), 48, lens, None))
+    ref = sdpa.decode(q, 0, TorchDecodeMeta(slots.reshape(-1), 48, lens, decode_mask(lens, 48, torch.bfloat16)))
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -112,7 +112,7 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta = batch.attn_meta
         if isinstance(meta, TorchDecodeMeta):
-            return self._decode(q, layer_id, meta)
+            return self.decode(q, layer_id, meta)
         outs = []
         for i, (slots, mask) in enumerate(zip(meta.slots, meta.masks)):
             a, b = meta.starts[i], meta.starts[i + 1]
@@ -152,7 +152,9 @@ class TorchBackend(AttentionBackend):
         )
         return out[0].transpose(0, 1)
 
-    def _decode(self, q: torch.Tensor, layer_id: int, meta: TorchDecodeMeta):
+    def decode(self, q: torch.Tensor, layer_id: int, meta: TorchDecodeMeta) -> torch.Tensor:
+        """One decode row a request of layer `layer_id` over its cached keys (`meta`): minisgl::decode_attn where
+        `own_decode`, else SDPA over the gathered keys (bench_cpu_attention.py times both)."""
         bsz, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         if self.own_decode:
             return torch.ops.minisgl.decode_attn(q.reshape(bsz, self.num_heads, d).contiguous(),
