@@ -62,8 +62,8 @@ def main() -> None:
         q = torch.randn(rows, HEADS, DIM).to(torch.bfloat16)
         own = TorchDecodeMeta(slots.reshape(-1), width, lens, None)
         sdpa = TorchDecodeMeta(slots.reshape(-1), width, lens, decode_mask(lens, width, torch.bfloat16))
-        t_sdpa = _timed(sdpa_attn._decode, (q, 0, sdpa), args.repeat)
-        t_own = _timed(attn._decode, (q, 0, own), args.repeat)
+        t_sdpa = _timed(sdpa_attn.decode, (q, 0, sdpa), args.repeat)
+        t_own = _timed(attn.decode, (q, 0, own), args.repeat)
         print(f"{rows:>5}{t_sdpa * LAYERS * 1e3:>15.2f}{t_own * LAYERS * 1e3:>13.2f}{t_sdpa / t_own:>7.1f}")
     if args.probe_len < 1:
         return

@@ -10,7 +10,7 @@
 #   sampled_fronts.log (o) the same, FP8 KV, raw vs HTTP with every request sampled at t=0.7 / top_p=0.9
 #   spec.log       (p) examples/spec_bench_gpu.py: a verify step's cost, batch-1 decode plain / oracle / ngram
 #   moe.log        (m) examples/moe_bench.py: the MoE layer fused vs grouped (bf16 and FP8 experts), no engine;
-#                      MOE_ARGS adds to its arguments (e.g. "--sizes 1,2,4,8 --sweep --sweep-dtypes small")
+#                      MOE_ARGS adds to its arguments (e.g. "--sizes 1,4 --sweep --sweep-dtypes one_slot,one_slot_fp8")
 #   moe_decode.log (n) examples/moe_bench.py --sizes 1: Qwen3-30B-A3B batch-1 decode, bf16 and FP8 experts, as
 #                      shipped and without the few-token path (MOE_DECODE_ARGS adds, e.g. --profile)
 #   bench.log      (g) examples/gpu_bench.py qwen,llama: each preset and batch-1 row greedy, t=0.7/top_p=0.9 and t=1.0

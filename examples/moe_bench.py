@@ -99,7 +99,7 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
         return triton_moe.fused_experts(x, qb[0][0], qb[1][0], w, ids, qb[0][1], qb[1][1],
                                         tiles=triton_moe.pick_tiles(m, True, w8a8))
 
-    def small(b, qb=None, pdl=True):  # the few-token path, summed
+    def one_slot(b, qb=None, pdl=True):  # the few-token path, summed
         e = b.experts
         w = (e.gate_up_proj, e.down_proj, None, None) if qb is None else (qb[0][0], qb[1][0], qb[0][1], qb[1][1])
         return triton_moe.one_slot_experts(x, b.gate(x), w[0], w[1], TOP_K, True, w[2], w[3], pdl=pdl)
@@ -109,10 +109,10 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
         x, b.experts.gate_up_proj, b.experts.down_proj, *triton_moe.route(b.gate(x), TOP_K, True, True), pdl=True)
         for b in blocks])
     if m <= 8:  # the few-token path (one-slot blocks routed by gate/up), whatever SMALL_MAX_TOKENS says
-        us["one_slot"] = _graph_us([lambda b=b: small(b) for b in blocks])
+        us["one_slot"] = _graph_us([lambda b=b: one_slot(b) for b in blocks])
         if q is not None:
-            us["one_slot_fp8_pdl"] = _graph_us([lambda b=b, qb=qb: small(b, qb) for b, qb in zip(blocks, q)])
-            us["one_slot_fp8"] = _graph_us([lambda b=b, qb=qb: small(b, qb, pdl=False) for b, qb in zip(blocks, q)])
+            us["one_slot_fp8_pdl"] = _graph_us([lambda b=b, qb=qb: one_slot(b, qb) for b, qb in zip(blocks, q)])
+            us["one_slot_fp8"] = _graph_us([lambda b=b, qb=qb: one_slot(b, qb, pdl=False) for b, qb in zip(blocks, q)])
             us["aligned_fp8_pdl"] = _graph_us([lambda b=b, qb=qb: triton_moe.fused_experts(
                 x, qb[0][0], qb[1][0], *triton_moe.route(b.gate(x), TOP_K, True, True), qb[0][1], qb[1][1], pdl=True)
                 for b, qb in zip(blocks, q)])

@@ -21,7 +21,7 @@ from minisgl_cli.layers import cpu_library
 
 _PAD = 16  # the CPU's fp32 vector width (AVX-512; twice AVX2's): see TorchBackend.prepare
 _ROWS = 32  # extend rows attend in blocks of this many positions (TorchBackend._blocks): SDPA's own row block
-_GROUP = 8  # decode: a KV head's query rows padded to a multiple of this (TorchBackend._decode)
+_GROUP = 8  # decode: a KV head's query rows padded to a multiple of this (TorchBackend.decode)
 
 
 @dataclass
