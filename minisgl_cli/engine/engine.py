@@ -177,12 +177,7 @@ class Engine:
                                 "or torch's grouped GEMM (bf16, SM 9.x / 10.x, torch 2.8+); elsewhere they read "
                                 "expert row counts back each step")
         self.compiled: CompiledDecode | None = None
-        step = cfg.decode_step(self.quantization, self.kv_dtype, tp.size, own_process)
-        if step != "off" and mc.num_experts:  # the experts' CPU loop reads row counts back: no exported step holds it
-            if cfg.torch_compile == "on":
-                raise ValueError("--torch-compile on does not cover MoE experts (their CPU loop reads each step's "
-                                 "row counts back); drop it")
-            step = "off"
+        step = cfg.decode_step(self.quantization, self.kv_dtype, tp.size, own_process, moe=bool(mc.num_experts))
         if step != "off" and isinstance(self.attn, TorchBackend):
             key = StepKey.of(cfg, mc, model_dir, source, self.dtype, self.kv_dtype, self.quantization)
             self.compiled = CompiledDecode(cfg, self.attn, key, builds=step == "build")  # builds from start_serving
