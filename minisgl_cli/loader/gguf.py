@@ -51,6 +51,7 @@ _GLOBAL_TENSORS = {
     "output.weight": "lm_head.weight",
 }
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # qwen3moe's head norms
+ARCHS = ("llama", "qwen3moe")  # the general.architecture values converted (llama with experts: Mixtral)
 # A MoE layer's router and stacked experts (within model.layers.{i}): llama.cpp's names -> HF's, by architecture.
 _MOE_ROUTER = {"llama": "block_sparse_moe.gate", "qwen3moe": "mlp.gate"}
 _EXPERT_TENSORS = {
@@ -64,8 +65,9 @@ _SKIPPED_TENSORS = {"rope_freqs.weight"}
 
 
 @dataclass(frozen=True)
-class LlamaHParams:
-    """The model hyper-parameters a GGUF carries, named as in LlamaConfig."""
+class HParams:
+    """The model hyper-parameters a GGUF carries, named as transformers' configs take them (LlamaConfig's, plus the
+    experts' of MixtralConfig / Qwen3MoeConfig)."""
 
     vocab_size: int
     hidden_size: int
@@ -112,10 +114,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def read_hparams(reader: Any, gguf_path: Path) -> LlamaHParams:
+def read_hparams(reader: Any, gguf_path: Path) -> HParams:
     """Read LlamaConfig values from GGUF metadata, deriving them the way transformers does."""
     arch = _field(reader, "general.architecture")
-    if arch not in _MOE_ROUTER:
+    if arch not in ARCHS:
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r}", gguf_path, EXPECTED_GGUF)
 
     def need(key: str) -> Any:
@@ -131,7 +133,7 @@ def read_hparams(reader: Any, gguf_path: Path) -> LlamaHParams:
     if vocab is None:  # older files: the embedding's row count is the vocab size
         vocab = _tensor(reader, "token_embd.weight").shape[-1]
     expert_width = int(_field(reader, f"{arch}.expert_feed_forward_length", 0))
-    return LlamaHParams(
+    return HParams(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length", expert_width) if arch == "qwen3moe"
@@ -211,7 +213,7 @@ def _open_reader(gguf_path: Path) -> Any:
         raise ModelLoadError(f"unreadable GGUF file ({type(e).__name__}: {e})", gguf_path, EXPECTED_GGUF) from e
 
 
-def _write_weights(reader: Any, hp: LlamaHParams, gguf_path: Path, out: Path) -> None:
+def _write_weights(reader: Any, hp: HParams, gguf_path: Path, out: Path) -> None:
     import torch
     from gguf.quants import dequantize
     from safetensors.torch import save_file
@@ -222,12 +224,14 @@ def _write_weights(reader: Any, hp: LlamaHParams, gguf_path: Path, out: Path) ->
     blocks: dict[str, torch.Tensor | Blocks] = {}
     for t in reader.tensors:
         experts = expert_tensor_names(t.name, hp.num_local_experts, hp.arch)
-        try:
-            name = hf_tensor_name(t.name, hp.arch) if experts is None else "experts"
-        except KeyError:
-            raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}", gguf_path, EXPECTED_GGUF) from None
-        if name is None:
-            continue
+        name = None
+        if experts is None:
+            try:
+                name = hf_tensor_name(t.name, hp.arch)
+            except KeyError:
+                raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}", gguf_path, EXPECTED_GGUF) from None
+            if name is None:
+                continue
         try:
             # dequantize returns numpy order (torch order), i.e. GGUF's listed shape reversed.
             w = dequantize(t.data, t.tensor_type)
@@ -236,19 +240,22 @@ def _write_weights(reader: Any, hp: LlamaHParams, gguf_path: Path, out: Path) ->
                 f"unsupported quant type {t.tensor_type.name} in {t.name}", gguf_path, EXPECTED_GGUF
             ) from None
         w = np.asarray(w, dtype=np.float32)
-        if experts is not None:  # [E, out, in]: one HF matrix an expert, each with its own blocks
+        # (HF name, its matrix, its bytes as shipped or None, its row order fix) of each matrix the tensor holds
+        mats: list[tuple[str, np.ndarray, np.ndarray | None, Callable[[np.ndarray], np.ndarray]]]
+        if experts is None:
+            assert name is not None
+            rows = _qk_rows(t.name, hp)
+            # Copy: F32 tensors come back as views of the read-only memmap.
+            mats = [(name, rows(w).copy(), t.data if len(t.data.shape) == 2 else None, rows)]
+        else:  # [E, out, in]: one HF matrix an expert, each with its own blocks
             if w.ndim != 3 or w.shape[0] != len(experts):
                 raise ModelLoadError(f"GGUF tensor {t.name!r} holds {w.shape[0] if w.ndim == 3 else 0} experts, "
-                                     f"not llama.expert_count {len(experts)}", gguf_path, EXPECTED_GGUF)
-            for e, expert_name in enumerate(experts):
-                tensors[expert_name] = torch.from_numpy(np.ascontiguousarray(w[e]))
-                blocks[expert_name] = (_blocks(t.tensor_type.name, t.data[e], np.ascontiguousarray)
-                                       or tensors[expert_name])
-            continue
-        rows = _qk_rows(t.name, hp)
-        # Copy: F32 tensors come back as views of the read-only memmap.
-        tensors[name] = torch.from_numpy(rows(w).copy())
-        blocks[name] = (_blocks(t.tensor_type.name, t.data, rows) if len(t.data.shape) == 2 else None) or tensors[name]
+                                     f"not {hp.arch}.expert_count {len(experts)}", gguf_path, EXPECTED_GGUF)
+            mats = [(n, np.ascontiguousarray(w[e]), t.data[e], np.ascontiguousarray) for e, n in enumerate(experts)]
+        for hf_name, matrix, shipped, fix in mats:
+            tensors[hf_name] = torch.from_numpy(matrix)
+            kept = _blocks(t.tensor_type.name, shipped, fix) if shipped is not None else None
+            blocks[hf_name] = kept or tensors[hf_name]
     missing = _expected_names(hp) - tensors.keys()
     if missing:
         raise ModelLoadError(f"GGUF lacks tensors {sorted(missing)[:3]}", gguf_path, EXPECTED_GGUF)
@@ -257,7 +264,7 @@ def _write_weights(reader: Any, hp: LlamaHParams, gguf_path: Path, out: Path) ->
     save_blocks(blocks, out / BLOCKS_FILE)
 
 
-def _qk_rows(gguf_name: str, hp: LlamaHParams) -> Callable[[np.ndarray], np.ndarray]:
+def _qk_rows(gguf_name: str, hp: HParams) -> Callable[[np.ndarray], np.ndarray]:
     """The row order fix of a tensor (llama's q/k: undo llama.cpp's rotary interleave; qwen3moe's are not
     interleaved), for any array with its rows first."""
     if hp.arch != "llama":
@@ -296,7 +303,7 @@ def _blocks(kind: str, data: np.ndarray, rows: Callable[[np.ndarray], np.ndarray
     return Int4Groups(plane(q), plane(scale), plane(low))
 
 
-def _expected_names(hp: LlamaHParams) -> set[str]:
+def _expected_names(hp: HParams) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not hp.tie_word_embeddings:
         names.add("lm_head.weight")
@@ -313,7 +320,7 @@ def _expected_names(hp: LlamaHParams) -> set[str]:
     return names
 
 
-def _write_config(hp: LlamaHParams, out: Path) -> None:
+def _write_config(hp: HParams, out: Path) -> None:
     from transformers import GenerationConfig, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
     # Every field is named as the config class takes it (rope_theta too: transformers 5 reads it from kwargs); a
@@ -345,7 +352,7 @@ def _write_config(hp: LlamaHParams, out: Path) -> None:
     ).save_pretrained(out)
 
 
-def _write_tokenizer(gguf_path: Path, hp: LlamaHParams, out: Path) -> None:
+def _write_tokenizer(gguf_path: Path, hp: HParams, out: Path) -> None:
     # transformers' own GGUF tokenizer conversion: it rebuilds the BPE model, pre-tokenizer,
     # special tokens and chat template exactly as its GGUF loading path would see them.
     from transformers import AutoTokenizer
