@@ -124,20 +124,19 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 
     quant: return the normed rows as e4m3 codes with a scale per row (`Fp8Rows`, what quant_rows gives of
     the 16-bit result) for an FP8 linear, saving that linear its own pass over the rows.
-    terms: x is [T terms, n] contiguous, each row of the result the sum of `terms` consecutive rows of x."""
+    terms: x is [T terms, n], each row of the result the sum of `terms` consecutive rows of x."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
-    if terms > 1:
-        assert x2.is_contiguous() and x2.shape[0] % terms == 0
-        x2 = x2.view(-1, terms * n)[:, :n]  # row r's first term; the kernel reads the others after it
-    out = torch.empty(x2.shape, dtype=FP8 if quant else x2.dtype, device=x2.device)
-    scales = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x2.device) if quant else out
+    assert x2.shape[0] % terms == 0
+    rows = x2.shape[0] // terms
+    out = torch.empty((rows, n), dtype=FP8 if quant else x2.dtype, device=x2.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x2.device) if quant else out
     r2 = residual.reshape(-1, n) if residual is not None else x2
-    if x2.shape[0]:
+    if rows:
         block = triton.next_power_of_2(n)
-        _rmsnorm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, scales, n if terms > 1 else x2.stride(0), r2.stride(0), out.stride(0), n, eps, TINY,
-            INV_MAX, HAS_RESIDUAL=residual is not None, QUANT=quant, TERMS=terms, BLOCK=block,
+        _rmsnorm_kernel[(rows,)](
+            x2, r2, weight, out, scales, x2.stride(0), r2.stride(0), out.stride(0), n, eps, TINY, INV_MAX,
+            HAS_RESIDUAL=residual is not None, QUANT=quant, TERMS=terms, BLOCK=block,
             num_warps=min(16, max(1, block // 256)), **pdl_kwargs(x2, pdl),
         )
     if quant:
