@@ -89,9 +89,9 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H].
 
     gate_up [E, 2I, H], down [E, H, I]; `grouped`: one torch._grouped_mm per projection (see the module docstring),
-    else one F.linear per expert that received rows (`matmul`, where given, in its place: the int4 / int8 decode
-    copies). Every shape is static but the loop's. `fp8_rows`: the inputs of both projections through e4m3 per row
-    and back (the w8a8 kernels' activations, simulated)."""
+    else one F.linear per expert that received rows (`matmul`, where given, in its place: `Experts.dense_matmul`
+    or `decode_matmul`). Every shape is static but the loop's. `fp8_rows`: the inputs of both projections through
+    e4m3 per row and back (the w8a8 kernels' activations, simulated)."""
     def act(t: torch.Tensor) -> torch.Tensor:
         return round_trip_rows(t).to(t.dtype) if fp8_rows else t
 
@@ -108,12 +108,12 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
         h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
         y = torch._grouped_mm(act(silu_and_mul(h, kernels)), down.transpose(1, 2), offs=offs)
     else:
-        y = torch.empty_like(rows)
-        start = 0
         def linear(e: int, proj: str, t: torch.Tensor) -> torch.Tensor:
             return F.linear(t, gate_up[e] if proj == "gate_up" else down[e])
 
         mm = matmul or linear
+        y = torch.empty_like(rows)
+        start = 0
         for e, end in enumerate(ends.tolist()):
             if end > start:
                 h = mm(e, "gate_up", rows[start:end])
