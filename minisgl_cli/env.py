@@ -7,7 +7,9 @@ when asked, not at import: the CLI, the tests and Python API users set them at r
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +129,21 @@ def compiled_dir() -> Path:
     """MINISGL_COMPILED_DIR: where the compiled CPU decode steps are stored (engine/cpu_compile.py); default
     <MINISGL_CACHE_DIR>/compiled."""
     return _path("MINISGL_COMPILED_DIR") or cache_dir() / "compiled"
+
+
+@contextlib.contextmanager
+def temp_dir(path: Path) -> Iterator[None]:
+    """TMPDIR set to `path` for the block, for C++ code that reads it there (AOTInductor's package loader unpacks
+    into it); then as it was."""
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(path)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old
 
 
 def hub_offline() -> bool:

@@ -32,6 +32,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -190,10 +191,14 @@ def _load(path: Path, key: StepKey) -> Any | None:
         log.warning("the stored CPU decode step %s was built for another engine; rebuilding it", path)
         path.unlink(missing_ok=True)
         return None
-    try:  # the package's runner alone: aoti_load_package first reads the whole archive in Python (~2.5 s here)
-        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-    except (AttributeError, TypeError):  # another torch's binding: the public call
-        return torch._inductor.aoti_load_package(str(path)).loader
+    # The loader unpacks the package (~130 MB: its library and weights) into a temp dir it removes only when it is
+    # destroyed, which a process ended by a signal or os._exit never does: each start left its copy in /tmp. Unpacked
+    # into our own dir instead, removed once loaded; the library and weights stay mapped.
+    with tempfile.TemporaryDirectory(prefix="minisgl-unpack-") as unpack, env.temp_dir(Path(unpack)):
+        try:  # the package's runner alone: aoti_load_package first reads the whole archive in Python (~2.5 s here)
+            return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        except (AttributeError, TypeError):  # another torch's binding: the public call
+            return torch._inductor.aoti_load_package(str(path)).loader
 
 
 class CompiledDecode:
