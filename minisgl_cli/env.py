@@ -1,4 +1,4 @@
-"""Every environment variable minisgl reads, parsed in one place, with one boolean parser.
+"""Every environment variable minisgl reads, parsed in one place, with one boolean parser (and TMPDIR, set for a call).
 
 Command-line options declare their own variables (`envvar=` on the option: MODEL_NAME, PORT, BACKEND_IMPL,
 ...; each command's --help lists them) and Typer reads those. This module reads the rest. Each is read

@@ -170,6 +170,7 @@ class Experts(nn.Module):
         self.copies = copies if copies is not None and copies.decode_copy else None
         self.gate_up_copies = self.down_copies = None
         self._blocks: dict[tuple[int, str], Int4Groups | Int8Groups] = {}  # (expert, proj): a GGUF's, until copied
+        self._views: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None  # see dense_matmul
         dtype = FP8 if fp8 else None
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, n, dtype=dtype), requires_grad=False)
@@ -221,9 +222,9 @@ class Experts(nn.Module):
         gives a token the same value cold or after a prefix hit), each matrix a view kept for its cached pack."""
         if self.gate_up_proj.device.type != "cpu" or self.fp8:
             return None
-        views = self.__dict__.get("_views")
-        if views is None:
-            views = self.__dict__["_views"] = (self.gate_up_proj.data.unbind(0), self.down_proj.data.unbind(0))
+        if self._views is None:  # made once loaded (the first call), kept: the packs are cached by the view
+            self._views = (self.gate_up_proj.data.unbind(0), self.down_proj.data.unbind(0))
+        views = self._views
 
         def mm(e: int, proj: str, x: torch.Tensor) -> torch.Tensor:
             return cpu_kernels.linear(x, views[0][e] if proj == "gate_up" else views[1][e], None, kernels.cpu_gemm)
