@@ -25,6 +25,7 @@ import torch
 from minisgl_cli.admission import AdmissionError, admit
 from minisgl_cli.core.batch import Mode
 from minisgl_cli.engine.engine import Engine
+from minisgl_cli.engine.sampler import Sampled
 from minisgl_cli.env import disable_overlap_scheduling as overlap_disabled_by_env
 from minisgl_cli.messages import (
     AbortRequest,
@@ -51,6 +52,14 @@ from minisgl_cli.types import ErrorCode, FinishReason, ModelInfo, SchedulerStats
 
 log = logging.getLogger("minisgl.scheduler")
 
+
+class StepFailed(Exception):
+    """A step raised (its cause chained): the requests it ran and, with `lost`, that its results could not be read,
+    so what the device wrote for it (and for any step after it) is unknown."""
+
+    def __init__(self, reqs: list[Req], lost: bool = False):
+        super().__init__(f"a {'read' if lost else 'launch'} of a step of {len(reqs)} requests failed")
+        self.reqs, self.lost = reqs, lost
 
 
 class Scheduler:
@@ -104,12 +113,9 @@ class Scheduler:
                 self.step()
                 if busy:
                     profiler.busy_step_done()
-            except Exception:  # a bug must not kill the loop silently: fail what is in flight, go on
-                log.exception("scheduler step failed; failing in-flight requests")
-                self._inflight = None
-                for req in list(self.running) + list(self.waiting):
-                    self._finish(req, None, error="internal error in the engine step (see server log)",
-                                 code=ErrorCode.ENGINE_FAILED)
+            except Exception as exc:  # a bug or a fault must not kill the loop: fail what it touched, go on
+                log.exception("scheduler step failed")
+                self.recover(exc)
         # Stopped: hand every page back, the prefix cache's too (the engine may serve a next scheduler). Whoever
         # stopped the loop ends the requests' streams; a step still in flight on the GPU finishes before any later
         # use of its pages (one stream).
@@ -134,6 +140,26 @@ class Scheduler:
                 msg = self.inbox.get_nowait()
         except queue.Empty:
             return msgs
+
+    def recover(self, exc: Exception) -> None:
+        """After a step raised: end what it touched with an engine error, keep the prefix cache exact, go on.
+
+        A step that raised while launching (`StepFailed`, not `lost`) had its requests' KV lengths put back to
+        before it, so they cache only KV earlier steps wrote; those requests fail and every other one goes on (a step
+        still in flight is read next step as usual). A step whose results could not be read (`lost`: on CUDA, a device
+        fault) leaves no KV it or any later step wrote trustworthy, and the prefix cache holds pages it inserted at
+        launch: every request fails and the cache is emptied. Any other exception (scheduling, reading outputs) fails
+        every request; their KV up to their known tokens was computed by steps already read."""
+        failed = exc.reqs if isinstance(exc, StepFailed) and not exc.lost else None
+        if failed is None:
+            self._inflight = None
+            failed = list(self.running) + list(self.waiting)
+        for req in failed:
+            if not req.done:
+                self._finish(req, None, error="internal error in the engine step (see server log)",
+                             code=ErrorCode.ENGINE_FAILED)
+        if isinstance(exc, StepFailed) and exc.lost:
+            self.cache.clear()
 
     def handle(self, msg: ToScheduler) -> None:
         if isinstance(msg, AddRequest):
@@ -332,6 +358,27 @@ class Scheduler:
         if mode == "extend" and log.isEnabledFor(logging.INFO):
             log.info("prefill: %d req, %d tokens (%s)", len(reqs), sum(lens),
                      ", ".join(f"{r.rid}: +{n} after {r.kv_len} cached" for r, n in zip(reqs, lens)))
+        before = [r.kv_len for r in reqs]
+        try:
+            sampled, produces = self._run(mode, reqs, lens, drafts)
+        except Exception as exc:
+            # Nothing this step wrote is known to be written: its requests' KV ends where it began (what a release
+            # caches), and the pages it reserved are freed with them.
+            for req, kv_len in zip(reqs, before):
+                req.kv_len = kv_len
+            if isinstance(exc, StepFailed):  # reading the step in flight failed inside it: that failure says more
+                raise
+            raise StepFailed(reqs) from exc
+        if mode == "extend":  # after the launch: the step still writes the pages this may free
+            for req in reqs:
+                self.cache.cache_prefilled(req)
+        return Launched.start(mode, reqs, lens, produces, sampled, self.engine,
+                              async_copy=self.overlap and drafts is None, drafts=drafts)
+
+    def _run(self, mode: Mode, reqs: list[Req], lens: list[int],
+             drafts: list[list[int]] | None) -> tuple[Sampled, list[bool]]:
+        """`_launch`'s work up to the device: the step's rows (raising each request's kv_len to what it will have
+        computed), its page-table writes, the forward and the sampling; the sampled ids and which requests produce."""
         prev_rows = self._inflight.rows if self._inflight is not None else {}
         ids: list[int] = []
         locs: list[int] = []
@@ -394,13 +441,9 @@ class Scheduler:
             sampled = engine.sample(logits, rows, self._bitmask(reqs, produces, drafts))
         else:
             sampled = engine.step(fb, rows, self._bitmask(reqs, produces, drafts))
-        if mode == "extend":  # after the launch: the step still writes the pages this may free
-            for req in reqs:
-                self.cache.cache_prefilled(req)
         if self.trace is not None:
             self.trace.record(mode, len(reqs), len(ids), len(self.running), len(self.waiting))
-        return Launched.start(mode, reqs, lens, produces, sampled, engine, async_copy=self.overlap and drafts is None,
-                              drafts=drafts)
+        return sampled, produces
 
     def _bitmask(self, reqs: list[Req], produces: list[bool], drafts: list[list[int]] | None) -> torch.Tensor | None:
         """The grammar rows' allowed next tokens (None when no request in the step has a grammar)."""
@@ -411,7 +454,10 @@ class Scheduler:
         """Read a step's tokens (the one wait on the device), append them, stop finished requests. A verify step's
         request appends its accepted run (stopping inside it where a token ends the request) and gives the KV of its
         rejected drafts back."""
-        tokens, logprobs = step.read()
+        try:
+            tokens, logprobs = step.read()
+        except Exception as exc:
+            raise StepFailed(step.reqs, lost=True) from exc
         now = time.perf_counter()
         out: list[TokenOutput] = []
         emitted = accepted = 0
