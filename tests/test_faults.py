@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from faults import InjectedFault, StepFaults, at_random, every_nth, run, run_all
 
 from minisgl_cli import LLM, SamplingParams
@@ -216,4 +217,31 @@ def test_a_failed_prefill_on_the_default_model_leaves_no_poisoned_prefix(default
         settle(llm)
         again = llm.generate(chat, sp)[0]
         assert again.token_ids == want
+        settle(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("after_forward", [False, True], ids=["before-forward", "after-forward"])
+def test_faults_on_cuda_under_overlap_and_graphs_cache_only_written_kv(after_forward):
+    """On CUDA (overlap and decode graphs on, as shipped): a failed decode step caches exactly what earlier steps
+    wrote, and under random faults every request either finishes whole or fails with an engine error, leaving every
+    page accounted for. (Greedy tokens are not compared with a cold run here: bf16 kernels on random weights round by
+    the batch's shape.)"""
+    with LLM("qwen3-0.6b", load_format="dummy", device="cuda", max_total_tokens=16384) as llm:
+        assert llm.client.info.overlap and engine_of(llm).graphs is not None  # as shipped
+        with StepFaults(engine_of(llm), every_nth(3, "decode"), after_forward=after_forward, limit=1) as faults:
+            failed = run(llm.client, PROMPT, params(8))
+        assert faults.raised == 1 and failed.error_code is ErrorCode.ENGINE_FAILED
+        settle(llm)
+        assert llm.client.stats().tokens_cached == len(PROMPT) + faults.steps.count("decode"), faults.steps
+        work = workload(48, seed=5)
+        with StepFaults(engine_of(llm), at_random(1 / 6, seed=11), after_forward=after_forward) as faults:
+            got = asyncio.run(run_all(llm.client, [(ids, params(n)) for ids, n in work]))
+        assert faults.raised >= 3, faults.steps
+        assert {o.error_code for o in got if o.failed} == {ErrorCode.ENGINE_FAILED}
+        assert all(len(o.token_ids) == n for o, (_, n) in zip(got, work) if not o.failed)
+        settle(llm)
+        again = asyncio.run(run_all(llm.client, [(ids, params(n)) for ids, n in work]))
+        assert all(not o.failed and len(o.token_ids) == n for o, (_, n) in zip(again, work))
         settle(llm)

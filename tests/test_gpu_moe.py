@@ -5,6 +5,8 @@ tl.dot is wrong), where triton is importable and TRITON_INTERPRET=1 was set befo
 
     PYTHONPATH=$PWD:/path/to/triton TRITON_INTERPRET=1 python -m pytest -q tests/test_gpu_moe.py
 
+`make test` runs it so on a machine without a GPU (triton in .venv/triton-interpreter), CI included.
+
 Cases: 4 to 128 experts, top-k 1, 2 and 8, 1 to 64 tokens (1 to 4 on the few-token path, which routes itself),
 experts that get no token, FP8 expert weights (w8a16,
 and on the GPU w8a8); on the GPU also a CUDA graph's replay and the whole MoE block against its grouped / loop path

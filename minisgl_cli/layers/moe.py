@@ -171,6 +171,7 @@ class Experts(nn.Module):
         self.gate_up_copies = self.down_copies = None
         self._blocks: dict[tuple[int, str], Int4Groups | Int8Groups] = {}  # (expert, proj): a GGUF's, until copied
         self._views: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None  # see dense_matmul
+        self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 experts dequantized once on the CPU
         dtype = FP8 if fp8 else None
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, n, dtype=dtype), requires_grad=False)
@@ -247,14 +248,13 @@ class Experts(nn.Module):
         rebuilt per call on CUDA, where the fused kernels read the codes themselves)."""
         if not self.fp8:
             return self.gate_up_proj, self.down_proj
-        cached = self.__dict__.get("_dense")
-        if cached is not None and cached[0].dtype == dtype:
-            return cached
+        if self._dense is not None and self._dense[0].dtype == dtype:
+            return self._dense
         assert self.gate_up_scale is not None and self.down_scale is not None
         pair = (dequantize(self.gate_up_proj, self.gate_up_scale[..., None], dtype),
                 dequantize(self.down_proj, self.down_scale[..., None], dtype))
         if self.gate_up_proj.device.type == "cpu":
-            self.__dict__["_dense"] = pair
+            self._dense = pair
         return pair
 
 

@@ -162,7 +162,9 @@ class _WeightOnly(LinearMethod):
 
     def finish(self, layer: Layer) -> None:
         # Buffers, not plain attributes: an exported step (engine/cpu_compile.py) names them by module path.
-        for name, t in zip(("qweight", "qscale"), self._pack(layer.__dict__.pop("staged"))):
+        staged = layer.staged
+        del layer.staged  # the staging copies go with the load
+        for name, t in zip(("qweight", "qscale"), self._pack(staged)):
             layer.register_buffer(name, t, persistent=False)
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, decode: bool = False) -> torch.Tensor:
@@ -272,7 +274,8 @@ class Int8LogitsMethod(LinearMethod):
             dst.narrow(0, row, part.shape[0]).copy_(part)
 
     def finish(self, layer: Layer) -> None:
-        q, scale = layer.__dict__.pop("staged")
+        q, scale = layer.staged
+        del layer.staged
         layer.fbgemm = _fbgemm_pack(F.pad(q, (0, _ANCHORS.shape[1])), scale[:, 0])  # the anchors' zero weights
         if layer.fbgemm is None:
             layer.qweight_t, layer.qscale = q.t(), scale[:, 0]  # _int_mm takes [K, N]: this transposed view is fastest
@@ -391,7 +394,7 @@ class Fp8Method(LinearMethod):
         """The same numbers in fp32 by quantize / dequantize: activations per token unless x is one row."""
         x2 = x.reshape(-1, x.shape[-1])
         xf = x2.float() if x2.shape[0] == 1 else fp8.round_trip_rows(x2)
-        w = layer.__dict__.get("weight_dense")
+        w = getattr(layer, "weight_dense", None)
         if w is None:  # CUDA: dequantized per call (a reference path, not a fast one)
             w = fp8.dequantize(layer.weight, layer.weight_scale[:, None])
         y = F.linear(xf, w).to(x.dtype).view(*x.shape[:-1], w.shape[0])
