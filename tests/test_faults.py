@@ -228,7 +228,8 @@ def test_faults_on_cuda_under_overlap_and_graphs_cache_only_written_kv(after_for
     wrote, and under random faults every request either finishes whole or fails with an engine error, leaving every
     page accounted for. (Greedy tokens are not compared with a cold run here: bf16 kernels on random weights round by
     the batch's shape.)"""
-    with LLM("qwen3-0.6b", load_format="dummy", device="cuda", max_total_tokens=16384) as llm:
+    with LLM("qwen3-0.6b", load_format="dummy", device="cuda", max_total_tokens=16384, max_running_requests=8,
+             max_prefill_tokens=256) as llm:
         assert llm.client.info.overlap and engine_of(llm).graphs is not None  # as shipped
         with StepFaults(engine_of(llm), every_nth(3, "decode"), after_forward=after_forward, limit=1) as faults:
             failed = run(llm.client, PROMPT, params(8))
