@@ -72,11 +72,12 @@ def test_each_kernel_gives_a_row_the_same_result_whatever_the_rows_beside_it():
     experts."""
     torch.manual_seed(0)
     dtype = cpu_kernels._BF16_NATIVE or torch.float32  # the engine's beside quantized weights
+    kernels = Kernels(cpu_gemm=cpu_kernels.for_quantized("auto"))  # as the engine's in those modes
     x = torch.randn(17, 1536).to(dtype)
     for method in (quant.Int4Method(), quant.Int8Method()):
         torch.set_default_dtype(dtype)  # as the engine builds its model
         try:
-            down = RowParallelLinear(1536, 576, method=method)  # K = 1536: where oneDNN's one-row kernel differs
+            down = RowParallelLinear(1536, 576, method=method, kernels=kernels)  # K = 1536: oneDNN's one row differs
         finally:
             torch.set_default_dtype(torch.float32)
         down.load_shard("weight", torch.randn(576, 1536) * 0.05)
@@ -84,17 +85,17 @@ def test_each_kernel_gives_a_row_the_same_result_whatever_the_rows_beside_it():
         assert _rows_alike(functools.partial(down, decode=True), x), method.name
         assert _rows_alike(down, x), f"{method.name} dense"
     embed = VocabParallelEmbedding(4096, 576)
-    head = ParallelLMHead(4096, 576, method=quant.Int4Method().for_lm_head(), tied=embed)
+    head = ParallelLMHead(4096, 576, kernels=kernels, method=quant.Int4Method().for_lm_head(), tied=embed)
     embed.load_shard("weight", torch.randn(4096, 576))
     head.finish_loading()
     assert _rows_alike(head.logits, torch.randn(17, 576))
     fp32 = torch.randn(17, 1536)
     w = torch.randn(576, 1536) * 0.05
-    assert _rows_alike(lambda r: cpu_kernels.linear(r, w, None, "invariant"), fp32)
+    assert _rows_alike(lambda r: cpu_kernels.linear(r, w, None, kernels.cpu_gemm), fp32)
     # A MoE block in the int4 mode: router and dense experts (extend), the experts' int4 copies (decode)
     torch.set_default_dtype(dtype)
     try:
-        block = MoE(8, 2, 1536, 256, True, TPInfo(), Kernels(), copies=quant.Int4Method())
+        block = MoE(8, 2, 1536, 256, True, TPInfo(), kernels, copies=quant.Int4Method())
     finally:
         torch.set_default_dtype(torch.float32)
     for p in block.parameters():

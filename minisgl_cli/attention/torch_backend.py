@@ -60,7 +60,7 @@ class TorchBackend(AttentionBackend):
         # minisgl::decode_attn's cases (its checks): where it cannot run, SDPA does
         self.own_decode = (self.row_invariant and pool.shape.dtype in (torch.bfloat16, torch.float32)
                            and head_dim in (32, 64, 96, 128, 256) and num_heads // num_kv_heads <= 16
-                           and cpu_library.load() is None)
+                           and cpu_library.missing("decode_attn") is None)
 
     @property
     def row_invariant(self) -> bool:

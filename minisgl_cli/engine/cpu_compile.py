@@ -91,7 +91,7 @@ class StepKey:
         return StepKey(weights, json.dumps(dataclasses.asdict(model_cfg), sort_keys=True), quantization,
                        str(dtype), str(kv_dtype), torch.__version__, _cpu(), _source(),
                        f"int4={cpu_int4.kernel() if quantization == 'int4' else ''} "
-                       f"attention={'sdpa' if cpu_library.load() else 'minisgl'}")
+                       f"attention={'sdpa' if cpu_library.missing('decode_attn') else 'minisgl'}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

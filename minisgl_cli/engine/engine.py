@@ -34,6 +34,7 @@ from minisgl_cli.engine.sampler_graphs import SamplerGraphs
 from minisgl_cli.engine.sampling_state import Need, SamplingBatch, SamplingState
 from minisgl_cli.engine.vision import VisionState
 from minisgl_cli.kvcache.pool import KVPool, KVShape
+from minisgl_cli.layers import cpu_kernels
 from minisgl_cli.layers.fused import Kernels, load_sgl_kernel
 from minisgl_cli.layers.quant import METHODS
 from minisgl_cli.loader.blocks import blocks_file, iter_blocks, native_quantization
@@ -110,7 +111,10 @@ class Engine:
         self.quantization = cfg.resolved_quantization(native_quantization(blocks) if blocks else None)
         self.dtype = cfg.resolved_dtype(quantized=self.quantization != "none")
         # The modes whose decode may run compiled normalize as the compiled step does, compiled or not (layers/norm.py).
-        self.kernels.ordered_sums = self.device.type == "cpu" and self.quantization in ("int4", "int8")
+        quantized_cpu = self.device.type == "cpu" and self.quantization in ("int4", "int8")
+        self.kernels.ordered_sums = quantized_cpu
+        if quantized_cpu:  # they promise a row's result whatever the rows beside it (layers/cpu_kernels.py)
+            self.kernels.cpu_gemm = cpu_kernels.for_quantized(self.kernels.cpu_gemm)
         self.kv_dtype = cfg.resolved_kv_dtype(self.dtype)
         try:
             self.model_cfg = ModelConfig.from_hf(hf_cfg)

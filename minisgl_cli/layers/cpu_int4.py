@@ -33,7 +33,7 @@ def kernel() -> str:
     choice = env.cpu_int4()
     if choice == "aten":
         return "aten"
-    why = cpu_library.load()
+    why = cpu_library.missing("int4_mm")
     if why is None:
         return "minisgl"
     if choice == "minisgl":

@@ -7,7 +7,8 @@ when a loader overwrites the weight in place.
 
 Policies (the engine's `Kernels.cpu_gemm`, from `MINISGL_CPU_GEMM`; --deterministic takes `invariant`):
   auto       fp32, the default: MKL for M == 1 and large M, packed oneDNN in between; bf16 weights (--dtype
-             bfloat16, where the CPU has AVX-512 BF16): packed oneDNN at every M (faster than F.linear's).
+             bfloat16, where the CPU has AVX-512 BF16): packed oneDNN at every M (faster than F.linear's). A model
+             with int4 / int8 weights takes `invariant` for it (`for_quantized`).
   invariant  packed oneDNN at every M for fp32 too: each row's result whatever the other rows (MKL's blocking,
              and the switch between the two, change a row's rounding with M).
   mkl        fp32: always F.linear (MKL sgemm), torch's stock path.
@@ -31,6 +32,13 @@ _ONEDNN_MAX_M = 64  # above this MKL's sgemm is already efficient (prefill)
 # torch.bfloat16 where oneDNN runs bf16 natively (AVX-512 BF16 / AMX), else None. A constant, not a cached function:
 # torch.compile traces `linear` (the compiled CPU decode) and warns about a functools cache in its path.
 _BF16_NATIVE: torch.dtype | None = torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else None
+
+
+def for_quantized(policy: str) -> str:
+    """The policy of a model with int4 / int8 weights: `auto` is `invariant` there. Those modes promise a row's result
+    whatever the rows beside it, and their dense weights (extend steps, the router) are fp32 where the CPU lacks
+    AVX-512 BF16; an explicit policy stands."""
+    return "invariant" if policy == "auto" else policy
 
 
 def invalidate(weight: torch.Tensor) -> None:

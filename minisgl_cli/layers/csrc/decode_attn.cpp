@@ -10,11 +10,12 @@
 // the weighted sum are fp32 (a 16-bit cache's products exact); the query heads of a KV head (GQA) share its loads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <vector>
+
+#include "decode_attn.h"
 
 #include "vec.h"
 
@@ -41,14 +42,8 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-constexpr int kMaxGroup = 16;  // query heads a KV head serves
-
-struct Args {
-  int64_t Hkv, G, Lmax;
-  float scale;
-  const int64_t* slots;
-  const int64_t* lens;
-};
+using minisgl::kMaxGroup;
+using Args = minisgl::AttnArgs;
 
 // One (row b, KV head h): its G query heads of NV x 16 dims each (query and output Q, cache C).
 template <typename Q, typename C, int NV>
@@ -116,44 +111,24 @@ void run(const Args& a, const at::Tensor& q, const at::Tensor& k, const at::Tens
   });
 }
 
-template <typename Q, typename C>
-void by_dim(const Args& a, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out) {
-  switch (q.size(2) / 16) {
-    case 2: return run<Q, C, 2>(a, q, k, v, out);
-    case 4: return run<Q, C, 4>(a, q, k, v, out);
-    case 6: return run<Q, C, 6>(a, q, k, v, out);
-    case 8: return run<Q, C, 8>(a, q, k, v, out);
-    case 16: return run<Q, C, 16>(a, q, k, v, out);
-    default: TORCH_CHECK(false, "decode_attn: head_dim 32, 64, 96, 128 or 256, got ", q.size(2));
+struct ByDim {
+  template <typename Q, typename C>
+  void operator()(const Args& a, Q*, C*, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  at::Tensor& out) const {
+    switch (q.size(2) / 16) {
+      case 2: return run<Q, C, 2>(a, q, k, v, out);
+      case 4: return run<Q, C, 4>(a, q, k, v, out);
+      case 6: return run<Q, C, 6>(a, q, k, v, out);
+      case 8: return run<Q, C, 8>(a, q, k, v, out);
+      case 16: return run<Q, C, 16>(a, q, k, v, out);
+      default: TORCH_CHECK(false, "decode_attn: head_dim 32, 64, 96, 128 or 256, got ", q.size(2));
+    }
   }
-}
+};
 
 at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                        const at::Tensor& lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.is_contiguous() && k.is_contiguous() &&
-                  v.is_contiguous(), "decode_attn: q [B, H, D], k and v [slots, Hkv, D], contiguous");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0 &&
-                  q.size(1) / k.size(1) <= kMaxGroup, "decode_attn: q, k and v shapes disagree");
-  const auto qt = q.scalar_type(), ct = k.scalar_type();
-  TORCH_CHECK(ct == v.scalar_type() && (qt == ct || qt == at::kFloat) && (ct == at::kBFloat16 || ct == at::kFloat),
-              "decode_attn: a bf16 or fp32 cache, the query in its dtype or fp32");
-  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == q.size(0) && slots.scalar_type() == at::kLong &&
-                  slots.is_contiguous() && lens.dim() == 1 && lens.size(0) == q.size(0) &&
-                  lens.scalar_type() == at::kLong && lens.is_contiguous(),
-              "decode_attn: slots [B, L] and lens [B] int64");
-  const int64_t* lp = lens.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < q.size(0); ++b)
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= slots.size(1), "decode_attn: a row's length is outside 1..", slots.size(1));
-  at::Tensor out = at::empty_like(q);
-  const Args a{k.size(1), q.size(1) / k.size(1), slots.size(1), static_cast<float>(scale),
-               slots.const_data_ptr<int64_t>(), lp};
-  if (qt == at::kBFloat16)
-    by_dim<at::BFloat16, at::BFloat16>(a, q, k, v, out);
-  else if (ct == at::kBFloat16)
-    by_dim<float, at::BFloat16>(a, q, k, v, out);
-  else
-    by_dim<float, float>(a, q, k, v, out);
-  return out;
+  return minisgl::decode_attn_checked(q, k, v, slots, lens, scale, ByDim{});
 }
 
 }  // namespace

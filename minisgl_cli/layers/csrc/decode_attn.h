@@ -1,0 +1,49 @@
+// minisgl::decode_attn's arguments and dtypes, checked and dispatched alike by each ISA's build of the kernel
+// (decode_attn.cpp: AVX-512 BF16; avx2/decode_attn.cpp: AVX2 and FMA).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+
+namespace minisgl {
+
+constexpr int kMaxGroup = 16;  // query heads a KV head serves
+
+struct AttnArgs {
+  int64_t Hkv, G, Lmax;
+  float scale;
+  const int64_t* slots;
+  const int64_t* lens;
+};
+
+// Checks the op's arguments, then runs by_dim(args, (Q*)0, (C*)0, q, k, v, out) for the query's and the cache's
+// element types Q and C: bf16 / bf16, fp32 / bf16 or fp32 / fp32.
+template <typename ByDim>
+at::Tensor decode_attn_checked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                               const at::Tensor& lens, double scale, ByDim by_dim) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.is_contiguous() && k.is_contiguous() &&
+                  v.is_contiguous(), "decode_attn: q [B, H, D], k and v [slots, Hkv, D], contiguous");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0 &&
+                  q.size(1) / k.size(1) <= kMaxGroup, "decode_attn: q, k and v shapes disagree");
+  const auto qt = q.scalar_type(), ct = k.scalar_type();
+  TORCH_CHECK(ct == v.scalar_type() && (qt == ct || qt == at::kFloat) && (ct == at::kBFloat16 || ct == at::kFloat),
+              "decode_attn: a bf16 or fp32 cache, the query in its dtype or fp32");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == q.size(0) && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous() && lens.dim() == 1 && lens.size(0) == q.size(0) &&
+                  lens.scalar_type() == at::kLong && lens.is_contiguous(),
+              "decode_attn: slots [B, L] and lens [B] int64");
+  const int64_t* lp = lens.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= slots.size(1), "decode_attn: a row's length is outside 1..", slots.size(1));
+  at::Tensor out = at::empty_like(q);
+  const AttnArgs a{k.size(1), q.size(1) / k.size(1), slots.size(1), static_cast<float>(scale),
+                   slots.const_data_ptr<int64_t>(), lp};
+  if (qt == at::kBFloat16)
+    by_dim(a, static_cast<at::BFloat16*>(nullptr), static_cast<at::BFloat16*>(nullptr), q, k, v, out);
+  else if (ct == at::kBFloat16)
+    by_dim(a, static_cast<float*>(nullptr), static_cast<at::BFloat16*>(nullptr), q, k, v, out);
+  else
+    by_dim(a, static_cast<float*>(nullptr), static_cast<float*>(nullptr), q, k, v, out);
+  return out;
+}
+
+}  // namespace minisgl
