@@ -61,7 +61,9 @@ def missing(op: str) -> str | None:
     if why is not None:
         return why
     build = _for_this_cpu()
-    return None if build is not None and op in build.ops else f"minisgl::{op} is not built for this CPU (no AVX512-BF16)"
+    if build is None or op not in build.ops:
+        return f"minisgl::{op} is not built for this CPU (no AVX512-BF16)"
+    return None
 
 
 @functools.cache
