@@ -169,6 +169,10 @@ def _alive(router: Serve, worker: Serve) -> bool:
     return next(w["alive"] for w in _metrics(router)["workers"] if w["url"] == worker.url)
 
 
+def _inflight(router: Serve, worker: Serve) -> int:
+    return next(w["inflight"] for w in _metrics(router)["workers"] if w["url"] == worker.url)
+
+
 def test_a_dead_worker_is_taken_out_and_put_back_when_it_answers_again(cluster):
     model, tmp, workers, router, started = cluster
     long = {"model": "default", "prompt": [9, 8, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
@@ -285,8 +289,8 @@ def test_killing_a_workers_scheduler_mid_load_moves_its_requests_to_the_other_wo
         while not stop.is_set():
             worker, chunks = None, 0
             try:
-                raw = client.completions.with_raw_response.create(model="default", prompt=[1, 2, 3, i], max_tokens=8,
-                                                                  stream=bool(i % 2))
+                raw = client.completions.with_raw_response.create(model="default", prompt=[1, 2, 3, i],
+                                                                  max_tokens=16, stream=bool(i % 2))
                 worker = raw.headers[WORKER]
                 if i % 2:
                     for _ in raw.parse():
@@ -302,6 +306,7 @@ def test_killing_a_workers_scheduler_mid_load_moves_its_requests_to_the_other_wo
         t.start()
     try:
         _wait(lambda: sum(w == victim.url for _, w, _, _ in done) >= 4, router)  # both workers serve the load
+        _wait(lambda: _inflight(router, victim) >= 2, router)  # and requests run there as its scheduler dies
         os.kill(victim.children()["scheduler rank 0"], signal.SIGKILL)
         victim.proc.wait(30)  # serve exits once a child dies; its open requests answered 503 first
         n = len(done)

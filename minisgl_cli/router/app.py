@@ -79,19 +79,19 @@ def _text(content: Any) -> str:
     return content if isinstance(content, str) else ""
 
 
-def lost(w: Worker, exc: httpx.TransportError, timeout_s: float | None) -> tuple[int, dict[str, Any]]:
+def _lost_error(w: Worker, exc: httpx.TransportError, timeout_s: float | None) -> tuple[int, dict[str, Any]]:
     """The status and OpenAI error of a request its worker took and then failed: nothing came back for the
     read timeout (504), or the connection dropped (502)."""
     if isinstance(exc, httpx.TimeoutException):
-        return 504, {"message": f"worker {w.url} sent nothing for {timeout_s:g} s (--request-timeout); the request "
-                                "is not retried on another worker (it may be what hangs this one)",
+        return 504, {"message": f"worker {w.url} sent nothing for {timeout_s or 0:g} s (--request-timeout); the "
+                                "request is not retried on another worker (it may be what hangs this one)",
                      "type": "server_error", "param": None, "code": "worker_timeout"}
     return 502, {"message": f"worker {w.url} failed while handling this request ({type(exc).__name__}); it is not "
                             "retried on another worker (it may be what broke this one)",
                  "type": "server_error", "param": None, "code": "worker_failed"}
 
 
-def _unavailable_code(content: bytes) -> bool:
+def _engine_unavailable(content: bytes) -> bool:
     """Whether a worker's error body says its engine is unavailable (a 5xx a request that never ran gets)."""
     try:
         error = json.loads(content).get("error")
@@ -131,7 +131,7 @@ class _Relay:
                 yield buf
         except httpx.TransportError as exc:  # a partial frame in `buf` is dropped: the error frame follows whole
             self.proxy.workers.failed(self.worker, f"failed while streaming: {type(exc).__name__}")
-            _, error = lost(self.worker, exc, self.proxy.request_timeout)
+            _, error = _lost_error(self.worker, exc, self.proxy.request_timeout)
             yield (f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n" if self.sse
                    else json.dumps({"event": "error", "error": error}) + "\n").encode()
         finally:
@@ -249,7 +249,7 @@ class Proxy:
                     return self._lost(w, exc)
                 finally:
                     await resp.aclose()
-                if resp.status_code >= 500 and _unavailable_code(content):  # the engine's 503 under another status
+                if resp.status_code >= 500 and _engine_unavailable(content):  # the engine's 503 under another status
                     failures.append(f"{w.url}: answered {resp.status_code} engine_unavailable")
                     self.workers.failed(w, f"answered {resp.status_code} engine_unavailable")
                     continue
@@ -266,7 +266,7 @@ class Proxy:
 
     def _lost(self, w: Worker, exc: httpx.TransportError) -> Response:
         self.workers.failed(w, f"failed after taking a request: {type(exc).__name__}")
-        status, error = lost(w, exc, self.request_timeout)
+        status, error = _lost_error(w, exc, self.request_timeout)
         return p.error_response(status, error["message"], error["type"], None, error["code"],
                                 {**NO_REPLAY, WORKER_HEADER: w.url})
 
