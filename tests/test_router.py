@@ -134,7 +134,7 @@ def test_a_client_that_hangs_up_on_a_non_streamed_request_gets_it_aborted_at_the
 
 def test_a_stopped_worker_times_out_per_the_flag_and_new_requests_go_to_the_other(cluster):
     _, tmp, workers, main_router, started = cluster
-    router = _router(workers, tmp, "--processes", "1", "--request-timeout", "2")
+    router = _router(workers, tmp, "--processes", "1", "--request-timeout", "3")
     started.append(router)
     _wait(lambda: _metrics(router)["total"]["workers_up"] == 2, router)
     victim, survivor = workers
@@ -148,7 +148,7 @@ def test_a_stopped_worker_times_out_per_the_flag_and_new_requests_go_to_the_othe
             r = httpx.post(f"{router.url}/v1/completions", json=short, timeout=60)
             if r.headers[WORKER] == victim.url:
                 assert r.status_code == 504 and r.json()["error"]["code"] == "worker_timeout", r.text
-                assert time.monotonic() - t0 >= 2 and r.headers["x-should-retry"] == "false"
+                assert time.monotonic() - t0 >= 3 and r.headers["x-should-retry"] == "false"
                 timed_out += 1
             else:
                 assert r.status_code == 200 and r.headers[WORKER] == survivor.url, r.text
