@@ -25,6 +25,13 @@ def router(
         "--health-interval", min=0.05, metavar="<float>", rich_help_panel=c.SERVER_PANEL,
         help="Seconds between health checks (a failing worker is taken out).")]
         = 2.0,
+    request_timeout: Annotated[float, typer.Option(
+        "--request-timeout", envvar="ROUTER_REQUEST_TIMEOUT", min=0, metavar="<float>",
+        rich_help_panel=c.LIMITS_PANEL,
+        help="Seconds a worker may send nothing while it has a request (a whole non-streamed answer, a stream's "
+             "first frame, a gap between frames): past it the client gets 504 (a stream: an error frame), the "
+             "request is not retried elsewhere and the worker counts a failure. 0 = no limit.")]
+        = 600.0,
     processes: Annotated[int, typer.Option(
         "--processes", envvar="ROUTER_PROCESSES", min=0, metavar="<int>", rich_help_panel=c.SERVER_PANEL,
         help="Router processes on the port (the kernel spreads connections over them; each routes on its own, "
@@ -37,7 +44,7 @@ def router(
 ) -> None:
     """One OpenAI endpoint in front of several `minisgl serve` workers (hosts).
 
-    Routes by --scheduler-mode, with health checks, retries and caps (429). See docs/server.md."""
+    Routes by --scheduler-mode, with health checks, retries, timeouts and caps (429). See docs/server.md."""
     import httpx
 
     from minisgl_cli.router.processes import SPREADS, RouterConfig, auto_processes, run_router
@@ -48,7 +55,7 @@ def router(
         if parsed.scheme not in ("http", "https") or not parsed.host:
             c.fail(f"--worker-url must be http://HOST:PORT, not {url!r}")
     cfg = RouterConfig(tuple(worker_url), opts.runtime.scheduler_mode, max_inflight_per_engine or None,
-                       max_inflight_total or None, health_interval)
+                       max_inflight_total or None, health_interval, request_timeout or None)
     if processes > 1 and not SPREADS:
         c.fail("--processes above 1 needs Linux (SO_REUSEPORT spreads a port's connections only there)", 2)
     if processes and (most := cfg.max_processes()) is not None and processes > most:

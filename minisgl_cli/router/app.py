@@ -2,10 +2,13 @@
 
 Each request is routed by its prompt text (rr | fsfs | random | cache_aware, routing.py) and proxied as it
 came; the worker's response comes back as the worker writes it, so the OpenAI API and /generate are the
-same for clients. A worker that cannot be reached, or answers 503 (starting, or its engine gone), before
-the client got anything is taken out and the request retried on another; a stream whose worker dies after
-it started ends with an error frame in the stream's own format. Caps answer 429 + Retry-After, like
-`serve`'s. /health and /metrics (each worker and the total) are the router's own.
+same for clients. A request goes to another worker (MAX_TRIES workers at most) only while its worker cannot
+have run it: it could not be reached, or it answered 503 / `engine_unavailable` (starting, or its engine gone).
+One whose worker took it and then failed (the connection dropped, or nothing came for --request-timeout) is
+never replayed: it may be what broke the worker. The client gets a 502 / 504 (a started stream: an error frame in
+the stream's own format), the worker a failure; FAILURES_OUT in a row take it out (workers.py). A client that
+hangs up closes the worker's request too, so the worker aborts it. Caps answer 429 + Retry-After, like `serve`'s.
+/health and /metrics (each worker and the total) are the router's own.
 
 This app is one router process; `minisgl router --processes N` runs N of them on one port (processes.py), each
 routing on its own, their figures shared through a `Tally` so that /metrics from any of them is the whole router's.
@@ -13,6 +16,7 @@ routing on its own, their figures shared through a `Tally` so that /metrics from
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Hashable, Sequence
@@ -35,6 +39,11 @@ log = logging.getLogger("minisgl.router")
 
 WORKER_HEADER = "X-Minisgl-Worker"  # which worker answered (every proxied response)
 KEEPALIVE_S = 4.0  # idle connections to a worker are closed after this (under uvicorn's 5 s)
+CONNECT_TIMEOUT_S = 5.0
+MAX_TRIES = 3  # workers one request is offered to at most (each once): a bound however many are failing
+# On the router's 502 / 504: the request may be what broke its worker, so the OpenAI SDKs (which retry a 5xx by
+# default) are told not to replay it either.
+NO_REPLAY = {"X-Should-Retry": "false"}
 # Hop-by-hop headers, and what the proxy sets itself, are not passed on.
 _DROP = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
                    "upgrade", "accept-encoding", "content-encoding"})
@@ -70,9 +79,36 @@ def _text(content: Any) -> str:
     return content if isinstance(content, str) else ""
 
 
+def _lost_error(w: Worker, exc: httpx.TransportError, timeout_s: float | None) -> tuple[int, dict[str, Any]]:
+    """The status and OpenAI error of a request its worker took and then failed: nothing came back for the
+    read timeout (504), or the connection dropped (502)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return 504, {"message": f"worker {w.url} sent nothing for {timeout_s or 0:g} s (--request-timeout); the "
+                                "request is not retried on another worker (it may be what hangs this one)",
+                     "type": "server_error", "param": None, "code": "worker_timeout"}
+    return 502, {"message": f"worker {w.url} failed while handling this request ({type(exc).__name__}); it is not "
+                            "retried on another worker (it may be what broke this one)",
+                 "type": "server_error", "param": None, "code": "worker_failed"}
+
+
+def _engine_unavailable(content: bytes) -> bool:
+    """Whether a worker's error body says its engine is unavailable (a 5xx a request that never ran gets)."""
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "engine_unavailable"
+
+
+async def _hang_up(receive: Receive) -> None:
+    """Return once the client hangs up (its body already read: the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 class _Relay:
     """One worker response being streamed to the client: whole frames only, and an error frame if the worker
-    dies mid-stream. `close` (however the response ends) frees the worker's slot and the connection."""
+    dies or stalls mid-stream. `close` (however the response ends) frees the worker's slot and the connection."""
 
     def __init__(self, proxy: Proxy, resp: httpx.Response, worker: Worker):
         self.proxy, self.resp, self.worker = proxy, resp, worker
@@ -94,10 +130,8 @@ class _Relay:
             if buf:
                 yield buf
         except httpx.TransportError as exc:  # a partial frame in `buf` is dropped: the error frame follows whole
-            self.proxy.workers.take_out(self.worker, f"died while streaming: {type(exc).__name__}")
-            error = {"message": f"worker {self.worker.url} failed while streaming this response "
-                                f"({type(exc).__name__}); it is taken out: retry the request",
-                     "type": "server_error", "param": None, "code": "worker_failed"}
+            self.proxy.workers.failed(self.worker, f"failed while streaming: {type(exc).__name__}")
+            _, error = _lost_error(self.worker, exc, self.proxy.request_timeout)
             yield (f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n" if self.sse
                    else json.dumps({"event": "error", "error": error}) + "\n").encode()
         finally:
@@ -125,10 +159,12 @@ class _RelayResponse(StreamingResponse):
 
 
 class Proxy:
-    """Forwards a request to a worker the router picks, retrying on another while nothing has reached the client."""
+    """Forwards a request to a worker the router picks, retrying on another while the worker cannot have run it."""
 
-    def __init__(self, workers: Workers, total_cap: int | None, tally: Tally, retry_after_s: int = 1):
+    def __init__(self, workers: Workers, total_cap: int | None, tally: Tally, retry_after_s: int = 1,
+                 request_timeout: float | None = None):
         self.workers, self.total_cap, self.tally, self.retry_after_s = workers, total_cap, tally, retry_after_s
+        self.request_timeout = request_timeout  # seconds the worker may send nothing (None: no limit)
         self.inflight = 0
         self.http: httpx.AsyncClient | None = None  # opened by the app's lifespan
 
@@ -145,25 +181,43 @@ class Proxy:
                                 {"Retry-After": str(self.retry_after_s)})
 
     async def forward(self, request: Request) -> Response:
-        assert self.http is not None
+        """The worker's response, or the router's own error; if the client hangs up first, the request to the worker
+        is closed (the worker aborts it) and the answer is a 499 nobody reads."""
         body = await request.body()
-        # Only cache_aware matches prompts: the other modes never parse the body.
-        key = routing_key(body) if body and self.workers.router.mode == "cache_aware" else None
         if self.total_cap and self.inflight >= self.total_cap:
             return self._busy(f"server busy: {self.inflight} requests in flight (cap {self.total_cap}); retry shortly")
+        exchange = asyncio.ensure_future(self._exchange(request, body))
+        gone = asyncio.ensure_future(_hang_up(request.receive))
+        try:
+            await asyncio.wait({exchange, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not exchange.done():  # cancelled, it closes its connection to the worker: the worker sees the hang-up
+                exchange.cancel()
+                await asyncio.wait({exchange})
+        if exchange.cancelled():
+            log.info("minisgl router: %s %s: the client hung up before the answer; closed at the worker",
+                     request.method, request.url.path)
+            return Response(status_code=499)  # nginx's "client closed request", for the logs
+        return exchange.result()
+
+    async def _exchange(self, request: Request, body: bytes) -> Response:
+        assert self.http is not None
+        # Only cache_aware matches prompts: the other modes never parse the body.
+        key = routing_key(body) if body and self.workers.router.mode == "cache_aware" else None
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP]
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         tried: set[int] = set()
         failures: list[str] = []
-        while True:
+        while len(tried) < MAX_TRIES:
             try:
                 w = self.workers.pick(key, tried)
             except Busy as exc:
                 return self._busy(str(exc))
             except NoReplica as exc:
-                return p.error_response(503, f"{exc}: " + "; ".join(
-                    failures or [f"{x.url}: {x.reason}" for x in self.workers.workers]), "server_error", None,
-                    "no_worker")
+                return self._no_worker(f"{exc}: " + "; ".join(
+                    failures or [f"{x.url}: {x.reason}" for x in self.workers.workers]))
+            tried.add(w.index)
             self.inflight += 1
             self._publish()
             relayed = False
@@ -171,48 +225,63 @@ class Proxy:
                 try:
                     resp = await self.http.send(self.http.build_request(
                         request.method, w.url + target, headers=headers, content=body), stream=True)
-                except httpx.TransportError as exc:  # refused, reset, or died before answering: nothing sent yet
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never sent: another worker takes it
                     failures.append(f"{w.url}: {type(exc).__name__}")
-                    self.workers.take_out(w, f"unreachable: {type(exc).__name__}")
-                    tried.add(w.index)
+                    self.workers.failed(w, f"unreachable: {type(exc).__name__}")
+                    continue
+                except httpx.TransportError as exc:  # sent, then dropped or timed out: never replayed
+                    return self._lost(w, exc)
+                if resp.status_code == 503:  # starting, or its engine is gone: the request did not run there
+                    await resp.aclose()
+                    failures.append(f"{w.url}: answered 503")
+                    self.workers.failed(w, "answered 503")
                     continue
                 out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP}
                 out_headers[WORKER_HEADER] = w.url
-                if resp.status_code == 503:  # starting, or its engine is gone: another worker takes it
-                    await resp.aclose()
-                    failures.append(f"{w.url}: answered 503")
-                    self.workers.take_out(w, "answered 503")
-                    tried.add(w.index)
-                    continue
                 kind = resp.headers.get("content-type", "")
                 if kind.startswith(("text/event-stream", "application/x-ndjson")):
+                    self.workers.answered(w)
                     relayed = True
                     return _RelayResponse(_Relay(self, resp, w), status_code=resp.status_code, headers=out_headers)
                 try:
                     content = await resp.aread()
-                except httpx.TransportError as exc:  # died before the whole answer came: nothing sent yet
-                    failures.append(f"{w.url}: {type(exc).__name__}")
-                    self.workers.take_out(w, f"died while answering: {type(exc).__name__}")
-                    tried.add(w.index)
-                    continue
+                except httpx.TransportError as exc:  # died or stalled before the whole answer came: never replayed
+                    return self._lost(w, exc)
                 finally:
                     await resp.aclose()
+                if resp.status_code >= 500 and _engine_unavailable(content):  # the engine's 503 under another status
+                    failures.append(f"{w.url}: answered {resp.status_code} engine_unavailable")
+                    self.workers.failed(w, f"answered {resp.status_code} engine_unavailable")
+                    continue
+                self.workers.answered(w)
                 return Response(content, resp.status_code, headers=out_headers)
             finally:
                 if not relayed:
                     self.release(w)
+        return self._no_worker(f"{MAX_TRIES} workers tried: " + "; ".join(failures))
+
+    def _no_worker(self, message: str) -> Response:
+        return p.error_response(503, message, "server_error", None, "no_worker",
+                                {"Retry-After": str(self.retry_after_s)})
+
+    def _lost(self, w: Worker, exc: httpx.TransportError) -> Response:
+        self.workers.failed(w, f"failed after taking a request: {type(exc).__name__}")
+        status, error = _lost_error(w, exc, self.request_timeout)
+        return p.error_response(status, error["message"], error["type"], None, error["code"],
+                                {**NO_REPLAY, WORKER_HEADER: w.url})
 
 
 def create_router_app(urls: Sequence[str], mode: str = "rr", per_worker_cap: int | None = None,
                       total_cap: int | None = None, health_interval: float = 2.0, tally: Tally | None = None,
-                      label: str = "") -> FastAPI:
+                      label: str = "", request_timeout: float | None = None) -> FastAPI:
     """The router over these worker base URLs (http://HOST:PORT). One of several processes: `tally` with this
-    process's row claimed, and `label` ("router 1: ") before its lines about the workers."""
+    process's row claimed, and `label` ("router 1: ") before its lines about the workers. `request_timeout`: the
+    seconds a worker may send nothing while it has a request (None: no limit)."""
     workers = Workers(urls, mode, per_worker_cap, health_interval, label)
     if tally is None:
         tally = Tally(1, len(urls))
         tally.claim(0)
-    proxy = Proxy(workers, total_cap, tally)
+    proxy = Proxy(workers, total_cap, tally, request_timeout=request_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -221,7 +290,7 @@ def create_router_app(urls: Sequence[str], mode: str = "rr", per_worker_cap: int
         # them (its keep-alive is 5 s): a request never meets a connection the worker just closed, which would
         # take the worker out.
         proxy.http = httpx.AsyncClient(transport=KeptConnections(KEEPALIVE_S),
-                                       timeout=httpx.Timeout(None, connect=5.0))
+                                       timeout=httpx.Timeout(request_timeout, connect=CONNECT_TIMEOUT_S))
         await workers.check(proxy.http)
         workers.start(proxy.http)
         try:

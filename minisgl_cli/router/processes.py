@@ -39,18 +39,19 @@ GRACEFUL_S = 3  # a child's uvicorn lets open requests finish this long: within 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """What every router process routes by: the workers, the policy, the caps (the whole router's) and the health
-    checks' interval."""
+    """What every router process routes by: the workers, the policy, the caps (the whole router's), the health
+    checks' interval and the seconds a worker may send nothing while it has a request (None: no limit)."""
 
     urls: tuple[str, ...]
     mode: str = "rr"
     per_worker_cap: int | None = None
     total_cap: int | None = None
     health_interval: float = 2.0
+    request_timeout: float | None = None
 
     def app(self, tally: Tally | None = None, label: str = "") -> FastAPI:
         return create_router_app(self.urls, self.mode, self.per_worker_cap, self.total_cap, self.health_interval,
-                                 tally, label)
+                                 tally, label, self.request_timeout)
 
     def share(self, processes: int, i: int) -> RouterConfig:
         """Process i's of `processes`: each cap split so that the parts add up to it."""

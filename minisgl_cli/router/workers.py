@@ -1,11 +1,12 @@
 """The workers behind `minisgl router`: each `minisgl serve` URL, whether it answers, and the routing across them.
 
-A background task asks every worker's /health every `interval` seconds. A worker that fails it (or that
-cannot be reached by a request) is taken out — the `Router` stops picking it and forgets its prefix tree —
-and put back as soon as its /health answers 200 again. A check that only times out counts as failed from the
-SLOW_CHECKS-th in a row: under a full load the answer can queue behind thousands of stream frames (in the
-worker's API or this router's own loop) while the worker serves well, and taking it out then would turn a busy
-moment into failed requests. Lives on the router's event loop.
+A background task asks every worker's /health every `interval` seconds. A worker that fails it is taken out —
+the `Router` stops picking it and forgets its prefix tree — and put back as soon as its /health answers 200
+again. A check that only times out counts as failed from the SLOW_CHECKS-th in a row: under a full load the
+answer can queue behind thousands of stream frames (in the worker's API or this router's own loop) while the
+worker serves well, and taking it out then would turn a busy moment into failed requests. Requests count too:
+FAILURES_OUT in a row that the worker failed (unreachable, 503, dropped or timed out) take it out, one does not
+(a connection reset is not a dead host). Lives on the router's event loop.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ log = logging.getLogger("minisgl.router")
 
 CHECK_TIMEOUT_S = 2.0
 SLOW_CHECKS = 3  # timed-out checks in a row that take a worker out (a refused or non-200 one does at once)
+FAILURES_OUT = 3  # requests failed in a row that take a worker out
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Worker:
     url: str
     reason: str = "not checked yet"  # why it is out ("" while it serves)
     slow: int = 0  # health checks timed out in a row
+    failures: int = 0  # requests it failed in a row
 
 
 class Workers:
@@ -64,7 +67,18 @@ class Workers:
     def put_back(self, w: Worker) -> None:
         if self.router.set_up(w.index, True):
             notice(f"{self.label}worker {w.url} is {'up' if w.reason == 'not checked yet' else 'back'}")
+            w.failures = 0
         w.reason = ""
+
+    def failed(self, w: Worker, reason: str) -> None:
+        """A request this worker failed; the FAILURES_OUT-th in a row takes it out."""
+        w.failures += 1
+        if w.failures >= FAILURES_OUT:
+            self.take_out(w, f"{reason} ({w.failures} requests failed in a row)")
+
+    def answered(self, w: Worker) -> None:
+        """A request this worker answered (whatever the status): its failures in a row start again."""
+        w.failures = 0
 
     # --- health ----------------------------------------------------------------------------------
     async def check(self, http: httpx.AsyncClient) -> None:
