@@ -25,6 +25,8 @@ class LLM:
         sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in names})
         engine = EngineConfig(model=model, **{k: v for k, v in kwargs.items() if k not in names})
         self.client = in_process_client(engine, sched)  # engine="hf" / "mlx": those engines
+        # The scheduler refuses requests past its queue bound: a larger batch is fed in as the queue drains.
+        self.window = sched.max_queued_requests or None
 
     @staticmethod
     def _request(prompt: Prompt, params: SamplingParams) -> GenerateRequest:
@@ -45,7 +47,13 @@ class LLM:
         async def run() -> list[Completion]:
             # The whole text is all a Completion holds: decoded once per request at its end, not per token.
             reqs = [self._request(p, replace(sp, stream_text=False)) for p, sp in zip(batch, plist)]
-            return list(await asyncio.gather(*(complete(self.client, r) for r in reqs)))
+            window = asyncio.Semaphore(self.window or len(reqs) or 1)
+
+            async def one(r: GenerateRequest) -> Completion:
+                async with window:
+                    return await complete(self.client, r)
+
+            return list(await asyncio.gather(*(one(r) for r in reqs)))
 
         return asyncio.run(run())
 
