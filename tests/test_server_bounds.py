@@ -53,6 +53,26 @@ def test_a_4mb_body_of_short_prompts_is_refused_quickly_and_reaches_no_engine(se
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/generate"])
+def test_a_4mb_chat_of_tiny_messages_is_refused_before_its_messages_are_read(server_url, engine_client, route):
+    """127,000 messages: refused at 8192, before the rest are validated (1.4 s here) or rendered and tokenized
+    (32 s of the tokenizer's time here)."""
+    messages = HI * (4 * 1024 * 1024 // len(json.dumps(HI[0])))
+    body = json.dumps({"messages": messages, "stream": False}).encode()
+    wait_idle(engine_client)
+    before = engine_counts(server_url)
+    with httpx.Client(timeout=120) as http:
+        http.get(f"{server_url}/health")  # connected already: the time below is the server's
+        t0 = time.perf_counter()
+        r = http.post(f"{server_url}{route}", content=body, headers={"content-type": "application/json"})
+        took = time.perf_counter() - t0
+    print(f"\n4 MB chat of {len(messages)} messages to {route}: {r.status_code} in {took * 1000:.0f} ms")
+    err = assert_openai_error(r, 400)
+    assert err["param"] == "messages" and "at most 8192" in err["message"], err
+    assert took < REFUSED_WITHIN_S
+    assert engine_counts(server_url) == before
+
+
 @pytest.mark.parametrize("body,param,message", [
     ({"prompt": ["hi"] * 2049}, "prompt", "2049 prompts"),
     ({"prompt": [[1, 2]] * 2049}, "prompt", "2049 prompts"),  # token-id prompts count alike

@@ -29,6 +29,7 @@ MAX_PROMPTS = 2048  # prompts in one /v1/completions body (OpenAI's own limit)
 MAX_BODY_REQUESTS = 2048  # engine requests one body may start: prompts x n
 MAX_GRAMMAR_CHARS = 64 * 1024  # a regex, an EBNF grammar, a JSON schema (as JSON text): each compiles per request
 MAX_LOGIT_BIAS = 1024
+MAX_MESSAGES = 8192  # a chat's messages: each is validated, then rendered by the template and tokenized
 MAX_TOOLS = 128
 
 
@@ -371,7 +372,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
@@ -569,7 +570,7 @@ class GenerateBody(_Sampling):
     """`/generate`: exactly one of prompt, messages, input_ids; streams JSON lines unless stream=false."""
 
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     input_ids: list[int] | None = None
     max_new_tokens: int = Field(128, ge=0, le=MAX_TOKENS_LIMIT)
     stream: bool = True
