@@ -30,7 +30,7 @@ def serve(
         help="Require 'Authorization: Bearer KEY' on every route but /health.")] = None,
     max_inflight_total: Annotated[Optional[int], limits(
         "--max-inflight-total", envvar="MAX_INFLIGHT_TOTAL", min=0, metavar="<int>", show_default="auto",
-        help="Requests in flight at most, then 429 (auto: 16 x --max-running-requests of all replicas, at least 1024; "
+        help="Requests in flight at most, then 429 (auto: 16 x --max-running-requests of all replicas, at least 2048; "
              "0 = no cap).")] = None,
     max_inflight_per_engine: c.MaxInflightPerEngine = 0,
     adaptive_max_new_tokens: Annotated[bool, limits("--adaptive-max-new-tokens", envvar="ADAPTIVE_MAX_NEW_TOKENS",

@@ -333,7 +333,7 @@ def test_serve_help_lists_env_vars():
 
 
 @pytest.mark.parametrize("args,total", [
-    ([], None),  # the server's default cap: 16 x the running slots, at least 1024 (test_server_bounds.py)
+    ([], None),  # the server's default cap: 16 x the running slots, at least 2048 (test_server_bounds.py)
     (["--max-inflight-total", "0"], 0),  # no cap, asked for
     (["--max-inflight-total", "7"], 7),
     (["--max-inflight-per-engine", "3"], 3),

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+from minisgl_cli.api.protocol import MAX_BODY_REQUESTS
 from minisgl_cli.server.errors import InputError
 from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.server.settings import ServerSettings
 
 DOWNSCALE_HEADER = "X-Minisgl-Max-Tokens-Downscaled"
-# The default cap: this many of the engine's running slots (--max-running-requests, summed over --dp replicas), at
-# least DEFAULT_MIN_CAP. A request queued behind 16 full batches waits about 16 whole generations; past that a client
-# (or a router) does better to retry, or go elsewhere, than to join an ever longer queue.
+# The default cap: this many of the engine's running slots (--max-running-requests, summed over --dp replicas). A
+# request queued behind 16 full batches waits about 16 whole generations; past that a client (or a router) does better
+# to retry, or go elsewhere, than to join an ever longer queue. At least the largest body the API takes
+# (MAX_BODY_REQUESTS), which an idle server must admit.
 DEFAULT_CAP_PER_SLOT = 16
-DEFAULT_MIN_CAP = 1024
 
 
 def default_cap(max_running: int) -> int:
-    return max(DEFAULT_MIN_CAP, DEFAULT_CAP_PER_SLOT * max_running)
+    return max(MAX_BODY_REQUESTS, DEFAULT_CAP_PER_SLOT * max_running)
 
 
 def downscale_headers(note: str | None) -> dict[str, str]:
