@@ -39,7 +39,8 @@ class LLM:
     def generate(
         self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Completion]:
-        """One Completion per prompt, all run concurrently (continuous batching)."""
+        """One Completion per prompt, all run concurrently (continuous batching; past the scheduler's queue bound,
+        max_queued_requests, the rest are submitted as earlier ones finish)."""
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict)))
         batch = cast(list[Prompt], [prompts] if single else list(prompts))  # `single` told the two shapes apart
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
