@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from commands import common as c
-from minisgl_cli.vision.image_source import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
+from minisgl_cli.vision.image_source import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 
 if TYPE_CHECKING:
     from minisgl_cli.client.protocol import EngineClient
@@ -28,12 +28,15 @@ def serve(
     port: c.Port = 8000,
     api_key: Annotated[Optional[str], server("--api-key", envvar="MINISGL_API_KEY",
         help="Require 'Authorization: Bearer KEY' on every route but /health.")] = None,
-    max_inflight_total: c.MaxInflightTotal = 0,
+    max_inflight_total: Annotated[Optional[int], limits(
+        "--max-inflight-total", envvar="MAX_INFLIGHT_TOTAL", min=0, metavar="<int>", show_default="auto",
+        help="Requests in flight at most, then 429 (auto: 16 x --max-running-requests of all replicas, at least 2048; "
+             "0 = no cap).")] = None,
     max_inflight_per_engine: c.MaxInflightPerEngine = 0,
     adaptive_max_new_tokens: Annotated[bool, limits("--adaptive-max-new-tokens", envvar="ADAPTIVE_MAX_NEW_TOKENS",
         help="Cut max_tokens under load (x1/2 past 50%, x1/4 past 75%).")] = False,
-    max_body_bytes: Annotated[int, limits("--max-body-bytes", envvar="MAX_BODY_BYTES",
-        help="Larger request bodies get 413.")] = 4 * 1024 * 1024,
+    max_body_bytes: Annotated[int, limits("--max-body-bytes", envvar="MAX_BODY_BYTES", min=1, metavar="<int>",
+        help="Larger request bodies get 413.")] = DEFAULT_MAX_BODY_BYTES,
     served_model_name: Annotated[Optional[str], server("--served-model-name",
         help="Model id in /v1/models and responses (default: the engine's).")] = None,
     warm_prefixes: Annotated[Optional[str], server("--warm-prefixes", envvar="WARM_PREFIXES",
@@ -96,8 +99,10 @@ def serve(
             c.fail(str(exc), code=2)
     if warm_prefixes and opts.engine.engine == "hf":
         c.fail("--warm-prefixes fills a prefix cache, and --engine hf has none", code=2)
-    # The total cap admits at most every replica's share; the pool keeps each replica within its own.
-    caps = [x for x in (max_inflight_total, max_inflight_per_engine * opts.runtime.dp_size) if x > 0]
+    # The total cap admits at most every replica's share; the pool keeps each replica within its own. Neither
+    # given: the server's default cap (gate.default_cap); 0: none.
+    caps = [x for x in (max_inflight_total or 0, max_inflight_per_engine * opts.runtime.dp_size) if x > 0]
+    total = min(caps) if caps else max_inflight_total
     per_replica = max_inflight_per_engine or None
     media = MediaSettings.from_env()
     media = MediaSettings(
@@ -119,7 +124,7 @@ def serve(
             opts = replace(opts, engine=replace(opts.engine, model=engine_model))
     vision = VisionSettings(model=vlm_model or None, device=media.device, images=images)
     settings = ServerSettings(
-        api_key=api_key or None, max_inflight_total=min(caps) if caps else None,
+        api_key=api_key or None, max_inflight_total=total,
         adaptive_max_new_tokens=adaptive_max_new_tokens, max_body_bytes=max_body_bytes,
         served_model_name=served_model_name, media=media, web=web, vision=vision,
     )

@@ -25,6 +25,8 @@ class LLM:
         sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in names})
         engine = EngineConfig(model=model, **{k: v for k, v in kwargs.items() if k not in names})
         self.client = in_process_client(engine, sched)  # engine="hf" / "mlx": those engines
+        # The scheduler refuses requests past its queue bound: a larger batch is fed in as the queue drains.
+        self.window = sched.max_queued_requests or None
 
     @staticmethod
     def _request(prompt: Prompt, params: SamplingParams) -> GenerateRequest:
@@ -37,7 +39,8 @@ class LLM:
     def generate(
         self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Completion]:
-        """One Completion per prompt, all run concurrently (continuous batching)."""
+        """One Completion per prompt, all run concurrently (continuous batching; past the scheduler's queue bound,
+        max_queued_requests, the rest are submitted as earlier ones finish)."""
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict)))
         batch = cast(list[Prompt], [prompts] if single else list(prompts))  # `single` told the two shapes apart
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
@@ -45,7 +48,13 @@ class LLM:
         async def run() -> list[Completion]:
             # The whole text is all a Completion holds: decoded once per request at its end, not per token.
             reqs = [self._request(p, replace(sp, stream_text=False)) for p, sp in zip(batch, plist)]
-            return list(await asyncio.gather(*(complete(self.client, r) for r in reqs)))
+            window = asyncio.Semaphore(self.window or len(reqs) or 1)
+
+            async def one(r: GenerateRequest) -> Completion:
+                async with window:
+                    return await complete(self.client, r)
+
+            return list(await asyncio.gather(*(one(r) for r in reqs)))
 
         return asyncio.run(run())
 

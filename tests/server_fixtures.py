@@ -56,7 +56,7 @@ def engine_client():
 
 @pytest.fixture(scope="session")
 def server_url() -> Iterator[str]:
-    """The default server: no key, no cap."""
+    """The default server: no key, the default caps."""
     yield from _serve(ServerSettings())
 
 

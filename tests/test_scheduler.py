@@ -10,7 +10,7 @@ import pytest
 
 from minisgl_cli import LLM, SamplingParams
 from minisgl_cli.client.protocol import complete
-from minisgl_cli.types import GenerateRequest
+from minisgl_cli.types import ErrorCode, GenerateRequest
 
 
 def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -103,6 +103,35 @@ def test_prompt_over_context_limit_is_an_error_and_others_go_on(tiny_model_dirs)
         first, ok = asyncio.run(go())
         assert first[-1].error and "context limit is 64" in first[-1].error
         assert len(ok.token_ids) >= 1
+        settle(llm)
+
+
+def test_a_full_waiting_queue_refuses_as_overloaded_and_llm_feeds_a_larger_batch_in(tiny_model_dirs, alone):
+    """The waiting queue is bounded (--max-queued-requests, here 4): a request past it ends at once as OVERLOADED
+    (a 429 through the server), the others run as they do alone and no page leaks. LLM.generate feeds a batch larger
+    than the bound in as the queue drains: every prompt is answered."""
+    work = workload(64)[:16]
+    with LLM(str(tiny_model_dirs["llama"]), max_queued_requests=4, max_running_requests=2) as llm:
+        async def one(ids: list[int], n: int) -> list:
+            req = GenerateRequest(input_ids=ids, params=SamplingParams(max_new_tokens=n, ignore_eos=True))
+            return [d async for d in llm.client.submit(req)]
+
+        async def flood() -> list[list]:
+            return list(await asyncio.gather(*(one(ids, n) for ids, n in work)))
+
+        results = asyncio.run(flood())
+        refused = [i for i, deltas in enumerate(results) if deltas[-1].error]
+        assert refused, "16 requests at once at a bound of 4 waiting (2 running): some must be refused"
+        for i, deltas in enumerate(results):
+            if i in refused:
+                assert len(deltas) == 1 and deltas[0].error_code is ErrorCode.OVERLOADED, deltas
+                assert "--max-queued-requests" in deltas[0].error
+            else:
+                assert [t for d in deltas for t in d.token_ids] == alone[i], f"request {i} differs"
+        settle(llm)
+        got = llm.generate([ids for ids, _ in work], [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                                      for _, n in work])
+        assert [c.token_ids for c in got] == alone[:16]
         settle(llm)
 
 

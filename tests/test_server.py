@@ -328,8 +328,29 @@ def test_serve_help_lists_env_vars():
     out = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).output
     for name in ("MAX_INFLIGHT_TOTAL", "MAX_INFLIGHT_PER_ENGINE", "WARM_PREFIXES", "SCHEDULER_MODE", "ZMQ_CONTROL",
                  "ZMQ_CONTROL_ENDPOINT", "MODEL_NAME", "MODEL_LOCAL_DIR", "ADAPTIVE_MAX_NEW_TOKENS",
-                 "MINISGL_API_KEY", "--port", "--host", "--image-model-dir"):
+                 "MINISGL_API_KEY", "MAX_QUEUED_REQUESTS", "MAX_BODY_BYTES", "--port", "--host", "--image-model-dir"):
         assert name in out, name
+
+
+@pytest.mark.parametrize("args,total", [
+    ([], None),  # the server's default cap: 16 x the running slots, at least 2048 (test_server_bounds.py)
+    (["--max-inflight-total", "0"], 0),  # no cap, asked for
+    (["--max-inflight-total", "7"], 7),
+    (["--max-inflight-per-engine", "3"], 3),
+    (["--max-inflight-total", "0", "--max-inflight-per-engine", "3"], 3),
+])
+def test_serve_caps_reach_the_server_settings(monkeypatch, args, total):
+    """What `serve`'s cap flags hand the server (the launch itself replaced: nothing starts)."""
+    from typer.testing import CliRunner
+
+    from minisgl_cli.app import app
+    from minisgl_cli.server import launch
+
+    seen = []
+    monkeypatch.setattr(launch, "serve", lambda make_client, settings, cfg: seen.append(settings))
+    out = CliRunner().invoke(app, ["serve", *args])
+    assert out.exit_code == 0, out.output
+    assert seen[0].max_inflight_total == total and seen[0].max_body_bytes == 32 * 1024 * 1024
 
 
 @pytest.mark.parametrize("command", ["serve", "bench"])

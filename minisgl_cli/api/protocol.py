@@ -14,15 +14,23 @@ import uuid
 from typing import Annotated, Any, Literal, Union, cast
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from minisgl_cli.types import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 
-# Bounds keep fuzzed or hostile values inside what torch and the scheduler accept.
+# Bounds keep fuzzed or hostile values inside what torch and the scheduler accept, and one body from becoming
+# unbounded work: each is checked while the body is validated, before any tokenizing (docs/server.md#bounds).
 MAX_TOKENS_LIMIT = 2**31 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_N = 16
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024  # each stop string: the detokenizer looks for every one after each token
+MAX_PROMPTS = 2048  # prompts in one /v1/completions body (OpenAI's own limit)
+MAX_BODY_REQUESTS = 2048  # engine requests one body may start: prompts x n
+MAX_GRAMMAR_CHARS = 64 * 1024  # a regex, an EBNF grammar, a JSON schema (as JSON text): each compiles per request
+MAX_LOGIT_BIAS = 1024
+MAX_MESSAGES = 8192  # a chat's messages: each is validated, then rendered by the template and tokenized
+MAX_TOOLS = 128
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -102,11 +110,23 @@ def _refuse(data: Any, table: dict[str, tuple[str, tuple]]) -> Any:
     return data
 
 
+def check_schema_size(schema: Any, field: str) -> None:
+    """A JSON schema becomes a grammar compiled per request: its JSON text is bounded like a regex's."""
+    size = len(schema) if isinstance(schema, str) else len(json.dumps(schema))
+    if size > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"{field}: the schema is {size} characters of JSON; at most {MAX_GRAMMAR_CHARS} are taken")
+
+
 class JsonSchemaSpec(_Strict):
     name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = Field(None, description="Accepted either way: the schema is always enforced.")
+
+    @model_validator(mode="after")
+    def _bounded(self) -> JsonSchemaSpec:
+        check_schema_size(self.schema_, "schema")
+        return self
 
 
 class ResponseFormat(_Strict):
@@ -136,12 +156,23 @@ class _Sampling(_Strict):
         "a negative one multiplied; 1 = off."))
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
     logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
-        None, max_length=1024, description="Token id -> bias in [-100, 100] added to its logit before sampling.",
+        None, max_length=MAX_LOGIT_BIAS,
+        description="Token id -> bias in [-100, 100] added to its logit before sampling.",
         json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,9}$"}})
     # Structured output: OpenAI's response_format, and sglang's regex / ebnf extensions.
     response_format: ResponseFormat | None = None
-    regex: str | None = Field(None, description="Extension (sglang): the output matches this regular expression.")
-    ebnf: str | None = Field(None, description="Extension (sglang): the output follows this EBNF grammar (GBNF).")
+    regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS,
+                              description="Extension (sglang): the output matches this regular expression.")
+    ebnf: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS,
+                             description="Extension (sglang): the output follows this EBNF grammar (GBNF).")
+
+    @field_validator("stop")
+    @classmethod
+    def _short_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        longest = max(map(len, [stop] if isinstance(stop, str) else stop or []), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string of {longest} characters; at most {MAX_STOP_CHARS} are taken")
+        return stop
 
     def structured(self) -> dict[str, str]:
         """The grammar the output must follow, as SamplingParams fields (empty: free text)."""
@@ -317,6 +348,11 @@ class FunctionDef(_Strict):
     strict: bool | None = Field(None, description="Accepted either way: arguments of forced calls always follow "
                                                    "the schema.")
 
+    @model_validator(mode="after")
+    def _bounded(self) -> FunctionDef:
+        check_schema_size(self.parameters, "parameters")  # a forced call compiles it into a grammar
+        return self
+
 
 class Tool(_Strict):
     type: Literal["function"]
@@ -336,7 +372,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
@@ -346,7 +382,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = Field(None, description="Return each output token's logprob (choices[].logprobs).")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: the n most "
                                                                                    "likely tokens at each position.")
-    tools: list[Tool] | None = Field(None, max_length=128)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call per reply.")
     user: str | None = Field(None, max_length=256, description="An end-user id: written to the request log.")
@@ -462,6 +498,7 @@ class CompletionRequest(_Sampling):
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
         n = data.get("n", 1) if isinstance(data, dict) else 1
+        _bound_prompts(data, n)
         return _refuse(data, {**_COMPLETION_UNIMPLEMENTED, "best_of": ("only best_of=1 (or equal to n) is supported",
                                                                        (1, n))})
 
@@ -476,6 +513,19 @@ class CompletionRequest(_Sampling):
         if all(isinstance(x, int) for x in p):
             return [cast(TokenIds, list(p))]  # one prompt of token ids
         return cast("list[str | list[int]]", list(p))
+
+
+def _bound_prompts(data: Any, n: Any) -> None:
+    """Refuse a body of too many prompts, or prompts x n, before its prompts are validated one by one (a 4 MB body
+    holds a million short prompts)."""
+    prompt = data.get("prompt") if isinstance(data, dict) else None
+    if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int):  # one prompt (token ids: one)
+        return
+    if len(prompt) > MAX_PROMPTS:
+        raise ValueError(f"prompt: {len(prompt)} prompts in one request; at most {MAX_PROMPTS} are taken")
+    if isinstance(n, int) and len(prompt) * n > MAX_BODY_REQUESTS:
+        raise ValueError(f"n: {len(prompt)} prompts x n={n} make {len(prompt) * n} completions; one request may "
+                         f"ask for at most {MAX_BODY_REQUESTS}")
 
 
 class CompletionLogprobs(BaseModel):
@@ -520,7 +570,7 @@ class GenerateBody(_Sampling):
     """`/generate`: exactly one of prompt, messages, input_ids; streams JSON lines unless stream=false."""
 
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     input_ids: list[int] | None = None
     max_new_tokens: int = Field(128, ge=0, le=MAX_TOKENS_LIMIT)
     stream: bool = True
@@ -529,6 +579,12 @@ class GenerateBody(_Sampling):
     return_logprob: bool = Field(False, description="sglang's: each output token's logprob in `logprobs`.")
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="sglang's: with return_logprob, the "
                                                                             "n most likely tokens at each position.")
+
+    @model_validator(mode="after")
+    def _bounded(self) -> GenerateBody:
+        if self.json_schema is not None:
+            check_schema_size(self.json_schema, "json_schema")
+        return self
 
     def structured(self) -> dict[str, str]:
         out = super().structured()

@@ -19,6 +19,9 @@ SPECULATIVE_ALGORITHMS: tuple[str, ...] = get_args(SpeculativeAlgorithm)
 class SchedulerConfig:
     max_prefill_tokens: int = field(default=2048, metadata=dict(  # also the chunk size of long prompts
         flags=("--max-prefill-tokens",), min=1, help="Token budget of one prefill step (chunk size)."))
+    max_queued_requests: int = field(default=4096, metadata=dict(  # a backstop: `serve` caps requests in flight first
+        flags=("--max-queued-requests",), env="MAX_QUEUED_REQUESTS", min=0,
+        help="Requests waiting in a scheduler at most; past it one is refused as overloaded (0 = no bound)."))
     cache: str = field(default="radix", metadata=dict(
         flags=("--cache",), help="Prefix cache: radix or naive (no reuse)."))
     policy: Policy = field(default="prefill-first", metadata=dict(

@@ -178,6 +178,11 @@ class Scheduler:
             raise TypeError(f"unknown scheduler message {type(msg).__name__}")
 
     def _admit(self, req: Req) -> None:
+        bound = self.cfg.max_queued_requests
+        if bound and len(self.waiting) >= bound:  # what bypasses the server's cap (LLM, in-process) stays bounded
+            self._finish(req, None, error=f"overloaded: {bound} requests are waiting already (--max-queued-requests); "
+                         "retry shortly", code=ErrorCode.OVERLOADED)
+            return
         try:  # every client checked this already; what reaches a scheduler is checked the same way, never trusted
             admit(req.input_ids, req.params, self.engine.spec.vocab_size, self.engine.spec.max_context_len)
             self.engine.load_images(req.images)

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from minisgl_cli.api.protocol import MAX_BODY_REQUESTS
 from minisgl_cli.server.errors import InputError
 from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.server.settings import ServerSettings
 
 DOWNSCALE_HEADER = "X-Minisgl-Max-Tokens-Downscaled"
+# The default cap: this many of the engine's running slots (--max-running-requests, summed over --dp replicas). A
+# request queued behind 16 full batches waits about 16 whole generations; past that a client (or a router) does better
+# to retry, or go elsewhere, than to join an ever longer queue. At least the largest body the API takes
+# (MAX_BODY_REQUESTS), which an idle server must admit.
+DEFAULT_CAP_PER_SLOT = 16
+
+
+def default_cap(max_running: int) -> int:
+    return max(MAX_BODY_REQUESTS, DEFAULT_CAP_PER_SLOT * max_running)
 
 
 def downscale_headers(note: str | None) -> dict[str, str]:
@@ -21,7 +31,8 @@ class InflightGate:
     """
 
     def __init__(self, settings: ServerSettings, capacity_hint: int, metrics: ServerMetrics):
-        self.cap = settings.max_inflight_total or None
+        total = settings.max_inflight_total
+        self.cap = default_cap(capacity_hint) if total is None else total or None  # 0: no cap
         self.capacity = self.cap or capacity_hint  # what "load" is measured against
         self.adaptive = settings.adaptive_max_new_tokens
         self.min_tokens = settings.adaptive_min_tokens
@@ -29,11 +40,22 @@ class InflightGate:
         self.inflight = 0
         self.metrics = metrics
 
-    def admit(self, n: int) -> None:
-        """Take n slots, or refuse with a 429 that tells the client when to retry."""
-        if self.cap is not None and self.inflight + n > self.cap:
+    def check(self, n: int, param: str | None = None) -> None:
+        """Refuse n engine requests (a body's prompts x n; `param`: the field that multiplies them) before any work:
+        413 when they could never fit under the cap, a 429 that tells the client when to retry while they do not
+        fit now."""
+        if self.cap is None:
+            return
+        if n > self.cap:
+            raise InputError(f"this request asks for {n} completions at once; the server runs at most {self.cap} "
+                             "(--max-inflight-total)", param, 413, "request_too_large")
+        if self.inflight + n > self.cap:
             raise InputError(f"server busy: {self.inflight} requests in flight (cap {self.cap}); retry shortly",
                              None, 429, "too_many_requests", {"Retry-After": str(self.retry_after_s)})
+
+    def admit(self, n: int) -> None:
+        """Take n slots, or refuse as `check` does."""
+        self.check(n)
         self.inflight += n
         self.metrics.add_inflight(n)
 

@@ -30,6 +30,7 @@ async def generate(body: p.GenerateBody, request: Request, ctx: Ctx) -> Any:
     if given != 1:
         raise InputError("give exactly one of prompt, messages, input_ids", "prompt")
     field = "messages" if body.messages is not None else "prompt" if body.prompt is not None else "input_ids"
+    ctx.gate.check(1)  # a 429 costs no tokenizing
     if body.messages is not None:
         ids = await ctx.tokens_of(messages=body.messages, param=field)
     else:

@@ -38,6 +38,7 @@ async def model_card(model: str, ctx: Ctx) -> Any:
 
 @router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse)
 async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx: Ctx) -> Any:
+    ctx.gate.check(body.n, "n")  # a 429 or 413 costs no tokenizing, no image decoding
     if body.has_images and not ctx.client.info.images:  # the transformers VLM beside the engine (vision.py)
         return await vision.chat(body, request, ctx)
     ctx.check_model(body.model)
@@ -166,6 +167,7 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
     prompts = body.prompts()
     if not prompts:
         raise InputError("prompt must not be empty", "prompt")
+    ctx.gate.check(len(prompts) * body.n, "n" if body.n > 1 else "prompt")  # a 429 or 413 costs no tokenizing
     ids_list = [await ctx.tokens_of(prompt=pr, param="prompt") for pr in prompts]
     max_new, note = ctx.budget(ids_list, body.max_tokens, "max_tokens")
     extra = dict(logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, stream_text=bool(body.stream),

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minisgl_cli.server.media import MediaSettings
-from minisgl_cli.vision.image_source import ImagePolicy
+from minisgl_cli.vision.image_source import DEFAULT_MAX_BODY_BYTES, ImagePolicy
 
 if TYPE_CHECKING:
     from minisgl_cli.vision.vlm import VlmChat
@@ -31,10 +31,10 @@ class ServerSettings:
     """What the HTTP front adds on top of the engine (flags/env vars of `minisgl serve`)."""
 
     api_key: str | None = None
-    max_inflight_total: int | None = None  # engine requests at once; None or 0: no cap
+    max_inflight_total: int | None = None  # engine requests at once; None: gate.default_cap, 0: no cap
     adaptive_max_new_tokens: bool = False
     adaptive_min_tokens: int = 16  # the downscale never cuts below this
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     served_model_name: str | None = None  # default: the engine's model name
     retry_after_s: int = 1
     media: MediaSettings | None = None

@@ -19,6 +19,8 @@ from urllib.parse import unquote, urlparse
 from minisgl_cli.media.jobs import MediaError
 
 DEFAULT_MAX_BYTES = 20 * 1024 * 1024  # OpenAI's own limit per image
+# The server's body cap (--max-body-bytes): room for a chat with one image at DEFAULT_MAX_BYTES (27 MiB as base64).
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_PIXELS = 25_000_000  # 5000 x 5000: far past what any VLM processor keeps, short of a decompression bomb
 
 
