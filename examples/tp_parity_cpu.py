@@ -17,7 +17,8 @@ what the next norm reads) of TP 2 is from TP 1's, against the stream's size: whe
 `--dense-row-split` decodes o_proj and down_proj through their dense weight at both TP sizes (the column-split
 linears keep their low-bit copy): the int4 / int8 kernels return bf16, so at TP 2 each rank's share of a row-split
 product is rounded to bf16 before the ranks sum it, where TP 1 rounds the whole sum once; without that rounding the
-two differ by the order of fp32 sums alone. `--json PATH` writes each prompt's summary (tests/test_tp_parity.py).
+two differ after the first layer by the order of fp32 sums alone, and the layers after show how far the low-bit
+kernels' bf16 activations carry that. `--json PATH` writes each prompt's summary (tests/test_tp_parity.py).
 """
 
 from __future__ import annotations

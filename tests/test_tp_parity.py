@@ -1,7 +1,8 @@
 """Tensor parallelism keeps the numbers: each TP rank of a row-split linear (o_proj, down_proj) holds its columns of
-TP 1's low-bit weights, scales and offsets alike, in every CPU quantized mode; and on the real default model `--tp 2`
-gives `--tp 1`'s greedy answers in the exact mode, and in the int4 / int8 modes parts from them only at a near tie
-(examples/tp_parity_cpu.py; docs/architecture.md, "What --tp N keeps")."""
+TP 1's low-bit weights, scales and offsets alike, in every quantized mode, and its decode attention gives its heads'
+TP 1 bits (SmolLM2's 9 query / 3 KV heads over two ranks); on the real default model `--tp 2` gives `--tp 1`'s greedy
+answers in the exact mode, and in the int4 / int8 modes parts from them only at a near tie (examples/tp_parity_cpu.py;
+docs/architecture.md, "What --tp N keeps")."""
 
 from __future__ import annotations
 
@@ -61,9 +62,10 @@ def test_row_split_ranks_hold_their_columns_of_tp1_weights(default_model_dir, qu
 # The issue's two prompts and one whose int4 answer parts at TP 2 (examples/tp_parity_cpu.py's first, second, sixth).
 PROMPTS = ["What are some creative uses for a paperclip?", "用中文介绍一下长城。",
            "What is the difference between a virus and a bacterium?"]
-# int4 / int8: each rank's share of a row-split product comes out of the kernel in bf16 and TP 1 rounds the whole sum
-# once, so every decode step's logits move (SmolLM2: up to ~3 of logits that reach ~30) and a greedy answer may part
-# where TP 1's top two are close. A wrong slice, scale or head moves them by far more.
+# int4 / int8: the ranks sum in another order (their shares in bf16) and the low-bit kernels' bf16 activations grow any
+# difference, so every decode step's logits move (SmolLM2: up to ~3 of logits that reach ~30) and a greedy answer may
+# part where TP 1's top two are close. A wrong slice or head moves them by far more (a rank's own int8 scales did not:
+# the weight test above holds those).
 NEAR_TIE = 1.0
 ROUNDING = 6.0
 
@@ -94,3 +96,31 @@ def test_tp2_parts_from_tp1_only_at_a_near_tie_in_the_quantized_modes(tmp_path, 
         assert p["max_dlogit"] < ROUNDING, p
         for split in p["splits"]:  # TP 2 fed TP 1's tokens chose otherwise: only where TP 1 nearly did
             assert split["gap"] < NEAR_TIE, p
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rank_s_decode_attention_heads_are_tp1_s_bit_for_bit(default_model_dir, dtype):
+    """SmolLM2's 9 query / 3 KV heads at TP 2 (6 + 3 query heads over 2 + 1 KV heads): each rank's decode attention
+    (minisgl::decode_attn where it builds, else SDPA) gives its heads' TP 1 output bits."""
+    from minisgl_cli.attention.torch_backend import TorchBackend, TorchDecodeMeta, decode_mask
+    from minisgl_cli.kvcache.pool import KVPool, KVShape
+
+    mc = ModelConfig.from_hf(read_hf_config(default_model_dir))
+    assert (mc.num_heads, mc.num_kv_heads, mc.head_dim) == (9, 3, 64)
+    g = torch.Generator().manual_seed(0)
+    lens = torch.tensor([1, 17, 40])
+    slots = torch.randint(1, 64, (3, 48), generator=g)
+    k_all, v_all = (torch.randn(64, 3, 64, generator=g).to(dtype) for _ in range(2))
+    q_all = torch.randn(3, 9, 64, generator=g).to(dtype)
+
+    def attend(rank: int, size: int) -> torch.Tensor:
+        h = mc.heads_of(rank, size)
+        pool = KVPool(KVShape(1, h.n_kv, 64, dtype), 64, 1, 4, 48, "cpu")
+        pool.k[0][:64].copy_(k_all[:, h.kv_start:h.kv_start + h.n_kv])  # (the pool's last slot: its scratch)
+        pool.v[0][:64].copy_(v_all[:, h.kv_start:h.kv_start + h.n_kv])
+        attn = TorchBackend(pool, h.n_q, h.n_kv, 64, 0.125)
+        meta = TorchDecodeMeta(slots.reshape(-1), 48, lens, None if attn.own_decode else decode_mask(lens, 48, dtype))
+        return attn.decode(q_all[:, h.q_start:h.q_start + h.n_q].contiguous(), 0, meta)
+
+    one = attend(0, 1)
+    assert torch.equal(torch.cat([attend(0, 2), attend(1, 2)], dim=1), one)
