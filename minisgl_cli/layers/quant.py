@@ -116,7 +116,8 @@ class LinearMethod:
         """`apply` of rows already quantized per token: only for a method whose `takes_fp8_rows` said so."""
         raise TypeError(f"the {self.name!r} linear method takes no FP8 rows")
 
-    def low_bit_copy(self, holder: nn.Module, w: torch.Tensor, shards: Sequence[Weight] | None = None) -> None:
+    def low_bit_copy(self, holder: nn.Module, w: torch.Tensor, shards: Sequence[Weight] | None = None,
+                     full: Weight | None = None) -> None:
         """Give `holder` a decode copy of the dense matrix w: only for a method with `decode_copy`."""
         raise TypeError(f"the {self.name!r} linear method keeps no decode copy")
 
@@ -137,15 +138,16 @@ class _WeightOnly(LinearMethod):
     takes_blocks = True
     decode_copy = True
 
-    def low_bit_copy(self, holder: nn.Module, w: torch.Tensor, shards: Sequence[Weight] | None = None) -> None:
+    def low_bit_copy(self, holder: nn.Module, w: torch.Tensor, shards: Sequence[Weight] | None = None,
+                     full: Weight | None = None) -> None:
         """Give `holder` the decode copy of a dense matrix w [n, k] already in place (an MoE expert's) and w itself
         as its `weight`, a view, not a second dense copy: `apply(holder, x, None, decode=True)` then multiplies by
         the copy, as a linear layer's decode rows are. The copy is made of `shards` (w's rows top to bottom, e.g. a
-        GGUF's blocks as shipped) where given, else quantized from w."""
+        GGUF's blocks as shipped) where given, else quantized from w; `full` as `load` says (one shard)."""
         staged = self._stage(*w.shape)
         row = 0
         for shard in shards if shards is not None else [w]:
-            for dst, part in zip(staged, self._convert(shard)):
+            for dst, part in zip(staged, self._convert(shard, full)):
                 dst.narrow(0, row, part.shape[0]).copy_(part)
             row += shard.shape[0]
         assert row == w.shape[0], (row, w.shape)
