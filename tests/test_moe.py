@@ -95,6 +95,38 @@ def test_tp_ranks_slices_of_every_expert_sum_to_the_whole(path):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_tp_ranks_hold_their_columns_of_tp1_s_quantized_down_projections(quantization):
+    """A per-row scale is the whole row's: each rank's slice of an expert's down_proj (its columns) multiplies by the
+    very numbers TP 1 holds there, e4m3 codes (fp8) or the int8 decode copy, not by a finer scale of its own."""
+    from minisgl_cli.core.fp8 import dequantize
+    from minisgl_cli.layers.quant import METHODS
+
+    mats = _expert_mats(4, 32, 64, seed=6)
+    for m in mats:  # each row's largest value in TP 2's second half, so a rank's own scale would differ
+        m["down_proj"][:, 48] = 1.0
+
+    def down(tp: TPInfo) -> list[torch.Tensor]:
+        """Each expert's down_proj as its decode multiplies by it, [H, I / tp]."""
+        copies = METHODS[quantization]() if quantization == "int8" else None
+        experts = Experts(len(mats), 32, 64, tp, fp8=quantization == "fp8", copies=copies)
+        for e, m in enumerate(mats):
+            for proj, w in m.items():
+                experts.load_expert(e, proj, w)
+        experts.finish_loading()
+        if quantization == "fp8":
+            assert experts.down_scale is not None
+            return [dequantize(experts.down_proj.data[e], experts.down_scale.data[e][:, None]) for e in range(4)]
+        assert copies is not None and experts.down_copies is not None
+        eye = torch.eye(64 // tp.size)  # unit rows: each output one product, the copy's weight itself
+        return [copies.apply(h, eye, None, decode=True).float().t() for h in experts.down_copies]
+
+    whole = down(TPInfo())
+    ranks = [down(TPInfo(r, 2)) for r in range(2)]
+    for e in range(4):
+        assert torch.equal(torch.cat([ranks[0][e], ranks[1][e]], dim=1), whole[e]), e
+
+
 def test_fp8_experts_hold_e4m3_rows_and_run_their_dequantized_weights():
     """--quantization fp8: each expert matrix is quantized per output row as it loads; the torch path multiplies by
     codes x scales, which stay within e4m3's rounding of the checkpoint's weights."""

@@ -94,7 +94,8 @@ class RowParallelLinear(nn.Module):
                 raise KeyError(f"checkpoint has a {name!r} this layer was built without")
             self.bias.data.copy_(whole(loaded))
             return
-        self.method.load(self, loaded.narrow(1, self.in_start, self.local_in), 0)
+        # `full`: a per-channel scale is the whole row's, so this rank's columns hold TP 1's numbers (layers/quant.py)
+        self.method.load(self, loaded.narrow(1, self.in_start, self.local_in), 0, full=loaded)
 
     def finish_loading(self) -> None:
         self.method.finish(self)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl_cli.core.fp8 import FP8, Fp8Rows, dequantize, quantize_rows, round_trip_rows
+from minisgl_cli.core.fp8 import FP8, Fp8Rows, dequantize, quantize, round_trip_rows, row_scales
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import all_reduce
 from minisgl_cli.layers import cpu_kernels
@@ -170,6 +170,7 @@ class Experts(nn.Module):
         self.copies = copies if copies is not None and copies.decode_copy else None
         self.gate_up_copies = self.down_copies = None
         self._blocks: dict[tuple[int, str], Int4Groups | Int8Groups] = {}  # (expert, proj): a GGUF's, until copied
+        self._down_rows: dict[int, Weight] = {}  # expert: its whole down_proj, whose rows give the int8 copy's scales
         self._views: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None  # see dense_matmul
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 experts dequantized once on the CPU
         dtype = FP8 if fp8 else None
@@ -186,8 +187,10 @@ class Experts(nn.Module):
         only this rank's rows or columns are read."""
         n, start = self.local, self.start
         part = loaded.narrow(1, start, n) if proj == "down_proj" else loaded.narrow(0, start, n)
-        if proj == "down_proj":
-            self._put(self.down_proj, self.down_scale, expert, slice(None), whole(part))
+        if proj == "down_proj":  # a per-row scale is the whole row's, as TP 1 holds it (layers/quant.py's `full`)
+            self._put(self.down_proj, self.down_scale, expert, slice(None), whole(part), full=loaded)
+            if self.copies is not None:
+                self._down_rows[expert] = loaded
         else:
             row = 0 if proj == "gate_proj" else n
             self._put(self.gate_up_proj, self.gate_up_scale, expert, slice(row, row + n), whole(part))
@@ -195,11 +198,16 @@ class Experts(nn.Module):
             self._blocks[(expert, proj)] = part
 
     @staticmethod
-    def _put(param: nn.Parameter, scale: nn.Parameter | None, expert: int, rows: slice, w: torch.Tensor) -> None:
+    def _put(param: nn.Parameter, scale: nn.Parameter | None, expert: int, rows: slice, w: torch.Tensor,
+             full: Weight | None = None) -> None:
+        """w into the expert's rows; fp8 (`scale`): as e4m3 codes by each row's scale (of `full`'s rows where w is
+        some of their columns)."""
         if scale is None:
             param.data[expert, rows].copy_(w)
             return
-        codes, s = quantize_rows(w.to(param.device))
+        w = w.to(param.device)
+        s = row_scales(w if full is None else whole(full).to(param.device))
+        codes = quantize(w, s)
         param.data[expert, rows].copy_(codes)
         scale.data[expert, rows].copy_(s[:, 0])
 
@@ -213,9 +221,11 @@ class Experts(nn.Module):
             held = nn.ModuleList(_DecodeCopy() for _ in range(stacked.shape[0]))
             for e, holder in enumerate(held):
                 shipped = [blocks[(e, p)] for p in projs if (e, p) in blocks]
-                self.copies.low_bit_copy(holder, stacked.data[e], shipped if len(shipped) == len(projs) else None)
+                full = self._down_rows.get(e) if name == "down_copies" else None
+                self.copies.low_bit_copy(holder, stacked.data[e], shipped if len(shipped) == len(projs) else None, full)
             setattr(self, name, held)
         blocks.clear()
+        self._down_rows.clear()
 
     def dense_matmul(self, kernels: Kernels) -> ExpertMatmul | None:
         """The torch loop's multiply by the dense experts on the CPU: the dense linears' GEMMs (layers/cpu_kernels.py:

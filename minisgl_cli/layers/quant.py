@@ -11,7 +11,7 @@ runs (EngineConfig refuses the others with a one-line error).
   int4  plus its 4-bit copy: groups of 32 inputs with a scale and a zero each. A GGUF's Q4_0 / Q4_1 blocks
         load as they are; a dense checkpoint quantizes like Q4_1 (min and (max - min) / 15 per group)
   int8  plus its 8-bit copy, one scale per output channel (re-quantized per row from a GGUF's Q8_0)
-  fp8   e4m3 weights with one fp32 scale per output channel (of this rank's shard), made at load from the
+  fp8   e4m3 weights with one fp32 scale per output channel (the whole row's), made at load from the
         dense checkpoint (core/fp8.py). More than one row: activations quantized per token on the fly, one
         GEMM through torch._scaled_mm (row-wise scales, bf16 out). One row (batch-1 decode): the Triton GEMV
         reads the 8-bit weights against the 16-bit row (layers/triton_gemv.py). On the CPU (and on CUDA
@@ -54,7 +54,7 @@ from minisgl_cli.core import fp8
 from minisgl_cli.layers import cpu_int4, cpu_kernels
 from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.fused import Kernels
-from minisgl_cli.loader.blocks import Int4Groups, Int8Groups, quantize_int4, quantize_int8
+from minisgl_cli.loader.blocks import Int4Groups, Int8Groups, int8_scales, quantize_int4, quantize_int8
 from minisgl_cli.loader.hf import Weight, whole
 
 Layer = Any  # the linear layer or LM head a method fills: it sets attributes (weight, qweight, ...) on it
@@ -83,8 +83,10 @@ class LinearMethod:
     def create(self, layer: Layer, out_features: int, in_features: int) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
-    def load(self, layer: Layer, w: Weight, row: int) -> None:
-        """Write `w` (this rank's columns already) into the layer's rows row .. row + len(w)."""
+    def load(self, layer: Layer, w: Weight, row: int, full: Weight | None = None) -> None:
+        """Write `w` (this rank's columns already) into the layer's rows row .. row + len(w). `full`: a row-split
+        layer's unsplit rows, of which w is this rank's columns: a method with one scale per output channel takes it
+        from the whole row, so that every TP rank holds its columns of TP 1's numbers (not a finer scale of its own)."""
         layer.weight.data.narrow(0, row, w.shape[0]).copy_(whole(w))
         cpu_kernels.invalidate(layer.weight)
 
@@ -114,7 +116,8 @@ class LinearMethod:
         """`apply` of rows already quantized per token: only for a method whose `takes_fp8_rows` said so."""
         raise TypeError(f"the {self.name!r} linear method takes no FP8 rows")
 
-    def low_bit_copy(self, holder: nn.Module, w: torch.Tensor, shards: Sequence[Weight] | None = None) -> None:
+    def low_bit_copy(self, holder: nn.Module, w: torch.Tensor, shards: Sequence[Weight] | None = None,
+                     full: Weight | None = None) -> None:
         """Give `holder` a decode copy of the dense matrix w: only for a method with `decode_copy`."""
         raise TypeError(f"the {self.name!r} linear method keeps no decode copy")
 
@@ -135,15 +138,16 @@ class _WeightOnly(LinearMethod):
     takes_blocks = True
     decode_copy = True
 
-    def low_bit_copy(self, holder: nn.Module, w: torch.Tensor, shards: Sequence[Weight] | None = None) -> None:
+    def low_bit_copy(self, holder: nn.Module, w: torch.Tensor, shards: Sequence[Weight] | None = None,
+                     full: Weight | None = None) -> None:
         """Give `holder` the decode copy of a dense matrix w [n, k] already in place (an MoE expert's) and w itself
         as its `weight`, a view, not a second dense copy: `apply(holder, x, None, decode=True)` then multiplies by
         the copy, as a linear layer's decode rows are. The copy is made of `shards` (w's rows top to bottom, e.g. a
-        GGUF's blocks as shipped) where given, else quantized from w."""
+        GGUF's blocks as shipped) where given, else quantized from w; `full` as `load` says (one shard)."""
         staged = self._stage(*w.shape)
         row = 0
         for shard in shards if shards is not None else [w]:
-            for dst, part in zip(staged, self._convert(shard)):
+            for dst, part in zip(staged, self._convert(shard, full)):
                 dst.narrow(0, row, part.shape[0]).copy_(part)
             row += shard.shape[0]
         assert row == w.shape[0], (row, w.shape)
@@ -155,9 +159,9 @@ class _WeightOnly(LinearMethod):
         super().create(layer, out_features, in_features)
         layer.staged = self._stage(out_features, in_features)
 
-    def load(self, layer: Layer, w: Weight, row: int) -> None:
+    def load(self, layer: Layer, w: Weight, row: int, full: Weight | None = None) -> None:
         super().load(layer, w, row)
-        for dst, part in zip(layer.staged, self._convert(w)):
+        for dst, part in zip(layer.staged, self._convert(w, full)):
             dst.narrow(0, row, part.shape[0]).copy_(part)
 
     def finish(self, layer: Layer) -> None:
@@ -185,7 +189,8 @@ class _WeightOnly(LinearMethod):
     def _stage(self, n: int, k: int) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
-    def _convert(self, w: Weight) -> tuple[torch.Tensor, ...]:
+    def _convert(self, w: Weight, full: Weight | None = None) -> tuple[torch.Tensor, ...]:
+        """w as the staging planes; `full` as `load` says."""
         raise NotImplementedError
 
     def _pack(self, staged: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +212,8 @@ class Int4Method(_WeightOnly):
         # Rows a shard never writes (a TP rank's vocabulary padding) keep scale = min = 0, so weight 0.
         return torch.empty(n, k, dtype=torch.uint8), torch.zeros(n, g), torch.zeros(n, g)
 
-    def _convert(self, w: Weight) -> tuple[torch.Tensor, ...]:
+    def _convert(self, w: Weight, full: Weight | None = None) -> tuple[torch.Tensor, ...]:
+        # Groups of 32 inputs: a rank's columns start on a group (loader/blocks.py checks), so they need no `full`.
         if not (isinstance(w, Int4Groups) and w.group == INT4_GROUP):
             w = quantize_int4(whole(w), INT4_GROUP)
         return w.q, w.scale, w.min
@@ -237,9 +243,9 @@ class Int8Method(_WeightOnly):
     def _stage(self, n: int, k: int) -> tuple[torch.Tensor, ...]:
         return torch.zeros(n, k, dtype=torch.int8), torch.zeros(n, 1)
 
-    def _convert(self, w: Weight) -> tuple[torch.Tensor, ...]:
-        if not (isinstance(w, Int8Groups) and w.group == w.shape[1]):
-            w = quantize_int8(whole(w))
+    def _convert(self, w: Weight, full: Weight | None = None) -> tuple[torch.Tensor, ...]:
+        if not (isinstance(w, Int8Groups) and w.group == w.shape[1]):  # per channel already: narrow kept its scale
+            w = quantize_int8(whole(w), None if full is None else int8_scales(whole(full)))
         return w.q, w.scale
 
     def _pack(self, staged: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,8 +274,8 @@ class Int8LogitsMethod(LinearMethod):
     def create(self, layer: Layer, out_features: int, in_features: int) -> None:
         layer.staged = (torch.zeros(out_features, in_features, dtype=torch.int8), torch.zeros(out_features, 1))
 
-    def load(self, layer: Layer, w: Weight, row: int) -> None:
-        q = quantize_int8(whole(w))
+    def load(self, layer: Layer, w: Weight, row: int, full: Weight | None = None) -> None:
+        q = quantize_int8(whole(w))  # the head splits the vocabulary: each rank holds whole rows
         for dst, part in zip(layer.staged, (q.q, q.scale)):
             dst.narrow(0, row, part.shape[0]).copy_(part)
 
@@ -325,9 +331,12 @@ class Fp8Method(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=fp8.FP8), requires_grad=False)
         layer.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32), requires_grad=False)
 
-    def load(self, layer: Layer, w: Weight, row: int) -> None:
-        # Whole rows arrive (a merged shard's rows, or a row-split layer's local columns at once): quantize now.
-        codes, scale = fp8.quantize_rows(whole(w).to(layer.weight.device))
+    def load(self, layer: Layer, w: Weight, row: int, full: Weight | None = None) -> None:
+        # Whole rows arrive (a merged shard's rows, or a row-split layer's local columns at once): quantize now, by
+        # the whole row's scale (`full`'s) where w is a row-split layer's columns.
+        x = whole(w).to(layer.weight.device)
+        scale = fp8.row_scales(x if full is None else whole(full).to(x.device))
+        codes = fp8.quantize(x, scale)
         layer.weight.data.narrow(0, row, codes.shape[0]).copy_(codes)
         layer.weight_scale.data.narrow(0, row, codes.shape[0]).copy_(scale[:, 0])
 

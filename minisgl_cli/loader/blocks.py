@@ -87,10 +87,16 @@ def quantize_int4(w: torch.Tensor, group: int = 32) -> Int4Groups:
     return Int4Groups(q.view(n, k), scale, lo, group)
 
 
-def quantize_int8(w: torch.Tensor) -> Int8Groups:
-    """Symmetric 8-bit per output channel: scale = max |w| / 127 per row."""
+def int8_scales(w: torch.Tensor) -> torch.Tensor:
+    """quantize_int8's scales of w [N, K]: max |w| / 127 per row, [N, 1]."""
+    return w.float().abs().amax(-1, keepdim=True) / 127
+
+
+def quantize_int8(w: torch.Tensor, scale: torch.Tensor | None = None) -> Int8Groups:
+    """Symmetric 8-bit per output channel: scale = max |w| / 127 per row (`scale`: given, e.g. the whole rows' of which
+    w is some columns)."""
     wf = w.float()
-    scale = wf.abs().amax(-1, keepdim=True) / 127
+    scale = int8_scales(wf) if scale is None else scale
     inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     q = (wf * inv).round_().clamp_(-127, 127).to(torch.int8)
     return Int8Groups(q, scale, group=w.shape[1])
