@@ -23,6 +23,7 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_N = 16
 MAX_STOP = 16
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -142,6 +143,9 @@ class _Sampling(_Strict):
     response_format: ResponseFormat | None = None
     regex: str | None = Field(None, description="Extension (sglang): the output matches this regular expression.")
     ebnf: str | None = Field(None, description="Extension (sglang): the output follows this EBNF grammar (GBNF).")
+    timeout: float | None = Field(None, gt=0.0, le=MAX_TIMEOUT_S, description=(
+        "Extension: seconds the request may take in all (default and most: the server's --request-timeout); past "
+        "it the request is aborted and answers 504 `request_timeout` (a stream ends with that error frame)."))
 
     def structured(self) -> dict[str, str]:
         """The grammar the output must follow, as SamplingParams fields (empty: free text)."""
