@@ -37,6 +37,9 @@ def serve(
         help="Cut max_tokens under load (x1/2 past 50%, x1/4 past 75%).")] = False,
     max_body_bytes: Annotated[int, limits("--max-body-bytes", envvar="MAX_BODY_BYTES", min=1, metavar="<int>",
         help="Larger request bodies get 413.")] = DEFAULT_MAX_BODY_BYTES,
+    request_timeout: Annotated[float, limits("--request-timeout", envvar="MINISGL_REQUEST_TIMEOUT", min=0,
+        metavar="<seconds>", help="A request still running after this long is aborted: 504 (a request's `timeout` "
+        "may ask less; 0 = no limit).")] = 600.0,
     served_model_name: Annotated[Optional[str], server("--served-model-name",
         help="Model id in /v1/models and responses (default: the engine's).")] = None,
     warm_prefixes: Annotated[Optional[str], server("--warm-prefixes", envvar="WARM_PREFIXES",
@@ -126,7 +129,7 @@ def serve(
     settings = ServerSettings(
         api_key=api_key or None, max_inflight_total=total,
         adaptive_max_new_tokens=adaptive_max_new_tokens, max_body_bytes=max_body_bytes,
-        served_model_name=served_model_name, media=media, web=web, vision=vision,
+        served_model_name=served_model_name, media=media, web=web, vision=vision, request_timeout_s=request_timeout,
     )
     launch = LaunchConfig(
         host=host, port=port, warm_prefixes=[x for x in (warm_prefixes or "").split("|") if x],

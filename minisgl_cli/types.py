@@ -21,6 +21,7 @@ class ErrorCode(str, Enum):
     OVERLOADED = "overloaded"  # every replica is at its cap: retry later
     UNAVAILABLE = "unavailable"  # the engine is gone (a process or thread of it died)
     CANCELLED = "cancelled"  # the engine is shutting down or the client was closed
+    TIMEOUT = "timeout"  # the request ran past its deadline (its `timeout`, or the server's): aborted
 
 
 def error_code_of(exc: BaseException) -> ErrorCode:

@@ -353,6 +353,17 @@ def test_client_gone_stops_the_generation(idefics_url):
     assert server["inflight"] == 0 and server["disconnects"] >= 1 and server["finished"].get("abort", 0) >= 1
 
 
+@pytest.mark.slow
+def test_a_reply_past_its_timeout_is_a_504_and_its_generation_stops(idefics_url):
+    body = {"messages": ask(data_url(png())), "max_tokens": 1500, "ignore_eos": True, "timeout": 0.5}
+    r = post(idefics_url, body)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout", r.text
+    # The VLM takes one generation at a time: this one only runs once the timed-out one has stopped.
+    assert post(idefics_url, {"messages": ask(data_url(png())), "max_tokens": 2}).status_code == 200
+    server = httpx.get(f"{idefics_url}/metrics", params={"format": "json"}, timeout=10).json()["server"]
+    assert server["inflight"] == 0
+
+
 # --- the commands -------------------------------------------------------------------------------------
 
 

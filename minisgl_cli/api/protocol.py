@@ -31,6 +31,7 @@ MAX_GRAMMAR_CHARS = 64 * 1024  # a regex, an EBNF grammar, a JSON schema (as JSO
 MAX_LOGIT_BIAS = 1024
 MAX_MESSAGES = 8192  # a chat's messages: each is validated, then rendered by the template and tokenized
 MAX_TOOLS = 128
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a request's `timeout` at most
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -165,6 +166,9 @@ class _Sampling(_Strict):
                               description="Extension (sglang): the output matches this regular expression.")
     ebnf: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS,
                              description="Extension (sglang): the output follows this EBNF grammar (GBNF).")
+    timeout: float | None = Field(None, gt=0.0, le=MAX_TIMEOUT_S, description=(
+        "Extension: seconds the request may take in all (default and most: the server's --request-timeout); past "
+        "it the request is aborted and answers 504 `request_timeout` (a stream ends with that error frame)."))
 
     @field_validator("stop")
     @classmethod

@@ -66,6 +66,16 @@ class _Stream:
         return items
 
 
+def settle(fut: concurrent.futures.Future, result: object = None, error: BaseException | None = None) -> None:
+    """Answer a query's future, unless its caller gave up on it first (cancelled it: a hang-up, a deadline): a late
+    reply then goes nowhere, instead of raising InvalidStateError in the thread that received it."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):  # done() then set_*() would race the cancel
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+
 def _deliver(batch: list[tuple[_Stream, list]]) -> None:
     """On the consumers' event loop."""
     for stream, items in batch:
@@ -132,13 +142,15 @@ class RoutedClient:
                 pass
 
     def _fail_all(self, reason: str, code: ErrorCode = ErrorCode.UNAVAILABLE) -> None:
-        """The engine is gone: end every open stream and pending query with `reason` (from any thread)."""
+        """The engine is gone: end every open stream and pending query with `reason` (from any thread); a query's
+        caller gets EngineGone (a 503 where a front answers it, not the input's fault)."""
         self._route({rid: [self._error_item(rid, f"{ENGINE_GONE}: {reason}", code)] for rid in list(self._streams)},
                     lambda items: True)
+        self._warming.clear()  # no prefix is cached any more
         for qid in list(self._replies):
             fut = self._replies.pop(qid, None)
-            if fut is not None and not fut.done():
-                fut.set_exception(RuntimeError(reason))
+            if fut is not None:
+                settle(fut, error=EngineGone(reason))
 
     def failure(self) -> str | None:
         return None
@@ -146,7 +158,7 @@ class RoutedClient:
     def _reply(self, qid: int, reply: object) -> None:
         fut = self._replies.pop(qid, None)
         if fut is not None:
-            fut.set_result(reply)
+            settle(fut, reply)
 
     def _query(self, msg: Any, qid: int, timeout: float) -> object | None:
         fut: concurrent.futures.Future = concurrent.futures.Future()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -20,14 +21,16 @@ from collections.abc import Callable
 import zmq
 
 from minisgl_cli.client.protocol import ENGINE_GONE, STALL_S, EngineGone, PrefixWarm
-from minisgl_cli.client.routed import RoutedClient
+from minisgl_cli.client.routed import RoutedClient, settle
 from minisgl_cli.core import pixels
 from minisgl_cli.messages import (
     AbortRequest,
     AddRequest,
+    CheckPagesReply,
     DecodedPiece,
     DetokOutput,
     Heartbeat,
+    StatsReply,
     TokenizeQuery,
     TokenizeReply,
     ToScheduler,
@@ -37,6 +40,8 @@ from minisgl_cli.processor import has_images, messages_to_wire
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv
 from minisgl_cli.runtime.supervisor import Runtime
 from minisgl_cli.types import ErrorCode, GenerateRequest, ImageInput, ModelInfo, Prompt, SamplingParams, SchedulerStats
+
+log = logging.getLogger("minisgl.runtime")
 
 
 def _merge(pieces: list[DecodedPiece]) -> DecodedPiece:
@@ -109,7 +114,7 @@ class RemoteClient(RoutedClient):
             self._route({msg.rid: [self._error_item(msg.rid, f"{ENGINE_GONE}: {reason}", ErrorCode.UNAVAILABLE)]},
                         lambda items: True)
         elif not isinstance(msg, AbortRequest) and (fut := self._replies.pop(msg.qid, None)) is not None:
-            fut.set_exception(RuntimeError(reason))
+            settle(fut, error=EngineGone(reason))
 
     def _receive(self) -> None:
         # Polls rather than blocking in recv: a socket may only be closed by its own thread's side of the
@@ -117,16 +122,23 @@ class RemoteClient(RoutedClient):
         while not self._closed:
             if not self._inbox.poll(100):
                 continue
-            msg = recv(self._inbox)
-            if isinstance(msg, DetokOutput):
-                by_rid: dict[str, list[DecodedPiece]] = {}
-                for p in msg.pieces:
-                    by_rid.setdefault(p.rid, []).append(p)
-                self._route(by_rid, lambda items: items[-1].finished)
-            elif isinstance(msg, Heartbeat):
-                self._beat = time.monotonic()
-            else:
-                self._reply(msg.qid, msg)
+            try:
+                self._handle(recv(self._inbox))
+            except Exception:  # this thread feeds every stream: one bad message is dropped, not the end of them all
+                log.exception("the API process dropped a message it could not read or route")
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, DetokOutput):
+            by_rid: dict[str, list[DecodedPiece]] = {}
+            for p in msg.pieces:
+                by_rid.setdefault(p.rid, []).append(p)
+            self._route(by_rid, lambda items: items[-1].finished)
+        elif isinstance(msg, Heartbeat):
+            self._beat = time.monotonic()
+        elif isinstance(msg, TokenizeReply | StatsReply | CheckPagesReply):
+            self._reply(msg.qid, msg)
+        else:
+            raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def _decoder(self, params: SamplingParams) -> Callable[[list], DecodedPiece]:
         return _merge
@@ -155,10 +167,9 @@ class RemoteClient(RoutedClient):
             raise EngineGone(reason)
         try:
             self._send(TokenizeQuery(qid, req))
-        except ValueError:
+            reply: TokenizeReply = await asyncio.wrap_future(fut)
+        finally:  # answered, or given up (a hang-up, a deadline: the future is cancelled and a late reply dropped)
             self._replies.pop(qid, None)
-            raise
-        reply: TokenizeReply = await asyncio.wrap_future(fut)
         if reply.ids is None:
             raise ValueError(reply.error)
         for img in reply.images:

@@ -20,6 +20,7 @@ import functools
 import logging
 import math
 import signal
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -43,6 +44,10 @@ from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, decode_steps, promp
 from minisgl_cli.types import ErrorCode
 
 log = logging.getLogger("minisgl.runtime")
+
+EARLY_S = 60.0  # outputs of a request not known here after this long are dropped (its AddRequest never comes)
+EARLY_MAX = 4096  # requests whose outputs wait for their AddRequest, at most (the oldest are dropped first)
+
 
 @dataclass(frozen=True)
 class WorkerJob:
@@ -86,23 +91,26 @@ class _Worker:
         # went out, the tokens it holds.
         self.hold: dict[str, float] = {}
         self.held: dict[str, list[TokenOutput]] = {}
-        self.early: dict[str, list[TokenOutput]] = {}  # outputs that beat their AddRequest here
+        # Outputs that beat their AddRequest here, by request, oldest first, with when the first came (`_forget`).
+        self.early: dict[str, tuple[float, list[TokenOutput]]] = {}
         self.ended: collections.deque[str] = collections.deque(maxlen=4096)  # late outputs of these are dropped
         self.ended_set: set[str] = set()
 
     def serve(self) -> None:
         while True:
-            msg = recv(self.inbox)
-            if isinstance(msg, StepOutput):
-                self._detokenize(msg)
-            elif isinstance(msg, TokenizeQuery):
-                send(self.to_api, self._tokenize(msg))
-            elif isinstance(msg, AddRequest):
-                self._add(msg)
-            elif isinstance(msg, AbortRequest | StatsQuery | CheckPagesQuery):
-                send(self.to_scheduler, msg)  # aborts and queries pass through to rank 0
-            else:  # replies and heartbeats from rank 0, on their way to the API process
-                send(self.to_api, msg)
+            self.handle(recv(self.inbox))
+
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, StepOutput):
+            self._detokenize(msg)
+        elif isinstance(msg, TokenizeQuery):
+            send(self.to_api, self._tokenize(msg))
+        elif isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, AbortRequest | StatsQuery | CheckPagesQuery):
+            send(self.to_scheduler, msg)  # aborts and queries pass through to rank 0
+        else:  # replies and heartbeats from rank 0, on their way to the API process
+            send(self.to_api, msg)
 
     def _tokenize(self, q: TokenizeQuery) -> TokenizeReply:
         try:
@@ -130,7 +138,7 @@ class _Worker:
             if every > 1 and not msg.params.stop:
                 self.hold[msg.rid] = every
             if msg.rid in self.early:
-                self._detokenize(StepOutput(self.early.pop(msg.rid)))
+                self._detokenize(StepOutput(self.early.pop(msg.rid)[1]))
         if self.job.tokenizes:
             if self.to_detok is not None:
                 send(self.to_detok, msg)
@@ -148,7 +156,20 @@ class _Worker:
         return last.finish_reason is not None or last.error is not None or \
             sum(o.token_id is not None for o in held) >= self.hold[rid]
 
+    def _forget(self) -> None:
+        """Drop the early outputs whose request never came (an output beats its AddRequest by a message or two):
+        those waiting EARLY_S, and the oldest past EARLY_MAX requests, so none outlives its request."""
+        now = time.monotonic()
+        while self.early:
+            rid, (since, items) = next(iter(self.early.items()))
+            if now - since < EARLY_S and len(self.early) < EARLY_MAX:  # room for one more
+                return
+            del self.early[rid]
+            log.warning("dropped %d outputs of request %s: it is not known here", len(items), rid)
+
     def _detokenize(self, step: StepOutput) -> None:
+        if self.early:
+            self._forget()
         by_rid: dict[str, list[TokenOutput]] = {}
         for o in step.outputs:
             by_rid.setdefault(o.rid, []).append(o)
@@ -157,7 +178,7 @@ class _Worker:
             decoder = self.decoders.get(rid)
             if decoder is None:
                 if rid not in self.ended_set:  # e.g. the abort that follows a stop string: already answered
-                    self.early.setdefault(rid, []).extend(items)
+                    self.early.setdefault(rid, (time.monotonic(), []))[1].extend(items)
                 continue
             if rid in self.held:
                 held = self.held[rid]

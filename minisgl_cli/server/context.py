@@ -1,8 +1,8 @@
 """ServerContext: what every route shares (client, settings, gate, metrics) and the steps generation routes take.
 
 Handlers get it with `ctx: Ctx` (a FastAPI dependency reading `app.state.ctx`) and only translate:
-check the model, tokenize (off the event loop), size the token budget, start an `EngineRun` (whose client admits
-each request: admission.py).
+check the model, set the deadline, tokenize (off the event loop), size the token budget, start an `EngineRun` (whose
+client admits each request: admission.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from minisgl_cli.admission import AdmissionError, new_tokens
 from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.media.jobs import MediaError
-from minisgl_cli.server.errors import InputError, admission_error
+from minisgl_cli.server.deadline import Deadline
+from minisgl_cli.server.errors import InputError, admission_error, coded_error
 from minisgl_cli.server.gate import InflightGate
 from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.server.runs import EngineRun
@@ -79,34 +80,50 @@ class ServerContext:
             raise InputError(f"model {requested!r} does not exist; this server serves {self.model_name!r}",
                              "model", 404, "model_not_found")
 
-    async def tokens_of(self, prompt: str | list[int] | None = None, messages: list[p.ChatMessage] | None = None,
-                        param: str = "prompt", tools: list[p.Tool] | None = None) -> list[int]:
+    def deadline(self, requested: float | None) -> Deadline:
+        """The request's deadline, from now: its `timeout`, else the server's --request-timeout (0: none). A
+        request may shorten the server's, not lengthen it (a 400 naming `timeout`)."""
+        limit = self.settings.request_timeout_s or None
+        if requested is not None and limit is not None and requested > limit:
+            raise InputError(f"timeout: {requested:g} s is longer than this server allows ({limit:g} s: "
+                             "--request-timeout)", "timeout")
+        return Deadline(requested or limit)
+
+    async def tokens_of(self, deadline: Deadline, prompt: str | list[int] | None = None,
+                        messages: list[p.ChatMessage] | None = None, param: str = "prompt",
+                        tools: list[p.Tool] | None = None) -> list[int]:
         """The prompt's token ids (chat template applied to messages and tools). Not checked here: `budget` sizes
         the reply, the client admits the request (errors naming `param`: GenerateRequest.prompt_param)."""
         if messages is not None and has_images(messages):
             raise InputError("image_url parts are served by /v1/chat/completions only", param)
-        return (await self.prompt_of(prompt, messages, param, tools)).ids
+        return (await self.prompt_of(deadline, prompt, messages, param, tools)).ids
 
-    async def prompt_of(self, prompt: str | list[int] | None = None, messages: list[p.ChatMessage] | None = None,
-                        param: str = "prompt", tools: list[p.Tool] | None = None) -> Prompt:
+    async def prompt_of(self, deadline: Deadline, prompt: str | list[int] | None = None,
+                        messages: list[p.ChatMessage] | None = None, param: str = "prompt",
+                        tools: list[p.Tool] | None = None) -> Prompt:
         """`tokens_of`, and the images of a chat for a model on the engine that takes them (`info.images`)."""
         try:
             if messages is not None:
                 chat = [m.as_template_dict() for m in messages]
                 if has_images(messages):  # read off the event loop: files, remote fetches, decoding
                     policy = (self.settings.vision or VisionSettings()).images
-                    chat = await asyncio.get_running_loop().run_in_executor(None, chat_with_images, messages, policy)
-                out = await self.client.prompt(GenerateRequest(
-                    messages=chat, tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None))
+                    chat = await deadline.wait(asyncio.get_running_loop().run_in_executor(
+                        None, chat_with_images, messages, policy))
+                out = await deadline.wait(self.client.prompt(GenerateRequest(
+                    messages=chat, tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None)))
             elif isinstance(prompt, list):
                 out = Prompt(list(prompt))
             else:
-                out = Prompt(await self.client.tokenize(GenerateRequest(prompt=prompt or "")))
+                out = Prompt(await deadline.wait(self.client.tokenize(GenerateRequest(prompt=prompt or ""))))
         except MediaError as exc:
             raise InputError(exc.message, exc.param) from None
         except InputError:
             raise
-        except Exception as exc:  # template or tokenizer failures are the input's fault here
+        except Exception as exc:
+            # The engine gone (503), the deadline passed (504): not the input's fault. Template or tokenizer failures
+            # are.
+            if (error := coded_error(exc, self.gate.retry_after_s)) is not None:
+                raise error from None
             raise InputError(f"could not tokenize the {param}: {exc}", param) from exc
         return out
 
@@ -122,9 +139,10 @@ class ServerContext:
         cut = self.gate.downscale(requested)
         return (cut, f"{requested}->{cut}") if cut < requested else (requested, None)
 
-    def start(self, reqs: list[GenerateRequest], endpoint: str, user: str | None = None) -> EngineRun:
-        """Start the requests (429 past the cap); the client admits each (a refusal is the run's first event, a 400
-        with its field); `user` (the request's end-user id) is logged."""
+    def start(self, reqs: list[GenerateRequest], endpoint: str, deadline: Deadline,
+              user: str | None = None) -> EngineRun:
+        """Start the requests (429 past the cap) under `deadline`; the client admits each (a refusal is the run's
+        first event, a 400 with its field); `user` (the request's end-user id) is logged."""
         self.gate.admit(len(reqs))
         if log.isEnabledFor(logging.INFO):
             for r in reqs:
@@ -132,7 +150,7 @@ class ServerContext:
                 log.info("rid=%s %s admitted: prompt_tokens=%d max_new_tokens=%d temperature=%s inflight=%d%s",
                          r.rid, endpoint, len(r.input_ids), r.params.max_new_tokens, r.params.temperature,
                          self.gate.inflight, f" user={user!r}" if user else "")
-        return EngineRun(self.client, reqs, self.gate, self.metrics, endpoint, self.active)
+        return EngineRun(self.client, reqs, self.gate, self.metrics, endpoint, self.active, deadline)
 
     # --- what the other routes read ---
     def model_card(self) -> p.ModelCard:

@@ -20,13 +20,14 @@ from minisgl_cli.api import protocol as p
 from minisgl_cli.api.protocol import InputError
 from minisgl_cli.types import Delta, ErrorCode, SamplingParams
 
-__all__ = ["InputError", "Disconnected", "engine_error", "error_frame", "install_error_handlers", "refused"]
+__all__ = ["InputError", "Disconnected", "coded_error", "engine_error", "error_frame", "install_error_handlers",
+           "refused"]
 
 log = logging.getLogger("minisgl.server")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               422: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+               422: "invalid_request_error", 429: "rate_limit_error", 503: "server_error", 504: "server_error"}
 
 
 # Every ErrorCode's HTTP status and OpenAI `code` (None: the type alone says it).
@@ -38,7 +39,11 @@ CODE_TABLE: dict[ErrorCode, tuple[int, str | None]] = {
     ErrorCode.OVERLOADED: (429, "too_many_requests"),
     ErrorCode.UNAVAILABLE: (503, "engine_unavailable"),
     ErrorCode.CANCELLED: (503, "engine_unavailable"),
+    ErrorCode.TIMEOUT: (504, "request_timeout"),
 }
+# The codes whose answer says when to try again: the engine is busy (429), or gone for now (503: a restart, or with
+# a router in front another worker).
+RETRY_LATER = frozenset({ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE, ErrorCode.CANCELLED})
 
 
 def admission_error(exc: AdmissionError) -> InputError:
@@ -51,17 +56,27 @@ class Disconnected(Exception):
 
 
 def engine_error(delta: Delta, retry_after_s: int = 1, params: SamplingParams | None = None) -> InputError:
-    """The error a failed engine request answers with, by its code (CODE_TABLE): 503 when the engine died (with
-    --dp: every replica), 500 for engine faults, 429 (+ Retry-After) when every --dp replica is at its cap, 400
-    for the input's, naming the field the delta names (admission's), else the grammar's (`params`: the scheduler
-    refuses a grammar that does not compile). A delta without a code is an engine fault."""
+    """The error a failed engine request answers with, by its code (CODE_TABLE): 503 (+ Retry-After) when the
+    engine is gone (with --dp: every replica), 504 past the request's deadline, 500 for engine faults, 429 (+
+    Retry-After) when every --dp replica is at its cap, 400 for the input's, naming the field the delta names
+    (admission's), else the grammar's (`params`: the scheduler refuses a grammar that does not compile). A delta
+    without a code is an engine fault."""
     code = delta.error_code or ErrorCode.ENGINE_FAILED
     status, name = CODE_TABLE[code]
-    headers = {"Retry-After": str(retry_after_s)} if code is ErrorCode.OVERLOADED else None
+    headers = {"Retry-After": str(retry_after_s)} if code in RETRY_LATER else None
     param = delta.error_param
     if param is None and params is not None and code is ErrorCode.INVALID_REQUEST:
         param = grammar_field(params)
     return InputError(delta.error or "unknown engine error", param, status, name, headers)
+
+
+def coded_error(exc: Exception, retry_after_s: int = 1) -> InputError | None:
+    """The error of an exception that says what failed (its `code`: the engine gone, every replica busy, the
+    deadline passed), as engine_error answers it; None for one that does not (the caller says whose fault it is)."""
+    code = getattr(exc, "code", None)
+    if not isinstance(code, ErrorCode):
+        return None
+    return engine_error(Delta("", error=str(exc) or type(exc).__name__, error_code=code), retry_after_s)
 
 
 def refused(delta: Delta) -> bool:

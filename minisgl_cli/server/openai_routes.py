@@ -42,8 +42,9 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
     if body.has_images and not ctx.client.info.images:  # the transformers VLM beside the engine (vision.py)
         return await vision.chat(body, request, ctx)
     ctx.check_model(body.model)
+    deadline = ctx.deadline(body.timeout)
     mode = body.tool_mode
-    prompt = await ctx.prompt_of(messages=body.messages, param="messages", tools=body.tools if mode else None)
+    prompt = await ctx.prompt_of(deadline, messages=body.messages, param="messages", tools=body.tools if mode else None)
     ids = prompt.ids
     max_new, note = ctx.budget([ids], body.requested_max_tokens, "max_tokens", "messages")
     structured = body.structured()
@@ -60,7 +61,7 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
     reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, i, vocab, extra),
                             rid=new_request_id("chat"), images=prompt.images or None, prompt_param="messages")
                 for i in range(body.n)]
-    run = ctx.start(reqs, "/v1/chat/completions", body.user or body.safety_identifier)
+    run = ctx.start(reqs, "/v1/chat/completions", deadline, body.user or body.safety_identifier)
     cid, ts, model = p.new_id("chatcmpl"), p.now(), ctx.model_name
     names = {t.function.name for t in body.tools or []}
     how = f"named:{body.tool_choice.function.name}" if mode == "named" else mode  # type: ignore[union-attr]
@@ -164,11 +165,12 @@ class ChoiceStream:
 @router.post("/v1/completions", response_model=p.CompletionResponse)
 async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> Any:
     ctx.check_model(body.model)
+    deadline = ctx.deadline(body.timeout)
     prompts = body.prompts()
     if not prompts:
         raise InputError("prompt must not be empty", "prompt")
     ctx.gate.check(len(prompts) * body.n, "n" if body.n > 1 else "prompt")  # a 429 or 413 costs no tokenizing
-    ids_list = [await ctx.tokens_of(prompt=pr, param="prompt") for pr in prompts]
+    ids_list = [await ctx.tokens_of(deadline, prompt=pr, param="prompt") for pr in prompts]
     max_new, note = ctx.budget(ids_list, body.max_tokens, "max_tokens")
     extra = dict(logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, stream_text=bool(body.stream),
                  **body.structured())
@@ -177,7 +179,7 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
     reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, j, vocab, extra),
                             rid=new_request_id("cmpl"), prompt_param="prompt")
             for ids in ids_list for j in range(body.n)]
-    run = ctx.start(reqs, "/v1/completions", body.user)
+    run = ctx.start(reqs, "/v1/completions", deadline, body.user)
     cid, ts, model = p.new_id("cmpl"), p.now(), ctx.model_name
     with_lp = body.logprobs is not None
     if not body.stream:

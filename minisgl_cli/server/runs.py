@@ -1,8 +1,8 @@
 """Engine runs: `EngineRun` merges a route's n engine streams, watches for disconnects, streams the HTTP response.
 
 An HTTP request becomes one `EngineRun` (n choices, k prompts: n·k engine requests). The run is closed
-however the HTTP side ends — finished, failed, or the client gone — and closing it aborts whatever is
-unfinished (freeing its KV) and gives the inflight slots back.
+however the HTTP side ends — finished, failed, past its deadline, or the client gone — and closing it aborts
+whatever is unfinished (freeing its KV) and gives the inflight slots back.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from minisgl_cli.client.protocol import EngineClient
+from minisgl_cli.server.deadline import Deadline, DeadlineExceeded
 from minisgl_cli.server.errors import Disconnected, engine_error, refused
 from minisgl_cli.server.gate import InflightGate, downscale_headers
 from minisgl_cli.server.metrics import ServerMetrics
@@ -37,9 +38,11 @@ class EngineRun:
     """
 
     def __init__(self, client: EngineClient, reqs: list[GenerateRequest], gate: InflightGate,
-                 metrics: ServerMetrics, endpoint: str, active: set[EngineRun]):
+                 metrics: ServerMetrics, endpoint: str, active: set[EngineRun], deadline: Deadline | None = None):
         self.reqs, self.gate, self.metrics, self.endpoint = reqs, gate, metrics, endpoint
         self.client, self.active = client, active
+        self.deadline = deadline or Deadline(None)
+        self.deadline.start()  # one timer for every output, dropped when the run is released
         active.add(self)
         self.queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
         self.open = len(reqs)  # requests not yet finished
@@ -64,13 +67,18 @@ class EngineRun:
 
     async def _take(self) -> tuple[int, Delta]:
         if self.stream is None:
-            return await self.queue.get()
+            try:
+                return await self.deadline.wait(self.queue.get())
+            except DeadlineExceeded as exc:  # the first choice still open fails; closing the run aborts the rest
+                i = self.finals.index(None)
+                return i, _failed(self.reqs[i], exc)
         self._reading = True
         try:
-            return 0, await anext(self.stream)
+            # Past the deadline the stream's read is cancelled: its `finally` aborts the request (its KV is freed).
+            return 0, await self.deadline.wait(anext(self.stream))
         except StopAsyncIteration:  # a client's stream always ends with a finished delta; never wait for one
             return 0, _failed(self.reqs[0], RuntimeError("the engine's stream ended before its request finished"))
-        except Exception as exc:  # as _pump
+        except Exception as exc:  # as _pump; a deadline too (a 504)
             return 0, _failed(self.reqs[0], exc)
         finally:
             self._reading = False
@@ -155,6 +163,7 @@ class EngineRun:
     def _release(self) -> None:
         if not self._released:
             self._released = True
+            self.deadline.cancel()
             self.gate.release(len(self.reqs))
             self.active.discard(self)
 

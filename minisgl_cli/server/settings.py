@@ -37,6 +37,7 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     served_model_name: str | None = None  # default: the engine's model name
     retry_after_s: int = 1
+    request_timeout_s: float = 600.0  # a request's deadline, and the most its `timeout` may ask; 0: none
     media: MediaSettings | None = None
     vision: VisionSettings | None = None  # image_url parts in chat (server/vision.py)
     web: bool = True  # the page at / and /metrics/live (server/web.py); --no-web turns them off

@@ -23,6 +23,7 @@ from minisgl_cli.admission import AdmissionError
 from minisgl_cli.api import protocol as p
 from minisgl_cli.media.jobs import MediaError
 from minisgl_cli.server.context import ServerContext, chat_with_images
+from minisgl_cli.server.deadline import Deadline, DeadlineExceeded
 from minisgl_cli.server.errors import InputError, admission_error, engine_error, error_frame
 from minisgl_cli.server.gate import downscale_headers
 from minisgl_cli.server.runs import sse, stream_response, unless_disconnected
@@ -60,15 +61,20 @@ class VisionRun:
     stops the generation when closed (client gone, response done)."""
 
     def __init__(self, ctx: ServerContext, loaded: LoadedVlm, deltas: AsyncGenerator[Delta], cancel: threading.Event,
-                 rid: str):
+                 rid: str, deadline: Deadline):
         self.ctx, self.loaded, self.deltas, self.cancel, self.rid = ctx, loaded, deltas, cancel, rid
+        self.deadline = deadline
+        deadline.start()
         self.final: Delta | None = None
         self.closed = False
 
     async def next(self) -> Delta | None:
         if self.final is not None:
             return None
-        d = await self.deltas.__anext__()
+        try:
+            d = await self.deadline.wait(self.deltas.__anext__())
+        except DeadlineExceeded as exc:  # the generation stops when the run closes
+            d = Delta(self.rid, error=str(exc), error_code=exc.code)
         if d.finished:
             self.final = d
         return d
@@ -85,6 +91,7 @@ class VisionRun:
             return
         self.closed = True
         self.cancel.set()
+        self.deadline.cancel()
         final = self.final
         if final is None:
             self.ctx.metrics.disconnect()
@@ -106,6 +113,7 @@ async def chat(body: p.ChatCompletionRequest, request: Request, ctx: ServerConte
         raise InputError(f"model {body.model!r} does not exist; this server's vision-language model is "
                          f"{vlm.name!r}", "model", 404, "model_not_found")
     _refuse(body)
+    deadline = ctx.deadline(body.timeout)  # bounds the generation (loading and preparing run as they must)
     loop = asyncio.get_running_loop()
     try:
         messages = await loop.run_in_executor(None, chat_with_images, body.messages, settings.images)
@@ -130,7 +138,7 @@ async def chat(body: p.ChatCompletionRequest, request: Request, ctx: ServerConte
              loaded.name, prepared.prompt_tokens, prepared.images, max_new)
     cancel = threading.Event()
     deltas = stream(loaded, prepared, body.sampling_params(max_new), rid, cancel)
-    run = VisionRun(ctx, loaded, deltas, cancel, rid)
+    run = VisionRun(ctx, loaded, deltas, cancel, rid, deadline)
     cid, ts, model = p.new_id("chatcmpl"), p.now(), loaded.name
     if not body.stream:
         try:
