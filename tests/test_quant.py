@@ -86,6 +86,8 @@ def test_quantized_linear_computes_with_its_low_bit_copy_or_its_exact_weight(met
 @pytest.mark.parametrize("fbgemm", [True, False])
 def test_quantized_lm_head_is_int8_with_fp32_logits_and_tied_to_the_embedding(fbgemm, monkeypatch):
     """fbgemm's dynamic int8 linear where this torch packs for it, else torch._int_mm: fp32 logits close to exact."""
+    if fbgemm and not quant._FBGEMM:
+        pytest.skip("fbgemm runs the head where the CPU has VNNI (without, its 7-bit activations are too coarse)")
     if not fbgemm:
         monkeypatch.setattr(quant, "_fbgemm_pack", lambda q, scale: None)
     torch.manual_seed(0)

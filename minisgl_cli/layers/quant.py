@@ -291,7 +291,7 @@ class Int8LogitsMethod(LinearMethod):
         x_scale = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / 127  # the activations quantized per row
         if layer.fbgemm is not None:  # one input scale for fbgemm: rows scaled alike, anchors fix its min and max
             xa = torch.cat([(x2 / x_scale).clamp_(-127, 127), _ANCHORS.expand(x2.shape[0], -1)], dim=1)
-            y = torch.ops.quantized.linear_dynamic(xa, layer.fbgemm, _REDUCE_RANGE) * x_scale
+            y = torch.ops.quantized.linear_dynamic(xa, layer.fbgemm, False) * x_scale
         else:
             xq = (x2 / x_scale).round_().to(torch.int8)
             y = torch._int_mm(xq, layer.qweight_t) * x_scale * layer.qscale  # fp32 logits whatever the engine dtype
@@ -299,15 +299,19 @@ class Int8LogitsMethod(LinearMethod):
         return y + bias if bias is not None else y
 
 
-# fbgemm multiplies uint8 activations by int8 weights; without VNNI its 16-bit pair sums can saturate, so it
-# keeps activations to 7 bits there (reduce_range).
-_REDUCE_RANGE = not torch.cpu._is_vnni_supported()
+# fbgemm multiplies uint8 activations by int8 weights; without VNNI its 16-bit pair sums can saturate, so it would
+# keep activations to 7 bits there (reduce_range): too coarse for logits (the default model's answer to "What is the
+# capital of France?" changed at its first token on an AVX2 CPU). There torch._int_mm's exact int32 sums run instead.
+_FBGEMM = torch.cpu._is_vnni_supported()
 # The input's min and max whatever its rows (clamped to them: rounding may leave a scaled row a hair past 127).
 _ANCHORS = torch.tensor([[127.0, -127.0]])
 
 
 def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> Any | None:
-    """fbgemm's packed form of int8 weights [N, K] with a scale per row, or None where torch cannot make it."""
+    """fbgemm's packed form of int8 weights [N, K] with a scale per row, or None where it is not used (no VNNI) or
+    torch cannot make it."""
+    if not _FBGEMM:
+        return None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # qint8 tensors are deprecated (pytorch/pytorch#184982)
