@@ -289,8 +289,13 @@ def test_killing_a_workers_scheduler_mid_load_moves_its_requests_to_the_other_wo
         while not stop.is_set():
             worker, chunks = None, 0
             try:
-                raw = client.completions.with_raw_response.create(model="default", prompt=[1, 2, 3, i],
-                                                                  max_tokens=16, stream=bool(i % 2))
+                if i % 3:  # token ids, and chats (tokenized by the worker: a dead engine must not read as a 400)
+                    raw = client.completions.with_raw_response.create(model="default", prompt=[1, 2, 3, i],
+                                                                      max_tokens=16, stream=bool(i % 2))
+                else:
+                    raw = client.chat.completions.with_raw_response.create(
+                        model="default", messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=16,
+                        stream=bool(i % 2))
                 worker = raw.headers[WORKER]
                 if i % 2:
                     for _ in raw.parse():
