@@ -34,17 +34,22 @@ def four_mb_of_prompts(**extra) -> bytes:
     return json.dumps({"model": "default", "prompt": prompts, "max_tokens": 1, **extra}).encode()
 
 
+def timed_post(server_url: str, path: str, body: bytes) -> tuple[httpx.Response, float]:
+    """POST a JSON body on a connection already open: the seconds are the server's."""
+    with httpx.Client(timeout=120) as http:
+        http.get(f"{server_url}/health")
+        t0 = time.perf_counter()
+        r = http.post(f"{server_url}{path}", content=body, headers={"content-type": "application/json"})
+        return r, time.perf_counter() - t0
+
+
 @pytest.mark.parametrize("n", [1, 16])
 def test_a_4mb_body_of_short_prompts_is_refused_quickly_and_reaches_no_engine(server_url, engine_client, n):
     body = four_mb_of_prompts(n=n)
     assert len(body) >= 4 * 1024 * 1024
     wait_idle(engine_client)
     before = engine_counts(server_url)
-    with httpx.Client(timeout=60) as http:
-        http.get(f"{server_url}/health")  # connected already: the time below is the server's
-        t0 = time.perf_counter()
-        r = http.post(f"{server_url}{COMPLETIONS}", content=body, headers={"content-type": "application/json"})
-        took = time.perf_counter() - t0
+    r, took = timed_post(server_url, COMPLETIONS, body)
     print(f"\n4 MB body of {len(body) // 6} prompts, n={n}: {r.status_code} in {took * 1000:.0f} ms")
     err = assert_openai_error(r, 400)
     assert err["param"] == "prompt" and "at most 2048" in err["message"], err
@@ -63,11 +68,7 @@ def test_a_4mb_chat_of_tiny_messages_is_refused_before_its_messages_are_read(ser
     body = json.dumps({"messages": messages, "stream": False}).encode()
     wait_idle(engine_client)
     before = engine_counts(server_url)
-    with httpx.Client(timeout=120) as http:
-        http.get(f"{server_url}/health")  # connected already: the time below is the server's
-        t0 = time.perf_counter()
-        r = http.post(f"{server_url}{route}", content=body, headers={"content-type": "application/json"})
-        took = time.perf_counter() - t0
+    r, took = timed_post(server_url, route, body)
     print(f"\n4 MB chat of {len(messages)} messages to {route}: {r.status_code} in {took * 1000:.0f} ms")
     err = assert_openai_error(r, 400)
     assert err["param"] == "messages" and "at most 8192" in err["message"], err

@@ -8,7 +8,6 @@
 // the batch's longest row, rounds a row by that padded length, so a request's decode rounded otherwise beside a
 // longer one, and a verify step's rows otherwise than decode steps' (scheduler/speculative.py). Scores, softmax and
 // the weighted sum are fp32 (a 16-bit cache's products exact); the query heads of a KV head (GQA) share its loads.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -100,35 +99,13 @@ void one(const Args& a, const Q* q, const C* k, const C* v, Q* out, int64_t b, i
 }
 
 template <typename Q, typename C, int NV>
-void run(const Args& a, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out) {
-  const Q* qp = q.const_data_ptr<Q>();
-  const C* kp = k.const_data_ptr<C>();
-  const C* vp = v.const_data_ptr<C>();
-  Q* op = out.data_ptr<Q>();
-  at::parallel_for(0, q.size(0) * a.Hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> sc;
-    for (int64_t t = t0; t < t1; ++t) one<Q, C, NV>(a, qp, kp, vp, op, t / a.Hkv, t % a.Hkv, sc);
-  });
-}
-
-struct ByDim {
-  template <typename Q, typename C>
-  void operator()(const Args& a, Q*, C*, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  at::Tensor& out) const {
-    switch (q.size(2) / 16) {
-      case 2: return run<Q, C, 2>(a, q, k, v, out);
-      case 4: return run<Q, C, 4>(a, q, k, v, out);
-      case 6: return run<Q, C, 6>(a, q, k, v, out);
-      case 8: return run<Q, C, 8>(a, q, k, v, out);
-      case 16: return run<Q, C, 16>(a, q, k, v, out);
-      default: TORCH_CHECK(false, "decode_attn: head_dim 32, 64, 96, 128 or 256, got ", q.size(2));
-    }
-  }
+struct Kernel {  // one() as decode_attn_op takes it
+  static constexpr auto fn = &one<Q, C, NV>;
 };
 
 at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                        const at::Tensor& lens, double scale) {
-  return minisgl::decode_attn_checked(q, k, v, slots, lens, scale, ByDim{});
+  return minisgl::decode_attn_op<16, Kernel>(q, k, v, slots, lens, scale);
 }
 
 }  // namespace

@@ -1,8 +1,12 @@
 // minisgl::decode_attn's arguments and dtypes, checked and dispatched alike by each ISA's build of the kernel
 // (decode_attn.cpp: AVX-512 BF16; avx2/decode_attn.cpp: AVX2 and FMA).
 #pragma once
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
+
+#include <type_traits>
+#include <vector>
 
 namespace minisgl {
 
@@ -14,6 +18,20 @@ struct AttnArgs {
   const int64_t* slots;
   const int64_t* lens;
 };
+
+// Every (row, KV head) of the batch through `one` (a build's kernel for it), spread over the threads: each on one
+// thread, so its result never depends on which thread or what else runs.
+template <typename Q, typename C, auto one>
+void run_rows(const AttnArgs& a, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out) {
+  const Q* qp = q.const_data_ptr<Q>();
+  const C* kp = k.const_data_ptr<C>();
+  const C* vp = v.const_data_ptr<C>();
+  Q* op = out.data_ptr<Q>();
+  at::parallel_for(0, q.size(0) * a.Hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores;
+    for (int64_t t = t0; t < t1; ++t) one(a, qp, kp, vp, op, t / a.Hkv, t % a.Hkv, scores);
+  });
+}
 
 // Checks the op's arguments, then runs by_dim(args, (Q*)0, (C*)0, q, k, v, out) for the query's and the cache's
 // element types Q and C: bf16 / bf16, fp32 / bf16 or fp32 / fp32.
@@ -44,6 +62,27 @@ at::Tensor decode_attn_checked(const at::Tensor& q, const at::Tensor& k, const a
   else
     by_dim(a, static_cast<float*>(nullptr), static_cast<float*>(nullptr), q, k, v, out);
   return out;
+}
+
+// The op for a build whose kernel for one (row, KV head) is `Kernel<Q, C, NV>::fn`, NV vectors of `Lanes` floats a
+// head: head dims 32, 64, 96, 128 and 256.
+template <int Lanes, template <typename, typename, int> class Kernel>
+at::Tensor decode_attn_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                          const at::Tensor& lens, double scale) {
+  const auto by_dim = [](const AttnArgs& a, auto* qt, auto* ct, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v, at::Tensor& out) {
+    using Q = std::remove_pointer_t<decltype(qt)>;
+    using C = std::remove_pointer_t<decltype(ct)>;
+    switch (q.size(2)) {
+      case 32: return run_rows<Q, C, Kernel<Q, C, 32 / Lanes>::fn>(a, q, k, v, out);
+      case 64: return run_rows<Q, C, Kernel<Q, C, 64 / Lanes>::fn>(a, q, k, v, out);
+      case 96: return run_rows<Q, C, Kernel<Q, C, 96 / Lanes>::fn>(a, q, k, v, out);
+      case 128: return run_rows<Q, C, Kernel<Q, C, 128 / Lanes>::fn>(a, q, k, v, out);
+      case 256: return run_rows<Q, C, Kernel<Q, C, 256 / Lanes>::fn>(a, q, k, v, out);
+      default: TORCH_CHECK(false, "decode_attn: head_dim 32, 64, 96, 128 or 256, got ", q.size(2));
+    }
+  };
+  return decode_attn_checked(q, k, v, slots, lens, scale, by_dim);
 }
 
 }  // namespace minisgl

@@ -3,7 +3,6 @@
 // depends on its own query, keys and length alone: each (row, KV head) runs on one thread over exactly its keys in
 // one order, whatever the rows beside it, the thread count or the slots' padding. Scores, softmax and the weighted
 // sum are fp32.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -101,35 +100,13 @@ void one(const Args& a, const Q* q, const C* k, const C* v, Q* out, int64_t b, i
 }
 
 template <typename Q, typename C, int NV>
-void run(const Args& a, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out) {
-  const Q* qp = q.const_data_ptr<Q>();
-  const C* kp = k.const_data_ptr<C>();
-  const C* vp = v.const_data_ptr<C>();
-  Q* op = out.data_ptr<Q>();
-  at::parallel_for(0, q.size(0) * a.Hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> sc;
-    for (int64_t t = t0; t < t1; ++t) one<Q, C, NV>(a, qp, kp, vp, op, t / a.Hkv, t % a.Hkv, sc);
-  });
-}
-
-struct ByDim {
-  template <typename Q, typename C>
-  void operator()(const Args& a, Q*, C*, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  at::Tensor& out) const {
-    switch (q.size(2) / 8) {
-      case 4: return run<Q, C, 4>(a, q, k, v, out);
-      case 8: return run<Q, C, 8>(a, q, k, v, out);
-      case 12: return run<Q, C, 12>(a, q, k, v, out);
-      case 16: return run<Q, C, 16>(a, q, k, v, out);
-      case 32: return run<Q, C, 32>(a, q, k, v, out);
-      default: TORCH_CHECK(false, "decode_attn: head_dim 32, 64, 96, 128 or 256, got ", q.size(2));
-    }
-  }
+struct Kernel {  // one() as decode_attn_op takes it
+  static constexpr auto fn = &one<Q, C, NV>;
 };
 
 at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                        const at::Tensor& lens, double scale) {
-  return minisgl::decode_attn_checked(q, k, v, slots, lens, scale, ByDim{});
+  return minisgl::decode_attn_op<8, Kernel>(q, k, v, slots, lens, scale);
 }
 
 }  // namespace
