@@ -86,13 +86,15 @@ def test_quantized_linear_computes_with_its_low_bit_copy_or_its_exact_weight(met
 @pytest.mark.parametrize("fbgemm", [True, False])
 def test_quantized_lm_head_is_int8_with_fp32_logits_and_tied_to_the_embedding(fbgemm, monkeypatch):
     """fbgemm's dynamic int8 linear where this torch packs for it, else torch._int_mm: fp32 logits close to exact."""
+    # The quantized methods' head: int8 where fbgemm runs it at 8 bits (VNNI), else dense (exact logits).
+    assert isinstance(quant.Int4Method().for_lm_head(), quant.Int8LogitsMethod) == quant._FBGEMM
     if fbgemm and not quant._FBGEMM:
         pytest.skip("fbgemm runs the head where the CPU has VNNI (without, its 7-bit activations are too coarse)")
     if not fbgemm:
         monkeypatch.setattr(quant, "_fbgemm_pack", lambda q, scale: None)
     torch.manual_seed(0)
     embed = VocabParallelEmbedding(100, 64)
-    head = ParallelLMHead(100, 64, method=quant.Int4Method().for_lm_head(), tied=embed)
+    head = ParallelLMHead(100, 64, method=quant.Int8LogitsMethod(), tied=embed)
     embed.load_shard("weight", torch.randn(100, 64))
     head.finish_loading()
     assert (head.fbgemm is not None) == fbgemm

@@ -31,7 +31,8 @@ does not depend on the cache.
 The LM head of an int4 / int8 model is held as int8 per channel and multiplied with the activations
 quantized to int8 per row on the fly (int32 sums, fp32 logits): 8 bits because 4-bit logits cost SmolLM2
 6% perplexity (8-bit: 0.2%), and int8 sums because they are the fastest 8-bit kernel at every batch size
-here, exact whatever the batch, and not rounded to bf16 (near-tied greedy choices stay as exact).
+here, exact whatever the batch, and not rounded to bf16 (near-tied greedy choices stay as exact). Where the CPU
+lacks VNNI the head stays dense instead (see _FBGEMM).
 
 Under fp8 the LM head, the embedding, the norms and the first and last decoder layers stay in the engine
 dtype (as vLLM and sglang keep the head): on SmolLM2-135M (the second story of tests/data/perplexity_en.txt,
@@ -183,7 +184,9 @@ class _WeightOnly(LinearMethod):
         return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None, decode)
 
     def for_lm_head(self) -> LinearMethod:
-        return Int8LogitsMethod()
+        # Where fbgemm's int8 would run 7-bit activations (no VNNI, see _FBGEMM) the head stays dense: exact logits,
+        # at the cost of reading fp32 weights (SmolLM2-135M on 2 AVX2 cores: 16 ms a batch-1 step against 9 ms).
+        return Int8LogitsMethod() if _FBGEMM else LinearMethod()
 
     # What each method fills in: staging planes, a checkpoint shard as planes, the kernel's layout, the kernel.
     def _stage(self, n: int, k: int) -> tuple[torch.Tensor, ...]:
@@ -301,7 +304,8 @@ class Int8LogitsMethod(LinearMethod):
 
 # fbgemm multiplies uint8 activations by int8 weights; without VNNI its 16-bit pair sums can saturate, so it would
 # keep activations to 7 bits there (reduce_range): too coarse for logits (the default model's answer to "What is the
-# capital of France?" changed at its first token on an AVX2 CPU). There torch._int_mm's exact int32 sums run instead.
+# capital of France?" changed at its first token on an AVX2 CPU). There the quantized methods keep a dense head, and
+# Int8LogitsMethod itself (asked for directly) runs torch._int_mm's exact int32 sums (slow there: 42 ms a row).
 _FBGEMM = torch.cpu._is_vnni_supported()
 # The input's min and max whatever its rows (clamped to them: rounding may leave a scaled row a hair past 127).
 _ANCHORS = torch.tensor([[127.0, -127.0]])
