@@ -399,9 +399,9 @@ def test_a_moe_gguf_converts_to_an_hf_moe_dir_whose_experts_are_its_blocks(
     shipped: list[bool] = []
     copy = Int4Method.low_bit_copy
 
-    def spy(self, holder, w, shards=None):
+    def spy(self, holder, w, shards=None, full=None):
         shipped.append(shards is not None)
-        return copy(self, holder, w, shards)
+        return copy(self, holder, w, shards, full)
 
     monkeypatch.setattr(Int4Method, "low_bit_copy", spy)
     engine = Engine(EngineConfig(model=str(out), quantization="auto", max_total_tokens=256))
