@@ -35,10 +35,6 @@ def cold(model):
         yield lambda ids, n: llm.generate(ids, params(n))[0].token_ids
 
 
-def where_id(mode: str, nth: int) -> str:
-    return {("extend", 1): "prefill", ("extend", 2): "chunk", ("decode", 3): "decode"}[(mode, nth)]
-
-
 def engine_of(llm: LLM):
     return llm.client._scheduler().engine
 
@@ -48,22 +44,22 @@ PROMPT = list(range(300, 360))  # 60 tokens
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize("after_forward", [False, True], ids=["before-forward", "after-forward"])
-@pytest.mark.parametrize("where,kw", [
-    (("extend", 1), {}),
-    (("extend", 2), {"max_prefill_tokens": 16}),  # the second chunk of four: mid prompt
-    (("decode", 3), {}),
+@pytest.mark.parametrize("mode,nth,kw", [
+    ("extend", 1, {}),
+    ("extend", 2, {"max_prefill_tokens": 16}),  # the second chunk of four: mid prompt
+    ("decode", 3, {}),
 ], ids=["prefill", "chunk", "decode"])
-def test_a_failed_step_leaves_the_cache_exact(model, cold, where, kw, after_forward, overlap):
+def test_a_failed_step_leaves_the_cache_exact(model, cold, mode, nth, kw, after_forward, overlap):
     with LLM(model, overlap_on_cpu=overlap, **kw) as llm:
-        mode, nth = where
         with StepFaults(engine_of(llm), every_nth(nth, mode), after_forward=after_forward, limit=1) as faults:
             failed = run(llm.client, PROMPT, params(8))
         assert faults.raised == 1 and failed.error_code is ErrorCode.ENGINE_FAILED
         settle(llm)
         # Cached: exactly what the steps before the failed one wrote (the first chunk; the prompt and one token a
         # decode step), with overlap too (the step in flight when the next one's launch raised is written).
-        written = {"prefill": 0, "chunk": 16, "decode": len(PROMPT) + faults.steps.count("decode")}
-        assert llm.client.stats().tokens_cached == written[where_id(mode, nth)], faults.steps
+        written = len(PROMPT) + faults.steps.count("decode") if mode == "decode" else (nth - 1) * kw.get(
+            "max_prefill_tokens", 0)
+        assert llm.client.stats().tokens_cached == written, faults.steps
         # The same prompt, then one that goes on from what the failed request got (its cached tail, if any):
         assert run(llm.client, PROMPT, params(8)).token_ids == cold(PROMPT, 8)
         turn = PROMPT + failed.token_ids + [7, 8, 9]

@@ -185,7 +185,7 @@ class _WeightOnly(LinearMethod):
 
     def for_lm_head(self) -> LinearMethod:
         # Where fbgemm's int8 would run 7-bit activations (no VNNI, see _FBGEMM) the head stays dense: exact logits,
-        # at the cost of reading fp32 weights (SmolLM2-135M on 2 AVX2 cores: 16 ms a batch-1 step against 9 ms).
+        # at the cost of reading fp32 weights (docs/benchmarks.md, issue 53).
         return Int8LogitsMethod() if _FBGEMM else LinearMethod()
 
     # What each method fills in: staging planes, a checkpoint shard as planes, the kernel's layout, the kernel.
@@ -305,7 +305,7 @@ class Int8LogitsMethod(LinearMethod):
 # fbgemm multiplies uint8 activations by int8 weights; without VNNI its 16-bit pair sums can saturate, so it would
 # keep activations to 7 bits there (reduce_range): too coarse for logits (the default model's answer to "What is the
 # capital of France?" changed at its first token on an AVX2 CPU). There the quantized methods keep a dense head, and
-# Int8LogitsMethod itself (asked for directly) runs torch._int_mm's exact int32 sums (slow there: 42 ms a row).
+# Int8LogitsMethod itself (asked for directly) runs torch._int_mm's exact int32 sums (3x slower there than dense).
 _FBGEMM = torch.cpu._is_vnni_supported()
 # The input's min and max whatever its rows (clamped to them: rounding may leave a scaled row a hair past 127).
 _ANCHORS = torch.tensor([[127.0, -127.0]])
