@@ -87,7 +87,7 @@ def chat(
         if vlm is not None:  # first: on a GPU the engine then sizes its KV pool from the memory left
             with view.loading(f"loading vision-language model {vlm_model} (transformers) ..."):
                 vlm.load()
-        # The compiled CPU decode step: built in the background where none is stored yet (engine/cpu_compile.py).
+        # The compiled CPU decode step: built in the background where none is stored yet (cpu_step/compiled.py).
         opts = replace(opts, engine=replace(opts.engine, compile_in_process=True))
         client = load_engine(view, opts.engine.model, opts.engine.load_format, opts.client)
     except (ModelLoadError, VlmLoadError) as exc:

@@ -260,8 +260,8 @@ class EngineOptions:
 
 
 def prebuild(opts: EngineOptions) -> NoReturn:
-    """--prebuild: build the compiled CPU decode step of these options (engine/cpu_compile.py), then exit."""
-    from minisgl_cli.engine.cpu_build import prebuild as build
+    """--prebuild: build the compiled CPU decode step of these options (cpu_step/compiled.py), then exit."""
+    from minisgl_cli.cpu_step.build import prebuild as build
     from minisgl_cli.loader.errors import ModelLoadError
 
     try:

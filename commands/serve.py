@@ -78,11 +78,11 @@ def serve(
     """Serve the OpenAI API (/v1/...), /generate, /metrics, /health and a web page at /.
 
     It listens at once (503 until the engine is up). Details: docs/server.md, docs/options.md."""
+    from minisgl_cli.media.settings import MediaSettings
     from minisgl_cli.notice import notice
     from minisgl_cli.server.app import ServerSettings
     from minisgl_cli.server.launch import LaunchConfig
     from minisgl_cli.server.launch import serve as run_server
-    from minisgl_cli.server.media import MediaSettings
     from minisgl_cli.server.settings import VisionSettings
     from minisgl_cli.vision.image_source import ImagePolicy
     from minisgl_cli.vision.vlm import VlmLoadError, load_vlm, on_engine

@@ -22,8 +22,8 @@ import torch
 import triton.testing
 
 from minisgl_cli.attention import create_backend
-from minisgl_cli.core.batch import ForwardBatch
-from minisgl_cli.core.host import HostBuffers
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.engine.host import HostBuffers
 from minisgl_cli.kvcache.pool import KVPool, KVShape
 
 SHAPES = {"llama8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}
@@ -81,7 +81,7 @@ EXTEND_CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 
 
 def sweep_extend(page_size: int) -> None:
     """Median ms of the Triton extend kernel per (BLOCK_M, BLOCK_N, warps, stages), llama8b shape, bf16."""
-    from minisgl_cli.attention import triton_kernels as tk
+    from minisgl_cli.kernels.triton import attention as tk
 
     heads = SHAPES["llama8b"]
     print(f"# {torch.cuda.get_device_name()}: extend sweep, llama8b heads, bf16, page_size {page_size}")
@@ -111,7 +111,7 @@ DECODE_CONFIGS_FP8 = [(bn, w, st) for bn in (64, 128, 256) for w in (4, 8) for s
 
 def fp8_pool(pool: KVPool) -> KVPool:
     """An FP8 copy of a one-layer bf16 pool (same pages and table; scales set from its contents)."""
-    from minisgl_cli.core.fp8 import FP8
+    from minisgl_cli.kernels.fp8 import FP8
 
     s = pool.shape
     out = KVPool(KVShape(1, s.num_kv_heads, s.head_dim, FP8), pool.num_pages, pool.page_size,
@@ -131,7 +131,7 @@ def sweep_decode(page_size: int, fp8: bool = False) -> None:
     """
     import random
 
-    from minisgl_cli.attention import triton_kernels as tk
+    from minisgl_cli.kernels.triton import attention as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rnd = random.Random(0)

@@ -50,7 +50,7 @@ def main() -> None:
     pool.v[0].normal_()
     attn = TorchBackend(pool, HEADS, KV_HEADS, DIM, DIM**-0.5)
     if not attn.own_decode:
-        raise SystemExit("minisgl's CPU kernels are not built here (layers/cpu_library.py)")
+        raise SystemExit("minisgl's CPU kernels are not built here (kernels/cpu/library.py)")
     sdpa_attn = copy.copy(attn)  # the same pool, attending as where the kernels are not built
     sdpa_attn.own_decode = False
     print(f"threads={torch.get_num_threads()}, context ~{args.context}; ms a step (x{LAYERS} layers)")

@@ -7,10 +7,10 @@ the 80-540 MB stream from memory as in a real step, not from cache) and by the L
 prints the best time of `--repeat` in ms. Kernels (PyTorch's own but int4-minisgl):
 
   fp32-mkl     F.linear, fp32 (MKL sgemm)
-  fp32-onednn  oneDNN with the weight packed once, fp32 (layers/cpu_kernels.py for 2..64 rows)
+  fp32-onednn  oneDNN with the weight packed once, fp32 (layers/cpu_gemm.py for 2..64 rows)
   bf16-onednn  the same in bf16 (--dtype bfloat16)
   int4         aten._weight_int4pack_mm_for_cpu, groups of 32 with scale and zero, bf16 activations
-  int4-minisgl minisgl::int4_mm (layers/cpu_int4.py), the same groups, AVX512-BF16 pair dot products
+  int4-minisgl minisgl::int4_mm (kernels/cpu/int4.py), the same groups, AVX512-BF16 pair dot products
   int8         aten._weight_int8pack_mm, int8 per channel, bf16 activations
   int8-int8    torch._int_mm on int8 weights and int8 activations (scaled per row), fp32 out
 """
@@ -37,7 +37,7 @@ def make(kernel: str, n: int, k: int):
         packed = torch.ops.mkldnn._reorder_linear_weight(w if kernel == "fp32-onednn" else w.bfloat16(), None)
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     if kernel == "int4-minisgl":
-        from minisgl_cli.layers import cpu_int4
+        from minisgl_cli.kernels.cpu import int4 as cpu_int4
 
         assert cpu_int4.kernel() == "minisgl", "this CPU or build runs ATen's int4 kernel"
         scale = torch.rand(n, k // 32) * 0.01

@@ -1,4 +1,4 @@
-"""The CPU sampler alone (engine/sampler.py's cpu_draw): µs a call for one row of SmolLM2's vocabulary, per setting.
+"""The CPU sampler alone (sampling/sampler.py's cpu_draw): µs a call for one row of SmolLM2's vocabulary, per setting.
 
     python examples/bench_cpu_sampler.py [--rows 1] [--iters 200]
 
@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from minisgl_cli.core.host import HostBuffers
-from minisgl_cli.engine.sampler import cpu_draw
-from minisgl_cli.engine.sampling_state import SamplingState
+from minisgl_cli.engine.host import HostBuffers
+from minisgl_cli.sampling.sampler import cpu_draw
+from minisgl_cli.sampling.state import SamplingState
 from minisgl_cli.types import SamplingParams
 
 VOCAB = 49152  # SmolLM2's

@@ -65,7 +65,7 @@ GGUF=$("$PY" -c "import importlib.util, pathlib; p = pathlib.Path(importlib.util
 PID=
 trap '[ -n "$PID" ] && kill $PID 2>/dev/null || true' EXIT
 trap 'exit 130' INT TERM  # so that the EXIT trap stops a running server
-# A server that compiles its CPU decode in the background (engine/cpu_compile.py) is measured once it has.
+# A server that compiles its CPU decode in the background (cpu_step/compiled.py) is measured once it has.
 wait_compiled() {
   grep -q "compiled CPU decode build" "$1" || return 0
   for _ in $(seq 1 900); do grep -qE "the compiled step is built|decoding stays eager" "$1" && return 0; sleep 1; done

@@ -20,9 +20,10 @@ import time
 
 import torch
 
-from minisgl_cli.core.host import HostBuffers
-from minisgl_cli.engine.sampling_state import SamplingState
-from minisgl_cli.engine.triton_sampling import SPLIT_MAX_ROWS, triton_draw, warm
+from minisgl_cli.engine.host import HostBuffers
+from minisgl_cli.kernels.triton.sampling import SPLIT_MAX_ROWS, warm
+from minisgl_cli.sampling.sampler import triton_draw
+from minisgl_cli.sampling.state import SamplingState
 from minisgl_cli.types import SamplingParams
 
 CASES = {

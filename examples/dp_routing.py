@@ -18,8 +18,8 @@ import random
 import time
 
 from minisgl_cli.client.protocol import complete
+from minisgl_cli.dispatch import SCHEDULER_MODES
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.routing import SCHEDULER_MODES
 from minisgl_cli.runtime.config import RuntimeConfig
 from minisgl_cli.runtime.launch import launch
 from minisgl_cli.runtime.pool import EnginePool

@@ -41,7 +41,7 @@ from timing import accumulate  # examples/, beside this script
 
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.loader.configs import builtin_config
 from minisgl_cli.messages import AddRequest
 from minisgl_cli.scheduler import overlap as overlap_mod
@@ -332,7 +332,7 @@ def bench_ops() -> None:
     """Fused Triton ops vs the torch reference chains they replace (median of do_bench, microseconds)."""
     import triton
 
-    from minisgl_cli.layers import triton_ops as T
+    from minisgl_cli.kernels.triton import ops as T
     from minisgl_cli.layers.activation import silu_and_mul
     from minisgl_cli.layers.norm import RMSNorm
     from minisgl_cli.layers.rotary import RotaryEmbedding
@@ -393,8 +393,8 @@ def bench_fp8_ops() -> None:
     rows into chunks, two passes, was tried: no faster at 256 rows, slower at 8192.)"""
     import triton
 
-    from minisgl_cli.core import fp8
-    from minisgl_cli.layers import triton_ops as T
+    from minisgl_cli.kernels import fp8
+    from minisgl_cli.kernels.triton import ops as T
     from minisgl_cli.layers.rotary import RotaryEmbedding
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -479,13 +479,13 @@ GEMV_SHAPES = {  # (N, K) of each linear at batch 1
 
 
 def bench_gemv(do_sweep: bool = False, fp8: bool = False, sweep_fp8: bool = False) -> None:
-    """Triton GEMV (layers/triton_gemv.py) vs cuBLAS (F.linear) at one row, weights cold in L2.
+    """Triton GEMV (kernels/triton/gemv.py) vs cuBLAS (F.linear) at one row, weights cold in L2.
 
     Each timing runs the op over enough weight copies (>= 200 MB in all, twice the L2) inside one CUDA
     graph, as the decode step does; us = per call. `--sweep` also tries other block shapes (pick_config's source).
     `fp8`: the same layers with FP8 weights too (bench_fp8_linear; `sweep_fp8` sweeps its block shapes).
     """
-    from minisgl_cli.layers import triton_gemv as G
+    from minisgl_cli.kernels.triton import gemv as G
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -504,7 +504,7 @@ def bench_gemv(do_sweep: bool = False, fp8: bool = False, sweep_fp8: bool = Fals
             err = ((mine - ref).norm() / ref.norm()).item()
             cub = _graph_us([lambda w=w: torch.nn.functional.linear(xin, w) for w in ws])
             if act:  # cuBLAS path also pays the separate SiLU-and-mul kernel
-                from minisgl_cli.layers import triton_ops as T
+                from minisgl_cli.kernels.triton import ops as T
 
                 cub = _graph_us([lambda w=w: torch.nn.functional.linear(T.silu_and_mul(x), w) for w in ws])
             picked = G.pick_config(n, k, act)
@@ -529,9 +529,9 @@ def bench_gemv(do_sweep: bool = False, fp8: bool = False, sweep_fp8: bool = Fals
 def bench_fp8_linear(model: str, name: str, ws: list[torch.Tensor], x: torch.Tensor, act: bool, do_sweep: bool) -> None:
     """FP8 weights of the same layer: the batch-1 GEMV (vs bf16's bytes) and, at 256 rows, per-token quant +
     torch._scaled_mm against bf16 cuBLAS; errors against the fp32 quantize / dequantize reference."""
-    from minisgl_cli.core import fp8
-    from minisgl_cli.layers import triton_gemv as G
-    from minisgl_cli.layers import triton_ops as T
+    from minisgl_cli.kernels import fp8
+    from minisgl_cli.kernels.triton import gemv as G
+    from minisgl_cli.kernels.triton import ops as T
 
     n, k = ws[0].shape
     qs = [fp8.quantize_rows(w) for w in ws]

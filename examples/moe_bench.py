@@ -5,9 +5,9 @@
 1. The MoE block of Qwen3-30B-A3B (H 2048, 128 experts of I 768, top 8; router included) at M = 1, 8, 64, 256
    tokens (--sizes; past FUSED_MAX_TOKENS the block itself takes the grouped GEMM), random bf16 weights, `LAYERS`
    blocks captured back to back in one CUDA graph (so weights come from DRAM, as in a decode step): fused Triton
-   (layers/triton_moe.py, the tile its table picks) vs the block on torch's grouped GEMM; the router +
+   (kernels/triton/moe.py, the tile its table picks) vs the block on torch's grouped GEMM; the router +
    routing + alignment alone; --fp8: the fused kernels over e4m3 weights (per-row scales): the table's pick, then
-   w8a16 and w8a8 each on its own tiles (layers/moe_tiles.py), with their errors against the bf16 weights; up to 8
+   w8a16 and w8a8 each on its own tiles (kernels/triton/moe_tiles), with their errors against the bf16 weights; up to 8
    tokens also the few-token path (`one_slot_experts`: a block a slot, routed in gate/up) with its launches one at a
    time, and the aligned path with PDL on (FP8: PDL on and off). The bytes
    of the experts the tokens chose over the fused time give an effective TB/s. `--sweep` also times every
@@ -38,12 +38,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_bench import _graph_us, drop_engine, run_requests  # noqa: E402  (the scheduler driver, graph timer)
 
-from minisgl_cli.core.fp8 import quantize_rows  # noqa: E402
 from minisgl_cli.distributed import TPInfo  # noqa: E402
 from minisgl_cli.engine.config import EngineConfig  # noqa: E402
 from minisgl_cli.engine.engine import Engine  # noqa: E402
-from minisgl_cli.layers import moe, triton_moe, triton_ops  # noqa: E402
-from minisgl_cli.layers.fused import Kernels  # noqa: E402
+from minisgl_cli.kernels.fp8 import quantize_rows  # noqa: E402
+from minisgl_cli.kernels.triton import moe as triton_moe  # noqa: E402
+from minisgl_cli.kernels.triton import ops as triton_ops
+from minisgl_cli.layers import moe  # noqa: E402
+from minisgl_cli.layers.kernel_choice import Kernels  # noqa: E402
 from minisgl_cli.layers.moe import MoE  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # Qwen3-30B-A3B

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from minisgl_cli import LLM, SamplingParams
-from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.scheduler import speculative

@@ -85,7 +85,7 @@ def _dense_row_split(model: torch.nn.Module) -> None:
 def _greedy(engine, ids: list[int], steps: int, forced: list[int] | None, streams: _Streams):
     """Prefill `ids`, then decode `steps` tokens (TP 1's `forced` ones fed where given): (tokens, logits [steps,
     vocab] fp32, residual streams [steps, layers, hidden])."""
-    from minisgl_cli.core.batch import ForwardBatch
+    from minisgl_cli.engine.batch import ForwardBatch
 
     n = len(ids) + steps
     row, pages = engine.alloc_req_slot(), engine.alloc_pages(-(-n // engine.spec.page_size))

@@ -85,13 +85,13 @@ def profile_steps() -> tuple[int, int]:
 
 
 def cpu_gemm() -> str:
-    """MINISGL_CPU_GEMM: the CPU GEMM policy (auto, invariant, mkl, fp16; see layers/cpu_kernels.py)."""
+    """MINISGL_CPU_GEMM: the CPU GEMM policy (auto, invariant, mkl, fp16; see layers/cpu_gemm.py)."""
     return _text("MINISGL_CPU_GEMM") or "auto"
 
 
 def cpu_int4() -> str:
     """MINISGL_CPU_INT4: the CPU int4 decode kernel: auto (minisgl's where it builds, else ATen's), minisgl (an error
-    if it cannot build), aten (layers/cpu_int4.py)."""
+    if it cannot build), aten (kernels/cpu/int4.py)."""
     value = (_text("MINISGL_CPU_INT4") or "auto").lower()
     if value not in ("auto", "minisgl", "aten"):
         raise ValueError(f"MINISGL_CPU_INT4={value!r}: use auto, minisgl or aten")
@@ -99,12 +99,12 @@ def cpu_int4() -> str:
 
 
 def cxx() -> str:
-    """CXX: the C++ compiler that builds minisgl's CPU kernels (layers/cpu_library.py); default c++."""
+    """CXX: the C++ compiler that builds minisgl's CPU kernels (kernels/cpu/library.py); default c++."""
     return _text("CXX") or "c++"
 
 
 def sampler() -> str:
-    """MINISGL_SAMPLER: the sampler's cut-and-draw implementation (auto, torch, triton; see engine/sampler.py)."""
+    """MINISGL_SAMPLER: the sampler's cut-and-draw implementation (auto, torch, triton; see sampling/sampler.py)."""
     return _text("MINISGL_SAMPLER") or "auto"
 
 
@@ -126,7 +126,7 @@ def inductor_cache_dir() -> Path:
 
 
 def compiled_dir() -> Path:
-    """MINISGL_COMPILED_DIR: where the compiled CPU decode steps are stored (engine/cpu_compile.py); default
+    """MINISGL_COMPILED_DIR: where the compiled CPU decode steps are stored (cpu_step/compiled.py); default
     <MINISGL_CACHE_DIR>/compiled."""
     return _path("MINISGL_COMPILED_DIR") or cache_dir() / "compiled"
 

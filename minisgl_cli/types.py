@@ -121,11 +121,11 @@ class SamplingParams:
 @dataclass
 class ImageInput:
     """One image of a tokenized prompt, as the engine takes it: where its placeholder tokens sit in the prompt's
-    ids, its patch grid, its content hash and where its pixels are (processor.py makes it).
+    ids, its patch grid, its content hash and where its pixels are (vision/processor.py makes it).
 
     The pixels (the processor's `pixel_values` rows, float32 [patches, channels * temporal * patch * patch]) are a
     tensor in the process that made them (`pixels`, never sent) and cross processes through shared memory (`shm`:
-    core/pixels.py), never inside a message."""
+    vision/pixels.py), never inside a message."""
 
     hash: str  # hex digest of the processed pixels and grid: the radix cache keys the image's positions by it
     offset: int  # index of its first placeholder token in the prompt's ids
@@ -293,14 +293,14 @@ class SchedulerStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     retracted_requests: int | None = 0
-    decode_compiling: int = 0  # engines building their compiled CPU decode step (engine/cpu_compile.py)
+    decode_compiling: int = 0  # engines building their compiled CPU decode step (cpu_step/compiled.py)
     decode_compiled: int = 0  # engines decoding through it
     # Speculative decoding: requests' verify rows run (each carrying drafts), the drafts they ran, those accepted.
     spec_verifies: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_tok_s: float = 0.0  # rolling: accepted draft tokens per second of decode
-    # Vision-language models on the engine (engine/vision.py): images the vision tower encoded, images whose
+    # Vision-language models on the engine (vision/state.py): images the vision tower encoded, images whose
     # embeddings came from its cache instead, and the tower's seconds.
     images_encoded: int = 0
     image_cache_hits: int = 0
@@ -333,7 +333,7 @@ class SchedulerStats:
 
     @property
     def decode_step(self) -> str:
-        """What runs the CPU decode (engine/cpu_compile.py): `building` while an engine builds its compiled step
+        """What runs the CPU decode (cpu_step/compiled.py): `building` while an engine builds its compiled step
         (decoding eagerly meanwhile), `compiled` where one runs it and none builds, else `eager` (CUDA: graphs)."""
         return "building" if self.decode_compiling else "compiled" if self.decode_compiled else "eager"
 

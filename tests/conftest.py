@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# The CPU default compiles its decode in the background (engine/cpu_compile.py): a minute of both cores per
+# The CPU default compiles its decode in the background (cpu_step/compiled.py): a minute of both cores per
 # engine, which the suite's dozens of engines and servers cannot spare. tests/test_cpu_compile.py turns it on.
 os.environ.setdefault("MINISGL_TORCH_COMPILE", "off")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -33,7 +33,7 @@ def _heap_back_after_each_module():
     yield
     import gc
 
-    from minisgl_cli.core.host import trim_heap
+    from minisgl_cli.engine.host import trim_heap
 
     gc.collect()
     trim_heap()
@@ -63,7 +63,7 @@ def default_model_dir() -> Path:
 
 
 # The one fixed English text the quality tests read (our own prose): two stories, ~2,900 and ~3,100 SmolLM2
-# tokens, apart at a "* * *" line; minisgl_cli/engine/perplexity.py reads each as its own sequence.
+# tokens, apart at a "* * *" line; tests/perplexity.py reads each as its own sequence.
 PERPLEXITY_TEXT = Path(__file__).parent / "data" / "perplexity_en.txt"
 
 

@@ -39,7 +39,8 @@ def live_server(tiny_models, tmp_path_factory) -> Iterator[str]:
     from fastapi import FastAPI
 
     from minisgl_cli.api.http_server import BackgroundServer
-    from minisgl_cli.server.media import MediaSettings, build_media_router
+    from minisgl_cli.media.settings import MediaSettings
+    from minisgl_cli.server.media import build_media_router
 
     app = FastAPI()
     app.include_router(

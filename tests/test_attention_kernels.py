@@ -14,8 +14,8 @@ import torch
 
 from minisgl_cli.attention import create_backend
 from minisgl_cli.attention.torch_backend import TorchBackend
-from minisgl_cli.core.batch import ForwardBatch
-from minisgl_cli.core.host import HostBuffers
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.engine.host import HostBuffers
 from minisgl_cli.kvcache.pool import KVPool, KVShape
 
 needs_cuda = pytest.mark.skipif(
@@ -127,7 +127,7 @@ def test_decode_matches_reference(backend, heads, page_size, dtype):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_triton_decode_big_batch(splits):
     """A batch big enough for one KV split per request: the partial pass writes the output, no reduce."""
-    from minisgl_cli.attention import triton_kernels as tk
+    from minisgl_cli.kernels.triton import attention as tk
 
     heads, dtype = (32, 8, 128), torch.bfloat16
     rnd = random.Random(splits)

@@ -13,9 +13,9 @@ from test_hf_parity import PROMPTS
 from minisgl_cli import LLM, SamplingParams
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.layers import cpu_kernels, quant
+from minisgl_cli.layers import cpu_gemm, quant
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.linear import RowParallelLinear
 from minisgl_cli.layers.moe import MoE
 
@@ -71,8 +71,8 @@ def test_each_kernel_gives_a_row_the_same_result_whatever_the_rows_beside_it():
     the int8 LM head (fbgemm quantizes its input with one scale: anchors fix it), and a MoE block's router and
     experts."""
     torch.manual_seed(0)
-    dtype = cpu_kernels._BF16_NATIVE or torch.float32  # the engine's beside quantized weights
-    kernels = Kernels(cpu_gemm=cpu_kernels.for_quantized("auto"))  # as the engine's in those modes
+    dtype = cpu_gemm._BF16_NATIVE or torch.float32  # the engine's beside quantized weights
+    kernels = Kernels(cpu_gemm=cpu_gemm.for_quantized("auto"))  # as the engine's in those modes
     x = torch.randn(17, 1536).to(dtype)
     for method in (quant.Int4Method(), quant.Int8Method()):
         torch.set_default_dtype(dtype)  # as the engine builds its model
@@ -91,7 +91,7 @@ def test_each_kernel_gives_a_row_the_same_result_whatever_the_rows_beside_it():
     assert _rows_alike(head.logits, torch.randn(17, 576))
     fp32 = torch.randn(17, 1536)
     w = torch.randn(576, 1536) * 0.05
-    assert _rows_alike(lambda r: cpu_kernels.linear(r, w, None, kernels.cpu_gemm), fp32)
+    assert _rows_alike(lambda r: cpu_gemm.linear(r, w, None, kernels.cpu_gemm), fp32)
     # A MoE block in the int4 mode: router and dense experts (extend), the experts' int4 copies (decode)
     torch.set_default_dtype(dtype)
     try:

@@ -1,4 +1,4 @@
-"""The compiled CPU decode step (engine/cpu_compile.py): built once by a child process, stored by its key, loaded by
+"""The compiled CPU decode step (cpu_step/compiled.py): built once by a child process, stored by its key, loaded by
 every later engine of that key; a package of another key is rebuilt, never loaded; its greedy answers are eager's.
 
 The key tests build one tiny random model's step (seconds to a minute); the default model's step is built once into
@@ -22,8 +22,9 @@ from serve_process import Serve, gone
 from test_cache_invariance import ANSWER, CHATS
 
 from minisgl_cli import LLM
-from minisgl_cli.core.batch import ForwardBatch
-from minisgl_cli.engine import cpu_build, cpu_compile
+from minisgl_cli.cpu_step import build as cpu_build
+from minisgl_cli.cpu_step import compiled as cpu_compile
+from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
 
@@ -66,7 +67,7 @@ def test_a_build_removes_the_packages_it_supersedes_only(tmp_path, monkeypatch):
     older = dataclasses.replace(key, source="older", torch_version="2.12.0")
     other = dataclasses.replace(key, weights="another model")
     aten = dataclasses.replace(key, kernels="int4=aten attention=minisgl")  # another kernel's: a mode of its own, kept
-    for k in (key, older, other, aten):  # packages as AOTInductor writes their key (engine/cpu_compile.py: _stored_key)
+    for k in (key, older, other, aten):  # packages as AOTInductor writes their key (cpu_step/compiled.py: _stored_key)
         with zipfile.ZipFile(k.path, "w") as z:
             z.writestr("m/x.wrapper_metadata.json", json.dumps({cpu_compile._KEY: k.to_json()}))
     assert cpu_compile._stored_key(older.path) == older.to_json()

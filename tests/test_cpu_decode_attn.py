@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from minisgl_cli.attention.torch_backend import TorchBackend, TorchDecodeMeta, decode_mask
+from minisgl_cli.kernels.cpu import library as cpu_library
 from minisgl_cli.kvcache.pool import FP8, KVPool, KVShape
-from minisgl_cli.layers import cpu_library
 
 needs_kernel = pytest.mark.skipif(cpu_library.missing("decode_attn") is not None,
                                   reason="minisgl's decode attention does not build here")

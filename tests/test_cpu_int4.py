@@ -1,4 +1,4 @@
-"""minisgl::int4_mm (layers/cpu_int4.py): the Q4_1 product it stands for, each row's bits whatever the rows beside
+"""minisgl::int4_mm (kernels/cpu/int4.py): the Q4_1 product it stands for, each row's bits whatever the rows beside
 it, and the choice of kernel."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minisgl_cli import env
-from minisgl_cli.layers import cpu_int4
+from minisgl_cli.kernels.cpu import int4 as cpu_int4
 
 pytestmark = pytest.mark.skipif(cpu_int4.kernel() != "minisgl", reason="this CPU or build runs ATen's int4 kernel")
 

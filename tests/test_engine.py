@@ -9,7 +9,7 @@ import torch
 
 from minisgl_cli import LLM, SamplingParams
 from minisgl_cli.client.protocol import complete
-from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.loader.configs import BUILTIN_CONFIGS

@@ -223,7 +223,7 @@ def test_sgl_kernel_ops_match_ours():
     import torch
 
     from minisgl_cli.layers.activation import silu_and_mul
-    from minisgl_cli.layers.fused import Kernels
+    from minisgl_cli.layers.kernel_choice import Kernels
     from minisgl_cli.layers.norm import RMSNorm
     from minisgl_cli.layers.rotary import RotaryEmbedding
 

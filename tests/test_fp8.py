@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl_cli.core import fp8
 from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.kernels import fp8
 from minisgl_cli.kvcache.pool import KV_SCALE_HEADROOM, KVPool, KVShape
 
 
@@ -64,8 +64,8 @@ def test_torch_backend_reads_fp8_kv_dequantized():
     """Prefill (which calibrates) then decode through the torch backend over an FP8 pool: the same as SDPA over
     the dequantized K/V, the prefill's own K/V included."""
     from minisgl_cli.attention import create_backend
-    from minisgl_cli.core.batch import ForwardBatch
-    from minisgl_cli.core.host import HostBuffers
+    from minisgl_cli.engine.batch import ForwardBatch
+    from minisgl_cli.engine.host import HostBuffers
 
     pool = _pool()
     be = create_backend("auto", pool, 6, 3, 16, 0.25, "cpu")
@@ -141,8 +141,9 @@ _PPL: dict[tuple, float] = {}  # the text's perplexity per engine setting, share
 
 def _ppl(default_model_dir, docs: list[list[int]], **kw) -> float:
     """The documents' perplexity in bf16 but for `kw` (dense weights unless kw says: not the GGUF's int4 blocks)."""
+    from perplexity import perplexity
+
     from minisgl_cli.engine.engine import Engine
-    from minisgl_cli.engine.perplexity import perplexity
 
     kw = {"quantization": "none", **kw}
     key = (str(default_model_dir), tuple(len(d) for d in docs), tuple(sorted(kw.items())))
@@ -172,10 +173,11 @@ def test_fp8_costs_little_perplexity_on_real_weights(default_model_dir, text_doc
 
 def _tp_perplexity(rank: int, size: int, addr: str, model_dir: str, docs: list[list[int]], out) -> None:
     """One TP rank (a spawned process, gloo): its FP8 engine's perplexity on `docs`; rank 0 puts it in `out`."""
+    from perplexity import perplexity
+
     from minisgl_cli.distributed import DistConfig
     from minisgl_cli.distributed.comm import init_tp
     from minisgl_cli.engine.engine import Engine
-    from minisgl_cli.engine.perplexity import perplexity
 
     tp = init_tp(rank, DistConfig(tp_size=size, init_addr=addr), torch.device("cpu"))
     engine = Engine(EngineConfig(model=model_dir, dtype="bfloat16", max_total_tokens=max(map(len, docs)) + 8,

@@ -1,8 +1,8 @@
-"""FP8 on the GPU: the Triton kernels and torch._scaled_mm against core/fp8.py's quantize / dequantize (the
+"""FP8 on the GPU: the Triton kernels and torch._scaled_mm against kernels/fp8.py's quantize / dequantize (the
 simulation the CPU runs), on random data and on dummy-weight engines. Skipped without CUDA.
 
 Tolerances, stated once:
-  * 8-bit codes (activation quantization, KV stores): bit-identical to core/fp8.py (same IEEE division,
+  * 8-bit codes (activation quantization, KV stores): bit-identical to kernels/fp8.py (same IEEE division,
     same round-to-nearest-even); scales equal.
   * linear layers (GEMV at one row, quantize + _scaled_mm at more): relative L2 error against the fp64 product
     of the same dequantized operands <= 1e-2 -- bf16 output rounding (~4e-3), nothing from the 8 bits.
@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-from minisgl_cli.core import fp8
+from minisgl_cli.kernels import fp8
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,7 +46,7 @@ def _same_codes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("m,k", [(1, 1024), (37, 4096), (256, 14336), (5, 960)])
 def test_quant_rows_gives_the_codes_of_core_fp8(m, k):
-    from minisgl_cli.layers import triton_ops as T
+    from minisgl_cli.kernels.triton import ops as T
 
     g = torch.Generator(DEV).manual_seed(m + k)
     x = (torch.randn(m, k, device=DEV, generator=g) * 3).bfloat16()
@@ -74,7 +74,7 @@ def _building_bf16():
 
 
 def _fp8_linear(n: int, k: int, bias: bool, seed: int):
-    from minisgl_cli.layers.fused import Kernels
+    from minisgl_cli.layers.kernel_choice import Kernels
     from minisgl_cli.layers.linear import ColumnParallelLinear
     from minisgl_cli.layers.quant import Fp8Method
 
@@ -112,7 +112,7 @@ def test_fp8_linear_equals_the_simulation(n, k, rows, bias):
 
 @pytest.mark.parametrize("m,k", [(2, 1024), (256, 4096), (33, 960)])
 def test_add_rmsnorm_writes_the_codes_quant_rows_makes_of_its_output(m, k):
-    from minisgl_cli.layers import triton_ops as T
+    from minisgl_cli.kernels.triton import ops as T
 
     g = torch.Generator(DEV).manual_seed(m * k)
     x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
@@ -128,7 +128,7 @@ def test_add_rmsnorm_writes_the_codes_quant_rows_makes_of_its_output(m, k):
 
 def test_fp8_layers_take_their_input_from_the_norm_above_one_row():
     """The decoder's norms hand an FP8 linear its codes for a multi-row step, and 16-bit rows for one row."""
-    from minisgl_cli.layers.fused import Kernels
+    from minisgl_cli.layers.kernel_choice import Kernels
     from minisgl_cli.layers.norm import RMSNorm
 
     lin, g = _fp8_linear(512, 512, True, 3)
@@ -150,7 +150,7 @@ def test_fp8_layers_take_their_input_from_the_norm_above_one_row():
 def test_fp8_gemv_kernels_equal_the_simulation(n, k, act, config):
     """Both GEMV kernels (FMA; tensor cores over sixteenths of each row) on FP8 weights, bias and fused SiLU;
     N not a multiple of the block (1000), K whose sixteenth is not (3072 with 128: the FMA kernel takes it)."""
-    from minisgl_cli.layers import triton_ops as T
+    from minisgl_cli.kernels.triton import ops as T
 
     g = torch.Generator(DEV).manual_seed(n + k + act)
     codes, scale = fp8.quantize_rows(torch.randn(n, k, device=DEV, generator=g) * 0.05)
@@ -165,8 +165,8 @@ def test_fp8_gemv_kernels_equal_the_simulation(n, k, act, config):
 
 @pytest.mark.parametrize("rows", [1, 37])
 def test_fp8_down_projection_with_fused_silu(rows):
-    from minisgl_cli.layers import triton_ops as T
-    from minisgl_cli.layers.fused import Kernels
+    from minisgl_cli.kernels.triton import ops as T
+    from minisgl_cli.layers.kernel_choice import Kernels
     from minisgl_cli.layers.linear import RowParallelLinear
     from minisgl_cli.layers.quant import Fp8Method
 
@@ -188,9 +188,9 @@ def test_fp8_down_projection_with_fused_silu(rows):
                          ids=["qwen3", "llama", "smollm2"])
 @pytest.mark.parametrize("config", [None, (1, 1), (16, 4)], ids=["picked", "head", "16heads"])
 def test_rope_kernel_stores_fp8_codes(heads, config):
-    """The fused q/k-norm + RoPE kernel writes K and V as core/fp8.py's codes of the rows it leaves in qkv."""
-    from minisgl_cli.attention import triton_kernels as tk
-    from minisgl_cli.layers import triton_ops as T
+    """The fused q/k-norm + RoPE kernel writes K and V as kernels/fp8.py's codes of the rows it leaves in qkv."""
+    from minisgl_cli.kernels.triton import attention as tk
+    from minisgl_cli.kernels.triton import ops as T
     from minisgl_cli.layers.rotary import RotaryEmbedding
 
     hq, hkv, d, has_norm = heads
@@ -282,7 +282,7 @@ def test_triton_attention_over_fp8_kv_equals_the_torch_backend(mode, heads, page
 @pytest.mark.parametrize("splits", [1, 3])
 def test_fp8_decode_in_longest_first_order_is_the_same(splits):
     """Starting the longest contexts first (the backend's order) moves programs around, not numbers."""
-    from minisgl_cli.attention import triton_kernels as tk
+    from minisgl_cli.kernels.triton import attention as tk
 
     pool, batch, q, *_ = _fp8_case("decode", (32, 8, 128), 16, seed=5)
     order = torch.argsort(batch.seq_lens, descending=True).to(torch.int32)
@@ -317,7 +317,7 @@ def _engine(name: str, monkeypatch, **kw):
 
 def _logits(engine, seqs: list[list[int]], lens: list[int], steps: int) -> list[torch.Tensor]:
     """Prefill lens[i] tokens of each sequence, then decode `steps` teacher-forced tokens: logits per step."""
-    from minisgl_cli.core.batch import ForwardBatch
+    from minisgl_cli.engine.batch import ForwardBatch
 
     pool, dev = engine.pool, engine.device
     rows = [pool.alloc_req_slot() for _ in lens]

@@ -20,7 +20,7 @@ def refused_before_the_device(device: str, monkeypatch) -> None:
     """The check itself, on `device`: each way an id can be out of range, through LLM.generate, first as the client
     refuses it, then with the client's check taken out (the scheduler's must hold); the engine answers alike after."""
     from minisgl_cli import LLM
-    from minisgl_cli.client import routed
+    from minisgl_cli.client import base
     from minisgl_cli.types import SamplingParams
 
     greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -34,7 +34,7 @@ def refused_before_the_device(device: str, monkeypatch) -> None:
         for where in ("client", "scheduler"):
             with monkeypatch.context() as m:
                 if where == "scheduler":  # what reaches a scheduler is checked again, never trusted
-                    m.setattr(routed, "admit", lambda *args, **kwargs: None)
+                    m.setattr(base, "admit", lambda *args, **kwargs: None)
                 for prompt, params, token in bad:
                     with pytest.raises(ValueError, match=f"token id {token} in .* is out of range"):
                         llm.generate(prompt, params)

@@ -1,4 +1,4 @@
-"""The fused Triton MoE experts (layers/triton_moe.py) against the torch reference of layers/moe.py.
+"""The fused Triton MoE experts (kernels/triton/moe.py) against the torch reference of layers/moe.py.
 
 Runs on CUDA (bf16); without a GPU, under Triton's interpreter on CPU tensors (fp16: the interpreter's bf16
 tl.dot is wrong), where triton is importable and TRITON_INTERPRET=1 was set before it was imported:
@@ -47,7 +47,7 @@ def T():
             scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
         interpreter._patch_lang_tensor = patched
-    from minisgl_cli.layers import triton_moe
+    from minisgl_cli.kernels.triton import moe as triton_moe
 
     return triton_moe
 
@@ -195,7 +195,7 @@ def _fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _w8a8_reference(x, gate_up, down, weights, ids) -> torch.Tensor:
     """The w8a8 kernels' arithmetic in fp32 (dequantized weights): each token row, and each slot's SiLU(gate) * up
     rounded to x's dtype as the kernel writes it, through e4m3 per row and back before its projection."""
-    from minisgl_cli.core.fp8 import round_trip_rows
+    from minisgl_cli.kernels.fp8 import round_trip_rows
 
     xq, gate_up, down = round_trip_rows(x), gate_up.to(x.device).float(), down.to(x.device).float()
     out = torch.zeros_like(xq)
@@ -239,7 +239,7 @@ def test_w8a8_experts_match_the_quantized_reference(T, n_exp, top_k, n_tok, tile
 @pytest.mark.parametrize("n_tok,k", [(1, 8), (3, 2), (5, 8)])
 def test_the_norm_sums_the_experts_terms_as_torch_does(T, n_tok, k):
     """rmsnorm(terms=k) over [T k, H] terms: the residual add and norm of their sum, as torch's sum then the norm."""
-    from minisgl_cli.layers import triton_ops
+    from minisgl_cli.kernels.triton import ops as triton_ops
 
     g = torch.Generator().manual_seed(n_tok)
     terms = torch.randn(n_tok, k, 96, generator=g).to(DEV, DTYPE)
@@ -292,9 +292,9 @@ def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok, fp8)
     """Qwen3-30B-A3B's expert shapes (a quarter of its experts), bf16 or FP8 experts: the block with the fused ops
     on (Triton) and off (the grouped GEMM or the loop, over the dequantized FP8 weights) agree."""
     from minisgl_cli.distributed import TPInfo
-    from minisgl_cli.layers.fused import Kernels
+    from minisgl_cli.kernels.triton.moe_tiles import fp8_act
+    from minisgl_cli.layers.kernel_choice import Kernels
     from minisgl_cli.layers.moe import MoE, triton_experts
-    from minisgl_cli.layers.moe_tiles import fp8_act
     from minisgl_cli.layers.norm import Terms
 
     if fp8 and NO_FP8:

@@ -49,7 +49,7 @@ def _compare(ours: torch.Tensor, ref: torch.Tensor, tie: float = TOL) -> tuple[f
 @pytest.mark.parametrize("lens", [[17, 100, 250], [100]], ids=["3req", "1req"])
 def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
     """3 requests pad to the graph of 4 (cuBLAS linears); 1 request takes the batch-1 GEMV kernels."""
-    from minisgl_cli.core.batch import ForwardBatch
+    from minisgl_cli.engine.batch import ForwardBatch
     from minisgl_cli.models.hf_export import hf_twin
 
     engine, cfg = _engine(name, monkeypatch)

@@ -1,4 +1,4 @@
-"""The Triton layer kernels (layers/triton_ops.py, layers/triton_gemv.py) against the torch reference path.
+"""The Triton layer kernels (kernels/triton/ops.py, kernels/triton/gemv.py) against the torch reference path.
 
 Random inputs drawn fresh per case, outputs poisoned before the run; skipped without CUDA.
 """
@@ -28,7 +28,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gemv_matches_fp64(n, k, bias, dtype):
-    from minisgl_cli.layers.triton_gemv import gemv
+    from minisgl_cli.kernels.triton.gemv import gemv
 
     g = torch.Generator(DEV).manual_seed(n * 7 + k)
     w = (torch.randn(n, k, device=DEV, generator=g) * 0.05).to(dtype)
@@ -44,8 +44,8 @@ def test_gemv_matches_fp64(n, k, bias, dtype):
 
 @pytest.mark.parametrize("n,k", [(1024, 3072), (4096, 14336), (300, 1000)])
 def test_gemv_with_fused_silu_mul(n, k):
-    from minisgl_cli.layers import triton_ops as T
-    from minisgl_cli.layers.triton_gemv import gemv
+    from minisgl_cli.kernels.triton import ops as T
+    from minisgl_cli.kernels.triton.gemv import gemv
 
     g = torch.Generator(DEV).manual_seed(k)
     w = (torch.randn(n, k, device=DEV, generator=g) * 0.05).bfloat16()
@@ -64,8 +64,8 @@ def test_gemv_with_fused_silu_mul(n, k):
 def test_qk_norm_rope_with_kv_store(heads, tokens, config):
     """One launch = the torch chain (q/k norm, RoPE) and the pool store; other cache rows untouched. Each program
     one head, or a token's heads in blocks (16: blocks that split a token's heads and end past its last)."""
-    from minisgl_cli.layers import triton_ops as T
-    from minisgl_cli.layers.fused import Kernels
+    from minisgl_cli.kernels.triton import ops as T
+    from minisgl_cli.layers.kernel_choice import Kernels
     from minisgl_cli.layers.norm import RMSNorm
     from minisgl_cli.layers.rotary import RotaryEmbedding
 
@@ -108,9 +108,9 @@ def test_qk_norm_rope_with_kv_store(heads, tokens, config):
 
 @pytest.mark.parametrize("tokens", [1, 300])
 def test_rmsnorm_and_silu_match_torch(tokens):
-    from minisgl_cli.layers import triton_ops as T
+    from minisgl_cli.kernels.triton import ops as T
     from minisgl_cli.layers.activation import silu_and_mul
-    from minisgl_cli.layers.fused import Kernels
+    from minisgl_cli.layers.kernel_choice import Kernels
     from minisgl_cli.layers.norm import RMSNorm
 
     dt = torch.bfloat16

@@ -1,4 +1,4 @@
-"""The CUDA sampler (engine/triton_sampling.py, both its paths: one program per row and a row split over many)
+"""The CUDA sampler (kernels/triton/sampling.py, both its paths: one program per row and a row split over many)
 against the exact torch path: draws stay in the kept set and follow its distribution (chi-square), on a small and on
 Qwen3's vocabulary; the split path draws the single-program path's tokens, in a CUDA graph too; and a seeded request
 through CUDA graphs and overlap scheduling draws the same tokens whatever shares its batch. Skipped without CUDA."""
@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from minisgl_cli.core.host import HostBuffers
-from minisgl_cli.engine.sampler import cpu_draw, cut, torch_draw
-from minisgl_cli.engine.sampling_state import SamplingState
+from minisgl_cli.engine.host import HostBuffers
+from minisgl_cli.sampling.sampler import cpu_draw, cut, torch_draw
+from minisgl_cli.sampling.state import SamplingState
 from minisgl_cli.types import SamplingParams
 
 pytestmark = [
@@ -36,7 +36,7 @@ def _draws(logits: torch.Tensor, p: SamplingParams, n: int, triton: bool, draw=N
            split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """n draws of one row (a new position each) and the row's kept distribution. Drawn 4096 rows at a time: a
     batch of 40,000 rows of Qwen3's vocabulary would not fit the GPU. `split`: the Triton path's choice."""
-    from minisgl_cli.engine.triton_sampling import triton_draw
+    from minisgl_cli.sampling.sampler import triton_draw
 
     v = logits.shape[-1]
     state = SamplingState(1, v, DEV, HostBuffers())
@@ -112,7 +112,7 @@ def test_the_split_path_draws_the_single_programs_tokens(b):
     """A mixed batch (every CASES row, greedy rows, a min-p row beside cut rows) at several sizes: split and single
     draw the same tokens up to summation order, greedy rows exactly their argmax; and a CUDA graph of the split call
     replays to the eager call's tokens (its per-row counters start from zero at every launch), on new logits too."""
-    from minisgl_cli.engine.triton_sampling import triton_draw
+    from minisgl_cli.sampling.sampler import triton_draw
 
     v = 151936
     params = [dataclasses.replace(CASES[i % len(CASES)], seed=i) if i % 4 else SamplingParams() for i in range(b)]
@@ -172,7 +172,7 @@ def test_seeded_request_ignores_its_batch_through_graphs_and_overlap():
 
 
 def test_small_sampled_batches_draw_by_replay_the_eager_samplers_tokens(monkeypatch):
-    """engine/sampler_graphs.py: a decode batch of plain sampled rows draws by replaying a captured graph -- each of
+    """sampling/graphs.py: a decode batch of plain sampled rows draws by replaying a captured graph -- each of
     its four variants (no cut, a cut, min-p, both), greedy rows beside -- and every row's tokens equal those of the
     same run with the eager sampler; a penalized batch does not replay."""
     from minisgl_cli.engine.config import EngineConfig

@@ -91,7 +91,7 @@ def _fused(rank: int, device: torch.device, tp) -> None:
     rows, FP8 codes too, and the residual), 1 to 64 rows, eager and replayed in a graph."""
     from minisgl_cli.distributed import comm
     from minisgl_cli.distributed.push_rows import FUSED_NORM_ROWS
-    from minisgl_cli.layers import triton_ops as ops
+    from minisgl_cli.kernels.triton import ops
 
     hidden = 4096
     tp = comm.setup_all_reduce(tp, device, torch.bfloat16, 2 << 20, (FUSED_NORM_ROWS, hidden))

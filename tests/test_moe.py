@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.moe import Experts, fused_experts, route
 
 PATHS = ["loop"] + (["grouped"] if hasattr(torch, "_grouped_mm") else [])  # CPU runs torch's grouped fallback
@@ -99,7 +99,7 @@ def test_tp_ranks_slices_of_every_expert_sum_to_the_whole(path):
 def test_tp_ranks_hold_their_columns_of_tp1_s_quantized_down_projections(quantization):
     """A per-row scale is the whole row's: each rank's slice of an expert's down_proj (its columns) multiplies by the
     very numbers TP 1 holds there, e4m3 codes (fp8) or the int8 decode copy, not by a finer scale of its own."""
-    from minisgl_cli.core.fp8 import dequantize
+    from minisgl_cli.kernels.fp8 import dequantize
     from minisgl_cli.layers.quant import METHODS
 
     mats = _expert_mats(4, 32, 64, seed=6)
@@ -130,7 +130,7 @@ def test_tp_ranks_hold_their_columns_of_tp1_s_quantized_down_projections(quantiz
 def test_fp8_experts_hold_e4m3_rows_and_run_their_dequantized_weights():
     """--quantization fp8: each expert matrix is quantized per output row as it loads; the torch path multiplies by
     codes x scales, which stay within e4m3's rounding of the checkpoint's weights."""
-    from minisgl_cli.core.fp8 import FP8
+    from minisgl_cli.kernels.fp8 import FP8
     from minisgl_cli.layers.moe import MoE
 
     mats = _expert_mats(8, 32, 48, seed=11)
@@ -159,11 +159,11 @@ def test_fp8_experts_hold_e4m3_rows_and_run_their_dequantized_weights():
 
 @pytest.mark.parametrize("w8a8", [False, True])
 def test_fp8_experts_simulate_the_activations_the_kernels_round(w8a8):
-    """FP8 experts on the torch path model the arithmetic the GPU picks for the batch (layers/moe_tiles.py): from
-    W8A8_MIN_TOKENS tokens both projections' inputs go per token through e4m3 and back (w8a8), below it none."""
-    from minisgl_cli.core.fp8 import round_trip_rows
+    """FP8 experts on the torch path model the arithmetic the GPU picks for the batch (kernels/triton/moe_tiles.py):
+    from W8A8_MIN_TOKENS tokens both projections' inputs go per token through e4m3 and back (w8a8), below it none."""
+    from minisgl_cli.kernels.fp8 import round_trip_rows
+    from minisgl_cli.kernels.triton.moe_tiles import W8A8_MIN_TOKENS
     from minisgl_cli.layers.moe import MoE
-    from minisgl_cli.layers.moe_tiles import W8A8_MIN_TOKENS
 
     block = MoE(8, 2, 32, 48, True, TPInfo(), Kernels(), fp8=True)
     for i, m in enumerate(_expert_mats(8, 32, 48, seed=12)):
@@ -189,7 +189,7 @@ def test_fp8_moe_engine_holds_e4m3_experts_between_its_dense_edge_layers(monkeyp
     """--quantization fp8 on a Qwen3-MoE config (dummy weights, CPU): the middle layers' experts are e4m3 with
     per-row scales, the first and last stay dense (as the dense linears do), and the logits stay within FP8's
     rounding of the bf16 model's."""
-    from minisgl_cli.core.fp8 import FP8
+    from minisgl_cli.kernels.fp8 import FP8
     from minisgl_cli.loader.configs import BUILTIN_CONFIGS
 
     small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,

@@ -25,9 +25,9 @@ pytestmark = pytest.mark.skipif(not (INTERPRET and importlib.util.find_spec("tri
 
 
 def test_two_ranks_sum_add_and_normalize_like_the_unfused_ops():
-    from minisgl_cli.core.fp8 import INV_MAX, TINY
     from minisgl_cli.distributed.push_rows import FLAG
-    from minisgl_cli.layers import triton_ops
+    from minisgl_cli.kernels.fp8 import INV_MAX, TINY
+    from minisgl_cli.kernels.triton import ops as triton_ops
 
     world, max_rows, n, dt = 2, 4, 64, torch.float16  # the interpreter's bf16 is not native: fp16
     slot = max_rows * n

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from perplexity import perplexity
 
-from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
-from minisgl_cli.engine.perplexity import perplexity
 from minisgl_cli.layers import quant
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.linear import ColumnParallelLinear
@@ -107,7 +107,7 @@ def test_quantized_lm_head_is_int8_with_fp32_logits_and_tied_to_the_embedding(fb
 
 def test_quantized_perplexity_stays_close_to_the_exact_path(default_model_dir, text_docs, monkeypatch):
     """Same weights (the bundled Q4_1 GGUF), same text: int8 within 1% and int4 (its blocks as shipped) within 3% of
-    the exact fp32 path. The text is read as 512-token prefills (engine/perplexity.py), so the low-bit kernels are
+    the exact fp32 path. The text is read as 512-token prefills (tests/perplexity.py), so the low-bit kernels are
     made to take every row as a decode step's (decode runs them; prefill would otherwise take the dense weights)."""
     assert sum(len(d) for d in text_docs) > 5000
     tokens = max(len(d) for d in text_docs) + 8

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from minisgl_cli.dispatch import Busy, NoReplica, PrefixTree, Router
 from minisgl_cli.router.app import routing_key
-from minisgl_cli.routing import Busy, NoReplica, PrefixTree, Router
 
 A = list(range(1000, 1100))  # two "system prompts" of 100 token ids each
 B = list(range(2000, 2100))

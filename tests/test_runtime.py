@@ -295,7 +295,7 @@ def test_a_shutdown_stops_every_rank_through_its_clean_up_and_each_child_exits_0
 
 def test_closing_engines_in_turn_gives_their_memory_back():
     """An app (a notebook, a test suite) that opens and closes engines in turn stays at one engine's memory: each
-    closed engine's CPU memory goes back to the OS (core/host.py trim_heap), not into a thread's malloc arena."""
+    closed engine's CPU memory goes back to the OS (engine/host.py trim_heap), not into a thread's malloc arena."""
     import os
 
     from minisgl_cli import LLM, SamplingParams

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisgl_cli.core.host import HostBuffers
-from minisgl_cli.engine.sampler import (
+from minisgl_cli.engine.host import HostBuffers
+from minisgl_cli.sampling.sampler import (
     Sampled,
     Sampler,
     apply_token_bitmask,
@@ -18,7 +18,7 @@ from minisgl_cli.engine.sampler import (
     sample,
     torch_draw,
 )
-from minisgl_cli.engine.sampling_state import SamplingBatch, SamplingState
+from minisgl_cli.sampling.state import SamplingBatch, SamplingState
 from minisgl_cli.types import SamplingParams
 
 V = 100

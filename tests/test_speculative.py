@@ -15,9 +15,9 @@ import torch
 
 from minisgl_cli import LLM, SamplingParams
 from minisgl_cli.bench.workloads import CHAT_PROMPTS
-from minisgl_cli.core.host import HostBuffers
-from minisgl_cli.engine.sampler import create_sampler, sample
-from minisgl_cli.engine.sampling_state import SamplingState
+from minisgl_cli.engine.host import HostBuffers
+from minisgl_cli.sampling.sampler import create_sampler, sample
+from minisgl_cli.sampling.state import SamplingState
 from minisgl_cli.scheduler import speculative
 from minisgl_cli.scheduler.ngram import NgramIndex
 from minisgl_cli.scheduler.request import MAX_WAIT, DraftBudget

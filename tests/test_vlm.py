@@ -15,9 +15,8 @@ import httpx
 import pytest
 from PIL import Image
 
-from minisgl_cli.media.jobs import MediaError
 from minisgl_cli.types import GenerateRequest, SamplingParams
-from minisgl_cli.vision.image_source import ImagePolicy, load_image_file, load_image_url
+from minisgl_cli.vision.image_source import ImageError, ImagePolicy, load_image_file, load_image_url
 from minisgl_cli.vision.vlm import VlmChat, VlmLoadError, load_vlm, prepare, resolve_vlm_dir, stream
 
 pytest.importorskip("transformers")
@@ -58,7 +57,7 @@ def test_data_urls_decode_and_bad_ones_say_why():
         "ftp://example.com/x.png": "unsupported image URL scheme",
     }
     for url, why in cases.items():
-        with pytest.raises(MediaError, match=why):
+        with pytest.raises(ImageError, match=why):
             load_image_url(url, policy, "p")
 
 
@@ -67,22 +66,22 @@ def test_caps_and_sources_are_refused_unless_allowed(tmp_path):
     (tmp_path / "big.png").write_bytes(png(300, 300))
     outside = tmp_path.parent / f"{tmp_path.name}-outside.png"
     outside.write_bytes(png())
-    with pytest.raises(MediaError, match="--allow-remote-images"):  # the default: never fetch a URL
+    with pytest.raises(ImageError, match="--allow-remote-images"):  # the default: never fetch a URL
         load_image_url("http://127.0.0.1:9/x.png", ImagePolicy())
-    with pytest.raises(MediaError, match="--allow-local-images"):
+    with pytest.raises(ImageError, match="--allow-local-images"):
         load_image_url(str(tmp_path / "ok.png"), ImagePolicy())
     local = ImagePolicy(local_dir=tmp_path)
     assert load_image_url(str(tmp_path / "ok.png"), local).size == (50, 40)
     assert load_image_url("ok.png", local).size == (50, 40)  # relative to the allowed dir
     assert load_image_url(f"file://{tmp_path / 'ok.png'}", local).size == (50, 40)
     for escape in (str(outside), f"../{outside.name}", f"file://{outside}"):
-        with pytest.raises(MediaError, match="outside the allowed directory"):
+        with pytest.raises(ImageError, match="outside the allowed directory"):
             load_image_url(escape, local)
-    with pytest.raises(MediaError, match="pixels; the limit is 10,000"):
+    with pytest.raises(ImageError, match="pixels; the limit is 10,000"):
         load_image_url(str(tmp_path / "big.png"), ImagePolicy(local_dir=tmp_path, max_pixels=10_000))
-    with pytest.raises(MediaError, match="the limit is 0.0 MiB"):
+    with pytest.raises(ImageError, match="the limit is 0.0 MiB"):
         load_image_url(data_url(png()), ImagePolicy(max_bytes=16))
-    with pytest.raises(MediaError, match="no image file"):
+    with pytest.raises(ImageError, match="no image file"):
         load_image_file(tmp_path / "missing.png", local)
 
 

@@ -137,7 +137,7 @@ def _greedy_remote_and_local(model_dir: Path, chats: list[list[dict]], tp: int) 
 
 @pytest.mark.slow
 def test_tp2_equals_one_process_with_images_and_leaves_no_shared_memory(tiny_vlms):
-    from minisgl_cli.core import pixels
+    from minisgl_cli.vision import pixels
 
     chats = [*CHATS, [{"role": "user", "content": "Text only, beside the images."}]]
     before = set(pixels._ROOT.glob(f"{pixels.PREFIX}*"))
@@ -155,11 +155,11 @@ def test_requests_made_from_one_image_prompt_each_get_their_own_pixels(tiny_vlms
 
     from minisgl_cli.api.http_server import free_port
     from minisgl_cli.client.protocol import complete
-    from minisgl_cli.core import pixels
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.runtime.config import RuntimeConfig
     from minisgl_cli.runtime.launch import launch
     from minisgl_cli.scheduler.config import SchedulerConfig
+    from minisgl_cli.vision import pixels
 
     before = set(pixels._ROOT.glob(f"{pixels.PREFIX}*"))
     cfg = EngineConfig(model=str(tiny_vlms["qwen2-vl"]), max_total_tokens=2048, dtype="float32", quantization="none")
@@ -256,11 +256,11 @@ def test_eight_concurrent_image_chats_through_the_server_equal_their_one_at_a_ti
 
 
 def test_pixel_segments_round_trip_copy_inline_and_sweep():
-    """core/pixels.py: what the tokenizer step writes a rank reads back exactly (from the segment, a request's copy,
+    """vision/pixels.py: what the tokenizer step writes a rank reads back exactly (from the segment, a request's copy,
     or the bytes sent inline to another host); a gone segment is a clear error; a dead writer's are swept."""
     import os
 
-    from minisgl_cli.core import pixels
+    from minisgl_cli.vision import pixels
 
     rows = torch.randn(6, 384)
     try:

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from server_fixtures import API_KEY, _serve, wait_idle
 
-from minisgl_cli.server.media import MediaSettings
+from minisgl_cli.media.settings import MediaSettings
 from minisgl_cli.server.settings import ServerSettings
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -9,7 +9,7 @@ import torch
 from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.attention.torch_backend import TorchBackend
 from minisgl_cli.kvcache.pool import KVPool
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.kernel_choice import Kernels
 
 BACKEND_NAMES = ("auto", "torch", "triton", "flashinfer")
 log = logging.getLogger(__name__)
@@ -70,8 +70,8 @@ def _smoke_check(
     backend: AttentionBackend, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
 ) -> None:
     """Run one tiny decode through `backend` on a scratch pool of the same shape and compare with torch."""
-    from minisgl_cli.core.batch import ForwardBatch
-    from minisgl_cli.core.host import HostBuffers
+    from minisgl_cli.engine.batch import ForwardBatch
+    from minisgl_cli.engine.host import HostBuffers
     from minisgl_cli.kvcache.pool import KVShape
 
     shape = KVShape(1, num_kv_heads, head_dim, pool.shape.dtype)

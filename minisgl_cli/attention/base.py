@@ -7,13 +7,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from minisgl_cli.core.batch import ForwardBatch
-from minisgl_cli.core.fp8 import KVQuant
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.kernels.fp8 import KVQuant
 from minisgl_cli.kvcache.pool import KVPool
 
 
 class KVBuffers(NamedTuple):
-    """One layer's pool tensors for a kernel that stores K/V itself (layers/triton_ops.py's fused RoPE)."""
+    """One layer's pool tensors for a kernel that stores K/V itself (kernels/triton/ops.py's fused RoPE)."""
 
     k: torch.Tensor  # [slots, Hkv, D]
     v: torch.Tensor

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from minisgl_cli.attention.base import AttentionBackend
-from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.kvcache.pool import KVPool
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's split-KV scratch; its docs use 128 MiB

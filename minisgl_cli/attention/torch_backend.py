@@ -2,7 +2,7 @@
 
 Reads go through `KVPool.read`, which dequantizes an FP8 pool: on the CPU this is the FP8 KV cache itself
 (stored as e4m3 codes), and on the GPU the reference the Triton kernels are checked against. CPU decode over a 16-bit
-pool runs minisgl's own kernel where it is built (`minisgl::decode_attn`, layers/csrc/decode_attn.cpp): it reads the
+pool runs minisgl's own kernel where it is built (`minisgl::decode_attn`, kernels/cpu/csrc/): it reads the
 pool in place and rounds a row alike in any batch, which SDPA over a batch's padded keys does not."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from minisgl_cli.attention.base import AttentionBackend
-from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.kernels.cpu import library as cpu_library
 from minisgl_cli.kvcache.pool import KVPool
-from minisgl_cli.layers import cpu_library
 
 _PAD = 16  # the CPU's fp32 vector width (AVX-512; twice AVX2's): see TorchBackend.prepare
 _ROWS = 32  # extend rows attend in blocks of this many positions (TorchBackend._blocks): SDPA's own row block

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl_cli.attention import triton_kernels as tk
 from minisgl_cli.attention.base import AttentionBackend
-from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.kernels.triton import attention as tk
 from minisgl_cli.kvcache.pool import KVPool
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.kernel_choice import Kernels
 
 
 @dataclass

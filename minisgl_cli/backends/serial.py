@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import Callable, Generator
 
+from minisgl_cli.client.base import RoutedClient
 from minisgl_cli.client.protocol import STALL_S, PrefixWarm
-from minisgl_cli.client.routed import RoutedClient
 from minisgl_cli.messages import AbortRequest, AddRequest, DecodedPiece
 from minisgl_cli.scheduler.stats import RollingRate
 from minisgl_cli.tokenizer import StopStringMatcher, Tokenizer, prompt_ids

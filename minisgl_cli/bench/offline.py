@@ -64,7 +64,7 @@ class EngineTarget:
 
     def warmup(self, requests: list[BenchRequest]) -> None:
         # Measure the engine as it serves once warm: a CPU decode still compiling would time eager steps
-        # and share the cores with the compiler (engine/cpu_compile.py).
+        # and share the cores with the compiler (cpu_step/compiled.py).
         deadline = time.monotonic() + COMPILE_WAIT_S
         while self.client.stats().decode_compiling and time.monotonic() < deadline:
             time.sleep(0.5)

@@ -18,16 +18,16 @@ from collections.abc import Callable
 
 import torch
 
+from minisgl_cli.client.base import RoutedClient
 from minisgl_cli.client.protocol import STALL_S, PrefixWarm
-from minisgl_cli.client.routed import RoutedClient
-from minisgl_cli.core.host import trim_heap
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
+from minisgl_cli.engine.host import trim_heap
 from minisgl_cli.messages import DecodedPiece, FromScheduler, StepOutput, TokenOutput, ToScheduler
-from minisgl_cli.processor import VisionProcessor, has_images
 from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, prompt_ids
 from minisgl_cli.types import ErrorCode, GenerateRequest, Prompt, SamplingParams
+from minisgl_cli.vision.processor import VisionProcessor, has_images
 
 log = logging.getLogger("minisgl.client")
 

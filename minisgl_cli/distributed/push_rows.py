@@ -3,7 +3,7 @@
 A TP decode step follows each row-split linear (o_proj, down_proj) with an all-reduce and then the residual add +
 RMSNorm. At batch 1 on two GPUs each of those 64 all-reduces is a separate kernel of ~7 µs (torch's one-shot: two
 barriers in device memory) that also breaks the chain of programmatic dependent launches between our kernels.
-The fused kernel (layers/triton_ops.py `all_reduce_rmsnorm`) does all three in one launch: each row's program
+The fused kernel (kernels/triton/ops.py `all_reduce_rmsnorm`) does all three in one launch: each row's program
 stores its partial row straight into every peer's buffer, raises one flag per (sender, row) there, waits for the
 peers' flags in its own buffer, sums the rows in rank order and normalizes. This module holds that memory:
 

@@ -87,7 +87,7 @@ class EngineConfig:
     seed: int = 0  # dummy weights
     num_threads: int | None = None  # CPU: torch intra-op threads (None = torch's default)
     kv_cache_scale: float | None = None  # FP8 KV: one fixed scale for every head instead of the first prefill's
-    # Kernel choices (layers/fused.py's Kernels), by default from the environment:
+    # Kernel choices (layers/kernel_choice.py's Kernels), by default from the environment:
     disable_fused_ops: bool = field(default_factory=env.disable_fused_ops)  # CUDA: torch ops, not fused Triton ones
     disable_pdl: bool = field(default_factory=env.disable_pdl)  # CUDA: no programmatic dependent launch
     cpu_gemm: str = field(default_factory=env.cpu_gemm)  # CPU: GEMM policy (auto, invariant, mkl, fp16)
@@ -113,7 +113,7 @@ class EngineConfig:
             self._make_deterministic()
 
     def _make_deterministic(self) -> None:
-        """--deterministic: refuse what it cannot keep; take the GEMM policy that is (layers/cpu_kernels.py)."""
+        """--deterministic: refuse what it cannot keep; take the GEMM policy that is (layers/cpu_gemm.py)."""
         if self.resolved_device().type != "cpu":
             raise ValueError("--deterministic runs on the CPU (the CUDA kernels pick their arithmetic by batch size)")
         if self.torch_compile == "on":
@@ -141,7 +141,7 @@ class EngineConfig:
 
     def decode_step(self, quantization: str, kv_dtype: torch.dtype, tp_size: int, own_process: bool,
                     moe: bool = False) -> DecodeStep:
-        """How the engine decodes on the CPU (engine/cpu_compile.py): `off` eagerly, `load` through a stored compiled
+        """How the engine decodes on the CPU (cpu_step/compiled.py): `off` eagerly, `load` through a stored compiled
         step where there is one, `build` also building it (in the background) where there is none. auto takes the
         int4 / int8 CPU modes at TP 1 of a dense model (`moe`: the experts' CPU loop reads each step's row counts
         back, which no exported step holds), and builds in a scheduler process (`own_process`) or where

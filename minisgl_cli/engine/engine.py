@@ -20,22 +20,18 @@ import torch
 
 from minisgl_cli.attention import create_backend
 from minisgl_cli.attention.torch_backend import TorchBackend
-from minisgl_cli.core.batch import ForwardBatch, Mode
-from minisgl_cli.core.host import HostBuffers
+from minisgl_cli.cpu_step.compiled import CompiledDecode, StepKey
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks, setup_all_reduce
 from minisgl_cli.distributed.one_shot import buffer_bytes
 from minisgl_cli.distributed.push_rows import FUSED_NORM_ROWS
+from minisgl_cli.engine.batch import ForwardBatch, Mode
 from minisgl_cli.engine.config import EngineConfig
-from minisgl_cli.engine.cpu_compile import CompiledDecode, StepKey
 from minisgl_cli.engine.graph import MAX_DEFAULT_BS, DecodeGraphs, default_max_bs
-from minisgl_cli.engine.sampler import Sampled, create_sampler, sample
-from minisgl_cli.engine.sampler_graphs import SamplerGraphs
-from minisgl_cli.engine.sampling_state import Need, SamplingBatch, SamplingState
-from minisgl_cli.engine.vision import VisionState
+from minisgl_cli.engine.host import HostBuffers
 from minisgl_cli.kvcache.pool import KVPool, KVShape
-from minisgl_cli.layers import cpu_kernels
-from minisgl_cli.layers.fused import Kernels, load_sgl_kernel
+from minisgl_cli.layers import cpu_gemm
+from minisgl_cli.layers.kernel_choice import Kernels, load_sgl_kernel
 from minisgl_cli.layers.quant import METHODS
 from minisgl_cli.loader.blocks import blocks_file, iter_blocks, native_quantization
 from minisgl_cli.loader.configs import builtin_config
@@ -44,7 +40,11 @@ from minisgl_cli.loader.hf import iter_safetensors, read_hf_config
 from minisgl_cli.models import ModelConfig, create_model
 from minisgl_cli.models.dummy import dummy_checkpoint
 from minisgl_cli.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from minisgl_cli.sampling.graphs import SamplerGraphs
+from minisgl_cli.sampling.sampler import Sampled, create_sampler, sample
+from minisgl_cli.sampling.state import Need, SamplingBatch, SamplingState
 from minisgl_cli.types import ImageInput, ModelInfo, SamplingParams
+from minisgl_cli.vision.state import VisionState
 
 log = logging.getLogger("minisgl.engine")
 
@@ -113,8 +113,8 @@ class Engine:
         # The modes whose decode may run compiled normalize as the compiled step does, compiled or not (layers/norm.py).
         quantized_cpu = self.device.type == "cpu" and self.quantization in ("int4", "int8")
         self.kernels.ordered_sums = quantized_cpu
-        if quantized_cpu:  # they promise a row's result whatever the rows beside it (layers/cpu_kernels.py)
-            self.kernels.cpu_gemm = cpu_kernels.for_quantized(self.kernels.cpu_gemm)
+        if quantized_cpu:  # they promise a row's result whatever the rows beside it (layers/cpu_gemm.py)
+            self.kernels.cpu_gemm = cpu_gemm.for_quantized(self.kernels.cpu_gemm)
         self.kv_dtype = cfg.resolved_kv_dtype(self.dtype)
         try:
             self.model_cfg = ModelConfig.from_hf(hf_cfg)
@@ -167,7 +167,7 @@ class Engine:
         # Every request's sampling parameters on the device, by page-table row (written at admission).
         self.sampling = SamplingState(cfg.max_running_requests, mc.vocab_size, self.device, self.host, cfg.seed)
         self.sampler = create_sampler(self.device, mc.vocab_size, cfg.sampler)
-        # A vision-language model's images: pixels, M-RoPE positions, the tower's runs (engine/vision.py).
+        # A vision-language model's images: pixels, M-RoPE positions, the tower's runs (vision/state.py).
         self.vision = (VisionState(self.model, cfg.max_running_requests, self.device, self.host, tp)
                        if isinstance(self.model, Qwen2VLForConditionalGeneration) else None)
         self.graphs: DecodeGraphs | None = None
@@ -226,12 +226,12 @@ class Engine:
 
     @property
     def compiling(self) -> bool:
-        """Whether the CPU decode's compiled step is being built in the background (engine/cpu_compile.py)."""
+        """Whether the CPU decode's compiled step is being built in the background (cpu_step/compiled.py)."""
         return self.compiled is not None and self.compiled.compiling
 
     @property
     def decode_step(self) -> str:
-        """What runs a decode step on the CPU: compiled, building (eager meanwhile) or eager (engine/cpu_compile.py)."""
+        """What runs a decode step on the CPU: compiled, building (eager meanwhile) or eager (cpu_step/compiled.py)."""
         return self.compiled.state if self.compiled is not None else "eager"
 
     def _kv_pages(self, shape: KVShape) -> int:
@@ -265,7 +265,7 @@ class Engine:
         graphs = DecodeGraphs(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device, self.dtype)
         graphs.capture()
         self.graphs = graphs
-        if self.sampler.name == "triton":  # small sampled batches draw by replay too (engine/sampler_graphs.py)
+        if self.sampler.name == "triton":  # small sampled batches draw by replay too (sampling/graphs.py)
             self.sampler_graphs = SamplerGraphs(graphs, self.sampling, self.sampler.draw)
             self.sampler_graphs.capture()
 
@@ -302,7 +302,7 @@ class Engine:
         """page_table[rows, positions] = slots (int32, on the device): one device op."""
         self.pool.page_table[rows, positions] = slots
 
-    # --- a request's images (a vision-language model's; engine/vision.py) ------------------------------------------
+    # --- a request's images (a vision-language model's; vision/state.py) ------------------------------------------
     def load_images(self, images: list[ImageInput]) -> None:
         """A request arrived with images: hold their pixels (ValueError, the request's fault, when it cannot)."""
         if images and self.vision is None:

@@ -16,7 +16,7 @@ import time
 import torch
 
 from minisgl_cli.attention.base import AttentionBackend
-from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("minisgl.graph")

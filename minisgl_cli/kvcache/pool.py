@@ -2,7 +2,7 @@
 the page allocator with exact accounting.
 
 An FP8 pool (`--kv-cache-dtype fp8_e4m3`) stores e4m3 codes of x - mean with one fp32 scale per (layer, KV
-head) and one fp32 mean per (layer, KV head, channel), for K and for V apart (core/fp8.py's KVQuant: x ~
+head) and one fp32 mean per (layer, KV head, channel), for K and for V apart (kernels/fp8.py's KVQuant: x ~
 code * scale + mean). Both are set from the first prefill that reaches each layer: the mean is that batch's
 per-channel mean, and the scale puts the head's largest |x - mean| at 448 / KV_SCALE_HEADROOM, so later
 tokens up to that many times larger still fit before they saturate. Taking the mean out first (SageAttention's
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl_cli.core.fp8 import FP8, FP8_MAX, KVQuant, dequantize, quantize
+from minisgl_cli.kernels.fp8 import FP8, FP8_MAX, KVQuant, dequantize, quantize
 
 KV_SCALE_HEADROOM = 4.0  # calibrated amax lands at 448 / 4 = 112: 4x margin for later, larger K/V values
 _MIN_AMAX = 1e-4  # a head that is all zeros in the first prefill still gets a usable scale

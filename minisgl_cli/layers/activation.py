@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.kernel_choice import Kernels
 
 
 def silu_and_mul(gate_up: torch.Tensor, kernels: Kernels) -> torch.Tensor:

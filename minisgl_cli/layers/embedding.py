@@ -8,8 +8,8 @@ from torch import nn
 
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import all_gather_last_dim, all_reduce
-from minisgl_cli.layers import cpu_kernels
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers import cpu_gemm
+from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.loader.hf import Weight, whole
 
@@ -33,7 +33,7 @@ class VocabParallelEmbedding(nn.Module):
         part = _vocab_rows(loaded, self.start, self.local_vocab)
         if part is not None:
             self.weight.data[: part.shape[0]].copy_(whole(part))
-        cpu_kernels.invalidate(self.weight)
+        cpu_gemm.invalidate(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl_cli.core.fp8 import Fp8Rows
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import all_reduce
 from minisgl_cli.distributed.push_rows import Partial
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.kernels.fp8 import Fp8Rows
+from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.loader.hf import Weight, whole
 

@@ -16,7 +16,7 @@ routing weights and put back in slot order, then summed per token. Where the mat
            a decode step under int4 / int8, the experts' low-bit copies (`Experts.decode_matmul`)
 
 On CUDA with the fused ops on (16-bit activations) the whole block but the router's linear runs in Triton instead
-(layers/triton_moe.py: routing, block alignment, gate/up with SiLU fused, down with the routing weights) up to
+(kernels/triton/moe.py: routing, block alignment, gate/up with SiLU fused, down with the routing weights) up to
 its FUSED_MAX_TOKENS, and at every size for FP8 experts or where torch's grouped kernel is missing, so decode is
 graph-safe there too.
 
@@ -33,14 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl_cli.core.fp8 import FP8, Fp8Rows, dequantize, quantize, round_trip_rows, row_scales
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import all_reduce
-from minisgl_cli.layers import cpu_kernels
+from minisgl_cli.kernels.fp8 import FP8, Fp8Rows, dequantize, quantize, round_trip_rows, row_scales
+from minisgl_cli.kernels.triton.moe_tiles import fp8_act
+from minisgl_cli.layers import cpu_gemm
 from minisgl_cli.layers.activation import silu_and_mul
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.linear import divide
-from minisgl_cli.layers.moe_tiles import fp8_act
 from minisgl_cli.layers.norm import Terms
 from minisgl_cli.layers.quant import LinearMethod, gemv_ops
 from minisgl_cli.loader.blocks import Int4Groups, Int8Groups
@@ -70,7 +70,7 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 def triton_experts(x: torch.Tensor, kernels: Kernels, fp8: bool = False) -> ModuleType | None:
     """The Triton ops when the experts of a step with activations `x` [T, H] take the fused path
-    (layers/triton_moe.py), else None. FP8 experts take it at every size (the grouped GEMM would need them
+    (kernels/triton/moe.py), else None. FP8 experts take it at every size (the grouped GEMM would need them
     dequantized per call)."""
     ops = kernels.triton(x)
     if ops is None or x.dtype not in (torch.bfloat16, torch.float16):  # fp32's tl.dot would round through tf32
@@ -141,7 +141,7 @@ class Router(nn.Module):
         ops = gemv_ops(x, self.weight, self.kernels)  # batch-1 decode on CUDA: the Triton GEMV
         if ops is not None:
             return ops.gemv(x.contiguous(), self.weight, None, pdl=self.kernels.pdl)
-        return cpu_kernels.linear(x, self.weight, None, self.kernels.cpu_gemm)  # on CPU: as the dense linears
+        return cpu_gemm.linear(x, self.weight, None, self.kernels.cpu_gemm)  # on CPU: as the dense linears
 
 
 class _DecodeCopy(nn.Module):
@@ -228,7 +228,7 @@ class Experts(nn.Module):
         self._down_rows.clear()
 
     def dense_matmul(self, kernels: Kernels) -> ExpertMatmul | None:
-        """The torch loop's multiply by the dense experts on the CPU: the dense linears' GEMMs (layers/cpu_kernels.py:
+        """The torch loop's multiply by the dense experts on the CPU: the dense linears' GEMMs (layers/cpu_gemm.py:
         in the quantized modes a row's result whatever the rows beside it, so an expert's share of a prompt's rows
         gives a token the same value cold or after a prefix hit), each matrix a view kept for its cached pack."""
         if self.gate_up_proj.device.type != "cpu" or self.fp8:
@@ -238,7 +238,7 @@ class Experts(nn.Module):
         views = self._views
 
         def mm(e: int, proj: str, x: torch.Tensor) -> torch.Tensor:
-            return cpu_kernels.linear(x, views[0][e] if proj == "gate_up" else views[1][e], None, kernels.cpu_gemm)
+            return cpu_gemm.linear(x, views[0][e] if proj == "gate_up" else views[1][e], None, kernels.cpu_gemm)
 
         return mm
 

@@ -3,7 +3,7 @@
 Where the engine's decode may run compiled (Kernels.ordered_sums: the int4 / int8 CPU modes) the mean square is a
 cumsum's last entry instead of a mean: inductor would generate its own reduction for a mean, whose order of sums
 rounds unlike ATen's now and then (enough to flip a greedy token), while it calls ATen's cumsum as it is, so the
-compiled step (engine/cpu_compile.py) and eager normalize bit for bit alike."""
+compiled step (cpu_step/compiled.py) and eager normalize bit for bit alike."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Literal, overload
 import torch
 from torch import nn
 
-from minisgl_cli.core.fp8 import Fp8Rows
 from minisgl_cli.distributed.comm import all_reduce
 from minisgl_cli.distributed.push_rows import Partial
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.kernels.fp8 import Fp8Rows
+from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.loader.hf import Weight, whole
 
 

@@ -7,18 +7,18 @@ once every shard is in, then `apply` per forward (`apply_silu_mul` for the down 
 is a fused gate-up). METHODS maps the `--quantization` values to the methods; `devices` says where each
 runs (EngineConfig refuses the others with a one-line error).
 
-  none  the weight, dense in the engine dtype (layers/cpu_kernels.py's GEMMs, or the Triton GEMV on CUDA)
+  none  the weight, dense in the engine dtype (layers/cpu_gemm.py's GEMMs, or the Triton GEMV on CUDA)
   int4  plus its 4-bit copy: groups of 32 inputs with a scale and a zero each. A GGUF's Q4_0 / Q4_1 blocks
         load as they are; a dense checkpoint quantizes like Q4_1 (min and (max - min) / 15 per group)
   int8  plus its 8-bit copy, one scale per output channel (re-quantized per row from a GGUF's Q8_0)
   fp8   e4m3 weights with one fp32 scale per output channel (the whole row's), made at load from the
-        dense checkpoint (core/fp8.py). More than one row: activations quantized per token on the fly, one
+        dense checkpoint (kernels/fp8.py). More than one row: activations quantized per token on the fly, one
         GEMM through torch._scaled_mm (row-wise scales, bf16 out). One row (batch-1 decode): the Triton GEMV
-        reads the 8-bit weights against the 16-bit row (layers/triton_gemv.py). On the CPU (and on CUDA
+        reads the 8-bit weights against the 16-bit row (kernels/triton/gemv.py). On the CPU (and on CUDA
         with the fused ops off) the same numbers by quantize / dequantize in fp32: the simulation the
         kernels are tested against and the quality checks run on.
 
-The int4 copy runs minisgl's own kernel where the CPU has AVX512-BF16 (layers/cpu_int4.py: 1.3x PyTorch's at one
+The int4 copy runs minisgl's own kernel where the CPU has AVX512-BF16 (kernels/cpu/int4.py: 1.3x PyTorch's at one
 row, ~2x at 16), else PyTorch's `_weight_int4pack_mm_for_cpu`; the int8 copy runs `_weight_int8pack_mm`; all with
 bf16 activations (PyTorch's only vectorized path, on AVX2 and AVX-512 alike; fp32 in and out around them). Reading 4
 or 8 bits per weight, they win while a step has few rows (decode), but their cost grows with every row, so an extend
@@ -51,10 +51,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl_cli.core import fp8
-from minisgl_cli.layers import cpu_int4, cpu_kernels
+from minisgl_cli.kernels import fp8
+from minisgl_cli.kernels.cpu import int4 as cpu_int4
+from minisgl_cli.layers import cpu_gemm
 from minisgl_cli.layers.activation import silu_and_mul
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.loader.blocks import Int4Groups, Int8Groups, int8_scales, quantize_int4, quantize_int8
 from minisgl_cli.loader.hf import Weight, whole
 
@@ -89,7 +90,7 @@ class LinearMethod:
         layer's unsplit rows, of which w is this rank's columns: a method with one scale per output channel takes it
         from the whole row, so that every TP rank holds its columns of TP 1's numbers (not a finer scale of its own)."""
         layer.weight.data.narrow(0, row, w.shape[0]).copy_(whole(w))
-        cpu_kernels.invalidate(layer.weight)
+        cpu_gemm.invalidate(layer.weight)
 
     def finish(self, layer: Layer) -> None:
         """Called once all rows are loaded."""
@@ -100,7 +101,7 @@ class LinearMethod:
         ops = gemv_ops(x, layer.weight, layer.kernels)
         if ops is not None:
             return ops.gemv(x.contiguous(), layer.weight, bias, pdl=layer.kernels.pdl)
-        return cpu_kernels.linear(x, layer.weight, bias, layer.kernels.cpu_gemm)
+        return cpu_gemm.linear(x, layer.weight, bias, layer.kernels.cpu_gemm)
 
     def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """apply(silu(gate) * up) of a fused [T, 2I] gate-up: at one CUDA row, one GEMV that reads the gate-up."""
@@ -166,7 +167,7 @@ class _WeightOnly(LinearMethod):
             dst.narrow(0, row, part.shape[0]).copy_(part)
 
     def finish(self, layer: Layer) -> None:
-        # Buffers, not plain attributes: an exported step (engine/cpu_compile.py) names them by module path.
+        # Buffers, not plain attributes: an exported step (cpu_step/compiled.py) names them by module path.
         staged = layer.staged
         del layer.staged  # the staging copies go with the load
         for name, t in zip(("qweight", "qscale"), self._pack(staged)):

@@ -9,7 +9,7 @@ from typing import TypeVar
 
 import typer
 
-from minisgl_cli.media.device import DeviceError
+from minisgl_cli.device import DeviceError
 from minisgl_cli.media.jobs import ImageJob, MediaError, ModelSpec, VideoJob
 from minisgl_cli.media.pipelines import LoadedPipeline, StepCallback, load_pipeline
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl_cli import env
-from minisgl_cli.media.device import pick_device, pick_dtype
+from minisgl_cli.device import pick_device, pick_dtype
 from minisgl_cli.media.jobs import ImageJob, MediaError, ModelNotFoundError, ModelSpec, VideoJob
 
 # CLI name -> diffusers attention-dispatch backend name.

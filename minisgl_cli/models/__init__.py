@@ -4,7 +4,7 @@ Qwen2 decoder with a vision tower), chosen by the config's architecture."""
 from __future__ import annotations
 
 from minisgl_cli.distributed import TPInfo
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.models.config import ModelConfig
 from minisgl_cli.models.llama import (

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from minisgl_cli.attention.base import AttentionBackend
-from minisgl_cli.core.batch import ForwardBatch
-from minisgl_cli.core.fp8 import Fp8Rows
 from minisgl_cli.distributed import TPInfo
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.kernels.fp8 import Fp8Rows
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl_cli.layers.moe import EXPERT_PROJ, Experts, MoE, grouped_mm_runs
 from minisgl_cli.layers.norm import LayerOut, RMSNorm, rows_of

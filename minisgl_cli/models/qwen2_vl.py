@@ -2,7 +2,7 @@
 layers, and the Qwen2 decoder of models/llama.py with M-RoPE.
 
 Images reach the decoder as embeddings written into their placeholder rows at extend (`ForwardBatch.images`:
-the engine runs the tower, engine/vision.py); each token then turns by its time / height / width positions. A
+the engine runs the tower, vision/state.py); each token then turns by its time / height / width positions. A
 decode step turns by the plain position plus the request's M-RoPE delta (`rope_deltas`, by page-table row, so a
 CUDA graph replays it). The tower's attention heads, MLP and merger are split across TP ranks as the decoder's are.
 """
@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl_cli.attention.base import AttentionBackend
-from minisgl_cli.core.batch import ForwardBatch
 from minisgl_cli.distributed import TPInfo
-from minisgl_cli.layers.fused import Kernels
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear, divide
 from minisgl_cli.layers.norm import RMSNorm
 from minisgl_cli.layers.quant import LinearMethod

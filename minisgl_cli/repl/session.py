@@ -11,9 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from minisgl_cli.media.jobs import MediaError
 from minisgl_cli.types import GenerateRequest, RequestStats, SamplingParams
-from minisgl_cli.vision.image_source import ImagePolicy, load_image_file
+from minisgl_cli.vision.image_source import ImageError, ImagePolicy, load_image_file
 
 # name -> (argument hint, help); the order here is the order /help and the completer show.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -202,7 +201,7 @@ class ChatSession:
             return Action("reply", f"dropped {n} attached image(s)")
         try:
             image = load_image_file(arg, self.image_policy)
-        except MediaError as exc:
+        except ImageError as exc:
             return Action("error", exc.message)
         self.images.append((arg, image))
         w, h = image.size

@@ -1,6 +1,6 @@
 """`minisgl router`: one OpenAI-compatible endpoint in front of several `minisgl serve` workers (other hosts).
 
-Each request is routed by its prompt text (rr | fsfs | random | cache_aware, routing.py) and proxied as it
+Each request is routed by its prompt text (rr | fsfs | random | cache_aware, dispatch.py) and proxied as it
 came; the worker's response comes back as the worker writes it, so the OpenAI API and /generate are the
 same for clients. A request goes to another worker (MAX_TRIES workers at most) only while its worker cannot
 have run it: it could not be reached, or it answered 503 / `engine_unavailable` (starting, or its engine gone).
@@ -30,10 +30,10 @@ from starlette.types import Receive, Scope, Send
 
 from minisgl_cli.api import protocol as p
 from minisgl_cli.api.prometheus import escape_label, prometheus_family
+from minisgl_cli.dispatch import Busy, NoReplica
 from minisgl_cli.router.connections import KeptConnections
 from minisgl_cli.router.tally import ProcessFigures, Tally
 from minisgl_cli.router.workers import Worker, Workers
-from minisgl_cli.routing import Busy, NoReplica
 
 log = logging.getLogger("minisgl.router")
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
+from minisgl_cli.dispatch import Router
 from minisgl_cli.notice import notice
-from minisgl_cli.routing import Router
 
 log = logging.getLogger("minisgl.router")
 

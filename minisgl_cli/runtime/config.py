@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from minisgl_cli.dispatch import SCHEDULER_MODES, SchedulerMode
 from minisgl_cli.distributed import AllReduce, DistConfig
-from minisgl_cli.routing import SCHEDULER_MODES, SchedulerMode
 
 RuntimeMode = Literal["auto", "processes", "in-process"]
 

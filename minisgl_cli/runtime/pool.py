@@ -1,7 +1,7 @@
 """EnginePool: data parallelism — one EngineClient over N engine replicas, each request routed to one of them.
 
 Each replica is a whole engine with its own scheduler process(es) and devices (a RemoteClient); the `Router`
-(routing.py) picks one per request by --scheduler-mode, never one at its MAX_INFLIGHT_PER_ENGINE cap
+(dispatch.py) picks one per request by --scheduler-mode, never one at its MAX_INFLIGHT_PER_ENGINE cap
 (`routing.Busy` past it on all: the server answers 429). Prompts are tokenized first (by one replica's
 tokenizer worker, in turn) so cache_aware matches the token ids each replica's radix cache will see.
 
@@ -20,7 +20,7 @@ import threading
 from collections.abc import AsyncGenerator, Sequence
 
 from minisgl_cli.client.protocol import EngineClient, EngineGone, PrefixWarm
-from minisgl_cli.routing import NoReplica, Router
+from minisgl_cli.dispatch import NoReplica, Router
 from minisgl_cli.types import Delta, GenerateRequest, Prompt, ReplicaStats, SchedulerStats
 
 log = logging.getLogger("minisgl.runtime")

@@ -20,9 +20,8 @@ from collections.abc import Callable
 
 import zmq
 
+from minisgl_cli.client.base import RoutedClient, settle
 from minisgl_cli.client.protocol import ENGINE_GONE, STALL_S, EngineGone, PrefixWarm
-from minisgl_cli.client.routed import RoutedClient, settle
-from minisgl_cli.core import pixels
 from minisgl_cli.messages import (
     AbortRequest,
     AddRequest,
@@ -36,10 +35,11 @@ from minisgl_cli.messages import (
     ToScheduler,
     encode,
 )
-from minisgl_cli.processor import has_images, messages_to_wire
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv
 from minisgl_cli.runtime.supervisor import Runtime
 from minisgl_cli.types import ErrorCode, GenerateRequest, ImageInput, ModelInfo, Prompt, SamplingParams, SchedulerStats
+from minisgl_cli.vision import pixels
+from minisgl_cli.vision.processor import has_images, messages_to_wire
 
 log = logging.getLogger("minisgl.runtime")
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import zmq
 
 from minisgl_cli import notice
-from minisgl_cli.core import pixels
 from minisgl_cli.distributed import DistConfig, TPInfo
 from minisgl_cli.distributed.comm import broadcast_bytes, close_tp, describe_all_reduce, init_tp
 from minisgl_cli.engine.config import EngineConfig
@@ -34,6 +33,7 @@ from minisgl_cli.messages import AddRequest, FromScheduler, Heartbeat, RankBatch
 from minisgl_cli.runtime.child import Child, leave
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.scheduler.scheduler import Scheduler, SchedulerConfig
+from minisgl_cli.vision import pixels
 
 HEARTBEAT_S = 1.0
 log = logging.getLogger("minisgl.runtime")

@@ -24,10 +24,10 @@ from typing import Any, cast
 
 import zmq
 
-from minisgl_cli.core import pixels
 from minisgl_cli.messages import Failed, Ready
 from minisgl_cli.process_cpu import cpu_seconds
 from minisgl_cli.runtime.ipc import Endpoints, pull, recv
+from minisgl_cli.vision import pixels
 
 log = logging.getLogger("minisgl.runtime")
 

@@ -37,11 +37,11 @@ from minisgl_cli.messages import (
     TokenizeReply,
     TokenOutput,
 )
-from minisgl_cli.processor import VisionProcessor, has_images
 from minisgl_cli.runtime.child import Child, leave
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, decode_steps, prompt_ids
 from minisgl_cli.types import ErrorCode
+from minisgl_cli.vision.processor import VisionProcessor, has_images
 
 log = logging.getLogger("minisgl.runtime")
 

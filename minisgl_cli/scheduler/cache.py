@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from minisgl_cli.core.batch import ForwardBatch
+from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.kvcache import create_prefix_cache
 from minisgl_cli.scheduler.request import Req

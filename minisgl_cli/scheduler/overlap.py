@@ -6,7 +6,7 @@ step (scheduling, page allocation, building the batch, handling outputs) hides b
 Two consequences, handled here and in the scheduler: a decode input that step N sampled is gathered
 on the device from N's output; and a request that finished at step N is seen one step late, so it may
 have run one extra token in step N+1 -- that token is dropped and its pages are freed with the rest.
-Penalties need no host round trip (their token counts live on the device, engine/sampling_state.py), but a
+Penalties need no host round trip (their token counts live on the device, sampling/state.py), but a
 grammar needs every earlier token on the host before its mask: for a step holding a grammar request whose last
 token is still in flight, the scheduler launches the forward, then reads the previous step while it runs, then
 fills the grammar masks and samples (see `Scheduler._launch`): the forward still overlaps the CPU work, only the
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minisgl_cli.core.batch import Mode
+from minisgl_cli.engine.batch import Mode
 from minisgl_cli.engine.engine import Engine
-from minisgl_cli.engine.sampler import Sampled
+from minisgl_cli.sampling.sampler import Sampled
 from minisgl_cli.scheduler.request import Req
 
 # A row's logprob results: (chosen token's logprob, top candidate ids, their logprobs).

@@ -23,9 +23,8 @@ from typing import cast
 import torch
 
 from minisgl_cli.admission import AdmissionError, admit
-from minisgl_cli.core.batch import Mode
+from minisgl_cli.engine.batch import Mode
 from minisgl_cli.engine.engine import Engine
-from minisgl_cli.engine.sampler import Sampled
 from minisgl_cli.env import disable_overlap_scheduling as overlap_disabled_by_env
 from minisgl_cli.messages import (
     AbortRequest,
@@ -39,6 +38,7 @@ from minisgl_cli.messages import (
     TokenOutput,
     ToScheduler,
 )
+from minisgl_cli.sampling.sampler import Sampled
 from minisgl_cli.scheduler import speculative
 from minisgl_cli.scheduler.cache import CacheManager
 from minisgl_cli.scheduler.config import SchedulerConfig

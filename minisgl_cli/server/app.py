@@ -18,11 +18,12 @@ from fastapi.responses import PlainTextResponse
 
 from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
+from minisgl_cli.media.settings import MediaSettings
 from minisgl_cli.server import generate_route, openai_routes, web
 from minisgl_cli.server.context import Ctx, ServerContext
 from minisgl_cli.server.edge import EdgeMiddleware
 from minisgl_cli.server.errors import install_error_handlers
-from minisgl_cli.server.media import MediaSettings, build_media_router
+from minisgl_cli.server.media import build_media_router
 from minisgl_cli.server.settings import ServerSettings
 
 __all__ = ["ServerSettings", "create_app", "json_metrics", "shutdown_app"]

@@ -17,7 +17,6 @@ from fastapi import Depends, Request
 from minisgl_cli.admission import AdmissionError, new_tokens
 from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
-from minisgl_cli.media.jobs import MediaError
 from minisgl_cli.server.deadline import Deadline
 from minisgl_cli.server.errors import InputError, admission_error, coded_error
 from minisgl_cli.server.gate import InflightGate
@@ -25,7 +24,7 @@ from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.server.runs import EngineRun
 from minisgl_cli.server.settings import ServerSettings, VisionSettings
 from minisgl_cli.types import GenerateRequest, Prompt, SchedulerStats
-from minisgl_cli.vision.image_source import ImagePolicy, load_image_url
+from minisgl_cli.vision.image_source import ImageError, ImagePolicy, load_image_url
 
 if TYPE_CHECKING:
     from minisgl_cli.vision.vlm import VlmChat
@@ -38,7 +37,7 @@ def has_images(messages: list[p.ChatMessage]) -> bool:
 
 
 def chat_with_images(messages: list[p.ChatMessage], policy: ImagePolicy) -> list[dict]:
-    """The chat as templates take it, image parts read under `policy` into PIL images (a MediaError names the
+    """The chat as templates take it, image parts read under `policy` into PIL images (an ImageError names the
     part it is about)."""
     out = []
     for i, m in enumerate(messages):
@@ -63,7 +62,7 @@ class ServerContext:
     aliases: frozenset[str]  # lower-cased names a request's `model` may use
     created: int = field(default_factory=p.now)
     active: set[EngineRun] = field(default_factory=set)  # runs not yet closed, aborted at shutdown
-    vlm: VlmChat | None = None  # chat requests with images (server/vision.py); None: they get a 400
+    vlm: VlmChat | None = None  # chat requests with images (server/vlm_chat.py); None: they get a 400
 
     @classmethod
     def create(cls, client: EngineClient, settings: ServerSettings) -> ServerContext:
@@ -115,7 +114,7 @@ class ServerContext:
                 out = Prompt(list(prompt))
             else:
                 out = Prompt(await deadline.wait(self.client.tokenize(GenerateRequest(prompt=prompt or ""))))
-        except MediaError as exc:
+        except ImageError as exc:
             raise InputError(exc.message, exc.param) from None
         except InputError:
             raise

@@ -15,8 +15,6 @@ import asyncio
 import base64
 import logging
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -25,10 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minisgl_cli import env
 from minisgl_cli.api.protocol import error_response
-from minisgl_cli.media.device import DeviceError
+from minisgl_cli.device import DeviceError
 from minisgl_cli.media.jobs import (
-    DEFAULT_IMAGE_MODEL,
-    DEFAULT_VIDEO_MODEL,
     ImageJob,
     Kind,
     MediaError,
@@ -38,59 +34,10 @@ from minisgl_cli.media.jobs import (
     job_defaults,
     parse_size,
 )
+from minisgl_cli.media.settings import MediaSettings
 
 log = logging.getLogger(__name__)
 _IMAGE, _VIDEO = job_defaults(ImageJob), job_defaults(VideoJob)  # a request's defaults are its job's
-
-
-@dataclass(frozen=True)
-class MediaSettings:
-    """Which models the server's media routes use and where their weights are."""
-
-    image_model: str = DEFAULT_IMAGE_MODEL
-    image_model_dir: Path | None = None  # None: ~/.cache/mini-sglang/<model>
-    video_model: str = DEFAULT_VIDEO_MODEL
-    video_model_dir: Path | None = None
-    device: str | None = None  # None: mps -> cuda -> cpu
-    cpu_offload: bool = False
-    compile: bool = False
-    attention_backend: str = "sdpa"
-    # A request must never start a multi-GB download: fetch weights with the CLI or point at a dir.
-    allow_download: bool = False
-
-    @classmethod
-    def from_env(cls) -> MediaSettings:
-        return cls(
-            image_model=env.image_model() or DEFAULT_IMAGE_MODEL,
-            image_model_dir=env.image_model_dir(),
-            video_model=env.video_model() or DEFAULT_VIDEO_MODEL,
-            video_model_dir=env.video_model_dir(),
-            device=env.media_device(),
-        )
-
-    def spec(self, kind: Kind) -> ModelSpec:
-        model, model_dir = (
-            (self.image_model, self.image_model_dir) if kind == "image" else (self.video_model, self.video_model_dir)
-        )
-        return ModelSpec.create(
-            kind, model, model_dir, device=self.device, cpu_offload=self.cpu_offload, compile=self.compile,
-            attention_backend=self.attention_backend, allow_download=self.allow_download,
-        )
-
-    def available(self, kind: Kind) -> bool:
-        """Whether a request for this kind can run: the pipeline is on disk (or may be downloaded)."""
-        spec = self.spec(kind)
-        return spec.allow_download or (spec.model_dir / "model_index.json").is_file()
-
-    def serves(self, kind: Kind, requested: str | None) -> bool:
-        """Whether a request's `model` names this server's model (any model name if none given)."""
-        if not requested:
-            return True
-        model = self.image_model if kind == "image" else self.video_model
-        names = {model, model.rstrip("/").split("/")[-1]}
-        if model == DEFAULT_IMAGE_MODEL:
-            names |= {"z-image", "z-image-turbo"}
-        return requested in names or requested.lower() in {n.lower() for n in names}
 
 
 class ImageGenerationRequest(BaseModel):

@@ -15,7 +15,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from minisgl_cli.api import protocol as p
-from minisgl_cli.server import tools, vision
+from minisgl_cli.server import tools
+from minisgl_cli.server import vlm_chat as vision
 from minisgl_cli.server.context import Ctx
 from minisgl_cli.server.errors import InputError, error_frame
 from minisgl_cli.server.gate import downscale_headers

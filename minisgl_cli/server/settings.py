@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from minisgl_cli.server.media import MediaSettings
+from minisgl_cli.media.settings import MediaSettings
 from minisgl_cli.vision.image_source import DEFAULT_MAX_BODY_BYTES, ImagePolicy
 
 if TYPE_CHECKING:
@@ -39,6 +39,6 @@ class ServerSettings:
     retry_after_s: int = 1
     request_timeout_s: float = 600.0  # a request's deadline, and the most its `timeout` may ask; 0: none
     media: MediaSettings | None = None
-    vision: VisionSettings | None = None  # image_url parts in chat (server/vision.py)
+    vision: VisionSettings | None = None  # image_url parts in chat (server/vlm_chat.py)
     web: bool = True  # the page at / and /metrics/live (server/web.py); --no-web turns them off
     extra_model_aliases: tuple[str, ...] = field(default=("default",))

@@ -18,8 +18,8 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
 from minisgl_cli.api import protocol as p
+from minisgl_cli.media.settings import MediaSettings
 from minisgl_cli.server.context import Ctx, ServerContext
-from minisgl_cli.server.media import MediaSettings
 
 WEB_DIR = Path(__file__).with_name("web")
 PAGE_FILES = ("app.js", "style.css")  # served under /web/; index.html is served at /

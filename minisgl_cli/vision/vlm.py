@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl_cli.admission import new_tokens
-from minisgl_cli.media.device import pick_device, pick_dtype
-from minisgl_cli.processor import load_processor
+from minisgl_cli.device import pick_device, pick_dtype
 from minisgl_cli.types import (
     Delta,
     ErrorCode,
@@ -38,6 +37,7 @@ from minisgl_cli.types import (
     SamplingParams,
     error_code_of,
 )
+from minisgl_cli.vision.processor import load_processor
 
 log = logging.getLogger("minisgl.vlm")
 
@@ -108,7 +108,7 @@ def on_engine(model: str | Path, engine_model: str | None) -> tuple[str | None, 
     instead, the VLM the transformers chat loads, the one line that says so). A Qwen2-VL / Qwen2.5-VL directory runs
     on the engine as its served model (text and images), unless --model names another model; every other family
     runs here, in transformers. VlmLoadError when the VLM cannot be found."""
-    from minisgl_cli.processor import VisionProcessor
+    from minisgl_cli.vision.processor import VisionProcessor
 
     if engine_model is not None and Path(engine_model).is_dir() and VisionProcessor.of(engine_model) is not None:
         raise VlmLoadError(f"--model {engine_model} takes images itself (on the engine): drop --vlm-model")

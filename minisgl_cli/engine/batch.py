@@ -1,0 +1,119 @@
+"""ForwardBatch: one engine step's tokens and where their KV lives, passed explicitly to every layer."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from minisgl_cli.engine.host import HostBuffers
+
+Mode = Literal["extend", "decode"]
+
+
+@dataclass
+class ImageChunk:
+    """Placeholder rows of one image in a step: rows `row..row+count` of the step take the image's embeddings
+    `first..first+count` (a chunked prefill may cut an image)."""
+
+    image: Any  # types.ImageInput
+    row: int
+    first: int
+    count: int
+
+
+@dataclass
+class StepImages:
+    """A vision-language model's extend step: every token's M-RoPE positions, and the image rows it writes."""
+
+    positions: torch.Tensor  # [3, T] int64: time, height, width position of each token
+    chunks: list[ImageChunk]  # the images this step's rows hold, in row order
+    rows: torch.Tensor | None = None  # [R] int64: the step's rows that take an image embedding
+    embeds: torch.Tensor | None = None  # [R, hidden]: their embeddings (the engine fills both before the forward)
+
+
+@dataclass
+class ForwardBatch:
+    """Flat token batch (no padding) for one forward: an extend (prefill) step or a decode step.
+
+    Request i owns rows `qo_indptr[i]:qo_indptr[i+1]` of the flat token arrays; its KV for positions
+    `0..seq_lens[i]-1` lives at slots `page_table[req_slots[i], :seq_lens[i]]` of the KV pool, the last
+    `extend_lens[i]` of which this step writes (at `out_cache_loc`).
+    """
+
+    mode: Mode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64: KV slot of each new token
+    req_slots: torch.Tensor  # [B] int64: rows of the page table
+    seq_lens: torch.Tensor  # [B] int32: tokens in KV after this step
+    extend_lens: torch.Tensor  # [B] int32: new tokens this step (1 when decoding)
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    qo_indptr: torch.Tensor  # [B+1] int32: prefix sum of extend_lens
+    logits_indices: torch.Tensor  # [B] int64: row of each request's last token
+    attn_meta: Any = field(default=None)  # filled by the attention backend's prepare()
+    images: StepImages | None = None  # a VLM's extend step where a request holds images (vision/state.py)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode == "decode"
+
+    @staticmethod
+    def build(
+        mode: Mode,
+        input_ids: list[int],
+        req_slots: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        out_cache_loc: torch.Tensor | list[int],
+        device: torch.device | str,
+        host: HostBuffers,
+        positions: list[int] | None = None,
+    ) -> ForwardBatch:
+        """Derive positions and offsets on the host, then move them in two copies (int64, int32 fields), each field
+        a view that starts on a 16-byte boundary (one compiled variant of every Triton kernel, whatever the sizes).
+
+        On CUDA the copies go through `host` (the engine's pinned buffers) asynchronously, so building the
+        next step's batch never waits for the step the GPU is running."""
+        B = len(req_slots)
+        if mode == "decode" and len(input_ids) == B:  # one token a request: the offsets are the row numbers
+            positions = list(prefix_lens) if positions is None else positions
+            seq_lens = [p + 1 for p in prefix_lens]
+            indptr = list(range(B + 1))
+        else:
+            if positions is None:
+                positions = []
+                for p, e in zip(prefix_lens, extend_lens):
+                    positions.extend(range(p, p + e))
+            seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+            indptr = [0, *itertools.accumulate(extend_lens)]
+        if isinstance(out_cache_loc, torch.Tensor):
+            out_cache_loc = out_cache_loc.tolist()
+        device = torch.device(device)
+        ids, pos, loc, slots, last = host.to_device_parts(
+            [input_ids, positions, out_cache_loc, req_slots, [i - 1 for i in indptr[1:]]], torch.int64, device)
+        lens, extends, qo_indptr = host.to_device_parts([seq_lens, extend_lens, indptr], torch.int32, device)
+        return ForwardBatch(
+            mode=mode,
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=loc,
+            req_slots=slots,
+            seq_lens=lens,
+            extend_lens=extends,
+            seq_lens_cpu=seq_lens,
+            extend_lens_cpu=list(extend_lens),
+            qo_indptr=qo_indptr,
+            logits_indices=last,
+        )

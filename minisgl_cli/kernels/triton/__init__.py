@@ -1,0 +1,1 @@
+"""Triton kernels (CUDA): paged attention, sampling, fused decoder ops, GEMV, fused MoE, FP8 quantization."""

@@ -1,0 +1,208 @@
+"""Single-row matmul (GEMV) in Triton for batch-1 decode, optionally with SiLU-and-mul fused into its input.
+
+At one token per step a linear layer is a pass over its weight: time = bytes / bandwidth plus the
+kernel's start-up. cuBLAS's GEMV is tuned for neither end here (5-6 us on a 4-8 MB Qwen3-0.6B matrix,
+~80% of copy bandwidth on Llama-8B's big ones). This kernel gives each program BLOCK_N output rows and
+walks K in wide contiguous chunks, so every load is a long coalesced run of the weight, and a grid of
+N / BLOCK_N programs covers every SM many times. Measured in one H100 run (weights cold in L2, inside
+a CUDA graph): 3.4-6 us vs cuBLAS's 5.8-9.3 on Qwen3-0.6B's layers, 2.6-3.1 TB/s vs 2.1-2.8 on
+Llama-8B's. CUDA only; callers fall back to torch for more rows or other devices.
+
+FP8 weights (`--quantization fp8`): half the bytes, so the time goes to widening the codes unless that is
+cheap. The FMA kernel's two conversions per weight (e4m3 -> fp16 -> fp32) hold it near 1.6-2.4 TB/s on an
+H100; `_gemv_fp8_mma_kernel` widens pairs (e4m3x2 -> f16x2, half a conversion per weight) and multiplies on the
+tensor cores without padding x with zero rows (its docstring), at 2.1-3.1 TB/s on Llama-8B's layers. The row's
+fp32 scale multiplies the finished dot once. The activation stays 16-bit: at one row the bytes are all in the
+weight, and a per-token scale would need the whole row before the first chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from minisgl_cli.kernels.triton.pdl import pdl_kwargs
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride_w,
+                 HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACT_MUL: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_n = rn < N  # K masks stay vectorisable: K is specialised on divisibility by 16
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_w + rk[None, :]
+    # The weights never depend on an earlier kernel: the first chunk streams in before waiting for x
+    # (under programmatic dependent launch that overlaps the previous kernel's tail).
+    w = tl.load(w_ptrs, mask=mask_n[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
+    if USE_PDL:
+        gdc_wait()
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mk = (k0 + rk) < K
+        x = tl.load(x_ptr + k0 + rk, mask=mk, other=0.0)
+        xf = x.to(tl.float32)
+        if ACT_MUL:  # x is [gate | up] of 2K: silu(gate) * up, rounded where the unfused path rounds
+            u = tl.load(x_ptr + K + k0 + rk, mask=mk, other=0.0)
+            act = (xf / (1.0 + tl.exp(-xf))).to(x.dtype).to(tl.float32)
+            xf = (act * u.to(tl.float32)).to(x.dtype).to(tl.float32)
+        acc += w.to(tl.float32) * xf[None, :]
+        w_ptrs += BLOCK_K
+        nk = (k0 + BLOCK_K + rk) < K  # all false after the last chunk: no memory is touched
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & nk[None, :], other=0.0, eviction_policy="evict_first")
+    y = tl.sum(acc, axis=1)
+    if HAS_SCALE:  # FP8 weights: w = code * scale[row]
+        y *= tl.load(s_ptr + rn, mask=mask_n, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _prefetch_rows_l2(row_ptrs, nbytes, nrows: tl.constexpr):
+    """Start DRAM -> L2 copies of `nbytes` (a multiple of 16) from each of nrows 16-byte aligned row addresses
+    (Hopper's bulk prefetch: no registers held, nothing waited on). One thread per row issues it."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, $3; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [row_ptrs, nbytes, nrows], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _gemv_fp8_mma_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride_w,
+                         HAS_BIAS: tl.constexpr, ACT_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+    """FP8 weights through the tensor cores: each step's stretch of 16 * BLOCK_K inputs cut into 16 pieces.
+
+    A GEMV has one row of x, and a tensor-core tile wants 16: padding x with 15 zero rows makes every warp
+    build (and convert) a 16-row tile for one real row, which costs as much as the weights' own conversion.
+    Instead the 16 rows of the tile are 16 pieces of x: X[j, c] = x[k0 + c * BLOCK_K + j], and the weight
+    tile's row (n, c) is the matching piece of row n, A[(n, c), j] = W[n, k0 + c * BLOCK_K + j]. Then
+    (A X)[(n, c), c] is row n's sum over piece c, and y[n] sums those 16 diagonal entries; the off-diagonal
+    products are thrown away (the tensor cores have time to spare). Every element of x is read once per
+    program, each weight row is read in runs of 16 * BLOCK_K bytes, every weight is widened e4m3x2 -> f16x2
+    (half a conversion each) and multiplied in fp32 accumulators; x in fp16 is exact for bf16 values in
+    fp16's range (clamped to stay finite).
+
+    The weights never depend on the previous kernel, so under programmatic dependent launch some are asked
+    for before waiting on it (overlapping its tail). PREFETCH 0: none (Triton pipelines the loads after the
+    wait, num_stages); 1: the first tile into registers, then the next while computing this one, by hand;
+    2: the first step's bytes of each row into L2; 3: each whole row into L2."""
+    if USE_PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    if PREFETCH >= 2:
+        pr = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        pr = tl.minimum(pr, N - 1)
+        _prefetch_rows_l2(w_ptr + pr.to(tl.int64) * stride_w, K if PREFETCH == 3 else 16 * BLOCK_K, BLOCK_N)
+    rows = tl.arange(0, BLOCK_N * 16)
+    rn_w = pid * BLOCK_N + rows // 16
+    piece = rows % 16
+    rj = tl.arange(0, BLOCK_K)
+    rc = tl.arange(0, 16)
+    w_mask = (rn_w < N)[:, None]
+    w_ptrs = w_ptr + rn_w.to(tl.int64)[:, None] * stride_w + (piece * BLOCK_K)[:, None] + rj[None, :]
+    x_ptrs = x_ptr + (rc * BLOCK_K)[None, :] + rj[:, None]
+    acc = tl.zeros((BLOCK_N * 16, 16), dtype=tl.float32)
+    if PREFETCH == 1:
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+    if USE_PDL:
+        gdc_wait()
+    for k0 in range(0, K, 16 * BLOCK_K):
+        if PREFETCH == 1:
+            nxt = tl.load(w_ptrs + (k0 + 16 * BLOCK_K), mask=w_mask & (k0 + 16 * BLOCK_K < K), other=0.0,
+                          eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        xv = tl.load(x_ptrs + k0)
+        xf = xv.to(tl.float32)
+        if ACT_MUL:  # x is [gate | up] of 2K: silu(gate) * up, rounded where the unfused path rounds
+            u = tl.load(x_ptrs + K + k0)
+            act = (xf / (1.0 + tl.exp(-xf))).to(xv.dtype).to(tl.float32)
+            xf = (act * u.to(tl.float32)).to(xv.dtype).to(tl.float32)
+        acc = tl.dot(w.to(tl.float16), tl.clamp(xf, -65504.0, 65504.0).to(tl.float16), acc)
+        if PREFETCH == 1:
+            w = nxt
+    diag = tl.sum(tl.where(piece[:, None] == rc[None, :], acc, 0.0), axis=1)
+    y = tl.sum(tl.reshape(diag, (BLOCK_N, 16)), axis=1)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    y *= tl.load(s_ptr + rn, mask=mask_n, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+Config = tuple[int, ...]
+"""(BLOCK_N, BLOCK_K, num_warps): the FMA kernel; (BLOCK_N, BLOCK_K, num_warps, num_stages, prefetch): the FP8
+tensor-core one (a step covers 16 * BLOCK_K inputs; prefetch as its PREFETCH, 1 with num_stages 1)."""
+
+
+def mma_fits(k: int, config: Config) -> bool:
+    """Whether the FP8 tensor-core kernel with `config` covers rows of k: whole steps of 16 * BLOCK_K."""
+    return len(config) == 5 and k % (16 * config[1]) == 0
+
+
+def pick_config(n: int, k: int, act_mul: bool = False, itemsize: int = 2) -> Config:
+    """The kernel and its block shape, from sweeps on an H100 (examples/gpu_bench.py --only gemv [--sweep-fp8]).
+
+    16-bit weights: few rows per program win everywhere (more programs in flight to hide the DRAM latency);
+    long K rows take 512-wide chunks, short ones 1024. The fused SiLU input needs more registers per chunk.
+    FP8 weights: the tensor-core kernel wherever rows split into steps of 16 * 64 inputs -- 8 rows per
+    program, 3 stages, each row's first step prefetched into L2 before the wait (Llama-8B at one row: 2.4-3.1
+    TB/s, against 1.6-2.7 for the FMA kernel); 16 rows for a qkv-sized N, and on a square 4096 x 4096 the
+    first tile into registers instead (7.5 vs 7.9 us).
+    """
+    if itemsize == 1:
+        if not act_mul and n <= 4096 and k <= 4096:
+            cfg: Config = (8, 64, 4, 1, 1)
+        else:
+            cfg = (16, 64, 4, 3, 2) if 4096 < n <= 8192 and not act_mul else (8, 64, 4, 3, 2)
+        if mma_fits(k, cfg):
+            return cfg
+        return (8, 512, 4) if k >= 4096 else (4, min(2048, triton.next_power_of_2(k)), 8)
+    if k >= 4096:
+        return (4 if act_mul else 1), 512, 4
+    return (
+        (1 if n <= 1024 and not act_mul else 2),
+        min(1024, triton.next_power_of_2(k)),
+        (8 if act_mul or n <= 1024 else 4),
+    )
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act_mul: bool = False,
+         config: Config | None = None, pdl: bool = True, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y[1, N] = f(x) @ weight[N, K]^T (+ bias); f(x) = silu(x[:, :K]) * x[:, K:] when act_mul (x is [1, 2K]).
+
+    scale: the fp32 per-row scales [N] of an e4m3 `weight` (W = weight * scale[:, None]).
+    config: see `pick_config`; a 5-tuple runs the tensor-core kernel (FP8 weights, 16-bit x only)."""
+    n, k = weight.shape
+    assert x.shape[0] == 1 and x.shape[-1] == (2 * k if act_mul else k) and x.is_contiguous()
+    assert weight.stride(1) == 1
+    config = config or pick_config(n, k, act_mul, weight.element_size())
+    if len(config) == 5 and (x.dtype not in (torch.bfloat16, torch.float16) or not mma_fits(k, config)):
+        config = (8, 512, 4)  # an fp32 row (the tensor-core kernel widens x to fp16), or rows it cannot slice
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    bias_arg = bias if bias is not None else weight
+    scale_arg = scale if scale is not None else weight
+    if len(config) == 5:
+        assert scale is not None
+        block_n, block_k, warps, stages, prefetch = config
+        _gemv_fp8_mma_kernel[(triton.cdiv(n, block_n),)](
+            x, weight, bias_arg, scale_arg, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+            ACT_MUL=act_mul, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, num_warps=warps,
+            num_stages=stages, **pdl_kwargs(x, pdl),
+        )
+        return y
+    block_n, block_k, warps = config
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias_arg, scale_arg, y, n, k,
+        weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, ACT_MUL=act_mul,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_kwargs(x, pdl),
+    )
+    return y

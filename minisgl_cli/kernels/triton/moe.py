@@ -1,0 +1,364 @@
+"""The fused MoE experts in Triton (CUDA): softmax top-k routing, per-expert block alignment, two grouped GEMMs.
+
+One layer's experts in four or five launches (w8a8: two more, the quantizations) and a sum, none reading a value
+back to the host (CUDA graphs capture them):
+
+  route     one program per token: softmax over the experts in fp32, the k largest (lowest id first on a tie),
+            renormalized where the model says so (`route` in layers/moe.py is the reference)
+  align     the T k (token, choice) slots sorted by expert (stable: slots ascending within one), each expert's
+            run padded to a whole number of BLOCK_M rows with an out-of-range slot id, and the expert of each
+            block; blocks past the padded total are skipped by the GEMMs. One program per chunk of slots, after
+            a launch that counts each chunk's slots per expert (none when one chunk holds them all: decode)
+  gate/up   per (block, BLOCK_N columns): the block's token rows times its expert's gate and up rows in two
+            accumulators, SiLU(gate) * up written per slot [T k, I]: the [T k, 2I] gate-up never exists
+  down      per (block, BLOCK_N columns): those rows times the expert's down rows, scaled by the slot's routing
+            weight, written per slot [T k, H]; a torch sum over each token's k slots follows (no atomics: the
+            result does not depend on the order blocks run in), or on one CUDA rank the next RMSNorm sums them
+            (`terms`: layers/norm.py's Terms)
+
+Up to SMALL_MAX_TOKENS tokens (decode) `one_slot_experts` skips route and align: block b holds slot b alone in its
+first row, and the gate/up programs route their slot themselves (the token's top-k from its E logits, recomputed in
+each) and write its expert and weight for down; router, gate/up, down: three launches a layer.
+
+Each output row is one MMA row of its block, so where a slot lands in its block changes nothing in its value.
+FP8 expert weights (e4m3, an fp32 scale per output row) run w8a16 or w8a8 (kernels/triton/moe_tiles.py says which and
+when): w8a16 widens the weight tile to the activation dtype; w8a8 takes the activations as e4m3 codes with a scale
+per row (triton_fp8.quant_rows: the tokens before gate/up, the gate/up output before down), an FP8 MMA on the two
+8-bit tiles. The scales multiply the finished accumulator. The grid is sized for the worst case the shapes allow:
+min(T k BLOCK_M, T k + E (BLOCK_M - 1)) rows, so a decode step's handful of slots launches a handful of blocks.
+
+The caller (layers/moe.py) takes torch's grouped GEMM past `FUSED_MAX_TOKENS` tokens (prefill chunks) on the
+GPUs where it runs (examples/moe_bench.py measures both; kernels/triton/moe_tiles.py says what was chosen and why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from minisgl_cli.kernels.triton.fp8 import quant_rows
+from minisgl_cli.kernels.triton.moe_tiles import FUSED_MAX_TOKENS, SMALL_MAX_TOKENS, MoeConfig, MoeTiles, pick_tiles  # noqa: F401  (re-exported)
+from minisgl_cli.kernels.triton.pdl import pdl_kwargs
+
+
+@triton.jit
+def _top_k(logits_ptr, row, stride_l, E, K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
+           RENORMALIZE: tl.constexpr):
+    """(weights [K_P2] fp32, ids [K_P2] int32) of token `row`'s router logits; lanes from K hold zeros."""
+    e = tl.arange(0, E_P2)
+    x = tl.load(logits_ptr + row * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(e < E, p, -1.0)  # padding lanes never win
+    j = tl.arange(0, K_P2)
+    weights = tl.zeros((K_P2,), dtype=tl.float32)
+    ids = tl.zeros((K_P2,), dtype=tl.int32)
+    for i in tl.static_range(K):  # the k largest one by one, in registers
+        best = tl.max(p, axis=0)
+        pick = tl.min(tl.where(p == best, e, E_P2), axis=0)
+        weights = tl.where(j == i, best, weights)
+        ids = tl.where(j == i, pick, ids)
+        p = tl.where(e == pick, -1.0, p)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)
+    return weights, ids
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E, K: tl.constexpr, K_P2: tl.constexpr,
+                  E_P2: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    weights, ids = _top_k(logits_ptr, row, stride_l, E, K, K_P2, E_P2, RENORMALIZE)
+    j = tl.arange(0, K_P2)
+    tl.store(w_ptr + row * K + j, weights, mask=j < K)
+    tl.store(ids_ptr + row * K + j, ids, mask=j < K)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int32) of router logits [T, E]: layers/moe.py's `route` in one launch."""
+    n_tok, n_exp = logits.shape
+    weights = torch.empty(n_tok, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(n_tok, top_k, dtype=torch.int32, device=logits.device)
+    if n_tok:
+        _route_kernel[(n_tok,)](logits, weights, ids, logits.stride(0), n_exp, K=top_k,
+                                K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(n_exp),
+                                RENORMALIZE=renormalize, **pdl_kwargs(logits, pdl))
+    return weights, ids
+
+
+@triton.jit
+def _count_kernel(ids_ptr, hist_ptr, numel, E_P2: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    """hist[c, e]: the slots of chunk c (CHUNK slots from c CHUNK) that chose expert e."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    c = tl.program_id(0)
+    r = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + r, mask=r < numel, other=-1)
+    experts = tl.arange(0, E_P2)
+    tl.store(hist_ptr + c * E_P2 + experts, tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _place_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr, numel, n_chunks, n_blocks,
+                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                  BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
+    """Chunk c's slots to their rows; its share of the blocks' experts and padding rows."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_P2)
+    r = tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + c * CHUNK + r, mask=c * CHUNK + r < numel, other=-1)
+    hit = (e[:, None] == experts[None, :]).to(tl.int32)
+    if ONE_CHUNK:  # decode-sized: no count launch before this one
+        counts = tl.sum(hit, axis=0)
+        before = tl.zeros((E_P2,), dtype=tl.int32)
+    else:  # every chunk's counts; those of the chunks before this one
+        counts = tl.zeros((E_P2,), dtype=tl.int32)
+        before = tl.zeros((E_P2,), dtype=tl.int32)
+        rows = tl.arange(0, 16)
+        for c0 in range(0, n_chunks, 16):
+            h = tl.load(hist_ptr + (c0 + rows)[:, None] * E_P2 + experts[None, :],
+                        mask=(c0 + rows < n_chunks)[:, None], other=0)
+            counts += tl.sum(h, axis=0)
+            before += tl.sum(tl.where((c0 + rows < c)[:, None], h, 0), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    if c == 0:
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+    # each slot: its expert's run start, that expert's slots in earlier chunks, the earlier ones of this chunk
+    # that chose it (stable: slots ascend within an expert)
+    rank = tl.sum(tl.cumsum(hit, axis=0) * hit, axis=1) - 1
+    pos = tl.sum(hit * (starts + before)[None, :], axis=1) + rank
+    tl.store(sorted_ptr + pos, c * CHUNK + r, mask=c * CHUNK + r < numel)
+    # blocks c, c + n_chunks, ...: the expert (the number of runs ending at or before the block's first row) and
+    # the out-of-range slot id `numel` in its rows past the expert's slots (rows no slot above writes)
+    m = tl.arange(0, BLOCK_M)
+    for b0 in range(c * BLOCKS, n_blocks, n_chunks * BLOCKS):
+        b = b0 + tl.arange(0, BLOCKS)
+        first = b * BLOCK_M
+        owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, owner, mask=b < n_blocks)
+        mine = owner[:, None] == experts[None, :]
+        used = tl.sum(tl.where(mine, (starts + counts)[None, :], 0), axis=1)  # one past the expert's last slot row
+        row = first[:, None] + m[None, :]
+        tl.store(sorted_ptr + row, tl.full((BLOCKS, BLOCK_M), 0, tl.int32) + numel,
+                 mask=(b < n_blocks)[:, None] & (row >= used[:, None]))
+
+
+@triton.jit
+def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                        logits_ptr, N, K, numel, E, stride_a, stride_we, stride_wn, stride_c, stride_se, stride_l,
+                        A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                        A_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        ONE_SLOT: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, RENORMALIZE: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    """c[slot, n] for the slots of block program_id(0), columns of program_id(1): a[slot // A_DIV] . w[expert, n]
+    (GATED: silu(. w[expert, n]) * (. w[expert, N + n])); ROUTED: times rw[slot]. A_SCALE: a holds e4m3 codes,
+    row r's value codes * as[r], and the MMA runs on the 8-bit tiles.
+
+    ONE_SLOT (a few tokens, no alignment): block b holds slot b alone, in its first row. Gate/up routes it (its
+    token's top-k from the router logits, in every program of the slot) and its first column tile writes the
+    slot's expert and weight (block_expert, rw) for down, which reads them."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if ONE_SLOT:
+        if GATED:
+            weights, ids = _top_k(logits_ptr, pid_m // A_DIV, stride_l, E, A_DIV, K_P2, E_P2, RENORMALIZE)
+            mine = tl.arange(0, K_P2) == pid_m % A_DIV
+            expert = tl.sum(tl.where(mine, ids, 0), axis=0).to(tl.int64)
+            if pid_n == 0:
+                tl.store(rw_ptr + pid_m, tl.sum(tl.where(mine, weights, 0.0), axis=0))
+                tl.store(block_expert_ptr + pid_m, expert.to(tl.int32))
+        else:
+            expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = tl.arange(0, BLOCK_M)
+        slot = pid_m + rows * 0
+        valid = rows == 0
+    else:
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = slot < numel
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (slot // A_DIV).to(tl.int64)[:, None] * stride_a + rk[None, :]
+    # the weight tile read as [BLOCK_K, BLOCK_N] of the row-major [N, K] matrix
+    w_ptrs = w_ptr + expert * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # a e4m3 (A_SCALE): the weight tile's .to is none, an FP8 MMA
+        mk = k0 + rk < K
+        a = tl.load(a_ptrs + k0, mask=valid[:, None] & mk[None, :], other=0.0)
+        wm = mk[:, None] & mask_n[None, :]
+        acc = tl.dot(a, tl.load(w_ptrs + k0, mask=wm, other=0.0).to(a.dtype), acc)
+        if GATED:
+            acc_up = tl.dot(a, tl.load(w_ptrs + N * stride_wn + k0, mask=wm, other=0.0).to(a.dtype), acc_up)
+    if HAS_SCALE:  # FP8 weights: w = code * scale[expert, row]
+        s_ptrs = s_ptr + expert * stride_se + rn
+        acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(s_ptrs + N, mask=mask_n, other=0.0)[None, :]
+    if A_SCALE:  # FP8 activations: a = code * scale[row]
+        a_scale = tl.load(as_ptr + slot // A_DIV, mask=valid, other=0.0)[:, None]
+        acc *= a_scale
+        if GATED:
+            acc_up *= a_scale
+    dtype = c_ptr.dtype.element_ty
+    if GATED:  # rounded where the unfused path rounds: gate and up, silu(gate), the product
+        g = acc.to(dtype).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        acc = act * acc_up.to(dtype).to(tl.float32)
+    if ROUTED:
+        acc *= tl.load(rw_ptr + slot, mask=valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + slot.to(tl.int64)[:, None] * stride_c + rn[None, :]
+    tl.store(c_ptrs, acc.to(dtype), mask=valid[:, None] & mask_n[None, :])
+
+
+def align(ids: torch.Tensor, n_exp: int, block_m: int,
+          pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted slot ids [rows], each block's expert [rows / block_m], padded total [1]) of expert ids [T, k]."""
+    numel = ids.numel()
+    rows = triton.cdiv(min(numel * block_m, numel + n_exp * (block_m - 1)), block_m) * block_m
+    dev = ids.device
+    sorted_ids = torch.empty(rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    e_p2 = triton.next_power_of_2(n_exp)
+    chunk = 64 if numel <= 4096 else 256  # few programs at decode sizes, few count rows to sum at prefill sizes
+    n_chunks = triton.cdiv(numel, chunk)
+    hist = torch.empty(n_chunks, e_p2, dtype=torch.int32, device=dev)  # unread when one chunk
+    warps = 4 if chunk == 64 else 8
+    if n_chunks > 1:
+        _count_kernel[(n_chunks,)](ids, hist, numel, E_P2=e_p2, CHUNK=chunk, num_warps=warps, **pdl_kwargs(ids, pdl))
+    _place_kernel[(n_chunks,)](ids, hist, sorted_ids, block_expert, total, numel, n_chunks, rows // block_m,
+                               E_P2=e_p2, BLOCK_M=block_m, CHUNK=chunk, ONE_CHUNK=n_chunks == 1, BLOCKS=16,
+                               num_warps=warps, **pdl_kwargs(ids, pdl))
+    return sorted_ids, block_expert, total
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                  tiles: MoeTiles | None = None, pdl: bool = False, terms: bool = False) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H] in x's dtype (`terms`: the
+    [T, k, H] terms, unsummed).
+
+    x [T, H]; gate_up [E, 2I, H] and down [E, H, I] in x's dtype, or e4m3 with fp32 scales [E, 2I] / [E, H];
+    weights [T, k] fp32, ids [T, k]; `tiles` (default: `pick_tiles(T, fp8)`; FP8 weights and `tiles.fp8_act`:
+    w8a8, x and the gate/up output quantized per row to e4m3 for the MMAs)."""
+    n_tok, k = ids.shape
+    n_exp, two_i, hidden = gate_up.shape
+    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None)
+    w8a8 = tiles.fp8_act and gate_up_scale is not None
+    numel = n_tok * k
+    x = x.contiguous()
+    out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
+    if numel == 0:
+        return out.view(n_tok, k, hidden) if terms else out.view(n_tok, k, hidden).sum(dim=1)
+    slots = Slots(*align(ids.contiguous(), n_exp, tiles.gate_up.block_m, pdl), weights.contiguous().view(-1), k)
+    h = torch.empty(numel, two_i // 2, dtype=x.dtype, device=x.device)
+    a: tuple[torch.Tensor, torch.Tensor | None] = quant_rows(x.contiguous(), pdl=pdl) if w8a8 else (x, None)
+    expert_gemm(a[0], gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True, a_scale=a[1], pdl=pdl)
+    a = quant_rows(h, pdl=pdl) if w8a8 else (h, None)  # h rounded to x's dtype first, as the dense FP8 MLP does
+    expert_gemm(a[0], down, down_scale, out, slots, tiles.down, gated=False, a_scale=a[1], pdl=pdl)
+    return out.view(n_tok, k, hidden) if terms else out.view(n_tok, k, hidden).sum(dim=1)
+
+
+def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                   renormalize: bool, gate_up_scale: torch.Tensor | None = None,
+                   down_scale: torch.Tensor | None = None, pdl: bool = False, terms: bool = False) -> torch.Tensor:
+    """The MoE block after its router's linear: up to SMALL_MAX_TOKENS tokens `one_slot_experts`, else `route` then
+    `fused_experts`; [T, H], or with `terms` each token's k terms [T, k, H] for the caller to sum.
+
+    `pdl` reaches the 16-bit experts only: under programmatic dependent launch the FP8 (w8a16) expert kernels ran
+    far slower (examples/moe_bench.py on an H100, one token, 4 layers: 52.8 against 33.0 us a layer on one-slot
+    blocks, 47.0 against 41.6 aligned; the 16-bit ones gain: 46.4 against 49.3 aligned)."""
+    pdl = pdl and gate_up_scale is None
+    if x.shape[0] <= SMALL_MAX_TOKENS:
+        return one_slot_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale, pdl=pdl,
+                                terms=terms)
+    weights, ids = route(logits, top_k, renormalize, pdl)
+    return fused_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale, pdl=pdl, terms=terms)
+
+
+@dataclass
+class Slots:
+    """A layer's (token, choice) slots aligned to BLOCK_M (`align`), their routing weights, the choices a token.
+    Unaligned (`sorted_ids` None): one slot a block, `block_expert` and `weights` written by the gate/up pass."""
+
+    sorted_ids: torch.Tensor | None
+    block_expert: torch.Tensor
+    total: torch.Tensor | None
+    weights: torch.Tensor  # [T k] fp32
+    top_k: int
+
+
+@dataclass
+class Route:
+    """The router's logits [T, E] for a gate/up pass that routes its slots itself, and the model's renormalization."""
+
+    logits: torch.Tensor
+    renormalize: bool
+
+
+def one_slot_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                     renormalize: bool, gate_up_scale: torch.Tensor | None = None,
+                     down_scale: torch.Tensor | None = None, tiles: MoeTiles | None = None,
+                     pdl: bool = False, terms: bool = False) -> torch.Tensor:
+    """`fused_experts` of a few tokens, routed inside the gate/up pass: one slot a block, no alignment, three launches
+    (gate/up, down, the sum; `terms`: two, the [T, k, H] terms unsummed). FP8 experts run w8a16 (below
+    W8A8_MIN_TOKENS)."""
+    n_tok, hidden = x.shape
+    numel = n_tok * top_k
+    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None, w8a8=False)
+    out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
+    if numel == 0:
+        return out.view(n_tok, top_k, hidden) if terms else out.view(n_tok, top_k, hidden).sum(dim=1)
+    slots = Slots(None, torch.empty(numel, dtype=torch.int32, device=x.device), None,
+                  torch.empty(numel, dtype=torch.float32, device=x.device), top_k)
+    h = torch.empty(numel, gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
+    x = x.contiguous()
+    expert_gemm(x, gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True, pdl=pdl,
+                route=Route(logits.contiguous(), renormalize))
+    expert_gemm(h, down, down_scale, out, slots, tiles.down, gated=False, pdl=pdl)
+    return out.view(n_tok, top_k, hidden) if terms else out.view(n_tok, top_k, hidden).sum(dim=1)
+
+
+def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c: torch.Tensor, slots: Slots,
+                cfg: MoeConfig, gated: bool, a_scale: torch.Tensor | None = None, pdl: bool = False,
+                route: Route | None = None) -> None:
+    """One of the two expert GEMMs into c [T k, N]: gated, gate/up from the tokens' rows a [T, H]; else down from
+    the slots' rows a [T k, I], scaled by their routing weights. `a_scale` [rows, 1] fp32: a is e4m3 codes (w8a8)."""
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    grid = (slots.block_expert.numel(), triton.cdiv(n, cfg.block_n))
+    one_slot = slots.sorted_ids is None
+    assert not (one_slot and gated and route is None), "one-slot blocks: gate/up routes the slots"
+    logits = route.logits if route is not None else slots.weights  # (unread without a route)
+    n_exp = logits.shape[-1] if route is not None else 1
+    sorted_ids = slots.sorted_ids if slots.sorted_ids is not None else slots.block_expert  # (unread: one slot)
+    total = slots.total if slots.total is not None else slots.block_expert
+    _expert_gemm_kernel[grid](a, a_scale, w, scale, c, slots.weights, sorted_ids, slots.block_expert, total, logits,
+                              n, a.shape[1], c.shape[0], n_exp, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+                              scale.stride(0) if scale is not None else 0, logits.stride(0),
+                              A_DIV=slots.top_k if gated else 1, GATED=gated, ROUTED=not gated,
+                              HAS_SCALE=scale is not None, A_SCALE=a_scale is not None, BLOCK_M=cfg.block_m,
+                              BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SLOT=one_slot,
+                              K_P2=triton.next_power_of_2(slots.top_k), E_P2=triton.next_power_of_2(n_exp),
+                              RENORMALIZE=route is not None and route.renormalize, num_warps=cfg.num_warps,
+                              num_stages=cfg.num_stages, **pdl_kwargs(a, pdl))

@@ -1,0 +1,59 @@
+"""MediaSettings: which image and video models the media routes serve, where their weights are, how they load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from minisgl_cli import env
+from minisgl_cli.media.jobs import DEFAULT_IMAGE_MODEL, DEFAULT_VIDEO_MODEL, Kind, ModelSpec
+
+
+@dataclass(frozen=True)
+class MediaSettings:
+    """Which models the server's media routes use and where their weights are."""
+
+    image_model: str = DEFAULT_IMAGE_MODEL
+    image_model_dir: Path | None = None  # None: ~/.cache/mini-sglang/<model>
+    video_model: str = DEFAULT_VIDEO_MODEL
+    video_model_dir: Path | None = None
+    device: str | None = None  # None: mps -> cuda -> cpu
+    cpu_offload: bool = False
+    compile: bool = False
+    attention_backend: str = "sdpa"
+    # A request must never start a multi-GB download: fetch weights with the CLI or point at a dir.
+    allow_download: bool = False
+
+    @classmethod
+    def from_env(cls) -> MediaSettings:
+        return cls(
+            image_model=env.image_model() or DEFAULT_IMAGE_MODEL,
+            image_model_dir=env.image_model_dir(),
+            video_model=env.video_model() or DEFAULT_VIDEO_MODEL,
+            video_model_dir=env.video_model_dir(),
+            device=env.media_device(),
+        )
+
+    def spec(self, kind: Kind) -> ModelSpec:
+        model, model_dir = (
+            (self.image_model, self.image_model_dir) if kind == "image" else (self.video_model, self.video_model_dir)
+        )
+        return ModelSpec.create(
+            kind, model, model_dir, device=self.device, cpu_offload=self.cpu_offload, compile=self.compile,
+            attention_backend=self.attention_backend, allow_download=self.allow_download,
+        )
+
+    def available(self, kind: Kind) -> bool:
+        """Whether a request for this kind can run: the pipeline is on disk (or may be downloaded)."""
+        spec = self.spec(kind)
+        return spec.allow_download or (spec.model_dir / "model_index.json").is_file()
+
+    def serves(self, kind: Kind, requested: str | None) -> bool:
+        """Whether a request's `model` names this server's model (any model name if none given)."""
+        if not requested:
+            return True
+        model = self.image_model if kind == "image" else self.video_model
+        names = {model, model.rstrip("/").split("/")[-1]}
+        if model == DEFAULT_IMAGE_MODEL:
+            names |= {"z-image", "z-image-turbo"}
+        return requested in names or requested.lower() in {n.lower() for n in names}

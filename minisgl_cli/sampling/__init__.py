@@ -1,0 +1,1 @@
+"""Sampling: every request's sampling state on the device, the sampler that draws each step's tokens, its graphs."""
