@@ -213,8 +213,8 @@ class EngineOptions:
             raise ValueError(DRAFT_TP)
         engine = backends.resolve(self.engine.engine)
         r = self.runtime
-        if engine in backends.SERIAL:  # --scheduler-mode with one replica: a notice for every engine (client())
-            names = [n for n in self.changed() if n not in (*backends.SERIAL_OPTIONS, "scheduler_mode")
+        if engine in backends.SERIAL:  # --dispatch with one replica: a notice for every engine (client())
+            names = [n for n in self.changed() if n not in (*backends.SERIAL_OPTIONS, "dispatch")
                      and not (n == "mode" and r.mode == "in-process")]
             if names:
                 raise ValueError(f"--engine {engine} runs in this process, one request at a time, on its own KV "
@@ -237,8 +237,8 @@ class EngineOptions:
         from minisgl_cli.loader.errors import ModelLoadError
 
         notice.show()  # the start-up lines (and the CPU compile's), whatever the command's log set-up
-        if self.runtime.dp_size == 1 and self.runtime.scheduler_mode != "rr":  # said, not silently ignored
-            notice.notice(f"--scheduler-mode {self.runtime.scheduler_mode} routes across --dp replicas; with "
+        if self.runtime.dp_size == 1 and self.runtime.dispatch != "rr":  # said, not silently ignored
+            notice.notice(f"--dispatch {self.runtime.dispatch} routes across --dp replicas; with "
                           "--dp 1 every request goes to the one engine")
         try:
             from minisgl_cli import backends

@@ -12,7 +12,7 @@ app = typer.Typer()
 
 
 @app.command("router")
-@c.engine_options(("scheduler_mode",))
+@c.engine_options(("dispatch",))
 def router(
     worker_url: Annotated[list[str], typer.Option(
         "--worker-url", rich_help_panel=c.SERVER_PANEL,
@@ -39,12 +39,12 @@ def router(
              "else one per core up to 4.")]
         = 0,
     *,
-    opts: c.EngineOptions,  # --scheduler-mode
+    opts: c.EngineOptions,  # --dispatch
     verbose: c.Verbose = False,
 ) -> None:
     """One OpenAI endpoint in front of several `minisgl serve` workers (hosts).
 
-    Routes by --scheduler-mode, with health checks, retries, timeouts and caps (429). See docs/server.md."""
+    Routes by --dispatch, with health checks, retries, timeouts and caps (429). See docs/server.md."""
     import httpx
 
     from minisgl_cli.router.processes import SPREADS, RouterConfig, auto_processes, run_router
@@ -54,7 +54,7 @@ def router(
         parsed = httpx.URL(url)
         if parsed.scheme not in ("http", "https") or not parsed.host:
             c.fail(f"--worker-url must be http://HOST:PORT, not {url!r}")
-    cfg = RouterConfig(tuple(worker_url), opts.runtime.scheduler_mode, max_inflight_per_engine or None,
+    cfg = RouterConfig(tuple(worker_url), opts.runtime.dispatch, max_inflight_per_engine or None,
                        max_inflight_total or None, health_interval, request_timeout or None)
     if processes > 1 and not SPREADS:
         c.fail("--processes above 1 needs Linux (SO_REUSEPORT spreads a port's connections only there)", 2)

@@ -43,7 +43,7 @@ def build(mode: str, prefix: list[int], ext: list[int], heads, page_size: int, d
         n = -(-s // page_size)
         slots = pool.slots_of_pages(perm[used : used + n])[:s]
         used += n
-        row = pool.alloc_req_slot()
+        row = pool.alloc_req_row()
         pool.page_table[row, :s] = slots.cuda().int()
         rows.append(row)
         locs.append(slots[p:])
@@ -86,14 +86,14 @@ def sweep_extend(page_size: int) -> None:
     heads = SHAPES["llama8b"]
     print(f"# {torch.cuda.get_device_name()}: extend sweep, llama8b heads, bf16, page_size {page_size}")
     for prefix, ext in EXTEND_CASES:
-        pool, batch, q, k, v = build("extend", prefix, ext, heads, page_size, torch.bfloat16)
+        pool, batch, q, k, v = build("prefill", prefix, ext, heads, page_size, torch.bfloat16)
         pool.store(0, batch.out_cache_loc, k, v)
         flops = sum(4 * heads[0] * heads[2] * (e * p + e * (e + 1) / 2) for p, e in zip(prefix, ext))
         ms_torch = time_backend("torch", pool, batch, q, k, v, heads, graph=False)
         cells = [f"torch {ms_torch:.3f} ({flops / ms_torch / 1e9:.0f})"]
         for cfg in EXTEND_CONFIGS:
             fn = functools.partial(
-                tk.extend_attention, q, pool.k[0], pool.v[0], pool.page_table, batch.req_slots, batch.seq_lens,
+                tk.extend_attention, q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
                 batch.qo_indptr, max(ext), 1.0 / math.sqrt(heads[2]), config=cfg,
             )
             try:
@@ -161,7 +161,7 @@ def sweep_decode(page_size: int, fp8: bool = False) -> None:
         cells = []
         for cfg in DECODE_CONFIGS_FP8 if fp8 else DECODE_CONFIGS:
             fn = functools.partial(
-                tk.decode_attention, q, pool.k[0], pool.v[0], pool.page_table, batch.req_slots, batch.seq_lens,
+                tk.decode_attention, q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
                 1.0 / math.sqrt(d), splits, mid_o, mid_lse, out, config=cfg, quant=quant, order=order,
             )
             try:
@@ -237,7 +237,7 @@ def main() -> None:
     print("\n## extend (llama8b shape): median ms (TFLOP/s)")
     heads = SHAPES["llama8b"]
     for prefix, ext in EXTEND_CASES:
-        case = build("extend", prefix, ext, heads, args.page_size, dtype)
+        case = build("prefill", prefix, ext, heads, args.page_size, dtype)
         flops = sum(4 * heads[0] * heads[2] * (e * p + e * (e + 1) / 2) for p, e in zip(prefix, ext))
         cells = []
         for n in names:

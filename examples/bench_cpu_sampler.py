@@ -34,7 +34,7 @@ def main() -> None:
     for name, params in CASES.items():
         state = SamplingState(args.rows, VOCAB, torch.device("cpu"), HostBuffers())
         for i in range(args.rows):
-            state.admit(i, params, [1], [])
+            state.set_row(i, params, [1], [])
         batch = state.batch(list(range(args.rows)), torch.arange(args.rows),
                             torch.full((args.rows,), 5, dtype=torch.int32), [True] * args.rows)
         rows = state.params(batch.slots)

@@ -65,7 +65,7 @@ def _case(vocab: int, name: str, p: SamplingParams, b: int, g: torch.Generator, 
     logits = (torch.randn(b, vocab, device=dev, generator=g) * 4).to(torch.bfloat16)
     state = SamplingState(b, vocab, dev, HostBuffers())
     for i in range(b):
-        state.admit(i, dataclasses.replace(p, seed=1000 + i), [1], [])
+        state.set_row(i, dataclasses.replace(p, seed=1000 + i), [1], [])
     batch = state.batch(list(range(b)), torch.arange(b, device=dev),
                         torch.arange(b, dtype=torch.int32, device=dev), [True] * b)
     rp = state.params(batch.slots)

@@ -18,7 +18,7 @@ import random
 import time
 
 from minisgl_cli.client.protocol import complete
-from minisgl_cli.dispatch import SCHEDULER_MODES
+from minisgl_cli.dispatch import DISPATCH_POLICIES
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.runtime.config import RuntimeConfig
 from minisgl_cli.runtime.launch import launch
@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--modes", nargs="+", default=list(SCHEDULER_MODES))
+    ap.add_argument("--modes", nargs="+", default=list(DISPATCH_POLICIES))
     args = ap.parse_args()
     engine = EngineConfig(model=args.model, load_format=args.load_format, device=args.device,
                           max_total_tokens=args.max_total_tokens)

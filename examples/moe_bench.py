@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python examples/moe_bench.py [--out DIR] [--sizes 1,8,64,256] [--fp8] [--sweep] [--no-engine]
 
-1. The MoE block of Qwen3-30B-A3B (H 2048, 128 experts of I 768, top 8; router included) at M = 1, 8, 64, 256
+1. The MoE block of Qwen3-30B-A3B (H 2048, 128 experts of I 768, top 8; gate included) at M = 1, 8, 64, 256
    tokens (--sizes; past FUSED_MAX_TOKENS the block itself takes the grouped GEMM), random bf16 weights, `LAYERS`
    blocks captured back to back in one CUDA graph (so weights come from DRAM, as in a decode step): fused Triton
-   (kernels/triton/moe.py, the tile its table picks) vs the block on torch's grouped GEMM; the router +
+   (kernels/triton/moe.py, the tile its table picks) vs the block on torch's grouped GEMM; the gate +
    routing + alignment alone; --fp8: the fused kernels over e4m3 weights (per-row scales): the table's pick, then
    w8a16 and w8a8 each on its own tiles (kernels/triton/moe_tiles), with their errors against the bf16 weights; up to 8
    tokens also the few-token path (`one_slot_experts`: a block a slot, routed in gate/up) with its launches one at a
@@ -135,7 +135,7 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
         gate = [b.gate for b in blocks]
         us["router_only"] = _graph_us([lambda g_=g_: g_(x) for g_ in gate])
         us["router_route"] = _graph_us([lambda g_=g_: triton_moe.route(g_(x), TOP_K, True, True) for g_ in gate])
-    block_m = triton_moe.pick_tiles(m).gate_up.block_m  # the router, the routing and the alignment alone:
+    block_m = triton_moe.pick_tiles(m).gate_up.block_m  # the gate, the routing and the alignment alone:
     us["route_align"] = _graph_us([lambda b=b: triton_moe.align(triton_moe.route(b.gate(x), TOP_K, True)[1], EXPERTS,
                                                                 block_m) for b in blocks])
     if q is not None:  # FP8: the table's pick, then each arithmetic on its own tiles
@@ -319,7 +319,7 @@ def main() -> None:
             if "one_slot_us" in r:
                 print(f"{'':>6} few-token (one-slot) {r['one_slot_us']} us (fp8 {r.get('one_slot_fp8_us', '-')}), "
                       f"aligned with PDL "
-                      f"{r['aligned_pdl_us']} us; router {r['router_only_us']}, + route {r['router_route_us']};"
+                      f"{r['aligned_pdl_us']} us; gate {r['router_only_us']}, + route {r['router_route_us']};"
                       f" one-slot gate/up {r['one_slot_gate_up_us']}, down {r['one_slot_down_us']},"
                       f" sum {r['sum_k_us']}")
             if "one_slot_fp8_pdl_us" in r:

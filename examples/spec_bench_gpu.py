@@ -45,13 +45,13 @@ def step_costs(model: str, k: int, batches: tuple[int, ...], device: str, steps:
     g = torch.Generator().manual_seed(0)
     rows, slots = [], []
     for _ in range(most):  # each request: a page-table row and CONTEXT + k + 1 slots, its context prefilled
-        row, pages = engine.alloc_req_slot(), engine.alloc_pages(-(-(CONTEXT + k + 1) // engine.spec.page_size))
+        row, pages = engine.alloc_req_row(), engine.alloc_pages(-(-(CONTEXT + k + 1) // engine.spec.page_size))
         assert row is not None and pages is not None
         s = engine.pool.slots_of_pages(pages)[: CONTEXT + k + 1]
         engine.write_page_table(row, slice(0, CONTEXT + k + 1), s.to(torch.int32).to(engine.device))
-        engine.forward(ForwardBatch.build("extend", torch.randint(3, 30000, (CONTEXT,), generator=g).tolist(), [row],
+        engine.forward(ForwardBatch.build("prefill", torch.randint(3, 30000, (CONTEXT,), generator=g).tolist(), [row],
                                           [0], [CONTEXT], s[:CONTEXT].tolist(), engine.device, engine.host))
-        engine.admit_sampling(row, SamplingParams(), [], [])
+        engine.set_sampling_row(row, SamplingParams(), [], [])
         rows.append(row)
         slots.append(s.tolist())
 

@@ -77,7 +77,7 @@ def summarise(g: list[Launch]) -> Burst:
     thin = sum(d for d, a in gaps if a[1] == "decode" and a[2] < 0.9 * top)
     rows = statistics.mean(x[2] for x in decode) if decode else 0.0
     p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))]
-    return Burst(g[-1][0] - g[0][0], len(g), len(decode), rows, sum(x[3] for x in g if x[1] == "extend"),
+    return Burst(g[-1][0] - g[0][0], len(g), len(decode), rows, sum(x[3] for x in g if x[1] == "prefill"),
                  statistics.mean(ms), p99, ms[-1], thin, sum(x[4] for x in g[1:]), max(x[4] for x in g[1:]))
 
 

@@ -88,11 +88,11 @@ def _greedy(engine, ids: list[int], steps: int, forced: list[int] | None, stream
     from minisgl_cli.engine.batch import ForwardBatch
 
     n = len(ids) + steps
-    row, pages = engine.alloc_req_slot(), engine.alloc_pages(-(-n // engine.spec.page_size))
+    row, pages = engine.alloc_req_row(), engine.alloc_pages(-(-n // engine.spec.page_size))
     slots = engine.pool.slots_of_pages(pages)[:n]
     engine.write_page_table(row, slice(0, n), slots.to(torch.int32))
     tokens, logits, rows = [], [], []
-    fb = ForwardBatch.build("extend", ids, [row], [0], [len(ids)], slots[: len(ids)].tolist(), engine.device,
+    fb = ForwardBatch.build("prefill", ids, [row], [0], [len(ids)], slots[: len(ids)].tolist(), engine.device,
                             engine.host)
     for i in range(steps):
         out = engine.forward(fb)[0].float()
@@ -103,7 +103,7 @@ def _greedy(engine, ids: list[int], steps: int, forced: list[int] | None, stream
         pos = len(ids) + i
         fb = ForwardBatch.build("decode", [tok], [row], [pos], [1], [int(slots[pos])], engine.device, engine.host)
     engine.free_pages(pages)
-    engine.free_req_slot(row)
+    engine.free_req_row(row)
     return tokens, torch.stack(logits), torch.stack(rows)
 
 

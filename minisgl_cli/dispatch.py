@@ -1,13 +1,13 @@
-"""Routing across engine replicas: which one takes each request — rr | fsfs | random | cache_aware.
+"""Dispatch across engine replicas: which one takes each request — rr | fsfs | random | cache_aware.
 
-`Router` keeps what the policies read of each replica: up or out, its load (requests routed to it and not
+`Dispatcher` keeps what the policies read of each replica: up or out, its load (requests routed to it and not
 finished), the requests routed so far, and for cache_aware a `PrefixTree` of the prompts routed to each, an
 approximate mirror of each replica's radix cache. cache_aware is the policy sglang's router documents: the
 replica whose tree matches the longest prefix when the match covers more than `cache_threshold` of the
 prompt, else the replica with the smallest tree; either way the least-loaded replica instead when the
 chosen one's load exceeds it by more than `balance_abs` requests and `balance_rel` times.
 
-The data-parallel pool (runtime/pool.py) routes token ids through it; `minisgl router` (server/router.py)
+The data-parallel pool (runtime/pool.py) routes token ids through it; `minisgl router` (router/workers.py)
 routes prompt text across servers. Pure Python; every method is thread-safe.
 """
 
@@ -22,8 +22,8 @@ from typing import Literal, get_args
 
 from minisgl_cli.types import ErrorCode
 
-SchedulerMode = Literal["rr", "fsfs", "random", "cache_aware"]
-SCHEDULER_MODES: tuple[str, ...] = get_args(SchedulerMode)
+DispatchPolicy = Literal["rr", "fsfs", "random", "cache_aware"]
+DISPATCH_POLICIES: tuple[str, ...] = get_args(DispatchPolicy)
 
 # sglang router's defaults (--cache-threshold, --balance-abs-threshold, --balance-rel-threshold).
 CACHE_THRESHOLD = 0.3
@@ -174,23 +174,23 @@ class PrefixTree:
 
 
 # --- the router ------------------------------------------------------------------------------------------
-class Router:
+class Dispatcher:
     """Picks a replica for each request and counts it in flight there until `done`.
 
     `cap`: requests in flight per replica at most (MAX_INFLIGHT_PER_ENGINE; None: no cap) — past it on every
-    replica `pick` raises Busy. `slots`: each replica's free-slot measure for fsfs (its cap, else the
+    replica `pick` raises Busy. `capacity`: each replica's free-place measure for fsfs (its cap, else the
     requests its scheduler decodes together). `tree_items`: each replica's cache size, the limit of its tree."""
 
-    def __init__(self, n: int, mode: str = "rr", cap: int | None = None, slots: Sequence[int] | None = None,
+    def __init__(self, n: int, mode: str = "rr", cap: int | None = None, capacity: Sequence[int] | None = None,
                  tree_items: Sequence[int] | None = None, up: bool = True, seed: int | None = None,
                  cache_threshold: float = CACHE_THRESHOLD, balance_abs: int = BALANCE_ABS,
                  balance_rel: float = BALANCE_REL):
-        if mode not in SCHEDULER_MODES:
-            raise ValueError(f"--scheduler-mode must be one of {', '.join(SCHEDULER_MODES)}, not {mode!r}")
+        if mode not in DISPATCH_POLICIES:
+            raise ValueError(f"--dispatch must be one of {', '.join(DISPATCH_POLICIES)}, not {mode!r}")
         if n < 1:
-            raise ValueError("a router needs at least one replica")
+            raise ValueError("a dispatcher needs at least one replica")
         self.n, self.mode, self.cap = n, mode, cap
-        self.slots = [cap] * n if cap is not None else list(slots) if slots is not None else [1] * n
+        self.capacity = [cap] * n if cap is not None else list(capacity) if capacity is not None else [1] * n
         self.tree_items = list(tree_items) if tree_items is not None else [TREE_ITEMS] * n
         self.up = [up] * n
         self.load = [0] * n
@@ -229,7 +229,7 @@ class Router:
         if self.mode == "random":
             return self._rng.choice(free)
         if self.mode == "fsfs":
-            return next((i for i in free if self.load[i] < self.slots[i]), least)
+            return next((i for i in free if self.load[i] < self.capacity[i]), least)
         # cache_aware
         matched = self.tree.match(key) if key else {}
         best = max(free, key=lambda i: (matched.get(i, 0), -self.load[i], -i))

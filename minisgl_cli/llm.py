@@ -12,7 +12,7 @@ from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.scheduler.config import SchedulerConfig
 from minisgl_cli.types import Completion, GenerateRequest, SamplingParams
 
-Prompt = str | list[int] | list[dict]
+LLMInput = str | list[int] | list[dict]  # one prompt: text, token ids or a chat
 
 
 class LLM:
@@ -29,7 +29,7 @@ class LLM:
         self.window = sched.max_queued_requests or None
 
     @staticmethod
-    def _request(prompt: Prompt, params: SamplingParams) -> GenerateRequest:
+    def _request(prompt: LLMInput, params: SamplingParams) -> GenerateRequest:
         if isinstance(prompt, str):
             return GenerateRequest(prompt=prompt, params=params)
         if prompt and isinstance(prompt[0], dict):
@@ -37,12 +37,12 @@ class LLM:
         return GenerateRequest(input_ids=list(cast(list[int], prompt)), params=params)  # no dict first: token ids
 
     def generate(
-        self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: LLMInput | list[LLMInput], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Completion]:
         """One Completion per prompt, all run concurrently (continuous batching; past the scheduler's queue bound,
         max_queued_requests, the rest are submitted as earlier ones finish)."""
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict)))
-        batch = cast(list[Prompt], [prompts] if single else list(prompts))  # `single` told the two shapes apart
+        batch = cast(list[LLMInput], [prompts] if single else list(prompts))  # `single` told the two shapes apart
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
 
         async def run() -> list[Completion]:

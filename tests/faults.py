@@ -19,7 +19,7 @@ class InjectedFault(RuntimeError):
 
 def is_verify(fb: ForwardBatch) -> bool:
     """A decode step with more rows than requests: speculative decoding's verify step."""
-    return fb.is_decode and fb.num_tokens > len(set(fb.req_slots.tolist()))
+    return fb.is_decode and fb.num_tokens > len(set(fb.req_rows.tolist()))
 
 
 @dataclass
@@ -58,7 +58,7 @@ class StepFaults:
 
 
 def every_nth(n: int, mode: str | None = None) -> Callable[[ForwardBatch], bool]:
-    """The n-th step (1-based) of `mode` ("extend", "decode", "verify"; None: any)."""
+    """The n-th step (1-based) of `mode` ("prefill", "decode", "verify"; None: any)."""
     seen = [0]
 
     def when(fb: ForwardBatch) -> bool:

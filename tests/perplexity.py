@@ -35,7 +35,7 @@ def _document_nll(engine: Engine, ids: list[int], chunk: int) -> float:
     n = len(ids)
     if n < 2:
         return 0.0
-    row = pool.alloc_req_slot()
+    row = pool.alloc_req_row()
     pages = pool.alloc_pages(-(-n // pool.page_size))
     if row is None or pages is None or n > pool.max_context_len:
         raise ValueError(f"{n} tokens do not fit this engine's KV pool / context")
@@ -45,7 +45,7 @@ def _document_nll(engine: Engine, ids: list[int], chunk: int) -> float:
         nll = 0.0
         for start in range(0, n - 1, chunk):
             part = ids[start : start + chunk]
-            batch = ForwardBatch.build("extend", part, [row], [start], [len(part)], slots[start : start + len(part)],
+            batch = ForwardBatch.build("prefill", part, [row], [start], [len(part)], slots[start : start + len(part)],
                                        engine.device, engine.host)
             batch.logits_indices = torch.arange(len(part), device=engine.device)  # every position, not the last
             logprobs = engine.forward(batch).float().log_softmax(-1)
@@ -54,4 +54,4 @@ def _document_nll(engine: Engine, ids: list[int], chunk: int) -> float:
         return nll
     finally:
         pool.free_pages(pages)
-        pool.free_req_slot(row)
+        pool.free_req_row(row)

@@ -57,7 +57,7 @@ def make_case(
         pages = pool.alloc_pages(-(-s // page_size))
         rng.shuffle(pages)
         slots = pool.slots_of_pages(pages)[:s]
-        row = pool.alloc_req_slot()
+        row = pool.alloc_req_row()
         pool.page_table[row, :s] = slots.to(device, torch.int32)
         rows.append(row)
         out_loc.append(slots[p:])
@@ -135,7 +135,7 @@ def test_triton_decode_big_batch(splits):
     pool, batch, q, k, v = make_case("decode", [s - 1 for s in seq_lens], [1] * 96, heads, 16, dtype, "cuda")
     pool.store(0, batch.out_cache_loc, k, v)
     out = torch.full_like(q, float("nan"))
-    tk.decode_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_slots, batch.seq_lens,
+    tk.decode_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
                         1.0 / math.sqrt(heads[2]), splits, out=out)
     check(out, fp32_reference(pool, batch, q, k, v, heads), dtype, f"triton decode bs96 splits={splits}")
 
@@ -148,7 +148,7 @@ def test_triton_decode_big_batch(splits):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_extend_matches_reference(backend, heads, page_size, dtype):
     prefix, ext = zip(*EXTEND_CASES)
-    case = make_case("extend", list(prefix), list(ext), heads, page_size, dtype, "cuda", seed=1)
+    case = make_case("prefill", list(prefix), list(ext), heads, page_size, dtype, "cuda", seed=1)
     pool, batch, q, k, v = case
     out = run_backend(backend, *case, heads)
     check(out, fp32_reference(pool, batch, q, k, v, heads), dtype, f"{backend} extend {heads} ps={page_size} {dtype}")
@@ -156,7 +156,7 @@ def test_extend_matches_reference(backend, heads, page_size, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_triton_fp32_tight(mode):
     """fp32 in, IEEE dots: the kernels must agree with the reference to rounding, not just to bf16 noise."""
     heads = (9, 3, 64)
@@ -194,7 +194,7 @@ def test_decode_cuda_graph_replay(backend):
     for sel in (list(range(5)), [5, 6, 7]):
         n = len(sel)
         sub = ForwardBatch.build(
-            "decode", [0] * n, batch1.req_slots[sel].tolist(), [batch1.seq_lens_cpu[i] - 1 for i in sel], [1] * n,
+            "decode", [0] * n, batch1.req_rows[sel].tolist(), [batch1.seq_lens_cpu[i] - 1 for i in sel], [1] * n,
             batch1.out_cache_loc[sel], "cuda", HostBuffers(),
         )
         for buf, src in ((qs, q1), (ks, k1), (vs, v1)):
@@ -238,11 +238,11 @@ def test_create_backend_unknown_name():
 def test_torch_decode_equals_last_row_of_extend():
     """Decoding token L-1 over a cached prefix of L-1 gives the extend's last row over all L tokens."""
     heads, L = (4, 2, 16), 23
-    pool, batch, q, k, v = make_case("extend", [0], [L], heads, 4, torch.float32, "cpu", seed=3)
+    pool, batch, q, k, v = make_case("prefill", [0], [L], heads, 4, torch.float32, "cpu", seed=3)
     be = create_backend("torch", pool, 4, 2, 16, 0.25, "cpu")
     be.prepare(batch)
     full = be.forward(q, k, v, 0, batch)
-    dec = ForwardBatch.build("decode", [0], batch.req_slots.tolist(), [L - 1], [1], batch.out_cache_loc[-1:], "cpu",
+    dec = ForwardBatch.build("decode", [0], batch.req_rows.tolist(), [L - 1], [1], batch.out_cache_loc[-1:], "cpu",
                              HostBuffers())
     be.prepare(dec)
     last = be.forward(q[-1:], k[-1:], v[-1:], 0, dec)
@@ -267,7 +267,7 @@ def test_torch_decode_rows_come_out_alike_alone_in_any_batch_on_any_thread_count
                 first = together
             assert torch.equal(together, first), n
             for i in (0, 1, 4):
-                one = ForwardBatch.build("decode", [0], batch.req_slots.tolist()[i : i + 1], [lens[i] - 1], [1],
+                one = ForwardBatch.build("decode", [0], batch.req_rows.tolist()[i : i + 1], [lens[i] - 1], [1],
                                          batch.out_cache_loc[i : i + 1], "cpu", HostBuffers())
                 be.prepare(one)
                 assert torch.equal(be.forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], 0, one), together[i : i + 1])
@@ -276,17 +276,17 @@ def test_torch_decode_rows_come_out_alike_alone_in_any_batch_on_any_thread_count
 
 
 def test_torch_extend_rows_come_out_alike_cold_after_a_prefix_hit_and_in_chunks():
-    """On the CPU over a 16-bit pool every extend row rounds alike whatever of its prompt was cached and wherever the
+    """On the CPU over a 16-bit pool every prefill row rounds alike whatever of its prompt was cached and wherever the
     step ends: a prompt's KV, and so its greedy answer, does not depend on what ran before it (issue 30: SDPA rounded
     a row by the rows of its call, which a prefix hit or a chunk boundary changes)."""
     heads, L = (9, 3, 64), 100
-    pool, batch, q, k, v = make_case("extend", [0], [L], heads, 1, torch.bfloat16, "cpu", seed=5)
+    pool, batch, q, k, v = make_case("prefill", [0], [L], heads, 1, torch.bfloat16, "cpu", seed=5)
     be = create_backend("torch", pool, 9, 3, 64, 0.125, "cpu")
     be.prepare(batch)
     cold = be.forward(q, k, v, 0, batch)  # stores the prompt's KV: the prefix the steps below reuse
-    loc, row = batch.out_cache_loc, batch.req_slots.tolist()
+    loc, row = batch.out_cache_loc, batch.req_rows.tolist()
     for start, end in [(24, L), (24, 35), (31, 33), (L - 1, L), (50, 80)]:
-        step = ForwardBatch.build("extend", [0] * (end - start), row, [start], [end - start], loc[start:end], "cpu",
+        step = ForwardBatch.build("prefill", [0] * (end - start), row, [start], [end - start], loc[start:end], "cpu",
                                   HostBuffers())
         be.prepare(step)
         out = be.forward(q[start:end], k[start:end], v[start:end], 0, step)

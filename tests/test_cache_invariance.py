@@ -67,7 +67,7 @@ def _rows_alike(f, x: torch.Tensor) -> bool:
 
 def test_each_kernel_gives_a_row_the_same_result_whatever_the_rows_beside_it():
     """The kernels a step's rows go through in the default CPU mode, alone and in a batch of 17 rows: the int4 and
-    int8 decode kernels, the dense GEMM of extend steps (oneDNN's one-row kernel rounds otherwise: run as two), and
+    int8 decode kernels, the dense GEMM of prefill steps (oneDNN's one-row kernel rounds otherwise: run as two), and
     the int8 LM head (fbgemm quantizes its input with one scale: anchors fix it), and a MoE block's router and
     experts."""
     torch.manual_seed(0)

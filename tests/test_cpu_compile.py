@@ -109,12 +109,12 @@ def _prefill(engine: Engine, n: int) -> list[tuple[int, torch.Tensor]]:
     """n requests of 100 prompt tokens each in the pool: (req slot, its KV slots)."""
     pool, rows = engine.pool, []
     for r in range(n):
-        row = pool.alloc_req_slot()
+        row = pool.alloc_req_row()
         pages = pool.alloc_pages(101)
         assert row is not None and pages is not None
         slots = pool.slots_of_pages(pages)[:101]
         pool.page_table[row, :101] = slots.to(torch.int32)
-        engine.forward(ForwardBatch.build("extend", list(range(1000 + 7 * r, 1100 + 7 * r)), [row], [0], [100],
+        engine.forward(ForwardBatch.build("prefill", list(range(1000 + 7 * r, 1100 + 7 * r)), [row], [0], [100],
                                           slots[:100], engine.device, engine.host))
         rows.append((row, slots))
     return rows
@@ -155,7 +155,7 @@ def test_a_later_engine_loads_the_stored_step_and_decodes_as_eager(tiny_step, st
     assert torch.equal(torch.cat(alone), together)  # type: ignore[arg-type]
     assert torch.equal(together, eager)
     assert compiled.steps == 4 and compiled.declined == 0
-    assert not compiled.can_run(ForwardBatch.build("extend", [1, 2], [rows[0][0]], [0], [2], [0, 0], "cpu",
+    assert not compiled.can_run(ForwardBatch.build("prefill", [1, 2], [rows[0][0]], [0], [2], [0, 0], "cpu",
                                                    engine.host))
 
 

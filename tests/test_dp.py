@@ -39,7 +39,7 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu x
 def pool(tiny_model_dirs):
     # 1200 KV tokens a replica: room for about two of the workload's ~450-token system prompts, not four.
     client = launch(EngineConfig(model=str(tiny_model_dirs["llama"]), max_total_tokens=1200), SchedulerConfig(),
-                    RuntimeConfig(dp_size=2, scheduler_mode="cache_aware"))
+                    RuntimeConfig(dp_size=2, dispatch="cache_aware"))
     assert isinstance(client, EnginePool) and client.info.dp_size == 2
     yield client
     client.close()
@@ -62,7 +62,7 @@ def _hit_rate(pool: EnginePool, mode: str, seed: int, requests: int = 64) -> flo
     after = [r.stats() for r in pool.replicas]
     hit = sum(a.cache_hit_tokens - b.cache_hit_tokens for a, b in zip(after, before))
     miss = sum(a.cache_miss_tokens - b.cache_miss_tokens for a, b in zip(after, before))
-    assert router.router.routed[0] > 0 and router.router.routed[1] > 0
+    assert router.dispatcher.routed[0] > 0 and router.dispatcher.routed[1] > 0
     return hit / (hit + miss)
 
 
@@ -87,7 +87,7 @@ def test_per_replica_cap_answers_429_and_metrics_report_each_replica(pool):
                     for _ in range(2)]
             for t in held:
                 t.start()
-            _wait(lambda: capped.router.load == [1, 1])  # one on each replica
+            _wait(lambda: capped.dispatcher.load == [1, 1])  # one on each replica
             busy = http.post(f"{url}/v1/completions", json=body)
             assert busy.status_code == 429 and busy.headers["Retry-After"] == "1", busy.text
             assert "every replica has 1 requests in flight" in busy.json()["error"]["message"]
@@ -96,7 +96,7 @@ def test_per_replica_cap_answers_429_and_metrics_report_each_replica(pool):
                 os.kill(pid, signal.SIGCONT)
         for t in held:
             t.join(60)
-        _wait(lambda: capped.router.load == [0, 0])
+        _wait(lambda: capped.dispatcher.load == [0, 0])
         assert http.post(f"{url}/v1/completions", json=body).status_code == 200
 
         finished = [r.stats().finished_requests for r in pool.replicas]

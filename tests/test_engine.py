@@ -35,7 +35,7 @@ def _extend(engine: Engine, prompts: list[list[int]], first_row: int) -> torch.T
         start += 512
     flat = [t for ids in prompts for t in ids]
     rows = list(range(first_row, first_row + len(prompts)))
-    batch = ForwardBatch.build("extend", flat, rows, [0] * len(prompts), [len(p) for p in prompts],
+    batch = ForwardBatch.build("prefill", flat, rows, [0] * len(prompts), [len(p) for p in prompts],
                                torch.cat(locs), engine.device, engine.host)
     return engine.forward(batch)
 

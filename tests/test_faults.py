@@ -45,8 +45,8 @@ PROMPT = list(range(300, 360))  # 60 tokens
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize("after_forward", [False, True], ids=["before-forward", "after-forward"])
 @pytest.mark.parametrize("mode,nth,kw", [
-    ("extend", 1, {}),
-    ("extend", 2, {"max_prefill_tokens": 16}),  # the second chunk of four: mid prompt
+    ("prefill", 1, {}),
+    ("prefill", 2, {"max_prefill_tokens": 16}),  # the second chunk of four: mid prompt
     ("decode", 3, {}),
 ], ids=["prefill", "chunk", "decode"])
 def test_a_failed_step_leaves_the_cache_exact(model, cold, mode, nth, kw, after_forward, overlap):
@@ -92,7 +92,7 @@ def test_a_failed_prefill_fails_its_requests_and_the_running_ones_go_on(model, c
     while len(outs.get("r0", [])) < 3:
         sched.step()
     sched.handle(AddRequest("r1", other, params(6)))
-    with StepFaults(engine, every_nth(1, "extend"), limit=1) as faults:
+    with StepFaults(engine, every_nth(1, "prefill"), limit=1) as faults:
         for _ in range(3):
             try:  # as the scheduler's loop does
                 sched.step()
@@ -206,7 +206,7 @@ def test_a_failed_prefill_on_the_default_model_leaves_no_poisoned_prefix(default
     with LLM(str(default_model_dir), cache="naive") as ref:
         want = ref.generate(chat, sp)[0].token_ids
     with LLM(str(default_model_dir)) as llm:
-        with StepFaults(engine_of(llm), every_nth(1, "extend"), limit=1) as faults:
+        with StepFaults(engine_of(llm), every_nth(1, "prefill"), limit=1) as faults:
             with pytest.raises(ValueError, match="internal error in the engine step"):
                 llm.generate(chat, sp)
         assert faults.raised == 1

@@ -71,10 +71,10 @@ def test_torch_backend_reads_fp8_kv_dequantized():
     be = create_backend("auto", pool, 6, 3, 16, 0.25, "cpu")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(9, n, 16, generator=g) for n in (6, 3, 3))
-    row = pool.alloc_req_slot()
+    row = pool.alloc_req_row()
     assert row is not None
     pool.page_table[row, :9] = torch.arange(1, 10, dtype=torch.int32)
-    batch = ForwardBatch.build("extend", [0] * 8, [row], [0], [8], list(range(1, 9)), "cpu", HostBuffers())
+    batch = ForwardBatch.build("prefill", [0] * 8, [row], [0], [8], list(range(1, 9)), "cpu", HostBuffers())
     be.prepare(batch)
     out = be.forward(q[:8], k[:8], v[:8], 0, batch)
     dec = ForwardBatch.build("decode", [0], [row], [8], [1], [9], "cpu", HostBuffers())

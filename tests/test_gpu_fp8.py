@@ -252,7 +252,7 @@ def _fp8_case(mode: str, heads, page_size: int, seed: int):
     return pool, batch, q, k, v
 
 
-@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
 @pytest.mark.parametrize("heads", [(32, 8, 128), (16, 8, 128), (9, 3, 64)], ids=lambda s: "h{}_kv{}_d{}".format(*s))
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_attention_over_fp8_kv_equals_the_torch_backend(mode, heads, page_size):
@@ -289,7 +289,7 @@ def test_fp8_decode_in_longest_first_order_is_the_same(splits):
     assert not torch.equal(order.long(), torch.arange(len(order), device=DEV))  # a real permutation
 
     def run(order=None):
-        return tk.decode_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_slots, batch.seq_lens,
+        return tk.decode_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
                                    1 / math.sqrt(128), splits, quant=pool.layer_quant(0), order=order)
 
     assert torch.equal(run(order), run())
@@ -320,13 +320,13 @@ def _logits(engine, seqs: list[list[int]], lens: list[int], steps: int) -> list[
     from minisgl_cli.engine.batch import ForwardBatch
 
     pool, dev = engine.pool, engine.device
-    rows = [pool.alloc_req_slot() for _ in lens]
+    rows = [pool.alloc_req_row() for _ in lens]
     slots = [pool.slots_of_pages(pool.alloc_pages(n + steps)).tolist() for n in lens]
     for r, s in zip(rows, slots):
         pool.page_table[r, : len(s)] = torch.tensor(s, dtype=torch.int32, device=dev)
     flat = [t for s, n in zip(seqs, lens) for t in s[:n]]
     locs = [x for s, n in zip(slots, lens) for x in s[:n]]
-    out = [engine.forward(ForwardBatch.build("extend", flat, rows, [0] * len(lens), lens, locs, dev,
+    out = [engine.forward(ForwardBatch.build("prefill", flat, rows, [0] * len(lens), lens, locs, dev,
                                              engine.host)).float()]
     for t in range(steps):
         pos = [n + t for n in lens]

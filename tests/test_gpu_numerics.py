@@ -60,7 +60,7 @@ def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
     g = torch.Generator().manual_seed(0)
     steps = 12
     seqs = [torch.randint(0, vocab, (n + steps,), generator=g).tolist() for n in lens]
-    rows = [pool.alloc_req_slot() for _ in lens]
+    rows = [pool.alloc_req_row() for _ in lens]
     slots = [pool.slots_of_pages(pool.alloc_pages(n + steps)).tolist() for n in lens]
     for r, s in zip(rows, slots):
         pool.page_table[r, : len(s)] = torch.tensor(s, dtype=torch.int32, device=dev)
@@ -76,7 +76,7 @@ def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
     diffs, agree = [], []
     flat = [t for s, n in zip(seqs, lens) for t in s[:n]]
     locs = [x for s, n in zip(slots, lens) for x in s[:n]]
-    batch = ForwardBatch.build("extend", flat, rows, [0] * len(lens), lens, locs, dev, engine.host)
+    batch = ForwardBatch.build("prefill", flat, rows, [0] * len(lens), lens, locs, dev, engine.host)
     for i, lg in enumerate(engine.forward(batch)):
         d, ok = _compare(lg, ref[i][lens[i] - 1], tie)
         diffs.append(d), agree.append(ok)

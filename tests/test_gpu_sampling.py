@@ -40,7 +40,7 @@ def _draws(logits: torch.Tensor, p: SamplingParams, n: int, triton: bool, draw=N
 
     v = logits.shape[-1]
     state = SamplingState(1, v, DEV, HostBuffers())
-    state.admit(0, p, [1], [])
+    state.set_row(0, p, [1], [])
     ids = []
     for start in range(0, n, CHUNK):
         m = min(CHUNK, n - start)
@@ -118,7 +118,7 @@ def test_the_split_path_draws_the_single_programs_tokens(b):
     params = [dataclasses.replace(CASES[i % len(CASES)], seed=i) if i % 4 else SamplingParams() for i in range(b)]
     state = SamplingState(b, v, DEV, HostBuffers())
     for i, p in enumerate(params):
-        state.admit(i, p, [1], [])
+        state.set_row(i, p, [1], [])
     batch = state.batch(list(range(b)), torch.arange(b, device=DEV), torch.arange(b, dtype=torch.int32, device=DEV) + 5,
                         [True] * b)
     rp = state.params(batch.slots)

@@ -198,7 +198,7 @@ def test_the_engine_is_reached_through_its_seam_only():
 
 
 # The engine's KV-memory verbs: above the engine, the scheduler's CacheManager alone calls them.
-KV_VERBS = {"write_page_table", "alloc_pages", "free_pages", "alloc_req_slot", "free_req_slot", "num_free_pages"}
+KV_VERBS = {"write_page_table", "alloc_pages", "free_pages", "alloc_req_row", "free_req_row", "num_free_pages"}
 
 
 def test_only_the_cache_manager_writes_the_page_table_and_moves_pages():

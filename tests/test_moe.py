@@ -254,7 +254,7 @@ def _dequantized(method_name: str, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_int4_int8_experts_decode_through_their_low_bit_copies(quantization):
     """--quantization int4 / int8: each expert matrix gets the method's copy once loaded; decode rows multiply by it
-    (the expert's output is that of the dequantized copy on bf16 rows), extend rows by the dense weights."""
+    (the expert's output is that of the dequantized copy on bf16 rows), prefill rows by the dense weights."""
     from minisgl_cli.layers.moe import MoE
     from minisgl_cli.layers.quant import METHODS
 

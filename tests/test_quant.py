@@ -59,7 +59,7 @@ def test_gguf_block_parsing_matches_the_gguf_package(kind):
 @pytest.mark.parametrize("method", [quant.Int4Method, quant.Int8Method])
 def test_quantized_linear_computes_with_its_low_bit_copy_or_its_exact_weight(method):
     """Merged shards (GGUF-style groups, and a dense tensor quantized at load) into 40 rows (the int4 pack pads to
-    48), with a bias: a decode step runs the low-bit kernel on the quantized values, an extend step the dense GEMM
+    48), with a bias: a decode step runs the low-bit kernel on the quantized values, a prefill step the dense GEMM
     on the exact ones, whatever their row counts."""
     torch.manual_seed(0)
     layer = ColumnParallelLinear(64, [24, 16], bias=True, method=method())
@@ -168,7 +168,7 @@ def test_a_safetensors_model_quantizes_at_load(tiny_model_dirs, q):
         table = engine.pool.page_table
         table[0, :2] = torch.tensor([1, 2], dtype=table.dtype)
         with torch.inference_mode():
-            engine.forward(ForwardBatch.build("extend", [5], [0], [0], [1], [1], engine.device, engine.host))
+            engine.forward(ForwardBatch.build("prefill", [5], [0], [0], [1], [1], engine.device, engine.host))
             step = ForwardBatch.build("decode", [7], [0], [1], [1], [2], engine.device, engine.host)
             logits[mode] = engine.forward(step)[0].float()
     cos = torch.nn.functional.cosine_similarity(logits["none"], logits[q], dim=0)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from minisgl_cli.dispatch import Busy, NoReplica, PrefixTree, Router
+from minisgl_cli.dispatch import Busy, Dispatcher, NoReplica, PrefixTree
 from minisgl_cli.router.app import routing_key
 
 A = list(range(1000, 1100))  # two "system prompts" of 100 token ids each
 B = list(range(2000, 2100))
 
 
-def picks(router: Router, keys: list, finish: bool = True) -> list[int]:
+def picks(router: Dispatcher, keys: list, finish: bool = True) -> list[int]:
     out = []
     for key in keys:
         i = router.pick(key)
@@ -23,7 +23,7 @@ def picks(router: Router, keys: list, finish: bool = True) -> list[int]:
 
 
 def test_rr_rotates_and_skips_a_replica_that_is_out():
-    r = Router(3, "rr")
+    r = Dispatcher(3, "rr")
     assert picks(r, [None] * 4) == [0, 1, 2, 0]
     r.set_up(1, False)
     assert picks(r, [None] * 3) == [2, 0, 2]
@@ -32,7 +32,7 @@ def test_rr_rotates_and_skips_a_replica_that_is_out():
 
 
 def test_fsfs_takes_the_first_replica_with_a_free_slot():
-    r = Router(2, "fsfs", slots=[2, 2])
+    r = Dispatcher(2, "fsfs", capacity=[2, 2])
     assert picks(r, [None] * 4, finish=False) == [0, 0, 1, 1]
     assert r.pick() == 0  # none free: the least loaded (a tie: the first)
     r.done(1)
@@ -41,15 +41,15 @@ def test_fsfs_takes_the_first_replica_with_a_free_slot():
 
 
 def test_random_spreads_over_the_replicas_that_are_up_and_repeats_with_a_seed():
-    r = Router(3, "random", seed=7)
+    r = Dispatcher(3, "random", seed=7)
     r.set_up(2, False)
     got = picks(r, [None] * 40)
     assert set(got) == {0, 1} and 10 < got.count(0) < 30
-    assert picks(Router(3, "random", seed=7), [None] * 10) == picks(Router(3, "random", seed=7), [None] * 10)
+    assert picks(Dispatcher(3, "random", seed=7), [None] * 10) == picks(Dispatcher(3, "random", seed=7), [None] * 10)
 
 
 def test_cache_aware_sends_a_shared_prefix_back_to_its_replica():
-    r = Router(2, "cache_aware")
+    r = Dispatcher(2, "cache_aware")
     # A new prompt goes where the tree is smallest; a prompt sharing > 30% of a routed one follows it.
     assert picks(r, [A + [1], B + [2], A + [3], B + [4], B + [5], A + [6]]) == [0, 1, 0, 1, 1, 0]
     assert r.routed == [3, 3]
@@ -58,13 +58,13 @@ def test_cache_aware_sends_a_shared_prefix_back_to_its_replica():
 
 
 def test_cache_aware_leaves_a_replica_whose_load_exceeds_the_least_loaded_by_the_threshold():
-    r = Router(2, "cache_aware", balance_abs=2, balance_rel=1.5)
+    r = Dispatcher(2, "cache_aware", balance_abs=2, balance_rel=1.5)
     # A's replica keeps A while it is at most 2 requests busier than the other; then the least loaded takes it.
     assert picks(r, [A] * 4, finish=False) == [0, 0, 0, 1]
 
 
 def test_cache_aware_forgets_a_replica_that_goes_out():
-    r = Router(2, "cache_aware")
+    r = Dispatcher(2, "cache_aware")
     assert picks(r, [A, B]) == [0, 1]
     r.set_up(0, False)
     assert r.tree.match(A) == {1: 0}
@@ -73,7 +73,7 @@ def test_cache_aware_forgets_a_replica_that_goes_out():
 
 
 def test_cap_per_replica_then_busy_and_no_replica():
-    r = Router(2, "rr", cap=1)
+    r = Dispatcher(2, "rr", cap=1)
     assert picks(r, [None, None], finish=False) == [0, 1]
     with pytest.raises(Busy, match="server busy"):
         r.pick()
@@ -116,8 +116,8 @@ def test_router_keys_come_from_messages_prompts_or_token_ids():
 @pytest.mark.parametrize("args, message", [
     (["serve", "--dp", "2", "--runtime", "in-process"], "--dp"),
     (["serve", "--dp", "2", "--nnodes", "2", "--tp", "2"], "minisgl router"),
-    (["serve", "--scheduler-mode", "fastest"], "--scheduler-mode must be one of rr, fsfs, random, cache_aware"),
-    (["router", "--worker-url", "http://127.0.0.1:1", "--scheduler-mode", "x"], "--scheduler-mode must be"),
+    (["serve", "--scheduler-mode", "fastest"], "--dispatch must be one of rr, fsfs, random, cache_aware"),
+    (["router", "--worker-url", "http://127.0.0.1:1", "--scheduler-mode", "x"], "--dispatch must be"),
     (["router"], "--worker-url"),
     (["router", "--worker-url", "http://127.0.0.1:1", "--processes", "3", "--max-inflight-per-engine", "2"],
      "--processes 3 cannot split a cap of 2"),

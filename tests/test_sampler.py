@@ -30,7 +30,7 @@ def _state(*params: SamplingParams, vocab: int = V, prompts: list[list[int]] | N
            outputs: list[list[int]] | None = None) -> SamplingState:
     state = SamplingState(max(len(params), 1), vocab, CPU, HostBuffers())
     for slot, p in enumerate(params):
-        state.admit(slot, p, prompts[slot] if prompts else [1], outputs[slot] if outputs else [])
+        state.set_row(slot, p, prompts[slot] if prompts else [1], outputs[slot] if outputs else [])
     return state
 
 
@@ -175,9 +175,9 @@ def test_penalties_equal_a_plain_reference():
           SamplingParams(frequency_penalty=1.0, logprobs=True)]
     # The outputs reach the state two ways: row 0 at admission (as after a retraction), rows 1-2 by `record`.
     state = SamplingState(3, V, CPU, HostBuffers())
-    state.admit(0, ps[0], prompts[0], outputs[0])
-    state.admit(1, ps[1], prompts[1], [])
-    state.admit(2, ps[2], prompts[2], [])
+    state.set_row(0, ps[0], prompts[0], outputs[0])
+    state.set_row(1, ps[1], prompts[1], [])
+    state.set_row(2, ps[2], prompts[2], [])
     for tok in outputs[1]:
         b = state.batch([1], torch.tensor([1]), torch.tensor([0]), [True])
         state.record(b, torch.tensor([tok]))
@@ -283,7 +283,7 @@ def test_a_slot_no_request_took_reads_as_a_greedy_row():
     """Padded rows of a captured sampler graph read slots nobody wrote: they must hold a greedy row's neutral values
     (with zeros, top_k 0 kept the Triton kernel's rejection rounds going forever and hung the GPU)."""
     state = SamplingState(4, 1000, CPU, HostBuffers())
-    state.admit(1, SamplingParams(temperature=0.7, top_p=0.9, top_k=5), [1], [])
+    state.set_row(1, SamplingParams(temperature=0.7, top_p=0.9, top_k=5), [1], [])
     state.batch([1], torch.tensor([1]), torch.tensor([3], dtype=torch.int32), [True])  # flushes slot 1's row
     p = state.params(torch.tensor([0, 1, 3]))
     assert p.greedy.tolist() == [True, False, True]

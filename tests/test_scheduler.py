@@ -241,7 +241,7 @@ def test_step_trace_writes_a_line_per_launched_step(tiny_model_dirs, tmp_path, m
         llm.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=6, ignore_eos=True))
     [path] = tmp_path.glob("rank0-*-trace.tsv")
     rows = [line.split("\t") for line in path.read_text().splitlines()[1:]]
-    assert [r[1] for r in rows] == ["extend"] + ["decode"] * 5
+    assert [r[1] for r in rows] == ["prefill"] + ["decode"] * 5
     assert [(r[2], r[3]) for r in rows] == [("1", "4")] + [("1", "1")] * 5  # rows, tokens
     assert all(float(r[6]) >= 0 for r in rows)  # ms of garbage collection since the launch before
     spec = importlib.util.spec_from_file_location("step_trace", Path(__file__).parents[1] / "examples/step_trace.py")
@@ -255,4 +255,4 @@ def test_step_trace_writes_a_line_per_launched_step(tiny_model_dirs, tmp_path, m
     by_rows = step_trace.by_rows(tmp_path)
     assert by_rows[0] == f"{path.name}:" and len(by_rows) == 3
     assert by_rows[1].split()[:5] == ["decode", "1", "rows:", "4", "steps,"]
-    assert by_rows[2].split()[:5] == ["extend", "1", "rows:", "1", "steps,"]
+    assert by_rows[2].split()[:5] == ["prefill", "1", "rows:", "1", "steps,"]

@@ -255,7 +255,7 @@ def test_a_verify_step_draws_from_the_target_distribution():
     draft = 1
     state = SamplingState(n, vocab, torch.device("cpu"), HostBuffers())
     for slot in range(n):
-        state.admit(slot, SamplingParams(temperature=1.0, seed=slot), [3], [])
+        state.set_row(slot, SamplingParams(temperature=1.0, seed=slot), [3], [])
     slots = list(range(n))
     # Each request: rows [x, d]: row 0 draws the token d stands for, row 1 the one after (unused here).
     rows = state.batch([s for s in slots for _ in (0, 1)], torch.tensor([s for s in slots for _ in (0, 1)]),

@@ -484,11 +484,12 @@ class ChatCompletionResponse(_Response):
 
 # --- /v1/completions -----------------------------------------------------------------------------
 TokenIds = list[int]
-Prompt = Union[str, list[str], TokenIds, list[TokenIds]]
+CompletionPrompts = Union[str, list[str], TokenIds, list[TokenIds]]  # /v1/completions: one prompt or several
 
 
 class CompletionRequest(_Sampling):
-    prompt: Prompt = Field(..., description="A string, a list of strings, token ids, or a list of token id lists.")
+    prompt: CompletionPrompts = Field(
+        ..., description="A string, a list of strings, token ids, or a list of token id lists.")
     model: str | None = None
     max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT, description="OpenAI's default is 16.")
     n: int = Field(1, ge=1, le=MAX_N)

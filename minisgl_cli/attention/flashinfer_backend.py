@@ -73,7 +73,7 @@ class FlashInferBackend(AttentionBackend):
 
     # --- page lists ------------------------------------------------------------------------------
     def _paged_kv(
-        self, req_slots: torch.Tensor, seq_lens_cpu: list[int]
+        self, req_rows: torch.Tensor, seq_lens_cpu: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(indptr [B+1] int32 on the host, page indices [total] int32 on the device, last_page_len [B] int32 host)."""
         ps = self.page_size
@@ -89,7 +89,7 @@ class FlashInferBackend(AttentionBackend):
         )
         starts = indptr[:-1].to(dev, non_blocking=True).long()
         j = torch.arange(total, device=dev) - starts[req]
-        first_slot = self.pool.page_table[req_slots.long()[req], j * ps]
+        first_slot = self.pool.page_table[req_rows.long()[req], j * ps]
         return indptr, (first_slot // ps).to(torch.int32), last
 
     def _kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +104,7 @@ class FlashInferBackend(AttentionBackend):
 
     # --- per step --------------------------------------------------------------------------------
     def prepare(self, batch: ForwardBatch) -> None:
-        indptr, indices, last = self._paged_kv(batch.req_slots, batch.seq_lens_cpu)
+        indptr, indices, last = self._paged_kv(batch.req_rows, batch.seq_lens_cpu)
         if batch.is_decode:
             self._plan_decode(self.decode_wrapper, indptr, indices, last)
             batch.attn_meta = FlashInferMeta(self.decode_wrapper)
@@ -169,7 +169,7 @@ class FlashInferBackend(AttentionBackend):
         n = batch.batch_size
         if n > bs:
             raise ValueError(f"batch of {n} does not fit a graph of {bs}")
-        indptr, indices, last = self._paged_kv(batch.req_slots, batch.seq_lens_cpu)
+        indptr, indices, last = self._paged_kv(batch.req_rows, batch.seq_lens_cpu)
         if n < bs:  # padding rows: one token on scratch page 0
             pad = bs - n
             indptr = torch.cat([indptr, indptr[-1] + torch.arange(1, pad + 1, dtype=torch.int32)])

@@ -20,7 +20,7 @@ from minisgl_cli.kernels.cpu import library as cpu_library
 from minisgl_cli.kvcache.pool import KVPool
 
 _PAD = 16  # the CPU's fp32 vector width (AVX-512; twice AVX2's): see TorchBackend.prepare
-_ROWS = 32  # extend rows attend in blocks of this many positions (TorchBackend._blocks): SDPA's own row block
+_ROWS = 32  # prefill rows attend in blocks of this many positions (TorchBackend._blocks): SDPA's own row block
 _GROUP = 8  # decode: a KV head's query rows padded to a multiple of this (TorchBackend.decode)
 
 
@@ -64,7 +64,7 @@ class TorchBackend(AttentionBackend):
 
     @property
     def row_invariant(self) -> bool:
-        """Whether a row rounds alike whatever rows share its call (extend rows in position-aligned blocks, decode
+        """Whether a row rounds alike whatever rows share its call (prefill rows in position-aligned blocks, decode
         query rows padded): on the CPU over a 16-bit pool, where a greedy answer must not depend on the cache or the
         batch. As the GPU kernels' reference and as the FP8 KV simulation, rows attend as the kernels compute them."""
         return self.pool.device.type == "cpu" and not self.pool.quantized
@@ -76,7 +76,7 @@ class TorchBackend(AttentionBackend):
             # padding now and then (examples/bench_cpu_attention.py), which is why minisgl::decode_attn takes each
             # row's own length and never reads the padding.
             max_len = min(-(-max(batch.seq_lens_cpu) // _PAD) * _PAD, table.shape[1])
-            slots = table[batch.req_slots, :max_len].long()
+            slots = table[batch.req_rows, :max_len].long()
             lens = batch.seq_lens.long()
             # Additive float mask, built once per step: SDPA would convert a bool mask in every layer.
             # (In the pool dtype, which is the model's unless it is FP8: then _decode converts it once.)
@@ -87,7 +87,7 @@ class TorchBackend(AttentionBackend):
         kv_slots: list[torch.Tensor | None] = []
         masks: list[torch.Tensor | None] = []
         prefixes = [seq_len - ext for seq_len, ext in zip(batch.seq_lens_cpu, batch.extend_lens_cpu)]
-        rows = batch.req_slots.tolist()
+        rows = batch.req_rows.tolist()
         for row, seq_len, prefix in zip(rows, batch.seq_lens_cpu, prefixes):
             if prefix == 0 and not self.pool.quantized:  # nothing cached: this step's own k/v, no gather
                 kv_slots.append(None)

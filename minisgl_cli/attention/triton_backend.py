@@ -16,7 +16,7 @@ from minisgl_cli.layers.kernel_choice import Kernels
 
 @dataclass
 class TritonDecodeMeta:
-    req_slots: torch.Tensor  # [bs] int64: page-table rows
+    req_rows: torch.Tensor  # [bs] int64: page-table rows
     seq_lens: torch.Tensor  # [bs] int32: context length including this step's token
     num_splits: int  # KV splits per request (fixed per captured batch size under CUDA graphs)
     mid_o: torch.Tensor  # [bs, H, num_splits, D] fp32: per-split normalised outputs
@@ -26,7 +26,7 @@ class TritonDecodeMeta:
 
 @dataclass
 class TritonExtendMeta:
-    req_slots: torch.Tensor  # [B] int64
+    req_rows: torch.Tensor  # [B] int64
     seq_lens: torch.Tensor  # [B] int32
     qo_indptr: torch.Tensor  # [B+1] int32
     max_extend_len: int
@@ -48,7 +48,7 @@ class TritonBackend(AttentionBackend):
        the model forward with it. Capturing sizes in any order is fine: all sizes share one storage;
     3. per replayed step: copy the real step's tensors into the graphs' static inputs (padding rows
        bs_real..bs-1 must write KV to the scratch page, e.g. out_cache_loc = 0), call
-       `prepare_for_replay(real_batch, bs)` -- it copies the real batch's req_slots / seq_lens into the
+       `prepare_for_replay(real_batch, bs)` -- it copies the real batch's req_rows / seq_lens into the
        static buffers and makes the padding rows attend to one valid position -- then replay graph[bs].
        Do not call `prepare` for a replayed step; `prepare_for_replay` replaces it.
 
@@ -89,10 +89,10 @@ class TritonBackend(AttentionBackend):
             splits = max(1, min(self._splits(bs), tiles))
             mid_o, mid_lse = self._scratch(bs, splits)
             order = torch.argsort(batch.seq_lens, descending=True).to(torch.int32)
-            batch.attn_meta = TritonDecodeMeta(batch.req_slots, batch.seq_lens, splits, mid_o, mid_lse, order)
+            batch.attn_meta = TritonDecodeMeta(batch.req_rows, batch.seq_lens, splits, mid_o, mid_lse, order)
         else:
             batch.attn_meta = TritonExtendMeta(
-                batch.req_slots, batch.seq_lens, batch.qo_indptr, max(batch.extend_lens_cpu, default=0)
+                batch.req_rows, batch.seq_lens, batch.qo_indptr, max(batch.extend_lens_cpu, default=0)
             )
 
     # --- CUDA graphs -----------------------------------------------------------------------------
@@ -101,7 +101,7 @@ class TritonBackend(AttentionBackend):
         # Each captured size bs views bs * splits(bs) partial rows of one flat scratch; size it for the worst bs.
         rows = max(bs * self._splits(bs) for bs in range(1, max_bs + 1))
         self._graph = {
-            "req_slots": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "req_rows": torch.zeros(max_bs, dtype=torch.int64, device=dev),
             "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
             "order": torch.arange(max_bs, dtype=torch.int32, device=dev),
             "mid_o": torch.empty(rows * self.num_heads * self.head_dim, dtype=torch.float32, device=dev),
@@ -115,7 +115,7 @@ class TritonBackend(AttentionBackend):
         splits = self._splits(bs)
         h, d = self.num_heads, self.head_dim
         meta = TritonDecodeMeta(
-            req_slots=g["req_slots"][:bs],
+            req_rows=g["req_rows"][:bs],
             seq_lens=g["seq_lens"][:bs],
             num_splits=splits,
             mid_o=g["mid_o"][: bs * h * splits * d].view(bs, h, splits, d),
@@ -132,10 +132,10 @@ class TritonBackend(AttentionBackend):
         n = batch.batch_size
         if n > bs:
             raise ValueError(f"batch of {n} does not fit a graph of {bs}")
-        g["req_slots"][:n].copy_(batch.req_slots, non_blocking=True)
+        g["req_rows"][:n].copy_(batch.req_rows, non_blocking=True)
         g["seq_lens"][:n].copy_(batch.seq_lens, non_blocking=True)
         if n < bs:  # padding rows: one position of page-table row 0 (any valid slot; output discarded)
-            g["req_slots"][n:bs].zero_()
+            g["req_rows"][n:bs].zero_()
             g["seq_lens"][n:bs].fill_(1)
         g["order"][:bs].copy_(torch.argsort(g["seq_lens"][:bs], descending=True))
 
@@ -160,10 +160,10 @@ class TritonBackend(AttentionBackend):
         quant = self.pool.layer_quant(layer_id)
         if isinstance(meta, TritonDecodeMeta):
             return tk.decode_attention(
-                q, k_cache, v_cache, table, meta.req_slots, meta.seq_lens, self.scale,
+                q, k_cache, v_cache, table, meta.req_rows, meta.seq_lens, self.scale,
                 meta.num_splits, meta.mid_o, meta.mid_lse, pdl=self.kernels.pdl, quant=quant, order=meta.order,
             )
         return tk.extend_attention(
-            q, k_cache, v_cache, table, meta.req_slots, meta.seq_lens, meta.qo_indptr,
+            q, k_cache, v_cache, table, meta.req_rows, meta.seq_lens, meta.qo_indptr,
             meta.max_extend_len, self.scale, quant=quant,
         )

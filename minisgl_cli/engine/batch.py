@@ -10,7 +10,7 @@ import torch
 
 from minisgl_cli.engine.host import HostBuffers
 
-Mode = Literal["extend", "decode"]
+Mode = Literal["prefill", "decode"]
 
 
 @dataclass
@@ -26,7 +26,7 @@ class ImageChunk:
 
 @dataclass
 class StepImages:
-    """A vision-language model's extend step: every token's M-RoPE positions, and the image rows it writes."""
+    """A vision-language model's prefill step: every token's M-RoPE positions, and the image rows it writes."""
 
     positions: torch.Tensor  # [3, T] int64: time, height, width position of each token
     chunks: list[ImageChunk]  # the images this step's rows hold, in row order
@@ -39,7 +39,7 @@ class ForwardBatch:
     """Flat token batch (no padding) for one forward: an extend (prefill) step or a decode step.
 
     Request i owns rows `qo_indptr[i]:qo_indptr[i+1]` of the flat token arrays; its KV for positions
-    `0..seq_lens[i]-1` lives at slots `page_table[req_slots[i], :seq_lens[i]]` of the KV pool, the last
+    `0..seq_lens[i]-1` lives at slots `page_table[req_rows[i], :seq_lens[i]]` of the KV pool, the last
     `extend_lens[i]` of which this step writes (at `out_cache_loc`).
     """
 
@@ -47,7 +47,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     out_cache_loc: torch.Tensor  # [T] int64: KV slot of each new token
-    req_slots: torch.Tensor  # [B] int64: rows of the page table
+    req_rows: torch.Tensor  # [B] int64: rows of the page table
     seq_lens: torch.Tensor  # [B] int32: tokens in KV after this step
     extend_lens: torch.Tensor  # [B] int32: new tokens this step (1 when decoding)
     seq_lens_cpu: list[int]
@@ -55,7 +55,7 @@ class ForwardBatch:
     qo_indptr: torch.Tensor  # [B+1] int32: prefix sum of extend_lens
     logits_indices: torch.Tensor  # [B] int64: row of each request's last token
     attn_meta: Any = field(default=None)  # filled by the attention backend's prepare()
-    images: StepImages | None = None  # a VLM's extend step where a request holds images (vision/state.py)
+    images: StepImages | None = None  # a VLM's prefill step where a request holds images (vision/state.py)
 
     @property
     def batch_size(self) -> int:
@@ -73,7 +73,7 @@ class ForwardBatch:
     def build(
         mode: Mode,
         input_ids: list[int],
-        req_slots: list[int],
+        req_rows: list[int],
         prefix_lens: list[int],
         extend_lens: list[int],
         out_cache_loc: torch.Tensor | list[int],
@@ -86,7 +86,7 @@ class ForwardBatch:
 
         On CUDA the copies go through `host` (the engine's pinned buffers) asynchronously, so building the
         next step's batch never waits for the step the GPU is running."""
-        B = len(req_slots)
+        B = len(req_rows)
         if mode == "decode" and len(input_ids) == B:  # one token a request: the offsets are the row numbers
             positions = list(prefix_lens) if positions is None else positions
             seq_lens = [p + 1 for p in prefix_lens]
@@ -102,14 +102,14 @@ class ForwardBatch:
             out_cache_loc = out_cache_loc.tolist()
         device = torch.device(device)
         ids, pos, loc, slots, last = host.to_device_parts(
-            [input_ids, positions, out_cache_loc, req_slots, [i - 1 for i in indptr[1:]]], torch.int64, device)
+            [input_ids, positions, out_cache_loc, req_rows, [i - 1 for i in indptr[1:]]], torch.int64, device)
         lens, extends, qo_indptr = host.to_device_parts([seq_lens, extend_lens, indptr], torch.int32, device)
         return ForwardBatch(
             mode=mode,
             input_ids=ids,
             positions=pos,
             out_cache_loc=loc,
-            req_slots=slots,
+            req_rows=slots,
             seq_lens=lens,
             extend_lens=extends,
             seq_lens_cpu=seq_lens,

@@ -164,7 +164,7 @@ class Engine:
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
             mc.head_dim, mc.head_dim**-0.5, self.device, self.kernels,
         )
-        # Every request's sampling parameters on the device, by page-table row (written at admission).
+        # Every request's sampling parameters on the device, by page-table row (written when a request takes its row).
         self.sampling = SamplingState(cfg.max_running_requests, mc.vocab_size, self.device, self.host, cfg.seed)
         self.sampler = create_sampler(self.device, mc.vocab_size, cfg.sampler)
         # A vision-language model's images: pixels, M-RoPE positions, the tower's runs (vision/state.py).
@@ -290,12 +290,12 @@ class Engine:
     def free_pages(self, pages: list[int]) -> None:
         self.pool.free_pages(pages)
 
-    def alloc_req_slot(self) -> int | None:
+    def alloc_req_row(self) -> int | None:
         """A free page-table row, or None when every row is taken."""
-        return self.pool.alloc_req_slot()
+        return self.pool.alloc_req_row()
 
-    def free_req_slot(self, slot: int) -> None:
-        self.pool.free_req_slot(slot)
+    def free_req_row(self, req_row: int) -> None:
+        self.pool.free_req_row(req_row)
 
     def write_page_table(self, rows: int | torch.Tensor, positions: slice | torch.Tensor,
                          slots: torch.Tensor) -> None:
@@ -310,10 +310,10 @@ class Engine:
         if images and self.vision is not None:
             self.vision.load(images)
 
-    def admit_images(self, slot: int, input_ids: list[int], images: list[ImageInput]) -> None:
-        """A request took page-table row `slot` (as admit_sampling): its images' positions go there."""
+    def set_image_row(self, req_row: int, input_ids: list[int], images: list[ImageInput]) -> None:
+        """A request took page-table row `req_row` (as set_sampling_row): its images' positions go there."""
         if self.vision is not None:
-            self.vision.admit(slot, input_ids, images)
+            self.vision.set_row(req_row, input_ids, images)
 
     def drop_images(self, images: list[ImageInput]) -> None:
         """A request ended: what shared memory its images still hold goes."""
@@ -325,13 +325,13 @@ class Engine:
         return self.vision.stats() if self.vision is not None else (0, 0, 0.0)
 
     # --- a step's host <-> device traffic, through this engine's pinned buffers -----------------------------------
-    def build_batch(self, mode: Mode, input_ids: list[int], req_slots: list[int], prefix_lens: list[int],
+    def build_batch(self, mode: Mode, input_ids: list[int], req_rows: list[int], prefix_lens: list[int],
                     extend_lens: list[int], out_cache_loc: list[int]) -> ForwardBatch:
         """A ForwardBatch on this engine's device (see `ForwardBatch.build`: never waits on the step in flight)."""
-        fb = ForwardBatch.build(mode, input_ids, req_slots, prefix_lens, extend_lens, out_cache_loc, self.device,
+        fb = ForwardBatch.build(mode, input_ids, req_rows, prefix_lens, extend_lens, out_cache_loc, self.device,
                                 self.host)
-        if mode == "extend" and self.vision is not None:
-            fb.images = self.vision.step(req_slots, prefix_lens, extend_lens)
+        if mode == "prefill" and self.vision is not None:
+            fb.images = self.vision.step(req_rows, prefix_lens, extend_lens)
         return fb
 
     def upload(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -360,15 +360,16 @@ class Engine:
             self.vision.confirm()
         return logits
 
-    def admit_sampling(self, slot: int, params: SamplingParams, input_ids: list[int], output_ids: list[int]) -> None:
-        """A request took page-table row `slot`: its sampling state goes there (on the device with the next step)."""
-        self.sampling.admit(slot, params, input_ids, output_ids)
+    def set_sampling_row(self, req_row: int, params: SamplingParams, input_ids: list[int],
+                         output_ids: list[int]) -> None:
+        """A request took page-table row `req_row`: its sampling state goes there (on the device with the next step)."""
+        self.sampling.set_row(req_row, params, input_ids, output_ids)
 
-    def sampling_batch(self, batch: ForwardBatch, slots: list[int], produces: list[bool],
+    def sampling_batch(self, batch: ForwardBatch, req_rows: list[int], produces: list[bool],
                        drafts: list[list[int]] | None = None) -> SamplingBatch:
-        """The step's rows for the sampler (`slots`: the batch's page-table rows; `produces`: which rows draw a real
+        """The step's rows for the sampler (`req_rows`: the batch's page-table rows; `produces`: which rows draw a real
         token -- a chunk of a long prompt does not; `drafts`: a verify step's, per request, see SamplingState)."""
-        return self.sampling.batch(slots, batch.req_slots, batch.seq_lens, produces, logprobs=self.tp.rank == 0,
+        return self.sampling.batch(req_rows, batch.req_rows, batch.seq_lens, produces, logprobs=self.tp.rank == 0,
                                    drafts=drafts)
 
     @torch.inference_mode()

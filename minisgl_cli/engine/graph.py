@@ -53,7 +53,7 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
-        self.req_slots = torch.zeros(n, dtype=torch.int64, device=device)  # a VLM reads its rows' M-RoPE deltas
+        self.req_rows = torch.zeros(n, dtype=torch.int64, device=device)  # a VLM reads its rows' M-RoPE deltas
         self.logits = torch.empty((n, vocab), dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._dirty = 0  # rows of out_cache_loc that may hold a real slot from an earlier replay
@@ -62,7 +62,7 @@ class DecodeGraphs:
         ones = torch.ones(bs, dtype=torch.int32, device=self.device)
         return ForwardBatch(
             mode="decode", input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs], req_slots=self.req_slots[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], req_rows=self.req_rows[:bs],
             seq_lens=ones, extend_lens=ones, seq_lens_cpu=[1] * bs, extend_lens_cpu=[1] * bs,
             qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=self.device),
             logits_indices=torch.arange(bs, dtype=torch.int64, device=self.device),
@@ -105,7 +105,7 @@ class DecodeGraphs:
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
         self.positions[:n].copy_(batch.positions, non_blocking=True)
         self.out_cache_loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
-        self.req_slots[:n].copy_(batch.req_slots, non_blocking=True)
+        self.req_rows[:n].copy_(batch.req_rows, non_blocking=True)
         if self._dirty > n:  # rows a bigger step wrote must not scribble over live KV slots now
             self.out_cache_loc[n : self._dirty].zero_()
         self._dirty = n

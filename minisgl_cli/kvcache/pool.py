@@ -77,7 +77,7 @@ class KVPool:
         self.max_context_len = max_context_len
         self.page_table = torch.zeros((max_reqs, max_context_len), dtype=torch.int32, device=device)
         self._free_pages: list[int] = list(range(num_pages, 0, -1))  # pop() hands out low pages first
-        self._free_req_slots: list[int] = list(range(max_reqs - 1, -1, -1))
+        self._free_req_rows: list[int] = list(range(max_reqs - 1, -1, -1))
 
     @staticmethod
     def pages_for_budget(shape: KVShape, budget_bytes: int, page_size: int) -> int:
@@ -106,14 +106,14 @@ class KVPool:
 
     # --- request slots (rows of the page table) ------------------------------------------------
     @property
-    def num_free_req_slots(self) -> int:
-        return len(self._free_req_slots)
+    def num_free_req_rows(self) -> int:
+        return len(self._free_req_rows)
 
-    def alloc_req_slot(self) -> int | None:
-        return self._free_req_slots.pop() if self._free_req_slots else None
+    def alloc_req_row(self) -> int | None:
+        return self._free_req_rows.pop() if self._free_req_rows else None
 
-    def free_req_slot(self, slot: int) -> None:
-        self._free_req_slots.append(slot)
+    def free_req_row(self, slot: int) -> None:
+        self._free_req_rows.append(slot)
 
     # --- KV reads and writes -------------------------------------------------------------------
     def needs_scales(self, layer_id: int) -> bool:

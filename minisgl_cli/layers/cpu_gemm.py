@@ -36,7 +36,7 @@ _BF16_NATIVE: torch.dtype | None = torch.bfloat16 if torch.cpu._is_avx512_bf16_s
 
 def for_quantized(policy: str) -> str:
     """The policy of a model with int4 / int8 weights: `auto` is `invariant` there. Those modes promise a row's result
-    whatever the rows beside it, and their dense weights (extend steps, the router) are fp32 where the CPU lacks
+    whatever the rows beside it, and their dense weights (prefill steps, the MoE gate) are fp32 where the CPU lacks
     AVX-512 BF16; an explicit policy stands."""
     return "invariant" if policy == "auto" else policy
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts block: a softmax top-k router and stacked, TP-sliced expert weights run as a grouped GEMM.
+"""Mixture-of-experts block: a softmax top-k gate and stacked, TP-sliced expert weights run as a grouped GEMM.
 
 Each of a layer's E experts is a SiLU-gated MLP. The weights are stacked per layer: `gate_up_proj` [E, 2 I, H]
 (every expert's gate rows, then its up rows) and `down_proj` [E, H, I], the layout and names of transformers'
@@ -15,7 +15,7 @@ routing weights and put back in slot order, then summed per token. Where the mat
            them costs nothing there), through the dense linears' packed GEMMs (`Experts.dense_matmul`) or, for
            a decode step under int4 / int8, the experts' low-bit copies (`Experts.decode_matmul`)
 
-On CUDA with the fused ops on (16-bit activations) the whole block but the router's linear runs in Triton instead
+On CUDA with the fused ops on (16-bit activations) the whole block but the gate's linear runs in Triton instead
 (kernels/triton/moe.py: routing, block alignment, gate/up with SiLU fused, down with the routing weights) up to
 its FUSED_MAX_TOKENS, and at every size for FP8 experts or where torch's grouped kernel is missing, so decode is
 graph-safe there too.
@@ -124,7 +124,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     return torch.empty_like(y).index_copy_(0, order, y).view(n_tok, k, -1).sum(dim=1)
 
 
-class Router(nn.Module):
+class Gate(nn.Module):
     """The gate: logits over the experts from the hidden state, replicated on every rank (E x H is small)."""
 
     def __init__(self, hidden_size: int, num_experts: int, kernels: Kernels):
@@ -134,7 +134,7 @@ class Router(nn.Module):
 
     def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
         if name != "weight":
-            raise KeyError(f"checkpoint has a router {name!r}; routers here have a weight only")
+            raise KeyError(f"checkpoint has a gate {name!r}; gates here have a weight only")
         self.weight.data.copy_(whole(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +159,7 @@ class Experts(nn.Module):
 
     `copies` (--quantization int4 / int8, the CPU): once loaded, each expert matrix also gets the method's low-bit
     copy, which decode steps multiply by: a GGUF's own blocks where it shipped them, else quantized from the dense
-    matrix (as a linear layer's are); extend steps keep the dense weights (layers/quant.py says why)."""
+    matrix (as a linear layer's are); prefill steps keep the dense weights (layers/quant.py says why)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPInfo, fp8: bool = False,
                  copies: LinearMethod | None = None):
@@ -275,7 +275,7 @@ class MoE(nn.Module):
                  tp: TPInfo, kernels: Kernels, fp8: bool = False, copies: LinearMethod | None = None):
         super().__init__()
         self.top_k, self.renormalize, self.tp, self.kernels = top_k, renormalize, tp, kernels
-        self.gate = Router(hidden_size, num_experts, kernels)
+        self.gate = Gate(hidden_size, num_experts, kernels)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8, copies)
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:

@@ -133,7 +133,7 @@ class LinearMethod:
 
 
 class _WeightOnly(LinearMethod):
-    """The dense weight for extend steps plus a low-bit copy (int4 / int8) for decode steps."""
+    """The dense weight for prefill steps plus a low-bit copy (int4 / int8) for decode steps."""
 
     quantized = True
     devices = ("cpu",)

@@ -139,7 +139,7 @@ _MERGED = {
     "up_proj": ("gate_up_proj", 1),
 }
 # One expert's matrix in a checkpoint: Qwen3-MoE's mlp.experts.E.{gate,up,down}_proj, Mixtral's
-# block_sparse_moe.experts.E.w{1,3,2} (its router is block_sparse_moe.gate: our mlp.gate).
+# block_sparse_moe.experts.E.w{1,3,2} (its gate is block_sparse_moe.gate: our mlp.gate).
 _EXPERT = re.compile(r"(?P<layer>layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight")
 
 

@@ -1,7 +1,7 @@
 """Qwen2-VL and Qwen2.5-VL: the vision tower (patch embedding, ViT blocks, 2x2 patch merger) over our TP linear
 layers, and the Qwen2 decoder of models/llama.py with M-RoPE.
 
-Images reach the decoder as embeddings written into their placeholder rows at extend (`ForwardBatch.images`:
+Images reach the decoder as embeddings written into their placeholder rows at prefill (`ForwardBatch.images`:
 the engine runs the tower, vision/state.py); each token then turns by its time / height / width positions. A
 decode step turns by the plain position plus the request's M-RoPE delta (`rope_deltas`, by page-table row, so a
 CUDA graph replays it). The tower's attention heads, MLP and merger are split across TP ranks as the decoder's are.
@@ -295,7 +295,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         h = self.embed_tokens(batch.input_ids)
         images = batch.images
         if batch.is_decode:
-            rope = self.rope.table(batch.positions + self.rope_deltas[batch.req_slots])
+            rope = self.rope.table(batch.positions + self.rope_deltas[batch.req_rows])
         elif images is None:
             rope = self.rope.table(batch.positions)
         else:

@@ -174,7 +174,7 @@ class Proxy:
         self._publish()
 
     def _publish(self) -> None:
-        self.tally.write(self.inflight, self.workers.router.routed, self.workers.router.load)
+        self.tally.write(self.inflight, self.workers.dispatcher.routed, self.workers.dispatcher.load)
 
     def _busy(self, message: str) -> Response:
         return p.error_response(429, message, "rate_limit_error", None, "too_many_requests",
@@ -204,7 +204,7 @@ class Proxy:
     async def _exchange(self, request: Request, body: bytes) -> Response:
         assert self.http is not None
         # Only cache_aware matches prompts: the other modes never parse the body.
-        key = routing_key(body) if body and self.workers.router.mode == "cache_aware" else None
+        key = routing_key(body) if body and self.workers.dispatcher.mode == "cache_aware" else None
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP]
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         tried: set[int] = set()
@@ -322,7 +322,7 @@ def create_router_app(urls: Sequence[str], mode: str = "rr", per_worker_cap: int
         accept = request.headers.get("accept", "")
         if format == "prometheus" or (format is None and "text/plain" in accept and "application/json" not in accept):
             return PlainTextResponse(_prometheus(per, rows), media_type="text/plain; version=0.0.4; charset=utf-8")
-        return {"mode": workers.router.mode, "workers": per, "total": _total(per, whole.inflight),
+        return {"mode": workers.dispatcher.mode, "workers": per, "total": _total(per, whole.inflight),
                 "processes": [{"pid": r.pid, "requests": r.requests, "inflight": r.inflight} for r in rows]}
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)

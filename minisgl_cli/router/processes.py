@@ -121,7 +121,7 @@ def _serve_here(app: FastAPI, host: str, port: int, log_level: str) -> None:
     server = BackgroundServer(app, host, port, log_level=log_level, graceful_s=5)
     server.start(healthy=False)
     workers = app.state.workers
-    notice.notice(f"router for {len(workers.workers)} workers ({workers.router.mode}) at {server.url} "
+    notice.notice(f"router for {len(workers.workers)} workers ({workers.dispatcher.mode}) at {server.url} "
                   "(OpenAI API at /v1)")
     with stop_on_signals() as stop:  # through the shutdown too: a second Ctrl-C must not cut it short
         try:

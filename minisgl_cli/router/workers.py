@@ -1,7 +1,7 @@
 """The workers behind `minisgl router`: each `minisgl serve` URL, whether it answers, and the routing across them.
 
 A background task asks every worker's /health every `interval` seconds. A worker that fails it is taken out —
-the `Router` stops picking it and forgets its prefix tree — and put back as soon as its /health answers 200
+the `Dispatcher` stops picking it and forgets its prefix tree — and put back as soon as its /health answers 200
 again. A check that only times out counts as failed from the SLOW_CHECKS-th in a row: under a full load the
 answer can queue behind thousands of stream frames (in the worker's API or this router's own loop) while the
 worker serves well, and taking it out then would turn a busy moment into failed requests. Requests count too:
@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from minisgl_cli.dispatch import Router
+from minisgl_cli.dispatch import Dispatcher
 from minisgl_cli.notice import notice
 
 log = logging.getLogger("minisgl.router")
@@ -44,28 +44,28 @@ class Workers:
                  label: str = ""):
         self.label = label  # which router process says the lines about the workers ("" when it is the only one)
         self.workers = [Worker(i, url.rstrip("/")) for i, url in enumerate(urls)]
-        self.router = Router(len(urls), mode, cap, up=False)  # each is put in by its first good health check
+        self.dispatcher = Dispatcher(len(urls), mode, cap, up=False)  # each is put in by its first good health check
         self.interval = interval
         self._task: asyncio.Task | None = None
 
     # --- routing ---------------------------------------------------------------------------------
     def pick(self, key: Sequence[Hashable] | None, exclude: Collection[int] = ()) -> Worker:
         """A worker for a request with this prompt (NoReplica / Busy from the router when there is none)."""
-        return self.workers[self.router.pick(key, exclude)]
+        return self.workers[self.dispatcher.pick(key, exclude)]
 
     def done(self, w: Worker) -> None:
-        self.router.done(w.index)
+        self.dispatcher.done(w.index)
 
     def up(self, w: Worker) -> bool:
-        return self.router.up[w.index]
+        return self.dispatcher.up[w.index]
 
     def take_out(self, w: Worker, reason: str) -> None:
-        if self.router.set_up(w.index, False) or w.reason == "not checked yet":
+        if self.dispatcher.set_up(w.index, False) or w.reason == "not checked yet":
             log.warning("minisgl router: %sworker %s is out (%s)", self.label, w.url, reason)
         w.reason = reason
 
     def put_back(self, w: Worker) -> None:
-        if self.router.set_up(w.index, True):
+        if self.dispatcher.set_up(w.index, True):
             notice(f"{self.label}worker {w.url} is {'up' if w.reason == 'not checked yet' else 'back'}")
             w.failures = 0
         w.reason = ""

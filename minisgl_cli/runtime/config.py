@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from minisgl_cli.dispatch import SCHEDULER_MODES, SchedulerMode
+from minisgl_cli.dispatch import DISPATCH_POLICIES, DispatchPolicy
 from minisgl_cli.distributed import AllReduce, DistConfig
 
 RuntimeMode = Literal["auto", "processes", "in-process"]
@@ -40,9 +40,9 @@ class RuntimeConfig:
     dp_size: int = field(default=1, metadata=dict(
         flags=("--dp", "--dp-size"), min=1,
         help="Data-parallel engine replicas, each on its own --tp devices."))
-    scheduler_mode: SchedulerMode = field(default="rr", metadata=dict(
-        flags=("--scheduler-mode",), env="SCHEDULER_MODE",
-        help="Routing across replicas: rr, fsfs, random, cache_aware."))
+    dispatch: DispatchPolicy = field(default="rr", metadata=dict(
+        flags=("--dispatch", "--scheduler-mode"), env="SCHEDULER_MODE",
+        help="Which replica takes a request: rr, fsfs, random, cache_aware."))
     # `serve --stream-interval`: the detokenizer sends a request's text every this many tokens (the first token
     # and the end at once); not an engine option of every command, so no flags here.
     stream_interval: int = 1
@@ -61,9 +61,9 @@ class RuntimeConfig:
         if self.dp_size > 1 and self.nnodes > 1:
             raise ValueError("--dp runs its replicas on one host; across hosts put `minisgl router` in front of "
                              "one `minisgl serve` per host")
-        if self.scheduler_mode not in SCHEDULER_MODES:
-            raise ValueError(f"--scheduler-mode must be one of {', '.join(SCHEDULER_MODES)}, "
-                             f"not {self.scheduler_mode!r}")
+        if self.dispatch not in DISPATCH_POLICIES:
+            raise ValueError(f"--dispatch must be one of {', '.join(DISPATCH_POLICIES)}, "
+                             f"not {self.dispatch!r}")
         _ = self.dist  # validates --tp / --nnodes / --node-rank / --dist-init-addr / --all-reduce now, as a usage error
 
     @property

@@ -75,7 +75,7 @@ def launch(engine: EngineConfig, scheduler: SchedulerConfig, rt: RuntimeConfig,
         clients.append(RemoteClient(info, runtime.endpoints, rt.num_tokenizer, runtime))
     if rt.dp_size == 1:
         return clients[0]
-    pool = EnginePool(clients, rt.scheduler_mode, per_replica_cap)
+    pool = EnginePool(clients, rt.dispatch, per_replica_cap)
     for i, client in enumerate(clients):  # a replica that dies is taken out at once (its streams already ended)
         client.runtime.on_death(functools.partial(pool.take_out, i))
     return pool

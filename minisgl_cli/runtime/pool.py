@@ -1,7 +1,7 @@
 """EnginePool: data parallelism — one EngineClient over N engine replicas, each request routed to one of them.
 
-Each replica is a whole engine with its own scheduler process(es) and devices (a RemoteClient); the `Router`
-(dispatch.py) picks one per request by --scheduler-mode, never one at its MAX_INFLIGHT_PER_ENGINE cap
+Each replica is a whole engine with its own scheduler process(es) and devices (a RemoteClient); the `Dispatcher`
+(dispatch.py) picks one per request by --dispatch, never one at its MAX_INFLIGHT_PER_ENGINE cap
 (`routing.Busy` past it on all: the server answers 429). Prompts are tokenized first (by one replica's
 tokenizer worker, in turn) so cache_aware matches the token ids each replica's radix cache will see.
 
@@ -20,7 +20,7 @@ import threading
 from collections.abc import AsyncGenerator, Sequence
 
 from minisgl_cli.client.protocol import EngineClient, EngineGone, PrefixWarm
-from minisgl_cli.dispatch import NoReplica, Router
+from minisgl_cli.dispatch import Dispatcher, NoReplica
 from minisgl_cli.types import Delta, GenerateRequest, Prompt, ReplicaStats, SchedulerStats
 
 log = logging.getLogger("minisgl.runtime")
@@ -34,7 +34,8 @@ class EnginePool:
         kv = [i.kv_tokens or 0 for i in infos]  # replicas are our engine's (--dp refuses hf and mlx): a KV pool each
         self.info = dataclasses.replace(infos[0], max_running=sum(i.max_running for i in infos), kv_tokens=sum(kv),
                                         dp_size=len(replicas))
-        self.router = Router(len(replicas), mode, cap, slots=[i.max_running for i in infos], tree_items=kv, seed=seed)
+        self.dispatcher = Dispatcher(len(replicas), mode, cap, capacity=[i.max_running for i in infos], tree_items=kv,
+                                     seed=seed)
         self.out: list[str | None] = [None] * len(replicas)  # why each replica is out (None: serving)
         self._where: dict[str, int] = {}  # request id -> the replica serving it
         self._turn = itertools.count()  # whose tokenizer is next
@@ -47,7 +48,7 @@ class EnginePool:
             if self.out[i] is not None:
                 return
             self.out[i] = reason
-        self.router.set_up(i, False)
+        self.dispatcher.set_up(i, False)
         serving = self.out.count(None)
         log.error("minisgl: replica %d is out (%s); %d of %d replicas serving", i, reason, serving, len(self.out))
         threading.Thread(target=self.replicas[i].close, name=f"minisgl-close-replica-{i}", daemon=True).start()
@@ -74,7 +75,7 @@ class EnginePool:
         while True:
             self._serving()
             try:
-                i = self.router.pick(ids, tried)
+                i = self.dispatcher.pick(ids, tried)
             except NoReplica:
                 raise EngineGone(self.failure() or "no replica left to try") from None
             self._where[req.rid] = i
@@ -90,7 +91,7 @@ class EnginePool:
                         started = True
                         if delta.finished:
                             finished = True
-                            self.router.done(i)  # before the consumer sees the end, so a new request finds the slot
+                            self.dispatcher.done(i)  # before the consumer sees the end, so a new request finds the slot
                         yield delta
                     else:
                         return
@@ -99,7 +100,7 @@ class EnginePool:
                     raise  # not a dead replica's refusal at the start
             finally:
                 if not finished:
-                    self.router.done(i)
+                    self.dispatcher.done(i)
                 self._where.pop(req.rid, None)
             log.warning("minisgl: request %s retried: replica %d died before it started", req.rid, i)
             tried.add(i)
@@ -152,7 +153,7 @@ class EnginePool:
             if i in serving:
                 with contextlib.suppress(TimeoutError, RuntimeError):  # it died or stalled just now
                     stats = r.stats(timeout)
-            per.append(ReplicaStats(i, i in serving, self.router.routed[i], self.router.load[i], stats))
+            per.append(ReplicaStats(i, i in serving, self.dispatcher.routed[i], self.dispatcher.load[i], stats))
         total = SchedulerStats.total([p.stats for p in per if p.stats is not None])
         total.replicas = per
         return total

@@ -3,7 +3,7 @@
 A sampled step's draw is a gather of its rows' parameters and a few Triton launches (kernels/triton/sampling.py):
 ~0.3-0.5 ms of Python a step, more than Qwen3-0.6B's whole decode step at batch 1 (0.86 ms on an H200) leaves the
 CPU, so a sampled stream ran 5-9% slower than a greedy one, which takes one argmax. Captured per (batch size, cut,
-min-p) over the decode graphs' static inputs -- the rows' page-table slots and positions, the logits buffer -- a
+min-p) over the decode graphs' static inputs -- the rows' page-table rows and positions, the logits buffer -- a
 draw is one replay. Only rows that need nothing but the draw take it (no penalty, bias, grammar mask, logprobs or
 drafts), and only right after a decode-graph replay; any other step samples eagerly, as before. The kernels and
 their inputs are the eager path's, so a row draws the same token either way.
@@ -41,7 +41,7 @@ class DecodeInputs(Protocol):
     sizes: list[int]
     device: torch.device
     positions: torch.Tensor
-    req_slots: torch.Tensor
+    req_rows: torch.Tensor
     logits: torch.Tensor
 
 
@@ -60,9 +60,9 @@ class SamplerGraphs:
     def _body(self, bs: int, cut: bool, min_p: bool) -> None:
         d = self.decode
         self.positions[:bs].copy_(d.positions[:bs] + 1)
-        slots = d.req_slots[:bs]
-        batch = SamplingBatch(slots, self.positions[:bs], _needs(cut, min_p), 0, [], None, 0, None)
-        self.out[:bs].copy_(self.draw_fn(d.logits[:bs], self.state.params(slots), batch))
+        req_rows = d.req_rows[:bs]
+        batch = SamplingBatch(req_rows, self.positions[:bs], _needs(cut, min_p), 0, [], None, 0, None)
+        self.out[:bs].copy_(self.draw_fn(d.logits[:bs], self.state.params(req_rows), batch))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -86,7 +86,7 @@ class SamplerGraphs:
 
     def takes(self, logits: torch.Tensor, rows: SamplingBatch) -> bool:
         """Whether this step's draw can replay: the logits are the decode graph's latest (so its static inputs hold
-        this batch's slots and positions), the batch is small and its rows need the draw alone."""
+        this batch's rows and positions), the batch is small and its rows need the draw alone."""
         needs = rows.needs
         return (bool(needs & Need.SAMPLED) and not needs & ~DRAW_ONLY and rows.drafts is None
                 and logits.shape[0] <= self.sizes[-1] and logits.data_ptr() == self.decode.logits.data_ptr())

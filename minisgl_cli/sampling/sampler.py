@@ -1,8 +1,9 @@
 """Sampling per step: penalties, logit bias, grammar token masks, temperature / top-k / top-p / min-p draws from
 counter-based random streams, and the logprobs of the distribution each token was drawn from.
 
-Every row's parameters come from the device-side `SamplingState` (gathered by the batch's slots); the host only
-decides, from facts known at admission, which of these ops the step runs, so a step never reads a device value.
+Every row's parameters come from the device-side `SamplingState` (gathered by the batch's page-table rows); the host
+only decides, from facts known when a request took its row, which of these ops the step runs, so a step never reads a
+device value.
 A draw is the inverse CDF, in token-id order, of the row's kept distribution at a uniform number hashed from
 (seed, position of the drawn token): the same seed gives the same tokens whatever else shares the batch, with
 no per-request generator. Implementations of the cut and draw, all exact: `triton` (CUDA: by rejection, no sort,
@@ -265,7 +266,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, state: SamplingState, sam
     needs = batch.needs
     if batch.plain and bitmask is None:
         return Sampled(logits.argmax(dim=-1))
-    p = state.params(batch.slots)
+    p = state.params(batch.req_rows)
     if needs & (Need.PENALTY | Need.REPETITION | Need.BIAS) or bitmask is not None:
         # These write in place: leave the caller's (e.g. a CUDA graph's) buffer alone.
         logits = logits.float() if logits.dtype != torch.float32 else logits.clone()

@@ -1,15 +1,15 @@
-"""SamplingState: every request's sampling parameters, seed and token counts on the device, one row per page-table slot.
+"""SamplingState: every request's sampling parameters, seed and token counts on the device, one row per page-table row.
 
-A request's row is written when it takes a slot (admission, and re-admission after a retraction), and each step
-gathers the rows of the batch's slots: no step turns a Python list of parameters into a device tensor. Writes of a
+A request's row is written when it takes a page-table row (and again after a retraction), and each step
+gathers the rows of the batch's requests: no step turns a Python list of parameters into a device tensor. Writes of a
 step are packed into one int64 and one float32 upload through the engine's pinned `HostBuffers` (non-blocking: a
 pageable copy would wait for the step in flight). Which sampler paths a step runs (any top-p row? any penalty?)
-is decided from host facts recorded at admission (`Need`), never from a device value.
+is decided from host facts recorded when a request takes its row (`Need`), never from a device value.
 
 Token counts for presence / frequency penalties (output tokens) and the seen-set of the repetition penalty
-(prompt and output tokens) are [slots, vocab] tables, allocated when the first request that needs them arrives
+(prompt and output tokens) are [rows, vocab] tables, allocated when the first request that needs them arrives
 and updated on the device by each step's sampled ids (`record`), so a penalized request needs no host round trip
-between steps. `logit_bias` is a padded sparse table: (token id, bias) pairs per slot, as wide as the largest
+between steps. `logit_bias` is a padded sparse table: (token id, bias) pairs per row, as wide as the largest
 bias seen.
 
 A verify step (speculative decoding) samples a row per position of each request's drafts: row j of a request draws
@@ -136,7 +136,7 @@ def draft_rows(drafts: list[list[int]], penalized: bool) -> tuple[list[int], lis
 class SamplingBatch:
     """One step's rows for the sampler: where each row's state lives, and the host facts choosing the paths."""
 
-    slots: torch.Tensor  # [B] int64: each row's slot
+    req_rows: torch.Tensor  # [B] int64: each batch row's page-table row
     positions: torch.Tensor  # [B]: the position of the token each row draws (the counter of its random stream)
     needs: Need  # union over the rows
     k_bound: int  # > 0: every sampled row with a top-k / top-p cut has top_k <= k_bound (candidates: topk(k_bound))
@@ -153,35 +153,35 @@ class SamplingBatch:
 
 
 class SamplingState:
-    def __init__(self, max_slots: int, vocab: int, device: torch.device, host: HostBuffers, seed: int = 0):
+    def __init__(self, max_rows: int, vocab: int, device: torch.device, host: HostBuffers, seed: int = 0):
         self.vocab = vocab
         self.device = device
         self.host = host
-        # A slot no request has taken yet holds a greedy row's neutral values, not zeros: a captured sampler graph
+        # A row no request has taken yet holds a greedy row's neutral values, not zeros: a captured sampler graph
         # (sampling/graphs.py) draws for padded rows too, and top_k 0 there keeps the Triton kernel's
         # rejection rounds going forever (no token has fewer than 0 tokens above it).
-        self.floats = torch.zeros((max_slots, 6), dtype=torch.float32, device=device)
+        self.floats = torch.zeros((max_rows, 6), dtype=torch.float32, device=device)
         self.floats[:, [_TEMPERATURE, _TOP_P, _REPETITION]] = 1.0
-        self.ints = torch.zeros((max_slots, 4), dtype=torch.int64, device=device)
+        self.ints = torch.zeros((max_rows, 4), dtype=torch.int64, device=device)
         self.ints[:, _TOP_K] = vocab
         self.ints[:, _GREEDY] = 1
-        self.counts: torch.Tensor | None = None  # [slots, vocab] int32: output token counts
-        self.seen: torch.Tensor | None = None  # [slots, vocab] bool: prompt + output tokens
-        self.bias_ids: torch.Tensor | None = None  # [slots, width] int64 (padding: token 0 with bias 0)
-        self.bias_vals: torch.Tensor | None = None  # [slots, width] float32
-        self._rows: list[_HostRow] = [_HostRow(Need.NONE, 0, 0)] * max_slots
+        self.counts: torch.Tensor | None = None  # [rows, vocab] int32: output token counts
+        self.seen: torch.Tensor | None = None  # [rows, vocab] bool: prompt + output tokens
+        self.bias_ids: torch.Tensor | None = None  # [rows, width] int64 (padding: token 0 with bias 0)
+        self.bias_vals: torch.Tensor | None = None  # [rows, width] float32
+        self._rows: list[_HostRow] = [_HostRow(Need.NONE, 0, 0)] * max_rows
         self._pending: dict[int, _Pending] = {}
         # Seeds of unseeded requests: the same sequence on every TP rank (they admit the same requests in order).
         self._rng = random.Random(seed)
 
-    # --- admission ------------------------------------------------------------------------------
-    def admit(self, slot: int, params: SamplingParams, input_ids: list[int], output_ids: list[int]) -> None:
-        """Give `slot` this request's parameters (written on the device with the next step's uploads)."""
+    # --- a request takes a row ----------------------------------------------------------------
+    def set_row(self, req_row: int, params: SamplingParams, input_ids: list[int], output_ids: list[int]) -> None:
+        """Give `req_row` this request's parameters (written on the device with the next step's uploads)."""
         needs = needs_of(params, self.vocab)
-        self._rows[slot] = _HostRow(needs, params.top_k if needs & Need.TOP_K else 0, params.top_logprobs)
+        self._rows[req_row] = _HostRow(needs, params.top_k if needs & Need.TOP_K else 0, params.top_logprobs)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
-        self._pending.pop(slot, None)  # a slot given twice before a flush: the later request's row wins
-        self._pending[slot] = _Pending(
+        self._pending.pop(req_row, None)  # a row given twice before a flush: the later request's row wins
+        self._pending[req_row] = _Pending(
             params, seed & ((1 << 64) - 1),
             input_ids + output_ids if needs & Need.REPETITION else [],
             list(output_ids) if needs & Need.PENALTY else [],
@@ -190,8 +190,8 @@ class SamplingState:
     def _flush(self) -> None:
         """Write the pending rows: one int64 and one float32 upload, then device-side scatters."""
         pend, self._pending = self._pending, {}
-        slots = list(pend)
-        n = len(slots)
+        req_rows = list(pend)
+        n = len(req_rows)
         if any(p.params.logit_bias for p in pend.values()):
             self._bias_width(max(len(p.params.logit_bias or {}) for p in pend.values()))
         if any(p.params.penalized for p in pend.values()) and self.counts is None:
@@ -199,16 +199,16 @@ class SamplingState:
         if any(p.seen for p in pend.values()) and self.seen is None:
             self.seen = torch.zeros((len(self._rows), self.vocab), dtype=torch.bool, device=self.device)
         width = 0 if self.bias_ids is None else self.bias_ids.shape[1]
-        ints: list[int] = []  # per slot: top_k, seed (two halves), greedy, then its logit_bias ids
+        ints: list[int] = []  # per row: top_k, seed (two halves), greedy, then its logit_bias ids
         floats: list[float] = []
         bias_vals: list[float] = []
-        zero_counts: list[int] = []  # slots whose counts restart (penalized requests)
-        count_at: list[int] = []  # (slot, token) of each output token so far (after a retraction)
+        zero_counts: list[int] = []  # rows whose counts restart (penalized requests)
+        count_at: list[int] = []  # (row, token) of each output token so far (after a retraction)
         count_ids: list[int] = []
         zero_seen: list[int] = []
         seen_at: list[int] = []
         seen_ids: list[int] = []
-        for slot, pe in pend.items():
+        for req_row, pe in pend.items():
             p = pe.params
             greedy = p.greedy
             top_k = p.top_k if not greedy and 0 < p.top_k < self.vocab else self.vocab
@@ -221,15 +221,15 @@ class SamplingState:
             ints += [t for t, _ in bias]
             bias_vals += [b for _, b in bias]
             if p.penalized:
-                zero_counts.append(slot)
-                count_at += [slot] * len(pe.outputs)
+                zero_counts.append(req_row)
+                count_at += [req_row] * len(pe.outputs)
                 count_ids += pe.outputs
             if pe.seen:
-                zero_seen.append(slot)
-                seen_at += [slot] * len(pe.seen)
+                zero_seen.append(req_row)
+                seen_at += [req_row] * len(pe.seen)
                 seen_ids += pe.seen
         idx, flat_i, zc, ca, ci, zs, sa, si = self.host.to_device_parts(
-            [list(slots), ints, zero_counts, count_at, count_ids, zero_seen, seen_at, seen_ids], torch.int64,
+            [list(req_rows), ints, zero_counts, count_at, count_ids, zero_seen, seen_at, seen_ids], torch.int64,
             self.device)
         flat_f, flat_bias = self.host.to_device_parts([floats, bias_vals], torch.float32, self.device)
         rows_i = flat_i.view(n, 4 + width)
@@ -247,7 +247,7 @@ class SamplingState:
             self.seen[sa, si] = True
 
     def _bias_width(self, width: int) -> None:
-        """Widen the bias table to `width` entries per slot (new entries: token 0, bias 0)."""
+        """Widen the bias table to `width` entries per req_row (new entries: token 0, bias 0)."""
         old = 0 if self.bias_ids is None else self.bias_ids.shape[1]
         if width <= old:
             return
@@ -259,15 +259,15 @@ class SamplingState:
         self.bias_ids, self.bias_vals = ids, vals
 
     # --- per step -------------------------------------------------------------------------------
-    def batch(self, slots: list[int], slots_dev: torch.Tensor, positions: torch.Tensor, produces: list[bool],
+    def batch(self, req_rows: list[int], req_rows_dev: torch.Tensor, positions: torch.Tensor, produces: list[bool],
               logprobs: bool = True, drafts: list[list[int]] | None = None) -> SamplingBatch:
-        """The step's rows (`slots_dev`: `slots` on the device; `positions`: each row's drawn token's position).
+        """The step's rows (`req_rows_dev`: `req_rows` on the device; `positions`: each row's drawn token's position).
 
         `logprobs`: whether this rank reports them (rank 0 only). `drafts`: a verify step's, per request (the tokens
         its rows after the first feed; the rows are in request order)."""
         if self._pending:
             self._flush()
-        rows = [self._rows[s] for s in slots]
+        rows = [self._rows[s] for s in req_rows]
         needs = Need.NONE
         for n in {r.needs for r in rows}:  # a few distinct flag sets: an IntFlag `|` per row cost ~1 us
             needs |= n
@@ -296,13 +296,13 @@ class SamplingState:
                 nxt, first, prior_rows, prior_ids = drafted
                 verified = Drafts(nxt, first, (prior_rows, prior_ids) if prior_rows.numel() else None)
         return SamplingBatch(
-            slots_dev, positions, needs, k_bound, lp_rows, lp_index,
+            req_rows_dev, positions, needs, k_bound, lp_rows, lp_index,
             max((rows[i].top_logprobs for i in lp_rows), default=0), produced, verified,
         )
 
-    def params(self, slots: torch.Tensor) -> RowParams:
-        f = self.floats[slots]
-        i = self.ints[slots]
+    def params(self, req_rows: torch.Tensor) -> RowParams:
+        f = self.floats[req_rows]
+        i = self.ints[req_rows]
         return RowParams(
             f[:, _TEMPERATURE], f[:, _TOP_P], f[:, _MIN_P], f[:, _PRESENCE], f[:, _FREQUENCY], f[:, _REPETITION],
             i[:, _TOP_K], i[:, _SEED_LO], i[:, _SEED_HI], i[:, _GREEDY].bool(),
@@ -313,35 +313,35 @@ class SamplingState:
 
         Every row of the batch goes through the same ops: a row without a penalty has the neutral values
         (repetition 1, presence / frequency 0, bias 0), which change no logit."""
-        slots = batch.slots
+        req_rows = batch.req_rows
         prior = batch.drafts.prior if batch.drafts is not None else None  # a verify row's drafts before it
         if batch.needs & Need.REPETITION and self.seen is not None:
             r = p.repetition[:, None]
             penalized = torch.where(logits > 0, logits / r, logits * r)
-            seen = self.seen[slots]
+            seen = self.seen[req_rows]
             if prior is not None:
                 seen[prior] = True
             logits.copy_(torch.where(seen, penalized, logits))
         if batch.needs & Need.PENALTY and self.counts is not None:
-            counts = self.counts[slots].to(logits.dtype)
+            counts = self.counts[req_rows].to(logits.dtype)
             if prior is not None:
                 counts.index_put_(prior, torch.ones_like(prior[1], dtype=counts.dtype), accumulate=True)
             logits -= p.frequency[:, None] * counts + p.presence[:, None] * (counts > 0).to(logits.dtype)
         if batch.needs & Need.BIAS and self.bias_ids is not None and self.bias_vals is not None:
-            logits.scatter_add_(1, self.bias_ids[slots], self.bias_vals[slots])
+            logits.scatter_add_(1, self.bias_ids[req_rows], self.bias_vals[req_rows])
 
     def record(self, batch: SamplingBatch, next_ids: torch.Tensor) -> None:
         """Count the step's drawn tokens into the penalty tables (on the device, in stream order)."""
         if self.counts is None and self.seen is None:
             return
-        slots, ids = batch.slots, next_ids
+        req_rows, ids = batch.req_rows, next_ids
         if batch.produced is not None:
-            slots, ids = slots[batch.produced], ids[batch.produced]
+            req_rows, ids = req_rows[batch.produced], ids[batch.produced]
         if batch.drafts is not None:
             kept = batch.drafts.kept(next_ids)
-            slots, ids = slots[kept], ids[kept]
+            req_rows, ids = req_rows[kept], ids[kept]
         if self.counts is not None:
-            self.counts.index_put_((slots, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+            self.counts.index_put_((req_rows, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
         if self.seen is not None:
-            self.seen[slots, ids] = True
+            self.seen[req_rows, ids] = True
 

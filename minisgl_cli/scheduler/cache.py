@@ -50,10 +50,10 @@ class CacheManager:
         """Evict the whole prefix cache into the free pages (no request may be holding any of it)."""
         self.engine.free_pages(self._slots_to_pages(self.tree.evict(self.tree.cached_tokens)))
 
-    def admit(self, req: Req) -> bool:
+    def attach(self, req: Req) -> bool:
         """Give `req` a page-table row and attach its longest cached prefix (never the whole sequence: the last
         token must run); False (nothing taken) when no row is free."""
-        row = req.req_slot = self.engine.alloc_req_slot()
+        row = req.req_row = self.engine.alloc_req_row()
         if row is None:
             return False
         ids = req.all_key_ids
@@ -117,9 +117,9 @@ class CacheManager:
         """page_table[row of each new token of the step, its position] = its KV slot: one device op per step."""
         loc = fb.out_cache_loc.to(torch.int32)
         if fb.is_decode:
-            rows = fb.req_slots
+            rows = fb.req_rows
         else:
-            rows = torch.repeat_interleave(fb.req_slots, fb.extend_lens, output_size=fb.num_tokens)
+            rows = torch.repeat_interleave(fb.req_rows, fb.extend_lens, output_size=fb.num_tokens)
         self.engine.write_page_table(rows, fb.positions, loc)
 
     def cache_prefilled(self, req: Req) -> None:
@@ -137,7 +137,7 @@ class CacheManager:
         existing = self.tree.insert(ids, torch.tensor(self.slots(req, 0, aligned), dtype=torch.int64))
         m = self.tree.match(ids)
         self.tree.lock(m.node)
-        assert req.prefix_node is not None and req.req_slot is not None  # admit() gave both
+        assert req.prefix_node is not None and req.req_row is not None  # attach() gave both
         self.tree.unlock(req.prefix_node)
         # Pages below `existing` duplicate what another request cached first: point at the tree's, free ours.
         first_own, covered = old // p, aligned // p - old // p
@@ -148,11 +148,11 @@ class CacheManager:
         if dup:
             end = max(existing, old)
             fix = self.engine.upload(req.prefix_slots[old:end], torch.int32)
-            self.engine.write_page_table(req.req_slot, slice(old, end), fix)
+            self.engine.write_page_table(req.req_row, slice(old, end), fix)
 
     def release(self, req: Req, cache: bool = True) -> None:
         """Give a request's KV back: cache its computed prefix in the tree, free the rest."""
-        if req.req_slot is None:
+        if req.req_row is None:
             return
         p = self.page_size
         if cache and req.kv_len > req.prefix_len:
@@ -175,5 +175,5 @@ class CacheManager:
             req.prefix_node = None
         req.prefix_len = req.kv_len = 0
         req.prefix_slots = []
-        self.engine.free_req_slot(req.req_slot)
-        req.req_slot = None
+        self.engine.free_req_row(req.req_row)
+        req.req_row = None

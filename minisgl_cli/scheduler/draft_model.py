@@ -70,7 +70,7 @@ class DraftModelProposer:
         shadow = self.drafts.get(req.rid)
         if shadow is None:
             shadow = Req(req.rid, [], req.params)
-            if not self.cache.admit(shadow):
+            if not self.cache.attach(shadow):
                 return None
             self.drafts[req.rid] = shadow
         keep = 0
@@ -103,14 +103,14 @@ class DraftModelProposer:
             start, new = shadow.kv_len, prompt[shadow.kv_len:]
             if not new or (slots := self._take(shadow, new)) is None:
                 continue
-            assert shadow.req_slot is not None  # admitted
+            assert shadow.req_row is not None  # attached
             ids += new
-            rows.append(shadow.req_slot)
+            rows.append(shadow.req_row)
             starts.append(start)
             lens.append(len(new))
             locs += slots
         if ids:
-            batch = self.engine.build_batch("extend", ids, rows, starts, lens, locs)
+            batch = self.engine.build_batch("prefill", ids, rows, starts, lens, locs)
             self.cache.write_rows(batch)
             self.engine.forward(batch)
 
@@ -127,9 +127,9 @@ class DraftModelProposer:
             if (slots := self._take(shadow, new)) is None:
                 last.append(None)
                 continue
-            assert shadow.req_slot is not None  # admitted
+            assert shadow.req_row is not None  # attached
             ids += new
-            rows += [shadow.req_slot] * len(new)
+            rows += [shadow.req_row] * len(new)
             starts += range(start, start + len(new))
             locs += slots
             last.append(len(ids) - 1)

@@ -73,7 +73,7 @@ class Req:
     input_ids: list[int]
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
-    req_slot: int | None = None  # row of the page table while it holds KV
+    req_row: int | None = None  # row of the page table while it holds KV
     kv_len: int = 0  # positions whose KV is in the pool
     prefix_len: int = 0  # leading positions owned by the radix tree (locked via prefix_node)
     prefix_node: RadixNode | None = None

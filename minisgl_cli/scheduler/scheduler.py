@@ -257,14 +257,14 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) + len(reqs) >= self.max_running:
                 break
-            if req.req_slot is None:
+            if req.req_row is None:
                 if any(r.key_ids == req.key_ids for r in reqs):
                     continue  # the same prompt (n > 1 choices): next step, from the cache this step fills
-                if not self.cache.admit(req):
+                if not self.cache.attach(req):
                     break
-                assert req.req_slot is not None  # admit gave it a row
-                self.engine.admit_sampling(req.req_slot, req.params, req.input_ids, req.output_ids)
-                self.engine.admit_images(req.req_slot, req.input_ids, req.images)
+                assert req.req_row is not None  # attach gave it a row
+                self.engine.set_sampling_row(req.req_row, req.params, req.input_ids, req.output_ids)
+                self.engine.set_image_row(req.req_row, req.input_ids, req.images)
                 if not req.matched:
                     self._count_match(req)
             n = min(req.remaining_prefill, budget)
@@ -285,7 +285,7 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
             budget -= n
-        return ("extend", reqs, lens, None) if reqs else None
+        return ("prefill", reqs, lens, None) if reqs else None
 
     def _count_match(self, req: Req) -> None:
         req.matched = True
@@ -360,7 +360,7 @@ class Scheduler:
     def _launch(self, mode: Mode, reqs: list[Req], lens: list[int], drafts: list[list[int]] | None = None) -> Launched:
         """Build the step's batch on the host, have its page-table rows written, and start it on the device. A decode
         step with `drafts` (per request) is a verify step: a request with k drafts takes k + 1 decode rows."""
-        if mode == "extend" and log.isEnabledFor(logging.INFO):
+        if mode == "prefill" and log.isEnabledFor(logging.INFO):
             log.info("prefill: %d req, %d tokens (%s)", len(reqs), sum(lens),
                      ", ".join(f"{r.rid}: +{n} after {r.kv_len} cached" for r, n in zip(reqs, lens)))
         before = [r.kv_len for r in reqs]
@@ -374,7 +374,7 @@ class Scheduler:
             if isinstance(exc, StepFailed):  # reading the step in flight failed inside it: that failure says more
                 raise
             raise StepFailed(reqs) from exc
-        if mode == "extend":  # after the launch: the step still writes the pages this may free
+        if mode == "prefill":  # after the launch: the step still writes the pages this may free
             for req in reqs:
                 self.cache.cache_prefilled(req)
         return Launched.start(mode, reqs, lens, produces, sampled, self.engine,
@@ -394,7 +394,7 @@ class Scheduler:
         slots_of = self.cache.slots
         for i, (req, n) in enumerate(zip(reqs, lens)):
             start = req.kv_len
-            assert req.req_slot is not None  # each scheduled request holds a slot
+            assert req.req_row is not None  # each scheduled request holds a slot
             if mode == "decode":
                 extra = drafts[i] if drafts is not None else []
                 n_rows = 1 + len(extra)
@@ -407,7 +407,7 @@ class Scheduler:
                     ids.append(req.input_ids[start] if start < prompt else req.output_ids[start - prompt])
                 ids += extra
                 starts += range(start, start + n_rows)
-                row_slots += [req.req_slot] * n_rows
+                row_slots += [req.req_row] * n_rows
                 locs += slots_of(req, start, start + n_rows)
                 produces.append(True)
                 req.kv_len = start + n_rows
@@ -418,24 +418,24 @@ class Scheduler:
                 produces.append(start + n >= req.seq_len)
                 req.kv_len = start + n
         engine = self.engine
-        req_slots = cast(list[int], [r.req_slot for r in reqs])
+        req_rows = cast(list[int], [r.req_row for r in reqs])
         if mode == "decode":
             fb = engine.build_batch(mode, ids, row_slots, starts, [1] * len(ids), locs)
         else:
-            fb = engine.build_batch(mode, ids, req_slots, starts, lens, locs)
+            fb = engine.build_batch(mode, ids, req_rows, starts, lens, locs)
         self.cache.write_rows(fb)
         if prev_rows and any(r >= 0 for r in src):
             assert self._inflight is not None and drafts is None  # prev_rows came from it; src is per row then
             fb.input_ids = feed_input_ids(fb.input_ids, src, self._inflight, engine)
-        if mode == "extend":
+        if mode == "prefill":
             for req, done_prefill in zip(reqs, produces):
                 if done_prefill and req in self.waiting:
                     self.waiting.remove(req)
                     self.running.append(req)
         else:
-            req_slots, row_produces = row_slots, [True] * len(ids)
+            req_rows, row_produces = row_slots, [True] * len(ids)
         self._last_was_decode = mode == "decode"
-        rows = engine.sampling_batch(fb, req_slots, produces if mode == "extend" else row_produces, drafts)
+        rows = engine.sampling_batch(fb, req_rows, produces if mode == "prefill" else row_produces, drafts)
         if any(src_row >= 0 and r.grammar is not None for src_row, r in zip(src, reqs)):
             # A grammar depends on the token the in-flight step is still sampling: run the forward, read
             # that step while it runs (the CPU work still overlaps), then mask and sample.
@@ -546,7 +546,7 @@ class Scheduler:
     def _account(self, mode: str, lens: list[int], emitted: int, accepted: int, now: float) -> None:
         s = self.stats
         s.add(steps=1)
-        if mode == "extend":
+        if mode == "prefill":
             s.prefill_tokens += sum(lens)
             self._prefill_rate.add(sum(lens), now)
         else:

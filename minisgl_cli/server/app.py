@@ -1,7 +1,7 @@
 """The HTTP app: `create_app(client, settings)` assembles routes, edge checks and errors around one EngineClient.
 
 What lives where: `openai_routes` and `generate_route` (the handlers), `context` (the steps they share),
-`runs` (engine streams -> HTTP responses), `deadline` (request deadlines), `gate` (admission), `edge` (API key,
+`runs` (engine streams -> HTTP responses), `deadline` (request deadlines), `gate` (backpressure), `edge` (API key,
 body cap, counts), `errors` (OpenAI error bodies), `web` (the page at / and the /metrics/live it polls). Here: the
 app itself, /health and /metrics.
 """

@@ -142,7 +142,7 @@ class ServerContext:
               user: str | None = None) -> EngineRun:
         """Start the requests (429 past the cap) under `deadline`; the client admits each (a refusal is the run's
         first event, a 400 with its field); `user` (the request's end-user id) is logged."""
-        self.gate.admit(len(reqs))
+        self.gate.take(len(reqs))
         if log.isEnabledFor(logging.INFO):
             for r in reqs:
                 assert r.input_ids is not None  # the routes tokenize before they start a run

@@ -1,4 +1,4 @@
-"""Admission: `InflightGate` caps engine requests in flight (429 + Retry-After) and downscales max_new_tokens."""
+"""Backpressure: `InflightGate` caps engine requests in flight (429 + Retry-After) and downscales max_new_tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ DOWNSCALE_HEADER = "X-Minisgl-Max-Tokens-Downscaled"
 # The default cap: this many of the engine's running slots (--max-running-requests, summed over --dp replicas). A
 # request queued behind 16 full batches waits about 16 whole generations; past that a client (or a router) does better
 # to retry, or go elsewhere, than to join an ever longer queue. At least the largest body the API takes
-# (MAX_BODY_REQUESTS), which an idle server must admit.
+# (MAX_BODY_REQUESTS), which an idle server must take.
 DEFAULT_CAP_PER_SLOT = 16
 
 
@@ -53,7 +53,7 @@ class InflightGate:
             raise InputError(f"server busy: {self.inflight} requests in flight (cap {self.cap}); retry shortly",
                              None, 429, "too_many_requests", {"Retry-After": str(self.retry_after_s)})
 
-    def admit(self, n: int) -> None:
+    def take(self, n: int) -> None:
         """Take n slots, or refuse as `check` does."""
         self.check(n)
         self.inflight += n

@@ -133,7 +133,7 @@ async def chat(body: p.ChatCompletionRequest, request: Request, ctx: ServerConte
     max_new = ctx.gate.downscale(requested)
     note = f"{requested}->{max_new}" if max_new < requested else None
     rid = new_request_id("vlm")
-    ctx.gate.admit(1)
+    ctx.gate.take(1)
     log.info("rid=%s %s admitted (VLM %s): prompt_tokens=%d images=%d max_new_tokens=%d", rid, ENDPOINT,
              loaded.name, prepared.prompt_tokens, prepared.images, max_new)
     cancel = threading.Event()

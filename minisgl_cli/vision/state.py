@@ -4,7 +4,7 @@ the vision tower's runs for a step's image rows, and an LRU cache of image embed
 A request's pixels are read when the scheduler takes the request in (every TP rank at the same point of the
 same message batch), from the tensor itself in process or from shared memory (vision/pixels.py). Rank 0 unlinks a
 segment once every rank has read it: after the next forward (its collectives mean every rank got that far), or
-when the request ends. The tower runs at extend, for the images whose rows the step holds and whose embeddings
+when the request ends. The tower runs at prefill, for the images whose rows the step holds and whose embeddings
 are not cached, all of them in one call; a chunked prefill that cuts an image takes the rest of its rows from
 the cache the next step (or runs the tower again if the cache let it go).
 """
@@ -91,15 +91,15 @@ class VisionState:
                 else:
                     self.unconfirmed.append(img.shm)
 
-    def admit(self, slot: int, input_ids: list[int], images: list[ImageInput]) -> None:
-        """A request took page-table row `slot`: its positions there, its delta in the table decode steps read."""
+    def set_row(self, req_row: int, input_ids: list[int], images: list[ImageInput]) -> None:
+        """A request took page-table row `req_row`: its positions there, its delta in the table decode steps read."""
         if not images:
-            if self.rows.pop(slot, None) is not None:
-                self.deltas[slot] = 0
+            if self.rows.pop(req_row, None) is not None:
+                self.deltas[req_row] = 0
             return
         positions, delta = mrope_positions(len(input_ids), images, self.merge)
-        self.rows[slot] = _Row(images, positions, delta)
-        self.deltas[slot] = delta
+        self.rows[req_row] = _Row(images, positions, delta)
+        self.deltas[req_row] = delta
 
     def drop(self, images: list[ImageInput]) -> None:
         """A request ended: rank 0 unlinks its segments (read by every rank by now, or never to be read)."""
@@ -109,14 +109,14 @@ class VisionState:
                     pixels.unlink(img.shm)
 
     # --- steps ---------------------------------------------------------------------------------
-    def step(self, slots: list[int], starts: list[int], lens: list[int]) -> StepImages | None:
-        """An extend step's M-RoPE positions and image rows; None when no request in it has images (text
+    def step(self, req_rows: list[int], starts: list[int], lens: list[int]) -> StepImages | None:
+        """A prefill step's M-RoPE positions and image rows; None when no request in it has images (text
         positions are plain RoPE's)."""
-        if not any(s in self.rows for s in slots):
+        if not any(s in self.rows for s in req_rows):
             return None
         parts, chunks, row = [], [], 0
-        for slot, start, n in zip(slots, starts, lens):
-            end, r = start + n, self.rows.get(slot)
+        for req_row, start, n in zip(req_rows, starts, lens):
+            end, r = start + n, self.rows.get(req_row)
             prompt = r.positions.shape[1] if r is not None else 0
             if r is not None and start < prompt:
                 parts.append(r.positions[:, start : min(end, prompt)])

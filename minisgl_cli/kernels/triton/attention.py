@@ -129,7 +129,7 @@ def store_kv(
 
 @triton.jit
 def _decode_partial_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, req_slots_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, req_rows_ptr, seq_lens_ptr,
     mid_o_ptr, mid_lse_ptr, o_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, order_ptr,
     qk_scale,  # softmax scale * log2(e)
     num_splits,
@@ -164,7 +164,7 @@ def _decode_partial_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     if start < end:
-        row = tl.load(req_slots_ptr + b).to(tl.int64)
+        row = tl.load(req_rows_ptr + b).to(tl.int64)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         heads = kvh * GROUP + offs_g
@@ -274,7 +274,7 @@ def decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     page_table: torch.Tensor,
-    req_slots: torch.Tensor,
+    req_rows: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int,
@@ -313,7 +313,7 @@ def decode_attention(
     direct = num_splits == 1
     fp8 = (quant.k_scale, quant.v_scale, quant.v_mean) if quant is not None else (q, q, q)  # placeholders
     _decode_partial_kernel[(B, hkv, num_splits)](
-        q, k_cache, v_cache, page_table, req_slots, seq_lens, mid_o, mid_lse, out, *fp8,
+        q, k_cache, v_cache, page_table, req_rows, seq_lens, mid_o, mid_lse, out, *fp8,
         order if order is not None else seq_lens,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1),
@@ -390,7 +390,7 @@ def _extend_tile(
 @triton.jit
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
-    page_table_ptr, req_slots_ptr, seq_lens_ptr, qo_indptr_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr,
+    page_table_ptr, req_rows_ptr, seq_lens_ptr, qo_indptr_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr,
     qk_scale,
     stride_qt, stride_qh,
     stride_ks, stride_kh, stride_vs, stride_vh,
@@ -409,7 +409,7 @@ def _extend_kernel(
     if mb * BLOCK_M < ext_len:
         seq_len = tl.load(seq_lens_ptr + b)
         prefix = seq_len - ext_len
-        row = tl.load(req_slots_ptr + b).to(tl.int64)
+        row = tl.load(req_rows_ptr + b).to(tl.int64)
         kvh = h // GROUP
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
@@ -459,7 +459,7 @@ def extend_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     page_table: torch.Tensor,
-    req_slots: torch.Tensor,
+    req_rows: torch.Tensor,
     seq_lens: torch.Tensor,
     qo_indptr: torch.Tensor,
     max_extend_len: int,
@@ -475,7 +475,7 @@ def extend_attention(
     """
     T, H, D = q.shape
     hkv = k_cache.shape[1]
-    B = req_slots.shape[0]
+    B = req_rows.shape[0]
     if q.stride(2) != 1:
         q = q.contiguous()
     if out is None:
@@ -488,7 +488,7 @@ def extend_attention(
     grid = (triton.cdiv(max_extend_len, block_m), B, H)
     fp8 = (quant.k_scale, quant.v_scale, quant.v_mean) if quant is not None else (q, q, q)  # placeholders
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, page_table, req_slots, seq_lens, qo_indptr, *fp8,
+        q, k_cache, v_cache, out, page_table, req_rows, seq_lens, qo_indptr, *fp8,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

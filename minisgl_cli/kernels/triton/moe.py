@@ -18,7 +18,7 @@ back to the host (CUDA graphs capture them):
 
 Up to SMALL_MAX_TOKENS tokens (decode) `one_slot_experts` skips route and align: block b holds slot b alone in its
 first row, and the gate/up programs route their slot themselves (the token's top-k from its E logits, recomputed in
-each) and write its expert and weight for down; router, gate/up, down: three launches a layer.
+each) and write its expert and weight for down; gate, gate/up, down: three launches a layer.
 
 Each output row is one MMA row of its block, so where a slot lands in its block changes nothing in its value.
 FP8 expert weights (e4m3, an fp32 scale per output row) run w8a16 or w8a8 (kernels/triton/moe_tiles.py says which and
@@ -48,7 +48,7 @@ from minisgl_cli.kernels.triton.pdl import pdl_kwargs
 @triton.jit
 def _top_k(logits_ptr, row, stride_l, E, K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
            RENORMALIZE: tl.constexpr):
-    """(weights [K_P2] fp32, ids [K_P2] int32) of token `row`'s router logits; lanes from K hold zeros."""
+    """(weights [K_P2] fp32, ids [K_P2] int32) of token `row`'s gate logits; lanes from K hold zeros."""
     e = tl.arange(0, E_P2)
     x = tl.load(logits_ptr + row * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
@@ -83,7 +83,7 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, stride_l, E, K: tl.constexpr, K_P2
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,
           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] fp32, expert ids [T, k] int32) of router logits [T, E]: layers/moe.py's `route` in one launch."""
+    """(weights [T, k] fp32, expert ids [T, k] int32) of gate logits [T, E]: layers/moe.py's `route` in one launch."""
     n_tok, n_exp = logits.shape
     weights = torch.empty(n_tok, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(n_tok, top_k, dtype=torch.int32, device=logits.device)
@@ -169,7 +169,7 @@ def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, sorted_ptr, 
     row r's value codes * as[r], and the MMA runs on the 8-bit tiles.
 
     ONE_SLOT (a few tokens, no alignment): block b holds slot b alone, in its first row. Gate/up routes it (its
-    token's top-k from the router logits, in every program of the slot) and its first column tile writes the
+    token's top-k from the gate logits, in every program of the slot) and its first column tile writes the
     slot's expert and weight (block_expert, rw) for down, which reads them."""
     if USE_PDL:
         gdc_launch_dependents()
@@ -283,7 +283,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
 def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                    renormalize: bool, gate_up_scale: torch.Tensor | None = None,
                    down_scale: torch.Tensor | None = None, pdl: bool = False, terms: bool = False) -> torch.Tensor:
-    """The MoE block after its router's linear: up to SMALL_MAX_TOKENS tokens `one_slot_experts`, else `route` then
+    """The MoE block after its gate's linear: up to SMALL_MAX_TOKENS tokens `one_slot_experts`, else `route` then
     `fused_experts`; [T, H], or with `terms` each token's k terms [T, k, H] for the caller to sum.
 
     `pdl` reaches the 16-bit experts only: under programmatic dependent launch the FP8 (w8a16) expert kernels ran
@@ -311,7 +311,7 @@ class Slots:
 
 @dataclass
 class Route:
-    """The router's logits [T, E] for a gate/up pass that routes its slots itself, and the model's renormalization."""
+    """The gate's logits [T, E] for a gate/up pass that routes its slots itself, and the model's renormalization."""
 
     logits: torch.Tensor
     renormalize: bool

@@ -97,9 +97,9 @@ FUSED_MAX_TOKENS = 1024
 
 
 # Batches of up to this many tokens skip the alignment: a block a (token, choice) slot, routed inside the gate/up pass
-# (kernels/triton/moe.py's `one_slot_experts`), so a decode step of a few tokens runs router, gate/up and down, and
+# (kernels/triton/moe.py's `one_slot_experts`), so a decode step of a few tokens runs gate, gate/up and down, and
 # the next RMSNorm sums the k terms. `examples/moe_bench.py` on an H100 (2026-11-28, Qwen3-30B-A3B's shapes, one
-# token, 4 layers in a graph): 40.8 us a layer against 46.4 aligned (router, route, align, two GEMMs, the sum); at
+# token, 4 layers in a graph): 40.8 us a layer against 46.4 aligned (gate, route, align, two GEMMs, the sum); at
 # 4 tokens 108.0 against 114.8. The tiles are the aligned table's (the one-slot sweep found none faster for bf16).
 # Below W8A8_MIN_TOKENS, so FP8 experts there run w8a16 as the CPU simulates.
 SMALL_MAX_TOKENS = 4
