@@ -37,7 +37,7 @@ def main() -> None:
             state.set_row(i, params, [1], [])
         batch = state.batch(list(range(args.rows)), torch.arange(args.rows),
                             torch.full((args.rows,), 5, dtype=torch.int32), [True] * args.rows)
-        rows = state.params(batch.slots)
+        rows = state.params(batch.req_rows)
         for _ in range(20):
             cpu_draw(logits, rows, batch)
         best = float("inf")

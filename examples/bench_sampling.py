@@ -68,7 +68,7 @@ def _case(vocab: int, name: str, p: SamplingParams, b: int, g: torch.Generator, 
         state.set_row(i, dataclasses.replace(p, seed=1000 + i), [1], [])
     batch = state.batch(list(range(b)), torch.arange(b, device=dev),
                         torch.arange(b, dtype=torch.int32, device=dev), [True] * b)
-    rp = state.params(batch.slots)
+    rp = state.params(batch.req_rows)
     am = _time(lambda: logits.argmax(dim=-1), iters)
     single = _time(lambda: triton_draw(logits, rp, batch, split=False), iters)
     split = _time(lambda: triton_draw(logits, rp, batch, split=True), iters)

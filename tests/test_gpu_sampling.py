@@ -48,10 +48,10 @@ def _draws(logits: torch.Tensor, p: SamplingParams, n: int, triton: bool, draw=N
                             torch.arange(start, start + m, dtype=torch.int32, device=DEV), [True] * m)
         rows = logits.expand(m, v).contiguous()
         if draw is None and triton:
-            ids.append(triton_draw(rows, state.params(batch.slots), batch, split))
+            ids.append(triton_draw(rows, state.params(batch.req_rows), batch, split))
         else:
-            ids.append((draw or torch_draw)(rows, state.params(batch.slots), batch))
-    kept = cut(logits[:1].float() / p.temperature, state.params(batch.slots[:1]), batch)[0]
+            ids.append((draw or torch_draw)(rows, state.params(batch.req_rows), batch))
+    kept = cut(logits[:1].float() / p.temperature, state.params(batch.req_rows[:1]), batch)[0]
     return torch.cat(ids), kept.softmax(-1)
 
 
@@ -121,7 +121,7 @@ def test_the_split_path_draws_the_single_programs_tokens(b):
         state.set_row(i, p, [1], [])
     batch = state.batch(list(range(b)), torch.arange(b, device=DEV), torch.arange(b, dtype=torch.int32, device=DEV) + 5,
                         [True] * b)
-    rp = state.params(batch.slots)
+    rp = state.params(batch.req_rows)
     g = torch.Generator(DEV).manual_seed(b)
     logits = (torch.randn(b, v, device=DEV, generator=g) * 4).to(torch.bfloat16)
     one = triton_draw(logits, rp, batch, split=False)

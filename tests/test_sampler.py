@@ -102,7 +102,7 @@ def test_cut_draws_follow_the_kept_distribution(sampler, top_k):
 def _kept(logits: torch.Tensor, p: SamplingParams) -> set[int]:
     state = _state(p, vocab=logits.shape[-1])
     batch = _batch(state, [0])
-    params = state.params(batch.slots)
+    params = state.params(batch.req_rows)
     return set(torch.isfinite(cut(logits / p.temperature, params, batch))[0].nonzero()[:, 0].tolist())
 
 
@@ -147,7 +147,7 @@ def test_mixed_batch_cuts_each_row_by_its_own_params():
           SamplingParams(temperature=1.0)]
     state = _state(*ps)
     batch = _batch(state, [0, 1, 2])
-    kept = torch.isfinite(cut(logits, state.params(batch.slots), batch))
+    kept = torch.isfinite(cut(logits, state.params(batch.req_rows), batch))
     for row, p in enumerate(ps):
         assert set(kept[row].nonzero()[:, 0].tolist()) == _kept(logits[row : row + 1], p)
 
@@ -183,7 +183,7 @@ def test_penalties_equal_a_plain_reference():
         state.record(b, torch.tensor([tok]))
     batch = _batch(state, [0, 1, 2])
     got = logits.clone()
-    state.penalize(got, batch, state.params(batch.slots))
+    state.penalize(got, batch, state.params(batch.req_rows))
     for row in range(3):
         want = _reference_penalties(logits[row], prompts[row], outputs[row], ps[row])
         torch.testing.assert_close(got[row], want)
