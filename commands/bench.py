@@ -19,10 +19,12 @@ scheduler = c.in_panel(c.SCHEDULER_PANEL)
 _HELP = (
     "Benchmark the engine against the HF transformers streaming baseline (same model, device, prompts; greedy "
     "unless --temperature).\n\n"
-    "With no flags it runs the reference suite: short / medium / long prompts (16 / 64 / 256 tokens) decoding up to "
-    "256 / 512 / 1024 tokens on a GPU, and 32 / 64 / 128 tokens on a CPU so the whole run takes a few minutes; mixed "
-    "prompts on, --repeat 3, --warmup 1, --concurrency 4; then it prints the reference stack's summary lines "
-    "(Streaming chat summary / Baseline HF streaming chat summary / Comparison).\n\n"
+    "With no flags it runs the reference suite: short / medium / long prompts (16 / 64 / 256 tokens) decoding "
+    "256 / 512 / 1024 tokens on a GPU, and 32 / 64 / 128 tokens on a CPU so the whole run takes a few minutes (EOS "
+    "ignored: every stack decodes as many); mixed prompts on, --repeat 3 (each run cold: its prompts open with a "
+    "word of their own), --warmup 1, --concurrency 4; then it prints the reference stack's summary lines (Streaming "
+    "chat summary / Baseline HF streaming chat summary / Comparison), each saying its concurrency (the HF baseline "
+    "runs one request at a time), output tokens and prompt tokens served from the prefix cache.\n\n"
     "Other workloads: --dataset random, --dataset shared-prefix (compare --cache radix --cache naive), "
     "--dataset rewrite / code-edit / open-chat (one chat prompt, sent --num-prompts times: compare "
     "--speculative-algorithm ngram), --preset nano-vllm. --url benchmarks any OpenAI-compatible server instead of "
@@ -30,30 +32,31 @@ _HELP = (
 )
 
 
-@app.command("bench", help=_HELP)
+@app.command("bench", cls=c.Command, help=_HELP)
 @c.engine_options(c.ALL, exclude={"cache", "engine"})  # bench's --cache and --engine take lists
 def bench(
     dataset: Annotated[str, workload("--dataset",
         help="reference, random, shared-prefix, rewrite, code-edit or open-chat.")] = "reference",
     preset: Annotated[Optional[str], workload("--preset",
         help="nano-vllm: 256 requests, lengths 100..1024 (overrides --dataset).")] = None,
-    concurrency: Annotated[Optional[list[int]], workload("--concurrency",
+    concurrency: Annotated[Optional[list[int]], workload("--concurrency", metavar="<int>",
         help="Requests in flight; repeat to sweep. Env BENCH_CONCURRENCY.", show_default="4")] = None,
     repeat: Annotated[Optional[int], workload("--repeat",
-        help="Reference: times each prompt is sent. Env BENCH_REPEAT.", show_default="3")] = None,
+        help="Reference: times each prompt is sent, each run cold. Env BENCH_REPEAT.", show_default="3")] = None,
     warmup: Annotated[Optional[int], workload("--warmup",
         help="Untimed requests per stack first. Env BENCH_WARMUP.", show_default="1")] = None,
     mixed_prompts: Annotated[Optional[bool], workload("--mixed-prompts/--no-mixed-prompts",
         help="Reference: random suffix on every other prompt. Env BENCH_MIXED_PROMPTS.", show_default="on")] = None,
     case: Annotated[Optional[list[str]], workload(
-        "--case", help="Reference: keep only these cases (repeatable).")] = None,
+        "--case", metavar="<str>", help="Reference: keep only these cases (repeatable).")] = None,
     num_prompts: Annotated[Optional[int], workload("--num-prompts",
         help="Requests (random 64, shared-prefix 32, chat prompts 4); reference: prompts per case.")] = None,
     max_new_tokens: Annotated[Optional[int], workload("--max-new-tokens",
         help="Reference: cap on decode lengths; shared-prefix: output length (16); chat prompts: cap (256).")] = None,
     input_len: Annotated[int, workload("--input-len", help="Random: max input tokens.")] = 1024,
     output_len: Annotated[int, workload("--output-len", help="Random: max output tokens.")] = 128,
-    range_ratio: Annotated[float, workload("--range-ratio", help="Random: lengths uniform in [len*ratio, len].")] = 1.0,
+    range_ratio: Annotated[float, workload("--range-ratio",
+        help="Random: lengths uniform in \\[len*ratio, len].")] = 1.0,
     prefix_len: Annotated[int, workload("--prefix-len", help="Shared-prefix: system prompt tokens.")] = 400,
     question_len: Annotated[int, workload("--question-len", help="Shared-prefix: tokens per question.")] = 16,
     seed: Annotated[int, workload("--seed", help="Workload seed.")] = 0,
@@ -63,9 +66,10 @@ def bench(
     top_k: Annotated[int, workload("--top-k", help="Every request's top-k (-1 = off).")] = -1,
     min_p: Annotated[float, workload("--min-p", help="Every request's min-p (0 = off).")] = 0.0,
     baseline: Annotated[Optional[list[str]], workload(
-        "--baseline", help="hf-stream (default), hf-batched; repeatable.")] = None,
+        "--baseline", metavar="<str>", help="hf-stream (default), hf-batched; repeatable.")] = None,
     no_baseline: Annotated[bool, workload("--no-baseline", help="Skip the HF baselines.")] = False,
-    peer: Annotated[Optional[list[str]], workload("--peer", help="llama-cpp: llama.cpp on the same GGUF.")] = None,
+    peer: Annotated[Optional[list[str]], workload("--peer", metavar="<str>",
+        help="llama-cpp: llama.cpp on the same GGUF; repeatable.")] = None,
     output_json: Annotated[Optional[str], workload("--output-json", help="Write every result as JSON.")] = None,
     plot: Annotated[Optional[str], workload("--plot", help="Write a PNG of throughput and latency.")] = None,
     url: Annotated[Optional[str], online("--url",
@@ -80,7 +84,7 @@ def bench(
     client_procs: Annotated[Optional[int], online("--client-procs",
         help="Client processes the streams are spread over (default: one per 32 in flight, up to the cores).")
     ] = None,
-    cache: Annotated[Optional[list[str]], scheduler("--cache",
+    cache: Annotated[Optional[list[str]], scheduler("--cache", metavar="<str>",
         help="Prefix cache: radix or naive; repeat both to compare.", show_default="radix")] = None,
     engine: Annotated[Optional[list[str]], c.repeatable("engine", "Repeat to compare engines in one table.")] = None,
     *,

@@ -19,7 +19,7 @@ def _positive(value: float) -> float:
     return value
 
 
-@app.command("chat")
+@app.command("chat", cls=c.Command)
 @c.engine_options((*c.MODEL, "max_total_tokens", "cache", *c.SPECULATIVE, *c.RUNTIME))
 def chat(
     max_new_tokens: Annotated[

@@ -30,6 +30,7 @@ from typing import (
 )
 
 import typer
+from typer.core import TyperCommand, TyperOption
 
 from minisgl_cli import notice
 from minisgl_cli.engine.config import EngineConfig, EngineImpl
@@ -68,6 +69,48 @@ def pipeline_options(model_env: str, dir_env: str, dir_default: str) -> tuple[An
     return model, model_dir
 
 
+class Command(TyperCommand):
+    """A command whose --help reads whole in an 80-column terminal (every command is one: `@app.command(..., cls=
+    c.Command)`). Typer writes `<bool>` beside a flag, which takes no value; puts a number's range in the type column,
+    whose width the help column pays for (long env var names came out cut); and writes a default the command works out
+    itself (`show_default="4"`) as `[default: (4)]`. Here a flag shows no type, and the range and such a default are
+    lines of the option's help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            _tidy(param)
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)
+        if option is not None:
+            _tidy(option)
+        return option
+
+
+def _tidy(param: Any) -> None:
+    """One option's --help columns as Command says (a help string is rich markup: "\\[" is a literal bracket)."""
+    if not isinstance(param, TyperOption):
+        return
+    if param.is_bool_flag:
+        param.metavar = ""
+    lines = []
+    low, high = param.min, param.max
+    if low is not None or high is not None:
+        bounds = f"{low}..{high}" if low is not None and high is not None else (
+            f">= {low}" if low is not None else f"<= {high}")
+        lines.append(f"\\[range: {bounds}]")
+        param.min = param.max = None  # shown only: Typer checks the bounds of the option's declaration
+    if isinstance(param.show_default, str):
+        if param.envvar and param.show_envvar:  # Typer's order: the env var, then the default
+            lines.append(f"[dim yellow]\\[env var: {param.envvar}][/]")
+            param.show_envvar = False
+        lines.append(f"[dim]\\[default: {param.show_default}][/]")
+        param.show_default = False
+    if lines:
+        param.help = "\n\n".join([param.help or "", *lines]).strip()
+
+
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="INFO logs narrating prefill, decode steps and chunks.")]
 # The HTTP fronts' shared options (`serve` and `router`).
 Host = Annotated[str, typer.Option("--host", envvar="HOST", rich_help_panel=SERVER_PANEL,
@@ -100,7 +143,7 @@ class _Option:
     def option(self, more_help: str = "", show_default: bool | str | None = None) -> Any:
         """Its typer.Option: `more_help` appended to the help; `show_default` (default: unless a flag's False)."""
         m = self.meta
-        ranged = "min" in m or "max" in m  # <int> rather than Typer's <int range>: the range follows it anyway
+        ranged = "min" in m or "max" in m  # <int> rather than Typer's <int range>: Command shows the range
         return typer.Option(*m["flags"], envvar=m.get("env"), help=f"{m['help']} {more_help}".strip(),
                             min=m.get("min"), max=m.get("max"), rich_help_panel=self.panel,
                             metavar=f"<{_scalar(self.type).__name__}>" if ranged else None,
@@ -292,7 +335,9 @@ def repeatable(name: str, more_help: str) -> Any:
     """The Typer option of engine option `name` (its flags, env var and help) taking a list: for a command that
     compares several values in one run (bench's --engine); the command excludes `name` from engine_options."""
     option = _OPTIONS[name]
-    return option.option(more_help, show_default=str(option.default))  # the command's own default is None
+    info = option.option(more_help, show_default=str(option.default))  # the command's own default is None
+    info.metavar = f"<{_scalar(_cli_type(option.type)).__name__}>"  # one value's type, not <list[str]>
+    return info
 
 
 def engine_options(offered: Iterable[str], exclude: Iterable[str] = (),

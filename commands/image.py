@@ -31,7 +31,8 @@ class AttentionBackend(str, Enum):
     flash3 = "flash3"
 
 
-@app.command("image", help="Generate images from a prompt with Z-Image-Turbo or any diffusers text-to-image model.")
+@app.command("image", cls=c.Command,
+             help="Generate images from a prompt with Z-Image-Turbo or any diffusers text-to-image model.")
 def image(
     prompt: Annotated[
         str, typer.Option("-p", "--prompt", help="What to draw.", show_default="a Hanfu portrait")

@@ -11,11 +11,11 @@ from commands import common as c
 app = typer.Typer()
 
 
-@app.command("router")
+@app.command("router", cls=c.Command)
 @c.engine_options(("dispatch",))
 def router(
     worker_url: Annotated[list[str], typer.Option(
-        "--worker-url", rich_help_panel=c.SERVER_PANEL,
+        "--worker-url", metavar="<url>", rich_help_panel=c.SERVER_PANEL,
         help="A `minisgl serve` base URL (http://HOST:PORT); repeat for each worker.")],
     host: c.Host = "127.0.0.1",
     port: c.Port = 8000,

@@ -21,7 +21,7 @@ limits = c.in_panel(c.LIMITS_PANEL)
 media = c.in_panel(c.MEDIA_PANEL)
 
 
-@app.command("serve")
+@app.command("serve", cls=c.Command)
 @c.engine_options(c.ALL, processes=True)
 def serve(
     host: c.Host = "127.0.0.1",

@@ -11,7 +11,7 @@ from commands import common as c
 app = typer.Typer()
 
 
-@app.command("smoke")
+@app.command("smoke", cls=c.Command)
 @c.engine_options((*c.MODEL, *c.RUNTIME))
 def smoke(
     prompt: Annotated[str, typer.Argument(help="Prompt (sent as one user chat message).")] = "Hello from mini-sglang",

@@ -23,7 +23,7 @@ class VideoFormat(str, Enum):
     frames = "frames"
 
 
-@app.command("video", help="Generate a short video from a prompt with a diffusers text-to-video model.")
+@app.command("video", cls=c.Command, help="Generate a short video from a prompt with a diffusers text-to-video model.")
 def video(
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="What happens in the clip.")],
     num_frames: Annotated[int, typer.Option(help="Frames to generate (Wan rounds to 4k+1).")] = 33,

@@ -70,25 +70,41 @@ def test_distribution_std_is_population():
 
 
 def _result(engine: str, tokens: int, duration: float, conc: int = 4) -> BenchResult:
-    m = compute_metrics([RequestTiming(5, tokens, 0.1, duration, [0.1])], duration)
+    cached = None if engine.startswith("hf") else 0  # the HF baselines have no prefix cache
+    m = compute_metrics([RequestTiming(5, tokens, 0.1, duration, [0.1], cached_tokens=cached)], duration)
     return BenchResult(engine, "short", conc, 1, m)
 
 
 def test_reference_summary_lines_format():
     ours, base = [_result("minisgl", 386, 10.387)], [_result("hf-stream", 386, 21.825, 1)]
-    assert summary_line("Streaming chat", ours) == "Streaming chat summary: throughput=37.16 tok/s, duration=10.387s"
-    assert comparison_line(ours, base) == "Comparison: streaming faster by 11.438s with x2.10 throughput"
+    assert summary_line("Streaming chat", ours) == ("Streaming chat summary: throughput=37.16 tok/s, duration=10.387s "
+                                                    "(concurrency=4, output_tokens=386, cached_prompt_tokens=0/5)")
+    assert comparison_line(ours, base) == ("Comparison: streaming faster by 11.438s with x2.10 throughput "
+                                           "(concurrency 4 vs 1, same output tokens, 0 prompt tokens cached)")
     lines = summary_lines(BenchReport({}, ours + base))
-    assert lines[0] == "Streaming chat summary: throughput=37.16 tok/s, duration=10.387s"
-    assert lines[1] == "Baseline HF streaming chat summary: throughput=17.69 tok/s, duration=21.825s"
+    assert lines[0] == summary_line("Streaming chat", ours)
+    assert lines[1] == ("Baseline HF streaming chat summary: throughput=17.69 tok/s, duration=21.825s "
+                        "(concurrency=1, output_tokens=386, no prefix cache)")
     assert comparison_line(base, ours).startswith("Comparison: streaming slower by 11.438s")
+
+
+def test_the_comparison_says_what_besides_the_engine_differs():
+    """A headline that mixes concurrency, prefix-cache hits and output lengths says so: each side's concurrency and
+    output tokens, and the prompt tokens our cache served."""
+    m = compute_metrics([RequestTiming(3102, 609, 0.1, 1.0, [0.1], cached_tokens=2591)], 1.0)
+    ours = [BenchResult("minisgl", "long", 4, 1, m)]
+    base = [_result("hf-stream", 498, 18.64, 1)]
+    assert summary_line("Streaming chat", ours).endswith(
+        "(concurrency=4, output_tokens=609, cached_prompt_tokens=2591/3102)")
+    assert comparison_line(ours, base).endswith(
+        "(concurrency 4 vs 1, output tokens 609 vs 498, 2591 prompt tokens cached)")
 
 
 # --- workloads ---------------------------------------------------------------------------------
 
 
 class _Tok:
-    """A whitespace tokenizer: enough for the workload builders."""
+    """A whitespace tokenizer: enough for the workload builders (its ids decode to words of letters)."""
 
     all_special_ids = [0]
 
@@ -96,7 +112,7 @@ class _Tok:
         return [sum(map(ord, w)) % 97 + 1 for w in text.split()]
 
     def decode(self, ids):
-        return " ".join(f"w{i}" for i in ids)
+        return " ".join("tok" + "".join(chr(97 + int(d)) for d in str(i)) for i in ids)
 
 
 def test_reference_cases_lengths_repeat_and_mixed_prompts():
@@ -108,11 +124,38 @@ def test_reference_cases_lengths_repeat_and_mixed_prompts():
     short = cases[0]
     assert len(short.requests) == 12
     assert short.requests[0].prompt_tokens == 16 and short.requests[1].prompt_tokens > 16  # odd ones get a suffix
-    assert short.requests[0].input_ids == short.requests[2].input_ids
+    assert short.requests[0].input_ids == short.requests[2].input_ids  # within a run: the same prompt twice
+    assert short.requests[1].input_ids[:16] == short.requests[0].input_ids  # and one prompt's prefix
     capped = wl.reference_cases(None, 100, num_prompts=2, repeat=1, mixed_prompts=False, on_gpu=True,
                                 max_new_tokens=4, names=["long"])
     assert [c.name for c in capped] == ["long"] and capped[0].requests[0].max_new_tokens == 4
     assert capped[0].requests[0].prompt is None  # no tokenizer (dummy weights): ids only
+
+
+@pytest.mark.parametrize("tokenizer", ["none", "default"])
+def test_every_reference_run_starts_cold_and_decodes_exactly_its_tokens(tokenizer, request):
+    """No run (one pass over a case's prompts) of any case or concurrency level shares a first token with another,
+    so none finds its prompts in a prefix cache that an earlier one filled; EOS is ignored, so every stack decodes
+    the same number of tokens."""
+    if tokenizer == "default":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(request.getfixturevalue("default_model_dir")))
+        vocab = len(tok)
+    else:
+        tok, vocab = None, 1000
+    levels = [wl.reference_cases(tok, vocab, num_prompts=2, repeat=3, mixed_prompts=True, on_gpu=False, level=k)
+              for k in range(2)]
+    runs = [case.requests[i: i + 2] for cases in levels for case in cases for i in range(0, 6, 2)]
+    assert len(runs) == 2 * 3 * 3
+    assert len({run[0].input_ids[0] for run in runs}) == len(runs)  # every run opens with its own token
+    for cases in levels:
+        for case, spec in zip(cases, wl.REFERENCE_CASES):
+            assert all(r.ignore_eos and r.max_new_tokens == spec.max_new_tokens_cpu for r in case.requests)
+            assert [r.prompt_tokens for r in case.requests[::2]] == [spec.prompt_tokens] * 3
+    if tok is not None:  # a run's prompt text encodes back to its ids (what a server tokenizes)
+        first = levels[0][0].requests[0]
+        assert tok.encode(first.prompt, add_special_tokens=False) == first.input_ids
 
 
 def test_random_nano_vllm_and_shared_prefix():
@@ -378,6 +421,31 @@ def test_offline_bench_vs_hf_stream_end_to_end(tmp_path):
     except ImportError:
         assert any("llama-cpp-python is not installed" in n for n in doc["notes"])
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_offline_bench_compares_like_for_like_with_hf(tmp_path):
+    """On the default model: each summary line says its concurrency, output tokens and cache hits; both stacks
+    decode the same tokens (EOS ignored); and no run is served from a cache an earlier run filled, at any level (one
+    prompt a run: the old suite sent the same prompt every repeat, and every level, and hit the cache)."""
+    import re
+
+    out_json = tmp_path / "bench.json"
+    result = _invoke(["--case", "short", "--repeat", "2", "--num-prompts", "1", "--no-mixed-prompts", "--warmup", "0",
+                      "--max-new-tokens", "4", "--concurrency", "1", "--concurrency", "2", "--output-json",
+                      str(out_json)])
+    doc = json.loads(out_json.read_text())
+    ours = [r for r in doc["results"] if r["engine"] == "minisgl"]
+    (hf,) = [r for r in doc["results"] if r["engine"] == "hf-stream"]
+    assert [r["concurrency"] for r in ours] == [1, 2] and hf["concurrency"] == 1
+    assert [r["total_cached_tokens"] for r in ours] == [0, 0] and hf["total_cached_tokens"] is None
+    assert {r["total_output_tokens"] for r in [*ours, hf]} == {2 * 4}  # 2 runs x 4 tokens, EOS or not
+    for c, r in zip((1, 2), ours):
+        cached = rf"cached_prompt_tokens=0/{r['total_input_tokens']}"
+        assert re.search(rf"{SUMMARY} \(concurrency={c}, output_tokens=8, {cached}\)", result.output), result.output
+        assert re.search(rf"{COMPARISON} \(concurrency {c} vs 1, same output tokens, 0 prompt tokens cached\)",
+                         result.output), result.output
+    assert re.search(rf"{BASELINE} \(concurrency=1, output_tokens=8, no prefix cache\)", result.output)
 
 
 @pytest.mark.slow

@@ -83,24 +83,56 @@ def _totals(results: list[BenchResult]) -> tuple[float, float]:
     return (tokens / duration if duration > 0 else 0.0), duration
 
 
+def _concurrency(results: list[BenchResult]) -> str:
+    return "/".join(str(c) for c in sorted({r.concurrency for r in results}))
+
+
+def _output_tokens(results: list[BenchResult]) -> int:
+    return sum(r.metrics.total_output_tokens for r in results)
+
+
+def _cached(results: list[BenchResult]) -> int | None:
+    """Prompt tokens the prefix cache served; None for a stack without one (the HF baselines)."""
+    counts = [r.metrics.total_cached_tokens for r in results]
+    return None if all(c is None for c in counts) else sum(c or 0 for c in counts)
+
+
 def summary_line(label: str, results: list[BenchResult]) -> str:
+    """The reference stack's line, then what the figure was measured under: requests in flight, output tokens and
+    prompt tokens served from a prefix cache, so two lines compare only as far as these agree."""
     tp, dur = _totals(results)
-    return f"{label} summary: throughput={tp:.2f} tok/s, duration={dur:.3f}s"
+    cached = _cached(results)
+    prompt = sum(r.metrics.total_input_tokens for r in results)
+    cache = "no prefix cache" if cached is None else f"cached_prompt_tokens={cached}/{prompt}"
+    return (f"{label} summary: throughput={tp:.2f} tok/s, duration={dur:.3f}s "
+            f"(concurrency={_concurrency(results)}, output_tokens={_output_tokens(results)}, {cache})")
 
 
 def comparison_line(ours: list[BenchResult], base: list[BenchResult]) -> str:
+    """The reference stack's line, then the three things besides the engine that move it: the two sides'
+    concurrency, their output tokens (the throughputs are per output token, the durations are not) and the prompt
+    tokens our prefix cache served."""
     (tp, dur), (btp, bdur) = _totals(ours), _totals(base)
     ratio = tp / btp if btp > 0 else float("inf")
     word = "faster" if dur <= bdur else "slower"
-    return f"Comparison: streaming {word} by {abs(bdur - dur):.3f}s with x{ratio:.2f} throughput"
+    out, bout = _output_tokens(ours), _output_tokens(base)
+    tokens = "same output tokens" if out == bout else f"output tokens {out} vs {bout}"
+    cached = _cached(ours)
+    cache = "" if cached is None else f", {cached} prompt tokens cached"
+    return (f"Comparison: streaming {word} by {abs(bdur - dur):.3f}s with x{ratio:.2f} throughput "
+            f"(concurrency {_concurrency(ours)} vs {_concurrency(base)}, {tokens}{cache})")
 
 
 def summary_lines(report: BenchReport) -> list[str]:
-    """Per concurrency level, the engine against the HF streaming baseline, in the reference stack's words:
+    """Per concurrency level, the engine against the HF streaming baseline, in the reference stack's words, each
+    line saying what its figure was measured under:
 
-        Streaming chat summary: throughput=37.16 tok/s, duration=10.387s
-        Baseline HF streaming chat summary: throughput=17.69 tok/s, duration=21.825s
-        Comparison: streaming faster by 11.438s with x2.10 throughput
+        Streaming chat summary: throughput=37.16 tok/s, duration=10.387s (concurrency=4, output_tokens=386,
+            cached_prompt_tokens=0/336)
+        Baseline HF streaming chat summary: throughput=17.69 tok/s, duration=21.825s (concurrency=1,
+            output_tokens=386, no prefix cache)
+        Comparison: streaming faster by 11.438s with x2.10 throughput (concurrency 4 vs 1, same output tokens,
+            0 prompt tokens cached)
     """
     engines = [
         e for e in dict.fromkeys(r.engine for r in report.results) if e not in ("hf-stream", "hf-batched", "llama-cpp")

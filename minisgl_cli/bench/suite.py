@@ -95,29 +95,27 @@ class BenchConfig:
 def build_levels(
     cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool, levels: list[int]
 ) -> list[list[wl.Case]]:
-    """The cases for each concurrency level. The reference suite reuses one request set (it repeats prompts on
-    purpose); the other workloads draw fresh prompts per level (seed + level index), so a level does not hit
-    the prefix cache filled by the level before it."""
-    if cfg.preset is None and cfg.dataset == "reference":
-        return [build_cases(cfg, tokenizer, vocab_size, on_gpu)] * len(levels)
-    return [build_cases(dataclasses.replace(cfg, seed=cfg.seed + i), tokenizer, vocab_size, on_gpu)
-            for i in range(len(levels))]
+    """The cases for each concurrency level, each level's prompts its own (the reference suite's runs open with words
+    of their own, the other workloads draw with seed + level index), so a level does not hit the prefix cache filled
+    by the level before it; the sequential baselines run the first level's."""
+    return [build_cases(cfg, tokenizer, vocab_size, on_gpu, level=i) for i in range(len(levels))]
 
 
-def build_cases(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool) -> list[wl.Case]:
-    cases = _workload(cfg, tokenizer, vocab_size, on_gpu)
+def build_cases(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool, level: int = 0) -> list[wl.Case]:
+    cases = _workload(cfg, tokenizer, vocab_size, on_gpu, level)
     for case in cases:
         for req in case.requests:
             req.sampling = cfg.sampling
     return cases
 
 
-def _workload(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool) -> list[wl.Case]:
+def _workload(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool, level: int) -> list[wl.Case]:
+    seed = cfg.seed + level
     if cfg.preset == "nano-vllm":
-        return [wl.nano_vllm_case(vocab_size, cfg.num_prompts or 256, cfg.seed)]
+        return [wl.nano_vllm_case(vocab_size, cfg.num_prompts or 256, seed)]
     if cfg.dataset == "random":
         return [wl.random_case(tokenizer, vocab_size, num_prompts=cfg.num_prompts or 64, input_len=cfg.input_len,
-                               output_len=cfg.output_len, range_ratio=cfg.range_ratio, seed=cfg.seed)]
+                               output_len=cfg.output_len, range_ratio=cfg.range_ratio, seed=seed)]
     if cfg.dataset == "shared-prefix":
         return [
             wl.shared_prefix_case(
@@ -127,16 +125,16 @@ def _workload(cfg: BenchConfig, tokenizer: Any, vocab_size: int, on_gpu: bool) -
                 prefix_len=cfg.prefix_len,
                 question_len=cfg.question_len,
                 output_len=cfg.max_new_tokens or 16,
-                seed=cfg.seed,
+                seed=seed,
             )
         ]
     if cfg.dataset in wl.CHAT_PROMPTS:
         return [wl.chat_case(tokenizer, cfg.dataset, num_prompts=cfg.num_prompts or 4,
                              max_new_tokens=cfg.max_new_tokens or wl.CHAT_NEW_TOKENS)]
-    # The reference suite sends num_prompts x repeat requests per case; one request set for every level.
+    # The reference suite sends num_prompts x repeat requests per case; every level the same shape, cold.
     return wl.reference_cases(tokenizer, vocab_size, num_prompts=cfg.num_prompts or max(cfg.concurrency),
                               repeat=cfg.repeat, mixed_prompts=cfg.mixed_prompts, on_gpu=on_gpu,
-                              max_new_tokens=cfg.max_new_tokens, names=cfg.cases, seed=cfg.seed)
+                              max_new_tokens=cfg.max_new_tokens, names=cfg.cases, seed=cfg.seed, level=level)
 
 
 class Bench:

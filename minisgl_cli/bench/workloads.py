@@ -8,6 +8,7 @@ Every request carries exact token ids, so the engine, the HF baselines and llama
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,38 +180,70 @@ def _decode(tokenizer: Any, ids: list[int]) -> str | None:
 
 def reference_cases(
     tokenizer: Any, vocab_size: int, *, num_prompts: int, repeat: int, mixed_prompts: bool, on_gpu: bool,
-    max_new_tokens: int | None = None, names: list[str] | None = None, seed: int = 0,
+    max_new_tokens: int | None = None, names: list[str] | None = None, seed: int = 0, level: int = 0,
 ) -> list[Case]:
-    """The reference suite: per case `num_prompts` distinct-ish prompts, each sent `repeat` times.
+    """The reference suite: per case `num_prompts` distinct-ish prompts, each sent `repeat` times (runs).
 
-    With mixed prompts every other prompt gets a random suffix, so half the requests share their whole
-    prompt with others (full prefix reuse) and half only a prefix (partial reuse), as in the reference stack.
+    Every run starts cold: its prompts open with a word of their own (`_run_leads`), so no run, of any case or
+    concurrency `level`, finds its prompts in a prefix cache an earlier one filled. Within a run, with mixed prompts,
+    every other prompt gets a random suffix, so half the requests share their whole prompt with others (full prefix
+    reuse) and half only a prefix (partial reuse), as in the reference stack; what a cache serves of that is counted.
+    EOS is ignored: every request decodes exactly its case's tokens on every stack, so stacks are compared on the
+    same output lengths.
     """
     rng = random.Random(seed)
-    cases = []
-    for spec in REFERENCE_CASES:
-        if names and spec.name not in names:
-            continue
-        new = max_new_tokens or (spec.max_new_tokens_gpu if on_gpu else spec.max_new_tokens_cpu)
-        if tokenizer is not None:
-            base = _text_ids(tokenizer, _FILLER, spec.prompt_tokens)
-        else:  # dummy weights: no tokenizer, any fixed ids do
-            base = _random_ids(random.Random(spec.prompt_tokens), spec.prompt_tokens, vocab_size, set())
-        prompts = []
-        for i in range(num_prompts):
-            ids = list(base)
-            if mixed_prompts and i % 2 == 1:
-                suffix = f" #{rng.randint(0, 9999)}"
-                ids += (tokenizer.encode(suffix, add_special_tokens=False) if tokenizer is not None
-                        else _random_ids(rng, 3, vocab_size, set()))
-            prompts.append(ids)
-        reqs = [BenchRequest(p, new, False, _decode(tokenizer, p)) for _ in range(repeat) for p in prompts]
-        params = dict(dataset="reference", prompt_tokens=spec.prompt_tokens, max_new_tokens=new,
-                      num_prompts=num_prompts, repeat=repeat, mixed_prompts=mixed_prompts)
-        cases.append(Case(spec.name, reqs, params))
-    if names and not cases:
+    specs = [spec for spec in REFERENCE_CASES if not names or spec.name in names]
+    if names and not specs:
         raise ValueError(f"no reference case named {', '.join(names)}; choose from short, medium, long")
+    runs = len(specs) * repeat
+    leads: Iterator[str | int] = iter(_run_leads(tokenizer, vocab_size, (level + 1) * runs)[level * runs:])
+    cases = []
+    for spec in specs:
+        new = max_new_tokens or (spec.max_new_tokens_gpu if on_gpu else spec.max_new_tokens_cpu)
+        reqs = []
+        for _ in range(repeat):
+            lead = next(leads)
+            if isinstance(lead, str):
+                base = _text_ids(tokenizer, f"{lead} {_FILLER}", spec.prompt_tokens)
+            else:  # dummy weights: no tokenizer, any fixed ids do
+                base = [lead, *_random_ids(random.Random(spec.prompt_tokens), spec.prompt_tokens - 1, vocab_size,
+                                           set())]
+            for i in range(num_prompts):
+                ids = list(base)
+                if mixed_prompts and i % 2 == 1:
+                    suffix = f" #{rng.randint(0, 9999)}"
+                    ids += (tokenizer.encode(suffix, add_special_tokens=False) if tokenizer is not None
+                            else _random_ids(rng, 3, vocab_size, set()))
+                reqs.append(BenchRequest(ids, new, True, _decode(tokenizer, ids)))
+        params = dict(dataset="reference", prompt_tokens=spec.prompt_tokens, max_new_tokens=new,
+                      num_prompts=num_prompts, repeat=repeat, mixed_prompts=mixed_prompts, ignore_eos=True)
+        cases.append(Case(spec.name, reqs, params))
     return cases
+
+
+def _run_leads(tokenizer: Any, vocab_size: int, count: int) -> list[str] | list[int]:
+    """`count` openings whose first tokens all differ, and differ from the filler's: words from the vocab, or token
+    ids where there is no tokenizer. The same list whatever `count` (a longer one extends it), so concurrency level
+    k takes the runs after level k-1's."""
+    rng = random.Random(0)
+    order = rng.sample(range(vocab_size), vocab_size)
+    if tokenizer is None:
+        return order[:count]
+    seen = {_text_ids(tokenizer, _FILLER, 1)[0]}
+    words: list[str] = []
+    for token in order:
+        if len(words) == count:
+            break
+        word = tokenizer.decode([token]).strip().capitalize()
+        if len(word) < 3 or not (word.isascii() and word.isalpha()):
+            continue
+        first = _text_ids(tokenizer, f"{word} {_FILLER}", 1)[0]  # the first token of a prompt it opens
+        if first not in seen:
+            seen.add(first)
+            words.append(word)
+    if len(words) < count:
+        raise ValueError(f"the tokenizer has too few words to open {count} cold runs: lower --repeat")
+    return words
 
 
 def random_case(
