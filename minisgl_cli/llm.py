@@ -107,7 +107,7 @@ def _configs(model: str | None, processes: bool | None,
         raise TypeError("LLM takes processes=True / False / None for where the engine runs, not mode=")
     if unknown := [k for k in kwargs if not any(k in n for n in names)]:
         known = sorted(set().union(*names) - {"mode"})
-        hints = [f"{k} (did you mean {', '.join(m)}?)" if (m := difflib.get_close_matches(k, known, 2)) else k
+        hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, known, 1)) else k
                  for k in unknown]
         raise TypeError(f"LLM() got unknown options: {'; '.join(hints)}. It takes the fields of EngineConfig, "
                         "SchedulerConfig and RuntimeConfig")
