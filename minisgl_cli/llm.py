@@ -47,8 +47,9 @@ class LLM:
             raise TypeError(f"LLM(processes=...) takes True, False or None, not {processes!r}")
         engine, sched, runtime = _configs(model, processes, kwargs)
         self.client: EngineClient = cast(EngineClient, start_client(engine, sched, runtime, progress=log.info))
-        # Stop the engine's children (or its thread) when this LLM is dropped, and at exit before multiprocessing's
-        # own exit hook, which would otherwise wait for ever on children nobody stopped.
+        # Stop the engine's children (or its thread) when this LLM is dropped, and at exit: registered now, after the
+        # start imported multiprocessing, so it runs before multiprocessing's exit hook (last in, first out), which
+        # would wait for ever on children nobody stopped. (weakref's own exit hook may be older than that one.)
         self._close = weakref.finalize(self, self.client.close)
         self._close.atexit = False
         atexit.register(self._close)
