@@ -7,9 +7,9 @@ share of raw, and each process's CPU over HTTP. Each path's figure is the median
 engine or server: one 5-second draw moved by 20% between calls. `--paths` also takes llm-here (`LLM()` in this
 process) and offline-here (`minisgl bench --runtime in-process`): what the in-process engine gives against them.
 
-    OUT=/tmp/fronts PYTHONPATH=. python examples/fronts_gpu.py        # ~170 s on one H100, starts included
+    OUT=/tmp/fronts PYTHONPATH=. python examples/fronts_gpu.py        # raw, offline, http: ~130 s on one H100; + llm
     OUT=/tmp/fronts PYTHONPATH=. python examples/fronts_gpu.py --paths raw,http   # ~90 s
-    OUT=/tmp/fronts PYTHONPATH=. python examples/fronts_gpu.py --kv bf16,fp8_e4m3  # both KV dtypes, ~340 s
+    OUT=/tmp/fronts PYTHONPATH=. python examples/fronts_gpu.py --kv bf16,fp8_e4m3  # both KV dtypes
     OUT=/tmp/fronts PYTHONPATH=. python examples/fronts_gpu.py --model qwen3-30b-a3b --quantization fp8 --sampled
     # the CPU: the script end to end at a tiny size (SmolLM2-135M's shape, dummy weights, 8 requests of 16..48 tokens)
     PYTHONPATH=. python examples/fronts_gpu.py --device cpu --model smollm2-135m --kv auto --num-prompts 8 \
@@ -97,8 +97,9 @@ def raw_child(prefill: int, draws: int, sampled: bool, setting: Setting) -> None
     e = gb.make_engine(setting.model, **setting.engine_kw())
     prompts, outs = setting.preset(0)
     sampling = SAMPLED if sampled else None
-    gb.run_requests(e, prompts, [2] * len(prompts), overlap=True, prefill_tokens=prefill, sampling=sampling)
-    runs = [gb.run_requests(e, prompts, outs, overlap=True, prefill_tokens=prefill, sampling=sampling)
+    overlap = e.device.type == "cuda"  # as the fronts' schedulers run (overlap is a CUDA feature)
+    gb.run_requests(e, prompts, [2] * len(prompts), overlap=overlap, prefill_tokens=prefill, sampling=sampling)
+    runs = [gb.run_requests(e, prompts, outs, overlap=overlap, prefill_tokens=prefill, sampling=sampling)
             for _ in range(draws)]
     print(json.dumps({"draws": [st.tokens / st.wall for st in runs]}))
 
@@ -114,14 +115,16 @@ def llm_child(prefill: int, draws: int, sampled: bool, setting: Setting, process
     with LLM(setting.model, processes=processes, max_prefill_tokens=prefill, **kw) as llm:
         prompts, _ = setting.preset(0)
         llm.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True, **sampling))
-        tok_s = []
+        tok_s, windows = [], []
         for seed in range(1, draws + 1):
             prompts, outs = setting.preset(seed)
             params = [SamplingParams(max_new_tokens=n, ignore_eos=True, **sampling) for n in outs]
-            t0 = time.perf_counter()
+            started, t0 = time.time(), time.perf_counter()
             done = llm.generate(prompts, params)
-            tok_s.append(sum(len(c.token_ids) for c in done) / (time.perf_counter() - t0))
-    print(json.dumps({"draws": tok_s}))
+            wall = time.perf_counter() - t0
+            tok_s.append(sum(len(c.token_ids) for c in done) / wall)
+            windows.append((started, wall))
+    print(json.dumps({"draws": tok_s, "windows": windows}))
 
 
 def median(draws: list[float]) -> tuple[float, str]:
@@ -186,7 +189,11 @@ def one_dtype(setting: Setting, paths: list[str], prefill: int, draws: int, samp
 
     child = [sys.executable, __file__, "--max-prefill-tokens", str(prefill), "--draws", str(draws),
              *setting_args(setting), *(["--sampled"] if sampled else [])]
-    from_child = lambda stdout: (None, json.loads(stdout.strip().splitlines()[-1])["draws"], None, [])  # noqa: E731
+    def from_child(stdout: str) -> tuple[None, list[float], list[tuple[float, float]] | None, list[str]]:
+        """A child's timed draws (and for LLM their windows: the step trace by draw, with its lead and trail)."""
+        got = json.loads(stdout.strip().splitlines()[-1])
+        return None, got["draws"], [tuple(w) for w in got["windows"]] if "windows" in got else None, []
+
     if "raw" in paths:
         path("raw", [*child, "--child", "raw"], from_child)
     for name, how in (("llm", "llm-processes"), ("llm-here", "llm-in-process")):
