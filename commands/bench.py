@@ -33,7 +33,10 @@ _HELP = (
 
 
 @app.command("bench", cls=c.Command, help=_HELP)
-@c.engine_options(c.ALL, exclude={"cache", "engine"})  # bench's --cache and --engine take lists
+# --runtime auto runs our engine as processes, as `serve` does, on every device: in this process the scheduler's thread
+# would share one GIL with the bench's own per-token work, and the figure would be the engine's less what the bench
+# took from it (a GPU waits on that thread: issues 29 and 45). --runtime in-process measures the in-process engine.
+@c.engine_options(c.ALL, exclude={"cache", "engine"}, processes=True)  # bench's --cache and --engine take lists
 def bench(
     dataset: Annotated[str, workload("--dataset",
         help="reference, random, shared-prefix, rewrite, code-edit or open-chat.")] = "reference",
@@ -148,10 +151,6 @@ def bench(
     out = Console(width=None if sys.stdout.isatty() else 200)  # piped: no 80-column squeeze
     model_arg = opts.engine.model
 
-    # On CUDA `--runtime auto` runs the engine as processes, as `serve` does: in this process the scheduler's thread
-    # would share one GIL with the bench's own per-token work, and a fast GPU waits on it (issue 29).
-    if not url and opts.engine.resolved_device().type == "cuda":
-        opts = replace(opts, processes=True)
     try:
         for name in cfg.engines:  # every engine's flags are checked before the first one runs
             opts.with_engine(name).check()

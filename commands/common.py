@@ -271,8 +271,8 @@ class EngineOptions:
             raise ValueError("--dist-init-addr is where the --tp ranks meet, and --tp 1 has one rank: drop it")
 
     def client(self, stop: threading.Event | None = None, per_replica_cap: int | None = None) -> EngineClient:
-        """Build the engine client — in this process, or the multi-process runtime when `--runtime` says so
-        (or `processes` for auto; the hf and mlx engines always run here; `stop` set abandons
+        """Build the engine client where runtime/start.py chooses — in this process, or the multi-process runtime when
+        `--runtime` says so (or `processes` for auto; the hf and mlx engines always run here; `stop` set abandons
         the start; `per_replica_cap`: requests in flight per --dp replica at most). Start-up failures become one
         line and exit code 1; an interrupted start exits 130.
 
@@ -283,23 +283,18 @@ class EngineOptions:
         if self.runtime.dp_size == 1 and self.runtime.dispatch != "rr":  # said, not silently ignored
             notice.notice(f"--dispatch {self.runtime.dispatch} routes across --dp replicas; with "
                           "--dp 1 every request goes to the one engine")
+        from minisgl_cli.runtime.start import start_client
+
         try:
-            from minisgl_cli import backends
-
-            if backends.resolve(self.engine.engine) in backends.SERIAL or not self.runtime.processes(self.processes):
-                return backends.in_process_client(self.engine, self.scheduler)
-            from minisgl_cli.runtime.launch import launch
-            from minisgl_cli.runtime.supervisor import Runtime
-
-            started = launch(self.engine, self.scheduler, self.runtime, progress=notice.notice, stop=stop,
-                             per_replica_cap=per_replica_cap)
+            started = start_client(self.engine, self.scheduler, self.runtime, by_default=self.processes,
+                                   progress=notice.notice, stop=stop, per_replica_cap=per_replica_cap)
         except (ModelLoadError, ValueError, RuntimeError) as exc:
             fail(str(exc))
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
-        if isinstance(started, Runtime):
+        if self.runtime.node_rank != 0:  # the Runtime of this node's ranks
             _serve_ranks(started, self.runtime)
-        return started
+        return cast("EngineClient", started)
 
 
 def prebuild(opts: EngineOptions) -> NoReturn:

@@ -91,6 +91,12 @@ class RunStats:
     all_started: float  # when the last request got its first token (end of the prefill phase)
 
 
+def sync() -> None:
+    """Wait for the device (CUDA's queue; the CPU has none): run_requests also times a CPU engine."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def run_requests(engine: Engine, prompts: list[list[int]], out_lens: list[int], overlap: bool,
                  prefill_tokens: int = 16384, profile_steps: int = 0, sampling: dict | None = None) -> RunStats:
     got = [0]
@@ -113,7 +119,7 @@ def run_requests(engine: Engine, prompts: list[list[int]], out_lens: list[int], 
 
     sched = Scheduler(engine, SchedulerConfig(max_prefill_tokens=prefill_tokens, disable_overlap=not overlap), sink)
     assert sched.overlap == overlap
-    torch.cuda.synchronize()
+    sync()
     _wait[0] = 0.0
     PHASES.clear()
     t0 = time.perf_counter()
@@ -148,7 +154,7 @@ def run_requests(engine: Engine, prompts: list[list[int]], out_lens: list[int], 
             cprof = None
     while sched._inflight is not None:
         sched.step()
-    torch.cuda.synchronize()
+    sync()
     wall = time.perf_counter() - t0
     sched.check_pages()
     # Hand the prefix cache's pages back to the pool: the next run builds a new scheduler on it.
@@ -169,9 +175,9 @@ DTYPES: dict = {}  # --kv-cache-dtype / --quantization: EngineConfig fields for 
 
 
 def make_engine(name: str, **kw) -> Engine:
-    kw = {"max_running_requests": 256, "cuda_graph_max_bs": 256, "max_total_tokens": 300_000,
+    kw = {"max_running_requests": 256, "cuda_graph_max_bs": 256, "max_total_tokens": 300_000, "load_format": "dummy",
           "attention_backend": BACKEND[0], **DTYPES, **kw}
-    cfg = EngineConfig(model=name, load_format="dummy", **kw)
+    cfg = EngineConfig(model=name, **kw)
     t0 = time.perf_counter()
     e = Engine(cfg)
     print(

@@ -6,7 +6,8 @@
 #                      Qwen2-VL on CUDA, an out-of-vocabulary id: pytest over two workers (files side by side)
 #   sampling.log   (s) examples/bench_sampling.py: the sampler's µs per call, one program a row vs the split path
 #   fronts.log     (f) examples/fronts_gpu.py --kv bf16,fp8_e4m3: Qwen3-0.6B preset, the scheduler driven directly
-#                      vs minisgl bench offline vs serve + bench --url, one prefill budget (16,384) for all
+#                      vs LLM(processes=True) vs minisgl bench offline vs serve + bench --url, one prefill budget
+#                      (16,384) for all
 #   sampled_fronts.log (o) the same, FP8 KV, raw vs HTTP with every request sampled at t=0.7 / top_p=0.9
 #   spec.log       (p) examples/spec_bench_gpu.py: a verify step's cost, batch-1 decode plain / oracle / ngram
 #   moe.log        (m) examples/moe_bench.py: the MoE layer fused vs grouped (bf16 and FP8 experts), no engine;
@@ -53,8 +54,9 @@ want t && part "(t) GPU tests of this round" 240 60 "$OUT/tests.log" \
 want s && part "(s) sampler micro-benchmark" 60 20 "$OUT/sampling.log" \
   $PY examples/bench_sampling.py --out "$WORK/sampling"
 
-# (f) ~280 s: per KV dtype three engine starts, three timed draws each (raw in a child, bench offline, the server)
-want f && part "(f) the fronts against the raw engine" 340 100 "$OUT/fronts.log" \
+# (f) ~360 s: per KV dtype four engine starts, three timed draws each (raw and LLM in a child, bench offline, the
+# server)
+want f && part "(f) the fronts against the raw engine" 440 100 "$OUT/fronts.log" \
   $PY examples/fronts_gpu.py --out "$WORK/fronts" --kv bf16,fp8_e4m3
 
 # (o) ~110 s: what chat clients get: the FP8 preset sampled (t=0.7, top_p=0.9), raw against serve + bench --url

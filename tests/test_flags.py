@@ -22,7 +22,7 @@ REFUSED = [
     (["chat", "--num-tokenizer", "2"], "drop --num-tokenizer or add --runtime processes",
      "this command's default for --runtime auto"),
     (["smoke", "--num-tokenizer", "1"], "drop --num-tokenizer", "runs in this process"),
-    (["bench", "--num-tokenizer", "1"], "drop --num-tokenizer", "runs in this process"),
+    (["bench", "--runtime", "in-process", "--num-tokenizer", "1"], "drop --num-tokenizer", "(--runtime in-process)"),
     (["serve", "--runtime", "in-process", "--num-tokenizer", "1"], "drop --num-tokenizer",
      "(--runtime in-process)"),
     # A rendezvous address with no ranks to meet there.

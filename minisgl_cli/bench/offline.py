@@ -1,4 +1,5 @@
-"""The engine target: requests through `EngineClient.submit` in-process, at most `concurrency` in flight."""
+"""The engine target: requests through `EngineClient.submit` (the engine in this process or as processes:
+runtime/start.py), at most `concurrency` in flight."""
 
 from __future__ import annotations
 
