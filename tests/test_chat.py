@@ -423,6 +423,7 @@ def test_the_header_breaks_between_its_parts_in_a_narrow_terminal():
     assert "attention torch" in out.getvalue() and "loaded in 3.2s" in out.getvalue()
 
 
+@pytest.mark.slow
 def test_text_typed_while_a_reply_streams_waits_for_the_next_prompt(tiny_model_dirs, tmp_path):
     """`minisgl chat` on a terminal (a pty): keys typed while a reply streams are not echoed into it (the terminal
     would), and the next prompt starts with them."""
