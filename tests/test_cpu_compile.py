@@ -339,3 +339,14 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+def test_a_store_that_cannot_be_written_leaves_decode_eager(tmp_path, monkeypatch, tiny_model_dirs):
+    """No lock file can be made (the store's path runs through a file; a full disk or a read-only dir alike): the
+    engine serves, eagerly, and says why; nothing is started."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("MINISGL_COMPILED_DIR", str(tmp_path / "file" / "compiled"))
+    engine = Engine(_tiny(tiny_model_dirs["llama"], 7))
+    engine.start_serving()
+    assert engine.compiled is not None and engine.compiled._proc is None
+    assert engine.decode_step == "eager" and "could not start" in str(engine.compiled.error)

@@ -201,11 +201,10 @@ def _builder(path: Path) -> str:
 def spawn_build(job: BuildJob, lock_fd: int) -> subprocess.Popen:
     """Start the build process of `job`, handing it the lock `lock_fd` (from _claim: closed here). Its own session: it
     outlives this process (a chat that ends mid-build), and a Ctrl-C in the terminal does not reach it."""
-    log_path = job.path.with_suffix(".log")
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "minisgl_cli.engine.cpu_build"], stdin=subprocess.PIPE,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(lock_fd,))
     try:
+        with open(job.path.with_suffix(".log"), "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "minisgl_cli.engine.cpu_build"], stdin=subprocess.PIPE,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(lock_fd,))
         os.ftruncate(lock_fd, 0)
         os.pwrite(lock_fd, f"pid {proc.pid}\n".encode(), 0)
         assert proc.stdin is not None
@@ -292,15 +291,22 @@ class CompiledDecode:
             notice(f"the compiled CPU decode step is being built by {_builder(self.path)} (its lock: "
                    f"{self.path.with_suffix('.lock')}): " + ("decoding eagerly until it is stored" if serving else
                                                              "waiting for it"))
+        if self.error is not None:
+            return
         self._watch = threading.Thread(target=self._await_build, name="minisgl-compile", daemon=True)
         self._watch.start()
 
     def _build(self) -> bool:
         """Start the build where no build holds the key's lock (once per engine); False where one does."""
-        fd = _claim(self.path)
-        if fd is None:
-            return False
-        self._proc = spawn_build(BuildJob(self.cfg, self.key, self.path), fd)
+        try:
+            fd = _claim(self.path)
+            if fd is None:
+                return False
+            self._proc = spawn_build(BuildJob(self.cfg, self.key, self.path), fd)
+        except OSError as exc:  # the store cannot be written (a full disk, a read-only dir): eager, said once
+            self.error = f"it could not start: {exc}"
+            log.warning("building the compiled CPU decode step failed (%s): decoding stays eager", self.error)
+            return True
         cost = "~3 min on 2 cores, once for this model, torch and CPU; it goes on if this process ends"
         notice(f"starting the compiled CPU decode build (pid {self._proc.pid}) in the background: {cost} "
                "(`serve --prebuild` does it ahead); until then decoding runs eagerly, several times slower while the "
@@ -341,7 +347,12 @@ class CompiledDecode:
                 os.close(fd)
                 continue
             if self._proc is None:  # nothing stored, no build under way: its builder died; this engine takes over
-                self._proc = spawn_build(BuildJob(self.cfg, self.key, self.path), fd)
+                try:
+                    self._proc = spawn_build(BuildJob(self.cfg, self.key, self.path), fd)
+                except OSError as exc:
+                    self.error = f"it could not start: {exc}"
+                    log.warning("building the compiled CPU decode step failed (%s): decoding stays eager", self.error)
+                    return
                 notice(f"starting the compiled CPU decode build (pid {self._proc.pid}) again: the last one stopped")
                 continue
             os.close(fd)
