@@ -364,6 +364,8 @@ class CompiledDecode:
         self._runner = runner
         notice(f"CPU decode: the compiled step is built ({time.perf_counter() - t0:.0f}s) and stored in "
                f"{self.path.parent}" + (": decoding at full speed now" if self.serving else ""))
+        if self._proc is not None:  # its own build, past the rename (removing superseded packages): reaped, no zombie
+            self._proc.wait()
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return self._runner is not None and batch.is_decode and batch.batch_size <= MAX_ROWS
