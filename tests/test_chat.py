@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -109,6 +112,24 @@ def test_save_markdown_and_json(tmp_path):
     assert s.handle("/save /nonexistent-dir/x.md").kind == "error"
     s.handle("/reset")
     assert s.turns == [] and s.history == []
+
+
+def test_save_writes_a_system_prompt_where_it_was_set():
+    """A system prompt set between turns is written before the first turn sent with it, not at the top; one set after
+    the last turn comes after it; the JSON names each turn's."""
+    s = ChatSession()
+    for text, system in (("a", None), ("b", "be brief"), ("c", "be brief")):
+        s.settings.system = system
+        req, turn = s.begin(text)
+        turn.reply, turn.finish_reason = text.upper(), "stop"
+        s.record(turn)
+    s.handle("/system talk like a pirate")
+    s.handle("/save /dev/null")
+    md = s.to_markdown()
+    order = [md.index(x) for x in ("**user:** a", "**system:** be brief", "**user:** b", "**user:** c",
+                                   "talk like a pirate")]
+    assert order == sorted(order) and md.count("be brief") == 1, md
+    assert [t["system"] for t in json.loads(s.to_json())["turns"]] == [None, "be brief", "be brief"]
 
 
 def test_status_line_and_log_panel():
@@ -400,3 +421,46 @@ def test_the_header_breaks_between_its_parts_in_a_narrow_terminal():
     assert len(lines) > 2 and all(len(line) <= 80 for line in lines), lines
     assert not any(line.rstrip().endswith("·") or line.lstrip().startswith("·") for line in lines), lines
     assert "attention torch" in out.getvalue() and "loaded in 3.2s" in out.getvalue()
+
+
+@pytest.mark.slow
+def test_text_typed_while_a_reply_streams_waits_for_the_next_prompt(tiny_model_dirs, tmp_path):
+    """`minisgl chat` on a terminal (a pty): keys typed while a reply streams are not echoed into it (the terminal
+    would), and the next prompt starts with them."""
+    import pty
+
+    master, slave = pty.openpty()
+    env = {**os.environ, "MINISGL_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "COLUMNS": "200", "TERM": "xterm"}
+    proc = subprocess.Popen([sys.executable, "-m", "minisgl_cli.app", "chat", "--model", str(tiny_model_dirs["llama"]),
+                             "--load-format", "dummy", "-n", "400", "--max-total-tokens", "2048"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    out = bytearray()
+
+    def until(pattern: bytes, timeout: float = 120) -> int:
+        deadline = time.monotonic() + timeout
+        while (at := out.find(pattern)) < 0:
+            assert time.monotonic() < deadline and proc.poll() is None, out.decode(errors="replace")
+            if select.select([master], [], [], 0.1)[0]:
+                with contextlib.suppress(OSError):
+                    out.extend(os.read(master, 65536))
+        return at
+
+    try:
+        until("›".encode())  # the prompt (its colours between the words)
+        os.write(master, b"tell me a long story\r")
+        start = len(out)
+        deadline = time.monotonic() + 60
+        while not termios.tcgetattr(master)[3] & termios.ICANON:  # prompt-toolkit has left its raw mode
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # the reply is under way (400 tokens: many seconds)
+        os.write(master, b"ahead")
+        end = until(b"finish length", 300)
+        assert b"ahead" not in out[start:end]  # not echoed into the reply
+        after = until(b"ahead", 30)  # the next prompt, with what was typed
+        assert out.rfind("›".encode()) < after
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        os.close(master)

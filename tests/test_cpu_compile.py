@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import zipfile
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 from serve_process import Serve, gone
@@ -206,7 +210,8 @@ def test_compiled_greedy_answers_equal_eager_on_the_parity_prompts(default_step)
 def test_serve_answers_while_building_and_stops_at_once(default_model_dir, tmp_path):
     """`minisgl serve` on the default model with an empty store builds its step once it serves: healthy before the
     build, /metrics says it is building, requests answer eagerly meanwhile, and a Ctrl-C mid-build stops every
-    process (the build's compiler too) within seconds."""
+    process of the server within seconds; the build goes on (for the next start) until a SIGTERM stops it, which
+    takes its compiler and its partial package with it."""
     s = Serve(default_model_dir, tmp_path, env={"MINISGL_TORCH_COMPILE": "auto",  # the suite's default is off
                                                 "MINISGL_COMPILED_DIR": str(tmp_path / "compiled")})
     try:
@@ -219,11 +224,130 @@ def test_serve_answers_while_building_and_stops_at_once(default_model_dir, tmp_p
             "temperature": 0})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], r.text
         pids = s.children()
-        assert "the compiled CPU decode build" in pids, s.stderr()
+        builder = pids.pop("the compiled CPU decode build")
         t0 = time.monotonic()
         s.proc.send_signal(signal.SIGINT)
         assert s.proc.wait(15) == 0, s.stderr()
         assert time.monotonic() - t0 < 6, s.stderr()
         assert gone(list(pids.values()), 5) == []
+        assert gone([builder], 3) == [builder]  # the build goes on: the next start loads its step
+        os.kill(builder, signal.SIGTERM)
+        assert gone([builder], 10) == []
+        assert list((tmp_path / "compiled").glob("*.partial.pt2")) == []
     finally:
         s.stop()
+
+
+# An engine that starts serving (its scheduler's start), as a chat or a server does, then ends: argv model dir, seed.
+_START = """
+import sys
+from minisgl_cli.engine.config import EngineConfig
+from minisgl_cli.engine.engine import Engine
+engine = Engine(EngineConfig(model=sys.argv[1], load_format="dummy", seed=int(sys.argv[2]), quantization="int4",
+                             torch_compile="on", max_total_tokens=512))
+engine.start_serving()
+proc = engine.compiled._proc
+print(engine.decode_step, proc.pid if proc else "none", flush=True)
+"""
+
+
+def _start(model_dir, seed: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _START, str(model_dir), str(seed)], stdout=subprocess.PIPE,
+                            text=True)
+
+
+def _leftovers(store: Path) -> list[str]:
+    """What a build leaves behind besides its package and lock file: partial packages and logs (of a failure)."""
+    return sorted(p.name for p in [*store.glob("*.partial.pt2"), *store.glob("*.log")])
+
+
+@pytest.mark.slow
+def test_one_build_per_key_outlives_its_starter_and_the_next_engine_takes_over_a_dead_one(store, tiny_model_dirs):
+    """Two engines start serving at once with no step stored: one build process, no second; both end and the build
+    goes on. Killed (SIGKILL: no clean-up), the next engine that waits for it starts it again; another engine waiting
+    meanwhile builds nothing and decodes through the step once it is stored. A partial package a killed build left is
+    gone, as is the build's log."""
+    cfg = _tiny(tiny_model_dirs["llama"], 3)
+    key = cpu_compile.StepKey.of(cfg, *_key_parts(cfg))
+    stale = key.path.with_suffix(".4194304.partial.pt2")  # a SIGKILLed build's (its lock went with it)
+    stale.write_bytes(b"PK half a package")
+    starts = [_start(tiny_model_dirs["llama"], 3) for _ in range(2)]
+    said = sorted((p.communicate(timeout=120)[0].split() for p in starts), key=lambda said: said[1] != "none")
+    assert all(p.returncode == 0 for p in starts)
+    assert [state for state, _ in said] == ["building", "building"]
+    assert said[0][1] == "none" and said[1][1] != "none", said  # one started the build, the other found it
+    first = int(said[1][1])
+    assert gone([first], 0) == [first]  # its starter has ended
+    engines = [Engine(cfg) for _ in range(2)]
+    for engine in engines:
+        assert engine.compiled is not None and engine.decode_step == "building"
+        engine.start_serving()
+        assert engine.compiled._proc is None  # the first build runs
+    os.killpg(first, signal.SIGKILL)
+    for engine in engines:
+        assert engine.compiled is not None and engine.compiled.wait(300), engine.compiled.error
+        assert engine.decode_step == "compiled"
+    builders = [e.compiled._proc for e in engines if e.compiled is not None and e.compiled._proc is not None]
+    assert len(builders) == 1 and builders[0].returncode == 0  # one took over; the other waited for it
+    assert cpu_compile._stored_key(key.path) == key.to_json() and _leftovers(store) == []
+    rows = _prefill(engines[0], 1)
+    with torch.inference_mode():
+        assert engines[0].compiled.run(_decode(engines[0], rows)) is not None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("stop", ["limit", "sigterm"])
+def test_a_stopped_build_ends_its_process_group_and_frees_its_key(store, tiny_model_dirs, stop):
+    """A build past its time limit, or sent a SIGTERM, ends with everything it started, stores nothing, and frees its
+    key's lock (the next engine builds): a build never runs on for ever."""
+    cfg = _tiny(tiny_model_dirs["llama"], 5)
+    key = cpu_compile.StepKey.of(cfg, *_key_parts(cfg))
+    fd = cpu_compile._claim(key.path)
+    assert fd is not None
+    proc = cpu_compile.spawn_build(cpu_compile.BuildJob(cfg, key, key.path, limit_s=4 if stop == "limit" else 600),
+                                   fd)
+    assert cpu_compile._claim(key.path) is None  # the build holds it
+    if stop == "sigterm":
+        deadline = time.monotonic() + 60
+        while "building" not in key.path.with_suffix(".log").read_text():  # its handlers are set (it says so)
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == -signal.SIGKILL  # stop(): the whole group
+    assert gone([p for p in psutil.process_iter() if _pgid(p.pid) == proc.pid], 5) == []
+    fd = cpu_compile._claim(key.path)
+    assert fd is not None
+    os.close(fd)
+    assert not key.path.exists() and list(store.glob("*.partial.pt2")) == []
+    assert "stopping the build" in key.path.with_suffix(".log").read_text()
+
+
+def test_torch_compile_off_builds_nothing(tmp_path, monkeypatch, tiny_model_dirs):
+    """--torch-compile off (MINISGL_TORCH_COMPILE=off): no build, no lock, eager decode."""
+    monkeypatch.setenv("MINISGL_COMPILED_DIR", str(tmp_path))
+    engine = Engine(dataclasses.replace(_tiny(tiny_model_dirs["llama"], 6), torch_compile="off"))
+    engine.start_serving()
+    assert engine.compiled is None and engine.decode_step == "eager" and list(tmp_path.iterdir()) == []
+
+
+def _key_parts(cfg: EngineConfig) -> tuple:
+    """StepKey.of's arguments after the config, from an eager engine of `cfg`."""
+    e = Engine(dataclasses.replace(cfg, torch_compile="off"))
+    return e.model_cfg, e.spec.model_dir, e.loaded.source, e.dtype, e.kv_dtype, e.quantization
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def test_a_store_that_cannot_be_written_leaves_decode_eager(tmp_path, monkeypatch, tiny_model_dirs):
+    """No lock file can be made (the store's path runs through a file; a full disk or a read-only dir alike): the
+    engine serves, eagerly, and says why; nothing is started."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("MINISGL_COMPILED_DIR", str(tmp_path / "file" / "compiled"))
+    engine = Engine(_tiny(tiny_model_dirs["llama"], 7))
+    engine.start_serving()
+    assert engine.compiled is not None and engine.compiled._proc is None
+    assert engine.decode_step == "eager" and "could not start" in str(engine.compiled.error)

@@ -3,14 +3,16 @@
 A CPU decode step of a small model is mostly op overhead, not arithmetic: SmolLM2-135M's int4 step runs ~1,300 torch
 ops, and its int4 GEMVs are under a third of the step (docs/benchmarks.md). Exported (torch.export) and compiled by
 AOTInductor, the step is one shared library: inductor's C++ loops for the norms, RoPE, residual adds and the rest
-around the same GEMV, KV gather (cpu_build._gather_in_aten) and attention kernels eager calls, run with no Python, no
+around the same GEMV, KV gather (build._gather_in_aten) and attention kernels eager calls, run with no Python, no
 guards and no per-op dispatch.
 
-Built once, in a child process (`python -m minisgl_cli.cpu_step.build`, minutes of one core; the engine decodes
-eagerly meanwhile), into a package under env.compiled_dir() named by the digest of its StepKey: the weights (inside
-the package), the model's shapes, the linear method, the dtypes, torch's version, this CPU (the C++ targets its ISA)
-and the source of the modules the step runs. Every later start with the same key loads it before serving; a package
-whose stored key is not the engine's is rebuilt, never loaded.
+Built once per machine, by one build process (`python -m minisgl_cli.cpu_step.build`, minutes of one core; the
+engines decode eagerly meanwhile) that holds the key's lock file and outlives the engine that started it (a short chat
+still leaves the step built), into a package under env.compiled_dir() named by the digest of its StepKey: the weights
+(inside the package), the model's shapes, the linear method, the dtypes, torch's version, this CPU (the C++ targets
+its ISA) and the source of the modules the step runs. The package is written under a temporary name and renamed into
+place whole. Every later start with the same key loads it before serving, and an engine started during the build
+loads it once it is stored; a package whose stored key is not the engine's is rebuilt, never loaded.
 
 One graph takes every decode batch (1..MAX_ROWS rows, any context length, any pool size), and gives a row the same
 arithmetic whatever the rows beside it (the GEMV and attention kernels are eager's; inductor's loops run per row),
@@ -20,16 +22,16 @@ int8 weight is no tensor AOTInductor can hold).
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import copy
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import pickle
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -161,6 +163,10 @@ def _inputs(batch: ForwardBatch, attn: TorchBackend) -> list[torch.Tensor] | Non
             *attn.pool.k, *attn.pool.v]
 
 
+BUILD_LIMIT_S = 3600  # a build still running after this gives up (its own watchdog): never an orphan for ever
+_POLL_S = 0.5  # how often an engine waiting for a build looks at the store
+
+
 @dataclass(frozen=True)
 class BuildJob:
     """What the build process needs (pickled to its stdin)."""
@@ -168,6 +174,46 @@ class BuildJob:
     engine: EngineConfig
     key: StepKey
     path: Path
+    lock_fd: int | None = None  # the build's lock, taken by the process that started it (_claim), inherited
+    limit_s: float = BUILD_LIMIT_S
+
+
+def _claim(path: Path) -> int | None:
+    """A descriptor holding the build lock of the package at `path` (a builder inherits it), or None where a builder
+    holds it. An flock: it goes with the last process that holds it, however that process ends (no stale lock)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _builder(path: Path) -> str:
+    """Which process holds the build lock of `path`, as its starter wrote it in the lock file."""
+    try:
+        return path.with_suffix(".lock").read_text().strip() or "another process"
+    except OSError:
+        return "another process"
+
+
+def spawn_build(job: BuildJob, lock_fd: int) -> subprocess.Popen:
+    """Start the build process of `job`, handing it the lock `lock_fd` (from _claim: closed here). Its own session: it
+    outlives this process (a chat that ends mid-build), and a Ctrl-C in the terminal does not reach it."""
+    try:
+        with open(job.path.with_suffix(".log"), "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "minisgl_cli.cpu_step.build"], stdin=subprocess.PIPE,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(lock_fd,))
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, f"pid {proc.pid}\n".encode(), 0)
+        assert proc.stdin is not None
+        proc.stdin.write(pickle.dumps(dataclasses.replace(job, lock_fd=lock_fd)))
+        proc.stdin.close()
+    finally:
+        os.close(lock_fd)
+    return proc
 
 
 def _stored_key(path: Path) -> str | None:
@@ -203,8 +249,10 @@ def _load(path: Path, key: StepKey) -> Any | None:
 
 
 class CompiledDecode:
-    """One engine's compiled decode step: loaded from the store at once, or built there by a child process (started
-    with `start`) while the engine decodes eagerly, then loaded."""
+    """One engine's compiled decode step: loaded from the store at once, or, where none is stored, built there by one
+    build process per key on this machine (started with `start` by the first engine that finds none and no build
+    under way) while the engines decode eagerly; each engine waiting for it loads it once it is stored. The build
+    outlives the engine that started it; one that dies unlocks the key, and the next engine to look takes over."""
 
     def __init__(self, cfg: EngineConfig, attn: TorchBackend, key: StepKey, builds: bool):
         """`builds`: build the step when none is stored (else the engine decodes eagerly)."""
@@ -215,7 +263,7 @@ class CompiledDecode:
         self.builds = builds
         self.error: str | None = None  # why a build failed
         self.steps = self.declined = 0  # batches it ran / sent back to eager
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | None = None  # the build this engine started, if it started one
         self._watch: threading.Thread | None = None
         self.serving = True  # the engine decodes while it builds (not a prebuild)
         t0 = time.perf_counter()
@@ -235,29 +283,37 @@ class CompiledDecode:
             self._watch is None or self._watch.is_alive())
 
     def start(self, serving: bool = True) -> None:
-        """Serving starts (`serving`; else a prebuild waits for it): build the step in a child process if none was
-        stored (once)."""
+        """Serving starts (`serving`; else a prebuild waits for it): where no step is stored, start its build, or
+        wait for the one under way (once)."""
         if not self.compiling or self._watch is not None:
             return
         self.serving = serving
-        log_path = self.path.with_suffix(".log")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "wb") as out:
-            # stdin stays open: the child stops when it closes (this process gone, however it went).
-            self._proc = subprocess.Popen([sys.executable, "-m", "minisgl_cli.cpu_step.build"], stdin=subprocess.PIPE,
-                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        assert self._proc.stdin is not None
-        cost = "~3 min on 2 cores, once for this model, torch and CPU"
+        if not self._build():
+            notice(f"the compiled CPU decode step is being built by {_builder(self.path)} (its lock: "
+                   f"{self.path.with_suffix('.lock')}): " + ("decoding eagerly until it is stored" if serving else
+                                                             "waiting for it"))
+        if self.error is not None:
+            return
+        self._watch = threading.Thread(target=self._await_build, name="minisgl-compile", daemon=True)
+        self._watch.start()
+
+    def _build(self) -> bool:
+        """Start the build where no build holds the key's lock (once per engine); False where one does."""
+        try:
+            fd = _claim(self.path)
+            if fd is None:
+                return False
+            self._proc = spawn_build(BuildJob(self.cfg, self.key, self.path), fd)
+        except OSError as exc:  # the store cannot be written (a full disk, a read-only dir): eager, said once
+            self.error = f"it could not start: {exc}"
+            log.warning("building the compiled CPU decode step failed (%s): decoding stays eager", self.error)
+            return True
+        cost = "~3 min on 2 cores, once for this model, torch and CPU; it goes on if this process ends"
         notice(f"starting the compiled CPU decode build (pid {self._proc.pid}) in the background: {cost} "
                "(`serve --prebuild` does it ahead); until then decoding runs eagerly, several times slower while the "
-               "build shares the cores" if serving else
+               "build shares the cores" if self.serving else
                f"starting the compiled CPU decode build (pid {self._proc.pid}): {cost}")
-        self._proc.stdin.write(pickle.dumps(BuildJob(self.cfg, self.key, self.path)))
-        self._proc.stdin.flush()
-        atexit.register(self.close)
-        self._watch = threading.Thread(target=self._await_build, args=(log_path,), name="minisgl-compile",
-                                       daemon=True)
-        self._watch.start()
+        return True
 
     def wait(self, timeout: float | None = None) -> bool:
         """Start the build if needed, then block until the step runs (True) or the build failed / timed out."""
@@ -266,33 +322,51 @@ class CompiledDecode:
             self._watch.join(timeout)
         return self._runner is not None
 
-    def close(self) -> None:
-        """Stop a build under way, the compiler it runs too (its partial package goes with the next build)."""
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session (start_new_session): the build and its compiler
-            proc.wait()
-
-    def _await_build(self, log_path: Path) -> None:
-        assert self._proc is not None
+    def _await_build(self) -> None:
+        """Until the step is stored: load it once it is; take the build over where its builder died (once)."""
         t0 = time.perf_counter()
-        code = self._proc.wait()
-        runner = None
-        if code == 0:
+        log_path = self.path.with_suffix(".log")
+        while True:
+            runner = None
             try:
                 runner = _load(self.path, self.key)
             except Exception as exc:  # noqa: BLE001 - a broken package costs speed, never the server
                 log.warning("loading the compiled CPU decode step failed: %s", exc)
-        if runner is None:
-            self.error = f"the build exited with {code}" if code else "its package does not load"
-            if code != -9:  # not killed by close()
-                log.warning("building the compiled CPU decode step failed (%s; see %s): decoding stays eager",
-                            self.error, log_path)
+                self.error = "its package does not load"
+                return
+            if runner is not None:
+                break
+            if self._proc is not None and self._proc.poll() is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(_POLL_S)
+                continue
+            fd = _claim(self.path)
+            if fd is None:  # another process builds
+                time.sleep(_POLL_S)
+                continue
+            if self.path.exists():  # stored since it looked (no build runs now): load it
+                os.close(fd)
+                continue
+            if self._proc is None:  # nothing stored, no build under way: its builder died; this engine takes over
+                try:
+                    self._proc = spawn_build(BuildJob(self.cfg, self.key, self.path), fd)
+                except OSError as exc:
+                    self.error = f"it could not start: {exc}"
+                    log.warning("building the compiled CPU decode step failed (%s): decoding stays eager", self.error)
+                    return
+                notice(f"starting the compiled CPU decode build (pid {self._proc.pid}) again: the last one stopped")
+                continue
+            os.close(fd)
+            code = self._proc.returncode
+            self.error = f"the build exited with {code}" if code else "it stored no package"
+            log.warning("building the compiled CPU decode step failed (%s; see %s): decoding stays eager",
+                        self.error, log_path)
             return
         self._runner = runner
-        log_path.unlink(missing_ok=True)
         notice(f"CPU decode: the compiled step is built ({time.perf_counter() - t0:.0f}s) and stored in "
                f"{self.path.parent}" + (": decoding at full speed now" if self.serving else ""))
+        if self._proc is not None:  # its own build, past the rename (removing superseded packages): reaped, no zombie
+            self._proc.wait()
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return self._runner is not None and batch.is_decode and batch.batch_size <= MAX_ROWS

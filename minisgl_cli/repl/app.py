@@ -13,6 +13,7 @@ import contextlib
 import logging
 import signal
 import sys
+import termios
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -25,6 +26,7 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import Output
+from prompt_toolkit.patch_stdout import patch_stdout
 
 from minisgl_cli import env
 from minisgl_cli.client.protocol import EngineClient
@@ -67,6 +69,9 @@ class LineSource(Protocol):
     async def read(self) -> str | None:
         """The next input line; None at end of input. May raise KeyboardInterrupt (Ctrl-C at the prompt)."""
 
+    def hold(self) -> contextlib.AbstractContextManager[None]:
+        """While a reply streams: input typed meanwhile waits for the next read, and is not shown in the reply."""
+
 
 class PromptLines:
     """Lines from a prompt-toolkit PromptSession: history, completion, Esc+Enter for newlines."""
@@ -95,9 +100,31 @@ class PromptLines:
 
     async def read(self) -> str | None:
         try:
-            return await self.prompt.prompt_async(HTML("<b><ansicyan>you</ansicyan></b> › "))
+            # Lines another thread prints meanwhile (a notice: the compiled CPU decode is built) go above the
+            # prompt, which is drawn again under them, not into the line being typed.
+            with patch_stdout(raw=True):
+                return await self.prompt.prompt_async(HTML("<b><ansicyan>you</ansicyan></b> › "))
         except EOFError:
             return None
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """The terminal's echo off while a reply streams: keys typed then are not written into the reply (a tty echoes
+        them as they come, outside prompt-toolkit); its line discipline keeps them, and the next prompt reads them
+        as typed there (Enter included: a line typed ahead is sent). Ctrl-C still interrupts (ISIG stays on)."""
+        try:
+            fd = self.prompt.input.fileno()
+            old = termios.tcgetattr(fd)
+        except (OSError, NotImplementedError, termios.error, ValueError):  # not a terminal (a test's pipe)
+            yield
+            return
+        quiet = list(old)
+        quiet[3] &= ~(termios.ECHO | termios.ECHONL)  # the local modes
+        termios.tcsetattr(fd, termios.TCSANOW, quiet)  # not TCSAFLUSH: what was typed stays
+        try:
+            yield
+        finally:
+            termios.tcsetattr(fd, termios.TCSANOW, old)
 
 
 class PipedLines:
@@ -109,6 +136,9 @@ class PipedLines:
     async def read(self) -> str | None:
         line = await asyncio.get_running_loop().run_in_executor(None, self.stream.readline)
         return line.rstrip("\n") if line else None
+
+    def hold(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the next lines wait in the pipe; nothing echoes them
 
 
 class ChatApp:
@@ -169,7 +199,7 @@ class ChatApp:
         task = asyncio.create_task(self._generate(text))
         self.current = task
         try:
-            with self._sigint_cancels():
+            with self._sigint_cancels(), self.lines.hold():
                 await asyncio.wait([task])
         finally:
             if not task.done():  # the REPL itself is being torn down

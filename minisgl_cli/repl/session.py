@@ -70,6 +70,7 @@ class Turn:
     error: str | None = None
     content: list[dict] | None = None  # the user message's parts when it carried images (the context keeps them)
     images: list[str] = field(default_factory=list)  # their paths (the transcript names them)
+    system: str | None = None  # the system prompt it was sent with (None: the model's default)
 
 
 @dataclass
@@ -106,7 +107,7 @@ class ChatSession:
         req = self.request_for(user_text)
         content = req.messages[-1]["content"] if req.messages else None
         turn = Turn(user=user_text, reply="", content=content if isinstance(content, list) else None,
-                    images=[path for path, _ in self.images])
+                    images=[path for path, _ in self.images], system=self.settings.system)
         self.images = []
         return req, turn
 
@@ -220,10 +221,14 @@ class ChatSession:
 
     # --- transcript ----------------------------------------------------------------------------
     def to_markdown(self) -> str:
+        """The transcript in the order things happened: a system prompt where it was set (before the first turn sent
+        with it; after the turns when it was set after the last one)."""
         lines = ["# minisgl chat transcript", ""]
-        if self.settings.system:
-            lines += [f"**system:** {self.settings.system}", ""]
+        system: str | None = None
         for i, t in enumerate(self.turns, 1):
+            if t.system != system:
+                system = t.system
+                lines += [_system_line(system), ""]
             lines += [f"## Turn {i}", "", f"**user:** {t.user}", ""]
             lines += [f"_image: {path}_" for path in t.images] + [""] * bool(t.images)
             if t.error:
@@ -233,18 +238,25 @@ class ChatSession:
                 if t.stats:
                     lines += [f"_{t.stats.prompt_tokens} prompt tokens ({t.stats.cached_tokens} cached), "
                               f"{t.stats.completion_tokens} generated, finish: {t.finish_reason}_", ""]
+        if self.settings.system != system:
+            lines += [_system_line(self.settings.system, "system, from the next turn"), ""]
         return "\n".join(lines)
 
     def to_json(self) -> str:
+        """The settings as they are now, and each turn with the system prompt it was sent with."""
         doc = {
             "settings": asdict(self.settings),
             "turns": [
-                {"user": t.user, "images": t.images, "assistant": t.reply, "finish_reason": t.finish_reason,
-                 "error": t.error, "stats": asdict(t.stats) if t.stats else None}
+                {"system": t.system, "user": t.user, "images": t.images, "assistant": t.reply,
+                 "finish_reason": t.finish_reason, "error": t.error, "stats": asdict(t.stats) if t.stats else None}
                 for t in self.turns
             ],
         }
         return json.dumps(doc, indent=2) + "\n"
+
+
+def _system_line(system: str | None, label: str = "system") -> str:
+    return f"**{label}:** " + (system if system is not None else "_none (the model's default)_")
 
 
 def help_text() -> str:
