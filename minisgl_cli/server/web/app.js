@@ -182,7 +182,7 @@ function render(m) {
   const decode = tp.decode_tok_s ?? s.decode_tok_s;
   show("m-prefill", fixed(prefill));
   show("m-decode", fixed(decode));
-  // Which CPU decode step runs (engine/cpu_compile.py); CUDA decodes through graphs, not this.
+  // Which CPU decode step runs (cpu_step/compiled.py); CUDA decodes through graphs, not this.
   const cpu = m.engine && m.engine.device === "cpu";
   show("m-step", !cpu ? "" : s.decode_step === "building" ? "(eager: the compiled step is building)"
     : `(${s.decode_step} step)`);
