@@ -61,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
         self.method.finish(self)
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
-        """Whether forward takes x already quantized per token (core/fp8.Fp8Rows: the norm before it writes them)."""
+        """Whether forward takes x already quantized per token (kernels/fp8.Fp8Rows: the norm before it writes them)."""
         return self.method.takes_fp8_rows(self, x)
 
     def forward(self, x: torch.Tensor | Fp8Rows, decode: bool = False) -> torch.Tensor:

@@ -111,7 +111,7 @@ class LinearMethod:
         return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, pdl=layer.kernels.pdl)
 
     def takes_fp8_rows(self, layer: Layer, x: torch.Tensor) -> bool:
-        """Whether `apply_fp8_rows` takes x quantized per token (core/fp8.Fp8Rows, from the norm before it)."""
+        """Whether `apply_fp8_rows` takes x quantized per token (kernels/fp8.Fp8Rows, from the norm before it)."""
         return False
 
     def apply_fp8_rows(self, layer: Layer, rows: fp8.Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:

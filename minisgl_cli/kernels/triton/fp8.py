@@ -45,7 +45,7 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, tiny, inv_max
 
 
 def quant_rows(x: torch.Tensor, act_mul: bool = False, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (16-bit) -> (e4m3 codes [M, K], fp32 scales [M, 1]), one scale per row (core/fp8.quantize_rows).
+    """x [M, K] (16-bit) -> (e4m3 codes [M, K], fp32 scales [M, 1]), one scale per row (kernels/fp8.quantize_rows).
 
     act_mul: x is a fused [M, 2K] gate-up and the rows quantized are silu(gate) * up."""
     m, k = x.shape

@@ -45,7 +45,7 @@ def _mix32(x):
 
 @triton.jit
 def _hash0(seed_lo_ptr, seed_hi_ptr, istride, pos_ptr, row):
-    """The row's round-0 hash of (seed, position): engine/sampler.uniform's."""
+    """The row's round-0 hash of (seed, position): sampling/sampler.uniform's."""
     return _mix32(_mix32(_mix32(tl.load(seed_lo_ptr + row * istride).to(tl.uint32) ^ 0x9E3779B9)
                          ^ tl.load(seed_hi_ptr + row * istride).to(tl.uint32))
                   ^ tl.load(pos_ptr + row).to(tl.uint32))
