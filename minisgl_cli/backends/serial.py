@@ -25,7 +25,15 @@ from minisgl_cli.client.routed import RoutedClient
 from minisgl_cli.messages import AbortRequest, AddRequest, DecodedPiece
 from minisgl_cli.scheduler.stats import RollingRate
 from minisgl_cli.tokenizer import StopStringMatcher, Tokenizer, prompt_ids
-from minisgl_cli.types import ErrorCode, FinishReason, GenerateRequest, SamplingParams, SchedulerStats, error_code_of
+from minisgl_cli.types import (
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    Prompt,
+    SamplingParams,
+    SchedulerStats,
+    error_code_of,
+)
 
 log = logging.getLogger("minisgl.backends")
 
@@ -217,7 +225,7 @@ class SerialClient(RoutedClient):
         if self.prefix_cache is None:
             raise ValueError(f"the {self.engine} engine has no prefix cache to warm")
         req = GenerateRequest(prompt=prefix) if isinstance(prefix, str) else GenerateRequest(input_ids=list(prefix))
-        return self._warm(prompt_ids(self.tokenizer, req))
+        return self._warm(self._admitted(Prompt(prompt_ids(self.tokenizer, req)), req))
 
     def stats(self, timeout: float = 10.0) -> SchedulerStats:
         with self._lock:
