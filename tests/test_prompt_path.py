@@ -56,7 +56,7 @@ def shipped(args, out):
         if msg.ids is None and msg.error is None:
             note("kept", msg.qid)
         return len(msg.ids or ())
-    if isinstance(msg, messages.ForgetPrompt):
+    if type(msg).__name__ == "ForgetPrompt":
         note("forgot", msg.key)
     return 0
 
