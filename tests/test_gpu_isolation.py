@@ -1,7 +1,7 @@
 """On CUDA an out-of-vocabulary token id that reached the device would be a device-side assert, after which the
 engine (its CUDA context) serves nothing more. Admission refuses it first, in the client (where the ids are first known;
-the scheduler trusts our clients), so the request gets a clear error and the next one runs as before (issue 27). Skipped without
-CUDA; tests/test_isolation.py runs the same refusals on the CPU."""
+the scheduler trusts our clients), so the request gets a clear error and the next one runs as before (issue 27).
+Skipped without CUDA; tests/test_isolation.py runs the same refusals on the CPU."""
 
 from __future__ import annotations
 

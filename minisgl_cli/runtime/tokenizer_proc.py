@@ -129,7 +129,7 @@ class _Worker:
                 ids = prompt_ids(self.tokenizer, q.req)
             admit_prompt(ids, q.vocab_size, q.max_context_len, q.req.prompt_field)
         except AdmissionError as exc:
-            return TokenizeReply(q.qid, None, exc.message, tokens=len(ids), error_code=exc.code, error_param=exc.param)
+            return TokenizeReply(q.qid, None, exc.message, error_code=exc.code, error_param=exc.param)
         except Exception as exc:  # template or tokenizer failures are the request's fault
             return TokenizeReply(q.qid, None, str(exc) or type(exc).__name__)
         if q.keep:
