@@ -185,7 +185,7 @@ class GenerateRequest:
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.input_ids, self.tokenized))
         if given != 1:
-            raise ValueError("give exactly one of prompt, messages, input_ids")
+            raise ValueError("give exactly one of prompt, messages, input_ids, tokenized")
 
     @property
     def prompt_field(self) -> str:
