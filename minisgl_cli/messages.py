@@ -36,6 +36,9 @@ class AddRequest:
     input_ids: list[int]
     params: SamplingParams
     images: list[ImageInput] = field(default_factory=list)  # a VLM prompt's (their pixels in shared memory)
+    # From the API process only: the tokenizer worker keeps the ids under this key (TokenizeQuery.keep), input_ids is
+    # empty; the worker fills them in as it passes the request on. A scheduler always gets the ids.
+    kept: int | None = None
 
 
 @dataclass
@@ -107,18 +110,33 @@ FromScheduler = StepOutput | StatsReply | CheckPagesReply
 # --- the multi-process runtime's own ------------------------------------------------------------------
 @dataclass
 class TokenizeQuery:
-    """Ask a tokenizer worker for a request's prompt ids."""
+    """Ask a tokenizer worker for a request's prompt, admitted there against the engine's limits (`admit_prompt`: the
+    worker starts before the engine knows its context). With `keep` the worker keeps the ids (under the qid, until
+    `ForgetPrompt`) and answers with their number only: the requests made from it name them (`AddRequest.kept`)."""
 
     qid: int
     req: GenerateRequest
+    vocab_size: int
+    max_context_len: int
+    keep: bool = False
 
 
 @dataclass
 class TokenizeReply:
     qid: int
-    ids: list[int] | None
+    ids: list[int] | None  # None when kept, or refused (`error`)
     error: str | None = None
     images: list[ImageInput] = field(default_factory=list)  # a VLM prompt's (their pixels in shared memory)
+    tokens: int = 0  # how many ids
+    error_code: ErrorCode | None = None  # with `error`: an admission refusal's (None: the template or tokenizer failed)
+    error_param: str | None = None  # with `error_code`: the field it is about
+
+
+@dataclass
+class ForgetPrompt:
+    """The API process dropped a kept prompt (every request made from it went before this): its ids go."""
+
+    key: int
 
 
 @dataclass(slots=True)
@@ -186,7 +204,7 @@ _TYPES: list[type] = [
     SamplingParams, GenerateRequest, SchedulerStats, ModelInfo, TokenLogprob, TopLogprob, ImageInput,
     AddRequest, AbortRequest, StatsQuery, CheckPagesQuery,
     TokenOutput, StepOutput, StatsReply, CheckPagesReply,
-    TokenizeQuery, TokenizeReply, DecodedPiece, DetokOutput, Heartbeat, RankBatch, Ready, Failed,
+    TokenizeQuery, TokenizeReply, ForgetPrompt, DecodedPiece, DetokOutput, Heartbeat, RankBatch, Ready, Failed,
 ]
 _CODE = {cls: i for i, cls in enumerate(_TYPES)}
 _FIELDS = {cls: operator.attrgetter(*(f.name for f in dataclasses.fields(cls))) for cls in _TYPES}

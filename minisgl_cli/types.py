@@ -146,11 +146,30 @@ class ImageInput:
 
 
 @dataclass
-class GenerateRequest:
-    """One generation request as a front builds it: exactly one of prompt, messages, input_ids.
+class Prompt:
+    """A request's prompt as the engine takes it, admitted (`admission.admit_prompt`) by the client that made it: its
+    token ids, and the images whose placeholders they hold.
 
-    `images`: the images of a tokenized prompt (given with `input_ids`, as a client's `prompt` returns them);
-    messages carry theirs as `{"type": "image", "image": <PIL image>}` parts."""
+    In the multi-process runtime the tokenizer worker that made the ids keeps them (`kept`: its key for them) and the
+    API process holds only their number (`tokens`): the ids go from that worker to the scheduler, never here and back.
+    """
+
+    ids: list[int]  # empty where they are kept
+    images: list[ImageInput] = field(default_factory=list)
+    tokens: int = -1  # how many ids (set from `ids` where they are here)
+    kept: int | None = None  # the tokenizer worker's key for the ids it keeps (runtime/remote.py)
+
+    def __post_init__(self) -> None:
+        if self.kept is None:
+            self.tokens = len(self.ids)
+
+
+@dataclass
+class GenerateRequest:
+    """One generation request as a front builds it: exactly one of prompt, messages, input_ids, tokenized.
+
+    `tokenized`: a prompt a client's `prompt()` made and admitted (the server tokenizes before it sizes the budget;
+    its images ride with it); messages carry theirs as `{"type": "image", "image": <PIL image>}` parts."""
 
     prompt: str | None = None
     messages: list[dict] | None = None
@@ -158,30 +177,20 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     rid: str = field(default_factory=new_request_id)
     tools: list[dict] | None = None  # OpenAI function tools, handed to the chat template with `messages`
-    images: list[ImageInput] | None = None
-    # The request field an error about the prompt names (OpenAI's `param`), for a front that tokenized the prompt
-    # itself and sends input_ids (the server: "messages", "prompt"); None: input_ids if given, else prompt.
+    tokenized: Prompt | None = None
+    # The request field an error about the prompt names (OpenAI's `param`), for a front whose prompt came in another
+    # field (the server: "messages", "prompt"); None: input_ids if given, else prompt.
     prompt_param: str | None = None
 
     def __post_init__(self) -> None:
-        given = sum(x is not None for x in (self.prompt, self.messages, self.input_ids))
+        given = sum(x is not None for x in (self.prompt, self.messages, self.input_ids, self.tokenized))
         if given != 1:
-            raise ValueError("give exactly one of prompt, messages, input_ids")
-        if self.images and self.input_ids is None:
-            raise ValueError("images go with input_ids (a tokenized prompt); messages carry their own image parts")
+            raise ValueError("give exactly one of prompt, messages, input_ids, tokenized")
 
     @property
     def prompt_field(self) -> str:
         """The field an error about the prompt names: prompt_param, else input_ids or prompt."""
         return self.prompt_param or ("input_ids" if self.input_ids is not None else "prompt")
-
-
-@dataclass
-class Prompt:
-    """A request's prompt as the engine takes it: token ids, and the images whose placeholders they hold."""
-
-    ids: list[int]
-    images: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass

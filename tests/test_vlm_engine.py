@@ -170,7 +170,7 @@ def test_requests_made_from_one_image_prompt_each_get_their_own_pixels(tiny_vlms
             params = SamplingParams(max_new_tokens=N, ignore_eos=True)
             out = []
             for _ in range(2):  # one after the other: the first has ended (its segment unlinked) when the next goes
-                req = GenerateRequest(input_ids=prompt.ids, images=prompt.images, params=params)
+                req = GenerateRequest(tokenized=prompt, params=params)
                 out.append((await complete(remote, req)).token_ids)
             return out
 

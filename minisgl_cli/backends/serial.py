@@ -20,12 +20,20 @@ import threading
 import time
 from collections.abc import Callable, Generator
 
-from minisgl_cli.client.base import RoutedClient
+from minisgl_cli.client.base import BaseClient
 from minisgl_cli.client.protocol import STALL_S, PrefixWarm
 from minisgl_cli.messages import AbortRequest, AddRequest, DecodedPiece
 from minisgl_cli.scheduler.stats import RollingRate
 from minisgl_cli.tokenizer import StopStringMatcher, Tokenizer, prompt_ids
-from minisgl_cli.types import ErrorCode, FinishReason, GenerateRequest, SamplingParams, SchedulerStats, error_code_of
+from minisgl_cli.types import (
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    Prompt,
+    SamplingParams,
+    SchedulerStats,
+    error_code_of,
+)
 
 log = logging.getLogger("minisgl.backends")
 
@@ -63,7 +71,7 @@ def refuse(engine: str, unsupported: dict[str, bool]) -> None:
             raise ValueError(f"{name}: the {engine} engine does not implement it (use --engine torch)")
 
 
-class SerialClient(RoutedClient):
+class SerialClient(BaseClient):
     """One request at a time: the worker thread pulls AddRequests from a queue and runs each through
     `_generate`; aborts mark the request, which the backend checks between tokens."""
 
@@ -217,7 +225,7 @@ class SerialClient(RoutedClient):
         if self.prefix_cache is None:
             raise ValueError(f"the {self.engine} engine has no prefix cache to warm")
         req = GenerateRequest(prompt=prefix) if isinstance(prefix, str) else GenerateRequest(input_ids=list(prefix))
-        return self._warm(prompt_ids(self.tokenizer, req))
+        return self._warm(self._admitted(Prompt(prompt_ids(self.tokenizer, req)), req))
 
     def stats(self, timeout: float = 10.0) -> SchedulerStats:
         with self._lock:

@@ -1,2 +1,2 @@
 """How fronts reach an engine: the EngineClient protocol (protocol.py, imports nothing heavy), what every
-implementation shares (routed.py) and the in-process client (local.py); the multi-process one is runtime/'s."""
+implementation shares (base.py) and the in-process client (local.py); the multi-process one is runtime/'s."""

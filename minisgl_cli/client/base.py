@@ -1,4 +1,4 @@
-"""RoutedClient: what every EngineClient implementation shares — streams fed by outputs keyed by request id.
+"""BaseClient: what every EngineClient implementation shares — streams fed by outputs keyed by request id.
 
 Outputs arrive on whichever thread receives the scheduler's messages and are handed to each request's stream on
 its own event loop, one wake-up per loop; named queries (stats, page check) are answered by id.
@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from minisgl_cli.admission import AdmissionError, admit
+from minisgl_cli.admission import AdmissionError, admit_params, admit_prompt
 from minisgl_cli.client.protocol import ENGINE_GONE, EngineGone, PrefixWarm
 from minisgl_cli.messages import (
     AbortRequest,
@@ -84,7 +84,7 @@ def _deliver(batch: list[tuple[_Stream, list]]) -> None:
             stream.waiter.set_result(None)
 
 
-class RoutedClient:
+class BaseClient:
     """What every EngineClient implementation shares: request streams fed by outputs keyed by request id,
     and named queries answered by id. Subclasses say how messages reach the scheduler (`_send`), how
     prompts are tokenized (`tokenize`), and how a request's raw outputs become text (`_decoder`)."""
@@ -104,12 +104,19 @@ class RoutedClient:
         raise NotImplementedError
 
     async def prompt(self, req: GenerateRequest) -> Prompt:
-        """The request's prompt as the engine takes it: its ids, and its images where the model takes images (a
-        client whose engine does overrides this)."""
-        if req.images or has_images(req.messages):
+        """The request's prompt as the engine takes it, admitted: its ids, and its images where the model takes images
+        (a client whose engine does overrides this). AdmissionError for a prompt that cannot run."""
+        if req.tokenized is not None:
+            return req.tokenized
+        if has_images(req.messages):
             raise ValueError(f"{self.info.name} takes no images: send text, or serve a vision-language model "
                              "(Qwen2-VL / Qwen2.5-VL) on the engine")
-        return Prompt(await self.tokenize(req))
+        return self._admitted(Prompt(await self.tokenize(req)), req)
+
+    def _admitted(self, prompt: Prompt, req: GenerateRequest) -> Prompt:
+        """`prompt`, once its ids passed the one prompt check (where they are first known: see admission.py)."""
+        admit_prompt(prompt.ids, self.info.vocab_size, self.info.max_context_len, req.prompt_field)
+        return prompt
 
     def _own(self, images: list[ImageInput]) -> list[ImageInput]:
         """The images as one request hands them to the scheduler (a transport may need its own copy of each)."""
@@ -124,6 +131,9 @@ class RoutedClient:
 
     def _check(self, req: GenerateRequest) -> None:
         """Raise ValueError naming a request field this engine cannot honour (before anything is registered)."""
+
+    def _closed_stream(self, rid: str) -> None:
+        """A request's stream ended (its abort, if it needed one, sent): nothing more is sent for it."""
 
     # --- routing (on whichever thread receives the scheduler's messages) --------------------------
     def _route(self, items_by_rid: dict[str, list], finished: Callable[[list], bool]) -> None:
@@ -175,14 +185,13 @@ class RoutedClient:
         if (reason := self.failure()) is not None:
             raise EngineGone(reason)
         self._check(req)
-        prompt = await self.prompt(req)
-        ids = prompt.ids
-        try:
-            admit(ids, req.params, self.info.vocab_size, self.info.max_context_len,
-                  req.prompt_field)
+        prompt: Prompt | None = None
+        try:  # the prompt is admitted where it was tokenized (a `tokenized` one already was); the parameters here
+            prompt = await self.prompt(req)
+            admit_params(req.params, self.info.vocab_size)
         except AdmissionError as exc:  # refused before it reaches the engine: a stream of one error, like any other
             yield Delta(req.rid, error=exc.message, error_code=exc.code, error_param=exc.param,
-                        stats=RequestStats(prompt_tokens=len(ids), latency_s=0.0))
+                        stats=RequestStats(prompt_tokens=prompt.tokens if prompt else 0, latency_s=0.0))
             return
         if req.rid in self._streams:
             raise ValueError(f"request id {req.rid!r} is already in flight")
@@ -193,9 +202,9 @@ class RoutedClient:
             if (reason := self.failure()) is not None:  # it died while we tokenized: its end-of-streams missed this
                 raise EngineGone(reason)
             decode = self._decoder(req.params)
-            stats = RequestStats(prompt_tokens=len(ids))
+            stats = RequestStats(prompt_tokens=prompt.tokens)
             t0 = time.perf_counter()
-            self._send(AddRequest(req.rid, ids, req.params, self._own(prompt.images)))
+            self._send(AddRequest(req.rid, prompt.ids, req.params, self._own(prompt.images), prompt.kept))
             sent = True
             while not done:
                 piece = decode(await stream.take())
@@ -209,15 +218,17 @@ class RoutedClient:
             if sent and not done:  # the consumer went away (client disconnect, Ctrl-C) or decoding failed: free its KV
                 with contextlib.suppress(RuntimeError):  # a transport that takes nothing more has nothing to free
                     self.abort(req.rid)
+            self._closed_stream(req.rid)
 
     def abort(self, rid: str) -> None:
         self._send(AbortRequest(rid))
 
-    def _warm(self, ids: list[int]) -> PrefixWarm:
+    def _warm(self, prompt: Prompt) -> PrefixWarm:
+        """Prefill an admitted prompt into the radix cache (`insert_prefix`)."""
         rid = new_request_id("warm")
-        warm = PrefixWarm(len(ids))
+        warm = PrefixWarm(prompt.tokens)
         self._warming[rid] = warm
-        self._send(AddRequest(rid, ids, SamplingParams(max_new_tokens=1, ignore_eos=True)))
+        self._send(AddRequest(rid, prompt.ids, SamplingParams(max_new_tokens=1, ignore_eos=True), kept=prompt.kept))
         return warm
 
     def stats(self, timeout: float = 10.0) -> SchedulerStats:

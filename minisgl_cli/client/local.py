@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from minisgl_cli.client.base import RoutedClient
+from minisgl_cli.client.base import BaseClient
 from minisgl_cli.client.protocol import STALL_S, PrefixWarm
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
@@ -36,7 +36,7 @@ def _ended(items: list[TokenOutput]) -> bool:
     return items[-1].finish_reason is not None or items[-1].error is not None
 
 
-class LocalClient(RoutedClient):
+class LocalClient(BaseClient):
     """The in-process EngineClient: engine and scheduler in this process, the loop on a thread;
     each request's tokens are detokenized on its consumer's event loop."""
 
@@ -112,19 +112,21 @@ class LocalClient(RoutedClient):
 
     async def prompt(self, req: GenerateRequest) -> Prompt:
         processor = self.processor
-        if processor is None and (req.images or has_images(req.messages)):
-            return await super().prompt(req)  # refuses them
+        if req.tokenized is not None or (processor is None and has_images(req.messages)):
+            return await super().prompt(req)  # as made, or refuses the images
         if req.input_ids is not None:
-            return Prompt(list(req.input_ids), list(req.images or []))
+            return self._admitted(Prompt(list(req.input_ids)), req)
         loop = asyncio.get_running_loop()
         if processor is not None and has_images(req.messages):
             messages, tools = req.messages or [], req.tools
-            return await loop.run_in_executor(self._tokenize_pool, lambda: processor.prompt(messages, tools))
-        return Prompt(await loop.run_in_executor(self._tokenize_pool, self.input_ids, req))
+            return await loop.run_in_executor(self._tokenize_pool,
+                                              lambda: self._admitted(processor.prompt(messages, tools), req))
+        # Tokenized and admitted on the pool's thread: neither holds up the caller's event loop.
+        return await loop.run_in_executor(self._tokenize_pool, lambda: self._admitted(Prompt(self.input_ids(req)), req))
 
     def insert_prefix(self, prefix: str | list[int]) -> PrefixWarm:
-        return self._warm(prompt_ids(self.tokenizer, GenerateRequest(prompt=prefix) if isinstance(prefix, str)
-                                     else GenerateRequest(input_ids=list(prefix))))
+        req = GenerateRequest(prompt=prefix) if isinstance(prefix, str) else GenerateRequest(input_ids=list(prefix))
+        return self._warm(self._admitted(Prompt(prompt_ids(self.tokenizer, req)), req))
 
     def healthy(self) -> bool:
         scheduler = self._scheduler()

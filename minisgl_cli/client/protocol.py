@@ -59,8 +59,10 @@ class EngineClient(Protocol):
         ...
 
     async def prompt(self, req: GenerateRequest) -> Prompt:
-        """The prompt's ids and, for a model that takes images (`info.images`), the images of its messages
-        (ValueError for images a model does not take); a request made with both (input_ids, images) runs them."""
+        """The prompt as the engine takes it, admitted where its ids are first known (AdmissionError where it cannot
+        run): its ids (or their number, where a tokenizer worker keeps them) and, for a model that takes images
+        (`info.images`), the images of its messages (ValueError for images a model does not take). A request made
+        with it (`GenerateRequest(tokenized=...)`) runs it as it is."""
         ...
 
     def abort(self, rid: str) -> None: ...

@@ -72,7 +72,8 @@ def launch(engine: EngineConfig, scheduler: SchedulerConfig, rt: RuntimeConfig,
     for runtime, replica_ready in zip(runtimes, ready):
         info = replica_ready["scheduler rank 0"].info
         assert info is not None
-        clients.append(RemoteClient(info, runtime.endpoints, rt.num_tokenizer, runtime))
+        # --dp: the pool routes by the prompts' ids, so they come back from the workers (not kept there)
+        clients.append(RemoteClient(info, runtime.endpoints, rt.num_tokenizer, runtime, keep_prompts=rt.dp_size == 1))
     if rt.dp_size == 1:
         return clients[0]
     pool = EnginePool(clients, rt.dispatch, per_replica_cap)

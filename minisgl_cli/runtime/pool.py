@@ -3,7 +3,8 @@
 Each replica is a whole engine with its own scheduler process(es) and devices (a RemoteClient); the `Dispatcher`
 (dispatch.py) picks one per request by --dispatch, never one at its MAX_INFLIGHT_PER_ENGINE cap
 (`routing.Busy` past it on all: the server answers 429). Prompts are tokenized first (by one replica's
-tokenizer worker, in turn) so cache_aware matches the token ids each replica's radix cache will see.
+tokenizer worker, in turn) so cache_aware matches the token ids each replica's radix cache will see: their ids come
+back to this process (launch.py turns the replicas' `keep_prompts` off), and go to whichever replica serves them.
 
 A replica that dies is taken out: the rest of its processes are stopped, its open streams end with an error,
 and a request that had no output yet is retried on another replica; the pool serves on with the others and
@@ -19,9 +20,10 @@ import logging
 import threading
 from collections.abc import AsyncGenerator, Sequence
 
+from minisgl_cli.admission import AdmissionError
 from minisgl_cli.client.protocol import EngineClient, EngineGone, PrefixWarm
 from minisgl_cli.dispatch import Dispatcher, NoReplica
-from minisgl_cli.types import Delta, GenerateRequest, Prompt, ReplicaStats, SchedulerStats
+from minisgl_cli.types import Delta, GenerateRequest, Prompt, ReplicaStats, RequestStats, SchedulerStats
 
 log = logging.getLogger("minisgl.runtime")
 
@@ -69,7 +71,12 @@ class EnginePool:
 
     # --- requests --------------------------------------------------------------------------------
     async def submit(self, req: GenerateRequest) -> AsyncGenerator[Delta, None]:
-        prompt = await self.prompt(req)
+        try:
+            prompt = await self.prompt(req)
+        except AdmissionError as exc:  # a stream of one error, as a replica's own refusal
+            yield Delta(req.rid, error=exc.message, error_code=exc.code, error_param=exc.param,
+                        stats=RequestStats(latency_s=0.0))
+            return
         ids = prompt.ids
         tried: set[int] = set()
         while True:
@@ -83,8 +90,7 @@ class EnginePool:
             started = False
             try:
                 async with contextlib.aclosing(self.replicas[i].submit(GenerateRequest(
-                        input_ids=ids, params=req.params, rid=req.rid, images=prompt.images or None,
-                        prompt_param=req.prompt_field))) as stream:
+                        tokenized=prompt, params=req.params, rid=req.rid, prompt_param=req.prompt_field))) as stream:
                     async for delta in stream:
                         if delta.error and not started and self._gone(i):
                             break  # it died before this request got anything: another replica takes it
@@ -111,8 +117,6 @@ class EnginePool:
         return (await self.prompt(req)).ids
 
     async def prompt(self, req: GenerateRequest) -> Prompt:
-        if req.input_ids is not None:
-            return Prompt(list(req.input_ids), list(req.images or []))
         while serving := self._serving():
             i = serving[next(self._turn) % len(serving)]
             try:

@@ -1,8 +1,11 @@
 """RemoteClient: the EngineClient of the multi-process runtime, in the API process.
 
-Requests go to a tokenizer worker (each request id always to the same one, so its abort never
-overtakes it); text pieces come back from the detokenizer on one socket, read by one thread and
-routed by request id to each stream's event loop, exactly as the in-process client routes tokens.
+Prompts go to a tokenizer worker, which tokenizes and admits them and keeps their ids: this side holds a `Prompt` of
+their number (`kept`), and the requests made from it name it, so the ids cross from that worker to the scheduler only
+(with --dp the pool routes by the ids: they come back, `keep_prompts` off). Each request goes to the worker that keeps
+its prompt, else always the same one for its id, and its abort follows it there (never overtaking it). Text pieces
+come back from the detokenizer on one socket, read by one thread and routed by request id to each stream's event loop,
+exactly as the in-process client routes tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from collections.abc import Callable
 
 import zmq
 
-from minisgl_cli.client.base import RoutedClient, settle
+from minisgl_cli.admission import AdmissionError
+from minisgl_cli.client.base import BaseClient, settle
 from minisgl_cli.client.protocol import ENGINE_GONE, STALL_S, EngineGone, PrefixWarm
 from minisgl_cli.messages import (
     AbortRequest,
@@ -28,6 +32,7 @@ from minisgl_cli.messages import (
     CheckPagesReply,
     DecodedPiece,
     DetokOutput,
+    ForgetPrompt,
     Heartbeat,
     StatsReply,
     TokenizeQuery,
@@ -58,13 +63,20 @@ def _merge(pieces: list[DecodedPiece]) -> DecodedPiece:
 
 
 SEND_TIMEOUT_MS = 10_000
+Outgoing = ToScheduler | TokenizeQuery | ForgetPrompt  # what this side sends a worker
 
 
-class RemoteClient(RoutedClient):
-    def __init__(self, info: ModelInfo, endpoints: Endpoints, num_tokenizer: int, runtime: Runtime):
+def _worker(key: str, n: int) -> int:
+    return zlib.crc32(key.encode()) % n
+
+
+class RemoteClient(BaseClient):
+    def __init__(self, info: ModelInfo, endpoints: Endpoints, num_tokenizer: int, runtime: Runtime,
+                 keep_prompts: bool = True):
         super().__init__()
         self.info = info
         self.runtime = runtime
+        self.keep_prompts = keep_prompts  # the workers keep the prompts' ids (off: they come here, for --dp's pool)
         self._ctx = zmq.Context()
         self._inbox = pull(self._ctx, endpoints.api)
         targets = [endpoints.tokenizer(i) for i in range(num_tokenizer)] or [endpoints.detokenizer]
@@ -72,7 +84,8 @@ class RemoteClient(RoutedClient):
         # queue, so a send never blocks an event loop; one that cannot leave in SEND_TIMEOUT_MS (the worker is gone
         # or wedged) fails its request instead of waiting for ever.
         self._out = [push(self._ctx, t, timeout_ms=SEND_TIMEOUT_MS) for t in targets]
-        self._outbox: queue.SimpleQueue[tuple[ToScheduler | TokenizeQuery, bytes] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[Outgoing, bytes, int] | None] = queue.SimpleQueue()
+        self._via: dict[str, int] = {}  # with several workers: the one holding each open request's kept prompt
         self._beat = time.monotonic()
         self._closed = False
         # Image pixels a tokenizer worker put in shared memory for this process's prompts, not yet handed to a
@@ -85,7 +98,7 @@ class RemoteClient(RoutedClient):
         runtime.on_death(self._fail_all)
 
     # --- transport -----------------------------------------------------------------------------
-    def _send(self, msg: ToScheduler | TokenizeQuery) -> None:
+    def _send(self, msg: Outgoing) -> None:
         """Hand `msg` to the sender thread, encoded here: a request holding what msgpack cannot carry (an integer past
         64 bits in a tool's JSON schema) is a ValueError for its caller, not the end of the sender."""
         if self._closed:  # an abort from a stream that outlives close() goes nowhere
@@ -94,26 +107,45 @@ class RemoteClient(RoutedClient):
             data = encode(msg)
         except (TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"the request holds a value the engine's processes cannot carry: {exc}") from None
-        self._outbox.put((msg, data))
+        self._outbox.put((msg, data, self._target(msg)))
+
+    def _target(self, msg: Outgoing) -> int:
+        """The worker `msg` goes to: a kept prompt's, for its query, the requests made from it and their aborts (each
+        after its request), and its forgetting; otherwise by request id or query id."""
+        n = len(self._out)
+        if n == 1:
+            return 0
+        if isinstance(msg, AddRequest) and msg.kept is not None:
+            w = _worker(str(msg.kept), n)
+            if msg.rid in self._streams:  # (a cache warm has none, and no abort)
+                self._via[msg.rid] = w
+            return w
+        if isinstance(msg, AbortRequest) and msg.rid in self._via:
+            return self._via[msg.rid]
+        if isinstance(msg, ForgetPrompt):
+            return _worker(str(msg.key), n)
+        return _worker(msg.rid if isinstance(msg, AddRequest | AbortRequest) else str(msg.qid), n)
+
+    def _closed_stream(self, rid: str) -> None:
+        self._via.pop(rid, None)
 
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not None:
-            msg, data = item
-            key = msg.rid if isinstance(msg, AddRequest | AbortRequest) else str(msg.qid)
+            msg, data, target = item
             try:
-                self._out[zlib.crc32(key.encode()) % len(self._out)].send(data, copy=False)
+                self._out[target].send(data, copy=False)
             except zmq.Again:
                 self._undeliverable(msg)
             except zmq.ZMQError:  # the context is being destroyed: nothing more leaves
                 return
 
-    def _undeliverable(self, msg: ToScheduler | TokenizeQuery) -> None:
+    def _undeliverable(self, msg: Outgoing) -> None:
         """End what waits on a message that could not be sent: its stream, or its query."""
         reason = "the tokenizer/detokenizer does not take messages (gone or wedged)"
         if isinstance(msg, AddRequest):
             self._route({msg.rid: [self._error_item(msg.rid, f"{ENGINE_GONE}: {reason}", ErrorCode.UNAVAILABLE)]},
                         lambda items: True)
-        elif not isinstance(msg, AbortRequest) and (fut := self._replies.pop(msg.qid, None)) is not None:
+        elif not isinstance(msg, AbortRequest | ForgetPrompt) and (fut := self._replies.pop(msg.qid, None)) is not None:
             settle(fut, error=EngineGone(reason))
 
     def _receive(self) -> None:
@@ -135,7 +167,11 @@ class RemoteClient(RoutedClient):
             self._route(by_rid, lambda items: items[-1].finished)
         elif isinstance(msg, Heartbeat):
             self._beat = time.monotonic()
-        elif isinstance(msg, TokenizeReply | StatsReply | CheckPagesReply):
+        elif isinstance(msg, TokenizeReply):
+            prompt = self._prompt_of(msg)
+            if (fut := self._replies.pop(msg.qid, None)) is not None:  # else its caller gave up: the Prompt goes
+                settle(fut, error=prompt) if isinstance(prompt, Exception) else settle(fut, prompt)
+        elif isinstance(msg, StatsReply | CheckPagesReply):
             self._reply(msg.qid, msg)
         else:
             raise TypeError(f"unexpected message {type(msg).__name__}")
@@ -150,15 +186,19 @@ class RemoteClient(RoutedClient):
     async def tokenize(self, req: GenerateRequest) -> list[int]:
         if req.input_ids is not None:
             return list(req.input_ids)
-        return (await self.prompt(req)).ids
+        return (await self._ask(req, keep=False)).ids
 
     async def prompt(self, req: GenerateRequest) -> Prompt:
-        if not self.info.images and (req.images or has_images(req.messages)):
-            return await super().prompt(req)  # refuses them
-        if req.input_ids is not None:
-            return Prompt(list(req.input_ids), list(req.images or []))
+        if req.tokenized is not None or (not self.info.images and has_images(req.messages)):
+            return await super().prompt(req)  # as made, or refuses the images
+        if req.input_ids is not None:  # known first here: admitted here
+            return self._admitted(Prompt(list(req.input_ids)), req)
         if has_images(req.messages):  # PIL images cross to the tokenizer worker as raw RGB bytes
             req = dataclasses.replace(req, messages=messages_to_wire(req.messages or []))
+        return await self._ask(req, self.keep_prompts)
+
+    async def _ask(self, req: GenerateRequest, keep: bool) -> Prompt:
+        """The prompt of `req` from a tokenizer worker (tokenized and admitted there; its ids kept there if `keep`)."""
         qid = next(self._qids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._replies[qid] = fut
@@ -166,16 +206,27 @@ class RemoteClient(RoutedClient):
             self._replies.pop(qid, None)
             raise EngineGone(reason)
         try:
-            self._send(TokenizeQuery(qid, req))
-            reply: TokenizeReply = await asyncio.wrap_future(fut)
+            self._send(TokenizeQuery(qid, req, self.info.vocab_size, self.info.max_context_len, keep))
+            return await asyncio.wrap_future(fut)
         finally:  # answered, or given up (a hang-up, a deadline: the future is cancelled and a late reply dropped)
             self._replies.pop(qid, None)
-        if reply.ids is None:
-            raise ValueError(reply.error)
+
+    def _prompt_of(self, reply: TokenizeReply) -> Prompt | Exception:
+        """A worker's answer as a Prompt that owns what the worker holds for it, made as the answer arrives (so that
+        what a caller who gave up never takes is let go as well): its kept ids (forgotten when the Prompt goes) and
+        its images' pixels (unlinked unless a request took them); or the error to raise."""
+        if reply.error is not None:
+            if reply.error_code is None:  # the template or the tokenizer failed
+                return ValueError(reply.error)
+            return AdmissionError(reply.error, ErrorCode(reply.error_code), reply.error_param)
+        kept = reply.qid if reply.ids is None else None
+        prompt = Prompt(reply.ids or [], reply.images, reply.tokens, kept)
+        if kept is not None:
+            weakref.finalize(prompt, self._send, ForgetPrompt(kept))
         for img in reply.images:
             assert img.shm is not None  # the worker shares what it made
             self._unsent[img.shm] = weakref.finalize(img, self._dropped, img.shm)
-        return Prompt(reply.ids, reply.images)
+        return prompt
 
     def _dropped(self, name: str) -> None:
         """A prompt's image was never handed to a scheduler: its pixels go."""
@@ -197,11 +248,13 @@ class RemoteClient(RoutedClient):
     def insert_prefix(self, prefix: str | list[int]) -> PrefixWarm:
         if isinstance(prefix, str):
             qid = next(self._qids)
-            reply = self._query(TokenizeQuery(qid, GenerateRequest(prompt=prefix)), qid, 30.0)
-            if not isinstance(reply, TokenizeReply) or reply.ids is None:
-                raise ValueError(getattr(reply, "error", None) or "the tokenizer worker did not answer")
-            return self._warm(reply.ids)
-        return self._warm(list(prefix))
+            query = TokenizeQuery(qid, GenerateRequest(prompt=prefix), self.info.vocab_size, self.info.max_context_len,
+                                  self.keep_prompts)
+            prompt = self._query(query, qid, 30.0)
+            if not isinstance(prompt, Prompt):
+                raise ValueError("the tokenizer worker did not answer")
+            return self._warm(prompt)
+        return self._warm(self._admitted(Prompt(list(prefix)), GenerateRequest(input_ids=list(prefix))))
 
     def stats(self, timeout: float = 10.0) -> SchedulerStats:
         stats = super().stats(timeout)

@@ -1,10 +1,12 @@
 """The tokenizer and detokenizer worker processes.
 
-A tokenizer worker tokenizes (chat template included) and passes each request on: its `AddRequest`
-to the detokenizer (which then knows the request's stop strings) and to scheduler rank 0; aborts and
-queries go straight through. The detokenizer turns each scheduler step into text pieces for the API
-process, ends requests at stop strings (telling rank 0 to free them), and forwards replies and
-heartbeats. With `--num-tokenizer 0` the detokenizer does both jobs.
+A tokenizer worker tokenizes (chat template included), admits the prompt (admission.py: the first place its ids are
+known) and keeps its ids; the API process holds only their number, and the requests it makes from the prompt name them
+(`AddRequest.kept`). The worker passes each request on: to scheduler rank 0 with the ids, the one crossing they need,
+and to the detokenizer without them (it wants the request's stop strings). Aborts and queries go straight through.
+The detokenizer turns each scheduler step into text pieces for the API process, ends requests at stop strings
+(telling rank 0 to free them), and forwards replies and heartbeats. With `--num-tokenizer 0` (the default) the
+detokenizer does both jobs.
 
 With `--stream-interval N` the detokenizer holds a request's tokens until N have come (the first token and the
 end go at once), then decodes and sends them as one piece: N times fewer decodes, messages and SSE frames. A
@@ -25,12 +27,14 @@ from dataclasses import dataclass
 
 import zmq
 
+from minisgl_cli.admission import AdmissionError, admit_prompt
 from minisgl_cli.messages import (
     AbortRequest,
     AddRequest,
     CheckPagesQuery,
     DecodedPiece,
     DetokOutput,
+    ForgetPrompt,
     StatsQuery,
     StepOutput,
     TokenizeQuery,
@@ -40,7 +44,7 @@ from minisgl_cli.messages import (
 from minisgl_cli.runtime.child import Child, leave
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, decode_steps, prompt_ids
-from minisgl_cli.types import ErrorCode
+from minisgl_cli.types import ErrorCode, ImageInput
 from minisgl_cli.vision.processor import VisionProcessor, has_images
 
 log = logging.getLogger("minisgl.runtime")
@@ -86,6 +90,7 @@ class _Worker:
         self.to_scheduler = push(ctx, ep.scheduler)
         self.to_detok = push(ctx, ep.detokenizer) if job.tokenizes and not job.detokenizes else None
         self.decoders: dict[str, RequestDecoder] = {}
+        self.kept: dict[int, list[int]] = {}  # the ids of prompts the API process holds by key (TokenizeQuery.keep)
         # Requests whose tokens may be held (no stop strings), with how many go out together: --stream-interval, or
         # all of them at the end where the text is not streamed (stream_text off); and, once a request's first token
         # went out, the tokens it holds.
@@ -107,21 +112,39 @@ class _Worker:
             send(self.to_api, self._tokenize(msg))
         elif isinstance(msg, AddRequest):
             self._add(msg)
+        elif isinstance(msg, ForgetPrompt):
+            self.kept.pop(msg.key, None)
         elif isinstance(msg, AbortRequest | StatsQuery | CheckPagesQuery):
             send(self.to_scheduler, msg)  # aborts and queries pass through to rank 0
         else:  # replies and heartbeats from rank 0, on their way to the API process
             send(self.to_api, msg)
 
     def _tokenize(self, q: TokenizeQuery) -> TokenizeReply:
+        images: list[ImageInput] = []
         try:
             if self.processor is not None and has_images(q.req.messages):  # the pixels go by shared memory
                 prompt = self.processor.prompt(q.req.messages or [], q.req.tools, share=True)
-                return TokenizeReply(q.qid, prompt.ids, images=prompt.images)
-            return TokenizeReply(q.qid, prompt_ids(self.tokenizer, q.req))
+                ids, images = prompt.ids, prompt.images
+            else:
+                ids = prompt_ids(self.tokenizer, q.req)
+            admit_prompt(ids, q.vocab_size, q.max_context_len, q.req.prompt_field)
+        except AdmissionError as exc:
+            return TokenizeReply(q.qid, None, exc.message, error_code=exc.code, error_param=exc.param)
         except Exception as exc:  # template or tokenizer failures are the request's fault
             return TokenizeReply(q.qid, None, str(exc) or type(exc).__name__)
+        if q.keep:
+            self.kept[q.qid] = ids
+            return TokenizeReply(q.qid, None, images=images, tokens=len(ids))
+        return TokenizeReply(q.qid, ids, images=images, tokens=len(ids))
 
     def _add(self, msg: AddRequest) -> None:
+        if msg.kept is not None:  # its prompt is kept until every request made from it left (ForgetPrompt)
+            ids = self.kept.get(msg.kept)
+            if ids is None:  # never: a bug ends that request, not this worker
+                send(self.to_api, DetokOutput([DecodedPiece(
+                    msg.rid, error="internal error: its prompt is not kept here", error_code=ErrorCode.ENGINE_FAILED)]))
+                return
+            msg.input_ids, msg.kept = ids, None
         if self.job.detokenizes:
             try:
                 self.decoders[msg.rid] = RequestDecoder(self.tokenizer, msg.params)
@@ -140,8 +163,8 @@ class _Worker:
             if msg.rid in self.early:
                 self._detokenize(StepOutput(self.early.pop(msg.rid)[1]))
         if self.job.tokenizes:
-            if self.to_detok is not None:
-                send(self.to_detok, msg)
+            if self.to_detok is not None:  # it decodes the output: the params are all it needs
+                send(self.to_detok, AddRequest(msg.rid, [], msg.params))
             send(self.to_scheduler, msg)
 
     def _ended(self, rid: str) -> None:

@@ -1,4 +1,4 @@
-"""Req: one request's state inside the scheduler, from admission to finish (with its speculative draft budget)."""
+"""Req: one request's state inside the scheduler, from queued to finished (with its speculative draft budget)."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ class Req:
     arrival: float = field(default_factory=time.perf_counter)
     prefill_started_at: float = 0.0  # when it first joined a prefill batch (queueing excluded)
     images: list[ImageInput] = field(default_factory=list)  # a VLM prompt's images, by placeholder run
-    # Its stop facts, set once at admission (Scheduler._admit) so each token's check is a set lookup and one compare:
+    # Its stop facts, set once when queued (Scheduler._enqueue), so each token's check is a set lookup and one compare:
     stop_ids: frozenset[int] = frozenset()  # ids that end it: its stop_token_ids, and EOS unless ignore_eos
     max_output: int = 0  # output tokens it may have: max_new_tokens, short of the context left after its prompt
     # The prompt as the prefix cache keys it: each image's placeholder ids replaced by a number from its content

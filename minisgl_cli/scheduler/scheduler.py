@@ -22,7 +22,6 @@ from typing import cast
 
 import torch
 
-from minisgl_cli.admission import AdmissionError, admit
 from minisgl_cli.engine.batch import Mode
 from minisgl_cli.engine.engine import Engine
 from minisgl_cli.env import disable_overlap_scheduling as overlap_disabled_by_env
@@ -163,7 +162,7 @@ class Scheduler:
 
     def handle(self, msg: ToScheduler) -> None:
         if isinstance(msg, AddRequest):
-            self._admit(Req(msg.rid, msg.input_ids, msg.params, images=msg.images))
+            self._enqueue(Req(msg.rid, msg.input_ids, msg.params, images=msg.images))
         elif isinstance(msg, AbortRequest):
             self._abort(msg.rid, msg.reason)
         elif isinstance(msg, StatsQuery):
@@ -177,18 +176,20 @@ class Scheduler:
         else:
             raise TypeError(f"unknown scheduler message {type(msg).__name__}")
 
-    def _admit(self, req: Req) -> None:
+    def _enqueue(self, req: Req) -> None:
         bound = self.cfg.max_queued_requests
         if bound and len(self.waiting) >= bound:  # what bypasses the server's cap (LLM, in-process) stays bounded
             self._finish(req, None, error=f"overloaded: {bound} requests are waiting already (--max-queued-requests); "
                          "retry shortly", code=ErrorCode.OVERLOADED)
             return
-        try:  # every client checked this already; what reaches a scheduler is checked the same way, never trusted
-            admit(req.input_ids, req.params, self.engine.spec.vocab_size, self.engine.spec.max_context_len)
-            self.engine.load_images(req.images)
-        except AdmissionError as exc:
-            self._finish(req, None, error=exc.message, code=exc.code)
+        # Our clients admitted it (admission.py: the prompt where it was tokenized, the parameters where it was sent):
+        # trusted, but for this O(1) guard against a bug of ours, which the page and budget arithmetic rely on.
+        if not 0 < len(req.input_ids) < self.engine.spec.max_context_len:
+            self._finish(req, None, error=f"internal error: a prompt of {len(req.input_ids)} tokens reached the "
+                         "scheduler unadmitted", code=ErrorCode.ENGINE_FAILED)
             return
+        try:
+            self.engine.load_images(req.images)
         except ValueError as exc:  # its images: pixels gone, or a model that takes none
             self._finish(req, None, error=str(exc))
             return

@@ -1,8 +1,9 @@
 """ServerContext: what every route shares (client, settings, gate, metrics) and the steps generation routes take.
 
 Handlers get it with `ctx: Ctx` (a FastAPI dependency reading `app.state.ctx`) and only translate:
-check the model, set the deadline, tokenize (off the event loop), size the token budget, start an `EngineRun` (whose
-client admits each request: admission.py).
+check the model, set the deadline, get the prompt (the client tokenizes it off the event loop and admits it where its
+ids are first known: admission.py), size the token budget from its length, start an `EngineRun` (whose client checks
+each request's parameters).
 """
 
 from __future__ import annotations
@@ -88,19 +89,14 @@ class ServerContext:
                              "--request-timeout)", "timeout")
         return Deadline(requested or limit)
 
-    async def tokens_of(self, deadline: Deadline, prompt: str | list[int] | None = None,
-                        messages: list[p.ChatMessage] | None = None, param: str = "prompt",
-                        tools: list[p.Tool] | None = None) -> list[int]:
-        """The prompt's token ids (chat template applied to messages and tools). Not checked here: `budget` sizes
-        the reply, the client admits the request (errors naming `param`: GenerateRequest.prompt_param)."""
-        if messages is not None and has_images(messages):
-            raise InputError("image_url parts are served by /v1/chat/completions only", param)
-        return (await self.prompt_of(deadline, prompt, messages, param, tools)).ids
-
     async def prompt_of(self, deadline: Deadline, prompt: str | list[int] | None = None,
                         messages: list[p.ChatMessage] | None = None, param: str = "prompt",
-                        tools: list[p.Tool] | None = None) -> Prompt:
-        """`tokens_of`, and the images of a chat for a model on the engine that takes them (`info.images`)."""
+                        tools: list[p.Tool] | None = None, images: bool = False) -> Prompt:
+        """The prompt (chat template applied to messages and tools), tokenized and admitted by the client: a 400 naming
+        `param` where it cannot run. With `images`, the images of a chat for a model on the engine that takes them
+        (`info.images`); without, image parts are refused."""
+        if messages is not None and has_images(messages) and not images:
+            raise InputError("image_url parts are served by /v1/chat/completions only", param)
         try:
             if messages is not None:
                 chat = [m.as_template_dict() for m in messages]
@@ -108,12 +104,15 @@ class ServerContext:
                     policy = (self.settings.vision or VisionSettings()).images
                     chat = await deadline.wait(asyncio.get_running_loop().run_in_executor(
                         None, chat_with_images, messages, policy))
-                out = await deadline.wait(self.client.prompt(GenerateRequest(
-                    messages=chat, tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None)))
+                req = GenerateRequest(messages=chat, tools=[t.model_dump(exclude_none=True) for t in tools]
+                                      if tools else None, prompt_param=param)
             elif isinstance(prompt, list):
-                out = Prompt(list(prompt))
+                req = GenerateRequest(input_ids=prompt, prompt_param=param)
             else:
-                out = Prompt(await deadline.wait(self.client.tokenize(GenerateRequest(prompt=prompt or ""))))
+                req = GenerateRequest(prompt=prompt or "", prompt_param=param)
+            return await deadline.wait(self.client.prompt(req))
+        except AdmissionError as exc:
+            raise admission_error(exc) from None
         except ImageError as exc:
             raise InputError(exc.message, exc.param) from None
         except InputError:
@@ -124,14 +123,14 @@ class ServerContext:
             if (error := coded_error(exc, self.gate.retry_after_s)) is not None:
                 raise error from None
             raise InputError(f"could not tokenize the {param}: {exc}", param) from exc
-        return out
 
-    def budget(self, ids_list: list[list[int]], requested: int | None, param: str,
+    def budget(self, prompts: list[Prompt], requested: int | None, param: str,
                prompt_param: str = "prompt") -> tuple[int, str | None]:
-        """max_new_tokens for the run (`param`: the field that asked; a prompt as long as the context is refused
-        naming `prompt_param`) and the downscale note (None if not applied)."""
+        """max_new_tokens for the run (`param`: the field that asked) from its prompts' lengths, and the downscale note
+        (None if not applied). The prompts are admitted: each fits the context (`prompt_param` names one that would
+        not, for new_tokens' sake)."""
         try:
-            requested = new_tokens(max(len(ids) for ids in ids_list), requested, self.client.info.max_context_len,
+            requested = new_tokens(max(pr.tokens for pr in prompts), requested, self.client.info.max_context_len,
                                    param, prompt_param=prompt_param)
         except AdmissionError as exc:
             raise admission_error(exc) from None
@@ -140,14 +139,14 @@ class ServerContext:
 
     def start(self, reqs: list[GenerateRequest], endpoint: str, deadline: Deadline,
               user: str | None = None) -> EngineRun:
-        """Start the requests (429 past the cap) under `deadline`; the client admits each (a refusal is the run's
-        first event, a 400 with its field); `user` (the request's end-user id) is logged."""
+        """Start the requests (429 past the cap) under `deadline`; the client checks each one's parameters (a refusal
+        is the run's first event, a 400 with its field); `user` (the request's end-user id) is logged."""
         self.gate.take(len(reqs))
         if log.isEnabledFor(logging.INFO):
             for r in reqs:
-                assert r.input_ids is not None  # the routes tokenize before they start a run
+                assert r.tokenized is not None  # the routes tokenize before they start a run
                 log.info("rid=%s %s admitted: prompt_tokens=%d max_new_tokens=%d temperature=%s inflight=%d%s",
-                         r.rid, endpoint, len(r.input_ids), r.params.max_new_tokens, r.params.temperature,
+                         r.rid, endpoint, r.tokenized.tokens, r.params.max_new_tokens, r.params.temperature,
                          self.gate.inflight, f" user={user!r}" if user else "")
         return EngineRun(self.client, reqs, self.gate, self.metrics, endpoint, self.active, deadline)
 

@@ -33,15 +33,15 @@ async def generate(body: p.GenerateBody, request: Request, ctx: Ctx) -> Any:
     ctx.gate.check(1)  # a 429 costs no tokenizing
     deadline = ctx.deadline(body.timeout)
     if body.messages is not None:
-        ids = await ctx.tokens_of(deadline, messages=body.messages, param=field)
+        prompt = await ctx.prompt_of(deadline, messages=body.messages, param=field)
     else:
-        ids = await ctx.tokens_of(deadline, prompt=body.prompt if body.prompt is not None else body.input_ids,
-                                  param=field)
-    max_new, note = ctx.budget([ids], body.max_new_tokens, "max_new_tokens", field)
+        prompt = await ctx.prompt_of(deadline, prompt=body.prompt if body.prompt is not None else body.input_ids,
+                                     param=field)
+    max_new, note = ctx.budget([prompt], body.max_new_tokens, "max_new_tokens", field)
     params = body.sampling_params(max_new, vocab_size=ctx.client.info.vocab_size, extra=dict(
         logprobs=body.return_logprob, top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
         **body.structured()))
-    req = GenerateRequest(input_ids=ids, params=params, rid=new_request_id("gen"), prompt_param=field)
+    req = GenerateRequest(tokenized=prompt, params=params, rid=new_request_id("gen"), prompt_param=field)
     run = ctx.start([req], "/generate", deadline)
     if not body.stream:
         [(text, final)] = await run.finish_all(request)

@@ -45,9 +45,9 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
     ctx.check_model(body.model)
     deadline = ctx.deadline(body.timeout)
     mode = body.tool_mode
-    prompt = await ctx.prompt_of(deadline, messages=body.messages, param="messages", tools=body.tools if mode else None)
-    ids = prompt.ids
-    max_new, note = ctx.budget([ids], body.requested_max_tokens, "max_tokens", "messages")
+    prompt = await ctx.prompt_of(deadline, messages=body.messages, param="messages", tools=body.tools if mode else None,
+                                 images=True)
+    max_new, note = ctx.budget([prompt], body.requested_max_tokens, "max_tokens", "messages")
     structured = body.structured()
     forced = tools.forced_schema(body)
     if forced is not None:
@@ -59,8 +59,8 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
     extra = dict(logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, stream_text=bool(body.stream),
                  **structured)
     vocab = ctx.client.info.vocab_size
-    reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, i, vocab, extra),
-                            rid=new_request_id("chat"), images=prompt.images or None, prompt_param="messages")
+    reqs = [GenerateRequest(tokenized=prompt, params=body.sampling_params(max_new, i, vocab, extra),
+                            rid=new_request_id("chat"), prompt_param="messages")
                 for i in range(body.n)]
     run = ctx.start(reqs, "/v1/chat/completions", deadline, body.user or body.safety_identifier)
     cid, ts, model = p.new_id("chatcmpl"), p.now(), ctx.model_name
@@ -171,15 +171,15 @@ async def completions(body: p.CompletionRequest, request: Request, ctx: Ctx) -> 
     if not prompts:
         raise InputError("prompt must not be empty", "prompt")
     ctx.gate.check(len(prompts) * body.n, "n" if body.n > 1 else "prompt")  # a 429 or 413 costs no tokenizing
-    ids_list = [await ctx.tokens_of(deadline, prompt=pr, param="prompt") for pr in prompts]
-    max_new, note = ctx.budget(ids_list, body.max_tokens, "max_tokens")
+    tokenized = [await ctx.prompt_of(deadline, prompt=pr, param="prompt") for pr in prompts]
+    max_new, note = ctx.budget(tokenized, body.max_tokens, "max_tokens")
     extra = dict(logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0, stream_text=bool(body.stream),
                  **body.structured())
     vocab = ctx.client.info.vocab_size
     # Choice index = prompt index * n + sample index (OpenAI's order).
-    reqs = [GenerateRequest(input_ids=ids, params=body.sampling_params(max_new, j, vocab, extra),
+    reqs = [GenerateRequest(tokenized=pr, params=body.sampling_params(max_new, j, vocab, extra),
                             rid=new_request_id("cmpl"), prompt_param="prompt")
-            for ids in ids_list for j in range(body.n)]
+            for pr in tokenized for j in range(body.n)]
     run = ctx.start(reqs, "/v1/completions", deadline, body.user)
     cid, ts, model = p.new_id("cmpl"), p.now(), ctx.model_name
     with_lp = body.logprobs is not None
