@@ -95,7 +95,8 @@ def _tidy(param: Any) -> None:
     if param.is_bool_flag:
         param.metavar = ""
     lines = []
-    low, high = param.min, param.max
+    # Typer 0.29's own options hold the bounds (older Typer keeps them in a click range type: left as it shows them).
+    low, high = getattr(param, "min", None), getattr(param, "max", None)
     if low is not None or high is not None:
         bounds = f"{low}..{high}" if low is not None and high is not None else (
             f">= {low}" if low is not None else f"<= {high}")
