@@ -96,6 +96,7 @@ class _Worker:
         # went out, the tokens it holds.
         self.hold: dict[str, float] = {}
         self.held: dict[str, list[TokenOutput]] = {}
+        self.held_tokens: dict[str, int] = {}  # how many tokens each holds: counted as they come, not per step
         # Outputs that beat their AddRequest here, by request, oldest first, with when the first came (`_forget`).
         self.early: dict[str, tuple[float, list[TokenOutput]]] = {}
         self.ended: collections.deque[str] = collections.deque(maxlen=4096)  # late outputs of these are dropped
@@ -176,8 +177,7 @@ class _Worker:
     def _due(self, rid: str, held: list[TokenOutput]) -> bool:
         """Whether held tokens go out now: the request's end, or as many as it holds (`hold`)."""
         last = held[-1]
-        return last.finish_reason is not None or last.error is not None or \
-            sum(o.token_id is not None for o in held) >= self.hold[rid]
+        return last.finish_reason is not None or last.error is not None or self.held_tokens[rid] >= self.hold[rid]
 
     def _forget(self) -> None:
         """Drop the early outputs whose request never came (an output beats its AddRequest by a message or two):
@@ -206,9 +206,10 @@ class _Worker:
             if rid in self.held:
                 held = self.held[rid]
                 held.extend(items)
+                self.held_tokens[rid] += sum(o.token_id is not None for o in items)
                 if not self._due(rid, held):
                     continue
-                items, self.held[rid] = held, []
+                items, self.held[rid], self.held_tokens[rid] = held, [], 0
             work.append((rid, decoder, items))
         # The whole step's text in one pass through the Rust tokenizer, not two HF calls per request.
         results = decode_steps(self.tokenizer, [(decoder, items) for _, decoder, items in work])
@@ -227,8 +228,10 @@ class _Worker:
                 self._ended(rid)
                 self.hold.pop(rid, None)
                 self.held.pop(rid, None)
+                self.held_tokens.pop(rid, None)
             elif rid in self.hold and piece.token_ids:  # its first token is out: hold what follows
                 self.held.setdefault(rid, [])
+                self.held_tokens.setdefault(rid, 0)
             if piece.stopped_early:  # a stop string ended it: free its KV on the scheduler now
                 send(self.to_scheduler, AbortRequest(rid, "stop"))
                 piece.stopped_early = False
