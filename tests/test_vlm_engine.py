@@ -280,3 +280,26 @@ def test_pixel_segments_round_trip_copy_inline_and_sweep():
         assert not list(pixels._ROOT.glob(f"{pixels.owner_tag()}*"))
     finally:
         pixels.sweep(os.getpid())
+
+
+def test_an_image_prompt_refused_at_admission_leaves_no_pixels(tiny_vlms):
+    """The tokenizer worker shares an image prompt's pixels before it admits the prompt: one it refuses (too long for
+    the context) takes none of them out of shared memory's reach, with the runtime still serving."""
+    from minisgl_cli.admission import AdmissionError
+    from minisgl_cli.api.http_server import free_port
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.runtime.config import RuntimeConfig
+    from minisgl_cli.runtime.launch import launch
+    from minisgl_cli.scheduler.config import SchedulerConfig
+    from minisgl_cli.vision import pixels
+
+    before = set(pixels._ROOT.glob(f"{pixels.PREFIX}*"))
+    cfg = EngineConfig(model=str(tiny_vlms["qwen2-vl"]), max_total_tokens=2048, dtype="float32", quantization="none",
+                       max_context_len=8)
+    remote = launch(cfg, SchedulerConfig(), RuntimeConfig(dist_init_addr=f"127.0.0.1:{free_port()}"))
+    try:
+        with pytest.raises(AdmissionError):
+            asyncio.run(remote.prompt(GenerateRequest(messages=CHATS[0])))
+        assert not set(pixels._ROOT.glob(f"{pixels.PREFIX}*")) - before, "a refused prompt's pixels left behind"
+    finally:
+        remote.close()

@@ -45,6 +45,7 @@ from minisgl_cli.runtime.child import Child, leave
 from minisgl_cli.runtime.ipc import Endpoints, pull, push, recv, send
 from minisgl_cli.tokenizer import RequestDecoder, Tokenizer, decode_steps, prompt_ids
 from minisgl_cli.types import ErrorCode, ImageInput
+from minisgl_cli.vision import pixels
 from minisgl_cli.vision.processor import VisionProcessor, has_images
 
 log = logging.getLogger("minisgl.runtime")
@@ -130,6 +131,9 @@ class _Worker:
                 ids = prompt_ids(self.tokenizer, q.req)
             admit_prompt(ids, q.vocab_size, q.max_context_len, q.req.prompt_field)
         except AdmissionError as exc:
+            for img in images:  # shared already, and no request will ever take them
+                if img.shm is not None:
+                    pixels.unlink(img.shm)
             return TokenizeReply(q.qid, None, exc.message, error_code=exc.code, error_param=exc.param)
         except Exception as exc:  # template or tokenizer failures are the request's fault
             return TokenizeReply(q.qid, None, str(exc) or type(exc).__name__)
