@@ -107,6 +107,9 @@ class ModelSpec:
     compile: bool = False
     attention_backend: str = "sdpa"
     allow_download: bool = True
+    quantization: str | None = None  # "fp8": the DiT's linear weights in FP8 e4m3 (CUDA)
+    media_cache: str | None = None  # a cache-dit step cache (approximate, opt-in): "dbcache", "fbcache", "taylorseer"
+    load_format: str = "auto"  # "dummy": `model` names a built-in config, built with random weights (speed work)
 
     @classmethod
     def create(cls, kind: Kind, model: str | None, model_dir: str | os.PathLike | None, **kw: Any) -> ModelSpec:

@@ -184,7 +184,8 @@ def load_pipeline(spec: ModelSpec) -> LoadedPipeline:
     device = pick_device(spec.device)
     dtype = pick_dtype(device)
     model_dir = ensure_model_dir(spec)
-    key = (str(model_dir.resolve()), device, str(dtype), spec.cpu_offload, spec.compile, spec.attention_backend)
+    key = (str(model_dir.resolve()), device, str(dtype), spec.cpu_offload, spec.compile, spec.attention_backend,
+           spec.quantization, spec.media_cache)
     # One lock for all loads: loads are rare, and two first requests must not load the weights twice.
     with _cache_lock:
         if key in _cache:

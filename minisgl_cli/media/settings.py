@@ -21,6 +21,9 @@ class MediaSettings:
     cpu_offload: bool = False
     compile: bool = False
     attention_backend: str = "sdpa"
+    quantization: str | None = None
+    media_cache: str | None = None
+    load_format: str = "auto"
     # A request must never start a multi-GB download: fetch weights with the CLI or point at a dir.
     allow_download: bool = False
 
@@ -41,6 +44,7 @@ class MediaSettings:
         return ModelSpec.create(
             kind, model, model_dir, device=self.device, cpu_offload=self.cpu_offload, compile=self.compile,
             attention_backend=self.attention_backend, allow_download=self.allow_download,
+            quantization=self.quantization, media_cache=self.media_cache, load_format=self.load_format,
         )
 
     def available(self, kind: Kind) -> bool:
