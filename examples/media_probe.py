@@ -8,6 +8,7 @@ Prints one line a variant: ms a step (median of the timed calls) and the first c
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -41,7 +42,7 @@ def to_fp8(model: nn.Module, blocks_attr: list[str]) -> int:
     n = 0
     for attr in blocks_attr:
         for block in getattr(model, attr):
-            for name, mod in list(block.named_modules()):
+            for mod in list(block.modules()):
                 for cname, child in list(mod.named_children()):
                     if isinstance(child, nn.Linear) and child.in_features % 16 == 0 and child.out_features % 16 == 0:
                         setattr(mod, cname, Fp8Linear(child))
@@ -108,11 +109,44 @@ def wan(tiny: bool) -> tuple[nn.Module, callable]:
     return model, step
 
 
+def sage() -> None:
+    """8-bit attention alone at Wan's and Z-Image's self-attention shapes, against SDPA (bf16)."""
+    import torch.nn.functional as F
+    from sageattention import sageattn
+
+    from minisgl_cli.kernels.triton.dit_attention import fp8_attention, quantize_qkv
+
+    for label, s, h in (("wan 832x480x81", 32760, 12), ("zimage 1024", 4224, 30)):
+        q, k, v = (torch.randn(1, s, h, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        ms_ref, _ = timed(functools.partial(F.scaled_dot_product_attention, qt, kt, vt))
+        out = sageattn(q, k, v, tensor_layout="NHD")
+        ms, first = timed(functools.partial(sageattn, q, k, v, tensor_layout="NHD"))
+        cos = F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
+        print(f"{label}: sdpa {ms_ref:.2f} ms, sage {ms:.2f} ms (first {first:.1f} s), cosine {cos:.5f}", flush=True)
+        for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 4, 2), (64, 128, 4, 3),
+                                      (128, 64, 8, 4)):
+            run = functools.partial(fp8_attention, q, k, v, None, bm, bn, warps, stages)
+            out = run()
+            ms, first = timed(run)
+            cos = F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
+            print(f"{label}: ours fp8 {bm}x{bn} w{warps} s{stages}: {ms:.2f} ms (first {first:.1f} s), "
+                  f"cosine {cos:.5f}", flush=True)
+        xq = quantize_qkv(q, k, v)
+        ms, _ = timed(functools.partial(quantize_qkv, q, k, v))
+        print(f"{label}: of which quantizing q, k, v: {ms:.2f} ms ({len(xq)} tensors)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", choices=["zimage", "wan"])
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--sage", action="store_true",
+                    help="time 8-bit attention alone against SDPA: SageAttention 1.x (Triton, INT8 QK) and ours (FP8)")
     args = ap.parse_args()
+    if args.sage:
+        return sage()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     for name in ("torchao", "cache_dit", "diffusers"):
         try:

@@ -16,13 +16,13 @@ and on the GPU w8a8); on the GPU also a CUDA graph's replay and the whole MoE bl
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-INTERPRET = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+from tests.triton_interp import INTERPRET, patch_interpreter
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() and not (INTERPRET and importlib.util.find_spec("triton")),
@@ -36,17 +36,7 @@ NO_FP8 = DEV == "cuda" and torch.cuda.get_device_capability() < (8, 9)  # e4m3 i
 
 @pytest.fixture(scope="module")
 def T():
-    if INTERPRET:  # triton 3.6's interpreter calls int() on 1-element arrays, an error from numpy 2.3 on
-        import numpy as np
-        from triton.runtime import interpreter
-
-        patch = interpreter._patch_lang_tensor
-
-        def patched(tensor, scope):
-            patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-        interpreter._patch_lang_tensor = patched
+    patch_interpreter()
     from minisgl_cli.kernels.triton import moe as triton_moe
 
     return triton_moe

@@ -1,0 +1,48 @@
+"""FP8 attention in a diffusers DiT (opt-in, approximate): our Triton kernel as the model's 8-bit attention backend.
+
+diffusers routes every attention call of a model through its backend registry by name; 8-bit attention is its
+"sage" slot (SageAttention: INT8 / FP8 QK, FP8 PV), which wants a CUDA build of sageattention >= 2.1.1 that these
+machines lack (1.x, pure Triton, ran slower than cuDNN's bf16 attention on an H200: examples/media_probe.py --sage).
+`enable` binds that slot to kernels/triton/dit_attention.py and points the model's processors at it. Calls the
+kernel does not cover (a mask, causal, short keys such as a text context, other head sizes) run SDPA exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+MIN_KEYS = 1024  # below this the attention is a small share of the step: the exact kernel, then
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False) -> torch.Tensor:
+    """diffusers' backend signature, (B, S, H, D) tensors in and out."""
+    fits = (attn_mask is None and not is_causal and dropout_p == 0.0 and key.shape[1] >= MIN_KEYS
+            and query.shape[-1] in (64, 128) and key.shape[2] == query.shape[2] and query.is_cuda)
+    if fits:
+        from minisgl_cli.kernels.triton.dit_attention import fp8_attention
+
+        return fp8_attention(query, key, value, scale)
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                         scale=scale, enable_gqa=enable_gqa)
+    return out.transpose(1, 2)
+
+
+def enable(model: torch.nn.Module) -> int:
+    """Route `model`'s attention through `attention`; the number of attention modules routed (0: none found)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    slot = AttentionBackendName.SAGE
+    _AttentionBackendRegistry.register(slot)(attention)
+    routed = 0
+    for module in model.modules():
+        processor: Any = getattr(module, "processor", None)
+        if processor is not None and hasattr(processor, "_attention_backend"):
+            processor._attention_backend = slot
+            routed += 1
+    return routed
