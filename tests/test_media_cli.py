@@ -115,3 +115,15 @@ def test_unwritable_output_dir_is_refused_before_generating(tiny_models, tmp_pat
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
     (line,) = stderr_lines(result)
     assert line.startswith(f"error: cannot write {blocker / 'out'}"), line
+
+
+def test_http_size_past_the_pipeline_is_a_400(live_server):
+    """The same limits through the routes: a 400 naming the field, not a 500 from inside the model."""
+    import httpx
+
+    r = httpx.post(f"{live_server}/v1/images/generations", json={"prompt": "x", "size": "512x512", "steps": 1},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "size", r.text
+    r = httpx.post(f"{live_server}/v1/videos/generations",
+                   json={"prompt": "x", "size": "32x32", "num_frames": 6, "steps": 1}, timeout=60)
+    assert r.status_code == 400 and "4k+1" in r.json()["error"]["message"], r.text
