@@ -33,7 +33,8 @@ def quiet_libraries() -> None:
 
 @contextlib.contextmanager
 def cli_errors() -> Iterator[None]:
-    """Bad input, a missing model or an unwritable output dir: one line on stderr and exit 1, no traceback."""
+    """Bad input, a missing model or an unwritable output dir: one line on stderr and exit 1, no traceback
+    (Ctrl-C: exit 130)."""
     try:
         yield
     except (MediaError, DeviceError) as exc:
@@ -43,6 +44,9 @@ def cli_errors() -> Iterator[None]:
         where = f" {exc.filename}" if exc.filename else ""
         typer.echo(f"error: cannot write{where}: {exc.strerror or exc}", err=True)
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C mid-generation: the shell's usual status, no traceback
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130) from None
 
 
 def writable_dir(path: os.PathLike | str) -> None:
