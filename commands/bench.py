@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -15,6 +16,7 @@ app = typer.Typer()
 workload = c.in_panel(c.BENCH_PANEL)
 online = c.in_panel(c.ONLINE_PANEL)
 scheduler = c.in_panel(c.SCHEDULER_PANEL)
+media_panel = c.in_panel("Bench images and videos (--media)")
 
 _HELP = (
     "Benchmark the engine against the HF transformers streaming baseline (same model, device, prompts; greedy "
@@ -28,7 +30,10 @@ _HELP = (
     "Other workloads: --dataset random, --dataset shared-prefix (compare --cache radix --cache naive), "
     "--dataset rewrite / code-edit / open-chat (one chat prompt, sent --num-prompts times: compare "
     "--speculative-algorithm ngram), --preset nano-vllm. --url benchmarks any OpenAI-compatible server instead of "
-    "loading the engine here."
+    "loading the engine here.\n\n"
+    "--media benchmarks the image (or video) routes instead: seconds per image one at a time, images per minute "
+    "under --concurrency, p50 / p99 latency, and plain diffusers on the same pipeline in this process, against --url "
+    "or a `minisgl serve` it starts on --media-model-dir."
 )
 
 
@@ -87,6 +92,16 @@ def bench(
     client_procs: Annotated[Optional[int], online("--client-procs",
         help="Client processes the streams are spread over (default: one per 32 in flight, up to the cores).")
     ] = None,
+    media: Annotated[bool, media_panel("--media",
+        help="Bench /v1/images (or videos) generations, not chat.")] = False,
+    media_kind: Annotated[str, media_panel("--media-kind", help="image or video.")] = "image",
+    media_model_dir: Annotated[Optional[Path], media_panel("--media-model-dir",
+        help="Pipeline dir: the diffusers baseline, and the server started here without --url.")] = None,
+    size: Annotated[Optional[str], media_panel("--size",
+        help="WIDTHxHEIGHT.", show_default="1024x1024; video 832x480")] = None,
+    steps: Annotated[Optional[int], media_panel("--steps",
+        help="Denoising steps.", show_default="9; video 30")] = None,
+    num_frames: Annotated[int, media_panel("--num-frames", help="Video: frames (4k+1 for Wan).")] = 33,
     cache: Annotated[Optional[list[str]], scheduler("--cache", metavar="<str>",
         help="Prefix cache: radix or naive; repeat both to compare.", show_default="radix")] = None,
     engine: Annotated[Optional[list[str]], c.repeatable("engine", "Repeat to compare engines in one table.")] = None,
@@ -102,6 +117,22 @@ def bench(
     from minisgl_cli.bench.workloads import Sampling
 
     c.setup_logging(verbose)
+    media_flags = [name for name, used in (
+        ("--media-kind", media_kind != "image"), ("--media-model-dir", media_model_dir is not None),
+        ("--size", size is not None), ("--steps", steps is not None), ("--num-frames", num_frames != 33)) if used]
+    if media:
+        _bench_media(opts, media_kind, media_model_dir, size, steps, num_frames, url, concurrency, num_prompts,
+                     warmup, seed, no_baseline, output_json, plot, llm_flags=[
+                         *map(c.flag, opts.changed(n for n in c.ALL if n not in ("model", "device"))),
+                         *(name for name, used in (
+                             ("--dataset", dataset != "reference"), ("--preset", preset), ("--case", case),
+                             ("--cache", cache), ("--engine", engine), ("--baseline", baseline), ("--peer", peer),
+                             ("--api", api != "completions"), ("--request-rate", request_rate != math.inf),
+                             ("--max-concurrency", max_concurrency), ("--served-model-name", served_model_name),
+                             ("--client-procs", client_procs)) if used)])
+        return
+    if media_flags:
+        c.fail(f"{', '.join(media_flags)} configure(s) the media bench: add --media", code=2)
     if url:  # the server runs its own engine: only --model (the prompts' tokenizer) means something here
         here = [*(["--engine"] * bool(engine)), *map(c.flag, opts.changed(n for n in c.ALL if n != "model")),
                 *(name for name, used in (("--cache", cache), ("--baseline", baseline), ("--no-baseline", no_baseline),
@@ -182,3 +213,47 @@ def bench(
             c.fail(str(exc))
     failed = sum(r.metrics.failed for r in report.results)
     raise typer.Exit(1 if failed or not report.results else 0)
+
+
+def _bench_media(opts: c.EngineOptions, kind: str, model_dir: Optional[Path], size: Optional[str],
+                 steps: Optional[int], num_frames: int, url: Optional[str], concurrency: Optional[list[int]],
+                 num_prompts: Optional[int], warmup: Optional[int], seed: int, no_baseline: bool,
+                 output_json: Optional[str], plot: Optional[str], llm_flags: list[str]) -> None:
+    """`bench --media`: the media routes through a server, beside plain diffusers here (minisgl_cli/bench/media.py)."""
+    from rich.console import Console
+
+    from minisgl_cli.bench.media import MediaBenchConfig, print_media_report, run_media_bench, write_media_plot
+    from minisgl_cli.media.jobs import MediaError
+
+    if llm_flags:
+        c.fail(f"--media benchmarks image / video generation: drop {', '.join(llm_flags)} (chat bench options)", code=2)
+    if kind not in ("image", "video"):
+        c.fail(f"--media-kind must be image or video, got {kind!r}", code=2)
+    if url and "model" in opts.changed(["model"]):
+        c.fail("--url benchmarks a running server: drop --model (the LLM a server started here would load)", code=2)
+    console = Console(stderr=True)
+    try:
+        cfg = MediaBenchConfig(
+            kind="image" if kind == "image" else "video", url=url,
+            model_dir=model_dir.expanduser() if model_dir else None,
+            size=size or ("1024x1024" if kind == "image" else "832x480"), steps=steps or (9 if kind == "image" else 30),
+            num_frames=num_frames, num_prompts=num_prompts or 4, concurrency=concurrency or [4],
+            warmup=1 if warmup is None else warmup, seed=seed, baseline=not no_baseline,
+            device=opts.engine.device if "device" in opts.changed(["device"]) else None,
+            serve_model=opts.engine.model if "model" in opts.changed(["model"]) else None,
+        )
+        report = run_media_bench(cfg, note=lambda m: console.print(m, highlight=False))
+    except MediaError as exc:
+        c.fail(exc.message)
+    print_media_report(report, Console(width=None if sys.stdout.isatty() else 200))
+    if output_json:
+        report.write_json(output_json)
+        console.print(f"wrote {output_json}", highlight=False)
+    if plot:
+        if write_media_plot(report, plot):
+            console.print(f"wrote {plot}", highlight=False)
+        else:
+            console.print(f"plot skipped: matplotlib is not installed (pip install matplotlib), {plot} not written",
+                          highlight=False)
+    failed = sum(r.failed for r in report.runs)
+    raise typer.Exit(1 if failed else 0)

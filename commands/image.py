@@ -44,7 +44,7 @@ def image(
     width: Annotated[Optional[int], typer.Option(help="Width in pixels, a multiple of 16.")] = None,
     steps: Annotated[int, typer.Option(help="Denoising steps (Turbo: 9).")] = 9,
     guidance_scale: Annotated[float, typer.Option(help="CFG scale; 0 disables it (Turbo).")] = 0.0,
-    num_images: Annotated[int, typer.Option(help="Images per prompt.")] = 1,
+    num_images: Annotated[int, typer.Option("-n", "--num-images", help="Images per prompt, made in one batch.")] = 1,
     seed: Annotated[Optional[int], typer.Option(help="Seed; same seed, same pixels. Random if unset.")] = None,
     negative_prompt: Annotated[Optional[str], typer.Option(help="What to avoid (used when CFG is on).")] = None,
     device: Annotated[
@@ -60,20 +60,28 @@ def image(
     attention_backend: Annotated[AttentionBackend, setup(
         metavar="<str>", help="Attention kernels: sdpa, flash2, flash3.")] = AttentionBackend.sdpa,
 ) -> None:
-    from minisgl_cli.media.console import cli_errors, generate_with_progress, quiet_libraries
+    from minisgl_cli.media import console
     from minisgl_cli.media.image import generate_images, save_images
     from minisgl_cli.media.jobs import ImageJob, ModelSpec, resolve_size
+    from minisgl_cli.media.limits import fit_defaults
 
-    quiet_libraries()
-    with cli_errors():
+    console.quiet_libraries()
+    with console.cli_errors():
         w, h = resolve_size(aspect.value, width, height)
-        job = ImageJob(prompt, w, h, steps, guidance_scale, num_images, seed, negative_prompt)
+        job = ImageJob(prompt, w, h, steps, guidance_scale, num_images, seed, negative_prompt)  # checked before loading
+        console.writable_dir(output_dir)
         spec = ModelSpec.create(
             "image", model, model_dir, device=device, cpu_offload=cpu_offload, compile=compile,
             attention_backend=attention_backend.value,
         )
-        result = generate_with_progress(spec, job, generate_images, f"{w}x{h}")
+        loaded = console.load_with_status(spec)
+        job, note = fit_defaults(loaded.pipe, job, size=width is None and height is None)
+        if note:
+            typer.echo(f"note: {note}", err=True)
+        what = f"{job.width}x{job.height}" + (f" x{job.num_images}" if job.num_images > 1 else "")
+        result, clock = console.run_with_progress(loaded, job, generate_images, what)
         paths = save_images(result, output_dir, "image")
-    typer.echo(f"seed {result.seed}, {result.elapsed_s:.1f} s", err=True)
+    typer.echo(console.summary(what, loaded.device, job.steps, result.elapsed_s, clock, result.seed,
+                               per=(job.num_images, "an image")), err=True)
     for path in paths:
         typer.echo(str(path))

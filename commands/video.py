@@ -26,10 +26,13 @@ class VideoFormat(str, Enum):
 @app.command("video", cls=c.Command, help="Generate a short video from a prompt with a diffusers text-to-video model.")
 def video(
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="What happens in the clip.")],
-    num_frames: Annotated[int, typer.Option(help="Frames to generate (Wan rounds to 4k+1).")] = 33,
+    num_frames: Annotated[Optional[int], typer.Option(
+        help="Frames to generate (Wan: 4k+1).", show_default="33, fewer if the model's limit is lower")] = None,
     fps: Annotated[int, typer.Option(help="Frames per second of the mp4.")] = 16,
-    height: Annotated[int, typer.Option(help="Height in pixels, a multiple of 16.")] = 480,
-    width: Annotated[int, typer.Option(help="Width in pixels, a multiple of 16.")] = 832,
+    height: Annotated[Optional[int], typer.Option(
+        help="Height in pixels, a multiple of 16.", show_default="480, less if the model's limit is lower")] = None,
+    width: Annotated[Optional[int], typer.Option(
+        help="Width in pixels, a multiple of 16.", show_default="832, less if the model's limit is lower")] = None,
     steps: Annotated[int, typer.Option(help="Denoising steps.")] = 30,
     guidance_scale: Annotated[float, typer.Option(help="CFG scale.")] = 5.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed; same seed, same frames. Random if unset.")] = None,
@@ -47,21 +50,31 @@ def video(
 ) -> None:
     import time
 
-    from minisgl_cli.media.console import cli_errors, generate_with_progress, quiet_libraries
+    from minisgl_cli.media import console
     from minisgl_cli.media.encode import unique_path, write_frames, write_mp4
-    from minisgl_cli.media.jobs import ModelSpec, VideoJob
+    from minisgl_cli.media.jobs import ModelSpec, VideoJob, job_defaults
+    from minisgl_cli.media.limits import fit_defaults
     from minisgl_cli.media.video import generate_video
 
-    quiet_libraries()
-    with cli_errors():
-        job = VideoJob(prompt, width, height, num_frames, fps, steps, guidance_scale, seed, negative_prompt)
+    console.quiet_libraries()
+    default = job_defaults(VideoJob)
+    with console.cli_errors():
+        given = lambda value, name: default[name] if value is None else value  # noqa: E731
+        job = VideoJob(prompt, given(width, "width"), given(height, "height"), given(num_frames, "num_frames"),
+                       fps, steps, guidance_scale, seed, negative_prompt)  # checked before loading
+        console.writable_dir(output_dir)
         spec = ModelSpec.create("video", model, model_dir, device=device, cpu_offload=cpu_offload)
-        result = generate_with_progress(spec, job, generate_video, f"{width}x{height}x{num_frames}")
+        loaded = console.load_with_status(spec)
+        job, note = fit_defaults(loaded.pipe, job, size=width is None and height is None, frames=num_frames is None)
+        if note:
+            typer.echo(f"note: {note}", err=True)
+        what = f"{job.width}x{job.height}x{job.num_frames}"
+        result, clock = console.run_with_progress(loaded, job, generate_video, what)
         stem = f"video_{time.strftime('%Y%m%d-%H%M%S')}_s{result.seed}"
         if format is VideoFormat.mp4:
             out = write_mp4(result.frames, result.fps, unique_path(output_dir, stem, ".mp4"))
         else:
             out = unique_path(output_dir, stem + "_frames")
             write_frames(result.frames, out)
-    typer.echo(f"seed {result.seed}, {len(result.frames)} frames, {result.elapsed_s:.1f} s", err=True)
+    typer.echo(console.summary(what, loaded.device, job.steps, result.elapsed_s, clock, result.seed), err=True)
     typer.echo(str(out))

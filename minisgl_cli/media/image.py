@@ -7,12 +7,14 @@ from pathlib import Path
 
 from minisgl_cli.media.encode import unique_path
 from minisgl_cli.media.jobs import ImageJob, ImageResult
+from minisgl_cli.media.limits import check_job, prompt_kwargs
 from minisgl_cli.media.pipelines import LoadedPipeline, StepCallback
 
 
 def generate_images(loaded: LoadedPipeline, job: ImageJob, on_step: StepCallback | None = None) -> ImageResult:
-    out, seed, elapsed_s = loaded.generate(job, {"num_images_per_prompt": job.num_images, "output_type": "pil"},
-                                           on_step)
+    check_job(loaded.pipe, job)
+    kwargs = {"num_images_per_prompt": job.num_images, "output_type": "pil", **prompt_kwargs(loaded.pipe)}
+    out, seed, elapsed_s = loaded.generate(job, kwargs, on_step)
     return ImageResult([im.convert("RGB") for im in out.images], seed, elapsed_s, loaded.model_dir)
 
 

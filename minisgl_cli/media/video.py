@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from minisgl_cli.media.jobs import VideoJob, VideoResult
+from minisgl_cli.media.limits import check_job
 from minisgl_cli.media.pipelines import LoadedPipeline, StepCallback
 
 
@@ -21,5 +22,6 @@ def _to_uint8_frames(video: Any) -> list[Any]:
 
 
 def generate_video(loaded: LoadedPipeline, job: VideoJob, on_step: StepCallback | None = None) -> VideoResult:
+    check_job(loaded.pipe, job)
     out, seed, elapsed_s = loaded.generate(job, {"num_frames": job.num_frames, "output_type": "np"}, on_step)
     return VideoResult(_to_uint8_frames(out.frames[0]), job.fps, seed, elapsed_s, loaded.model_dir)

@@ -1,5 +1,6 @@
-// minisgl web page: a chat pane on /v1/chat/completions, an image tab on /v1/images/generations, and a live
-// view of the engine polled from /metrics/live. Plain JS, no libraries, same origin only.
+// minisgl web page: a chat pane on /v1/chat/completions, an image tab on /v1/images/generations (streamed
+// previews), and a live view of the engine (and the media queue) polled from /metrics/live. Plain JS, no
+// libraries, same origin only.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -189,6 +190,22 @@ function render(m) {
   plot("plot-prefill", state.series.prefill, prefill, "#e0802c");
   plot("plot-decode", state.series.decode, decode, "#2f6fde");
   renderRecent(m.recent || []);
+  renderMedia(m.media);
+}
+
+// The media worker's queue, where /metrics has a "media" section (a server without one shows nothing).
+function renderMedia(media) {
+  $("media-live").hidden = !media;
+  if (!media) return;
+  const pick = (...names) => names.map((k) => media[k]).find((v) => typeof v === "number");
+  const queued = pick("queued", "queue", "waiting", "queue_depth");
+  const inflight = pick("in_flight", "inflight", "running", "active");
+  show("m-media-queued", fmt(queued));
+  show("m-media-inflight", fmt(inflight));
+  const shown = new Set(["queued", "queue", "waiting", "queue_depth", "in_flight", "inflight", "running", "active"]);
+  const extra = Object.entries(media).filter(([k, v]) => !shown.has(k) && typeof v === "number")
+    .map(([k, v]) => `${k.replace(/_/g, " ")} ${Number.isInteger(v) ? fmt(v) : fixed(v, 2)}`);
+  show("m-media-extra", extra.join(" · "));
 }
 
 // The last requests, newest first; rebuilt only when a request has ended since the last event.
@@ -358,16 +375,43 @@ function newChat() {
 }
 
 // --- images ----------------------------------------------------------------------------------------------
+// Asked for as a stream (OpenAI's images streaming API): `image_generation.partial_image` events carry previews
+// ({b64_json, partial_image_index}), then `image_generation.completed` the final image, one per image of n
+// (an `index` field, where the server sends one, says which). A server that answers JSON instead gets the
+// whole answer shown at once.
+const IMAGE_PREVIEWS = 2;
+
+function imageSlots(n, prompt) {
+  const slots = [];
+  for (let i = 0; i < n; i++) {
+    const img = document.createElement("img");
+    img.alt = prompt;
+    img.className = "pending";
+    slots.push(img);
+  }
+  $("images").prepend(...slots);
+  return slots;
+}
+
+function showImage(img, data, final) {
+  img.src = `data:image/${data.output_format || "png"};base64,${data.b64_json}`;
+  img.classList.toggle("pending", !final);
+  img.dataset.final = final ? "1" : "0";
+}
+
 async function generateImage() {
   const prompt = $("image-prompt").value.trim();
   if (!prompt) return;
+  const n = Math.max(1, parseInt($("image-n").value, 10) || 1);
   const body = { prompt, size: $("image-size").value.trim(), steps: parseInt($("image-steps").value, 10) || 9,
-    n: 1, response_format: "b64_json" };
+    n, response_format: "b64_json", stream: true, partial_images: IMAGE_PREVIEWS };
   const seed = $("image-seed").value;
   if (seed !== "") body.seed = parseInt(seed, 10);
   $("image-go").disabled = true;
   $("image-status").textContent = "generating…";
   const t0 = performance.now();
+  const secs = () => ((performance.now() - t0) / 1000).toFixed(1);
+  let slots = null;
   try {
     let res;
     for (;;) {
@@ -379,15 +423,41 @@ async function generateImage() {
         await askKey(state.key ? "That key was refused." : "");
       }
     }
-    const out = await res.json();
-    for (const item of out.data) {
-      const img = document.createElement("img");
-      img.src = `data:image/png;base64,${item.b64_json}`;
-      img.alt = prompt;
-      $("images").prepend(img);
+    slots = imageSlots(n, prompt);
+    let size = body.size;
+    if ((res.headers.get("content-type") || "").startsWith("text/event-stream")) {
+      let done = 0;
+      let previews = 0;
+      for await (const ev of events(res)) {
+        if (ev.data === "[DONE]") break;
+        const data = JSON.parse(ev.data);
+        const type = ev.event !== "message" ? ev.event : data.type;
+        if (type === "error" || data.error) throw new Error((data.error && data.error.message) || ev.data);
+        const slot = slots[Math.min(n - 1, data.index ?? done)];
+        if (type === "image_generation.partial_image") {
+          previews += 1;
+          showImage(slot, data, false);
+          $("image-status").textContent = `preview ${data.partial_image_index + 1} of image ${Math.min(n, done + 1)}`
+            + `/${n} · ${secs()} s`;
+        } else if (type === "image_generation.completed") {
+          showImage(slot, data, true);
+          done += 1;
+          size = data.size || size;
+          $("image-status").textContent = `image ${done}/${n} · ${secs()} s`;
+        }
+      }
+      if (done < n) throw new Error(`the stream ended after ${done} of ${n} images`);
+      $("image-status").textContent = `${size} · ${n} image${n > 1 ? "s" : ""} in ${secs()} s`
+        + ` · ${previews} preview${previews === 1 ? "" : "s"} (streamed)`;
+    } else {
+      const out = await res.json();
+      out.data.forEach((item, i) => showImage(slots[i] || imageSlots(1, prompt)[0], item, true));
+      for (const img of slots.slice(out.data.length)) img.remove();
+      $("image-status").textContent = `${out.size || size} · ${out.data.length} image`
+        + `${out.data.length > 1 ? "s" : ""} in ${secs()} s`;
     }
-    $("image-status").textContent = `${out.size} in ${((performance.now() - t0) / 1000).toFixed(1)} s`;
   } catch (err) {
+    for (const img of slots || []) if (img.dataset.final !== "1") img.remove();
     $("image-status").textContent = `error: ${err.message}`;
   } finally {
     $("image-go").disabled = false;
