@@ -69,6 +69,9 @@ def cached_steps(pipe: Any) -> list[int]:
 
 
 def _num_blocks(pipe: Any) -> int:
+    """The DiT's main stack (its longest ModuleList: Z-Image's `layers`, not its refiners; Wan's `blocks`)."""
+    from torch import nn
+
     denoiser = getattr(pipe, "transformer", None)
-    names = set(getattr(denoiser, "_repeated_blocks", None) or ())
-    return sum(type(m).__name__ in names for m in denoiser.modules()) if denoiser is not None else 0
+    stacks = [len(m) for m in denoiser.children() if isinstance(m, nn.ModuleList)] if denoiser is not None else []
+    return max(stacks, default=0)
