@@ -108,6 +108,12 @@ _cache: dict[tuple, LoadedPipeline] = {}
 _cache_lock = threading.Lock()
 
 
+def unload_all() -> None:
+    """Drop every cached pipeline (a benchmark frees one variant's GPU memory before it builds the next)."""
+    with _cache_lock:
+        _cache.clear()
+
+
 def _env_for(spec: ModelSpec) -> str:
     return env.IMAGE_MODEL_DIR if spec.kind == "image" else env.VIDEO_MODEL_DIR
 

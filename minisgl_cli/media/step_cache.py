@@ -29,9 +29,10 @@ def check_mode(mode: str) -> str:
 
 
 def _quiet(log: logging.Logger) -> None:
-    """cache-dit logs its info lines to stdout (where `minisgl image` prints the file paths): warnings only, stderr."""
+    """cache-dit logs its info lines (and a benign pattern-check warning) to stdout, where `minisgl image` prints
+    the file paths: errors only, on stderr."""
     for handler in log.handlers:
-        handler.setLevel(logging.WARNING)
+        handler.setLevel(logging.ERROR)
         if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
             handler.setStream(sys.stderr)
 
