@@ -215,3 +215,19 @@ def test_regional_compile_matches_eager_and_stores_its_cache(tmp_path, monkeypat
     assert any((tmp_path / "inductor").rglob("*"))  # the kernels stored for the next start
     torch._dynamo.reset()
     assert compile_denoiser(torch.nn.Linear(4, 4)) == "whole"  # no repeated blocks: the module compiles whole
+
+
+def test_serve_settings_take_the_speed_options_from_the_environment(monkeypatch):
+    from minisgl_cli.media.settings import MediaSettings
+
+    for var, value in {"MINISGL_IMAGE_MODEL": "tiny-z-image", "MINISGL_MEDIA_LOAD_FORMAT": "dummy",
+                       "MINISGL_MEDIA_CACHE": "fbcache", "MINISGL_MEDIA_QUANTIZATION": "fp8",
+                       "MINISGL_MEDIA_COMPILE": "off", "MINISGL_MEDIA_ATTENTION": "sdpa"}.items():
+        monkeypatch.setenv(var, value)
+    settings = MediaSettings.from_env()
+    spec = settings.spec("image")
+    assert (spec.model, spec.load_format, spec.media_cache, spec.quantization, spec.compile,
+            spec.attention_backend) == ("tiny-z-image", "dummy", "fbcache", "fp8", False, "sdpa")
+    assert settings.available("image")  # a built-in config needs no dir on disk
+    monkeypatch.setenv("MINISGL_MEDIA_COMPILE", "auto")
+    assert MediaSettings.from_env().compile is None

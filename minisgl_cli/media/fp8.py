@@ -32,10 +32,15 @@ class Fp8Linear(nn.Module):
         w = linear.weight.detach()
         codes, scale = fp8.quantize_rows(w)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(codes, requires_grad=False)
-        self.weight_scale = nn.Parameter(scale[:, 0].contiguous(), requires_grad=False)
+        # Buffers, not parameters: diffusers takes a model's dtype from its first floating parameter, and an e4m3
+        # one would make the pipeline cast its text embeddings to 8 bits.
+        self.register_buffer("weight", codes)
+        self.register_buffer("weight_scale", scale[:, 0].contiguous())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.out_dtype = w.dtype
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
