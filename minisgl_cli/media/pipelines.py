@@ -224,10 +224,17 @@ def _auto_attention(device: str) -> str:
     return "_native_cudnn"
 
 
+def _set_attention(pipe: Any, denoiser: Any, backend: str, name: str) -> None:
+    if not hasattr(denoiser, "set_attention_backend"):
+        raise MediaError(f"{type(pipe).__name__} does not support choosing the attention backend", "attention_backend")
+    try:
+        denoiser.set_attention_backend(backend)
+    except Exception as exc:  # e.g. flash-attn / sageattention not installed, or GPU too old
+        raise MediaError(f"--attention-backend {name} unavailable: {_first_line(exc)}", "attention_backend") from None
+
+
 def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
-    if spec.cpu_offload:
-        if not device.startswith("cuda"):
-            raise MediaError(f"--cpu-offload needs a CUDA device, this run uses {device}", "cpu_offload")
+    if spec.cpu_offload:  # (check_options refused it off CUDA)
         pipe.enable_model_cpu_offload()
     else:
         pipe.to(device)
@@ -238,18 +245,14 @@ def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
         if denoiser is None:
             raise MediaError(f"{type(pipe).__name__} has no transformer to quantize", "quantization")
         quantize_denoiser(denoiser)
-    backend = ATTENTION_BACKENDS[spec.attention_backend] or _auto_attention(device)
+    chosen = ATTENTION_BACKENDS[spec.attention_backend]
+    backend = chosen or _auto_attention(device)
     if backend != "native":
-        if not hasattr(denoiser, "set_attention_backend"):
-            raise MediaError(
-                f"{type(pipe).__name__} does not support choosing the attention backend", "attention_backend"
-            )
         try:
-            denoiser.set_attention_backend(backend)
-        except Exception as exc:  # e.g. flash-attn / sageattention not installed, or GPU too old
-            raise MediaError(
-                f"--attention-backend {spec.attention_backend} unavailable: {_first_line(exc)}", "attention_backend"
-            ) from None
+            _set_attention(pipe, denoiser, backend, spec.attention_backend)
+        except MediaError:
+            if chosen:  # asked for by name: say why not; auto keeps PyTorch's SDPA choice
+                raise
     if compiles(spec, device):
         from minisgl_cli.media.compile import compile_denoiser, compile_vae_decode
 
