@@ -110,12 +110,13 @@ def builtin_kind(name: str) -> Kind:
     return PIPELINES[name][0]
 
 
-def _cast(model: Any, dtype: Any) -> Any:
+def _cast(model: Any, dtype: Any, keep_fp32: bool = True) -> Any:
     """`model` in `dtype` as from_pretrained(torch_dtype=dtype) leaves it: its fp32-kept modules (Wan's norms,
-    RoPE, time embedder) stay in float32."""
+    RoPE, time embedder) stay in float32 where `keep_fp32` (diffusers always; transformers under fp16 only)."""
+    import torch
 
-    model.to(dtype)
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    torch.nn.Module.to(model, dtype)  # (ModelMixin.to warns about the fp32-kept modules this handles next)
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ()) if keep_fp32 else set()
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if keep & set(name.split(".")) and tensor.is_floating_point():
             tensor.data = tensor.data.float()
@@ -145,7 +146,7 @@ def build_dummy_pipeline(name: str, device: str, dtype: Any) -> Any:
                     **kwargs, **({} if "vocab_size" in kwargs else {"vocab_size": len(tokenizer)}),
                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                     **({"decoder_start_token_id": tokenizer.pad_token_id} if cls_name == "UMT5EncoderModel" else {}))
-                components[part] = _cast(getattr(transformers, cls_name)(config), dtype)
+                components[part] = _cast(getattr(transformers, cls_name)(config), dtype, dtype == torch.float16)
             elif part == "scheduler":
                 components[part] = getattr(diffusers, cls_name)(**kwargs)
             else:
