@@ -45,7 +45,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if x.is_cuda:
-            xq, xs = fp8.quantize_rows(x2)  # under torch.compile the amax, scale and cast fuse into one kernel
+            xq, xs = _quant_rows(x2)
             y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale[None, :],
                                  out_dtype=torch.bfloat16, bias=None)
         else:  # the same numbers in fp32: per-token codes times per-channel codes
@@ -58,6 +58,19 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel"
+
+
+def _quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token e4m3 codes and scales. Under torch.compile: kernels/fp8.py's torch ops, which inductor fuses into
+    the block's graph; eager: the engine's one-pass Triton kernel (the same codes, bit for bit: test_gpu_fp8.py)."""
+    if not torch.compiler.is_compiling():
+        try:
+            from minisgl_cli.kernels.triton.fp8 import quant_rows
+        except ImportError:  # no Triton
+            pass
+        else:
+            return quant_rows(x.contiguous(), pdl=False)
+    return fp8.quantize_rows(x)
 
 
 def check_device(device: str) -> None:
