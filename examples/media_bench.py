@@ -40,7 +40,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-IMAGE_VARIANTS = "plain,eager+sdpa,eager,compile,fp8,compile+fp8,compile+fbcache,compile+fp8+fbcache"
+IMAGE_VARIANTS = ("plain,eager+sdpa,eager,compile+sdpa,compile,compile,fp8,compile+fp8,compile+fbcache,"
+                  "compile+fp8+fbcache")
 VIDEO_VARIANTS = "plain,eager,compile,compile+fp8,compile+fbcache,compile+fp8+fbcache,compile+fp8+taylorseer"
 ATTENTION = ("sdpa", "cudnn", "flash2", "flash3", "sage", "auto")
 CACHES = ("fbcache", "dbcache", "taylorseer")
