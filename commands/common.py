@@ -15,6 +15,7 @@ import threading
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, dataclass, field, fields, replace
+from enum import Enum
 from typing import (
     TYPE_CHECKING,
     Annotated,
@@ -49,6 +50,7 @@ PARALLEL_PANEL = "Processes and parallelism"
 SERVER_PANEL = "Server"
 LIMITS_PANEL = "Limits"
 MEDIA_PANEL = "Media"
+SPEED_PANEL = "Speed"  # the diffusion pipelines' speed options (image, video; serve's with a media prefix)
 BENCH_PANEL = "Bench"
 ONLINE_PANEL = "Bench a server (--url)"
 
@@ -67,6 +69,72 @@ def pipeline_options(model_env: str, dir_env: str, dir_default: str) -> tuple[An
         envvar=dir_env, rich_help_panel=MODEL_PANEL, show_default=dir_default,
         help="Local pipeline dir (with model_index.json); the weights are fetched here if missing.")
     return model, model_dir
+
+
+class MediaAttention(str, Enum):
+    auto = "auto"
+    sdpa = "sdpa"
+    cudnn = "cudnn"
+    flash2 = "flash2"
+    flash3 = "flash3"
+    sage = "sage"
+
+
+class MediaCompile(str, Enum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+    def flag(self) -> bool | None:
+        return None if self is MediaCompile.auto else self is MediaCompile.on
+
+
+class MediaQuantization(str, Enum):
+    none = "none"
+    fp8 = "fp8"
+
+
+class MediaCache(str, Enum):
+    dbcache = "dbcache"
+    fbcache = "fbcache"
+    taylorseer = "taylorseer"
+
+
+class MediaLoadFormat(str, Enum):
+    auto = "auto"
+    dummy = "dummy"
+
+
+def media_speed_options(serve: bool = False) -> tuple[Any, Any, Any, Any, Any]:
+    """The diffusion pipelines' speed options: (compile, attention backend, quantization, step cache, load format).
+    In their own panel: --compile, --quantization... on image / video; on serve with a media prefix
+    (--media-quantization: serve's --quantization is the LLM's). One env var each, for all three commands."""
+    panel, p = (f"Media {SPEED_PANEL.lower()}", "--media-") if serve else (SPEED_PANEL, "--")
+    what = "Regional torch.compile of the DiT's blocks and the image VAE decode (stored: later starts reuse it)"
+    if serve:  # auto / on / off, as the engine's --torch-compile (a --no- twin would not fit the help's columns)
+        compile_ = typer.Option("--media-compile", envvar="MINISGL_MEDIA_COMPILE", metavar="<str>",
+                                rich_help_panel=panel, help=f"{what}: auto (on for CUDA), on, off.")
+    else:
+        compile_ = typer.Option("--compile/--no-compile", envvar="MINISGL_MEDIA_COMPILE", rich_help_panel=panel,
+                                show_default="on for CUDA", help=f"{what}.")
+    attention = typer.Option(
+        f"{p}attention" if serve else "--attention-backend", envvar="MINISGL_MEDIA_ATTENTION",
+        metavar="<str>", rich_help_panel=panel,
+        help="DiT attention: auto (cuDNN on Hopper), sdpa, cudnn, flash2, flash3, sage (8-bit, approximate).")
+    quantization = typer.Option(
+        f"{p}quantization", envvar="MINISGL_MEDIA_QUANTIZATION", metavar="<str>", rich_help_panel=panel,
+        help="fp8: the DiT's block linears in FP8 e4m3 (CUDA, compute capability 8.9+).")
+    cache = typer.Option(
+        "--media-cache", envvar="MINISGL_MEDIA_CACHE", metavar="<str>", rich_help_panel=panel,
+        help="Step cache (cache-dit; approximate): fbcache, dbcache or taylorseer.")
+    load_format = typer.Option(
+        f"{p}load-format", envvar="MINISGL_MEDIA_LOAD_FORMAT", metavar="<str>", rich_help_panel=panel,
+        help="dummy: the model names a built-in config (z-image-turbo, wan2.1-t2v-1.3b), random weights (speed work).")
+    return compile_, attention, quantization, cache, load_format
+
+
+def media_quantization(value: MediaQuantization) -> str | None:
+    return None if value is MediaQuantization.none else value.value
 
 
 class Command(TyperCommand):

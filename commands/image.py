@@ -15,6 +15,7 @@ app = typer.Typer()
 setup = c.in_panel(c.MODEL_PANEL)  # the model and how it runs
 MODEL, MODEL_DIR = c.pipeline_options("MINISGL_IMAGE_MODEL", "Z_IMAGE_MODEL_DIR",
                                       f"{DEFAULT_IMAGE_MODEL_DIR} for the default --model")
+COMPILE, ATTENTION, QUANTIZATION, MEDIA_CACHE, LOAD_FORMAT = c.media_speed_options()
 
 
 class Aspect(str, Enum):
@@ -23,12 +24,6 @@ class Aspect(str, Enum):
     tall = "9:16"
     landscape = "4:3"
     portrait = "3:4"
-
-
-class AttentionBackend(str, Enum):
-    sdpa = "sdpa"
-    flash2 = "flash2"
-    flash3 = "flash3"
 
 
 @app.command("image", cls=c.Command,
@@ -55,10 +50,11 @@ def image(
     output_dir: Annotated[Path, typer.Option(envvar="MINISGL_OUTPUT_DIR", help="Where PNGs go.")] = Path("outputs"),
     cpu_offload: Annotated[bool, setup(
         "--cpu-offload", help="Keep idle sub-models on the CPU (CUDA only).")] = False,
-    compile: Annotated[bool, setup(
-        "--compile", help="torch.compile the transformer/UNet (slow first run).")] = False,
-    attention_backend: Annotated[AttentionBackend, setup(
-        metavar="<str>", help="Attention kernels: sdpa, flash2, flash3.")] = AttentionBackend.sdpa,
+    compile: Annotated[Optional[bool], COMPILE] = None,
+    attention_backend: Annotated[c.MediaAttention, ATTENTION] = c.MediaAttention.auto,
+    quantization: Annotated[c.MediaQuantization, QUANTIZATION] = c.MediaQuantization.none,
+    media_cache: Annotated[Optional[c.MediaCache], MEDIA_CACHE] = None,
+    load_format: Annotated[c.MediaLoadFormat, LOAD_FORMAT] = c.MediaLoadFormat.auto,
 ) -> None:
     from minisgl_cli.media import console
     from minisgl_cli.media.image import generate_images, save_images
@@ -72,7 +68,8 @@ def image(
         console.writable_dir(output_dir)
         spec = ModelSpec.create(
             "image", model, model_dir, device=device, cpu_offload=cpu_offload, compile=compile,
-            attention_backend=attention_backend.value,
+            attention_backend=attention_backend.value, quantization=c.media_quantization(quantization),
+            media_cache=media_cache.value if media_cache else None, load_format=load_format.value,
         )
         loaded = console.load_with_status(spec)
         job, note = fit_defaults(loaded.pipe, job, size=width is None and height is None)

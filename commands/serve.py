@@ -19,6 +19,7 @@ app = typer.Typer()
 server = c.in_panel(c.SERVER_PANEL)
 limits = c.in_panel(c.LIMITS_PANEL)
 media = c.in_panel(c.MEDIA_PANEL)
+COMPILE, ATTENTION, QUANTIZATION, MEDIA_CACHE, LOAD_FORMAT = c.media_speed_options(serve=True)
 
 
 @app.command("serve", cls=c.Command)
@@ -56,6 +57,17 @@ def serve(
         help="Diffusers pipeline dir for /v1/images/generations.")] = None,
     video_model_dir: Annotated[Optional[Path], media("--video-model-dir", envvar="MINISGL_VIDEO_MODEL_DIR",
         help="Diffusers pipeline dir for /v1/videos/generations.")] = None,
+    image_model: Annotated[Optional[str], media("--image-model", envvar="MINISGL_IMAGE_MODEL",
+        help="Image pipeline (hub id; a built-in config under --media-load-format dummy).",
+        show_default="Z-Image-Turbo")] = None,
+    video_model: Annotated[Optional[str], media("--video-model", envvar="MINISGL_VIDEO_MODEL",
+        help="Video pipeline (hub id; a built-in config under --media-load-format dummy).",
+        show_default="Wan2.1-T2V-1.3B")] = None,
+    media_compile: Annotated[c.MediaCompile, COMPILE] = c.MediaCompile.auto,
+    media_attention: Annotated[c.MediaAttention, ATTENTION] = c.MediaAttention.auto,
+    media_quantization: Annotated[c.MediaQuantization, QUANTIZATION] = c.MediaQuantization.none,
+    media_cache: Annotated[Optional[c.MediaCache], MEDIA_CACHE] = None,
+    media_load_format: Annotated[c.MediaLoadFormat, LOAD_FORMAT] = c.MediaLoadFormat.auto,
     vlm_model: Annotated[Optional[str], media("--vlm-model", envvar="MINISGL_VLM_MODEL",
         help="Vision-language model (HF dir or hub id) for image_url chat parts: Qwen2-VL / Qwen2.5-VL run on the "
              "engine (as the served model), others in transformers.")] = None,
@@ -108,10 +120,12 @@ def serve(
     total = min(caps) if caps else max_inflight_total
     per_replica = max_inflight_per_engine or None
     media = MediaSettings.from_env()
-    media = MediaSettings(
-        image_model=media.image_model, image_model_dir=image_model_dir or media.image_model_dir,
-        video_model=media.video_model, video_model_dir=video_model_dir or media.video_model_dir,
-        device=media.device,
+    media = replace(
+        media, image_model=image_model or media.image_model, video_model=video_model or media.video_model,
+        image_model_dir=image_model_dir or media.image_model_dir,
+        video_model_dir=video_model_dir or media.video_model_dir, compile=media_compile.flag(),
+        attention_backend=media_attention.value, quantization=c.media_quantization(media_quantization),
+        media_cache=media_cache.value if media_cache else None, load_format=media_load_format.value,
     )
     if allow_local_images is not None and not allow_local_images.expanduser().is_dir():
         c.fail(f"--allow-local-images {allow_local_images}: not a directory")

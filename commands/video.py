@@ -13,6 +13,7 @@ from minisgl_cli.media.jobs import DEFAULT_VIDEO_MODEL
 
 MODEL, MODEL_DIR = c.pipeline_options("MINISGL_VIDEO_MODEL", "MINISGL_VIDEO_MODEL_DIR",
                                       "~/.cache/mini-sglang/<repo name>")
+COMPILE, ATTENTION, QUANTIZATION, MEDIA_CACHE, LOAD_FORMAT = c.media_speed_options()
 
 app = typer.Typer()
 setup = c.in_panel(c.MODEL_PANEL)  # the model and how it runs
@@ -47,6 +48,11 @@ def video(
     output_dir: Annotated[Path, typer.Option(envvar="MINISGL_OUTPUT_DIR", help="Where videos go.")] = Path("outputs"),
     cpu_offload: Annotated[bool, setup(
         "--cpu-offload", help="Keep idle sub-models on the CPU (CUDA only).")] = False,
+    compile: Annotated[Optional[bool], COMPILE] = None,
+    attention_backend: Annotated[c.MediaAttention, ATTENTION] = c.MediaAttention.auto,
+    quantization: Annotated[c.MediaQuantization, QUANTIZATION] = c.MediaQuantization.none,
+    media_cache: Annotated[Optional[c.MediaCache], MEDIA_CACHE] = None,
+    load_format: Annotated[c.MediaLoadFormat, LOAD_FORMAT] = c.MediaLoadFormat.auto,
 ) -> None:
     import time
 
@@ -63,7 +69,11 @@ def video(
         job = VideoJob(prompt, given(width, "width"), given(height, "height"), given(num_frames, "num_frames"),
                        fps, steps, guidance_scale, seed, negative_prompt)  # checked before loading
         console.writable_dir(output_dir)
-        spec = ModelSpec.create("video", model, model_dir, device=device, cpu_offload=cpu_offload)
+        spec = ModelSpec.create(
+            "video", model, model_dir, device=device, cpu_offload=cpu_offload, compile=compile,
+            attention_backend=attention_backend.value, quantization=c.media_quantization(quantization),
+            media_cache=media_cache.value if media_cache else None, load_format=load_format.value,
+        )
         loaded = console.load_with_status(spec)
         job, note = fit_defaults(loaded.pipe, job, size=width is None and height is None, frames=num_frames is None)
         if note:

@@ -183,6 +183,33 @@ def media_device() -> str | None:
     return _text("MINISGL_DEVICE")
 
 
+def media_compile() -> bool | None:
+    """MINISGL_MEDIA_COMPILE (--compile / --no-compile; serve's --media-compile): regional torch.compile of the DiT;
+    unset or auto: on for CUDA."""
+    raw = (_text("MINISGL_MEDIA_COMPILE") or "auto").strip().lower()
+    return None if raw == "auto" else flag("MINISGL_MEDIA_COMPILE")
+
+
+def media_attention_backend() -> str:
+    """MINISGL_MEDIA_ATTENTION (--attention-backend): the DiT's attention kernels; default auto."""
+    return _text("MINISGL_MEDIA_ATTENTION") or "auto"
+
+
+def media_quantization() -> str | None:
+    """MINISGL_MEDIA_QUANTIZATION (--quantization on image / video, --media-quantization on serve): fp8 DiT weights."""
+    return _text("MINISGL_MEDIA_QUANTIZATION")
+
+
+def media_cache() -> str | None:
+    """MINISGL_MEDIA_CACHE (--media-cache): cache-dit's step cache (dbcache, fbcache, taylorseer); approximate."""
+    return _text("MINISGL_MEDIA_CACHE")
+
+
+def media_load_format() -> str:
+    """MINISGL_MEDIA_LOAD_FORMAT (--load-format on image / video, --media-load-format on serve): auto or dummy."""
+    return _text("MINISGL_MEDIA_LOAD_FORMAT") or "auto"
+
+
 # --- bench defaults (the reference stack's variables) --------------------------------------------
 def bench_repeat() -> int:
     return _int("BENCH_REPEAT", 3)

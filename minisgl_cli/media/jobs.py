@@ -104,8 +104,8 @@ class ModelSpec:
     model_dir: Path
     device: str | None = None  # None/"auto": mps -> cuda -> cpu
     cpu_offload: bool = False
-    compile: bool = False
-    attention_backend: str = "sdpa"
+    compile: bool | None = None  # None: on for CUDA (regional compile of the DiT's blocks), off on CPU / MPS
+    attention_backend: str = "auto"  # media/pipelines.py ATTENTION_BACKENDS
     allow_download: bool = True
     quantization: str | None = None  # "fp8": the DiT's linear weights in FP8 e4m3 (CUDA)
     media_cache: str | None = None  # a cache-dit step cache (approximate, opt-in): "dbcache", "fbcache", "taylorseer"

@@ -1,5 +1,12 @@
-"""Loading diffusers pipelines from a model dir (fetched once from the hub if allowed), cached per
-(model dir, device, dtype, options) so a server pays the load on first use only."""
+"""Loading diffusers pipelines from a model dir (fetched once from the hub if allowed) or a built-in config
+(`load_format="dummy"`), with their speed-ups applied, cached per (model, device, dtype, options) so a server pays
+the load on first use only.
+
+The speed-ups, in the order they apply: FP8 DiT linears (media/fp8.py), the attention kernels, regional compile of
+the DiT's blocks and the image VAE's decode (media/compile.py), cache-dit's step cache (media/step_cache.py),
+the text-embedding cache (media/prompt_cache.py, always on: it is exact). VAE tiling switches on per job past
+TILE_PIXELS (an image) or TILE_VOXELS (a video's frames x pixels).
+"""
 
 from __future__ import annotations
 
@@ -16,8 +23,14 @@ from minisgl_cli import env
 from minisgl_cli.device import pick_device, pick_dtype
 from minisgl_cli.media.jobs import ImageJob, MediaError, ModelNotFoundError, ModelSpec, VideoJob
 
-# CLI name -> diffusers attention-dispatch backend name.
-ATTENTION_BACKENDS = {"sdpa": "native", "flash2": "flash", "flash3": "_flash_3"}
+# CLI name -> diffusers attention-dispatch backend name. "auto": cuDNN's fused attention through SDPA on Hopper
+# and later where it runs (exact; SDPA alone falls back to its slower memory-efficient kernel under Z-Image's
+# caption mask), PyTorch's SDPA choice elsewhere. "sage": SageAttention's 8-bit QK (approximate; needs the
+# sageattention package).
+ATTENTION_BACKENDS = {"auto": "", "sdpa": "native", "cudnn": "_native_cudnn", "flash2": "flash", "flash3": "_flash_3",
+                      "sage": "sage"}
+TILE_PIXELS = 2048 * 2048  # an image VAE decodes in tiles above this (memory; 1024^2 decodes whole in 87 ms)
+TILE_VOXELS = 1280 * 720 * 81  # a video VAE above this many frames x pixels
 
 StepCallback = Callable[[int, int], None]  # (steps done, steps total)
 
@@ -38,6 +51,15 @@ class LoadedPipeline:
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             return None
         return set(params)
+
+    def tile_vae_for(self, width: int, height: int, frames: int = 1) -> bool:
+        """Decode in tiles when the job is large (VAE memory grows with its pixels); returns whether it tiles."""
+        vae = getattr(self.pipe, "vae", None)
+        if vae is None or not hasattr(vae, "enable_tiling"):
+            return False
+        tile = width * height * frames > (TILE_VOXELS if self.spec.kind == "video" else TILE_PIXELS)
+        vae.enable_tiling() if tile else vae.disable_tiling()
+        return tile
 
     def run(self, kwargs: dict[str, Any], total_steps: int, on_step: StepCallback | None) -> Any:
         accepted = self.call_params()
@@ -64,6 +86,7 @@ class LoadedPipeline:
         # A CPU generator gives the same noise for a seed on every device.
         generator = torch.Generator("cpu").manual_seed(job.seed)
         start = time.perf_counter()
+        self.tile_vae_for(job.width, job.height, getattr(job, "num_frames", 1))
         out = self.run(
             {
                 "prompt": job.prompt,
@@ -83,6 +106,12 @@ class LoadedPipeline:
 
 _cache: dict[tuple, LoadedPipeline] = {}
 _cache_lock = threading.Lock()
+
+
+def unload_all() -> None:
+    """Drop every cached pipeline (a benchmark frees one variant's GPU memory before it builds the next)."""
+    with _cache_lock:
+        _cache.clear()
 
 
 def _env_for(spec: ModelSpec) -> str:
@@ -145,63 +174,145 @@ def _check_kind(pipe: Any, spec: ModelSpec) -> None:
         )
 
 
-def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
+def check_options(spec: ModelSpec, device: str) -> None:
+    """Every option valid for this device, before any weights load: an unknown or unavailable one is a clear error."""
     if spec.attention_backend not in ATTENTION_BACKENDS:
         raise MediaError(
             f"unknown attention backend {spec.attention_backend!r}: use one of {', '.join(ATTENTION_BACKENDS)}",
             "attention_backend",
         )
-    if spec.cpu_offload:
-        if not device.startswith("cuda"):
-            raise MediaError(f"--cpu-offload needs a CUDA device, this run uses {device}", "cpu_offload")
+    if spec.attention_backend not in ("auto", "sdpa") and not device.startswith("cuda"):
+        raise MediaError(f"--attention-backend {spec.attention_backend} needs CUDA (use sdpa)", "attention_backend")
+    if spec.cpu_offload and not device.startswith("cuda"):
+        raise MediaError(f"--cpu-offload needs a CUDA device, this run uses {device}", "cpu_offload")
+    if spec.quantization not in (None, "none", "fp8"):
+        raise MediaError(f"unknown --quantization {spec.quantization!r}: use fp8 (or none)", "quantization")
+    if spec.quantization == "fp8":
+        if spec.cpu_offload:
+            raise MediaError("--quantization fp8 and --cpu-offload do not combine", "quantization")
+        from minisgl_cli.media.fp8 import check_device
+
+        check_device(device)
+    if spec.media_cache is not None:
+        from minisgl_cli.media.step_cache import check_mode
+
+        check_mode(spec.media_cache)
+    if spec.load_format not in ("auto", "dummy"):
+        raise MediaError(f"unknown --load-format {spec.load_format!r}: use auto or dummy", "load_format")
+
+
+def compiles(spec: ModelSpec, device: str) -> bool:
+    """--compile / --no-compile, or by default (None) on CUDA only: CPU and MPS run eager."""
+    return device.startswith("cuda") if spec.compile is None else spec.compile
+
+
+def _auto_attention(device: str) -> str:
+    """cuDNN attention on compute capability 9.0+ when it runs a masked bf16 call here; else PyTorch's SDPA choice."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not device.startswith("cuda") or torch.cuda.get_device_capability(torch.device(device)) < (9, 0):
+        return "native"
+    q = torch.randn(1, 2, 64, 128, device=device, dtype=torch.bfloat16)
+    mask = torch.ones(1, 1, 1, 64, device=device, dtype=torch.bool)
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    except RuntimeError:
+        return "native"
+    return "_native_cudnn"
+
+
+def _set_attention(pipe: Any, denoiser: Any, backend: str, name: str) -> None:
+    if not hasattr(denoiser, "set_attention_backend"):
+        raise MediaError(f"{type(pipe).__name__} does not support choosing the attention backend", "attention_backend")
+    try:
+        denoiser.set_attention_backend(backend)
+    except Exception as exc:  # e.g. flash-attn / sageattention not installed, or GPU too old
+        raise MediaError(f"--attention-backend {name} unavailable: {_first_line(exc)}", "attention_backend") from None
+
+
+def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
+    if spec.cpu_offload:  # (check_options refused it off CUDA)
         pipe.enable_model_cpu_offload()
     else:
         pipe.to(device)
     denoiser = _denoiser(pipe)
-    if spec.attention_backend != "sdpa":
-        if not device.startswith("cuda"):
-            raise MediaError(f"--attention-backend {spec.attention_backend} needs CUDA (use sdpa)", "attention_backend")
-        if not hasattr(denoiser, "set_attention_backend"):
-            raise MediaError(
-                f"{type(pipe).__name__} does not support choosing the attention backend", "attention_backend"
-            )
+    if spec.quantization == "fp8":
+        from minisgl_cli.media.fp8 import quantize_denoiser
+
+        if denoiser is None:
+            raise MediaError(f"{type(pipe).__name__} has no transformer to quantize", "quantization")
+        quantize_denoiser(denoiser)
+    chosen = ATTENTION_BACKENDS[spec.attention_backend]
+    backend = chosen or _auto_attention(device)
+    if backend != "native":
         try:
-            denoiser.set_attention_backend(ATTENTION_BACKENDS[spec.attention_backend])
-        except Exception as exc:  # e.g. flash-attn not installed or GPU too old
-            raise MediaError(
-                f"--attention-backend {spec.attention_backend} unavailable: {exc}", "attention_backend"
-            ) from None
-    if spec.compile:
+            _set_attention(pipe, denoiser, backend, spec.attention_backend)
+        except MediaError:
+            if chosen:  # asked for by name: say why not; auto keeps PyTorch's SDPA choice
+                raise
+    if compiles(spec, device):
+        from minisgl_cli.media.compile import compile_denoiser, compile_vae_decode
+
         if denoiser is None:
             raise MediaError(f"{type(pipe).__name__} has no transformer/unet to compile", "compile")
-        denoiser.compile()  # in place, so the pipeline keeps its registered module
+        compile_denoiser(denoiser)
+        if getattr(pipe, "vae", None) is not None:
+            compile_vae_decode(pipe.vae)
+    if spec.media_cache is not None:
+        from minisgl_cli.media.step_cache import enable
+
+        enable(pipe, spec.media_cache, spec.kind)
+    from minisgl_cli.media.prompt_cache import PromptCache, install
+
+    install(pipe, PromptCache())
     # Fronts show their own progress through step callbacks; diffusers' tqdm would garble it.
     pipe.set_progress_bar_config(disable=True)
 
 
+def _from_disk(model_dir: Path, dtype: Any) -> Any:
+    from diffusers import DiffusionPipeline
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # `torch_dtype` renamed `dtype` in newer diffusers
+        try:
+            return DiffusionPipeline.from_pretrained(str(model_dir), torch_dtype=dtype)
+        except (OSError, ValueError) as exc:
+            raise ModelNotFoundError(
+                f"cannot load a diffusers pipeline from {model_dir}: {_first_line(exc) or type(exc).__name__}",
+                "model",
+            ) from None
+
+
 def load_pipeline(spec: ModelSpec) -> LoadedPipeline:
-    """The cached pipeline for `spec`, loading it on first use."""
+    """The cached pipeline for `spec`, loading (or, for load_format "dummy", building) it on first use."""
     device = pick_device(spec.device)
     dtype = pick_dtype(device)
-    model_dir = ensure_model_dir(spec)
-    key = (str(model_dir.resolve()), device, str(dtype), spec.cpu_offload, spec.compile, spec.attention_backend,
+    check_options(spec, device)
+    if spec.load_format == "dummy":
+        from minisgl_cli.media.configs import build_dummy_pipeline, builtin_kind
+
+        if builtin_kind(spec.model) != spec.kind:  # an unknown name: builtin_kind's error lists the built-in ones
+            other = "minisgl video" if spec.kind == "image" else "minisgl image"
+            raise MediaError(f"{spec.model} is not a text-to-{spec.kind} pipeline (use `{other}`)", "model")
+        model_dir = Path(f"<dummy:{spec.model}>")
+        source = str(model_dir)
+    else:
+        model_dir = ensure_model_dir(spec)
+        source = str(model_dir.resolve())
+    key = (source, device, str(dtype), spec.cpu_offload, compiles(spec, device), spec.attention_backend,
            spec.quantization, spec.media_cache)
     # One lock for all loads: loads are rare, and two first requests must not load the weights twice.
     with _cache_lock:
         if key in _cache:
             _check_kind(_cache[key].pipe, spec)  # the key names a dir, not what it was loaded for
             return _cache[key]
-        from diffusers import DiffusionPipeline
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # `torch_dtype` renamed `dtype` in newer diffusers
-            try:
-                pipe = DiffusionPipeline.from_pretrained(str(model_dir), torch_dtype=dtype)
-            except (OSError, ValueError) as exc:
-                raise ModelNotFoundError(
-                    f"cannot load a diffusers pipeline from {model_dir}: {_first_line(exc) or type(exc).__name__}",
-                    "model",
-                ) from None
+        if spec.load_format == "dummy":  # built where it runs (offload: on the CPU, as from_pretrained leaves it)
+            pipe = build_dummy_pipeline(spec.model, "cpu" if spec.cpu_offload else device, dtype)
+        else:
+            pipe = _from_disk(model_dir, dtype)
         _check_kind(pipe, spec)
         _configure(pipe, spec, device)
         loaded = LoadedPipeline(pipe, spec, model_dir, device, dtype, threading.Lock())

@@ -19,8 +19,8 @@ class MediaSettings:
     video_model_dir: Path | None = None
     device: str | None = None  # None: mps -> cuda -> cpu
     cpu_offload: bool = False
-    compile: bool = False
-    attention_backend: str = "sdpa"
+    compile: bool | None = None  # None: on for CUDA (regional compile of the DiT's blocks), off on CPU / MPS
+    attention_backend: str = "auto"  # media/pipelines.py ATTENTION_BACKENDS
     quantization: str | None = None
     media_cache: str | None = None
     load_format: str = "auto"
@@ -35,6 +35,11 @@ class MediaSettings:
             video_model=env.video_model() or DEFAULT_VIDEO_MODEL,
             video_model_dir=env.video_model_dir(),
             device=env.media_device(),
+            compile=env.media_compile(),
+            attention_backend=env.media_attention_backend(),
+            quantization=env.media_quantization(),
+            media_cache=env.media_cache(),
+            load_format=env.media_load_format(),
         )
 
     def spec(self, kind: Kind) -> ModelSpec:
@@ -50,7 +55,7 @@ class MediaSettings:
     def available(self, kind: Kind) -> bool:
         """Whether a request for this kind can run: the pipeline is on disk (or may be downloaded)."""
         spec = self.spec(kind)
-        return spec.allow_download or (spec.model_dir / "model_index.json").is_file()
+        return spec.load_format == "dummy" or spec.allow_download or (spec.model_dir / "model_index.json").is_file()
 
     def serves(self, kind: Kind, requested: str | None) -> bool:
         """Whether a request's `model` names this server's model (any model name if none given)."""

@@ -1,0 +1,233 @@
+"""The media engine's speed options on tiny real pipelines (CPU): each applied, or refused in one clear line.
+
+What a CPU can check: the built-in dummy pipelines build and run; the text-embedding cache gives bit-identical
+pixels; cache-dit's step cache skips steps (its own stats say which); the FP8 module swap and its numbers (the
+quantize / dequantize emulation of the CUDA `_scaled_mm` path); VAE tiling switches on by size; the compile
+policy; regional compile itself (slow). The CUDA kernels' speed is examples/media_bench.py's, on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent))
+from media_fixtures import tiny_models  # noqa: E402,F401  (the fixture)
+
+pytest.importorskip("diffusers")
+
+from minisgl_cli.app import app  # noqa: E402
+from minisgl_cli.media.image import generate_images  # noqa: E402
+from minisgl_cli.media.jobs import ImageJob, MediaError, ModelSpec, VideoJob  # noqa: E402
+from minisgl_cli.media.pipelines import compiles, load_pipeline  # noqa: E402
+from minisgl_cli.media.video import generate_video  # noqa: E402
+
+runner = CliRunner()
+SMALL = ("--height", "32", "--width", "32", "--steps", "2", "--device", "cpu")
+
+
+def fails_with(args: list[str], *words: str) -> str:
+    result = runner.invoke(app, args)
+    assert result.exit_code != 0, result.output
+    text = result.stderr if result.exit_code == 1 else result.output
+    assert all(w in text for w in words), text
+    return text
+
+
+def image_spec(model_dir: Path | None = None, **kw) -> ModelSpec:
+    if model_dir is None:
+        return ModelSpec.create("image", "tiny-z-image", None, device="cpu", load_format="dummy", **kw)
+    return ModelSpec.create("image", str(model_dir), model_dir, device="cpu", **kw)
+
+
+# --- dummy pipelines -----------------------------------------------------------------------------
+
+
+def test_dummy_image_and_video_build_from_the_builtin_registry(tmp_path):
+    out = runner.invoke(app, ["image", "--load-format", "dummy", "--model", "tiny-z-image", "--output-dir",
+                              str(tmp_path), "--seed", "3", *SMALL])
+    assert out.exit_code == 0, (out.output, out.exception)
+    (path,) = [Path(p) for p in out.stdout.split()]
+    assert path.is_file() and path.suffix == ".png"
+    out = runner.invoke(app, ["video", "-p", "waves", "--load-format", "dummy", "--model", "tiny-wan", "--num-frames",
+                              "5", "--format", "frames", "--output-dir", str(tmp_path), *SMALL])
+    assert out.exit_code == 0, (out.output, out.exception)
+    assert len(list(Path(out.stdout.split()[-1]).glob("*.png"))) == 5
+
+
+def test_dummy_builds_are_the_same_weights_every_time():
+    from minisgl_cli.media.configs import build_dummy_pipeline
+
+    a, b = (build_dummy_pipeline("tiny-z-image", "cpu", __import__("torch").float32) for _ in range(2))
+    for (name, x), (_, y) in zip(a.transformer.state_dict().items(), b.transformer.state_dict().items()):
+        assert (x == y).all(), name
+
+
+def test_dummy_unknown_or_wrong_kind_config_is_one_line():
+    fails_with(["image", "--load-format", "dummy", "--model", "no-such-model", *SMALL], "built-in config",
+               "z-image-turbo", "wan2.1-t2v-1.3b")
+    fails_with(["image", "--load-format", "dummy", "--model", "tiny-wan", *SMALL], "minisgl video")
+
+
+# --- text-embedding cache ------------------------------------------------------------------------
+
+
+def test_prompt_cache_hit_gives_the_same_pixels_as_no_cache(tiny_models):  # noqa: F811
+    import torch
+    from diffusers import DiffusionPipeline
+
+    loaded = load_pipeline(image_spec(tiny_models["z-image"]))
+    job = dict(prompt="a red fox in snow", width=32, height=32, steps=2, seed=11)
+    first = np.asarray(generate_images(loaded, ImageJob(**job)).images[0])
+    hits = loaded.pipe.prompt_cache.hits
+    second = np.asarray(generate_images(loaded, ImageJob(**job)).images[0])
+    assert loaded.pipe.prompt_cache.hits == hits + 1  # the text encoder did not run again
+    plain = DiffusionPipeline.from_pretrained(str(tiny_models["z-image"]), torch_dtype=torch.float32)
+    plain.set_progress_bar_config(disable=True)
+    ref = plain(prompt=job["prompt"], width=32, height=32, num_inference_steps=2, guidance_scale=0.0,
+                generator=torch.Generator("cpu").manual_seed(11)).images[0]
+    assert (first == second).all() and (np.asarray(ref.convert("RGB")) == second).all()
+
+
+def test_prompt_cache_keys_on_the_negative_prompt_too(tiny_models):  # noqa: F811
+    spec = ModelSpec.create("video", str(tiny_models["wan"]), tiny_models["wan"], device="cpu")
+    loaded = load_pipeline(spec)
+    job = dict(prompt="waves", width=32, height=32, num_frames=5, steps=2, guidance_scale=5.0, seed=2)
+    a = generate_video(loaded, VideoJob(**job, negative_prompt="blur")).frames
+    b = generate_video(loaded, VideoJob(**job, negative_prompt="rain")).frames
+    c = generate_video(loaded, VideoJob(**job, negative_prompt="blur")).frames
+    assert not all((x == y).all() for x, y in zip(a, b))
+    assert all((x == y).all() for x, y in zip(a, c))
+
+
+def test_prompt_cache_evicts_past_its_byte_cap():
+    import torch
+
+    from minisgl_cli.media.prompt_cache import PromptCache
+
+    cache = PromptCache(max_bytes=2 * 4 * 100)
+    for key in "abc":
+        cache.get_or_encode(key, lambda: torch.zeros(100))
+    assert list(cache.entries) == ["b", "c"] and cache.bytes == 800
+
+
+# --- step cache (cache-dit) ----------------------------------------------------------------------
+
+
+def test_media_cache_skips_steps_and_stays_near_the_exact_video():
+    from minisgl_cli.media import step_cache
+
+    job = dict(prompt="waves", width=32, height=32, num_frames=5, steps=12, seed=5)
+    exact = generate_video(load_pipeline(ModelSpec.create("video", "tiny-wan", None, device="cpu",
+                                                          load_format="dummy")), VideoJob(**job)).frames
+    cached = load_pipeline(ModelSpec.create("video", "tiny-wan", None, device="cpu", load_format="dummy",
+                                            media_cache="fbcache"))
+    frames = generate_video(cached, VideoJob(**job)).frames
+    assert step_cache.cached_steps(cached.pipe)  # cache-dit reused its cache on some steps
+    assert not all((x == y).all() for x, y in zip(exact, frames))  # ... so the run changed
+
+
+def test_media_cache_on_z_image(tiny_models):  # noqa: F811
+    """Z-Image through cache-dit's adapter; the tiny DiT's residuals move a lot, so a loose threshold."""
+    from diffusers import DiffusionPipeline
+
+    from minisgl_cli.media import step_cache
+
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_models["z-image"]))
+    pipe.set_progress_bar_config(disable=True)
+    step_cache.enable(pipe, "taylorseer", "image", threshold=10.0)
+    pipe(prompt="a fox", width=32, height=32, num_inference_steps=8, guidance_scale=0.0)
+    assert step_cache.cached_steps(pipe)
+
+
+def test_unknown_media_cache_is_refused():
+    fails_with(["image", "--media-cache", "teacache", *SMALL], "teacache")
+    with pytest.raises(MediaError, match="dbcache, fbcache, taylorseer"):
+        load_pipeline(image_spec(media_cache="teacache"))
+
+
+# --- FP8 ---------------------------------------------------------------------------------------
+
+
+def test_fp8_swaps_the_block_linears_and_stays_near_bf16():
+    import torch
+
+    from minisgl_cli.media.configs import build_dummy_pipeline
+    from minisgl_cli.media.fp8 import Fp8Linear, quantize_denoiser
+
+    dit = build_dummy_pipeline("tiny-z-image", "cpu", torch.float32).transformer
+    x = [torch.randn(4, 1, 16, 16, generator=torch.Generator().manual_seed(0))]
+    cap = [torch.randn(7, 32, generator=torch.Generator().manual_seed(1))]
+    t = torch.tensor([0.5])
+    with torch.no_grad():
+        ref = dit(x, t, cap, return_dict=False)[0][0]
+        swapped = quantize_denoiser(dit)
+        out = dit(x, t, cap, return_dict=False)[0][0]
+    fp8_names = [n for n, m in dit.named_modules() if isinstance(m, Fp8Linear)]
+    assert swapped == len(fp8_names) > 0
+    assert not any("adaLN" in n for n in fp8_names)  # modulation and embedders stay dense
+    assert all(n.startswith(("layers.", "noise_refiner.", "context_refiner.")) for n in fp8_names)
+    rel = (out - ref).norm() / ref.norm()
+    assert 0 < rel < 0.1, rel  # e4m3 is ~2 significant digits: close, not equal
+
+
+def test_fp8_is_refused_off_cuda():
+    fails_with(["image", "--quantization", "fp8", *SMALL], "fp8", "CUDA")
+    fails_with(["image", "--attention-backend", "sage", *SMALL], "needs CUDA")
+
+
+# --- VAE tiling, compile ---------------------------------------------------------------------------
+
+
+def test_vae_tiles_large_images_only():
+    loaded = load_pipeline(image_spec())
+    assert not loaded.tile_vae_for(1024, 1024) and not loaded.pipe.vae.use_tiling
+    assert loaded.tile_vae_for(4096, 4096) and loaded.pipe.vae.use_tiling
+    loaded.tile_vae_for(1024, 1024)
+
+
+def test_compile_defaults_on_for_cuda_only():
+    spec = image_spec()
+    assert compiles(spec, "cuda:0") and not compiles(spec, "cpu") and not compiles(spec, "mps")
+    assert compiles(image_spec(compile=True), "cpu") and not compiles(image_spec(compile=False), "cuda")
+
+
+@pytest.mark.slow
+def test_regional_compile_matches_eager_and_stores_its_cache(tmp_path, monkeypatch):
+    import torch
+
+    from minisgl_cli.media.compile import compile_denoiser
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    eager = load_pipeline(image_spec())
+    job = dict(prompt="a fox", width=32, height=32, steps=2, seed=4)
+    ref = np.asarray(generate_images(eager, ImageJob(**job)).images[0]).astype(int)
+    compiled = load_pipeline(image_spec(compile=True))
+    out = np.asarray(generate_images(compiled, ImageJob(**job)).images[0]).astype(int)
+    assert np.abs(out - ref).max() <= 2
+    assert any((tmp_path / "inductor").rglob("*"))  # the kernels stored for the next start
+    torch._dynamo.reset()
+    assert compile_denoiser(torch.nn.Linear(4, 4)) == "whole"  # no repeated blocks: the module compiles whole
+
+
+def test_serve_settings_take_the_speed_options_from_the_environment(monkeypatch):
+    from minisgl_cli.media.settings import MediaSettings
+
+    for var, value in {"MINISGL_IMAGE_MODEL": "tiny-z-image", "MINISGL_MEDIA_LOAD_FORMAT": "dummy",
+                       "MINISGL_MEDIA_CACHE": "fbcache", "MINISGL_MEDIA_QUANTIZATION": "fp8",
+                       "MINISGL_MEDIA_COMPILE": "off", "MINISGL_MEDIA_ATTENTION": "sdpa"}.items():
+        monkeypatch.setenv(var, value)
+    settings = MediaSettings.from_env()
+    spec = settings.spec("image")
+    assert (spec.model, spec.load_format, spec.media_cache, spec.quantization, spec.compile,
+            spec.attention_backend) == ("tiny-z-image", "dummy", "fbcache", "fp8", False, "sdpa")
+    assert settings.available("image")  # a built-in config needs no dir on disk
+    monkeypatch.setenv("MINISGL_MEDIA_COMPILE", "auto")
+    assert MediaSettings.from_env().compile is None
