@@ -77,7 +77,7 @@ class MediaAttention(str, Enum):
     cudnn = "cudnn"
     flash2 = "flash2"
     flash3 = "flash3"
-    sage = "sage"
+    fp8 = "fp8"
 
 
 class MediaCompile(str, Enum):
@@ -120,7 +120,7 @@ def media_speed_options(serve: bool = False) -> tuple[Any, Any, Any, Any, Any]:
     attention = typer.Option(
         f"{p}attention" if serve else "--attention-backend", envvar="MINISGL_MEDIA_ATTENTION",
         metavar="<str>", rich_help_panel=panel,
-        help="DiT attention: auto (cuDNN on Hopper), sdpa, cudnn, flash2, flash3, sage (8-bit, approximate).")
+        help="DiT attention: auto (cuDNN on Hopper), sdpa, cudnn, flash2, flash3, fp8 (approximate).")
     quantization = typer.Option(
         f"{p}quantization", envvar="MINISGL_MEDIA_QUANTIZATION", metavar="<str>", rich_help_panel=panel,
         help="fp8: the DiT's block linears in FP8 e4m3 (CUDA, compute capability 8.9+).")

@@ -10,7 +10,7 @@ Variants (`--variants`, comma-separated; tokens joined by "+"):
   plain        diffusers' pipeline as it comes (the baseline)
   eager        our load_pipeline, nothing compiled     compile   regional compile (+ the image VAE decode)
   fp8          FP8 DiT linears                         fbcache / dbcache / taylorseer   cache-dit's step cache
-  sdpa / cudnn / flash3 / sage   the attention kernels (default: auto)
+  sdpa / cudnn / flash3 / fp8    the attention kernels (default: auto; fp8: ours, approximate)
 
     python examples/media_bench.py --out /tmp/media                       # H200: both models, default variants
     python examples/media_bench.py --wan-steps 50 --variants plain,compile+fp8+fbcache --skip-image
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 IMAGE_VARIANTS = ("plain,eager+sdpa,eager,compile+sdpa,compile,compile,fp8,compile+fp8,compile+fbcache,"
                   "compile+fp8+fbcache")
 VIDEO_VARIANTS = "plain,eager,compile,compile+fp8,compile+fbcache,compile+fp8+fbcache,compile+fp8+taylorseer"
-ATTENTION = ("sdpa", "cudnn", "flash2", "flash3", "sage", "auto")
+ATTENTION = ("sdpa", "cudnn", "flash2", "flash3", "fp8", "auto")
 CACHES = ("fbcache", "dbcache", "taylorseer")
 
 

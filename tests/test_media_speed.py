@@ -180,7 +180,7 @@ def test_fp8_swaps_the_block_linears_and_stays_near_bf16():
 
 def test_fp8_is_refused_off_cuda():
     fails_with(["image", "--quantization", "fp8", *SMALL], "fp8", "CUDA")
-    fails_with(["image", "--attention-backend", "sage", *SMALL], "needs CUDA")
+    fails_with(["image", "--attention-backend", "fp8", *SMALL], "needs CUDA")
 
 
 # --- VAE tiling, compile ---------------------------------------------------------------------------

@@ -25,10 +25,10 @@ from minisgl_cli.media.jobs import ImageJob, MediaError, ModelNotFoundError, Mod
 
 # CLI name -> diffusers attention-dispatch backend name. "auto": cuDNN's fused attention through SDPA on Hopper
 # and later where it runs (exact; SDPA alone falls back to its slower memory-efficient kernel under Z-Image's
-# caption mask), PyTorch's SDPA choice elsewhere. "sage": SageAttention's 8-bit QK (approximate; needs the
-# sageattention package).
+# caption mask), PyTorch's SDPA choice elsewhere. "fp8": our Triton kernel with both dots in e4m3
+# (media/fp8_attention.py; approximate, opt-in).
 ATTENTION_BACKENDS = {"auto": "", "sdpa": "native", "cudnn": "_native_cudnn", "flash2": "flash", "flash3": "_flash_3",
-                      "sage": "sage"}
+                      "fp8": "fp8"}
 TILE_PIXELS = 2048 * 2048  # an image VAE decodes in tiles above this (memory; 1024^2 decodes whole in 87 ms)
 TILE_VOXELS = 1280 * 720 * 81  # a video VAE above this many frames x pixels
 
@@ -247,7 +247,13 @@ def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
         quantize_denoiser(denoiser)
     chosen = ATTENTION_BACKENDS[spec.attention_backend]
     backend = chosen or _auto_attention(device)
-    if backend != "native":
+    if backend == "fp8":
+        from minisgl_cli.media import fp8_attention
+
+        if denoiser is None or not fp8_attention.enable(denoiser):
+            raise MediaError(f"{type(pipe).__name__}'s denoiser routes no attention through diffusers' backends",
+                             "attention_backend")
+    elif backend != "native":
         try:
             _set_attention(pipe, denoiser, backend, spec.attention_backend)
         except MediaError:
