@@ -10,7 +10,7 @@ Variants (`--variants`, comma-separated; tokens joined by "+"):
   plain        diffusers' pipeline as it comes (the baseline)
   eager        our load_pipeline, nothing compiled     compile   regional compile (+ the image VAE decode)
   fp8          FP8 DiT linears                         fbcache / dbcache / taylorseer   cache-dit's step cache
-  sdpa / cudnn / flash3 / fp8    the attention kernels (default: auto; fp8: ours, approximate)
+  sdpa / cudnn / flash3 / fp8attn   the attention kernels (default: auto; fp8attn: ours in FP8, approximate)
 
     python examples/media_bench.py --out /tmp/media                       # H200: both models, default variants
     python examples/media_bench.py --wan-steps 50 --variants plain,compile+fp8+fbcache --skip-image
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 IMAGE_VARIANTS = ("plain,eager+sdpa,eager,compile+sdpa,compile,compile,fp8,compile+fp8,compile+fbcache,"
                   "compile+fp8+fbcache")
 VIDEO_VARIANTS = "plain,eager,compile,compile+fp8,compile+fbcache,compile+fp8+fbcache,compile+fp8+taylorseer"
-ATTENTION = ("sdpa", "cudnn", "flash2", "flash3", "fp8", "auto")
+ATTENTION = {"sdpa": "sdpa", "cudnn": "cudnn", "flash2": "flash2", "flash3": "flash3", "fp8attn": "fp8", "auto": "auto"}
 CACHES = ("fbcache", "dbcache", "taylorseer")
 
 
@@ -114,7 +114,7 @@ def parse(variant: str) -> dict[str, Any]:
         raise SystemExit(f"unknown variant token(s) {sorted(unknown)} in {variant!r}")
     return dict(plain="plain" in tokens, compile="compile" in tokens, quantization="fp8" if "fp8" in tokens else None,
                 media_cache=next((t for t in tokens if t in CACHES), None),
-                attention_backend=next((t for t in tokens if t in ATTENTION), "auto"))
+                attention_backend=next((ATTENTION[t] for t in tokens if t in ATTENTION), "auto"))
 
 
 def run_model(kind: str, name: str, variants: list[str], a: argparse.Namespace, sync: Any) -> list[Row]:

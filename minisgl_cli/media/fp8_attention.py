@@ -4,7 +4,8 @@ diffusers routes every attention call of a model through its backend registry by
 "sage" slot (SageAttention: INT8 / FP8 QK, FP8 PV), which wants a CUDA build of sageattention >= 2.1.1 that these
 machines lack (1.x, pure Triton, ran slower than cuDNN's bf16 attention on an H200: examples/media_probe.py --sage).
 `enable` binds that slot to kernels/triton/dit_attention.py and points the model's processors at it. Calls the
-kernel does not cover (a mask, causal, short keys such as a text context, other head sizes) run SDPA exactly.
+kernel does not cover (a mask, causal, short keys such as a text context, other head sizes) run the exact backend
+the model would have had (cuDNN's on Hopper: Z-Image's caption mask would otherwise send SDPA to a slower kernel).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 MIN_KEYS = 1024  # below this the attention is a small share of the step: the exact kernel, then
+_fallback = "native"  # the diffusers backend of the calls the kernel does not take (set by `enable`)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -27,15 +28,22 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         from minisgl_cli.kernels.triton.dit_attention import fp8_attention
 
         return fp8_attention(query, key, value, scale)
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                         scale=scale, enable_gqa=enable_gqa)
-    return out.transpose(1, 2)
-
-
-def enable(model: torch.nn.Module) -> int:
-    """Route `model`'s attention through `attention`; the number of attention modules routed (0: none found)."""
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    name = AttentionBackendName(_fallback)
+    kwargs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask, "dropout_p": dropout_p,
+              "is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa}
+    accepted = _AttentionBackendRegistry._supported_arg_names[name]
+    return _AttentionBackendRegistry._backends[name](**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def enable(model: torch.nn.Module, fallback: str = "native") -> int:
+    """Route `model`'s attention through `attention`, with `fallback` (a diffusers backend name) for the calls the
+    kernel does not take; the number of attention modules routed (0: none found)."""
+    global _fallback
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    _fallback = AttentionBackendName(fallback).value
 
     slot = AttentionBackendName.SAGE
     _AttentionBackendRegistry.register(slot)(attention)

@@ -250,7 +250,7 @@ def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
     if backend == "fp8":
         from minisgl_cli.media import fp8_attention
 
-        if denoiser is None or not fp8_attention.enable(denoiser):
+        if denoiser is None or not fp8_attention.enable(denoiser, _auto_attention(device)):
             raise MediaError(f"{type(pipe).__name__}'s denoiser routes no attention through diffusers' backends",
                              "attention_backend")
     elif backend != "native":

@@ -40,7 +40,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
 
 
 @triton.jit
-def _fp8_attention(Q, SQ, K, SK, VT, SV, OUT, qk_scale, S_Q, S_K, H,
+def _fp8_attention(Q, SQ, K, SK, VT, SV, OUT, S_Q, S_K, H,
                    sqb, sqs, sqh, ssb, sss, ssh, skb, sks, skh, tkb, tks, tkh, stb, std, sth,
                    svb, svh, sob, sos, soh,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -52,7 +52,7 @@ def _fp8_attention(Q, SQ, K, SK, VT, SV, OUT, qk_scale, S_Q, S_K, H,
     dims = tl.arange(0, D)
     row_ok = rows < S_Q
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=row_ok[:, None], other=0.0)
-    sq = tl.load(SQ + b * ssb + h * ssh + rows * sss, mask=row_ok, other=0.0) * qk_scale
+    sq = tl.load(SQ + b * ssb + h * ssh + rows * sss, mask=row_ok, other=0.0)  # softmax scale * log2(e) in it
     m = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -88,7 +88,8 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     q8, sq, k8, sk, v8t, sv = quantize_qkv(q, k, v)
     out = torch.empty_like(q)
     grid = (triton.cdiv(s_q, block_m), b * h)
-    _fp8_attention[grid](q8, sq, k8, sk, v8t, sv, out, scale * LOG2E, s_q, s_k, h,
+    sq = sq * (scale * LOG2E)  # a float argument would reach the kernel as fp64 under torch.compile
+    _fp8_attention[grid](q8, sq, k8, sk, v8t, sv, out, s_q, s_k, h,
                          q8.stride(0), q8.stride(1), q8.stride(2), sq.stride(0), sq.stride(1), sq.stride(2),
                          k8.stride(0), k8.stride(1), k8.stride(2), sk.stride(0), sk.stride(1), sk.stride(2),
                          v8t.stride(0), v8t.stride(2), v8t.stride(1),
