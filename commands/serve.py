@@ -56,6 +56,13 @@ def serve(
         help="Diffusers pipeline dir for /v1/images/generations.")] = None,
     video_model_dir: Annotated[Optional[Path], media("--video-model-dir", envvar="MINISGL_VIDEO_MODEL_DIR",
         help="Diffusers pipeline dir for /v1/videos/generations.")] = None,
+    media_max_queue: Annotated[int, media("--media-max-queue", envvar="MINISGL_MEDIA_MAX_QUEUE", min=0,
+        metavar="<int>", help="Image / video jobs that may wait for the media worker; more get a 429.")] = 32,
+    media_max_batch: Annotated[int, media("--media-max-batch", envvar="MINISGL_MEDIA_MAX_BATCH", min=1,
+        metavar="<int>", help="Images of compatible requests run in one pipeline call.")] = 4,
+    media_max_work: Annotated[float, media("--media-max-work", envvar="MINISGL_MEDIA_MAX_WORK", min=0.001,
+        metavar="<MP-steps>", help="Megapixel-steps (width x height x steps x images or frames) admitted at once: "
+        "a request past it alone gets a 400, one that would take the total past it a 503 with Retry-After.")] = 4096.0,
     vlm_model: Annotated[Optional[str], media("--vlm-model", envvar="MINISGL_VLM_MODEL",
         help="Vision-language model (HF dir or hub id) for image_url chat parts: Qwen2-VL / Qwen2.5-VL run on the "
              "engine (as the served model), others in transformers.")] = None,
@@ -111,7 +118,7 @@ def serve(
     media = MediaSettings(
         image_model=media.image_model, image_model_dir=image_model_dir or media.image_model_dir,
         video_model=media.video_model, video_model_dir=video_model_dir or media.video_model_dir,
-        device=media.device,
+        device=media.device, max_queue=media_max_queue, max_batch=media_max_batch, max_work=media_max_work,
     )
     if allow_local_images is not None and not allow_local_images.expanduser().is_dir():
         c.fail(f"--allow-local-images {allow_local_images}: not a directory")
