@@ -13,6 +13,7 @@ started it) and reads the worker's events. Admission happens here, before anythi
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import itertools
@@ -231,6 +232,8 @@ class MediaService:
                 self._ready = None  # the next request tries again
             ready.set_exception(err)
             return
+        # At the interpreter's exit, before multiprocessing's own hook (registered earlier, run later) waits for it.
+        atexit.register(self.close)
         died = threading.Event()
         runtime.on_death(lambda reason: died.set())
         runtime.watch()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -41,6 +42,7 @@ from minisgl_cli.media.settings import MediaSettings
 from minisgl_cli.messages import MediaFailed, MediaPartial, MediaResult
 from minisgl_cli.server.errors import Disconnected
 from minisgl_cli.server.runs import sse, unless_disconnected
+from minisgl_cli.server.videos import VideoRecord, VideoStore, follow, read_fields, video_job
 
 log = logging.getLogger(__name__)
 _IMAGE, _VIDEO = job_defaults(ImageJob), job_defaults(VideoJob)  # a request's defaults are its job's
@@ -225,8 +227,6 @@ def _event(name: str, data: dict[str, Any]) -> str:
 
 def build_media_router(settings: MediaSettings | None = None, service: MediaService | None = None) -> APIRouter:
     """The media routes over `service` (else one of their own on `settings`, else on the environment's)."""
-    from minisgl_cli.server import videos
-
     settings = settings or (service.settings if service is not None else MediaSettings.from_env())
     service = service or MediaService(settings)
     router = APIRouter(tags=["media"])
@@ -286,8 +286,77 @@ def build_media_router(settings: MediaSettings | None = None, service: MediaServ
             "seed": job.seed,
         }
 
-    router.include_router(videos.build_router(settings, service))
+    _videos_api(router, settings, service)
     return router
+
+
+def _videos_api(router: APIRouter, settings: MediaSettings, service: MediaService) -> None:
+    """The OpenAI Videos API's routes (videos.py: its jobs and their store)."""
+    store = VideoStore()
+    tasks: set[asyncio.Task] = set()
+
+    def missing(video_id: str) -> Response:
+        return error_response(404, f"no video {video_id!r} (unknown, deleted, or evicted)", "invalid_request_error",
+                              "video_id", "not_found")
+
+    @router.post("/v1/videos")
+    async def create(request: Request) -> Any:
+        try:
+            fields = await read_fields(request)
+            job, seconds = video_job(fields)
+            check_model(settings, "video", fields.get("model"))
+            ticket = service.admit("video", job, "mp4")
+            await service.submit(ticket)
+        except Exception as exc:
+            return media_error(exc, "video")
+        record = VideoRecord(f"video_{secrets.token_hex(12)}", job.prompt, fields.get("model") or settings.video_model,
+                             f"{job.width}x{job.height}", seconds, int(time.time()), ticket)
+        store.add(record)
+        task = asyncio.get_running_loop().create_task(follow(record, store))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return record.to_json()
+
+    @router.get("/v1/videos")
+    async def list_videos(limit: int = 20, order: str = "desc", after: str | None = None) -> Any:
+        records = list(store.records.values())
+        if order == "desc":
+            records.reverse()
+        if after is not None:
+            ids = [r.id for r in records]
+            records = records[ids.index(after) + 1:] if after in ids else []
+        page = records[:max(1, min(limit, 100))]
+        return {"object": "list", "data": [r.to_json() for r in page], "has_more": len(records) > len(page),
+                "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
+
+    @router.get("/v1/videos/{video_id}")
+    async def retrieve(video_id: str) -> Any:
+        record = store.records.get(video_id)
+        return record.to_json() if record is not None else missing(video_id)
+
+    @router.get("/v1/videos/{video_id}/content")
+    async def content(video_id: str, variant: str = "video") -> Any:
+        record = store.records.get(video_id)
+        if record is None:
+            return missing(video_id)
+        if variant != "video":
+            return error_response(400, f"variant {variant!r} is not supported: 'video' (the mp4) only",
+                                  "invalid_request_error", "variant", "invalid_value")
+        if record.data is None:
+            return error_response(409 if record.status != "failed" else 400,
+                                  f"video {video_id} is {record.status}: no content yet" if record.status != "failed"
+                                  else f"video {video_id} failed: no content", "invalid_request_error", None,
+                                  "video_not_ready")
+        return Response(record.data, media_type="video/mp4")
+
+    @router.delete("/v1/videos/{video_id}")
+    async def delete(video_id: str) -> Any:
+        record = store.records.pop(video_id, None)
+        if record is None:
+            return missing(video_id)
+        if record.ticket is not None:
+            service.cancel(record.ticket.jid)
+        return {"id": video_id, "object": "video.deleted", "deleted": True}
 
 
 async def stop_media(app: FastAPI) -> None:

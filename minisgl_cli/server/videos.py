@@ -1,5 +1,6 @@
-"""The OpenAI Videos API over the media worker: POST /v1/videos makes a job, GET /v1/videos[/{id}] polls it,
-GET /v1/videos/{id}/content downloads its mp4, DELETE /v1/videos/{id} cancels or removes it.
+"""The OpenAI Videos API's jobs (its routes are in media.py): a create request read into a VideoJob, each job's
+record kept up to date from the worker's events, and the store that holds them (GET /v1/videos/{id}, its content,
+DELETE).
 
 Finished videos wait in a bounded store (MAX_VIDEOS and MAX_BYTES, the oldest evicted first). The official client
 posts multipart form data (`client.videos.create`); a JSON body works too. Beyond OpenAI's fields: `num_frames`,
@@ -8,25 +9,19 @@ posts multipart form data (`client.videos.create`); a JSON body works too. Beyon
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import email.parser
 import email.policy
 import json
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi import Request
 
-from minisgl_cli.api.protocol import error_response
 from minisgl_cli.media.jobs import MediaError, VideoJob, job_defaults, parse_size
-from minisgl_cli.media.service import MediaService, Ticket
-from minisgl_cli.media.settings import MediaSettings
+from minisgl_cli.media.service import Ticket
 from minisgl_cli.messages import MediaFailed, MediaProgress, MediaResult
-from minisgl_cli.server.media import check_model, media_error
 
 MAX_VIDEOS = 16
 MAX_BYTES = 512 * 1024 * 1024
@@ -88,7 +83,7 @@ def _form(body: bytes, content_type: str) -> dict[str, Any]:
     return fields
 
 
-async def _fields(request: Request) -> dict[str, Any]:
+async def read_fields(request: Request) -> dict[str, Any]:
     content_type = request.headers.get("content-type", "")
     body = await request.body()
     if content_type.startswith("multipart/form-data"):
@@ -138,7 +133,7 @@ def video_job(fields: dict[str, Any]) -> tuple[VideoJob, str]:
     return job, str(seconds) if seconds is not None else f"{(frames - 1) / fps:g}"
 
 
-async def _follow(record: VideoRecord, store: VideoStore) -> None:
+async def follow(record: VideoRecord, store: VideoStore) -> None:
     """Keep a record up to date with its job's events, to its end."""
     assert record.ticket is not None
     async for event in record.ticket.stream():
@@ -153,74 +148,3 @@ async def _follow(record: VideoRecord, store: VideoStore) -> None:
     record.completed_at = int(time.time())
     record.ticket = None
     store.finished(record)
-
-
-def build_router(settings: MediaSettings, service: MediaService) -> APIRouter:
-    router = APIRouter(tags=["media"])
-    store = VideoStore()
-    tasks: set[asyncio.Task] = set()
-
-    def missing(video_id: str) -> Response:
-        return error_response(404, f"no video {video_id!r} (unknown, deleted, or evicted)", "invalid_request_error",
-                              "video_id", "not_found")
-
-    @router.post("/v1/videos")
-    async def create(request: Request) -> Any:
-        try:
-            fields = await _fields(request)
-            job, seconds = video_job(fields)
-            check_model(settings, "video", fields.get("model"))
-            ticket = service.admit("video", job, "mp4")
-            await service.submit(ticket)
-        except Exception as exc:
-            return media_error(exc, "video")
-        record = VideoRecord(f"video_{secrets.token_hex(12)}", job.prompt, fields.get("model") or settings.video_model,
-                             f"{job.width}x{job.height}", seconds, int(time.time()), ticket)
-        store.add(record)
-        task = asyncio.get_running_loop().create_task(_follow(record, store))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        return record.to_json()
-
-    @router.get("/v1/videos")
-    async def list_videos(limit: int = 20, order: str = "desc", after: str | None = None) -> Any:
-        records = list(store.records.values())
-        if order == "desc":
-            records.reverse()
-        if after is not None:
-            ids = [r.id for r in records]
-            records = records[ids.index(after) + 1:] if after in ids else []
-        page = records[:max(1, min(limit, 100))]
-        return {"object": "list", "data": [r.to_json() for r in page], "has_more": len(records) > len(page),
-                "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None}
-
-    @router.get("/v1/videos/{video_id}")
-    async def retrieve(video_id: str) -> Any:
-        record = store.records.get(video_id)
-        return record.to_json() if record is not None else missing(video_id)
-
-    @router.get("/v1/videos/{video_id}/content")
-    async def content(video_id: str, variant: str = "video") -> Any:
-        record = store.records.get(video_id)
-        if record is None:
-            return missing(video_id)
-        if variant != "video":
-            return error_response(400, f"variant {variant!r} is not supported: 'video' (the mp4) only",
-                                  "invalid_request_error", "variant", "invalid_value")
-        if record.data is None:
-            return error_response(409 if record.status != "failed" else 400,
-                                  f"video {video_id} is {record.status}: no content yet" if record.status != "failed"
-                                  else f"video {video_id} failed: no content", "invalid_request_error", None,
-                                  "video_not_ready")
-        return Response(record.data, media_type="video/mp4")
-
-    @router.delete("/v1/videos/{video_id}")
-    async def delete(video_id: str) -> Any:
-        record = store.records.pop(video_id, None)
-        if record is None:
-            return missing(video_id)
-        if record.ticket is not None:
-            service.cancel(record.ticket.jid)
-        return {"id": video_id, "object": "video.deleted", "deleted": True}
-
-    return router
