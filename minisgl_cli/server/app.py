@@ -18,13 +18,11 @@ from fastapi.responses import PlainTextResponse
 
 from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
-from minisgl_cli.media.service import MediaService
-from minisgl_cli.media.settings import MediaSettings
 from minisgl_cli.server import generate_route, openai_routes, web
 from minisgl_cli.server.context import Ctx, ServerContext
 from minisgl_cli.server.edge import EdgeMiddleware
 from minisgl_cli.server.errors import install_error_handlers
-from minisgl_cli.server.media import build_media_router, stop_media
+from minisgl_cli.server.media import build_media_router
 from minisgl_cli.server.metrics import media_prometheus
 from minisgl_cli.server.settings import ServerSettings
 
@@ -47,12 +45,11 @@ async def metrics_route(request: Request, ctx: Ctx,
     accept = request.headers.get("accept", "")
     prometheus = format == "prometheus" or (
         format is None and "text/plain" in accept and "application/json" not in accept)
-    media: MediaService = request.app.state.media_service
     if prometheus:
         return PlainTextResponse(ctx.metrics.to_prometheus(stats, ctx.model_name, ctx.client.info)
-                                 + media_prometheus(media.metrics(), ctx.model_name),
+                                 + media_prometheus(ctx.media.metrics(), ctx.model_name),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
-    return {**ctx.metrics_json(stats), "media": media.metrics()}
+    return ctx.metrics_json(stats)
 
 
 def create_app(client: EngineClient, settings: ServerSettings | None = None) -> FastAPI:
@@ -69,9 +66,7 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
     app.state.ctx = ctx
     app.add_middleware(EdgeMiddleware, settings=settings, metrics=ctx.metrics)
     install_error_handlers(app)
-    # The media worker (a process of its own) starts on the first image / video request.
-    app.state.media_service = MediaService(settings.media or MediaSettings.from_env())
-    app.include_router(build_media_router(service=app.state.media_service))
+    app.include_router(build_media_router(service=ctx.media))
     for router in (server_router, openai_routes.router, generate_route.router):
         app.include_router(router)
     if settings.web:
@@ -83,11 +78,11 @@ async def shutdown_app(app: FastAPI) -> None:
     """Abort the app's requests still in flight and stop its media worker (its lifespan's end; a server fronting it
     calls this too)."""
     ctx: ServerContext = app.state.ctx
-    await stop_media(app)
+    await asyncio.get_running_loop().run_in_executor(None, ctx.media.close)  # its open jobs end with a 503
     await ctx.shutdown()
 
 
 def json_metrics(app: FastAPI) -> dict[str, Any]:
     """The /metrics JSON, from any thread (the ZMQ control channel uses it)."""
     ctx: ServerContext = app.state.ctx
-    return {**ctx.metrics_json(ctx.client.stats()), "media": app.state.media_service.metrics()}
+    return ctx.metrics_json(ctx.client.stats())

@@ -118,7 +118,7 @@ def serve(make_client: Callable[[threading.Event], EngineClient], settings: Serv
                 notice("stopping")
         finally:
             if app is not None:  # first: a request waiting on the media worker would hold uvicorn's graceful stop
-                app.state.media_service.close()
+                app.state.ctx.media.close()
             server.stop()
             if control is not None:
                 control.stop()

@@ -1,8 +1,8 @@
 """OpenAI-style media routes over the media worker (media/service.py): POST /v1/images/generations (plain or
 streamed with partial images), POST /v1/videos/generations (the mp4 in the answer) and the Videos API (videos.py).
 
-Mount it on any FastAPI app (the worker starts on the first media request and dies with the process; pass your own
-MediaService to stop it earlier with its `close`):
+Mount it on any FastAPI app (the worker starts on the first media request and stops at the process's exit; pass your
+own MediaService to stop it earlier with its `close`):
 
     app.include_router(build_media_router(MediaSettings(image_model_dir=...)))
 
@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -357,10 +357,3 @@ def _videos_api(router: APIRouter, settings: MediaSettings, service: MediaServic
         if record.ticket is not None:
             service.cancel(record.ticket.jid)
         return {"id": video_id, "object": "video.deleted", "deleted": True}
-
-
-async def stop_media(app: FastAPI) -> None:
-    """Stop the media worker of an app made by `create_app` (its open jobs end with a 503)."""
-    service: MediaService | None = getattr(app.state, "media_service", None)
-    if service is not None:
-        await asyncio.get_running_loop().run_in_executor(None, service.close)
