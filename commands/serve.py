@@ -56,7 +56,7 @@ def serve(
         help="Diffusers pipeline dir for /v1/images/generations.")] = None,
     video_model_dir: Annotated[Optional[Path], media("--video-model-dir", envvar="MINISGL_VIDEO_MODEL_DIR",
         help="Diffusers pipeline dir for /v1/videos/generations.")] = None,
-    media_max_queue: Annotated[int, media("--media-max-queue", envvar="MINISGL_MEDIA_MAX_QUEUE", min=0,
+    media_max_queue: Annotated[int, media("--media-max-queue", envvar="MINISGL_MEDIA_MAX_QUEUE", min=1,
         metavar="<int>", help="Image / video jobs that may wait for the media worker; more get a 429.")] = 32,
     media_max_batch: Annotated[int, media("--media-max-batch", envvar="MINISGL_MEDIA_MAX_BATCH", min=1,
         metavar="<int>", help="Images of compatible requests run in one pipeline call.")] = 4,

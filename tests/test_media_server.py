@@ -31,6 +31,8 @@ pytest.importorskip("diffusers")
 openai = pytest.importorskip("openai")
 imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg")
 
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the SDK's videos.* say so
+
 # One long job's work (32x32 x 1000 steps = 1.02 megapixel-steps) fits the slow server's cap of 4; n=16 x 1000 steps
 # does not.
 MAX_WORK = "4"
