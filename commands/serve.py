@@ -68,6 +68,13 @@ def serve(
     media_quantization: Annotated[c.MediaQuantization, QUANTIZATION] = c.MediaQuantization.none,
     media_cache: Annotated[Optional[c.MediaCache], MEDIA_CACHE] = None,
     media_load_format: Annotated[c.MediaLoadFormat, LOAD_FORMAT] = c.MediaLoadFormat.auto,
+    media_max_queue: Annotated[int, media("--media-max-queue", envvar="MINISGL_MEDIA_MAX_QUEUE", min=1,
+        metavar="<int>", help="Image / video jobs that may wait for the media worker; more get a 429.")] = 32,
+    media_max_batch: Annotated[int, media("--media-max-batch", envvar="MINISGL_MEDIA_MAX_BATCH", min=1,
+        metavar="<int>", help="Images of compatible requests run in one pipeline call.")] = 4,
+    media_max_work: Annotated[float, media("--media-max-work", envvar="MINISGL_MEDIA_MAX_WORK", min=0.001,
+        metavar="<MP-steps>", help="Megapixel-steps (width x height x steps x images or frames) admitted at once: "
+        "a request past it alone gets a 400, one that would take the total past it a 503 with Retry-After.")] = 4096.0,
     vlm_model: Annotated[Optional[str], media("--vlm-model", envvar="MINISGL_VLM_MODEL",
         help="Vision-language model (HF dir or hub id) for image_url chat parts: Qwen2-VL / Qwen2.5-VL run on the "
              "engine (as the served model), others in transformers.")] = None,
@@ -126,6 +133,7 @@ def serve(
         video_model_dir=video_model_dir or media.video_model_dir, compile=media_compile.flag(),
         attention_backend=media_attention.value, quantization=c.media_quantization(media_quantization),
         media_cache=media_cache.value if media_cache else None, load_format=media_load_format.value,
+        max_queue=media_max_queue, max_batch=media_max_batch, max_work=media_max_work,
     )
     if allow_local_images is not None and not allow_local_images.expanduser().is_dir():
         c.fail(f"--allow-local-images {allow_local_images}: not a directory")

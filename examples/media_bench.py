@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 IMAGE_VARIANTS = ("plain,eager+sdpa,eager,compile+sdpa,compile,compile,fp8,compile+fp8,compile+fbcache,"
@@ -100,11 +102,15 @@ class Timer:
         return out
 
 
-def psnr(a: Any, b: Any) -> float:
-    import numpy as np
+def to_8bit(x: Any) -> Any:
+    """A pipeline's float output in [0, 1] as the 8-bit pixels a user gets (what batch.generate hands back)."""
+    return (np.clip(np.asarray(x, np.float64), 0.0, 1.0) * 255).round().astype(np.uint8)
 
+
+def psnr(a: Any, b: Any) -> float:
+    """Of two 8-bit outputs, in dB (inf: identical pixels)."""
     mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
 def parse(variant: str) -> dict[str, Any]:
@@ -121,7 +127,7 @@ def run_model(kind: str, name: str, variants: list[str], a: argparse.Namespace, 
     import torch
 
     from minisgl_cli.device import pick_device, pick_dtype
-    from minisgl_cli.media import step_cache
+    from minisgl_cli.media import batch, step_cache
     from minisgl_cli.media.configs import build_dummy_pipeline
     from minisgl_cli.media.jobs import ImageJob, MediaError, ModelSpec, VideoJob
     from minisgl_cli.media.pipelines import load_pipeline, unload_all
@@ -154,7 +160,7 @@ def run_model(kind: str, name: str, variants: list[str], a: argparse.Namespace, 
 
                 def generate(prompt: str, seed: int, pipe: Any = pipe) -> Any:
                     out = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), **call)
-                    return out.images if kind == "image" else out.frames
+                    return to_8bit(out.images if kind == "image" else out.frames[0])
             else:
                 spec = ModelSpec.create(kind, name, None, device=device, load_format="dummy", compile=opts["compile"],
                                         attention_backend=opts["attention_backend"],
@@ -165,9 +171,8 @@ def run_model(kind: str, name: str, variants: list[str], a: argparse.Namespace, 
                 def generate(prompt: str, seed: int, loaded: Any = loaded) -> Any:
                     job = (ImageJob(prompt, w, h, steps, 0.0, seed=seed) if kind == "image" else
                            VideoJob(prompt, w, h, a.wan_frames, 16, steps, 5.0, seed=seed))
-                    extra = {"output_type": "np", **({"num_frames": a.wan_frames} if kind == "video" else {})}
-                    out, _, _ = loaded.generate(job, extra, None)
-                    return out.images if kind == "image" else out.frames
+                    result = batch.generate(loaded, [job])[0]  # what serve and the CLI run
+                    return np.stack([np.asarray(x) for x in (result.images if kind == "image" else result.frames)])
         except MediaError as exc:
             row.note = f"refused: {exc.message}"
             rows.append(row)

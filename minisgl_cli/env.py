@@ -50,6 +50,16 @@ def _int(name: str, default: int) -> int:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
+def _float(name: str, default: float) -> float:
+    raw = _text(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
 # --- engine --------------------------------------------------------------------------------------
 def disable_overlap_scheduling() -> bool:
     """MINISGL_DISABLE_OVERLAP_SCHEDULING: read each step's tokens before launching the next."""
@@ -176,6 +186,21 @@ def image_model_dir() -> Path | None:
 
 def video_model_dir() -> Path | None:
     return _path(VIDEO_MODEL_DIR)
+
+
+def media_max_queue() -> int:
+    """MINISGL_MEDIA_MAX_QUEUE (also --media-max-queue's): media jobs that may wait for the worker."""
+    return _int("MINISGL_MEDIA_MAX_QUEUE", 32)
+
+
+def media_max_batch() -> int:
+    """MINISGL_MEDIA_MAX_BATCH (also --media-max-batch's): images in one pipeline call."""
+    return _int("MINISGL_MEDIA_MAX_BATCH", 4)
+
+
+def media_max_work() -> float:
+    """MINISGL_MEDIA_MAX_WORK (also --media-max-work's): megapixel-steps admitted and not finished."""
+    return _float("MINISGL_MEDIA_MAX_WORK", 4096.0)
 
 
 def media_device() -> str | None:

@@ -1,4 +1,4 @@
-"""Every message between a front's client, the tokenizer / detokenizer workers and the schedulers.
+"""Every message between a front's client, the tokenizer / detokenizer workers, the schedulers and the media worker.
 
 Typed dataclasses, the same in one process and across processes: a client sends `AddRequest`,
 `AbortRequest` and named queries; a scheduler answers with one `StepOutput` per step (every request's
@@ -199,12 +199,93 @@ class Failed:
     error: str
 
 
+# --- the media worker (media/worker.py) and its client (media/service.py) --------------------------------
+@dataclass
+class MediaSubmit:
+    """A job for the media worker: `kind` "image" (num_images per prompt) or "video" (num_frames at fps);
+    `output_format` png / jpeg / webp (images, `quality` 1-100 for the lossy two) or mp4 / frames (video);
+    `partial_images` previews decoded between steps (images)."""
+
+    jid: str
+    kind: str
+    prompt: str
+    negative_prompt: str | None
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int
+    num_images: int = 1
+    num_frames: int = 0
+    fps: int = 0
+    output_format: str = "png"
+    quality: int | None = None
+    partial_images: int = 0
+
+
+@dataclass
+class MediaCancel:
+    """Drop a job: unqueued if it waits; if it runs, dropped at the next step end (the call stops once every job
+    of its batch is dropped)."""
+
+    jid: str
+
+
+@dataclass
+class MediaProgress:
+    """A job's steps done (0: its batch started: `batch` ids the pipeline call, `batch_size` its images);
+    `step_s` the last step's seconds."""
+
+    jid: str
+    step: int
+    steps: int
+    batch: int = 0
+    batch_size: int = 0
+    step_s: float = 0.0
+
+
+@dataclass
+class MediaPartial:
+    """A preview of image `image` of a job, decoded from the latents after a step, encoded as the job asked."""
+
+    jid: str
+    image: int
+    index: int
+    data: bytes
+
+
+@dataclass
+class MediaResult:
+    """A job's end: its images (or one mp4, or the video's PNG frames), encoded as asked."""
+
+    jid: str
+    items: list[bytes]
+    seed: int
+    elapsed_s: float
+    prompt_tokens: int = 0
+
+
+@dataclass
+class MediaFailed:
+    """A job's end without a result: refused (status 4xx), cancelled (code "cancelled") or failed (5xx)."""
+
+    jid: str
+    message: str
+    status: int = 500
+    param: str | None = None
+    code: str | None = None
+
+
+FromMediaWorker = MediaProgress | MediaPartial | MediaResult | MediaFailed
+
+
 # --- wire format -------------------------------------------------------------------------------------
 _TYPES: list[type] = [
     SamplingParams, GenerateRequest, SchedulerStats, ModelInfo, TokenLogprob, TopLogprob, ImageInput,
     AddRequest, AbortRequest, StatsQuery, CheckPagesQuery,
     TokenOutput, StepOutput, StatsReply, CheckPagesReply,
     TokenizeQuery, TokenizeReply, ForgetPrompt, DecodedPiece, DetokOutput, Heartbeat, RankBatch, Ready, Failed,
+    MediaSubmit, MediaCancel, MediaProgress, MediaPartial, MediaResult, MediaFailed,
 ]
 _CODE = {cls: i for i, cls in enumerate(_TYPES)}
 _FIELDS = {cls: operator.attrgetter(*(f.name for f in dataclasses.fields(cls))) for cls in _TYPES}

@@ -34,15 +34,17 @@ def tiny_vlms(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def live_server(tiny_models, tmp_path_factory) -> Iterator[str]:
-    """A real uvicorn server on a loopback port. Routes at / serve the tiny models; routes under
-    /missing point at an empty dir, to exercise the missing-model error."""
+    """A real uvicorn server on a loopback port. Routes at / serve the tiny models (their media worker starts on the
+    first request); routes under /missing point at an empty dir, to exercise the missing-model error."""
     from fastapi import FastAPI
 
     from minisgl_cli.api.http_server import BackgroundServer
     from minisgl_cli.media.settings import MediaSettings
+    from minisgl_cli.server.errors import install_error_handlers
     from minisgl_cli.server.media import build_media_router
 
     app = FastAPI()
+    install_error_handlers(app)  # OpenAI error bodies, as `serve` answers
     app.include_router(
         build_media_router(MediaSettings(image_model_dir=tiny_models["z-image"], video_model_dir=tiny_models["wan"]))
     )

@@ -7,7 +7,6 @@ import io
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # model hubs are unreachable: fail fast instead of timing out
@@ -227,37 +226,3 @@ def test_image_cli_compile(tiny_models, tmp_path):
     (compiled,) = image_cli(tiny_models["z-image"], tmp_path, *size, "--compile")
     (eager,) = image_cli(tiny_models["z-image"], tmp_path, *size)
     assert np.abs(pixels(compiled).astype(int) - pixels(eager).astype(int)).max() <= 2
-
-
-def test_http_generation_does_not_block_event_loop(live_server, monkeypatch):
-    """While a generation holds the worker thread, the event loop still answers other requests."""
-    import httpx
-
-    from minisgl_cli.server import media
-
-    real = media._generate_video_payload
-    started, release = threading.Event(), threading.Event()
-
-    def held(*args, **kwargs):  # the real generation, held until the quick request has its answer
-        started.set()
-        release.wait(60)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(media, "_generate_video_payload", held)
-    slow = {"prompt": "waves", "size": "64x64", "num_frames": 9, "steps": 2, "seed": 9}
-    result: dict = {}
-
-    def generate() -> None:
-        result["status"] = httpx.post(f"{live_server}/v1/videos/generations", json=slow, timeout=120).status_code
-
-    worker = threading.Thread(target=generate)
-    worker.start()
-    try:
-        assert started.wait(30), "the generation never started"
-        r = httpx.post(f"{live_server}/missing/v1/images/generations", json={"prompt": "x"}, timeout=30)
-        assert r.status_code == 404
-        assert "status" not in result  # answered while the generation was still running
-    finally:
-        release.set()
-        worker.join()
-    assert result["status"] == 200

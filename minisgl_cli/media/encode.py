@@ -26,6 +26,18 @@ def png_bytes(image: Any) -> bytes:
     return buf.getvalue()
 
 
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}  # the API's output_format -> PIL's
+
+
+def image_bytes(image: Any, fmt: str = "png", quality: int | None = None) -> bytes:
+    """`image` as png, jpeg or webp; `quality` (1-100, the lossy two only; default 100 as OpenAI's)."""
+    if fmt == "png":
+        return png_bytes(image)
+    buf = io.BytesIO()
+    image.save(buf, format=IMAGE_FORMATS[fmt], quality=100 if quality is None else quality)
+    return buf.getvalue()
+
+
 def frame_png_bytes(frame: Any) -> bytes:
     from PIL import Image
 

@@ -5,17 +5,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from minisgl_cli.media.batch import generate
 from minisgl_cli.media.encode import unique_path
 from minisgl_cli.media.jobs import ImageJob, ImageResult
-from minisgl_cli.media.limits import check_job, prompt_kwargs
 from minisgl_cli.media.pipelines import LoadedPipeline, StepCallback
 
 
 def generate_images(loaded: LoadedPipeline, job: ImageJob, on_step: StepCallback | None = None) -> ImageResult:
-    check_job(loaded.pipe, job)
-    kwargs = {"num_images_per_prompt": job.num_images, "output_type": "pil", **prompt_kwargs(loaded.pipe)}
-    out, seed, elapsed_s = loaded.generate(job, kwargs, on_step)
-    return ImageResult([im.convert("RGB") for im in out.images], seed, elapsed_s, loaded.model_dir)
+    """One job as one call (media/batch.py: image i from the seed `seed + i`)."""
+    hook = None if on_step is None else (lambda done, total, latents: on_step(done, total))
+    return generate(loaded, [job], hook)[0]
 
 
 def save_images(result: ImageResult, output_dir: str | Path, stem: str = "image") -> list[Path]:

@@ -29,6 +29,8 @@ ASPECTS: dict[str, tuple[int, int]] = {  # aspect -> (width, height)
 }
 SIZE_MULTIPLE = 16
 MAX_SIDE = 4096
+# Checked before tokenizing: the pipelines read at most 512 tokens, and no token of theirs is 64 bytes long.
+MAX_PROMPT_BYTES = 32 * 1024
 
 Kind = Literal["image", "video"]
 
@@ -134,6 +136,8 @@ def _check_common(prompt: str, width: int, height: int, steps: int, guidance_sca
     """The checks every generation job shares: a prompt, a valid size, steps, guidance."""
     if not prompt or not prompt.strip():
         raise MediaError("prompt must not be empty", "prompt")
+    if len(prompt.encode()) > MAX_PROMPT_BYTES:
+        raise MediaError(f"prompt is {len(prompt.encode())} bytes; the limit is {MAX_PROMPT_BYTES}", "prompt")
     check_size(width, height)
     _check_range("steps", steps, 1, 1000, "steps")
     if guidance_scale < 0:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any
 
 from minisgl_cli import env
 from minisgl_cli.device import pick_device, pick_dtype
-from minisgl_cli.media.jobs import ImageJob, MediaError, ModelNotFoundError, ModelSpec, VideoJob
+from minisgl_cli.media.jobs import MediaError, ModelNotFoundError, ModelSpec
 
 # CLI name -> diffusers attention-dispatch backend name. "auto": cuDNN's fused attention through SDPA on Hopper
 # and later where it runs (exact; SDPA alone falls back to its slower memory-efficient kernel under Z-Image's
@@ -33,6 +32,7 @@ TILE_PIXELS = 2048 * 2048  # an image VAE decodes in tiles above this (memory; 1
 TILE_VOXELS = 1280 * 720 * 81  # a video VAE above this many frames x pixels
 
 StepCallback = Callable[[int, int], None]  # (steps done, steps total)
+StepHook = Callable[[int, int, Any], None]  # (steps done, steps total, the latents after that step)
 
 
 @dataclass
@@ -61,47 +61,24 @@ class LoadedPipeline:
         vae.enable_tiling() if tile else vae.disable_tiling()
         return tile
 
-    def run(self, kwargs: dict[str, Any], total_steps: int, on_step: StepCallback | None) -> Any:
+    def run(self, kwargs: dict[str, Any], total_steps: int, on_step: StepHook | None) -> Any:
+        """One pipeline call with `kwargs` (those it does not take dropped); `on_step` after each denoise step,
+        handed the latents (it may raise to end the call there)."""
         accepted = self.call_params()
         kwargs = {k: v for k, v in kwargs.items() if v is not None and (accepted is None or k in accepted)}
         if on_step is not None and (accepted is None or "callback_on_step_end" in accepted):
 
             def step_end(pipe: Any, i: int, t: Any, callback_kwargs: dict) -> dict:
-                on_step(i + 1, total_steps)
+                on_step(i + 1, total_steps, callback_kwargs.get("latents"))
                 return callback_kwargs
 
             kwargs["callback_on_step_end"] = step_end
+            if accepted is None or "callback_on_step_end_tensor_inputs" in accepted:
+                kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
         import torch
 
         with self.lock, torch.inference_mode():
             return self.pipe(**kwargs)
-
-    def generate(self, job: ImageJob | VideoJob, kwargs: dict[str, Any],
-                 on_step: StepCallback | None) -> tuple[Any, int, float]:
-        """Run a job: what every job asks (prompt, size, steps, guidance, seeded noise) plus its own `kwargs`.
-        Returns (the pipeline's output, the seed, seconds taken)."""
-        import torch
-
-        assert job.seed is not None  # the job's __post_init__ resolved it
-        # A CPU generator gives the same noise for a seed on every device.
-        generator = torch.Generator("cpu").manual_seed(job.seed)
-        start = time.perf_counter()
-        self.tile_vae_for(job.width, job.height, getattr(job, "num_frames", 1))
-        out = self.run(
-            {
-                "prompt": job.prompt,
-                "negative_prompt": job.negative_prompt,
-                "height": job.height,
-                "width": job.width,
-                "num_inference_steps": job.steps,
-                "guidance_scale": job.guidance_scale,
-                "generator": generator,
-                **kwargs,
-            },
-            job.steps,
-            on_step,
-        )
-        return out, job.seed, time.perf_counter() - start
 
 
 _cache: dict[tuple, LoadedPipeline] = {}

@@ -26,6 +26,12 @@ class MediaSettings:
     load_format: str = "auto"
     # A request must never start a multi-GB download: fetch weights with the CLI or point at a dir.
     allow_download: bool = False
+    # The media worker's admission caps (media/service.py) and its batches (media/worker.py).
+    max_queue: int = 32  # jobs waiting for the worker; past it 429
+    max_batch: int = 4  # images in one pipeline call
+    # Megapixel-steps (width x height x steps x images, or x frames) admitted and not finished: a request past it
+    # alone is a 400, one that would take the total past it a 503 with Retry-After. Wan 832x480x81 x 50 steps is 1617.
+    max_work: float = 4096.0
 
     @classmethod
     def from_env(cls) -> MediaSettings:
@@ -40,6 +46,9 @@ class MediaSettings:
             quantization=env.media_quantization(),
             media_cache=env.media_cache(),
             load_format=env.media_load_format(),
+            max_queue=env.media_max_queue(),
+            max_batch=env.media_max_batch(),
+            max_work=env.media_max_work(),
         )
 
     def spec(self, kind: Kind) -> ModelSpec:

@@ -41,6 +41,14 @@ class Endpoints:
     def scheduler(self) -> str:
         return self._at("scheduler")
 
+    @property
+    def media(self) -> str:
+        return self._at("media")
+
+    @property
+    def media_events(self) -> str:
+        return self._at("media-events")
+
     def tokenizer(self, i: int) -> str:
         return self._at(f"tokenizer-{i}")
 

@@ -18,12 +18,12 @@ from fastapi.responses import PlainTextResponse
 
 from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
-from minisgl_cli.media.settings import MediaSettings
 from minisgl_cli.server import generate_route, openai_routes, web
 from minisgl_cli.server.context import Ctx, ServerContext
 from minisgl_cli.server.edge import EdgeMiddleware
 from minisgl_cli.server.errors import install_error_handlers
 from minisgl_cli.server.media import build_media_router
+from minisgl_cli.server.metrics import media_prometheus
 from minisgl_cli.server.settings import ServerSettings
 
 __all__ = ["ServerSettings", "create_app", "json_metrics", "shutdown_app"]
@@ -46,7 +46,8 @@ async def metrics_route(request: Request, ctx: Ctx,
     prometheus = format == "prometheus" or (
         format is None and "text/plain" in accept and "application/json" not in accept)
     if prometheus:
-        return PlainTextResponse(ctx.metrics.to_prometheus(stats, ctx.model_name, ctx.client.info),
+        return PlainTextResponse(ctx.metrics.to_prometheus(stats, ctx.model_name, ctx.client.info)
+                                 + media_prometheus(ctx.media.metrics(), ctx.model_name),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
     return ctx.metrics_json(stats)
 
@@ -65,7 +66,7 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
     app.state.ctx = ctx
     app.add_middleware(EdgeMiddleware, settings=settings, metrics=ctx.metrics)
     install_error_handlers(app)
-    app.include_router(build_media_router(settings.media or MediaSettings.from_env()))
+    app.include_router(build_media_router(service=ctx.media))
     for router in (server_router, openai_routes.router, generate_route.router):
         app.include_router(router)
     if settings.web:
@@ -74,8 +75,10 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
 
 
 async def shutdown_app(app: FastAPI) -> None:
-    """Abort the app's requests still in flight (its lifespan's end; a server fronting it calls this too)."""
+    """Abort the app's requests still in flight and stop its media worker (its lifespan's end; a server fronting it
+    calls this too)."""
     ctx: ServerContext = app.state.ctx
+    await asyncio.get_running_loop().run_in_executor(None, ctx.media.close)  # its open jobs end with a 503
     await ctx.shutdown()
 
 

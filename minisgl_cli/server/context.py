@@ -18,6 +18,8 @@ from fastapi import Depends, Request
 from minisgl_cli.admission import AdmissionError, new_tokens
 from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
+from minisgl_cli.media.service import MediaService
+from minisgl_cli.media.settings import MediaSettings
 from minisgl_cli.server.deadline import Deadline
 from minisgl_cli.server.errors import InputError, admission_error, coded_error
 from minisgl_cli.server.gate import InflightGate
@@ -64,6 +66,8 @@ class ServerContext:
     created: int = field(default_factory=p.now)
     active: set[EngineRun] = field(default_factory=set)  # runs not yet closed, aborted at shutdown
     vlm: VlmChat | None = None  # chat requests with images (server/vlm_chat.py); None: they get a 400
+    # The media worker's client (its process starts on the first image / video request); set by `create`.
+    media: MediaService = field(default_factory=lambda: MediaService(MediaSettings()))
 
     @classmethod
     def create(cls, client: EngineClient, settings: ServerSettings) -> ServerContext:
@@ -72,7 +76,9 @@ class ServerContext:
         aliases = frozenset({name.lower(), info.name.lower(), *(a.lower() for a in settings.extra_model_aliases)})
         metrics = ServerMetrics()
         vlm = settings.vision.vlm_chat() if settings.vision else None
-        return cls(client, settings, metrics, InflightGate(settings, info.max_running, metrics), name, aliases, vlm=vlm)
+        media = MediaService(settings.media or MediaSettings.from_env())
+        return cls(client, settings, metrics, InflightGate(settings, info.max_running, metrics), name, aliases, vlm=vlm,
+                   media=media)
 
     # --- the steps of every generation route ---
     def check_model(self, requested: str | None) -> None:
@@ -155,7 +161,8 @@ class ServerContext:
         return p.ModelCard(id=self.model_name, created=self.created, max_model_len=self.client.info.max_context_len)
 
     def metrics_json(self, stats: SchedulerStats) -> dict[str, Any]:
-        return self.metrics.to_json(stats, self.model_name, self.gate.cap, self.client.info)
+        return {**self.metrics.to_json(stats, self.model_name, self.gate.cap, self.client.info),
+                "media": self.media.metrics()}
 
     async def shutdown(self) -> None:
         """Abort the requests still in flight while this event loop still takes the scheduler's replies

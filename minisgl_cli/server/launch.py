@@ -93,6 +93,7 @@ def serve(make_client: Callable[[threading.Event], EngineClient], settings: Serv
     server = BackgroundServer(starting, cfg.host, cfg.port, log_level=cfg.log_level, graceful_s=5)
     server.start(healthy=False)
     client: EngineClient | None = None
+    app: FastAPI | None = None
     control: ControlChannel | None = None
     reason: str | None = None
     # The handler stays through the shutdown: a second Ctrl-C there would otherwise interrupt it half-way, and the
@@ -116,6 +117,8 @@ def serve(make_client: Callable[[threading.Event], EngineClient], settings: Serv
             if reason is None:
                 notice("stopping")
         finally:
+            if app is not None:  # first: a request waiting on the media worker would hold uvicorn's graceful stop
+                app.state.ctx.media.close()
             server.stop()
             if control is not None:
                 control.stop()

@@ -267,3 +267,27 @@ def _engine_info(info: ModelInfo) -> dict[str, str]:
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
+
+
+def media_prometheus(media: dict[str, Any], model: str) -> str:
+    """The media worker's figures (MediaService.metrics) in the text format."""
+    label = f'model_name="{escape_label(model)}"'
+    one = "{" + label + "}"
+    lines: list[str] = []
+    for name, kind, help_, value in (
+        ("media_jobs_queued", "gauge", "Image / video jobs waiting for the media worker.", media["queued"]),
+        ("media_jobs_running", "gauge", "Image / video jobs in the worker's pipeline call.", media["running"]),
+        ("media_work_in_flight", "gauge", "Megapixel-steps admitted and not finished.", media["work_in_flight"]),
+        ("media_jobs_completed_total", "counter", "Media jobs that returned their result.", media["jobs"]["completed"]),
+        ("media_jobs_cancelled_total", "counter", "Media jobs cancelled (hang-up, DELETE)", media["jobs"]["cancelled"]),
+        ("media_jobs_failed_total", "counter", "Media jobs that failed in the worker.", media["jobs"]["failed"]),
+        ("media_steps_total", "counter", "Denoise steps the media worker ran (per job).", media["steps"]),
+        ("media_step_seconds_mean", "gauge", "Mean seconds of a denoise step.", media["step_ms"]["mean"] / 1000),
+        ("media_batch_size_mean", "gauge", "Mean images per pipeline call.", media["batches"]["mean_size"]),
+    ):
+        lines += prometheus_family(name, kind, help_, [(one, value)])
+    lines += prometheus_family("media_jobs_refused_total", "counter", "Media requests refused, by HTTP status.",
+                               [("{" + f'{label},status="{s}"' + "}", n) for s, n in media["jobs"]["refused"].items()])
+    lines += prometheus_family("media_batches_total", "counter", "Pipeline calls, by images in the call.",
+                               [("{" + f'{label},size="{s}"' + "}", n) for s, n in media["batches"]["sizes"].items()])
+    return "\n".join(lines) + "\n"

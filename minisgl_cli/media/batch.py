@@ -1,0 +1,111 @@
+"""One pipeline call for a batch of compatible jobs: each image its own seeded generator, one result per job.
+
+`minisgl image` / `minisgl video` run it with one job; the media worker with the jobs it batched. Image i of a job is
+drawn from the seed `seed + i` (diffusers' `randn_tensor` draws row i from generator i), so every image is
+reproducible alone (n=1, that seed) and comes out the same whether its job ran alone or batched with others.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from minisgl_cli.media.jobs import ImageJob, ImageResult, VideoJob, VideoResult
+from minisgl_cli.media.limits import check_job, prompt_kwargs
+from minisgl_cli.media.pipelines import LoadedPipeline, StepHook
+
+Job = ImageJob | VideoJob
+
+
+class Cancelled(Exception):
+    """Raised from a step hook to end the pipeline call there (every job of the batch was dropped)."""
+
+
+def batch_key(job: Job) -> tuple:
+    """Jobs with equal keys run in one call: same kind, size, steps, guidance, frames and negative-prompt-ness."""
+    frames = job.num_frames if isinstance(job, VideoJob) else 0
+    return (type(job).__name__, job.width, job.height, job.steps, job.guidance_scale, frames,
+            job.negative_prompt is not None)
+
+
+def rows(job: Job) -> int:
+    """The batch rows a job takes: its images (a video is one)."""
+    return job.num_images if isinstance(job, ImageJob) else 1
+
+
+def spans(jobs: list[Job]) -> list[slice]:
+    """Each job's rows of the batch, in order."""
+    out, start = [], 0
+    for job in jobs:
+        out.append(slice(start, start + rows(job)))
+        start += rows(job)
+    return out
+
+
+def generate(loaded: LoadedPipeline, jobs: list[Job], on_step: StepHook | None = None) -> list[Any]:
+    """Run `jobs` (equal `batch_key`s) as one pipeline call: an ImageResult or VideoResult per job, in order.
+    `on_step(done, total, latents)` after each step; a `Cancelled` it raises propagates out of the call."""
+    import torch
+
+    first = jobs[0]
+    assert all(batch_key(j) == batch_key(first) for j in jobs), "generate() takes compatible jobs only"
+    for job in jobs:  # a size or frame count past the pipeline's tables: a MediaError, not a traceback inside it
+        check_job(loaded.pipe, job)
+    prompts, negatives, generators = [], [], []
+    for job in jobs:
+        assert job.seed is not None  # the job's __post_init__ resolved it
+        for i in range(rows(job)):
+            prompts.append(job.prompt)
+            negatives.append(job.negative_prompt)
+            # A CPU generator gives the same noise for a seed on every device.
+            generators.append(torch.Generator("cpu").manual_seed(job.seed + i))
+    kwargs: dict[str, Any] = {
+        "prompt": prompts,
+        "negative_prompt": negatives if first.negative_prompt is not None else None,
+        "height": first.height,
+        "width": first.width,
+        "num_inference_steps": first.steps,
+        "guidance_scale": first.guidance_scale,
+        "generator": generators,
+        **prompt_kwargs(loaded.pipe),
+    }
+    if isinstance(first, ImageJob):
+        kwargs |= {"num_images_per_prompt": 1, "output_type": "pil"}
+    else:
+        kwargs |= {"num_frames": first.num_frames, "output_type": "np"}
+    loaded.tile_vae_for(first.width, first.height, first.num_frames if isinstance(first, VideoJob) else 1)
+    start = time.perf_counter()
+    out = loaded.run(kwargs, first.steps, on_step)
+    elapsed_s = time.perf_counter() - start
+    results: list[Any] = []
+    for job, span in zip(jobs, spans(jobs), strict=True):
+        assert job.seed is not None
+        if isinstance(job, ImageJob):
+            images = [im.convert("RGB") for im in out.images[span]]
+            results.append(ImageResult(images, job.seed, elapsed_s, loaded.model_dir))
+        else:
+            results.append(VideoResult(uint8_frames(out.frames[span.start]), job.fps, job.seed, elapsed_s,
+                                       loaded.model_dir))
+    return results
+
+
+def uint8_frames(video: Any) -> list[Any]:
+    """One video of a pipeline's `.frames`: float array in [0, 1], uint8 array, or PIL list."""
+    import numpy as np
+
+    if isinstance(video, (list, tuple)) and video and not isinstance(video[0], np.ndarray):
+        return [np.asarray(f.convert("RGB")) for f in video]  # PIL images
+    arr = np.asarray(video)
+    if arr.dtype != np.uint8:
+        arr = (np.clip(arr, 0.0, 1.0) * 255).round().astype(np.uint8)
+    return list(arr)
+
+
+def preview(loaded: LoadedPipeline, latents: Any, span: slice) -> list[Any]:
+    """The images `latents[span]` would decode to now (PIL, RGB), through the pipeline's VAE: a job's partial images.
+    Pipelines whose latents the VAE reads as they are (Z-Image, SD-style): scaled back, shifted, decoded."""
+    pipe = loaded.pipe
+    vae = pipe.vae
+    lat = latents[span].to(vae.dtype) / vae.config.scaling_factor + (getattr(vae.config, "shift_factor", None) or 0.0)
+    image = vae.decode(lat, return_dict=False)[0]
+    return [im.convert("RGB") for im in pipe.image_processor.postprocess(image, output_type="pil")]

@@ -1,0 +1,53 @@
+"""The longest prompt a pipeline reads: its text tokenizer and the `max_sequence_length` its call defaults to.
+
+A longer prompt would be cut silently by the pipeline (or fail in it): it is refused as a 400 before any model work.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from minisgl_cli.media.jobs import MediaError
+
+
+@dataclass
+class PromptLimit:
+    tokenizer: Any  # the pipeline's own (its `tokenizer` folder), None when it has none
+    max_tokens: int | None  # None: the pipeline names no limit
+
+    @classmethod
+    def load(cls, model_dir: Path) -> PromptLimit:
+        """Read from the pipeline dir without loading any weights."""
+        import diffusers
+        from transformers import AutoTokenizer
+
+        index = json.loads((model_dir / "model_index.json").read_text())
+        pipeline = getattr(diffusers, index.get("_class_name", ""), None)
+        default = None
+        if pipeline is not None:
+            param = inspect.signature(pipeline.__call__).parameters.get("max_sequence_length")
+            if param is not None and isinstance(param.default, int):
+                default = param.default
+        folder = model_dir / "tokenizer"
+        tokenizer = AutoTokenizer.from_pretrained(folder) if folder.is_dir() else None
+        if default is None and tokenizer is not None and tokenizer.model_max_length < 1_000_000:
+            default = tokenizer.model_max_length  # else transformers' "no limit" sentinel
+        return cls(tokenizer, default)
+
+    def count(self, prompt: str) -> int:
+        if self.tokenizer is None:
+            return 0
+        return len(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+
+    def check(self, prompt: str | None, param: str = "prompt") -> int:
+        """The prompt's token count; MediaError (400) past the limit."""
+        if not prompt:
+            return 0
+        n = self.count(prompt)
+        if self.max_tokens is not None and n > self.max_tokens:
+            raise MediaError(f"{param} is {n} tokens; this pipeline reads at most {self.max_tokens}", param)
+        return n
