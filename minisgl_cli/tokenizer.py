@@ -147,6 +147,7 @@ class StopStringMatcher:
 
     stops: list[str]
     pending: str = ""
+    matched: str | None = None  # the stop string that ended the text (Anthropic's `stop_sequence` names it)
 
     def push(self, text: str) -> tuple[str, bool]:
         if not self.stops:
@@ -154,7 +155,7 @@ class StopStringMatcher:
         buf = self.pending + text
         hits = [(buf.find(s), s) for s in self.stops if s and s in buf]
         if hits:
-            pos = min(h[0] for h in hits)
+            pos, self.matched = min(hits)
             self.pending = ""
             return buf[:pos], True
         # Keep the longest tail that is a prefix of some stop string.
@@ -284,7 +285,7 @@ class RequestDecoder:
             text += self.stopper.flush()
         drafted = sum(o.drafted for o in items if o.token_id is not None)
         return DecodedPiece(last.rid, text, tokens, reason, None, last.cached_tokens, prefill_s, early, logprobs,
-                            drafted=drafted)
+                            drafted=drafted, stop_string=self.stopper.matched if hit_stop else None)
 
 
 def _joined(pieces: list[DecodedPiece]) -> DecodedPiece:
@@ -295,7 +296,7 @@ def _joined(pieces: list[DecodedPiece]) -> DecodedPiece:
                         last.finish_reason, last.error, last.cached_tokens,
                         next((p.prefill_s for p in pieces if p.prefill_s is not None), None), last.stopped_early,
                         lps if any(p.logprobs is not None for p in pieces) else None, last.error_code,
-                        sum(p.drafted for p in pieces))
+                        sum(p.drafted for p in pieces), last.stop_string)
 
 
 def decode_steps(tokenizer: Tokenizer | None,

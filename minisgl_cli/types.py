@@ -256,6 +256,7 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     error_code: ErrorCode | None = None  # what kind of failure `error` is (set with it)
     error_param: str | None = None  # the request field `error` is about (OpenAI's `param`), where it names one
+    stop_string: str | None = None  # on the last delta: the stop string that ended the request, if one did
 
     @property
     def finished(self) -> bool:

@@ -18,13 +18,14 @@ from fastapi import Depends, Request
 from minisgl_cli.admission import AdmissionError, new_tokens
 from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
+from minisgl_cli.server import tools
 from minisgl_cli.server.deadline import Deadline
 from minisgl_cli.server.errors import InputError, admission_error, coded_error
 from minisgl_cli.server.gate import InflightGate
 from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.server.runs import EngineRun
 from minisgl_cli.server.settings import ServerSettings, VisionSettings
-from minisgl_cli.types import GenerateRequest, Prompt, SchedulerStats
+from minisgl_cli.types import GenerateRequest, Prompt, SchedulerStats, new_request_id
 from minisgl_cli.vision.image_source import ImageError, ImagePolicy, load_image_url
 
 if TYPE_CHECKING:
@@ -51,6 +52,18 @@ def chat_with_images(messages: list[p.ChatMessage], policy: ImagePolicy) -> list
                 for j, part in enumerate(m.content)]
         out.append(d)
     return out
+
+
+@dataclass
+class ChatRun:
+    """A started chat (n choices): its run, how its output is read (`how`: None, "auto", "required" or
+    "named:<tool>", as tools.parse takes it), its tools' names, the downscale note, its prompt's length."""
+
+    run: EngineRun
+    how: str | None
+    names: set[str]
+    note: str | None
+    prompt_tokens: int
 
 
 @dataclass
@@ -149,6 +162,35 @@ class ServerContext:
                          r.rid, endpoint, r.tokenized.tokens, r.params.max_new_tokens, r.params.temperature,
                          self.gate.inflight, f" user={user!r}" if user else "")
         return EngineRun(self.client, reqs, self.gate, self.metrics, endpoint, self.active, deadline)
+
+    async def start_chat(self, body: p.ChatCompletionRequest, endpoint: str, rid_prefix: str,
+                         user: str | None = None) -> ChatRun:
+        """Every step of a chat request on the engine (the chat completions route's, and those of the fronts that
+        translate onto it): model, deadline, template with tools, budget, grammar of forced tool calls, start."""
+        self.check_model(body.model)
+        deadline = self.deadline(body.timeout)
+        mode = body.tool_mode
+        prompt = await self.prompt_of(deadline, messages=body.messages, param="messages",
+                                      tools=body.tools if mode else None, images=True)
+        max_new, note = self.budget([prompt], body.requested_max_tokens, "max_tokens", "messages")
+        structured = body.structured()
+        forced = tools.forced_schema(body)
+        if forced is not None:
+            if structured:
+                raise InputError(f"tool_choice {mode} already constrains the output: drop response_format / regex / "
+                                 "ebnf", "tool_choice")
+            structured = {"json_schema": forced}
+        # Not streamed: the text is needed only at the end, decoded once there (stream_text), not token by token.
+        extra = dict(logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, stream_text=bool(body.stream),
+                     **structured)
+        vocab = self.client.info.vocab_size
+        reqs = [GenerateRequest(tokenized=prompt, params=body.sampling_params(max_new, i, vocab, extra),
+                                rid=new_request_id(rid_prefix), prompt_param="messages")
+                for i in range(body.n)]
+        run = self.start(reqs, endpoint, deadline, user)
+        names = {t.function.name for t in body.tools or []}
+        how = f"named:{body.tool_choice.function.name}" if mode == "named" else mode  # type: ignore[union-attr]
+        return ChatRun(run, how, names, note, prompt.tokens)
 
     # --- what the other routes read ---
     def model_card(self) -> p.ModelCard:

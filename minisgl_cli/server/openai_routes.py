@@ -42,30 +42,9 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
     ctx.gate.check(body.n, "n")  # a 429 or 413 costs no tokenizing, no image decoding
     if body.has_images and not ctx.client.info.images:  # the transformers VLM beside the engine (vision.py)
         return await vision.chat(body, request, ctx)
-    ctx.check_model(body.model)
-    deadline = ctx.deadline(body.timeout)
-    mode = body.tool_mode
-    prompt = await ctx.prompt_of(deadline, messages=body.messages, param="messages", tools=body.tools if mode else None,
-                                 images=True)
-    max_new, note = ctx.budget([prompt], body.requested_max_tokens, "max_tokens", "messages")
-    structured = body.structured()
-    forced = tools.forced_schema(body)
-    if forced is not None:
-        if structured:
-            raise InputError(f"tool_choice {mode} already constrains the output: drop response_format / regex / "
-                             "ebnf", "tool_choice")
-        structured = {"json_schema": forced}
-    # Not streamed: the text is needed only at the end, decoded once there (stream_text), not token by token.
-    extra = dict(logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, stream_text=bool(body.stream),
-                 **structured)
-    vocab = ctx.client.info.vocab_size
-    reqs = [GenerateRequest(tokenized=prompt, params=body.sampling_params(max_new, i, vocab, extra),
-                            rid=new_request_id("chat"), prompt_param="messages")
-                for i in range(body.n)]
-    run = ctx.start(reqs, "/v1/chat/completions", deadline, body.user or body.safety_identifier)
+    chat = await ctx.start_chat(body, "/v1/chat/completions", "chat", body.user or body.safety_identifier)
+    run, how, names, note = chat.run, chat.how, chat.names, chat.note
     cid, ts, model = p.new_id("chatcmpl"), p.now(), ctx.model_name
-    names = {t.function.name for t in body.tools or []}
-    how = f"named:{body.tool_choice.function.name}" if mode == "named" else mode  # type: ignore[union-attr]
     if not body.stream:
         results = await run.finish_all(request)
         choices = []
