@@ -66,14 +66,14 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; send a plain prompt instead")
         if not self.template_takes_tools:
             messages, tools = hermes_messages(messages, tools), None
         as_tools = cast("list[dict | Callable] | None", tools or None)  # transformers also takes functions
         text = self.hf.apply_chat_template(messages, tools=as_tools, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         return self.hf.encode(text, add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
@@ -207,7 +207,7 @@ def prompt_ids(tokenizer: Tokenizer | None, req: GenerateRequest) -> list[int]:
     if req.messages is not None:
         if not req.messages:
             raise ValueError("messages must not be empty")
-        return tokenizer.apply_chat_template(req.messages, tools=req.tools)
+        return tokenizer.apply_chat_template(req.messages, tools=req.tools, template_kwargs=req.template_kwargs)
     if req.tools:
         raise ValueError("tools need messages (a chat), not a plain prompt")
     return tokenizer.encode(req.prompt or "")

@@ -181,6 +181,7 @@ class GenerateRequest:
     # The request field an error about the prompt names (OpenAI's `param`), for a front whose prompt came in another
     # field (the server: "messages", "prompt"); None: input_ids if given, else prompt.
     prompt_param: str | None = None
+    template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (e.g. enable_thinking)
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.input_ids, self.tokenized))

@@ -23,6 +23,7 @@ from minisgl_cli.server.deadline import Deadline
 from minisgl_cli.server.errors import InputError, admission_error, coded_error
 from minisgl_cli.server.gate import InflightGate
 from minisgl_cli.server.metrics import ServerMetrics
+from minisgl_cli.server.reasoning import ReasoningSplit, resolve_parser
 from minisgl_cli.server.runs import EngineRun
 from minisgl_cli.server.settings import ServerSettings, VisionSettings
 from minisgl_cli.types import GenerateRequest, Prompt, SchedulerStats, new_request_id
@@ -57,13 +58,19 @@ def chat_with_images(messages: list[p.ChatMessage], policy: ImagePolicy) -> list
 @dataclass
 class ChatRun:
     """A started chat (n choices): its run, how its output is read (`how`: None, "auto", "required" or
-    "named:<tool>", as tools.parse takes it), its tools' names, the downscale note, its prompt's length."""
+    "named:<tool>", as tools.parse takes it), its tools' names, the downscale note, its prompt's length, the
+    reasoning parser its replies go through (None: none)."""
 
     run: EngineRun
     how: str | None
     names: set[str]
     note: str | None
     prompt_tokens: int
+    reasoning: str | None = None
+
+    def split(self) -> ReasoningSplit | None:
+        """A new split of one reply's thoughts from its content (None without a parser)."""
+        return ReasoningSplit(self.reasoning) if self.reasoning else None
 
 
 @dataclass
@@ -77,6 +84,7 @@ class ServerContext:
     created: int = field(default_factory=p.now)
     active: set[EngineRun] = field(default_factory=set)  # runs not yet closed, aborted at shutdown
     vlm: VlmChat | None = None  # chat requests with images (server/vlm_chat.py); None: they get a 400
+    reasoning: str | None = None  # the reasoning parser of chat replies (server/reasoning.py); None: no split
 
     @classmethod
     def create(cls, client: EngineClient, settings: ServerSettings) -> ServerContext:
@@ -85,7 +93,8 @@ class ServerContext:
         aliases = frozenset({name.lower(), info.name.lower(), *(a.lower() for a in settings.extra_model_aliases)})
         metrics = ServerMetrics()
         vlm = settings.vision.vlm_chat() if settings.vision else None
-        return cls(client, settings, metrics, InflightGate(settings, info.max_running, metrics), name, aliases, vlm=vlm)
+        return cls(client, settings, metrics, InflightGate(settings, info.max_running, metrics), name, aliases, vlm=vlm,
+                   reasoning=resolve_parser(settings.reasoning_parser, info.model_dir))
 
     # --- the steps of every generation route ---
     def check_model(self, requested: str | None) -> None:
@@ -104,7 +113,8 @@ class ServerContext:
 
     async def prompt_of(self, deadline: Deadline, prompt: str | list[int] | None = None,
                         messages: list[p.ChatMessage] | None = None, param: str = "prompt",
-                        tools: list[p.Tool] | None = None, images: bool = False) -> Prompt:
+                        tools: list[p.Tool] | None = None, images: bool = False,
+                        template_kwargs: dict[str, Any] | None = None) -> Prompt:
         """The prompt (chat template applied to messages and tools), tokenized and admitted by the client: a 400 naming
         `param` where it cannot run. With `images`, the images of a chat for a model on the engine that takes them
         (`info.images`); without, image parts are refused."""
@@ -118,7 +128,7 @@ class ServerContext:
                     chat = await deadline.wait(asyncio.get_running_loop().run_in_executor(
                         None, chat_with_images, messages, policy))
                 req = GenerateRequest(messages=chat, tools=[t.model_dump(exclude_none=True) for t in tools]
-                                      if tools else None, prompt_param=param)
+                                      if tools else None, prompt_param=param, template_kwargs=template_kwargs)
             elif isinstance(prompt, list):
                 req = GenerateRequest(input_ids=prompt, prompt_param=param)
             else:
@@ -171,7 +181,8 @@ class ServerContext:
         deadline = self.deadline(body.timeout)
         mode = body.tool_mode
         prompt = await self.prompt_of(deadline, messages=body.messages, param="messages",
-                                      tools=body.tools if mode else None, images=True)
+                                      tools=body.tools if mode else None, images=True,
+                                      template_kwargs=body.chat_template_kwargs)
         max_new, note = self.budget([prompt], body.requested_max_tokens, "max_tokens", "messages")
         structured = body.structured()
         forced = tools.forced_schema(body)
@@ -190,7 +201,7 @@ class ServerContext:
         run = self.start(reqs, endpoint, deadline, user)
         names = {t.function.name for t in body.tools or []}
         how = f"named:{body.tool_choice.function.name}" if mode == "named" else mode  # type: ignore[union-attr]
-        return ChatRun(run, how, names, note, prompt.tokens)
+        return ChatRun(run, how, names, note, prompt.tokens, self.reasoning)
 
     # --- what the other routes read ---
     def model_card(self) -> p.ModelCard:

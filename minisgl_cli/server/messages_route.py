@@ -34,8 +34,9 @@ router = APIRouter(tags=["anthropic"], responses={400: {"model": a.ErrorResponse
 ENDPOINT = "/v1/messages"
 
 
-def to_chat(body: a.MessagesRequest | a.CountTokensRequest) -> p.ChatCompletionRequest:
-    """The chat completions request a Messages body asks for (a 400 naming the field where it cannot be one)."""
+def to_chat(body: a.MessagesRequest | a.CountTokensRequest, reasoning: str | None) -> p.ChatCompletionRequest:
+    """The chat completions request a Messages body asks for (a 400 naming the field where it cannot be one);
+    `reasoning`: the server's reasoning parser (None: `thinking` cannot be enabled)."""
     messages: list[dict[str, Any]] = []
     if body.system_text:
         messages.append({"role": "system", "content": body.system_text})
@@ -51,9 +52,12 @@ def to_chat(body: a.MessagesRequest | a.CountTokensRequest) -> p.ChatCompletionR
             {"type": "function", "function": {"name": choice.name}}
         if choice.disable_parallel_tool_use:
             chat["parallel_tool_calls"] = False
-    if body.thinking is not None and body.thinking.type != "disabled":
-        raise InputError("thinking: this server runs no reasoning parser (--reasoning-parser) for its model",
-                         "thinking")
+    if body.thinking is not None:
+        on = body.thinking.type != "disabled"
+        if on and reasoning is None:
+            raise InputError("thinking: this server runs no reasoning parser for its model (--reasoning-parser)",
+                             "thinking")
+        chat["chat_template_kwargs"] = {"enable_thinking": on}  # Qwen3's switch; templates without it ignore it
     if isinstance(body, a.MessagesRequest):
         chat.update(max_tokens=body.max_tokens, stream=body.stream, temperature=body.temperature, top_p=body.top_p,
                     top_k=body.top_k, stop=body.stop_sequences)
@@ -104,25 +108,30 @@ def _check_images(chat: p.ChatCompletionRequest, ctx: Ctx) -> None:
 
 @router.post("/v1/messages/count_tokens", response_model=a.TokenCount)
 async def count_tokens(body: a.CountTokensRequest, ctx: Ctx) -> Any:
-    chat = to_chat(body)
+    chat = to_chat(body, ctx.reasoning)
     _check_images(chat, ctx)
     ctx.check_model(chat.model)
     prompt = await ctx.prompt_of(ctx.deadline(None), messages=chat.messages, param="messages",
-                                 tools=chat.tools if chat.tool_mode else None, images=True)
+                                 tools=chat.tools if chat.tool_mode else None, images=True,
+                                 template_kwargs=chat.chat_template_kwargs)
     return a.TokenCount(input_tokens=prompt.tokens)
 
 
 @router.post("/v1/messages", response_model=a.MessageResponse)
 async def messages(body: a.MessagesRequest, request: Request, ctx: Ctx) -> Any:
     ctx.gate.check(1)  # a 429 costs no tokenizing
-    chat = to_chat(body)
+    chat = to_chat(body, ctx.reasoning)
     _check_images(chat, ctx)
     user = (body.metadata.user_id if body.metadata else None) or body.user_profile_id
     started = await ctx.start_chat(chat, ENDPOINT, "msg", user)
     mid, parallel = f"msg_{uuid.uuid4().hex[:24]}", chat.parallel_tool_calls
     if not body.stream:
         [(text, final)] = await started.run.finish_all(request)
+        split = started.split()
+        thoughts, text = split.split(text) if split else (None, text)
         blocks, called = _blocks(started.how, text, started.names, parallel)
+        if thoughts is not None:
+            blocks.insert(0, {"type": "thinking", "thinking": thoughts, "signature": ""})
         reason, stop = _stop_reason(final, called)
         resp = a.MessageResponse(id=mid, content=blocks, model=ctx.model_name, stop_reason=reason, stop_sequence=stop,
                                  usage=_usage(final.stats or RequestStats()))
@@ -193,6 +202,10 @@ class BlockStream:
 
     def feed(self, kw: dict[str, Any]) -> list[str]:
         out: list[str] = []
+        if kw.get("reasoning_content"):
+            if self.open != "thinking":
+                out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self._delta({"type": "thinking_delta", "thinking": kw["reasoning_content"]}))
         if kw.get("content"):
             if self.open != "text":
                 out += self._start({"type": "text", "text": ""})
@@ -218,7 +231,7 @@ async def _events(started: ChatRun, first: tuple[int, Delta] | None, mid: str, m
     """A streamed reply's events, in Anthropic's order; an engine error after the start ends them with an error
     event. The run is closed however the stream ends."""
     run = started.run
-    choice = ChoiceStream(started.how, started.names, parallel, token_only=False)
+    choice = ChoiceStream(started.how, started.names, parallel, token_only=False, split=started.split())
     blocks = BlockStream()
     start: dict[str, Any] = {"id": mid, "type": "message", "role": "assistant", "content": [], "model": model,
                              "stop_reason": None, "stop_sequence": None,

@@ -9,6 +9,7 @@ responses or SSE `chunk` frames ending in `data: [DONE]`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -20,6 +21,7 @@ from minisgl_cli.server import vlm_chat as vision
 from minisgl_cli.server.context import Ctx
 from minisgl_cli.server.errors import InputError, error_frame
 from minisgl_cli.server.gate import downscale_headers
+from minisgl_cli.server.reasoning import ReasoningSplit
 from minisgl_cli.server.runs import EngineRun, sse, stream_response, templated
 from minisgl_cli.types import Delta, GenerateRequest, RequestStats, TokenLogprob, new_request_id
 
@@ -49,8 +51,11 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
         results = await run.finish_all(request)
         choices = []
         for i, (text, final) in enumerate(results):
+            split = chat.split()
+            thoughts, text = split.split(text) if split else (None, text)
             content, calls = tools.parse(how, text, names, body.parallel_tool_calls) if how else (text, [])
-            message = p.ChatResponseMessage(content=content, tool_calls=[c.to_tool_call() for c in calls] or None)
+            message = p.ChatResponseMessage(content=content, reasoning_content=thoughts,
+                                            tool_calls=[c.to_tool_call() for c in calls] or None)
             choices.append(p.ChatChoice(index=i, message=message, finish_reason=_finish(final, calls),
                                         logprobs=p.chat_logprobs(run.logprobs[i]) if body.logprobs else None))
         resp = p.ChatCompletionResponse(id=cid, created=ts, model=model, choices=choices,
@@ -63,7 +68,7 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
         return sse(p.chat_chunk(cid, ts, model, i, with_usage_field=with_usage, **kw))
 
     timed = not ctx.client.info.has_tokenizer
-    streams = [ChoiceStream(how, names, body.parallel_tool_calls, timed) for _ in range(body.n)]
+    streams = [ChoiceStream(how, names, body.parallel_tool_calls, timed, chat.split()) for _ in range(body.n)]
 
     def content_only(i: int) -> Callable[[str], str]:
         """Choice i's usual chunk (content alone): its JSON made once, the text put in."""
@@ -89,8 +94,10 @@ def _finish(final: Delta, calls: list[tools.Call]) -> str | None:
 class ChoiceStream:
     """One streamed chat choice: its deltas as chunk contents (text, tool-call pieces, logprobs, the end)."""
 
-    def __init__(self, how: str | None, names: set[str], parallel: bool | None, token_only: bool = False):
+    def __init__(self, how: str | None, names: set[str], parallel: bool | None, token_only: bool = False,
+                 split: ReasoningSplit | None = None):
         self.how, self.parallel = how, parallel
+        self.split = split  # with a reasoning parser: the thoughts go out as reasoning_content, apart
         # Without a tokenizer every delta is token ids only: each is sent (empty content) so that clients can
         # time the tokens. With one, text-less deltas (the EOS token, UTF-8 held back) send nothing.
         self.token_only = token_only
@@ -103,6 +110,14 @@ class ChoiceStream:
         self.logprobs += d.logprobs or []
         out: list[dict[str, Any]] = []
         calls: list[tools.Call] = []
+        if self.split is not None:
+            thoughts, text = self.split.feed(d.text)
+            if d.finished:
+                more, rest = self.split.finish()
+                thoughts, text = thoughts + more, text + rest
+            if thoughts:
+                out.append({"reasoning_content": thoughts})
+            d = replace(d, text=text)
         if self.how is None:
             if d.text or (self.token_only and d.token_ids and not d.finish_reason):
                 out.append({"content": d.text})
