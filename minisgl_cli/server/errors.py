@@ -2,8 +2,8 @@
 with the wire format in protocol.py and re-exported here), each API's error body.
 
 Every non-2xx response of the server carries its API's error body (`error_response`: OpenAI's
-`protocol.ErrorResponse`, Anthropic's under /v1/messages); streams that fail after their first frame carry the
-same body as their last frame (`error_frame`).
+`protocol.ErrorResponse`, Anthropic's under /v1/messages, ollama's under /api/); streams that fail after their
+first frame carry the same body as their last frame (`error_frame`).
 """
 
 from __future__ import annotations
@@ -99,7 +99,10 @@ def is_anthropic(path: str) -> bool:
 
 def error_response(path: str, status: int, message: str, type: str, param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The error body of the API `path` belongs to: Anthropic's under /v1/messages, else OpenAI's."""
+    """The error body of the API `path` belongs to: Anthropic's under /v1/messages, ollama's under /api/, else
+    OpenAI's."""
+    if path.startswith("/api/"):
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
     if is_anthropic(path):
         return JSONResponse(anthropic.error_body(status, message), status_code=status, headers=headers)
     return p.error_response(status, message, type, param, code, headers)
