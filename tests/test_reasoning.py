@@ -175,3 +175,26 @@ def test_messages_thinking_blocks(r1_url, server_url):
     body = {"model": "default", "max_tokens": 4, "messages": ask, "thinking": {"type": "enabled", "budget_tokens": 2}}
     bad = httpx.post(f"{server_url}/v1/messages", json=body, timeout=60)
     assert bad.status_code == 400 and "reasoning-parser" in bad.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_responses_and_ollama_carry_the_thoughts(r1_url, server_url):
+    """The same split through the other fronts: a `reasoning` output item (streamed as reasoning_text deltas) in
+    Responses, `message.thinking` in ollama's chat."""
+    import ollama
+    import openai
+
+    ask = "What is the capital of France?"
+    plain = openai.OpenAI(base_url=f"{server_url}/v1", api_key="none", max_retries=0).responses.create(
+        model="default", input=ask, max_output_tokens=12, temperature=0).output_text
+    oai = openai.OpenAI(base_url=f"{r1_url}/v1", api_key="none", max_retries=0)
+    r = oai.responses.create(model="default", input=ask, max_output_tokens=12, temperature=0,
+                             reasoning={"effort": "low"})
+    assert [i.type for i in r.output] == ["reasoning"] and r.output[0].content[0].text == plain
+    events = list(oai.responses.create(model="default", input=ask, max_output_tokens=12, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert "response.reasoning_text.delta" in kinds and "response.output_text.delta" not in kinds
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == plain
+    local = ollama.Client(host=r1_url).chat(model="default", messages=[{"role": "user", "content": ask}],
+                                            think=True, options={"num_predict": 12, "temperature": 0})
+    assert local.message.thinking == plain and local.message.content == ""
