@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.messages_route import BlockStream
-from minisgl_cli.server.openai_routes import ChoiceStream
 from minisgl_cli.server.reasoning import ReasoningSplit, resolve_parser
 from minisgl_cli.types import Delta
 

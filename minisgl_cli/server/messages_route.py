@@ -22,10 +22,10 @@ from pydantic import ValidationError
 from minisgl_cli.api import anthropic as a
 from minisgl_cli.api import protocol as p
 from minisgl_cli.server import tools
+from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
 from minisgl_cli.server.gate import downscale_headers
-from minisgl_cli.server.openai_routes import ChoiceStream
 from minisgl_cli.server.runs import _JSON, stream_response
 from minisgl_cli.types import Delta, RequestStats
 

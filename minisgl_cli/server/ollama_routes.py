@@ -22,9 +22,9 @@ from pydantic import ValidationError
 from minisgl_cli.api import ollama as o
 from minisgl_cli.api import protocol as p
 from minisgl_cli.server import tools
+from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
-from minisgl_cli.server.openai_routes import ChoiceStream
 from minisgl_cli.server.runs import _JSON, stream_response
 from minisgl_cli.types import Delta, RequestStats
 
