@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from commands import common as c
+from minisgl_cli.server.reasoning import PARSERS
 from minisgl_cli.vision.image_source import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 
 if TYPE_CHECKING:
@@ -43,6 +44,9 @@ def serve(
         "may ask less; 0 = no limit).")] = 600.0,
     served_model_name: Annotated[Optional[str], server("--served-model-name",
         help="Model id in /v1/models and responses (default: the engine's).")] = None,
+    reasoning_parser: Annotated[str, server("--reasoning-parser", envvar="MINISGL_REASONING_PARSER",
+        help="auto, qwen3, deepseek-r1 or none: split <think> thoughts from replies (reasoning_content in chat, "
+        "thinking blocks in /v1/messages; auto: by the model's family).")] = "none",
     warm_prefixes: Annotated[Optional[str], server("--warm-prefixes", envvar="WARM_PREFIXES",
         help="'|'-separated prefixes prefilled into the radix cache at start.")] = None,
     zmq_control: Annotated[bool, server("--zmq-control", envvar="ZMQ_CONTROL",
@@ -148,10 +152,13 @@ def serve(
         if engine_model is not None:
             opts = replace(opts, engine=replace(opts.engine, model=engine_model))
     vision = VisionSettings(model=vlm_model or None, device=media.device, images=images)
+    if reasoning_parser not in PARSERS:
+        c.fail(f"--reasoning-parser: {reasoning_parser!r} is not one of {', '.join(PARSERS)}")
     settings = ServerSettings(
         api_key=api_key or None, max_inflight_total=total,
         adaptive_max_new_tokens=adaptive_max_new_tokens, max_body_bytes=max_body_bytes,
         served_model_name=served_model_name, media=media, web=web, vision=vision, request_timeout_s=request_timeout,
+        reasoning_parser=reasoning_parser,
     )
     launch = LaunchConfig(
         host=host, port=port, warm_prefixes=[x for x in (warm_prefixes or "").split("|") if x],

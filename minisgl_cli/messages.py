@@ -154,6 +154,7 @@ class DecodedPiece:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     error_code: ErrorCode | None = None  # with `error`: what kind of failure
     drafted: int = 0  # of its tokens, the accepted drafts of verify steps (speculative decoding)
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop"), if one did
 
     @property
     def finished(self) -> bool:

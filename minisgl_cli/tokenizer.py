@@ -66,14 +66,14 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; send a plain prompt instead")
         if not self.template_takes_tools:
             messages, tools = hermes_messages(messages, tools), None
         as_tools = cast("list[dict | Callable] | None", tools or None)  # transformers also takes functions
         text = self.hf.apply_chat_template(messages, tools=as_tools, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         return self.hf.encode(text, add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
@@ -147,6 +147,7 @@ class StopStringMatcher:
 
     stops: list[str]
     pending: str = ""
+    matched: str | None = None  # the stop string that ended the text (Anthropic's `stop_sequence` names it)
 
     def push(self, text: str) -> tuple[str, bool]:
         if not self.stops:
@@ -154,7 +155,7 @@ class StopStringMatcher:
         buf = self.pending + text
         hits = [(buf.find(s), s) for s in self.stops if s and s in buf]
         if hits:
-            pos = min(h[0] for h in hits)
+            pos, self.matched = min(hits)
             self.pending = ""
             return buf[:pos], True
         # Keep the longest tail that is a prefix of some stop string.
@@ -206,7 +207,7 @@ def prompt_ids(tokenizer: Tokenizer | None, req: GenerateRequest) -> list[int]:
     if req.messages is not None:
         if not req.messages:
             raise ValueError("messages must not be empty")
-        return tokenizer.apply_chat_template(req.messages, tools=req.tools)
+        return tokenizer.apply_chat_template(req.messages, tools=req.tools, template_kwargs=req.template_kwargs)
     if req.tools:
         raise ValueError("tools need messages (a chat), not a plain prompt")
     return tokenizer.encode(req.prompt or "")
@@ -284,7 +285,7 @@ class RequestDecoder:
             text += self.stopper.flush()
         drafted = sum(o.drafted for o in items if o.token_id is not None)
         return DecodedPiece(last.rid, text, tokens, reason, None, last.cached_tokens, prefill_s, early, logprobs,
-                            drafted=drafted)
+                            drafted=drafted, stop_string=self.stopper.matched if hit_stop else None)
 
 
 def _joined(pieces: list[DecodedPiece]) -> DecodedPiece:
@@ -295,7 +296,7 @@ def _joined(pieces: list[DecodedPiece]) -> DecodedPiece:
                         last.finish_reason, last.error, last.cached_tokens,
                         next((p.prefill_s for p in pieces if p.prefill_s is not None), None), last.stopped_early,
                         lps if any(p.logprobs is not None for p in pieces) else None, last.error_code,
-                        sum(p.drafted for p in pieces))
+                        sum(p.drafted for p in pieces), last.stop_string)
 
 
 def decode_steps(tokenizer: Tokenizer | None,

@@ -181,6 +181,7 @@ class GenerateRequest:
     # The request field an error about the prompt names (OpenAI's `param`), for a front whose prompt came in another
     # field (the server: "messages", "prompt"); None: input_ids if given, else prompt.
     prompt_param: str | None = None
+    template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (e.g. enable_thinking)
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.input_ids, self.tokenized))
@@ -256,6 +257,7 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     error_code: ErrorCode | None = None  # what kind of failure `error` is (set with it)
     error_param: str | None = None  # the request field `error` is about (OpenAI's `param`), where it names one
+    stop_string: str | None = None  # on the last delta: the stop string that ended the request, if one did
 
     @property
     def finished(self) -> bool:

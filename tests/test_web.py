@@ -204,7 +204,7 @@ def test_stop_aborts_the_request_and_metrics_show_it(web, engine_client):
 
     _until(aborted)
     web.wait_number("m-aborted", f"x > {aborted_shown}")
-    expect(page.locator("#recent tbody tr").first.locator("td").nth(1)).to_have_text("abort")
+    expect(page.locator("#recent tbody tr").first.locator("td").nth(2)).to_have_text("abort")
     wait_idle(engine_client)
     engine_client.check_pages()
     assert engine_client.stats().tokens_in_use == 0
@@ -242,7 +242,8 @@ def test_live_pane_counters_move_during_a_burst(web):
     # The table lists the burst as the server front saw each request end (a moment after the scheduler did).
     page.wait_for_function(f"() => Number(document.querySelector('#recent tbody td').textContent) >= {newest + 6}")
     cells = page.locator("#recent tbody tr").first.locator("td").all_inner_texts()
-    assert cells[1] == "length" and cells[4] == "48" and float(cells[5]) > 0 and float(cells[6]) > 0  # TTFT, TPOT
+    assert cells[1] == "/v1/chat/completions"  # the API it came through
+    assert cells[2] == "length" and cells[5] == "48" and float(cells[6]) > 0 and float(cells[7]) > 0  # TTFT, TPOT
     # The plots were drawn: the canvas has non-background pixels.
     assert page.evaluate("""() => { const c = document.getElementById('plot-decode');
         const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;

@@ -391,6 +391,9 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call per reply.")
     user: str | None = Field(None, max_length=256, description="An end-user id: written to the request log.")
     safety_identifier: str | None = Field(None, max_length=256, description="Written to the request log.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=16, description=(
+        "Extension (vLLM, sglang): extra variables for the chat template, e.g. {\"enable_thinking\": false}."))
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
@@ -455,6 +458,7 @@ class ChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser: the thoughts, apart from the content
     tool_calls: list[ToolCall] | None = None
 
 
@@ -668,7 +672,7 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int = 0) -> CompletionL
 def chat_chunk(
     id: str, created: int, model: str, index: int, *, role: bool = False, content: str | None = None,
     finish_reason: str | None = None, with_usage_field: bool = False, tool_calls: list[dict] | None = None,
-    logprobs: list[TokenLogprob] | None = None,
+    logprobs: list[TokenLogprob] | None = None, reasoning_content: str | None = None,
 ) -> dict[str, Any]:
     """One `chat.completion.chunk`; `usage: null` appears on every chunk when include_usage is on."""
     delta: dict[str, Any] = {}
@@ -676,6 +680,8 @@ def chat_chunk(
         delta["role"] = "assistant"
     if content is not None:
         delta["content"] = content
+    if reasoning_content is not None:
+        delta["reasoning_content"] = reasoning_content
     if tool_calls is not None:
         delta["tool_calls"] = tool_calls
     choice = {"index": index, "delta": delta, "finish_reason": finish_reason,

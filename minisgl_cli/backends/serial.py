@@ -57,7 +57,8 @@ class PieceDecoder:
         elif reason is not None:
             text += self.stopper.flush()
         early = hit_stop and last.finish_reason is None
-        return DecodedPiece(last.rid, text, tokens, reason, None, last.cached_tokens, prefill_s, early)
+        return DecodedPiece(last.rid, text, tokens, reason, None, last.cached_tokens, prefill_s, early,
+                            stop_string=self.stopper.matched if hit_stop else None)
 
 
 def _ended(items: list[DecodedPiece]) -> bool:

@@ -265,4 +265,4 @@ def _delta(rid: str, piece: DecodedPiece, stats: RequestStats, t0: float) -> Del
         lps = f" logprobs {[round(lp.logprob, 3) for lp in piece.logprobs]}" if piece.logprobs else ""
         log.info("decode %s: token ids %s -> %r%s", rid, piece.token_ids, piece.text, lps)
     return Delta(rid, piece.text, piece.token_ids, piece.finish_reason, stats if piece.finish_reason else None,
-                 logprobs=piece.logprobs)
+                 logprobs=piece.logprobs, stop_string=piece.stop_string)

@@ -120,7 +120,8 @@ class LocalClient(BaseClient):
         if processor is not None and has_images(req.messages):
             messages, tools = req.messages or [], req.tools
             return await loop.run_in_executor(self._tokenize_pool,
-                                              lambda: self._admitted(processor.prompt(messages, tools), req))
+                                              lambda: self._admitted(processor.prompt(
+                                                  messages, tools, template_kwargs=req.template_kwargs), req))
         # Tokenized and admitted on the pool's thread: neither holds up the caller's event loop.
         return await loop.run_in_executor(self._tokenize_pool, lambda: self._admitted(Prompt(self.input_ids(req)), req))
 

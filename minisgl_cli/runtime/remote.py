@@ -58,7 +58,7 @@ def _merge(pieces: list[DecodedPiece]) -> DecodedPiece:
         last.rid, "".join(p.text for p in pieces), [t for p in pieces for t in p.token_ids], last.finish_reason,
         last.error, last.cached_tokens, next((p.prefill_s for p in pieces if p.prefill_s is not None), None),
         logprobs=[lp for p in pieces for lp in p.logprobs or []] if any(p.logprobs for p in pieces) else None,
-        error_code=last.error_code,
+        error_code=last.error_code, stop_string=last.stop_string,
     )
 
 

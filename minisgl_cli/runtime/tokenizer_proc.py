@@ -125,7 +125,8 @@ class _Worker:
         images: list[ImageInput] = []
         try:
             if self.processor is not None and has_images(q.req.messages):  # the pixels go by shared memory
-                prompt = self.processor.prompt(q.req.messages or [], q.req.tools, share=True)
+                prompt = self.processor.prompt(q.req.messages or [], q.req.tools, share=True,
+                                               template_kwargs=q.req.template_kwargs)
                 ids, images = prompt.ids, prompt.images
             else:
                 ids = prompt_ids(self.tokenizer, q.req)

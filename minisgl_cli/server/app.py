@@ -18,7 +18,14 @@ from fastapi.responses import PlainTextResponse
 
 from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
-from minisgl_cli.server import generate_route, openai_routes, web
+from minisgl_cli.server import (
+    generate_route,
+    messages_route,
+    ollama_routes,
+    openai_routes,
+    responses_route,
+    web,
+)
 from minisgl_cli.server.context import Ctx, ServerContext
 from minisgl_cli.server.edge import EdgeMiddleware
 from minisgl_cli.server.errors import install_error_handlers
@@ -67,7 +74,8 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
     app.add_middleware(EdgeMiddleware, settings=settings, metrics=ctx.metrics)
     install_error_handlers(app)
     app.include_router(build_media_router(service=ctx.media))
-    for router in (server_router, openai_routes.router, generate_route.router):
+    for router in (server_router, openai_routes.router, messages_route.router, responses_route.router,
+                   ollama_routes.router, generate_route.router):
         app.include_router(router)
     if settings.web:
         app.include_router(web.router)

@@ -20,13 +20,15 @@ from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.media.service import MediaService
 from minisgl_cli.media.settings import MediaSettings
+from minisgl_cli.server import tools
 from minisgl_cli.server.deadline import Deadline
 from minisgl_cli.server.errors import InputError, admission_error, coded_error
 from minisgl_cli.server.gate import InflightGate
 from minisgl_cli.server.metrics import ServerMetrics
+from minisgl_cli.server.reasoning import ReasoningSplit, resolve_parser
 from minisgl_cli.server.runs import EngineRun
 from minisgl_cli.server.settings import ServerSettings, VisionSettings
-from minisgl_cli.types import GenerateRequest, Prompt, SchedulerStats
+from minisgl_cli.types import GenerateRequest, Prompt, SchedulerStats, new_request_id
 from minisgl_cli.vision.image_source import ImageError, ImagePolicy, load_image_url
 
 if TYPE_CHECKING:
@@ -56,6 +58,24 @@ def chat_with_images(messages: list[p.ChatMessage], policy: ImagePolicy) -> list
 
 
 @dataclass
+class ChatRun:
+    """A started chat (n choices): its run, how its output is read (`how`: None, "auto", "required" or
+    "named:<tool>", as tools.parse takes it), its tools' names, the downscale note, its prompt's length, the
+    reasoning parser its replies go through (None: none)."""
+
+    run: EngineRun
+    how: str | None
+    names: set[str]
+    note: str | None
+    prompt_tokens: int
+    reasoning: str | None = None
+
+    def split(self) -> ReasoningSplit | None:
+        """A new split of one reply's thoughts from its content (None without a parser)."""
+        return ReasoningSplit(self.reasoning) if self.reasoning else None
+
+
+@dataclass
 class ServerContext:
     client: EngineClient
     settings: ServerSettings
@@ -68,6 +88,7 @@ class ServerContext:
     vlm: VlmChat | None = None  # chat requests with images (server/vlm_chat.py); None: they get a 400
     # The media worker's client (its process starts on the first image / video request); set by `create`.
     media: MediaService = field(default_factory=lambda: MediaService(MediaSettings()))
+    reasoning: str | None = None  # the reasoning parser of chat replies (server/reasoning.py); None: no split
 
     @classmethod
     def create(cls, client: EngineClient, settings: ServerSettings) -> ServerContext:
@@ -78,7 +99,7 @@ class ServerContext:
         vlm = settings.vision.vlm_chat() if settings.vision else None
         media = MediaService(settings.media or MediaSettings.from_env())
         return cls(client, settings, metrics, InflightGate(settings, info.max_running, metrics), name, aliases, vlm=vlm,
-                   media=media)
+                   media=media, reasoning=resolve_parser(settings.reasoning_parser, info.model_dir))
 
     # --- the steps of every generation route ---
     def check_model(self, requested: str | None) -> None:
@@ -97,7 +118,8 @@ class ServerContext:
 
     async def prompt_of(self, deadline: Deadline, prompt: str | list[int] | None = None,
                         messages: list[p.ChatMessage] | None = None, param: str = "prompt",
-                        tools: list[p.Tool] | None = None, images: bool = False) -> Prompt:
+                        tools: list[p.Tool] | None = None, images: bool = False,
+                        template_kwargs: dict[str, Any] | None = None) -> Prompt:
         """The prompt (chat template applied to messages and tools), tokenized and admitted by the client: a 400 naming
         `param` where it cannot run. With `images`, the images of a chat for a model on the engine that takes them
         (`info.images`); without, image parts are refused."""
@@ -111,7 +133,7 @@ class ServerContext:
                     chat = await deadline.wait(asyncio.get_running_loop().run_in_executor(
                         None, chat_with_images, messages, policy))
                 req = GenerateRequest(messages=chat, tools=[t.model_dump(exclude_none=True) for t in tools]
-                                      if tools else None, prompt_param=param)
+                                      if tools else None, prompt_param=param, template_kwargs=template_kwargs)
             elif isinstance(prompt, list):
                 req = GenerateRequest(input_ids=prompt, prompt_param=param)
             else:
@@ -155,6 +177,36 @@ class ServerContext:
                          r.rid, endpoint, r.tokenized.tokens, r.params.max_new_tokens, r.params.temperature,
                          self.gate.inflight, f" user={user!r}" if user else "")
         return EngineRun(self.client, reqs, self.gate, self.metrics, endpoint, self.active, deadline)
+
+    async def start_chat(self, body: p.ChatCompletionRequest, endpoint: str, rid_prefix: str,
+                         user: str | None = None) -> ChatRun:
+        """Every step of a chat request on the engine (the chat completions route's, and those of the fronts that
+        translate onto it): model, deadline, template with tools, budget, grammar of forced tool calls, start."""
+        self.check_model(body.model)
+        deadline = self.deadline(body.timeout)
+        mode = body.tool_mode
+        prompt = await self.prompt_of(deadline, messages=body.messages, param="messages",
+                                      tools=body.tools if mode else None, images=True,
+                                      template_kwargs=body.chat_template_kwargs)
+        max_new, note = self.budget([prompt], body.requested_max_tokens, "max_tokens", "messages")
+        structured = body.structured()
+        forced = tools.forced_schema(body)
+        if forced is not None:
+            if structured:
+                raise InputError(f"tool_choice {mode} already constrains the output: drop response_format / regex / "
+                                 "ebnf", "tool_choice")
+            structured = {"json_schema": forced}
+        # Not streamed: the text is needed only at the end, decoded once there (stream_text), not token by token.
+        extra = dict(logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, stream_text=bool(body.stream),
+                     **structured)
+        vocab = self.client.info.vocab_size
+        reqs = [GenerateRequest(tokenized=prompt, params=body.sampling_params(max_new, i, vocab, extra),
+                                rid=new_request_id(rid_prefix), prompt_param="messages")
+                for i in range(body.n)]
+        run = self.start(reqs, endpoint, deadline, user)
+        names = {t.function.name for t in body.tools or []}
+        how = f"named:{body.tool_choice.function.name}" if mode == "named" else mode  # type: ignore[union-attr]
+        return ChatRun(run, how, names, note, prompt.tokens, self.reasoning)
 
     # --- what the other routes read ---
     def model_card(self) -> p.ModelCard:

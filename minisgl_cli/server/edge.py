@@ -9,13 +9,14 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from minisgl_cli.api import protocol as p
+from minisgl_cli.server.errors import error_response
 from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.server.settings import ServerSettings
 from minisgl_cli.server.web import is_page_file
 
 # Counted by name in /metrics; any other path counts as "other".
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/generate", "/metrics", "/metrics/live", "/health")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+          "/v1/models", "/generate", "/metrics", "/metrics/live", "/health")
 
 
 class EdgeMiddleware:
@@ -40,16 +41,18 @@ class EdgeMiddleware:
         key = self.settings.api_key
         # /health and the page's own files need no key (the page holds no secret; it asks for the key).
         if key and path != "/health" and not (self.settings.web and is_page_file(path)):
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                resp = p.error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                        "authentication_error", None, "invalid_api_key",
-                                        headers={"WWW-Authenticate": "Bearer"})
+            # Bearer (OpenAI's clients) or x-api-key (Anthropic's header).
+            bearer, api_key = headers.get("authorization"), headers.get("x-api-key")
+            given, want = (api_key, key) if api_key is not None and bearer is None else (bearer or "", f"Bearer {key}")
+            if not hmac.compare_digest(given.encode(), want.encode()):
+                resp = error_response(path, 401, "invalid or missing API key: send 'Authorization: Bearer <key>' "
+                                      "or 'x-api-key: <key>'", "authentication_error", None, "invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
                 await resp(scope, receive, counted_send)
                 return
         limit = self.settings.max_body_bytes
-        too_large = p.error_response(413, f"request body is larger than the limit of {limit} bytes",
-                                     "invalid_request_error", None, "request_too_large")
+        too_large = error_response(path, 413, f"request body is larger than the limit of {limit} bytes",
+                                   "invalid_request_error", None, "request_too_large")
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             await too_large(scope, receive, counted_send)

@@ -1,8 +1,9 @@
-"""OpenAI-style errors: engine errors mapped to statuses, the app's handlers (`InputError`, what a handler
-raises, is declared with the wire format in protocol.py and re-exported here).
+"""Errors: engine errors mapped to statuses, the app's handlers (`InputError`, what a handler raises, is declared
+with the wire format in protocol.py and re-exported here), each API's error body.
 
-Every non-2xx response of the server carries OpenAI's error body (`protocol.ErrorResponse`); streams that
-fail after their first frame carry the same body as their last frame (`error_frame`).
+Every non-2xx response of the server carries its API's error body (`error_response`: OpenAI's
+`protocol.ErrorResponse`, Anthropic's under /v1/messages, ollama's under /api/); streams that fail after their
+first frame carry the same body as their last frame (`error_frame`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl_cli.admission import AdmissionError, grammar_field
+from minisgl_cli.api import anthropic
 from minisgl_cli.api import protocol as p
 from minisgl_cli.api.protocol import InputError
 from minisgl_cli.types import Delta, ErrorCode, SamplingParams
 
-__all__ = ["InputError", "Disconnected", "coded_error", "engine_error", "error_frame", "install_error_handlers",
-           "refused"]
+__all__ = ["InputError", "Disconnected", "coded_error", "engine_error", "error_frame", "error_response",
+           "install_error_handlers", "refused"]
 
 log = logging.getLogger("minisgl.server")
 
@@ -91,28 +93,43 @@ def error_frame(delta: Delta) -> dict[str, Any]:
                       "param": e.param, "code": e.code}}
 
 
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_response(path: str, status: int, message: str, type: str, param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error body of the API `path` belongs to: Anthropic's under /v1/messages, ollama's under /api/, else
+    OpenAI's."""
+    if path.startswith("/api/"):
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+    if is_anthropic(path):
+        return JSONResponse(anthropic.error_body(status, message), status_code=status, headers=headers)
+    return p.error_response(status, message, type, param, code, headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         # 400 as OpenAI answers any invalid request (FastAPI's default would be 422).
         errors = exc.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
-            return p.error_response(400, f"malformed JSON body: {first.get('msg')}", "invalid_request_error",
-                                    None, "json_invalid")
+            return error_response(request.url.path, 400, f"malformed JSON body: {first.get('msg')}",
+                                  "invalid_request_error", None, "json_invalid")
         parts = [_describe(e) for e in errors[:3]]
-        return p.error_response(400, "; ".join(parts) or "invalid request", "invalid_request_error",
-                                _param(first), first.get("type"))
+        return error_response(request.url.path, 400, "; ".join(parts) or "invalid request",
+                              "invalid_request_error", _param(first), first.get("type"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return p.error_response(exc.status_code, str(exc.detail), ERROR_TYPES.get(exc.status_code, "server_error"),
-                                headers=getattr(exc, "headers", None))
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(request.url.path, exc.status_code, str(exc.detail),
+                              ERROR_TYPES.get(exc.status_code, "server_error"), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(InputError)
-    async def input_error(_: Request, exc: InputError) -> JSONResponse:
+    async def input_error(request: Request, exc: InputError) -> JSONResponse:
         kind = ERROR_TYPES.get(exc.status, "server_error")
-        return p.error_response(exc.status, exc.message, kind, exc.param, exc.code, exc.headers)
+        return error_response(request.url.path, exc.status, exc.message, kind, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(Disconnected)
     async def disconnected(_: Request, __: Disconnected) -> Response:
@@ -120,9 +137,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def crash(_: Request, exc: Exception) -> JSONResponse:
+    async def crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return p.error_response(500, f"internal server error: {type(exc).__name__}", "server_error")
+        return error_response(request.url.path, 500, f"internal server error: {type(exc).__name__}", "server_error")
 
 
 def _loc(e: dict[str, Any]) -> str:

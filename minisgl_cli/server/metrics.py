@@ -84,12 +84,13 @@ class ServerMetrics:
         with self._lock:
             self.downscaled += 1
 
-    def finish(self, stats: RequestStats | None, reason: str | None) -> None:
-        """One engine request ended (completed, stopped, or aborted by a disconnect)."""
+    def finish(self, stats: RequestStats | None, reason: str | None, endpoint: str | None = None) -> None:
+        """One engine request ended (completed, stopped, or aborted by a disconnect); `endpoint`: the route it came
+        through (the page's table shows it)."""
         with self._lock:
             self.finished[reason or "error"] += 1
             self._ended += 1
-            self._recent.append(_recent_entry(self._ended, stats, reason or "error"))
+            self._recent.append(_recent_entry(self._ended, stats, reason or "error", endpoint))
             if stats is None:
                 return
             self.prompt_tokens += stats.prompt_tokens
@@ -244,10 +245,10 @@ class ServerMetrics:
         return "\n".join(lines) + "\n"
 
 
-def _recent_entry(seq: int, stats: RequestStats | None, reason: str) -> dict[str, Any]:
+def _recent_entry(seq: int, stats: RequestStats | None, reason: str, endpoint: str | None) -> dict[str, Any]:
     s = stats or RequestStats()
     tpot = (s.latency_s - s.ttft_s) / (s.completion_tokens - 1) if s.completion_tokens > 1 else None
-    return {"id": seq, "at": round(time.time(), 3), "finish": reason, "prompt_tokens": s.prompt_tokens,
+    return {"id": seq, "at": round(time.time(), 3), "api": endpoint, "finish": reason, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "completion_tokens": s.completion_tokens,
             "ttft_ms": _ms(s.ttft_s) if s.completion_tokens else None,
             "tpot_ms": _ms(tpot) if tpot is not None else None,

@@ -17,11 +17,12 @@ from fastapi.responses import JSONResponse
 from minisgl_cli.api import protocol as p
 from minisgl_cli.server import tools
 from minisgl_cli.server import vlm_chat as vision
+from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.context import Ctx
 from minisgl_cli.server.errors import InputError, error_frame
 from minisgl_cli.server.gate import downscale_headers
 from minisgl_cli.server.runs import EngineRun, sse, stream_response, templated
-from minisgl_cli.types import Delta, GenerateRequest, RequestStats, TokenLogprob, new_request_id
+from minisgl_cli.types import Delta, GenerateRequest, RequestStats, new_request_id
 
 router = APIRouter(tags=["openai"], responses=p.ERROR_RESPONSES)
 
@@ -42,36 +43,18 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
     ctx.gate.check(body.n, "n")  # a 429 or 413 costs no tokenizing, no image decoding
     if body.has_images and not ctx.client.info.images:  # the transformers VLM beside the engine (vision.py)
         return await vision.chat(body, request, ctx)
-    ctx.check_model(body.model)
-    deadline = ctx.deadline(body.timeout)
-    mode = body.tool_mode
-    prompt = await ctx.prompt_of(deadline, messages=body.messages, param="messages", tools=body.tools if mode else None,
-                                 images=True)
-    max_new, note = ctx.budget([prompt], body.requested_max_tokens, "max_tokens", "messages")
-    structured = body.structured()
-    forced = tools.forced_schema(body)
-    if forced is not None:
-        if structured:
-            raise InputError(f"tool_choice {mode} already constrains the output: drop response_format / regex / "
-                             "ebnf", "tool_choice")
-        structured = {"json_schema": forced}
-    # Not streamed: the text is needed only at the end, decoded once there (stream_text), not token by token.
-    extra = dict(logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, stream_text=bool(body.stream),
-                 **structured)
-    vocab = ctx.client.info.vocab_size
-    reqs = [GenerateRequest(tokenized=prompt, params=body.sampling_params(max_new, i, vocab, extra),
-                            rid=new_request_id("chat"), prompt_param="messages")
-                for i in range(body.n)]
-    run = ctx.start(reqs, "/v1/chat/completions", deadline, body.user or body.safety_identifier)
+    chat = await ctx.start_chat(body, "/v1/chat/completions", "chat", body.user or body.safety_identifier)
+    run, how, names, note = chat.run, chat.how, chat.names, chat.note
     cid, ts, model = p.new_id("chatcmpl"), p.now(), ctx.model_name
-    names = {t.function.name for t in body.tools or []}
-    how = f"named:{body.tool_choice.function.name}" if mode == "named" else mode  # type: ignore[union-attr]
     if not body.stream:
         results = await run.finish_all(request)
         choices = []
         for i, (text, final) in enumerate(results):
+            split = chat.split()
+            thoughts, text = split.split(text) if split else (None, text)
             content, calls = tools.parse(how, text, names, body.parallel_tool_calls) if how else (text, [])
-            message = p.ChatResponseMessage(content=content, tool_calls=[c.to_tool_call() for c in calls] or None)
+            message = p.ChatResponseMessage(content=content, reasoning_content=thoughts,
+                                            tool_calls=[c.to_tool_call() for c in calls] or None)
             choices.append(p.ChatChoice(index=i, message=message, finish_reason=_finish(final, calls),
                                         logprobs=p.chat_logprobs(run.logprobs[i]) if body.logprobs else None))
         resp = p.ChatCompletionResponse(id=cid, created=ts, model=model, choices=choices,
@@ -84,7 +67,7 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
         return sse(p.chat_chunk(cid, ts, model, i, with_usage_field=with_usage, **kw))
 
     timed = not ctx.client.info.has_tokenizer
-    streams = [ChoiceStream(how, names, body.parallel_tool_calls, timed) for _ in range(body.n)]
+    streams = [ChoiceStream(how, names, body.parallel_tool_calls, timed, chat.split()) for _ in range(body.n)]
 
     def content_only(i: int) -> Callable[[str], str]:
         """Choice i's usual chunk (content alone): its JSON made once, the text put in."""
@@ -105,62 +88,6 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
 
 def _finish(final: Delta, calls: list[tools.Call]) -> str | None:
     return "tool_calls" if calls and final.finish_reason == "stop" else final.finish_reason
-
-
-class ChoiceStream:
-    """One streamed chat choice: its deltas as chunk contents (text, tool-call pieces, logprobs, the end)."""
-
-    def __init__(self, how: str | None, names: set[str], parallel: bool | None, token_only: bool = False):
-        self.how, self.parallel = how, parallel
-        # Without a tokenizer every delta is token ids only: each is sent (empty content) so that clients can
-        # time the tokens. With one, text-less deltas (the EOS token, UTF-8 held back) send nothing.
-        self.token_only = token_only
-        self.auto = tools.AutoStream(names) if how == "auto" else None
-        self.held = ""  # a `required` reply: parsed once whole
-        self.logprobs: list[TokenLogprob] = []  # not yet sent (their text is held back)
-        self.named_id: str | None = None
-
-    def feed(self, d: Delta) -> list[dict[str, Any]]:
-        self.logprobs += d.logprobs or []
-        out: list[dict[str, Any]] = []
-        calls: list[tools.Call] = []
-        if self.how is None:
-            if d.text or (self.token_only and d.token_ids and not d.finish_reason):
-                out.append({"content": d.text})
-        elif self.how.startswith("named:"):  # the text is the arguments: stream them as they come
-            if d.text:
-                call: dict[str, Any] = {"index": 0, "function": {"arguments": d.text}}
-                if self.named_id is None:
-                    self.named_id = tools.new_call_id()
-                    call = {"index": 0, "id": self.named_id, "type": "function",
-                            "function": {"name": self.how.removeprefix("named:"), "arguments": d.text}}
-                out.append({"tool_calls": [call]})
-        elif self.auto is not None:
-            text = self.auto.feed(d.text)
-            if d.finished:
-                rest, calls = self.auto.finish(self.parallel)
-                text += rest
-            if text:
-                out.append({"content": text})
-        else:
-            self.held += d.text
-            if d.finished:
-                calls = tools.parse_required(self.held)
-                if self.parallel is False:
-                    calls = calls[:1]
-                if not calls and self.held:
-                    out.append({"content": self.held})
-        if calls:
-            out.append({"tool_calls": [
-                {"index": j, **c.to_tool_call().model_dump()} for j, c in enumerate(calls)]})
-        if d.finish_reason:
-            named = self.named_id is not None
-            reason = "tool_calls" if (calls or named) and d.finish_reason == "stop" else d.finish_reason
-            out.append({"finish_reason": reason})
-        if self.logprobs and out:
-            out[0]["logprobs"] = self.logprobs
-            self.logprobs = []
-        return out
 
 
 @router.post("/v1/completions", response_model=p.CompletionResponse)

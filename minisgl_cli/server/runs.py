@@ -97,7 +97,7 @@ class EngineRun:
             self.finals[i] = delta
             self._log_finish(i, delta)
             if not refused(delta):  # one its client refused never ran: its HTTP status alone counts it
-                self.metrics.finish(delta.stats, delta.finish_reason if not delta.error else None)
+                self.metrics.finish(delta.stats, delta.finish_reason if not delta.error else None, self.endpoint)
             if self.open == 0:
                 self._release()
         return i, delta
@@ -155,7 +155,7 @@ class EngineRun:
             if not failed:
                 self.metrics.disconnect()
             for i in unfinished:
-                self.metrics.finish(None, "abort")
+                self.metrics.finish(None, "abort", self.endpoint)
                 log.info("rid=%s %s: %s after %d chunks, aborted (KV freed)", self.reqs[i].rid, self.endpoint,
                          "another choice failed" if failed else "client gone", self.chunks[i])
         self._release()

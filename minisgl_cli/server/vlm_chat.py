@@ -97,7 +97,7 @@ class VisionRun:
             self.ctx.metrics.disconnect()
             log.info("rid=%s %s (VLM): client gone, generation stopped", self.rid, ENDPOINT)
         self.ctx.metrics.finish(final.stats if final else None,
-                                (final.finish_reason if not final.error else None) if final else "abort")
+                                (final.finish_reason if not final.error else None) if final else "abort", ENDPOINT)
         self.ctx.gate.release(1)
 
 

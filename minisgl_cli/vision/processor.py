@@ -116,7 +116,8 @@ class VisionProcessor:
             self._processor = load_processor(self.model_dir)
         return self._processor
 
-    def prompt(self, messages: list[dict], tools: list[dict] | None = None, share: bool = False) -> Prompt:
+    def prompt(self, messages: list[dict], tools: list[dict] | None = None, share: bool = False,
+               template_kwargs: dict | None = None) -> Prompt:
         """The messages' prompt ids (chat template applied, each image's placeholder expanded to its tokens) and
         images; `share`: their pixels go into shared memory for another process. ValueError for input the
         template or the processor refuses."""
@@ -144,7 +145,8 @@ class VisionProcessor:
             if tools and "tools" not in template:
                 chat, tools = hermes_messages(chat, tools), None
             text = proc.tokenizer.apply_chat_template(chat, chat_template=template, tools=tools or None,
-                                                      tokenize=False, add_generation_prompt=True)
+                                                      tokenize=False, add_generation_prompt=True,
+                                                      **(template_kwargs or {}))
             out = proc(text=[text], images=[images] if images else None, return_tensors="pt")
         ids = [int(t) for t in out["input_ids"][0].tolist()]
         if not images:

@@ -217,10 +217,10 @@ function renderRecent(recent) {
   const body = document.createElement("tbody");
   for (const r of rows) {
     const tr = body.insertRow();
-    const cells = [r.id, r.finish, fmt(r.prompt_tokens), fmt(r.cached_tokens), fmt(r.completion_tokens),
+    const cells = [r.id, r.api || "", r.finish, fmt(r.prompt_tokens), fmt(r.cached_tokens), fmt(r.completion_tokens),
       fixed(r.ttft_ms, 0), fixed(r.tpot_ms, 1)];
     for (const c of cells) tr.insertCell().textContent = c;
-    tr.cells[1].className = r.finish;
+    tr.cells[2].className = r.finish;
   }
   $("recent").tBodies[0].replaceWith(body);
 }
