@@ -26,14 +26,19 @@ class PromptLimit:
         from transformers import AutoTokenizer
 
         index = json.loads((model_dir / "model_index.json").read_text())
-        pipeline = getattr(diffusers, index.get("_class_name", ""), None)
+        folder = model_dir / "tokenizer"
+        return cls.of(getattr(diffusers, index.get("_class_name", ""), None),
+                      AutoTokenizer.from_pretrained(folder) if folder.is_dir() else None)
+
+    @classmethod
+    def of(cls, pipeline: type | None, tokenizer: Any) -> PromptLimit:
+        """A pipeline class's limit with its tokenizer (a loaded pipeline's: `of(type(pipe), pipe.tokenizer)`, as for a
+        built-in config, which has no dir to read)."""
         default = None
         if pipeline is not None:
             param = inspect.signature(pipeline.__call__).parameters.get("max_sequence_length")
             if param is not None and isinstance(param.default, int):
                 default = param.default
-        folder = model_dir / "tokenizer"
-        tokenizer = AutoTokenizer.from_pretrained(folder) if folder.is_dir() else None
         if default is None and tokenizer is not None and tokenizer.model_max_length < 1_000_000:
             default = tokenizer.model_max_length  # else transformers' "no limit" sentinel
         return cls(tokenizer, default)

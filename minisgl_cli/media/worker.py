@@ -141,10 +141,14 @@ class MediaWorker:
 
     def _limit(self, kind: str) -> PromptLimit:
         if kind not in self._limits:
-            from minisgl_cli.media.pipelines import ensure_model_dir
+            from minisgl_cli.media.pipelines import ensure_model_dir, load_pipeline
 
-            self._limits[kind] = PromptLimit.load(ensure_model_dir(self.settings.spec("image" if kind == "image"
-                                                                                     else "video")))
+            spec = self.settings.spec("image" if kind == "image" else "video")
+            if spec.load_format == "dummy":  # a built-in config: no dir; it is built now rather than at its first run
+                pipe = load_pipeline(spec).pipe
+                self._limits[kind] = PromptLimit.of(type(pipe), getattr(pipe, "tokenizer", None))
+            else:
+                self._limits[kind] = PromptLimit.load(ensure_model_dir(spec))
         return self._limits[kind]
 
     def _cancel(self, jid: str) -> None:

@@ -1,0 +1,163 @@
+"""Images through `minisgl serve` as a user gets them: end to end (HTTP, PNG, base64), alone and 8 at once, with a
+chat stream beside them.
+
+For each `--media-quantization` given, start `minisgl serve` (the text model and the image pipeline both; on a
+GPU machine without weights, built-in configs with random weights: `--load-format dummy --media-load-format dummy`),
+then:
+- cold: the first image (the pipeline's build and its compile, stored for the next start);
+- alone: `--runs` images one after another (each a new prompt and seed): median seconds an image;
+- chat alone: a streamed chat completion of 128 tokens: its time per output token (TPOT);
+- 8 at once: `--concurrency` image requests sent together with a chat stream beside them: images per minute,
+  p50 / p99 latency, and the chat's TPOT while they run.
+
+    python examples/media_serve_bench.py --out /tmp/media_serve                                 # GPU, dummy weights
+    python examples/media_serve_bench.py --serve-args "--device cpu --model DIR" --image-args "--image-model-dir D \\
+        --media-load-format auto" --size 256x256 --concurrency 4 --quantizations none           # a CPU smoke run
+
+A table on stdout, JSON and each server's log under --out."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minisgl_cli.api.http_server import free_port  # noqa: E402
+
+SERVE = "--model qwen3-0.6b --load-format dummy"
+IMAGE = "--media-load-format dummy --image-model z-image-turbo"
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+async def image(client: httpx.AsyncClient, url: str, prompt: str, seed: int, size: str) -> float:
+    t = time.perf_counter()
+    r = await client.post(f"{url}/v1/images/generations",
+                          json={"prompt": prompt, "size": size, "seed": seed, "output_format": "png"})
+    r.raise_for_status()
+    assert r.json()["data"][0]["b64_json"]
+    return time.perf_counter() - t
+
+
+async def chat_tpot(client: httpx.AsyncClient, url: str, tokens: int) -> float:
+    """Seconds between output tokens of one streamed greedy chat completion (after the first)."""
+    body = {"model": "default", "messages": [{"role": "user", "content": "Tell me a long story about a lantern."}],
+            "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    stamps = []
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+async def measure(url: str, a: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with httpx.AsyncClient(timeout=900) as client:
+        t = time.perf_counter()
+        await image(client, url, "a cold start: a lantern festival over a river at night", 1, a.size)
+        out["cold_first_image_s"] = time.perf_counter() - t
+        alone = [await image(client, url, f"a portrait number {i} in a misty bamboo courtyard", 10 + i, a.size)
+                 for i in range(a.runs)]
+        out["alone_s"] = statistics.median(alone)
+        out["alone_all_s"] = alone
+        out["chat_tpot_alone_ms"] = 1e3 * await chat_tpot(client, url, a.chat_tokens)
+        t = time.perf_counter()
+        chat = asyncio.create_task(chat_tpot(client, url, a.chat_tokens))
+        lat = await asyncio.gather(*(image(client, url, f"a crowd scene number {i}, lanterns", 100 + i, a.size)
+                                     for i in range(a.concurrency)))
+        wall = time.perf_counter() - t
+        out["chat_tpot_during_ms"] = 1e3 * await chat
+        out |= {"concurrent": a.concurrency, "concurrent_wall_s": wall, "images_per_min": 60 * a.concurrency / wall,
+                "images_per_min_alone": 60 / out["alone_s"], "p50_s": percentile(lat, 0.5),
+                "p99_s": percentile(lat, 0.99)}
+        metrics = (await client.get(f"{url}/metrics", params={"format": "json"})).json()
+        out["media_metrics"] = metrics.get("media")
+    return out
+
+
+def serve(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "minisgl_cli.app", "serve", *args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"serve exited with code {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    sys.exit(f"serve not healthy after 600 s; see {log}")
+
+
+def stop(proc: subprocess.Popen) -> float:
+    """SIGTERM, as a user ends it; seconds until it exited (killed past 30 s)."""
+    t = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--serve-args", default=SERVE)
+    ap.add_argument("--image-args", default=IMAGE)
+    ap.add_argument("--quantizations", default="none,fp8", help="--media-quantization values, one server each")
+    ap.add_argument("--size", default="1024x1024")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--chat-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/media_serve"))
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    for q in a.quantizations.split(","):
+        log = a.out / f"serve-{q}.log"
+        t = time.perf_counter()
+        proc, url = serve([*shlex.split(a.serve_args), *shlex.split(a.image_args), "--media-quantization", q], log)
+        healthy_s = time.perf_counter() - t
+        try:
+            row = asyncio.run(measure(url, a))
+        finally:
+            row_stop = stop(proc)
+        row |= {"healthy_s": healthy_s, "sigterm_exit_s": row_stop}
+        rows[q] = row
+        print(f"{q}: " + json.dumps({k: v for k, v in row.items() if k != "media_metrics"}), flush=True)
+    (a.out / "media_serve.json").write_text(json.dumps(rows, indent=2))
+    print("\n| quantization | cold first image s | image alone s | images/min alone | images/min x"
+          f"{a.concurrency} | p50 / p99 s | chat TPOT alone / during ms | SIGTERM exit s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for q, r in rows.items():
+        print(f"| {q} | {r['cold_first_image_s']:.1f} | {r['alone_s']:.3f} | {r['images_per_min_alone']:.1f} | "
+              f"{r['images_per_min']:.1f} | {r['p50_s']:.2f} / {r['p99_s']:.2f} | "
+              f"{r['chat_tpot_alone_ms']:.1f} / {r['chat_tpot_during_ms']:.1f} | {r['sigterm_exit_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
