@@ -55,11 +55,12 @@ async def image(client: httpx.AsyncClient, url: str, prompt: str, seed: int, siz
 
 
 async def chat_tpot(client: httpx.AsyncClient, url: str, tokens: int) -> float:
-    """Seconds between output tokens of one streamed greedy chat completion (after the first)."""
-    body = {"model": "default", "messages": [{"role": "user", "content": "Tell me a long story about a lantern."}],
-            "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    """Seconds between output tokens of one streamed greedy completion (after the first); a completion, not a chat
+    one: a built-in dummy text model has no chat template."""
+    body = {"prompt": "Tell me a long story about a lantern.", "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
     stamps = []
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
