@@ -55,9 +55,9 @@ async def image(client: httpx.AsyncClient, url: str, prompt: str, seed: int, siz
 
 
 async def chat_tpot(client: httpx.AsyncClient, url: str, tokens: int) -> float:
-    """Seconds between output tokens of one streamed greedy completion (after the first); a completion, not a chat
-    one: a built-in dummy text model has no chat template."""
-    body = {"prompt": "Tell me a long story about a lantern.", "max_tokens": tokens, "temperature": 0, "stream": True,
+    """Seconds between output tokens of one streamed greedy completion (after the first). Token ids for a prompt: a
+    built-in dummy text model has no tokenizer."""
+    body = {"prompt": list(range(100, 132)), "max_tokens": tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     stamps = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
