@@ -21,8 +21,10 @@ def unique_path(out_dir: str | Path, stem: str, suffix: str = "") -> Path:
 
 
 def png_bytes(image: Any) -> bytes:
+    """Lossless, at zlib's fastest level: 1024x1024 in ~90 ms on a CPU core instead of ~430 (PIL's default 6), for a
+    file ~15% larger, which a response carries at once; the pixels are the same."""
     buf = io.BytesIO()
-    image.save(buf, format="PNG")
+    image.save(buf, format="PNG", compress_level=1)
     return buf.getvalue()
 
 
