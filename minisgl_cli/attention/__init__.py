@@ -24,8 +24,11 @@ def create_backend(
     scale: float,
     device: torch.device | str,
     kernels: Kernels | None = None,
+    variants: bool = False,
 ) -> AttentionBackend:
-    """Build the attention backend `name` over `pool`; `kernels` is the engine's choice (PDL for Triton's).
+    """Build the attention backend `name` over `pool`; `kernels` is the engine's choice (PDL for Triton's);
+    `variants`: some layer attends through a sliding window or with sinks, which FlashInfer's wrappers here do not
+    take (refused by name; auto skips it).
 
     "auto": FlashInfer if it imports and passes a tiny decode check, else Triton on CUDA (if it
     imports), else torch -- always torch on the CPU, where neither GPU library is even imported. An FP8 pool
@@ -45,11 +48,16 @@ def create_backend(
 
         return TritonBackend(*args, kernels=kernels)
     if name == "flashinfer":
+        if variants:
+            raise ValueError("this model has sliding-window or sink attention layers, which the flashinfer backend "
+                             "does not run here: use --attention-backend triton (or auto)")
         from minisgl_cli.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(*args)
     # auto on CUDA
     try:
+        if variants:
+            raise ValueError("sliding-window or sink layers")
         from minisgl_cli.attention.flashinfer_backend import FlashInferBackend
 
         backend = FlashInferBackend(*args)

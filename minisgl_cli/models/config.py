@@ -90,6 +90,21 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     vision: VisionConfig | None = None  # a vision-language model's tower (Qwen2-VL, Qwen2.5-VL)
+    # Attention per layer: each layer's sliding window W (a query sees itself and the W - 1 keys before it, as
+    # transformers' sliding_window_overlay), 0 for full attention; () = every layer full (Mistral's
+    # sliding_window: every layer W; gpt-oss / Gemma 3: their layer_types). attn_sinks: a learned logit per head
+    # that joins each softmax's denominator only (gpt-oss).
+    layer_windows: tuple[int, ...] = ()
+    attn_sinks: bool = False
+    query_pre_attn_scalar: float = 0.0  # Gemma: attention scores scaled by its -1/2 power (0: head_dim's)
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window_of(self, layer_id: int) -> int:
+        """Layer `layer_id`'s sliding window, 0 for full attention."""
+        return self.layer_windows[layer_id] if self.layer_windows else 0
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether decoder layer `layer_id` has a sparse MoE block (else the dense MLP), as transformers decides."""
@@ -150,8 +165,25 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             vision=VisionConfig.from_hf(top, arch, cfg) if vlm else None,
+            layer_windows=_layer_windows(cfg, cfg["num_hidden_layers"]),
             **_moe_fields(arch, cfg),
         )
+
+
+def _layer_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full) from `sliding_window` and, where the config lists them, its
+    `layer_types` (sliding_attention / full_attention); a window with no layer_types covers every layer
+    (Mistral). () where every layer is full."""
+    window = cfg.get("sliding_window") or 0
+    if not window or (cfg.get("use_sliding_window") is False):  # Qwen2's configs carry a window they switch off
+        return ()
+    types = cfg.get("layer_types")
+    if types is None:
+        return (window,) * num_layers
+    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types {types!r} are not {num_layers} of sliding_attention / full_attention")
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from minisgl_cli.layers.moe import EXPERT_PROJ, Experts, MoE, grouped_mm_runs
 from minisgl_cli.layers.norm import LayerOut, RMSNorm, rows_of
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.layers.rotary import MRotaryEmbedding, RopeTable, RotaryEmbedding
-from minisgl_cli.loader.hf import Weight
+from minisgl_cli.loader.hf import Weight, whole
 from minisgl_cli.models.config import ModelConfig
 
 RopeAt = tuple[torch.Tensor, torch.Tensor]  # RotaryEmbedding.at(positions, dtype): one step's cos, sin
@@ -46,6 +46,16 @@ class Attention(nn.Module):
                                         method=method)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
+        self.window = cfg.window_of(layer_id)  # 0: full attention
+        self.q_start = heads.q_start
+        # gpt-oss: a learned logit per query head in each softmax's denominator (this rank's heads), kept fp32
+        self.sinks = (nn.Parameter(torch.zeros(heads.n_q, dtype=torch.float32), requires_grad=False)
+                      if cfg.attn_sinks else None)
+
+    def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
+        if name != "sinks" or self.sinks is None:
+            raise KeyError(f"checkpoint has an attention {name!r} this layer was built without")
+        self.sinks.data.copy_(whole(loaded.narrow(0, self.q_start, self.num_heads)))
 
     def forward(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend, rope: RopeTable,
                 rope_at: RopeAt | None) -> LayerOut:
@@ -77,7 +87,8 @@ class Attention(nn.Module):
                 qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
                 qk = self.rope.rotate(qk, at)
                 q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=kv_out is not None)
+        o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=kv_out is not None, window=self.window,
+                         sinks=self.sinks)
         return self.o_proj.to_norm(o.reshape(-1, q_size), batch.is_decode)  # for post_attention_layernorm
 
 
