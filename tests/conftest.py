@@ -86,7 +86,8 @@ TINY_MOE = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
 }
 _HF_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral",
-               "mistral": "Mistral", "gemma3": "Gemma3Text", "gpt_oss": "GptOss"}
+               "mistral": "Mistral", "gemma3": "Gemma3", "gpt_oss": "GptOss"}
+_HF_CONFIGS = {"gemma3": "Gemma3TextConfig"}  # where the config class is not the model's name + Config
 
 
 def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:
@@ -99,7 +100,7 @@ def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int =
     fields = {**TINY, **TINY_MOE.get(arch, {}), **overrides}
     tie = arch not in ("llama", "mixtral", "mistral", "gpt_oss")
     fields.setdefault("tie_word_embeddings", tie)
-    cfg = getattr(transformers, f"{name}Config")(**fields, eos_token_id=2, bos_token_id=1)
+    cfg = getattr(transformers, _HF_CONFIGS.get(arch, f"{name}Config"))(**fields, eos_token_id=2, bos_token_id=1)
     model = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
     with torch.no_grad():  # larger weights than the init default, so greedy tokens vary
         for p in model.parameters():

@@ -41,10 +41,18 @@ def windowed_dirs(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("windowed")
     return {
         "mistral": make_tiny_checkpoint("mistral", root / "mistral", tokenizer_dir, sliding_window=WINDOW),
+        # six layers: five local (window 8, RoPE base 10k) and one global (1M), query_pre_attn_scalar unlike head_dim
+        "gemma3": make_tiny_checkpoint("gemma3", root / "gemma3", tokenizer_dir, sliding_window=WINDOW,
+                                       num_hidden_layers=6, query_pre_attn_scalar=24, final_logit_softcapping=30.0),
+        # layers 0 and 2 windowed, 1 and 3 full; 4 experts, 2 per token
+        "gpt_oss": make_tiny_checkpoint("gpt_oss", root / "gpt_oss", tokenizer_dir, sliding_window=WINDOW,
+                                        num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
+                                        intermediate_size=32, swiglu_limit=1.5,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     }
 
 
-@pytest.mark.parametrize("family", ["mistral"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
 def test_windowed_models_greedy_match_transformers(windowed_dirs, family):
     model_dir = windowed_dirs[family]
     prompts = _prompts()
