@@ -64,8 +64,19 @@ def test_windowed_models_greedy_match_transformers(windowed_dirs, family):
 
 
 def _switched_off(monkeypatch, feature: str) -> None:
-    """Our engine with one feature ignored: `window` (every layer full), `sinks` (none)."""
+    """Our engine with one feature ignored: `window` (every layer full), `sinks` (none), `experts` (gpt-oss's
+    experts as plain SiLU-gated ones: no biases, no clamped SwiGLU)."""
     from minisgl_cli.attention.torch_backend import TorchBackend
+    from minisgl_cli.layers import moe
+
+    if feature == "experts":
+        fused = moe.fused_experts
+
+        def plain(*args, **kw):
+            return fused(*args, **{**kw, "act_fn": moe.silu_and_mul, "biases": None})
+
+        monkeypatch.setattr(moe, "fused_experts", plain)
+        return
 
     attend = TorchBackend.attend
 
@@ -79,7 +90,8 @@ def _switched_off(monkeypatch, feature: str) -> None:
     monkeypatch.setattr(TorchBackend, "attend", without)
 
 
-@pytest.mark.parametrize("family,feature", [("mistral", "window")])
+@pytest.mark.parametrize("family,feature", [("mistral", "window"), ("gemma3", "window"), ("gpt_oss", "window"),
+                                            ("gpt_oss", "sinks"), ("gpt_oss", "experts")])
 def test_each_feature_switched_off_changes_the_answers(windowed_dirs, monkeypatch, family, feature):
     """The negative control: the parity test above fails with any one of the features switched off."""
     model_dir = windowed_dirs[family]
