@@ -44,11 +44,13 @@ def windowed_dirs(tmp_path_factory, tokenizer_dir):
         # six layers: five local (window 8, RoPE base 10k) and one global (1M), query_pre_attn_scalar unlike head_dim
         "gemma3": make_tiny_checkpoint("gemma3", root / "gemma3", tokenizer_dir, sliding_window=WINDOW,
                                        num_hidden_layers=6, query_pre_attn_scalar=24, final_logit_softcapping=30.0),
-        # layers 0 and 2 windowed, 1 and 3 full; 4 experts, 2 per token
+        # layers 0 and 2 windowed, 1 and 3 full; 4 experts, 2 per token; YaRN over a short original context
         "gpt_oss": make_tiny_checkpoint("gpt_oss", root / "gpt_oss", tokenizer_dir, sliding_window=WINDOW,
                                         num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
                                         intermediate_size=32, swiglu_limit=1.5,
-                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                         "original_max_position_embeddings": 16}),
     }
 
 
@@ -100,3 +102,32 @@ def test_each_feature_switched_off_changes_the_answers(windowed_dirs, monkeypatc
     _switched_off(monkeypatch, feature)
     cold, _ = _ours(model_dir, prompts)
     assert cold != theirs
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_frequencies_are_transformers(truncate):
+    """gpt-oss's RoPE (YaRN, as its built-in configs carry it): the inverse frequencies and the cos / sin factor."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from minisgl_cli.layers.rotary import _inv_freq
+    from minisgl_cli.loader.configs import builtin_config
+
+    cfg = builtin_config("gpt-oss-20b")
+    scaling = {**cfg["rope_scaling"], "truncate": truncate}
+    hf_cfg = transformers.GptOssConfig(head_dim=64, rope_parameters={**scaling, "rope_theta": cfg["rope_theta"]})
+    theirs, their_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    ours, our_factor = _inv_freq(64, cfg["rope_theta"], scaling)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert our_factor == pytest.approx(their_factor)
+
+
+def test_builtin_windowed_configs_have_their_published_layer_patterns():
+    from minisgl_cli.loader.configs import builtin_config
+    from minisgl_cli.models import ModelConfig
+
+    oss = ModelConfig.from_hf(builtin_config("gpt-oss-20b"))
+    assert oss.layer_windows == (128, 0) * 12 and oss.attn_sinks and oss.num_experts == 32
+    gemma = ModelConfig.from_hf(builtin_config("gemma-3-27b"))
+    assert gemma.layer_windows == ((1024,) * 5 + (0,)) * 10 + (1024, 1024)
+    assert gemma.attn_scale == 168**-0.5 and gemma.local_rope_theta == 10000.0
