@@ -65,6 +65,23 @@ def test_windowed_models_greedy_match_transformers(windowed_dirs, family):
     assert cached == theirs
 
 
+# The same answers through the rest of the engine: overlap scheduling (forced on the CPU), speculative verify steps
+# (prompt lookup: drafts as extra decode rows, each with its own window), and TP 2 (each rank its heads' sinks and its
+# slice of every expert).
+MODES = {"overlap": dict(overlap_on_cpu=True), "ngram": dict(speculative_algorithm="ngram", num_speculative_tokens=3),
+         "tp2": dict(tp_size=2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
+def test_windowed_models_keep_their_answers_under_overlap_speculation_and_tp(windowed_dirs, family, mode):
+    model_dir = windowed_dirs[family]
+    prompts = _prompts()
+    cold, cached = _ours(model_dir, prompts, **MODES[mode])
+    assert cold == cached == hf_greedy(model_dir, prompts, N_NEW)
+
+
 def _switched_off(monkeypatch, feature: str) -> None:
     """Our engine with one feature ignored: `window` (every layer full), `sinks` (none), `experts` (gpt-oss's
     experts as plain SiLU-gated ones: no biases, no clamped SwiGLU)."""
