@@ -34,7 +34,7 @@ def naive(pool, batch, q, heads, window: int, sinks: torch.Tensor | None) -> tor
     h, hkv, d = heads
     out = torch.empty(q.shape, dtype=torch.float32)
     t = 0
-    for i, (row, seq_len, ext) in enumerate(zip(batch.req_rows.tolist(), batch.seq_lens_cpu, batch.extend_lens_cpu)):
+    for row, seq_len, ext in zip(batch.req_rows.tolist(), batch.seq_lens_cpu, batch.extend_lens_cpu):
         slots = pool.page_table[row, :seq_len].long().cpu()
         k, v = pool.k[0].cpu()[slots].float(), pool.v[0].cpu()[slots].float()
         for p in range(seq_len - ext, seq_len):

@@ -29,8 +29,9 @@ class AttentionBackend(ABC):
     `batch.out_cache_loc` (unless a fused RoPE kernel already did) and returns attention over each request's
     whole sequence (causal for extend). A layer may attend through a sliding `window` (a query sees itself and the
     window - 1 positions before it; 0: all) and with `sinks` (a logit per query head that joins the softmax's
-    denominator only: gpt-oss); both are per-layer constants, so CUDA graphs capture them as they are. An FP8 pool's first prefill at each layer sets that layer's scales
-    first (kvcache/pool.py), so that step stores through `store`, not through a fused kernel.
+    denominator only: gpt-oss); both are per-layer constants, so CUDA graphs capture them as they are. An FP8
+    pool's first prefill at each layer sets that layer's scales first (kvcache/pool.py), so that step stores
+    through `store`, not through a fused kernel.
     """
 
     name: str = "base"

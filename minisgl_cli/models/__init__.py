@@ -1,5 +1,5 @@
-"""Models in plain torch: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss decoders, Gemma 3, and Qwen2-VL / Qwen2.5-VL (the
-Qwen2 decoder with a vision tower), chosen by the config's architecture."""
+"""Models in plain torch: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss decoders, Gemma 3 text, and
+Qwen2-VL / Qwen2.5-VL (the Qwen2 decoder with a vision tower), chosen by the config's architecture."""
 
 from __future__ import annotations
 

@@ -232,7 +232,8 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                              "use a bf16 copy (its experts dequantized)")
         return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
-                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
+                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                    swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
     if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
         return {}
     mixtral = arch == "MixtralForCausalLM"

@@ -117,12 +117,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                       rope: RopeTable) -> torch.Tensor:
         residual = None
         fused = self.kernels.triton(h) is not None or self.kernels.sgl_ops(h) is not None
-        ropes = {}  # each RoPE's table of this step (and its cos / sin for the torch path), once for every layer
-        for emb in (self.rope, self.local_rope):
-            table = rope if emb is self.rope else emb.table(batch.positions)
-            ropes[id(emb)] = (table, None if fused else emb.at(table, h.dtype))
-        for layer in self.layers:
-            table, at = ropes[id(layer.self_attn.rope)]
+        # each RoPE's table of this step (and its cos / sin for the torch path), once for every layer: global, local
+        local = self.local_rope.table(batch.positions)
+        ropes = [(t, None if fused else emb.at(t, h.dtype)) for emb, t in ((self.rope, rope), (self.local_rope, local))]
+        for i, layer in enumerate(self.layers):
+            table, at = ropes[bool(self.cfg.window_of(i))]
             h, residual = layer(h, residual, batch, attn, table, at)
         assert residual is not None
         if not batch.is_decode:
