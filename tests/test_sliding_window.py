@@ -148,3 +148,20 @@ def test_builtin_windowed_configs_have_their_published_layer_patterns():
     gemma = ModelConfig.from_hf(builtin_config("gemma-3-27b"))
     assert gemma.layer_windows == ((1024,) * 5 + (0,)) * 10 + (1024, 1024)
     assert gemma.attn_scale == 168**-0.5 and gemma.local_rope_theta == 10000.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels and CUDA graphs")
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
+def test_windowed_models_on_triton_and_cuda_graphs_match_transformers(windowed_dirs, family):
+    """The CUDA path in the exact mode: Triton prefill / extend and decode kernels (windows, sinks), decode replayed
+    from CUDA graphs (every layer's window and sinks captured as constants), the prompts chunked and cached."""
+    model_dir = windowed_dirs[family]
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    with LLM(str(model_dir), attention_backend="triton", max_prefill_tokens=12, device="cuda", **EXACT) as llm:
+        cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        llm.client.check_pages()
+    theirs = hf_greedy(model_dir, prompts, N_NEW)
+    assert cold == cached == theirs
