@@ -3,9 +3,9 @@
 Reads go through `KVPool.read`, which dequantizes an FP8 pool: on the CPU this is the FP8 KV cache itself
 (stored as e4m3 codes), and on the GPU the reference the Triton kernels are checked against. CPU decode over a 16-bit
 pool runs minisgl's own kernel where it is built (`minisgl::decode_attn`, kernels/cpu/csrc/): it reads the
-pool in place and rounds a row alike in any batch, which SDPA over a batch's padded keys does not; a layer with a
-sliding window or sinks decodes through SDPA (the kernel takes neither yet). A window is a mask; sinks scale SDPA's
-output by exp(lse) / (exp(lse) + exp(sink)), the log-sum-exp from the CPU flash kernel that SDPA runs."""
+pool in place and rounds a row alike in any batch, which SDPA over a batch's padded keys does not; it takes a layer's
+sliding window (a row's last keys) and sinks (in the denominator) too. Elsewhere a window is SDPA's mask, and sinks
+scale SDPA's output by exp(lse) / (exp(lse) + exp(sink)), the log-sum-exp from the CPU flash kernel SDPA runs."""
 
 from __future__ import annotations
 
@@ -212,13 +212,13 @@ class TorchBackend(AttentionBackend):
     def decode(self, q: torch.Tensor, layer_id: int, meta: TorchDecodeMeta, window: int = 0,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One decode row a request of layer `layer_id` over its cached keys (`meta`): minisgl::decode_attn where
-        `own_decode` (full layers without sinks), else SDPA over the gathered keys (bench_cpu_attention.py times
-        both)."""
+        `own_decode`, else SDPA over the gathered keys (bench_cpu_attention.py times both)."""
         bsz, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
-        if self.own_decode and not window and sinks is None:
+        if self.own_decode:
             return torch.ops.minisgl.decode_attn(q.reshape(bsz, self.num_heads, d).contiguous(),
                                                  self.pool.k[layer_id], self.pool.v[layer_id],
-                                                 meta.slots.view(bsz, meta.max_len), meta.lens, self.scale)
+                                                 meta.slots.view(bsz, meta.max_len), meta.lens, self.scale,
+                                                 window, sinks)
         group = self.num_heads // hkv
         shape = (bsz, meta.max_len, hkv, d)
         k_all, v_all = self.pool.read(layer_id, meta.slots, q.dtype)

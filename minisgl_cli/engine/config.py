@@ -145,7 +145,7 @@ class EngineConfig:
         step where there is one, `build` also building it (in the background) where there is none. auto takes the
         int4 / int8 CPU modes at TP 1 of a dense full-attention model (`eager_only`: a MoE model, whose experts' CPU
         loop reads each step's row counts back, which no exported step holds; or one with sliding-window or sink
-        layers, which decode through SDPA and have no stored step yet), and builds in a scheduler process
+        layers, which no stored step has been built and checked for yet), and builds in a scheduler process
         (`own_process`) or where compile_in_process says; on raises where it cannot run."""
         if self.deterministic:  # __post_init__ refused on
             return "off"
