@@ -165,3 +165,22 @@ def test_windowed_models_on_triton_and_cuda_graphs_match_transformers(windowed_d
         llm.client.check_pages()
     theirs = hf_greedy(model_dir, prompts, N_NEW)
     assert cold == cached == theirs
+
+
+def test_flashinfer_and_mxfp4_checkpoints_are_refused_at_load_by_name(windowed_dirs, tmp_path):
+    """What does not run yet says so when the model loads: FlashInfer for windowed / sink layers, gpt-oss's MXFP4."""
+    import json
+    import shutil
+
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.loader.errors import ModelLoadError
+
+    with pytest.raises(ValueError, match="sliding-window or sink.*flashinfer"):
+        Engine(EngineConfig(model=str(windowed_dirs["mistral"]), attention_backend="flashinfer", **EXACT))
+    mxfp4 = tmp_path / "mxfp4"
+    shutil.copytree(windowed_dirs["gpt_oss"], mxfp4)
+    cfg = json.loads((mxfp4 / "config.json").read_text())
+    (mxfp4 / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ModelLoadError, match="MXFP4"):
+        Engine(EngineConfig(model=str(mxfp4), **EXACT))

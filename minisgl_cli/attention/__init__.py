@@ -36,6 +36,9 @@ def create_backend(
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if name == "flashinfer" and variants:
+        raise ValueError("this model has sliding-window or sink attention layers, which the flashinfer backend does "
+                         "not run here: use --attention-backend triton (or auto)")
     on_cuda = torch.device(device).type == "cuda"
     args = (pool, num_heads, num_kv_heads, head_dim, scale)
     if name == "torch" or (name == "auto" and not on_cuda):
@@ -48,9 +51,6 @@ def create_backend(
 
         return TritonBackend(*args, kernels=kernels)
     if name == "flashinfer":
-        if variants:
-            raise ValueError("this model has sliding-window or sink attention layers, which the flashinfer backend "
-                             "does not run here: use --attention-backend triton (or auto)")
         from minisgl_cli.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(*args)
