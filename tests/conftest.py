@@ -85,7 +85,9 @@ TINY_MOE = {
                       mlp_only_layers=[1]),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
 }
-_HF_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
+_HF_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral",
+               "mistral": "Mistral", "gemma3": "Gemma3", "gpt_oss": "GptOss"}
+_HF_CONFIGS = {"gemma3": "Gemma3TextConfig"}  # where the config class is not the model's name + Config
 
 
 def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:
@@ -96,13 +98,16 @@ def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int =
     name = _HF_CLASSES[arch]
     torch.manual_seed(seed)
     fields = {**TINY, **TINY_MOE.get(arch, {}), **overrides}
-    tie = arch not in ("llama", "mixtral")
-    cfg = getattr(transformers, f"{name}Config")(**fields, tie_word_embeddings=tie, eos_token_id=2, bos_token_id=1)
+    tie = arch not in ("llama", "mixtral", "mistral", "gpt_oss")
+    fields.setdefault("tie_word_embeddings", tie)
+    cfg = getattr(transformers, _HF_CONFIGS.get(arch, f"{name}Config"))(**fields, eos_token_id=2, bos_token_id=1)
     model = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
     with torch.no_grad():  # larger weights than the init default, so greedy tokens vary
         for p in model.parameters():
             if p.dim() >= 2:  # matrices, and transformers' stacked experts
                 p.normal_(0, 0.08)
+            elif arch in ("gemma3", "gpt_oss"):  # norms (Gemma's 1 + w), biases, sinks: not their zero / one init
+                p.normal_(0, 0.3)
     model.save_pretrained(out, safe_serialization=True)
     for f in tokenizer_from.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):

@@ -80,6 +80,27 @@ def test_bad_inputs_are_refused():
         _attn(q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), slots, t)
     with pytest.raises(RuntimeError, match="bf16 or fp32"):
         _attn(q.half(), k.half(), v.half(), slots, t)
+    with pytest.raises(RuntimeError, match="sinks"):
+        torch.ops.minisgl.decode_attn(q, k, v, slots, t, SCALE, 0, torch.zeros(q.shape[1], dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="window"):
+        torch.ops.minisgl.decode_attn(q, k, v, slots, t, SCALE, -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [0, 1, 16, 100])
+def test_a_window_keeps_a_row_s_last_keys_and_sinks_join_the_denominator(window):
+    """gpt-oss's decode: the row's last `window` keys (all where it has fewer), exp(sink) added to the softmax's sum."""
+    group, dim, lens = 4, 64, [1, 15, 16, 17, 200, 333]
+    q, k, v, slots, t = _case(torch.float32, torch.float32, group, dim, lens)
+    sinks = torch.randn(HKV * group, generator=torch.Generator().manual_seed(window)) * 2
+    got = torch.ops.minisgl.decode_attn(q, k, v, slots, t, SCALE, window, sinks)
+    for b, n in enumerate(lens):
+        first = max(0, n - window) if window else 0
+        keys, values = (x[slots[b, first:n]].double().transpose(0, 1) for x in (k, v))  # [Hkv, L, D]
+        scores = (q[b].double().view(HKV, group, dim) @ keys.transpose(1, 2)) * SCALE  # [Hkv, G, L]
+        scores = torch.cat([scores, sinks.double().view(HKV, group, 1)], dim=-1)
+        ref = scores.softmax(-1)[..., :-1] @ values
+        torch.testing.assert_close(got[b].double(), ref.reshape(HKV * group, dim), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel

@@ -24,8 +24,11 @@ def create_backend(
     scale: float,
     device: torch.device | str,
     kernels: Kernels | None = None,
+    variants: bool = False,
 ) -> AttentionBackend:
-    """Build the attention backend `name` over `pool`; `kernels` is the engine's choice (PDL for Triton's).
+    """Build the attention backend `name` over `pool`; `kernels` is the engine's choice (PDL for Triton's);
+    `variants`: some layer attends through a sliding window or with sinks, which FlashInfer's wrappers here do not
+    take (refused by name; auto skips it).
 
     "auto": FlashInfer if it imports and passes a tiny decode check, else Triton on CUDA (if it
     imports), else torch -- always torch on the CPU, where neither GPU library is even imported. An FP8 pool
@@ -33,6 +36,9 @@ def create_backend(
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if name == "flashinfer" and variants:
+        raise ValueError("this model has sliding-window or sink attention layers, which the flashinfer backend does "
+                         "not run here: use --attention-backend triton (or auto)")
     on_cuda = torch.device(device).type == "cuda"
     args = (pool, num_heads, num_kv_heads, head_dim, scale)
     if name == "torch" or (name == "auto" and not on_cuda):
@@ -50,6 +56,8 @@ def create_backend(
         return FlashInferBackend(*args)
     # auto on CUDA
     try:
+        if variants:
+            raise ValueError("sliding-window or sink layers")
         from minisgl_cli.attention.flashinfer_backend import FlashInferBackend
 
         backend = FlashInferBackend(*args)

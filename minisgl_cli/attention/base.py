@@ -27,8 +27,11 @@ class AttentionBackend(ABC):
     `prepare` runs once per step before the model forward (it may build index tensors into
     `batch.attn_meta`); `forward` runs once per layer: it writes this step's K/V into the pool at
     `batch.out_cache_loc` (unless a fused RoPE kernel already did) and returns attention over each request's
-    whole sequence (causal for extend). An FP8 pool's first prefill at each layer sets that layer's scales
-    first (kvcache/pool.py), so that step stores through `store`, not through a fused kernel.
+    whole sequence (causal for extend). A layer may attend through a sliding `window` (a query sees itself and the
+    window - 1 positions before it; 0: all) and with `sinks` (a logit per query head that joins the softmax's
+    denominator only: gpt-oss); both are per-layer constants, so CUDA graphs capture them as they are. An FP8
+    pool's first prefill at each layer sets that layer's scales first (kvcache/pool.py), so that step stores
+    through `store`, not through a fused kernel.
     """
 
     name: str = "base"
@@ -45,14 +48,15 @@ class AttentionBackend(ABC):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
-        kv_stored: bool = False,
+        kv_stored: bool = False, window: int = 0, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]. kv_stored: the caller already wrote k/v to the pool."""
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]. kv_stored: the caller already wrote k/v to the pool;
+        window: the layer's sliding window (0: full); sinks: [H] fp32 logits of this rank's heads, or None."""
         if not kv_stored:
             if not batch.is_decode and self.pool.needs_scales(layer_id):
                 self.pool.calibrate(layer_id, k, v)
             self.store(layer_id, batch.out_cache_loc, k, v)
-        return self.attend(q, k, v, layer_id, batch)
+        return self.attend(q, k, v, layer_id, batch, window, sinks)
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """This step's K/V into the pool at `loc` (a backend may use its own kernel)."""
@@ -60,10 +64,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
+        window: int = 0, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention over each request's whole sequence, this step's K/V already in the pool; k/v are
-        this step's own rows (a backend may use them instead of reading them back)."""
+        """Attention over each request's sequence (its last `window` positions where window > 0; the softmax's
+        denominator plus exp(sinks[h]) where given), this step's K/V already in the pool; k/v are this step's own
+        rows (a backend may use them instead of reading them back)."""
 
     def kv_buffers(self, layer_id: int, batch: ForwardBatch) -> KVBuffers | None:
         """Where a fused kernel may store this step's K/V, or None when `forward` must store them itself

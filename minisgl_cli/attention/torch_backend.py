@@ -3,13 +3,15 @@
 Reads go through `KVPool.read`, which dequantizes an FP8 pool: on the CPU this is the FP8 KV cache itself
 (stored as e4m3 codes), and on the GPU the reference the Triton kernels are checked against. CPU decode over a 16-bit
 pool runs minisgl's own kernel where it is built (`minisgl::decode_attn`, kernels/cpu/csrc/): it reads the
-pool in place and rounds a row alike in any batch, which SDPA over a batch's padded keys does not."""
+pool in place and rounds a row alike in any batch, which SDPA over a batch's padded keys does not; it takes a layer's
+sliding window (a row's last keys) and sinks (in the denominator) too. Elsewhere a window is SDPA's mask, and sinks
+scale SDPA's output by exp(lse) / (exp(lse) + exp(sink)), the log-sum-exp from the CPU flash kernel SDPA runs."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +32,48 @@ class TorchDecodeMeta:
     max_len: int
     lens: torch.Tensor  # [B] int64: each row's keys (its position + 1)
     mask: torch.Tensor | None  # [B, 1, 1, L] additive, 0 where a position is real, -inf on padding; None: own kernel
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its mask, made by the first layer
 
 
-def decode_mask(lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """SDPA's additive mask [B, 1, 1, max_len] of decode rows with `lens` keys each."""
-    pad = torch.arange(max_len, device=lens.device)[None, :] >= lens[:, None]
+def decode_mask(lens: torch.Tensor, max_len: int, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
+    """SDPA's additive mask [B, 1, 1, max_len] of decode rows with `lens` keys each (the last `window` of them)."""
+    keys = torch.arange(max_len, device=lens.device)[None, :]
+    pad = keys >= lens[:, None]
+    if window:
+        pad |= keys < lens[:, None] - window
     return torch.zeros(pad.shape, dtype=dtype, device=lens.device).masked_fill_(pad, float("-inf"))[:, None, None, :]
+
+
+def window_mask(q_pos: torch.Tensor, seq_len: int, window: int) -> torch.Tensor:
+    """[T, seq_len] bool: key j seen by the query at q_pos (causal; within `window` where window > 0)."""
+    keys = torch.arange(seq_len, device=q_pos.device)[None, :]
+    seen = keys <= q_pos[:, None]
+    return seen & (keys > q_pos[:, None] - window) if window else seen
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+         sinks: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """SDPA over [N, H, T, D] queries and [N, Hkv, L, D] keys (GQA where Hkv < H); with `sinks` ([H, T] or
+    broadcast to it: one logit per query row) each row's softmax denominator gains exp(sink): the output scaled by
+    sigmoid(lse - sink), lse from the CPU flash kernel (the one SDPA runs there; SDPA itself elsewhere)."""
+    gqa = q.shape[1] != k.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, is_causal=causal, attn_mask=mask, scale=scale)
+    else:  # the GPU kernels' reference: the log-sum-exp computed in the open
+        scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+        lse = scores.logsumexp(-1)
+        out = (scores.softmax(-1) @ v.float()).to(q.dtype)
+    return out * torch.sigmoid(lse.float() - sinks.float())[..., None].to(out.dtype)
 
 
 @dataclass
@@ -47,6 +85,7 @@ class TorchExtendMeta:
     # [_ROWS, L] additive, 0 where key j <= L - _ROWS + row: the causal mask of the block ending at e is its last e
     # columns (TorchBackend._blocks); None where a request's rows attend in one call (not row_invariant)
     band: torch.Tensor | None
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its band (TorchBackend._band)
 
 
 class TorchBackend(AttentionBackend):
@@ -108,64 +147,82 @@ class TorchBackend(AttentionBackend):
         batch.attn_meta = TorchExtendMeta(batch.qo_indptr.tolist(), kv_slots, masks, prefixes, band)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
+        window: int = 0, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta = batch.attn_meta
         if isinstance(meta, TorchDecodeMeta):
-            return self.decode(q, layer_id, meta)
+            return self.decode(q, layer_id, meta, window, sinks)
         outs = []
         for i, (slots, mask) in enumerate(zip(meta.slots, meta.masks)):
             a, b = meta.starts[i], meta.starts[i + 1]
             ki, vi = (k[a:b], v[a:b]) if slots is None else self.pool.read(layer_id, slots, q.dtype)
             if meta.band is None:  # not row_invariant: in one call
-                outs.append(self._sdpa(q[a:b], ki, vi, mask))
+                if window:  # the window's own mask (a plain causal one where nothing was cached)
+                    prefix = meta.prefixes[i]
+                    mask = window_mask(torch.arange(prefix, prefix + b - a, device=q.device), ki.shape[0], window)
+                outs.append(self._sdpa(q[a:b], ki, vi, mask, sinks))
             else:
-                outs.append(self._blocks(q[a:b], ki, vi, meta.prefixes[i], meta))
+                outs.append(self._blocks(q[a:b], ki, vi, meta.prefixes[i], meta, window, sinks))
         return torch.cat(outs, dim=0)
 
     def _blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
-                meta: TorchExtendMeta) -> torch.Tensor:
+                meta: TorchExtendMeta, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One request's rows [T, H, D] at positions prefix.. over its keys [prefix + T, Hkv, D], causal, each row
         computed in a call of the same shapes wherever it runs: SDPA rounds a row by the rows of its call (their
         count, its place among them), so a row attends in the block of _ROWS positions holding it (absent rows:
         zeros) over the keys up to the block's end (absent keys: zeros, masked). Its KV, and so a greedy answer,
         then comes out alike whether the prompt is prefilled cold, extended after a prefix hit or in chunks (and
-        _ROWS rows keep each thread's scratch aligned whatever the thread count: see _decode)."""
+        _ROWS rows keep each thread's scratch aligned whatever the thread count: see _decode). A sliding window
+        masks the keys before it too: the band of that window (`_band`)."""
         end = prefix + q.shape[0]
         first, last = prefix // _ROWS * _ROWS, -(-end // _ROWS) * _ROWS
         q = F.pad(q, (0, 0, 0, 0, prefix - first, last - end))
         if last > end:
             k, v = (F.pad(t, (0, 0, 0, 0, 0, last - end)) for t in (k, v))
-        assert meta.band is not None
-        if meta.band.dtype != q.dtype:
-            meta.band = meta.band.to(q.dtype)
-        width = meta.band.shape[1]
+        band = self._band(meta, window, q.dtype)
+        width = band.shape[1]
         outs = [self._sdpa(q[s - first : s - first + _ROWS], k[: s + _ROWS], v[: s + _ROWS],
-                           meta.band[:, width - s - _ROWS :]) for s in range(first, last, _ROWS)]
+                           band[:, width - s - _ROWS :], sinks) for s in range(first, last, _ROWS)]
         return torch.cat(outs)[prefix - first : end - first]
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    @staticmethod
+    def _band(meta: TorchExtendMeta, window: int, dtype: torch.dtype) -> torch.Tensor:
+        """The step's band in `dtype`, or a sliding window's: key j of row r also masked where j <= last - window."""
+        assert meta.band is not None
+        if meta.band.dtype != dtype:
+            meta.band = meta.band.to(dtype)
+        if not window:
+            return meta.band
+        band = meta.windowed.get(window)
+        if band is None or band.dtype != dtype:
+            rows, width = meta.band.shape
+            keys = torch.arange(width, device=meta.band.device)[None, :]
+            last_keys = torch.arange(width - rows, width, device=meta.band.device)[:, None]
+            band = meta.windowed[window] = meta.band.masked_fill(keys <= last_keys - window, float("-inf"))
+        return band
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One request's rows [T, H, D] over its keys [L, Hkv, D]: under `mask`, else causal."""
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-            is_causal=mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        out = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, self.scale,
+                   sinks[:, None] if sinks is not None else None, causal=mask is None)
         return out[0].transpose(0, 1)
 
-    def decode(self, q: torch.Tensor, layer_id: int, meta: TorchDecodeMeta) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, layer_id: int, meta: TorchDecodeMeta, window: int = 0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One decode row a request of layer `layer_id` over its cached keys (`meta`): minisgl::decode_attn where
         `own_decode`, else SDPA over the gathered keys (bench_cpu_attention.py times both)."""
         bsz, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         if self.own_decode:
             return torch.ops.minisgl.decode_attn(q.reshape(bsz, self.num_heads, d).contiguous(),
                                                  self.pool.k[layer_id], self.pool.v[layer_id],
-                                                 meta.slots.view(bsz, meta.max_len), meta.lens, self.scale)
-        assert meta.mask is not None  # prepare builds it where SDPA attends
+                                                 meta.slots.view(bsz, meta.max_len), meta.lens, self.scale,
+                                                 window, sinks)
         group = self.num_heads // hkv
         shape = (bsz, meta.max_len, hkv, d)
         k_all, v_all = self.pool.read(layer_id, meta.slots, q.dtype)
-        if meta.mask.dtype != q.dtype:
-            meta.mask = meta.mask.to(q.dtype)
+        mask = self._decode_mask(meta, window, q.dtype)
         # [B, Hkv, L, D] as strided views: SDPA reads them in place, a .contiguous() copy costs more.
         keys = k_all.view(shape).transpose(1, 2)
         values = v_all.view(shape).transpose(1, 2)
@@ -176,11 +233,24 @@ class TorchBackend(AttentionBackend):
         # (batch 1 against batch 2 on 2 threads). Padded to a multiple of _GROUP rows (keys are to _PAD) every
         # thread's scratch starts aligned: a row rounds alike in any batch, on any thread count, eager or compiled.
         rows = q.reshape(bsz, hkv, group, d)
+        row_sinks = None if sinks is None else sinks.view(hkv, group)
         if self.row_invariant and group % _GROUP:
             rows = F.pad(rows, (0, 0, 0, _GROUP - group % _GROUP))
+            row_sinks = None if row_sinks is None else F.pad(row_sinks, (0, _GROUP - group % _GROUP))
         with one_thread() if self.serial_decode else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=meta.mask, scale=self.scale)
+            out = sdpa(rows, keys, values, mask, self.scale, row_sinks)
         return out[:, :, :group].reshape(bsz, self.num_heads, d)
+
+    def _decode_mask(self, meta: TorchDecodeMeta, window: int, dtype: torch.dtype) -> torch.Tensor:
+        """The step's decode mask in `dtype` (made here where prepare left it to the own kernel), or a window's."""
+        if not window:
+            if meta.mask is None or meta.mask.dtype != dtype:
+                meta.mask = decode_mask(meta.lens, meta.max_len, dtype)
+            return meta.mask
+        mask = meta.windowed.get(window)
+        if mask is None or mask.dtype != dtype:
+            mask = meta.windowed[window] = decode_mask(meta.lens, meta.max_len, dtype, window)
+        return mask
 
 
 @contextlib.contextmanager

@@ -152,7 +152,8 @@ class TritonBackend(AttentionBackend):
         tk.store_kv(k, v, self.pool.k[layer_id], self.pool.v[layer_id], loc, self.pool.layer_quant(layer_id))
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
+        window: int = 0, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
         meta = batch.attn_meta
@@ -162,8 +163,9 @@ class TritonBackend(AttentionBackend):
             return tk.decode_attention(
                 q, k_cache, v_cache, table, meta.req_rows, meta.seq_lens, self.scale,
                 meta.num_splits, meta.mid_o, meta.mid_lse, pdl=self.kernels.pdl, quant=quant, order=meta.order,
+                window=window, sinks=sinks,
             )
         return tk.extend_attention(
             q, k_cache, v_cache, table, meta.req_rows, meta.seq_lens, meta.qo_indptr,
-            meta.max_extend_len, self.scale, quant=quant,
+            meta.max_extend_len, self.scale, quant=quant, window=window, sinks=sinks,
         )

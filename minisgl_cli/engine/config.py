@@ -140,21 +140,23 @@ class EngineConfig:
         return self.quantization
 
     def decode_step(self, quantization: str, kv_dtype: torch.dtype, tp_size: int, own_process: bool,
-                    moe: bool = False) -> DecodeStep:
+                    eager_only: bool = False) -> DecodeStep:
         """How the engine decodes on the CPU (cpu_step/compiled.py): `off` eagerly, `load` through a stored compiled
         step where there is one, `build` also building it (in the background) where there is none. auto takes the
-        int4 / int8 CPU modes at TP 1 of a dense model (`moe`: the experts' CPU loop reads each step's row counts
-        back, which no exported step holds), and builds in a scheduler process (`own_process`) or where
-        compile_in_process says; on raises where it cannot run."""
+        int4 / int8 CPU modes at TP 1 of a dense full-attention model (`eager_only`: a MoE model, whose experts' CPU
+        loop reads each step's row counts back, which no exported step holds; or one with sliding-window or sink
+        layers, which no stored step has been built and checked for yet), and builds in a scheduler process
+        (`own_process`) or where compile_in_process says; on raises where it cannot run."""
         if self.deterministic:  # __post_init__ refused on
             return "off"
         import torch
 
         runs = (self.resolved_device().type == "cpu" and tp_size == 1 and quantization in ("int4", "int8")
-                and kv_dtype != torch.float8_e4m3fn and not moe)
+                and kv_dtype != torch.float8_e4m3fn and not eager_only)
         if self.torch_compile == "on" and not runs:
             raise ValueError("--torch-compile on runs the CPU's int4 / int8 modes at TP 1 over a 16-bit KV cache, "
-                             "dense models only (CUDA decodes through CUDA graphs; MoE experts read row counts back)")
+                             "dense full-attention models only (CUDA decodes through CUDA graphs; MoE experts read "
+                             "row counts back)")
         if self.torch_compile == "off" or not runs:
             return "off"
         return "build" if self.torch_compile == "on" or own_process or self.compile_in_process else "load"

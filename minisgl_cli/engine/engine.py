@@ -121,7 +121,8 @@ class Engine:
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(
                 f"model config not usable ({exc})", model_dir or name,
-                "a Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Qwen2-VL or Qwen2.5-VL config",
+                "a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Gemma 3 (text), Qwen2-VL or "
+                "Qwen2.5-VL config",
             ) from None
         mc = self.model_cfg
         if tp.size > 1 and self.device.type == "cuda":
@@ -162,7 +163,7 @@ class Engine:
                            kv_scale=cfg.kv_cache_scale)
         self.attn = create_backend(
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
-            mc.head_dim, mc.head_dim**-0.5, self.device, self.kernels,
+            mc.head_dim, mc.attn_scale, self.device, self.kernels, variants=bool(mc.layer_windows or mc.attn_sinks),
         )
         # Every request's sampling parameters on the device, by page-table row (written when a request takes its row).
         self.sampling = SamplingState(cfg.max_running_requests, mc.vocab_size, self.device, self.host, cfg.seed)
@@ -181,7 +182,8 @@ class Engine:
                                 "or torch's grouped GEMM (bf16, SM 9.x / 10.x, torch 2.8+); elsewhere they read "
                                 "expert row counts back each step")
         self.compiled: CompiledDecode | None = None
-        step = cfg.decode_step(self.quantization, self.kv_dtype, tp.size, own_process, moe=bool(mc.num_experts))
+        step = cfg.decode_step(self.quantization, self.kv_dtype, tp.size, own_process,
+                               eager_only=bool(mc.num_experts or mc.layer_windows or mc.attn_sinks))
         if step != "off" and isinstance(self.attn, TorchBackend):
             key = StepKey.of(cfg, mc, model_dir, source, self.dtype, self.kv_dtype, self.quantization)
             self.compiled = CompiledDecode(cfg, self.attn, key, builds=step == "build")  # builds from start_serving

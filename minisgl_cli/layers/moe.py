@@ -20,6 +20,10 @@ On CUDA with the fused ops on (16-bit activations) the whole block but the gate'
 its FUSED_MAX_TOKENS, and at every size for FP8 experts or where torch's grouped kernel is missing, so decode is
 graph-safe there too.
 
+gpt-oss's experts (`SwiGLU`): a bias after each projection and the clamped SwiGLU in place of SiLU-and-mul, its
+gate's bias, and its routing (a softmax over the k largest logits); they take the torch paths (the fused Triton
+experts have neither biases nor that activation yet), the grouped GEMM on CUDA, so decode stays graph-safe.
+
 Shared experts (Qwen2-MoE, DeepSeek) would be a dense MLP added beside the routed ones; neither Qwen3-MoE nor
 Mixtral has one, so there is none here yet.
 """
@@ -27,6 +31,7 @@ Mixtral has one, so there is none here yet.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -51,9 +56,31 @@ EXPERT_PROJ = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "dow
                "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class SwiGLU:
+    """gpt-oss's expert activation, as transformers computes it on its [gate, up] halves: the gate clamped above at
+    `limit`, the up both ways, then gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    limit: float
+    alpha: float
+
+    def __call__(self, gate_up: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up.clamp(-self.limit, self.limit) + 1)
+
+
+Activation = Callable[[torch.Tensor, Kernels], torch.Tensor]  # [rows, 2I] gate and up -> [rows, I]
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          topk_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, expert ids [T, k]): softmax over the experts in fp32, the k largest, renormalized to
-    sum to 1 where the model says so (Qwen3-MoE's norm_topk_prob; Mixtral always)."""
+    sum to 1 where the model says so (Qwen3-MoE's norm_topk_prob; Mixtral always); `topk_first` (gpt-oss): the k
+    largest logits, then a softmax over them (the same weights, rounded as transformers rounds them)."""
+    if topk_first:
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top.float(), dim=-1), ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -85,7 +112,8 @@ ExpertMatmul = Callable[[int, str, torch.Tensor], torch.Tensor]  # (expert, "gat
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, kernels: Kernels, grouped: bool, fp8_rows: bool = False,
-                  matmul: ExpertMatmul | None = None) -> torch.Tensor:
+                  matmul: ExpertMatmul | None = None, act_fn: Activation = silu_and_mul,
+                  biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H].
 
     gate_up [E, 2I, H], down [E, H, I]; `grouped`: one torch._grouped_mm per projection (see the module docstring),
@@ -103,10 +131,15 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     # ends[e]: one past expert e's last sorted row (searchsorted, not bincount: CUDA's bincount reads its max back)
     ends = torch.searchsorted(flat[order], torch.arange(1, n_exp + 1, device=flat.device, dtype=flat.dtype))
     rows = x[order // k]
+    row_expert = flat[order]
     if grouped:
         offs = ends.to(torch.int32)
         h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
-        y = torch._grouped_mm(act(silu_and_mul(h, kernels)), down.transpose(1, 2), offs=offs)
+        if biases is not None:
+            h = h + biases[0][row_expert]
+        y = torch._grouped_mm(act(act_fn(h, kernels)), down.transpose(1, 2), offs=offs)
+        if biases is not None:
+            y = y + biases[1][row_expert]
     else:
         def linear(e: int, proj: str, t: torch.Tensor) -> torch.Tensor:
             return F.linear(t, gate_up[e] if proj == "gate_up" else down[e])
@@ -117,7 +150,11 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
         for e, end in enumerate(ends.tolist()):
             if end > start:
                 h = mm(e, "gate_up", rows[start:end])
-                y[start:end] = mm(e, "down", act(silu_and_mul(h, kernels)))
+                if biases is not None:
+                    h = h + biases[0][e]
+                y[start:end] = mm(e, "down", act(act_fn(h, kernels)))
+                if biases is not None:
+                    y[start:end] += biases[1][e]
             start = end
     y = y * weights.flatten()[order, None].to(y.dtype)
     # Back to slot order, then each token's k contributions summed: no atomics, so the sum is deterministic.
@@ -127,21 +164,23 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
 class Gate(nn.Module):
     """The gate: logits over the experts from the hidden state, replicated on every rank (E x H is small)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, kernels: Kernels):
+    def __init__(self, hidden_size: int, num_experts: int, kernels: Kernels, bias: bool = False):
         super().__init__()
         self.kernels = kernels
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None  # gpt-oss
 
     def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
-        if name != "weight":
-            raise KeyError(f"checkpoint has a gate {name!r}; gates here have a weight only")
-        self.weight.data.copy_(whole(loaded))
+        param = {"weight": self.weight, "bias": self.bias}.get(name)
+        if param is None:
+            raise KeyError(f"checkpoint has a gate {name!r} this gate was built without")
+        param.data.copy_(whole(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = gemv_ops(x, self.weight, self.kernels)  # batch-1 decode on CUDA: the Triton GEMV
         if ops is not None:
-            return ops.gemv(x.contiguous(), self.weight, None, pdl=self.kernels.pdl)
-        return cpu_gemm.linear(x, self.weight, None, self.kernels.cpu_gemm)  # on CPU: as the dense linears
+            return ops.gemv(x.contiguous(), self.weight, self.bias, pdl=self.kernels.pdl)
+        return cpu_gemm.linear(x, self.weight, self.bias, self.kernels.cpu_gemm)  # on CPU: as the dense linears
 
 
 class _DecodeCopy(nn.Module):
@@ -162,10 +201,17 @@ class Experts(nn.Module):
     matrix (as a linear layer's are); prefill steps keep the dense weights (layers/quant.py says why)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPInfo, fp8: bool = False,
-                 copies: LinearMethod | None = None):
+                 copies: LinearMethod | None = None, bias: bool = False):
         super().__init__()
         self.local = n = divide(intermediate_size, tp, "moe intermediate size")
         self.start = tp.rank * n
+        self.tp = tp
+        # gpt-oss: [E, 2I] (this rank's gate and up rows) and [E, H] (rank 0 holds it: added once before the
+        # all-reduce, zeros elsewhere)
+        self.gate_up_bias = self.down_bias = None
+        if bias:
+            self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * n), requires_grad=False)
+            self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
         self.fp8 = fp8
         self.copies = copies if copies is not None and copies.decode_copy else None
         self.gate_up_copies = self.down_copies = None
@@ -196,6 +242,33 @@ class Experts(nn.Module):
             self._put(self.gate_up_proj, self.gate_up_scale, expert, slice(row, row + n), whole(part))
         if self.copies is not None and isinstance(part, Int4Groups | Int8Groups):  # a GGUF's blocks: the copy's
             self._blocks[(expert, proj)] = part
+
+    def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
+        """gpt-oss's stacked experts as its checkpoints carry them: `gate_up_proj` [E, H, 2I] with gate and up
+        interleaved (even columns gate), `down_proj` [E, I, H], and their `_bias`es ([E, 2I] interleaved, [E, H])."""
+        n, start = self.local, self.start
+        w = whole(loaded)
+        if name in ("gate_up_proj", "gate_up_proj_bias"):
+            gate, up = w[..., 0::2], w[..., 1::2]  # [E, (H,) I] each
+            mine = torch.cat((gate[..., start:start + n], up[..., start:start + n]), dim=-1)
+            if name == "gate_up_proj_bias" and self.gate_up_bias is not None:
+                self.gate_up_bias.data.copy_(mine)
+                return
+            if name == "gate_up_proj":
+                for e in range(mine.shape[0]):
+                    self._put(self.gate_up_proj, self.gate_up_scale, e, slice(None), mine[e].t())
+                return
+        if name == "down_proj":
+            for e in range(w.shape[0]):
+                self._put(self.down_proj, self.down_scale, e, slice(None), w[e, start:start + n].t(), full=w[e].t())
+            return
+        if name == "down_proj_bias" and self.down_bias is not None:
+            if self.tp.rank == 0:
+                self.down_bias.data.copy_(w)
+            return
+        if name.endswith(("_blocks", "_scales")):
+            raise KeyError(f"checkpoint expert tensor {name!r} is MXFP4, which minisgl does not load yet")
+        raise KeyError(f"checkpoint has an experts tensor {name!r} this layer was built without")
 
     @staticmethod
     def _put(param: nn.Parameter, scale: nn.Parameter | None, expert: int, rows: slice, w: torch.Tensor,
@@ -272,11 +345,14 @@ class MoE(nn.Module):
     """The sparse MLP of one decoder layer: route each token to its top-k experts, run them, all-reduce."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 tp: TPInfo, kernels: Kernels, fp8: bool = False, copies: LinearMethod | None = None):
+                 tp: TPInfo, kernels: Kernels, fp8: bool = False, copies: LinearMethod | None = None,
+                 swiglu: SwiGLU | None = None):
+        """`swiglu`: gpt-oss's experts (its activation, biases, the gate's bias and its routing)."""
         super().__init__()
         self.top_k, self.renormalize, self.tp, self.kernels = top_k, renormalize, tp, kernels
-        self.gate = Gate(hidden_size, num_experts, kernels)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8, copies)
+        self.swiglu = swiglu
+        self.gate = Gate(hidden_size, num_experts, kernels, bias=swiglu is not None)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8, copies, bias=swiglu is not None)
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         return False  # the experts take 16-bit activations (FP8 experts too): the norm before them writes plain rows
@@ -285,14 +361,16 @@ class MoE(nn.Module):
         """`decode`: a decode step's rows, which take the experts' int4 / int8 copies where they have them."""
         assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
         e = self.experts
-        ops = triton_experts(x, self.kernels, e.fp8)
+        ops = triton_experts(x, self.kernels, e.fp8) if self.swiglu is None else None
         if ops is not None:  # one rank: the choices' terms left for the next norm to sum (layers/norm.py)
             y = ops.moe_routed(x, self.gate(x), e.gate_up_proj, e.down_proj, self.top_k, self.renormalize,
                                e.gate_up_scale, e.down_scale, self.kernels.pdl, terms=True)
             return Terms(y) if self.tp.size == 1 else all_reduce(y.sum(dim=1), self.tp)
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, topk_first=self.swiglu is not None)
         matmul = (e.decode_matmul() if decode else None) or e.dense_matmul(self.kernels)
+        biases = None if e.gate_up_bias is None or e.down_bias is None else (e.gate_up_bias, e.down_bias)
         y = fused_experts(x, *e.dense(x.dtype), weights, ids, self.kernels,
                           grouped_mm_runs(x.device, x.dtype) and matmul is None,
-                          fp8_rows=e.fp8 and fp8_act(x.shape[0]), matmul=matmul)
+                          fp8_rows=e.fp8 and fp8_act(x.shape[0]), matmul=matmul, act_fn=self.swiglu or silu_and_mul,
+                          biases=biases)
         return all_reduce(y, self.tp)

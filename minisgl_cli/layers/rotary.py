@@ -1,4 +1,4 @@
-"""Rotary position embedding with the configs' rope scaling (default, linear, llama3), cached per position; and
+"""Rotary position embedding with the configs' rope scaling (default, linear, llama3, yarn), cached per position; and
 M-RoPE (Qwen2-VL): three position axes (time, height, width), each turning its own share of the frequencies."""
 
 from __future__ import annotations
@@ -31,7 +31,36 @@ def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[torch.T
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":  # gpt-oss: transformers' _compute_yarn_parameters
+        return _yarn(inv, head_dim, base, scaling)
     raise ValueError(f"unsupported rope scaling type: {kind!r}")
+
+
+def _yarn(inv: torch.Tensor, dim: int, base: float, p: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: each frequency between its extrapolated and interpolated value by a linear ramp over the correction
+    range; cos / sin scaled by the attention factor."""
+    factor, old_ctx = p["factor"], p["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = p.get("attention_factor")
+    if attention is None:
+        both = p.get("mscale") and p.get("mscale_all_dim")
+        attention = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"]) if both else mscale(factor)
+
+    def correction(rotations: float) -> float:
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction(p.get("beta_fast") or 32), correction(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp
+    return inv / factor * (1 - extrapolated) + inv * extrapolated, float(attention)
 
 
 @dataclass(frozen=True)

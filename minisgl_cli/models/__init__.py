@@ -1,5 +1,5 @@
-"""Models in plain torch: Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral decoders, and Qwen2-VL / Qwen2.5-VL (the
-Qwen2 decoder with a vision tower), chosen by the config's architecture."""
+"""Models in plain torch: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss decoders, Gemma 3 text, and
+Qwen2-VL / Qwen2.5-VL (the Qwen2 decoder with a vision tower), chosen by the config's architecture."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from minisgl_cli.distributed import TPInfo
 from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.models.config import ModelConfig
+from minisgl_cli.models.gemma3 import Gemma3ForCausalLM
 from minisgl_cli.models.llama import (
+    GptOssForCausalLM,
     LlamaForCausalLM,
     MixtralForCausalLM,
     Qwen2ForCausalLM,
@@ -23,6 +25,8 @@ _CLASSES = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }

@@ -7,7 +7,8 @@ from typing import Any
 
 VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                 "Qwen3MoeForCausalLM", "MixtralForCausalLM", *VISION_ARCHITECTURES)
+                 "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
+                 *VISION_ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope_scaling: dict | None = None
     attention_bias: bool = False  # Qwen2: bias on q/k/v
+    o_bias: bool = False  # a bias on o_proj too (transformers' attention_bias outside Qwen2: gpt-oss)
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
@@ -90,6 +92,29 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     vision: VisionConfig | None = None  # a vision-language model's tower (Qwen2-VL, Qwen2.5-VL)
+    # Attention per layer: each layer's sliding window W (a query sees itself and the W - 1 keys before it, as
+    # transformers' sliding_window_overlay), 0 for full attention; () = every layer full (Mistral's
+    # sliding_window: every layer W; gpt-oss / Gemma 3: their layer_types). attn_sinks: a learned logit per head
+    # that joins each softmax's denominator only (gpt-oss).
+    layer_windows: tuple[int, ...] = ()
+    attn_sinks: bool = False
+    query_pre_attn_scalar: float = 0.0  # Gemma: attention scores scaled by its -1/2 power (0: head_dim's)
+    # Gemma 3: the sliding layers' own RoPE (base and scaling; 0: every layer turns by rope_theta / rope_scaling)
+    local_rope_theta: float = 0.0
+    local_rope_scaling: dict | None = None
+    final_logit_softcapping: float = 0.0  # Gemma: logits = c tanh(logits / c) where set
+    # gpt-oss experts: gate/up/down biases and the clamped SwiGLU (gate * sigmoid(alpha gate) * (up + 1), gate
+    # clamped above and up both ways at swiglu_limit); 0: the SiLU-gated experts of Qwen3-MoE / Mixtral
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window_of(self, layer_id: int) -> int:
+        """Layer `layer_id`'s sliding window, 0 for full attention."""
+        return self.layer_windows[layer_id] if self.layer_windows else 0
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether decoder layer `layer_id` has a sparse MoE block (else the dense MLP), as transformers decides."""
@@ -126,6 +151,10 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope_params = cfg.get("rope_parameters") or {}
+        local_params: dict[str, Any] = {}
+        if "full_attention" in rope_params:  # per layer type (transformers 5's Gemma 3): the global layers' here
+            local_params = rope_params.get("sliding_attention") or {}
+            rope_params = rope_params["full_attention"] or {}
         scaling = cfg.get("rope_scaling") or (
             rope_params if rope_params.get("rope_type", "default") != "default" else None
         )
@@ -146,17 +175,65 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
             attention_bias=arch == "Qwen2ForCausalLM" or vlm or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            o_bias=arch != "Qwen2ForCausalLM" and not vlm and bool(cfg.get("attention_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             vision=VisionConfig.from_hf(top, arch, cfg) if vlm else None,
+            layer_windows=_layer_windows(arch, cfg, cfg["num_hidden_layers"]),
+            attn_sinks=arch == "GptOssForCausalLM",
+            **_gemma_fields(arch, cfg, local_params),
             **_moe_fields(arch, cfg),
         )
+
+
+def _layer_windows(arch: str, cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full) from `sliding_window` and, where the config lists them, its
+    `layer_types` (sliding_attention / full_attention); a window with no layer_types covers every layer
+    (Mistral). () where every layer is full."""
+    window = cfg.get("sliding_window") or 0
+    if not window or (cfg.get("use_sliding_window") is False):  # Qwen2's configs carry a window they switch off
+        return ()
+    types = cfg.get("layer_types")
+    pattern = cfg.get("sliding_window_pattern")
+    if types is None and arch == "GptOssForCausalLM":  # its default: windowed and full layers alternate
+        pattern = 2
+    if types is None and pattern:  # Gemma 3's hub configs: every pattern-th layer global, the rest local
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if types is None:
+        return (window,) * num_layers
+    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types {types!r} are not {num_layers} of sliding_attention / full_attention")
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
+
+
+def _gemma_fields(arch: str, cfg: dict[str, Any], local_params: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields: the score scale, the local layers' RoPE, the final soft cap (none for other families)."""
+    if arch != "Gemma3ForCausalLM":
+        return {}
+    if cfg.get("attn_logit_softcapping"):
+        raise ValueError("attn_logit_softcapping (Gemma 2's capped scores) is not supported")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {cfg['hidden_activation']!r}: Gemma 3 runs gelu_pytorch_tanh only")
+    local_type = local_params.get("rope_type", "default")
+    return dict(query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or cfg["head_dim"]),
+                local_rope_theta=float(local_params.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0),
+                local_rope_scaling=local_params if local_type != "default" else None,
+                final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0))
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The MoE fields of an HF config (none for dense architectures). Qwen3-MoE's checkpoints say num_experts,
     transformers 5 writes num_local_experts (Mixtral's name) for both; Mixtral's experts use intermediate_size."""
+    if arch == "GptOssForCausalLM":
+        if (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+            raise ValueError("this gpt-oss checkpoint ships its experts in MXFP4, which minisgl does not load yet: "
+                             "use a bf16 copy (its experts dequantized)")
+        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                    swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
     if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
         return {}
     mixtral = arch == "MixtralForCausalLM"

@@ -24,10 +24,22 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
             if mc.attention_bias:
                 yield f"{p}self_attn.{name}.bias", (rows,)
         yield f"{p}self_attn.o_proj.weight", (h, q)
+        if mc.o_bias:
+            yield f"{p}self_attn.o_proj.bias", (h,)
+        if mc.attn_sinks:
+            yield f"{p}self_attn.sinks", (mc.num_heads,)
         if mc.qk_norm:
             yield f"{p}self_attn.q_norm.weight", (d,)
             yield f"{p}self_attn.k_norm.weight", (d,)
-        if mc.is_moe_layer(i):  # Qwen3-MoE's names (the loader takes Mixtral's too)
+        if mc.is_moe_layer(i) and mc.swiglu_limit:  # gpt-oss's names: a router with a bias, stacked experts
+            e, i2 = mc.num_experts, mc.moe_intermediate_size
+            yield f"{p}mlp.router.weight", (e, h)
+            yield f"{p}mlp.router.bias", (e,)
+            yield f"{p}mlp.experts.gate_up_proj", (e, h, 2 * i2)
+            yield f"{p}mlp.experts.gate_up_proj_bias", (e, 2 * i2)
+            yield f"{p}mlp.experts.down_proj", (e, i2, h)
+            yield f"{p}mlp.experts.down_proj_bias", (e, h)
+        elif mc.is_moe_layer(i):  # Qwen3-MoE's names (the loader takes Mixtral's too)
             yield f"{p}mlp.gate.weight", (mc.num_experts, h)
             for e in range(mc.num_experts):
                 yield f"{p}mlp.experts.{e}.gate_proj.weight", (mc.moe_intermediate_size, h)
@@ -39,6 +51,9 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield f"{p}mlp.down_proj.weight", (h, inter)
         yield f"{p}input_layernorm.weight", (h,)
         yield f"{p}post_attention_layernorm.weight", (h,)
+        if mc.architecture == "Gemma3ForCausalLM":
+            yield f"{p}pre_feedforward_layernorm.weight", (h,)
+            yield f"{p}post_feedforward_layernorm.weight", (h,)
     yield "model.norm.weight", (h,)
     if not mc.tie_word_embeddings:
         yield "lm_head.weight", (mc.vocab_size, h)
@@ -74,12 +89,12 @@ def _vision_shapes(vc: VisionConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
 @torch.no_grad()
 def dummy_checkpoint(mc: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
                      std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
-    """Normal(0, std) matrices, ones for norm weights, zeros for biases, one tensor at a time.
+    """Normal(0, std) matrices, ones for norm weights, zeros for biases and sinks, one tensor at a time.
 
     CPU tensors get the same numbers whatever the machine; CUDA ones are drawn on the device (an 8B
     model in seconds), the same on every GPU of one kind."""
     for i, (name, shape) in enumerate(_shapes(mc)):
-        if name.endswith("bias"):
+        if name.endswith(("bias", "sinks")):
             yield name, torch.zeros(shape, device=device, dtype=dtype)
         elif len(shape) == 1:
             yield name, torch.ones(shape, device=device, dtype=dtype)

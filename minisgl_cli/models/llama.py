@@ -1,7 +1,10 @@
-"""The decoder for Llama, Qwen2, Qwen3 and their MoE kin over flat token batches: one class, config switches.
+"""The decoder for Llama, Mistral, Qwen2, Qwen3, gpt-oss and their MoE kin over flat token batches: one class,
+config switches.
 
-Qwen3-MoE and Mixtral are the same decoder with a sparse MoE block (layers/moe.py) in place of the dense MLP
-in the layers their config makes sparse (ModelConfig.is_moe_layer)."""
+Qwen3-MoE, Mixtral and gpt-oss are the same decoder with a sparse MoE block (layers/moe.py) in place of the dense
+MLP in the layers their config makes sparse (ModelConfig.is_moe_layer). Each layer attends fully or through its
+sliding window (ModelConfig.window_of: Mistral's sliding_window, gpt-oss's alternating layers), with gpt-oss's
+sinks where the config has them."""
 
 from __future__ import annotations
 
@@ -18,11 +21,11 @@ from minisgl_cli.kernels.fp8 import Fp8Rows
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
-from minisgl_cli.layers.moe import EXPERT_PROJ, Experts, MoE, grouped_mm_runs
+from minisgl_cli.layers.moe import EXPERT_PROJ, Experts, MoE, SwiGLU, grouped_mm_runs
 from minisgl_cli.layers.norm import LayerOut, RMSNorm, rows_of
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.layers.rotary import MRotaryEmbedding, RopeTable, RotaryEmbedding
-from minisgl_cli.loader.hf import Weight
+from minisgl_cli.loader.hf import Weight, whole
 from minisgl_cli.models.config import ModelConfig
 
 RopeAt = tuple[torch.Tensor, torch.Tensor]  # RotaryEmbedding.at(positions, dtype): one step's cos, sin
@@ -42,10 +45,20 @@ class Attention(nn.Module):
         sizes = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, sizes, bias=cfg.attention_bias, tp=tp, ranges=[q, kv, kv],
                                              kernels=kernels, method=method)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp=tp, in_range=q, kernels=kernels,
-                                        method=method)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias, tp=tp, in_range=q,
+                                        kernels=kernels, method=method)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
+        self.window = cfg.window_of(layer_id)  # 0: full attention
+        self.q_start = heads.q_start
+        # gpt-oss: a learned logit per query head in each softmax's denominator (this rank's heads), kept fp32
+        self.sinks = (nn.Parameter(torch.zeros(heads.n_q, dtype=torch.float32), requires_grad=False)
+                      if cfg.attn_sinks else None)
+
+    def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
+        if name != "sinks" or self.sinks is None:
+            raise KeyError(f"checkpoint has an attention {name!r} this layer was built without")
+        self.sinks.data.copy_(whole(loaded.narrow(0, self.q_start, self.num_heads)))
 
     def forward(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend, rope: RopeTable,
                 rope_at: RopeAt | None) -> LayerOut:
@@ -77,7 +90,8 @@ class Attention(nn.Module):
                 qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
                 qk = self.rope.rotate(qk, at)
                 q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=kv_out is not None)
+        o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=kv_out is not None, window=self.window,
+                         sinks=self.sinks)
         return self.o_proj.to_norm(o.reshape(-1, q_size), batch.is_decode)  # for post_attention_layernorm
 
 
@@ -107,7 +121,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.mlp: MLP | MoE = (
             MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                cfg.norm_topk_prob, tp, kernels, fp8=method.name == "fp8", copies=method)
+                cfg.norm_topk_prob, tp, kernels, fp8=method.name == "fp8", copies=method,
+                swiglu=SwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha) if cfg.swiglu_limit else None)
             if cfg.is_moe_layer(layer_id) else MLP(cfg, tp, kernels, method)
         )
 
@@ -218,7 +233,9 @@ class LlamaForCausalLM(nn.Module):
                 experts.load_expert(int(expert["e"]), EXPERT_PROJ[expert["proj"]], tensor)
                 used.add(name)
                 continue
-            mod_path, _, leaf = path.replace(".block_sparse_moe.", ".mlp.").rpartition(".")
+            # Mixtral's block_sparse_moe and gpt-oss's router: our mlp and its gate
+            mod_path, _, leaf = path.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate.") \
+                .rpartition(".")
             owner, _, short = mod_path.rpartition(".")
             shard = 0
             if short in _MERGED:
@@ -249,3 +266,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     pass
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    """gpt-oss: windowed and full layers alternating, a sink per head, biases on the attention's projections, and
+    MoE blocks of biased experts with the clamped SwiGLU (config switches of the one decoder)."""

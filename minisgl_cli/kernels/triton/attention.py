@@ -19,6 +19,11 @@ hardware conversion per pair on Hopper), and q and the softmax weights p go to f
 and means never touch a tile: a program works on one KV head, so K's scale folds into the scalar that
 already scales the logits, K's mean is left out (it adds the same q . mean to every logit of a row), and
 V's scale and mean apply to the output once at the end (out = scale * sum(p code) + mean, as sum(p) = 1).
+
+Sliding windows and sinks (per layer, so CUDA graphs capture them as constants): `window` > 0 limits a query at
+position p to keys p - window + 1 .. p (decode splits only that span; extend starts at the first tile a block's
+first row sees and masks every tile); `sinks` [H] fp32 add exp(sink) to each head's softmax denominator only,
+at the end (decode: in the reduce, or the single split's own normalisation).
 """
 
 from __future__ import annotations
@@ -130,9 +135,9 @@ def store_kv(
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, req_rows_ptr, seq_lens_ptr,
-    mid_o_ptr, mid_lse_ptr, o_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, order_ptr,
+    mid_o_ptr, mid_lse_ptr, o_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, order_ptr, sinks_ptr,
     qk_scale,  # softmax scale * log2(e)
-    num_splits,
+    num_splits, window,
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_vs, stride_vh,
     stride_pt,
@@ -142,9 +147,10 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
-    HAS_ORDER: tl.constexpr,
+    HAS_ORDER: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Program (b, kv_head, split): attention of b's query heads of this group over one chunk of its context.
+    """Program (b, kv_head, split): attention of b's query heads of this group over one chunk of its context
+    (of its last `window` positions where window > 0).
 
     The chunk length is derived from the request's own seq_len on the device (ceil(len / num_splits),
     rounded up to BLOCK_N), so the grid depends only on the batch size and num_splits -- which is what
@@ -160,8 +166,9 @@ def _decode_partial_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    lo = tl.maximum(seq_len - window, 0) if window > 0 else seq_len * 0
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
     if start < end:
         row = tl.load(req_rows_ptr + b).to(tl.int64)
@@ -200,7 +207,11 @@ def _decode_partial_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
-        out = acc / l_i[:, None]
+        if HAS_SINKS and DIRECT:  # the one split is the whole softmax: its denominator takes the sinks here
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * 1.4426950408889634
+            out = acc / (l_i + tl.exp2(sink - m_i))[:, None]
+        else:
+            out = acc / l_i[:, None]
         if KV_FP8:
             vm = tl.load(v_mean_ptr + kvh * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
             out = out * tl.load(v_scale_ptr + kvh) + vm[None, :]
@@ -215,35 +226,41 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, seq_lens_ptr, o_ptr,
-    num_splits,
+    mid_o_ptr, mid_lse_ptr, seq_lens_ptr, o_ptr, sinks_ptr,
+    num_splits, window,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Program (b, head): merge the partials of the non-empty splits, each weighted by exp2(lse - max)."""
+    """Program (b, head): merge the partials of the non-empty splits, each weighted by exp2(lse - max) (and the
+    head's sink in the denominator)."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    live = tl.cdiv(seq_len, chunk)  # splits that saw at least one position
+    lo = tl.maximum(seq_len - window, 0) if window > 0 else seq_len * 0
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    live = tl.cdiv(seq_len - lo, chunk)  # splits that saw at least one position
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < live
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(mid_lse_ptr + b.to(tl.int64) * stride_mlb + h * stride_mlh + offs_s,
                   mask=s_mask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # masked splits: exp2(-inf) = 0
+    top = tl.max(lse, 0)
+    w = tl.exp2(lse - top)  # masked splits: exp2(-inf) = 0
     part = tl.load(
         mid_o_ptr + b.to(tl.int64) * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
         mask=s_mask[:, None] & d_mask[None, :], other=0.0,
     )
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(tl.load(sinks_ptr + h) * 1.4426950408889634 - top)
+    out = tl.sum(part * w[:, None], 0) / denom
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
              out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
@@ -285,8 +302,11 @@ def decode_attention(
     pdl: bool = True,
     quant: KVQuant | None = None,
     order: torch.Tensor | None = None,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D] (one token per request) -> [B, H, D] over positions 0..seq_lens[b]-1 of each request.
+    """q [B, H, D] (one token per request) -> [B, H, D] over positions 0..seq_lens[b]-1 of each request (the last
+    `window` of them where window > 0); `sinks` [H] fp32: each head's sink logit in its softmax's denominator.
 
     mid_o [B, H, >=num_splits, D] / mid_lse [B, H, >=num_splits] fp32 scratch may be passed in (static
     buffers for CUDA graphs); otherwise they are allocated here. With num_splits == 1 the partial pass
@@ -314,8 +334,8 @@ def decode_attention(
     fp8 = (quant.k_scale, quant.v_scale, quant.v_mean) if quant is not None else (q, q, q)  # placeholders
     _decode_partial_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, page_table, req_rows, seq_lens, mid_o, mid_lse, out, *fp8,
-        order if order is not None else seq_lens,
-        scale * LOG2E, num_splits,
+        order if order is not None else seq_lens, sinks if sinks is not None else mid_lse,
+        scale * LOG2E, num_splits, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
@@ -324,17 +344,17 @@ def decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype if quant is None else torch.float16), DIRECT=direct,
-        KV_FP8=quant is not None, HAS_ORDER=order is not None,
+        KV_FP8=quant is not None, HAS_ORDER=order is not None, HAS_SINKS=sinks is not None,
         num_warps=warps, num_stages=stages, **pdl_kwargs(q, pdl),
     )
     if direct:
         return out
     _decode_reduce_kernel[(B, H)](
-        mid_o, mid_lse, seq_lens, out, num_splits,
+        mid_o, mid_lse, seq_lens, out, sinks if sinks is not None else mid_lse, num_splits, window,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=_pow2(num_splits, 2),
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=_pow2(num_splits, 2), HAS_SINKS=sinks is not None,
         num_warps=4 if block_d >= 128 else 2, **pdl_kwargs(q, pdl),
     )
     return out
@@ -353,13 +373,13 @@ def decode_attention(
 
 @triton.jit
 def _extend_tile(
-    q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh,
+    q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh, window,
     k_cache_ptr, v_cache_ptr, page_table_ptr,
     qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys n0..n0+BLOCK_N-1; MASKED adds the causal and length masks."""
+    """One online-softmax step over keys n0..n0+BLOCK_N-1; MASKED adds the causal, length and window masks."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -378,6 +398,8 @@ def _extend_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         visible = (offs_n[None, :] < kv_end) & (offs_n[None, :] <= q_pos[:, None])
+        if window > 0:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -390,15 +412,15 @@ def _extend_tile(
 @triton.jit
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
-    page_table_ptr, req_rows_ptr, seq_lens_ptr, qo_indptr_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr,
-    qk_scale,
+    page_table_ptr, req_rows_ptr, seq_lens_ptr, qo_indptr_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, sinks_ptr,
+    qk_scale, window,
     stride_qt, stride_qh,
     stride_ks, stride_kh, stride_vs, stride_vh,
     stride_ot, stride_oh,
     stride_pt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Program (m_block, b, head): causal attention of BLOCK_M new tokens of request b for one query head."""
     mb = tl.program_id(0)
@@ -426,21 +448,27 @@ def _extend_kernel(
         # up to there need no mask. kv_end is one past the last key the block's last real row sees.
         full_end = ((prefix + mb * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
         kv_end = tl.minimum(seq_len, prefix + (mb + 1) * BLOCK_M)
+        lo = full_end * 0
+        if window > 0:  # from the first tile the block's first row sees, every tile masked
+            lo = (tl.maximum(prefix + mb * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
+            full_end = lo
         m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(0, full_end, BLOCK_N):
+        for n0 in range(lo, full_end, BLOCK_N):
             m_i, l_i, acc = _extend_tile(
-                q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh, k_cache_ptr, v_cache_ptr, page_table_ptr,
+                q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh, window, k_cache_ptr, v_cache_ptr, page_table_ptr,
                 qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
                 HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION,
             )
         for n0 in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _extend_tile(
-                q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh, k_cache_ptr, v_cache_ptr, page_table_ptr,
+                q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh, window, k_cache_ptr, v_cache_ptr, page_table_ptr,
                 qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
                 HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION,
             )
+        if HAS_SINKS:
+            l_i += tl.exp2(tl.load(sinks_ptr + h) * 1.4426950408889634 - m_i)
         out = acc / l_i[:, None]
         if KV_FP8:
             vm = tl.load(v_mean_ptr + kvh * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
@@ -467,11 +495,14 @@ def extend_attention(
     out: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
     quant: KVQuant | None = None,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (request b's new tokens are rows qo_indptr[b]:qo_indptr[b+1]) -> [T, H, D].
 
     Token i of request b is at position seq_lens[b] - extend_len_b + i and attends causally to the whole
-    sequence, whose KV (this step's tokens included) must already be in the pool. quant: as decode's.
+    sequence (its last `window` positions where window > 0), whose KV (this step's tokens included) must already be
+    in the pool. quant, sinks: as decode's.
     """
     T, H, D = q.shape
     hkv = k_cache.shape[1]
@@ -489,14 +520,14 @@ def extend_attention(
     fp8 = (quant.k_scale, quant.v_scale, quant.v_mean) if quant is not None else (q, q, q)  # placeholders
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, req_rows, seq_lens, qo_indptr, *fp8,
-        scale * LOG2E,
+        sinks if sinks is not None else q, scale * LOG2E, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
         page_table.stride(0),
         GROUP=H // hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=_pow2(D, 16), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype if quant is None else torch.float16), KV_FP8=quant is not None,
-        num_warps=warps, num_stages=stages,
+        HAS_SINKS=sinks is not None, num_warps=warps, num_stages=stages,
     )
     return out
 

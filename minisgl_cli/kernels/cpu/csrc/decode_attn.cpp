@@ -1,7 +1,8 @@
 // minisgl::decode_attn, the CPU decode attention over the paged KV cache (attention/torch_backend.py says when it
 // runs).
 //
-// out[b, h] = softmax(scale * q[b, h] . K_b) V_b over the first lens[b] keys of row b, at the pool slots
+// out[b, h] = softmax(scale * q[b, h] . K_b) V_b over the first lens[b] keys of row b (its last `window` of them where
+// window > 0; with `sinks`, exp(sinks[h]) joins the softmax's denominator only: gpt-oss), at the pool slots
 // slots[b, :lens[b]] of k and v [slots, Hkv, D]: no gathered copy of the keys. A row's result depends on its own
 // query, keys and length alone. Each (row, KV head) runs on one thread over exactly its keys in one order, whatever
 // the rows beside it, the thread count or the slots' padding; torch's SDPA, given the keys gathered and padded to
@@ -12,6 +13,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <vector>
 
 #include "decode_attn.h"
@@ -48,8 +50,9 @@ using Args = minisgl::AttnArgs;
 template <typename Q, typename C, int NV>
 void one(const Args& a, const Q* q, const C* k, const C* v, Q* out, int64_t b, int64_t h, std::vector<float>& sc) {
   constexpr int D = NV * 16;
-  const int64_t G = a.G, L = a.lens[b];
-  const int64_t* slots = a.slots + b * a.Lmax;
+  const int64_t first = minisgl::first_key(a, b);  // past a sliding window's start
+  const int64_t G = a.G, L = a.lens[b] - first;
+  const int64_t* slots = a.slots + b * a.Lmax + first;
   const int64_t head0 = (b * a.Hkv + h) * G;  // the first of its query heads in q / out [B, H, D]
   __m512 qv[kMaxGroup][NV];
   for (int64_t g = 0; g < G; ++g)
@@ -78,7 +81,8 @@ void one(const Args& a, const Q* q, const C* k, const C* v, Q* out, int64_t b, i
       _mm512_mask_storeu_ps(s + j, lanes, p);
       total = _mm512_add_ps(total, p);
     }
-    sum[g] = _mm512_reduce_add_ps(total);
+    // a sink joins the denominator only: exp(sink - m) beside the keys' weights
+    sum[g] = _mm512_reduce_add_ps(total) + (a.sinks != nullptr ? std::exp(a.sinks[h * G + g] - m) : 0.0f);
   }
   __m512 acc[kMaxGroup][NV];
   for (int64_t g = 0; g < G; ++g)
@@ -104,8 +108,9 @@ struct Kernel {  // one() as decode_attn_op takes it
 };
 
 at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                       const at::Tensor& lens, double scale) {
-  return minisgl::decode_attn_op<16, Kernel>(q, k, v, slots, lens, scale);
+                       const at::Tensor& lens, double scale, int64_t window,
+                       const std::optional<at::Tensor>& sinks) {
+  return minisgl::decode_attn_op<16, Kernel>(q, k, v, slots, lens, scale, window, sinks);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <vector>
 
 #include "../decode_attn.h"
@@ -56,8 +57,9 @@ using Args = minisgl::AttnArgs;
 template <typename Q, typename C, int NV>
 void one(const Args& a, const Q* q, const C* k, const C* v, Q* out, int64_t b, int64_t h, std::vector<float>& sc) {
   constexpr int D = NV * 8;
-  const int64_t G = a.G, L = a.lens[b];
-  const int64_t* slots = a.slots + b * a.Lmax;
+  const int64_t first = minisgl::first_key(a, b);  // past a sliding window's start
+  const int64_t G = a.G, L = a.lens[b] - first;
+  const int64_t* slots = a.slots + b * a.Lmax + first;
   const int64_t head0 = (b * a.Hkv + h) * G;
   sc.resize(G * L);
   for (int64_t j = 0; j < L; ++j) {  // scores (the query reloaded per key: 16 heads x 32 vectors do not fit)
@@ -84,7 +86,8 @@ void one(const Args& a, const Q* q, const C* k, const C* v, Q* out, int64_t b, i
       _mm256_maskstore_ps(s + j, mask, p);
       total = _mm256_add_ps(total, p);
     }
-    sum[g] = reduce_add(total);
+    // a sink joins the denominator only: exp(sink - m) beside the keys' weights
+    sum[g] = reduce_add(total) + (a.sinks != nullptr ? std::exp(a.sinks[h * G + g] - m) : 0.0f);
   }
   for (int64_t g = 0; g < G; ++g) {  // the weighted sum of the values, a query head at a time
     __m256 acc[NV];
@@ -105,8 +108,9 @@ struct Kernel {  // one() as decode_attn_op takes it
 };
 
 at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                       const at::Tensor& lens, double scale) {
-  return minisgl::decode_attn_op<8, Kernel>(q, k, v, slots, lens, scale);
+                       const at::Tensor& lens, double scale, int64_t window,
+                       const std::optional<at::Tensor>& sinks) {
+  return minisgl::decode_attn_op<8, Kernel>(q, k, v, slots, lens, scale, window, sinks);
 }
 
 }  // namespace

@@ -1,0 +1,186 @@
+"""Sliding-window attention and attention sinks: greedy ids equal transformers fp32 token for token on tiny random
+Mistral (a window on every layer), Gemma 3 (five local layers to one global) and gpt-oss (alternating windowed and
+full layers, sinks, biased experts) -- prompts longer than the window, decode crossing it, a chunked prefill
+cutting inside a window, the prompts cached, a long prefix shared -- and each feature switched off in turn makes
+the answers differ (the test can tell them apart)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_checkpoint
+from test_hf_parity import EXACT, hf_greedy
+
+from minisgl_cli import LLM, SamplingParams
+
+WINDOW = 8
+N_NEW = 24
+
+
+def _prompts() -> list[list[int]]:
+    """Prompts shorter and longer than the window, and three sharing a long prefix (past two windows)."""
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 13, 29, 50)]
+    prefix = torch.randint(3, 49152, (21,), generator=g).tolist()
+    return ids + [prefix + torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 6, 11)]
+
+
+def _ours(model_dir, prompts: list[list[int]], **kw) -> tuple[list[list[int]], list[list[int]]]:
+    """(cold, cached): every prompt greedily, then all of them again (now each prompt's KV comes from the cache).
+    `max_prefill_tokens` 12 cuts the long prompts into chunks that end inside a window."""
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    with LLM(str(model_dir), attention_backend="torch", max_prefill_tokens=12, **EXACT, **kw) as llm:
+        cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        llm.client.check_pages()
+    return cold, cached
+
+
+@pytest.fixture(scope="module")
+def windowed_dirs(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("windowed")
+    return {
+        "mistral": make_tiny_checkpoint("mistral", root / "mistral", tokenizer_dir, sliding_window=WINDOW),
+        # six layers: five local (window 8, RoPE base 10k) and one global (1M), query_pre_attn_scalar unlike head_dim
+        "gemma3": make_tiny_checkpoint("gemma3", root / "gemma3", tokenizer_dir, sliding_window=WINDOW,
+                                       num_hidden_layers=6, query_pre_attn_scalar=24, final_logit_softcapping=30.0),
+        # layers 0 and 2 windowed, 1 and 3 full; 4 experts, 2 per token; YaRN over a short original context
+        "gpt_oss": make_tiny_checkpoint("gpt_oss", root / "gpt_oss", tokenizer_dir, sliding_window=WINDOW,
+                                        num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
+                                        intermediate_size=32, swiglu_limit=1.5,
+                                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                         "original_max_position_embeddings": 16}),
+    }
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
+def test_windowed_models_greedy_match_transformers(windowed_dirs, family):
+    model_dir = windowed_dirs[family]
+    prompts = _prompts()
+    theirs = hf_greedy(model_dir, prompts, N_NEW)
+    assert len({tuple(t) for t in theirs}) > 1, "degenerate tiny model: outputs do not depend on the prompt"
+    cold, cached = _ours(model_dir, prompts)
+    assert cold == theirs
+    assert cached == theirs
+
+
+# The same answers through the rest of the engine: overlap scheduling (forced on the CPU), speculative verify steps
+# (prompt lookup: drafts as extra decode rows, each with its own window), and TP 2 (each rank its heads' sinks and its
+# slice of every expert).
+MODES = {"overlap": dict(overlap_on_cpu=True), "ngram": dict(speculative_algorithm="ngram", num_speculative_tokens=3),
+         "tp2": dict(tp_size=2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
+def test_windowed_models_keep_their_answers_under_overlap_speculation_and_tp(windowed_dirs, family, mode):
+    model_dir = windowed_dirs[family]
+    prompts = _prompts()
+    cold, cached = _ours(model_dir, prompts, **MODES[mode])
+    assert cold == cached == hf_greedy(model_dir, prompts, N_NEW)
+
+
+def _switched_off(monkeypatch, feature: str) -> None:
+    """Our engine with one feature ignored: `window` (every layer full), `sinks` (none), `experts` (gpt-oss's
+    experts as plain SiLU-gated ones: no biases, no clamped SwiGLU)."""
+    from minisgl_cli.attention.torch_backend import TorchBackend
+    from minisgl_cli.layers import moe
+
+    if feature == "experts":
+        fused = moe.fused_experts
+
+        def plain(*args, **kw):
+            return fused(*args, **{**kw, "act_fn": moe.silu_and_mul, "biases": None})
+
+        monkeypatch.setattr(moe, "fused_experts", plain)
+        return
+
+    attend = TorchBackend.attend
+
+    def without(self, q, k, v, layer_id, batch, window=0, sinks=None):
+        if feature == "window":
+            window = 0
+        if feature == "sinks":
+            sinks = None
+        return attend(self, q, k, v, layer_id, batch, window, sinks)
+
+    monkeypatch.setattr(TorchBackend, "attend", without)
+
+
+@pytest.mark.parametrize("family,feature", [("mistral", "window"), ("gemma3", "window"), ("gpt_oss", "window"),
+                                            ("gpt_oss", "sinks"), ("gpt_oss", "experts")])
+def test_each_feature_switched_off_changes_the_answers(windowed_dirs, monkeypatch, family, feature):
+    """The negative control: the parity test above fails with any one of the features switched off."""
+    model_dir = windowed_dirs[family]
+    prompts = _prompts()
+    theirs = hf_greedy(model_dir, prompts, N_NEW)
+    _switched_off(monkeypatch, feature)
+    cold, _ = _ours(model_dir, prompts)
+    assert cold != theirs
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_frequencies_are_transformers(truncate):
+    """gpt-oss's RoPE (YaRN, as its built-in configs carry it): the inverse frequencies and the cos / sin factor."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from minisgl_cli.layers.rotary import _inv_freq
+    from minisgl_cli.loader.configs import builtin_config
+
+    cfg = builtin_config("gpt-oss-20b")
+    scaling = {**cfg["rope_scaling"], "truncate": truncate}
+    hf_cfg = transformers.GptOssConfig(head_dim=64, rope_parameters={**scaling, "rope_theta": cfg["rope_theta"]})
+    theirs, their_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    ours, our_factor = _inv_freq(64, cfg["rope_theta"], scaling)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert our_factor == pytest.approx(their_factor)
+
+
+def test_builtin_windowed_configs_have_their_published_layer_patterns():
+    from minisgl_cli.loader.configs import builtin_config
+    from minisgl_cli.models import ModelConfig
+
+    oss = ModelConfig.from_hf(builtin_config("gpt-oss-20b"))
+    assert oss.layer_windows == (128, 0) * 12 and oss.attn_sinks and oss.num_experts == 32
+    gemma = ModelConfig.from_hf(builtin_config("gemma-3-27b"))
+    assert gemma.layer_windows == ((1024,) * 5 + (0,)) * 10 + (1024, 1024)
+    assert gemma.attn_scale == 168**-0.5 and gemma.local_rope_theta == 10000.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels and CUDA graphs")
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
+def test_windowed_models_on_triton_and_cuda_graphs_match_transformers(windowed_dirs, family):
+    """The CUDA path in the exact mode: Triton prefill / extend and decode kernels (windows, sinks), decode replayed
+    from CUDA graphs (every layer's window and sinks captured as constants), the prompts chunked and cached."""
+    model_dir = windowed_dirs[family]
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    with LLM(str(model_dir), attention_backend="triton", max_prefill_tokens=12, device="cuda", **EXACT) as llm:
+        cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        llm.client.check_pages()
+    theirs = hf_greedy(model_dir, prompts, N_NEW)
+    assert cold == cached == theirs
+
+
+def test_flashinfer_and_mxfp4_checkpoints_are_refused_at_load_by_name(windowed_dirs, tmp_path):
+    """What does not run yet says so when the model loads: FlashInfer for windowed / sink layers, gpt-oss's MXFP4."""
+    import json
+    import shutil
+
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.loader.errors import ModelLoadError
+
+    with pytest.raises(ValueError, match="sliding-window or sink.*flashinfer"):
+        Engine(EngineConfig(model=str(windowed_dirs["mistral"]), attention_backend="flashinfer", **EXACT))
+    mxfp4 = tmp_path / "mxfp4"
+    shutil.copytree(windowed_dirs["gpt_oss"], mxfp4)
+    cfg = json.loads((mxfp4 / "config.json").read_text())
+    (mxfp4 / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ModelLoadError, match="MXFP4"):
+        Engine(EngineConfig(model=str(mxfp4), **EXACT))
