@@ -137,6 +137,14 @@ def media_quantization(value: MediaQuantization) -> str | None:
     return None if value is MediaQuantization.none else value.value
 
 
+def speed_options(compile: bool | None, attention_backend: MediaAttention, quantization: MediaQuantization,
+                  media_cache: MediaCache | None, load_format: MediaLoadFormat) -> dict[str, Any]:
+    """The speed options of `image` / `video` as ModelSpec's keyword arguments."""
+    return dict(compile=compile, attention_backend=attention_backend.value,
+                quantization=media_quantization(quantization), media_cache=media_cache.value if media_cache else None,
+                load_format=load_format.value)
+
+
 class Command(TyperCommand):
     """A command whose --help reads whole in an 80-column terminal (every command is one: `@app.command(..., cls=
     c.Command)`). Typer writes `<bool>` beside a flag, which takes no value; puts a number's range in the type column,

@@ -66,11 +66,8 @@ def image(
         w, h = resolve_size(aspect.value, width, height)
         job = ImageJob(prompt, w, h, steps, guidance_scale, num_images, seed, negative_prompt)  # checked before loading
         console.writable_dir(output_dir)
-        spec = ModelSpec.create(
-            "image", model, model_dir, device=device, cpu_offload=cpu_offload, compile=compile,
-            attention_backend=attention_backend.value, quantization=c.media_quantization(quantization),
-            media_cache=media_cache.value if media_cache else None, load_format=load_format.value,
-        )
+        spec = ModelSpec.create("image", model, model_dir, device=device, cpu_offload=cpu_offload,
+                                **c.speed_options(compile, attention_backend, quantization, media_cache, load_format))
         loaded = console.load_with_status(spec)
         job, note = fit_defaults(loaded.pipe, job, size=width is None and height is None)
         if note:

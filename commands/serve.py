@@ -134,9 +134,8 @@ def serve(
     media = replace(
         media, image_model=image_model or media.image_model, video_model=video_model or media.video_model,
         image_model_dir=image_model_dir or media.image_model_dir,
-        video_model_dir=video_model_dir or media.video_model_dir, compile=media_compile.flag(),
-        attention_backend=media_attention.value, quantization=c.media_quantization(media_quantization),
-        media_cache=media_cache.value if media_cache else None, load_format=media_load_format.value,
+        video_model_dir=video_model_dir or media.video_model_dir,
+        **c.speed_options(media_compile.flag(), media_attention, media_quantization, media_cache, media_load_format),
         max_queue=media_max_queue, max_batch=media_max_batch, max_work=media_max_work,
     )
     if allow_local_images is not None and not allow_local_images.expanduser().is_dir():

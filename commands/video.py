@@ -69,11 +69,8 @@ def video(
         job = VideoJob(prompt, given(width, "width"), given(height, "height"), given(num_frames, "num_frames"),
                        fps, steps, guidance_scale, seed, negative_prompt)  # checked before loading
         console.writable_dir(output_dir)
-        spec = ModelSpec.create(
-            "video", model, model_dir, device=device, cpu_offload=cpu_offload, compile=compile,
-            attention_backend=attention_backend.value, quantization=c.media_quantization(quantization),
-            media_cache=media_cache.value if media_cache else None, load_format=load_format.value,
-        )
+        spec = ModelSpec.create("video", model, model_dir, device=device, cpu_offload=cpu_offload,
+                                **c.speed_options(compile, attention_backend, quantization, media_cache, load_format))
         loaded = console.load_with_status(spec)
         job, note = fit_defaults(loaded.pipe, job, size=width is None and height is None, frames=num_frames is None)
         if note:

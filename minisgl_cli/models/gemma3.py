@@ -19,13 +19,12 @@ from minisgl_cli.distributed.push_rows import Partial
 from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.kernel_choice import Kernels
-from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl_cli.layers.norm import LayerOut, RMSNorm, Terms
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.layers.rotary import RopeTable, RotaryEmbedding
 from minisgl_cli.loader.hf import Weight, whole
 from minisgl_cli.models.config import ModelConfig
-from minisgl_cli.models.llama import Attention, LlamaForCausalLM, RopeAt
+from minisgl_cli.models.llama import MLP, Attention, LlamaForCausalLM, RopeAt
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -44,15 +43,10 @@ def summed(x: LayerOut) -> torch.Tensor:
     return x
 
 
-class GeluMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, kernels: Kernels, method: LinearMethod):
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False, tp=tp,
-                                                 kernels=kernels, method=method)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, kernels=kernels,
-                                           method=method)
+class GeluMLP(MLP):
+    """Llama's MLP with GELU-tanh for SiLU: the same projections, an unfused activation."""
 
-    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:  # type: ignore[override]
         gate, up = self.gate_up_proj(x, decode).chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up, decode)
 
