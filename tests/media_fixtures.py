@@ -35,7 +35,8 @@ def tiny_vlms(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def live_server(tiny_models, tmp_path_factory) -> Iterator[str]:
     """A real uvicorn server on a loopback port. Routes at / serve the tiny models (their media worker starts on the
-    first request); routes under /missing point at an empty dir, to exercise the missing-model error."""
+    first request); routes under /missing point at an empty dir, to exercise the missing-model error; routes under
+    /dummy serve the built-in tiny Z-Image config (no dir)."""
     from fastapi import FastAPI
 
     from minisgl_cli.api.http_server import BackgroundServer
@@ -52,6 +53,9 @@ def live_server(tiny_models, tmp_path_factory) -> Iterator[str]:
     app.include_router(
         build_media_router(MediaSettings(image_model_dir=empty, video_model_dir=empty)), prefix="/missing"
     )
+    # A built-in config with random weights, as GPU speed runs serve it (--media-load-format dummy): no dir at all.
+    app.include_router(build_media_router(MediaSettings(image_model="tiny-z-image", load_format="dummy")),
+                       prefix="/dummy")
     server = BackgroundServer(app)
     yield server.start(healthy=False)  # the media routes alone: no /health to wait for
     server.stop()

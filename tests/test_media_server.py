@@ -101,6 +101,18 @@ def test_streamed_partial_images_as_the_sdk_parses_them(live_server):
     assert np.array_equal(pixels(done.b64_json), pixels(plain.data[0].b64_json))
 
 
+def test_a_built_in_dummy_pipeline_is_served_and_its_prompt_limit_read(live_server):
+    """--media-load-format dummy has no pipeline dir: the worker reads the prompt limit from the pipeline it builds
+    (it looked for a dir and answered 404 before)."""
+    ok = httpx.post(f"{live_server}/dummy/v1/images/generations", json={"prompt": "a cat", "size": "64x64", "seed": 3},
+                    timeout=300)
+    assert ok.status_code == 200, ok.text
+    assert base64.b64decode(ok.json()["data"][0]["b64_json"])[:8] == b"\x89PNG\r\n\x1a\n"
+    long = httpx.post(f"{live_server}/dummy/v1/images/generations", json={"prompt": "word " * 700, "size": "64x64"},
+                      timeout=300)
+    assert long.status_code == 400 and long.json()["error"]["param"] == "prompt", long.text
+
+
 @pytest.mark.parametrize("fmt, pil", [("jpeg", "JPEG"), ("webp", "WEBP"), ("png", "PNG")])
 def test_output_formats(live_server, fmt, pil):
     extra = {"output_compression": 80} if fmt != "png" else {}
