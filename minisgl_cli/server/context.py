@@ -3,7 +3,8 @@
 Handlers get it with `ctx: Ctx` (a FastAPI dependency reading `app.state.ctx`) and only translate:
 check the model, set the deadline, get the prompt (the client tokenizes it off the event loop and admits it where its
 ids are first known: admission.py), size the token budget from its length, start an `EngineRun` (whose client checks
-each request's parameters).
+each request's parameters). A chat decides here, once for every front, where it runs: on the engine, or on the
+transformers VLM beside it (vlm_chat.py) when it holds images the engine's model cannot take.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.media.service import MediaService
 from minisgl_cli.media.settings import MediaSettings
-from minisgl_cli.server import tools
+from minisgl_cli.server import tools, vlm_chat
 from minisgl_cli.server.deadline import Deadline
 from minisgl_cli.server.errors import InputError, admission_error, coded_error
 from minisgl_cli.server.gate import InflightGate
@@ -61,14 +62,16 @@ def chat_with_images(messages: list[p.ChatMessage], policy: ImagePolicy) -> list
 class ChatRun:
     """A started chat (n choices): its run, how its output is read (`how`: None, "auto", "required" or
     "named:<tool>", as tools.parse takes it), its tools' names, the downscale note, its prompt's length, the
-    reasoning parser its replies go through (None: none)."""
+    reasoning parser its replies go through (None: none), the name of the model that answers it (the served
+    model's, or the VLM's beside the engine)."""
 
     run: EngineRun
     how: str | None
     names: set[str]
     note: str | None
     prompt_tokens: int
-    reasoning: str | None = None
+    reasoning: str | None
+    model: str
 
     def split(self) -> ReasoningSplit | None:
         """A new split of one reply's thoughts from its content (None without a parser)."""
@@ -127,11 +130,8 @@ class ServerContext:
             raise InputError("image_url parts are served by /v1/chat/completions only", param)
         try:
             if messages is not None:
-                chat = [m.as_template_dict() for m in messages]
-                if has_images(messages):  # read off the event loop: files, remote fetches, decoding
-                    policy = (self.settings.vision or VisionSettings()).images
-                    chat = await deadline.wait(asyncio.get_running_loop().run_in_executor(
-                        None, chat_with_images, messages, policy))
+                chat = await self._read_images(messages, deadline) if has_images(messages) else \
+                    [m.as_template_dict() for m in messages]
                 req = GenerateRequest(messages=chat, tools=[t.model_dump(exclude_none=True) for t in tools]
                                       if tools else None, prompt_param=param, template_kwargs=template_kwargs)
             elif isinstance(prompt, list):
@@ -141,8 +141,6 @@ class ServerContext:
             return await deadline.wait(self.client.prompt(req))
         except AdmissionError as exc:
             raise admission_error(exc) from None
-        except ImageError as exc:
-            raise InputError(exc.message, exc.param) from None
         except InputError:
             raise
         except Exception as exc:
@@ -151,6 +149,16 @@ class ServerContext:
             if (error := coded_error(exc, self.gate.retry_after_s)) is not None:
                 raise error from None
             raise InputError(f"could not tokenize the {param}: {exc}", param) from exc
+
+    async def _read_images(self, messages: list[p.ChatMessage], deadline: Deadline) -> list[dict]:
+        """The chat as templates take it, its images read under the server's policy off the event loop (files,
+        remote fetches, decoding): a 400 naming the part that cannot be read."""
+        policy = (self.settings.vision or VisionSettings()).images
+        try:
+            return await deadline.wait(asyncio.get_running_loop().run_in_executor(
+                None, chat_with_images, messages, policy))
+        except ImageError as exc:
+            raise InputError(exc.message, exc.param) from None
 
     def budget(self, prompts: list[Prompt], requested: int | None, param: str,
                prompt_param: str = "prompt") -> tuple[int, str | None]:
@@ -178,10 +186,18 @@ class ServerContext:
                          self.gate.inflight, f" user={user!r}" if user else "")
         return EngineRun(self.client, reqs, self.gate, self.metrics, endpoint, self.active, deadline)
 
+    def beside_engine(self, body: p.ChatCompletionRequest) -> bool:
+        """Whether a chat runs on the VLM beside the engine (vlm_chat.py): it holds images the engine's model cannot
+        take (a Qwen2-VL / Qwen2.5-VL engine takes them itself)."""
+        return body.has_images and not self.client.info.images
+
     async def start_chat(self, body: p.ChatCompletionRequest, endpoint: str, rid_prefix: str,
                          user: str | None = None) -> ChatRun:
-        """Every step of a chat request on the engine (the chat completions route's, and those of the fronts that
-        translate onto it): model, deadline, template with tools, budget, grammar of forced tool calls, start."""
+        """Every step of a chat request (the chat completions route's, and those of the fronts that translate onto
+        it): model, deadline, template with tools, budget, grammar of forced tool calls, start; on the engine, or on
+        the VLM beside it (`beside_engine`)."""
+        if self.beside_engine(body):
+            return await self._start_vlm(body, endpoint, rid_prefix, user)
         self.check_model(body.model)
         deadline = self.deadline(body.timeout)
         mode = body.tool_mode
@@ -206,7 +222,40 @@ class ServerContext:
         run = self.start(reqs, endpoint, deadline, user)
         names = {t.function.name for t in body.tools or []}
         how = f"named:{body.tool_choice.function.name}" if mode == "named" else mode  # type: ignore[union-attr]
-        return ChatRun(run, how, names, note, prompt.tokens, self.reasoning)
+        return ChatRun(run, how, names, note, prompt.tokens, self.reasoning, self.model_name)
+
+    async def vlm_prompt(self, body: p.ChatCompletionRequest) -> vlm_chat.VlmPrompt:
+        """A chat with images, checked and prepared for the VLM beside the engine: a 400 where the server has none
+        (or the chat asks what it cannot do), a 404 for another model's name."""
+        vlm = self.vlm
+        if vlm is None:
+            raise InputError(f"this request has images, but {self.model_name} takes text only and no vision-language "
+                             "model runs beside it: start `minisgl serve` with --vlm-model PATH (or set "
+                             "MINISGL_VLM_MODEL), or serve a Qwen2-VL / Qwen2.5-VL model as --model", "messages",
+                             code="vlm_not_loaded")
+        if body.model and body.model.lower() not in self.aliases | {vlm.name.lower()}:
+            raise InputError(f"model {body.model!r} does not exist; this server's vision-language model is "
+                             f"{vlm.name!r}", "model", 404, "model_not_found")
+        vlm_chat.refuse(body)
+        # Reading the images and preparing count toward the deadline; only the generation is cut short by it.
+        chat = await self._read_images(body.messages, Deadline(None))
+        return await vlm_chat.prepare_chat(vlm, chat, body.chat_template_kwargs)
+
+    async def _start_vlm(self, body: p.ChatCompletionRequest, endpoint: str, rid_prefix: str,
+                         user: str | None) -> ChatRun:
+        """start_chat on the VLM beside the engine: one reply, streamed by an EngineRun from the prepared chat."""
+        deadline = self.deadline(body.timeout)
+        prompt = await self.vlm_prompt(body)
+        requested = prompt.budget(body.requested_max_tokens)
+        max_new = self.gate.downscale(requested)
+        note = f"{requested}->{max_new}" if max_new < requested else None
+        req = prompt.request(body.sampling_params(max_new), new_request_id(rid_prefix))
+        self.gate.take(1)
+        log.info("rid=%s %s admitted (VLM %s): prompt_tokens=%d images=%d max_new_tokens=%d inflight=%d%s", req.rid,
+                 endpoint, prompt.name, prompt.prompt_tokens, prompt.prepared.images, max_new, self.gate.inflight,
+                 f" user={user!r}" if user else "")
+        run = EngineRun(prompt, [req], self.gate, self.metrics, endpoint, self.active, deadline)
+        return ChatRun(run, None, set(), note, prompt.prompt_tokens, None, prompt.name)
 
     # --- what the other routes read ---
     def model_card(self) -> p.ModelCard:
@@ -219,7 +268,7 @@ class ServerContext:
     async def shutdown(self) -> None:
         """Abort the requests still in flight while this event loop still takes the scheduler's replies
         (a reply into a closed loop would break the scheduler thread, which may outlive the app)."""
-        rids = [rid for run in list(self.active) for rid in run.unfinished_rids()]
+        rids = [rid for run in list(self.active) if run.client is self.client for rid in run.unfinished_rids()]
         for rid in rids:
             self.client.abort(rid)
         for run in list(self.active):

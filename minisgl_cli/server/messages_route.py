@@ -2,7 +2,8 @@
 
 A Messages body becomes a `ChatCompletionRequest` (`to_chat`: system, turns, tool_use / tool_result blocks,
 images, tools, tool_choice, sampling) and runs through `ServerContext.start_chat`, the chat completions route's
-steps: the same template, admission, grammar of forced tools and engine run. Its output comes back as content
+steps: the same template, admission, grammar of forced tools and engine run (image blocks the engine's model cannot
+take: the VLM beside it, as in chat). Its output comes back as content
 blocks (`text`, `tool_use`), `stop_reason` / `stop_sequence` and Anthropic's usage, or streamed as Anthropic's
 events (message_start, content_block_start / _delta / _stop, message_delta, message_stop, with a ping after the
 start). Errors carry Anthropic's body (errors.py picks it by path).
@@ -100,16 +101,11 @@ def _turn(m: a.Message) -> list[dict[str, Any]]:
     return out
 
 
-def _check_images(chat: p.ChatCompletionRequest, ctx: Ctx) -> None:
-    if chat.has_images and not ctx.client.info.images:
-        raise InputError(f"image blocks need a model on the engine that takes images (Qwen2-VL / Qwen2.5-VL); "
-                         f"{ctx.model_name} takes text only", "messages")
-
-
 @router.post("/v1/messages/count_tokens", response_model=a.TokenCount)
 async def count_tokens(body: a.CountTokensRequest, ctx: Ctx) -> Any:
     chat = to_chat(body, ctx.reasoning)
-    _check_images(chat, ctx)
+    if ctx.beside_engine(chat):  # as the VLM beside the engine would run it: its template, its image tokens
+        return a.TokenCount(input_tokens=(await ctx.vlm_prompt(chat)).prompt_tokens)
     ctx.check_model(chat.model)
     prompt = await ctx.prompt_of(ctx.deadline(None), messages=chat.messages, param="messages",
                                  tools=chat.tools if chat.tool_mode else None, images=True,
@@ -121,7 +117,6 @@ async def count_tokens(body: a.CountTokensRequest, ctx: Ctx) -> Any:
 async def messages(body: a.MessagesRequest, request: Request, ctx: Ctx) -> Any:
     ctx.gate.check(1)  # a 429 costs no tokenizing
     chat = to_chat(body, ctx.reasoning)
-    _check_images(chat, ctx)
     user = (body.metadata.user_id if body.metadata else None) or body.user_profile_id
     started = await ctx.start_chat(chat, ENDPOINT, "msg", user)
     mid, parallel = f"msg_{uuid.uuid4().hex[:24]}", chat.parallel_tool_calls
@@ -133,11 +128,11 @@ async def messages(body: a.MessagesRequest, request: Request, ctx: Ctx) -> Any:
         if thoughts is not None:
             blocks.insert(0, {"type": "thinking", "thinking": thoughts, "signature": ""})
         reason, stop = _stop_reason(final, called)
-        resp = a.MessageResponse(id=mid, content=blocks, model=ctx.model_name, stop_reason=reason, stop_sequence=stop,
+        resp = a.MessageResponse(id=mid, content=blocks, model=started.model, stop_reason=reason, stop_sequence=stop,
                                  usage=_usage(final.stats or RequestStats()))
         return JSONResponse(resp.model_dump(), headers=downscale_headers(started.note))
     first = await started.run.first_event(request)
-    return stream_response(started.run, _events(started, first, mid, ctx.model_name, parallel, ctx), started.note)
+    return stream_response(started.run, _events(started, first, mid, started.model, parallel, ctx), started.note)
 
 
 def _blocks(how: str | None, text: str, names: set[str], parallel: bool | None) -> tuple[list[dict], bool]:

@@ -3,7 +3,8 @@
 
 A chat (or a generate: its system and prompt as a two-message chat) becomes a `ChatCompletionRequest` (`to_chat`:
 messages with their images and tool calls, tools, `format` through the grammar, `options` mapped onto our
-sampling, `think` onto the template) and runs through `ServerContext.start_chat`, as /v1/chat/completions does.
+sampling, `think` onto the template) and runs through `ServerContext.start_chat`, as /v1/chat/completions does
+(images the engine's model cannot take: on the VLM beside it).
 Errors carry ollama's body, `{"error": "..."}` (errors.py picks it by path).
 """
 
@@ -116,12 +117,9 @@ async def _run(body: o.ChatRequest | o.GenerateRequest, messages: list[o.Message
                endpoint: str, field: str) -> Any:
     """One chat or generate: `field` is where the reply's text goes ("message" for chat, "response")."""
     ctx.gate.check(1)
-    model = _model(ctx, body.model)
     chat_body = to_chat(body, messages, ctx.reasoning)
-    if chat_body.has_images and not ctx.client.info.images:
-        raise InputError(f"images need a model on the engine that takes images (Qwen2-VL / Qwen2.5-VL); {model} "
-                         "takes text only", "images")
-    started = await ctx.start_chat(chat_body, endpoint, "ollama")
+    started = await ctx.start_chat(chat_body, endpoint, "ollama")  # checks the model (the VLM's name with images)
+    model = started.model
     if not body.stream:
         [(text, final)] = await started.run.finish_all(request)
         split = started.split()
@@ -241,7 +239,8 @@ async def show(body: o.ModelRequest, ctx: Ctx) -> Any:
         raise InputError("model: required", "model")
     _model(ctx, name)
     details = _details(ctx)
-    caps = ["completion", "tools"] + ["thinking"] * bool(ctx.reasoning) + ["vision"] * ctx.client.info.images
+    caps = ["completion", "tools"] + ["thinking"] * bool(ctx.reasoning) + \
+        ["vision"] * (ctx.client.info.images or ctx.vlm is not None)
     return {"modelfile": "", "parameters": "", "template": "", "details": details,
             "model_info": {"general.architecture": details["family"],
                            f"{details['family'] or 'model'}.context_length": ctx.client.info.max_context_len},

@@ -1,6 +1,7 @@
 """The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models (and a 400 for /v1/embeddings) —
 handlers that only translate; tool calls are parsed by `tools.py`; chat requests with `image_url` parts run on the
-engine where its model takes images (Qwen2-VL / Qwen2.5-VL), else go to the transformers VLM (`vision.py`).
+engine where its model takes images (Qwen2-VL / Qwen2.5-VL), else on the transformers VLM beside it (`vlm_chat.py`:
+`ServerContext.start_chat` decides).
 
 Protocol models in, engine requests out (through `ServerContext`), engine deltas back as OpenAI
 responses or SSE `chunk` frames ending in `data: [DONE]`.
@@ -16,7 +17,6 @@ from fastapi.responses import JSONResponse
 
 from minisgl_cli.api import protocol as p
 from minisgl_cli.server import tools
-from minisgl_cli.server import vlm_chat as vision
 from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.context import Ctx
 from minisgl_cli.server.errors import InputError, error_frame
@@ -41,11 +41,9 @@ async def model_card(model: str, ctx: Ctx) -> Any:
 @router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse)
 async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx: Ctx) -> Any:
     ctx.gate.check(body.n, "n")  # a 429 or 413 costs no tokenizing, no image decoding
-    if body.has_images and not ctx.client.info.images:  # the transformers VLM beside the engine (vision.py)
-        return await vision.chat(body, request, ctx)
     chat = await ctx.start_chat(body, "/v1/chat/completions", "chat", body.user or body.safety_identifier)
     run, how, names, note = chat.run, chat.how, chat.names, chat.note
-    cid, ts, model = p.new_id("chatcmpl"), p.now(), ctx.model_name
+    cid, ts, model = p.new_id("chatcmpl"), p.now(), chat.model
     if not body.stream:
         results = await run.finish_all(request)
         choices = []

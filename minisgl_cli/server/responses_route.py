@@ -2,7 +2,8 @@
 
 A Responses body becomes a `ChatCompletionRequest` (`to_chat`: instructions, the stored conversation of
 `previous_response_id`, input items -- messages, function calls and their outputs --, function tools, tool_choice,
-text.format, sampling) and runs through `ServerContext.start_chat`, the chat completions route's steps. Its output
+text.format, sampling) and runs through `ServerContext.start_chat`, the chat completions route's steps (input_image
+parts the engine's model cannot take: the VLM beside it, as in chat). Its output
 comes back as output items (`reasoning` with --reasoning-parser, `message` with `output_text`, `function_call`)
 and usage with cached tokens, or streamed as the Responses events in order, each with its `sequence_number`.
 Stored responses (`store`, the default) live in a bounded `ResponseStore`.
@@ -124,11 +125,8 @@ async def create(body: r.ResponsesRequest, request: Request, ctx: Ctx) -> Any:
         earlier = stored.history
     turns = history(body, earlier)
     chat = to_chat(body, turns, ctx.reasoning)
-    if chat.has_images and not ctx.client.info.images:
-        raise InputError(f"input_image needs a model on the engine that takes images (Qwen2-VL / Qwen2.5-VL); "
-                         f"{ctx.model_name} takes text only", "input")
     started = await ctx.start_chat(chat, ENDPOINT, "resp", body.safety_identifier or body.user)
-    shell = Shell(body, ctx.model_name)
+    shell = Shell(body, started.model)
     if not body.stream:
         [(text, final)] = await started.run.finish_all(request)
         split = started.split()

@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.server.deadline import Deadline, DeadlineExceeded
 from minisgl_cli.server.errors import Disconnected, engine_error, refused
 from minisgl_cli.server.gate import InflightGate, downscale_headers
@@ -26,6 +25,15 @@ from minisgl_cli.types import Delta, GenerateRequest, RequestStats, TokenLogprob
 
 log = logging.getLogger("minisgl.server")
 T = TypeVar("T")
+
+
+class Source(Protocol):
+    """Where a run's requests stream from: the engine's client, or a chat prepared for the VLM beside it
+    (vlm_chat.VlmPrompt)."""
+
+    def submit(self, req: GenerateRequest) -> AsyncGenerator[Delta, None]:
+        """Stream a request's output; closing the stream early stops the request (its KV is freed)."""
+        ...
 
 
 class EngineRun:
@@ -37,7 +45,7 @@ class EngineRun:
     whichever is first.
     """
 
-    def __init__(self, client: EngineClient, reqs: list[GenerateRequest], gate: InflightGate,
+    def __init__(self, client: Source, reqs: list[GenerateRequest], gate: InflightGate,
                  metrics: ServerMetrics, endpoint: str, active: set[EngineRun], deadline: Deadline | None = None):
         self.reqs, self.gate, self.metrics, self.endpoint = reqs, gate, metrics, endpoint
         self.client, self.active = client, active
@@ -204,17 +212,11 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-class Closable(Protocol):
-    """What a streamed response closes when it ends: an EngineRun, or the VLM's run (vision.py)."""
-
-    def close(self) -> None: ...
-
-
 class EngineStreamingResponse(StreamingResponse):
     """A StreamingResponse that closes its run however the response ends: even when the client
     is gone before the first chunk (the body generator then never starts, so its `finally` never runs)."""
 
-    def __init__(self, run: Closable, content: AsyncIterator[str], **kwargs: Any):
+    def __init__(self, run: EngineRun, content: AsyncIterator[str], **kwargs: Any):
         super().__init__(content, **kwargs)
         self.run = run
 
@@ -225,7 +227,7 @@ class EngineStreamingResponse(StreamingResponse):
             self.run.close()
 
 
-def stream_response(run: Closable, body: AsyncIterator[str], note: str | None,
+def stream_response(run: EngineRun, body: AsyncIterator[str], note: str | None,
                     media_type: str = "text/event-stream") -> StreamingResponse:
     """The streamed reply of a run: unbuffered by proxies, with the downscale header if one was applied."""
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **downscale_headers(note)}

@@ -182,16 +182,16 @@ def _hf_message(m: dict) -> dict:
     return {"role": m.get("role", "user"), "content": parts}
 
 
-def prepare(loaded: LoadedVlm, messages: list[dict]) -> Prepared:
-    """Chat template + processor: the prompt's ids with image tokens expanded, and the pixel values.
-    ValueError when the messages do not fit the model (the caller's input)."""
+def prepare(loaded: LoadedVlm, messages: list[dict], template_kwargs: dict[str, Any] | None = None) -> Prepared:
+    """Chat template (given `template_kwargs`, e.g. enable_thinking) + processor: the prompt's ids with image tokens
+    expanded, and the pixel values. ValueError when the messages do not fit the model (the caller's input)."""
     chat = [_hf_message(m) for m in messages]
     images = [p["image"] for m in chat for p in m["content"] if p.get("type") == "image"]
     template = getattr(loaded.processor, "chat_template", None) or loaded.tokenizer.chat_template
     if not template:
         raise ValueError(f"{loaded.name} has no chat template")
     text = loaded.tokenizer.apply_chat_template(chat, chat_template=template, tokenize=False,
-                                                add_generation_prompt=True)
+                                                add_generation_prompt=True, **(template_kwargs or {}))
     kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
     if images:
         kwargs["images"] = [images]  # one sample holding all of its images
@@ -265,7 +265,7 @@ class VlmChat:
         loop = asyncio.get_running_loop()
         try:
             loaded = await loop.run_in_executor(None, self.load)
-            prepared = await loop.run_in_executor(None, prepare, loaded, req.messages)
+            prepared = await loop.run_in_executor(None, prepare, loaded, req.messages, req.template_kwargs)
             room = check_budget(loaded, prepared, None)  # a reply stops at the context limit, as the engine's do
             params = dataclasses.replace(req.params, max_new_tokens=min(req.params.max_new_tokens, room))
         except (ValueError, VlmLoadError) as exc:
