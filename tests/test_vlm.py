@@ -363,6 +363,114 @@ def test_a_reply_past_its_timeout_is_a_504_and_its_generation_stops(idefics_url)
     assert server["inflight"] == 0
 
 
+# --- the agent fronts: Messages, Responses, ollama --------------------------------------------------------
+# Each translates onto the chat request, so an image the engine's model cannot take goes to the VLM beside it, as
+# in chat completions: the same greedy reply, in each API's own shapes.
+
+QUESTION = "What is in the picture?"
+
+
+def chat_reply(url: str, image: bytes) -> tuple[str, int, str]:
+    """Chat completions' greedy answer to QUESTION about `image`: (text, prompt tokens, finish reason)."""
+    r = client(url).chat.completions.create(model="idefics3", messages=ask(data_url(image), QUESTION), max_tokens=6)
+    assert r.choices[0].message.content  # a reply to compare with
+    return r.choices[0].message.content, r.usage.prompt_tokens, r.choices[0].finish_reason
+
+
+@pytest.mark.slow
+def test_messages_with_an_image_block_answer_as_chat_completions_does(idefics_url):
+    anthropic = pytest.importorskip("anthropic")
+    text, prompt_tokens, finish = chat_reply(idefics_url, png())
+    c = anthropic.Anthropic(base_url=idefics_url, api_key="none", max_retries=0, timeout=60)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png()).decode()}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, image]}]
+    r = c.messages.create(model="default", max_tokens=6, messages=messages)
+    assert r.model == "idefics3" and r.role == "assistant" and [b.type for b in r.content] == ["text"]
+    assert r.content[0].text == text
+    assert r.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[finish]
+    assert r.usage.input_tokens == prompt_tokens and r.usage.cache_read_input_tokens == 0
+    assert c.messages.count_tokens(model="idefics3", messages=messages).input_tokens == prompt_tokens
+
+    events = list(c.messages.create(model="idefics3", max_tokens=6, messages=messages, stream=True))
+    kinds = [e.type for e in events]  # (the SDK passes no ping on)
+    assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) == {"content_block_delta"} and events[0].message.model == "idefics3"
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == text
+    assert events[-2].delta.stop_reason == r.stop_reason and events[-2].usage.output_tokens == r.usage.output_tokens
+    # What the VLM cannot do is refused by name, as in chat.
+    with pytest.raises(anthropic.BadRequestError, match="tools: not supported with images"):
+        c.messages.create(model="default", max_tokens=6, messages=messages, tools=[
+            {"name": "f", "input_schema": {"type": "object"}}])
+
+
+@pytest.mark.slow
+def test_responses_with_an_input_image_answer_as_chat_completions_does(idefics_url):
+    text, prompt_tokens, finish = chat_reply(idefics_url, png())
+    oc = client(idefics_url)
+    items = [{"role": "user", "content": [{"type": "input_text", "text": QUESTION},
+                                          {"type": "input_image", "image_url": data_url(png())}]}]
+    r = oc.responses.create(model="default", input=items, max_output_tokens=6)
+    assert r.model == "idefics3" and [i.type for i in r.output] == ["message"] and r.output_text == text
+    assert r.status == ("incomplete" if finish == "length" else "completed")
+    assert r.usage.input_tokens == prompt_tokens and r.usage.input_tokens_details.cached_tokens == 0
+
+    events = list(oc.responses.create(model="idefics3", input=items, max_output_tokens=6, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete" if finish == "length" else "response.completed"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    assert events[-1].response.output_text == text and events[-1].response.model == "idefics3"
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    # A stored reply carries the image turn on: the next turn asks the VLM again, about the same picture.
+    follow = oc.responses.create(model="default", input="And its colour?", previous_response_id=r.id,
+                                 max_output_tokens=2)
+    assert follow.model == "idefics3" and follow.usage.input_tokens > prompt_tokens
+
+
+@pytest.mark.slow
+def test_ollama_images_answer_as_chat_completions_does(idefics_url):
+    ollama = pytest.importorskip("ollama")
+    text, prompt_tokens, finish = chat_reply(idefics_url, png())
+    c = ollama.Client(host=idefics_url, timeout=60)
+    messages = [{"role": "user", "content": QUESTION, "images": [png()]}]  # the client sends them base64
+    r = c.chat(model="default", messages=messages, options={"num_predict": 6})
+    assert r.model == "idefics3" and r.message.role == "assistant" and r.message.content == text
+    assert r.done and r.done_reason == finish and r.prompt_eval_count == prompt_tokens and r.eval_count > 0
+
+    parts = list(c.chat(model="idefics3", messages=messages, options={"num_predict": 6}, stream=True))
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and len(parts) > 1
+    assert "".join(p.message.content for p in parts) == text and parts[-1].done_reason == finish
+    generated = c.generate(model="idefics3", prompt=QUESTION, images=[png()], options={"num_predict": 6})
+    assert generated.response == text and generated.prompt_eval_count == prompt_tokens
+    assert "vision" in c.show("default").capabilities
+
+
+@pytest.mark.slow
+def test_without_a_vlm_every_front_refuses_images_with_a_400(server_url):
+    import openai
+
+    anthropic = pytest.importorskip("anthropic")
+    ollama = pytest.importorskip("ollama")
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png()).decode()}}
+    with pytest.raises(anthropic.BadRequestError, match="--vlm-model") as messages:
+        anthropic.Anthropic(base_url=server_url, api_key="none", max_retries=0).messages.create(
+            model="default", max_tokens=4, messages=[{"role": "user", "content": [image]}])
+    assert "takes text only" in messages.value.body["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="--vlm-model") as responses:
+        client(server_url).responses.create(model="default", max_output_tokens=4, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(png())}]}])
+    assert responses.value.code == "vlm_not_loaded"
+    with pytest.raises(ollama.ResponseError, match="--vlm-model") as local:
+        ollama.Client(host=server_url, timeout=60).chat(model="default", messages=[
+            {"role": "user", "content": "What?", "images": [png()]}])
+    assert local.value.status_code == 400
+
+
 # --- the commands -------------------------------------------------------------------------------------
 
 
