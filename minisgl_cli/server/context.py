@@ -127,7 +127,8 @@ class ServerContext:
         `param` where it cannot run. With `images`, the images of a chat for a model on the engine that takes them
         (`info.images`); without, image parts are refused."""
         if messages is not None and has_images(messages) and not images:
-            raise InputError("image_url parts are served by /v1/chat/completions only", param)
+            raise InputError("image parts are served by the chat routes only (/v1/chat/completions, /v1/messages, "
+                             "/v1/responses, /api/chat)", param)
         try:
             if messages is not None:
                 chat = await self._read_images(messages, deadline) if has_images(messages) else \
