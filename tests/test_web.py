@@ -301,9 +301,9 @@ def test_image_tab_only_with_an_image_model(browser, web, tiny_models):
             page.click("#image-go")
             img = page.locator("#images img")
             expect(img).to_have_count(1)
+            expect(page.locator("#image-status")).to_contain_text("48x32")  # done: the previews replaced
             page.wait_for_function("() => document.querySelector('#images img').complete")
             assert img.evaluate("im => [im.naturalWidth, im.naturalHeight]") == [48, 32]
-            expect(page.locator("#image-status")).to_contain_text("48x32")
         finally:
             images.close()
 
