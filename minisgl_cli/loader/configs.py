@@ -13,9 +13,26 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 
-_GPT_OSS_ROPE = {
-    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-    "original_max_position_embeddings": 4096,
+# gpt-oss (bf16 experts: MXFP4 loading is not there yet): 128-position windows on every other layer, a sink per head,
+# experts of 2880 with biases (4 per token); 20b and 120b differ in depth and expert count.
+_GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_experts_per_tok": 4,
+    "attention_bias": True, "sliding_window": 128, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+    "max_position_embeddings": 131072, "tie_word_embeddings": False, "bos_token_id": 199998,
+    "eos_token_id": [200002, 199999, 200012],
+}
+
+# Gemma 3's text decoders (the checkpoints' text_config): five local layers (1024-position windows, RoPE base 10k) to
+# one global (1M, linear scaling 8), QK-norm, 256k vocabulary, tied head; 12b and 27b differ in their shapes.
+_GEMMA3 = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262208,
+    "sliding_window": 1024, "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072, "tie_word_embeddings": True,
+    "bos_token_id": 2, "eos_token_id": [1, 106],
 }
 
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
@@ -71,44 +88,17 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0, "max_position_embeddings": 32768, "tie_word_embeddings": False,
         "bos_token_id": 1, "eos_token_id": 2,
     },
-    # Sliding-window attention. gpt-oss (bf16 experts: MXFP4 loading is not there yet): 128-position windows on
-    # every other layer, a sink per head, 32 / 128 experts (4 per token) of 2880 with biases; ~42 / ~234 GB in bf16.
-    "gpt-oss-20b": {
-        "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
-        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-        "num_local_experts": 32, "num_experts_per_tok": 4, "attention_bias": True, "sliding_window": 128,
-        "layer_types": ["sliding_attention", "full_attention"] * 12, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5,
-        "rope_theta": 150000.0, "rope_scaling": dict(_GPT_OSS_ROPE), "max_position_embeddings": 131072,
-        "tie_word_embeddings": False, "bos_token_id": 199998, "eos_token_id": [200002, 199999, 200012],
-    },
-    "gpt-oss-120b": {
-        "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
-        "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-        "num_local_experts": 128, "num_experts_per_tok": 4, "attention_bias": True, "sliding_window": 128,
-        "layer_types": ["sliding_attention", "full_attention"] * 18, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5,
-        "rope_theta": 150000.0, "rope_scaling": dict(_GPT_OSS_ROPE), "max_position_embeddings": 131072,
-        "tie_word_embeddings": False, "bos_token_id": 199998, "eos_token_id": [200002, 199999, 200012],
-    },
-    # Gemma 3's text decoders (the checkpoints' text_config): five local layers (1024-position windows, RoPE base
-    # 10k) to one global (1M, linear scaling 8), QK-norm, 256k vocabulary, tied head.
-    "gemma-3-12b": {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262208,
-        "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16,
-        "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 1024,
-        "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rms_norm_eps": 1e-6,
-        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072, "tie_word_embeddings": True,
-        "bos_token_id": 2, "eos_token_id": [1, 106],
-    },
-    "gemma-3-27b": {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262208,
-        "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62, "num_attention_heads": 32,
-        "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 168, "sliding_window": 1024,
-        "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rms_norm_eps": 1e-6,
-        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072, "tie_word_embeddings": True,
-        "bos_token_id": 2, "eos_token_id": [1, 106],
-    },
+    # Sliding-window attention (gpt-oss: ~42 / ~234 GB in bf16)
+    "gpt-oss-20b": {**_GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32,
+                    "layer_types": ["sliding_attention", "full_attention"] * 12},
+    "gpt-oss-120b": {**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128,
+                     "layer_types": ["sliding_attention", "full_attention"] * 18},
+    "gemma-3-12b": {**_GEMMA3, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                    "query_pre_attn_scalar": 256},
+    "gemma-3-27b": {**_GEMMA3, "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
+                    "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+                    "query_pre_attn_scalar": 168},
     # A vision-language model (models/qwen2_vl.py): the Qwen2 decoder with M-RoPE and a 32-block ViT. Serving images
     # needs a tokenizer and an image processor: examples/make_tiny_media_models.py's write_dummy_vlm_dir writes a
     # directory for this config (examples/bench_vlm.py gpu).
