@@ -20,7 +20,8 @@ and means never touch a tile: a program works on one KV head, so K's scale folds
 already scales the logits, K's mean is left out (it adds the same q . mean to every logit of a row), and
 V's scale and mean apply to the output once at the end (out = scale * sum(p code) + mean, as sum(p) = 1).
 
-Sliding windows and sinks (per layer, so CUDA graphs capture them as constants): `window` > 0 limits a query at
+Sliding windows and sinks (per layer, so CUDA graphs capture them as constants; each a constexpr switch too, so a
+full-attention layer runs the kernels it ran before them, with no window arithmetic): `window` > 0 limits a query at
 position p to keys p - window + 1 .. p (decode splits only that span; extend starts at the first tile a block's
 first row sees and masks every tile); `sinks` [H] fp32 add exp(sink) to each head's softmax denominator only,
 at the end (decode: in the reduce, or the single split's own normalisation).
@@ -147,7 +148,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
-    HAS_ORDER: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_ORDER: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """Program (b, kv_head, split): attention of b's query heads of this group over one chunk of its context
     (of its last `window` positions where window > 0).
@@ -166,7 +167,7 @@ def _decode_partial_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    lo = tl.maximum(seq_len - window, 0) if window > 0 else seq_len * 0
+    lo = tl.maximum(seq_len - window, 0) if WINDOWED else seq_len * 0
     chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
@@ -232,7 +233,7 @@ def _decode_reduce_kernel(
     stride_mlb, stride_mlh,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr,
+    USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """Program (b, head): merge the partials of the non-empty splits, each weighted by exp2(lse - max) (and the
     head's sink in the denominator)."""
@@ -242,7 +243,7 @@ def _decode_reduce_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    lo = tl.maximum(seq_len - window, 0) if window > 0 else seq_len * 0
+    lo = tl.maximum(seq_len - window, 0) if WINDOWED else seq_len * 0
     chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     live = tl.cdiv(seq_len - lo, chunk)  # splits that saw at least one position
     offs_s = tl.arange(0, BLOCK_S)
@@ -344,7 +345,7 @@ def decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype if quant is None else torch.float16), DIRECT=direct,
-        KV_FP8=quant is not None, HAS_ORDER=order is not None, HAS_SINKS=sinks is not None,
+        KV_FP8=quant is not None, HAS_ORDER=order is not None, HAS_SINKS=sinks is not None, WINDOWED=window > 0,
         num_warps=warps, num_stages=stages, **pdl_kwargs(q, pdl),
     )
     if direct:
@@ -355,7 +356,7 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=_pow2(num_splits, 2), HAS_SINKS=sinks is not None,
-        num_warps=4 if block_d >= 128 else 2, **pdl_kwargs(q, pdl),
+        WINDOWED=window > 0, num_warps=4 if block_d >= 128 else 2, **pdl_kwargs(q, pdl),
     )
     return out
 
@@ -377,7 +378,7 @@ def _extend_tile(
     k_cache_ptr, v_cache_ptr, page_table_ptr,
     qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """One online-softmax step over keys n0..n0+BLOCK_N-1; MASKED adds the causal, length and window masks."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -398,7 +399,7 @@ def _extend_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         visible = (offs_n[None, :] < kv_end) & (offs_n[None, :] <= q_pos[:, None])
-        if window > 0:
+        if WINDOWED:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -420,7 +421,7 @@ def _extend_kernel(
     stride_pt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """Program (m_block, b, head): causal attention of BLOCK_M new tokens of request b for one query head."""
     mb = tl.program_id(0)
@@ -449,7 +450,7 @@ def _extend_kernel(
         full_end = ((prefix + mb * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
         kv_end = tl.minimum(seq_len, prefix + (mb + 1) * BLOCK_M)
         lo = full_end * 0
-        if window > 0:  # from the first tile the block's first row sees, every tile masked
+        if WINDOWED:  # from the first tile the block's first row sees, every tile masked
             lo = (tl.maximum(prefix + mb * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
             full_end = lo
         m_i = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
@@ -459,13 +460,13 @@ def _extend_kernel(
             m_i, l_i, acc = _extend_tile(
                 q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh, window, k_cache_ptr, v_cache_ptr, page_table_ptr,
                 qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
-                HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION,
+                HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION, WINDOWED,
             )
         for n0 in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _extend_tile(
                 q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh, window, k_cache_ptr, v_cache_ptr, page_table_ptr,
                 qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
-                HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION,
+                HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION, WINDOWED,
             )
         if HAS_SINKS:
             l_i += tl.exp2(tl.load(sinks_ptr + h) * 1.4426950408889634 - m_i)
@@ -527,7 +528,7 @@ def extend_attention(
         page_table.stride(0),
         GROUP=H // hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=_pow2(D, 16), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype if quant is None else torch.float16), KV_FP8=quant is not None,
-        HAS_SINKS=sinks is not None, num_warps=warps, num_stages=stages,
+        HAS_SINKS=sinks is not None, WINDOWED=window > 0, num_warps=warps, num_stages=stages,
     )
     return out
 
