@@ -54,17 +54,16 @@ def create_backend(
         from minisgl_cli.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(*args)
-    # auto on CUDA
-    try:
-        if variants:
-            raise ValueError("sliding-window or sink layers")
-        from minisgl_cli.attention.flashinfer_backend import FlashInferBackend
+    # auto on CUDA: FlashInfer where it runs every layer of the model (no window, no sinks)
+    if not variants:
+        try:
+            from minisgl_cli.attention.flashinfer_backend import FlashInferBackend
 
-        backend = FlashInferBackend(*args)
-        _smoke_check(backend, pool, num_heads, num_kv_heads, head_dim, scale)
-        return backend
-    except Exception as exc:  # not installed, no kernel for this shape/arch, or wrong answer
-        log.info("flashinfer unavailable (%s: %s); trying triton", type(exc).__name__, exc)
+            backend = FlashInferBackend(*args)
+            _smoke_check(backend, pool, num_heads, num_kv_heads, head_dim, scale)
+            return backend
+        except Exception as exc:  # not installed, no kernel for this shape/arch, or wrong answer
+            log.info("flashinfer unavailable (%s: %s); trying triton", type(exc).__name__, exc)
     try:
         from minisgl_cli.attention.triton_backend import TritonBackend
 

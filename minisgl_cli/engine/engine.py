@@ -163,7 +163,7 @@ class Engine:
                            kv_scale=cfg.kv_cache_scale)
         self.attn = create_backend(
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
-            mc.head_dim, mc.attn_scale, self.device, self.kernels, variants=bool(mc.layer_windows or mc.attn_sinks),
+            mc.head_dim, mc.attn_scale, self.device, self.kernels, variants=mc.attention_variants,
         )
         # Every request's sampling parameters on the device, by page-table row (written when a request takes its row).
         self.sampling = SamplingState(cfg.max_running_requests, mc.vocab_size, self.device, self.host, cfg.seed)
@@ -183,7 +183,7 @@ class Engine:
                                 "expert row counts back each step")
         self.compiled: CompiledDecode | None = None
         step = cfg.decode_step(self.quantization, self.kv_dtype, tp.size, own_process,
-                               eager_only=bool(mc.num_experts or mc.layer_windows or mc.attn_sinks))
+                               eager_only=bool(mc.num_experts) or mc.attention_variants)
         if step != "off" and isinstance(self.attn, TorchBackend):
             key = StepKey.of(cfg, mc, model_dir, source, self.dtype, self.kv_dtype, self.quantization)
             self.compiled = CompiledDecode(cfg, self.attn, key, builds=step == "build")  # builds from start_serving

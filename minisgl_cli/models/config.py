@@ -112,6 +112,11 @@ class ModelConfig:
     def attn_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    @property
+    def attention_variants(self) -> bool:
+        """Some layer attends through a sliding window or with sinks (not every backend runs them)."""
+        return bool(self.layer_windows) or self.attn_sinks
+
     def window_of(self, layer_id: int) -> int:
         """Layer `layer_id`'s sliding window, 0 for full attention."""
         return self.layer_windows[layer_id] if self.layer_windows else 0
