@@ -241,11 +241,13 @@ class TorchBackend(AttentionBackend):
             out = sdpa(rows, keys, values, mask, self.scale, row_sinks)
         return out[:, :, :group].reshape(bsz, self.num_heads, d)
 
-    def _decode_mask(self, meta: TorchDecodeMeta, window: int, dtype: torch.dtype) -> torch.Tensor:
-        """The step's decode mask in `dtype` (made here where prepare left it to the own kernel), or a window's."""
+    @staticmethod
+    def _decode_mask(meta: TorchDecodeMeta, window: int, dtype: torch.dtype) -> torch.Tensor:
+        """The step's decode mask in `dtype` (prepare's), or a sliding window's (made by its first layer)."""
         if not window:
-            if meta.mask is None or meta.mask.dtype != dtype:
-                meta.mask = decode_mask(meta.lens, meta.max_len, dtype)
+            assert meta.mask is not None  # prepare builds it where SDPA attends
+            if meta.mask.dtype != dtype:
+                meta.mask = meta.mask.to(dtype)
             return meta.mask
         mask = meta.windowed.get(window)
         if mask is None or mask.dtype != dtype:
