@@ -136,8 +136,7 @@ class TorchBackend(AttentionBackend):
             if self.row_invariant:  # their masks come from the band
                 masks.append(None)
                 continue
-            q_pos = torch.arange(prefix, seq_len, device=table.device)[:, None]
-            masks.append(torch.arange(seq_len, device=table.device)[None, :] <= q_pos)
+            masks.append(window_mask(torch.arange(prefix, seq_len, device=table.device), seq_len, 0))  # causal
         band = None
         if self.row_invariant:
             width = -(-max(batch.seq_lens_cpu) // _ROWS) * _ROWS
