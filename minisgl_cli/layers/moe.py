@@ -128,10 +128,10 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     n_exp = gate_up.shape[0]
     flat = ids.flatten()
     order = flat.argsort(stable=True)  # slots grouped by expert, tokens ascending within each
+    row_expert = flat[order]  # each sorted row's expert
     # ends[e]: one past expert e's last sorted row (searchsorted, not bincount: CUDA's bincount reads its max back)
-    ends = torch.searchsorted(flat[order], torch.arange(1, n_exp + 1, device=flat.device, dtype=flat.dtype))
+    ends = torch.searchsorted(row_expert, torch.arange(1, n_exp + 1, device=flat.device, dtype=flat.dtype))
     rows = x[order // k]
-    row_expert = flat[order]
     if grouped:
         offs = ends.to(torch.int32)
         h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
