@@ -86,16 +86,24 @@ def test_triton_kernels_window_and_sinks_match_the_definition(mode, splits, wind
     assert ((out.float().cpu() - ref).norm() / ref.norm()).item() < tol
 
 
+class OneCallBackend(TorchBackend):
+    """The torch backend as it attends on the GPU (the kernels' reference) and over an FP8 pool: not row_invariant,
+    so decode runs SDPA under the window's mask and each request's extend rows attend in one call."""
+
+    row_invariant = False  # type: ignore[assignment]
+
+
 @pytest.mark.parametrize("mode", ["decode", "extend"])
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_torch_backend_window_and_sinks_match_the_definition(mode, window, with_sinks, dtype):
-    """The CPU path: decode through SDPA with the window's mask (bf16: where minisgl::decode_attn takes full
-    layers), extend in position-aligned blocks (bf16: row_invariant) or one call."""
+@pytest.mark.parametrize("backend", [TorchBackend, OneCallBackend], ids=["cpu", "one_call"])
+def test_torch_backend_window_and_sinks_match_the_definition(mode, window, with_sinks, dtype, backend):
+    """The CPU path: decode through minisgl::decode_attn where it is built (else SDPA over padded keys), extend in
+    position-aligned blocks; and the one-call path (OneCallBackend): SDPA under the window's mask."""
     pool, batch, q, k, v = _case("decode" if mode == "decode" else "prefill", dtype, "cpu")
     sinks = _sinks("cpu") if with_sinks else None
-    be = TorchBackend(pool, *HEADS, 1.0 / math.sqrt(HEADS[2]))
+    be = backend(pool, *HEADS, 1.0 / math.sqrt(HEADS[2]))
     be.prepare(batch)
     out = be.forward(q, k, v, 0, batch, window=window, sinks=sinks)
     ref = naive(pool, batch, q, HEADS, window, sinks)

@@ -63,6 +63,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if q.device.type == "cpu":
+        if mask is not None and mask.dtype == torch.bool:  # the flash kernel takes an additive mask of q's dtype
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, is_causal=causal, attn_mask=mask, scale=scale)
     else:  # the GPU kernels' reference: the log-sum-exp computed in the open
