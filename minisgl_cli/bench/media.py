@@ -160,21 +160,14 @@ class StartedServer:
                                      stderr=self.err, env=os.environ.copy())
 
     def wait_healthy(self, timeout_s: float = 900) -> None:
-        import httpx
+        from minisgl_cli.api.http_server import wait_healthy
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.err.seek(0)
-                tail = self.err.read().strip().splitlines()[-1:] or ["no output"]
-                raise MediaError(f"the server this bench started exited ({self.proc.returncode}): {tail[0]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise MediaError(f"the server this bench started was not healthy after {timeout_s:.0f} s")
+        try:
+            wait_healthy(self.url, self.proc, timeout_s)
+        except RuntimeError as exc:
+            self.err.seek(0)
+            tail = self.err.read().strip().splitlines()[-1:] or ["no output"]
+            raise MediaError(f"the server this bench started {exc}: {tail[0]}") from None
 
     def stop(self) -> None:
         self.proc.terminate()
