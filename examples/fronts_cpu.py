@@ -43,6 +43,7 @@ from pathlib import Path
 
 import httpx
 
+from minisgl_cli.api import http_server
 from minisgl_cli.api.http_server import free_port
 
 SERVE = "--model qwen3-0.6b --load-format dummy --max-running-requests 256 --cuda-graph-max-bs 256 " \
@@ -55,17 +56,10 @@ def cli(*args: str) -> list[str]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"serve exited with code {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    sys.exit(f"serve not healthy after {timeout:.0f}s; see {log}")
+    try:
+        http_server.wait_healthy(url, proc, timeout, poll_s=0.5)
+    except RuntimeError as exc:
+        sys.exit(f"serve {exc}; see {log}")
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+N = TypeVar("N")
+D = TypeVar("D")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -40,24 +43,15 @@ def _path(name: str) -> Path | None:
     return Path(raw).expanduser() if raw else None
 
 
-def _int(name: str, default: int) -> int:
+def _number(name: str, kind: Callable[[str], N], default: D) -> N | D:
+    """A number variable parsed by `kind` (int or float); `default` when unset or empty."""
     raw = _text(name)
     if raw is None:
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-
-
-def _float(name: str, default: float) -> float:
-    raw = _text(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+        raise ValueError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
 # --- engine --------------------------------------------------------------------------------------
@@ -91,7 +85,7 @@ def step_trace_dir() -> Path | None:
 def profile_steps() -> tuple[int, int]:
     """MINISGL_PROFILE_SKIP / MINISGL_PROFILE_STEPS: busy steps to let pass first (default 50), then to profile
     (default 20)."""
-    return _int("MINISGL_PROFILE_SKIP", 50), _int("MINISGL_PROFILE_STEPS", 20)
+    return _number("MINISGL_PROFILE_SKIP", int, 50), _number("MINISGL_PROFILE_STEPS", int, 20)
 
 
 def cpu_gemm() -> str:
@@ -188,19 +182,20 @@ def video_model_dir() -> Path | None:
     return _path(VIDEO_MODEL_DIR)
 
 
-def media_max_queue() -> int:
+# The media getters give None when unset: MediaSettings' fields hold the defaults.
+def media_max_queue() -> int | None:
     """MINISGL_MEDIA_MAX_QUEUE (also --media-max-queue's): media jobs that may wait for the worker."""
-    return _int("MINISGL_MEDIA_MAX_QUEUE", 32)
+    return _number("MINISGL_MEDIA_MAX_QUEUE", int, None)
 
 
-def media_max_batch() -> int:
+def media_max_batch() -> int | None:
     """MINISGL_MEDIA_MAX_BATCH (also --media-max-batch's): images in one pipeline call."""
-    return _int("MINISGL_MEDIA_MAX_BATCH", 4)
+    return _number("MINISGL_MEDIA_MAX_BATCH", int, None)
 
 
-def media_max_work() -> float:
+def media_max_work() -> float | None:
     """MINISGL_MEDIA_MAX_WORK (also --media-max-work's): megapixel-steps admitted and not finished."""
-    return _float("MINISGL_MEDIA_MAX_WORK", 4096.0)
+    return _number("MINISGL_MEDIA_MAX_WORK", float, None)
 
 
 def media_device() -> str | None:
@@ -210,14 +205,14 @@ def media_device() -> str | None:
 
 def media_compile() -> bool | None:
     """MINISGL_MEDIA_COMPILE (--compile / --no-compile; serve's --media-compile): regional torch.compile of the DiT;
-    unset or auto: on for CUDA."""
+    unset or auto: None (on for CUDA)."""
     raw = (_text("MINISGL_MEDIA_COMPILE") or "auto").strip().lower()
     return None if raw == "auto" else flag("MINISGL_MEDIA_COMPILE")
 
 
-def media_attention_backend() -> str:
-    """MINISGL_MEDIA_ATTENTION (--attention-backend): the DiT's attention kernels; default auto."""
-    return _text("MINISGL_MEDIA_ATTENTION") or "auto"
+def media_attention_backend() -> str | None:
+    """MINISGL_MEDIA_ATTENTION (--attention-backend): the DiT's attention kernels."""
+    return _text("MINISGL_MEDIA_ATTENTION")
 
 
 def media_quantization() -> str | None:
@@ -230,18 +225,18 @@ def media_cache() -> str | None:
     return _text("MINISGL_MEDIA_CACHE")
 
 
-def media_load_format() -> str:
+def media_load_format() -> str | None:
     """MINISGL_MEDIA_LOAD_FORMAT (--load-format on image / video, --media-load-format on serve): auto or dummy."""
-    return _text("MINISGL_MEDIA_LOAD_FORMAT") or "auto"
+    return _text("MINISGL_MEDIA_LOAD_FORMAT")
 
 
 # --- bench defaults (the reference stack's variables) --------------------------------------------
 def bench_repeat() -> int:
-    return _int("BENCH_REPEAT", 3)
+    return _number("BENCH_REPEAT", int, 3)
 
 
 def bench_warmup() -> int:
-    return _int("BENCH_WARMUP", 1)
+    return _number("BENCH_WARMUP", int, 1)
 
 
 def bench_mixed_prompts() -> bool:

@@ -237,3 +237,21 @@ def test_serve_settings_take_the_speed_options_from_the_environment(monkeypatch)
     assert settings.available("image")  # a built-in config needs no dir on disk
     monkeypatch.setenv("MINISGL_MEDIA_COMPILE", "auto")
     assert MediaSettings.from_env().compile is None
+
+
+def test_media_settings_defaults_where_no_variable_is_set_and_the_caps_parse(monkeypatch):
+    from minisgl_cli.media.settings import MediaSettings
+
+    for var in ("MINISGL_IMAGE_MODEL", "MINISGL_VIDEO_MODEL", "Z_IMAGE_MODEL_DIR", "MINISGL_VIDEO_MODEL_DIR",
+                "MINISGL_DEVICE", "MINISGL_MEDIA_COMPILE", "MINISGL_MEDIA_ATTENTION", "MINISGL_MEDIA_QUANTIZATION",
+                "MINISGL_MEDIA_CACHE", "MINISGL_MEDIA_LOAD_FORMAT", "MINISGL_MEDIA_MAX_QUEUE",
+                "MINISGL_MEDIA_MAX_BATCH", "MINISGL_MEDIA_MAX_WORK"):
+        monkeypatch.delenv(var, raising=False)
+    assert MediaSettings.from_env() == MediaSettings()
+    monkeypatch.setenv("MINISGL_MEDIA_MAX_QUEUE", "3")
+    monkeypatch.setenv("MINISGL_MEDIA_MAX_WORK", "12.5")
+    settings = MediaSettings.from_env()
+    assert (settings.max_queue, settings.max_batch, settings.max_work) == (3, MediaSettings.max_batch, 12.5)
+    monkeypatch.setenv("MINISGL_MEDIA_MAX_BATCH", "four")
+    with pytest.raises(ValueError, match="MINISGL_MEDIA_MAX_BATCH='four' is not an integer"):
+        MediaSettings.from_env()

@@ -1,10 +1,11 @@
 """A real uvicorn server on a daemon thread, a free loopback port, and one port bound for several processes: what
-`serve`, `router`, bench and the tests start an ASGI app with."""
+`serve`, `router`, bench and the tests start an ASGI app with; the wait for a `minisgl serve` child's /health."""
 
 from __future__ import annotations
 
 import functools
 import socket
+import subprocess
 import threading
 import time
 from typing import Any
@@ -44,6 +45,27 @@ def shared_port(host: str, port: int, n: int, backlog: int = 2048) -> list[socke
     return socks
 
 
+def health(url: str) -> int | None:
+    """GET url/health's status; None where nothing answers."""
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 900, poll_s: float = 0.2) -> None:
+    """Wait until the server `proc` runs answers url/health with 200. RuntimeError (one line) where `proc` exits
+    first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with code {proc.returncode}")
+        if health(url) == 200:
+            return
+        time.sleep(poll_s)
+    raise RuntimeError(f"was not healthy after {timeout_s:.0f} s")
+
+
 class BackgroundServer:
     """A real uvicorn server on a daemon thread (loopback and a free port by default):
     `with BackgroundServer(app) as url:`."""
@@ -68,16 +90,10 @@ class BackgroundServer:
         while time.monotonic() < deadline:
             if not self.thread.is_alive():
                 raise RuntimeError(f"could not serve on {self.host}:{self.port} (in use, or not an address here?)")
-            if self.server.started and (not healthy or self._health() == 200):
+            if self.server.started and (not healthy or health(self.url) == 200):
                 return self.url
             time.sleep(0.05)
         raise RuntimeError(f"server at {self.url} did not become healthy")
-
-    def _health(self) -> int | None:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=2).status_code
-        except httpx.HTTPError:
-            return None
 
     def running(self) -> bool:
         return self.thread.is_alive()

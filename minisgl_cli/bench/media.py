@@ -2,9 +2,12 @@
 through a server's media routes, beside plain diffusers on the same pipeline in this process; JSON and a plot.
 
 A run sends `num_prompts` requests at each concurrency level (level 1: one at a time), each with its own seed,
-and times each from send to the whole decoded answer. The diffusers baseline runs the same jobs one at a time
-through `DiffusionPipeline.__call__` (no server, no PNG / mp4 encode): the figure our serving path is measured
-against. The server is the one at `url`, or a `minisgl serve` this run starts on the pipeline dir.
+and times each from send to the whole decoded answer, after `warmup` untimed rounds at that level (a compiled DiT
+compiles again for a new batch size: that is start-up, not a warm figure). The diffusers baseline runs the same
+jobs one at a time through `DiffusionPipeline.__call__` (no server, no PNG / mp4 encode), after the same warm-up:
+the figure our serving path is measured against. The cold start is timed apart from the warm runs, for both
+stacks: start (a server this run starts, to /health 200; the pipeline's load here) and the first request.
+The server is the one at `url`, or a `minisgl serve` this run starts on the pipeline dir.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class MediaBenchConfig:
     num_frames: int = 33  # video only
     num_prompts: int = 4  # requests per concurrency level
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
-    warmup: int = 1  # untimed requests per stack first (the server loads the pipeline on its first request)
+    warmup: int = 1  # untimed rounds at each level first (the server loads the pipeline on its first request)
     seed: int = 0
     baseline: bool = True  # plain diffusers in this process
     device: str | None = None
@@ -74,7 +77,8 @@ class MediaBenchConfig:
 
 @dataclass
 class MediaRun:
-    """One stack at one concurrency: each request's latency (successes only), failures, the wall time of the run."""
+    """One stack at one concurrency: each request's latency (successes only), failures, the wall time of the run;
+    apart from them, the untimed warm-up's latencies (None: failed) and the stack's start where this run started it."""
 
     stack: str
     concurrency: int
@@ -83,6 +87,8 @@ class MediaRun:
     duration_s: float
     latencies_s: list[float]
     errors: list[str] = field(default_factory=list)
+    warmup_s: list[float | None] = field(default_factory=list)
+    start_s: float | None = None
 
     def summary(self) -> dict[str, Any]:
         ok = self.latencies_s
@@ -98,6 +104,8 @@ class MediaRun:
             "p99_s": percentile(ok, 99) if ok else None,
             "latencies_s": ok,
             "errors": self.errors[:3],
+            "warmup_s": self.warmup_s,
+            "start_s": self.start_s,
         }
 
 
@@ -132,15 +140,15 @@ def run_server(cfg: MediaBenchConfig, url: str, concurrency: int, first: int) ->
     import httpx
 
     with httpx.Client(base_url=url.rstrip("/"), timeout=cfg.timeout_s) as client:
-        for i in range(cfg.warmup if first == 0 else 0):
-            _send(client, cfg, 10_000 + i)
-        start = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
+            warm = list(pool.map(lambda i: _send(client, cfg, 10_000 + first + i), range(cfg.warmup * concurrency)))
+            start = time.perf_counter()
             results = list(pool.map(lambda i: _send(client, cfg, first + i), range(cfg.num_prompts)))
-        duration = time.perf_counter() - start
+            duration = time.perf_counter() - start
     ok = [t for t, _ in results if t is not None]
-    errors = [e for _, e in results if e is not None]
-    return MediaRun("minisgl serve", concurrency, cfg.num_prompts, len(errors), duration, ok, errors)
+    errors = [e for _, e in results if e is not None] + [f"warm-up: {e}" for _, e in warm if e is not None]
+    return MediaRun("minisgl serve", concurrency, cfg.num_prompts, cfg.num_prompts - len(ok), duration, ok, errors,
+                    warmup_s=[t for t, _ in warm])
 
 
 class StartedServer:
@@ -160,21 +168,14 @@ class StartedServer:
                                      stderr=self.err, env=os.environ.copy())
 
     def wait_healthy(self, timeout_s: float = 900) -> None:
-        import httpx
+        from minisgl_cli.api.http_server import wait_healthy
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.err.seek(0)
-                tail = self.err.read().strip().splitlines()[-1:] or ["no output"]
-                raise MediaError(f"the server this bench started exited ({self.proc.returncode}): {tail[0]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise MediaError(f"the server this bench started was not healthy after {timeout_s:.0f} s")
+        try:
+            wait_healthy(self.url, self.proc, timeout_s)
+        except RuntimeError as exc:
+            self.err.seek(0)
+            tail = self.err.read().strip().splitlines()[-1:] or ["no output"]
+            raise MediaError(f"the server this bench started {exc}: {tail[0]}") from None
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -202,12 +203,15 @@ def run_diffusers(cfg: MediaBenchConfig) -> MediaRun:
     assert cfg.model_dir is not None
     quiet_libraries()  # no loading bars between the bench's own lines
     device = pick_device(cfg.device)
+    loading = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         pipe = DiffusionPipeline.from_pretrained(str(cfg.model_dir), torch_dtype=pick_dtype(device)).to(device)
     pipe.set_progress_bar_config(disable=True)
+    load_s = time.perf_counter() - loading
 
-    def call(i: int) -> None:
+    def call(i: int) -> float:
+        start = time.perf_counter()
         job = cfg.job(i)
         assert job.seed is not None
         kwargs: dict[str, Any] = dict(prompt=job.prompt, height=job.height, width=job.width,
@@ -219,15 +223,13 @@ def run_diffusers(cfg: MediaBenchConfig) -> MediaRun:
             pipe(**kwargs)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
+        return time.perf_counter() - start
 
-    for i in range(cfg.warmup):
-        call(10_000 + i)
-    latencies, start = [], time.perf_counter()
-    for i in range(cfg.num_prompts):
-        t = time.perf_counter()
-        call(i)
-        latencies.append(time.perf_counter() - t)
-    return MediaRun("diffusers", 1, cfg.num_prompts, 0, time.perf_counter() - start, latencies)
+    warm: list[float | None] = [call(10_000 + i) for i in range(cfg.warmup)]
+    start = time.perf_counter()
+    latencies = [call(i) for i in range(cfg.num_prompts)]
+    return MediaRun("diffusers", 1, cfg.num_prompts, 0, time.perf_counter() - start, latencies, warmup_s=warm,
+                    start_s=load_s)
 
 
 # --- the run, its table, JSON and plot --------------------------------------------------------------------------
@@ -244,7 +246,16 @@ class MediaReport:
         plain = next((r for r in runs if r["stack"] == "diffusers"), None)
         ratio = (plain["s_per_item"] / ours["s_per_item"]
                  if ours and plain and ours["s_per_item"] and plain["s_per_item"] else None)
-        return {"mode": "media", **self.config, "runs": runs, "speedup_vs_diffusers": ratio}
+        return {"mode": "media", **self.config, "runs": runs, "speedup_vs_diffusers": ratio, "cold": self.cold()}
+
+    def cold(self) -> dict[str, dict[str, float | None]]:
+        """Each stack's start and first request (its first warm-up one, which pays the load / compile): None where
+        this run did not start it or ran no warm-up."""
+        first: dict[str, MediaRun] = {}
+        for r in self.runs:
+            first.setdefault(r.stack, r)
+        return {stack: {"start_s": r.start_s, "first_request_s": r.warmup_s[0] if r.warmup_s else None}
+                for stack, r in first.items()}
 
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -255,17 +266,20 @@ def run_media_bench(cfg: MediaBenchConfig, note: Any = print) -> MediaReport:
               "size": cfg.size, "steps": cfg.steps, "num_prompts": cfg.num_prompts, "concurrency": cfg.concurrency,
               "warmup": cfg.warmup, "seed": cfg.seed, **({"num_frames": cfg.num_frames} if cfg.kind == "video" else {})}
     runs: list[MediaRun] = []
-    started = None
+    started, start_s = None, None
     try:
         url = cfg.url
         if url is None:
             note(f"starting minisgl serve on {cfg.model_dir}...")
+            t = time.perf_counter()
             started = StartedServer(cfg)
             started.wait_healthy()
-            url = config["url"] = started.url
+            start_s, url = time.perf_counter() - t, started.url
+            config["url"] = url
         for n, c in enumerate(dict.fromkeys([1, *cfg.concurrency])):  # one at a time first: s per image
             note(f"minisgl serve, concurrency {c}: {cfg.num_prompts} {cfg.unit} requests...")
             runs.append(run_server(cfg, url, c, n * cfg.num_prompts))
+        runs[0].start_s = start_s
     finally:
         if started is not None:
             started.stop()
@@ -296,6 +310,12 @@ def print_media_report(report: MediaReport, out: Any) -> None:
         out.print(f"one at a time: {ours['s_per_item']:.2f} s/{unit} through minisgl serve (end to end, encode "
                   f"included) vs {plain['s_per_item']:.2f} s for plain diffusers' pipeline call: "
                   f"{data['speedup_vs_diffusers']:.2f}x its speed", highlight=False)
+    for stack, cold in data["cold"].items():
+        parts = [f"{what} {cold[key]:.2f} s" for what, key in (
+            ("start" if stack == "diffusers" else "start to /health", "start_s"),
+            ("first request", "first_request_s")) if cold[key] is not None]
+        if parts:
+            out.print(f"cold, {stack}: {', '.join(parts)} (apart from the warm figures above)", highlight=False)
 
 
 def write_media_plot(report: MediaReport, path: str | Path) -> bool:

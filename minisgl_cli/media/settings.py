@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from minisgl_cli import env
 from minisgl_cli.media.jobs import DEFAULT_IMAGE_MODEL, DEFAULT_VIDEO_MODEL, Kind, ModelSpec
@@ -35,10 +36,11 @@ class MediaSettings:
 
     @classmethod
     def from_env(cls) -> MediaSettings:
-        return cls(
-            image_model=env.image_model() or DEFAULT_IMAGE_MODEL,
+        """The variables that are set; a field's default where its variable is not."""
+        values: dict[str, Any] = dict(
+            image_model=env.image_model(),
             image_model_dir=env.image_model_dir(),
-            video_model=env.video_model() or DEFAULT_VIDEO_MODEL,
+            video_model=env.video_model(),
             video_model_dir=env.video_model_dir(),
             device=env.media_device(),
             compile=env.media_compile(),
@@ -50,6 +52,7 @@ class MediaSettings:
             max_batch=env.media_max_batch(),
             max_work=env.media_max_work(),
         )
+        return cls(**{k: v for k, v in values.items() if v is not None})
 
     def spec(self, kind: Kind) -> ModelSpec:
         model, model_dir = (

@@ -193,19 +193,19 @@ function render(m) {
   renderMedia(m.media);
 }
 
-// The media worker's queue, where /metrics has a "media" section (a server without one shows nothing).
+// The media worker's queue, where /metrics has a "media" section (a server without one shows nothing): its
+// waiting and running jobs, then the jobs ended, the batch sizes and the step time (MediaService.metrics).
 function renderMedia(media) {
   $("media-live").hidden = !media;
   if (!media) return;
-  const pick = (...names) => names.map((k) => media[k]).find((v) => typeof v === "number");
-  const queued = pick("queued", "queue", "waiting", "queue_depth");
-  const inflight = pick("in_flight", "inflight", "running", "active");
-  show("m-media-queued", fmt(queued));
-  show("m-media-inflight", fmt(inflight));
-  const shown = new Set(["queued", "queue", "waiting", "queue_depth", "in_flight", "inflight", "running", "active"]);
-  const extra = Object.entries(media).filter(([k, v]) => !shown.has(k) && typeof v === "number")
-    .map(([k, v]) => `${k.replace(/_/g, " ")} ${Number.isInteger(v) ? fmt(v) : fixed(v, 2)}`);
-  show("m-media-extra", extra.join(" · "));
+  show("m-media-queued", fmt(media.queued));
+  show("m-media-inflight", fmt(media.running));
+  const jobs = media.jobs || {};
+  const batches = media.batches || {};
+  const step = media.step_ms || {};
+  show("m-media-extra", [`completed ${fmt(jobs.completed)}`, `cancelled ${fmt(jobs.cancelled)}`,
+    `failed ${fmt(jobs.failed)}`, `batch ${fixed(batches.mean_size, 2)} (last ${fmt(batches.last_size)})`,
+    `step ${fixed(step.mean, 1)} ms (last ${fixed(step.last, 1)})`].join(" · "));
 }
 
 // The last requests, newest first; rebuilt only when a request has ended since the last event.
