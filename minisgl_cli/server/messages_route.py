@@ -27,7 +27,7 @@ from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
 from minisgl_cli.server.gate import downscale_headers
-from minisgl_cli.server.runs import _JSON, stream_response
+from minisgl_cli.server.runs import sse, stream_response
 from minisgl_cli.types import Delta, RequestStats
 
 router = APIRouter(tags=["anthropic"], responses={400: {"model": a.ErrorResponse}})
@@ -175,7 +175,7 @@ def _usage(s: RequestStats) -> a.Usage:
 
 def event(name: str, data: dict[str, Any]) -> str:
     """One server-sent event of Anthropic's stream: its name, and its JSON (whose `type` repeats the name)."""
-    return f"event: {name}\ndata: {_JSON.encode({'type': name, **data})}\n\n"
+    return sse({"type": name, **data}, event=name)
 
 
 class BlockStream:

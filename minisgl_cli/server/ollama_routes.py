@@ -26,7 +26,7 @@ from minisgl_cli.server import tools
 from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
-from minisgl_cli.server.runs import _JSON, stream_response
+from minisgl_cli.server.runs import ndjson, stream_response
 from minisgl_cli.types import Delta, RequestStats
 
 router = APIRouter(tags=["ollama"])
@@ -179,15 +179,14 @@ async def _lines(started: ChatRun, first: tuple[int, Delta] | None, model: str, 
         while event is not None:
             _, d = event
             if d.error:
-                yield _JSON.encode({"error": engine_error(d, ctx.gate.retry_after_s).message}) + "\n"
+                yield ndjson({"error": engine_error(d, ctx.gate.retry_after_s).message})
                 return
             for kw in choice.feed(d):
                 calls = [_call(c["function"]["name"], c["function"]["arguments"]) for c in kw.get("tool_calls") or []]
                 if kw.get("content") or kw.get("reasoning_content") or calls:
-                    yield _JSON.encode(_piece(model, field, kw.get("content") or "", kw.get("reasoning_content"),
-                                              calls)) + "\n"
+                    yield ndjson(_piece(model, field, kw.get("content") or "", kw.get("reasoning_content"), calls))
             if d.finished:
-                yield _JSON.encode({**_piece(model, field, ""), **_done(d)}) + "\n"
+                yield ndjson({**_piece(model, field, ""), **_done(d)})
             event = await run.next()
     finally:
         run.close()
