@@ -77,6 +77,14 @@ class ChatRun:
         """A new split of one reply's thoughts from its content (None without a parser)."""
         return ReasoningSplit(self.reasoning) if self.reasoning else None
 
+    def reply(self, text: str, parallel: bool | None) -> tuple[str | None, str | None, list[tools.Call]]:
+        """A whole reply (a non-streamed choice) as (thoughts or None, content, tool calls): the thoughts split off
+        first, then the calls parsed from the content only."""
+        split = self.split()
+        thoughts, text = split.split(text) if split else (None, text)
+        content, calls = tools.parse(self.how, text, self.names, parallel) if self.how else (text, [])
+        return thoughts, content, calls
+
 
 @dataclass
 class ServerContext:

@@ -122,9 +122,8 @@ async def messages(body: a.MessagesRequest, request: Request, ctx: Ctx) -> Any:
     mid, parallel = f"msg_{uuid.uuid4().hex[:24]}", chat.parallel_tool_calls
     if not body.stream:
         [(text, final)] = await started.run.finish_all(request)
-        split = started.split()
-        thoughts, text = split.split(text) if split else (None, text)
-        blocks, called = _blocks(started.how, text, started.names, parallel)
+        thoughts, content, calls = started.reply(text, parallel)
+        blocks, called = _blocks(content, calls)
         if thoughts is not None:
             blocks.insert(0, {"type": "thinking", "thinking": thoughts, "signature": ""})
         reason, stop = _stop_reason(final, called)
@@ -135,9 +134,8 @@ async def messages(body: a.MessagesRequest, request: Request, ctx: Ctx) -> Any:
     return stream_response(started.run, _events(started, first, mid, started.model, parallel, ctx), started.note)
 
 
-def _blocks(how: str | None, text: str, names: set[str], parallel: bool | None) -> tuple[list[dict], bool]:
-    """A whole reply as content blocks, and whether it called a tool."""
-    content, calls = tools.parse(how, text, names, parallel) if how else (text, [])
+def _blocks(content: str | None, calls: list[tools.Call]) -> tuple[list[dict], bool]:
+    """A whole reply's content and calls as content blocks, and whether it called a tool."""
     blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
     for c in calls:
         args = _object(c.arguments)

@@ -22,7 +22,6 @@ from pydantic import ValidationError
 
 from minisgl_cli.api import ollama as o
 from minisgl_cli.api import protocol as p
-from minisgl_cli.server import tools
 from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
@@ -122,9 +121,7 @@ async def _run(body: o.ChatRequest | o.GenerateRequest, messages: list[o.Message
     model = started.model
     if not body.stream:
         [(text, final)] = await started.run.finish_all(request)
-        split = started.split()
-        thoughts, text = split.split(text) if split else (None, text)
-        content, calls = tools.parse(started.how, text, started.names, None) if started.how else (text, [])
+        thoughts, content, calls = started.reply(text, None)
         return JSONResponse({**_piece(model, field, content or "", thoughts, [_call(c.name, c.arguments)
                                                                                 for c in calls]), **_done(final)})
     first = await started.run.first_event(request)

@@ -129,10 +129,7 @@ async def create(body: r.ResponsesRequest, request: Request, ctx: Ctx) -> Any:
     shell = Shell(body, started.model)
     if not body.stream:
         [(text, final)] = await started.run.finish_all(request)
-        split = started.split()
-        thoughts, text = split.split(text) if split else (None, text)
-        content, calls = tools.parse(started.how, text, started.names, chat.parallel_tool_calls) \
-            if started.how else (text, [])
+        thoughts, content, calls = started.reply(text, chat.parallel_tool_calls)
         items = ([_reasoning(_id("rs"), thoughts)] if thoughts is not None else []) + \
             ([_message(_id("msg"), content or "", "completed")] if content else []) + \
             [_call(_id("fc"), tools.new_call_id(), c.name, c.arguments, "completed") for c in calls]
