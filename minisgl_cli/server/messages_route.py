@@ -23,7 +23,6 @@ from pydantic import ValidationError
 from minisgl_cli.api import anthropic as a
 from minisgl_cli.api import protocol as p
 from minisgl_cli.server import tools
-from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
 from minisgl_cli.server.gate import downscale_headers
@@ -223,8 +222,6 @@ async def _events(started: ChatRun, first: tuple[int, Delta] | None, mid: str, m
                   ctx: Ctx) -> AsyncIterator[str]:
     """A streamed reply's events, in Anthropic's order; an engine error after the start ends them with an error
     event. The run is closed however the stream ends."""
-    run = started.run
-    choice = ChoiceStream(started.how, started.names, parallel, token_only=False, split=started.split())
     blocks = BlockStream()
     start: dict[str, Any] = {"id": mid, "type": "message", "role": "assistant", "content": [], "model": model,
                              "stop_reason": None, "stop_sequence": None,
@@ -232,20 +229,17 @@ async def _events(started: ChatRun, first: tuple[int, Delta] | None, mid: str, m
     try:
         yield event("message_start", {"message": start})
         yield event("ping", {})
-        event_ = first
         final: Delta | None = None
-        while event_ is not None:
-            _, d = event_
+        async for d, kws in started.deltas(first, parallel):
             if d.error:
                 e = engine_error(d, ctx.gate.retry_after_s)
                 yield event("error", {"error": a.error_body(e.status, e.message)["error"]})
                 return
-            for kw in choice.feed(d):
+            for kw in kws:
                 for frame in blocks.feed(kw):
                     yield frame
             if d.finished:
                 final = d
-            event_ = await run.next()
         for frame in blocks.stop():
             yield frame
         assert final is not None  # the run ended without an error: its request finished
@@ -254,4 +248,4 @@ async def _events(started: ChatRun, first: tuple[int, Delta] | None, mid: str, m
                                       "usage": _usage(final.stats or RequestStats()).model_dump()})
         yield event("message_stop", {})
     finally:
-        run.close()
+        started.run.close()

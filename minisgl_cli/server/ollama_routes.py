@@ -22,7 +22,6 @@ from pydantic import ValidationError
 
 from minisgl_cli.api import ollama as o
 from minisgl_cli.api import protocol as p
-from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
 from minisgl_cli.server.runs import ndjson, stream_response
@@ -169,24 +168,19 @@ async def _lines(started: ChatRun, first: tuple[int, Delta] | None, model: str, 
         -> AsyncIterator[str]:
     """A streamed reply as NDJSON lines: one per piece of text (or thoughts, or the tool calls), then the done
     line; an engine error after the start ends it with an `{"error": ...}` line. The run is closed however it ends."""
-    run = started.run
-    choice = ChoiceStream(started.how, started.names, None, token_only=False, split=started.split())
     try:
-        event = first
-        while event is not None:
-            _, d = event
+        async for d, kws in started.deltas(first, None):
             if d.error:
                 yield ndjson({"error": engine_error(d, ctx.gate.retry_after_s).message})
                 return
-            for kw in choice.feed(d):
+            for kw in kws:
                 calls = [_call(c["function"]["name"], c["function"]["arguments"]) for c in kw.get("tool_calls") or []]
                 if kw.get("content") or kw.get("reasoning_content") or calls:
                     yield ndjson(_piece(model, field, kw.get("content") or "", kw.get("reasoning_content"), calls))
             if d.finished:
                 yield ndjson({**_piece(model, field, ""), **_done(d)})
-            event = await run.next()
     finally:
-        run.close()
+        started.run.close()
 
 
 def _details(ctx: Ctx) -> dict[str, Any]:
