@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -26,7 +26,7 @@ from minisgl_cli.server import tools
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
 from minisgl_cli.server.gate import downscale_headers
-from minisgl_cli.server.runs import sse, stream_response
+from minisgl_cli.server.runs import sse, stream_response, templated
 from minisgl_cli.types import Delta, RequestStats
 
 router = APIRouter(tags=["anthropic"], responses={400: {"model": a.ErrorResponse}})
@@ -182,15 +182,21 @@ class BlockStream:
         self.index = -1
         self.open: str | None = None  # the type of the block being streamed
         self.called = False
+        self.text_delta: Callable[[str], str] = self._text_delta  # the open text block's frame maker
 
     def _start(self, block: dict[str, Any]) -> list[str]:
         out = self.stop()
         self.index += 1
         self.open = block["type"]
+        if self.open == "text":  # a token's frame: one string encode, not a dict's (runs.templated)
+            self.text_delta = templated(self._text_delta)
         return out + [event("content_block_start", {"index": self.index, "content_block": block})]
 
     def _delta(self, delta: dict[str, Any]) -> str:
         return event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def _text_delta(self, text: str) -> str:
+        return self._delta({"type": "text_delta", "text": text})
 
     def feed(self, kw: dict[str, Any]) -> list[str]:
         out: list[str] = []
@@ -201,7 +207,7 @@ class BlockStream:
         if kw.get("content"):
             if self.open != "text":
                 out += self._start({"type": "text", "text": ""})
-            out.append(self._delta({"type": "text_delta", "text": kw["content"]}))
+            out.append(self.text_delta(kw["content"]))
         for call in kw.get("tool_calls") or []:
             fn = call["function"]
             if "id" in call:  # a new call (a named one's first piece, or a whole parsed call)
