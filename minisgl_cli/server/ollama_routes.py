@@ -24,6 +24,7 @@ from minisgl_cli.api import ollama as o
 from minisgl_cli.api import protocol as p
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
+from minisgl_cli.server.gate import downscale_headers
 from minisgl_cli.server.runs import ndjson, stream_response
 from minisgl_cli.types import Delta, RequestStats
 
@@ -122,7 +123,8 @@ async def _run(body: o.ChatRequest | o.GenerateRequest, messages: list[o.Message
         [(text, final)] = await started.run.finish_all(request)
         thoughts, content, calls = started.reply(text, None)
         return JSONResponse({**_piece(model, field, content or "", thoughts, [_call(c.name, c.arguments)
-                                                                                for c in calls]), **_done(final)})
+                                                                                for c in calls]), **_done(final)},
+                            headers=downscale_headers(started.note))
     first = await started.run.first_event(request)
     return stream_response(started.run, _lines(started, first, model, field, ctx), started.note,
                            media_type="application/x-ndjson")
