@@ -100,7 +100,7 @@ class GenerateRequest(_Generating):
     @model_validator(mode="after")
     def _refused(self) -> GenerateRequest:
         for name, why in (("suffix", "fill-in-the-middle is not supported"),
-                          ("template", "the model's own chat template is used; send raw: true to bypass it"),
+                          ("template", "the chat template is the model's own; /v1/completions takes a bare prompt"),
                           ("context", "the deprecated context is not supported: send the text (or use /api/chat)")):
             if getattr(self, name):
                 raise ValueError(f"{name}: {why}")

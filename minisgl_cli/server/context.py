@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -22,6 +23,7 @@ from minisgl_cli.client.protocol import EngineClient
 from minisgl_cli.media.service import MediaService
 from minisgl_cli.media.settings import MediaSettings
 from minisgl_cli.server import tools, vlm_chat
+from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.deadline import Deadline
 from minisgl_cli.server.errors import InputError, admission_error, coded_error
 from minisgl_cli.server.gate import InflightGate
@@ -29,7 +31,7 @@ from minisgl_cli.server.metrics import ServerMetrics
 from minisgl_cli.server.reasoning import ReasoningSplit, resolve_parser
 from minisgl_cli.server.runs import EngineRun
 from minisgl_cli.server.settings import ServerSettings, VisionSettings
-from minisgl_cli.types import GenerateRequest, Prompt, SchedulerStats, new_request_id
+from minisgl_cli.types import Delta, GenerateRequest, Prompt, SchedulerStats, new_request_id
 from minisgl_cli.vision.image_source import ImageError, ImagePolicy, load_image_url
 
 if TYPE_CHECKING:
@@ -76,6 +78,28 @@ class ChatRun:
     def split(self) -> ReasoningSplit | None:
         """A new split of one reply's thoughts from its content (None without a parser)."""
         return ReasoningSplit(self.reasoning) if self.reasoning else None
+
+    def reply(self, text: str, parallel: bool | None) -> tuple[str | None, str | None, list[tools.Call]]:
+        """A whole reply (a non-streamed choice) as (thoughts or None, content, tool calls): the thoughts split off
+        first, then the calls parsed from the content only."""
+        split = self.split()
+        thoughts, text = split.split(text) if split else (None, text)
+        content, calls = tools.parse(self.how, text, self.names, parallel) if self.how else (text, [])
+        return thoughts, content, calls
+
+    async def deltas(self, first: tuple[int, Delta] | None, parallel: bool | None) \
+            -> AsyncIterator[tuple[Delta, list[dict[str, Any]]]]:
+        """A streamed one-choice reply from its first event on: each delta with its chunk contents (ChoiceStream's,
+        which each front writes as its own events); an error delta comes with none, and ends it."""
+        choice = ChoiceStream(self.how, self.names, parallel, split=self.split())
+        event = first
+        while event is not None:
+            d = event[1]
+            if d.error:
+                yield d, []
+                return
+            yield d, choice.feed(d)
+            event = await self.run.next()
 
 
 @dataclass

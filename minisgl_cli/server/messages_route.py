@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -23,11 +23,10 @@ from pydantic import ValidationError
 from minisgl_cli.api import anthropic as a
 from minisgl_cli.api import protocol as p
 from minisgl_cli.server import tools
-from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
 from minisgl_cli.server.gate import downscale_headers
-from minisgl_cli.server.runs import _JSON, stream_response
+from minisgl_cli.server.runs import sse, stream_response, templated
 from minisgl_cli.types import Delta, RequestStats
 
 router = APIRouter(tags=["anthropic"], responses={400: {"model": a.ErrorResponse}})
@@ -122,9 +121,8 @@ async def messages(body: a.MessagesRequest, request: Request, ctx: Ctx) -> Any:
     mid, parallel = f"msg_{uuid.uuid4().hex[:24]}", chat.parallel_tool_calls
     if not body.stream:
         [(text, final)] = await started.run.finish_all(request)
-        split = started.split()
-        thoughts, text = split.split(text) if split else (None, text)
-        blocks, called = _blocks(started.how, text, started.names, parallel)
+        thoughts, content, calls = started.reply(text, parallel)
+        blocks, called = _blocks(content, calls)
         if thoughts is not None:
             blocks.insert(0, {"type": "thinking", "thinking": thoughts, "signature": ""})
         reason, stop = _stop_reason(final, called)
@@ -135,9 +133,8 @@ async def messages(body: a.MessagesRequest, request: Request, ctx: Ctx) -> Any:
     return stream_response(started.run, _events(started, first, mid, started.model, parallel, ctx), started.note)
 
 
-def _blocks(how: str | None, text: str, names: set[str], parallel: bool | None) -> tuple[list[dict], bool]:
-    """A whole reply as content blocks, and whether it called a tool."""
-    content, calls = tools.parse(how, text, names, parallel) if how else (text, [])
+def _blocks(content: str | None, calls: list[tools.Call]) -> tuple[list[dict], bool]:
+    """A whole reply's content and calls as content blocks, and whether it called a tool."""
     blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
     for c in calls:
         args = _object(c.arguments)
@@ -175,7 +172,7 @@ def _usage(s: RequestStats) -> a.Usage:
 
 def event(name: str, data: dict[str, Any]) -> str:
     """One server-sent event of Anthropic's stream: its name, and its JSON (whose `type` repeats the name)."""
-    return f"event: {name}\ndata: {_JSON.encode({'type': name, **data})}\n\n"
+    return sse({"type": name, **data}, event=name)
 
 
 class BlockStream:
@@ -185,15 +182,21 @@ class BlockStream:
         self.index = -1
         self.open: str | None = None  # the type of the block being streamed
         self.called = False
+        self.text_delta: Callable[[str], str] = self._text_delta  # the open text block's frame maker
 
     def _start(self, block: dict[str, Any]) -> list[str]:
         out = self.stop()
         self.index += 1
         self.open = block["type"]
+        if self.open == "text":  # a token's frame: one string encode, not a dict's (runs.templated)
+            self.text_delta = templated(self._text_delta)
         return out + [event("content_block_start", {"index": self.index, "content_block": block})]
 
     def _delta(self, delta: dict[str, Any]) -> str:
         return event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def _text_delta(self, text: str) -> str:
+        return self._delta({"type": "text_delta", "text": text})
 
     def feed(self, kw: dict[str, Any]) -> list[str]:
         out: list[str] = []
@@ -204,7 +207,7 @@ class BlockStream:
         if kw.get("content"):
             if self.open != "text":
                 out += self._start({"type": "text", "text": ""})
-            out.append(self._delta({"type": "text_delta", "text": kw["content"]}))
+            out.append(self.text_delta(kw["content"]))
         for call in kw.get("tool_calls") or []:
             fn = call["function"]
             if "id" in call:  # a new call (a named one's first piece, or a whole parsed call)
@@ -225,8 +228,6 @@ async def _events(started: ChatRun, first: tuple[int, Delta] | None, mid: str, m
                   ctx: Ctx) -> AsyncIterator[str]:
     """A streamed reply's events, in Anthropic's order; an engine error after the start ends them with an error
     event. The run is closed however the stream ends."""
-    run = started.run
-    choice = ChoiceStream(started.how, started.names, parallel, token_only=False, split=started.split())
     blocks = BlockStream()
     start: dict[str, Any] = {"id": mid, "type": "message", "role": "assistant", "content": [], "model": model,
                              "stop_reason": None, "stop_sequence": None,
@@ -234,20 +235,17 @@ async def _events(started: ChatRun, first: tuple[int, Delta] | None, mid: str, m
     try:
         yield event("message_start", {"message": start})
         yield event("ping", {})
-        event_ = first
         final: Delta | None = None
-        while event_ is not None:
-            _, d = event_
+        async for d, kws in started.deltas(first, parallel):
             if d.error:
                 e = engine_error(d, ctx.gate.retry_after_s)
                 yield event("error", {"error": a.error_body(e.status, e.message)["error"]})
                 return
-            for kw in choice.feed(d):
+            for kw in kws:
                 for frame in blocks.feed(kw):
                     yield frame
             if d.finished:
                 final = d
-            event_ = await run.next()
         for frame in blocks.stop():
             yield frame
         assert final is not None  # the run ended without an error: its request finished
@@ -256,4 +254,4 @@ async def _events(started: ChatRun, first: tuple[int, Delta] | None, mid: str, m
                                       "usage": _usage(final.stats or RequestStats()).model_dump()})
         yield event("message_stop", {})
     finally:
-        run.close()
+        started.run.close()

@@ -22,11 +22,10 @@ from pydantic import ValidationError
 
 from minisgl_cli.api import ollama as o
 from minisgl_cli.api import protocol as p
-from minisgl_cli.server import tools
-from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
-from minisgl_cli.server.runs import _JSON, stream_response
+from minisgl_cli.server.gate import downscale_headers
+from minisgl_cli.server.runs import ndjson, stream_response
 from minisgl_cli.types import Delta, RequestStats
 
 router = APIRouter(tags=["ollama"])
@@ -122,11 +121,10 @@ async def _run(body: o.ChatRequest | o.GenerateRequest, messages: list[o.Message
     model = started.model
     if not body.stream:
         [(text, final)] = await started.run.finish_all(request)
-        split = started.split()
-        thoughts, text = split.split(text) if split else (None, text)
-        content, calls = tools.parse(started.how, text, started.names, None) if started.how else (text, [])
+        thoughts, content, calls = started.reply(text, None)
         return JSONResponse({**_piece(model, field, content or "", thoughts, [_call(c.name, c.arguments)
-                                                                                for c in calls]), **_done(final)})
+                                                                                for c in calls]), **_done(final)},
+                            headers=downscale_headers(started.note))
     first = await started.run.first_event(request)
     return stream_response(started.run, _lines(started, first, model, field, ctx), started.note,
                            media_type="application/x-ndjson")
@@ -172,25 +170,19 @@ async def _lines(started: ChatRun, first: tuple[int, Delta] | None, model: str, 
         -> AsyncIterator[str]:
     """A streamed reply as NDJSON lines: one per piece of text (or thoughts, or the tool calls), then the done
     line; an engine error after the start ends it with an `{"error": ...}` line. The run is closed however it ends."""
-    run = started.run
-    choice = ChoiceStream(started.how, started.names, None, token_only=False, split=started.split())
     try:
-        event = first
-        while event is not None:
-            _, d = event
+        async for d, kws in started.deltas(first, None):
             if d.error:
-                yield _JSON.encode({"error": engine_error(d, ctx.gate.retry_after_s).message}) + "\n"
+                yield ndjson({"error": engine_error(d, ctx.gate.retry_after_s).message})
                 return
-            for kw in choice.feed(d):
+            for kw in kws:
                 calls = [_call(c["function"]["name"], c["function"]["arguments"]) for c in kw.get("tool_calls") or []]
                 if kw.get("content") or kw.get("reasoning_content") or calls:
-                    yield _JSON.encode(_piece(model, field, kw.get("content") or "", kw.get("reasoning_content"),
-                                              calls)) + "\n"
+                    yield ndjson(_piece(model, field, kw.get("content") or "", kw.get("reasoning_content"), calls))
             if d.finished:
-                yield _JSON.encode({**_piece(model, field, ""), **_done(d)}) + "\n"
-            event = await run.next()
+                yield ndjson({**_piece(model, field, ""), **_done(d)})
     finally:
-        run.close()
+        started.run.close()
 
 
 def _details(ctx: Ctx) -> dict[str, Any]:

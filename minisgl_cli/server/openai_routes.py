@@ -48,9 +48,7 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request, ctx:
         results = await run.finish_all(request)
         choices = []
         for i, (text, final) in enumerate(results):
-            split = chat.split()
-            thoughts, text = split.split(text) if split else (None, text)
-            content, calls = tools.parse(how, text, names, body.parallel_tool_calls) if how else (text, [])
+            thoughts, content, calls = chat.reply(text, body.parallel_tool_calls)
             message = p.ChatResponseMessage(content=content, reasoning_content=thoughts,
                                             tool_calls=[c.to_tool_call() for c in calls] or None)
             choices.append(p.ChatChoice(index=i, message=message, finish_reason=_finish(final, calls),

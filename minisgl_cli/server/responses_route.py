@@ -23,7 +23,6 @@ from pydantic import ValidationError
 from minisgl_cli.api import protocol as p
 from minisgl_cli.api import responses as r
 from minisgl_cli.server import tools
-from minisgl_cli.server.choices import ChoiceStream
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
 from minisgl_cli.server.gate import downscale_headers
@@ -129,10 +128,7 @@ async def create(body: r.ResponsesRequest, request: Request, ctx: Ctx) -> Any:
     shell = Shell(body, started.model)
     if not body.stream:
         [(text, final)] = await started.run.finish_all(request)
-        split = started.split()
-        thoughts, text = split.split(text) if split else (None, text)
-        content, calls = tools.parse(started.how, text, started.names, chat.parallel_tool_calls) \
-            if started.how else (text, [])
+        thoughts, content, calls = started.reply(text, chat.parallel_tool_calls)
         items = ([_reasoning(_id("rs"), thoughts)] if thoughts is not None else []) + \
             ([_message(_id("msg"), content or "", "completed")] if content else []) + \
             [_call(_id("fc"), tools.new_call_id(), c.name, c.arguments, "completed") for c in calls]
@@ -300,28 +296,23 @@ async def _events(started: ChatRun, first: tuple[int, Delta] | None, shell: Shel
                   store: ResponseStore, turns: list[dict[str, Any]]) -> AsyncIterator[str]:
     """A streamed response's events in the Responses order; an engine error after the start ends them with an
     `error` event and `response.failed`. The run is closed however the stream ends."""
-    run = started.run
-    choice = ChoiceStream(started.how, started.names, parallel, token_only=False, split=started.split())
     items = ItemStream()
     try:
         yield items.event("response.created", response=shell.pending())
         yield items.event("response.in_progress", response=shell.pending())
-        event = first
         final: Delta | None = None
-        while event is not None:
-            _, d = event
+        async for d, kws in started.deltas(first, parallel):
             if d.error:
                 e = engine_error(d, ctx.gate.retry_after_s)
                 yield items.event("error", code=e.code, message=e.message, param=e.param)
                 yield items.event("response.failed", response={**shell.pending(), "status": "failed", "error": {
                     "code": e.code or "server_error", "message": e.message}})
                 return
-            for kw in choice.feed(d):
+            for kw in kws:
                 for frame in items.feed(kw):
                     yield frame
             if d.finished:
                 final = d
-            event = await run.next()
         for frame in items.close():
             yield frame
         assert final is not None  # no error: the request finished
@@ -330,4 +321,4 @@ async def _events(started: ChatRun, first: tuple[int, Delta] | None, shell: Shel
         kind = "response.incomplete" if resp["status"] == "incomplete" else "response.completed"
         yield items.event(kind, response=resp)
     finally:
-        run.close()
+        started.run.close()

@@ -237,9 +237,16 @@ def stream_response(run: EngineRun, body: AsyncIterator[str], note: str | None,
 _JSON = json.JSONEncoder(ensure_ascii=False)  # json.dumps(x, ensure_ascii=False), without a new encoder per call
 
 
-def sse(obj: dict[str, Any] | str) -> str:
-    """One server-sent event frame: a JSON object, or a bare string such as "[DONE]"."""
-    return f"data: {obj if isinstance(obj, str) else _JSON.encode(obj)}\n\n"
+def sse(obj: dict[str, Any] | str, event: str | None = None) -> str:
+    """One server-sent event frame: a JSON object, or a bare string such as "[DONE]"; `event`: its name line
+    (Anthropic's stream names every event)."""
+    data = f"data: {obj if isinstance(obj, str) else _JSON.encode(obj)}\n\n"
+    return data if event is None else f"event: {event}\n{data}"
+
+
+def ndjson(obj: dict[str, Any]) -> str:
+    """One line of an NDJSON stream (ollama's)."""
+    return _JSON.encode(obj) + "\n"
 
 
 _SLOT = "\x00text\x00"  # JSON writes it as "\u0000text\u0000": no real id or model name holds a NUL
