@@ -16,7 +16,8 @@ from minisgl_cli.server.web import is_page_file
 
 # Counted by name in /metrics; any other path counts as "other".
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
-          "/v1/models", "/generate", "/metrics", "/metrics/live", "/health")
+          "/api/chat", "/api/generate", "/v1/images/generations", "/v1/videos", "/v1/models", "/generate", "/metrics",
+          "/metrics/live", "/health")
 
 
 class EdgeMiddleware:
