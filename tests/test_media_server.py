@@ -102,7 +102,7 @@ def test_streamed_partial_images_as_the_sdk_parses_them(live_server):
 
 
 def test_a_built_in_dummy_pipeline_is_served_and_its_prompt_limit_read(live_server):
-    """--media-load-format dummy has no pipeline dir: the worker reads the prompt limit from the pipeline it builds
+    """--media-load-format dummy has no pipeline dir: the worker reads the prompt limit from its built-in config
     (it looked for a dir and answered 404 before)."""
     ok = httpx.post(f"{live_server}/dummy/v1/images/generations", json={"prompt": "a cat", "size": "64x64", "seed": 3},
                     timeout=300)

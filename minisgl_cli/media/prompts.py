@@ -31,9 +31,19 @@ class PromptLimit:
                       AutoTokenizer.from_pretrained(folder) if folder.is_dir() else None)
 
     @classmethod
+    def builtin(cls, name: str) -> PromptLimit:
+        """A built-in config's (`load_format="dummy"`, no dir to read): its pipeline class and the byte tokenizer it is
+        built with, without building any weights."""
+        import diffusers
+
+        from minisgl_cli.media.configs import PIPELINES, builtin_kind, byte_tokenizer
+
+        builtin_kind(name)  # an unknown name: the MediaError that names the choices
+        return cls.of(getattr(diffusers, PIPELINES[name][1]), byte_tokenizer())
+
+    @classmethod
     def of(cls, pipeline: type | None, tokenizer: Any) -> PromptLimit:
-        """A pipeline class's limit with its tokenizer (a loaded pipeline's: `of(type(pipe), pipe.tokenizer)`, as for a
-        built-in config, which has no dir to read)."""
+        """A pipeline class's limit with its tokenizer."""
         default = None
         if pipeline is not None:
             param = inspect.signature(pipeline.__call__).parameters.get("max_sequence_length")

@@ -140,15 +140,13 @@ class MediaWorker:
             self.cond.notify()
 
     def _limit(self, kind: str) -> PromptLimit:
+        """Read without loading weights: this thread must stay free to take cancels while a pipeline loads."""
         if kind not in self._limits:
-            from minisgl_cli.media.pipelines import ensure_model_dir, load_pipeline
+            from minisgl_cli.media.pipelines import ensure_model_dir
 
             spec = self.settings.spec("image" if kind == "image" else "video")
-            if spec.load_format == "dummy":  # a built-in config: no dir; it is built now rather than at its first run
-                pipe = load_pipeline(spec).pipe
-                self._limits[kind] = PromptLimit.of(type(pipe), getattr(pipe, "tokenizer", None))
-            else:
-                self._limits[kind] = PromptLimit.load(ensure_model_dir(spec))
+            self._limits[kind] = (PromptLimit.builtin(spec.model) if spec.load_format == "dummy"
+                                  else PromptLimit.load(ensure_model_dir(spec)))
         return self._limits[kind]
 
     def _cancel(self, jid: str) -> None:
