@@ -31,7 +31,6 @@ ATTENTION_BACKENDS = {"auto": "", "sdpa": "native", "cudnn": "_native_cudnn", "f
 TILE_PIXELS = 2048 * 2048  # an image VAE decodes in tiles above this (memory; 1024^2 decodes whole in 87 ms)
 TILE_VOXELS = 1280 * 720 * 81  # a video VAE above this many frames x pixels
 
-StepCallback = Callable[[int, int], None]  # (steps done, steps total)
 StepHook = Callable[[int, int, Any], None]  # (steps done, steps total, the latents after that step)
 
 
