@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 
 from minisgl_cli.media.batch import Cancelled, batch_key, generate, preview, rows, spans
-from minisgl_cli.media.jobs import ImageJob, ImageResult, MediaError, VideoJob
+from minisgl_cli.media.jobs import ImageJob, ImageResult, MediaError, VideoJob, first_line
 from minisgl_cli.media.prompts import PromptLimit
 from minisgl_cli.media.settings import MediaSettings
 from minisgl_cli.messages import (
@@ -263,8 +263,8 @@ class MediaWorker:
             status, param, code, message = status or exc.status, exc.param, code or exc.code, exc.message
         else:
             log.exception("media generation failed")
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            status, param, code, message = 500, None, "generation_failed", f"generation failed: {first}"
+            status, param, code = 500, None, "generation_failed"
+            message = f"generation failed: {first_line(exc) or type(exc).__name__}"
         for jid in jids:
             self.emit(MediaFailed(jid, message, status, param, code))
 
