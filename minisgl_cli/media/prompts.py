@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl_cli.media.jobs import MediaError
+from minisgl_cli.media.limits import caption_tokens
 
 
 @dataclass
@@ -27,8 +28,10 @@ class PromptLimit:
 
         index = json.loads((model_dir / "model_index.json").read_text())
         folder = model_dir / "tokenizer"
+        transformer = model_dir / "transformer" / "config.json"
         return cls.of(getattr(diffusers, index.get("_class_name", ""), None),
-                      AutoTokenizer.from_pretrained(folder) if folder.is_dir() else None)
+                      AutoTokenizer.from_pretrained(folder) if folder.is_dir() else None,
+                      json.loads(transformer.read_text()) if transformer.is_file() else {})
 
     @classmethod
     def builtin(cls, name: str) -> PromptLimit:
@@ -39,11 +42,13 @@ class PromptLimit:
         from minisgl_cli.media.configs import PIPELINES, builtin_kind, byte_tokenizer
 
         builtin_kind(name)  # an unknown name: the MediaError that names the choices
-        return cls.of(getattr(diffusers, PIPELINES[name][1]), byte_tokenizer())
+        _, pipeline, parts = PIPELINES[name]
+        return cls.of(getattr(diffusers, pipeline), byte_tokenizer(), parts["transformer"][1])
 
     @classmethod
-    def of(cls, pipeline: type | None, tokenizer: Any) -> PromptLimit:
-        """A pipeline class's limit with its tokenizer."""
+    def of(cls, pipeline: type | None, tokenizer: Any, transformer_config: dict[str, Any]) -> PromptLimit:
+        """A pipeline class's limit with its tokenizer, lowered to what its DiT's rotary table holds (the worker calls
+        the pipeline with `max_sequence_length` lowered alike: limits.prompt_kwargs)."""
         default = None
         if pipeline is not None:
             param = inspect.signature(pipeline.__call__).parameters.get("max_sequence_length")
@@ -51,7 +56,8 @@ class PromptLimit:
                 default = param.default
         if default is None and tokenizer is not None and tokenizer.model_max_length < 1_000_000:
             default = tokenizer.model_max_length  # else transformers' "no limit" sentinel
-        return cls(tokenizer, default)
+        table = caption_tokens(transformer_config)
+        return cls(tokenizer, table if default is None or (table is not None and table < default) else default)
 
     def count(self, prompt: str) -> int:
         if self.tokenizer is None:
