@@ -27,6 +27,9 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_process import Serve, gone  # noqa: E402
 
+from minisgl_cli.media.jobs import MediaError  # noqa: E402
+from minisgl_cli.media.prompts import PromptLimit  # noqa: E402
+
 pytest.importorskip("diffusers")
 openai = pytest.importorskip("openai")
 imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg")
@@ -102,7 +105,7 @@ def test_streamed_partial_images_as_the_sdk_parses_them(live_server):
 
 
 def test_a_built_in_dummy_pipeline_is_served_and_its_prompt_limit_read(live_server):
-    """--media-load-format dummy has no pipeline dir: the worker reads the prompt limit from the pipeline it builds
+    """--media-load-format dummy has no pipeline dir: the worker reads the prompt limit from its built-in config
     (it looked for a dir and answered 404 before)."""
     ok = httpx.post(f"{live_server}/dummy/v1/images/generations", json={"prompt": "a cat", "size": "64x64", "seed": 3},
                     timeout=300)
@@ -111,6 +114,15 @@ def test_a_built_in_dummy_pipeline_is_served_and_its_prompt_limit_read(live_serv
     long = httpx.post(f"{live_server}/dummy/v1/images/generations", json={"prompt": "word " * 700, "size": "64x64"},
                       timeout=300)
     assert long.status_code == 400 and long.json()["error"]["param"] == "prompt", long.text
+
+
+def test_a_prompt_past_the_rotary_table_is_400_not_cut():
+    """The tiny built-in Z-Image's rotary table holds 224 caption tokens (axes_lens 256), fewer than the 512 its
+    pipeline reads: a 300-token prompt was cut there silently; it is refused naming the table's limit."""
+    limit = PromptLimit.builtin("tiny-z-image")
+    assert limit.max_tokens == 224
+    with pytest.raises(MediaError, match="at most 224"):
+        limit.check("word " * 60)
 
 
 @pytest.mark.parametrize("fmt, pil", [("jpeg", "JPEG"), ("webp", "WEBP"), ("png", "PNG")])

@@ -12,7 +12,7 @@ import typer
 
 from minisgl_cli.device import DeviceError
 from minisgl_cli.media.jobs import ImageJob, MediaError, ModelSpec, VideoJob
-from minisgl_cli.media.pipelines import LoadedPipeline, StepCallback, load_pipeline
+from minisgl_cli.media.pipelines import LoadedPipeline, StepHook, load_pipeline
 
 Job = TypeVar("Job", ImageJob, VideoJob)
 R = TypeVar("R")
@@ -63,9 +63,9 @@ class StepClock:
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.marks: list[float] = []
-        self.listener: StepCallback | None = None  # the live bar, on a terminal
+        self.listener: Callable[[int, int], None] | None = None  # the live bar, on a terminal
 
-    def on_step(self, done: int, total: int) -> None:
+    def on_step(self, done: int, total: int, latents: Any = None) -> None:  # a StepHook; the latents unused
         self.marks.append(time.perf_counter())
         if self.listener is not None:
             self.listener(done, total)
@@ -126,7 +126,7 @@ def load_with_status(spec: ModelSpec) -> LoadedPipeline:
         return load_pipeline(spec)
 
 
-def run_with_progress(loaded: LoadedPipeline, job: Job, generate: Callable[[LoadedPipeline, Job, StepCallback], R],
+def run_with_progress(loaded: LoadedPipeline, job: Job, generate: Callable[[LoadedPipeline, Job, StepHook], R],
                       what: str) -> tuple[R, StepClock]:
     """Run the job with step progress labelled "<what> on <device>"; returns its result and the step times."""
     with step_progress(job.steps, f"{what} on {loaded.device}") as clock:

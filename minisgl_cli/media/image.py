@@ -8,13 +8,12 @@ from pathlib import Path
 from minisgl_cli.media.batch import generate
 from minisgl_cli.media.encode import unique_path
 from minisgl_cli.media.jobs import ImageJob, ImageResult
-from minisgl_cli.media.pipelines import LoadedPipeline, StepCallback
+from minisgl_cli.media.pipelines import LoadedPipeline, StepHook
 
 
-def generate_images(loaded: LoadedPipeline, job: ImageJob, on_step: StepCallback | None = None) -> ImageResult:
+def generate_images(loaded: LoadedPipeline, job: ImageJob, on_step: StepHook | None = None) -> ImageResult:
     """One job as one call (media/batch.py: image i from the seed `seed + i`)."""
-    hook = None if on_step is None else (lambda done, total, latents: on_step(done, total))
-    return generate(loaded, [job], hook)[0]
+    return generate(loaded, [job], on_step)[0]
 
 
 def save_images(result: ImageResult, output_dir: str | Path, stem: str = "image") -> list[Path]:

@@ -48,6 +48,12 @@ class MediaError(Exception):
         self.param = param
 
 
+def first_line(exc: Exception, limit: int = 120) -> str:
+    """An exception's message cut to one line ("" when it has none): library errors run to paragraphs."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+
+
 class ModelNotFoundError(MediaError):
     status = 404
     type = "invalid_request_error"

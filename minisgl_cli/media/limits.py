@@ -32,6 +32,13 @@ def _config(module: Any) -> dict[str, Any]:
     return dict(getattr(module, "config", None) or {})
 
 
+def caption_tokens(transformer_config: dict[str, Any]) -> int | None:
+    """The longest caption a DiT's rotary table holds; None where its config names no such limit. Z-Image: the
+    caption, padded to 32 tokens, comes first on axis 0 of `axes_lens`, the image after it."""
+    axes: list[Any] = list(transformer_config.get("axes_lens") or ())
+    return (int(axes[0]) - 2) // 32 * 32 if len(axes) == 3 else None
+
+
 def pipeline_limits(pipe: Any) -> Limits:
     denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
     cfg = _config(denoiser)
@@ -56,9 +63,7 @@ def pipeline_limits(pipe: Any) -> Limits:
         return Limits(frame_stride=temporal)
     if not spatial:
         return Limits(frame_stride=temporal)
-    max_frames = max_prompt = None
-    if "axes_lens" in cfg:  # Z-Image: the caption, padded to 32 tokens, comes first on axis 0, the image after it
-        max_prompt = (pos_t - 2) // 32 * 32
+    max_frames, max_prompt = None, caption_tokens(cfg)
     if temporal:  # latent frames (n - 1) / stride + 1, each patched by pt, must fit the table
         max_frames = (pos_t * pt - 1) * temporal + 1
     return Limits(

@@ -20,7 +20,7 @@ from typing import Any
 
 from minisgl_cli import env
 from minisgl_cli.device import pick_device, pick_dtype
-from minisgl_cli.media.jobs import MediaError, ModelNotFoundError, ModelSpec
+from minisgl_cli.media.jobs import MediaError, ModelNotFoundError, ModelSpec, first_line
 
 # CLI name -> diffusers attention-dispatch backend name. "auto": cuDNN's fused attention through SDPA on Hopper
 # and later where it runs (exact; SDPA alone falls back to its slower memory-efficient kernel under Z-Image's
@@ -31,7 +31,6 @@ ATTENTION_BACKENDS = {"auto": "", "sdpa": "native", "cudnn": "_native_cudnn", "f
 TILE_PIXELS = 2048 * 2048  # an image VAE decodes in tiles above this (memory; 1024^2 decodes whole in 87 ms)
 TILE_VOXELS = 1280 * 720 * 81  # a video VAE above this many frames x pixels
 
-StepCallback = Callable[[int, int], None]  # (steps done, steps total)
 StepHook = Callable[[int, int, Any], None]  # (steps done, steps total, the latents after that step)
 
 
@@ -99,12 +98,6 @@ def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", ".", "~")) or Path(model).expanduser().exists()
 
 
-def _first_line(exc: Exception, limit: int = 120) -> str:
-    """Library errors run to paragraphs; our messages stay one line."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
-
-
 def ensure_model_dir(spec: ModelSpec) -> Path:
     """The dir holding the pipeline (has model_index.json); downloads `spec.model` into it when
     missing and allowed. Every failure is a ModelNotFoundError whose one-line message says the fix."""
@@ -127,7 +120,7 @@ def ensure_model_dir(spec: ModelSpec) -> Path:
         skip = ["*.bin", "*.ckpt", "*.pt", "*.pth", "*.onnx", "*.msgpack", "*.h5"] if has_safetensors else None
         snapshot_download(repo_id=spec.model, local_dir=d, ignore_patterns=skip)
     except Exception as exc:  # offline, unreachable hub, unknown or gated repo: all end the same way
-        reason = _first_line(exc)
+        reason = first_line(exc)
         raise ModelNotFoundError(
             f"{spec.kind} model not found in {d} and downloading {spec.model} failed "
             f"({type(exc).__name__}{': ' + reason if reason else ''}). {fix}.",
@@ -207,7 +200,7 @@ def _set_attention(pipe: Any, denoiser: Any, backend: str, name: str) -> None:
     try:
         denoiser.set_attention_backend(backend)
     except Exception as exc:  # e.g. flash-attn / sageattention not installed, or GPU too old
-        raise MediaError(f"--attention-backend {name} unavailable: {_first_line(exc)}", "attention_backend") from None
+        raise MediaError(f"--attention-backend {name} unavailable: {first_line(exc)}", "attention_backend") from None
 
 
 def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
@@ -264,7 +257,7 @@ def _from_disk(model_dir: Path, dtype: Any) -> Any:
             return DiffusionPipeline.from_pretrained(str(model_dir), torch_dtype=dtype)
         except (OSError, ValueError) as exc:
             raise ModelNotFoundError(
-                f"cannot load a diffusers pipeline from {model_dir}: {_first_line(exc) or type(exc).__name__}",
+                f"cannot load a diffusers pipeline from {model_dir}: {first_line(exc) or type(exc).__name__}",
                 "model",
             ) from None
 

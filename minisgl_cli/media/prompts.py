@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl_cli.media.jobs import MediaError
+from minisgl_cli.media.limits import caption_tokens
 
 
 @dataclass
@@ -27,13 +28,27 @@ class PromptLimit:
 
         index = json.loads((model_dir / "model_index.json").read_text())
         folder = model_dir / "tokenizer"
+        transformer = model_dir / "transformer" / "config.json"
         return cls.of(getattr(diffusers, index.get("_class_name", ""), None),
-                      AutoTokenizer.from_pretrained(folder) if folder.is_dir() else None)
+                      AutoTokenizer.from_pretrained(folder) if folder.is_dir() else None,
+                      json.loads(transformer.read_text()) if transformer.is_file() else {})
 
     @classmethod
-    def of(cls, pipeline: type | None, tokenizer: Any) -> PromptLimit:
-        """A pipeline class's limit with its tokenizer (a loaded pipeline's: `of(type(pipe), pipe.tokenizer)`, as for a
-        built-in config, which has no dir to read)."""
+    def builtin(cls, name: str) -> PromptLimit:
+        """A built-in config's (`load_format="dummy"`, no dir to read): its pipeline class and the byte tokenizer it is
+        built with, without building any weights."""
+        import diffusers
+
+        from minisgl_cli.media.configs import PIPELINES, builtin_kind, byte_tokenizer
+
+        builtin_kind(name)  # an unknown name: the MediaError that names the choices
+        _, pipeline, parts = PIPELINES[name]
+        return cls.of(getattr(diffusers, pipeline), byte_tokenizer(), parts["transformer"][1])
+
+    @classmethod
+    def of(cls, pipeline: type | None, tokenizer: Any, transformer_config: dict[str, Any]) -> PromptLimit:
+        """A pipeline class's limit with its tokenizer, lowered to what its DiT's rotary table holds (the worker calls
+        the pipeline with `max_sequence_length` lowered alike: limits.prompt_kwargs)."""
         default = None
         if pipeline is not None:
             param = inspect.signature(pipeline.__call__).parameters.get("max_sequence_length")
@@ -41,7 +56,8 @@ class PromptLimit:
                 default = param.default
         if default is None and tokenizer is not None and tokenizer.model_max_length < 1_000_000:
             default = tokenizer.model_max_length  # else transformers' "no limit" sentinel
-        return cls(tokenizer, default)
+        table = caption_tokens(transformer_config)
+        return cls(tokenizer, table if default is None or (table is not None and table < default) else default)
 
     def count(self, prompt: str) -> int:
         if self.tokenizer is None:

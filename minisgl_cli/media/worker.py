@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 
 from minisgl_cli.media.batch import Cancelled, batch_key, generate, preview, rows, spans
-from minisgl_cli.media.jobs import ImageJob, ImageResult, MediaError, VideoJob
+from minisgl_cli.media.jobs import ImageJob, ImageResult, MediaError, VideoJob, first_line
 from minisgl_cli.media.prompts import PromptLimit
 from minisgl_cli.media.settings import MediaSettings
 from minisgl_cli.messages import (
@@ -140,15 +140,13 @@ class MediaWorker:
             self.cond.notify()
 
     def _limit(self, kind: str) -> PromptLimit:
+        """Read without loading weights: this thread must stay free to take cancels while a pipeline loads."""
         if kind not in self._limits:
-            from minisgl_cli.media.pipelines import ensure_model_dir, load_pipeline
+            from minisgl_cli.media.pipelines import ensure_model_dir
 
             spec = self.settings.spec("image" if kind == "image" else "video")
-            if spec.load_format == "dummy":  # a built-in config: no dir; it is built now rather than at its first run
-                pipe = load_pipeline(spec).pipe
-                self._limits[kind] = PromptLimit.of(type(pipe), getattr(pipe, "tokenizer", None))
-            else:
-                self._limits[kind] = PromptLimit.load(ensure_model_dir(spec))
+            self._limits[kind] = (PromptLimit.builtin(spec.model) if spec.load_format == "dummy"
+                                  else PromptLimit.load(ensure_model_dir(spec)))
         return self._limits[kind]
 
     def _cancel(self, jid: str) -> None:
@@ -265,8 +263,8 @@ class MediaWorker:
             status, param, code, message = status or exc.status, exc.param, code or exc.code, exc.message
         else:
             log.exception("media generation failed")
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            status, param, code, message = 500, None, "generation_failed", f"generation failed: {first}"
+            status, param, code = 500, None, "generation_failed"
+            message = f"generation failed: {first_line(exc) or type(exc).__name__}"
         for jid in jids:
             self.emit(MediaFailed(jid, message, status, param, code))
 

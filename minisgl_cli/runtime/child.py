@@ -1,6 +1,6 @@
 """A runtime child process's start: it dies with its parent, logs under its name, and reports Ready or Failed.
 
-Every child (scheduler ranks, tokenizer workers, the detokenizer) starts the same way:
+Every child (scheduler ranks, tokenizer workers, the detokenizer, the media worker) starts the same way:
 
     child = Child("detokenizer", "detokenizer", log_level, endpoints.launcher)
     worker = child.start(partial(build, job))  # a failure: one Failed line to the launcher, exit 1
@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
@@ -44,6 +45,18 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def no_process_locks() -> None:
+    """Give tqdm a thread lock before anything draws a bar (torch.compile's tracer does, even hidden; a diffusers
+    pipeline makes one per call, disabled or not): its default is a multiprocessing lock, a named semaphore that a
+    child, which leaves through os._exit, would leave behind for the resource tracker to warn about at the server's
+    exit ("leaked semaphore objects"). No bar here is shared with another process."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 class Child:
     """This process as one of the runtime's children, named `name` in the launcher's lines and `log_tag` in
     its log lines. Made first thing in the child's entry point; it holds the zmq context and the launcher
@@ -51,6 +64,7 @@ class Child:
 
     def __init__(self, name: str, log_tag: str, log_level: int, launcher: str):
         die_with_parent()
+        no_process_locks()
         logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {log_tag} %(name)s: %(message)s",
                             datefmt="%H:%M:%S")
         self.name = name

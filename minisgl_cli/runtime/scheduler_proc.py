@@ -100,21 +100,9 @@ class _Rank:
         self.scheduler.inbox.put(None)
 
 
-def _no_process_locks() -> None:
-    """Give tqdm a thread lock before anything draws a bar (torch.compile's tracer does, even hidden): its default
-    is a multiprocessing lock, a named semaphore that this process, stopped by SIGTERM, would leave behind for
-    the resource tracker to warn about at the server's exit. No bar here is shared with another process."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return
-    tqdm.set_lock(threading.RLock())
-
-
 def _start(job: RankJob, ctx: zmq.Context):
     if job.notices and job.rank == 0:
         notice.show()
-    _no_process_locks()
     import torch
 
     device = job.engine.resolved_device()

@@ -34,6 +34,7 @@ from minisgl_cli.media.jobs import (
     ModelNotFoundError,
     ModelSpec,
     VideoJob,
+    first_line,
     job_defaults,
     parse_size,
 )
@@ -109,8 +110,8 @@ def media_error(exc: Exception, kind: str = "media") -> JSONResponse:
     if isinstance(exc, DeviceError):
         return error_response(500, f"server media device: {exc}", "server_error", None, "device_unavailable")
     log.exception("%s generation failed", kind)
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return error_response(500, f"{kind} generation failed: {first}", "server_error", None, "generation_failed")
+    return error_response(500, f"{kind} generation failed: {first_line(exc) or type(exc).__name__}", "server_error",
+                          None, "generation_failed")
 
 
 def _refuse(param: str, message: str) -> MediaError:
