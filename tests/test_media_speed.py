@@ -258,3 +258,35 @@ def test_media_settings_defaults_where_no_variable_is_set_and_the_caps_parse(mon
     monkeypatch.setenv("MINISGL_MEDIA_MAX_BATCH", "four")
     with pytest.raises(ValueError, match="MINISGL_MEDIA_MAX_BATCH='four' is not an integer"):
         MediaSettings.from_env()
+
+
+@pytest.mark.slow
+def test_warm_up_compiles_the_batched_graphs_so_no_later_batch_size_compiles():
+    import torch
+    import torch._dynamo.utils as dynamo_utils
+
+    from minisgl_cli.media.batch import generate, warm_up
+    from minisgl_cli.media.pipelines import unload_all
+
+    def job(prompt: str, n: int = 1) -> ImageJob:
+        return ImageJob(prompt=prompt, width=32, height=32, steps=2, seed=4, num_images=n)
+
+    def graphs_for(*jobs: ImageJob) -> int:
+        before = dynamo_utils.counters["stats"]["unique_graphs"]
+        generate(loaded, list(jobs))
+        return dynamo_utils.counters["stats"]["unique_graphs"] - before
+
+    for warm in (True, False):
+        unload_all()
+        torch._dynamo.reset()
+        loaded = load_pipeline(image_spec(compile=True))
+        assert graphs_for(job("a fox")) > 0  # the first call compiles (a batch of one)
+        if warm:
+            warm_up(loaded, job("a fox"))
+            # What a server batches next: two users' prompts (three rows), n = 3 of one prompt, a single image.
+            assert graphs_for(job("a fox"), job("a cat in the snow at dusk", 2)) == 0
+            assert graphs_for(job("a fox", 3)) == 0 and graphs_for(job("a dog")) == 0
+        else:  # the negative control: without the warm-up, the first batch compiles
+            assert graphs_for(job("a fox"), job("a cat in the snow at dusk", 2)) > 0
+    unload_all()
+    torch._dynamo.reset()

@@ -7,6 +7,7 @@ reproducible alone (n=1, that seed) and comes out the same whether its job ran a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -87,6 +88,20 @@ def generate(loaded: LoadedPipeline, jobs: list[Job], on_step: StepHook | None =
             results.append(VideoResult(uint8_frames(out.frames[span.start]), job.fps, job.seed, elapsed_s,
                                        loaded.model_dir))
     return results
+
+
+def warm_up(loaded: LoadedPipeline, like: Job, max_rows: int = 3) -> None:
+    """Compile a compiled pipeline's batched graphs ahead of need: three 1-step calls of a few rows shaped like `like`.
+    torch.compile specializes a batch of one, so the first batched call would compile the DiT's blocks and the VAE
+    decode again (seconds with the stored compile, tens of seconds cold), and each variant a batch brings after it:
+    captions of unequal length (a padding mask), n > 1 of one prompt (none), other batch sizes and caption lengths.
+    These calls meet them once. The worker runs this while idle, so no request waits on it."""
+    short = dataclasses.replace(like, prompt="warm-up", steps=1, negative_prompt=like.negative_prompt and "warm-up")
+    if isinstance(short, ImageJob):
+        short = dataclasses.replace(short, num_images=1)
+    long = dataclasses.replace(short, prompt="a longer warm-up prompt " * 8)
+    for jobs in ([short, long], [long, long, long], [short, short]):
+        generate(loaded, jobs[:max_rows])
 
 
 def uint8_frames(video: Any) -> list[Any]:

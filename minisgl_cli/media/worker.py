@@ -21,8 +21,9 @@ from typing import Any
 
 import zmq
 
-from minisgl_cli.media.batch import Cancelled, batch_key, generate, preview, rows, spans
+from minisgl_cli.media.batch import Cancelled, batch_key, generate, preview, rows, spans, warm_up
 from minisgl_cli.media.jobs import ImageJob, ImageResult, MediaError, VideoJob, first_line
+from minisgl_cli.media.pipelines import compiles
 from minisgl_cli.media.prompts import PromptLimit
 from minisgl_cli.media.settings import MediaSettings
 from minisgl_cli.messages import (
@@ -98,6 +99,8 @@ class MediaWorker:
         self.cancelled: set[str] = set()
         self.stopping = False
         self.batches = 0
+        self.warmed = False  # batched graphs compiled (or under way): see batch.warm_up
+        self.warm_next: ImageJob | VideoJob | None = None
         self._limits: dict[str, PromptLimit] = {}
         signal.signal(signal.SIGTERM, self._on_sigterm)
         threading.Thread(target=self._receive, name="minisgl-media-recv", daemon=True).start()
@@ -165,6 +168,13 @@ class MediaWorker:
     def serve(self) -> None:
         while True:
             with self.cond:
+                if not self.queue and not self.stopping and self.warm_next is not None:
+                    like, self.warm_next = self.warm_next, None
+                    self.cond.release()
+                    try:
+                        self._warm_up(like)
+                    finally:
+                        self.cond.acquire()
                 while not self.queue and not self.stopping:
                     self.cond.wait()
                 if self.stopping:
@@ -201,6 +211,8 @@ class MediaWorker:
             return
         self.batches += 1
         size = sum(rows(p.job) for p in batch)
+        if not self.warmed and self.settings.max_batch >= 2 and compiles(loaded.spec, loaded.device):
+            self.warmed, self.warm_next = True, first.job  # batched graphs, once the queue is idle
         steps = first.job.steps
         for p in batch:
             self.emit(MediaProgress(p.msg.jid, 0, steps, self.batches, size))
@@ -244,6 +256,15 @@ class MediaWorker:
                 self._fail({p.msg.jid}, exc)
                 continue
             self.emit(MediaResult(p.msg.jid, items, result.seed, result.elapsed_s, p.prompt_tokens))
+
+    def _warm_up(self, like: ImageJob | VideoJob) -> None:
+        from minisgl_cli.media.pipelines import load_pipeline
+
+        try:
+            warm_up(load_pipeline(self.settings.spec("image" if isinstance(like, ImageJob) else "video")), like,
+                    self.settings.max_batch)
+        except Exception as exc:  # noqa: BLE001 - a warm-up that fails costs a compile later, not the worker
+            log.warning("warm-up skipped: %s", first_line(exc))
 
     def _previews(self, loaded: Any, latents: Any, span: slice, msg: MediaSubmit,
                   sent: collections.Counter[str]) -> None:
