@@ -69,7 +69,7 @@ ifeq ($(GPU),)
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu_moe.py tests/test_push_rows.py tests/test_dit_attention.py \
 		tests/test_gpu_window_attention.py
 endif
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=25
 
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"

@@ -137,3 +137,22 @@ def test_refusals(server_url):
         c.responses.create(model="default", input=ASK, reasoning={"effort": "high"})
     with pytest.raises(openai.NotFoundError):
         c.responses.create(model="gpt-nonexistent", input=ASK)
+
+
+def test_reasoning_effort_is_the_templates_thinking_switch():
+    """With a parser, `reasoning.effort` turns thinking off ("none", "minimal") or on (the rest) through the chat
+    template's enable_thinking; an effort OpenAI does not name is a 400."""
+    from minisgl_cli.api import responses as r
+    from minisgl_cli.server.errors import InputError
+    from minisgl_cli.server.responses_route import to_chat
+
+    def kwargs(effort: str | None) -> dict | None:
+        body = r.ResponsesRequest.model_validate({"model": "default", "input": ASK,
+                                                  **({"reasoning": {"effort": effort}} if effort else {})})
+        return to_chat(body, [{"role": "user", "content": ASK}], "qwen3").chat_template_kwargs
+
+    assert kwargs("minimal") == kwargs("none") == {"enable_thinking": False}
+    assert kwargs("low") == kwargs("high") == {"enable_thinking": True}
+    assert kwargs(None) is None  # the template's default
+    with pytest.raises(InputError, match="reasoning.effort"):
+        kwargs("extreme")

@@ -26,6 +26,7 @@ from minisgl_cli.server import tools
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
 from minisgl_cli.server.gate import downscale_headers
+from minisgl_cli.server.reasoning import thinks_at
 from minisgl_cli.server.response_store import ResponseStore
 from minisgl_cli.server.runs import sse, stream_response
 from minisgl_cli.types import Delta, RequestStats
@@ -93,6 +94,11 @@ def to_chat(body: r.ResponsesRequest, turns: list[dict[str, Any]], reasoning: st
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
                             "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
                             "parallel_tool_calls": body.parallel_tool_calls}
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        try:
+            chat["chat_template_kwargs"] = {"enable_thinking": thinks_at(body.reasoning.effort)}
+        except ValueError as exc:
+            raise InputError(str(exc), "reasoning.effort") from None
     if body.tools:
         chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in body.function_tools]
