@@ -226,3 +226,14 @@ def test_image_cli_compile(tiny_models, tmp_path):
     (compiled,) = image_cli(tiny_models["z-image"], tmp_path, *size, "--compile")
     (eager,) = image_cli(tiny_models["z-image"], tmp_path, *size)
     assert np.abs(pixels(compiled).astype(int) - pixels(eager).astype(int)).max() <= 2
+
+
+def test_a_job_out_of_device_memory_is_a_503_that_says_what_to_change():
+    import torch
+
+    from minisgl_cli.media.worker import failure
+
+    status, _, code, message = failure(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert (status, code) == (503, "out_of_memory")
+    assert "Tried to allocate 2.00 GiB" in message and "--mem-fraction" in message
+    assert failure(RuntimeError("boom"))[::2] == (500, "generation_failed")

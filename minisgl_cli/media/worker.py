@@ -283,11 +283,25 @@ class MediaWorker:
         if isinstance(exc, MediaError):
             status, param, code, message = status or exc.status, exc.param, code or exc.code, exc.message
         else:
-            log.exception("media generation failed")
-            status, param, code = 500, None, "generation_failed"
-            message = f"generation failed: {first_line(exc) or type(exc).__name__}"
+            status, param, code, message = failure(exc)
         for jid in jids:
             self.emit(MediaFailed(jid, message, status, param, code))
+
+
+def failure(exc: Exception) -> tuple[int, str | None, str, str]:
+    """(status, param, code, message) of a job that raised: out of device memory is the server's state (a 503 that
+    says what to change, the cached blocks given back for the next job), anything else a 500 logged with its trace."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return 503, None, "out_of_memory", (
+            f"out of GPU memory for this job ({first_line(exc)[:160]}): beside a text engine on the same GPU, start "
+            "`minisgl serve` with a smaller --mem-fraction (e.g. 0.3) or --max-total-tokens; or ask for fewer images "
+            "or a smaller size")
+    log.exception("media generation failed")
+    return 500, None, "generation_failed", f"generation failed: {first_line(exc) or type(exc).__name__}"
 
 
 def _job(msg: MediaSubmit) -> ImageJob | VideoJob:
