@@ -7,7 +7,8 @@ config, called once (the cold compile) and twice warm, then:
   - torch.profiler over one warm call: GPU kernel time by class (GEMM, attention, Triton-fused, other), the
     GPU's busy fraction of the wall, and the top kernels;
   - with `--shapes`: calls with other batch sizes and prompt lengths, each one's time and the graphs dynamo
-    compiled for it (a recompile shows as seconds and a count above 0).
+    compiled for it (a recompile shows as seconds and a count above 0); `--warm-up` runs the media worker's
+    warm-up (batch.warm_up) before them.
 
     python examples/media_profile.py --variants compile,compile+static --shapes --out /tmp/prof
     python examples/media_profile.py --tiny --device cpu --variants eager --steps 2   # a CPU smoke run
@@ -145,6 +146,12 @@ def run_variant(variant: str, a: argparse.Namespace) -> dict[str, Any]:
     out["parts_ms"] = {k: statistics.median(v) for k, v in parts.items()}
     if cuda:
         out["profile"] = profile_call(lambda: call(50))
+    if a.warm_up:
+        g = graphs()
+        t = time.perf_counter()
+        batch.warm_up(loaded, ImageJob(prompt.format(0), a.width, a.height, a.steps, 0.0, seed=a.seed))
+        sync()
+        out["warm_up"] = dict(s=round(time.perf_counter() - t, 2), graphs=graphs() - g)
     if a.shapes:
         seq = []
         for n, words in ((1, 30), (2, 0), (1, 0), (4, 0), (3, 12), (2, 30), (1, 60)):
@@ -169,6 +176,8 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"   profiled call {pr['wall_ms']:.1f} ms, GPU busy {pr['busy_ms']:.1f} ms "
                      f"({pr['busy_ms'] / pr['wall_ms']:.0%}), {pr['kernels']} kernels; ms by class: {classes}")
         lines += [f"     {ms:8.2f} ms {count:5d}x  {name}" for name, ms, count in pr["top"]]
+    if "warm_up" in r:
+        lines.append(f"   warm-up (batch.warm_up): {r['warm_up']['s']:.2f} s, {r['warm_up']['graphs']} graphs")
     for s in r.get("shapes", []):
         lines.append(f"   n={s['n']} +{s['extra_words']} words: {s['s']:.3f} s ({s['per_image_s']:.3f} s/image), "
                      f"{s['graphs']} new graphs")
@@ -187,6 +196,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shapes", action="store_true", help="time other batch sizes and prompt lengths")
+    ap.add_argument("--warm-up", action="store_true", help="before --shapes, the worker's warm-up (batch.warm_up)")
     ap.add_argument("--out", default=None, help="write profile.json here")
     a = ap.parse_args()
     if a.tiny:
