@@ -1,0 +1,111 @@
+"""MLA attention (DeepSeek's Multi-head Latent Attention) over the latent KV pool: prefill expanded, decode absorbed.
+
+The pool keeps one row a token and layer: [c | k_pe], c the normalized latent (kv_lora_rank R), k_pe the rotated
+rope key (qk_rope_head_dim) every head shares (kvcache/pool.py's `latent` shape). A head h's key is
+[W_UK[h] c | k_pe] and its value W_UV[h] c, W_UK / W_UV the two halves of kv_b_proj.
+
+  extend  (prefill, chunks, a cached prefix) the keys and values expanded through kv_b_proj for every position of
+          the request, as transformers computes them, then causal attention over [q_nope | q_pe]
+  decode  absorbed: q_nope W_UK[h] is a query over c itself, so one step is attention of H query heads over one
+          shared "head" [c | k_pe] of R + rope dims whose values are c ([q_nope W_UK | q_pe] . [c | k_pe] is
+          q_nope . k_nope + q_pe . k_pe); W_UV after it. Nothing per head is read from memory but the latent rows.
+
+Both are the same numbers to rounding (tests/test_deepseek.py checks each against the other and transformers).
+Prompts and decode rows attend as TorchBackend's do (its metadata, its position-aligned blocks on the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from minisgl_cli.attention.torch_backend import TorchBackend, TorchDecodeMeta, sdpa
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.kvcache.pool import KVPool
+from minisgl_cli.layers.kernel_choice import Kernels
+
+
+class MlaWeights(Protocol):
+    """What an MLA layer hands its backend: kv_b_proj as the expansion and as its two halves, this rank's heads."""
+
+    @property
+    def w_uk(self) -> torch.Tensor:
+        """[H, qk_nope_head_dim, R]"""
+        ...
+
+    @property
+    def w_uv(self) -> torch.Tensor:
+        """[H, v_head_dim, R]"""
+        ...
+
+    def expand(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [L, R] -> (k_nope [L, H, qk_nope_head_dim], v [L, H, v_head_dim])."""
+        ...
+
+
+class MlaBackend(TorchBackend):
+    """MLA over a latent pool; `absorb` False expands decode rows too (the reference the absorbed form is checked
+    against)."""
+
+    def __init__(self, pool: KVPool, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
+                 serial_decode: bool = False, absorb: bool = True):
+        super().__init__(pool, num_heads, 1, kv_lora_rank + rope_dim, scale, serial_decode)
+        self.rank = kv_lora_rank
+        self.absorb = absorb
+
+    def forward_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, layer_id: int,
+                    batch: ForwardBatch, w: MlaWeights) -> torch.Tensor:
+        """q_nope [T, H, dn], q_pe [T, H, dr] (rotated), latent [T, R + dr] this step's rows ([c | k_pe], stored
+        here) -> [T, H, v_head_dim]."""
+        rows = latent[:, None, :]
+        self.pool.store(layer_id, batch.out_cache_loc, rows, rows)  # an MLA pool keeps K alone
+        meta = batch.attn_meta
+        if isinstance(meta, TorchDecodeMeta):
+            return (self._absorbed if self.absorb else self._expanded_decode)(q_nope, q_pe, layer_id, meta, w)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        outs = []
+        for i, slots in enumerate(meta.slots):
+            a, b = meta.starts[i], meta.starts[i + 1]
+            seq = latent[a:b] if slots is None else self._read(layer_id, slots, q.dtype)
+            k, v = self._expand(seq, w)
+            if meta.band is None:  # not row_invariant: in one call (causal, or the prepared mask over a prefix)
+                outs.append(self._sdpa(q[a:b], k, v, meta.masks[i]))
+            else:
+                outs.append(self._blocks(q[a:b], k, v, meta.prefixes[i], meta))
+        return torch.cat(outs, dim=0)
+
+    def _read(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.pool.k[layer_id].index_select(0, slots)[:, 0].to(dtype)
+
+    def _expand(self, seq: torch.Tensor, w: MlaWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows [L, R + dr] -> every head's keys [L, H, dn + dr] and values [L, H, dv]."""
+        k_nope, v = w.expand(seq[:, : self.rank])
+        k_pe = seq[:, None, self.rank :].expand(-1, k_nope.shape[1], -1)
+        return torch.cat((k_nope, k_pe), dim=-1), v
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int, meta: TorchDecodeMeta,
+                  w: MlaWeights) -> torch.Tensor:
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [B, H, R]: W_UK folded into the query
+        out = self.decode(torch.cat((q_lat, q_pe), dim=-1), layer_id, meta)  # [B, H, R]: over the latent rows
+        return torch.bmm(out.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)  # W_UV after attention
+
+    def _expanded_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int, meta: TorchDecodeMeta,
+                         w: MlaWeights) -> torch.Tensor:
+        bsz, heads = q_nope.shape[:2]
+        k, v = self._expand(self._read(layer_id, meta.slots, q_nope.dtype), w)
+        k = k.view(bsz, meta.max_len, heads, -1).transpose(1, 2)
+        v = v.view(bsz, meta.max_len, heads, -1).transpose(1, 2)
+        q = torch.cat((q_nope, q_pe), dim=-1)[:, :, None, :]
+        return sdpa(q, k, v, self._decode_mask(meta, 0, q.dtype), self.scale)[:, :, 0]
+
+
+def create_mla_backend(name: str, pool: KVPool, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
+                       kernels: Kernels | None = None) -> MlaBackend:
+    """The MLA backend for `--attention-backend name`: the torch one on any device (auto picks it; triton and
+    flashinfer are refused by name: their MLA kernels are not here yet)."""
+    if name not in ("auto", "torch"):
+        raise ValueError(f"attention backend {name!r} has no MLA (DeepSeek) kernels here: use --attention-backend "
+                         "torch (or auto)")
+    serial = kernels is not None and kernels.cpu_gemm == "invariant"
+    return MlaBackend(pool, num_heads, kv_lora_rank, rope_dim, scale, serial_decode=serial)
