@@ -45,14 +45,14 @@ class MlaWeights(Protocol):
 
 
 class MlaBackend(TorchBackend):
-    """MLA over a latent pool; `absorb` False expands decode rows too (the reference the absorbed form is checked
-    against)."""
+    """MLA over a latent pool."""
+
+    absorb = True  # False: decode rows expanded too (the reference the absorbed form is checked against)
 
     def __init__(self, pool: KVPool, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
-                 serial_decode: bool = False, absorb: bool = True):
+                 serial_decode: bool = False):
         super().__init__(pool, num_heads, 1, kv_lora_rank + rope_dim, scale, serial_decode)
         self.rank = kv_lora_rank
-        self.absorb = absorb
 
     def forward_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, layer_id: int,
                     batch: ForwardBatch, w: MlaWeights) -> torch.Tensor:
