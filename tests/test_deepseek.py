@@ -116,6 +116,17 @@ def test_tp2_answers_as_tp1(deepseek_dirs, theirs, family):
     assert cold == cached == theirs[family]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["overlap", "ngram"])
+def test_overlap_and_speculative_verify_keep_the_answers(deepseek_dirs, theirs, mode):
+    """Overlap scheduling (forced on the CPU) and prompt-lookup speculation (drafts as extra decode rows, each an
+    absorbed decode row over the latent cache, the rejected ones' latent rows written and dropped)."""
+    kw = (dict(overlap_on_cpu=True) if mode == "overlap" else
+          dict(speculative_algorithm="ngram", num_speculative_tokens=3))
+    cold, cached = _ours(deepseek_dirs["v3"], _prompts(), **kw)
+    assert cold == cached == theirs["v3"]
+
+
 def test_absorbed_decode_answers_as_the_expanded_one(deepseek_dirs, theirs, monkeypatch):
     from minisgl_cli.attention.mla import MlaBackend
 
