@@ -7,6 +7,7 @@ differ; and the latent KV cache's bytes against an MHA cache of the same width, 
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from test_hf_parity import EXACT, hf_greedy
 
 from minisgl_cli import LLM, SamplingParams
+from tests.triton_interp import INTERPRET, patch_interpreter
 
 N_NEW = 16
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
@@ -133,6 +135,18 @@ def test_absorbed_decode_answers_as_the_expanded_one(deepseek_dirs, theirs, monk
     monkeypatch.setattr(MlaBackend, "absorb", False)
     cold, _ = _ours(deepseek_dirs["v3"], _prompts())
     assert cold == theirs["v3"]
+
+
+@pytest.mark.skipif(not (INTERPRET and importlib.util.find_spec("triton") is not None),
+                    reason="needs TRITON_INTERPRET=1 with triton importable (tests/test_gpu_mla_attention.py)")
+def test_triton_absorbed_decode_under_the_interpreter_answers_as_transformers(deepseek_dirs, theirs, monkeypatch):
+    """The CUDA path's kernel (kernels/triton/mla.py) run on CPU tensors by Triton's interpreter, in the engine."""
+    from minisgl_cli.attention.mla import MlaBackend
+
+    patch_interpreter()
+    monkeypatch.setattr(MlaBackend, "triton_decode", True)
+    cold, cached = _ours(deepseek_dirs["v3"], _prompts())
+    assert cold == cached == theirs["v3"]
 
 
 def test_absorbed_and_expanded_decode_are_the_same_numbers():

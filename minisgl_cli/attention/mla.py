@@ -9,6 +9,8 @@ rope key (qk_rope_head_dim) every head shares (kvcache/pool.py's `latent` shape)
   decode  absorbed: q_nope W_UK[h] is a query over c itself, so one step is attention of H query heads over one
           shared "head" [c | k_pe] of R + rope dims whose values are c ([q_nope W_UK | q_pe] . [c | k_pe] is
           q_nope . k_nope + q_pe . k_pe); W_UV after it. Nothing per head is read from memory but the latent rows.
+          On CUDA the attention over the latent rows is kernels/triton/mla.py's kernel, elsewhere TorchBackend's
+          decode (SDPA, the query heads as rows of the one KV head).
 
 Both are the same numbers to rounding (tests/test_deepseek.py checks each against the other and transformers).
 Prompts and decode rows attend as TorchBackend's do (its metadata, its position-aligned blocks on the CPU).
@@ -48,6 +50,7 @@ class MlaBackend(TorchBackend):
     """MLA over a latent pool."""
 
     absorb = True  # False: decode rows expanded too (the reference the absorbed form is checked against)
+    triton_decode: bool | None = None  # the absorbed decode through the Triton kernel; None: on CUDA
 
     def __init__(self, pool: KVPool, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
                  serial_decode: bool = False):
@@ -61,8 +64,10 @@ class MlaBackend(TorchBackend):
         rows = latent[:, None, :]
         self.pool.store(layer_id, batch.out_cache_loc, rows, rows)  # an MLA pool keeps K alone
         meta = batch.attn_meta
+        if isinstance(meta, TorchDecodeMeta) and self.absorb:
+            return self._absorbed(q_nope, q_pe, layer_id, batch, w)
         if isinstance(meta, TorchDecodeMeta):
-            return (self._absorbed if self.absorb else self._expanded_decode)(q_nope, q_pe, layer_id, meta, w)
+            return self._expanded_decode(q_nope, q_pe, layer_id, meta, w)
         q = torch.cat((q_nope, q_pe), dim=-1)
         outs = []
         for i, slots in enumerate(meta.slots):
@@ -84,10 +89,17 @@ class MlaBackend(TorchBackend):
         k_pe = seq[:, None, self.rank :].expand(-1, k_nope.shape[1], -1)
         return torch.cat((k_nope, k_pe), dim=-1), v
 
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int, meta: TorchDecodeMeta,
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int, batch: ForwardBatch,
                   w: MlaWeights) -> torch.Tensor:
         q_lat = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [B, H, R]: W_UK folded into the query
-        out = self.decode(torch.cat((q_lat, q_pe), dim=-1), layer_id, meta)  # [B, H, R]: over the latent rows
+        q = torch.cat((q_lat, q_pe), dim=-1)
+        if self.triton_decode or (self.triton_decode is None and q.is_cuda):  # imported only here
+            from minisgl_cli.kernels.triton.mla import mla_decode
+
+            out = mla_decode(q, self.pool.k[layer_id], self.pool.page_table, batch.req_rows, batch.seq_lens,
+                             self.rank, self.scale)
+        else:
+            out = self.decode(q, layer_id, batch.attn_meta)  # [B, H, R]: over the latent rows
         return torch.bmm(out.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)  # W_UV after attention
 
     def _expanded_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int, meta: TorchDecodeMeta,
