@@ -149,6 +149,19 @@ def test_triton_absorbed_decode_under_the_interpreter_answers_as_transformers(de
     assert cold == cached == theirs["v3"]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton MLA decode kernel")
+def test_deepseek_on_cuda_matches_transformers(deepseek_dirs, theirs):
+    """The CUDA path in the exact mode: prefill expanded in torch, decode through the Triton kernel (fp32 dots)."""
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    for family in ("v3", "v2"):
+        with LLM(str(deepseek_dirs[family]), max_prefill_tokens=12, device="cuda", **EXACT) as llm:
+            cold = [r.token_ids for r in llm.generate(_prompts(), [params] * len(_prompts()))]
+            cached = [r.token_ids for r in llm.generate(_prompts(), [params] * len(_prompts()))]
+            llm.client.check_pages()
+        assert cold == cached == theirs[family]
+
+
 def test_absorbed_and_expanded_decode_are_the_same_numbers():
     """One decode step of MLA over a latent pool: W_UK folded into the query and W_UV after attention over the
     latent rows against the keys and values expanded per head, and both against plain attention written out."""
@@ -265,19 +278,23 @@ def test_latent_cache_holds_no_v_half_and_32k_tokens_cost_what_it_says(deepseek_
 
 
 def test_full_size_latent_cache_against_mha_of_the_same_width():
-    """DeepSeek-V3's shape: 61 layers of one 512 + 64 latent row a token against its 128 heads as MHA would keep
-    them (K of qk_nope + rope dims, V of v_head_dim: counted as two 128-wide halves here, the smaller bound)."""
+    """DeepSeek-V3's shape (61 layers): one 512 + 64 latent row a token and layer, against its 128 heads as an MHA
+    cache of the same width keeps them (K of 128 + 64 dims, V of 128), and against 128 heads of 128 for K and V."""
     from minisgl_cli.kvcache.pool import KVShape
     from minisgl_cli.loader.configs import builtin_config
     from minisgl_cli.models import ModelConfig
 
     mc = ModelConfig.from_hf(builtin_config("deepseek-v3-5layer") | {"num_hidden_layers": 61})
-    assert mc.mla is not None
-    mla = KVShape(mc.num_layers, 1, mc.mla.latent_dim, torch.bfloat16, mc.mla.kv_lora_rank).bytes_per_token()
-    mha = KVShape(mc.num_layers, mc.num_heads, 128, torch.bfloat16).bytes_per_token()
-    assert mla == 61 * 576 * 2
-    assert mha == 2 * 61 * 128 * 128 * 2
-    assert mha // mla == 56  # 32k tokens: 2.1 GiB against 119 GiB
+    m = mc.mla
+    assert m is not None
+    mla = KVShape(mc.num_layers, 1, m.latent_dim, torch.bfloat16, m.kv_lora_rank).bytes_per_token()
+    square = KVShape(mc.num_layers, mc.num_heads, 128, torch.bfloat16).bytes_per_token()
+    mha = mc.num_layers * mc.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * 2
+    assert mla == 61 * 576 * 2 == 70_272
+    assert (square, mha) == (3_997_696, 4_997_120)
+    tokens = 32 * 1024  # 2.1 GiB of latent rows against 152.5 GiB of K and V (122 GiB at 128 dims each)
+    assert (tokens * mla / 2**30, tokens * mha / 2**30) == (2.14453125, 152.5)
+    assert mha // mla == 71
 
 
 def test_deepseek_yarn_and_softmax_scale_are_transformers():
