@@ -75,3 +75,27 @@ def test_triton_mla_decode_matches_torch_and_the_definition(heads, rank, rope):
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours.float().cpu(), _naive(pool, batch, q, rank, scale), **tol)
     torch.testing.assert_close(ours.float().cpu(), torch_out.float().cpu(), **tol)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_graph_metadata_pads_rows_and_keeps_the_real_rows_answers():
+    """What a captured decode graph reads: the static rows and lengths of a bigger graph, filled from a real step
+    (prepare_for_replay), the padding rows on page-table row 0; the real rows answer as without a graph."""
+    patch_interpreter()
+    from minisgl_cli.kernels.triton.mla import mla_decode
+
+    heads, rank, rope, bs = 4, 32, 8, 8
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    pool, batch, q = _case(heads, rank, rope, dtype)
+    backend = MlaBackend(pool, heads, rank, rope, 0.13)
+    backend.triton_decode = True
+    backend.init_cuda_graph_state(16)
+    static = backend.prepare_for_capture(bs)
+    backend.prepare_for_replay(batch, bs)
+    assert static.req_rows.tolist() == batch.req_rows.tolist() + [0] * (bs - len(LENS))
+    assert static.seq_lens.tolist() == LENS + [1] * (bs - len(LENS))
+    padded = torch.cat((q, q[:1].expand(bs - len(LENS), -1, -1)))
+    graphed = mla_decode(padded, pool.k[0], pool.page_table, static.req_rows, static.seq_lens, rank, 0.13)
+    plain = mla_decode(q, pool.k[0], pool.page_table, batch.req_rows, batch.seq_lens, rank, 0.13)
+    torch.testing.assert_close(graphed[: len(LENS)], plain, rtol=0, atol=0)

@@ -9,8 +9,9 @@ rope key (qk_rope_head_dim) every head shares (kvcache/pool.py's `latent` shape)
   decode  absorbed: q_nope W_UK[h] is a query over c itself, so one step is attention of H query heads over one
           shared "head" [c | k_pe] of R + rope dims whose values are c ([q_nope W_UK | q_pe] . [c | k_pe] is
           q_nope . k_nope + q_pe . k_pe); W_UV after it. Nothing per head is read from memory but the latent rows.
-          On CUDA the attention over the latent rows is kernels/triton/mla.py's kernel, elsewhere TorchBackend's
-          decode (SDPA, the query heads as rows of the one KV head).
+          On CUDA the attention over the latent rows is kernels/triton/mla.py's kernel (CUDA graphs capture it:
+          it reads each row's page-table row and length from the device), elsewhere TorchBackend's decode (SDPA,
+          the query heads as rows of the one KV head).
 
 Both are the same numbers to rounding (tests/test_deepseek.py checks each against the other and transformers).
 Prompts and decode rows attend as TorchBackend's do (its metadata, its position-aligned blocks on the CPU).
@@ -18,6 +19,7 @@ Prompts and decode rows attend as TorchBackend's do (its metadata, its position-
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -46,6 +48,14 @@ class MlaWeights(Protocol):
         ...
 
 
+@dataclass
+class KernelDecodeMeta:
+    """A decode step through the Triton kernel: each row's page-table row and length (static buffers in a graph)."""
+
+    req_rows: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int32
+
+
 class MlaBackend(TorchBackend):
     """MLA over a latent pool."""
 
@@ -56,6 +66,43 @@ class MlaBackend(TorchBackend):
                  serial_decode: bool = False):
         super().__init__(pool, num_heads, 1, kv_lora_rank + rope_dim, scale, serial_decode)
         self.rank = kv_lora_rank
+        # The kernel reads only its rows and lengths from the device: CUDA graphs capture its decode.
+        self.supports_cuda_graph = self.kernel_decode
+        self._graph: KernelDecodeMeta | None = None
+
+    @property
+    def kernel_decode(self) -> bool:
+        """Whether decode steps attend through the Triton kernel (absorbed, on CUDA unless `triton_decode` says)."""
+        on_cuda = self.pool.device.type == "cuda"
+        return self.absorb and bool(self.triton_decode or (self.triton_decode is None and on_cuda))
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if batch.is_decode and self.kernel_decode:  # nothing to gather: the kernel walks the page table itself
+            batch.attn_meta = KernelDecodeMeta(batch.req_rows, batch.seq_lens)
+            return
+        super().prepare(batch)
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        dev = self.pool.device
+        self._graph = KernelDecodeMeta(torch.zeros(max_bs, dtype=torch.int64, device=dev),
+                                       torch.ones(max_bs, dtype=torch.int32, device=dev))
+
+    def prepare_for_capture(self, bs: int, batch: ForwardBatch | None = None) -> KernelDecodeMeta:
+        if self._graph is None:
+            raise RuntimeError("call init_cuda_graph_state(max_bs) first")
+        meta = KernelDecodeMeta(self._graph.req_rows[:bs], self._graph.seq_lens[:bs])
+        if batch is not None:
+            batch.attn_meta = meta
+        return meta
+
+    def prepare_for_replay(self, batch: ForwardBatch, bs: int) -> None:
+        g = self.prepare_for_capture(bs)
+        n = batch.batch_size
+        g.req_rows[:n].copy_(batch.req_rows, non_blocking=True)
+        g.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
+        if n < bs:  # padding rows: one position of page-table row 0 (any valid slot; their output is dropped)
+            g.req_rows[n:].zero_()
+            g.seq_lens[n:].fill_(1)
 
     def forward_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, layer_id: int,
                     batch: ForwardBatch, w: MlaWeights) -> torch.Tensor:
@@ -64,8 +111,8 @@ class MlaBackend(TorchBackend):
         rows = latent[:, None, :]
         self.pool.store(layer_id, batch.out_cache_loc, rows, rows)  # an MLA pool keeps K alone
         meta = batch.attn_meta
-        if isinstance(meta, TorchDecodeMeta) and self.absorb:
-            return self._absorbed(q_nope, q_pe, layer_id, batch, w)
+        if isinstance(meta, KernelDecodeMeta) or (isinstance(meta, TorchDecodeMeta) and self.absorb):
+            return self._absorbed(q_nope, q_pe, layer_id, meta, w)
         if isinstance(meta, TorchDecodeMeta):
             return self._expanded_decode(q_nope, q_pe, layer_id, meta, w)
         q = torch.cat((q_nope, q_pe), dim=-1)
@@ -89,17 +136,17 @@ class MlaBackend(TorchBackend):
         k_pe = seq[:, None, self.rank :].expand(-1, k_nope.shape[1], -1)
         return torch.cat((k_nope, k_pe), dim=-1), v
 
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int, batch: ForwardBatch,
-                  w: MlaWeights) -> torch.Tensor:
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int,
+                  meta: KernelDecodeMeta | TorchDecodeMeta, w: MlaWeights) -> torch.Tensor:
         q_lat = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [B, H, R]: W_UK folded into the query
         q = torch.cat((q_lat, q_pe), dim=-1)
-        if self.triton_decode or (self.triton_decode is None and q.is_cuda):  # imported only here
+        if isinstance(meta, KernelDecodeMeta):  # the Triton kernel, imported only here
             from minisgl_cli.kernels.triton.mla import mla_decode
 
-            out = mla_decode(q, self.pool.k[layer_id], self.pool.page_table, batch.req_rows, batch.seq_lens,
+            out = mla_decode(q, self.pool.k[layer_id], self.pool.page_table, meta.req_rows, meta.seq_lens,
                              self.rank, self.scale)
         else:
-            out = self.decode(q, layer_id, batch.attn_meta)  # [B, H, R]: over the latent rows
+            out = self.decode(q, layer_id, meta)  # [B, H, R]: over the latent rows
         return torch.bmm(out.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)  # W_UV after attention
 
     def _expanded_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int, meta: TorchDecodeMeta,

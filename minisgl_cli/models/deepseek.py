@@ -32,7 +32,7 @@ from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
-from minisgl_cli.layers.moe import MoE
+from minisgl_cli.layers.moe import MoE, grouped_mm_runs
 from minisgl_cli.layers.norm import LayerOut, RMSNorm, rows_of
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.layers.rotary import RopeTable, RotaryEmbedding
@@ -184,7 +184,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return out
 
     def graph_safe(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return False  # the MLA backend captures no graphs yet, and the DeepSeek router reads nothing back but its loop
+        """DeepSeek's routing stays on the device; the experts are graph-safe where torch's grouped GEMM runs (the fused
+        Triton experts route by softmax themselves, so DeepSeek's blocks do not take them)."""
+        return not self.cfg.num_experts or grouped_mm_runs(device, dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> set[str]:
         direct: set[str] = set()
