@@ -363,3 +363,35 @@ def test_builtin_deepseek_configs_have_their_published_shapes():
     assert v3.mla is not None and v3.mla.q_lora_rank == 1536 and v3.num_heads == 128
     assert v3.routing is not None and (v3.routing.n_group, v3.routing.topk_group) == (8, 4)
     assert v3.num_experts == 256 and v3.mlp_only_layers == (0,) and v3.num_layers == 5
+
+
+@pytest.mark.parametrize("family", ["v3", "v3_halves", "v2", "v2_greedy"])
+def test_grouped_routing_is_transformers_router(family):
+    """layers/moe.py's route_grouped against transformers' DeepseekV3TopkRouter / DeepseekV2TopkRouter on the same
+    gate: the same experts and the same weights for every token (ties aside: random fp32 scores have none)."""
+    import transformers
+
+    from minisgl_cli.layers.moe import route_grouped
+    from minisgl_cli.models import ModelConfig
+
+    name, fields = FAMILIES["v2" if family == "v2_greedy" else family]
+    fields = {**fields, "topk_method": "greedy"} if family == "v2_greedy" else fields
+    hf_cfg = getattr(transformers, f"{name}Config")(**{**_TINY, **fields, "n_routed_experts": 16})
+    module = __import__(f"transformers.models.deepseek_{name[-2:].lower()}.modeling_deepseek_{name[-2:].lower()}",
+                        fromlist=["x"])
+    router = getattr(module, f"{name}TopkRouter")(hf_cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.3)
+    x = torch.randn(64, _TINY["hidden_size"], generator=g)
+    _, their_w, their_ids = router(x)
+    mc = ModelConfig.from_hf({**hf_cfg.to_dict(), "architectures": [f"{name}ForCausalLM"]})
+    assert mc.routing is not None
+    bias = getattr(router, "e_score_correction_bias", None) if mc.routing.correction_bias else None
+    our_w, our_ids = route_grouped(torch.nn.functional.linear(x, router.weight), hf_cfg.num_experts_per_tok,
+                                   mc.routing, bias)
+    order = their_ids.argsort(dim=-1)
+    assert torch.equal(our_ids, their_ids.gather(1, order))
+    torch.testing.assert_close(our_w, their_w.gather(1, order), rtol=0, atol=0)

@@ -106,11 +106,12 @@ def route_grouped(logits: torch.Tensor, top_k: int, r: GroupedRouting,
         keep = keep[:, :, None].expand(grouped.shape).reshape(n_tok, n_exp)
         # V3 masks the biased scores to -inf, V2 its scores to 0 (as each of transformers' routers does)
         choice = choice.masked_fill(~keep, float("-inf") if r.scoring == "sigmoid" else 0.0)
-    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1].sort(dim=-1)[0]
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
-    if r.renormalize:
+    if r.renormalize:  # summed in topk's order, as transformers sums them
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * r.routed_scaling_factor, ids
+    ids, order = ids.sort(dim=-1)  # each token's experts ascending: the order its terms are summed in
+    return (weights * r.routed_scaling_factor).gather(1, order), ids
 
 
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:

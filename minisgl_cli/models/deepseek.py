@@ -42,6 +42,9 @@ from minisgl_cli.models.llama import MLP, LlamaForCausalLM, RopeAt
 
 
 class MlaAttention(nn.Module):
+    """One layer's MLA: this rank's heads' queries, the step's [latent | rope key] rows, kv_b_proj as the expansion
+    (prefill) and as W_UK / W_UV (decode) for the backend (attention/mla.py's MlaWeights)."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TPInfo, kernels: Kernels,
                  method: LinearMethod):
         super().__init__()
