@@ -395,3 +395,30 @@ def test_grouped_routing_is_transformers_router(family):
     order = their_ids.argsort(dim=-1)
     assert torch.equal(our_ids, their_ids.gather(1, order))
     torch.testing.assert_close(our_w, their_w.gather(1, order), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_dummy_checkpoint_has_the_shapes_transformers_saves(deepseek_dirs, family):
+    """--load-format dummy's tensors for a DeepSeek config: every name and shape a transformers checkpoint has."""
+    import json
+
+    from safetensors import safe_open
+
+    from minisgl_cli.models import ModelConfig
+    from minisgl_cli.models.dummy import _shapes
+
+    d = deepseek_dirs[family]
+    mc = ModelConfig.from_hf(json.loads((d / "config.json").read_text()))
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    assert dict(_shapes(mc)) == saved
+
+
+def test_builtin_dummy_deepseek_starts_and_generates_on_cpu():
+    """`--load-format dummy --model deepseek-tiny` on the CPU (deepseek-v2-lite's 31 GB are GPU work): the engine
+    starts and answers token ids."""
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with LLM("deepseek-tiny", load_format="dummy", device="cpu", max_total_tokens=512) as llm:
+        out = llm.generate([[5, 6, 7, 8, 9]], [params])
+        llm.client.check_pages()
+    assert len(out[0].token_ids) == 4

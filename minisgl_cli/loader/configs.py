@@ -135,7 +135,7 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
                       "moe_intermediate_size": 64, "num_hidden_layers": 3, "first_k_dense_replace": 1,
                       "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 16,
                       "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "kv_lora_rank": 64,
-                      "q_lora_rank": 96, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32},
+                      "q_lora_rank": 96, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64},
     # A vision-language model (models/qwen2_vl.py): the Qwen2 decoder with M-RoPE and a 32-block ViT. Serving images
     # needs a tokenizer and an image processor: examples/make_tiny_media_models.py's write_dummy_vlm_dir writes a
     # directory for this config (examples/bench_vlm.py gpu).

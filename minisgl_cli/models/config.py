@@ -220,10 +220,10 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            # MLA: every head its own key and value, made from the latent (the pool holds one latent row a token)
+            # MLA: every head its own key and value, made from the latent (the pool holds one latent row a token);
+            # head_dim is the rope dims, as transformers' DeepSeek configs set it (the heads' widths: MlaConfig)
             num_kv_heads=heads if mla else cfg.get("num_key_value_heads") or heads,
-            head_dim=(mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else
-                      cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            head_dim=mla.qk_rope_head_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta") or rope_params.get("rope_theta", 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
