@@ -69,11 +69,12 @@ def _prompts() -> list[list[int]]:
     return ids + [prefix + torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 6, 11)]
 
 
-def _ours(model_dir: Path, prompts: list[list[int]], **kw) -> tuple[list[list[int]], list[list[int]]]:
+def _ours(model_dir: Path, prompts: list[list[int]], backend: str = "torch",
+          **kw) -> tuple[list[list[int]], list[list[int]]]:
     """(cold, cached): every prompt greedily, then all again (each prompt's latent KV now from the radix cache);
     `max_prefill_tokens` 12 cuts the long prompts into chunks."""
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
-    with LLM(str(model_dir), attention_backend="torch", max_prefill_tokens=12, **EXACT, **kw) as llm:
+    with LLM(str(model_dir), attention_backend=backend, max_prefill_tokens=12, **EXACT, **kw) as llm:
         cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
         cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
         llm.client.check_pages()
@@ -144,8 +145,8 @@ def test_triton_absorbed_decode_under_the_interpreter_answers_as_transformers(de
     from minisgl_cli.attention.mla import MlaBackend
 
     patch_interpreter()
-    monkeypatch.setattr(MlaBackend, "triton_decode", True)
-    cold, cached = _ours(deepseek_dirs["v3"], _prompts())
+    monkeypatch.setattr(MlaBackend, "triton_decode", True)  # as on CUDA
+    cold, cached = _ours(deepseek_dirs["v3"], _prompts(), backend="auto")
     assert cold == cached == theirs["v3"]
 
 
@@ -339,6 +340,8 @@ def test_what_is_not_supported_is_refused_by_name(deepseek_dirs, tmp_path):
     with pytest.raises(ValueError, match="scoring_func"):
         ModelConfig.from_hf({**builtin_config("deepseek-v3-5layer"), "scoring_func": "softmax"})
     with pytest.raises(ValueError, match="no MLA"):
+        Engine(EngineConfig(model=str(deepseek_dirs["v3"]), attention_backend="flashinfer", device="cpu", **EXACT))
+    with pytest.raises(ValueError, match="'triton' needs a CUDA device"):
         Engine(EngineConfig(model=str(deepseek_dirs["v3"]), attention_backend="triton", device="cpu", **EXACT))
     with pytest.raises(ValueError, match="FP8 KV cache is not supported for MLA"):
         Engine(EngineConfig(model=str(deepseek_dirs["v3"]), kv_cache_dtype="fp8_e4m3", **EXACT))

@@ -20,6 +20,7 @@ Prompts and decode rows attend as TorchBackend's do (its metadata, its position-
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Protocol
 
 import torch
@@ -63,9 +64,12 @@ class MlaBackend(TorchBackend):
     triton_decode: bool | None = None  # the absorbed decode through the Triton kernel; None: on CUDA
 
     def __init__(self, pool: KVPool, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
-                 serial_decode: bool = False):
+                 serial_decode: bool = False, triton_decode: bool | None = None):
+        """`triton_decode`: this backend's choice of decode (None: the class's, by default on CUDA)."""
         super().__init__(pool, num_heads, 1, kv_lora_rank + rope_dim, scale, serial_decode)
         self.rank = kv_lora_rank
+        if triton_decode is not None:
+            self.triton_decode = triton_decode
         # The kernel reads only its rows and lengths from the device: CUDA graphs capture its decode.
         self.supports_cuda_graph = self.kernel_decode
         self._graph: KernelDecodeMeta | None = None
@@ -161,10 +165,15 @@ class MlaBackend(TorchBackend):
 
 def create_mla_backend(name: str, pool: KVPool, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
                        kernels: Kernels | None = None) -> MlaBackend:
-    """The MLA backend for `--attention-backend name`: the torch one on any device (auto picks it; triton and
-    flashinfer are refused by name: their MLA kernels are not here yet)."""
-    if name not in ("auto", "torch"):
+    """The MLA backend for `--attention-backend name`: auto (the Triton decode kernel on CUDA where triton imports,
+    torch elsewhere), triton (CUDA only), torch (torch's decode on any device: the reference); flashinfer is refused
+    by name (no MLA kernels of its here)."""
+    if name not in ("auto", "torch", "triton"):
         raise ValueError(f"attention backend {name!r} has no MLA (DeepSeek) kernels here: use --attention-backend "
-                         "torch (or auto)")
+                         "auto, triton or torch")
+    on_cuda = pool.device.type == "cuda"
+    if name == "triton" and not on_cuda:
+        raise ValueError(f"attention backend 'triton' needs a CUDA device (got {pool.device}); use 'torch' or 'auto'")
+    kernel = None if name == "triton" else False if name == "torch" or find_spec("triton") is None else None
     serial = kernels is not None and kernels.cpu_gemm == "invariant"
-    return MlaBackend(pool, num_heads, kv_lora_rank, rope_dim, scale, serial_decode=serial)
+    return MlaBackend(pool, num_heads, kv_lora_rank, rope_dim, scale, serial_decode=serial, triton_decode=kernel)
