@@ -99,7 +99,8 @@ class TorchBackend(AttentionBackend):
         super().__init__(pool, num_heads, num_kv_heads, head_dim, scale)
         self.serial_decode = serial_decode
         # minisgl::decode_attn's cases (its checks): where it cannot run, SDPA does
-        self.own_decode = (self.row_invariant and pool.shape.dtype in (torch.bfloat16, torch.float32)
+        self.own_decode = (self.row_invariant and not pool.shape.latent
+                           and pool.shape.dtype in (torch.bfloat16, torch.float32)
                            and head_dim in (32, 64, 96, 128, 256) and num_heads // num_kv_heads <= 16
                            and cpu_library.missing("decode_attn") is None)
 
@@ -226,7 +227,7 @@ class TorchBackend(AttentionBackend):
         mask = self._decode_mask(meta, window, q.dtype)
         # [B, Hkv, L, D] as strided views: SDPA reads them in place, a .contiguous() copy costs more.
         keys = k_all.view(shape).transpose(1, 2)
-        values = v_all.view(shape).transpose(1, 2)
+        values = v_all.view(*shape[:3], -1).transpose(1, 2)  # an MLA pool's values are narrower (its latent)
         # GQA without copying K/V per query head: a KV head's query heads act as its query rows. torch's CPU flash
         # attention lays each thread's scratch after the previous one's, (query rows) x (keys + head dim + 2) floats
         # and (query rows) x keys 16-bit values: with 3 query rows (SmolLM2) a thread's starts off a 64-byte line,
@@ -240,7 +241,7 @@ class TorchBackend(AttentionBackend):
             row_sinks = None if row_sinks is None else F.pad(row_sinks, (0, _GROUP - group % _GROUP))
         with one_thread() if self.serial_decode else contextlib.nullcontext():
             out = sdpa(rows, keys, values, mask, self.scale, row_sinks)
-        return out[:, :, :group].reshape(bsz, self.num_heads, d)
+        return out[:, :, :group].reshape(bsz, self.num_heads, -1)
 
     @staticmethod
     def _decode_mask(meta: TorchDecodeMeta, window: int, dtype: torch.dtype) -> torch.Tensor:

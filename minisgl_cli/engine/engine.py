@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from minisgl_cli.attention import create_backend
+from minisgl_cli.attention.mla import create_mla_backend
 from minisgl_cli.attention.torch_backend import TorchBackend
 from minisgl_cli.cpu_step.compiled import CompiledDecode, StepKey
 from minisgl_cli.distributed import TPInfo
@@ -121,8 +122,8 @@ class Engine:
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(
                 f"model config not usable ({exc})", model_dir or name,
-                "a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Gemma 3 (text), Qwen2-VL or "
-                "Qwen2.5-VL config",
+                "a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Gemma 3 (text), DeepSeek-V2 / V3, "
+                "Qwen2-VL or Qwen2.5-VL config",
             ) from None
         mc = self.model_cfg
         if tp.size > 1 and self.device.type == "cuda":
@@ -154,7 +155,10 @@ class Engine:
         # Every rank must hold the same number of pages (they schedule alike): size by the rank with
         # the most KV heads, then take the smallest count any rank can afford.
         widest = max(mc.heads_of(r, tp.size).n_kv for r in range(tp.size))
-        num_pages = min_over_ranks(self._kv_pages(KVShape(mc.num_layers, widest, mc.head_dim, self.kv_dtype)), tp)
+        widest_shape = KVShape(mc.num_layers, widest, mc.head_dim, self.kv_dtype)
+        if mc.mla is not None:  # MLA: one latent row a token, the same on every rank (attention/mla.py)
+            shape = widest_shape = KVShape(mc.num_layers, 1, mc.mla.latent_dim, self.kv_dtype, mc.mla.kv_lora_rank)
+        num_pages = min_over_ranks(self._kv_pages(widest_shape), tp)
         capacity = num_pages * cfg.page_size
         self.max_context_len = min(
             cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings, capacity
@@ -164,7 +168,8 @@ class Engine:
         self.attn = create_backend(
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
             mc.head_dim, mc.attn_scale, self.device, self.kernels, variants=mc.attention_variants,
-        )
+        ) if mc.mla is None else create_mla_backend(cfg.attention_backend, self.pool, heads.n_q, mc.mla.kv_lora_rank,
+                                                    mc.mla.qk_rope_head_dim, mc.attn_scale, self.kernels)
         # Every request's sampling parameters on the device, by page-table row (written when a request takes its row).
         self.sampling = SamplingState(cfg.max_running_requests, mc.vocab_size, self.device, self.host, cfg.seed)
         self.sampler = create_sampler(self.device, mc.vocab_size, cfg.sampler)
@@ -183,7 +188,7 @@ class Engine:
                                 "expert row counts back each step")
         self.compiled: CompiledDecode | None = None
         step = cfg.decode_step(self.quantization, self.kv_dtype, tp.size, own_process,
-                               eager_only=bool(mc.num_experts) or mc.attention_variants)
+                               eager_only=bool(mc.num_experts) or mc.attention_variants or mc.mla is not None)
         if step != "off" and isinstance(self.attn, TorchBackend):
             key = StepKey.of(cfg, mc, model_dir, source, self.dtype, self.kv_dtype, self.quantization)
             self.compiled = CompiledDecode(cfg, self.attn, key, builds=step == "build")  # builds from start_serving

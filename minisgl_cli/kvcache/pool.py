@@ -12,6 +12,11 @@ logit of a query row alike) and gets the V mean back by adding it to its output 
 Alternatively one scale is given for every head (`kv_scale`) and the means stay zero.
 Once set they never change (the stored codes depend on them); the kernels read them from device memory,
 so CUDA graphs captured before the first prefill see the final values.
+
+An MLA pool (`KVShape.latent`: DeepSeek's Multi-head Latent Attention) keeps one row a token and layer, [the
+normalized latent (kv_lora_rank) | the rotated rope key (qk_rope_head_dim)], as K of one head; there is no V half:
+`v` is a view of K's first `latent` columns (the absorbed decode's values are the latent itself), and
+`bytes_per_token` counts K alone, so the same memory budget holds that many more tokens.
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    latent: int = 0  # MLA: each row's latent columns (kv_lora_rank), the rest its rope key; no V half (see above)
 
     def bytes_per_token(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        halves = 1 if self.latent else 2
+        return halves * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
 class KVPool:
@@ -58,6 +65,8 @@ class KVPool:
         """kv_scale: FP8 pools only: one fixed scale for every head's K and V instead of calibrating."""
         if num_pages < 1 or page_size < 1:
             raise ValueError("KV pool needs at least one page of at least one slot")
+        if shape.latent and shape.dtype == FP8:
+            raise ValueError("an FP8 KV cache is not supported for MLA (latent) pools yet: use a 16-bit kv-cache-dtype")
         self.shape = shape
         self.page_size = page_size
         self.num_pages = num_pages
@@ -65,7 +74,8 @@ class KVPool:
         num_slots = (num_pages + 1) * page_size
         kv = (num_slots, shape.num_kv_heads, shape.head_dim)
         self.k = [torch.zeros(kv, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
-        self.v = [torch.zeros(kv, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.v = ([k[..., : shape.latent] for k in self.k] if shape.latent else  # MLA: views, no memory
+                  [torch.zeros(kv, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)])
         self.quantized = shape.dtype == FP8
         # FP8: scales per (layer, KV head) and means per (layer, KV head, channel), fp32, updated in place only.
         heads, dims = (shape.num_layers, shape.num_kv_heads), (shape.num_layers, shape.num_kv_heads, shape.head_dim)
@@ -139,7 +149,8 @@ class KVPool:
         """k/v [T, Hkv, D] into slots `loc` (as FP8 codes of this layer's means and scales in an FP8 pool)."""
         if not self.quantized:
             self.k[layer_id][loc] = k
-            self.v[layer_id][loc] = v
+            if not self.shape.latent:  # MLA: v is a view of k
+                self.v[layer_id][loc] = v
             return
         for cache, mean, scale, x in ((self.k, self.k_mean, self.k_scale, k), (self.v, self.v_mean, self.v_scale, v)):
             codes = quantize(x.float() - mean[layer_id], scale[layer_id][:, None])

@@ -24,8 +24,10 @@ gpt-oss's experts (`SwiGLU`): a bias after each projection and the clamped SwiGL
 gate's bias, and its routing (a softmax over the k largest logits); they take the torch paths (the fused Triton
 experts have neither biases nor that activation yet), the grouped GEMM on CUDA, so decode stays graph-safe.
 
-Shared experts (Qwen2-MoE, DeepSeek) would be a dense MLP added beside the routed ones; neither Qwen3-MoE nor
-Mixtral has one, so there is none here yet.
+DeepSeek's blocks (`GroupedRouting`, layers/routing.py): the router's logits in fp32 from an fp32 gate, sigmoid or
+softmax scores, grouped top-k with V3's correction bias for the choice only, the routed scaling factor
+(`route_grouped`), and shared experts: a dense MLP the model hands in, added to the routed experts' sum. They take
+the torch paths (the fused Triton experts route by softmax themselves).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.linear import divide
 from minisgl_cli.layers.norm import Terms
 from minisgl_cli.layers.quant import LinearMethod, gemv_ops
+from minisgl_cli.layers.routing import GroupedRouting
 from minisgl_cli.loader.blocks import Int4Groups, Int8Groups
 from minisgl_cli.loader.hf import Weight, whole
 
@@ -86,6 +89,29 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_grouped(logits: torch.Tensor, top_k: int, r: GroupedRouting,
+                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] ascending): DeepSeek's choice from fp32 `logits` [T, E], step for step
+    as transformers computes it (see GroupedRouting); `bias`: V3's e_score_correction_bias [E]."""
+    scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(dim=-1, dtype=torch.float32)
+    choice = scores + bias if bias is not None else scores
+    if r.n_group > 1 or r.group_score == "top2_sum":  # V3 scores its groups even when there is one
+        n_tok, n_exp = choice.shape
+        grouped = choice.view(n_tok, r.n_group, n_exp // r.n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if r.group_score == "top2_sum" else grouped.amax(-1)
+        group_idx = torch.topk(group_scores, k=r.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        keep = keep[:, :, None].expand(grouped.shape).reshape(n_tok, n_exp)
+        # V3 masks the biased scores to -inf, V2 its scores to 0 (as each of transformers' routers does)
+        choice = choice.masked_fill(~keep, float("-inf") if r.scoring == "sigmoid" else 0.0)
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if r.renormalize:  # summed in topk's order, as transformers sums them
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    ids, order = ids.sort(dim=-1)  # each token's experts ascending: the order its terms are summed in
+    return (weights * r.routed_scaling_factor).gather(1, order), ids
 
 
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -164,14 +190,21 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
 class Gate(nn.Module):
     """The gate: logits over the experts from the hidden state, replicated on every rank (E x H is small)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, kernels: Kernels, bias: bool = False):
+    def __init__(self, hidden_size: int, num_experts: int, kernels: Kernels, bias: bool = False,
+                 routing: GroupedRouting | None = None):
+        """`routing` (DeepSeek): the weight kept fp32 (as transformers keeps it), and V3's correction bias."""
         super().__init__()
         self.kernels = kernels
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        dtype = torch.float32 if routing is not None else None
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None  # gpt-oss
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+            if routing is not None and routing.correction_bias else None)
 
     def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
-        param = {"weight": self.weight, "bias": self.bias}.get(name)
+        param = {"weight": self.weight, "bias": self.bias,
+                 "e_score_correction_bias": self.e_score_correction_bias}.get(name)
         if param is None:
             raise KeyError(f"checkpoint has a gate {name!r} this gate was built without")
         param.data.copy_(whole(loaded))
@@ -346,13 +379,17 @@ class MoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  tp: TPInfo, kernels: Kernels, fp8: bool = False, copies: LinearMethod | None = None,
-                 swiglu: SwiGLU | None = None):
-        """`swiglu`: gpt-oss's experts (its activation, biases, the gate's bias and its routing)."""
+                 swiglu: SwiGLU | None = None, routing: GroupedRouting | None = None,
+                 shared_experts: nn.Module | None = None):
+        """`swiglu`: gpt-oss's experts (its activation, biases, the gate's bias and its routing); `routing`: DeepSeek's
+        router; `shared_experts`: a dense MLP (forward(x, decode), TP-split like the experts) added to their sum."""
         super().__init__()
         self.top_k, self.renormalize, self.tp, self.kernels = top_k, renormalize, tp, kernels
         self.swiglu = swiglu
-        self.gate = Gate(hidden_size, num_experts, kernels, bias=swiglu is not None)
+        self.routing = routing
+        self.gate = Gate(hidden_size, num_experts, kernels, bias=swiglu is not None, routing=routing)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8, copies, bias=swiglu is not None)
+        self.shared_experts = shared_experts
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         return False  # the experts take 16-bit activations (FP8 experts too): the norm before them writes plain rows
@@ -361,16 +398,24 @@ class MoE(nn.Module):
         """`decode`: a decode step's rows, which take the experts' int4 / int8 copies where they have them."""
         assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
         e = self.experts
-        ops = triton_experts(x, self.kernels, e.fp8) if self.swiglu is None else None
+        ops = triton_experts(x, self.kernels, e.fp8) if self.swiglu is None and self.routing is None else None
         if ops is not None:  # one rank: the choices' terms left for the next norm to sum (layers/norm.py)
             y = ops.moe_routed(x, self.gate(x), e.gate_up_proj, e.down_proj, self.top_k, self.renormalize,
                                e.gate_up_scale, e.down_scale, self.kernels.pdl, terms=True)
             return Terms(y) if self.tp.size == 1 else all_reduce(y.sum(dim=1), self.tp)
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize, topk_first=self.swiglu is not None)
+        if self.routing is not None:
+            logits = F.linear(x.float(), self.gate.weight.float())  # fp32, as transformers' DeepSeek routers
+            weights, ids = route_grouped(logits, self.top_k, self.routing, self.gate.e_score_correction_bias)
+        else:
+            weights, ids = route(self.gate(x), self.top_k, self.renormalize, topk_first=self.swiglu is not None)
         matmul = (e.decode_matmul() if decode else None) or e.dense_matmul(self.kernels)
         biases = None if e.gate_up_bias is None or e.down_bias is None else (e.gate_up_bias, e.down_bias)
         y = fused_experts(x, *e.dense(x.dtype), weights, ids, self.kernels,
                           grouped_mm_runs(x.device, x.dtype) and matmul is None,
                           fp8_rows=e.fp8 and fp8_act(x.shape[0]), matmul=matmul, act_fn=self.swiglu or silu_and_mul,
                           biases=biases)
-        return all_reduce(y, self.tp)
+        y = all_reduce(y, self.tp)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x, decode)
+            y = y + (shared if isinstance(shared, torch.Tensor) else all_reduce(shared.rows, self.tp))  # a Partial
+        return y

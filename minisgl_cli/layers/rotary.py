@@ -60,7 +60,9 @@ def _yarn(inv: torch.Tensor, dim: int, base: float, p: dict) -> tuple[torch.Tens
         high += 0.001
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     extrapolated = 1 - ramp
-    return inv / factor * (1 - extrapolated) + inv * extrapolated, float(attention)
+    pos = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # inv is 1 / pos
+    interpolated = 1.0 / (factor * pos)  # rounded as transformers rounds it (not inv / factor)
+    return interpolated * (1 - extrapolated) + inv * extrapolated, float(attention)
 
 
 @dataclass(frozen=True)

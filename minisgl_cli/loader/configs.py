@@ -35,6 +35,24 @@ _GEMMA3 = {
     "bos_token_id": 2, "eos_token_id": [1, 106],
 }
 
+# DeepSeek (models/deepseek.py): MLA (a 512 + 64 latent row a token), shared + routed experts, YaRN to 160k positions.
+# V2-Lite as published (15.7B, ~31 GB in bf16: a plain q_proj, softmax routing over 64 experts, 6 a token); V3's
+# widths (a 1536 q_lora_rank, 128 heads, 256 experts in 8 groups, sigmoid routing with a correction bias) cut to 5
+# layers, one dense and four MoE, to fit one H200 in bf16 (~97 GB); "deepseek-tiny": V3's design at toy widths, for
+# starting the CPU paths (`minisgl smoke --model deepseek-tiny --load-format dummy --device cpu`).
+_DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid", "norm_topk_prob": True, "moe_layer_freq": 1, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 163840, "tie_word_embeddings": False,
+    "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    "bos_token_id": 0, "eos_token_id": 1,
+}
+
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
@@ -99,6 +117,25 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "gemma-3-27b": {**_GEMMA3, "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
                     "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
                     "query_pre_attn_scalar": 168},
+    "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+        "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+        "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1, "kv_lora_rank": 512,
+        "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_group": 1,
+        "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 163840, "tie_word_embeddings": False,
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+        "bos_token_id": 100000, "eos_token_id": 100001,
+    },
+    "deepseek-v3-5layer": {**_DEEPSEEK_V3, "num_hidden_layers": 5, "first_k_dense_replace": 1},
+    "deepseek-tiny": {**_DEEPSEEK_V3, "vocab_size": 32000, "hidden_size": 256, "intermediate_size": 512,
+                      "moe_intermediate_size": 64, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+                      "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 16,
+                      "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "kv_lora_rank": 64,
+                      "q_lora_rank": 96, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64},
     # A vision-language model (models/qwen2_vl.py): the Qwen2 decoder with M-RoPE and a 32-block ViT. Serving images
     # needs a tokenizer and an image processor: examples/make_tiny_media_models.py's write_dummy_vlm_dir writes a
     # directory for this config (examples/bench_vlm.py gpu).

@@ -1,5 +1,6 @@
-"""Models in plain torch: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss decoders, Gemma 3 text, and
-Qwen2-VL / Qwen2.5-VL (the Qwen2 decoder with a vision tower), chosen by the config's architecture."""
+"""Models in plain torch: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss decoders, Gemma 3 text,
+DeepSeek-V2 / V3 (MLA and shared + routed experts), and Qwen2-VL / Qwen2.5-VL (the Qwen2 decoder with a vision tower),
+chosen by the config's architecture."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from minisgl_cli.distributed import TPInfo
 from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.models.config import ModelConfig
+from minisgl_cli.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from minisgl_cli.models.gemma3 import Gemma3ForCausalLM
 from minisgl_cli.models.llama import (
     GptOssForCausalLM,
@@ -27,6 +29,8 @@ _CLASSES = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }

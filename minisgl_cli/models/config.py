@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl_cli.layers.routing import GroupedRouting
+
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                  "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
-                 *VISION_ARCHITECTURES)
+                 *VISION_ARCHITECTURES, *MLA_ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,41 @@ class VisionConfig:
                             out_hidden_size=v.get("out_hidden_size", text["hidden_size"]),
                             window_size=v.get("window_size", 112),
                             fullatt_block_indexes=tuple(v.get("fullatt_block_indexes") or ()), **common)
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek's Multi-head Latent Attention: queries through a low-rank q_lora_rank (0: a plain q_proj), keys and
+    values from one kv_lora_rank latent per token plus a qk_rope_head_dim key shared by every head (what the KV
+    pool keeps: kvcache/pool.py), each head's key qk_nope_head_dim latent-made + the rope part, its value
+    v_head_dim. `scale`: softmax scale, qk_head_dim^-1/2 times YaRN's mscale(factor, mscale_all_dim)^2 where the
+    rope scaling says so (transformers' yarn_apply_mscale)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint's rope dims as (x0, x1), (x2, x3) pairs (V2 always; V3's rope_interleave)
+    scale: float
+
+    @property
+    def latent_dim(self) -> int:
+        """One token's row in the KV pool: the normalized latent, then the rotated rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @staticmethod
+    def from_hf(arch: str, cfg: dict[str, Any], scaling: dict | None) -> MlaConfig:
+        qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+        scale = qk**-0.5
+        if scaling and scaling.get("mscale_all_dim"):  # transformers' yarn_apply_mscale
+            m = 0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0 if scaling["factor"] > 1 else 1.0
+            scale *= m * m
+        return MlaConfig(q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"],
+                         qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                         v_head_dim=cfg["v_head_dim"],
+                         rope_interleave=arch == "DeepseekV2ForCausalLM" or cfg.get("rope_interleave") is not False,
+                         scale=scale)
 
 
 @dataclass(frozen=True)
@@ -107,9 +146,17 @@ class ModelConfig:
     # clamped above and up both ways at swiglu_limit); 0: the SiLU-gated experts of Qwen3-MoE / Mixtral
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
+    # DeepSeek-V2 / V3 (models/deepseek.py): MLA attention; the MoE's router (grouped top-k, sigmoid or softmax
+    # scores, the scaling factor) and its shared experts, a dense MLP of n_shared_experts * moe_intermediate_size
+    # beside the routed ones; the first first_k_dense_replace layers dense (mlp_only_layers)
+    mla: MlaConfig | None = None
+    routing: GroupedRouting | None = None
+    n_shared_experts: int = 0
 
     @property
     def attn_scale(self) -> float:
+        if self.mla is not None:
+            return self.mla.scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
@@ -165,6 +212,7 @@ class ModelConfig:
         )
         if vlm:  # M-RoPE: default frequencies, split across the t / h / w positions (VisionConfig.mrope_section)
             scaling = None
+        mla = MlaConfig.from_hf(arch, cfg, scaling) if arch in MLA_ARCHITECTURES else None
         return ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -172,8 +220,10 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            # MLA: every head its own key and value, made from the latent (the pool holds one latent row a token);
+            # head_dim is the rope dims, as transformers' DeepSeek configs set it (the heads' widths: MlaConfig)
+            num_kv_heads=heads if mla else cfg.get("num_key_value_heads") or heads,
+            head_dim=mla.qk_rope_head_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta") or rope_params.get("rope_theta", 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -189,6 +239,7 @@ class ModelConfig:
             attn_sinks=arch == "GptOssForCausalLM",
             **_gemma_fields(arch, cfg, local_params),
             **_moe_fields(arch, cfg),
+            mla=mla,
         )
 
 
@@ -239,6 +290,8 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                     moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
                     swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
                     swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
+    if arch in MLA_ARCHITECTURES:
+        return _deepseek_moe_fields(arch, cfg)
     if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
         return {}
     mixtral = arch == "MixtralForCausalLM"
@@ -250,3 +303,40 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         decoder_sparse_step=1 if mixtral else cfg.get("decoder_sparse_step") or 1,
         mlp_only_layers=() if mixtral else tuple(cfg.get("mlp_only_layers") or ()),
     )
+
+
+def _deepseek_moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's MoE as transformers' DeepseekV2 / V3 route it (layers/moe.py's GroupedRouting); what they would run
+    otherwise than DeepSeek's own code (or not at all) is refused by name."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r}: DeepSeek runs silu only")
+    if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8":
+        raise ValueError("this DeepSeek checkpoint ships block-wise FP8 weights, which minisgl does not load yet: use "
+                         "a bf16 copy (dequantized)")
+    if (cfg.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"moe_layer_freq {cfg['moe_layer_freq']} is not supported (transformers ignores it): only 1")
+    experts = cfg.get("n_routed_experts") or 0
+    if not experts:
+        return {}
+    v3 = arch == "DeepseekV3ForCausalLM"
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if (v3 and (scoring, method) != ("sigmoid", "noaux_tc")) or (
+            not v3 and (scoring != "softmax" or method not in ("greedy", "group_limited_greedy"))):
+        raise ValueError(f"scoring_func {scoring!r} with topk_method {method!r} is not supported for {arch}")
+    if not v3 and cfg.get("norm_topk_prob"):  # DeepSeek's code renormalizes, transformers' V2 does not: refused
+        raise ValueError("norm_topk_prob true on DeepSeek-V2 is not supported (transformers ignores it)")
+    groups = cfg.get("n_group") or 1
+    grouped = v3 or method == "group_limited_greedy"
+    if grouped and experts % groups:
+        raise ValueError(f"n_routed_experts {experts} is not a multiple of n_group {groups}")
+    routing = GroupedRouting(
+        scoring="sigmoid" if scoring == "sigmoid" else "softmax",
+        n_group=groups if grouped else 1, topk_group=(cfg.get("topk_group") or 1) if grouped else 1,
+        group_score="top2_sum" if v3 else "max", correction_bias=v3,
+        renormalize=v3 and bool(cfg.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
+    return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=routing.renormalize,
+                mlp_only_layers=tuple(range(cfg.get("first_k_dense_replace") or 0)),
+                n_shared_experts=cfg.get("n_shared_experts") or 0, routing=routing)

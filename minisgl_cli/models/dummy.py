@@ -14,6 +14,9 @@ from minisgl_cli.models.config import ModelConfig, VisionConfig
 
 
 def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    if mc.mla is not None:
+        yield from _deepseek_shapes(mc)
+        return
     h, d, inter = mc.hidden_size, mc.head_dim, mc.intermediate_size
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
     yield "model.embed_tokens.weight", (mc.vocab_size, h)
@@ -59,6 +62,43 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield "lm_head.weight", (mc.vocab_size, h)
     if mc.vision is not None:
         yield from _vision_shapes(mc.vision)
+
+
+def _deepseek_shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """DeepSeek-V2 / V3 as their checkpoints name them: MLA's projections and norms, shared + routed experts."""
+    m, h = mc.mla, mc.hidden_size
+    assert m is not None
+    qk, heads = m.qk_nope_head_dim + m.qk_rope_head_dim, mc.num_heads
+    yield "model.embed_tokens.weight", (mc.vocab_size, h)
+    for i in range(mc.num_layers):
+        p = f"model.layers.{i}."
+        if m.q_lora_rank:
+            yield f"{p}self_attn.q_a_proj.weight", (m.q_lora_rank, h)
+            yield f"{p}self_attn.q_a_layernorm.weight", (m.q_lora_rank,)
+            yield f"{p}self_attn.q_b_proj.weight", (heads * qk, m.q_lora_rank)
+        else:
+            yield f"{p}self_attn.q_proj.weight", (heads * qk, h)
+        yield f"{p}self_attn.kv_a_proj_with_mqa.weight", (m.latent_dim, h)
+        yield f"{p}self_attn.kv_a_layernorm.weight", (m.kv_lora_rank,)
+        yield f"{p}self_attn.kv_b_proj.weight", (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        yield f"{p}self_attn.o_proj.weight", (h, heads * m.v_head_dim)
+        mlps = [("mlp", mc.intermediate_size)]
+        if mc.is_moe_layer(i):
+            yield f"{p}mlp.gate.weight", (mc.num_experts, h)
+            if mc.routing is not None and mc.routing.correction_bias:
+                yield f"{p}mlp.gate.e_score_correction_bias", (mc.num_experts,)
+            mlps = [(f"mlp.experts.{e}", mc.moe_intermediate_size) for e in range(mc.num_experts)]
+            if mc.n_shared_experts:
+                mlps.append(("mlp.shared_experts", mc.moe_intermediate_size * mc.n_shared_experts))
+        for name, inter in mlps:
+            yield f"{p}{name}.gate_proj.weight", (inter, h)
+            yield f"{p}{name}.up_proj.weight", (inter, h)
+            yield f"{p}{name}.down_proj.weight", (h, inter)
+        yield f"{p}input_layernorm.weight", (h,)
+        yield f"{p}post_attention_layernorm.weight", (h,)
+    yield "model.norm.weight", (h,)
+    if not mc.tie_word_embeddings:
+        yield "lm_head.weight", (mc.vocab_size, h)
 
 
 def _vision_shapes(vc: VisionConfig) -> Iterator[tuple[str, tuple[int, ...]]]:

@@ -1,0 +1,80 @@
+"""Triton kernel for MLA's absorbed decode (attention/mla.py): H query heads over one shared latent row a token.
+
+Each decode row's query is [q_nope W_UK | q_pe] (R + P wide); each cached token of its request is one pool row
+[c | k_pe] (kvcache/pool.py's latent shape), read once for all of the program's heads: the score is
+q_lat . c + q_pe . k_pe, the value c itself, so the output is [B, H, R] in the latent space (W_UV applies after).
+One program a (request, block of heads) walks the request's keys through the page table in tiles with an online
+softmax in base 2 (as kernels/triton/attention.py: scores scaled by scale * log2(e), maxima from a large finite
+negative number). No split over the keys yet: a long context with a small batch leaves SMs idle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mla_decode_kernel(
+    Q, KV, PT, ROWS, LENS, OUT, qk_scale,
+    stride_qb, stride_qh, stride_kv, stride_pt, stride_ob, stride_oh,
+    H: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    hmask = heads < H
+    q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
+    q_lat = tl.load(q_rows + r[None, :], mask=hmask[:, None] & (r[None, :] < R), other=0.0)
+    q_pe = tl.load(q_rows + R + p[None, :], mask=hmask[:, None] & (p[None, :] < P), other=0.0)
+    row = tl.load(ROWS + b)
+    n = tl.load(LENS + b)
+    m = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    denom = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    for start in range(0, n, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        nmask = offs < n
+        slots = tl.load(PT + row * stride_pt + offs, mask=nmask, other=0).to(tl.int64)
+        kv_rows = KV + slots[:, None] * stride_kv
+        c = tl.load(kv_rows + r[None, :], mask=nmask[:, None] & (r[None, :] < R), other=0.0)
+        k_pe = tl.load(kv_rows + R + p[None, :], mask=nmask[:, None] & (p[None, :] < P), other=0.0)
+        s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
+        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
+        s = tl.where(nmask[None, :], s * qk_scale, -1.0e30)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c, input_precision=PRECISION)
+        m = m_new
+    out = acc / denom[:, None]
+    tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + r[None, :], out.to(OUT.dtype.element_ty),
+             mask=hmask[:, None] & (r[None, :] < R))
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, req_rows: torch.Tensor,
+               seq_lens: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+    """q [B, H, R + P] (the absorbed queries), kv_cache [slots, 1, R + P] (a layer's latent rows) -> [B, H, R]:
+    softmax(q . row * scale) over each request's seq_lens[b] rows page_table[req_rows[b], :], times their c."""
+    bsz, heads, width = q.shape
+    rank, rope = kv_lora_rank, width - kv_lora_rank
+    assert kv_cache.shape[1:] == (1, width) and kv_cache.stride(-1) == 1 and q.stride(-1) == 1
+    out = torch.empty((bsz, heads, rank), dtype=q.dtype, device=q.device)
+    block_h = 16  # tl.dot's smallest tile: query heads are the rows
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_n = 16 if block_r >= 512 else 32  # keep the latent tile (BLOCK_N x R) in registers
+    grid = (bsz, triton.cdiv(heads, block_h))
+    _mla_decode_kernel[grid](
+        q, kv_cache, page_table, req_rows, seq_lens, out, scale * _LOG2E,
+        q.stride(0), q.stride(1), kv_cache.stride(0), page_table.stride(0), out.stride(0), out.stride(1),
+        H=heads, R=rank, P=rope, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=1,
+    )
+    return out

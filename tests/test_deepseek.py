@@ -1,0 +1,427 @@
+"""DeepSeek-V3 and V2 (-Lite) on the engine: greedy ids equal transformers fp32 token for token on tiny random
+configs -- MLA with and without q_lora_rank, interleaved and half-split rope, YaRN with its mscale softmax
+correction, sigmoid routing with the correction bias and grouped top-k (V3), softmax group-limited routing (V2),
+shared experts, dense first layers -- cold, cached, chunked, with a long shared prefix, two copies of one prompt at
+once (n = 2) and at TP 2; the absorbed decode against the expanded one; each feature switched off makes the answers
+differ; and the latent KV cache's bytes against an MHA cache of the same width, from the engine's own accounting."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_hf_parity import EXACT, hf_greedy
+
+from minisgl_cli import LLM, SamplingParams
+from tests.triton_interp import INTERPRET, patch_interpreter
+
+N_NEW = 16
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+         "beta_fast": 32.0, "beta_slow": 1.0}
+_TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+             num_attention_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+             n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+             topk_group=2, max_position_embeddings=1024, eos_token_id=2, bos_token_id=1)
+# three layers: one dense, two MoE (8 experts in 4 groups, the best 2 groups eligible, 3 experts a token)
+FAMILIES = {
+    # V3: q through q_lora_rank, rope in (x0, x1) pairs, YaRN with mscale_all_dim (the softmax scale corrected)
+    "v3": ("DeepseekV3", dict(q_lora_rank=48, routed_scaling_factor=2.5,
+                              rope_parameters={**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # V3 with its rope dims as halves (rope_interleave false), plain RoPE, weights not renormalized
+    "v3_halves": ("DeepseekV3", dict(q_lora_rank=48, rope_interleave=False, norm_topk_prob=False)),
+    # V2-Lite's shape: a plain q_proj; V2's softmax routing over limited groups, V2-Lite's mscale 0.707
+    "v2": ("DeepseekV2", dict(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+                              rope_parameters={**_YARN, "mscale": 0.707, "mscale_all_dim": 0.707})),
+}
+
+
+def make_tiny_deepseek(family: str, out: Path, tokenizer_from: Path) -> Path:
+    """A tiny random DeepSeek checkpoint of `family` saved by transformers, with the default model's tokenizer; its
+    weights larger than the init default and V3's correction bias random (else zeros), so routing and tokens vary."""
+    import transformers
+
+    name, fields = FAMILIES[family]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, f"{name}Config")(**{**_TINY, **fields})
+    model = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in tokenizer_from.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    """Short and long prompts (past YaRN's original 16 positions), and three sharing a long prefix."""
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 13, 40)]
+    prefix = torch.randint(3, 49152, (30,), generator=g).tolist()
+    return ids + [prefix + torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 6, 11)]
+
+
+def _ours(model_dir: Path, prompts: list[list[int]], backend: str = "torch",
+          **kw) -> tuple[list[list[int]], list[list[int]]]:
+    """(cold, cached): every prompt greedily, then all again (each prompt's latent KV now from the radix cache);
+    `max_prefill_tokens` 12 cuts the long prompts into chunks."""
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    with LLM(str(model_dir), attention_backend=backend, max_prefill_tokens=12, **EXACT, **kw) as llm:
+        cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        llm.client.check_pages()
+    return cold, cached
+
+
+@pytest.fixture(scope="module")
+def deepseek_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deepseek")
+    return {f: make_tiny_deepseek(f, root / f, tokenizer_dir) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def theirs(deepseek_dirs) -> dict[str, list[list[int]]]:
+    """transformers' fp32 greedy answers, once per family."""
+    return {f: hf_greedy(d, _prompts(), N_NEW) for f, d in deepseek_dirs.items()}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_deepseek_greedy_matches_transformers_cold_and_cached(deepseek_dirs, theirs, family):
+    assert len({tuple(t) for t in theirs[family]}) == len(_prompts()), "degenerate tiny model"
+    cold, cached = _ours(deepseek_dirs[family], _prompts())
+    assert cold == theirs[family]
+    assert cached == theirs[family]
+
+
+def test_two_copies_of_a_prompt_at_once_both_answer_as_transformers(deepseek_dirs, theirs):
+    """n = 2: the same prompt twice in one batch (the second shares the first's latent prefix once it is cached)."""
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    with LLM(str(deepseek_dirs["v3"]), attention_backend="torch", **EXACT) as llm:
+        out = [r.token_ids for r in llm.generate([prompts[2], prompts[2], prompts[4], prompts[4]], [params] * 4)]
+        llm.client.check_pages()
+    assert out == [theirs["v3"][2]] * 2 + [theirs["v3"][4]] * 2
+
+
+@pytest.mark.parametrize("family", ["v3", "v2"])
+def test_tp2_answers_as_tp1(deepseek_dirs, theirs, family):
+    """TP 2 on the CPU: each rank its half of the heads (q, kv_b_proj, o_proj) and of every expert and the shared
+    experts; the latent and the low-rank projections whole on both."""
+    cold, cached = _ours(deepseek_dirs[family], _prompts(), tp_size=2)
+    assert cold == cached == theirs[family]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["overlap", "ngram"])
+def test_overlap_and_speculative_verify_keep_the_answers(deepseek_dirs, theirs, mode):
+    """Overlap scheduling (forced on the CPU) and prompt-lookup speculation (drafts as extra decode rows, each an
+    absorbed decode row over the latent cache, the rejected ones' latent rows written and dropped)."""
+    kw = (dict(overlap_on_cpu=True) if mode == "overlap" else
+          dict(speculative_algorithm="ngram", num_speculative_tokens=3))
+    cold, cached = _ours(deepseek_dirs["v3"], _prompts(), **kw)
+    assert cold == cached == theirs["v3"]
+
+
+def test_absorbed_decode_answers_as_the_expanded_one(deepseek_dirs, theirs, monkeypatch):
+    from minisgl_cli.attention.mla import MlaBackend
+
+    monkeypatch.setattr(MlaBackend, "absorb", False)
+    cold, _ = _ours(deepseek_dirs["v3"], _prompts())
+    assert cold == theirs["v3"]
+
+
+@pytest.mark.skipif(not (INTERPRET and importlib.util.find_spec("triton") is not None),
+                    reason="needs TRITON_INTERPRET=1 with triton importable (tests/test_gpu_mla_attention.py)")
+def test_triton_absorbed_decode_under_the_interpreter_answers_as_transformers(deepseek_dirs, theirs, monkeypatch):
+    """The CUDA path's kernel (kernels/triton/mla.py) run on CPU tensors by Triton's interpreter, in the engine."""
+    from minisgl_cli.attention.mla import MlaBackend
+
+    patch_interpreter()
+    monkeypatch.setattr(MlaBackend, "triton_decode", True)  # as on CUDA
+    cold, cached = _ours(deepseek_dirs["v3"], _prompts(), backend="auto")
+    assert cold == cached == theirs["v3"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton MLA decode kernel")
+def test_deepseek_on_cuda_matches_transformers(deepseek_dirs, theirs):
+    """The CUDA path in the exact mode: prefill expanded in torch, decode through the Triton kernel (fp32 dots)."""
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    for family in ("v3", "v2"):
+        with LLM(str(deepseek_dirs[family]), max_prefill_tokens=12, device="cuda", **EXACT) as llm:
+            cold = [r.token_ids for r in llm.generate(_prompts(), [params] * len(_prompts()))]
+            cached = [r.token_ids for r in llm.generate(_prompts(), [params] * len(_prompts()))]
+            llm.client.check_pages()
+        assert cold == cached == theirs[family]
+
+
+def test_absorbed_and_expanded_decode_are_the_same_numbers():
+    """One decode step of MLA over a latent pool: W_UK folded into the query and W_UV after attention over the
+    latent rows against the keys and values expanded per head, and both against plain attention written out."""
+    from minisgl_cli.attention.mla import MlaBackend
+    from minisgl_cli.engine.batch import ForwardBatch
+    from minisgl_cli.engine.host import HostBuffers
+    from minisgl_cli.kvcache.pool import KVPool, KVShape
+
+    H, dn, dr, dv, R, L = 4, 16, 8, 12, 32, 37
+    g = torch.Generator().manual_seed(0)
+    pool = KVPool(KVShape(1, 1, R + dr, torch.float32, latent=R), num_pages=64, page_size=1, max_reqs=2,
+                  max_context_len=64, device="cpu")
+    slots = torch.arange(1, L + 1)
+    pool.page_table[0, :L] = slots.to(torch.int32)
+    latent = torch.randn(L, R + dr, generator=g)
+    pool.store(0, slots[:-1], latent[:-1, None], latent[:-1, None])
+    kv_b = torch.randn(H * (dn + dv), R, generator=g) / R**0.5
+
+    class Weights:
+        w_uk = kv_b.view(H, dn + dv, R)[:, :dn]
+        w_uv = kv_b.view(H, dn + dv, R)[:, dn:]
+
+        @staticmethod
+        def expand(c):
+            kv = (c @ kv_b.T).view(c.shape[0], H, dn + dv)
+            return kv[..., :dn], kv[..., dn:]
+
+    q_nope, q_pe = torch.randn(1, H, dn, generator=g), torch.randn(1, H, dr, generator=g)
+    scale = (dn + dr) ** -0.5
+    outs = []
+    for absorb in (True, False):
+        backend = MlaBackend(pool, H, R, dr, scale)
+        backend.absorb = absorb
+        batch = ForwardBatch.build("decode", [0], [0], [L - 1], [1], slots[-1:], "cpu", HostBuffers())
+        backend.prepare(batch)
+        outs.append(backend.forward_mla(q_nope, q_pe, latent[-1:], 0, batch, Weights()))
+    k_nope, v = Weights.expand(latent[:, :R])
+    scores = (torch.einsum("hd,lhd->hl", q_nope[0], k_nope) + q_pe[0] @ latent[:, R:].T) * scale
+    reference = torch.einsum("hl,lhv->hv", scores.softmax(-1), v)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(outs[0][0], reference, rtol=1e-5, atol=1e-6)
+
+
+def _switch_off(monkeypatch, feature: str) -> None:
+    """Our engine with one DeepSeek feature done wrong: `rope_layout` (interleaved rope rows left as pairs),
+    `correction_bias` (V3's bias left out of the choice), `groups` (top-k over every expert), `mscale` (the softmax
+    scale without YaRN's correction)."""
+    import dataclasses
+
+    from minisgl_cli.attention import mla
+    from minisgl_cli.layers import moe
+    from minisgl_cli.models import deepseek
+
+    if feature == "rope_layout":
+        monkeypatch.setattr(deepseek, "_halves", lambda w, width, start: w)
+        return
+    if feature == "mscale":
+        from minisgl_cli.engine import engine
+
+        create = mla.create_mla_backend
+
+        def plain_scale(name, pool, heads, rank, rope_dim, scale, kernels=None):
+            return create(name, pool, heads, rank, rope_dim, (_TINY["qk_nope_head_dim"] + rope_dim) ** -0.5, kernels)
+
+        monkeypatch.setattr(engine, "create_mla_backend", plain_scale)
+        return
+    grouped = moe.route_grouped
+
+    def wrong(logits, top_k, r, bias):
+        if feature == "correction_bias":
+            return grouped(logits, top_k, r, None)
+        return grouped(logits, top_k, dataclasses.replace(r, n_group=1, topk_group=1, group_score="max"), bias)
+
+    monkeypatch.setattr(moe, "route_grouped", wrong)
+
+
+@pytest.mark.parametrize("family,feature", [("v3", "rope_layout"), ("v2", "rope_layout"), ("v3", "correction_bias"),
+                                            ("v3", "groups"), ("v2", "groups"), ("v3", "mscale"), ("v2", "mscale")])
+def test_each_feature_done_wrong_changes_the_answers(deepseek_dirs, theirs, monkeypatch, family, feature):
+    """The negative control: the parity test above fails with any one of these features wrong."""
+    _switch_off(monkeypatch, feature)
+    cold, _ = _ours(deepseek_dirs[family], _prompts())
+    assert cold != theirs[family]
+
+
+def test_latent_cache_holds_no_v_half_and_32k_tokens_cost_what_it_says(deepseek_dirs, tokenizer_dir, tmp_path):
+    """The engine's own accounting: a 32k-token request's cache bytes for the MLA model (one latent row of
+    kv_lora_rank + rope dims a token and layer) against an MHA model of the same width (K and V per KV head), the
+    pool's tensors exactly that size, and a KV budget holding as many more tokens."""
+    from conftest import make_tiny_checkpoint
+
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+
+    # MHA of the MLA model's width: its 3 layers, 4 heads of 16 (as many KV heads), hidden 64
+    mha_dir = make_tiny_checkpoint("llama", tmp_path / "mha", tokenizer_dir, num_hidden_layers=3,
+                                   num_key_value_heads=4)
+    engines = {name: Engine(EngineConfig(model=str(d), kv_cache_gib=0.01, page_size=16, **EXACT))
+               for name, d in (("mla", deepseek_dirs["v3"]), ("mha", mha_dir))}
+    mla, mha = engines["mla"].pool, engines["mha"].pool
+    assert mla.shape.latent == 32 and mla.shape.head_dim == 32 + 8 and mla.shape.num_kv_heads == 1
+    per_token = {n: e.pool.shape.bytes_per_token() for n, e in engines.items()}
+    assert per_token["mla"] == 3 * (32 + 8) * 4  # layers x (latent + rope) x fp32, no V
+    assert per_token["mha"] == 2 * 3 * 4 * 16 * 4  # K and V x layers x KV heads x head_dim x fp32
+    tokens = 32 * 1024
+    print(f"32k tokens: MLA {tokens * per_token['mla']:,} B, MHA {tokens * per_token['mha']:,} B")
+    # the pool's memory is what it counts: its V tensors are views of K's latent columns
+    for pool in (mla, mha):
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in pool.k + pool.v}
+        assert sum(storages.values()) == (pool.num_pages + 1) * pool.page_size * pool.shape.bytes_per_token()
+    # one budget, kv_tokens (what admission and /metrics count) in proportion
+    assert mla.num_pages == int(0.01 * 2**30) // (per_token["mla"] * 16)
+    assert mha.num_pages == int(0.01 * 2**30) // (per_token["mha"] * 16)
+
+
+def test_full_size_latent_cache_against_mha_of_the_same_width():
+    """DeepSeek-V3's shape (61 layers): one 512 + 64 latent row a token and layer, against its 128 heads as an MHA
+    cache of the same width keeps them (K of 128 + 64 dims, V of 128), and against 128 heads of 128 for K and V."""
+    from minisgl_cli.kvcache.pool import KVShape
+    from minisgl_cli.loader.configs import builtin_config
+    from minisgl_cli.models import ModelConfig
+
+    mc = ModelConfig.from_hf(builtin_config("deepseek-v3-5layer") | {"num_hidden_layers": 61})
+    m = mc.mla
+    assert m is not None
+    mla = KVShape(mc.num_layers, 1, m.latent_dim, torch.bfloat16, m.kv_lora_rank).bytes_per_token()
+    square = KVShape(mc.num_layers, mc.num_heads, 128, torch.bfloat16).bytes_per_token()
+    mha = mc.num_layers * mc.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * 2
+    assert mla == 61 * 576 * 2 == 70_272
+    assert (square, mha) == (3_997_696, 4_997_120)
+    tokens = 32 * 1024  # 2.1 GiB of latent rows against 152.5 GiB of K and V (122 GiB at 128 dims each)
+    assert (tokens * mla / 2**30, tokens * mha / 2**30) == (2.14453125, 152.5)
+    assert mha // mla == 71
+
+
+def test_deepseek_yarn_and_softmax_scale_are_transformers():
+    """V3's and V2-Lite's YaRN (mscale, mscale_all_dim): the frequencies, the cos / sin factor, and the softmax
+    scale's correction, as transformers computes them."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    from minisgl_cli.layers.rotary import _inv_freq
+    from minisgl_cli.loader.configs import builtin_config
+    from minisgl_cli.models import ModelConfig
+
+    for name in ("deepseek-v3-5layer", "deepseek-v2-lite"):
+        cfg = builtin_config(name)
+        mc = ModelConfig.from_hf(cfg)
+        assert mc.mla is not None and mc.rope_scaling is not None
+        rope = {**cfg["rope_scaling"], "rope_type": "yarn", "rope_theta": cfg["rope_theta"]}
+        rope.pop("type", None)
+        hf_cfg = transformers.DeepseekV3Config(**{**_TINY, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                                                  "rope_parameters": rope, "max_position_embeddings": 163840})
+        theirs, their_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+        ours, our_factor = _inv_freq(64, mc.rope_theta, mc.rope_scaling)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        assert our_factor == pytest.approx(their_factor)
+        assert mc.attn_scale == pytest.approx(DeepseekV3Attention(hf_cfg, 0).scaling, rel=1e-12)
+
+
+def test_what_is_not_supported_is_refused_by_name(deepseek_dirs, tmp_path):
+    import json
+
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.loader.configs import builtin_config
+    from minisgl_cli.models import ModelConfig
+
+    v2 = builtin_config("deepseek-v2-lite")
+    with pytest.raises(ValueError, match="moe_layer_freq"):
+        ModelConfig.from_hf({**v2, "moe_layer_freq": 2})
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        ModelConfig.from_hf({**v2, "norm_topk_prob": True})
+    with pytest.raises(ValueError, match="scoring_func"):
+        ModelConfig.from_hf({**builtin_config("deepseek-v3-5layer"), "scoring_func": "softmax"})
+    with pytest.raises(ValueError, match="no MLA"):
+        Engine(EngineConfig(model=str(deepseek_dirs["v3"]), attention_backend="flashinfer", device="cpu", **EXACT))
+    with pytest.raises(ValueError, match="'triton' needs a CUDA device"):
+        Engine(EngineConfig(model=str(deepseek_dirs["v3"]), attention_backend="triton", device="cpu", **EXACT))
+    with pytest.raises(ValueError, match="FP8 KV cache is not supported for MLA"):
+        Engine(EngineConfig(model=str(deepseek_dirs["v3"]), kv_cache_dtype="fp8_e4m3", **EXACT))
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(deepseek_dirs["v3"], fp8)
+    cfg = json.loads((fp8 / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8",
+                                                                                "weight_block_size": [128, 128]}}))
+    with pytest.raises(Exception, match="block-wise FP8"):
+        Engine(EngineConfig(model=str(fp8), **EXACT))
+
+
+def test_builtin_deepseek_configs_have_their_published_shapes():
+    from minisgl_cli.loader.configs import builtin_config
+    from minisgl_cli.models import ModelConfig
+
+    lite = ModelConfig.from_hf(builtin_config("deepseek-v2-lite"))
+    assert lite.mla is not None and lite.mla.q_lora_rank == 0 and lite.mla.latent_dim == 576
+    assert (lite.num_layers, lite.num_experts, lite.num_experts_per_tok, lite.n_shared_experts) == (27, 64, 6, 2)
+    assert lite.mlp_only_layers == (0,) and lite.routing is not None and lite.routing.scoring == "softmax"
+    v3 = ModelConfig.from_hf(builtin_config("deepseek-v3-5layer"))
+    assert v3.mla is not None and v3.mla.q_lora_rank == 1536 and v3.num_heads == 128
+    assert v3.routing is not None and (v3.routing.n_group, v3.routing.topk_group) == (8, 4)
+    assert v3.num_experts == 256 and v3.mlp_only_layers == (0,) and v3.num_layers == 5
+
+
+@pytest.mark.parametrize("family", ["v3", "v3_halves", "v2", "v2_greedy"])
+def test_grouped_routing_is_transformers_router(family):
+    """layers/moe.py's route_grouped against transformers' DeepseekV3TopkRouter / DeepseekV2TopkRouter on the same
+    gate: the same experts and the same weights for every token (ties aside: random fp32 scores have none)."""
+    import transformers
+
+    from minisgl_cli.layers.moe import route_grouped
+    from minisgl_cli.models import ModelConfig
+
+    name, fields = FAMILIES["v2" if family == "v2_greedy" else family]
+    fields = {**fields, "topk_method": "greedy"} if family == "v2_greedy" else fields
+    hf_cfg = getattr(transformers, f"{name}Config")(**{**_TINY, **fields, "n_routed_experts": 16})
+    module = __import__(f"transformers.models.deepseek_{name[-2:].lower()}.modeling_deepseek_{name[-2:].lower()}",
+                        fromlist=["x"])
+    router = getattr(module, f"{name}TopkRouter")(hf_cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.3)
+    x = torch.randn(64, _TINY["hidden_size"], generator=g)
+    _, their_w, their_ids = router(x)
+    mc = ModelConfig.from_hf({**hf_cfg.to_dict(), "architectures": [f"{name}ForCausalLM"]})
+    assert mc.routing is not None
+    bias = getattr(router, "e_score_correction_bias", None) if mc.routing.correction_bias else None
+    our_w, our_ids = route_grouped(torch.nn.functional.linear(x, router.weight), hf_cfg.num_experts_per_tok,
+                                   mc.routing, bias)
+    order = their_ids.argsort(dim=-1)
+    assert torch.equal(our_ids, their_ids.gather(1, order))
+    torch.testing.assert_close(our_w, their_w.gather(1, order), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_dummy_checkpoint_has_the_shapes_transformers_saves(deepseek_dirs, family):
+    """--load-format dummy's tensors for a DeepSeek config: every name and shape a transformers checkpoint has."""
+    import json
+
+    from safetensors import safe_open
+
+    from minisgl_cli.models import ModelConfig
+    from minisgl_cli.models.dummy import _shapes
+
+    d = deepseek_dirs[family]
+    mc = ModelConfig.from_hf(json.loads((d / "config.json").read_text()))
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    assert dict(_shapes(mc)) == saved
+
+
+def test_builtin_dummy_deepseek_starts_and_generates_on_cpu():
+    """`--load-format dummy --model deepseek-tiny` on the CPU (deepseek-v2-lite's 31 GB are GPU work): the engine
+    starts and answers token ids."""
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with LLM("deepseek-tiny", load_format="dummy", device="cpu", max_total_tokens=512) as llm:
+        out = llm.generate([[5, 6, 7, 8, 9]], [params])
+        llm.client.check_pages()
+    assert len(out[0].token_ids) == 4

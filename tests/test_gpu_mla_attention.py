@@ -1,0 +1,101 @@
+"""MLA's absorbed decode kernel (kernels/triton/mla.py) against the torch backend's absorbed decode and a naive fp32
+definition, over a latent pool whose pages are shuffled, requests of many lengths at once.
+
+The cases run on CUDA, or without a GPU under Triton's interpreter on CPU tensors (fp32) where triton is importable
+and TRITON_INTERPRET=1 was set before it was imported (as tests/test_gpu_window_attention.py):
+
+    PYTHONPATH=$PWD:/path/to/triton TRITON_INTERPRET=1 python -m pytest -q tests/test_gpu_mla_attention.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from minisgl_cli.attention.mla import MlaBackend
+from minisgl_cli.engine.batch import ForwardBatch
+from minisgl_cli.engine.host import HostBuffers
+from minisgl_cli.kvcache.pool import KVPool, KVShape
+from tests.triton_interp import INTERPRET, patch_interpreter
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = torch.cuda.is_available() or (INTERPRET and importlib.util.find_spec("triton") is not None)
+needs_triton = pytest.mark.skipif(not TRITON, reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)")
+LENS = [1, 7, 33, 70]
+
+
+def _case(heads: int, rank: int, rope: int, dtype: torch.dtype, page_size: int = 4, seed: int = 0):
+    """(pool, decode batch, absorbed queries [B, H, R + P]): random latent rows everywhere, pages shuffled."""
+    gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    pages = sum(-(-n // page_size) for n in LENS)
+    pool = KVPool(KVShape(1, 1, rank + rope, dtype, latent=rank), pages + 2, page_size, len(LENS) + 1, max(LENS), DEV)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen).to(dtype))
+    rows, loc = [], []
+    for n in LENS:
+        taken = pool.alloc_pages(-(-n // page_size))
+        assert taken is not None
+        rng.shuffle(taken)
+        slots = pool.slots_of_pages(taken)[:n]
+        row = pool.alloc_req_row()
+        pool.page_table[row, :n] = slots.to(DEV, torch.int32)
+        rows.append(row)
+        loc.append(int(slots[-1]))
+    batch = ForwardBatch.build("decode", [0] * len(LENS), rows, [n - 1 for n in LENS], [1] * len(LENS), loc, DEV,
+                               HostBuffers())
+    q = torch.randn((len(LENS), heads, rank + rope), generator=gen).to(DEV, dtype)
+    return pool, batch, q
+
+
+def _naive(pool: KVPool, batch: ForwardBatch, q: torch.Tensor, rank: int, scale: float) -> torch.Tensor:
+    out = []
+    for b, (row, n) in enumerate(zip(batch.req_rows.tolist(), batch.seq_lens_cpu)):
+        latent = pool.k[0][pool.page_table[row, :n].long(), 0].float().cpu()
+        w = torch.softmax(q[b].float().cpu() @ latent.T * scale, dim=-1)
+        out.append(w @ latent[:, :rank])
+    return torch.stack(out)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("heads,rank,rope", [(4, 32, 8), (20, 64, 16), (16, 512, 64)])
+def test_triton_mla_decode_matches_torch_and_the_definition(heads, rank, rope):
+    patch_interpreter()
+    from minisgl_cli.kernels.triton.mla import mla_decode
+
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    pool, batch, q = _case(heads, rank, rope, dtype)
+    scale = 0.13
+    ours = mla_decode(q, pool.k[0], pool.page_table, batch.req_rows, batch.seq_lens, rank, scale)
+    backend = MlaBackend(pool, heads, rank, rope, scale)
+    backend.prepare(batch)
+    torch_out = backend.decode(q, 0, batch.attn_meta)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.float().cpu(), _naive(pool, batch, q, rank, scale), **tol)
+    torch.testing.assert_close(ours.float().cpu(), torch_out.float().cpu(), **tol)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_graph_metadata_pads_rows_and_keeps_the_real_rows_answers():
+    """What a captured decode graph reads: the static rows and lengths of a bigger graph, filled from a real step
+    (prepare_for_replay), the padding rows on page-table row 0; the real rows answer as without a graph."""
+    patch_interpreter()
+    from minisgl_cli.kernels.triton.mla import mla_decode
+
+    heads, rank, rope, bs = 4, 32, 8, 8
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    pool, batch, q = _case(heads, rank, rope, dtype)
+    backend = MlaBackend(pool, heads, rank, rope, 0.13)
+    backend.triton_decode = True
+    backend.init_cuda_graph_state(16)
+    static = backend.prepare_for_capture(bs)
+    backend.prepare_for_replay(batch, bs)
+    assert static.req_rows.tolist() == batch.req_rows.tolist() + [0] * (bs - len(LENS))
+    assert static.seq_lens.tolist() == LENS + [1] * (bs - len(LENS))
+    padded = torch.cat((q, q[:1].expand(bs - len(LENS), -1, -1)))
+    graphed = mla_decode(padded, pool.k[0], pool.page_table, static.req_rows, static.seq_lens, rank, 0.13)
+    plain = mla_decode(q, pool.k[0], pool.page_table, batch.req_rows, batch.seq_lens, rank, 0.13)
+    torch.testing.assert_close(graphed[: len(LENS)], plain, rtol=0, atol=0)
