@@ -1,8 +1,8 @@
 """Where a media call's GPU time goes, and what recompiles, for a few variants of one dummy pipeline.
 
-Each variant (media_bench.py's tokens, plus `static`: the DiT compiled for static shapes first, as torch.compile's
-default does, instead of our dynamic ones; `autotune`: inductor's GEMM autotuning) is built from the same built-in
-config, called once (the cold compile) and twice warm, then:
+Each variant (media_bench.py's tokens, plus `dynamic`: the DiT compiled with symbolic shapes from the start instead
+of static ones first; `autotune`: inductor's GEMM autotuning) is built from the same built-in config, called once
+(the cold compile) and twice warm, then:
   - a warm call's wall time split into text encoder / transformer / VAE (media_bench.py's Timer);
   - torch.profiler over one warm call: GPU kernel time by class (GEMM, attention, Triton-fused, other), the
     GPU's busy fraction of the wall, and the top kernels;
@@ -10,7 +10,7 @@ config, called once (the cold compile) and twice warm, then:
     compiled for it (a recompile shows as seconds and a count above 0); `--warm-up` runs the media worker's
     warm-up (batch.warm_up) before them.
 
-    python examples/media_profile.py --variants compile,compile+static --shapes --out /tmp/prof
+    python examples/media_profile.py --variants compile,compile+dynamic --shapes --out /tmp/prof
     python examples/media_profile.py --tiny --device cpu --variants eager --steps 2   # a CPU smoke run
 """
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from media_bench import Timer, parse  # noqa: E402
 
-EXTRA = ("static", "autotune")
+EXTRA = ("dynamic", "autotune")
 CLASSES = (("attention", ("fmha", "flash", "attention", "attn", "sdpa")),
            ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "_mm_", "matmul", "tem_fused")),
            ("triton", ("triton_",)))
@@ -107,14 +107,14 @@ def run_variant(variant: str, a: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         torch.cuda.empty_cache()
     inductor_config.max_autotune_gemm = "autotune" in tokens
-    own_compile = "static" in tokens
+    own_compile = "dynamic" in tokens
     spec = ModelSpec.create("image", a.model, None, device=a.device, load_format="dummy",
                             compile=opts["compile"] and not own_compile, attention_backend=opts["attention_backend"],
                             quantization=opts["quantization"], media_cache=opts["media_cache"])
     loaded = load_pipeline(spec)
     pipe = loaded.pipe
     if own_compile:
-        compile_denoiser(pipe.transformer, dynamic=None)
+        compile_denoiser(pipe.transformer, dynamic=True)
         compile_vae_decode(pipe.vae)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     timer = Timer(sync)
@@ -188,7 +188,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="z-image-turbo")
     ap.add_argument("--tiny", action="store_true", help="the tiny-z-image config (CPU smoke runs)")
-    ap.add_argument("--variants", default="compile,compile+static,compile+fp8")
+    ap.add_argument("--variants", default="compile,compile+dynamic,compile+fp8")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--height", type=int, default=1024)

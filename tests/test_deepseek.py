@@ -111,6 +111,7 @@ def test_two_copies_of_a_prompt_at_once_both_answer_as_transformers(deepseek_dir
     assert out == [theirs["v3"][2]] * 2 + [theirs["v3"][4]] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["v3", "v2"])
 def test_tp2_answers_as_tp1(deepseek_dirs, theirs, family):
     """TP 2 on the CPU: each rank its half of the heads (q, kv_b_proj, o_proj) and of every expert and the shared

@@ -91,7 +91,7 @@ def generate(loaded: LoadedPipeline, jobs: list[Job], on_step: StepHook | None =
 
 
 def warm_up(loaded: LoadedPipeline, like: Job, max_rows: int = 3) -> None:
-    """Compile a compiled pipeline's batched graphs ahead of need: three 1-step calls of a few rows shaped like `like`.
+    """Compile a compiled pipeline's batched graphs ahead of need: four 1-step calls of a few rows shaped like `like`.
     torch.compile specializes a batch of one, so the first batched call would compile the DiT's blocks and the VAE
     decode again (seconds with the stored compile, tens of seconds cold), and each variant a batch brings after it:
     captions of unequal length (a padding mask), n > 1 of one prompt (none), other batch sizes and caption lengths.
@@ -100,7 +100,8 @@ def warm_up(loaded: LoadedPipeline, like: Job, max_rows: int = 3) -> None:
     if isinstance(short, ImageJob):
         short = dataclasses.replace(short, num_images=1)
     long = dataclasses.replace(short, prompt="a longer warm-up prompt " * 8)
-    for jobs in ([short, long], [long, long, long], [short, short]):
+    # Each variant (masked or not) seen at two batch sizes: after the second its batch dimension is symbolic.
+    for jobs in ([short, long], [short, long, long], [long, long], [long, long, long]):
         generate(loaded, jobs[:max_rows])
 
 

@@ -32,11 +32,11 @@ def use_persistent_cache() -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
-def compile_denoiser(denoiser: Any, dynamic: bool | None = True) -> str:
+def compile_denoiser(denoiser: Any, dynamic: bool | None = None) -> str:
     """Compile the DiT in place; returns "regional" or "whole" (what was compiled). `dynamic` is torch.compile's:
-    True (ours) keeps the batch and sequence sizes symbolic, so a server's batches and prompts of every length share
-    a few graphs (batch.warm_up compiles them); None specializes each new shape first and recompiles on change
-    (examples/media_profile.py's `static` variant)."""
+    None (ours) specializes the shapes first seen and recompiles a block once with a changed size symbolic (the
+    media worker meets a server's variants ahead of need: batch.warm_up); True starts symbolic (on the tiny CPU
+    pipeline 2-3x slower a step than static; on a GPU not measured yet: examples/media_profile.py)."""
     use_persistent_cache()
     if getattr(denoiser, "_repeated_blocks", None) and hasattr(denoiser, "compile_repeated_blocks"):
         denoiser.compile_repeated_blocks(fullgraph=True, dynamic=dynamic)
