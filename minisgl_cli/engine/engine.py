@@ -30,6 +30,7 @@ from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.graph import MAX_DEFAULT_BS, DecodeGraphs, default_max_bs
 from minisgl_cli.engine.host import HostBuffers
 from minisgl_cli.kvcache.pool import KVPool, KVShape
+from minisgl_cli.kvcache.state import StatePool
 from minisgl_cli.layers import cpu_gemm
 from minisgl_cli.layers.kernel_choice import Kernels, load_sgl_kernel
 from minisgl_cli.layers.quant import METHODS
@@ -40,6 +41,7 @@ from minisgl_cli.loader.hf import iter_safetensors, read_hf_config
 from minisgl_cli.models import ModelConfig, create_model
 from minisgl_cli.models.dummy import dummy_checkpoint
 from minisgl_cli.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from minisgl_cli.models.qwen3_next import Qwen3NextForCausalLM, state_shape
 from minisgl_cli.sampling.graphs import SamplerGraphs
 from minisgl_cli.sampling.sampler import Sampled, create_sampler, sample
 from minisgl_cli.sampling.state import Need, SamplingBatch, SamplingState
@@ -47,6 +49,8 @@ from minisgl_cli.types import ImageInput, ModelInfo, SamplingParams
 from minisgl_cli.vision.state import VisionState
 
 log = logging.getLogger("minisgl.engine")
+
+STATE_SHARE = 0.25  # of the memory budget, the most a linear-attention model's state slots take
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class EngineSpec:
     max_requests: int  # page-table rows: requests that can hold KV at once
     eos_token_ids: frozenset[int]  # the model config's (a tokenizer may add more)
     model_dir: Path | None  # tokenizer and config files; None for dummy weights of a built-in config
+    num_state_slots: int = 0  # recurrent-state slots (linear-attention models; 0: the model keeps none)
 
 
 def _locate(cfg: EngineConfig) -> tuple[dict, Path | None, str, str]:
@@ -149,12 +154,18 @@ class Engine:
             assert model_dir is not None  # _locate gives a dir for every source but built-in dummies
             self.model.load_weights(iter_safetensors(model_dir))
 
+        # A linear-attention model's state slots come first (kvcache/state.py): the KV pool takes what is left.
+        self.state = self._state_pool() if mc.linear_attn is not None else None
+        if self.state is not None:
+            assert isinstance(self.model, Qwen3NextForCausalLM)  # the one family with linear-attention layers
+            self.model.bind_state(self.state)
         heads = mc.heads_of(tp.rank, tp.size)
-        shape = KVShape(mc.num_layers, heads.n_kv, mc.head_dim, self.kv_dtype)
+        kv_layers = len(mc.kv_layers)  # a hybrid's full-attention layers only
+        shape = KVShape(kv_layers, heads.n_kv, mc.head_dim, self.kv_dtype)
         # Every rank must hold the same number of pages (they schedule alike): size by the rank with
         # the most KV heads, then take the smallest count any rank can afford.
         widest = max(mc.heads_of(r, tp.size).n_kv for r in range(tp.size))
-        num_pages = min_over_ranks(self._kv_pages(KVShape(mc.num_layers, widest, mc.head_dim, self.kv_dtype)), tp)
+        num_pages = min_over_ranks(self._kv_pages(KVShape(kv_layers, widest, mc.head_dim, self.kv_dtype)), tp)
         capacity = num_pages * cfg.page_size
         self.max_context_len = min(
             cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings, capacity
@@ -183,13 +194,14 @@ class Engine:
                                 "expert row counts back each step")
         self.compiled: CompiledDecode | None = None
         step = cfg.decode_step(self.quantization, self.kv_dtype, tp.size, own_process,
-                               eager_only=bool(mc.num_experts) or mc.attention_variants)
+                               eager_only=bool(mc.num_experts) or mc.attention_variants or self.state is not None)
         if step != "off" and isinstance(self.attn, TorchBackend):
             key = StepKey.of(cfg, mc, model_dir, source, self.dtype, self.kv_dtype, self.quantization)
             self.compiled = CompiledDecode(cfg, self.attn, key, builds=step == "build")  # builds from start_serving
         self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0, self.quantization)
         self.spec = EngineSpec(self.device, mc.vocab_size, self.max_context_len, cfg.page_size, num_pages,
-                               cfg.max_running_requests, frozenset(mc.eos_token_ids), model_dir)
+                               cfg.max_running_requests, frozenset(mc.eos_token_ids), model_dir,
+                               self.state.num_slots if self.state is not None else 0)
         log.info(
             "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s backend=%s "
             "sampler=%s kv_tokens=%d page_size=%d eos=%s (%.1fs)",
@@ -235,6 +247,22 @@ class Engine:
     def decode_step(self) -> str:
         """What runs a decode step on the CPU: compiled, building (eager meanwhile) or eager (cpu_step/compiled.py)."""
         return self.compiled.state if self.compiled is not None else "eager"
+
+    def _state_pool(self) -> StatePool:
+        """Recurrent-state slots for a linear-attention model: one per running request (--max-running-requests),
+        within STATE_SHARE of the memory budget the KV pool is sized by (on CUDA the pool then sizes itself from
+        what is left; on the CPU --kv-cache-gib stays the KV pool's own)."""
+        cfg = self.cfg
+        shape = state_shape(self.model_cfg, self.dtype)
+        if self.device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(self.device)[0] * cfg.mem_fraction)
+        else:
+            budget = int(cfg.kv_cache_gib * (1 << 30))
+        slots = min(cfg.max_running_requests, int(budget * STATE_SHARE) // shape.bytes_per_slot())
+        if slots < 1:
+            raise ValueError(f"one request's recurrent state takes {shape.bytes_per_slot() / 2**20:.1f} MiB, more "
+                             f"than {STATE_SHARE:.0%} of the {budget / 2**30:.1f} GiB memory budget")
+        return StatePool(shape, slots, cfg.max_running_requests, self.device)
 
     def _kv_pages(self, shape: KVShape) -> int:
         cfg = self.cfg
@@ -298,6 +326,20 @@ class Engine:
 
     def free_req_row(self, req_row: int) -> None:
         self.pool.free_req_row(req_row)
+
+    # --- recurrent-state slots of a linear-attention model (kvcache/state.py; the CacheManager alone calls these) -
+    @property
+    def num_free_state_slots(self) -> int:
+        return self.state.num_free if self.state is not None else 0
+
+    def alloc_state_slot(self, req_row: int) -> int | None:
+        """A zeroed state slot for the request in page-table row `req_row`, or None (nothing taken) if none is free."""
+        assert self.state is not None  # only asked of a linear-attention model
+        return self.state.alloc(req_row)
+
+    def free_state_slot(self, slot: int, req_row: int) -> None:
+        assert self.state is not None
+        self.state.free(slot, req_row)
 
     def write_page_table(self, rows: int | torch.Tensor, positions: slice | torch.Tensor,
                          slots: torch.Tensor) -> None:

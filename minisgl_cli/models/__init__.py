@@ -1,5 +1,6 @@
-"""Models in plain torch: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss decoders, Gemma 3 text, and
-Qwen2-VL / Qwen2.5-VL (the Qwen2 decoder with a vision tower), chosen by the config's architecture."""
+"""Models in plain torch: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss decoders, Gemma 3 text,
+Qwen2-VL / Qwen2.5-VL (the Qwen2 decoder with a vision tower), and the Gated DeltaNet hybrids Qwen3-Next and Qwen3.5
+text, chosen by the config's architecture."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from minisgl_cli.models.llama import (
     Qwen3MoeForCausalLM,
 )
 from minisgl_cli.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+from minisgl_cli.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 _CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -29,6 +31,9 @@ _CLASSES = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
 }
 
 

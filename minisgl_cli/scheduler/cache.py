@@ -1,5 +1,11 @@
 """CacheManager: the scheduler's view of KV memory — page-table rows, prefix matching, page allocation with
-eviction, and handing a finished request's pages to the prefix cache. Keeps pages exactly accounted.
+eviction, and handing a finished request's pages to the prefix cache. Keeps pages exactly accounted. For a
+linear-attention model also each request's recurrent-state slot (kvcache/state.py), taken with its page-table row and
+given back with it.
+
+A hybrid's cached KV is usable only together with its linear layers' state at the same point, which the prefix cache
+does not keep yet: such a model runs with no prefix reuse (every match is empty), so a cached or a cold request
+computes the same.
 
 It alone writes the page table (through the engine's `write_page_table`): a request's cached prefix when it is
 admitted, the tree's pages where a prefill's duplicated them, and each step's new tokens (`write_rows`, one
@@ -20,7 +26,8 @@ class CacheManager:
         self.engine = engine  # its KV memory verbs only: pages, page-table rows, page-table writes, uploads
         self.page_size = engine.spec.page_size
         self.num_pages = engine.spec.num_pages
-        self.tree = create_prefix_cache(cache_kind, self.page_size)
+        self.num_state_slots = engine.spec.num_state_slots
+        self.tree = create_prefix_cache("naive" if self.num_state_slots else cache_kind, self.page_size)
 
     # --- accounting ----------------------------------------------------------------------------
     @property
@@ -36,9 +43,13 @@ class CacheManager:
         return sum(len(r.pages) for r in reqs)
 
     def check(self, reqs: list[Req]) -> None:
-        """Free + cached + in-use pages must add up to the pool (tests call this)."""
+        """Free + cached + in-use pages must add up to the pool, free + held state slots to theirs (tests call
+        this)."""
         total = self.engine.num_free_pages + self.tree.cached_tokens // self.page_size + self.pages_in_use(reqs)
         assert total == self.num_pages, f"page leak: {total} accounted of {self.num_pages}"
+        held = sum(r.state_slot is not None for r in reqs)
+        slots = self.engine.num_free_state_slots + held
+        assert slots == self.num_state_slots, f"state slot leak: {slots} accounted of {self.num_state_slots}"
 
     def _slots_to_pages(self, slots: torch.Tensor) -> list[int]:
         if self.page_size == 1:
@@ -56,6 +67,12 @@ class CacheManager:
         row = req.req_row = self.engine.alloc_req_row()
         if row is None:
             return False
+        if self.num_state_slots:
+            req.state_slot = self.engine.alloc_state_slot(row)
+            if req.state_slot is None:  # every state slot is held: it waits, like a request short of pages
+                self.engine.free_req_row(row)
+                req.req_row = None
+                return False
         ids = req.all_key_ids
         m = self.tree.match(ids[: len(ids) - 1])
         self.tree.lock(m.node)
@@ -175,5 +192,8 @@ class CacheManager:
             req.prefix_node = None
         req.prefix_len = req.kv_len = 0
         req.prefix_slots = []
+        if req.state_slot is not None:
+            self.engine.free_state_slot(req.state_slot, req.req_row)
+            req.state_slot = None
         self.engine.free_req_row(req.req_row)
         req.req_row = None
