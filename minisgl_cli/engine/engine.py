@@ -77,6 +77,7 @@ class EngineSpec:
     eos_token_ids: frozenset[int]  # the model config's (a tokenizer may add more)
     model_dir: Path | None  # tokenizer and config files; None for dummy weights of a built-in config
     num_state_slots: int = 0  # recurrent-state slots (linear-attention models; 0: the model keeps none)
+    num_state_snapshots: int = 0  # slots for the prefix cache's state snapshots (kvcache/hybrid.py)
 
 
 def _locate(cfg: EngineConfig) -> tuple[dict, Path | None, str, str]:
@@ -201,7 +202,8 @@ class Engine:
         self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0, self.quantization)
         self.spec = EngineSpec(self.device, mc.vocab_size, self.max_context_len, cfg.page_size, num_pages,
                                cfg.max_running_requests, frozenset(mc.eos_token_ids), model_dir,
-                               self.state.num_slots if self.state is not None else 0)
+                               self.state.num_slots if self.state is not None else 0,
+                               self.state.num_snapshots if self.state is not None else 0)
         log.info(
             "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s backend=%s "
             "sampler=%s kv_tokens=%d page_size=%d eos=%s (%.1fs)",
@@ -249,20 +251,21 @@ class Engine:
         return self.compiled.state if self.compiled is not None else "eager"
 
     def _state_pool(self) -> StatePool:
-        """Recurrent-state slots for a linear-attention model: one per running request (--max-running-requests),
-        within STATE_SHARE of the memory budget the KV pool is sized by (on CUDA the pool then sizes itself from
-        what is left; on the CPU --kv-cache-gib stays the KV pool's own)."""
+        """Recurrent-state slots for a linear-attention model: one per running request (--max-running-requests) and
+        as many for the prefix cache's snapshots, within STATE_SHARE of the memory budget the KV pool is sized by (on
+        CUDA the pool then sizes itself from what is left; on the CPU --kv-cache-gib stays the KV pool's own)."""
         cfg = self.cfg
         shape = state_shape(self.model_cfg, self.dtype)
         if self.device.type == "cuda":
             budget = int(torch.cuda.mem_get_info(self.device)[0] * cfg.mem_fraction)
         else:
             budget = int(cfg.kv_cache_gib * (1 << 30))
-        slots = min(cfg.max_running_requests, int(budget * STATE_SHARE) // shape.bytes_per_slot())
+        slots = min(cfg.max_running_requests, int(budget * STATE_SHARE) // (2 * shape.bytes_per_slot()))
         if slots < 1:
-            raise ValueError(f"one request's recurrent state takes {shape.bytes_per_slot() / 2**20:.1f} MiB, more "
-                             f"than {STATE_SHARE:.0%} of the {budget / 2**30:.1f} GiB memory budget")
-        return StatePool(shape, slots, cfg.max_running_requests, self.device)
+            raise ValueError(f"one request's recurrent state takes {shape.bytes_per_slot() / 2**20:.1f} MiB: two "
+                             f"(its slot and a snapshot) exceed {STATE_SHARE:.0%} of the {budget / 2**30:.1f} GiB "
+                             "memory budget")
+        return StatePool(shape, slots, cfg.max_running_requests, self.device, num_snapshots=slots)
 
     def _kv_pages(self, shape: KVShape) -> int:
         cfg = self.cfg
@@ -340,6 +343,24 @@ class Engine:
     def free_state_slot(self, slot: int, req_row: int) -> None:
         assert self.state is not None
         self.state.free(slot, req_row)
+
+    @property
+    def num_free_state_snapshots(self) -> int:
+        return self.state.num_free_snapshots if self.state is not None else 0
+
+    def alloc_state_snapshot(self) -> int | None:
+        """A snapshot slot for the prefix cache, or None when none is free."""
+        assert self.state is not None
+        return self.state.alloc_snapshot()
+
+    def free_state_snapshot(self, slot: int) -> None:
+        assert self.state is not None
+        self.state.free_snapshot(slot)
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """State slot `dst` takes slot `src`'s state (queued on the device after the steps launched before)."""
+        assert self.state is not None
+        self.state.copy(src, dst)
 
     def write_page_table(self, rows: int | torch.Tensor, positions: slice | torch.Tensor,
                          slots: torch.Tensor) -> None:

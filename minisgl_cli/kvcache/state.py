@@ -32,28 +32,36 @@ class StateShape:
 
 
 class StatePool:
-    """`num_slots` state slots (+ the scratch slot) of every linear layer, and their allocator."""
+    """`num_slots` request slots, `num_snapshots` snapshot slots (a hybrid prefix cache's, kvcache/hybrid.py) and the
+    scratch slot, of every linear layer, with their allocators."""
 
-    def __init__(self, shape: StateShape, num_slots: int, max_reqs: int, device: torch.device | str):
+    def __init__(self, shape: StateShape, num_slots: int, max_reqs: int, device: torch.device | str,
+                 num_snapshots: int = 0):
         if num_slots < 1:
             raise ValueError("a linear-attention model needs at least one state slot")
-        self.shape, self.num_slots, self.device = shape, num_slots, torch.device(device)
-        n = num_slots + 1
+        self.shape, self.num_slots, self.num_snapshots = shape, num_slots, num_snapshots
+        self.device = torch.device(device)
+        n = num_slots + num_snapshots + 1
         self.conv = [torch.zeros((n, shape.conv_dim, shape.conv_width), dtype=shape.conv_dtype, device=device)
                      for _ in range(shape.num_layers)]
         self.ssm = [torch.zeros((n, shape.num_heads, shape.k_dim, shape.v_dim), dtype=torch.float32, device=device)
                     for _ in range(shape.num_layers)]
-        self.scratch = num_slots
-        self.slot_of_row = torch.full((max_reqs,), num_slots, dtype=torch.int64, device=device)
+        self.scratch = n - 1
+        self.slot_of_row = torch.full((max_reqs,), self.scratch, dtype=torch.int64, device=device)
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
+        self._free_snapshots: list[int] = list(range(num_slots + num_snapshots - 1, num_slots - 1, -1))
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     @property
+    def num_free_snapshots(self) -> int:
+        return len(self._free_snapshots)
+
+    @property
     def nbytes(self) -> int:
-        return (self.num_slots + 1) * self.shape.bytes_per_slot()
+        return (self.num_slots + self.num_snapshots + 1) * self.shape.bytes_per_slot()
 
     def alloc(self, req_row: int) -> int | None:
         """A free slot for the request in page-table row `req_row`, its state zeroed (a fresh sequence), or None
@@ -72,8 +80,14 @@ class StatePool:
         self.slot_of_row[req_row] = self.scratch
         self._free.append(slot)
 
+    def alloc_snapshot(self) -> int | None:
+        return self._free_snapshots.pop() if self._free_snapshots else None
+
+    def free_snapshot(self, slot: int) -> None:
+        self._free_snapshots.append(slot)
+
     def copy(self, src: int, dst: int) -> None:
-        """Slot `dst` takes slot `src`'s state (every layer's)."""
+        """Slot `dst` takes slot `src`'s state (every layer's), queued after the steps before it."""
         for conv, ssm in zip(self.conv, self.ssm):
             conv[dst].copy_(conv[src])
             ssm[dst].copy_(ssm[src])
