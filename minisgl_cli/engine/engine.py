@@ -127,8 +127,8 @@ class Engine:
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(
                 f"model config not usable ({exc})", model_dir or name,
-                "a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Gemma 3 (text), Qwen2-VL or "
-                "Qwen2.5-VL config",
+                "a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Gemma 3 (text), Qwen3-Next, Qwen3.5 "
+                "(text), Qwen2-VL or Qwen2.5-VL config",
             ) from None
         mc = self.model_cfg
         if tp.size > 1 and self.device.type == "cuda":
