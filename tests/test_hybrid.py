@@ -2,7 +2,8 @@
 tiny random checkpoints -- prompts longer than a prefill chunk, the prompts cached (the linear layers' state restored
 from the radix cache's snapshots), a long prefix shared -- at page sizes 1 and 4; n = 2 choices equal two requests;
 state slots come back after a finish and an abort; the memory a request holds against a full-attention model's; what
-is refused (speculative decoding, TP > 1); and a negative control per feature (decay, output gates)."""
+is refused (speculative decoding, a TP size that splits a key head); TP 2 = TP 1; and a negative control per
+feature (decay, output gates)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,16 @@ def test_page_size_4_caches_at_page_boundaries_and_keeps_the_answers(hybrid_dirs
     assert stats["hit_tokens"] == sum((len(p) - 1) // 4 * 4 for p in prompts)
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_overlap_scheduling_keeps_the_answers(hybrid_dirs, family):
+    """Overlap (forced on the CPU): a step launched before the last one is read, a finished request's extra token
+    run into its state before it is seen finished; the snapshots still cover exactly the known tokens."""
+    model_dir = hybrid_dirs[family]
+    prompts = _prompts()
+    cold, cached, _ = _ours(model_dir, prompts, overlap_on_cpu=True)
+    assert cold == cached == hf_greedy(model_dir, prompts, N_NEW)
+
+
 def test_shared_prefix_restores_the_state_of_its_snapshot(hybrid_dirs):
     """A request sharing a long prefix with an earlier one starts from the earlier one's snapshot at a chunk end
     inside that prefix, and answers as it would cold."""
@@ -194,7 +205,7 @@ def test_state_slots_come_back_after_finish_and_abort(hybrid_dirs):
         assert (s.state_slots_free, s.state_slots_total) == (total, total)
 
 
-def test_speculative_decoding_and_tp_are_refused_in_one_line(hybrid_dirs):
+def test_speculative_decoding_and_an_uneven_tp_are_refused_in_one_line(hybrid_dirs):
     from minisgl_cli.distributed import TPInfo
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.engine.engine import Engine
@@ -204,9 +215,19 @@ def test_speculative_decoding_and_tp_are_refused_in_one_line(hybrid_dirs):
         LLM(model_dir, speculative_algorithm="ngram", num_speculative_tokens=3)
     assert "--speculative-algorithm ngram" in str(err.value) and "linear-attention" in str(err.value)
     assert "\n" not in str(err.value).strip()
-    with pytest.raises(ValueError) as err:
-        Engine(EngineConfig(model=model_dir, max_total_tokens=256), TPInfo(0, 2))
-    assert "--tp 1 only" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError) as err:  # 2 key heads do not split over 4 ranks
+        Engine(EngineConfig(model=model_dir, max_total_tokens=256), TPInfo(0, 4))
+    assert "--tp 4 must divide the 2 linear-attention key heads" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_tp_2_gives_the_tp_1_answers(hybrid_dirs, family):
+    """TP 2 over gloo: each rank one key head of every linear layer (two value heads), one KV head of the full
+    attention, half of every expert, its own state slots; cold and cached as transformers."""
+    model_dir = hybrid_dirs[family]
+    prompts = _prompts()
+    cold, cached, _ = _ours(model_dir, prompts, tp_size=2)
+    assert cold == cached == hf_greedy(model_dir, prompts, N_NEW)
 
 
 def _switched_off(monkeypatch, feature: str) -> None:

@@ -255,12 +255,14 @@ class Engine:
         as many for the prefix cache's snapshots, within STATE_SHARE of the memory budget the KV pool is sized by (on
         CUDA the pool then sizes itself from what is left; on the CPU --kv-cache-gib stays the KV pool's own)."""
         cfg = self.cfg
-        shape = state_shape(self.model_cfg, self.dtype)
+        shape = state_shape(self.model_cfg, self.dtype, self.tp)
         if self.device.type == "cuda":
             budget = int(torch.cuda.mem_get_info(self.device)[0] * cfg.mem_fraction)
         else:
             budget = int(cfg.kv_cache_gib * (1 << 30))
-        slots = min(cfg.max_running_requests, int(budget * STATE_SHARE) // (2 * shape.bytes_per_slot()))
+        # every rank the same count (they schedule alike)
+        slots = min_over_ranks(min(cfg.max_running_requests, int(budget * STATE_SHARE) // (2 * shape.bytes_per_slot())),
+                               self.tp)
         if slots < 1:
             raise ValueError(f"one request's recurrent state takes {shape.bytes_per_slot() / 2**20:.1f} MiB: two "
                              f"(its slot and a snapshot) exceed {STATE_SHARE:.0%} of the {budget / 2**30:.1f} GiB "

@@ -41,12 +41,25 @@ from minisgl_cli.models.gemma3 import GemmaRMSNorm, summed
 from minisgl_cli.models.llama import MLP, LlamaForCausalLM, RopeAt
 
 
-def state_shape(cfg: ModelConfig, dtype: torch.dtype) -> StateShape:
-    """The state a request holds across this model's linear-attention layers (one slot of kvcache/state.py)."""
+def linear_heads(cfg: ModelConfig, tp: TPInfo) -> tuple[int, int]:
+    """One TP rank's (key heads, value heads) of the linear-attention layers: an even split of whole key heads, each
+    with its group of value heads."""
     la = cfg.linear_attn
     assert la is not None  # a hybrid's config
-    return StateShape(len(la.layers), la.conv_dim, la.conv_kernel - 1, la.num_v_heads, la.head_k_dim, la.head_v_dim,
-                      dtype)
+    if la.num_k_heads % tp.size:
+        raise ValueError(f"--tp {tp.size} must divide the {la.num_k_heads} linear-attention key heads of "
+                         f"{cfg.architecture}")
+    return la.num_k_heads // tp.size, la.num_v_heads // tp.size
+
+
+def state_shape(cfg: ModelConfig, dtype: torch.dtype, tp: TPInfo = TPInfo()) -> StateShape:
+    """The state a request holds on one TP rank across this model's linear-attention layers (one slot of
+    kvcache/state.py)."""
+    la = cfg.linear_attn
+    assert la is not None
+    hk, hv = linear_heads(cfg, tp)
+    return StateShape(len(la.layers), 2 * hk * la.head_k_dim + hv * la.head_v_dim, la.conv_kernel - 1, hv,
+                      la.head_k_dim, la.head_v_dim, dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -71,27 +84,40 @@ class GatedDeltaNet(nn.Module):
 
     pool: StatePool | None = None  # set by the engine (bind_state) before the first forward
 
-    def __init__(self, cfg: ModelConfig, index: int, kernels: Kernels, method: LinearMethod):
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPInfo, kernels: Kernels, method: LinearMethod):
         super().__init__()
         la = cfg.linear_attn
         assert la is not None
         self.la, self.index = la, index
+        # This rank's heads: key heads [k0, k0 + hk) and their value heads [v0, v0 + hv), in every part of the input
+        # projection, the conv's channels, A_log / dt_bias and the output projection's columns.
+        self.hk, self.hv = hk, hv = linear_heads(cfg, tp)
+        k0, v0 = tp.rank * hk, tp.rank * hv
+        dk, dv = la.head_k_dim, la.head_v_dim
+        self.key_dim, self.value_dim = hk * dk, hv * dv
+        self.v0 = v0
         self.sizes = [la.key_dim, la.key_dim, la.value_dim, la.value_dim, la.num_v_heads, la.num_v_heads]
-        self.in_proj = ColumnParallelLinear(cfg.hidden_size, self.sizes, bias=False, kernels=kernels, method=method)
-        self.conv_weight = nn.Parameter(torch.empty(la.conv_dim, la.conv_kernel), requires_grad=False)
-        self.A_log = nn.Parameter(torch.empty(la.num_v_heads, dtype=torch.float32), requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.empty(la.num_v_heads, dtype=torch.float32), requires_grad=False)
-        self.norm = GatedRMSNorm(la.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = RowParallelLinear(la.value_dim, cfg.hidden_size, kernels=kernels, method=method)
+        ranges = [(k0 * dk, hk * dk)] * 2 + [(v0 * dv, hv * dv)] * 2 + [(v0, hv)] * 2
+        self.in_proj = ColumnParallelLinear(cfg.hidden_size, self.sizes, bias=False, tp=tp, ranges=ranges,
+                                            kernels=kernels, method=method)
+        self.conv_rows = torch.cat([torch.arange(k0 * dk, (k0 + hk) * dk),
+                                    la.key_dim + torch.arange(k0 * dk, (k0 + hk) * dk),
+                                    2 * la.key_dim + torch.arange(v0 * dv, (v0 + hv) * dv)])
+        self.conv_weight = nn.Parameter(torch.empty(len(self.conv_rows), la.conv_kernel), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(hv, dtype=torch.float32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(hv, dtype=torch.float32), requires_grad=False)
+        self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)
+        self.out_proj = RowParallelLinear(la.value_dim, cfg.hidden_size, tp=tp, in_range=(v0 * dv, hv * dv),
+                                          kernels=kernels, method=method)
 
     def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
         """The checkpoint's own tensors of this layer: A_log, dt_bias, conv1d.weight and the input projections
         (Qwen3.5's in_proj_qkv / _z / _b / _a, Qwen3-Next's in_proj_qkvz / _ba)."""
         la = self.la
         if name in ("A_log", "dt_bias"):
-            getattr(self, name).data.copy_(whole(loaded).float())
+            getattr(self, name).data.copy_(whole(loaded).float()[self.v0 : self.v0 + self.hv])
         elif name == "conv1d.weight":
-            self.conv_weight.data.copy_(whole(loaded).reshape(la.conv_dim, la.conv_kernel))
+            self.conv_weight.data.copy_(whole(loaded).reshape(la.conv_dim, la.conv_kernel)[self.conv_rows])
         elif name == "in_proj_qkv":
             for i, part in enumerate(whole(loaded).split(self.sizes[:3])):
                 self.in_proj.load_shard("weight", part, i)
@@ -111,10 +137,10 @@ class GatedDeltaNet(nn.Module):
             raise KeyError(f"checkpoint has a linear-attention {name!r} this layer was built without")
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> LayerOut:
-        la, pool = self.la, self.pool
+        la, pool, hk, hv = self.la, self.pool, self.hk, self.hv
         assert pool is not None, "the engine binds the state pool before the first forward"
         decode = batch.is_decode
-        mixed, z, b, a = self.in_proj(x, decode).split([la.conv_dim, la.value_dim, la.num_v_heads, la.num_v_heads],
+        mixed, z, b, a = self.in_proj(x, decode).split([2 * self.key_dim + self.value_dim, self.value_dim, hv, hv],
                                                        dim=-1)
         slots = pool.slot_of_row[batch.req_rows]
         conv, ssm = pool.conv[self.index], pool.ssm[self.index]
@@ -126,37 +152,40 @@ class GatedDeltaNet(nn.Module):
         else:
             mixed = gated_delta.conv_prefill(mixed, self.conv_weight, conv, slots, batch.extend_lens_cpu)
         T = x.shape[0]
-        q, k, v = mixed.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
-        q = q.reshape(T, la.num_k_heads, la.head_k_dim)
-        k = k.reshape(T, la.num_k_heads, la.head_k_dim)
-        v = v.reshape(T, la.num_v_heads, la.head_v_dim)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, hk, la.head_k_dim)
+        k = k.reshape(T, hk, la.head_k_dim)
+        v = v.reshape(T, hv, la.head_v_dim)
         beta = b.sigmoid()
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
         if decode:
             o = gated_delta.decode(q, k, v, g, beta, ssm, slots)
         else:
             o = gated_delta.prefill(q, k, v, g, beta, ssm, slots, batch.extend_lens_cpu)
-        o = self.norm(o, z.reshape(T, la.num_v_heads, la.head_v_dim), x.dtype)
-        return self.out_proj.to_norm(o.reshape(T, la.value_dim), decode)
+        o = self.norm(o, z.reshape(T, hv, la.head_v_dim), x.dtype)
+        return self.out_proj.to_norm(o.reshape(T, self.value_dim), decode)
 
 
 class GatedAttention(nn.Module):
     """Full attention with a sigmoid output gate per channel, (1 + w) q/k head norms and RoPE on the first
     rotary_dim channels of each head."""
 
-    def __init__(self, cfg: ModelConfig, kv_layer: int, rope: RotaryEmbedding, kernels: Kernels,
+    def __init__(self, cfg: ModelConfig, kv_layer: int, rope: RotaryEmbedding, tp: TPInfo, kernels: Kernels,
                  method: LinearMethod):
         super().__init__()
         self.kv_layer, self.rope = kv_layer, rope
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        heads = cfg.heads_of(tp.rank, tp.size)  # this rank's: whole GQA groups (ModelConfig.heads_of)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.n_q, heads.n_kv, cfg.head_dim
         self.rotary_dim = cfg.rotary_dim or cfg.head_dim
         d = cfg.head_dim
         # q_proj holds each head's query and then its gate: [q_0, gate_0, q_1, gate_1, ...]
+        kv = (heads.kv_start * d, heads.n_kv * d)
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [2 * cfg.num_heads * d, cfg.num_kv_heads * d,
-                                                               cfg.num_kv_heads * d], bias=cfg.attention_bias,
+                                                               cfg.num_kv_heads * d], bias=cfg.attention_bias, tp=tp,
+                                             ranges=[(2 * heads.q_start * d, 2 * heads.n_q * d), kv, kv],
                                              kernels=kernels, method=method)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=False, kernels=kernels,
-                                        method=method)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=False, tp=tp,
+                                        in_range=(heads.q_start * d, heads.n_q * d), kernels=kernels, method=method)
         self.q_norm = GemmaRMSNorm(d, cfg.rms_norm_eps, kernels)
         self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps, kernels)
 
@@ -199,9 +228,9 @@ class HybridDecoderLayer(nn.Module):
         eps, h = cfg.rms_norm_eps, cfg.hidden_size
         self.input_layernorm = GemmaRMSNorm(h, eps, kernels)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, kernels)
-        self.linear_attn = GatedDeltaNet(cfg, la.layers.index(layer_id), kernels, method) \
+        self.linear_attn = GatedDeltaNet(cfg, la.layers.index(layer_id), tp, kernels, method) \
             if layer_id in la.layers else None
-        self.self_attn = GatedAttention(cfg, cfg.kv_layers.index(layer_id), rope, kernels, method) \
+        self.self_attn = GatedAttention(cfg, cfg.kv_layers.index(layer_id), rope, tp, kernels, method) \
             if layer_id not in la.layers else None
         self.mlp: nn.Module
         if cfg.is_moe_layer(layer_id) and cfg.shared_expert_intermediate_size:
@@ -235,14 +264,13 @@ _LINEAR = re.compile(r"(?P<layer>layers\.\d+\.linear_attn)\.(?P<name>in_proj_\w+
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
     """Qwen3-Next (transformers' qwen3_next) and the Qwen3.5 text models (qwen3_5_text, qwen3_5_moe_text): one
-    class, config switches. TP 1 only (refused above it), as is speculative decoding (scheduler)."""
+    class, config switches. Under TP each rank holds whole key heads of the linear layers (with their value heads)
+    and whole GQA groups of the full-attention ones."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo = TPInfo(), kernels: Kernels | None = None,
                  method: LinearMethod | None = None):
         nn.Module.__init__(self)
-        if tp.size > 1:
-            raise ValueError(f"{cfg.architecture} runs at --tp 1 only: its Gated DeltaNet layers are not split across "
-                             "ranks yet")
+        linear_heads(cfg, tp)  # refuses a TP size that splits a linear layer's key head
         self.cfg, self.tp = cfg, tp
         self.kernels = kernels = kernels or Kernels()
         method = method or LinearMethod()
