@@ -1,9 +1,9 @@
 """Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5 dense and MoE): greedy ids equal transformers fp32 token for token on
 tiny random checkpoints -- prompts longer than a prefill chunk, the prompts cached (the linear layers' state restored
 from the radix cache's snapshots), a long prefix shared -- at page sizes 1 and 4; n = 2 choices equal two requests;
-state slots come back after a finish and an abort; the memory a request holds against a full-attention model's; what
-is refused (speculative decoding, a TP size that splits a key head); TP 2 = TP 1; and a negative control per
-feature (decay, output gates)."""
+state slots come back after a finish and an abort; n-gram speculation gives the plain answer (states advance over
+accepted drafts only); TP 2 = TP 1; overlap scheduling; the memory a request holds against a full-attention model's;
+a TP size that splits a key head refused; and a negative control per feature (decay, output gates)."""
 
 from __future__ import annotations
 
@@ -33,14 +33,14 @@ FAMILIES = {  # (transformers' config class, model class, its fields beyond TINY
 }
 
 
-def make_hybrid(family: str, out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+def make_hybrid(family: str, out: Path, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:
     """A tiny random hybrid saved with save_pretrained beside the default model's tokenizer: 3 Gated DeltaNet layers
     and one gated full-attention layer, every weight drawn (the (1 + w) norms, A_log, dt_bias too)."""
     import transformers
 
     cfg_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, cfg_cls)(**TINY_HYBRID, **extra, eos_token_id=2, bos_token_id=1)
+    cfg = getattr(transformers, cfg_cls)(**{**TINY_HYBRID, **extra, **overrides}, eos_token_id=2, bos_token_id=1)
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -205,19 +205,45 @@ def test_state_slots_come_back_after_finish_and_abort(hybrid_dirs):
         assert (s.state_slots_free, s.state_slots_total) == (total, total)
 
 
-def test_speculative_decoding_and_an_uneven_tp_are_refused_in_one_line(hybrid_dirs):
+def test_an_uneven_tp_is_refused_in_one_line(hybrid_dirs):
     from minisgl_cli.distributed import TPInfo
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.engine.engine import Engine
 
-    model_dir = str(hybrid_dirs["qwen3_5"])
-    with pytest.raises(Exception) as err:
-        LLM(model_dir, speculative_algorithm="ngram", num_speculative_tokens=3)
-    assert "--speculative-algorithm ngram" in str(err.value) and "linear-attention" in str(err.value)
-    assert "\n" not in str(err.value).strip()
     with pytest.raises(ValueError) as err:  # 2 key heads do not split over 4 ranks
-        Engine(EngineConfig(model=model_dir, max_total_tokens=256), TPInfo(0, 4))
+        Engine(EngineConfig(model=str(hybrid_dirs["qwen3_5"]), max_total_tokens=256), TPInfo(0, 4))
     assert "--tp 4 must divide the 2 linear-attention key heads" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("family,rollback", [("qwen3_next", True), ("qwen3_5_moe", True), ("qwen3_next", False)])
+def test_ngram_speculation_gives_the_plain_greedy_answer(tmp_path_factory, tokenizer_dir, monkeypatch, family,
+                                                         rollback):
+    """Prompt lookup drafts (a 64-token vocabulary: the tiny model repeats itself, so some drafts are accepted and
+    more rejected): verify steps run each request's drafts as extra rows; the linear layers' states advance over the
+    accepted rows only (rejected drafts never enter them), so the answers equal transformers' greedy ones. The
+    negative control (`rollback` off: the states advance over every row, drafts rejected or not) differs."""
+    from minisgl_cli.attention import gated_delta
+
+    if not rollback:
+        for name in ("commit", "conv_commit"):
+            orig = getattr(gated_delta, name)
+            if name == "commit":
+                monkeypatch.setattr(gated_delta, name, lambda x, ssm, slots, runs, accepted, _o=orig:
+                                    _o(x, ssm, slots, runs, runs))
+            else:
+                monkeypatch.setattr(gated_delta, name, lambda conv, slots, seqs, accepted, _o=orig:
+                                    _o(conv, slots, seqs, [seq.shape[1] - conv.shape[2] for seq in seqs]))
+    model_dir = make_hybrid(family, tmp_path_factory.mktemp("spec") / family, tokenizer_dir, vocab_size=64)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (4, 7, 10, 30, 50)]
+    params = [SamplingParams(max_new_tokens=32, ignore_eos=True)] * len(prompts)
+    with LLM(str(model_dir), attention_backend="torch", max_prefill_tokens=CHUNK, speculative_algorithm="ngram",
+             num_speculative_tokens=3, **EXACT) as llm:
+        ours = [r.token_ids for r in llm.generate(prompts, params)]
+        s = llm.client.stats()
+        llm.client.check_pages()
+    assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens
+    assert (ours == hf_greedy(model_dir, prompts, 32)) == rollback
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])

@@ -6,10 +6,12 @@ A prefill runs it a chunk of C tokens at a time: within a chunk the updates are 
 (the WY form) and a few matmuls, between chunks the state is carried (see `chunked`). Decode is the one-step update
 batched over requests (`step`). Each request's state lives in its slot of the pool (kvcache/state.py): a prefill
 chunk starts from it and writes it back, so a long prompt cut into chunks by the scheduler carries it across them.
+A speculative verify step runs each request's rows in order without writing the state (`verify`); once the scheduler
+knows how many were accepted, `commit` advances the state over those only, so rejected drafts never enter it.
 
 Which path runs where: on CUDA, where flash-linear-attention (`fla-core`, Triton) imports, its
 `chunk_gated_delta_rule` and `fused_recurrent_gated_delta_rule`; elsewhere (the CPU, or CUDA without fla) the torch
-code of this module. Both normalize q and k in fp32 and keep the states in fp32.
+code of this module (and verify steps everywhere). Both normalize q and k in fp32 and keep the states in fp32.
 """
 
 from __future__ import annotations
@@ -137,6 +139,43 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     return o
 
 
+def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           ssm: torch.Tensor, slots: torch.Tensor, runs: list[int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """A verify step (speculative decoding): each request's `runs[i]` rows in order, one step each from the state in
+    its slot (`slots` [B], one a request), as decode would run them; the slots are left as they were. Returns o
+    [T, H, V] and the step's normalized inputs, for `commit` to advance each state over the rows accepted."""
+    qn, kn = _normalized(q, k, v.shape[1] // q.shape[1])
+    inputs = (qn, kn, v.float(), g.float(), beta.float())
+    out = torch.empty_like(inputs[2])
+    at = 0
+    for i, n in enumerate(runs):
+        state = ssm.index_select(0, slots[i : i + 1])
+        for j in range(at, at + n):
+            o, state = _step_at(inputs, j, state)
+            out[j] = o[0]
+        at += n
+    return out, inputs
+
+
+def _step_at(inputs: tuple[torch.Tensor, ...], j: int, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`step` on row j of a verify step's normalized inputs (q, k, v, g, beta)."""
+    q, k, v, g, beta = (x[j : j + 1] for x in inputs)
+    return step(q, k, v, g, beta, state)
+
+
+def commit(inputs: tuple[torch.Tensor, ...], ssm: torch.Tensor, slots: torch.Tensor, runs: list[int],
+           accepted: list[int]) -> None:
+    """After a verify step: each request's state advanced over its first `accepted[i]` rows (the same steps as
+    `verify` ran: the same numbers), the rejected drafts' never written."""
+    at = 0
+    for i, (n, a) in enumerate(zip(runs, accepted)):
+        state = ssm.index_select(0, slots[i : i + 1])
+        for j in range(at, at + a):
+            _, state = _step_at(inputs, j, state)
+        ssm.index_copy_(0, slots[i : i + 1], state)
+        at += n
+
+
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
                  lens: list[int]) -> torch.Tensor:
     """The causal depthwise conv + SiLU over an extend step's mixed q, k, v rows x [T, C], request after request,
@@ -152,6 +191,27 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot
         out[at : at + n] = F.silu(y).t().to(x.dtype)
         at += n
     return out
+
+
+def conv_verify(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
+                runs: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """conv_prefill over a verify step's runs, leaving the slots' conv states as they were: also returns each run's
+    input columns after its state's ([C, kernel - 1 + n]), for `conv_commit`."""
+    out, seqs = torch.empty_like(x), []
+    at, w = 0, weight[:, None, :]
+    for i, n in enumerate(runs):
+        seq = torch.cat([conv.index_select(0, slots[i : i + 1])[0], x[at : at + n].t().to(conv.dtype)], dim=1)
+        out[at : at + n] = F.silu(F.conv1d(seq[None].to(weight.dtype), w, groups=x.shape[1])[0]).t().to(x.dtype)
+        seqs.append(seq)
+        at += n
+    return out, seqs
+
+
+def conv_commit(conv: torch.Tensor, slots: torch.Tensor, seqs: list[torch.Tensor], accepted: list[int]) -> None:
+    """Each slot's conv state: the last kernel - 1 inputs up to its request's accepted rows."""
+    width = conv.shape[2]
+    for i, (seq, a) in enumerate(zip(seqs, accepted)):
+        conv.index_copy_(0, slots[i : i + 1], seq[None, :, a : a + width])
 
 
 def conv_step(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -369,6 +369,13 @@ class Engine:
         """page_table[rows, positions] = slots (int32, on the device): one device op."""
         self.pool.page_table[rows, positions] = slots
 
+    def commit_verify(self, accepted: list[int]) -> None:
+        """After a verify step, each request's rows accepted (1 + its accepted drafts), in the step's order: a
+        linear-attention model's states advance over those only (a no-op for other models)."""
+        if self.state is not None:
+            assert isinstance(self.model, Qwen3NextForCausalLM)
+            self.model.commit_verify(accepted)
+
     # --- a request's images (a vision-language model's; vision/state.py) ------------------------------------------
     def load_images(self, images: list[ImageInput]) -> None:
         """A request arrived with images: hold their pixels (ValueError, the request's fault, when it cannot)."""
@@ -412,7 +419,8 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] (engine dtype) of each request's last token (decode through a CUDA graph when one fits)."""
-        if self.graphs is not None and self.graphs.can_run(batch):
+        # (a linear-attention model's verify step runs eagerly: its layers run each request's rows in order)
+        if self.graphs is not None and self.graphs.can_run(batch) and (batch.runs is None or self.state is None):
             return self.graphs.replay(batch)
         if self.compiled is not None and self.compiled.can_run(batch):
             hidden = self.compiled.run(batch)

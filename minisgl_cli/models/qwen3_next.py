@@ -16,6 +16,7 @@ into Qwen3.5's split layout, so one forward serves both.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Iterable, Iterator
 
@@ -83,6 +84,8 @@ class GatedDeltaNet(nn.Module):
     """One linear-attention layer; `index` is its place among the model's linear layers (its state in each slot)."""
 
     pool: StatePool | None = None  # set by the engine (bind_state) before the first forward
+    # a verify step's (request slots, runs, conv inputs, delta-rule inputs) until `commit`
+    pending: tuple[torch.Tensor, list[int], list[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
 
     def __init__(self, cfg: ModelConfig, index: int, tp: TPInfo, kernels: Kernels, method: LinearMethod):
         super().__init__()
@@ -144,7 +147,12 @@ class GatedDeltaNet(nn.Module):
                                                        dim=-1)
         slots = pool.slot_of_row[batch.req_rows]
         conv, ssm = pool.conv[self.index], pool.ssm[self.index]
-        if decode:
+        runs = batch.runs
+        if runs is not None:  # a verify step: each request's slot (that of its first row), the states left alone
+            firsts = torch.tensor([0, *itertools.accumulate(runs)][:-1], dtype=torch.int64)
+            slots = slots[firsts.to(slots.device)]
+            mixed, seqs = gated_delta.conv_verify(mixed, self.conv_weight, conv, slots, runs)
+        elif decode:
             # A captured decode graph's padded rows (KV slot 0, the scratch page) must not touch a live request's
             # state: they update the scratch state slot.
             slots = torch.where(batch.out_cache_loc == 0, pool.scratch, slots)
@@ -158,12 +166,24 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(T, hv, la.head_v_dim)
         beta = b.sigmoid()
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        if decode:
+        if runs is not None:
+            o, inputs = gated_delta.verify(q, k, v, g, beta, ssm, slots, runs)
+            self.pending = (slots, runs, seqs, inputs)
+        elif decode:
             o = gated_delta.decode(q, k, v, g, beta, ssm, slots)
         else:
             o = gated_delta.prefill(q, k, v, g, beta, ssm, slots, batch.extend_lens_cpu)
         o = self.norm(o, z.reshape(T, hv, la.head_v_dim), x.dtype)
         return self.out_proj.to_norm(o.reshape(T, self.value_dim), decode)
+
+
+    def commit(self, accepted: list[int]) -> None:
+        """After the verify step this layer last ran: each request's state over its `accepted` rows."""
+        assert self.pending is not None and self.pool is not None, "a commit follows a verify step"
+        slots, runs, seqs, inputs = self.pending
+        self.pending = None
+        gated_delta.conv_commit(self.pool.conv[self.index], slots, seqs, accepted)
+        gated_delta.commit(inputs, self.pool.ssm[self.index], slots, runs, accepted)
 
 
 class GatedAttention(nn.Module):
@@ -264,8 +284,9 @@ _LINEAR = re.compile(r"(?P<layer>layers\.\d+\.linear_attn)\.(?P<name>in_proj_\w+
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
     """Qwen3-Next (transformers' qwen3_next) and the Qwen3.5 text models (qwen3_5_text, qwen3_5_moe_text): one
-    class, config switches. Under TP each rank holds whole key heads of the linear layers (with their value heads)
-    and whole GQA groups of the full-attention ones."""
+    class, config switches. A speculative verify step leaves the linear layers' states to `commit_verify`. Under TP
+    each rank holds whole key heads of the linear layers (with their value heads) and whole GQA groups of the
+    full-attention ones."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo = TPInfo(), kernels: Kernels | None = None,
                  method: LinearMethod | None = None):
@@ -289,6 +310,12 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         for module in self.modules():
             if isinstance(module, GatedDeltaNet):
                 module.pool = pool
+
+    def commit_verify(self, accepted: list[int]) -> None:
+        """After a verify step: each request's linear-attention states over its first accepted[i] rows."""
+        for module in self.modules():
+            if isinstance(module, GatedDeltaNet):
+                module.commit(accepted)
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> set[str]:
         modules = dict(self.named_modules())

@@ -422,6 +422,8 @@ class Scheduler:
         req_rows = cast(list[int], [r.req_row for r in reqs])
         if mode == "decode":
             fb = engine.build_batch(mode, ids, row_slots, starts, [1] * len(ids), locs)
+            if drafts is not None:
+                fb.runs = [1 + len(d) for d in drafts]
         else:
             fb = engine.build_batch(mode, ids, req_rows, starts, lens, locs)
         self.cache.write_rows(fb)
@@ -468,6 +470,13 @@ class Scheduler:
         out: list[TokenOutput] = []
         emitted = accepted = 0
         row = 0
+        if step.drafts is not None:  # rows kept per request: linear-attention states advance over those only
+            kept = []
+            for d in step.drafts:
+                kept.append(1 + accepted_run(d, tokens[row : row + len(d)]))
+                row += 1 + len(d)
+            row = 0
+            self.engine.commit_verify(kept)
         for i, (req, produced) in enumerate(zip(step.reqs, step.produces)):
             drafts = step.drafts[i] if step.drafts is not None else []
             first, row = row, row + 1 + len(drafts)

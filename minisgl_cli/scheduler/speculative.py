@@ -63,10 +63,6 @@ def accepted_run(drafts: list[int], drawn: list[int]) -> int:
 
 def create_proposer(cfg: SchedulerConfig, engine: Engine) -> Proposer | None:
     """The proposer `cfg` asks for (None without speculation)."""
-    if cfg.speculative_algorithm != "none" and engine.spec.num_state_slots:
-        # A verify step's rejected drafts would stay in the linear layers' states (no rollback yet)
-        raise ValueError(f"--speculative-algorithm {cfg.speculative_algorithm}: not supported for linear-attention "
-                         "models (Qwen3-Next, Qwen3.5), whose recurrent state cannot roll back rejected drafts yet")
     if cfg.speculative_algorithm == "ngram":
         from minisgl_cli.scheduler.ngram import NgramProposer
 
