@@ -203,6 +203,10 @@ def test_state_slots_come_back_after_finish_and_abort(hybrid_dirs):
             asyncio.run(asyncio.sleep(0.05))
         llm.client.check_pages()
         assert (s.state_slots_free, s.state_slots_total) == (total, total)
+    from minisgl_cli.server.metrics import ServerMetrics
+
+    prom = ServerMetrics().to_prometheus(s, "m")
+    assert "minisgl_state_slots_total" in prom and "minisgl_state_slots_free" in prom
 
 
 def test_an_uneven_tp_is_refused_in_one_line(hybrid_dirs):
@@ -329,6 +333,36 @@ def test_builtin_hybrid_configs_have_their_layer_patterns(name):
     assert mc.kv_layers == tuple(range(3, mc.num_layers, 4))
     assert bool(mc.num_experts) == (name != "qwen3.5-9b")
     assert mc.shared_expert_intermediate_size == (0 if name == "qwen3.5-9b" else 512)
+
+
+def test_qwen3_5_vision_language_checkpoint_serves_its_language_model(tmp_path, tokenizer_dir):
+    """Qwen3.5's hub checkpoints are Qwen3_5ForConditionalGeneration (a vision tower beside the language model, under
+    model.language_model.): the language model loads (the tower is skipped) and answers text as transformers' does."""
+    import transformers
+
+    torch.manual_seed(0)
+    text = {**TINY_HYBRID, "eos_token_id": 2, "bos_token_id": 1}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16, patch_size=4)
+    model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text,
+                                                                                   vision_config=vision)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif "A_log" not in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp_path / f.name)
+    prompts = _prompts()[:4]
+    with torch.no_grad():
+        theirs = [model.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False, min_new_tokens=N_NEW,
+                                 eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    params = [SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)] * len(prompts)
+    with LLM(str(tmp_path), attention_backend="torch", **EXACT) as llm:
+        assert [r.token_ids for r in llm.generate(prompts, params)] == theirs
 
 
 def test_smoke_runs_on_dummy_weights_of_a_tiny_hybrid(hybrid_dirs):

@@ -7,7 +7,11 @@ from typing import Any
 
 VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # Gated DeltaNet hybrids: linear-attention layers with a recurrent state, gated full attention every few layers
-HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# (Qwen3.5's hub checkpoints are its vision-language models: their language model runs, the vision tower is not
+# loaded)
+QWEN3_5_DENSE = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+QWEN3_5_MOE = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", *QWEN3_5_DENSE, *QWEN3_5_MOE)
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                  "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
                  *VISION_ARCHITECTURES, *HYBRID_ARCHITECTURES)
@@ -206,8 +210,8 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {arch!r}; minisgl runs {', '.join(ARCHITECTURES)}")
         vlm = arch in VISION_ARCHITECTURES
         # A VLM's decoder fields: its text_config (transformers 5 writes one) over the top level (the hub's files).
-        cfg = {**top, **top.get("text_config", {})} if vlm else top
         hybrid = arch in HYBRID_ARCHITECTURES
+        cfg = {**top, **top.get("text_config", {})} if vlm or hybrid else top
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -293,7 +297,7 @@ def _hybrid_fields(arch: str, cfg: dict[str, Any], rope_params: dict[str, Any]) 
     # (Qwen3.5's rope_parameters may carry an M-RoPE section: a text token's three positions are equal, so it
     # turns as plain RoPE does.)
     factor = rope_params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
-    shared = cfg.get("shared_expert_intermediate_size") or 0 if arch != "Qwen3_5ForCausalLM" else 0
+    shared = cfg.get("shared_expert_intermediate_size") or 0 if arch not in QWEN3_5_DENSE else 0
     return dict(linear_attn=LinearAttnConfig.from_hf(cfg, cfg["num_hidden_layers"]),
                 rotary_dim=int(head_dim * factor), shared_expert_intermediate_size=shared)
 
@@ -309,7 +313,7 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                     moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
                     swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
                     swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
-    if arch == "Qwen3_5MoeForCausalLM":  # every layer sparse, the top-k weights always renormalized
+    if arch in QWEN3_5_MOE:  # every layer sparse, the top-k weights always renormalized
         return dict(num_experts=cfg["num_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=True)
     if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen3NextForCausalLM"):

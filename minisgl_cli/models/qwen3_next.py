@@ -10,7 +10,8 @@ project a query and an output gate per head, normalize q and k per head, turn on
 of each head by RoPE, and multiply the attention's output by sigmoid(gate). Every RMSNorm but the DeltaNet's output
 norm scales by (1 + w) (loaded as 1 + w, as Gemma's). MoE layers add a shared expert gated by sigmoid to the routed
 experts. Qwen3-Next's checkpoints fuse q, k, v, z (and b, a) grouped per key head: they are reordered on loading
-into Qwen3.5's split layout, so one forward serves both.
+into Qwen3.5's split layout, so one forward serves both. Qwen3.5's hub checkpoints (Qwen3_5ForConditionalGeneration)
+load their language model; their vision tower and any MTP head are skipped.
 """
 
 from __future__ import annotations
@@ -214,8 +215,8 @@ class GatedAttention(nn.Module):
         T, H, Hkv, d, rd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim
         qg, k, v = self.qkv_proj(x, batch.is_decode).split([2 * H * d, Hkv * d, Hkv * d], dim=-1)
         q, gate = qg.reshape(T, H, 2 * d).split([d, d], dim=-1)
-        q = self.q_norm(q.contiguous())
-        k = self.k_norm(k.reshape(T, Hkv, d).contiguous())
+        q = self.q_norm(q.reshape(T * H, d)).view(T, H, d)  # as rows: every RMSNorm kernel takes those
+        k = self.k_norm(k.reshape(T * Hkv, d)).view(T, Hkv, d)
         at = rope_at if rope_at is not None else self.rope.at(rope, x.dtype)
         q = torch.cat([self.rope.rotate(q[..., :rd], at), q[..., rd:]], dim=-1)
         k = torch.cat([self.rope.rotate(k[..., :rd], at), k[..., rd:]], dim=-1)
@@ -323,8 +324,10 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
         def rest() -> Iterator[tuple[str, Weight]]:
             for name, tensor in weights:
-                if name.startswith("mtp."):  # the multi-token-prediction head: not a draft source here yet
+                # the multi-token-prediction head (not a draft source here yet); a Qwen3.5 checkpoint's vision tower
+                if name.startswith(("mtp.", "model.visual.", "visual.")):
                     continue
+                name = name.replace("model.language_model.", "model.", 1)  # a Qwen3.5 checkpoint's language model
                 m = _LINEAR.fullmatch(name.removeprefix("model."))
                 if m is None:
                     yield name, tensor
