@@ -209,6 +209,34 @@ def test_state_slots_come_back_after_finish_and_abort(hybrid_dirs):
     assert "minisgl_state_slots_total" in prom and "minisgl_state_slots_free" in prom
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize("mode,nth,kw", [("prefill", 2, {"max_prefill_tokens": 16}), ("decode", 3, {})],
+                         ids=["chunk", "decode"])
+def test_a_step_failing_after_its_forward_leaves_no_state_behind(hybrid_dirs, mode, nth, kw, overlap):
+    """A step that raised after its forward had updated the linear layers' states in place: its request fails, its
+    slot comes back, and no snapshot of that state reaches the cache, so the same prompt and one going on from what
+    the failed request got answer as cold ones."""
+    from faults import StepFaults, every_nth, run
+
+    from minisgl_cli.types import ErrorCode
+
+    model_dir = hybrid_dirs["qwen3_5"]
+    prompt = _prompts()[3]  # 50 tokens
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    with LLM(str(model_dir), attention_backend="torch", overlap_on_cpu=overlap, **EXACT, **kw) as llm:
+        engine = llm.client._scheduler().engine
+        with StepFaults(engine, every_nth(nth, mode), after_forward=True, limit=1) as faults:
+            failed = run(llm.client, prompt, params)
+        assert faults.raised == 1 and failed.error_code is ErrorCode.ENGINE_FAILED
+        llm.client.check_pages()
+        s = llm.client.stats()
+        assert s.state_slots_free == s.state_slots_total
+        turn = prompt + failed.token_ids + [7, 8, 9]
+        assert [run(llm.client, ids, params).token_ids for ids in (prompt, turn)] == hf_greedy(model_dir,
+                                                                                                [prompt, turn], 8)
+        llm.client.check_pages()
+
+
 def test_an_uneven_tp_is_refused_in_one_line(hybrid_dirs):
     from minisgl_cli.distributed import TPInfo
     from minisgl_cli.engine.config import EngineConfig
