@@ -118,6 +118,17 @@ def test_overlap_scheduling_keeps_the_answers(hybrid_dirs, family):
     assert cold == cached == hf_greedy(model_dir, prompts, N_NEW)
 
 
+def test_few_snapshot_slots_evict_cache_leaves_and_keep_the_answers(hybrid_dirs):
+    """Two request slots, so two snapshot slots for seven prompts: each new snapshot evicts the least recently used
+    leaf (its pages and its snapshot together); the answers stay transformers' and every page, slot and snapshot is
+    accounted for."""
+    model_dir = hybrid_dirs["qwen3_5"]
+    prompts = _prompts()
+    cold, cached, stats = _ours(model_dir, prompts, max_running_requests=2)
+    assert cold == cached == hf_greedy(model_dir, prompts, N_NEW)
+    assert stats["slots"] == 2 and stats["hit_tokens"] < sum(len(p) - 1 for p in prompts)
+
+
 def test_shared_prefix_restores_the_state_of_its_snapshot(hybrid_dirs):
     """A request sharing a long prefix with an earlier one starts from the earlier one's snapshot at a chunk end
     inside that prefix, and answers as it would cold."""
