@@ -5,8 +5,9 @@ conv_kernel - 1 columns of its causal conv's input (the mixed q, k, v) and the D
 k_dim x v_dim in fp32. A request holds one slot (every linear layer's state at one index) from admission to its end;
 a request that cannot get one waits, like one that cannot get pages. The model finds a request's slot through
 `slot_of_row` (indexed by the request's page-table row, on the device), so a decode step reads no host value and
-CUDA graphs capture it as it is. Slot `num_slots` is scratch: rows no request holds point there, and so do the padded
-rows of a captured decode graph (the model sends rows whose KV slot is the scratch slot 0 there).
+CUDA graphs capture it as it is. Beside the request slots, snapshot slots hold states the hybrid prefix cache keeps
+(kvcache/hybrid.py), and the last slot is scratch: rows no request holds point there, and so do the padded rows of a
+captured decode graph (the model sends rows whose KV slot is the scratch slot 0 there).
 """
 
 from __future__ import annotations
