@@ -352,6 +352,43 @@ def test_a_request_s_state_is_a_fraction_of_full_attention_kv_at_32k():
               f"{state / 2**20:.1f} MiB state = {(kv + state) / full:.1%}")
 
 
+def test_a_padded_decode_row_leaves_live_states_alone(hybrid_dirs):
+    """A captured decode graph pads its batch with rows whose KV slot is the scratch slot 0, their page-table row
+    whatever an earlier replay left there (a live request's): such a row updates the scratch state slot only, so the
+    live request's logits and state are those of the batch without it."""
+    from minisgl_cli.engine.batch import ForwardBatch
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(hybrid_dirs["qwen3_next"]), max_total_tokens=2048,
+                                 attention_backend="torch", **EXACT))
+    assert engine.state is not None
+    row = engine.alloc_req_row()
+    assert row is not None and engine.alloc_state_slot(row) is not None
+    prompt = list(range(5, 25))
+    n = len(prompt)
+    engine.pool.page_table[row, : n + 1] = torch.arange(1, n + 2, dtype=torch.int32)
+    engine.forward(ForwardBatch.build("prefill", prompt, [row], [0], [n], list(range(1, n + 1)), engine.device,
+                                      engine.host))
+    before = [t.clone() for t in engine.state.conv + engine.state.ssm]
+
+    def decode(rows: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for t, b in zip(engine.state.conv + engine.state.ssm, before):
+            t.copy_(b)
+        fb = ForwardBatch.build("decode", [7] + [0] * (rows - 1), [row] * rows, [n] + [0] * (rows - 1), [1] * rows,
+                                [n + 1] + [0] * (rows - 1), engine.device, engine.host)
+        logits = engine.forward(fb)[0]
+        slot = int(engine.state.slot_of_row[row])
+        return logits, [t[slot].clone() for t in engine.state.conv + engine.state.ssm]
+
+    alone, state_alone = decode(1)
+    padded, state_padded = decode(3)  # equal up to a GEMM's rounding over 3 rows instead of 1
+    torch.testing.assert_close(padded, alone, rtol=0, atol=1e-4)
+    for a, b in zip(state_padded, state_alone):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    assert not all(torch.equal(a, b[int(engine.state.slot_of_row[row])]) for a, b in zip(state_alone, before))
+
+
 def test_engine_holds_kv_for_full_attention_layers_only(hybrid_dirs):
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.engine.engine import Engine
