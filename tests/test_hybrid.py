@@ -441,6 +441,25 @@ def test_qwen3_5_vision_language_checkpoint_serves_its_language_model(tmp_path, 
         assert [r.token_ids for r in llm.generate(prompts, params)] == theirs
 
 
+@pytest.mark.parametrize("mode", [dict(quantization="int8"), dict(quantization="int4"), dict(dtype="bfloat16")],
+                         ids=["int8", "int4", "bf16"])
+def test_the_cpu_modes_run_a_hybrid(hybrid_dirs, mode):
+    """The int4 / int8 CPU modes (linears through their low-bit copies, decode eager: no stored compiled step covers
+    linear-attention layers, so --torch-compile on is refused) and bf16: every request gets its tokens, and every
+    page and slot comes back."""
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+
+    model_dir = str(hybrid_dirs["qwen3_5"])
+    with LLM(model_dir, max_total_tokens=1024, **mode) as llm:
+        out = llm.generate(_prompts()[:4], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        llm.client.check_pages()
+    assert [len(c.token_ids) for c in out] == [6] * 4
+    if "quantization" in mode:
+        with pytest.raises(ValueError, match="--torch-compile on"):
+            Engine(EngineConfig(model=model_dir, torch_compile="on", max_total_tokens=256, **mode))
+
+
 def test_smoke_runs_on_dummy_weights_of_a_tiny_hybrid(hybrid_dirs):
     from typer.testing import CliRunner
 
