@@ -129,6 +129,21 @@ def test_few_snapshot_slots_evict_cache_leaves_and_keep_the_answers(hybrid_dirs)
     assert stats["slots"] == 2 and stats["hit_tokens"] < sum(len(p) - 1 for p in prompts)
 
 
+def test_retracted_requests_resume_from_their_state_snapshot(hybrid_dirs):
+    """A KV pool too small for every running request: the newest is retracted (its KV and a snapshot of its state
+    cached at its known tokens), re-queued, and resumes from there; the answers stay transformers'."""
+    model_dir = hybrid_dirs["qwen3_next"]
+    prompts = _prompts()
+    params = [SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)] * len(prompts)
+    with LLM(str(model_dir), attention_backend="torch", max_prefill_tokens=CHUNK, max_total_tokens=96,
+             **EXACT) as llm:
+        ours = [r.token_ids for r in llm.generate(prompts, params)]
+        s = llm.client.stats()
+        llm.client.check_pages()
+    assert s.retracted_requests > 0
+    assert ours == hf_greedy(model_dir, prompts, N_NEW)
+
+
 def test_shared_prefix_restores_the_state_of_its_snapshot(hybrid_dirs):
     """A request sharing a long prefix with an earlier one starts from the earlier one's snapshot at a chunk end
     inside that prefix, and answers as it would cold."""
