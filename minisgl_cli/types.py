@@ -292,6 +292,9 @@ class SchedulerStats:
     tokens_free: int | None = 0
     tokens_cached: int | None = 0  # held by the prefix cache (evictable or locked)
     tokens_in_use: int | None = 0  # held by running requests beyond their cached prefix
+    # A linear-attention model's recurrent-state slots (kvcache/state.py): all of them, and those no request holds
+    state_slots_total: int | None = 0
+    state_slots_free: int | None = 0
     cache_hit_tokens: int | None = 0
     cache_miss_tokens: int | None = 0
     cache_hit_requests: int | None = 0

@@ -90,7 +90,8 @@ class SerialClient(BaseClient):
         self._aborted: set[str] = set()
         self._running = 0
         self._stats = SchedulerStats(tokens_total=None, tokens_free=None, tokens_cached=None, tokens_in_use=None,
-                                     steps=None, retracted_requests=None)
+                                     state_slots_total=None, state_slots_free=None, steps=None,
+                                     retracted_requests=None)
         if self.prefix_cache is None:
             s = self._stats
             s.cache_hit_tokens = s.cache_miss_tokens = s.cache_hit_requests = s.cache_miss_requests = None

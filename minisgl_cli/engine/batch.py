@@ -56,6 +56,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [B] int64: row of each request's last token
     attn_meta: Any = field(default=None)  # filled by the attention backend's prepare()
     images: StepImages | None = None  # a VLM's prefill step where a request holds images (vision/state.py)
+    # A verify step (speculative decoding): each request's rows, consecutive (1 + its drafts); None otherwise.
+    # Linear-attention layers run a request's rows in order and keep its state as it was until the scheduler says
+    # how many were accepted (models/qwen3_next.py).
+    runs: list[int] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -31,6 +31,7 @@ from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.graph import MAX_DEFAULT_BS, DecodeGraphs, default_max_bs
 from minisgl_cli.engine.host import HostBuffers
 from minisgl_cli.kvcache.pool import KVPool, KVShape
+from minisgl_cli.kvcache.state import StatePool
 from minisgl_cli.layers import cpu_gemm
 from minisgl_cli.layers.kernel_choice import Kernels, load_sgl_kernel
 from minisgl_cli.layers.quant import METHODS
@@ -41,6 +42,7 @@ from minisgl_cli.loader.hf import iter_safetensors, read_hf_config
 from minisgl_cli.models import ModelConfig, create_model
 from minisgl_cli.models.dummy import dummy_checkpoint
 from minisgl_cli.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from minisgl_cli.models.qwen3_next import Qwen3NextForCausalLM, state_shape
 from minisgl_cli.sampling.graphs import SamplerGraphs
 from minisgl_cli.sampling.sampler import Sampled, create_sampler, sample
 from minisgl_cli.sampling.state import Need, SamplingBatch, SamplingState
@@ -48,6 +50,8 @@ from minisgl_cli.types import ImageInput, ModelInfo, SamplingParams
 from minisgl_cli.vision.state import VisionState
 
 log = logging.getLogger("minisgl.engine")
+
+STATE_SHARE = 0.25  # of the memory budget, the most a linear-attention model's state slots take
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,8 @@ class EngineSpec:
     max_requests: int  # page-table rows: requests that can hold KV at once
     eos_token_ids: frozenset[int]  # the model config's (a tokenizer may add more)
     model_dir: Path | None  # tokenizer and config files; None for dummy weights of a built-in config
+    num_state_slots: int = 0  # recurrent-state slots (linear-attention models; 0: the model keeps none)
+    num_state_snapshots: int = 0  # slots for the prefix cache's state snapshots (kvcache/hybrid.py)
 
 
 def _locate(cfg: EngineConfig) -> tuple[dict, Path | None, str, str]:
@@ -123,7 +129,7 @@ class Engine:
             raise ModelLoadError(
                 f"model config not usable ({exc})", model_dir or name,
                 "a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Gemma 3 (text), DeepSeek-V2 / V3, "
-                "Qwen2-VL or Qwen2.5-VL config",
+                "Qwen3-Next, Qwen3.5 (text), Qwen2-VL or Qwen2.5-VL config",
             ) from None
         mc = self.model_cfg
         if tp.size > 1 and self.device.type == "cuda":
@@ -150,12 +156,18 @@ class Engine:
             assert model_dir is not None  # _locate gives a dir for every source but built-in dummies
             self.model.load_weights(iter_safetensors(model_dir))
 
+        # A linear-attention model's state slots come first (kvcache/state.py): the KV pool takes what is left.
+        self.state = self._state_pool() if mc.linear_attn is not None else None
+        if self.state is not None:
+            assert isinstance(self.model, Qwen3NextForCausalLM)  # the one family with linear-attention layers
+            self.model.bind_state(self.state)
         heads = mc.heads_of(tp.rank, tp.size)
-        shape = KVShape(mc.num_layers, heads.n_kv, mc.head_dim, self.kv_dtype)
+        kv_layers = len(mc.kv_layers)  # a hybrid's full-attention layers only
+        shape = KVShape(kv_layers, heads.n_kv, mc.head_dim, self.kv_dtype)
         # Every rank must hold the same number of pages (they schedule alike): size by the rank with
         # the most KV heads, then take the smallest count any rank can afford.
         widest = max(mc.heads_of(r, tp.size).n_kv for r in range(tp.size))
-        widest_shape = KVShape(mc.num_layers, widest, mc.head_dim, self.kv_dtype)
+        widest_shape = KVShape(kv_layers, widest, mc.head_dim, self.kv_dtype)
         if mc.mla is not None:  # MLA: one latent row a token, the same on every rank (attention/mla.py)
             shape = widest_shape = KVShape(mc.num_layers, 1, mc.mla.latent_dim, self.kv_dtype, mc.mla.kv_lora_rank)
         num_pages = min_over_ranks(self._kv_pages(widest_shape), tp)
@@ -188,13 +200,16 @@ class Engine:
                                 "expert row counts back each step")
         self.compiled: CompiledDecode | None = None
         step = cfg.decode_step(self.quantization, self.kv_dtype, tp.size, own_process,
-                               eager_only=bool(mc.num_experts) or mc.attention_variants or mc.mla is not None)
+                               eager_only=bool(mc.num_experts) or mc.attention_variants or mc.mla is not None
+                               or self.state is not None)
         if step != "off" and isinstance(self.attn, TorchBackend):
             key = StepKey.of(cfg, mc, model_dir, source, self.dtype, self.kv_dtype, self.quantization)
             self.compiled = CompiledDecode(cfg, self.attn, key, builds=step == "build")  # builds from start_serving
         self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0, self.quantization)
         self.spec = EngineSpec(self.device, mc.vocab_size, self.max_context_len, cfg.page_size, num_pages,
-                               cfg.max_running_requests, frozenset(mc.eos_token_ids), model_dir)
+                               cfg.max_running_requests, frozenset(mc.eos_token_ids), model_dir,
+                               self.state.num_slots if self.state is not None else 0,
+                               self.state.num_snapshots if self.state is not None else 0)
         log.info(
             "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s backend=%s "
             "sampler=%s kv_tokens=%d page_size=%d eos=%s (%.1fs)",
@@ -240,6 +255,25 @@ class Engine:
     def decode_step(self) -> str:
         """What runs a decode step on the CPU: compiled, building (eager meanwhile) or eager (cpu_step/compiled.py)."""
         return self.compiled.state if self.compiled is not None else "eager"
+
+    def _state_pool(self) -> StatePool:
+        """Recurrent-state slots for a linear-attention model: one per running request (--max-running-requests) and
+        as many for the prefix cache's snapshots, within STATE_SHARE of the memory budget the KV pool is sized by (on
+        CUDA the pool then sizes itself from what is left; on the CPU --kv-cache-gib stays the KV pool's own)."""
+        cfg = self.cfg
+        shape = state_shape(self.model_cfg, self.dtype, self.tp)
+        if self.device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(self.device)[0] * cfg.mem_fraction)
+        else:
+            budget = int(cfg.kv_cache_gib * (1 << 30))
+        # every rank the same count (they schedule alike)
+        slots = min_over_ranks(min(cfg.max_running_requests, int(budget * STATE_SHARE) // (2 * shape.bytes_per_slot())),
+                               self.tp)
+        if slots < 1:
+            raise ValueError(f"one request's recurrent state takes {shape.bytes_per_slot() / 2**20:.1f} MiB: two "
+                             f"(its slot and a snapshot) exceed {STATE_SHARE:.0%} of the {budget / 2**30:.1f} GiB "
+                             "memory budget")
+        return StatePool(shape, slots, cfg.max_running_requests, self.device, num_snapshots=slots)
 
     def _kv_pages(self, shape: KVShape) -> int:
         cfg = self.cfg
@@ -304,10 +338,49 @@ class Engine:
     def free_req_row(self, req_row: int) -> None:
         self.pool.free_req_row(req_row)
 
+    # --- recurrent-state slots of a linear-attention model (kvcache/state.py; the CacheManager alone calls these) -
+    @property
+    def num_free_state_slots(self) -> int:
+        return self.state.num_free if self.state is not None else 0
+
+    def alloc_state_slot(self, req_row: int) -> int | None:
+        """A zeroed state slot for the request in page-table row `req_row`, or None (nothing taken) if none is free."""
+        assert self.state is not None  # only asked of a linear-attention model
+        return self.state.alloc(req_row)
+
+    def free_state_slot(self, slot: int, req_row: int) -> None:
+        assert self.state is not None
+        self.state.free(slot, req_row)
+
+    @property
+    def num_free_state_snapshots(self) -> int:
+        return self.state.num_free_snapshots if self.state is not None else 0
+
+    def alloc_state_snapshot(self) -> int | None:
+        """A snapshot slot for the prefix cache, or None when none is free."""
+        assert self.state is not None
+        return self.state.alloc_snapshot()
+
+    def free_state_snapshot(self, slot: int) -> None:
+        assert self.state is not None
+        self.state.free_snapshot(slot)
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """State slot `dst` takes slot `src`'s state (queued on the device after the steps launched before)."""
+        assert self.state is not None
+        self.state.copy(src, dst)
+
     def write_page_table(self, rows: int | torch.Tensor, positions: slice | torch.Tensor,
                          slots: torch.Tensor) -> None:
         """page_table[rows, positions] = slots (int32, on the device): one device op."""
         self.pool.page_table[rows, positions] = slots
+
+    def commit_verify(self, accepted: list[int]) -> None:
+        """After a verify step, each request's rows accepted (1 + its accepted drafts), in the step's order: a
+        linear-attention model's states advance over those only (a no-op for other models)."""
+        if self.state is not None:
+            assert isinstance(self.model, Qwen3NextForCausalLM)
+            self.model.commit_verify(accepted)
 
     # --- a request's images (a vision-language model's; vision/state.py) ------------------------------------------
     def load_images(self, images: list[ImageInput]) -> None:
@@ -352,7 +425,8 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] (engine dtype) of each request's last token (decode through a CUDA graph when one fits)."""
-        if self.graphs is not None and self.graphs.can_run(batch):
+        # (a linear-attention model's verify step runs eagerly: its layers run each request's rows in order)
+        if self.graphs is not None and self.graphs.can_run(batch) and (batch.runs is None or self.state is None):
             return self.graphs.replay(batch)
         if self.compiled is not None and self.compiled.can_run(batch):
             hidden = self.compiled.run(batch)

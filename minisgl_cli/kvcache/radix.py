@@ -25,6 +25,7 @@ class RadixNode:
     children: dict = field(default_factory=dict)
     lock_ref: int = 0
     last_used: int = 0
+    state: int = -1  # a hybrid's snapshot of its linear layers' state at this node's end (kvcache/hybrid.py), or -1
 
     def __lt__(self, other: RadixNode) -> bool:
         return self.last_used < other.last_used
@@ -142,11 +143,15 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[self._head(leaf.key)]
             self.evictable_tokens -= len(leaf.key)
+            self._dropped(leaf)
             freed.append(leaf.slots)
             count += len(leaf.key)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
         return torch.cat(freed) if freed else torch.empty(0, dtype=torch.int64)
+
+    def _dropped(self, node: RadixNode) -> None:
+        """`node` left the tree (evicted): a subclass frees what else it held."""
 
     def _nodes(self):
         stack = [self.root]

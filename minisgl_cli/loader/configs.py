@@ -53,6 +53,17 @@ _DEEPSEEK_V3 = {
     "bos_token_id": 0, "eos_token_id": 1,
 }
 
+# Gated DeltaNet hybrids (models/qwen3_next.py): three linear-attention layers to one gated full-attention layer.
+# Qwen3.5's shapes are transformers 5.24's defaults of its text configs (the docstrings' Qwen3.5-9B and
+# Qwen3.5-35B-A3B); RoPE on a quarter of each 256-wide head.
+_QWEN3_5 = {
+    "vocab_size": 248320, "num_attention_heads": 16, "head_dim": 256, "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "full_attention_interval": 4, "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False,
+}
+
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
@@ -136,6 +147,19 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
                       "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 16,
                       "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "kv_lora_rank": 64,
                       "q_lora_rank": 96, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64},
+    "qwen3.5-9b": {**_QWEN3_5, "architectures": ["Qwen3_5ForCausalLM"], "hidden_size": 4096,
+                   "intermediate_size": 12288, "num_hidden_layers": 32, "num_key_value_heads": 4},
+    "qwen3.5-35b-a3b": {**_QWEN3_5, "architectures": ["Qwen3_5MoeForCausalLM"], "hidden_size": 2048,
+                        "num_hidden_layers": 40, "num_key_value_heads": 2, "num_experts": 256, "num_experts_per_tok": 8,
+                        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
+    # Qwen3-Next-80B-A3B's layers (512 experts, 10 per token, a shared one) but 24 of its 48: ~80 GB of bf16 weights,
+    # so one H200 holds it with room for KV and states.
+    "qwen3-next-80b-a3b": {**_QWEN3_5, "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 151936,
+                           "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+                           "num_key_value_heads": 2, "num_experts": 512, "num_experts_per_tok": 10,
+                           "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+                           "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 262144,
+                           "bos_token_id": 151643, "eos_token_id": 151645},
     # A vision-language model (models/qwen2_vl.py): the Qwen2 decoder with M-RoPE and a 32-block ViT. Serving images
     # needs a tokenizer and an image processor: examples/make_tiny_media_models.py's write_dummy_vlm_dir writes a
     # directory for this config (examples/bench_vlm.py gpu).

@@ -1,6 +1,6 @@
 """Models in plain torch: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss decoders, Gemma 3 text,
-DeepSeek-V2 / V3 (MLA and shared + routed experts), and Qwen2-VL / Qwen2.5-VL (the Qwen2 decoder with a vision tower),
-chosen by the config's architecture."""
+DeepSeek-V2 / V3 (MLA and shared + routed experts), Qwen2-VL / Qwen2.5-VL (the Qwen2 decoder with a vision tower),
+and the Gated DeltaNet hybrids Qwen3-Next and Qwen3.5 text, chosen by the config's architecture."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from minisgl_cli.models.llama import (
     Qwen3MoeForCausalLM,
 )
 from minisgl_cli.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+from minisgl_cli.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 _CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -33,6 +34,11 @@ _CLASSES = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,  # its language model (the vision tower is not loaded)
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
 }
 
 

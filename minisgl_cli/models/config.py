@@ -10,9 +10,15 @@ from minisgl_cli.layers.routing import GroupedRouting
 
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# Gated DeltaNet hybrids: linear-attention layers with a recurrent state, gated full attention every few layers
+# (Qwen3.5's hub checkpoints are its vision-language models: their language model runs, the vision tower is not
+# loaded)
+QWEN3_5_DENSE = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+QWEN3_5_MOE = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", *QWEN3_5_DENSE, *QWEN3_5_MOE)
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                  "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
-                 *VISION_ARCHITECTURES, *MLA_ARCHITECTURES)
+                 *VISION_ARCHITECTURES, *MLA_ARCHITECTURES, *HYBRID_ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,48 @@ class MlaConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttnConfig:
+    """The Gated DeltaNet layers of a Qwen3-Next / Qwen3.5 hybrid: which layers, their heads, the conv kernel."""
+
+    layers: tuple[int, ...]  # decoder layers that are linear attention (the rest: gated full attention)
+    num_k_heads: int  # query / key heads; each serves num_v_heads // num_k_heads value heads
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int  # the causal depthwise conv's width over the mixed q, k, v
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any], num_layers: int) -> LinearAttnConfig:
+        types = cfg.get("layer_types")
+        if types is None:  # the hub's Qwen3-Next config: every full_attention_interval-th layer is full attention
+            every = cfg.get("full_attention_interval", 4)
+            types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
+        if len(types) != num_layers or set(types) - {"linear_attention", "full_attention"}:
+            raise ValueError(f"layer_types {types!r} are not {num_layers} of linear_attention / full_attention")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r}: the Gated DeltaNet layers run silu only")
+        lin = LinearAttnConfig(tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+                               cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
+                               cfg["linear_value_head_dim"], cfg.get("linear_conv_kernel_dim", 4))
+        if lin.num_v_heads % lin.num_k_heads:
+            raise ValueError(f"linear_num_value_heads {lin.num_v_heads} is not a multiple of linear_num_key_heads "
+                             f"{lin.num_k_heads}")
+        return lin
+
+
+@dataclass(frozen=True)
 class HeadSplit:
     """One TP rank's attention heads: query heads [q_start, q_start + n_q), KV heads [kv_start, kv_start + n_kv)."""
 
@@ -152,12 +200,23 @@ class ModelConfig:
     mla: MlaConfig | None = None
     routing: GroupedRouting | None = None
     n_shared_experts: int = 0
+    # Qwen3-Next / Qwen3.5 hybrids: the Gated DeltaNet layers (None: every layer attends), RoPE on the first
+    # rotary_dim channels of each head only (0: all of them), a shared expert beside the routed ones (its width)
+    linear_attn: LinearAttnConfig | None = None
+    rotary_dim: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @property
     def attn_scale(self) -> float:
         if self.mla is not None:
             return self.mla.scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The decoder layers that hold KV in the pool, in pool order (a hybrid's full-attention layers only)."""
+        linear = set(self.linear_attn.layers) if self.linear_attn is not None else set()
+        return tuple(i for i in range(self.num_layers) if i not in linear)
 
     @property
     def attention_variants(self) -> bool:
@@ -198,7 +257,8 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {arch!r}; minisgl runs {', '.join(ARCHITECTURES)}")
         vlm = arch in VISION_ARCHITECTURES
         # A VLM's decoder fields: its text_config (transformers 5 writes one) over the top level (the hub's files).
-        cfg = {**top, **top.get("text_config", {})} if vlm else top
+        hybrid = arch in HYBRID_ARCHITECTURES
+        cfg = {**top, **top.get("text_config", {})} if vlm or hybrid else top
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -217,7 +277,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or cfg.get("moe_intermediate_size", 0),
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             # MLA: every head its own key and value, made from the latent (the pool holds one latent row a token);
@@ -231,7 +291,7 @@ class ModelConfig:
             rope_scaling=scaling,
             attention_bias=arch == "Qwen2ForCausalLM" or vlm or bool(cfg.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and not vlm and bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") or hybrid,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             vision=VisionConfig.from_hf(top, arch, cfg) if vlm else None,
@@ -240,6 +300,7 @@ class ModelConfig:
             **_gemma_fields(arch, cfg, local_params),
             **_moe_fields(arch, cfg),
             mla=mla,
+            **_hybrid_fields(arch, cfg, rope_params),
         )
 
 
@@ -279,6 +340,19 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], local_params: dict[str, Any]) 
                 final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0))
 
 
+def _hybrid_fields(arch: str, cfg: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen3-Next / Qwen3.5 hybrid's fields: its Gated DeltaNet layers, partial RoPE, shared expert."""
+    if arch not in HYBRID_ARCHITECTURES:
+        return {}
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    # (Qwen3.5's rope_parameters may carry an M-RoPE section: a text token's three positions are equal, so it
+    # turns as plain RoPE does.)
+    factor = rope_params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
+    shared = cfg.get("shared_expert_intermediate_size") or 0 if arch not in QWEN3_5_DENSE else 0
+    return dict(linear_attn=LinearAttnConfig.from_hf(cfg, cfg["num_hidden_layers"]),
+                rotary_dim=int(head_dim * factor), shared_expert_intermediate_size=shared)
+
+
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The MoE fields of an HF config (none for dense architectures). Qwen3-MoE's checkpoints say num_experts,
     transformers 5 writes num_local_experts (Mixtral's name) for both; Mixtral's experts use intermediate_size."""
@@ -292,7 +366,10 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                     swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
     if arch in MLA_ARCHITECTURES:
         return _deepseek_moe_fields(arch, cfg)
-    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+    if arch in QWEN3_5_MOE:  # every layer sparse, the top-k weights always renormalized
+        return dict(num_experts=cfg["num_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=True)
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen3NextForCausalLM"):
         return {}
     mixtral = arch == "MixtralForCausalLM"
     return dict(

@@ -17,12 +17,18 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     if mc.mla is not None:
         yield from _deepseek_shapes(mc)
         return
-    h, d, inter = mc.hidden_size, mc.head_dim, mc.intermediate_size
+    h, d = mc.hidden_size, mc.head_dim
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
     yield "model.embed_tokens.weight", (mc.vocab_size, h)
+    linear = mc.linear_attn.layers if mc.linear_attn is not None else ()
     for i in range(mc.num_layers):
         p = f"model.layers.{i}."
-        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        if i in linear:
+            yield from _linear_attn_shapes(mc, f"{p}linear_attn.")
+            yield from _mlp_shapes(mc, i, p)
+            continue
+        # a hybrid's full attention projects a gate beside each query head
+        for name, rows in (("q_proj", 2 * q if linear else q), ("k_proj", kv), ("v_proj", kv)):
             yield f"{p}self_attn.{name}.weight", (rows, h)
             if mc.attention_bias:
                 yield f"{p}self_attn.{name}.bias", (rows,)
@@ -34,26 +40,7 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         if mc.qk_norm:
             yield f"{p}self_attn.q_norm.weight", (d,)
             yield f"{p}self_attn.k_norm.weight", (d,)
-        if mc.is_moe_layer(i) and mc.swiglu_limit:  # gpt-oss's names: a router with a bias, stacked experts
-            e, i2 = mc.num_experts, mc.moe_intermediate_size
-            yield f"{p}mlp.router.weight", (e, h)
-            yield f"{p}mlp.router.bias", (e,)
-            yield f"{p}mlp.experts.gate_up_proj", (e, h, 2 * i2)
-            yield f"{p}mlp.experts.gate_up_proj_bias", (e, 2 * i2)
-            yield f"{p}mlp.experts.down_proj", (e, i2, h)
-            yield f"{p}mlp.experts.down_proj_bias", (e, h)
-        elif mc.is_moe_layer(i):  # Qwen3-MoE's names (the loader takes Mixtral's too)
-            yield f"{p}mlp.gate.weight", (mc.num_experts, h)
-            for e in range(mc.num_experts):
-                yield f"{p}mlp.experts.{e}.gate_proj.weight", (mc.moe_intermediate_size, h)
-                yield f"{p}mlp.experts.{e}.up_proj.weight", (mc.moe_intermediate_size, h)
-                yield f"{p}mlp.experts.{e}.down_proj.weight", (h, mc.moe_intermediate_size)
-        else:
-            yield f"{p}mlp.gate_proj.weight", (inter, h)
-            yield f"{p}mlp.up_proj.weight", (inter, h)
-            yield f"{p}mlp.down_proj.weight", (h, inter)
-        yield f"{p}input_layernorm.weight", (h,)
-        yield f"{p}post_attention_layernorm.weight", (h,)
+        yield from _mlp_shapes(mc, i, p)
         if mc.architecture == "Gemma3ForCausalLM":
             yield f"{p}pre_feedforward_layernorm.weight", (h,)
             yield f"{p}post_feedforward_layernorm.weight", (h,)
@@ -99,6 +86,53 @@ def _deepseek_shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "model.norm.weight", (h,)
     if not mc.tie_word_embeddings:
         yield "lm_head.weight", (mc.vocab_size, h)
+
+
+def _linear_attn_shapes(mc: ModelConfig, p: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A Gated DeltaNet layer as Qwen3.5's checkpoints name it (split input projections)."""
+    la = mc.linear_attn
+    assert la is not None
+    h = mc.hidden_size
+    yield f"{p}in_proj_qkv.weight", (la.conv_dim, h)
+    yield f"{p}in_proj_z.weight", (la.value_dim, h)
+    yield f"{p}in_proj_b.weight", (la.num_v_heads, h)
+    yield f"{p}in_proj_a.weight", (la.num_v_heads, h)
+    yield f"{p}conv1d.weight", (la.conv_dim, 1, la.conv_kernel)
+    yield f"{p}A_log", (la.num_v_heads,)
+    yield f"{p}dt_bias", (la.num_v_heads,)
+    yield f"{p}norm.weight", (la.head_v_dim,)
+    yield f"{p}out_proj.weight", (h, la.value_dim)
+
+
+def _mlp_shapes(mc: ModelConfig, i: int, p: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Layer i's MLP (dense, or the experts with their router and any shared expert) and its two norms."""
+    h, inter = mc.hidden_size, mc.intermediate_size
+    if mc.is_moe_layer(i) and mc.swiglu_limit:  # gpt-oss's names: a router with a bias, stacked experts
+        e, i2 = mc.num_experts, mc.moe_intermediate_size
+        yield f"{p}mlp.router.weight", (e, h)
+        yield f"{p}mlp.router.bias", (e,)
+        yield f"{p}mlp.experts.gate_up_proj", (e, h, 2 * i2)
+        yield f"{p}mlp.experts.gate_up_proj_bias", (e, 2 * i2)
+        yield f"{p}mlp.experts.down_proj", (e, i2, h)
+        yield f"{p}mlp.experts.down_proj_bias", (e, h)
+    elif mc.is_moe_layer(i):  # Qwen3-MoE's names (the loader takes Mixtral's too)
+        yield f"{p}mlp.gate.weight", (mc.num_experts, h)
+        for e in range(mc.num_experts):
+            yield f"{p}mlp.experts.{e}.gate_proj.weight", (mc.moe_intermediate_size, h)
+            yield f"{p}mlp.experts.{e}.up_proj.weight", (mc.moe_intermediate_size, h)
+            yield f"{p}mlp.experts.{e}.down_proj.weight", (h, mc.moe_intermediate_size)
+    else:
+        yield f"{p}mlp.gate_proj.weight", (inter, h)
+        yield f"{p}mlp.up_proj.weight", (inter, h)
+        yield f"{p}mlp.down_proj.weight", (h, inter)
+    if mc.is_moe_layer(i) and mc.shared_expert_intermediate_size:
+        s = mc.shared_expert_intermediate_size
+        yield f"{p}mlp.shared_expert.gate_proj.weight", (s, h)
+        yield f"{p}mlp.shared_expert.up_proj.weight", (s, h)
+        yield f"{p}mlp.shared_expert.down_proj.weight", (h, s)
+        yield f"{p}mlp.shared_expert_gate.weight", (1, h)
+    yield f"{p}input_layernorm.weight", (h,)
+    yield f"{p}post_attention_layernorm.weight", (h,)
 
 
 def _vision_shapes(vc: VisionConfig) -> Iterator[tuple[str, tuple[int, ...]]]:

@@ -1,5 +1,13 @@
 """CacheManager: the scheduler's view of KV memory — page-table rows, prefix matching, page allocation with
-eviction, and handing a finished request's pages to the prefix cache. Keeps pages exactly accounted.
+eviction, and handing a finished request's pages to the prefix cache. Keeps pages exactly accounted. For a
+linear-attention model also each request's recurrent-state slot (kvcache/state.py), taken with its page-table row and
+given back with it.
+
+A hybrid's cached KV is usable only together with its linear layers' state at the same point: its radix cache
+(kvcache/hybrid.py) keeps state snapshots, taken here where the state in a request's slot is that of a page boundary
+-- the end of a prefill chunk before its last token, and the request's end (finished or retracted, unless it failed)
+-- and copied back into a request's slot when it matches them. So that a repeated prompt (and an n > 1 choice) finds
+one, a hybrid's prefill is cut at the last page boundary before its last token (`prefill_cut`).
 
 It alone writes the page table (through the engine's `write_page_table`): a request's cached prefix when it is
 admitted, the tree's pages where a prefill's duplicated them, and each step's new tokens (`write_rows`, one
@@ -11,7 +19,7 @@ import torch
 
 from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.engine.engine import Engine
-from minisgl_cli.kvcache import create_prefix_cache
+from minisgl_cli.kvcache import HybridRadixCache, create_prefix_cache
 from minisgl_cli.scheduler.request import Req
 
 
@@ -20,7 +28,12 @@ class CacheManager:
         self.engine = engine  # its KV memory verbs only: pages, page-table rows, page-table writes, uploads
         self.page_size = engine.spec.page_size
         self.num_pages = engine.spec.num_pages
-        self.tree = create_prefix_cache(cache_kind, self.page_size)
+        self.num_state_slots = engine.spec.num_state_slots
+        self.num_snapshots = engine.spec.num_state_snapshots
+        # A hybrid with a reusing cache: the tree keeps state snapshots (kvcache/hybrid.py)
+        self.snapshots = bool(self.num_state_slots) and cache_kind == "radix"
+        self.tree = create_prefix_cache(cache_kind, self.page_size,
+                                        engine.free_state_snapshot if self.snapshots else None)
 
     # --- accounting ----------------------------------------------------------------------------
     @property
@@ -36,9 +49,17 @@ class CacheManager:
         return sum(len(r.pages) for r in reqs)
 
     def check(self, reqs: list[Req]) -> None:
-        """Free + cached + in-use pages must add up to the pool (tests call this)."""
+        """Free + cached + in-use pages must add up to the pool, free + held state slots to theirs (tests call
+        this)."""
         total = self.engine.num_free_pages + self.tree.cached_tokens // self.page_size + self.pages_in_use(reqs)
         assert total == self.num_pages, f"page leak: {total} accounted of {self.num_pages}"
+        held = sum(r.state_slot is not None for r in reqs)
+        slots = self.engine.num_free_state_slots + held
+        assert slots == self.num_state_slots, f"state slot leak: {slots} accounted of {self.num_state_slots}"
+        if self.snapshots:
+            assert isinstance(self.tree, HybridRadixCache)
+            snaps = self.engine.num_free_state_snapshots + self.tree.snapshots
+            assert snaps == self.num_snapshots, f"state snapshot leak: {snaps} accounted of {self.num_snapshots}"
 
     def _slots_to_pages(self, slots: torch.Tensor) -> list[int]:
         if self.page_size == 1:
@@ -56,11 +77,19 @@ class CacheManager:
         row = req.req_row = self.engine.alloc_req_row()
         if row is None:
             return False
+        if self.num_state_slots:
+            req.state_slot = self.engine.alloc_state_slot(row)
+            if req.state_slot is None:  # every state slot is held: it waits, like a request short of pages
+                self.engine.free_req_row(row)
+                req.req_row = None
+                return False
         ids = req.all_key_ids
         m = self.tree.match(ids[: len(ids) - 1])
         self.tree.lock(m.node)
         req.prefix_node, req.prefix_len, req.kv_len = m.node, m.length, m.length
         req.prefix_slots = m.slots[: m.length].tolist() if m.length else []
+        if m.length and req.state_slot is not None:  # a hybrid's match ends at a snapshot: its state comes back
+            self.engine.copy_state(m.node.state, req.state_slot)
         if m.length:
             # Through pinned memory, asynchronously: a pageable copy would wait for the step in flight.
             self.engine.write_page_table(row, slice(0, m.length), self.engine.upload(req.prefix_slots, torch.int32))
@@ -122,19 +151,59 @@ class CacheManager:
             rows = torch.repeat_interleave(fb.req_rows, fb.extend_lens, output_size=fb.num_tokens)
         self.engine.write_page_table(rows, fb.positions, loc)
 
+    def prefill_cut(self, req: Req, n: int) -> int:
+        """How many of the next n tokens `req` prefills this step: a hybrid's chunk ends at the last page boundary
+        before its last token, where its state is snapshot for a repeated prompt to start from."""
+        if not self.snapshots:
+            return n
+        cut = (req.seq_len - 1) // self.page_size * self.page_size
+        return cut - req.kv_len if req.kv_len < cut < req.kv_len + n else n
+
+    def _snapshot(self, req: Req, ids: list[int]) -> int | None:
+        """A snapshot of `req`'s state for the tree's node of ids (its state covers exactly ids): a new snapshot slot
+        holding it (evicting cache leaves for one where none is free), -1 where that node has one already, None
+        where no slot can be had."""
+        assert isinstance(self.tree, HybridRadixCache) and req.state_slot is not None
+        node = self.tree.node_at(ids)
+        if node is not None and node.state >= 0:
+            return -1
+        snap = self.engine.alloc_state_snapshot()
+        while snap is None:
+            freed = self.tree.evict(self.page_size)  # LRU leaves, with their snapshots
+            if not len(freed):
+                return None
+            self.engine.free_pages(self._slots_to_pages(freed))
+            snap = self.engine.alloc_state_snapshot()
+        self.engine.copy_state(req.state_slot, snap)
+        return snap
+
     def cache_prefilled(self, req: Req) -> None:
         """Hand a request's computed prompt to the tree right after prefill, not only at finish, so
-        requests arriving meanwhile with the same prefix (a shared system prompt) reuse it."""
+        requests arriving meanwhile with the same prefix (a shared system prompt) reuse it. A hybrid's goes where
+        the chunk ended on a page boundary before the last token, with a snapshot of its state."""
         if not self.tree.reuses:
             return
         p = self.page_size
-        n = min(req.kv_len, len(req.input_ids))
-        aligned = n - n % p
         old = req.prefix_len
-        if aligned <= old:
-            return
+        snap = -1
+        if self.snapshots:
+            aligned = req.kv_len  # what the state in its slot covers
+            if aligned % p or aligned <= old or aligned >= req.seq_len:
+                return
+            got = self._snapshot(req, req.all_key_ids[:aligned])
+            if got is None:
+                return
+            snap = got
+        else:
+            n = min(req.kv_len, len(req.input_ids))
+            aligned = n - n % p
+            if aligned <= old:
+                return
         ids = req.all_key_ids[:aligned]
         existing = self.tree.insert(ids, torch.tensor(self.slots(req, 0, aligned), dtype=torch.int64))
+        if snap >= 0:
+            assert isinstance(self.tree, HybridRadixCache)
+            self.tree.set_state(ids, snap)
         m = self.tree.match(ids)
         self.tree.lock(m.node)
         assert req.prefix_node is not None and req.req_row is not None  # attach() gave both
@@ -150,18 +219,28 @@ class CacheManager:
             fix = self.engine.upload(req.prefix_slots[old:end], torch.int32)
             self.engine.write_page_table(req.req_row, slice(old, end), fix)
 
-    def release(self, req: Req, cache: bool = True) -> None:
-        """Give a request's KV back: cache its computed prefix in the tree, free the rest."""
+    def release(self, req: Req, cache: bool = True, state_ok: bool = True) -> None:
+        """Give a request's KV back: cache its computed prefix in the tree, free the rest. A hybrid's is cached only
+        with a snapshot of its state, where that covers exactly its known tokens up to a page boundary and is
+        trustworthy (`state_ok`: not after a failed step, which may have updated it part way)."""
         if req.req_row is None:
             return
         p = self.page_size
+        # Under overlap scheduling kv_len may run one ahead of the known tokens: cache what is known.
+        n = min(req.kv_len, req.seq_len)
+        snap = -1
+        if cache and self.snapshots and req.kv_len > req.prefix_len:
+            got = self._snapshot(req, req.all_key_ids[:n]) if state_ok and n == req.kv_len and n % p == 0 else None
+            cache = got is not None
+            snap = got if got is not None else -1
         if cache and req.kv_len > req.prefix_len:
-            # Under overlap scheduling kv_len may run one ahead of the known tokens: cache what is known.
-            n = min(req.kv_len, req.seq_len)
             ids = req.all_key_ids[:n]
             slots = torch.tensor(self.slots(req, 0, n), dtype=torch.int64)
             aligned = n - n % p
             existing = self.tree.insert(ids[:aligned], slots[:aligned])
+            if snap >= 0:
+                assert isinstance(self.tree, HybridRadixCache)
+                self.tree.set_state(ids[:aligned], snap)
             # Own pages below `existing` duplicate the tree's; pages past `aligned` hold a partial page.
             first_own = req.prefix_len // p
             keep_from, keep_to = max(existing, req.prefix_len) // p, aligned // p
@@ -175,5 +254,8 @@ class CacheManager:
             req.prefix_node = None
         req.prefix_len = req.kv_len = 0
         req.prefix_slots = []
+        if req.state_slot is not None:
+            self.engine.free_state_slot(req.state_slot, req.req_row)
+            req.state_slot = None
         self.engine.free_req_row(req.req_row)
         req.req_row = None

@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING
 from minisgl_cli.scheduler.cache import CacheManager
 from minisgl_cli.scheduler.request import Req
 
+DRAFT_LINEAR = ("--speculative-algorithm draft: the draft model has linear-attention layers (Qwen3-Next, Qwen3.5), "
+                "whose state the draft's own steps cannot roll back (not built; the target may be one)")
+
 if TYPE_CHECKING:
     from minisgl_cli.engine.engine import Engine
 
@@ -30,6 +33,8 @@ class DraftModelProposer:
 
     def __init__(self, target: Engine, model: str):
         self.engine = target.draft_engine(model)
+        if self.engine.spec.num_state_slots:
+            raise ValueError(DRAFT_LINEAR)
         self.vocab = min(self.engine.spec.vocab_size, target.spec.vocab_size)
         _check_tokenizers(target, self.engine, model)
         self.cache = CacheManager(self.engine, "naive")

@@ -268,7 +268,7 @@ class Scheduler:
                 self.engine.set_image_row(req.req_row, req.input_ids, req.images)
                 if not req.matched:
                     self._count_match(req)
-            n = min(req.remaining_prefill, budget)
+            n = self.cache.prefill_cut(req, min(req.remaining_prefill, budget))
             # Keep one page per running request free for its next decode step.
             reserve = len(self.running) + len(reqs)
             ok = False
@@ -422,6 +422,8 @@ class Scheduler:
         req_rows = cast(list[int], [r.req_row for r in reqs])
         if mode == "decode":
             fb = engine.build_batch(mode, ids, row_slots, starts, [1] * len(ids), locs)
+            if drafts is not None:
+                fb.runs = [1 + len(d) for d in drafts]
         else:
             fb = engine.build_batch(mode, ids, req_rows, starts, lens, locs)
         self.cache.write_rows(fb)
@@ -468,6 +470,13 @@ class Scheduler:
         out: list[TokenOutput] = []
         emitted = accepted = 0
         row = 0
+        if step.drafts is not None:  # rows kept per request: linear-attention states advance over those only
+            kept = []
+            for d in step.drafts:
+                kept.append(1 + accepted_run(d, tokens[row : row + len(d)]))
+                row += 1 + len(d)
+            row = 0
+            self.engine.commit_verify(kept)
         for i, (req, produced) in enumerate(zip(step.reqs, step.produces)):
             drafts = step.drafts[i] if step.drafts is not None else []
             first, row = row, row + 1 + len(drafts)
@@ -523,7 +532,7 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        self.cache.release(req)
+        self.cache.release(req, state_ok=reason != "abort")  # an error's abort may have left a step half done
         if self.proposer is not None:
             self.proposer.release(req)
         self.engine.drop_images(req.images)
@@ -565,6 +574,7 @@ class Scheduler:
         s.tokens_free = self.cache.num_free_pages * p
         s.tokens_cached = tree.cached_tokens
         s.tokens_in_use = self.cache.pages_in_use(self.running + list(self.waiting)) * p
+        s.state_slots_total, s.state_slots_free = self.cache.num_state_slots, self.engine.num_free_state_slots
         s.prefill_tok_s, s.decode_tok_s = self._prefill_rate.rate(), self._decode_rate.rate()
         s.spec_accepted_tok_s = self._accepted_rate.rate()
         s.decode_compiling = int(self.engine.compiling)

@@ -204,6 +204,11 @@ class ServerMetrics:
                 ("spec_draft_tokens_total", sched.spec_draft_tokens, "Draft tokens verified."),
                 ("spec_accepted_tokens_total", sched.spec_accepted_tokens, "Draft tokens accepted."),
             ))
+            if sched.state_slots_total:  # a linear-attention model: its recurrent-state slots (kvcache/state.py)
+                families("gauge", (
+                    ("state_slots_total", sched.state_slots_total, "Recurrent-state slots (linear-attention layers)."),
+                    ("state_slots_free", sched.state_slots_free, "Recurrent-state slots no request holds."),
+                ))
             if info is not None and info.images:  # a vision-language model on the engine
                 families("counter", (
                     ("images_encoded_total", sched.images_encoded, "Images the vision tower encoded."),
