@@ -74,6 +74,14 @@ class EngineSpec:
     model_dir: Path | None  # tokenizer and config files; None for dummy weights of a built-in config
 
 
+def _kv_shape(mc: ModelConfig, rank: int, tp_size: int, dtype: torch.dtype) -> KVShape:
+    """Rank `rank`'s KV pool shape: its KV heads of each layer (none for a layer reading another's KV: Gemma 4)."""
+    heads = mc.heads_of(rank, tp_size)
+    per_layer = tuple((mc.heads_of(rank, tp_size, i).n_kv if mc.kv_source_of(i) == i else 0, mc.head_dim_of(i))
+                      for i in range(mc.num_layers)) if mc.mixed_heads else ()
+    return KVShape(mc.num_layers, heads.n_kv, mc.head_dim, dtype, per_layer)
+
+
 def _locate(cfg: EngineConfig) -> tuple[dict, Path | None, str, str]:
     """(hf config dict, model dir or None, served name, source) for the configured model."""
     if cfg.load_format == "dummy":
@@ -121,7 +129,7 @@ class Engine:
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(
                 f"model config not usable ({exc})", model_dir or name,
-                "a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Gemma 3 (text), Qwen2-VL or "
+                "a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Gemma 3 / 4 (text), Qwen2-VL or "
                 "Qwen2.5-VL config",
             ) from None
         mc = self.model_cfg
@@ -150,11 +158,12 @@ class Engine:
             self.model.load_weights(iter_safetensors(model_dir))
 
         heads = mc.heads_of(tp.rank, tp.size)
-        shape = KVShape(mc.num_layers, heads.n_kv, mc.head_dim, self.kv_dtype)
+        shape = _kv_shape(mc, tp.rank, tp.size, self.kv_dtype)
         # Every rank must hold the same number of pages (they schedule alike): size by the rank with
-        # the most KV heads, then take the smallest count any rank can afford.
-        widest = max(mc.heads_of(r, tp.size).n_kv for r in range(tp.size))
-        num_pages = min_over_ranks(self._kv_pages(KVShape(mc.num_layers, widest, mc.head_dim, self.kv_dtype)), tp)
+        # the most KV bytes, then take the smallest count any rank can afford.
+        widest = max((_kv_shape(mc, r, tp.size, self.kv_dtype) for r in range(tp.size)),
+                     key=KVShape.bytes_per_token)
+        num_pages = min_over_ranks(self._kv_pages(widest), tp)
         capacity = num_pages * cfg.page_size
         self.max_context_len = min(
             cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings, capacity
@@ -164,6 +173,7 @@ class Engine:
         self.attn = create_backend(
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
             mc.head_dim, mc.attn_scale, self.device, self.kernels, variants=mc.attention_variants,
+            mixed_heads=mc.mixed_heads,
         )
         # Every request's sampling parameters on the device, by page-table row (written when a request takes its row).
         self.sampling = SamplingState(cfg.max_running_requests, mc.vocab_size, self.device, self.host, cfg.seed)

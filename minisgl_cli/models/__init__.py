@@ -1,4 +1,4 @@
-"""Models in plain torch: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss decoders, Gemma 3 text, and
+"""Models in plain torch: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss decoders, Gemma 3 and 4 text, and
 Qwen2-VL / Qwen2.5-VL (the Qwen2 decoder with a vision tower), chosen by the config's architecture."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.models.config import ModelConfig
 from minisgl_cli.models.gemma3 import Gemma3ForCausalLM
+from minisgl_cli.models.gemma4 import Gemma4ForCausalLM
 from minisgl_cli.models.llama import (
     GptOssForCausalLM,
     LlamaForCausalLM,
@@ -27,6 +28,8 @@ _CLASSES = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,  # its text model (config.py)
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }

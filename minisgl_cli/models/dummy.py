@@ -14,12 +14,19 @@ from minisgl_cli.models.config import ModelConfig, VisionConfig
 
 
 def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    h, d, inter = mc.hidden_size, mc.head_dim, mc.intermediate_size
-    q, kv = mc.num_heads * d, mc.num_kv_heads * d
+    h = mc.hidden_size
+    gemma4 = mc.architecture.startswith("Gemma4")
     yield "model.embed_tokens.weight", (mc.vocab_size, h)
     for i in range(mc.num_layers):
         p = f"model.layers.{i}."
-        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        d, inter = mc.head_dim_of(i), mc.intermediate_size
+        q, kv = mc.num_heads * d, mc.kv_heads_of(i) * d
+        projs = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+        if mc.kv_source_of(i) != i:  # Gemma 4's shared-KV layers: a query projection only, and a wider MLP
+            projs, inter = projs[:1], inter * (2 if mc.double_wide_mlp else 1)
+        elif mc.attention_k_eq_v and not mc.window_of(i):  # Gemma 4's global layers: V is K's projection
+            projs = projs[:2]
+        for name, rows in projs:
             yield f"{p}self_attn.{name}.weight", (rows, h)
             if mc.attention_bias:
                 yield f"{p}self_attn.{name}.bias", (rows,)
@@ -30,7 +37,8 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield f"{p}self_attn.sinks", (mc.num_heads,)
         if mc.qk_norm:
             yield f"{p}self_attn.q_norm.weight", (d,)
-            yield f"{p}self_attn.k_norm.weight", (d,)
+            if len(projs) > 1:
+                yield f"{p}self_attn.k_norm.weight", (d,)
         if mc.is_moe_layer(i) and mc.swiglu_limit:  # gpt-oss's names: a router with a bias, stacked experts
             e, i2 = mc.num_experts, mc.moe_intermediate_size
             yield f"{p}mlp.router.weight", (e, h)
@@ -51,10 +59,21 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield f"{p}mlp.down_proj.weight", (h, inter)
         yield f"{p}input_layernorm.weight", (h,)
         yield f"{p}post_attention_layernorm.weight", (h,)
-        if mc.architecture == "Gemma3ForCausalLM":
+        if mc.architecture == "Gemma3ForCausalLM" or gemma4:
             yield f"{p}pre_feedforward_layernorm.weight", (h,)
             yield f"{p}post_feedforward_layernorm.weight", (h,)
+        if gemma4:
+            yield f"{p}layer_scalar", (1,)
+        if mc.per_layer_input_size:
+            yield f"{p}per_layer_input_gate.weight", (mc.per_layer_input_size, h)
+            yield f"{p}per_layer_projection.weight", (h, mc.per_layer_input_size)
+            yield f"{p}post_per_layer_input_norm.weight", (h,)
     yield "model.norm.weight", (h,)
+    if mc.per_layer_input_size:
+        width = mc.num_layers * mc.per_layer_input_size
+        yield "model.embed_tokens_per_layer.weight", (mc.per_layer_vocab_size, width)
+        yield "model.per_layer_model_projection.weight", (width, h)
+        yield "model.per_layer_projection_norm.weight", (mc.per_layer_input_size,)
     if not mc.tie_word_embeddings:
         yield "lm_head.weight", (mc.vocab_size, h)
     if mc.vision is not None:
