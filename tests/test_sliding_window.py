@@ -272,3 +272,64 @@ def test_flashinfer_and_mxfp4_checkpoints_are_refused_at_load_by_name(windowed_d
     with pytest.raises(ModelLoadError, match="MXFP4"):
         Engine(EngineConfig(model=str(mxfp4), **EXACT))
 
+
+# KV that follows the window: a model whose every layer is windowed (Mistral) gives a request's pages back once they
+# fall behind the window (scheduler/cache.py), so a long generation holds its prompt and about a window of pages.
+LONG = 64
+MEMORY_RUNS = {"radix": dict(page_size=2), "overlap": dict(page_size=2, overlap_on_cpu=True),
+               "naive-chunked": dict(cache="naive", max_prefill_tokens=12, page_size=1)}
+
+
+def _held_while_generating(llm: LLM, prompt: list[int], abort_after: int = 0) -> tuple[list[int], int]:
+    """(the tokens, the most KV tokens the pool lent out at once while they came: pool minus free at each token)."""
+    import asyncio
+
+    from minisgl_cli.types import GenerateRequest
+
+    async def run() -> tuple[list[int], int]:
+        got: list[int] = []
+        held = 0
+        stream = llm.client.submit(GenerateRequest(input_ids=prompt,
+                                                   params=SamplingParams(max_new_tokens=LONG, ignore_eos=True)))
+        async for delta in stream:
+            got.extend(delta.token_ids)
+            s = llm.client.stats()
+            held = max(held, s.tokens_total - s.tokens_free)
+            if abort_after and len(got) >= abort_after:
+                await stream.aclose()
+                break
+        return got, held
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("run", list(MEMORY_RUNS))
+def test_all_windowed_model_gives_back_kv_behind_the_window(windowed_dirs, run):
+    """Mistral (window 8 on every layer), 64 tokens after a 50-token prompt: the greedy ids equal transformers, cold
+    and with the prompt cached; the pool lends out at most the prompt, a window and a few pages of slack (not the
+    114 tokens the request spans), and every page is back after it ends and after an abort."""
+    from test_scheduler import settle
+
+    model_dir = windowed_dirs["mistral"]
+    prompt = _prompts()[3]
+    theirs = hf_greedy(model_dir, [prompt], LONG)[0]
+    opts = MEMORY_RUNS[run]
+    with LLM(str(model_dir), attention_backend="torch", **{"max_prefill_tokens": 16, **opts}, **EXACT) as llm:
+        for _ in range(2):  # cold, then the prompt from the prefix cache (radix)
+            got, held = _held_while_generating(llm, prompt)
+            assert got == theirs
+            assert held <= len(prompt) + WINDOW + 4 * opts["page_size"], held
+            settle(llm)
+        _held_while_generating(llm, prompt, abort_after=WINDOW * 3)
+        settle(llm)
+
+
+def test_kv_behind_the_window_held_without_giving_back(windowed_dirs, monkeypatch):
+    """The control: with pages never given back, the same request holds all of its tokens."""
+    from minisgl_cli.scheduler.cache import CacheManager
+
+    monkeypatch.setattr(CacheManager, "_drop_behind", lambda self, req: None)
+    prompt = _prompts()[3]
+    with LLM(str(windowed_dirs["mistral"]), attention_backend="torch", page_size=2, **EXACT) as llm:
+        _, held = _held_while_generating(llm, prompt)
+    assert held >= len(prompt) + LONG - 4  # the last tokens are read after the request gave its pages back

@@ -72,6 +72,9 @@ class EngineSpec:
     max_requests: int  # page-table rows: requests that can hold KV at once
     eos_token_ids: frozenset[int]  # the model config's (a tokenizer may add more)
     model_dir: Path | None  # tokenizer and config files; None for dummy weights of a built-in config
+    # Every layer attends through a sliding window (Mistral): the widest, past which a request's KV is never read
+    # again (its pages behind it are given back: scheduler/cache.py); 0 where some layer attends fully
+    kv_window: int = 0
 
 
 def _kv_shape(mc: ModelConfig, rank: int, tp_size: int, dtype: torch.dtype) -> KVShape:
@@ -199,7 +202,8 @@ class Engine:
             self.compiled = CompiledDecode(cfg, self.attn, key, builds=step == "build")  # builds from start_serving
         self.loaded = LoadedModel(name, model_dir, source, time.perf_counter() - t0, self.quantization)
         self.spec = EngineSpec(self.device, mc.vocab_size, self.max_context_len, cfg.page_size, num_pages,
-                               cfg.max_running_requests, frozenset(mc.eos_token_ids), model_dir)
+                               cfg.max_running_requests, frozenset(mc.eos_token_ids), model_dir,
+                               kv_window=max(mc.layer_windows) if all(mc.layer_windows or (0,)) else 0)
         log.info(
             "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s backend=%s "
             "sampler=%s kv_tokens=%d page_size=%d eos=%s (%.1fs)",

@@ -3,7 +3,14 @@ eviction, and handing a finished request's pages to the prefix cache. Keeps page
 
 It alone writes the page table (through the engine's `write_page_table`): a request's cached prefix when it is
 admitted, the tree's pages where a prefill's duplicated them, and each step's new tokens (`write_rows`, one
-device op per step)."""
+device op per step).
+
+KV that follows the window: where every layer of the model attends through a sliding window (Mistral: the engine's
+`kv_window`), a request's own pages that fell wholly behind it are given back before each step (`_drop_behind`):
+no query of the request reads them again. Their page-table entries stay (attention masks those positions), and a
+request that gave pages back caches nothing more in the prefix tree when it ends (its prompt, cached after prefill,
+stays: that KV is whole), so a cached prefix always comes with all of its KV. A prompt's pages stay while the tree
+holds them (locked by the request); the tokens it writes after its prompt cost at most the window's pages."""
 
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ class CacheManager:
         self.page_size = engine.spec.page_size
         self.num_pages = engine.spec.num_pages
         self.tree = create_prefix_cache(cache_kind, self.page_size)
+        self.window = engine.spec.kv_window  # > 0: pages behind it are given back (the module docstring)
 
     # --- accounting ----------------------------------------------------------------------------
     @property
@@ -33,7 +41,7 @@ class CacheManager:
         return self.engine.num_free_pages + self.tree.evictable_tokens // self.page_size
 
     def pages_in_use(self, reqs: list[Req]) -> int:
-        return sum(len(r.pages) for r in reqs)
+        return sum(len(r.pages) - r.dropped for r in reqs)
 
     def check(self, reqs: list[Req]) -> None:
         """Free + cached + in-use pages must add up to the pool (tests call this)."""
@@ -89,6 +97,9 @@ class CacheManager:
         """`reserve(req, n)` for every request at once, with one allocation (a decode step's new pages); False, and
         nothing taken, when the pool (after eviction) cannot cover all of them."""
         p = self.page_size
+        if self.window:
+            for r in reqs:
+                self._drop_behind(r)
         needs = [-(-(r.kv_len + n) // p) - (r.prefix_len // p + len(r.pages)) for r in reqs]
         total = sum(k for k in needs if k > 0)
         if not total:
@@ -102,6 +113,16 @@ class CacheManager:
                 r.pages += pages[at : at + k]
                 at += k
         return True
+
+    def _drop_behind(self, req: Req) -> None:
+        """Give back `req`'s own pages wholly behind the window of its next step's queries (positions >= kv_len), with
+        one step of slack for the step still in flight (overlap: its query sits at kv_len - 1): a query at q reads
+        positions q - window + 1 .. q."""
+        dead = (req.kv_len - self.window) // self.page_size - req.prefix_len // self.page_size
+        if dead > req.dropped:
+            self.engine.free_pages(req.pages[req.dropped : dead])
+            req.pages[req.dropped : dead] = [0] * (dead - req.dropped)  # page 0: the scratch page, never read
+            req.dropped = dead
 
     def slots(self, req: Req, start: int, end: int) -> list[int]:
         """KV slots of positions start..end-1 (reserved already), computed on the host: no device read."""
@@ -125,7 +146,7 @@ class CacheManager:
     def cache_prefilled(self, req: Req) -> None:
         """Hand a request's computed prompt to the tree right after prefill, not only at finish, so
         requests arriving meanwhile with the same prefix (a shared system prompt) reuse it."""
-        if not self.tree.reuses:
+        if not self.tree.reuses or req.dropped:  # a request that gave pages back holds no whole prompt to cache
             return
         p = self.page_size
         n = min(req.kv_len, len(req.input_ids))
@@ -155,7 +176,7 @@ class CacheManager:
         if req.req_row is None:
             return
         p = self.page_size
-        if cache and req.kv_len > req.prefix_len:
+        if cache and req.kv_len > req.prefix_len and not req.dropped:
             # Under overlap scheduling kv_len may run one ahead of the known tokens: cache what is known.
             n = min(req.kv_len, req.seq_len)
             ids = req.all_key_ids[:n]
@@ -168,8 +189,8 @@ class CacheManager:
             adopted = set(req.pages[keep_from - first_own : keep_to - first_own])
             self.engine.free_pages([pg for pg in req.pages if pg not in adopted])
         else:
-            self.engine.free_pages(req.pages)
-        req.pages = []
+            self.engine.free_pages(req.pages[req.dropped :])
+        req.pages, req.dropped = [], 0
         if req.prefix_node is not None:
             self.tree.unlock(req.prefix_node)
             req.prefix_node = None
