@@ -254,6 +254,22 @@ def test_windowed_models_on_triton_and_cuda_graphs_match_transformers(windowed_d
     assert cold == cached == theirs
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gemma4_on_cuda_runs_the_torch_backend_and_matches_transformers(windowed_dirs):
+    """Gemma 4's layers of two head shapes on CUDA: auto takes the torch backend (the GPU kernels are refused for
+    them), the same greedy ids as transformers, cold and cached."""
+    model_dir = windowed_dirs["gemma4"]
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    with LLM(str(model_dir), max_prefill_tokens=12, device="cuda", **EXACT) as llm:
+        assert llm.client.info.attention_backend == "torch"
+        cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        llm.client.check_pages()
+    assert cold == cached == hf_greedy(model_dir, prompts, N_NEW)
+
+
 def test_flashinfer_and_mxfp4_checkpoints_are_refused_at_load_by_name(windowed_dirs, tmp_path):
     """What does not run yet says so when the model loads: FlashInfer for windowed / sink layers, gpt-oss's MXFP4."""
     import json
