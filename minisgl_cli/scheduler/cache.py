@@ -115,9 +115,9 @@ class CacheManager:
         return True
 
     def _drop_behind(self, req: Req) -> None:
-        """Give back `req`'s own pages wholly behind the window of its next step's queries (positions >= kv_len), with
-        one step of slack for the step still in flight (overlap: its query sits at kv_len - 1): a query at q reads
-        positions q - window + 1 .. q."""
+        """Give back `req`'s own pages wholly behind the window of its next step's queries (positions >= kv_len; a
+        query at q reads positions q - window + 1 .. q), with a position of slack. A step still in flight that reads
+        a page given back here runs before any later step can write it (one device stream; on the CPU it has run)."""
         dead = (req.kv_len - self.window) // self.page_size - req.prefix_len // self.page_size
         if dead > req.dropped:
             self.engine.free_pages(req.pages[req.dropped : dead])
