@@ -86,8 +86,9 @@ TINY_MOE = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
 }
 _HF_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral",
-               "mistral": "Mistral", "gemma3": "Gemma3", "gpt_oss": "GptOss"}
-_HF_CONFIGS = {"gemma3": "Gemma3TextConfig"}  # where the config class is not the model's name + Config
+               "mistral": "Mistral", "gemma3": "Gemma3", "gpt_oss": "GptOss", "gemma4": "Gemma4"}
+# where the config class is not the model's name + Config
+_HF_CONFIGS = {"gemma3": "Gemma3TextConfig", "gemma4": "Gemma4TextConfig"}
 
 
 def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:
@@ -108,6 +109,11 @@ def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int =
                 p.normal_(0, 0.08)
             elif arch in ("gemma3", "gpt_oss"):  # norms (Gemma's 1 + w), biases, sinks: not their zero / one init
                 p.normal_(0, 0.3)
+            elif arch == "gemma4":  # plain norm weights (w): around one
+                p.normal_(1, 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's loaded per-layer scale (ones at init)
+                b.uniform_(0.5, 1.5)
     model.save_pretrained(out, safe_serialization=True)
     for f in tokenizer_from.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):

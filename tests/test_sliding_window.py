@@ -1,5 +1,6 @@
 """Sliding-window attention and attention sinks: greedy ids equal transformers fp32 token for token on tiny random
-Mistral (a window on every layer), Gemma 3 (five local layers to one global) and gpt-oss (alternating windowed and
+Mistral (a window on every layer), Gemma 3 (five local layers to one global), Gemma 4 (local and global layers of
+different head shapes, K = V, shared KV, per-layer inputs) and gpt-oss (alternating windowed and
 full layers, sinks, biased experts) -- prompts longer than the window, decode crossing it, a chunked prefill
 cutting inside a window, the prompts cached, a long prefix shared -- and each feature switched off in turn makes
 the answers differ (the test can tell them apart)."""
@@ -51,10 +52,21 @@ def windowed_dirs(tmp_path_factory, tokenizer_dir):
                                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                          "original_max_position_embeddings": 16}),
+        "gemma4": make_tiny_checkpoint("gemma4", root / "gemma4", tokenizer_dir, **GEMMA4),
     }
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
+# Gemma 4 with each of its own mechanisms on: local layers (window 8, 2 KV heads of 16) and global ones (1 KV head of
+# 32, K = V, proportional RoPE turning a quarter of the pairs), the last two layers reading layers 3's and 2's KV
+# (and their MLPs twice as wide), per-layer inputs of width 8, a final soft cap.
+GEMMA4 = dict(num_hidden_layers=6, sliding_window=WINDOW, layer_types=["sliding_attention", "sliding_attention",
+              "full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+              global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=8,
+              vocab_size_per_layer_input=49152, num_kv_shared_layers=2, use_double_wide_mlp=True,
+              final_logit_softcapping=30.0)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gemma4", "gpt_oss"])
 def test_windowed_models_greedy_match_transformers(windowed_dirs, family):
     model_dir = windowed_dirs[family]
     prompts = _prompts()
@@ -74,7 +86,7 @@ MODES = {"overlap": dict(overlap_on_cpu=True), "ngram": dict(speculative_algorit
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gemma4", "gpt_oss"])
 def test_windowed_models_keep_their_answers_under_overlap_speculation_and_tp(windowed_dirs, family, mode):
     model_dir = windowed_dirs[family]
     prompts = _prompts()
@@ -84,9 +96,16 @@ def test_windowed_models_keep_their_answers_under_overlap_speculation_and_tp(win
 
 def _switched_off(monkeypatch, feature: str) -> None:
     """Our engine with one feature ignored: `window` (every layer full), `sinks` (none), `experts` (gpt-oss's
-    experts as plain SiLU-gated ones: no biases, no clamped SwiGLU)."""
+    experts as plain SiLU-gated ones: no biases, no clamped SwiGLU), `per_layer_inputs` (Gemma 4's: none)."""
     from minisgl_cli.attention.torch_backend import TorchBackend
     from minisgl_cli.layers import moe
+    from minisgl_cli.models.gemma4 import Gemma4DecoderLayer
+
+    if feature == "per_layer_inputs":
+        layer_forward = Gemma4DecoderLayer.forward
+        monkeypatch.setattr(Gemma4DecoderLayer, "forward",
+                            lambda self, h, per_layer, *a: layer_forward(self, h, None, *a))
+        return
 
     if feature == "experts":
         fused = moe.fused_experts
@@ -109,7 +128,8 @@ def _switched_off(monkeypatch, feature: str) -> None:
     monkeypatch.setattr(TorchBackend, "attend", without)
 
 
-@pytest.mark.parametrize("family,feature", [("mistral", "window"), ("gemma3", "window"), ("gpt_oss", "window"),
+@pytest.mark.parametrize("family,feature", [("mistral", "window"), ("gemma3", "window"), ("gemma4", "window"),
+                                            ("gemma4", "per_layer_inputs"), ("gpt_oss", "window"),
                                             ("gpt_oss", "sinks"), ("gpt_oss", "experts")])
 def test_each_feature_switched_off_changes_the_answers(windowed_dirs, monkeypatch, family, feature):
     """The negative control: the parity test above fails with any one of the features switched off."""
@@ -148,6 +168,73 @@ def test_builtin_windowed_configs_have_their_published_layer_patterns():
     gemma = ModelConfig.from_hf(builtin_config("gemma-3-27b"))
     assert gemma.layer_windows == ((1024,) * 5 + (0,)) * 10 + (1024, 1024)
     assert gemma.attn_scale == 168**-0.5 and gemma.local_rope_theta == 10000.0
+    g4 = ModelConfig.from_hf(builtin_config("gemma-4-31b"))
+    assert g4.layer_windows == ((1024,) * 5 + (0,)) * 10 and g4.attn_scale == 1.0 and g4.attention_k_eq_v
+    assert g4.layer_head_dims == ((256,) * 5 + (512,)) * 10 and g4.layer_kv_heads == ((16,) * 5 + (4,)) * 10
+    assert g4.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
+
+
+def test_gemma4_dummy_weights_are_named_and_shaped_as_transformers_saves_them(windowed_dirs):
+    """--load-format dummy of a Gemma 4 config: the same tensors a transformers checkpoint of it holds (so the
+    built-in gemma-4-31b loads through the path real weights take)."""
+    import json
+
+    from safetensors import safe_open
+
+    from minisgl_cli.models import ModelConfig
+    from minisgl_cli.models.dummy import _shapes
+
+    model_dir = windowed_dirs["gemma4"]
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        theirs = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k != "lm_head.weight"}
+    mc = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    assert dict(_shapes(mc)) == theirs
+
+
+def test_gemma4_checkpoint_wrapped_with_towers_serves_its_text_model(windowed_dirs, tmp_path):
+    """A hub checkpoint (Gemma4ForConditionalGeneration: text_config, model.language_model.*, tower tensors) loads
+    its language model: the same greedy ids as the text-only checkpoint."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = windowed_dirs["gemma4"]
+    wrapped = tmp_path / "wrapped"
+    shutil.copytree(src, wrapped)
+    text = json.loads((src / "config.json").read_text())
+    (wrapped / "config.json").write_text(json.dumps({"architectures": ["Gemma4ForConditionalGeneration"],
+                                                     "model_type": "gemma4", "text_config": text,
+                                                     "tie_word_embeddings": True}))
+    tensors = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    tensors["model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(wrapped / "model.safetensors"))
+    prompts = _prompts()[2:4]
+    assert _ours(wrapped, prompts) == _ours(src, prompts)
+
+
+def test_gemma4_parts_not_built_are_refused_at_load_by_name(windowed_dirs, tmp_path):
+    """Gemma 4's MoE block and its bidirectional mode are refused by name; so are the GPU backends for its layers of
+    two head shapes (the torch backend runs them, also on CUDA)."""
+    import json
+    import shutil
+
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.loader.errors import ModelLoadError
+
+    src = windowed_dirs["gemma4"]
+    cfg = json.loads((src / "config.json").read_text())
+    for field, value, what in (("enable_moe_block", True, "MoE block"),
+                               ("use_bidirectional_attention", "all", "bidirectional")):
+        d = tmp_path / field
+        shutil.copytree(src, d)
+        (d / "config.json").write_text(json.dumps({**cfg, field: value}))
+        with pytest.raises(ModelLoadError, match=what):
+            Engine(EngineConfig(model=str(d), **EXACT))
+    with pytest.raises(ValueError, match="heads of different shapes.*triton"):
+        Engine(EngineConfig(model=str(src), attention_backend="triton", **EXACT))
 
 
 @pytest.mark.gpu
@@ -167,6 +254,22 @@ def test_windowed_models_on_triton_and_cuda_graphs_match_transformers(windowed_d
     assert cold == cached == theirs
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gemma4_on_cuda_runs_the_torch_backend_and_matches_transformers(windowed_dirs):
+    """Gemma 4's layers of two head shapes on CUDA: auto takes the torch backend (the GPU kernels are refused for
+    them), the same greedy ids as transformers, cold and cached."""
+    model_dir = windowed_dirs["gemma4"]
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    with LLM(str(model_dir), max_prefill_tokens=12, device="cuda", **EXACT) as llm:
+        assert llm.client.info.attention_backend == "torch"
+        cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        llm.client.check_pages()
+    assert cold == cached == hf_greedy(model_dir, prompts, N_NEW)
+
+
 def test_flashinfer_and_mxfp4_checkpoints_are_refused_at_load_by_name(windowed_dirs, tmp_path):
     """What does not run yet says so when the model loads: FlashInfer for windowed / sink layers, gpt-oss's MXFP4."""
     import json
@@ -184,3 +287,65 @@ def test_flashinfer_and_mxfp4_checkpoints_are_refused_at_load_by_name(windowed_d
     (mxfp4 / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
     with pytest.raises(ModelLoadError, match="MXFP4"):
         Engine(EngineConfig(model=str(mxfp4), **EXACT))
+
+
+# KV that follows the window: a model whose every layer is windowed (Mistral) gives a request's pages back once they
+# fall behind the window (scheduler/cache.py), so a long generation holds its prompt and about a window of pages.
+LONG = 64
+MEMORY_RUNS = {"radix": dict(page_size=2), "overlap": dict(page_size=2, overlap_on_cpu=True),
+               "naive-chunked": dict(cache="naive", max_prefill_tokens=12, page_size=1)}
+
+
+def _held_while_generating(llm: LLM, prompt: list[int], abort_after: int = 0) -> tuple[list[int], int]:
+    """(the tokens, the most KV tokens the pool lent out at once while they came: pool minus free at each token)."""
+    import asyncio
+
+    from minisgl_cli.types import GenerateRequest
+
+    async def run() -> tuple[list[int], int]:
+        got: list[int] = []
+        held = 0
+        stream = llm.client.submit(GenerateRequest(input_ids=prompt,
+                                                   params=SamplingParams(max_new_tokens=LONG, ignore_eos=True)))
+        async for delta in stream:
+            got.extend(delta.token_ids)
+            s = llm.client.stats()
+            held = max(held, s.tokens_total - s.tokens_free)
+            if abort_after and len(got) >= abort_after:
+                await stream.aclose()
+                break
+        return got, held
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("run", list(MEMORY_RUNS))
+def test_all_windowed_model_gives_back_kv_behind_the_window(windowed_dirs, run):
+    """Mistral (window 8 on every layer), 64 tokens after a 50-token prompt: the greedy ids equal transformers, cold
+    and with the prompt cached; the pool lends out at most the prompt, a window and a few pages of slack (not the
+    114 tokens the request spans), and every page is back after it ends and after an abort."""
+    from test_scheduler import settle
+
+    model_dir = windowed_dirs["mistral"]
+    prompt = _prompts()[3]
+    theirs = hf_greedy(model_dir, [prompt], LONG)[0]
+    opts = MEMORY_RUNS[run]
+    with LLM(str(model_dir), attention_backend="torch", **{"max_prefill_tokens": 16, **opts}, **EXACT) as llm:
+        for _ in range(2):  # cold, then the prompt from the prefix cache (radix)
+            got, held = _held_while_generating(llm, prompt)
+            assert got == theirs
+            assert held <= len(prompt) + WINDOW + 4 * opts["page_size"], held
+            settle(llm)
+        _held_while_generating(llm, prompt, abort_after=WINDOW * 3)
+        settle(llm)
+
+
+def test_kv_behind_the_window_held_without_giving_back(windowed_dirs, monkeypatch):
+    """The control: with pages never given back, the same request holds all of its tokens."""
+    from minisgl_cli.scheduler.cache import CacheManager
+
+    monkeypatch.setattr(CacheManager, "_drop_behind", lambda self, req: None)
+    prompt = _prompts()[3]
+    with LLM(str(windowed_dirs["mistral"]), attention_backend="torch", page_size=2, **EXACT) as llm:
+        _, held = _held_while_generating(llm, prompt)
+    assert held >= len(prompt) + LONG - 4  # the last tokens are read after the request gave its pages back

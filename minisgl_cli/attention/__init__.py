@@ -25,10 +25,13 @@ def create_backend(
     device: torch.device | str,
     kernels: Kernels | None = None,
     variants: bool = False,
+    mixed_heads: bool = False,
 ) -> AttentionBackend:
     """Build the attention backend `name` over `pool`; `kernels` is the engine's choice (PDL for Triton's);
     `variants`: some layer attends through a sliding window or with sinks, which FlashInfer's wrappers here do not
-    take (refused by name; auto skips it).
+    take (refused by name; auto skips it); `mixed_heads`: the model's layers differ in head shape or some store no KV
+    (Gemma 4), which only the torch backend takes (the GPU backends size their scratch and plans by one shape; auto
+    takes torch).
 
     "auto": FlashInfer if it imports and passes a tiny decode check, else Triton on CUDA (if it
     imports), else torch -- always torch on the CPU, where neither GPU library is even imported. An FP8 pool
@@ -39,9 +42,12 @@ def create_backend(
     if name == "flashinfer" and variants:
         raise ValueError("this model has sliding-window or sink attention layers, which the flashinfer backend does "
                          "not run here: use --attention-backend triton (or auto)")
+    if mixed_heads and name in ("triton", "flashinfer"):
+        raise ValueError(f"this model's layers have heads of different shapes (Gemma 4), which the {name} backend does "
+                         "not run yet: use --attention-backend torch (or auto)")
     on_cuda = torch.device(device).type == "cuda"
     args = (pool, num_heads, num_kv_heads, head_dim, scale)
-    if name == "torch" or (name == "auto" and not on_cuda):
+    if name == "torch" or (name == "auto" and (not on_cuda or mixed_heads)):
         # --deterministic (the invariant GEMM policy): decode attention on one thread, alike in any batch.
         return TorchBackend(*args, serial_decode=kernels is not None and kernels.cpu_gemm == "invariant")
     if not on_cuda:

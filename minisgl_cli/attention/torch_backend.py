@@ -99,9 +99,10 @@ class TorchBackend(AttentionBackend):
         super().__init__(pool, num_heads, num_kv_heads, head_dim, scale)
         self.serial_decode = serial_decode
         # minisgl::decode_attn's cases (its checks): where it cannot run, SDPA does
+        layers = [pool.shape.of(i) for i in range(pool.shape.num_layers)]  # (KV heads, head dim): Gemma 4's differ
         self.own_decode = (self.row_invariant and not pool.shape.latent
                            and pool.shape.dtype in (torch.bfloat16, torch.float32)
-                           and head_dim in (32, 64, 96, 128, 256) and num_heads // num_kv_heads <= 16
+                           and all(d in (32, 64, 96, 128, 256) and (not h or num_heads // h <= 16) for h, d in layers)
                            and cpu_library.missing("decode_attn") is None)
 
     @property
@@ -215,13 +216,14 @@ class TorchBackend(AttentionBackend):
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One decode row a request of layer `layer_id` over its cached keys (`meta`): minisgl::decode_attn where
         `own_decode`, else SDPA over the gathered keys (bench_cpu_attention.py times both)."""
-        bsz, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
+        bsz, heads, d = q.shape  # this layer's (a model's layers may differ: Gemma 4)
+        hkv = self.pool.k[layer_id].shape[1]
         if self.own_decode:
-            return torch.ops.minisgl.decode_attn(q.reshape(bsz, self.num_heads, d).contiguous(),
+            return torch.ops.minisgl.decode_attn(q.reshape(bsz, heads, d).contiguous(),
                                                  self.pool.k[layer_id], self.pool.v[layer_id],
                                                  meta.slots.view(bsz, meta.max_len), meta.lens, self.scale,
                                                  window, sinks)
-        group = self.num_heads // hkv
+        group = heads // hkv
         shape = (bsz, meta.max_len, hkv, d)
         k_all, v_all = self.pool.read(layer_id, meta.slots, q.dtype)
         mask = self._decode_mask(meta, window, q.dtype)
@@ -241,7 +243,7 @@ class TorchBackend(AttentionBackend):
             row_sinks = None if row_sinks is None else F.pad(row_sinks, (0, _GROUP - group % _GROUP))
         with one_thread() if self.serial_decode else contextlib.nullcontext():
             out = sdpa(rows, keys, values, mask, self.scale, row_sinks)
-        return out[:, :, :group].reshape(bsz, self.num_heads, -1)
+        return out[:, :, :group].reshape(bsz, heads, -1)  # -1: an MLA pool's values are its latent's width
 
     @staticmethod
     def _decode_mask(meta: TorchDecodeMeta, window: int, dtype: torch.dtype) -> torch.Tensor:

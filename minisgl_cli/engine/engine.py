@@ -79,6 +79,20 @@ class EngineSpec:
     model_dir: Path | None  # tokenizer and config files; None for dummy weights of a built-in config
     num_state_slots: int = 0  # recurrent-state slots (linear-attention models; 0: the model keeps none)
     num_state_snapshots: int = 0  # slots for the prefix cache's state snapshots (kvcache/hybrid.py)
+    # Every layer attends through a sliding window (Mistral): the widest, past which a request's KV is never read
+    # again (its pages behind it are given back: scheduler/cache.py); 0 where some layer attends fully
+    kv_window: int = 0
+
+
+def _kv_shape(mc: ModelConfig, rank: int, tp_size: int, dtype: torch.dtype) -> KVShape:
+    """Rank `rank`'s KV pool shape: its KV heads of each layer that keeps KV (a hybrid's full-attention layers only;
+    none for a layer reading another's KV: Gemma 4); MLA's one latent row a token, the same on every rank."""
+    if mc.mla is not None:  # attention/mla.py
+        return KVShape(mc.num_layers, 1, mc.mla.latent_dim, dtype, latent=mc.mla.kv_lora_rank)
+    heads = mc.heads_of(rank, tp_size)
+    per_layer = tuple((mc.heads_of(rank, tp_size, i).n_kv if mc.kv_source_of(i) == i else 0, mc.head_dim_of(i))
+                      for i in range(mc.num_layers)) if mc.mixed_heads else ()
+    return KVShape(len(mc.kv_layers), heads.n_kv, mc.head_dim, dtype, per_layer=per_layer)
 
 
 def _locate(cfg: EngineConfig) -> tuple[dict, Path | None, str, str]:
@@ -128,7 +142,7 @@ class Engine:
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(
                 f"model config not usable ({exc})", model_dir or name,
-                "a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Gemma 3 (text), DeepSeek-V2 / V3, "
+                "a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Gemma 3 / 4 (text), DeepSeek-V2 / V3, "
                 "Qwen3-Next, Qwen3.5 (text), Qwen2-VL or Qwen2.5-VL config",
             ) from None
         mc = self.model_cfg
@@ -162,15 +176,12 @@ class Engine:
             assert isinstance(self.model, Qwen3NextForCausalLM)  # the one family with linear-attention layers
             self.model.bind_state(self.state)
         heads = mc.heads_of(tp.rank, tp.size)
-        kv_layers = len(mc.kv_layers)  # a hybrid's full-attention layers only
-        shape = KVShape(kv_layers, heads.n_kv, mc.head_dim, self.kv_dtype)
+        shape = _kv_shape(mc, tp.rank, tp.size, self.kv_dtype)
         # Every rank must hold the same number of pages (they schedule alike): size by the rank with
-        # the most KV heads, then take the smallest count any rank can afford.
-        widest = max(mc.heads_of(r, tp.size).n_kv for r in range(tp.size))
-        widest_shape = KVShape(kv_layers, widest, mc.head_dim, self.kv_dtype)
-        if mc.mla is not None:  # MLA: one latent row a token, the same on every rank (attention/mla.py)
-            shape = widest_shape = KVShape(mc.num_layers, 1, mc.mla.latent_dim, self.kv_dtype, mc.mla.kv_lora_rank)
-        num_pages = min_over_ranks(self._kv_pages(widest_shape), tp)
+        # the most KV bytes, then take the smallest count any rank can afford.
+        widest = max((_kv_shape(mc, r, tp.size, self.kv_dtype) for r in range(tp.size)),
+                     key=KVShape.bytes_per_token)
+        num_pages = min_over_ranks(self._kv_pages(widest), tp)
         capacity = num_pages * cfg.page_size
         self.max_context_len = min(
             cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings, capacity
@@ -180,6 +191,7 @@ class Engine:
         self.attn = create_backend(
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
             mc.head_dim, mc.attn_scale, self.device, self.kernels, variants=mc.attention_variants,
+            mixed_heads=mc.mixed_heads,
         ) if mc.mla is None else create_mla_backend(cfg.attention_backend, self.pool, heads.n_q, mc.mla.kv_lora_rank,
                                                     mc.mla.qk_rope_head_dim, mc.attn_scale, self.kernels)
         # Every request's sampling parameters on the device, by page-table row (written when a request takes its row).
@@ -209,7 +221,8 @@ class Engine:
         self.spec = EngineSpec(self.device, mc.vocab_size, self.max_context_len, cfg.page_size, num_pages,
                                cfg.max_running_requests, frozenset(mc.eos_token_ids), model_dir,
                                self.state.num_slots if self.state is not None else 0,
-                               self.state.num_snapshots if self.state is not None else 0)
+                               self.state.num_snapshots if self.state is not None else 0,
+                               kv_window=max(mc.layer_windows) if all(mc.layer_windows or (0,)) else 0)
         log.info(
             "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s backend=%s "
             "sampler=%s kv_tokens=%d page_size=%d eos=%s (%.1fs)",

@@ -38,11 +38,18 @@ class KVShape:
     head_dim: int
     dtype: torch.dtype
     latent: int = 0  # MLA: each row's latent columns (kv_lora_rank), the rest its rope key; no V half (see above)
+    # (KV heads, head dim) of each layer where layers differ (Gemma 4: wider global heads; 0 heads for a layer that
+    # reads another's KV and stores none); () = every layer (num_kv_heads, head_dim)
+    per_layer: tuple[tuple[int, int], ...] = ()
+
+    def of(self, layer_id: int) -> tuple[int, int]:
+        """Layer `layer_id`'s (KV heads, head dim)."""
+        return self.per_layer[layer_id] if self.per_layer else (self.num_kv_heads, self.head_dim)
 
     def bytes_per_token(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         halves = 1 if self.latent else 2
-        return halves * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return halves * itemsize * sum(h * d for h, d in map(self.of, range(self.num_layers)))
 
 
 class KVPool:
@@ -72,13 +79,15 @@ class KVPool:
         self.num_pages = num_pages
         self.device = torch.device(device)
         num_slots = (num_pages + 1) * page_size
-        kv = (num_slots, shape.num_kv_heads, shape.head_dim)
-        self.k = [torch.zeros(kv, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        layers = [shape.of(i) for i in range(shape.num_layers)]
+        self.k = [torch.zeros((num_slots, h, d), dtype=shape.dtype, device=device) for h, d in layers]
         self.v = ([k[..., : shape.latent] for k in self.k] if shape.latent else  # MLA: views, no memory
-                  [torch.zeros(kv, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)])
+                  [torch.zeros((num_slots, h, d), dtype=shape.dtype, device=device) for h, d in layers])
         self.quantized = shape.dtype == FP8
-        # FP8: scales per (layer, KV head) and means per (layer, KV head, channel), fp32, updated in place only.
-        heads, dims = (shape.num_layers, shape.num_kv_heads), (shape.num_layers, shape.num_kv_heads, shape.head_dim)
+        # FP8: scales per (layer, KV head) and means per (layer, KV head, channel), fp32, updated in place only (sized
+        # by the widest layer; a narrower layer's are the leading entries: `_quant`).
+        hmax, dmax = max(h for h, _ in layers), max(d for _, d in layers)
+        heads, dims = (shape.num_layers, hmax), (shape.num_layers, hmax, dmax)
         self.k_scale = torch.full(heads, kv_scale or 1.0, dtype=torch.float32, device=device)
         self.v_scale = torch.full(heads, kv_scale or 1.0, dtype=torch.float32, device=device)
         self.k_mean = torch.zeros(dims, dtype=torch.float32, device=device)
@@ -132,18 +141,23 @@ class KVPool:
 
     def calibrate(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Set this layer's FP8 means and scales from a prefill's K/V [T, Hkv, D] (see the module docstring)."""
-        for mean, scale, x in ((self.k_mean, self.k_scale, k), (self.v_mean, self.v_scale, v)):
+        q = self._quant(layer_id)
+        for mean, scale, x in ((q.k_mean, q.k_scale, k), (q.v_mean, q.v_scale, v)):
             xf = x.float()
-            mean[layer_id].copy_(xf.mean(0))
-            amax = (xf - mean[layer_id]).abs().amax(dim=(0, 2)).clamp_(min=_MIN_AMAX)
-            scale[layer_id].copy_(amax * (KV_SCALE_HEADROOM / FP8_MAX))
+            mean.copy_(xf.mean(0))
+            amax = (xf - mean).abs().amax(dim=(0, 2)).clamp_(min=_MIN_AMAX)
+            scale.copy_(amax * (KV_SCALE_HEADROOM / FP8_MAX))
         self._uncalibrated[layer_id] = False
+
+    def _quant(self, layer_id: int) -> KVQuant:
+        """Views of this layer's FP8 scales and means (its own heads and channels)."""
+        h, d = self.shape.of(layer_id)
+        return KVQuant(self.k_scale[layer_id, :h], self.v_scale[layer_id, :h], self.k_mean[layer_id, :h, :d],
+                       self.v_mean[layer_id, :h, :d])
 
     def layer_quant(self, layer_id: int) -> KVQuant | None:
         """This layer's FP8 scales and means for a kernel, or None for a 16-bit pool."""
-        if not self.quantized:
-            return None
-        return KVQuant(self.k_scale[layer_id], self.v_scale[layer_id], self.k_mean[layer_id], self.v_mean[layer_id])
+        return self._quant(layer_id) if self.quantized else None
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [T, Hkv, D] into slots `loc` (as FP8 codes of this layer's means and scales in an FP8 pool)."""
@@ -152,8 +166,9 @@ class KVPool:
             if not self.shape.latent:  # MLA: v is a view of k
                 self.v[layer_id][loc] = v
             return
-        for cache, mean, scale, x in ((self.k, self.k_mean, self.k_scale, k), (self.v, self.v_mean, self.v_scale, v)):
-            codes = quantize(x.float() - mean[layer_id], scale[layer_id][:, None])
+        q = self._quant(layer_id)
+        for cache, mean, scale, x in ((self.k, q.k_mean, q.k_scale, k), (self.v, q.v_mean, q.v_scale, v)):
+            codes = quantize(x.float() - mean, scale[:, None])
             cache[layer_id].view(torch.uint8)[loc] = codes.view(torch.uint8)  # byte views: index_put on any torch
 
     def read(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +177,8 @@ class KVPool:
             return (self.k[layer_id].index_select(0, slots).to(dtype),
                     self.v[layer_id].index_select(0, slots).to(dtype))
         out = []
-        for cache, mean, scale in ((self.k, self.k_mean, self.k_scale), (self.v, self.v_mean, self.v_scale)):
+        q = self._quant(layer_id)
+        for cache, mean, scale in ((self.k, q.k_mean, q.k_scale), (self.v, q.v_mean, q.v_scale)):
             codes = cache[layer_id].view(torch.uint8).index_select(0, slots).view(FP8)
-            out.append((dequantize(codes, scale[layer_id][:, None]) + mean[layer_id]).to(dtype))
+            out.append((dequantize(codes, scale[:, None]) + mean).to(dtype))
         return out[0], out[1]

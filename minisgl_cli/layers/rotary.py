@@ -1,5 +1,6 @@
-"""Rotary position embedding with the configs' rope scaling (default, linear, llama3, yarn), cached per position; and
-M-RoPE (Qwen2-VL): three position axes (time, height, width), each turning its own share of the frequencies."""
+"""Rotary position embedding with the configs' rope scaling (default, linear, llama3, yarn, proportional), cached per
+position; and M-RoPE (Qwen2-VL): three position axes (time, height, width), each turning its own share of the
+frequencies."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> tuple[torch.T
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":  # gpt-oss: transformers' _compute_yarn_parameters
         return _yarn(inv, head_dim, base, scaling)
+    if kind == "proportional":  # Gemma 4's global layers: a leading partial_rotary_factor of the pairs turns
+        turning = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        return torch.cat((inv[:turning], torch.zeros(head_dim // 2 - turning))) / scaling.get("factor", 1.0), 1.0
     raise ValueError(f"unsupported rope scaling type: {kind!r}")
 
 

@@ -64,6 +64,22 @@ _QWEN3_5 = {
     "tie_word_embeddings": False,
 }
 
+# Gemma 4 31B's text decoder (google/gemma-4-31B's text_config as published): five local layers (1024-position
+# windows, 16 KV heads of 256, RoPE base 10k) to one global (4 KV heads of 512, K = V, proportional RoPE turning a
+# quarter of the pairs at base 1M), QK / V norms, final soft cap 30, tied head; no per-layer inputs, no shared KV.
+_GEMMA4_31B = {
+    "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 5376,
+    "intermediate_size": 21504, "num_hidden_layers": 60, "num_attention_heads": 32, "num_key_value_heads": 16,
+    "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 4, "attention_k_eq_v": True,
+    "sliding_window": 1024, "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1000000.0}},
+    "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+    "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 262144,
+    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106],
+}
+
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
@@ -160,6 +176,7 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
                            "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
                            "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 262144,
                            "bos_token_id": 151643, "eos_token_id": 151645},
+    "gemma-4-31b": _GEMMA4_31B,
     # A vision-language model (models/qwen2_vl.py): the Qwen2 decoder with M-RoPE and a 32-block ViT. Serving images
     # needs a tokenizer and an image processor: examples/make_tiny_media_models.py's write_dummy_vlm_dir writes a
     # directory for this config (examples/bench_vlm.py gpu).

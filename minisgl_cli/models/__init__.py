@@ -1,4 +1,4 @@
-"""Models in plain torch: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss decoders, Gemma 3 text,
+"""Models in plain torch: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral and gpt-oss decoders, Gemma 3 and 4 text,
 DeepSeek-V2 / V3 (MLA and shared + routed experts), Qwen2-VL / Qwen2.5-VL (the Qwen2 decoder with a vision tower),
 and the Gated DeltaNet hybrids Qwen3-Next and Qwen3.5 text, chosen by the config's architecture."""
 
@@ -10,6 +10,7 @@ from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.models.config import ModelConfig
 from minisgl_cli.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from minisgl_cli.models.gemma3 import Gemma3ForCausalLM
+from minisgl_cli.models.gemma4 import Gemma4ForCausalLM
 from minisgl_cli.models.llama import (
     GptOssForCausalLM,
     LlamaForCausalLM,
@@ -32,6 +33,8 @@ _CLASSES = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,  # its text model (config.py)
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

@@ -16,9 +16,12 @@ VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditi
 QWEN3_5_DENSE = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 QWEN3_5_MOE = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", *QWEN3_5_DENSE, *QWEN3_5_MOE)
+# Gemma 4's hub checkpoints wrap the text decoder with vision / audio towers: its text_config and language model run
+# (text only: the towers' weights are left unread, a request with images refused as for any text model)
+GEMMA4_ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                  "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
-                 *VISION_ARCHITECTURES, *MLA_ARCHITECTURES, *HYBRID_ARCHITECTURES)
+                 *GEMMA4_ARCHITECTURES, *VISION_ARCHITECTURES, *MLA_ARCHITECTURES, *HYBRID_ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,17 @@ class ModelConfig:
     local_rope_theta: float = 0.0
     local_rope_scaling: dict | None = None
     final_logit_softcapping: float = 0.0  # Gemma: logits = c tanh(logits / c) where set
+    # Gemma 4: layers of two head shapes (the global ones' wider heads, fewer KV heads: each layer's where they
+    # differ from head_dim / num_kv_heads, () where none does); the global layers' V their K projection's output
+    # (attention_k_eq_v); the last layers reading an earlier layer's KV (kv_sources: each layer's source, () = its
+    # own); per-layer input embeddings of this width (0: none); the KV-sharing layers' MLPs twice as wide
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    attention_k_eq_v: bool = False
+    kv_sources: tuple[int, ...] = ()
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    double_wide_mlp: bool = False
     # gpt-oss experts: gate/up/down biases and the clamped SwiGLU (gate * sigmoid(alpha gate) * (up + 1), gate
     # clamped above and up both ways at swiglu_limit); 0: the SiLU-gated experts of Qwen3-MoE / Mixtral
     swiglu_limit: float = 0.0
@@ -227,18 +241,35 @@ class ModelConfig:
         """Layer `layer_id`'s sliding window, 0 for full attention."""
         return self.layer_windows[layer_id] if self.layer_windows else 0
 
+    def head_dim_of(self, layer_id: int) -> int:
+        return self.layer_head_dims[layer_id] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer_id: int) -> int:
+        return self.layer_kv_heads[layer_id] if self.layer_kv_heads else self.num_kv_heads
+
+    def kv_source_of(self, layer_id: int) -> int:
+        """The layer whose KV layer `layer_id` attends over: its own, or (Gemma 4's shared KV) an earlier one's."""
+        return self.kv_sources[layer_id] if self.kv_sources else layer_id
+
+    @property
+    def mixed_heads(self) -> bool:
+        """Layers differ in KV head count or head size, or some store no KV (Gemma 4)."""
+        return bool(self.layer_head_dims or self.layer_kv_heads or self.kv_sources)
+
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether decoder layer `layer_id` has a sparse MoE block (else the dense MLP), as transformers decides."""
         return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
                 and (layer_id + 1) % self.decoder_sparse_step == 0)
 
-    def heads_of(self, rank: int, tp_size: int) -> HeadSplit:
-        """Rank `rank`'s attention heads under TP: whole GQA groups, as even as the counts allow.
+    def heads_of(self, rank: int, tp_size: int, layer_id: int | None = None) -> HeadSplit:
+        """Rank `rank`'s attention heads under TP (of layer `layer_id` where layers differ): whole GQA groups, as even
+        as the counts allow.
 
         With at least as many KV heads as ranks each rank takes a contiguous run of KV heads (some may
         take one more: SmolLM2's 3 KV heads go 2 + 1 at TP 2) with their query heads. With fewer KV
         heads than ranks each KV head is replicated on tp / kv ranks, which split its query heads."""
-        kv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        kv = self.num_kv_heads if layer_id is None else self.kv_heads_of(layer_id)
+        group = self.num_heads // kv
         if tp_size <= kv:
             base, extra = divmod(kv, tp_size)
             kv_start = rank * base + min(rank, extra)
@@ -258,7 +289,7 @@ class ModelConfig:
         vlm = arch in VISION_ARCHITECTURES
         # A VLM's decoder fields: its text_config (transformers 5 writes one) over the top level (the hub's files).
         hybrid = arch in HYBRID_ARCHITECTURES
-        cfg = {**top, **top.get("text_config", {})} if vlm or hybrid else top
+        cfg = {**top, **top.get("text_config", {})} if vlm or hybrid or arch in GEMMA4_ARCHITECTURES else top
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -291,13 +322,15 @@ class ModelConfig:
             rope_scaling=scaling,
             attention_bias=arch == "Qwen2ForCausalLM" or vlm or bool(cfg.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and not vlm and bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") or hybrid,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *GEMMA4_ARCHITECTURES)
+            or hybrid,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             vision=VisionConfig.from_hf(top, arch, cfg) if vlm else None,
             layer_windows=_layer_windows(arch, cfg, cfg["num_hidden_layers"]),
             attn_sinks=arch == "GptOssForCausalLM",
             **_gemma_fields(arch, cfg, local_params),
+            **_gemma4_fields(arch, cfg),
             **_moe_fields(arch, cfg),
             mla=mla,
             **_hybrid_fields(arch, cfg, rope_params),
@@ -326,15 +359,17 @@ def _layer_windows(arch: str, cfg: dict[str, Any], num_layers: int) -> tuple[int
 
 
 def _gemma_fields(arch: str, cfg: dict[str, Any], local_params: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's fields: the score scale, the local layers' RoPE, the final soft cap (none for other families)."""
-    if arch != "Gemma3ForCausalLM":
+    """Gemma 3's fields: the score scale, the local layers' RoPE, the final soft cap (none for other families); Gemma
+    4's the same but for its score scale, 1 (its q / k norms take the place of one)."""
+    if arch != "Gemma3ForCausalLM" and arch not in GEMMA4_ARCHITECTURES:
         return {}
     if cfg.get("attn_logit_softcapping"):
         raise ValueError("attn_logit_softcapping (Gemma 2's capped scores) is not supported")
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-        raise ValueError(f"hidden_activation {cfg['hidden_activation']!r}: Gemma 3 runs gelu_pytorch_tanh only")
+        raise ValueError(f"hidden_activation {cfg['hidden_activation']!r}: Gemma runs gelu_pytorch_tanh only")
     local_type = local_params.get("rope_type", "default")
-    return dict(query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or cfg["head_dim"]),
+    scalar = 1.0 if arch in GEMMA4_ARCHITECTURES else cfg.get("query_pre_attn_scalar") or cfg["head_dim"]
+    return dict(query_pre_attn_scalar=float(scalar),
                 local_rope_theta=float(local_params.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0),
                 local_rope_scaling=local_params if local_type != "default" else None,
                 final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0))
@@ -351,6 +386,47 @@ def _hybrid_fields(arch: str, cfg: dict[str, Any], rope_params: dict[str, Any]) 
     shared = cfg.get("shared_expert_intermediate_size") or 0 if arch not in QWEN3_5_DENSE else 0
     return dict(linear_attn=LinearAttnConfig.from_hf(cfg, cfg["num_hidden_layers"]),
                 rotary_dim=int(head_dim * factor), shared_expert_intermediate_size=shared)
+
+
+def _gemma4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's per-layer heads, shared KV, per-layer inputs and wide MLPs, from its config as transformers writes it
+    (per_layer_config: each global layer's head_dim / num_key_value_heads) or as the hub's files carry it
+    (global_head_dim, num_global_key_value_heads). What it does not run yet is refused by name."""
+    if arch not in GEMMA4_ARCHITECTURES:
+        return {}
+    if cfg.get("enable_moe_block"):
+        raise ValueError("Gemma 4's MoE block (enable_moe_block: 26B-A4B) is not supported yet")
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise ValueError("use_bidirectional_attention 'all' (Gemma 4 as a bidirectional encoder) is not supported")
+    if cfg.get("attention_bias"):
+        raise ValueError("attention_bias on Gemma 4's projections is not supported")
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    base_dim, base_kv = cfg["head_dim"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    dims, kv = [base_dim] * n, [base_kv] * n
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    overrides = cfg.get("per_layer_config")
+    if overrides is None:
+        wide = {"head_dim": cfg.get("global_head_dim") or 512}
+        if k_eq_v and cfg.get("num_global_key_value_heads"):
+            wide["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+        overrides = {i: wide for i, t in enumerate(types) if t == "full_attention"}
+    for i, o in overrides.items():
+        dims[int(i)], kv[int(i)] = o.get("head_dim", dims[int(i)]), o.get("num_key_value_heads", kv[int(i)])
+    shared = cfg.get("num_kv_shared_layers") or 0
+    sources = list(range(n))
+    if shared:  # each shared layer reads the last unshared layer of its type (transformers' kv_sharing_modes)
+        first = n - shared
+        last = {t: i for i, t in enumerate(types[:first])}
+        if set(types[first:]) - set(last):
+            raise ValueError("num_kv_shared_layers: a shared layer type has no earlier layer to read KV from")
+        sources[first:] = [last[t] for t in types[first:]]
+    return dict(layer_head_dims=tuple(dims) if set(dims) != {base_dim} else (),
+                layer_kv_heads=tuple(kv) if set(kv) != {base_kv} else (),
+                attention_k_eq_v=k_eq_v, kv_sources=tuple(sources) if shared else (),
+                per_layer_input_size=cfg.get("hidden_size_per_layer_input") or 0,
+                per_layer_vocab_size=cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"],
+                double_wide_mlp=bool(cfg.get("use_double_wide_mlp", False)))
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

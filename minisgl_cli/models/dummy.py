@@ -17,8 +17,8 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     if mc.mla is not None:
         yield from _deepseek_shapes(mc)
         return
-    h, d = mc.hidden_size, mc.head_dim
-    q, kv = mc.num_heads * d, mc.num_kv_heads * d
+    h = mc.hidden_size
+    gemma4 = mc.architecture.startswith("Gemma4")
     yield "model.embed_tokens.weight", (mc.vocab_size, h)
     linear = mc.linear_attn.layers if mc.linear_attn is not None else ()
     for i in range(mc.num_layers):
@@ -27,8 +27,15 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield from _linear_attn_shapes(mc, f"{p}linear_attn.")
             yield from _mlp_shapes(mc, i, p)
             continue
+        d, inter = mc.head_dim_of(i), mc.intermediate_size
+        q, kv = mc.num_heads * d, mc.kv_heads_of(i) * d
         # a hybrid's full attention projects a gate beside each query head
-        for name, rows in (("q_proj", 2 * q if linear else q), ("k_proj", kv), ("v_proj", kv)):
+        projs = [("q_proj", 2 * q if linear else q), ("k_proj", kv), ("v_proj", kv)]
+        if mc.kv_source_of(i) != i:  # Gemma 4's shared-KV layers: a query projection only, and a wider MLP
+            projs, inter = projs[:1], inter * (2 if mc.double_wide_mlp else 1)
+        elif mc.attention_k_eq_v and not mc.window_of(i):  # Gemma 4's global layers: V is K's projection
+            projs = projs[:2]
+        for name, rows in projs:
             yield f"{p}self_attn.{name}.weight", (rows, h)
             if mc.attention_bias:
                 yield f"{p}self_attn.{name}.bias", (rows,)
@@ -39,12 +46,24 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield f"{p}self_attn.sinks", (mc.num_heads,)
         if mc.qk_norm:
             yield f"{p}self_attn.q_norm.weight", (d,)
-            yield f"{p}self_attn.k_norm.weight", (d,)
-        yield from _mlp_shapes(mc, i, p)
-        if mc.architecture == "Gemma3ForCausalLM":
+            if len(projs) > 1:
+                yield f"{p}self_attn.k_norm.weight", (d,)
+        yield from _mlp_shapes(mc, i, p, inter)
+        if mc.architecture == "Gemma3ForCausalLM" or gemma4:
             yield f"{p}pre_feedforward_layernorm.weight", (h,)
             yield f"{p}post_feedforward_layernorm.weight", (h,)
+        if gemma4:
+            yield f"{p}layer_scalar", (1,)
+        if mc.per_layer_input_size:
+            yield f"{p}per_layer_input_gate.weight", (mc.per_layer_input_size, h)
+            yield f"{p}per_layer_projection.weight", (h, mc.per_layer_input_size)
+            yield f"{p}post_per_layer_input_norm.weight", (h,)
     yield "model.norm.weight", (h,)
+    if mc.per_layer_input_size:
+        width = mc.num_layers * mc.per_layer_input_size
+        yield "model.embed_tokens_per_layer.weight", (mc.per_layer_vocab_size, width)
+        yield "model.per_layer_model_projection.weight", (width, h)
+        yield "model.per_layer_projection_norm.weight", (mc.per_layer_input_size,)
     if not mc.tie_word_embeddings:
         yield "lm_head.weight", (mc.vocab_size, h)
     if mc.vision is not None:
@@ -104,9 +123,10 @@ def _linear_attn_shapes(mc: ModelConfig, p: str) -> Iterator[tuple[str, tuple[in
     yield f"{p}out_proj.weight", (h, la.value_dim)
 
 
-def _mlp_shapes(mc: ModelConfig, i: int, p: str) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Layer i's MLP (dense, or the experts with their router and any shared expert) and its two norms."""
-    h, inter = mc.hidden_size, mc.intermediate_size
+def _mlp_shapes(mc: ModelConfig, i: int, p: str, inter: int = 0) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Layer i's MLP (dense of `inter`, default the config's width; or the experts with their router and any shared
+    expert) and its two norms."""
+    h, inter = mc.hidden_size, inter or mc.intermediate_size
     if mc.is_moe_layer(i) and mc.swiglu_limit:  # gpt-oss's names: a router with a bias, stacked experts
         e, i2 = mc.num_experts, mc.moe_intermediate_size
         yield f"{p}mlp.router.weight", (e, h)

@@ -11,7 +11,14 @@ one, a hybrid's prefill is cut at the last page boundary before its last token (
 
 It alone writes the page table (through the engine's `write_page_table`): a request's cached prefix when it is
 admitted, the tree's pages where a prefill's duplicated them, and each step's new tokens (`write_rows`, one
-device op per step)."""
+device op per step).
+
+KV that follows the window: where every layer of the model attends through a sliding window (Mistral: the engine's
+`kv_window`), a request's own pages that fell wholly behind it are given back before each step (`_drop_behind`):
+no query of the request reads them again. Their page-table entries stay (attention masks those positions), and a
+request that gave pages back caches nothing more in the prefix tree when it ends (its prompt, cached after prefill,
+stays: that KV is whole), so a cached prefix always comes with all of its KV. A prompt's pages stay while the tree
+holds them (locked by the request); the tokens it writes after its prompt cost at most the window's pages."""
 
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ class CacheManager:
         self.snapshots = bool(self.num_state_slots) and cache_kind == "radix"
         self.tree = create_prefix_cache(cache_kind, self.page_size,
                                         engine.free_state_snapshot if self.snapshots else None)
+        self.window = engine.spec.kv_window  # > 0: pages behind it are given back (the module docstring)
 
     # --- accounting ----------------------------------------------------------------------------
     @property
@@ -46,7 +54,7 @@ class CacheManager:
         return self.engine.num_free_pages + self.tree.evictable_tokens // self.page_size
 
     def pages_in_use(self, reqs: list[Req]) -> int:
-        return sum(len(r.pages) for r in reqs)
+        return sum(len(r.pages) - r.dropped for r in reqs)
 
     def check(self, reqs: list[Req]) -> None:
         """Free + cached + in-use pages must add up to the pool, free + held state slots to theirs (tests call
@@ -118,6 +126,9 @@ class CacheManager:
         """`reserve(req, n)` for every request at once, with one allocation (a decode step's new pages); False, and
         nothing taken, when the pool (after eviction) cannot cover all of them."""
         p = self.page_size
+        if self.window:
+            for r in reqs:
+                self._drop_behind(r)
         needs = [-(-(r.kv_len + n) // p) - (r.prefix_len // p + len(r.pages)) for r in reqs]
         total = sum(k for k in needs if k > 0)
         if not total:
@@ -131,6 +142,16 @@ class CacheManager:
                 r.pages += pages[at : at + k]
                 at += k
         return True
+
+    def _drop_behind(self, req: Req) -> None:
+        """Give back `req`'s own pages wholly behind the window of its next step's queries (positions >= kv_len; a
+        query at q reads positions q - window + 1 .. q), with a position of slack. A step still in flight that reads
+        a page given back here runs before any later step can write it (one device stream; on the CPU it has run)."""
+        dead = (req.kv_len - self.window) // self.page_size - req.prefix_len // self.page_size
+        if dead > req.dropped:
+            self.engine.free_pages(req.pages[req.dropped : dead])
+            req.pages[req.dropped : dead] = [0] * (dead - req.dropped)  # page 0: the scratch page, never read
+            req.dropped = dead
 
     def slots(self, req: Req, start: int, end: int) -> list[int]:
         """KV slots of positions start..end-1 (reserved already), computed on the host: no device read."""
@@ -181,7 +202,7 @@ class CacheManager:
         """Hand a request's computed prompt to the tree right after prefill, not only at finish, so
         requests arriving meanwhile with the same prefix (a shared system prompt) reuse it. A hybrid's goes where
         the chunk ended on a page boundary before the last token, with a snapshot of its state."""
-        if not self.tree.reuses:
+        if not self.tree.reuses or req.dropped:  # a request that gave pages back holds no whole prompt to cache
             return
         p = self.page_size
         old = req.prefix_len
@@ -228,6 +249,7 @@ class CacheManager:
         p = self.page_size
         # Under overlap scheduling kv_len may run one ahead of the known tokens: cache what is known.
         n = min(req.kv_len, req.seq_len)
+        cache = cache and not req.dropped  # a request that gave pages back holds no whole sequence to cache
         snap = -1
         if cache and self.snapshots and req.kv_len > req.prefix_len:
             got = self._snapshot(req, req.all_key_ids[:n]) if state_ok and n == req.kv_len and n % p == 0 else None
@@ -247,8 +269,8 @@ class CacheManager:
             adopted = set(req.pages[keep_from - first_own : keep_to - first_own])
             self.engine.free_pages([pg for pg in req.pages if pg not in adopted])
         else:
-            self.engine.free_pages(req.pages)
-        req.pages = []
+            self.engine.free_pages(req.pages[req.dropped :])
+        req.pages, req.dropped = [], 0
         if req.prefix_node is not None:
             self.tree.unlock(req.prefix_node)
             req.prefix_node = None
