@@ -114,6 +114,11 @@ def make_tiny_checkpoint(arch: str, out: Path, tokenizer_from: Path, seed: int =
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's loaded per-layer scale (ones at init)
                 b.uniform_(0.5, 1.5)
+    return save_checkpoint(model, out, tokenizer_from)
+
+
+def save_checkpoint(model, out: Path, tokenizer_from: Path) -> Path:
+    """A transformers model saved as a hub checkpoint in `out`, with the tokenizer files of `tokenizer_from`."""
     model.save_pretrained(out, safe_serialization=True)
     for f in tokenizer_from.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import save_checkpoint
 from test_hf_parity import EXACT, hf_greedy
 
 from minisgl_cli import LLM, SamplingParams
@@ -54,11 +55,7 @@ def make_tiny_deepseek(family: str, out: Path, tokenizer_from: Path) -> Path:
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.3)
-    model.save_pretrained(out, safe_serialization=True)
-    for f in tokenizer_from.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
-            shutil.copy(f, out / f.name)
-    return out
+    return save_checkpoint(model, out, tokenizer_from)
 
 
 def _prompts() -> list[list[int]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import save_checkpoint
 from test_hf_parity import EXACT, hf_greedy
 
 from minisgl_cli import LLM, SamplingParams
@@ -50,11 +51,7 @@ def make_hybrid(family: str, out: Path, tokenizer_from: Path, seed: int = 0, **o
                 p.normal_(0, 0.08)
             elif "A_log" not in name:  # norms, dt_bias; A_log keeps its spread of decay rates
                 p.normal_(0, 0.3)
-    model.save_pretrained(out, safe_serialization=True)
-    for f in tokenizer_from.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
-            shutil.copy(f, out / f.name)
-    return out
+    return save_checkpoint(model, out, tokenizer_from)
 
 
 @pytest.fixture(scope="module")
