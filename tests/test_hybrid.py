@@ -301,6 +301,7 @@ def test_ngram_speculation_gives_the_plain_greedy_answer(tmp_path_factory, token
     assert (ours == hf_greedy(model_dir, prompts, 32)) == rollback
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 def test_tp_2_gives_the_tp_1_answers(hybrid_dirs, family):
     """TP 2 over gloo: each rank one key head of every linear layer (two value heads), one KV head of the full
