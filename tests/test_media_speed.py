@@ -290,3 +290,23 @@ def test_warm_up_compiles_the_batched_graphs_so_no_later_batch_size_compiles():
             assert graphs_for(job("a fox"), job("a cat in the snow at dusk", 2)) > 0
     unload_all()
     torch._dynamo.reset()
+
+
+def test_warm_up_gives_way_to_a_job_between_its_steps():
+    """The worker's warm-up stops once it is no longer idle (a job arrived, a stop): after the step under way."""
+    from minisgl_cli.media.batch import warm_up
+
+    loaded = load_pipeline(image_spec())
+    job = ImageJob(prompt="a fox", width=32, height=32, steps=2, seed=4)
+    checks: list[int] = []
+
+    def idle_for(n: int):
+        def idle() -> bool:
+            checks.append(1)
+            return len(checks) <= n
+        return idle
+
+    assert warm_up(loaded, job, idle=idle_for(10**6)) is True
+    ran = len(checks)  # each call checks before it and after its one step
+    checks.clear()
+    assert warm_up(loaded, job, idle=idle_for(3)) is False and len(checks) == 4 < ran

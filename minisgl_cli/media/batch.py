@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 from minisgl_cli.media.jobs import ImageJob, ImageResult, VideoJob, VideoResult
@@ -90,19 +91,30 @@ def generate(loaded: LoadedPipeline, jobs: list[Job], on_step: StepHook | None =
     return results
 
 
-def warm_up(loaded: LoadedPipeline, like: Job, max_rows: int = 3) -> None:
+def warm_up(loaded: LoadedPipeline, like: Job, max_rows: int = 3, idle: Callable[[], bool] = lambda: True) -> bool:
     """Compile a compiled pipeline's batched graphs ahead of need: four 1-step calls of a few rows shaped like `like`.
     torch.compile specializes a batch of one, so the first batched call would compile the DiT's blocks and the VAE
     decode again (seconds with the stored compile, tens of seconds cold), and each variant a batch brings after it:
     captions of unequal length (a padding mask), n > 1 of one prompt (none), other batch sizes and caption lengths.
-    These calls meet them once. The worker runs this while idle, so no request waits on it."""
+    These calls meet them once. The worker runs this while idle: once `idle()` turns false (a job arrived, a stop)
+    it gives way after the step or compile under way; returns whether it ran to the end."""
     short = dataclasses.replace(like, prompt="warm-up", steps=1, negative_prompt=like.negative_prompt and "warm-up")
     if isinstance(short, ImageJob):
         short = dataclasses.replace(short, num_images=1)
     long = dataclasses.replace(short, prompt="a longer warm-up prompt " * 8)
+
+    def give_way(*_: Any) -> None:
+        if not idle():
+            raise Cancelled
+
     # Each variant (masked or not) seen at two batch sizes: after the second its batch dimension is symbolic.
     for jobs in ([short, long], [short, long, long], [long, long], [long, long, long]):
-        generate(loaded, jobs[:max_rows])
+        try:
+            give_way()
+            generate(loaded, jobs[:max_rows], give_way)
+        except Cancelled:
+            return False
+    return True
 
 
 def uint8_frames(video: Any) -> list[Any]:

@@ -260,11 +260,19 @@ class MediaWorker:
     def _warm_up(self, like: ImageJob | VideoJob) -> None:
         from minisgl_cli.media.pipelines import load_pipeline
 
+        def idle() -> bool:
+            with self.cond:
+                return not self.queue and not self.stopping
+
         try:
-            warm_up(load_pipeline(self.settings.spec("image" if isinstance(like, ImageJob) else "video")), like,
-                    self.settings.max_batch)
+            done = warm_up(load_pipeline(self.settings.spec("image" if isinstance(like, ImageJob) else "video")),
+                           like, self.settings.max_batch, idle)
         except Exception as exc:  # noqa: BLE001 - a warm-up that fails costs a compile later, not the worker
             log.warning("warm-up skipped: %s", first_line(exc))
+            return
+        if not done:  # a job came first: the rest at the next idle moment (what compiled is kept)
+            with self.cond:
+                self.warm_next = like
 
     def _previews(self, loaded: Any, latents: Any, span: slice, msg: MediaSubmit,
                   sent: collections.Counter[str]) -> None:
