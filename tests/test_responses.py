@@ -156,3 +156,24 @@ def test_reasoning_effort_is_the_templates_thinking_switch():
     assert kwargs(None) is None  # the template's default
     with pytest.raises(InputError, match="reasoning.effort"):
         kwargs("extreme")
+
+
+def test_chat_completions_reasoning_effort_is_the_same_switch(server_url):
+    """Chat completions' `reasoning_effort` maps as Responses' does (one place: the chat request); a server without a
+    parser refuses it, an effort OpenAI does not name is a 400 too."""
+    from minisgl_cli.api.protocol import ChatCompletionRequest
+
+    def kwargs(effort: str, extra: dict | None = None) -> dict | None:
+        return ChatCompletionRequest.model_validate({"model": "default", "messages": [{"role": "user", "content": ASK}],
+                                                     "reasoning_effort": effort,
+                                                     "chat_template_kwargs": extra}).chat_template_kwargs
+
+    assert kwargs("minimal", {"x": 1}) == {"x": 1, "enable_thinking": False} and kwargs("high") == {
+        "enable_thinking": True}
+    c = oai(server_url)
+    with pytest.raises(openai.BadRequestError, match="reasoning-parser"):
+        c.chat.completions.create(model="default", messages=[{"role": "user", "content": ASK}], max_tokens=2,
+                                  reasoning_effort="low")
+    with pytest.raises(openai.BadRequestError, match="reasoning.effort"):
+        c.chat.completions.create(model="default", messages=[{"role": "user", "content": ASK}], max_tokens=2,
+                                  extra_body={"reasoning_effort": "extreme"})

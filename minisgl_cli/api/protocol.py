@@ -77,13 +77,24 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# OpenAI's reasoning efforts -> whether the model thinks (the chat template's `enable_thinking`). Templates have one
+# switch, no depth: "low" thinks as much as "high".
+EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
+
+
+def thinks_at(effort: str) -> bool:
+    """The thinking switch for a reasoning effort; ValueError for an effort OpenAI does not name."""
+    if effort not in EFFORTS:
+        raise ValueError(f"reasoning.effort: {effort!r} is not one of {', '.join(EFFORTS)}")
+    return EFFORTS[effort]
+
+
 # OpenAI fields minisgl does not implement: name -> (why, the values that ask for nothing and so pass). They are
 # not fields of the models (the OpenAPI schema lists what works); a value outside those is a 400 naming them.
 _CHAT_UNIMPLEMENTED: dict[str, tuple[str, tuple]] = {
     "audio": ("audio output is not supported", ()),
     "modalities": ('only ["text"] output is supported', (["text"],)),
     "prediction": ("predicted outputs are not supported", ()),
-    "reasoning_effort": ("not a setting minisgl implements", ()),
     "verbosity": ("not a setting minisgl implements", ()),
     "web_search_options": ("web search is not supported", ()),
     "functions": ("deprecated: use tools", ()),
@@ -393,6 +404,8 @@ class ChatCompletionRequest(_Sampling):
     safety_identifier: str | None = Field(None, max_length=256, description="Written to the request log.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=16, description=(
         "Extension (vLLM, sglang): extra variables for the chat template, e.g. {\"enable_thinking\": false}."))
+    reasoning_effort: str | None = Field(None, description=(
+        "With --reasoning-parser: none / minimal turn the template's thinking off, low .. xhigh on (enable_thinking)."))
 
     @model_validator(mode="before")
     @classmethod
@@ -409,6 +422,9 @@ class ChatCompletionRequest(_Sampling):
         names = {t.function.name for t in self.tools or []}
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
+        if self.reasoning_effort is not None:
+            self.chat_template_kwargs = {**(self.chat_template_kwargs or {}),
+                                         "enable_thinking": thinks_at(self.reasoning_effort)}
         return self
 
     @property

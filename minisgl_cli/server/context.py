@@ -221,6 +221,9 @@ class ServerContext:
         """Every step of a chat request (the chat completions route's, and those of the fronts that translate onto
         it): model, deadline, template with tools, budget, grammar of forced tool calls, start; on the engine, or on
         the VLM beside it (`beside_engine`)."""
+        if body.reasoning_effort is not None and self.reasoning is None:
+            raise InputError("reasoning_effort: this server runs no reasoning parser for its model "
+                             "(--reasoning-parser)", "reasoning_effort")
         if self.beside_engine(body):
             return await self._start_vlm(body, endpoint, rid_prefix, user)
         self.check_model(body.model)

@@ -38,18 +38,6 @@ def resolve_parser(name: str, model_dir: str | None) -> str | None:
     return _FAMILIES.get(model_type)
 
 
-# OpenAI's reasoning efforts -> whether the model thinks (the chat template's `enable_thinking`). Templates have one
-# switch, no depth: "low" thinks as much as "high".
-EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
-
-
-def thinks_at(effort: str) -> bool:
-    """The thinking switch for a reasoning effort; ValueError for an effort OpenAI does not name."""
-    if effort not in EFFORTS:
-        raise ValueError(f"reasoning.effort: {effort!r} is not one of {', '.join(EFFORTS)}")
-    return EFFORTS[effort]
-
-
 def _held(text: str, marker: str) -> int:
     """How many characters at the end of `text` may begin `marker` (held until the next text says)."""
     return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-n:])), 0)

@@ -26,7 +26,6 @@ from minisgl_cli.server import tools
 from minisgl_cli.server.context import ChatRun, Ctx
 from minisgl_cli.server.errors import InputError, engine_error
 from minisgl_cli.server.gate import downscale_headers
-from minisgl_cli.server.reasoning import thinks_at
 from minisgl_cli.server.response_store import ResponseStore
 from minisgl_cli.server.runs import sse, stream_response
 from minisgl_cli.types import Delta, RequestStats
@@ -96,9 +95,10 @@ def to_chat(body: r.ResponsesRequest, turns: list[dict[str, Any]], reasoning: st
                             "parallel_tool_calls": body.parallel_tool_calls}
     if body.reasoning is not None and body.reasoning.effort is not None:
         try:
-            chat["chat_template_kwargs"] = {"enable_thinking": thinks_at(body.reasoning.effort)}
+            p.thinks_at(body.reasoning.effort)  # named as this API names it; the chat request maps it
         except ValueError as exc:
             raise InputError(str(exc), "reasoning.effort") from None
+        chat["reasoning_effort"] = body.reasoning.effort
     if body.tools:
         chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in body.function_tools]
