@@ -60,6 +60,9 @@ class Attention(nn.Module):
             raise KeyError(f"checkpoint has an attention {name!r} this layer was built without")
         self.sinks.data.copy_(whole(loaded.narrow(0, self.q_start, self.num_heads)))
 
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        return self.qkv_proj.takes_fp8_rows(x)
+
     def forward(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend, rope: RopeTable,
                 rope_at: RopeAt | None) -> LayerOut:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -137,7 +140,7 @@ class DecoderLayer(nn.Module):
             assert isinstance(h, torch.Tensor)  # the first layer's input: the embeddings
             residual, x = h, self.input_layernorm(h)
         else:
-            fp8 = self.self_attn.qkv_proj.takes_fp8_rows(rows_of(h))
+            fp8 = self.self_attn.takes_fp8_rows(rows_of(h))
             x, residual = self.input_layernorm.forward_residual(h, residual, fp8)
         h = self.self_attn(x, batch, attn, rope, rope_at)
         fp8 = self.mlp.takes_fp8_rows(rows_of(h))
