@@ -162,20 +162,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, kernels, method.for_lm_head(),
                                       tied=self.embed_tokens if cfg.tie_word_embeddings else None)
 
-    def decode_layers(self, h: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
-                      rope: RopeTable) -> torch.Tensor:
-        residual = None
-        h_: LayerOut = h
-        rope_at = self.rope.at(rope, h.dtype)  # once a step for every layer (the rope rows are few)
-        for layer in self.layers:
-            h_, residual = layer(h_, residual, batch, attn, rope, rope_at)
-        assert residual is not None
-        if not batch.is_decode:
-            idx = batch.logits_indices
-            h_ = h_[idx] if isinstance(h_, torch.Tensor) else h_.select(idx)
-            residual = residual[idx]
-        out, _ = self.norm.forward_residual(h_, residual)
-        return out
+    def _rope_at(self, h: torch.Tensor, rope: RopeTable) -> RopeAt:
+        return self.rope.at(rope, h.dtype)  # MLA rotates with torch always: once a step for every layer
 
     def graph_safe(self, device: torch.device, dtype: torch.dtype) -> bool:
         """DeepSeek's routing stays on the device; the experts are graph-safe where torch's grouped GEMM runs (the fused

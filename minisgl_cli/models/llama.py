@@ -197,9 +197,7 @@ class LlamaForCausalLM(nn.Module):
         states of each request's last token [B, hidden]."""
         residual = None
         h_: LayerOut = h
-        # The torch RoPE's cos / sin of this step's positions, once for every layer (CUDA's fused ops need none).
-        fused = self.kernels.triton(h) is not None or self.kernels.sgl_ops(h) is not None
-        rope_at = None if fused else self.rope.at(rope, h.dtype)
+        rope_at = self._rope_at(h, rope)
         for layer in self.layers:
             h_, residual = layer(h_, residual, batch, attn, rope, rope_at)
         assert residual is not None  # set by the first layer
@@ -209,6 +207,11 @@ class LlamaForCausalLM(nn.Module):
             residual = residual[idx]
         h, _ = self.norm.forward_residual(h_, residual)
         return h
+
+    def _rope_at(self, h: torch.Tensor, rope: RopeTable) -> RopeAt | None:
+        """The torch RoPE's cos / sin of this step's positions, once for every layer (CUDA's fused ops need none)."""
+        fused = self.kernels.triton(h) is not None or self.kernels.sgl_ops(h) is not None
+        return None if fused else self.rope.at(rope, h.dtype)
 
     def graph_safe(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a forward makes no host sync there, so CUDA graphs can capture it (MoE experts: the grouped GEMM,
