@@ -174,6 +174,6 @@ def create_mla_backend(name: str, pool: KVPool, num_heads: int, kv_lora_rank: in
     on_cuda = pool.device.type == "cuda"
     if name == "triton" and not on_cuda:
         raise ValueError(f"attention backend 'triton' needs a CUDA device (got {pool.device}); use 'torch' or 'auto'")
-    kernel = None if name == "triton" else False if name == "torch" or find_spec("triton") is None else None
+    kernel = False if name == "torch" or (name == "auto" and find_spec("triton") is None) else None  # None: on CUDA
     serial = kernels is not None and kernels.cpu_gemm == "invariant"
     return MlaBackend(pool, num_heads, kv_lora_rank, rope_dim, scale, serial_decode=serial, triton_decode=kernel)

@@ -173,6 +173,9 @@ class KVPool:
 
     def read(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [len(slots), Hkv, D] of these slots in `dtype` (FP8: code * scale + mean, in fp32 first)."""
+        if self.shape.latent:  # MLA (never FP8): V is K's latent columns, so the rows are gathered once
+            k = self.k[layer_id].index_select(0, slots).to(dtype)
+            return k, k[..., : self.shape.latent]
         if not self.quantized:
             return (self.k[layer_id].index_select(0, slots).to(dtype),
                     self.v[layer_id].index_select(0, slots).to(dtype))

@@ -33,12 +33,12 @@ from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl_cli.layers.moe import MoE, grouped_mm_runs
-from minisgl_cli.layers.norm import LayerOut, RMSNorm, rows_of
+from minisgl_cli.layers.norm import LayerOut, RMSNorm
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.layers.rotary import RopeTable, RotaryEmbedding
 from minisgl_cli.loader.hf import Weight, whole
 from minisgl_cli.models.config import MlaConfig, ModelConfig
-from minisgl_cli.models.llama import MLP, LlamaForCausalLM, RopeAt
+from minisgl_cli.models.llama import MLP, DecoderLayer, LlamaForCausalLM, RopeAt
 
 
 class MlaAttention(nn.Module):
@@ -113,12 +113,15 @@ class MlaAttention(nn.Module):
         return self.o_proj.to_norm(o.reshape(-1, n * m.v_head_dim), decode)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(DecoderLayer):
+    """Llama's layer (its forward) with MLA attention and DeepSeek's MoE blocks (routed plus shared experts)."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int, rope: RotaryEmbedding, tp: TPInfo, kernels: Kernels,
                  method: LinearMethod):
-        super().__init__()
+        nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.self_attn = MlaAttention(cfg, layer_id, rope, tp, kernels, method)
+        # not llama's Attention, but all DecoderLayer.forward asks of it (its call and takes_fp8_rows)
+        self.self_attn = MlaAttention(cfg, layer_id, rope, tp, kernels, method)  # type: ignore[assignment]
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.mlp: MLP | MoE
         if cfg.is_moe_layer(layer_id):
@@ -131,18 +134,6 @@ class DeepseekDecoderLayer(nn.Module):
                            routing=cfg.routing, shared_experts=shared)
         else:
             self.mlp = MLP(cfg, tp, kernels, method)
-
-    def forward(self, h: LayerOut, residual: torch.Tensor | None, batch: ForwardBatch, attn: AttentionBackend,
-                rope: RopeTable, rope_at: RopeAt | None) -> tuple[LayerOut, torch.Tensor]:
-        if residual is None:
-            assert isinstance(h, torch.Tensor)  # the first layer's input: the embeddings
-            residual, x = h, self.input_layernorm(h)
-        else:
-            x, residual = self.input_layernorm.forward_residual(h, residual)
-        h = self.self_attn(x, batch, attn, rope, rope_at)
-        fp8 = self.mlp.takes_fp8_rows(rows_of(h))
-        x2, residual = self.post_attention_layernorm.forward_residual(h, residual, fp8)
-        return self.mlp(x2, batch.is_decode), residual
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -171,20 +162,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, kernels, method.for_lm_head(),
                                       tied=self.embed_tokens if cfg.tie_word_embeddings else None)
 
-    def decode_layers(self, h: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
-                      rope: RopeTable) -> torch.Tensor:
-        residual = None
-        h_: LayerOut = h
-        rope_at = self.rope.at(rope, h.dtype)  # once a step for every layer (the rope rows are few)
-        for layer in self.layers:
-            h_, residual = layer(h_, residual, batch, attn, rope, rope_at)
-        assert residual is not None
-        if not batch.is_decode:
-            idx = batch.logits_indices
-            h_ = h_[idx] if isinstance(h_, torch.Tensor) else h_.select(idx)
-            residual = residual[idx]
-        out, _ = self.norm.forward_residual(h_, residual)
-        return out
+    def _rope_at(self, h: torch.Tensor, rope: RopeTable) -> RopeAt:
+        return self.rope.at(rope, h.dtype)  # MLA rotates with torch always: once a step for every layer
 
     def graph_safe(self, device: torch.device, dtype: torch.dtype) -> bool:
         """DeepSeek's routing stays on the device; the experts are graph-safe where torch's grouped GEMM runs (the fused

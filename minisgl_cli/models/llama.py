@@ -60,6 +60,9 @@ class Attention(nn.Module):
             raise KeyError(f"checkpoint has an attention {name!r} this layer was built without")
         self.sinks.data.copy_(whole(loaded.narrow(0, self.q_start, self.num_heads)))
 
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        return self.qkv_proj.takes_fp8_rows(x)
+
     def forward(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend, rope: RopeTable,
                 rope_at: RopeAt | None) -> LayerOut:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -137,7 +140,7 @@ class DecoderLayer(nn.Module):
             assert isinstance(h, torch.Tensor)  # the first layer's input: the embeddings
             residual, x = h, self.input_layernorm(h)
         else:
-            fp8 = self.self_attn.qkv_proj.takes_fp8_rows(rows_of(h))
+            fp8 = self.self_attn.takes_fp8_rows(rows_of(h))
             x, residual = self.input_layernorm.forward_residual(h, residual, fp8)
         h = self.self_attn(x, batch, attn, rope, rope_at)
         fp8 = self.mlp.takes_fp8_rows(rows_of(h))
@@ -194,9 +197,7 @@ class LlamaForCausalLM(nn.Module):
         states of each request's last token [B, hidden]."""
         residual = None
         h_: LayerOut = h
-        # The torch RoPE's cos / sin of this step's positions, once for every layer (CUDA's fused ops need none).
-        fused = self.kernels.triton(h) is not None or self.kernels.sgl_ops(h) is not None
-        rope_at = None if fused else self.rope.at(rope, h.dtype)
+        rope_at = self._rope_at(h, rope)
         for layer in self.layers:
             h_, residual = layer(h_, residual, batch, attn, rope, rope_at)
         assert residual is not None  # set by the first layer
@@ -206,6 +207,11 @@ class LlamaForCausalLM(nn.Module):
             residual = residual[idx]
         h, _ = self.norm.forward_residual(h_, residual)
         return h
+
+    def _rope_at(self, h: torch.Tensor, rope: RopeTable) -> RopeAt | None:
+        """The torch RoPE's cos / sin of this step's positions, once for every layer (CUDA's fused ops need none)."""
+        fused = self.kernels.triton(h) is not None or self.kernels.sgl_ops(h) is not None
+        return None if fused else self.rope.at(rope, h.dtype)
 
     def graph_safe(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a forward makes no host sync there, so CUDA graphs can capture it (MoE experts: the grouped GEMM,
