@@ -43,10 +43,13 @@ class StatePool:
         self.shape, self.num_slots, self.num_snapshots = shape, num_slots, num_snapshots
         self.device = torch.device(device)
         n = num_slots + num_snapshots + 1
-        self.conv = [torch.zeros((n, shape.conv_dim, shape.conv_width), dtype=shape.conv_dtype, device=device)
-                     for _ in range(shape.num_layers)]
-        self.ssm = [torch.zeros((n, shape.num_heads, shape.k_dim, shape.v_dim), dtype=torch.float32, device=device)
-                    for _ in range(shape.num_layers)]
+        # One tensor each across the layers, so that zeroing or copying a slot is one device op; the layers read
+        # their own views.
+        self._conv = torch.zeros((shape.num_layers, n, shape.conv_dim, shape.conv_width), dtype=shape.conv_dtype,
+                                 device=device)
+        self._ssm = torch.zeros((shape.num_layers, n, shape.num_heads, shape.k_dim, shape.v_dim), dtype=torch.float32,
+                                device=device)
+        self.conv, self.ssm = list(self._conv.unbind(0)), list(self._ssm.unbind(0))
         self.scratch = n - 1
         self.slot_of_row = torch.full((max_reqs,), self.scratch, dtype=torch.int64, device=device)
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
@@ -71,9 +74,8 @@ class StatePool:
         if not self._free:
             return None
         slot = self._free.pop()
-        for conv, ssm in zip(self.conv, self.ssm):
-            conv[slot].zero_()
-            ssm[slot].zero_()
+        self._conv[:, slot].zero_()
+        self._ssm[:, slot].zero_()
         self.slot_of_row[req_row] = slot
         return slot
 
@@ -89,6 +91,5 @@ class StatePool:
 
     def copy(self, src: int, dst: int) -> None:
         """Slot `dst` takes slot `src`'s state (every layer's), queued after the steps before it."""
-        for conv, ssm in zip(self.conv, self.ssm):
-            conv[dst].copy_(conv[src])
-            ssm[dst].copy_(ssm[src])
+        self._conv[:, dst].copy_(self._conv[:, src])
+        self._ssm[:, dst].copy_(self._ssm[:, src])

@@ -308,15 +308,14 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     def bind_state(self, pool: StatePool) -> None:
         """The engine's state slots: where each linear layer keeps its requests' states."""
-        for module in self.modules():
-            if isinstance(module, GatedDeltaNet):
-                module.pool = pool
+        self.linear = [m for m in self.modules() if isinstance(m, GatedDeltaNet)]  # commit_verify's, every verify step
+        for module in self.linear:
+            module.pool = pool
 
     def commit_verify(self, accepted: list[int]) -> None:
         """After a verify step: each request's linear-attention states over its first accepted[i] rows."""
-        for module in self.modules():
-            if isinstance(module, GatedDeltaNet):
-                module.commit(accepted)
+        for module in self.linear:
+            module.commit(accepted)
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> set[str]:
         modules = dict(self.named_modules())

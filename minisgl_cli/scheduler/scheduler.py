@@ -470,19 +470,19 @@ class Scheduler:
         out: list[TokenOutput] = []
         emitted = accepted = 0
         row = 0
-        if step.drafts is not None:  # rows kept per request: linear-attention states advance over those only
-            kept = []
+        runs: list[int] = []  # a verify step's drafts accepted, per request
+        if step.drafts is not None:
             for d in step.drafts:
-                kept.append(1 + accepted_run(d, tokens[row : row + len(d)]))
+                runs.append(accepted_run(d, tokens[row : row + len(d)]))
                 row += 1 + len(d)
             row = 0
-            self.engine.commit_verify(kept)
+            self.engine.commit_verify([1 + n for n in runs])  # linear-attention states advance over the kept rows
         for i, (req, produced) in enumerate(zip(step.reqs, step.produces)):
             drafts = step.drafts[i] if step.drafts is not None else []
             first, row = row, row + 1 + len(drafts)
             if not produced or req.done:
                 continue  # a prompt chunk, or the extra token of a request that finished one step earlier
-            n = accepted_run(drafts, tokens[first : first + len(drafts)])
+            n = runs[i] if drafts else 0
             if drafts:
                 req.kv_len -= len(drafts) - n  # rejected drafts: their KV is given back
                 self.cache.rewind(req)
