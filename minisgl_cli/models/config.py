@@ -383,7 +383,7 @@ def _hybrid_fields(arch: str, cfg: dict[str, Any], rope_params: dict[str, Any]) 
     # (Qwen3.5's rope_parameters may carry an M-RoPE section: a text token's three positions are equal, so it
     # turns as plain RoPE does.)
     factor = rope_params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
-    shared = cfg.get("shared_expert_intermediate_size") or 0 if arch not in QWEN3_5_DENSE else 0
+    shared = (cfg.get("shared_expert_intermediate_size") or 0) if arch not in QWEN3_5_DENSE else 0
     return dict(linear_attn=LinearAttnConfig.from_hf(cfg, cfg["num_hidden_layers"]),
                 rotary_dim=int(head_dim * factor), shared_expert_intermediate_size=shared)
 
