@@ -90,6 +90,15 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bet
     return torch.einsum("bhk,bhkv->bhv", q, state), state
 
 
+def _for_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k repeated over their value heads' groups, and all three contiguous: fla's kernels index their inputs as
+    dense [B, T, H, D] (the model's are views of one projection's output, rows strided by its whole width)."""
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=-2), k.repeat_interleave(groups, dim=-2)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             ssm: torch.Tensor, slots: torch.Tensor, lens: list[int]) -> torch.Tensor:
     """An extend step's tokens, request after request (`lens` tokens each, their states in `ssm` [slots, H, K, V]
@@ -98,8 +107,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     groups = v.shape[1] // q.shape[1]
     fla = fla_ops(q)
     if fla is not None:
-        if groups > 1:
-            q, k = q.repeat_interleave(groups, dim=-2), k.repeat_interleave(groups, dim=-2)
+        q, k, v = _for_fla(q, k, v, groups)
         cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long).to(q.device, non_blocking=True)
         o, final = fla.chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype),
                                               initial_state=ssm.index_select(0, slots), output_final_state=True,
@@ -126,8 +134,7 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     groups = v.shape[1] // q.shape[1]
     fla = fla_ops(q)
     if fla is not None:
-        if groups > 1:
-            q, k = q.repeat_interleave(groups, dim=-2), k.repeat_interleave(groups, dim=-2)
+        q, k, v = _for_fla(q, k, v, groups)
         o, final = fla.fused_recurrent_gated_delta_rule(
             q[:, None], k[:, None], v[:, None], g[:, None].float(), beta[:, None].to(q.dtype),
             initial_state=ssm.index_select(0, slots), output_final_state=True, use_qk_l2norm_in_kernel=True)
