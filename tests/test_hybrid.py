@@ -488,14 +488,13 @@ def test_smoke_runs_on_dummy_weights_of_a_tiny_hybrid(hybrid_dirs):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: fla-core's Triton ops and CUDA graphs")
 @pytest.mark.parametrize("path", ["fla", "torch"])
 def test_hybrids_on_cuda_match_transformers(hybrid_dirs, monkeypatch, path):
-    """The CUDA path in the exact mode, decode under CUDA graphs: the gated delta rule through fla-core where it
-    imports (`pip install .[fla]`), else (and in the `torch` case always) the torch reference on the GPU."""
+    """The CUDA path in the exact mode, decode under CUDA graphs: the gated delta rule through the torch reference
+    on the GPU (the default), or fla-core's ops (`pip install .[fla]`, MINISGL_FLA=1)."""
     from minisgl_cli.attention import gated_delta
 
     if path == "fla" and gated_delta._fla() is None:
         pytest.skip("fla-core is not installed")
-    if path == "torch":
-        monkeypatch.setattr(gated_delta, "fla_ops", lambda x: None)
+    monkeypatch.setenv("MINISGL_FLA", "1" if path == "fla" else "0")
     prompts = _prompts()
     params = [SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)] * len(prompts)
     for family in FAMILIES:

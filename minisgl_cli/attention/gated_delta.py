@@ -9,9 +9,9 @@ chunk starts from it and writes it back, so a long prompt cut into chunks by the
 A speculative verify step runs each request's rows in order without writing the state (`verify`); once the scheduler
 knows how many were accepted, `commit` advances the state over those only, so rejected drafts never enter it.
 
-Which path runs where: on CUDA, where flash-linear-attention (`fla-core`, Triton) imports, its
-`chunk_gated_delta_rule` and `fused_recurrent_gated_delta_rule`; elsewhere (the CPU, or CUDA without fla) the torch
-code of this module (and verify steps everywhere). Both normalize q and k in fp32 and keep the states in fp32.
+Which path runs where: the torch code of this module everywhere by default (and verify steps always); on CUDA with
+MINISGL_FLA=1, where flash-linear-attention (`fla-core`, Triton) imports, its `chunk_gated_delta_rule` and
+`fused_recurrent_gated_delta_rule` (opt-in: see `fla_ops`). Both normalize q and k in fp32 and keep the states in fp32.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from minisgl_cli.env import use_fla
 
 CHUNK = 64  # tokens per chunk of the torch prefill
 
@@ -36,8 +38,10 @@ def _fla() -> ModuleType | None:
 
 
 def fla_ops(x: torch.Tensor) -> ModuleType | None:
-    """fla's gated delta rule ops for a CUDA tensor `x` where fla imports, else None (the torch path)."""
-    return _fla() if x.is_cuda else None
+    """fla's gated delta rule ops for a CUDA tensor `x` where MINISGL_FLA=1 asks for them and fla imports, else None
+    (the torch path). Opt-in: on an H200 (fla-core 0.6.0, Triton 3.6) its fused_recurrent kernel hit an illegal
+    memory access in a decode step of 256 rows, and its fp32 kernels did not finish compiling in a minute."""
+    return _fla() if x.is_cuda and use_fla() else None
 
 
 def _normalized(q: torch.Tensor, k: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
