@@ -67,7 +67,7 @@ def step_bytes(engine, context: int) -> int:
     return total
 
 
-def one(name: str, out: str, long: bool) -> None:
+def one(name: str, out: str, long: bool, profile: bool = False) -> None:
     import gpu_bench as gb  # beside this script; imported, its SAMPLED stays empty: greedy rows only
     import torch
 
@@ -77,7 +77,7 @@ def one(name: str, out: str, long: bool) -> None:
         return one_long(name, bw, out)
     e = gb.make_engine(name)  # 300k tokens of KV: the preset's ~290k held at once, the rest for activations
     start = len(gb.ROWS)
-    gb.bench_engine(name, e, True, [(True, True)], [(True, True)], False)
+    gb.bench_engine(name, e, True, [(True, True)], [(True, True)], profile)
     floor = step_bytes(e, 128 + 256) / bw * 1e3  # the 512-token decode's middle context
     for r in gb.ROWS[start:]:
         r["kernels"] = f"{e.attn.name} attention"
@@ -121,22 +121,27 @@ def main() -> None:
     ap.add_argument("--long", default="gemma-3-12b", help="models for the 32k-context window on / off rows ('' none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--timeout", type=int, default=240, help="seconds a model's child may take")
+    ap.add_argument("--profile", default="", help="models whose batch-1 step gets a kernel table (torch.profiler)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--one-long", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one or args.one_long:
-        return one(args.one or args.one_long, args.out, bool(args.one_long))
+        return one(args.one or args.one_long, args.out, bool(args.one_long), args.profile == "yes")
     rows: list[dict] = []
     jobs = [("--one", m) for m in args.models.split(",") if m] + [("--one-long", m) for m in args.long.split(",") if m]
     for flag, m in jobs:
         t0 = time.perf_counter()
         try:
-            p = subprocess.run([sys.executable, __file__, flag, m, "--out", args.out], capture_output=True, text=True,
-                               timeout=args.timeout)
+            prof = ["--profile", "yes"] if m in args.profile.split(",") else []
+            p = subprocess.run([sys.executable, __file__, flag, m, "--out", args.out, *prof], capture_output=True,
+                               text=True, timeout=args.timeout)
             text, rc = p.stdout + p.stderr, p.returncode
         except subprocess.TimeoutExpired as exc:
             text, rc = (exc.stdout or b"").decode() + (exc.stderr or b"").decode(), "timeout"
-        print(text[-4000:] if rc else "\n".join(ln for ln in text.splitlines() if "engine up" in ln), flush=True)
+        if rc or prof:  # the failure, or the profile's kernel tables
+            print(text[-4000:] if rc else text[:12000], flush=True)
+        else:
+            print("\n".join(ln for ln in text.splitlines() if "engine up" in ln), flush=True)
         got = [json.loads(ln[4:]) for ln in text.splitlines() if ln.startswith("ROW ")]
         got = got or [dict(model=m, workload=flag, error=f"exit {rc}")]
         rows += got
