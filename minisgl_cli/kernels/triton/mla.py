@@ -3,9 +3,12 @@
 Each decode row's query is [q_nope W_UK | q_pe] (R + P wide); each cached token of its request is one pool row
 [c | k_pe] (kvcache/pool.py's latent shape), read once for all of the program's heads: the score is
 q_lat . c + q_pe . k_pe, the value c itself, so the output is [B, H, R] in the latent space (W_UV applies after).
-One program a (request, block of heads) walks the request's keys through the page table in tiles with an online
-softmax in base 2 (as kernels/triton/attention.py: scores scaled by scale * log2(e), maxima from a large finite
-negative number). No split over the keys yet: a long context with a small batch leaves SMs idle.
+One program a (request, block of heads, split of the keys) walks its share of the request's keys through the page
+table in tiles with an online softmax in base 2 (as kernels/triton/attention.py: scores scaled by scale * log2(e),
+maxima from a large finite negative number). A small batch leaves most SMs idle with one program a request and head
+block (at batch 1 on an H200: one of 132, the whole context walked serially), so the keys are split: `splits`
+programs a (request, head block), sized from the batch alone (a captured graph's shapes fix it; the context length
+lives on the device), each writing its normalized output and log-sum-exp, and a second kernel merging them.
 """
 
 from __future__ import annotations
@@ -19,14 +22,15 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _mla_decode_kernel(
-    Q, KV, PT, ROWS, LENS, OUT, qk_scale,
-    stride_qb, stride_qh, stride_kv, stride_pt, stride_ob, stride_oh,
+    Q, KV, PT, ROWS, LENS, OUT, LSE, qk_scale,
+    stride_qb, stride_qh, stride_kv, stride_pt, stride_ob, stride_os, stride_oh,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
     hmask = heads < H
@@ -35,12 +39,15 @@ def _mla_decode_kernel(
     q_pe = tl.load(q_rows + R + p[None, :], mask=hmask[:, None] & (p[None, :] < P), other=0.0)
     row = tl.load(ROWS + b)
     n = tl.load(LENS + b)
+    per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N  # this split's keys: whole tiles, the last split short
+    lo = split * per
+    hi = tl.minimum(n, lo + per)
     m = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    for start in range(0, n, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
-        nmask = offs < n
+        nmask = offs < hi
         slots = tl.load(PT + row * stride_pt + offs, mask=nmask, other=0).to(tl.int64)
         kv_rows = KV + slots[:, None] * stride_kv
         c = tl.load(kv_rows + r[None, :], mask=nmask[:, None] & (r[None, :] < R), other=0.0)
@@ -54,27 +61,75 @@ def _mla_decode_kernel(
         denom = denom * alpha + tl.sum(w, 1)
         acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c, input_precision=PRECISION)
         m = m_new
-    out = acc / denom[:, None]
-    tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + r[None, :], out.to(OUT.dtype.element_ty),
-             mask=hmask[:, None] & (r[None, :] < R))
+    out = acc / tl.maximum(denom, 1.0e-30)[:, None]  # an empty split: 0, and a log-sum-exp that weighs nothing
+    o_ptrs = OUT + b * stride_ob + split * stride_os + heads[:, None] * stride_oh + r[None, :]
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=hmask[:, None] & (r[None, :] < R))
+    if SPLITS > 1:
+        lse = tl.where(denom > 0, m + tl.log2(tl.maximum(denom, 1.0e-30)), -1.0e30)
+        tl.store(LSE + (b * SPLITS + split) * H + heads, lse, mask=hmask)
+
+
+@triton.jit
+def _mla_merge_kernel(PART, LSE, OUT, stride_pb, stride_ps, stride_ph, stride_ob, stride_oh,
+                      H: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+    """OUT[b, heads] = the splits' outputs weighted by their share of the softmax's mass (2^(lse - max))."""
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    hmask = heads < H
+    mask = hmask[:, None] & (r[None, :] < R)
+    top = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    for i in range(SPLITS):
+        top = tl.maximum(top, tl.load(LSE + (b * SPLITS + i) * H + heads, mask=hmask, other=-1.0e30))
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    for i in range(SPLITS):
+        w = tl.exp2(tl.load(LSE + (b * SPLITS + i) * H + heads, mask=hmask, other=-1.0e30) - top)
+        part = tl.load(PART + b * stride_pb + i * stride_ps + heads[:, None] * stride_ph + r[None, :], mask=mask,
+                       other=0.0)
+        acc += w[:, None] * part
+        total += w
+    tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + r[None, :],
+             (acc / total[:, None]).to(OUT.dtype.element_ty), mask=mask)
+
+
+def splits_for(bsz: int, heads: int, sms: int = 132) -> int:
+    """Key splits a (request, head block): enough programs to fill the SMs about once, from the batch's shape alone
+    (1 from 8 requests of 16 heads up on an H200's 132 SMs)."""
+    return max(1, min(16, sms // (bsz * triton.cdiv(heads, 16))))
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, req_rows: torch.Tensor,
-               seq_lens: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+               seq_lens: torch.Tensor, kv_lora_rank: int, scale: float, splits: int | None = None) -> torch.Tensor:
     """q [B, H, R + P] (the absorbed queries), kv_cache [slots, 1, R + P] (a layer's latent rows) -> [B, H, R]:
-    softmax(q . row * scale) over each request's seq_lens[b] rows page_table[req_rows[b], :], times their c."""
+    softmax(q . row * scale) over each request's seq_lens[b] rows page_table[req_rows[b], :], times their c.
+    `splits`: key splits a request (default `splits_for` the batch on this device's SM count)."""
     bsz, heads, width = q.shape
     rank, rope = kv_lora_rank, width - kv_lora_rank
     assert kv_cache.shape[1:] == (1, width) and kv_cache.stride(-1) == 1 and q.stride(-1) == 1
-    out = torch.empty((bsz, heads, rank), dtype=q.dtype, device=q.device)
     block_h = 16  # tl.dot's smallest tile: query heads are the rows
     block_r = max(16, triton.next_power_of_2(rank))
     block_n = 16 if block_r >= 512 else 32  # keep the latent tile (BLOCK_N x R) in registers
-    grid = (bsz, triton.cdiv(heads, block_h))
+    if splits is None:
+        # (Triton's interpreter on the CPU runs one program at a time: no split pays there)
+        splits = splits_for(bsz, heads, torch.cuda.get_device_properties(q.device).multi_processor_count) \
+            if q.is_cuda else 1
+    out = torch.empty((bsz, heads, rank), dtype=q.dtype, device=q.device)
+    # one split writes the output itself; more write fp32 parts and their log-sum-exps for the merge
+    part = out[:, None] if splits == 1 else torch.empty((bsz, splits, heads, rank), dtype=torch.float32,
+                                                            device=q.device)
+    lse = part if splits == 1 else torch.empty((bsz, splits, heads), dtype=torch.float32, device=q.device)
+    grid = (bsz, triton.cdiv(heads, block_h), splits)
     _mla_decode_kernel[grid](
-        q, kv_cache, page_table, req_rows, seq_lens, out, scale * _LOG2E,
-        q.stride(0), q.stride(1), kv_cache.stride(0), page_table.stride(0), out.stride(0), out.stride(1),
-        H=heads, R=rank, P=rope, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
-        BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=1,
+        q, kv_cache, page_table, req_rows, seq_lens, part, lse, scale * _LOG2E,
+        q.stride(0), q.stride(1), kv_cache.stride(0), page_table.stride(0), part.stride(0), part.stride(1),
+        part.stride(2), H=heads, R=rank, P=rope, BLOCK_H=block_h, BLOCK_R=block_r,
+        BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_N=block_n, SPLITS=splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=1,
     )
+    if splits > 1:
+        _mla_merge_kernel[(bsz, triton.cdiv(heads, block_h))](
+            part, lse, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
+            H=heads, R=rank, SPLITS=splits, BLOCK_H=block_h, BLOCK_R=block_r, num_warps=4)
     return out
