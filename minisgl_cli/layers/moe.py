@@ -300,7 +300,8 @@ class Experts(nn.Module):
                 self.down_bias.data.copy_(w)
             return
         if name.endswith(("_blocks", "_scales")):
-            raise KeyError(f"checkpoint expert tensor {name!r} is MXFP4, which minisgl does not load yet")
+            raise KeyError(f"checkpoint expert tensor {name!r} is MXFP4 but config.json's quantization_config "
+                           "does not say quant_method mxfp4 (loader/mxfp4.py)")
         raise KeyError(f"checkpoint has an experts tensor {name!r} this layer was built without")
 
     @staticmethod
