@@ -14,7 +14,6 @@ import re
 import pytest
 import torch
 from conftest import save_checkpoint
-from serve_process import Serve
 
 from minisgl_cli import harmony
 from minisgl_cli.harmony import HarmonyParser, Parsed
@@ -165,20 +164,27 @@ def scripted_oss(out, tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def server(oss_dir, tmp_path_factory):
-    s = Serve(oss_dir, tmp_path_factory.mktemp("harmony-serve"), "--dtype", "float32", "--quantization", "none",
-              "--reasoning-parser", "auto")
+def server_url(oss_dir):
+    """A real uvicorn server on the scripted gpt-oss (its engine in this process: no child start-up to pay for),
+    `--reasoning-parser auto`, which picks harmony for it."""
+    from commands.common import EngineOptions
+
+    from minisgl_cli.api.http_server import BackgroundServer
+    from minisgl_cli.server.app import ServerSettings, create_app
+
+    client = EngineOptions.from_params(dict(model=str(oss_dir), dtype="float32", quantization="none",
+                                            max_total_tokens=2048), processes=False).client()
     try:
-        s.wait_healthy()
-        yield s
+        with BackgroundServer(create_app(client, ServerSettings(reasoning_parser="auto"))) as url:
+            yield url
     finally:
-        s.stop()
+        client.close()
 
 
-def test_chat_completions_split_harmony_channels_whole_and_streamed(server):
+def test_chat_completions_split_harmony_channels_whole_and_streamed(server_url):
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{server.url}/v1", api_key="x")
+    client = OpenAI(base_url=f"{server_url}/v1", api_key="x")
     chat = [{"role": "user", "content": "Hi"}]
     r = client.chat.completions.create(model="default", messages=chat, max_tokens=40, reasoning_effort="low")
     m = r.choices[0].message
@@ -192,10 +198,10 @@ def test_chat_completions_split_harmony_channels_whole_and_streamed(server):
     assert (thoughts, content) == ("Thinking hard", "Hello there")
 
 
-def test_tool_calls_come_from_the_commentary_channel_whole_and_streamed(server):
+def test_tool_calls_come_from_the_commentary_channel_whole_and_streamed(server_url):
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{server.url}/v1", api_key="x")
+    client = OpenAI(base_url=f"{server_url}/v1", api_key="x")
     chat = [{"role": "user", "content": "Weather in Paris?"}]
     r = client.chat.completions.create(model="default", messages=chat, tools=TOOLS, max_tokens=60)
     choice = r.choices[0]
