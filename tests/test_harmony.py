@@ -24,7 +24,8 @@ TOOLS = [{"type": "function", "function": {
         "city": {"type": "string", "description": "The city's name"},
         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"},
         "days": {"type": "array", "items": {"type": "integer"}}}}}}]
-ANSWER = "<|channel|>analysis<|message|>Thinking hard<|end|><|start|>assistant<|channel|>final<|message|>Hello there<|return|>"
+ANSWER = ("<|channel|>analysis<|message|>Thinking hard<|end|><|start|>assistant<|channel|>final<|message|>Hello there"
+          "<|return|>")
 CALL = ("<|channel|>analysis<|message|>Thinking hard<|end|><|start|>assistant<|channel|>commentary "
         'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
 
@@ -61,13 +62,14 @@ def test_prompt_renders_system_developer_tools_and_turns():
                  "tool_calls": [{"id": "c1", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'}]
     text = harmony.render(messages, TOOLS, {"reasoning_effort": "xhigh"})
-    assert re.fullmatch(
-        r"<\|start\|>system<\|message\|>You are ChatGPT, a large language model trained by OpenAI\.\n"
-        r"Knowledge cutoff: 2024-06\nCurrent date: \d{4}-\d\d-\d\d\n\nReasoning: high\n\n", text[:200].split("# Valid")[0])
-    assert text.split("\n\n# Valid", 1)[1] == (
-        " channels: analysis, commentary, final. Channel must be included for every message.\n"
+    head, rest = text.split("# Valid channels", 1)
+    assert re.fullmatch(r"<\|start\|>system<\|message\|>You are ChatGPT, a large language model trained by OpenAI\.\n"
+                        r"Knowledge cutoff: 2024-06\nCurrent date: \d{4}-\d\d-\d\d\n\nReasoning: high\n\n", head)
+    assert rest == (
+        ": analysis, commentary, final. Channel must be included for every message.\n"
         "Calls to these tools must go to the commentary channel: 'functions'.<|end|>"
-        "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n## functions\n\nnamespace functions {\n\n"
+        "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n"
+        "# Tools\n\n## functions\n\nnamespace functions {\n\n"
         "// Get the weather for a city\ntype get_weather = (_: {\n// The city's name\ncity: string,\n"
         'unit?: "celsius" | "fahrenheit", // default: celsius\ndays?: number[],\n}) => any;\n\n'
         "} // namespace functions<|end|>"
@@ -168,7 +170,6 @@ def server_url(oss_dir):
     """A real uvicorn server on the scripted gpt-oss (its engine in this process: no child start-up to pay for),
     `--reasoning-parser auto`, which picks harmony for it."""
     from commands.common import EngineOptions
-
     from minisgl_cli.api.http_server import BackgroundServer
     from minisgl_cli.server.app import ServerSettings, create_app
 
