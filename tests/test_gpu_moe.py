@@ -176,6 +176,39 @@ def test_fp8_experts_match_their_dequantized_weights(T):
     _close(got, want)
 
 
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.skipif(NO_FP8, reason="FP8: 8.9+"))])
+def test_gpt_oss_experts_biases_and_clamped_swiglu_match_the_torch_path(T, fp8):
+    """gpt-oss's experts (a bias on each projection, the clamped SwiGLU) on the aligned and the few-token path,
+    against layers/moe.py's torch path on the same (dequantized) weights, gpt-oss's routing (top-k, then softmax)."""
+    from minisgl_cli.layers.kernel_choice import Kernels
+    from minisgl_cli.layers.moe import SwiGLU, fused_experts, route
+
+    n_exp, top_k, hidden, inter = 8, 2, 64, 48
+    gate_up, down = _weights(n_exp, hidden, inter, seed=7)
+    g = torch.Generator().manual_seed(8)
+    gate_up, down = gate_up * 4, down * 4  # past the clamp's limit: both clamps cut some values
+    biases = (torch.randn(n_exp, 2 * inter, generator=g), torch.randn(n_exp, hidden, generator=g))
+    act = SwiGLU(limit=1.5, alpha=1.702)
+    if fp8:
+        (gu, gs), (dn, ds) = (_fp8_rows(w) for w in (gate_up, down))
+        gate_up, down = gu.float() * gs[..., None], dn.float() * ds[..., None]
+        weights_kw = dict(gate_up=gu.to(DEV), down=dn.to(DEV), gate_up_scale=gs.to(DEV), down_scale=ds.to(DEV))
+    else:
+        weights_kw = dict(gate_up=gate_up.to(DEV, DTYPE), down=down.to(DEV, DTYPE))
+    swiglu = T.SwiGLUExperts(biases[0].to(DEV, DTYPE), biases[1].to(DEV, DTYPE), act.limit, act.alpha)
+    for n_tok in (3, 6):  # the few-token path, then the aligned one (FP8: w8a16 both, below W8A8_MIN_TOKENS)
+        x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
+        logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)
+        weights, ids = route(logits, top_k, True, topk_first=True)
+        want = fused_experts(x.float().cpu(), gate_up.to(DTYPE).float(), down.to(DTYPE).float(), weights.cpu(),
+                             ids.cpu(), Kernels(), grouped=False, act_fn=act,
+                             biases=(biases[0].to(DTYPE).float(), biases[1].to(DTYPE).float()))
+        got = T.routed_experts(x, logits, **weights_kw, top_k=top_k, renormalize=True, swiglu=swiglu)
+        _close(got.cpu(), want)
+        plain = T.routed_experts(x, logits, **weights_kw, top_k=top_k, renormalize=True)
+        assert (plain.cpu().float() - want).abs().max() > 0.1, "the biases and activation changed nothing"
+
+
 def _fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes with an fp32 scale per output row, as --quantization fp8 stores an expert matrix."""
     s = w.abs().amax(-1) / 448.0

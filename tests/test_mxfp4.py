@@ -105,3 +105,31 @@ def test_malformed_mxfp4_experts_are_refused_by_name(oss_dirs, tmp_path, edit, m
     bad = mxfp4_checkpoint(oss_dirs[0], tmp_path / "bad", edit)
     with pytest.raises(ModelLoadError, match=message):
         Engine(EngineConfig(model=str(bad), **EXACT))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs CUDA with FP8 (compute capability 8.9+)")
+def test_mxfp4_experts_kept_as_fp8_on_cuda_take_the_fused_kernels_and_answer_as_the_torch_path(oss_dirs):
+    """What keeps them compact on a GPU: --quantization fp8 stores the dequantized experts as e4m3 rows (the sparse
+    layers between the dense edge ones); the fused Triton experts (biases, clamped SwiGLU) give the greedy ids of the
+    torch path's simulation of them (the fused ops off), cold and cached."""
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.kernels.fp8 import FP8
+
+    engine = Engine(EngineConfig(model=str(oss_dirs[1]), device="cuda", dtype="bfloat16", quantization="fp8"))
+    assert [layer.mlp.experts.gate_up_proj.dtype == FP8 for layer in engine.model.layers] == [False, True, True, False]
+    del engine
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    answers = []
+    for fused_off in (False, True):
+        with LLM(str(oss_dirs[1]), device="cuda", dtype="bfloat16", quantization="fp8",
+                 disable_fused_ops=fused_off) as llm:
+            cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+            cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+            llm.client.check_pages()
+        assert cold == cached
+        answers.append(cold)
+    assert answers[0] == answers[1]

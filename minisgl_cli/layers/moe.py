@@ -21,8 +21,9 @@ its FUSED_MAX_TOKENS, and at every size for FP8 experts or where torch's grouped
 graph-safe there too.
 
 gpt-oss's experts (`SwiGLU`): a bias after each projection and the clamped SwiGLU in place of SiLU-and-mul, its
-gate's bias, and its routing (a softmax over the k largest logits); they take the torch paths (the fused Triton
-experts have neither biases nor that activation yet), the grouped GEMM on CUDA, so decode stays graph-safe.
+gate's bias, and its routing (a softmax over the k largest logits); 16-bit ones take the torch paths, the grouped
+GEMM on CUDA, so decode stays graph-safe; FP8 ones (--quantization fp8: what keeps an MXFP4 checkpoint's experts
+compact on the GPU) the fused Triton experts, which take the biases and the activation (`SwiGLUExperts`).
 
 DeepSeek's blocks (`GroupedRouting`, layers/routing.py): the router's logits in fp32 from an fp32 gate, sigmoid or
 softmax scores, grouped top-k with V3's correction bias for the choice only, the routed scaling factor
@@ -35,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -392,6 +394,13 @@ class MoE(nn.Module):
         self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8, copies, bias=swiglu is not None)
         self.shared_experts = shared_experts
 
+    def _swiglu_experts(self, ops: ModuleType) -> Any:
+        """gpt-oss's biases and activation as the Triton experts take them (None for SiLU experts)."""
+        e, s = self.experts, self.swiglu
+        if s is None or e.gate_up_bias is None or e.down_bias is None:
+            return None
+        return ops.SwiGLUExperts(e.gate_up_bias, e.down_bias, s.limit, s.alpha)
+
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         return False  # the experts take 16-bit activations (FP8 experts too): the norm before them writes plain rows
 
@@ -399,10 +408,12 @@ class MoE(nn.Module):
         """`decode`: a decode step's rows, which take the experts' int4 / int8 copies where they have them."""
         assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
         e = self.experts
-        ops = triton_experts(x, self.kernels, e.fp8) if self.swiglu is None and self.routing is None else None
+        fused = self.routing is None and (self.swiglu is None or e.fp8)
+        ops = triton_experts(x, self.kernels, e.fp8) if fused else None
         if ops is not None:  # one rank: the choices' terms left for the next norm to sum (layers/norm.py)
             y = ops.moe_routed(x, self.gate(x), e.gate_up_proj, e.down_proj, self.top_k, self.renormalize,
-                               e.gate_up_scale, e.down_scale, self.kernels.pdl, terms=True)
+                               e.gate_up_scale, e.down_scale, self.kernels.pdl, terms=True,
+                               swiglu=self._swiglu_experts(ops))
             return Terms(y) if self.tp.size == 1 else all_reduce(y.sum(dim=1), self.tp)
         if self.routing is not None:
             logits = F.linear(x.float(), self.gate.weight.float())  # fp32, as transformers' DeepSeek routers
