@@ -223,3 +223,13 @@ def test_tool_calls_come_from_the_commentary_channel_whole_and_streamed(server_u
                                   tools=[{"type": "function", **TOOLS[0]["function"]}]).output
     assert [item.type for item in out] == ["reasoning", "function_call"]
     assert out[1].name == "get_weather" and json.loads(out[1].arguments) == {"city": "Paris"}
+    # and Anthropic's Messages: a thinking block, then the tool_use
+    import anthropic
+
+    msg = anthropic.Anthropic(base_url=server_url, api_key="x", max_retries=0).messages.create(
+        model="default", max_tokens=60, messages=[{"role": "user", "content": "Weather in Paris?"}],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        tools=[{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}])
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "input", None)) for b in msg.content] == \
+        [("thinking", "Thinking hard"), ("tool_use", {"city": "Paris"})]
+    assert msg.stop_reason == "tool_use"
