@@ -24,7 +24,7 @@ from typing import Any
 START, END, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"
 RETURN, CALL, ENDOFTEXT = "<|return|>", "<|call|>", "<|endoftext|>"
 MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
-_ENDS = (END, RETURN, CALL, ENDOFTEXT)  # what ends a message's text
+_ENDS = (END, RETURN, CALL, ENDOFTEXT, START)  # what ends a message's text (a <|start|>: one the model left open)
 
 # OpenAI's reasoning efforts onto harmony's three (gpt-oss always thinks: none / minimal think least)
 EFFORTS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
@@ -217,7 +217,7 @@ class HarmonyParser:
                 at, marker = min(ends)
                 self._text(self.held[:at], out)
                 self._close(out)
-                self.held, self.state = self.held[at + len(marker):], "between"
+                self.held, self.state = self.held[at + (0 if marker == START else len(marker)):], "between"
 
     def finish(self) -> Parsed:
         """What is still held once the reply has ended: a message cut short keeps what it said (a tool call only if

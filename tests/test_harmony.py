@@ -46,6 +46,7 @@ def _streamed(text: str, pieces: list[str]) -> Parsed:
     ('<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant to=functions.f<|channel|>commentary json'
      '<|message|>{}<|call|>', Parsed("", "Let me look.", [("f", "{}")])),
     ('{"city": "Paris"}', Parsed("", '{"city": "Paris"}')),  # no marker first: a grammar forced it, all content
+    ("<|channel|>analysis<|message|>a<|start|>assistant<|channel|>final<|message|>b", Parsed("a", "b")),  # left open
     ("<|channel|>analysis<|message|>cut sh", Parsed("cut sh", "")),  # max_tokens: thoughts cut short stay thoughts
     ('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": ', Parsed()),  # a call cut short: none
 ])
