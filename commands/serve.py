@@ -45,7 +45,8 @@ def serve(
     served_model_name: Annotated[Optional[str], server("--served-model-name",
         help="Model id in /v1/models and responses (default: the engine's).")] = None,
     reasoning_parser: Annotated[str, server("--reasoning-parser", envvar="MINISGL_REASONING_PARSER",
-        help="auto, qwen3, deepseek-r1 or none: split <think> thoughts from replies (reasoning_content in chat, "
+        help="auto, qwen3, deepseek-r1, harmony or none: split thoughts (<think>, or gpt-oss's harmony analysis "
+        "channel, whose commentary channel also gives the tool calls) from replies (reasoning_content in chat, "
         "thinking blocks in /v1/messages; auto: by the model's family).")] = "none",
     warm_prefixes: Annotated[Optional[str], server("--warm-prefixes", envvar="WARM_PREFIXES",
         help="'|'-separated prefixes prefilled into the radix cache at start.")] = None,

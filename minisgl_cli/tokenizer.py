@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
+from minisgl_cli import harmony
 from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.messages import DecodedPiece, TokenOutput
 from minisgl_cli.types import GenerateRequest, SamplingParams, TokenLogprob, TopLogprob
@@ -50,6 +51,8 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
         # Templates that render `tools` themselves (Qwen2.5/3, Llama 3.1); others get the Hermes prompt below.
         self.template_takes_tools = "tools" in (getattr(self.hf, "chat_template", None) or "")
+        # gpt-oss's vocabulary: its chats are rendered in the harmony format (harmony.py), whatever template ships
+        self.harmony = harmony.is_harmony(self.hf.get_vocab())
         self._token_text: dict[int, str] = {}
 
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
@@ -67,6 +70,9 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        if self.harmony:
+            return self.hf.encode(harmony.render(messages, tools, template_kwargs, add_generation_prompt),
+                                  add_special_tokens=False)
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; send a plain prompt instead")
         if not self.template_takes_tools:

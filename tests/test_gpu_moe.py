@@ -176,6 +176,39 @@ def test_fp8_experts_match_their_dequantized_weights(T):
     _close(got, want)
 
 
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.skipif(NO_FP8, reason="FP8: 8.9+"))])
+def test_gpt_oss_experts_biases_and_clamped_swiglu_match_the_torch_path(T, fp8):
+    """gpt-oss's experts (a bias on each projection, the clamped SwiGLU) on the aligned and the few-token path,
+    against layers/moe.py's torch path on the same (dequantized) weights, gpt-oss's routing (top-k, then softmax)."""
+    from minisgl_cli.layers.kernel_choice import Kernels
+    from minisgl_cli.layers.moe import SwiGLU, fused_experts, route
+
+    n_exp, top_k, hidden, inter = 8, 2, 64, 48
+    gate_up, down = _weights(n_exp, hidden, inter, seed=7)
+    g = torch.Generator().manual_seed(8)
+    gate_up, down = gate_up * 4, down * 4  # past the clamp's limit: both clamps cut some values
+    biases = (torch.randn(n_exp, 2 * inter, generator=g), torch.randn(n_exp, hidden, generator=g))
+    act = SwiGLU(limit=1.5, alpha=1.702)
+    if fp8:
+        (gu, gs), (dn, ds) = (_fp8_rows(w) for w in (gate_up, down))
+        gate_up, down = gu.float() * gs[..., None], dn.float() * ds[..., None]
+        weights_kw = dict(gate_up=gu.to(DEV), down=dn.to(DEV), gate_up_scale=gs.to(DEV), down_scale=ds.to(DEV))
+    else:
+        weights_kw = dict(gate_up=gate_up.to(DEV, DTYPE), down=down.to(DEV, DTYPE))
+    swiglu = T.SwiGLUExperts(biases[0].to(DEV, DTYPE), biases[1].to(DEV, DTYPE), act.limit, act.alpha)
+    for n_tok in (3, 6):  # the few-token path, then the aligned one (FP8: w8a16 both, below W8A8_MIN_TOKENS)
+        x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
+        logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)
+        weights, ids = route(logits, top_k, True, topk_first=True)
+        want = fused_experts(x.float().cpu(), gate_up.to(DTYPE).float(), down.to(DTYPE).float(), weights.cpu(),
+                             ids.cpu(), Kernels(), grouped=False, act_fn=act,
+                             biases=(biases[0].to(DTYPE).float(), biases[1].to(DTYPE).float()))
+        got = T.routed_experts(x, logits, **weights_kw, top_k=top_k, renormalize=True, swiglu=swiglu)
+        _close(got.cpu(), want)
+        plain = T.routed_experts(x, logits, **weights_kw, top_k=top_k, renormalize=True)
+        assert (plain.cpu().float() - want).abs().max() > 0.1, "the biases and activation changed nothing"
+
+
 def _fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes with an fp32 scale per output row, as --quantization fp8 stores an expert matrix."""
     s = w.abs().amax(-1) / 448.0
@@ -324,43 +357,6 @@ def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok, fp8)
         _close(got, want, tol=1e-1)
     else:
         _close(fused[clear], torch_path[clear])
-
-
-def _swiglu_reference(x, gate_up, down, biases, weights, ids, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's experts in fp32, one (token, choice) at a time: biases after each projection, the clamped SwiGLU."""
-    x, gate_up, down = x.float(), gate_up.float(), down.float()
-    b_gu, b_d = (b.float() for b in biases)
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
-            gate, up = (gate_up[e] @ x[t] + b_gu[e]).chunk(2)
-            gate = gate.clamp(max=limit)
-            h = gate * torch.sigmoid(alpha * gate) * (up.clamp(-limit, limit) + 1)
-            out[t] += w * (down[e] @ h + b_d[e])
-    return out
-
-
-@pytest.mark.parametrize("n_tok", [1, 3, 40])
-def test_gpt_oss_experts_take_their_biases_and_swiglu_on_both_paths(T, n_tok):
-    """gpt-oss's experts on the fused kernels (`ExpertAct`): the few-token path routing itself and the aligned path
-    against the fp32 reference on the renormalized softmax top-k (which is gpt-oss's softmax over its k largest
-    logits); a small limit clamps many gate / up values, so the clamps are exercised."""
-    from minisgl_cli.layers.moe import route
-
-    n_exp, top_k, hidden, inter, alpha, limit = 8, 2, 64, 47, 1.702, 0.7
-    gate_up, down = (w.to(DEV, DTYPE) for w in _weights(n_exp, hidden, inter, seed=7 + n_tok))
-    g = torch.Generator().manual_seed(n_tok)
-    biases = ((torch.randn(n_exp, 2 * inter, generator=g) * 0.3).to(DEV, DTYPE),
-              (torch.randn(n_exp, hidden, generator=g) * 0.3).to(DEV, DTYPE))
-    x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
-    logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)
-    act = T.ExpertAct(*biases, alpha, limit)
-    weights, ids = route(logits, top_k, False, topk_first=True)  # gpt-oss's own routing
-    want = _swiglu_reference(x, gate_up, down, biases, weights, ids, alpha, limit)
-    _close(T.routed_experts(x, logits, gate_up, down, top_k, True, act=act), want)
-    _close(T.fused_experts(x, gate_up, down, weights, ids, act=act), want)
-    plain = T.fused_experts(x, gate_up, down, weights, ids)  # the control: without them the answer moves
-    assert (plain.float() - want).abs().max() > 0.1 * want.abs().max()
 
 
 def test_deepseek_routing_runs_through_the_fused_experts(T):

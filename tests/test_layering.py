@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("dispatch policies", ["minisgl_cli.dispatch"]),  # which replica takes a request (the pool and the router)
     ("vision prompts", ["minisgl_cli.vision.processor"]),  # a VLM's image prompts: chat template, HF processor
     ("tokenizer", ["minisgl_cli.tokenizer"]),
+    ("chat formats", ["minisgl_cli.harmony"]),  # gpt-oss's harmony: its prompt written, its replies read
     ("scheduler", ["minisgl_cli.scheduler"]),
     ("cpu step builder", ["minisgl_cli.cpu_step.build"]),  # the child process that compiles the CPU step
     ("engine", ["minisgl_cli.engine"]),

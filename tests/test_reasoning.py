@@ -66,9 +66,11 @@ def test_auto_reads_the_family(tmp_path):
     assert resolve_parser("auto", str(tmp_path)) == "qwen3"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert resolve_parser("auto", str(tmp_path)) is None
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    assert resolve_parser("auto", str(tmp_path)) == "harmony"
     assert resolve_parser("deepseek-r1", None) == "deepseek-r1" and resolve_parser("none", str(tmp_path)) is None
     with pytest.raises(ValueError, match="reasoning-parser"):
-        resolve_parser("harmony", None)
+        resolve_parser("mistral", None)
 
 
 def test_chat_stream_sends_thoughts_as_reasoning_content():

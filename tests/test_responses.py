@@ -151,8 +151,11 @@ def test_reasoning_effort_is_the_templates_thinking_switch():
                                                   **({"reasoning": {"effort": effort}} if effort else {})})
         return to_chat(body, [{"role": "user", "content": ASK}], "qwen3").chat_template_kwargs
 
-    assert kwargs("minimal") == kwargs("none") == {"enable_thinking": False}
-    assert kwargs("low") == kwargs("high") == {"enable_thinking": True}
+    # the effort itself goes along too: harmony's templates (gpt-oss) take it as it is
+    assert kwargs("minimal") == {"reasoning_effort": "minimal", "enable_thinking": False}
+    assert kwargs("none") == {"reasoning_effort": "none", "enable_thinking": False}
+    assert kwargs("low") == {"reasoning_effort": "low", "enable_thinking": True}
+    assert kwargs("high") == {"reasoning_effort": "high", "enable_thinking": True}
     assert kwargs(None) is None  # the template's default
     with pytest.raises(InputError, match="reasoning.effort"):
         kwargs("extreme")
@@ -168,8 +171,8 @@ def test_chat_completions_reasoning_effort_is_the_same_switch(server_url):
                                                      "reasoning_effort": effort,
                                                      "chat_template_kwargs": extra}).chat_template_kwargs
 
-    assert kwargs("minimal", {"x": 1}) == {"x": 1, "enable_thinking": False} and kwargs("high") == {
-        "enable_thinking": True}
+    assert kwargs("minimal", {"x": 1}) == {"x": 1, "reasoning_effort": "minimal", "enable_thinking": False}
+    assert kwargs("high") == {"reasoning_effort": "high", "enable_thinking": True}
     c = oai(server_url)
     with pytest.raises(openai.BadRequestError, match="reasoning-parser"):
         c.chat.completions.create(model="default", messages=[{"role": "user", "content": ASK}], max_tokens=2,

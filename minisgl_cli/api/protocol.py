@@ -330,6 +330,8 @@ class AssistantMessage(_Message):
 
     def as_template_dict(self) -> dict[str, Any]:
         out = super().as_template_dict()
+        if self.reasoning_content:  # the name gpt-oss's template (and harmony.render) reads earlier thoughts from
+            out["thinking"] = self.reasoning_content
         if self.tool_calls:
             # Templates (Qwen, Llama 3.1) render arguments as a mapping: hand them the parsed JSON.
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
@@ -405,7 +407,8 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=16, description=(
         "Extension (vLLM, sglang): extra variables for the chat template, e.g. {\"enable_thinking\": false}."))
     reasoning_effort: str | None = Field(None, description=(
-        "With --reasoning-parser: none / minimal turn the template's thinking off, low .. xhigh on (enable_thinking)."))
+        "With --reasoning-parser: none / minimal turn the template's thinking off, low .. xhigh on (enable_thinking); "
+        "harmony (gpt-oss): the system message's `Reasoning:` low / medium / high (none, minimal: low; xhigh: high)."))
 
     @model_validator(mode="before")
     @classmethod
@@ -422,8 +425,8 @@ class ChatCompletionRequest(_Sampling):
         names = {t.function.name for t in self.tools or []}
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
-        if self.reasoning_effort is not None:
-            self.chat_template_kwargs = {**(self.chat_template_kwargs or {}),
+        if self.reasoning_effort is not None:  # the switch of Qwen3's templates, the effort itself for harmony's
+            self.chat_template_kwargs = {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort,
                                          "enable_thinking": thinks_at(self.reasoning_effort)}
         return self
 

@@ -35,10 +35,11 @@ from minisgl_cli.kvcache.state import StatePool
 from minisgl_cli.layers import cpu_gemm
 from minisgl_cli.layers.kernel_choice import Kernels, load_sgl_kernel
 from minisgl_cli.layers.quant import METHODS
+from minisgl_cli.loader import mxfp4
 from minisgl_cli.loader.blocks import blocks_file, iter_blocks, native_quantization
 from minisgl_cli.loader.configs import builtin_config
 from minisgl_cli.loader.errors import ModelLoadError
-from minisgl_cli.loader.hf import iter_safetensors, read_hf_config
+from minisgl_cli.loader.hf import Weight, iter_safetensors, read_hf_config
 from minisgl_cli.models import ModelConfig, create_model
 from minisgl_cli.models.dummy import dummy_checkpoint
 from minisgl_cli.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -168,7 +169,12 @@ class Engine:
             self.model.load_weights(iter_blocks(blocks))  # the GGUF's blocks as shipped, no fp32 round trip
         else:
             assert model_dir is not None  # _locate gives a dir for every source but built-in dummies
-            self.model.load_weights(iter_safetensors(model_dir))
+            weights: Iterable[tuple[str, Weight]] = iter_safetensors(model_dir)
+            if mxfp4.is_mxfp4(hf_cfg):  # gpt-oss's experts as shipped: dequantized as they stream in
+                e, h, i = mc.num_experts, mc.hidden_size, mc.moe_intermediate_size
+                weights = mxfp4.dequantized(weights, self.dtype, self.device,
+                                            {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}, model_dir)
+            self.model.load_weights(weights)
 
         # A linear-attention model's state slots come first (kvcache/state.py): the KV pool takes what is left.
         self.state = self._state_pool() if mc.linear_attn is not None else None

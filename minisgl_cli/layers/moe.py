@@ -22,7 +22,8 @@ graph-safe there too.
 
 gpt-oss's experts (`SwiGLU`): a bias after each projection and the clamped SwiGLU in place of SiLU-and-mul, its
 gate's bias, and its routing (a softmax over the k largest logits, which is the softmax top-k renormalized); on the
-fused Triton path the kernels add the biases and apply that activation (kernels/triton/moe.py `ExpertAct`).
+fused Triton path (16-bit experts and FP8 ones: --quantization fp8 keeps an MXFP4 checkpoint's experts compact on
+the GPU) the kernels add the biases and apply that activation (kernels/triton/moe.py `SwiGLUExperts`).
 
 DeepSeek's blocks (`GroupedRouting`, layers/routing.py): the router's logits in fp32 from an fp32 gate, sigmoid or
 softmax scores, grouped top-k with V3's correction bias for the choice only, the routed scaling factor
@@ -35,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -300,7 +302,8 @@ class Experts(nn.Module):
                 self.down_bias.data.copy_(w)
             return
         if name.endswith(("_blocks", "_scales")):
-            raise KeyError(f"checkpoint expert tensor {name!r} is MXFP4, which minisgl does not load yet")
+            raise KeyError(f"checkpoint expert tensor {name!r} is MXFP4 but config.json's quantization_config "
+                           "does not say quant_method mxfp4 (loader/mxfp4.py)")
         raise KeyError(f"checkpoint has an experts tensor {name!r} this layer was built without")
 
     @staticmethod
@@ -391,6 +394,13 @@ class MoE(nn.Module):
         self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8, copies, bias=swiglu is not None)
         self.shared_experts = shared_experts
 
+    def _swiglu_experts(self, ops: ModuleType) -> Any:
+        """gpt-oss's biases and activation as the Triton experts take them (None for SiLU experts)."""
+        e, s = self.experts, self.swiglu
+        if s is None or e.gate_up_bias is None or e.down_bias is None:
+            return None
+        return ops.SwiGLUExperts(e.gate_up_bias, e.down_bias, s.limit, s.alpha)
+
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         return False  # the experts take 16-bit activations (FP8 experts too): the norm before them writes plain rows
 
@@ -399,10 +409,6 @@ class MoE(nn.Module):
         assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
         e = self.experts
         ops = triton_experts(x, self.kernels, e.fp8)
-        act = None
-        if ops is not None and self.swiglu is not None:
-            assert e.gate_up_bias is not None and e.down_bias is not None, "gpt-oss's experts carry biases"
-            act = ops.MoeAct(e.gate_up_bias, e.down_bias, self.swiglu.alpha, self.swiglu.limit)
         if self.routing is not None:
             logits = F.linear(x.float(), self.gate.weight.float())  # fp32, as transformers' DeepSeek routers
             weights, ids = route_grouped(logits, self.top_k, self.routing, self.gate.e_score_correction_bias)
@@ -414,7 +420,7 @@ class MoE(nn.Module):
             # gpt-oss's softmax over its k largest logits is the renormalized softmax top-k
             y = ops.moe_routed(x, self.gate(x), e.gate_up_proj, e.down_proj, self.top_k,
                                self.renormalize or self.swiglu is not None, e.gate_up_scale, e.down_scale,
-                               self.kernels.pdl, terms=True, act=act)
+                               self.kernels.pdl, terms=True, swiglu=self._swiglu_experts(ops))
             return Terms(y) if self.tp.size == 1 else all_reduce(y.sum(dim=1), self.tp)
         else:
             weights, ids = route(self.gate(x), self.top_k, self.renormalize, topk_first=self.swiglu is not None)

@@ -13,8 +13,8 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 
-# gpt-oss (bf16 experts: MXFP4 loading is not there yet): 128-position windows on every other layer, a sink per head,
-# experts of 2880 with biases (4 per token); 20b and 120b differ in depth and expert count.
+# gpt-oss (the hub's MXFP4 experts load dequantized: loader/mxfp4.py): 128-position windows on every other layer, a
+# sink per head, experts of 2880 with biases (4 per token); 20b and 120b differ in depth and expert count.
 _GPT_OSS = {
     "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
     "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_experts_per_tok": 4,

@@ -433,9 +433,6 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The MoE fields of an HF config (none for dense architectures). Qwen3-MoE's checkpoints say num_experts,
     transformers 5 writes num_local_experts (Mixtral's name) for both; Mixtral's experts use intermediate_size."""
     if arch == "GptOssForCausalLM":
-        if (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4":
-            raise ValueError("this gpt-oss checkpoint ships its experts in MXFP4, which minisgl does not load yet: "
-                             "use a bf16 copy (its experts dequantized)")
         return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
                     swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),

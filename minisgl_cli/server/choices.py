@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from minisgl_cli.server import tools
-from minisgl_cli.server.reasoning import ReasoningSplit
+from minisgl_cli.server.reasoning import HarmonySplit, ReasoningSplit
 from minisgl_cli.types import Delta, TokenLogprob
 
 
@@ -16,13 +16,17 @@ class ChoiceStream:
     """One streamed chat choice: its deltas as chunk contents (text, tool-call pieces, logprobs, the end)."""
 
     def __init__(self, how: str | None, names: set[str], parallel: bool | None, token_only: bool = False,
-                 split: ReasoningSplit | None = None):
+                 split: ReasoningSplit | HarmonySplit | None = None):
         self.how, self.parallel = how, parallel
         self.split = split  # with a reasoning parser: the thoughts go out as reasoning_content, apart
+        # harmony's `auto` calls come whole from its commentary channel (the split's), each as soon as it ends
+        self.harmony = isinstance(split, HarmonySplit) and how == "auto"
+        self.called = 0  # calls sent
         # Without a tokenizer every delta is token ids only: each is sent (empty content) so that clients can
         # time the tokens. With one, text-less deltas (the EOS token, UTF-8 held back) send nothing.
         self.token_only = token_only
-        self.auto = tools.AutoStream(names) if how == "auto" else None
+        self.names = names
+        self.auto = tools.AutoStream(names) if how == "auto" and not self.harmony else None
         self.held = ""  # a `required` reply: parsed once whole
         self.logprobs: list[TokenLogprob] = []  # not yet sent (their text is held back)
         self.named_id: str | None = None
@@ -39,7 +43,10 @@ class ChoiceStream:
             if thoughts:
                 out.append({"reasoning_content": thoughts})
             d = replace(d, text=text)
-        if self.how is None:
+            if self.harmony and isinstance(self.split, HarmonySplit):
+                calls = tools.harmony_calls(self.split.take_calls(), self.names, self.parallel)
+                calls = calls[: max(0, 1 - self.called)] if self.parallel is False else calls
+        if self.how is None or self.harmony:
             if d.text or (self.token_only and d.token_ids and not d.finish_reason):
                 out.append({"content": d.text})
         elif self.how.startswith("named:"):  # the text is the arguments: stream them as they come
@@ -67,10 +74,11 @@ class ChoiceStream:
                     out.append({"content": self.held})
         if calls:
             out.append({"tool_calls": [
-                {"index": j, **c.to_tool_call().model_dump()} for j, c in enumerate(calls)]})
+                {"index": self.called + j, **c.to_tool_call().model_dump()} for j, c in enumerate(calls)]})
+            self.called += len(calls)
         if d.finish_reason:
             named = self.named_id is not None
-            reason = "tool_calls" if (calls or named) and d.finish_reason == "stop" else d.finish_reason
+            reason = "tool_calls" if (self.called or named) and d.finish_reason == "stop" else d.finish_reason
             out.append({"finish_reason": reason})
         if self.logprobs and out:
             out[0]["logprobs"] = self.logprobs

@@ -28,7 +28,7 @@ from minisgl_cli.server.deadline import Deadline
 from minisgl_cli.server.errors import InputError, admission_error, coded_error
 from minisgl_cli.server.gate import InflightGate
 from minisgl_cli.server.metrics import ServerMetrics
-from minisgl_cli.server.reasoning import ReasoningSplit, resolve_parser
+from minisgl_cli.server.reasoning import HarmonySplit, ReasoningSplit, new_split, resolve_parser
 from minisgl_cli.server.runs import EngineRun
 from minisgl_cli.server.settings import ServerSettings, VisionSettings
 from minisgl_cli.types import Delta, GenerateRequest, Prompt, SchedulerStats, new_request_id
@@ -75,15 +75,18 @@ class ChatRun:
     reasoning: str | None
     model: str
 
-    def split(self) -> ReasoningSplit | None:
+    def split(self) -> ReasoningSplit | HarmonySplit | None:
         """A new split of one reply's thoughts from its content (None without a parser)."""
-        return ReasoningSplit(self.reasoning) if self.reasoning else None
+        return new_split(self.reasoning) if self.reasoning else None
 
     def reply(self, text: str, parallel: bool | None) -> tuple[str | None, str | None, list[tools.Call]]:
         """A whole reply (a non-streamed choice) as (thoughts or None, content, tool calls): the thoughts split off
-        first, then the calls parsed from the content only."""
+        first, then the calls parsed from the content only (harmony's `auto` calls: its commentary channel's)."""
         split = self.split()
         thoughts, text = split.split(text) if split else (None, text)
+        if isinstance(split, HarmonySplit) and self.how == "auto":
+            calls = tools.harmony_calls(split.take_calls(), self.names, parallel)
+            return thoughts, text if text or not calls else None, calls
         content, calls = tools.parse(self.how, text, self.names, parallel) if self.how else (text, [])
         return thoughts, content, calls
 
@@ -243,6 +246,8 @@ class ServerContext:
         # Not streamed: the text is needed only at the end, decoded once there (stream_text), not token by token.
         extra = dict(logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, stream_text=bool(body.stream),
                      **structured)
+        if self.reasoning == "harmony":  # its channel markers are special tokens: the parser reads them in the text
+            extra["skip_special_tokens"] = False
         vocab = self.client.info.vocab_size
         reqs = [GenerateRequest(tokenized=prompt, params=body.sampling_params(max_new, i, vocab, extra),
                                 rid=new_request_id(rid_prefix), prompt_param="messages")

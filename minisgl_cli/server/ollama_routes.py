@@ -86,6 +86,8 @@ def to_chat(body: o.ChatRequest | o.GenerateRequest, messages: list[o.Message], 
             raise InputError("think: this server runs no reasoning parser for its model (--reasoning-parser)",
                              "think")
         chat["chat_template_kwargs"] = {"enable_thinking": body.think is not False}
+        if isinstance(body.think, str):  # gpt-oss's levels: harmony's reasoning effort
+            chat["chat_template_kwargs"]["reasoning_effort"] = body.think
     try:
         return p.ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
     except ValidationError as exc:

@@ -1,4 +1,5 @@
-"""Reasoning parsers: a reply's `<think>…</think>` thoughts split from its content, whole or as it streams.
+"""Reasoning parsers: a reply's thoughts (`<think>…</think>`, or harmony's analysis channel) split from its content,
+whole or as it streams.
 
 `--reasoning-parser` picks one (`auto`: by the model's family, from its config.json `model_type`):
 
@@ -6,6 +7,9 @@
   `enable_thinking: false` the template closes it in the prompt and the reply is all content);
 - `deepseek-r1`: the reply starts inside the thoughts (R1's template opens `<think>` in the prompt; a `<think>` the
   model writes anyway is dropped), until `</think>`;
+- `harmony` (gpt-oss; `auto` picks it): the reply's harmony channels (minisgl_cli/harmony.py), its markers kept in
+  the text (the request decodes special tokens): `analysis` is the thoughts, `final` (and `commentary` meant for the
+  user) the content, and `commentary` messages to `functions.NAME` are tool calls, taken apart here (`HarmonySplit`);
 - `none`: no split.
 
 The split holds back text that may be the start of a marker, so a marker cut across deltas never leaks into either
@@ -17,9 +21,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-PARSERS = ("auto", "qwen3", "deepseek-r1", "none")
+from minisgl_cli.harmony import HarmonyParser, Parsed
+
+PARSERS = ("auto", "qwen3", "deepseek-r1", "harmony", "none")
 START, END = "<think>", "</think>"
-_FAMILIES = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3", "deepseek_v3": "deepseek-r1"}
+_FAMILIES = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3", "deepseek_v3": "deepseek-r1",
+             "gpt_oss": "harmony"}
 
 
 def resolve_parser(name: str, model_dir: str | None) -> str | None:
@@ -96,3 +103,37 @@ class ReasoningSplit:
         r1, c1 = self.feed(text)
         r2, c2 = self.finish()
         return (r1 + r2 if self.reasoned else None), c1 + c2
+
+
+class HarmonySplit:
+    """ReasoningSplit's verbs over a harmony reply; the tool calls its commentary channel made wait in `calls` until
+    the caller takes them (`take_calls`)."""
+
+    reasoned = True
+
+    def __init__(self) -> None:
+        self.parser = HarmonyParser()
+        self.calls: list[tuple[str, str]] = []  # (name, JSON arguments), not yet taken
+
+    def _out(self, parsed: Parsed) -> tuple[str, str]:
+        self.calls += parsed.calls
+        return parsed.reasoning, parsed.content
+
+    def feed(self, text: str) -> tuple[str, str]:
+        return self._out(self.parser.feed(text))
+
+    def finish(self) -> tuple[str, str]:
+        return self._out(self.parser.finish())
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        reasoning, content = self._out(self.parser.parse(text))
+        return reasoning or None, content
+
+    def take_calls(self) -> list[tuple[str, str]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def new_split(parser: str) -> ReasoningSplit | HarmonySplit:
+    """A split of one reply for the parser `resolve_parser` gave."""
+    return HarmonySplit() if parser == "harmony" else ReasoningSplit(parser)

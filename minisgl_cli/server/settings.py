@@ -42,4 +42,4 @@ class ServerSettings:
     vision: VisionSettings | None = None  # image_url parts in chat (server/vlm_chat.py)
     web: bool = True  # the page at / and /metrics/live (server/web.py); --no-web turns them off
     extra_model_aliases: tuple[str, ...] = field(default=("default",))
-    reasoning_parser: str = "none"  # --reasoning-parser: auto, qwen3, deepseek-r1, none (server/reasoning.py)
+    reasoning_parser: str = "none"  # --reasoning-parser: auto, qwen3, deepseek-r1, harmony, none (server/reasoning.py)

@@ -5,7 +5,8 @@ no tools get Qwen2.5's Hermes prompt). What comes back depends on `tool_choice`:
 
 - `auto`: free text, parsed for calls in the formats of the families we serve: Hermes `<tool_call>{...}
   </tool_call>` (Qwen2 / Qwen3, and our prompt for other templates) and Llama 3.1's bare JSON
-  (`{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several joined by `;`).
+  (`{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several joined by `;`); gpt-oss's
+  come from its harmony commentary channel (`to=functions.NAME`), which the harmony parser reads (`harmony_calls`).
 - `required`: the grammar forces a JSON array of `{"name", "arguments"}` calls, each one of the tools with
   arguments following its schema (one call at most with `parallel_tool_calls: false`).
 - a named function: the grammar forces that function's arguments object; the whole output is the arguments.
@@ -117,6 +118,13 @@ def parse_required(text: str) -> list[Call]:
         return []  # cut short (finish_reason length)
     return [Call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in items
             if isinstance(c, dict) and "name" in c and "arguments" in c]
+
+
+def harmony_calls(found: list[tuple[str, str]], names: set[str], parallel: bool | None) -> list[Call]:
+    """The calls of a harmony reply's commentary channel, (name, JSON arguments) as the parser found them: those to
+    the request's tools, with arguments that are a JSON object."""
+    calls = [c for c in (_call({"name": name, "arguments": args}, names) for name, args in found) if c is not None]
+    return calls[:1] if parallel is False else calls
 
 
 def parse(mode: str, text: str, names: set[str], parallel: bool | None) -> tuple[str | None, list[Call]]:

@@ -1,0 +1,135 @@
+"""gpt-oss checkpoints with MXFP4 experts, loaded as shipped: a tiny gpt-oss whose stacked experts are packed as
+the real checkpoints pack them (`*_blocks` uint8 e2m1 pairs, `*_scales` e8m0 per 32 values) gives greedy ids equal
+to transformers fp32 loading the same directory (which dequantizes it); malformed pairs are refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import make_tiny_checkpoint
+from safetensors.torch import load_file, save_file
+from test_hf_parity import EXACT, hf_greedy
+
+from minisgl_cli import LLM, SamplingParams
+from minisgl_cli.loader.errors import ModelLoadError
+
+N_NEW = 16
+_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, rows, cols] -> (blocks [E, rows, cols / 32, 16], scales [E, rows, cols / 32]): each block's power of two
+    the smallest that fits its largest value under 6, each value rounded to the nearest e2m1 code."""
+    e, rows, cols = w.shape
+    groups = w.float().reshape(e, rows, cols // 32, 32)
+    exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -100) / 6.0)).to(torch.int32)
+    scaled = groups / torch.pow(2.0, exp.float())[..., None]
+    code = (scaled.abs()[..., None] - _MAGNITUDES).abs().argmin(-1) | ((scaled < 0).long() << 3)
+    code = code.to(torch.uint8)
+    return code[..., 0::2] | (code[..., 1::2] << 4), (exp + 127).to(torch.uint8)
+
+
+def mxfp4_checkpoint(src, out, edit=None):
+    """`src` (a bf16 gpt-oss checkpoint) with its experts MXFP4-packed as the hub's gpt-oss checkpoints are, and its
+    config saying so; `edit(tensors)` changes the tensors before they are saved."""
+    shutil.copytree(src, out)
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.endswith(_EXPERTS):  # [E, cols, rows] -> packed along cols
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = pack_mxfp4(t.transpose(1, 2))
+        else:
+            tensors[name] = t
+    if edit is not None:
+        edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def oss_dirs(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("mxfp4")
+    # hidden 64, intermediate 32: two and one 32-value blocks per row; windows of 8, sinks, 4 experts
+    bf16 = make_tiny_checkpoint("gpt_oss", root / "bf16", tokenizer_dir, sliding_window=8, num_hidden_layers=4,
+                                num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, swiglu_limit=1.5,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 16})
+    # experts 4x the init's scale, so that their rounding to MXFP4 changes the answers (the test can tell)
+    weights = load_file(str(bf16 / "model.safetensors"))
+    save_file({k: v * 4 if k.endswith(_EXPERTS) else v for k, v in weights.items()}, str(bf16 / "model.safetensors"),
+              metadata={"format": "pt"})
+    return bf16, mxfp4_checkpoint(bf16, root / "mxfp4")
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 11, 19, 30)]
+
+
+def test_mxfp4_experts_load_as_shipped_and_match_transformers(oss_dirs):
+    bf16, packed = oss_dirs
+    prompts = _prompts()
+    theirs = hf_greedy(packed, prompts, N_NEW)  # transformers dequantizes the packed experts on the CPU
+    assert len({tuple(t) for t in theirs}) > 1, "degenerate tiny model: outputs do not depend on the prompt"
+    assert theirs != hf_greedy(bf16, prompts, N_NEW), "packing changed nothing: the test could not tell"
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    with LLM(str(packed), attention_backend="torch", **EXACT) as llm:
+        ours = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        llm.client.check_pages()
+    assert ours == theirs
+
+
+def _malformed(tensors):
+    name = "model.layers.1.mlp.experts.down_proj_blocks"
+    tensors[name] = tensors[name].reshape(4, 64, 16)  # each row's bytes without their block dimension
+
+
+def _unpaired(tensors):
+    del tensors["model.layers.0.mlp.experts.gate_up_proj_scales"]
+
+
+@pytest.mark.parametrize("edit,message", [(_malformed, r"layers\.1\.mlp\.experts\.down_proj: blocks .*\[4, 64, 16\]"),
+                                          (_unpaired, r"layers\.0\.mlp\.experts\.gate_up_proj_scales missing")])
+def test_malformed_mxfp4_experts_are_refused_by_name(oss_dirs, tmp_path, edit, message):
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+
+    bad = mxfp4_checkpoint(oss_dirs[0], tmp_path / "bad", edit)
+    with pytest.raises(ModelLoadError, match=message):
+        Engine(EngineConfig(model=str(bad), **EXACT))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs CUDA with FP8 (compute capability 8.9+)")
+def test_mxfp4_experts_kept_as_fp8_on_cuda_take_the_fused_kernels_and_answer_as_the_torch_path(oss_dirs):
+    """What keeps them compact on a GPU: --quantization fp8 stores the dequantized experts as e4m3 rows (the sparse
+    layers between the dense edge ones); the fused Triton experts (biases, clamped SwiGLU) give the greedy ids of the
+    torch path's simulation of them (the fused ops off), cold and cached."""
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.kernels.fp8 import FP8
+
+    engine = Engine(EngineConfig(model=str(oss_dirs[1]), device="cuda", dtype="bfloat16", quantization="fp8"))
+    assert [layer.mlp.experts.gate_up_proj.dtype == FP8 for layer in engine.model.layers] == [False, True, True, False]
+    del engine
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    answers = []
+    for fused_off in (False, True):
+        with LLM(str(oss_dirs[1]), device="cuda", dtype="bfloat16", quantization="fp8",
+                 disable_fused_ops=fused_off) as llm:
+            cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+            cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+            llm.client.check_pages()
+        assert cold == cached
+        answers.append(cold)
+    assert answers[0] == answers[1]
