@@ -6,6 +6,11 @@ q_lat . c + q_pe . k_pe, the value c itself, so the output is [B, H, R] in the l
 One program a (request, block of heads) walks the request's keys through the page table in tiles with an online
 softmax in base 2 (as kernels/triton/attention.py: scores scaled by scale * log2(e), maxima from a large finite
 negative number). No split over the keys yet: a long context with a small batch leaves SMs idle.
+
+FP8 latent rows (`KV_FP8`: e4m3 codes of row - mean, one fp32 scale a layer, kvcache/pool.py) are widened to the
+query's dtype on load (exact: every e4m3 value is a bf16 / fp32 one) and the scale and mean stay out of the tiles, as
+kernels/triton/attention.py does for MHA: the scale joins the logits' scalar, the mean's q . mean shifts every logit of
+a row alike (left out), and the output is scale * sum(p code) + mean (sum(p) = 1) over the latent columns.
 """
 
 from __future__ import annotations
@@ -14,16 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl_cli.kernels.fp8 import KVQuant
+
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _mla_decode_kernel(
-    Q, KV, PT, ROWS, LENS, OUT, qk_scale,
+    Q, KV, PT, ROWS, LENS, OUT, K_SCALE, K_MEAN, qk_scale,
     stride_qb, stride_qh, stride_kv, stride_pt, stride_ob, stride_oh,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -35,6 +42,8 @@ def _mla_decode_kernel(
     q_pe = tl.load(q_rows + R + p[None, :], mask=hmask[:, None] & (p[None, :] < P), other=0.0)
     row = tl.load(ROWS + b)
     n = tl.load(LENS + b)
+    if KV_FP8:  # the layer's one scale joins the logits' scalar (see the module docstring)
+        qk_scale = qk_scale * tl.load(K_SCALE)
     m = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
@@ -45,6 +54,9 @@ def _mla_decode_kernel(
         kv_rows = KV + slots[:, None] * stride_kv
         c = tl.load(kv_rows + r[None, :], mask=nmask[:, None] & (r[None, :] < R), other=0.0)
         k_pe = tl.load(kv_rows + R + p[None, :], mask=nmask[:, None] & (p[None, :] < P), other=0.0)
+        if KV_FP8:  # codes widened as they load
+            c = c.to(q_lat.dtype)
+            k_pe = k_pe.to(q_pe.dtype)
         s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
         s += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
         s = tl.where(nmask[None, :], s * qk_scale, -1.0e30)
@@ -55,14 +67,17 @@ def _mla_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c, input_precision=PRECISION)
         m = m_new
     out = acc / denom[:, None]
+    if KV_FP8:
+        out = out * tl.load(K_SCALE) + tl.load(K_MEAN + r, mask=r < R, other=0.0)[None, :]
     tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + r[None, :], out.to(OUT.dtype.element_ty),
              mask=hmask[:, None] & (r[None, :] < R))
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, req_rows: torch.Tensor,
-               seq_lens: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+               seq_lens: torch.Tensor, kv_lora_rank: int, scale: float, quant: KVQuant | None = None) -> torch.Tensor:
     """q [B, H, R + P] (the absorbed queries), kv_cache [slots, 1, R + P] (a layer's latent rows) -> [B, H, R]:
-    softmax(q . row * scale) over each request's seq_lens[b] rows page_table[req_rows[b], :], times their c."""
+    softmax(q . row * scale) over each request's seq_lens[b] rows page_table[req_rows[b], :], times their c.
+    quant: an FP8 pool's scale and means of this layer (its K's: kernels/fp8.py), the rows its e4m3 codes."""
     bsz, heads, width = q.shape
     rank, rope = kv_lora_rank, width - kv_lora_rank
     assert kv_cache.shape[1:] == (1, width) and kv_cache.stride(-1) == 1 and q.stride(-1) == 1
@@ -71,10 +86,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     block_r = max(16, triton.next_power_of_2(rank))
     block_n = 16 if block_r >= 512 else 32  # keep the latent tile (BLOCK_N x R) in registers
     grid = (bsz, triton.cdiv(heads, block_h))
+    fp8 = (quant.k_scale, quant.k_mean) if quant is not None else (q, q)  # placeholders, never read
     _mla_decode_kernel[grid](
-        q, kv_cache, page_table, req_rows, seq_lens, out, scale * _LOG2E,
+        q, kv_cache, page_table, req_rows, seq_lens, out, *fp8, scale * _LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), page_table.stride(0), out.stride(0), out.stride(1),
         H=heads, R=rank, P=rope, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
-        BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=1,
+        BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=quant is not None,
+        num_warps=4, num_stages=1,
     )
     return out
