@@ -4,7 +4,8 @@ correction, sigmoid routing with the correction bias and grouped top-k (V3), sof
 shared experts, dense first layers -- cold, cached, chunked, with a long shared prefix, two copies of one prompt at
 once (n = 2) and at TP 2; the absorbed decode against the expanded one; each feature switched off makes the answers
 differ; the latent KV cache's bytes against an MHA cache of the same width, from the engine's own accounting; and the
-FP8 latent cache (`--kv-cache-dtype fp8_e4m3`) against the fp32 one, teacher-forced."""
+FP8 latent cache (`--kv-cache-dtype fp8_e4m3`) against the fp32 one, teacher-forced; a checkpoint in DeepSeek's
+block-wise FP8 form (e4m3 weights, a scale per block) loaded as shipped."""
 
 from __future__ import annotations
 
@@ -277,6 +278,110 @@ def test_latent_cache_holds_no_v_half_and_32k_tokens_cost_what_it_says(deepseek_
     assert mha.num_pages == int(0.01 * 2**30) // (per_token["mha"] * 16)
 
 
+_BLOCK = (16, 32)  # the tiny config's FP8 blocks (DeepSeek ships 128 x 128): rows and columns with partial blocks
+
+
+@pytest.fixture(scope="module")
+def block_fp8_dirs(deepseek_dirs, tmp_path_factory) -> dict[str, Path]:
+    """The v3 checkpoint as DeepSeek ships its FP8 one: every decoder linear's `weight` in e4m3 blocks of _BLOCK with
+    its `weight_scale_inv` (the router, norms, embeddings and LM head as they were), quantization_config saying so;
+    and the same weights dequantized to fp32 in a plain checkpoint, for transformers."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from minisgl_cli.loader.blocks import quantize_fp8_blocks
+
+    root = tmp_path_factory.mktemp("block_fp8")
+    dirs = {kind: root / kind for kind in ("fp8", "dequantized")}
+    for d in dirs.values():
+        shutil.copytree(deepseek_dirs["v3"], d)
+    fp8, dense = {}, {}
+    for name, w in load_file(str(deepseek_dirs["v3"] / "model.safetensors")).items():
+        if w.dim() == 2 and name.startswith("model.layers.") and not name.endswith(".mlp.gate.weight"):
+            blocks = quantize_fp8_blocks(w, _BLOCK)
+            fp8[name], fp8[f"{name}_scale_inv"] = blocks.q, blocks.scale_inv
+            dense[name] = blocks.dequantize()
+        else:
+            fp8[name] = dense[name] = w
+    save_file(fp8, str(dirs["fp8"] / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dense, str(dirs["dequantized"] / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dirs["fp8"] / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(_BLOCK)}
+    (dirs["fp8"] / "config.json").write_text(json.dumps(cfg))
+    return dirs
+
+
+def test_block_fp8_checkpoint_loads_and_answers_as_transformers_on_its_dequantized_weights(block_fp8_dirs, theirs):
+    """On the CPU the e4m3 blocks are dequantized at load (fp32 here): greedy ids equal transformers fp32 running the
+    dequantized weights, token for token, cold and cached; they are not the unquantized model's answers."""
+    want = hf_greedy(block_fp8_dirs["dequantized"], _prompts(), N_NEW)
+    cold, cached = _ours(block_fp8_dirs["fp8"], _prompts())
+    assert cold == cached == want
+    assert want != theirs["v3"]  # the blocks' rounding shows: the scales were applied to the right blocks
+
+
+def test_fp8_blocks_cut_reorder_and_dequantize_by_their_blocks():
+    """loader/blocks.py's Fp8Blocks: a shard of rows or columns starting on a block keeps its codes and its scales'
+    rows / columns (a partial last block too); one off the blocks comes dequantized; rows reordered within their
+    blocks stay blocks. layers/quant.py's fp8-block method holds them as shipped and multiplies as its kernel does
+    (kernels/fp8.py's per-token-group activations), here by its fp32 reference path."""
+    from minisgl_cli.kernels import fp8 as fp8_numerics
+    from minisgl_cli.layers.linear import ColumnParallelLinear
+    from minisgl_cli.layers.quant import Fp8BlockMethod
+    from minisgl_cli.loader.blocks import Fp8Blocks, quantize_fp8_blocks
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 72, generator=g)
+    b = quantize_fp8_blocks(w, _BLOCK)
+    assert b.q.dtype == torch.float8_e4m3fn and b.scale_inv.shape == (3, 3)
+    assert (b.dequantize() - w).abs().max() <= w.abs().max() / 16
+    rows, cols = b.narrow(0, 16, 24), b.narrow(1, 32, 40)
+    assert isinstance(rows, Fp8Blocks) and isinstance(cols, Fp8Blocks)
+    torch.testing.assert_close(rows.dequantize(), b.dequantize()[16:], rtol=0, atol=0)
+    torch.testing.assert_close(cols.dequantize(), b.dequantize()[:, 32:], rtol=0, atol=0)
+    off = b.narrow(0, 8, 16)
+    assert not isinstance(off, Fp8Blocks) and torch.equal(off, b.dequantize()[8:24])
+    within = torch.arange(40).view(-1, 8).flip(-1).reshape(-1)  # each run of 8 rows reversed: inside its 16-row block
+    assert isinstance(b.take_rows(within), Fp8Blocks)
+    torch.testing.assert_close(b.take_rows(within).dequantize(), b.dequantize()[within], rtol=0, atol=0)
+    across = torch.arange(40).roll(8)
+    assert torch.equal(b.take_rows(across), b.dequantize()[across])
+
+    layer = ColumnParallelLinear(72, [32, 8], bias=False, method=Fp8BlockMethod(_BLOCK))  # merged: rows 0..31, 32..39
+    layer.load_shard("weight", b.narrow(0, 0, 32), 0)
+    layer.load_shard("weight", b.narrow(0, 32, 8), 1)
+    assert layer.weight.dtype == torch.float8_e4m3fn and torch.equal(layer.weight_scale_inv, b.scale_inv)
+    x = torch.randn(5, 72, generator=g)
+    codes, scales = fp8_numerics.quantize_groups(x, _BLOCK[1])
+    want = fp8_numerics.dequantize_groups(codes, scales, _BLOCK[1]) @ b.dequantize().T
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs CUDA 8.9+: the block-wise FP8 GEMM")
+def test_block_fp8_checkpoint_on_cuda_keeps_its_blocks(block_fp8_dirs):
+    """On an FP8 GPU auto keeps the blocks as shipped (e4m3 weights, kernels/triton/fp8_block.py's GEMM with the
+    activations per token group): teacher-forced against the dequantized weights on the CPU, the logits within 6% and
+    the greedy choice the same at 85% of positions (what FP8 activations cost the tiny model)."""
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+
+    gpu = Engine(EngineConfig(model=str(block_fp8_dirs["fp8"]), device="cuda", dtype="float32", max_total_tokens=256))
+    cpu = Engine(EngineConfig(model=str(block_fp8_dirs["fp8"]), max_total_tokens=256, **EXACT))
+    assert gpu.quantization == "fp8-block" and cpu.quantization == "none"
+    attn = gpu.model.layers[0].self_attn
+    assert attn.q_a_proj.weight.dtype == torch.float8_e4m3fn and attn.kv_b_proj.weight.dtype == torch.float32
+    rel, same = [], []
+    for prompt in _prompts():
+        exact, fp8 = (_teacher_forced_logits(e, prompt, len(prompt)).cpu() for e in (cpu, gpu))
+        rel.append((fp8 - exact).norm(dim=-1) / exact.norm(dim=-1))
+        same.append(fp8.argmax(-1) == exact.argmax(-1))
+    assert torch.cat(rel).mean().item() <= 0.06 and torch.cat(same).float().mean().item() >= 0.85
+
+
 def _teacher_forced_logits(engine, ids: list[int], prompt_len: int) -> torch.Tensor:
     """Logits [len(ids), vocab] fp32 of every position of `ids` through the engine's own paths: the first
     `prompt_len` in prefill chunks of 8 (each chunk reading the earlier ones from the pool), the rest one decode step
@@ -287,13 +392,13 @@ def _teacher_forced_logits(engine, ids: list[int], prompt_len: int) -> torch.Ten
     row, pages = pool.alloc_req_row(), pool.alloc_pages(-(-n // pool.page_size))
     assert row is not None and pages is not None
     slots = pool.slots_of_pages(pages)[:n]
-    pool.page_table[row, :n] = slots.to(torch.int32)
+    pool.page_table[row, :n] = slots.to(pool.device, torch.int32)
     steps = [(s, min(s + 8, prompt_len)) for s in range(0, prompt_len, 8)] + [(p, p + 1) for p in range(prompt_len, n)]
     outs = []
     for start, end in steps:
         batch = ForwardBatch.build("prefill" if start < prompt_len else "decode", ids[start:end], [row], [start],
-                                   [end - start], slots[start:end], "cpu", engine.host)
-        batch.logits_indices = torch.arange(end - start)
+                                   [end - start], slots[start:end], engine.device, engine.host)
+        batch.logits_indices = torch.arange(end - start, device=engine.device)
         outs.append(engine.forward(batch).float())
     pool.free_pages(pages)
     pool.free_req_row(row)
@@ -411,9 +516,8 @@ def test_what_is_not_supported_is_refused_by_name(deepseek_dirs, tmp_path):
     fp8 = tmp_path / "fp8"
     shutil.copytree(deepseek_dirs["v3"], fp8)
     cfg = json.loads((fp8 / "config.json").read_text())
-    (fp8 / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8",
-                                                                                "weight_block_size": [128, 128]}}))
-    with pytest.raises(Exception, match="block-wise FP8"):
+    (fp8 / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(Exception, match="only block-wise FP8 weights"):  # per-tensor / per-channel scales
         Engine(EngineConfig(model=str(fp8), **EXACT))
 
 
