@@ -112,3 +112,28 @@ def test_graph_metadata_pads_rows_and_keeps_the_real_rows_answers():
     graphed = mla_decode(padded, pool.k[0], pool.page_table, static.req_rows, static.seq_lens, rank, 0.13)
     plain = mla_decode(q, pool.k[0], pool.page_table, batch.req_rows, batch.seq_lens, rank, 0.13)
     torch.testing.assert_close(graphed[: len(LENS)], plain, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_fp8_pool_reaches_the_kernel_through_the_backend():
+    """MlaBackend's absorbed decode over an FP8 latent pool: through the kernel (the layer's scale and means handed
+    to it) as through torch's decode over the dequantized rows."""
+    patch_interpreter()
+    heads, rank, rope, dn, dv = 4, 32, 8, 16, 12
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    pool, batch, _ = _case(heads, rank, rope, dtype, kv_dtype=torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(5)
+    kv_b = (torch.randn(heads, dn + dv, rank, generator=g) / rank**0.5).to(DEV, dtype)
+
+    class Weights:
+        w_uk, w_uv = kv_b[:, :dn], kv_b[:, dn:]
+
+    q_nope, q_pe = (torch.randn(len(LENS), heads, d, generator=g).to(DEV, dtype) for d in (dn, rope))
+    outs = []
+    for kernel in (True, False):
+        backend = MlaBackend(pool, heads, rank, rope, 0.13, triton_decode=kernel)
+        backend.prepare(batch)
+        outs.append(backend._absorbed(q_nope, q_pe, 0, batch.attn_meta, Weights()))
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), **tol)
