@@ -364,8 +364,9 @@ def test_fp8_blocks_cut_reorder_and_dequantize_by_their_blocks():
                     reason="needs CUDA 8.9+: the block-wise FP8 GEMM")
 def test_block_fp8_checkpoint_on_cuda_keeps_its_blocks(block_fp8_dirs):
     """On an FP8 GPU auto keeps the blocks as shipped (e4m3 weights, kernels/triton/fp8_block.py's GEMM with the
-    activations per token group): teacher-forced against the dequantized weights on the CPU, the logits within 6% and
-    the greedy choice the same at 85% of positions (what FP8 activations cost the tiny model)."""
+    activations per token group): teacher-forced against the dequantized weights on the CPU (prefill chunks, then
+    decode steps), the logits within 9% and the greedy choice the same at 80% of positions: what FP8 activations cost
+    this tiny model (the method's fp32 reference path, the kernel's numbers, measured 6.3% and 86% on the CPU)."""
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.engine.engine import Engine
 
@@ -376,10 +377,11 @@ def test_block_fp8_checkpoint_on_cuda_keeps_its_blocks(block_fp8_dirs):
     assert attn.q_a_proj.weight.dtype == torch.float8_e4m3fn and attn.kv_b_proj.weight.dtype == torch.float32
     rel, same = [], []
     for prompt in _prompts():
-        exact, fp8 = (_teacher_forced_logits(e, prompt, len(prompt)).cpu() for e in (cpu, gpu))
+        # the last 4 tokens as decode steps: one-row linears (the shared experts' SiLU-and-mul included)
+        exact, fp8 = (_teacher_forced_logits(e, prompt, len(prompt) - 4).cpu() for e in (cpu, gpu))
         rel.append((fp8 - exact).norm(dim=-1) / exact.norm(dim=-1))
         same.append(fp8.argmax(-1) == exact.argmax(-1))
-    assert torch.cat(rel).mean().item() <= 0.06 and torch.cat(same).float().mean().item() >= 0.85
+    assert torch.cat(rel).mean().item() <= 0.09 and torch.cat(same).float().mean().item() >= 0.8
 
 
 def _teacher_forced_logits(engine, ids: list[int], prompt_len: int) -> torch.Tensor:

@@ -476,6 +476,10 @@ class Fp8BlockMethod(LinearMethod):
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y + bias if bias is not None else y
 
+    def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        # not the dense method's one-row GEMV: that one knows no block scales
+        return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None, decode)
+
 
 METHODS: dict[str, type[LinearMethod]] = {"none": LinearMethod, "int4": Int4Method, "int8": Int8Method,
                                            "fp8": Fp8Method, "fp8-block": Fp8BlockMethod}
