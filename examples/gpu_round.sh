@@ -18,6 +18,9 @@
 #   models.log     (e) examples/gpu_bench.py --fp8 moe,llama,mixtral: Qwen3-30B-A3B bf16 / FP8 weights beside
 #                      Llama-3.1-8B's dtypes, Mixtral-8x7B FP8 (greedy)
 #   vlm.log        (v) examples/bench_vlm.py gpu: Qwen2.5-VL-7B dummy, 64 image chats through serve, shared image too
+#   families.log   (w) examples/families_gpu.py: MLA, hybrid, sliding-window families' batch-1 / preset rows against
+#                      their bytes, a 32k decode with the windows on and off (FAMILY_ARGS adds to its arguments)
+#   media_prof.log (z) examples/media_profile.py: Z-Image 1024² kernel classes, compiled, bf16 and FP8
 #   summary.txt    the parts' status and each table
 #
 #   OUT=/tmp/round bash examples/gpu_round.sh
@@ -87,6 +90,14 @@ want e && part "(e) MoE models beside Llama-8B" 480 200 "$OUT/models.log" \
 want v && part "(v) image chats on Qwen2.5-VL-7B" 240 100 "$OUT/vlm.log" \
   $PY examples/bench_vlm.py gpu --out "$WORK/vlm"
 
+# (w) ~60 s a model, its own child each
+want w && part "(w) new families against their bytes" 600 120 "$OUT/families.log" \
+  $PY examples/families_gpu.py --out "$WORK" $FAMILY_ARGS
+
+# (z) ~150 s: the 6B DiT built twice, a cold compile each
+want z && part "(z) Z-Image kernel profile" 300 150 "$OUT/media_prof.log" \
+  $PY examples/media_profile.py --variants compile,compile+fp8 --out "$WORK/media_prof" $MEDIA_PROF_ARGS
+
 {
   cat "$WORK/machine.txt"
   echo; echo "== parts (budget ${BUDGET}s, used $(( $(date +%s) - T0 ))s)"
@@ -106,7 +117,8 @@ want v && part "(v) image chats on Qwen2.5-VL-7B" 240 100 "$OUT/vlm.log" \
       || echo "(not run)"
   done
   echo; echo "== vlm"; tail -12 "$OUT/vlm.log" 2>/dev/null || echo "(not run)"
+  echo; echo "== families"; sed -n '/^==== families/,$p' "$OUT/families.log" 2>/dev/null || echo "(not run)"
 } > "$OUT/summary.txt"
 cp "$WORK"/moe_decode/moe_bench.json "$OUT"/moe_decode.json 2>/dev/null
-cp "$WORK"/sampling/*.json "$WORK"/moe/*.json "$WORK"/vlm/*.json "$OUT"/ 2>/dev/null
+cp "$WORK"/sampling/*.json "$WORK"/moe/*.json "$WORK"/vlm/*.json "$WORK"/families.json "$OUT"/ 2>/dev/null
 echo; cat "$OUT/summary.txt"

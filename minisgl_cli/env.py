@@ -88,6 +88,12 @@ def profile_steps() -> tuple[int, int]:
     return _number("MINISGL_PROFILE_SKIP", int, 50), _number("MINISGL_PROFILE_STEPS", int, 20)
 
 
+def use_fla() -> bool:
+    """MINISGL_FLA: run a linear-attention hybrid's gated delta rule on CUDA through fla-core's Triton ops (the `fla`
+    extra) instead of the torch reference; off by default until it runs clean here (attention/gated_delta.py)."""
+    return flag("MINISGL_FLA")
+
+
 def cpu_gemm() -> str:
     """MINISGL_CPU_GEMM: the CPU GEMM policy (auto, invariant, mkl, fp16; see layers/cpu_gemm.py)."""
     return _text("MINISGL_CPU_GEMM") or "auto"

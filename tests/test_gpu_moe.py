@@ -324,3 +324,58 @@ def test_moe_block_takes_the_fused_path_and_matches_the_torch_one(T, n_tok, fp8)
         _close(got, want, tol=1e-1)
     else:
         _close(fused[clear], torch_path[clear])
+
+
+def _swiglu_reference(x, gate_up, down, biases, weights, ids, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts in fp32, one (token, choice) at a time: biases after each projection, the clamped SwiGLU."""
+    x, gate_up, down = x.float(), gate_up.float(), down.float()
+    b_gu, b_d = (b.float() for b in biases)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            gate, up = (gate_up[e] @ x[t] + b_gu[e]).chunk(2)
+            gate = gate.clamp(max=limit)
+            h = gate * torch.sigmoid(alpha * gate) * (up.clamp(-limit, limit) + 1)
+            out[t] += w * (down[e] @ h + b_d[e])
+    return out
+
+
+@pytest.mark.parametrize("n_tok", [1, 3, 40])
+def test_gpt_oss_experts_take_their_biases_and_swiglu_on_both_paths(T, n_tok):
+    """gpt-oss's experts on the fused kernels (`ExpertAct`): the few-token path routing itself and the aligned path
+    against the fp32 reference on the renormalized softmax top-k (which is gpt-oss's softmax over its k largest
+    logits); a small limit clamps many gate / up values, so the clamps are exercised."""
+    from minisgl_cli.layers.moe import route
+
+    n_exp, top_k, hidden, inter, alpha, limit = 8, 2, 64, 47, 1.702, 0.7
+    gate_up, down = (w.to(DEV, DTYPE) for w in _weights(n_exp, hidden, inter, seed=7 + n_tok))
+    g = torch.Generator().manual_seed(n_tok)
+    biases = ((torch.randn(n_exp, 2 * inter, generator=g) * 0.3).to(DEV, DTYPE),
+              (torch.randn(n_exp, hidden, generator=g) * 0.3).to(DEV, DTYPE))
+    x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
+    logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)
+    act = T.ExpertAct(*biases, alpha, limit)
+    weights, ids = route(logits, top_k, False, topk_first=True)  # gpt-oss's own routing
+    want = _swiglu_reference(x, gate_up, down, biases, weights, ids, alpha, limit)
+    _close(T.routed_experts(x, logits, gate_up, down, top_k, True, act=act), want)
+    _close(T.fused_experts(x, gate_up, down, weights, ids, act=act), want)
+    plain = T.fused_experts(x, gate_up, down, weights, ids)  # the control: without them the answer moves
+    assert (plain.float() - want).abs().max() > 0.1 * want.abs().max()
+
+
+def test_deepseek_routing_runs_through_the_fused_experts(T):
+    """DeepSeek's grouped top-k (sigmoid scores, correction bias, scaling factor) chooses; the fused kernels run
+    that choice as it is (layers/moe.py hands `fused_experts` the weights and ids)."""
+    from minisgl_cli.layers.moe import route_grouped
+    from minisgl_cli.layers.routing import GroupedRouting
+
+    n_exp, top_k, hidden, inter, n_tok = 16, 4, 64, 48, 5
+    gate_up, down = (w.to(DEV, DTYPE) for w in _weights(n_exp, hidden, inter, seed=3))
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
+    r = GroupedRouting(scoring="sigmoid", n_group=4, topk_group=2, group_score="top2_sum", correction_bias=True,
+                       renormalize=True, routed_scaling_factor=2.5)
+    weights, ids = route_grouped(torch.randn(n_tok, n_exp, generator=g).to(DEV), top_k, r,
+                                 (torch.randn(n_exp, generator=g) * 0.1).to(DEV))
+    got = T.fused_experts(x, gate_up, down, weights, ids.to(torch.int32))
+    _close(got, _reference(x, gate_up, down, weights, ids))

@@ -482,3 +482,25 @@ def test_smoke_runs_on_dummy_weights_of_a_tiny_hybrid(hybrid_dirs):
                                       "dummy", "--max-new-tokens", "4", "--raw"])
     assert result.exit_code == 0, result.output
     assert "generated_tokens=4" in result.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: fla-core's Triton ops and CUDA graphs")
+@pytest.mark.parametrize("path", ["fla", "torch"])
+def test_hybrids_on_cuda_match_transformers(hybrid_dirs, monkeypatch, path):
+    """The CUDA path in the exact mode, decode under CUDA graphs: the gated delta rule through the torch reference
+    on the GPU (the default), or fla-core's ops (`pip install .[fla]`, MINISGL_FLA=1)."""
+    from minisgl_cli.attention import gated_delta
+
+    if path == "fla" and gated_delta._fla() is None:
+        pytest.skip("fla-core is not installed")
+    monkeypatch.setenv("MINISGL_FLA", "1" if path == "fla" else "0")
+    prompts = _prompts()
+    params = [SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)] * len(prompts)
+    for family in FAMILIES:
+        model_dir = hybrid_dirs[family]
+        with LLM(str(model_dir), max_prefill_tokens=CHUNK, device="cuda", **EXACT) as llm:
+            cold = [r.token_ids for r in llm.generate(prompts, params)]
+            cached = [r.token_ids for r in llm.generate(prompts, params)]
+            llm.client.check_pages()
+        assert cold == cached == hf_greedy(model_dir, prompts, N_NEW), family

@@ -9,9 +9,9 @@ chunk starts from it and writes it back, so a long prompt cut into chunks by the
 A speculative verify step runs each request's rows in order without writing the state (`verify`); once the scheduler
 knows how many were accepted, `commit` advances the state over those only, so rejected drafts never enter it.
 
-Which path runs where: on CUDA, where flash-linear-attention (`fla-core`, Triton) imports, its
-`chunk_gated_delta_rule` and `fused_recurrent_gated_delta_rule`; elsewhere (the CPU, or CUDA without fla) the torch
-code of this module (and verify steps everywhere). Both normalize q and k in fp32 and keep the states in fp32.
+Which path runs where: the torch code of this module everywhere by default (and verify steps always); on CUDA with
+MINISGL_FLA=1, where flash-linear-attention (`fla-core`, Triton) imports, its `chunk_gated_delta_rule` and
+`fused_recurrent_gated_delta_rule` (opt-in: see `fla_ops`). Both normalize q and k in fp32 and keep the states in fp32.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from minisgl_cli.env import use_fla
 
 CHUNK = 64  # tokens per chunk of the torch prefill
 
@@ -36,8 +38,10 @@ def _fla() -> ModuleType | None:
 
 
 def fla_ops(x: torch.Tensor) -> ModuleType | None:
-    """fla's gated delta rule ops for a CUDA tensor `x` where fla imports, else None (the torch path)."""
-    return _fla() if x.is_cuda else None
+    """fla's gated delta rule ops for a CUDA tensor `x` where MINISGL_FLA=1 asks for them and fla imports, else None
+    (the torch path). Opt-in: on an H200 (fla-core 0.6.0, Triton 3.6) its fused_recurrent kernel hit an illegal
+    memory access in a decode step of 256 rows, and its fp32 kernels did not finish compiling in a minute."""
+    return _fla() if x.is_cuda and use_fla() else None
 
 
 def _normalized(q: torch.Tensor, k: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +94,15 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bet
     return torch.einsum("bhk,bhkv->bhv", q, state), state
 
 
+def _for_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k repeated over their value heads' groups, and all three contiguous: fla's kernels index their inputs as
+    dense [B, T, H, D] (the model's are views of one projection's output, rows strided by its whole width)."""
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=-2), k.repeat_interleave(groups, dim=-2)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             ssm: torch.Tensor, slots: torch.Tensor, lens: list[int]) -> torch.Tensor:
     """An extend step's tokens, request after request (`lens` tokens each, their states in `ssm` [slots, H, K, V]
@@ -98,8 +111,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     groups = v.shape[1] // q.shape[1]
     fla = fla_ops(q)
     if fla is not None:
-        if groups > 1:
-            q, k = q.repeat_interleave(groups, dim=-2), k.repeat_interleave(groups, dim=-2)
+        q, k, v = _for_fla(q, k, v, groups)
         cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long).to(q.device, non_blocking=True)
         o, final = fla.chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype),
                                               initial_state=ssm.index_select(0, slots), output_final_state=True,
@@ -126,8 +138,7 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     groups = v.shape[1] // q.shape[1]
     fla = fla_ops(q)
     if fla is not None:
-        if groups > 1:
-            q, k = q.repeat_interleave(groups, dim=-2), k.repeat_interleave(groups, dim=-2)
+        q, k, v = _for_fla(q, k, v, groups)
         o, final = fla.fused_recurrent_gated_delta_rule(
             q[:, None], k[:, None], v[:, None], g[:, None].float(), beta[:, None].to(q.dtype),
             initial_state=ssm.index_select(0, slots), output_final_state=True, use_qk_l2norm_in_kernel=True)

@@ -78,6 +78,11 @@ class MlaBackend(TorchBackend):
         self._graph: KernelDecodeMeta | None = None
 
     @property
+    def name(self) -> str:  # type: ignore[override]
+        """What the engine's log and /metrics say: MLA, and which decode it runs."""
+        return "mla-triton" if self.kernel_decode else "mla-torch"
+
+    @property
     def kernel_decode(self) -> bool:
         """Whether decode steps attend through the Triton kernel (absorbed, on CUDA unless `triton_decode` says)."""
         on_cuda = self.pool.device.type == "cuda"

@@ -21,8 +21,8 @@ its FUSED_MAX_TOKENS, and at every size for FP8 experts or where torch's grouped
 graph-safe there too.
 
 gpt-oss's experts (`SwiGLU`): a bias after each projection and the clamped SwiGLU in place of SiLU-and-mul, its
-gate's bias, and its routing (a softmax over the k largest logits); they take the torch paths (the fused Triton
-experts have neither biases nor that activation yet), the grouped GEMM on CUDA, so decode stays graph-safe.
+gate's bias, and its routing (a softmax over the k largest logits, which is the softmax top-k renormalized); on the
+fused Triton path the kernels add the biases and apply that activation (kernels/triton/moe.py `ExpertAct`).
 
 DeepSeek's blocks (`GroupedRouting`, layers/routing.py): the router's logits in fp32 from an fp32 gate, sigmoid or
 softmax scores, grouped top-k with V3's correction bias for the choice only, the routed scaling factor
@@ -398,14 +398,24 @@ class MoE(nn.Module):
         """`decode`: a decode step's rows, which take the experts' int4 / int8 copies where they have them."""
         assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
         e = self.experts
-        ops = triton_experts(x, self.kernels, e.fp8) if self.swiglu is None and self.routing is None else None
-        if ops is not None:  # one rank: the choices' terms left for the next norm to sum (layers/norm.py)
-            y = ops.moe_routed(x, self.gate(x), e.gate_up_proj, e.down_proj, self.top_k, self.renormalize,
-                               e.gate_up_scale, e.down_scale, self.kernels.pdl, terms=True)
-            return Terms(y) if self.tp.size == 1 else all_reduce(y.sum(dim=1), self.tp)
+        ops = triton_experts(x, self.kernels, e.fp8)
+        act = None
+        if ops is not None and self.swiglu is not None:
+            assert e.gate_up_bias is not None and e.down_bias is not None, "gpt-oss's experts carry biases"
+            act = ops.MoeAct(e.gate_up_bias, e.down_bias, self.swiglu.alpha, self.swiglu.limit)
         if self.routing is not None:
             logits = F.linear(x.float(), self.gate.weight.float())  # fp32, as transformers' DeepSeek routers
             weights, ids = route_grouped(logits, self.top_k, self.routing, self.gate.e_score_correction_bias)
+            if ops is not None:  # DeepSeek's own choice through the fused kernels
+                y = ops.moe_fused(x, e.gate_up_proj, e.down_proj, weights, ids.to(torch.int32), e.gate_up_scale,
+                                  e.down_scale, pdl=self.kernels.pdl and e.gate_up_scale is None)
+                return self._plus_shared(all_reduce(y, self.tp), x, decode)
+        elif ops is not None:  # one rank: the choices' terms left for the next norm to sum (layers/norm.py)
+            # gpt-oss's softmax over its k largest logits is the renormalized softmax top-k
+            y = ops.moe_routed(x, self.gate(x), e.gate_up_proj, e.down_proj, self.top_k,
+                               self.renormalize or self.swiglu is not None, e.gate_up_scale, e.down_scale,
+                               self.kernels.pdl, terms=True, act=act)
+            return Terms(y) if self.tp.size == 1 else all_reduce(y.sum(dim=1), self.tp)
         else:
             weights, ids = route(self.gate(x), self.top_k, self.renormalize, topk_first=self.swiglu is not None)
         matmul = (e.decode_matmul() if decode else None) or e.dense_matmul(self.kernels)
@@ -414,8 +424,11 @@ class MoE(nn.Module):
                           grouped_mm_runs(x.device, x.dtype) and matmul is None,
                           fp8_rows=e.fp8 and fp8_act(x.shape[0]), matmul=matmul, act_fn=self.swiglu or silu_and_mul,
                           biases=biases)
-        y = all_reduce(y, self.tp)
-        if self.shared_experts is not None:
-            shared = self.shared_experts(x, decode)
-            y = y + (shared if isinstance(shared, torch.Tensor) else all_reduce(shared.rows, self.tp))  # a Partial
-        return y
+        return self._plus_shared(all_reduce(y, self.tp), x, decode)
+
+    def _plus_shared(self, y: torch.Tensor, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        """The routed experts' all-reduced sum plus the shared experts' output, where the model has them."""
+        if self.shared_experts is None:
+            return y
+        shared = self.shared_experts(x, decode)
+        return y + (shared if isinstance(shared, torch.Tensor) else all_reduce(shared.rows, self.tp))  # a Partial

@@ -104,9 +104,12 @@ class GatedDeltaNet(nn.Module):
         ranges = [(k0 * dk, hk * dk)] * 2 + [(v0 * dv, hv * dv)] * 2 + [(v0, hv)] * 2
         self.in_proj = ColumnParallelLinear(cfg.hidden_size, self.sizes, bias=False, tp=tp, ranges=ranges,
                                             kernels=kernels, method=method)
-        self.conv_rows = torch.cat([torch.arange(k0 * dk, (k0 + hk) * dk),
-                                    la.key_dim + torch.arange(k0 * dk, (k0 + hk) * dk),
-                                    2 * la.key_dim + torch.arange(v0 * dv, (v0 + hv) * dv)])
+        # This rank's conv channels, picked from the checkpoint's tensor on the host at load (the model may be built
+        # under a CUDA default device)
+        rows = [torch.arange(k0 * dk, (k0 + hk) * dk, device="cpu"),
+                la.key_dim + torch.arange(k0 * dk, (k0 + hk) * dk, device="cpu"),
+                2 * la.key_dim + torch.arange(v0 * dv, (v0 + hv) * dv, device="cpu")]
+        self.conv_rows = torch.cat(rows)
         self.conv_weight = nn.Parameter(torch.empty(len(self.conv_rows), la.conv_kernel), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(hv, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(hv, dtype=torch.float32), requires_grad=False)
@@ -121,7 +124,8 @@ class GatedDeltaNet(nn.Module):
         if name in ("A_log", "dt_bias"):
             getattr(self, name).data.copy_(whole(loaded).float()[self.v0 : self.v0 + self.hv])
         elif name == "conv1d.weight":
-            self.conv_weight.data.copy_(whole(loaded).reshape(la.conv_dim, la.conv_kernel)[self.conv_rows])
+            w = whole(loaded).reshape(la.conv_dim, la.conv_kernel)
+            self.conv_weight.data.copy_(w[self.conv_rows.to(w.device)])
         elif name == "in_proj_qkv":
             for i, part in enumerate(whole(loaded).split(self.sizes[:3])):
                 self.in_proj.load_shard("weight", part, i)

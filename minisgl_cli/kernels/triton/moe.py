@@ -20,6 +20,11 @@ Up to SMALL_MAX_TOKENS tokens (decode) `one_slot_experts` skips route and align:
 first row, and the gate/up programs route their slot themselves (the token's top-k from its E logits, recomputed in
 each) and write its expert and weight for down; gate, gate/up, down: three launches a layer.
 
+gpt-oss's experts (`Experts` with biases, layers/moe.py `SwiGLU`): a bias [E, 2I] / [E, H] added to each accumulator
+(before the routing weight), and the clamped SwiGLU in place of SiLU(gate) * up (SWIGLU: alpha and limit). Its
+routing -- a softmax over the k largest logits -- is the softmax top-k renormalized, so `route` serves it. Routers
+of their own (DeepSeek's grouped top-k) hand their (weights, ids) to `fused_experts`.
+
 Each output row is one MMA row of its block, so where a slot lands in its block changes nothing in its value.
 FP8 expert weights (e4m3, an fp32 scale per output row) run w8a16 or w8a8 (kernels/triton/moe_tiles.py says which and
 when): w8a16 widens the weight tile to the activation dtype; w8a8 takes the activations as e4m3 codes with a scale
@@ -159,7 +164,8 @@ def _place_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr, nu
 
 @triton.jit
 def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                        logits_ptr, N, K, numel, E, stride_a, stride_we, stride_wn, stride_c, stride_se, stride_l,
+                        logits_ptr, b_ptr, N, K, numel, E, stride_a, stride_we, stride_wn, stride_c, stride_se,
+                        stride_l, stride_be, alpha, limit, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
                         A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr, HAS_SCALE: tl.constexpr,
                         A_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         ONE_SLOT: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -221,7 +227,18 @@ def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, sorted_ptr, 
         if GATED:
             acc_up *= a_scale
     dtype = c_ptr.dtype.element_ty
-    if GATED:  # rounded where the unfused path rounds: gate and up, silu(gate), the product
+    if HAS_BIAS:  # gpt-oss: after the projection, before the activation / the routing weight (as the torch path)
+        b_ptrs = b_ptr + expert * stride_be + rn
+        bias = tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc.to(dtype).to(tl.float32) + bias[None, :]
+        if GATED:
+            bias_up = tl.load(b_ptrs + N, mask=mask_n, other=0.0).to(tl.float32)
+            acc_up = acc_up.to(dtype).to(tl.float32) + bias_up[None, :]
+    if GATED and SWIGLU:  # gpt-oss: gate clamped above, up both ways, gate * sigmoid(alpha gate) * (up + 1)
+        g = tl.minimum(acc.to(dtype).to(tl.float32), limit)
+        u = tl.minimum(tl.maximum(acc_up.to(dtype).to(tl.float32), -limit), limit)
+        acc = g * tl.sigmoid(g * alpha) * (u + 1.0)
+    elif GATED:  # rounded where the unfused path rounds: gate and up, silu(gate), the product
         g = acc.to(dtype).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         acc = act * acc_up.to(dtype).to(tl.float32)
@@ -255,13 +272,14 @@ def align(ids: torch.Tensor, n_exp: int, block_m: int,
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-                  tiles: MoeTiles | None = None, pdl: bool = False, terms: bool = False) -> torch.Tensor:
+                  tiles: MoeTiles | None = None, pdl: bool = False, terms: bool = False,
+                  act: ExpertAct | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H] in x's dtype (`terms`: the
     [T, k, H] terms, unsummed).
 
     x [T, H]; gate_up [E, 2I, H] and down [E, H, I] in x's dtype, or e4m3 with fp32 scales [E, 2I] / [E, H];
     weights [T, k] fp32, ids [T, k]; `tiles` (default: `pick_tiles(T, fp8)`; FP8 weights and `tiles.fp8_act`:
-    w8a8, x and the gate/up output quantized per row to e4m3 for the MMAs)."""
+    w8a8, x and the gate/up output quantized per row to e4m3 for the MMAs); `act`: gpt-oss's biases and SwiGLU."""
     n_tok, k = ids.shape
     n_exp, two_i, hidden = gate_up.shape
     tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None)
@@ -274,15 +292,16 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     slots = Slots(*align(ids.contiguous(), n_exp, tiles.gate_up.block_m, pdl), weights.contiguous().view(-1), k)
     h = torch.empty(numel, two_i // 2, dtype=x.dtype, device=x.device)
     a: tuple[torch.Tensor, torch.Tensor | None] = quant_rows(x.contiguous(), pdl=pdl) if w8a8 else (x, None)
-    expert_gemm(a[0], gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True, a_scale=a[1], pdl=pdl)
+    expert_gemm(a[0], gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True, a_scale=a[1], pdl=pdl, act=act)
     a = quant_rows(h, pdl=pdl) if w8a8 else (h, None)  # h rounded to x's dtype first, as the dense FP8 MLP does
-    expert_gemm(a[0], down, down_scale, out, slots, tiles.down, gated=False, a_scale=a[1], pdl=pdl)
+    expert_gemm(a[0], down, down_scale, out, slots, tiles.down, gated=False, a_scale=a[1], pdl=pdl, act=act)
     return out.view(n_tok, k, hidden) if terms else out.view(n_tok, k, hidden).sum(dim=1)
 
 
 def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                    renormalize: bool, gate_up_scale: torch.Tensor | None = None,
-                   down_scale: torch.Tensor | None = None, pdl: bool = False, terms: bool = False) -> torch.Tensor:
+                   down_scale: torch.Tensor | None = None, pdl: bool = False, terms: bool = False,
+                   act: ExpertAct | None = None) -> torch.Tensor:
     """The MoE block after its gate's linear: up to SMALL_MAX_TOKENS tokens `one_slot_experts`, else `route` then
     `fused_experts`; [T, H], or with `terms` each token's k terms [T, k, H] for the caller to sum.
 
@@ -292,9 +311,19 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
     pdl = pdl and gate_up_scale is None
     if x.shape[0] <= SMALL_MAX_TOKENS:
         return one_slot_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale, pdl=pdl,
-                                terms=terms)
+                                terms=terms, act=act)
     weights, ids = route(logits, top_k, renormalize, pdl)
-    return fused_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale, pdl=pdl, terms=terms)
+    return fused_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale, pdl=pdl, terms=terms, act=act)
+
+
+@dataclass(frozen=True)
+class ExpertAct:
+    """gpt-oss's experts: a bias after each projection (gate_up [E, 2I], down [E, H]) and the clamped SwiGLU."""
+
+    gate_up_bias: torch.Tensor
+    down_bias: torch.Tensor
+    alpha: float
+    limit: float
 
 
 @dataclass
@@ -320,7 +349,7 @@ class Route:
 def one_slot_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                      renormalize: bool, gate_up_scale: torch.Tensor | None = None,
                      down_scale: torch.Tensor | None = None, tiles: MoeTiles | None = None,
-                     pdl: bool = False, terms: bool = False) -> torch.Tensor:
+                     pdl: bool = False, terms: bool = False, act: ExpertAct | None = None) -> torch.Tensor:
     """`fused_experts` of a few tokens, routed inside the gate/up pass: one slot a block, no alignment, three launches
     (gate/up, down, the sum; `terms`: two, the [T, k, H] terms unsummed). FP8 experts run w8a16 (below
     W8A8_MIN_TOKENS)."""
@@ -335,14 +364,14 @@ def one_slot_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
     h = torch.empty(numel, gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
     x = x.contiguous()
     expert_gemm(x, gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True, pdl=pdl,
-                route=Route(logits.contiguous(), renormalize))
-    expert_gemm(h, down, down_scale, out, slots, tiles.down, gated=False, pdl=pdl)
+                route=Route(logits.contiguous(), renormalize), act=act)
+    expert_gemm(h, down, down_scale, out, slots, tiles.down, gated=False, pdl=pdl, act=act)
     return out.view(n_tok, top_k, hidden) if terms else out.view(n_tok, top_k, hidden).sum(dim=1)
 
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c: torch.Tensor, slots: Slots,
                 cfg: MoeConfig, gated: bool, a_scale: torch.Tensor | None = None, pdl: bool = False,
-                route: Route | None = None) -> None:
+                route: Route | None = None, act: ExpertAct | None = None) -> None:
     """One of the two expert GEMMs into c [T k, N]: gated, gate/up from the tokens' rows a [T, H]; else down from
     the slots' rows a [T k, I], scaled by their routing weights. `a_scale` [rows, 1] fp32: a is e4m3 codes (w8a8)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
@@ -353,9 +382,13 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c:
     n_exp = logits.shape[-1] if route is not None else 1
     sorted_ids = slots.sorted_ids if slots.sorted_ids is not None else slots.block_expert  # (unread: one slot)
     total = slots.total if slots.total is not None else slots.block_expert
+    bias = None if act is None else act.gate_up_bias if gated else act.down_bias
     _expert_gemm_kernel[grid](a, a_scale, w, scale, c, slots.weights, sorted_ids, slots.block_expert, total, logits,
-                              n, a.shape[1], c.shape[0], n_exp, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-                              scale.stride(0) if scale is not None else 0, logits.stride(0),
+                              bias, n, a.shape[1], c.shape[0], n_exp, a.stride(0), w.stride(0), w.stride(1),
+                              c.stride(0), scale.stride(0) if scale is not None else 0, logits.stride(0),
+                              bias.stride(0) if bias is not None else 0, act.alpha if act is not None else 0.0,
+                              act.limit if act is not None else 0.0, HAS_BIAS=bias is not None,
+                              SWIGLU=act is not None and gated,
                               A_DIV=slots.top_k if gated else 1, GATED=gated, ROUTED=not gated,
                               HAS_SCALE=scale is not None, A_SCALE=a_scale is not None, BLOCK_M=cfg.block_m,
                               BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SLOT=one_slot,

@@ -18,6 +18,8 @@ from minisgl_cli.kernels.fp8 import FP8, INV_MAX, TINY, Fp8Rows, KVQuant
 from minisgl_cli.kernels.triton.fp8 import fp8_codes, quant_rows  # noqa: F401  (quant_rows re-exported, as gemv)
 from minisgl_cli.kernels.triton.gemv import gemv  # noqa: F401  (re-exported: one switch for every Triton layer op)
 from minisgl_cli.kernels.triton.moe import FUSED_MAX_TOKENS as MOE_FUSED_MAX_TOKENS  # noqa: F401  (as gemv)
+from minisgl_cli.kernels.triton.moe import ExpertAct as MoeAct  # noqa: F401  (as gemv)
+from minisgl_cli.kernels.triton.moe import fused_experts as moe_fused  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.moe import routed_experts as moe_routed  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.pdl import pdl_kwargs
 
