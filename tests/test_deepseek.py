@@ -413,9 +413,9 @@ def test_fp8_latent_cache_costs_what_fp8_kv_costs_mha(deepseek_dirs, theirs, fam
     read back by prefill chunks and decode steps. The bar, teacher-forced on transformers' greedy answers (prompt in
     chunks of 8, the answer in decode steps), against the same engine with the fp32 cache: the logits within 6%
     (relative norm, mean over positions) and the greedy choice the same at 85% of positions. A tiny random MHA model
-    of the same width (llama, 3 layers of 4 heads of 16) with FP8 KV measures 5.2% and 88% here; these MLA models 3.8%
-    and 92% (v3), 3.3% and 91% (v2). Tiny random models have near-flat logits, so greedy runs part ways within a few
-    tokens: the real-weights bar is tests/test_fp8.py's perplexity within 1%."""
+    of the same width (llama, 3 layers of 4 heads of 16) with FP8 KV measured 5.2% and 88% (in prefill chunks of 8
+    alone); these MLA models measure 3.6% and 93% (v3), 4.6% and 90% (v2). Tiny random models have near-flat logits,
+    so greedy runs part ways within a few tokens: the real-weights bar is tests/test_fp8.py's perplexity within 1%."""
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.engine.engine import Engine
 
