@@ -313,13 +313,28 @@ def block_fp8_dirs(deepseek_dirs, tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
-def test_block_fp8_checkpoint_loads_and_answers_as_transformers_on_its_dequantized_weights(block_fp8_dirs, theirs):
+@pytest.fixture(scope="module")
+def block_fp8_theirs(block_fp8_dirs) -> list[list[int]]:
+    """transformers' fp32 greedy answers on the dequantized weights."""
+    return hf_greedy(block_fp8_dirs["dequantized"], _prompts(), N_NEW)
+
+
+def test_block_fp8_checkpoint_loads_and_answers_as_transformers_on_its_dequantized_weights(block_fp8_dirs,
+                                                                                          block_fp8_theirs, theirs):
     """On the CPU the e4m3 blocks are dequantized at load (fp32 here): greedy ids equal transformers fp32 running the
     dequantized weights, token for token, cold and cached; they are not the unquantized model's answers."""
-    want = hf_greedy(block_fp8_dirs["dequantized"], _prompts(), N_NEW)
+    want = block_fp8_theirs
     cold, cached = _ours(block_fp8_dirs["fp8"], _prompts())
     assert cold == cached == want
     assert want != theirs["v3"]  # the blocks' rounding shows: the scales were applied to the right blocks
+
+
+@pytest.mark.slow
+def test_tp2_loads_block_fp8_shards_as_tp1(block_fp8_dirs, block_fp8_theirs):
+    """TP 2: each rank cuts its shards out of the blocks (q_b_proj's heads and the experts' gate / up rows on block
+    boundaries; o_proj's and the experts' down columns off them, dequantized whole first) and answers as TP 1."""
+    cold, cached = _ours(block_fp8_dirs["fp8"], _prompts(), tp_size=2)
+    assert cold == cached == block_fp8_theirs
 
 
 def test_fp8_blocks_cut_reorder_and_dequantize_by_their_blocks():
