@@ -1,5 +1,6 @@
 """MLA's absorbed decode kernel (kernels/triton/mla.py) against the torch backend's absorbed decode and a naive fp32
-definition, over a latent pool whose pages are shuffled, requests of many lengths at once.
+definition, over a latent pool whose pages are shuffled, requests of many lengths at once; 16-bit and FP8 latent rows
+(e4m3 codes with the layer's scale and means: the kernel dequantizes on load, the others read them dequantized).
 
 The cases run on CUDA, or without a GPU under Triton's interpreter on CPU tensors (fp32) where triton is importable
 and TRITON_INTERPRET=1 was set before it was imported (as tests/test_gpu_window_attention.py):
@@ -27,12 +28,21 @@ needs_triton = pytest.mark.skipif(not TRITON, reason="needs a CUDA GPU (or TRITO
 LENS = [1, 7, 33, 70]
 
 
-def _case(heads: int, rank: int, rope: int, dtype: torch.dtype, page_size: int = 4, seed: int = 0):
-    """(pool, decode batch, absorbed queries [B, H, R + P]): random latent rows everywhere, pages shuffled."""
+def _case(heads: int, rank: int, rope: int, dtype: torch.dtype, page_size: int = 4, seed: int = 0,
+          kv_dtype: torch.dtype | None = None):
+    """(pool, decode batch, absorbed queries [B, H, R + P]): random latent rows everywhere, pages shuffled; the pool in
+    `kv_dtype` (FP8: calibrated on the rows, which carry an offset per channel, then stored as codes)."""
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     pages = sum(-(-n // page_size) for n in LENS)
-    pool = KVPool(KVShape(1, 1, rank + rope, dtype, latent=rank), pages + 2, page_size, len(LENS) + 1, max(LENS), DEV)
-    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen).to(dtype))
+    kv_dtype = kv_dtype or dtype
+    pool = KVPool(KVShape(1, 1, rank + rope, kv_dtype, latent=rank), pages + 2, page_size, len(LENS) + 1, max(LENS),
+                  DEV)
+    rows = torch.randn(pool.k[0].shape, generator=gen) + torch.randn(rank + rope, generator=gen)
+    if pool.quantized:
+        pool.calibrate(0, rows.to(DEV), rows.to(DEV))
+        pool.store(0, torch.arange(rows.shape[0], device=DEV), rows.to(DEV), rows.to(DEV))
+    else:
+        pool.k[0].copy_(rows.to(dtype))
     rows, loc = [], []
     for n in LENS:
         taken = pool.alloc_pages(-(-n // page_size))
@@ -52,7 +62,7 @@ def _case(heads: int, rank: int, rope: int, dtype: torch.dtype, page_size: int =
 def _naive(pool: KVPool, batch: ForwardBatch, q: torch.Tensor, rank: int, scale: float) -> torch.Tensor:
     out = []
     for b, (row, n) in enumerate(zip(batch.req_rows.tolist(), batch.seq_lens_cpu)):
-        latent = pool.k[0][pool.page_table[row, :n].long(), 0].float().cpu()
+        latent = pool.read(0, pool.page_table[row, :n].long(), torch.float32)[0][:, 0].cpu()
         w = torch.softmax(q[b].float().cpu() @ latent.T * scale, dim=-1)
         out.append(w @ latent[:, :rank])
     return torch.stack(out)
@@ -60,15 +70,18 @@ def _naive(pool: KVPool, batch: ForwardBatch, q: torch.Tensor, rank: int, scale:
 
 @pytest.mark.gpu
 @needs_triton
-@pytest.mark.parametrize("heads,rank,rope", [(4, 32, 8), (20, 64, 16), (16, 512, 64)])
-def test_triton_mla_decode_matches_torch_and_the_definition(heads, rank, rope):
+@pytest.mark.parametrize("heads,rank,rope,fp8", [(4, 32, 8, False), (20, 64, 16, False), (16, 512, 64, False),
+                                                (20, 64, 16, True)])
+def test_triton_mla_decode_matches_torch_and_the_definition(heads, rank, rope, fp8):
     patch_interpreter()
     from minisgl_cli.kernels.triton.mla import mla_decode
 
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
-    pool, batch, q = _case(heads, rank, rope, dtype)
+    pool, batch, q = _case(heads, rank, rope, dtype, kv_dtype=torch.float8_e4m3fn if fp8 else None)
+    assert pool.quantized == fp8
     scale = 0.13
-    ours = mla_decode(q, pool.k[0], pool.page_table, batch.req_rows, batch.seq_lens, rank, scale)
+    ours = mla_decode(q, pool.k[0], pool.page_table, batch.req_rows, batch.seq_lens, rank, scale,
+                      pool.layer_quant(0))
     backend = MlaBackend(pool, heads, rank, rope, scale, triton_decode=False)  # the torch reference, on CUDA too
     backend.prepare(batch)
     torch_out = backend.decode(q, 0, batch.attn_meta)
@@ -77,7 +90,8 @@ def test_triton_mla_decode_matches_torch_and_the_definition(heads, rank, rope):
     torch.testing.assert_close(ours.float().cpu(), torch_out.float().cpu(), **tol)
     # the keys split over programs and merged (several empty splits for the short rows): the same answers
     for splits in (1, 3, 16):
-        split = mla_decode(q, pool.k[0], pool.page_table, batch.req_rows, batch.seq_lens, rank, scale, splits=splits)
+        split = mla_decode(q, pool.k[0], pool.page_table, batch.req_rows, batch.seq_lens, rank, scale,
+                           pool.layer_quant(0), splits=splits)
         torch.testing.assert_close(split.float().cpu(), _naive(pool, batch, q, rank, scale), **tol)
 
 
@@ -103,3 +117,28 @@ def test_graph_metadata_pads_rows_and_keeps_the_real_rows_answers():
     graphed = mla_decode(padded, pool.k[0], pool.page_table, static.req_rows, static.seq_lens, rank, 0.13)
     plain = mla_decode(q, pool.k[0], pool.page_table, batch.req_rows, batch.seq_lens, rank, 0.13)
     torch.testing.assert_close(graphed[: len(LENS)], plain, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_fp8_pool_reaches_the_kernel_through_the_backend():
+    """MlaBackend's absorbed decode over an FP8 latent pool: through the kernel (the layer's scale and means handed
+    to it) as through torch's decode over the dequantized rows."""
+    patch_interpreter()
+    heads, rank, rope, dn, dv = 4, 32, 8, 16, 12
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    pool, batch, _ = _case(heads, rank, rope, dtype, kv_dtype=torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(5)
+    kv_b = (torch.randn(heads, dn + dv, rank, generator=g) / rank**0.5).to(DEV, dtype)
+
+    class Weights:
+        w_uk, w_uv = kv_b[:, :dn], kv_b[:, dn:]
+
+    q_nope, q_pe = (torch.randn(len(LENS), heads, d, generator=g).to(DEV, dtype) for d in (dn, rope))
+    outs = []
+    for kernel in (True, False):
+        backend = MlaBackend(pool, heads, rank, rope, 0.13, triton_decode=kernel)
+        backend.prepare(batch)
+        outs.append(backend._absorbed(q_nope, q_pe, 0, batch.attn_meta, Weights()))
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), **tol)

@@ -11,7 +11,9 @@ INTERPRET = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET")
 
 def patch_interpreter() -> None:
     """triton 3.6's interpreter calls int() on 1-element arrays (a kernel's int arguments used as a `range` bound), an
-    error from numpy 2.3 on: read the element instead. Idempotent; a no-op on a GPU."""
+    error from numpy 2.3 on: read the element instead. And its float -> e4m3 conversion drops the carry of a rounding
+    up into the exponent (31.01 becomes 16, not 32): convert as torch does (round to nearest even, as the GPU's
+    cvt.rn). Idempotent; a no-op on a GPU."""
     if not INTERPRET:
         return
     import numpy as np
@@ -27,3 +29,16 @@ def patch_interpreter() -> None:
 
     patched.minisgl = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = patched
+
+    import triton.language as tl
+
+    convert = interpreter._convert_float
+    wide = {tl.float32: np.float32, tl.float16: np.float16}
+
+    def to_e4m3(input, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype in wide:
+            x = torch.from_numpy(np.ascontiguousarray(input).view(wide[input_dtype]).astype(np.float32))
+            return x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = to_e4m3

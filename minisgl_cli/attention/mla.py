@@ -13,6 +13,9 @@ rope key (qk_rope_head_dim) every head shares (kvcache/pool.py's `latent` shape)
           it reads each row's page-table row and length from the device), elsewhere TorchBackend's decode (SDPA,
           the query heads as rows of the one KV head).
 
+An FP8 latent pool (`--kv-cache-dtype fp8_e4m3`) stores each row as e4m3 codes of row - mean with one scale a layer
+(kvcache/pool.py); extend steps and the torch decode read the rows dequantized, the kernel dequantizes on load.
+
 Both are the same numbers to rounding (tests/test_deepseek.py checks each against the other and transformers).
 Prompts and decode rows attend as TorchBackend's do (its metadata, its position-aligned blocks on the CPU).
 """
@@ -118,6 +121,8 @@ class MlaBackend(TorchBackend):
         """q_nope [T, H, dn], q_pe [T, H, dr] (rotated), latent [T, R + dr] this step's rows ([c | k_pe], stored
         here) -> [T, H, v_head_dim]."""
         rows = latent[:, None, :]
+        if not batch.is_decode and self.pool.needs_scales(layer_id):  # an FP8 pool's first prefill at this layer
+            self.pool.calibrate(layer_id, rows, rows)
         self.pool.store(layer_id, batch.out_cache_loc, rows, rows)  # an MLA pool keeps K alone
         meta = batch.attn_meta
         if isinstance(meta, KernelDecodeMeta) or (isinstance(meta, TorchDecodeMeta) and self.absorb):
@@ -137,7 +142,8 @@ class MlaBackend(TorchBackend):
         return torch.cat(outs, dim=0)
 
     def _read(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.pool.k[layer_id].index_select(0, slots)[:, 0].to(dtype)
+        """Latent rows [len(slots), R + dr] (an FP8 pool's dequantized)."""
+        return self.pool.read(layer_id, slots, dtype)[0][:, 0]
 
     def _expand(self, seq: torch.Tensor, w: MlaWeights) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent rows [L, R + dr] -> every head's keys [L, H, dn + dr] and values [L, H, dv]."""
@@ -153,7 +159,7 @@ class MlaBackend(TorchBackend):
             from minisgl_cli.kernels.triton.mla import mla_decode
 
             out = mla_decode(q, self.pool.k[layer_id], self.pool.page_table, meta.req_rows, meta.seq_lens,
-                             self.rank, self.scale)
+                             self.rank, self.scale, self.pool.layer_quant(layer_id))
         else:
             out = self.decode(q, layer_id, meta)  # [B, H, R]: over the latent rows
         return torch.bmm(out.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)  # W_UV after attention

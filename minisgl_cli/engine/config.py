@@ -124,11 +124,14 @@ class EngineConfig:
 
     def resolved_quantization(self, native: str | None = None) -> str:
         """The linear method (a key of layers/quant.py's METHODS): `quantization`, or for auto the checkpoint's
-        own (`native`: a GGUF's int4 / int8 blocks) where its method runs on this device, else none."""
+        own (`native`: a GGUF's int4 / int8 blocks, a block-wise FP8 checkpoint's fp8-block) where its method runs
+        on this device, else none."""
         from minisgl_cli.layers.quant import METHODS
 
         device = self.resolved_device()
         if self.quantization == "auto":
+            if native == "fp8-block" and device.type == "cuda" and not _fp8_capable(device):
+                return "none"  # dequantized at load (layers/quant.py)
             return native if native and device.type in METHODS[native].devices else "none"
         if self.quantization not in METHODS:
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
@@ -189,11 +192,17 @@ class EngineConfig:
         return names[self.dtype]
 
 
-def _require_fp8(device: torch.device, what: str) -> None:
+def _fp8_capable(device: torch.device) -> bool:
     """FP8 on CUDA needs e4m3 tensor cores and conversions (compute capability 8.9+: Ada, Hopper); the CPU
     simulates it."""
     import torch
 
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _require_fp8(device: torch.device, what: str) -> None:
+    import torch
+
+    if not _fp8_capable(device):
         name = torch.cuda.get_device_name(device)
         raise ValueError(f"{what} needs a GPU of compute capability 8.9+ (Ada, Hopper); {name} is not one")

@@ -34,12 +34,12 @@ from minisgl_cli.kvcache.pool import KVPool, KVShape
 from minisgl_cli.kvcache.state import StatePool
 from minisgl_cli.layers import cpu_gemm
 from minisgl_cli.layers.kernel_choice import Kernels, load_sgl_kernel
-from minisgl_cli.layers.quant import METHODS
+from minisgl_cli.layers.quant import METHODS, Fp8BlockMethod
 from minisgl_cli.loader import mxfp4
 from minisgl_cli.loader.blocks import blocks_file, iter_blocks, native_quantization
 from minisgl_cli.loader.configs import builtin_config
 from minisgl_cli.loader.errors import ModelLoadError
-from minisgl_cli.loader.hf import Weight, iter_safetensors, read_hf_config
+from minisgl_cli.loader.hf import Weight, fp8_block_size, iter_safetensors, read_hf_config, with_fp8_blocks
 from minisgl_cli.models import ModelConfig, create_model
 from minisgl_cli.models.dummy import dummy_checkpoint
 from minisgl_cli.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -130,7 +130,13 @@ class Engine:
         hf_cfg, model_dir, name, source = _locate(cfg)
         # A converted GGUF carries its own int4 / int8 blocks: auto keeps them on CPU (layers/quant.py).
         blocks = blocks_file(model_dir) if model_dir is not None and source != "dummy" else None
-        self.quantization = cfg.resolved_quantization(native_quantization(blocks) if blocks else None)
+        # A block-wise FP8 checkpoint (DeepSeek-V3's): auto keeps its blocks where the GPU runs FP8, else dequantizes.
+        try:
+            fp8_block = fp8_block_size(hf_cfg)
+        except ValueError as exc:
+            raise ModelLoadError(f"model weights not usable ({exc})", model_dir or name) from None
+        native = native_quantization(blocks) if blocks else "fp8-block" if fp8_block else None
+        self.quantization = cfg.resolved_quantization(native)
         self.dtype = cfg.resolved_dtype(quantized=self.quantization != "none")
         # The modes whose decode may run compiled normalize as the compiled step does, compiled or not (layers/norm.py).
         quantized_cpu = self.device.type == "cpu" and self.quantization in ("int4", "int8")
@@ -160,7 +166,9 @@ class Engine:
             prev = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
             try:
-                self.model = create_model(mc, tp, self.kernels, METHODS[self.quantization]()).eval()
+                method = Fp8BlockMethod(fp8_block) if fp8_block and self.quantization == "fp8-block" else (
+                    METHODS[self.quantization]())
+                self.model = create_model(mc, tp, self.kernels, method).eval()
             finally:
                 torch.set_default_dtype(prev)
         if source == "dummy":
@@ -174,7 +182,7 @@ class Engine:
                 e, h, i = mc.num_experts, mc.hidden_size, mc.moe_intermediate_size
                 weights = mxfp4.dequantized(weights, self.dtype, self.device,
                                             {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}, model_dir)
-            self.model.load_weights(weights)
+            self.model.load_weights(with_fp8_blocks(weights, fp8_block) if fp8_block else weights)
 
         # A linear-attention model's state slots come first (kvcache/state.py): the KV pool takes what is left.
         self.state = self._state_pool() if mc.linear_attn is not None else None

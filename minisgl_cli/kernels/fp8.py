@@ -69,3 +69,18 @@ class KVQuant(NamedTuple):
     v_scale: torch.Tensor  # [Hkv] fp32
     k_mean: torch.Tensor  # [Hkv, D] fp32
     v_mean: torch.Tensor  # [Hkv, D] fp32
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes [M, K], fp32 scales [M, ceil(K / group)]) of x [M, K], one scale per token per `group` columns (the
+    last group maybe partial): the activations of a block-wise FP8 GEMM (kernels/triton/fp8_block.py), as DeepSeek's
+    and sglang's per-token-group quantization makes them."""
+    m, k = x.shape
+    xf = torch.nn.functional.pad(x.float(), (0, -k % group)).view(m, -1, group)
+    scale = xf.abs().amax(-1).clamp_(min=TINY) * INV_MAX
+    return quantize(xf, scale[..., None]).view(m, -1)[:, :k], scale
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """quantize_groups' codes back to fp32 [M, K]."""
+    return q.float() * scale.repeat_interleave(group, -1)[:, : q.shape[1]]

@@ -16,7 +16,9 @@ so CUDA graphs captured before the first prefill see the final values.
 An MLA pool (`KVShape.latent`: DeepSeek's Multi-head Latent Attention) keeps one row a token and layer, [the
 normalized latent (kv_lora_rank) | the rotated rope key (qk_rope_head_dim)], as K of one head; there is no V half:
 `v` is a view of K's first `latent` columns (the absorbed decode's values are the latent itself), and
-`bytes_per_token` counts K alone, so the same memory budget holds that many more tokens.
+`bytes_per_token` counts K alone, so the same memory budget holds that many more tokens. In FP8 the row is K alone
+too: codes of row - mean with K's scale (one per layer: its one head) and K's means; its values, the latent columns,
+are those columns' code * scale + mean (the V scale and means stay unused).
 """
 
 from __future__ import annotations
@@ -72,8 +74,6 @@ class KVPool:
         """kv_scale: FP8 pools only: one fixed scale for every head's K and V instead of calibrating."""
         if num_pages < 1 or page_size < 1:
             raise ValueError("KV pool needs at least one page of at least one slot")
-        if shape.latent and shape.dtype == FP8:
-            raise ValueError("an FP8 KV cache is not supported for MLA (latent) pools yet: use a 16-bit kv-cache-dtype")
         self.shape = shape
         self.page_size = page_size
         self.num_pages = num_pages
@@ -142,12 +142,17 @@ class KVPool:
     def calibrate(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Set this layer's FP8 means and scales from a prefill's K/V [T, Hkv, D] (see the module docstring)."""
         q = self._quant(layer_id)
-        for mean, scale, x in ((q.k_mean, q.k_scale, k), (q.v_mean, q.v_scale, v)):
+        for mean, scale, x in ((q.k_mean, q.k_scale, k), (q.v_mean, q.v_scale, v))[: self._halves]:
             xf = x.float()
             mean.copy_(xf.mean(0))
             amax = (xf - mean).abs().amax(dim=(0, 2)).clamp_(min=_MIN_AMAX)
             scale.copy_(amax * (KV_SCALE_HEADROOM / FP8_MAX))
         self._uncalibrated[layer_id] = False
+
+    @property
+    def _halves(self) -> int:
+        """The halves a row is stored in: K and V, or K alone (MLA: V is a view of it)."""
+        return 1 if self.shape.latent else 2
 
     def _quant(self, layer_id: int) -> KVQuant:
         """Views of this layer's FP8 scales and means (its own heads and channels)."""
@@ -167,21 +172,23 @@ class KVPool:
                 self.v[layer_id][loc] = v
             return
         q = self._quant(layer_id)
-        for cache, mean, scale, x in ((self.k, q.k_mean, q.k_scale, k), (self.v, q.v_mean, q.v_scale, v)):
+        for cache, mean, scale, x in ((self.k, q.k_mean, q.k_scale, k), (self.v, q.v_mean, q.v_scale, v))[
+                : self._halves]:
             codes = quantize(x.float() - mean, scale[:, None])
             cache[layer_id].view(torch.uint8)[loc] = codes.view(torch.uint8)  # byte views: index_put on any torch
 
     def read(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [len(slots), Hkv, D] of these slots in `dtype` (FP8: code * scale + mean, in fp32 first)."""
-        if self.shape.latent:  # MLA (never FP8): V is K's latent columns, so the rows are gathered once
-            k = self.k[layer_id].index_select(0, slots).to(dtype)
-            return k, k[..., : self.shape.latent]
         if not self.quantized:
-            return (self.k[layer_id].index_select(0, slots).to(dtype),
-                    self.v[layer_id].index_select(0, slots).to(dtype))
-        out = []
-        q = self._quant(layer_id)
-        for cache, mean, scale in ((self.k, q.k_mean, q.k_scale), (self.v, q.v_mean, q.v_scale)):
-            codes = cache[layer_id].view(torch.uint8).index_select(0, slots).view(FP8)
-            out.append((dequantize(codes, scale[:, None]) + mean).to(dtype))
+            out = [self.k[layer_id].index_select(0, slots).to(dtype)]
+            if not self.shape.latent:
+                out.append(self.v[layer_id].index_select(0, slots).to(dtype))
+        else:
+            out = []
+            q = self._quant(layer_id)
+            for cache, mean, scale in ((self.k, q.k_mean, q.k_scale), (self.v, q.v_mean, q.v_scale))[: self._halves]:
+                codes = cache[layer_id].view(torch.uint8).index_select(0, slots).view(FP8)
+                out.append((dequantize(codes, scale[:, None]) + mean).to(dtype))
+        if self.shape.latent:  # MLA: V is K's latent columns, so the rows are gathered once
+            return out[0], out[0][..., : self.shape.latent]
         return out[0], out[1]

@@ -17,6 +17,11 @@ runs (EngineConfig refuses the others with a one-line error).
         reads the 8-bit weights against the 16-bit row (kernels/triton/gemv.py). On the CPU (and on CUDA
         with the fused ops off) the same numbers by quantize / dequantize in fp32: the simulation the
         kernels are tested against and the quality checks run on.
+  fp8-block  a block-wise FP8 checkpoint's weights as shipped (DeepSeek-V3's: e4m3 with one fp32 scale per
+        128 x 128 block, loader/blocks.py's Fp8Blocks), CUDA 8.9+ only: activations quantized per token per
+        128 columns, then kernels/triton/fp8_block.py's block-scaled GEMM (at one row too). Not a --quantization
+        choice: auto takes it for such a checkpoint on such a GPU; elsewhere (the CPU, --quantization none) its
+        weights are dequantized at load and run dense. MoE experts and the LM head are dense (dequantized) here.
 
 The int4 copy runs minisgl's own kernel where the CPU has AVX512-BF16 (kernels/cpu/int4.py: 1.3x PyTorch's at one
 row, ~2x at 16), else PyTorch's `_weight_int4pack_mm_for_cpu`; the int8 copy runs `_weight_int8pack_mm`; all with
@@ -56,7 +61,15 @@ from minisgl_cli.kernels.cpu import int4 as cpu_int4
 from minisgl_cli.layers import cpu_gemm
 from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.kernel_choice import Kernels
-from minisgl_cli.loader.blocks import Int4Groups, Int8Groups, int8_scales, quantize_int4, quantize_int8
+from minisgl_cli.loader.blocks import (
+    Fp8Blocks,
+    Int4Groups,
+    Int8Groups,
+    int8_scales,
+    quantize_fp8_blocks,
+    quantize_int4,
+    quantize_int8,
+)
 from minisgl_cli.loader.hf import Weight, whole
 
 Layer = Any  # the linear layer or LM head a method fills: it sets attributes (weight, qweight, ...) on it
@@ -419,6 +432,54 @@ class Fp8Method(LinearMethod):
         return y + bias if bias is not None else y
 
 
+class Fp8BlockMethod(LinearMethod):
+    """A block-wise FP8 checkpoint's weights kept as shipped (see the module docstring): the layer holds `weight`
+    (e4m3 [N, K]) and `weight_scale_inv` (fp32 [ceil(N / bn), ceil(K / bk)]). Shards arrive as Fp8Blocks (a TP
+    rank's or a merged projection's rows start on a block); a dense one (rows a model reordered across blocks, or
+    --load-format dummy) is quantized into blocks the same way the checkpoint's were."""
+
+    name = "fp8-block"
+    quantized = True
+    devices = ("cuda",)
+
+    def __init__(self, block: tuple[int, int] = (128, 128)):
+        self.block = block
+
+    def create(self, layer: Layer, out_features: int, in_features: int) -> None:
+        bn, bk = self.block
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=fp8.FP8), requires_grad=False)
+        layer.weight_scale_inv = nn.Parameter(torch.ones(-(-out_features // bn), -(-in_features // bk)),
+                                              requires_grad=False)
+
+    def load(self, layer: Layer, w: Weight, row: int, full: Weight | None = None) -> None:
+        bn = self.block[0]
+        if not (isinstance(w, Fp8Blocks) and w.block == self.block):
+            w = quantize_fp8_blocks(whole(w), self.block)
+        if row % bn:
+            raise ValueError(f"a block-wise FP8 shard starts at row {row}, inside a block of {bn} rows")
+        layer.weight.data.narrow(0, row, w.q.shape[0]).copy_(w.q)
+        layer.weight_scale_inv.data.narrow(0, row // bn, w.scale_inv.shape[0]).copy_(w.scale_inv)
+
+    def for_lm_head(self) -> LinearMethod:
+        return LinearMethod()
+
+    def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, decode: bool = False) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if layer.kernels.triton(x2) is not None:
+            from minisgl_cli.kernels.triton.fp8_block import block_fp8_linear
+
+            y = block_fp8_linear(x2, layer.weight, layer.weight_scale_inv, self.block)
+        else:  # the same numbers in fp32 (fused ops off): activations per token group, blocks dequantized
+            codes, scales = fp8.quantize_groups(x2, self.block[1])
+            w = Fp8Blocks(layer.weight, layer.weight_scale_inv, self.block).dequantize()
+            y = F.linear(fp8.dequantize_groups(codes, scales, self.block[1]), w).to(x.dtype)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y + bias if bias is not None else y
+
+    def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        # not the dense method's one-row GEMV: that one knows no block scales
+        return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None, decode)
+
 
 METHODS: dict[str, type[LinearMethod]] = {"none": LinearMethod, "int4": Int4Method, "int8": Int8Method,
-                                           "fp8": Fp8Method}
+                                           "fp8": Fp8Method, "fp8-block": Fp8BlockMethod}

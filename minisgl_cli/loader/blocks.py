@@ -1,4 +1,4 @@
-"""Quantized weights as checkpoints carry them: 4-bit and 8-bit integer groups with their scales.
+"""Quantized weights as checkpoints carry them: 4-bit and 8-bit integer groups, and FP8 blocks, with their scales.
 
 A GGUF's Q4_0 / Q4_1 / Q8_0 tensors arrive as these (loader/gguf.py keeps them as shipped), and a
 dense tensor quantizes into them at load (`--quantization int4|int8` on a safetensors model). The
@@ -9,6 +9,9 @@ merged-projection slice without touching the integers.
               (GGUF Q4_1 as is; Q4_0 is min = -8 * scale)
   Int8Groups  w[n, k] = scale[n, g] * q[n, k],              q in -127..127
               (GGUF Q8_0: group 32; per output channel: group = in_features)
+  Fp8Blocks   w[n, k] = scale_inv[n // bn, k // bk] * q[n, k],         q e4m3
+              (DeepSeek-V3's and Qwen3-FP8's `weight` + `weight_scale_inv`, blocks of bn x bk = 128 x 128; the
+              last block of a row or column may be partial: the scale grid is rounded up)
 """
 
 from __future__ import annotations
@@ -71,7 +74,53 @@ class Int8Groups:
         return w.view(n, k).to(dtype)
 
 
-Blocks = Int4Groups | Int8Groups  # a quantized weight (loader/hf.py's Weight: what a layer loads, these included)
+@dataclass(frozen=True)
+class Fp8Blocks:
+    q: torch.Tensor  # e4m3 [N, K]
+    scale_inv: torch.Tensor  # fp32 [ceil(N / bn), ceil(K / bk)]: each block's dequantization scale (DeepSeek's name)
+    block: tuple[int, int] = (128, 128)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def narrow(self, dim: int, start: int, size: int) -> Fp8Blocks | torch.Tensor:
+        """The rows or columns start..start + size: as blocks where start falls on a block (a TP shard, a merged
+        projection's part, the last one maybe partial), else dequantized (only a dense method can take those)."""
+        b = self.block[dim]
+        if start % b or (size % b and start + size != self.q.shape[dim]):
+            return self.dequantize().narrow(dim, start, size)
+        return replace(self, q=self.q.narrow(dim, start, size),
+                       scale_inv=self.scale_inv.narrow(dim, start // b, -(-size // b)))
+
+    def take_rows(self, order: torch.Tensor) -> Fp8Blocks | torch.Tensor:
+        """Rows reordered (q[order]): as blocks where every row stays in its block of rows, else dequantized."""
+        rows = torch.arange(len(order))
+        if torch.equal(order // self.block[0], rows // self.block[0]):
+            return replace(self, q=self.q[order])
+        return self.dequantize()[order]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.q.shape
+        bn, bk = self.block
+        scale = self.scale_inv.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+        return (self.q.float() * scale).to(dtype)
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> Fp8Blocks:
+    """w [N, K] as e4m3 blocks the way DeepSeek's checkpoints are made: scale_inv = max |block| / 448 per block (448:
+    e4m3's largest value), q = w / scale_inv rounded to e4m3."""
+    n, k = w.shape
+    bn, bk = block
+    wf = torch.nn.functional.pad(w.float(), (0, -k % bk, 0, -n % bn))
+    tiles = wf.view(wf.shape[0] // bn, bn, wf.shape[1] // bk, bk)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp_(min=1e-12) / 448.0
+    q = (tiles / scale[:, None, :, None]).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+    q = q.view(wf.shape)[:n, :k].contiguous()
+    return Fp8Blocks(q, scale, block)
+
+
+Blocks = Int4Groups | Int8Groups  # a GGUF's weight (loader/hf.py's Weight: what a layer loads, these included)
 
 
 def quantize_int4(w: torch.Tensor, group: int = 32) -> Int4Groups:

@@ -39,7 +39,9 @@ _GEMMA3 = {
 # V2-Lite as published (15.7B, ~31 GB in bf16: a plain q_proj, softmax routing over 64 experts, 6 a token); V3's
 # widths (a 1536 q_lora_rank, 128 heads, 256 experts in 8 groups, sigmoid routing with a correction bias) cut to 5
 # layers, one dense and four MoE, to fit one H200 in bf16 (~97 GB); "deepseek-tiny": V3's design at toy widths, for
-# starting the CPU paths (`minisgl smoke --model deepseek-tiny --load-format dummy --device cpu`).
+# starting the CPU paths (`minisgl smoke --model deepseek-tiny --load-format dummy --device cpu`);
+# "deepseek-v3-5layer-fp8": the same with V3's published quantization_config (block-wise FP8, 128 x 128), so its
+# linears run as the shipped checkpoint's do on an FP8 GPU (layers/quant.py's fp8-block; the experts stay bf16).
 _DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
     "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_attention_heads": 128,
@@ -158,6 +160,9 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "bos_token_id": 100000, "eos_token_id": 100001,
     },
     "deepseek-v3-5layer": {**_DEEPSEEK_V3, "num_hidden_layers": 5, "first_k_dense_replace": 1},
+    "deepseek-v3-5layer-fp8": {**_DEEPSEEK_V3, "num_hidden_layers": 5, "first_k_dense_replace": 1,
+                               "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+                                                       "dynamic", "weight_block_size": [128, 128]}},
     "deepseek-tiny": {**_DEEPSEEK_V3, "vocab_size": 32000, "hidden_size": 256, "intermediate_size": 512,
                       "moe_intermediate_size": 64, "num_hidden_layers": 3, "first_k_dense_replace": 1,
                       "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 16,

@@ -1,7 +1,10 @@
 """HF checkpoint directories: config.json and *.safetensors, streamed into the model tensor by tensor.
 
 Tensors come lazily (`LazyTensor`): a layer reads only the rows or columns its TP rank holds, so no
-rank reads a whole checkpoint into memory.
+rank reads a whole checkpoint into memory. A block-wise FP8 checkpoint (quantization_config: quant_method fp8,
+weight_block_size: DeepSeek-V3's) carries each linear's `weight` in e4m3 beside its `weight_scale_inv`; the two
+come paired as one `Fp8Blocks` (`with_fp8_blocks`), which a method made for them keeps (layers/quant.py's
+fp8-block, CUDA) and any other dequantizes (`whole`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any, Union
 import torch
 from safetensors import safe_open
 
-from minisgl_cli.loader.blocks import Int4Groups, Int8Groups
+from minisgl_cli.loader.blocks import Fp8Blocks, Int4Groups, Int8Groups
 from minisgl_cli.loader.errors import ModelLoadError
 
 
@@ -36,6 +39,7 @@ class LazyTensor:
     def __init__(self, view: Any):
         self._view = view
         self.shape = torch.Size(view.get_shape())
+        self.stored_dtype: str = view.get_dtype()  # safetensors' name: "BF16", "F8_E4M3", ...
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = [slice(None)] * len(self.shape)
@@ -47,7 +51,7 @@ class LazyTensor:
 
 
 # What a layer's load_shard receives: a tensor, read or not yet, or a GGUF's quantized groups (loader/blocks.py).
-Weight = Union[torch.Tensor, LazyTensor, Int4Groups, Int8Groups]
+Weight = Union[torch.Tensor, LazyTensor, Int4Groups, Int8Groups, Fp8Blocks]
 
 
 def whole(w: Weight) -> torch.Tensor:
@@ -55,6 +59,44 @@ def whole(w: Weight) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return w
     return w.full() if isinstance(w, LazyTensor) else w.dequantize()
+
+
+def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
+    """An HF config's FP8 weight blocks (rows, columns), None where the checkpoint is not FP8; the FP8 forms minisgl
+    does not load (per-tensor or per-channel scales, static activation scales) refused by name."""
+    q = cfg.get("quantization_config") or {}
+    if q.get("quant_method") != "fp8":
+        return None
+    block = q.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise ValueError("this FP8 checkpoint has no weight_block_size: only block-wise FP8 weights (DeepSeek-V3's "
+                         "form) load; use a bf16 copy")
+    if q.get("activation_scheme", "dynamic") != "dynamic" or q.get("fmt", "e4m3") != "e4m3":
+        raise ValueError("FP8 checkpoints load with dynamic activation scales and e4m3 weights only, not "
+                         f"activation_scheme {q.get('activation_scheme')!r} / fmt {q.get('fmt')!r}")
+    return int(block[0]), int(block[1])
+
+
+def with_fp8_blocks(weights: Iterator[tuple[str, Weight]], block: tuple[int, int]) -> Iterator[tuple[str, Weight]]:
+    """The checkpoint's tensors with each e4m3 `X.weight` and its `X.weight_scale_inv` as one `Fp8Blocks` named
+    X.weight (whichever comes first waits for the other; the e4m3 codes are read whole: a byte a weight)."""
+    codes: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, w in weights:
+        if name.endswith(".weight_scale_inv"):
+            base = name.removesuffix("_scale_inv")
+            scales[base] = whole(w).float()
+        elif getattr(w, "stored_dtype", None) == "F8_E4M3" or getattr(w, "dtype", None) == torch.float8_e4m3fn:
+            base = name
+            codes[base] = whole(w)
+        else:
+            yield name, w
+            continue
+        if base in codes and base in scales:
+            yield base, Fp8Blocks(codes.pop(base), scales.pop(base), block)
+    if codes or scales:
+        raise ModelLoadError(f"FP8 weights without their scales, or scales without their weights: "
+                             f"{sorted({*codes, *scales})[:3]}")
 
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, LazyTensor]]:

@@ -460,9 +460,6 @@ def _deepseek_moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     otherwise than DeepSeek's own code (or not at all) is refused by name."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r}: DeepSeek runs silu only")
-    if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8":
-        raise ValueError("this DeepSeek checkpoint ships block-wise FP8 weights, which minisgl does not load yet: use "
-                         "a bf16 copy (dequantized)")
     if (cfg.get("moe_layer_freq") or 1) != 1:
         raise ValueError(f"moe_layer_freq {cfg['moe_layer_freq']} is not supported (transformers ignores it): only 1")
     experts = cfg.get("n_routed_experts") or 0

@@ -36,6 +36,7 @@ from minisgl_cli.layers.moe import MoE, grouped_mm_runs
 from minisgl_cli.layers.norm import LayerOut, RMSNorm
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.layers.rotary import RopeTable, RotaryEmbedding
+from minisgl_cli.loader.blocks import Fp8Blocks
 from minisgl_cli.loader.hf import Weight, whole
 from minisgl_cli.models.config import MlaConfig, ModelConfig
 from minisgl_cli.models.llama import MLP, DecoderLayer, LlamaForCausalLM, RopeAt
@@ -196,20 +197,24 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             if layer is not None and int(layer[1]) >= self.cfg.num_layers:
                 continue
             if m.rope_interleave and name.endswith((".q_proj.weight", ".q_b_proj.weight")):
-                yield name, _halves(whole(tensor), qk, m.qk_nope_head_dim)
+                yield name, _halves(tensor, qk, m.qk_nope_head_dim)
             elif m.rope_interleave and ".kv_a_proj_with_mqa." in name:
-                yield name, _halves(whole(tensor), m.latent_dim, m.kv_lora_rank)
+                yield name, _halves(tensor, m.latent_dim, m.kv_lora_rank)
             else:
                 yield name, tensor
 
 
-def _halves(w: torch.Tensor, width: int, start: int) -> torch.Tensor:
+def _halves(w: Weight, width: int, start: int) -> Weight:
     """Rows of `w` in blocks of `width` (a head's), each block's rows start.. reordered from (x0, x1), (x2, x3)
-    pairs to halves (x0, x2, ..., x1, x3, ...)."""
+    pairs to halves (x0, x2, ..., x1, x3, ...). Block-wise FP8 rows stay FP8 (DeepSeek-V3's rope rows never leave
+    their 128-row block: loader/blocks.py's take_rows)."""
     rope = width - start
     order = torch.cat((torch.arange(start), start + torch.arange(0, rope, 2), start + torch.arange(1, rope, 2)))
-    blocks = w.view(-1, width, *w.shape[1:])
-    return blocks[:, order.to(w.device)].reshape(w.shape)
+    rows = (torch.arange(w.shape[0]).view(-1, width)[:, order]).reshape(-1)
+    if isinstance(w, Fp8Blocks):
+        return w.take_rows(rows)
+    w = whole(w)
+    return w[rows.to(w.device)]
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
