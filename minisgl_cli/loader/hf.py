@@ -10,7 +10,7 @@ fp8-block, CUDA) and any other dequantizes (`whole`).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Union
 
@@ -77,7 +77,7 @@ def fp8_block_size(cfg: dict) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def with_fp8_blocks(weights: Iterator[tuple[str, Weight]], block: tuple[int, int]) -> Iterator[tuple[str, Weight]]:
+def with_fp8_blocks(weights: Iterable[tuple[str, Weight]], block: tuple[int, int]) -> Iterator[tuple[str, Weight]]:
     """The checkpoint's tensors with each e4m3 `X.weight` and its `X.weight_scale_inv` as one `Fp8Blocks` named
     X.weight (whichever comes first waits for the other; the e4m3 codes are read whole: a byte a weight)."""
     codes: dict[str, torch.Tensor] = {}
