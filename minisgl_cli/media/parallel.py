@@ -42,6 +42,9 @@ def resolve_mode(mode: str, guidance_scale: float, size: int) -> str:
         raise MediaError(f"unknown --media-parallel {mode!r}: use one of {', '.join(MODES)}", "media_parallel")
     if mode == "auto":
         return "cfg" if guided(guidance_scale) and size == 2 else "ulysses"
+    if mode == "cfg" and not guided(guidance_scale):
+        raise MediaError(f"--media-parallel cfg splits the two CFG passes of a step; guidance {guidance_scale:g} "
+                         "runs one (CFG is on above 1): use ulysses", "media_parallel")
     return mode
 
 
