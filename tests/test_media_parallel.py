@@ -131,3 +131,47 @@ def test_a_split_that_cannot_be_made_is_one_line_and_exit_1(case, tiny_models, t
     (line,) = [x for x in result.stderr.splitlines() if x.strip()]
     assert line.startswith("error: ") and expected in line, line
     assert not multiprocessing.active_children()  # refused before any rank started
+
+
+@pytest.mark.slow
+def test_serve_media_worker_leads_the_ranks_and_leaves_none_behind(one_process, tiny_models):
+    """The media worker (a runtime child) is rank 0: the other rank is its child, handed each job; the video the
+    route answers has the one-process frames; closing the service (SIGTERM to the worker) ends both processes."""
+    import base64
+    import io
+
+    import httpx
+    import psutil
+    from fastapi import FastAPI
+
+    from minisgl_cli.api.http_server import BackgroundServer
+    from minisgl_cli.media.service import MediaService
+    from minisgl_cli.media.settings import MediaSettings
+    from minisgl_cli.server.errors import install_error_handlers
+    from minisgl_cli.server.media import build_media_router
+
+    service = MediaService(MediaSettings(video_model_dir=tiny_models["wan"], device="cpu", media_parallel="auto"))
+    assert service.settings.spec("video").media_parallel == "cfg"  # auto: the default video job is guided
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(build_media_router(service=service))
+    server = BackgroundServer(app)
+    url = server.start(healthy=False)
+    try:
+        r = httpx.post(f"{url}/v1/videos/generations", timeout=300, json={
+            "prompt": "a boat on a lake", "negative_prompt": "blur", "size": "64x64", "num_frames": 5, "steps": 2,
+            "seed": 3, "guidance_scale": 5.0, "response_format": "frames"})
+        assert r.status_code == 200, r.text
+        frames = np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(f)))) for f in r.json()["data"][0]
+                           ["frames"]])
+        me = psutil.Process()
+        # (this test process's own multiprocessing resource tracker lives as long as it does)
+        below = [p for p in me.children(recursive=True)
+                 if not (p.ppid() == me.pid and "resource_tracker" in " ".join(p.cmdline()))]
+        assert any(p.ppid() not in (me.pid, 1) for p in below)  # the worker's own child: rank 1
+    finally:
+        service.close()
+        server.stop()
+    assert np.abs(frames.astype(int) - one_process.astype(int)).max() <= 1
+    _, alive = psutil.wait_procs(below, timeout=10)
+    assert not alive, [(p.pid, p.ppid(), p.cmdline()) for p in alive]

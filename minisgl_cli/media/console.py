@@ -13,22 +13,10 @@ import typer
 from minisgl_cli.device import DeviceError
 from minisgl_cli.media.jobs import ImageJob, MediaError, ModelSpec, VideoJob
 from minisgl_cli.media.pipelines import LoadedPipeline, StepHook
+from minisgl_cli.media.pipelines import quiet_libraries as quiet_libraries  # the fronts call it from here
 
 Job = TypeVar("Job", ImageJob, VideoJob)
 R = TypeVar("R")
-
-
-def quiet_libraries() -> None:
-    """Our own bar and messages replace diffusers/transformers' tqdm bars and info logs."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from diffusers.utils import logging as dlog
-    from huggingface_hub.utils import logging as hlog
-    from transformers.utils import logging as tlog
-
-    for log in (dlog, tlog):
-        log.set_verbosity_error()
-        log.disable_progress_bar()
-    hlog.set_verbosity_error()  # its retry warnings would add lines to the one-line error
 
 
 @contextlib.contextmanager

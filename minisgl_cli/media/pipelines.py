@@ -11,6 +11,7 @@ TILE_PIXELS (an image) or TILE_VOXELS (a video's frames x pixels).
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -87,6 +88,20 @@ class LoadedPipeline:
 
         with self.lock, torch.inference_mode():
             return self.pipe(**kwargs)
+
+
+def quiet_libraries() -> None:
+    """Our own bar and messages replace diffusers/transformers' tqdm bars and info logs (in every process that runs a
+    pipeline: a front, the media worker, each rank of a media group)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from diffusers.utils import logging as dlog
+    from huggingface_hub.utils import logging as hlog
+    from transformers.utils import logging as tlog
+
+    for log in (dlog, tlog):
+        log.set_verbosity_error()
+        log.disable_progress_bar()
+    hlog.set_verbosity_error()  # its retry warnings would add lines to the one-line error
 
 
 _cache: dict[tuple, LoadedPipeline] = {}

@@ -33,6 +33,27 @@ START_TIMEOUT_S = 900.0  # the other ranks' imports and pipeline loads
 CLOSE_TIMEOUT_S = 10.0
 
 
+class RanksGone(MediaError):
+    """The group cannot run another call (a rank died): the server's state, not the request's."""
+
+    status = 503
+    type = "server_error"
+    code = "media_rank_gone"
+
+
+def check(spec: ModelSpec) -> None:
+    """What `load` would refuse before starting anything, for a server's start-up: the options for this machine,
+    and the split of the model where its configs are at hand (a built-in one, or a dir already on disk)."""
+    if spec.media_parallel is None:
+        return
+    from minisgl_cli.device import pick_device
+    from minisgl_cli.media.pipelines import check_options
+
+    check_options(spec, pick_device(spec.device))
+    if spec.load_format == "dummy" or (spec.model_dir / "model_index.json").is_file():
+        _check_model(spec)
+
+
 def load(spec: ModelSpec) -> LoadedPipeline:
     """The pipeline for `spec`; for a parallel spec rank 0's, with the other ranks started and loaded beside it
     (one group a process: it stays up for later calls until `close`)."""
@@ -145,7 +166,7 @@ def _follow(start: FollowerStart) -> None:
     if device.startswith("cpu"):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // start.size))  # the ranks share the cores
     from minisgl_cli.media.batch import generate
-    from minisgl_cli.media.console import quiet_libraries
+    from minisgl_cli.media.pipelines import quiet_libraries
 
     quiet_libraries()
     try:
@@ -232,7 +253,7 @@ class Ranks:
         """The other ranks run `jobs` too (the same call, the same seeds); rank 0 runs them next."""
         dead = next((p for p in self.procs if p.exitcode is not None), None)
         if self.closed or dead is not None:
-            raise MediaError("a media rank process is gone: restart to run on several devices", "media_parallel")
+            raise RanksGone("a media rank process is gone: restart to run on several devices", "media_parallel")
         for q in self.queues:
             q.put(jobs)
 
