@@ -175,3 +175,11 @@ def test_serve_media_worker_leads_the_ranks_and_leaves_none_behind(one_process, 
     assert np.abs(frames.astype(int) - one_process.astype(int)).max() <= 1
     _, alive = psutil.wait_procs(below, timeout=10)
     assert not alive, [(p.pid, p.ppid(), p.cmdline()) for p in alive]
+
+
+def test_serve_refuses_a_split_it_cannot_make_at_start_up():
+    result = runner.invoke(app, ["serve", "--media-parallel", "cfg", "--media-parallel-size", "3"])
+    assert result.exit_code == 2, (result.stderr, result.exception)
+    (line,) = [x for x in result.stderr.splitlines() if x.strip()]
+    assert line == ("error: --media-parallel cfg splits the two CFG passes over exactly 2 ranks, got "
+                    "--media-parallel-size 3 (use ulysses for more)"), line
