@@ -262,11 +262,11 @@ class Ranks:
         if self.closed:
             return
         self.closed = True
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S  # for all of it: leaving the group, the ranks' exits
         for q in self.queues:
             with contextlib.suppress(Exception):
                 q.put(None)
         _leave_group()
-        deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for proc in self.procs:
             proc.join(max(0.1, deadline - time.monotonic()))
             if proc.is_alive():
