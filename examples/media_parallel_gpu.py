@@ -125,17 +125,23 @@ def main() -> None:
     ap.add_argument("--guidance", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--compile", action="store_true", help="regional compile of the DiT's blocks (default: eager)")
+    ap.add_argument("--collective-timeout", type=float, default=120.0,
+                    help="seconds any collective may wait (a hung rank fails the variant, not the whole budget)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/media_parallel"))
     a = ap.parse_args()
     a.model = "wan2.1-t2v-1.3b"
     if a.tiny:
         a.model, a.width, a.height, a.frames, a.steps = "tiny-wan", 64, 64, 5, min(a.steps, 3)
+    import datetime
+
     import torch
 
     from minisgl_cli.device import pick_device
+    from minisgl_cli.media import ranks
     from minisgl_cli.media.console import quiet_libraries
 
     quiet_libraries()
+    ranks.TIMEOUT = datetime.timedelta(seconds=a.collective_timeout)
     a.device = pick_device(a.device)
     cuda = a.device.startswith("cuda")
     if not cuda:

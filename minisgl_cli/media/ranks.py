@@ -27,7 +27,8 @@ from minisgl_cli.media.pipelines import LoadedPipeline, load_pipeline
 
 log = logging.getLogger("minisgl.media")
 
-# A step (or a rank's compile of the DiT's blocks on its first call) must finish within this, at every collective.
+# A step (or a rank's compile of the DiT's blocks on its first call) must finish within this, at every collective
+# (a benchmark with a short budget sets it lower before the group starts: every rank takes rank 0's).
 TIMEOUT = datetime.timedelta(seconds=600)
 START_TIMEOUT_S = 900.0  # the other ranks' imports and pipeline loads
 CLOSE_TIMEOUT_S = 10.0
@@ -116,7 +117,7 @@ def rank_device(device: str, rank: int) -> str:
     return device
 
 
-def _join(rank: int, size: int, addr: str, device: str) -> None:
+def _join(rank: int, size: int, addr: str, device: str, timeout: datetime.timedelta) -> None:
     import torch
     import torch.distributed as dist
 
@@ -130,9 +131,9 @@ def _join(rank: int, size: int, addr: str, device: str) -> None:
         if where.index is None:  # "cuda": the current one
             where = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(where)
-        dist.init_process_group("nccl", init_method=url, world_size=size, rank=rank, timeout=TIMEOUT, device_id=where)
+        dist.init_process_group("nccl", init_method=url, world_size=size, rank=rank, timeout=timeout, device_id=where)
     else:
-        dist.init_process_group("gloo", init_method=url, world_size=size, rank=rank, timeout=TIMEOUT)
+        dist.init_process_group("gloo", init_method=url, world_size=size, rank=rank, timeout=timeout)
 
 
 def _leave_group() -> bool:
@@ -150,6 +151,7 @@ class FollowerStart:
     jobs: Any  # mp.Queue: lists of jobs from rank 0, None to stop
     ready: Any  # mp.Queue: (rank, None) once loaded, or (rank, "one-line error")
     log_level: int
+    timeout: datetime.timedelta  # of every collective
 
 
 def _follow(start: FollowerStart) -> None:
@@ -170,7 +172,7 @@ def _follow(start: FollowerStart) -> None:
 
     quiet_libraries()
     try:
-        _join(start.rank, start.size, start.addr, device)
+        _join(start.rank, start.size, start.addr, device, start.timeout)
         loaded = load_pipeline(start.spec)
     except Exception as exc:  # noqa: BLE001 - any start-up failure is one line for rank 0
         start.ready.put((start.rank, getattr(exc, "message", None) or f"{type(exc).__name__}: {first_line(exc)}"))
@@ -216,14 +218,14 @@ class Ranks:
         for rank in range(1, size):
             jobs = ctx.Queue()
             follower = dataclasses.replace(spec, device=rank_device(device, rank))
-            start = FollowerStart(follower, rank, size, addr, jobs, ready, logging.getLogger().level)
+            start = FollowerStart(follower, rank, size, addr, jobs, ready, logging.getLogger().level, TIMEOUT)
             proc = ctx.Process(target=_follow, args=(start,), name=f"minisgl media rank {rank}", daemon=True)
             proc.start()
             procs.append(proc)
             queues.append(jobs)
         ranks = cls(procs, queues, ready)
         try:
-            _join(0, size, addr, device)
+            _join(0, size, addr, device, TIMEOUT)
         except BaseException:
             ranks.close()
             raise
