@@ -91,6 +91,8 @@ def run_variant(variant: str, a: argparse.Namespace, sync: Any) -> tuple[Row, An
         row.at_50_s = row.warm_s + (50 - a.steps) * row.step_s
     except MediaError as exc:
         row.note = f"refused: {exc.message}"
+    except Exception as exc:  # noqa: BLE001 - e.g. a collective that timed out: this variant's row says so
+        row.note = f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
     finally:
         ranks.close()
         unload_all()
@@ -162,11 +164,15 @@ def main() -> None:
         elif variant == "one":
             row.speedup_50 = 1.0
         rows.append(row)
+        save(rows, a, torch)  # after each variant: a process torn down later keeps what was measured
         print(f"{variant}: load {row.load_s:.1f} s, first {row.first_s:.2f} s, warm {row.warm_s:.2f} s, step "
               f"{row.step_s:.3f} s, s@50 {row.at_50_s:.1f}, PSNR {row.psnr_db:.1f} dB {row.note}", flush=True)
-    text = table(rows, a)
-    print(text)
-    (a.out / "media_parallel.md").write_text(text + "\n")
+    print(table(rows, a))
+
+
+def save(rows: list[Row], a: argparse.Namespace, torch: Any) -> None:
+    cuda = a.device.startswith("cuda")
+    (a.out / "media_parallel.md").write_text(table(rows, a) + "\n")
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
            "gpus": torch.cuda.device_count() if cuda else 0}
     (a.out / "media_parallel.json").write_text(json.dumps(
