@@ -130,13 +130,6 @@ def check_job(pipe: Any, mode: str, size: int, job: ImageJob | VideoJob) -> None
                          f"multiple of {size} ranks (pick another size or frame count)", "size")
 
 
-def is_follower() -> bool:
-    """This process is a rank > 0 of a media group (it loads its pipeline, it does not start ranks)."""
-    import torch.distributed as dist
-
-    return dist.is_initialized() and dist.get_rank() > 0
-
-
 # --- inside a pipeline call --------------------------------------------------------------------------------------
 def _denoisers(pipe: Any) -> list[Any]:
     return [m for m in (getattr(pipe, "transformer", None), getattr(pipe, "transformer_2", None)) if m is not None]
