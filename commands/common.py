@@ -133,6 +133,36 @@ def media_speed_options(serve: bool = False) -> tuple[Any, Any, Any, Any, Any]:
     return compile_, attention, quantization, cache, load_format
 
 
+class MediaParallel(str, Enum):
+    cfg = "cfg"
+    ulysses = "ulysses"
+    auto = "auto"
+
+
+def media_parallel_options(serve: bool = False) -> tuple[Any, Any]:
+    """--media-parallel and --media-parallel-size: one job over several GPUs (media/parallel.py), on image, video
+    and serve alike (serve: its video pipeline)."""
+    panel = f"Media {SPEED_PANEL.lower()}" if serve else SPEED_PANEL
+    mode = typer.Option(
+        "--media-parallel", envvar="MINISGL_MEDIA_PARALLEL", metavar="<str>", rich_help_panel=panel,
+        show_default="off: one GPU",
+        help="One job over several GPUs: cfg (the two CFG passes, 2 GPUs), ulysses (attention heads split), auto "
+             "(cfg for a guided job on 2, else ulysses).")
+    size = typer.Option(
+        "--media-parallel-size", envvar="MINISGL_MEDIA_PARALLEL_SIZE", metavar="<int>", rich_help_panel=panel,
+        help="GPUs (ranks, one process each) of --media-parallel, from the --device one on.")
+    return mode, size
+
+
+def media_parallel(mode: MediaParallel | None, size: int, guidance_scale: float) -> dict[str, Any]:
+    """--media-parallel / --media-parallel-size as ModelSpec's keyword arguments, `auto` resolved for a job of this
+    guidance."""
+    from minisgl_cli.media.parallel import resolve_mode
+
+    return dict(media_parallel=resolve_mode(mode.value, guidance_scale, size) if mode else None,
+                media_parallel_size=size)
+
+
 def media_quantization(value: MediaQuantization) -> str | None:
     return None if value is MediaQuantization.none else value.value
 

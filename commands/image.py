@@ -16,6 +16,7 @@ setup = c.in_panel(c.MODEL_PANEL)  # the model and how it runs
 MODEL, MODEL_DIR = c.pipeline_options("MINISGL_IMAGE_MODEL", "Z_IMAGE_MODEL_DIR",
                                       f"{DEFAULT_IMAGE_MODEL_DIR} for the default --model")
 COMPILE, ATTENTION, QUANTIZATION, MEDIA_CACHE, LOAD_FORMAT = c.media_speed_options()
+PARALLEL, PARALLEL_SIZE = c.media_parallel_options()
 
 
 class Aspect(str, Enum):
@@ -55,6 +56,8 @@ def image(
     quantization: Annotated[c.MediaQuantization, QUANTIZATION] = c.MediaQuantization.none,
     media_cache: Annotated[Optional[c.MediaCache], MEDIA_CACHE] = None,
     load_format: Annotated[c.MediaLoadFormat, LOAD_FORMAT] = c.MediaLoadFormat.auto,
+    media_parallel: Annotated[Optional[c.MediaParallel], PARALLEL] = None,
+    media_parallel_size: Annotated[int, PARALLEL_SIZE] = 2,
 ) -> None:
     from minisgl_cli.media import console
     from minisgl_cli.media.image import generate_images, save_images
@@ -67,7 +70,8 @@ def image(
         job = ImageJob(prompt, w, h, steps, guidance_scale, num_images, seed, negative_prompt)  # checked before loading
         console.writable_dir(output_dir)
         spec = ModelSpec.create("image", model, model_dir, device=device, cpu_offload=cpu_offload,
-                                **c.speed_options(compile, attention_backend, quantization, media_cache, load_format))
+                                **c.speed_options(compile, attention_backend, quantization, media_cache, load_format),
+                                **c.media_parallel(media_parallel, media_parallel_size, guidance_scale))
         loaded = console.load_with_status(spec)
         job, note = fit_defaults(loaded.pipe, job, size=width is None and height is None)
         if note:
@@ -75,7 +79,7 @@ def image(
         what = f"{job.width}x{job.height}" + (f" x{job.num_images}" if job.num_images > 1 else "")
         result, clock = console.run_with_progress(loaded, job, generate_images, what)
         paths = save_images(result, output_dir, "image")
-    typer.echo(console.summary(what, loaded.device, job.steps, result.elapsed_s, clock, result.seed,
+    typer.echo(console.summary(what, console.where(loaded), job.steps, result.elapsed_s, clock, result.seed,
                                per=(job.num_images, "an image")), err=True)
     for path in paths:
         typer.echo(str(path))

@@ -21,6 +21,7 @@ server = c.in_panel(c.SERVER_PANEL)
 limits = c.in_panel(c.LIMITS_PANEL)
 media = c.in_panel(c.MEDIA_PANEL)
 COMPILE, ATTENTION, QUANTIZATION, MEDIA_CACHE, LOAD_FORMAT = c.media_speed_options(serve=True)
+PARALLEL, PARALLEL_SIZE = c.media_parallel_options(serve=True)
 
 
 @app.command("serve", cls=c.Command)
@@ -73,6 +74,8 @@ def serve(
     media_quantization: Annotated[c.MediaQuantization, QUANTIZATION] = c.MediaQuantization.none,
     media_cache: Annotated[Optional[c.MediaCache], MEDIA_CACHE] = None,
     media_load_format: Annotated[c.MediaLoadFormat, LOAD_FORMAT] = c.MediaLoadFormat.auto,
+    media_parallel: Annotated[Optional[c.MediaParallel], PARALLEL] = None,
+    media_parallel_size: Annotated[int, PARALLEL_SIZE] = 2,
     media_max_queue: Annotated[int, media("--media-max-queue", envvar="MINISGL_MEDIA_MAX_QUEUE", min=1,
         metavar="<int>", help="Image / video jobs that may wait for the media worker; more get a 429.")] = 32,
     media_max_batch: Annotated[int, media("--media-max-batch", envvar="MINISGL_MEDIA_MAX_BATCH", min=1,
@@ -138,7 +141,18 @@ def serve(
         video_model_dir=video_model_dir or media.video_model_dir,
         **c.speed_options(media_compile.flag(), media_attention, media_quantization, media_cache, media_load_format),
         max_queue=media_max_queue, max_batch=media_max_batch, max_work=media_max_work,
+        media_parallel=media_parallel.value if media_parallel else media.media_parallel,
+        media_parallel_size=media_parallel_size,
     )
+    if media.media_parallel is not None:  # a split this machine or model cannot make: refused now, not per request
+        from minisgl_cli.device import DeviceError
+        from minisgl_cli.media.jobs import MediaError
+        from minisgl_cli.media.ranks import check
+
+        try:
+            check(media.spec("video"))
+        except (MediaError, DeviceError) as exc:
+            c.fail(getattr(exc, "message", None) or str(exc), code=2)
     if allow_local_images is not None and not allow_local_images.expanduser().is_dir():
         c.fail(f"--allow-local-images {allow_local_images}: not a directory")
     images = ImagePolicy(local_dir=allow_local_images, allow_remote=allow_remote_images, max_bytes=max_image_bytes,

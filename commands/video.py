@@ -14,6 +14,7 @@ from minisgl_cli.media.jobs import DEFAULT_VIDEO_MODEL
 MODEL, MODEL_DIR = c.pipeline_options("MINISGL_VIDEO_MODEL", "MINISGL_VIDEO_MODEL_DIR",
                                       "~/.cache/mini-sglang/<repo name>")
 COMPILE, ATTENTION, QUANTIZATION, MEDIA_CACHE, LOAD_FORMAT = c.media_speed_options()
+PARALLEL, PARALLEL_SIZE = c.media_parallel_options()
 
 app = typer.Typer()
 setup = c.in_panel(c.MODEL_PANEL)  # the model and how it runs
@@ -53,6 +54,8 @@ def video(
     quantization: Annotated[c.MediaQuantization, QUANTIZATION] = c.MediaQuantization.none,
     media_cache: Annotated[Optional[c.MediaCache], MEDIA_CACHE] = None,
     load_format: Annotated[c.MediaLoadFormat, LOAD_FORMAT] = c.MediaLoadFormat.auto,
+    media_parallel: Annotated[Optional[c.MediaParallel], PARALLEL] = None,
+    media_parallel_size: Annotated[int, PARALLEL_SIZE] = 2,
 ) -> None:
     import time
 
@@ -70,7 +73,8 @@ def video(
                        fps, steps, guidance_scale, seed, negative_prompt)  # checked before loading
         console.writable_dir(output_dir)
         spec = ModelSpec.create("video", model, model_dir, device=device, cpu_offload=cpu_offload,
-                                **c.speed_options(compile, attention_backend, quantization, media_cache, load_format))
+                                **c.speed_options(compile, attention_backend, quantization, media_cache, load_format),
+                                **c.media_parallel(media_parallel, media_parallel_size, guidance_scale))
         loaded = console.load_with_status(spec)
         job, note = fit_defaults(loaded.pipe, job, size=width is None and height is None, frames=num_frames is None)
         if note:
@@ -83,5 +87,5 @@ def video(
         else:
             out = unique_path(output_dir, stem + "_frames")
             write_frames(result.frames, out)
-    typer.echo(console.summary(what, loaded.device, job.steps, result.elapsed_s, clock, result.seed), err=True)
+    typer.echo(console.summary(what, console.where(loaded), job.steps, result.elapsed_s, clock, result.seed), err=True)
     typer.echo(str(out))

@@ -236,6 +236,16 @@ def media_load_format() -> str | None:
     return _text("MINISGL_MEDIA_LOAD_FORMAT")
 
 
+def media_parallel() -> str | None:
+    """MINISGL_MEDIA_PARALLEL (--media-parallel): one job over several GPUs, cfg, ulysses or auto; unset: one GPU."""
+    return _text("MINISGL_MEDIA_PARALLEL")
+
+
+def media_parallel_size() -> int | None:
+    """MINISGL_MEDIA_PARALLEL_SIZE (--media-parallel-size): the ranks (GPUs) of --media-parallel."""
+    return _number("MINISGL_MEDIA_PARALLEL_SIZE", int, None)
+
+
 # --- bench defaults (the reference stack's variables) --------------------------------------------
 def bench_repeat() -> int:
     return _number("BENCH_REPEAT", int, 3)

@@ -12,15 +12,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from minisgl_cli.media.jobs import ImageJob, ImageResult, VideoJob, VideoResult
+from minisgl_cli.media.jobs import Cancelled, ImageJob, ImageResult, VideoJob, VideoResult
 from minisgl_cli.media.limits import check_job, prompt_kwargs
 from minisgl_cli.media.pipelines import LoadedPipeline, StepHook
 
 Job = ImageJob | VideoJob
-
-
-class Cancelled(Exception):
-    """Raised from a step hook to end the pipeline call there (every job of the batch was dropped)."""
 
 
 def batch_key(job: Job) -> tuple:
@@ -51,8 +47,15 @@ def generate(loaded: LoadedPipeline, jobs: list[Job], on_step: StepHook | None =
 
     first = jobs[0]
     assert all(batch_key(j) == batch_key(first) for j in jobs), "generate() takes compatible jobs only"
+    parallel = loaded.spec.media_parallel
     for job in jobs:  # a size or frame count past the pipeline's tables: a MediaError, not a traceback inside it
         check_job(loaded.pipe, job)
+        if parallel is not None:
+            from minisgl_cli.media.parallel import check_job as check_split
+
+            check_split(loaded.pipe, parallel, loaded.spec.media_parallel_size, job)
+    if loaded.ranks is not None:  # rank 0 of a media group: the other ranks make the same call
+        loaded.ranks.submit(jobs)
     prompts, negatives, generators = [], [], []
     for job in jobs:
         assert job.seed is not None  # the job's __post_init__ resolved it
@@ -79,6 +82,8 @@ def generate(loaded: LoadedPipeline, jobs: list[Job], on_step: StepHook | None =
     start = time.perf_counter()
     out = loaded.run(kwargs, first.steps, on_step)
     elapsed_s = time.perf_counter() - start
+    if loaded.rank > 0:  # a media group's other rank: rank 0 hands back the results
+        return []
     results: list[Any] = []
     for job, span in zip(jobs, spans(jobs), strict=True):
         assert job.seed is not None

@@ -12,23 +12,11 @@ import typer
 
 from minisgl_cli.device import DeviceError
 from minisgl_cli.media.jobs import ImageJob, MediaError, ModelSpec, VideoJob
-from minisgl_cli.media.pipelines import LoadedPipeline, StepHook, load_pipeline
+from minisgl_cli.media.pipelines import LoadedPipeline, StepHook
+from minisgl_cli.media.pipelines import quiet_libraries as quiet_libraries  # the fronts call it from here
 
 Job = TypeVar("Job", ImageJob, VideoJob)
 R = TypeVar("R")
-
-
-def quiet_libraries() -> None:
-    """Our own bar and messages replace diffusers/transformers' tqdm bars and info logs."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from diffusers.utils import logging as dlog
-    from huggingface_hub.utils import logging as hlog
-    from transformers.utils import logging as tlog
-
-    for log in (dlog, tlog):
-        log.set_verbosity_error()
-        log.disable_progress_bar()
-    hlog.set_verbosity_error()  # its retry warnings would add lines to the one-line error
 
 
 @contextlib.contextmanager
@@ -47,6 +35,10 @@ def cli_errors() -> Iterator[None]:
     except KeyboardInterrupt:  # Ctrl-C mid-generation: the shell's usual status, no traceback
         typer.echo("interrupted", err=True)
         raise typer.Exit(130) from None
+    finally:  # the other ranks of a --media-parallel run stop with us, whatever happened
+        from minisgl_cli.media import ranks
+
+        ranks.close()
 
 
 def writable_dir(path: os.PathLike | str) -> None:
@@ -122,14 +114,25 @@ def load_with_status(spec: ModelSpec) -> LoadedPipeline:
     """Load the pipeline under a spinner (drawn on a terminal only)."""
     from rich.console import Console
 
-    with Console(stderr=True).status(f"loading {spec.model}..."):
-        return load_pipeline(spec)
+    from minisgl_cli.media import ranks
+
+    over = f" over {spec.media_parallel_size} ranks ({spec.media_parallel})" if spec.media_parallel else ""
+    with Console(stderr=True).status(f"loading {spec.model}{over}..."):
+        return ranks.load(spec)
+
+
+def where(loaded: LoadedPipeline) -> str:
+    """The device a job runs on, as its lines name it: "cuda", or "cuda x2 (cfg)" for a --media-parallel run."""
+    spec = loaded.spec
+    if spec.media_parallel is None:
+        return loaded.device
+    return f"{loaded.device} x{spec.media_parallel_size} ({spec.media_parallel})"
 
 
 def run_with_progress(loaded: LoadedPipeline, job: Job, generate: Callable[[LoadedPipeline, Job, StepHook], R],
                       what: str) -> tuple[R, StepClock]:
     """Run the job with step progress labelled "<what> on <device>"; returns its result and the step times."""
-    with step_progress(job.steps, f"{what} on {loaded.device}") as clock:
+    with step_progress(job.steps, f"{what} on {where(loaded)}") as clock:
         return generate(loaded, job, clock.on_step), clock
 
 

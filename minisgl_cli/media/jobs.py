@@ -54,6 +54,10 @@ def first_line(exc: Exception, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
+class Cancelled(Exception):
+    """Raised from a step hook to end the pipeline call there (every job of the batch was dropped, or a stop)."""
+
+
 class ModelNotFoundError(MediaError):
     status = 404
     type = "invalid_request_error"
@@ -118,6 +122,10 @@ class ModelSpec:
     quantization: str | None = None  # "fp8": the DiT's linear weights in FP8 e4m3 (CUDA)
     media_cache: str | None = None  # a cache-dit step cache (approximate, opt-in): "dbcache", "fbcache", "taylorseer"
     load_format: str = "auto"  # "dummy": `model` names a built-in config, built with random weights (speed work)
+    # One job over several devices (media/parallel.py): "cfg" or "ulysses" ("auto" is resolved before), on this many
+    # ranks; None: one device.
+    media_parallel: str | None = None
+    media_parallel_size: int = 2
 
     @classmethod
     def create(cls, kind: Kind, model: str | None, model_dir: str | os.PathLike | None, **kw: Any) -> ModelSpec:

@@ -11,6 +11,7 @@ TILE_PIXELS (an image) or TILE_VOXELS (a video's frames x pixels).
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -43,6 +44,8 @@ class LoadedPipeline:
     dtype: Any
     # Pipelines keep per-call state (scheduler timesteps, progress), so calls on one are serialised.
     lock: threading.Lock
+    rank: int = 0  # this process's rank in a media group (spec.media_parallel); ranks > 0 hand back nothing
+    ranks: Any = None  # rank 0 of a media group: media/ranks.Ranks, which hands the other ranks each batch
 
     def call_params(self) -> set[str] | None:
         """Names `pipe.__call__` accepts; None when it takes **kwargs (accepts anything)."""
@@ -65,6 +68,13 @@ class LoadedPipeline:
         handed the latents (it may raise to end the call there)."""
         accepted = self.call_params()
         kwargs = {k: v for k, v in kwargs.items() if v is not None and (accepted is None or k in accepted)}
+        if self.spec.media_parallel is not None:  # every rank runs every step's hook: rank 0 may end the call
+            from minisgl_cli.media import parallel
+
+            parallel.start_call(self.pipe)
+            on_step = parallel.agreed_step(on_step, self.device)
+            if self.rank > 0:
+                kwargs["output_type"] = "latent"  # rank 0 decodes and hands back the frames
         if on_step is not None and (accepted is None or "callback_on_step_end" in accepted):
 
             def step_end(pipe: Any, i: int, t: Any, callback_kwargs: dict) -> dict:
@@ -78,6 +88,20 @@ class LoadedPipeline:
 
         with self.lock, torch.inference_mode():
             return self.pipe(**kwargs)
+
+
+def quiet_libraries() -> None:
+    """Our own bar and messages replace diffusers/transformers' tqdm bars and info logs (in every process that runs a
+    pipeline: a front, the media worker, each rank of a media group)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from diffusers.utils import logging as dlog
+    from huggingface_hub.utils import logging as hlog
+    from transformers.utils import logging as tlog
+
+    for log in (dlog, tlog):
+        log.set_verbosity_error()
+        log.disable_progress_bar()
+    hlog.set_verbosity_error()  # its retry warnings would add lines to the one-line error
 
 
 _cache: dict[tuple, LoadedPipeline] = {}
@@ -169,6 +193,10 @@ def check_options(spec: ModelSpec, device: str) -> None:
         check_mode(spec.media_cache)
     if spec.load_format not in ("auto", "dummy"):
         raise MediaError(f"unknown --load-format {spec.load_format!r}: use auto or dummy", "load_format")
+    if spec.media_parallel is not None:
+        from minisgl_cli.media.parallel import check_spec
+
+        check_spec(spec, device)
 
 
 def compiles(spec: ModelSpec, device: str) -> bool:
@@ -229,6 +257,10 @@ def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
         except MediaError:
             if chosen:  # asked for by name: say why not; auto keeps PyTorch's SDPA choice
                 raise
+    if spec.media_parallel is not None:  # this rank's share of each call (the group is up: media/ranks.py)
+        from minisgl_cli.media.parallel import apply
+
+        apply(pipe, spec.media_parallel, device)
     if compiles(spec, device):
         from minisgl_cli.media.compile import compile_denoiser, compile_vae_decode
 
@@ -279,7 +311,7 @@ def load_pipeline(spec: ModelSpec) -> LoadedPipeline:
         model_dir = ensure_model_dir(spec)
         source = str(model_dir.resolve())
     key = (source, device, str(dtype), spec.cpu_offload, compiles(spec, device), spec.attention_backend,
-           spec.quantization, spec.media_cache)
+           spec.quantization, spec.media_cache, spec.media_parallel, spec.media_parallel_size)
     # One lock for all loads: loads are rare, and two first requests must not load the weights twice.
     with _cache_lock:
         if key in _cache:
@@ -291,6 +323,11 @@ def load_pipeline(spec: ModelSpec) -> LoadedPipeline:
             pipe = _from_disk(model_dir, dtype)
         _check_kind(pipe, spec)
         _configure(pipe, spec, device)
-        loaded = LoadedPipeline(pipe, spec, model_dir, device, dtype, threading.Lock())
+        rank = 0
+        if spec.media_parallel is not None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank()
+        loaded = LoadedPipeline(pipe, spec, model_dir, device, dtype, threading.Lock(), rank)
         _cache[key] = loaded
         return loaded

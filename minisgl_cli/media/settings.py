@@ -25,6 +25,10 @@ class MediaSettings:
     quantization: str | None = None
     media_cache: str | None = None
     load_format: str = "auto"
+    # The video pipeline over several GPUs (media/parallel.py): cfg, ulysses or auto (resolved for the default video
+    # job's guidance); None: one GPU. The image pipelines (Z-Image) have neither split.
+    media_parallel: str | None = None
+    media_parallel_size: int = 2
     # A request must never start a multi-GB download: fetch weights with the CLI or point at a dir.
     allow_download: bool = False
     # The media worker's admission caps (media/service.py) and its batches (media/worker.py).
@@ -48,6 +52,8 @@ class MediaSettings:
             quantization=env.media_quantization(),
             media_cache=env.media_cache(),
             load_format=env.media_load_format(),
+            media_parallel=env.media_parallel(),
+            media_parallel_size=env.media_parallel_size(),
             max_queue=env.media_max_queue(),
             max_batch=env.media_max_batch(),
             max_work=env.media_max_work(),
@@ -58,10 +64,18 @@ class MediaSettings:
         model, model_dir = (
             (self.image_model, self.image_model_dir) if kind == "image" else (self.video_model, self.video_model_dir)
         )
+        parallel = None
+        if kind == "video" and self.media_parallel is not None:
+            from minisgl_cli.media.jobs import VideoJob, job_defaults
+            from minisgl_cli.media.parallel import resolve_mode
+
+            guidance = job_defaults(VideoJob)["guidance_scale"]
+            parallel = resolve_mode(self.media_parallel, guidance, self.media_parallel_size)
         return ModelSpec.create(
             kind, model, model_dir, device=self.device, cpu_offload=self.cpu_offload, compile=self.compile,
             attention_backend=self.attention_backend, allow_download=self.allow_download,
             quantization=self.quantization, media_cache=self.media_cache, load_format=self.load_format,
+            media_parallel=parallel, media_parallel_size=self.media_parallel_size,
         )
 
     def available(self, kind: Kind) -> bool:

@@ -64,6 +64,9 @@ def run_media_worker(start: WorkerStart) -> None:
     worker = child.start(partial(MediaWorker, start))
     child.ready()
     worker.serve()
+    from minisgl_cli.media import ranks
+
+    ranks.close()  # a --media-parallel group's other ranks (they die with this process anyway)
     leave(0)
 
 
@@ -200,7 +203,7 @@ class MediaWorker:
         return batch
 
     def _run(self, batch: list[Pending]) -> None:
-        from minisgl_cli.media.pipelines import load_pipeline
+        from minisgl_cli.media.ranks import load as load_pipeline  # with the other ranks under --media-parallel
 
         first = batch[0]
         live = {p.msg.jid for p in batch}
@@ -258,7 +261,7 @@ class MediaWorker:
             self.emit(MediaResult(p.msg.jid, items, result.seed, result.elapsed_s, p.prompt_tokens))
 
     def _warm_up(self, like: ImageJob | VideoJob) -> None:
-        from minisgl_cli.media.pipelines import load_pipeline
+        from minisgl_cli.media.ranks import load as load_pipeline
 
         def idle() -> bool:
             with self.cond:
