@@ -116,7 +116,7 @@ class DraftModelProposer:
             locs += slots
         if ids:
             batch = self.engine.build_batch("prefill", ids, rows, starts, lens, locs)
-            self.cache.write_rows(batch)
+            self.cache.write_rows(batch, locs)
             self.engine.forward(batch)
 
     def _decode(self, work: list[tuple[Req, list[int]]]) -> list[int | None]:
@@ -141,7 +141,7 @@ class DraftModelProposer:
         if not ids:
             return [None] * len(work)
         batch = self.engine.build_batch("decode", ids, rows, starts, [1] * len(ids), locs)
-        self.cache.write_rows(batch)
+        self.cache.write_rows(batch, locs)
         tokens = self.engine.forward(batch).argmax(dim=-1).tolist()
         return [None if r is None else tokens[r] for r in last]
 
