@@ -432,9 +432,10 @@ def test_gemma3_12b_at_32k_keeps_a_quarter_of_all_global_kv():
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.engine.engine import Engine
     from minisgl_cli.scheduler.cache import CacheManager
+    from minisgl_cli.scheduler.config import SchedulerConfig
     from minisgl_cli.scheduler.request import Req
     from minisgl_cli.scheduler.scheduler import Scheduler
-    from minisgl_cli.scheduler.config import SchedulerConfig
+    from minisgl_cli.server.metrics import ServerMetrics
 
     engine = Engine(EngineConfig(model="gemma-3-12b", load_format="dummy", device="meta", dtype="bfloat16",
                                  kv_cache_gib=80, max_running_requests=8, page_size=16))
@@ -468,7 +469,11 @@ def test_gemma3_12b_at_32k_keeps_a_quarter_of_all_global_kv():
         req.kv_len += 1
         peak = max(peak, used())
     cache.check([req])
-    assert scheduler.snapshot().kv_bytes_used == used()
+    snap = scheduler.snapshot()
+    assert snap.kv_bytes_used == used() and snap.window_tokens_total == spec.num_window_pages * 16
+    prom = ServerMetrics().to_prometheus(snap, "gemma-3-12b")
+    assert f'minisgl_kv_bytes_used{{model_name="gemma-3-12b"}} {used()}' in prom
+    assert "minisgl_kv_window_tokens_free" in prom
     print(f"gemma-3-12b at 32k: peak {peak / 2**30:.2f} GiB of {all_global / 2**30:.2f} GiB all-global "
           f"({peak / all_global:.1%})")
     assert peak <= all_global / 4

@@ -253,10 +253,10 @@ class Engine:
                                page_bytes=self.pool.nbytes())
         log.info(
             "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s backend=%s "
-            "sampler=%s kv_tokens=%d page_size=%d eos=%s (%.1fs)",
+            "sampler=%s kv_tokens=%d window_tokens=%d page_size=%d eos=%s (%.1fs)",
             name, source, self.device, str(self.dtype).removeprefix("torch."), self.quantization,
-            str(self.kv_dtype).removeprefix("torch."), self.attn.name, self.sampler.name, capacity, cfg.page_size,
-            list(mc.eos_token_ids), self.loaded.load_s,
+            str(self.kv_dtype).removeprefix("torch."), self.attn.name, self.sampler.name, capacity,
+            num_window_pages * cfg.page_size, cfg.page_size, list(mc.eos_token_ids), self.loaded.load_s,
         )
 
     def model_info(self, *, overlap: bool, eos_token_ids: Iterable[int], prefix_cache: str | None,
