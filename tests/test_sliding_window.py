@@ -481,3 +481,23 @@ def test_gemma3_12b_at_32k_keeps_a_quarter_of_all_global_kv():
     cache.check([])
     cache.clear()  # the prompt and the sequence the tree kept, with their last windows
     assert (cache.num_free_pages, engine.num_free_window_pages) == free
+
+
+def test_short_window_pool_gives_back_the_cache_s_window_pages_and_stays_exact(windowed_dirs, monkeypatch):
+    """Gemma 3 with window pages for one request's windows and no headroom (20 tokens; chunks cut to 10): each
+    request needs the window pages the prefix cache kept for the ones before it, which it gives back (least recently
+    used first, full pages kept); the repeated prompts, whose window KV went, are recomputed: every answer equals
+    transformers and the pages add up."""
+    from minisgl_cli.engine import engine
+
+    monkeypatch.setattr(engine, "WINDOW_HEADROOM", 0)
+    model_dir = windowed_dirs["gemma3"]
+    prompts = _prompts()[2:4] + _prompts()[2:4]
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    with LLM(str(model_dir), attention_backend="torch", max_running_requests=1, **EXACT) as llm:
+        assert llm.client.stats().window_tokens_total == 2 * (WINDOW + 2)
+        got = [llm.generate([p], params)[0].token_ids for p in prompts]
+        llm.client.check_pages()
+        s = llm.client.stats()
+    assert got == hf_greedy(model_dir, prompts, N_NEW)
+    assert s.tokens_cached == 29 + 50 + 2 * (N_NEW - 1)  # both sequences' full pages stayed in the cache

@@ -393,6 +393,15 @@ class Engine:
         """The window page linked to each full page (0: none)."""
         return [self.pool.window_of[pg] for pg in pages]
 
+    def adopt_windows(self, pages: list[int], donors: list[int]) -> None:
+        """Each of `pages` (the prefix cache's) without a window page takes the one of its donor (a request's page of
+        the same positions, about to be freed), where that has one: slot_map follows (one device op)."""
+        took = self.pool.adopt_windows(pages, donors)
+        if took:
+            p = self.pool.page_size
+            slots = [pg * p + i for pg in took for i in range(p)]
+            self.write_slot_map(self.upload(slots, torch.int64), self.upload(self.window_slots(slots), torch.int64))
+
     def window_slots(self, slots: list[int]) -> list[int]:
         """The window slot of each full slot (host side)."""
         return self.pool.window_slots(slots)

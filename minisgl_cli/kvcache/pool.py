@@ -184,6 +184,16 @@ class KVPool:
                 n += 1
         return n
 
+    def adopt_windows(self, pages: list[int], donors: list[int]) -> list[int]:
+        """Each of `pages` without a window page takes its donor's (a page of the same positions and KV), where the
+        donor has one; returns the pages that took one (their slot_map entries are the caller's to write)."""
+        took = []
+        for page, donor in zip(pages, donors):
+            if not self.window_of[page] and self.window_of[donor]:
+                self.window_of[page], self.window_of[donor] = self.window_of[donor], 0
+                took.append(page)
+        return took
+
     def window_slots(self, slots: list[int]) -> list[int]:
         """The window slot of each full slot (host side: `window_of`; a page with none gives scratch slot 0)."""
         p, of = self.page_size, self.window_of

@@ -303,6 +303,8 @@ class CacheManager:
         # Pages below `existing` duplicate what another request cached first: point at the tree's, free ours.
         first_own, covered = old // p, aligned // p - old // p
         dup = max(existing, old) // p - first_own
+        if dup and self.window_pages:  # the tree's pages take our window KV where they lack it (this request reads it)
+            self.engine.adopt_windows((m.slots[old : old + dup * p : p] // p).tolist(), req.pages[:dup])
         self.engine.free_pages(req.pages[:dup])
         req.pages = req.pages[covered:]
         req.windows_dropped = max(0, req.windows_dropped - covered)
@@ -338,6 +340,9 @@ class CacheManager:
             # Own pages below `existing` duplicate the tree's; pages past `aligned` hold a partial page.
             first_own = req.prefix_len // p
             keep_from, keep_to = max(existing, req.prefix_len) // p, aligned // p
+            if self.window_pages and keep_from > first_own:  # the tree keeps their window KV where it has none
+                tree = self.tree.match(ids[: keep_from * p]).slots
+                self.engine.adopt_windows((tree[first_own * p :: p] // p).tolist(), req.pages[: keep_from - first_own])
             adopted = set(req.pages[keep_from - first_own : keep_to - first_own])
             self.engine.free_pages([pg for pg in req.pages if pg not in adopted])
         else:
