@@ -167,8 +167,16 @@ class CacheManager:
         are never read (attention reads each row up to its length) and the next step overwrites them."""
         keep = -(-req.kv_len // self.page_size) - req.prefix_len // self.page_size
         if keep < len(req.pages):
-            self.engine.free_pages(req.pages[keep:])
+            self.engine.free_pages(req.pages[max(keep, req.dropped) :])  # (pages given back are 0s in the list)
             del req.pages[keep:]
+            req.dropped, req.windows_dropped = min(req.dropped, keep), min(req.windows_dropped, keep)
+
+    def can_rewind(self, req: Req, kv_len: int) -> bool:
+        """Whether a query at `kv_len` would find all the KV it reads of `req`'s (none of it given back behind a
+        window since): a rewind further back than the window must start over."""
+        given_back = max(req.dropped, req.windows_dropped)
+        window = self.sliding or self.window
+        return not given_back or req.prefix_len + given_back * self.page_size <= kv_len - window + 1
 
     def reserve_each(self, reqs: list[Req], n: int) -> bool:
         """`reserve(req, n)` for every request at once, with one allocation (a decode step's new pages); False, and

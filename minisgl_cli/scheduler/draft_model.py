@@ -84,6 +84,8 @@ class DraftModelProposer:
                 break
             keep += 1
         shadow.kv_len = min(keep, len(ids) - 1)
+        if not self.cache.can_rewind(shadow, shadow.kv_len):  # its KV there went behind a window: start over
+            shadow.kv_len = 0
         self.cache.rewind(shadow)
         del shadow.input_ids[shadow.kv_len:]
         return None if max(ids) >= self.engine.spec.vocab_size else shadow
