@@ -3,7 +3,10 @@ Mistral (a window on every layer), Gemma 3 (five local layers to one global), Ge
 different head shapes, K = V, shared KV, per-layer inputs) and gpt-oss (alternating windowed and
 full layers, sinks, biased experts) -- prompts longer than the window, decode crossing it, a chunked prefill
 cutting inside a window, the prompts cached, a long prefix shared -- and each feature switched off in turn makes
-the answers differ (the test can tell them apart)."""
+the answers differ (the test can tell them apart). KV memory that follows the window: an all-windowed model gives
+its pages back behind the window; a mixed one (Gemma 3, gpt-oss) keeps its sliding layers' KV in window pages that
+follow the window, with the prefix cache exact, and Gemma-3-12B at 32k tokens holds under a quarter of the KV every
+layer keeping every token would (the engine's own accounting)."""
 
 from __future__ import annotations
 
