@@ -292,6 +292,12 @@ class SchedulerStats:
     tokens_free: int | None = 0
     tokens_cached: int | None = 0  # held by the prefix cache (evictable or locked)
     tokens_in_use: int | None = 0  # held by running requests beyond their cached prefix
+    # Sliding and full layers mixed (Gemma 3 / 4, gpt-oss): the sliding layers' window pages, in tokens (0: none)
+    window_tokens_total: int | None = 0
+    window_tokens_free: int | None = 0
+    # KV bytes of both kinds of page (full and window): the pool's, and those not free (requests' and cached)
+    kv_bytes_total: int | None = 0
+    kv_bytes_used: int | None = 0
     # A linear-attention model's recurrent-state slots (kvcache/state.py): all of them, and those no request holds
     state_slots_total: int | None = 0
     state_slots_free: int | None = 0

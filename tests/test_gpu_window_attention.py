@@ -17,6 +17,7 @@ import torch
 from test_attention_kernels import make_case
 
 from minisgl_cli.attention.torch_backend import TorchBackend
+from minisgl_cli.kvcache.pool import KVPool
 from tests.triton_interp import INTERPRET, patch_interpreter
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -109,3 +110,59 @@ def test_torch_backend_window_and_sinks_match_the_definition(mode, window, with_
     ref = naive(pool, batch, q, HEADS, window, sinks)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert ((out.float() - ref).norm() / ref.norm()).item() < tol
+
+
+def _in_window_pages(pool: KVPool, batch, window: int, seed: int = 7) -> KVPool:
+    """The same KV with layer 0 a window layer (kvcache/pool.py): its own pages, linked to the full ones in shuffled
+    order through the slot map, and the positions behind every query's window unlinked (slot 0: stale for attention
+    to mask), as a mixed model's pool holds them."""
+    p, n = pool.page_size, pool.num_pages
+    wp = KVPool(pool.shape, n, p, pool.page_table.shape[0], pool.max_context_len, pool.device, window_layers=(0,),
+                num_window_pages=n)
+    wp.page_table.copy_(pool.page_table)
+    full = torch.arange(p, (n + 1) * p)
+    linked = (torch.randperm(n, generator=torch.Generator().manual_seed(seed)) + 1).repeat_interleave(p) * p + full % p
+    wp.slot_map[full.to(pool.device)] = linked.to(pool.device)
+    for t, src in ((wp.k[0], pool.k[0]), (wp.v[0], pool.v[0])):
+        t[linked.to(pool.device)] = src[full.to(pool.device)]
+    for row, seq_len, ext in zip(batch.req_rows.tolist(), batch.seq_lens_cpu, batch.extend_lens_cpu):
+        behind = max(0, seq_len - ext - window + 1)  # the first query's window starts there
+        wp.slot_map[pool.page_table[row, :behind].long()] = 0
+    return wp
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("backend", ["cpu", "one_call", "triton"])
+def test_window_layer_reads_its_own_pages_through_the_slot_map(mode, backend):
+    """A window layer of a mixed model's pool: stored and read through the full -> window slot map, behind the window
+    nothing at all (unlinked), the same attention as the definition over the full pages; the torch backend's paths
+    and the Triton decode / extend kernels (MAPPED)."""
+    window, dtype = 8, torch.float32
+    if backend == "triton":
+        if not TRITON:
+            pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)")
+        patch_interpreter()
+        dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    dev = DEV if backend == "triton" else "cpu"
+    pool, batch, q, k, v = _case("decode" if mode == "decode" else "prefill", dtype, dev)
+    pool.store(0, batch.out_cache_loc, k, v)  # the definition's pool holds this step's KV too
+    wp = _in_window_pages(pool, batch, window)
+    scale = 1.0 / math.sqrt(HEADS[2])
+    if backend == "triton":
+        from minisgl_cli.kernels.triton import attention as tk
+
+        wp.store(0, wp.loc_of(0, batch.out_cache_loc), k, v)
+        if mode == "decode":
+            out = tk.decode_attention(q, wp.k[0], wp.v[0], wp.page_table, batch.req_rows, batch.seq_lens, scale, 3,
+                                      window=window, slot_map=wp.slot_map_of(0))
+        else:
+            out = tk.extend_attention(q, wp.k[0], wp.v[0], wp.page_table, batch.req_rows, batch.seq_lens,
+                                      batch.qo_indptr, max(batch.extend_lens_cpu), scale, window=window,
+                                      slot_map=wp.slot_map_of(0))
+    else:
+        be = (TorchBackend if backend == "cpu" else OneCallBackend)(wp, *HEADS, scale)
+        be.prepare(batch)
+        out = be.forward(q, k, v, 0, batch, window=window)
+    ref = naive(pool, batch, q, HEADS, window, None)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert ((out.float().cpu() - ref).norm() / ref.norm()).item() < tol

@@ -3,9 +3,14 @@ Mistral (a window on every layer), Gemma 3 (five local layers to one global), Ge
 different head shapes, K = V, shared KV, per-layer inputs) and gpt-oss (alternating windowed and
 full layers, sinks, biased experts) -- prompts longer than the window, decode crossing it, a chunked prefill
 cutting inside a window, the prompts cached, a long prefix shared -- and each feature switched off in turn makes
-the answers differ (the test can tell them apart)."""
+the answers differ (the test can tell them apart). KV memory that follows the window: an all-windowed model gives
+its pages back behind the window; a mixed one (Gemma 3, gpt-oss) keeps its sliding layers' KV in window pages that
+follow the window, with the prefix cache exact, and Gemma-3-12B at 32k tokens holds under a quarter of the KV every
+layer keeping every token would (the engine's own accounting)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,6 +18,7 @@ from conftest import make_tiny_checkpoint
 from test_hf_parity import EXACT, hf_greedy
 
 from minisgl_cli import LLM, SamplingParams
+from minisgl_cli.types import SchedulerStats
 
 WINDOW = 8
 N_NEW = 24
@@ -287,8 +293,10 @@ MEMORY_RUNS = {"radix": dict(page_size=2), "overlap": dict(page_size=2, overlap_
                "naive-chunked": dict(cache="naive", max_prefill_tokens=12, page_size=1)}
 
 
-def _held_while_generating(llm: LLM, prompt: list[int], abort_after: int = 0) -> tuple[list[int], int]:
-    """(the tokens, the most KV tokens the pool lent out at once while they came: pool minus free at each token)."""
+def _held_while_generating(llm: LLM, prompt: list[int], abort_after: int = 0, every: int = 1,
+                           lent: Callable[[SchedulerStats], int] | None = None) -> tuple[list[int], int]:
+    """(the tokens, the most KV tokens the pool lent out at once while they came: pool minus free at each token, or
+    at every `every`-th; `lent`: another figure of the stats instead)."""
     import asyncio
 
     from minisgl_cli.types import GenerateRequest
@@ -300,8 +308,9 @@ def _held_while_generating(llm: LLM, prompt: list[int], abort_after: int = 0) ->
                                                    params=SamplingParams(max_new_tokens=LONG, ignore_eos=True)))
         async for delta in stream:
             got.extend(delta.token_ids)
-            s = llm.client.stats()
-            held = max(held, s.tokens_total - s.tokens_free)
+            if len(got) % every == 0:
+                s = llm.client.stats()
+                held = max(held, lent(s) if lent is not None else s.tokens_total - s.tokens_free)
             if abort_after and len(got) >= abort_after:
                 await stream.aclose()
                 break
@@ -340,3 +349,149 @@ def test_kv_behind_the_window_held_without_giving_back(windowed_dirs, monkeypatc
     with LLM(str(windowed_dirs["mistral"]), attention_backend="torch", page_size=2, **EXACT) as llm:
         _, held = _held_while_generating(llm, prompt)
     assert held >= len(prompt) + LONG - 4  # the last tokens are read after the request gave its pages back
+
+
+# KV that follows the window where sliding and full layers mix (Gemma 3, gpt-oss): the full layers keep every token,
+# the sliding layers' KV lives in window pages of its own, given back once behind the window (scheduler/cache.py).
+MIXED_RUNS = {("gemma3", "radix"): dict(page_size=2),
+              ("gemma3", "naive-chunked-overlap"): dict(cache="naive", max_prefill_tokens=12, overlap_on_cpu=True),
+              ("gpt_oss", "radix"): dict(page_size=1)}
+
+
+@pytest.fixture(scope="module")
+def mixed_answers(windowed_dirs) -> dict[str, tuple[list[int], list[int], list[int]]]:
+    """Per mixed family: (a 50-token prompt, one sharing its first 30 tokens, transformers' 64 greedy ids for each)."""
+    prompt = _prompts()[3]
+    g = torch.Generator().manual_seed(11)
+    sharing = prompt[:30] + torch.randint(3, 49152, (9,), generator=g).tolist()
+    return {family: (prompt, sharing, *hf_greedy(windowed_dirs[family], [prompt, sharing], LONG))
+            for family in ("gemma3", "gpt_oss")}
+
+
+def _window_lent(s: SchedulerStats) -> int:
+    return s.window_tokens_total - s.window_tokens_free
+
+
+@pytest.mark.parametrize("family,run", list(MIXED_RUNS))
+def test_mixed_model_keeps_only_the_window_in_its_window_pages(windowed_dirs, mixed_answers, family, run):
+    """64 tokens after a 50-token prompt: the greedy ids equal transformers, cold and with the prompt cached; the
+    window pages lent out stay within the window (twice: the request's and its prompt's last, kept for a repeat), a
+    few pages of slack and a chunk, not the 114 positions the request spans, while every full page stays; a prompt
+    sharing only the first 30 tokens, whose window KV was given back, is recomputed and still answers as
+    transformers; the window pages' accounting is exact after each request and after an abort (all of them free
+    again where nothing is cached)."""
+    from test_scheduler import settle
+
+    model_dir = windowed_dirs[family]
+    prompt, sharing, theirs, their_sharing = mixed_answers[family]
+    opts = MIXED_RUNS[family, run]
+    p = opts.get("page_size", 1)
+    with LLM(str(model_dir), attention_backend="torch", **{"max_prefill_tokens": 16, **opts}, **EXACT) as llm:
+        s = llm.client.stats()
+        start = s.window_tokens_free
+        assert s.window_tokens_total == start > 0 and s.kv_bytes_used == 0
+        for _ in range(2):  # cold, then the prompt from the prefix cache (radix)
+            got, lent = _held_while_generating(llm, prompt, every=8, lent=_window_lent)
+            assert got == theirs
+            if run == "radix":  # the full layers' KV of every position is cached (not only the window's)
+                assert llm.client.stats().tokens_cached >= len(prompt) + LONG - 2 * p
+            assert lent <= 2 * WINDOW + 16 + 6 * p, lent
+            settle(llm)
+        if run == "radix":
+            assert llm.client.stats().cache_hit_tokens >= len(prompt) - p  # the repeat took its prompt's KV
+        shared = llm.generate([sharing], SamplingParams(max_new_tokens=LONG, ignore_eos=True))[0].token_ids
+        assert shared == their_sharing
+        _held_while_generating(llm, prompt, abort_after=WINDOW * 3)
+        settle(llm)
+        if run != "radix":
+            assert llm.client.stats().window_tokens_free == start
+
+
+def test_window_pages_held_without_giving_back(windowed_dirs, monkeypatch):
+    """The control: with window pages never given back, the same request holds a window page for every token."""
+    from minisgl_cli.scheduler.cache import CacheManager
+
+    monkeypatch.setattr(CacheManager, "_drop_windows", lambda self, req, end: None)
+    prompt = _prompts()[3]
+    with LLM(str(windowed_dirs["gemma3"]), attention_backend="torch", cache="naive", **EXACT) as llm:
+        _, lent = _held_while_generating(llm, prompt, every=8, lent=_window_lent)
+    assert lent >= len(prompt) + LONG - 8 - 2  # at the last poll, 8 tokens before the end
+
+
+def test_gemma3_12b_at_32k_keeps_a_quarter_of_all_global_kv():
+    """The engine's own accounting at full size (gemma-3-12b, bf16; on the meta device: shapes, no memory): a
+    32k-token prompt prefilled in 2048-token chunks and decoded for a window and more, through the scheduler's cache
+    verbs, holds at most a quarter of the bytes every layer keeping every token would (48 layers x 32k), at every
+    step; the pool's tensors are the bytes its pages count, and /metrics' kv_bytes_used says the same."""
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.scheduler.cache import CacheManager
+    from minisgl_cli.scheduler.config import SchedulerConfig
+    from minisgl_cli.scheduler.request import Req
+    from minisgl_cli.scheduler.scheduler import Scheduler
+    from minisgl_cli.server.metrics import ServerMetrics
+
+    engine = Engine(EngineConfig(model="gemma-3-12b", load_format="dummy", device="meta", dtype="bfloat16",
+                                 kv_cache_gib=80, max_running_requests=8, page_size=16))
+    pool, spec = engine.pool, engine.spec
+    assert len(pool.window_layers) == 40 and spec.window == 1024  # five local layers to one global, window 1024
+    full_bytes, window_bytes = spec.page_bytes
+    storage = sum(t.numel() * t.element_size() for t in pool.k + pool.v)
+    assert storage == (spec.num_pages + 1) * full_bytes + (spec.num_window_pages + 1) * window_bytes
+    all_global = 32768 * pool.shape.bytes_per_token()  # K and V of 48 layers x 8 KV heads x 256, bf16
+    assert all_global == 32768 * 48 * 2 * 8 * 256 * 2
+    scheduler = Scheduler(engine, SchedulerConfig(), emit=lambda _: None)
+    cache: CacheManager = scheduler.cache
+    free = (cache.num_free_pages, engine.num_free_window_pages)
+
+    def used() -> int:
+        return ((spec.num_pages - cache.num_free_pages) * full_bytes
+                + (spec.num_window_pages - engine.num_free_window_pages) * window_bytes)
+
+    req = Req("long", list(range(32768)), SamplingParams(max_new_tokens=2048))
+    assert cache.attach(req)
+    peak = 0
+    while req.kv_len < len(req.input_ids):  # prefill, as the scheduler runs it (_prefill_batch, _run, _launch)
+        n = cache.prefill_cut(req, min(req.remaining_prefill, 2048))
+        assert cache.reserve(req, n)
+        req.kv_len += n
+        cache.cache_prefilled(req)
+        peak = max(peak, used())
+    for _ in range(1500):  # decode past a window (_decode_batch)
+        req.output_ids.append(7)
+        assert cache.reserve_each([req], 1)
+        req.kv_len += 1
+        peak = max(peak, used())
+    cache.check([req])
+    snap = scheduler.snapshot()
+    assert snap.kv_bytes_used == used() and snap.window_tokens_total == spec.num_window_pages * 16
+    prom = ServerMetrics().to_prometheus(snap, "gemma-3-12b")
+    assert f'minisgl_kv_bytes_used{{model_name="gemma-3-12b"}} {used()}' in prom
+    assert "minisgl_kv_window_tokens_free" in prom
+    print(f"gemma-3-12b at 32k: peak {peak / 2**30:.2f} GiB of {all_global / 2**30:.2f} GiB all-global "
+          f"({peak / all_global:.1%})")
+    assert peak <= all_global / 4
+    cache.release(req)
+    cache.check([])
+    cache.clear()  # the prompt and the sequence the tree kept, with their last windows
+    assert (cache.num_free_pages, engine.num_free_window_pages) == free
+
+
+def test_short_window_pool_gives_back_the_cache_s_window_pages_and_stays_exact(windowed_dirs, monkeypatch):
+    """Gemma 3 with window pages for one request's windows and no headroom (20 tokens; chunks cut to 10): each
+    request needs the window pages the prefix cache kept for the ones before it, which it gives back (least recently
+    used first, full pages kept); the repeated prompts, whose window KV went, are recomputed: every answer equals
+    transformers and the pages add up."""
+    from minisgl_cli.engine import engine
+
+    monkeypatch.setattr(engine, "WINDOW_HEADROOM", 0)
+    model_dir = windowed_dirs["gemma3"]
+    prompts = _prompts()[2:4] + _prompts()[2:4]
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    with LLM(str(model_dir), attention_backend="torch", max_running_requests=1, **EXACT) as llm:
+        assert llm.client.stats().window_tokens_total == 2 * (WINDOW + 2)
+        got = [llm.generate([p], params)[0].token_ids for p in prompts]
+        llm.client.check_pages()
+        s = llm.client.stats()
+    assert got == hf_greedy(model_dir, prompts, N_NEW)
+    assert s.tokens_cached == 29 + 50 + 2 * (N_NEW - 1)  # both sequences' full pages stayed in the cache

@@ -31,7 +31,8 @@ class AttentionBackend(ABC):
     window - 1 positions before it; 0: all) and with `sinks` (a logit per query head that joins the softmax's
     denominator only: gpt-oss); both are per-layer constants, so CUDA graphs capture them as they are. An FP8
     pool's first prefill at each layer sets that layer's scales first (kvcache/pool.py), so that step stores
-    through `store`, not through a fused kernel.
+    through `store`, not through a fused kernel. A pool's window layers (kvcache/pool.py) store and read through its
+    `slot_map` (`pool.loc_of`, `pool.slot_map_of`): the page table's slots are the full layers'.
     """
 
     name: str = "base"
@@ -55,7 +56,7 @@ class AttentionBackend(ABC):
         if not kv_stored:
             if not batch.is_decode and self.pool.needs_scales(layer_id):
                 self.pool.calibrate(layer_id, k, v)
-            self.store(layer_id, batch.out_cache_loc, k, v)
+            self.store(layer_id, self.pool.loc_of(layer_id, batch.out_cache_loc), k, v)
         return self.attend(q, k, v, layer_id, batch, window, sinks)
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -77,7 +78,8 @@ class AttentionBackend(ABC):
         pool = self.pool
         if not batch.is_decode and pool.needs_scales(layer_id):
             return None
-        return KVBuffers(pool.k[layer_id], pool.v[layer_id], batch.out_cache_loc, pool.layer_quant(layer_id))
+        return KVBuffers(pool.k[layer_id], pool.v[layer_id], pool.loc_of(layer_id, batch.out_cache_loc),
+                         pool.layer_quant(layer_id))
 
     # CUDA-graph hooks: backends that support graph capture of decode override these.
     supports_cuda_graph: bool = False

@@ -33,6 +33,7 @@ class TorchDecodeMeta:
     lens: torch.Tensor  # [B] int64: each row's keys (its position + 1)
     mask: torch.Tensor | None  # [B, 1, 1, L] additive, 0 where a position is real, -inf on padding; None: own kernel
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its mask, made by the first layer
+    window_slots: torch.Tensor | None = None  # `slots` through the pool's slot_map (its window layers'), made once
 
 
 def decode_mask(lens: torch.Tensor, max_len: int, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
@@ -88,6 +89,7 @@ class TorchExtendMeta:
     # columns (TorchBackend._blocks); None where a request's rows attend in one call (not row_invariant)
     band: torch.Tensor | None
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its band (TorchBackend._band)
+    window_slots: list[torch.Tensor | None] | None = None  # `slots` through the pool's slot_map, made once
 
 
 class TorchBackend(AttentionBackend):
@@ -157,7 +159,12 @@ class TorchBackend(AttentionBackend):
         if isinstance(meta, TorchDecodeMeta):
             return self.decode(q, layer_id, meta, window, sinks)
         outs = []
-        for i, (slots, mask) in enumerate(zip(meta.slots, meta.masks)):
+        all_slots = meta.slots
+        if layer_id in self.pool.window_layers:
+            if meta.window_slots is None:
+                meta.window_slots = [None if s is None else self.pool.slot_map[s] for s in meta.slots]
+            all_slots = meta.window_slots
+        for i, (slots, mask) in enumerate(zip(all_slots, meta.masks)):
             a, b = meta.starts[i], meta.starts[i + 1]
             ki, vi = (k[a:b], v[a:b]) if slots is None else self.pool.read(layer_id, slots, q.dtype)
             if meta.band is None:  # not row_invariant: in one call
@@ -218,14 +225,19 @@ class TorchBackend(AttentionBackend):
         `own_decode`, else SDPA over the gathered keys (bench_cpu_attention.py times both)."""
         bsz, heads, d = q.shape  # this layer's (a model's layers may differ: Gemma 4)
         hkv = self.pool.k[layer_id].shape[1]
+        slots = meta.slots
+        if layer_id in self.pool.window_layers:
+            if meta.window_slots is None:
+                meta.window_slots = self.pool.slot_map[meta.slots]
+            slots = meta.window_slots
         if self.own_decode:
             return torch.ops.minisgl.decode_attn(q.reshape(bsz, heads, d).contiguous(),
                                                  self.pool.k[layer_id], self.pool.v[layer_id],
-                                                 meta.slots.view(bsz, meta.max_len), meta.lens, self.scale,
+                                                 slots.view(bsz, meta.max_len), meta.lens, self.scale,
                                                  window, sinks)
         group = heads // hkv
         shape = (bsz, meta.max_len, hkv, d)
-        k_all, v_all = self.pool.read(layer_id, meta.slots, q.dtype)
+        k_all, v_all = self.pool.read(layer_id, slots, q.dtype)
         mask = self._decode_mask(meta, window, q.dtype)
         # [B, Hkv, L, D] as strided views: SDPA reads them in place, a .contiguous() copy costs more.
         keys = k_all.view(shape).transpose(1, 2)

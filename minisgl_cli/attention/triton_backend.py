@@ -163,9 +163,10 @@ class TritonBackend(AttentionBackend):
             return tk.decode_attention(
                 q, k_cache, v_cache, table, meta.req_rows, meta.seq_lens, self.scale,
                 meta.num_splits, meta.mid_o, meta.mid_lse, pdl=self.kernels.pdl, quant=quant, order=meta.order,
-                window=window, sinks=sinks,
+                window=window, sinks=sinks, slot_map=self.pool.slot_map_of(layer_id),
             )
         return tk.extend_attention(
             q, k_cache, v_cache, table, meta.req_rows, meta.seq_lens, meta.qo_indptr,
             meta.max_extend_len, self.scale, quant=quant, window=window, sinks=sinks,
+            slot_map=self.pool.slot_map_of(layer_id),
         )

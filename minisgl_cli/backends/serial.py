@@ -90,7 +90,8 @@ class SerialClient(BaseClient):
         self._aborted: set[str] = set()
         self._running = 0
         self._stats = SchedulerStats(tokens_total=None, tokens_free=None, tokens_cached=None, tokens_in_use=None,
-                                     state_slots_total=None, state_slots_free=None, steps=None,
+                                     state_slots_total=None, state_slots_free=None, window_tokens_total=None,
+                                     window_tokens_free=None, kv_bytes_total=None, kv_bytes_used=None, steps=None,
                                      retracted_requests=None)
         if self.prefix_cache is None:
             s = self._stats

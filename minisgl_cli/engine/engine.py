@@ -53,6 +53,7 @@ from minisgl_cli.vision.state import VisionState
 log = logging.getLogger("minisgl.engine")
 
 STATE_SHARE = 0.25  # of the memory budget, the most a linear-attention model's state slots take
+WINDOW_HEADROOM = 4096  # window-pool tokens for prefill chunks beyond the running requests' windows
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,11 @@ class EngineSpec:
     # Every layer attends through a sliding window (Mistral): the widest, past which a request's KV is never read
     # again (its pages behind it are given back: scheduler/cache.py); 0 where some layer attends fully
     kv_window: int = 0
+    # Sliding and full layers mixed (Gemma 3 / 4, gpt-oss): the sliding layers' widest window and their window pages
+    # (kvcache/pool.py; each full page a request or the cache holds may have one linked), 0 and 0 otherwise
+    window: int = 0
+    num_window_pages: int = 0
+    page_bytes: tuple[int, int] = (0, 0)  # bytes of a full page and of a window page (for the KV byte figures)
 
 
 def _kv_shape(mc: ModelConfig, rank: int, tp_size: int, dtype: torch.dtype) -> KVShape:
@@ -94,6 +100,23 @@ def _kv_shape(mc: ModelConfig, rank: int, tp_size: int, dtype: torch.dtype) -> K
     per_layer = tuple((mc.heads_of(rank, tp_size, i).n_kv if mc.kv_source_of(i) == i else 0, mc.head_dim_of(i))
                       for i in range(mc.num_layers)) if mc.mixed_heads else ()
     return KVShape(len(mc.kv_layers), heads.n_kv, mc.head_dim, dtype, per_layer=per_layer)
+
+
+def window_layers(mc: ModelConfig) -> tuple[int, ...]:
+    """The pool layers whose KV lives in window pages: the sliding ones, where the model mixes sliding and full layers
+    (where every layer slides, Mistral, all pages follow the window instead: EngineSpec.kv_window)."""
+    windows = [mc.window_of(i) for i in mc.kv_layers]
+    if mc.mla is not None or all(windows) or not any(windows):
+        return ()
+    return tuple(i for i, w in enumerate(windows) if w)
+
+
+def window_tokens(window: int, page_size: int, max_requests: int) -> int:
+    """Window-pool tokens an engine sizes for: each running request's window twice over (its own, and its prompt's
+    last window kept in the prefix cache for a repeat), a page of slack each, and WINDOW_HEADROOM for prefill chunks
+    (the scheduler cuts a chunk to what the window pages can hold)."""
+    per_request = 2 * (-(-window // page_size) + 2) * page_size
+    return max_requests * per_request + WINDOW_HEADROOM
 
 
 def _locate(cfg: EngineConfig) -> tuple[dict, Path | None, str, str]:
@@ -195,13 +218,16 @@ class Engine:
         # the most KV bytes, then take the smallest count any rank can afford.
         widest = max((_kv_shape(mc, r, tp.size, self.kv_dtype) for r in range(tp.size)),
                      key=KVShape.bytes_per_token)
-        num_pages = min_over_ranks(self._kv_pages(widest), tp)
+        windowed = window_layers(mc)
+        window = max(mc.window_of(mc.kv_layers[i]) for i in windowed) if windowed else 0
+        num_pages, num_window_pages = self._kv_pages(widest, windowed, window)
+        num_pages, num_window_pages = min_over_ranks(num_pages, tp), min_over_ranks(num_window_pages, tp)
         capacity = num_pages * cfg.page_size
         self.max_context_len = min(
             cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings, capacity
         )
         self.pool = KVPool(shape, num_pages, cfg.page_size, cfg.max_running_requests, self.max_context_len, self.device,
-                           kv_scale=cfg.kv_cache_scale)
+                           kv_scale=cfg.kv_cache_scale, window_layers=windowed, num_window_pages=num_window_pages)
         self.attn = create_backend(
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
             mc.head_dim, mc.attn_scale, self.device, self.kernels, variants=mc.attention_variants,
@@ -236,13 +262,15 @@ class Engine:
                                cfg.max_running_requests, frozenset(mc.eos_token_ids), model_dir,
                                self.state.num_slots if self.state is not None else 0,
                                self.state.num_snapshots if self.state is not None else 0,
-                               kv_window=max(mc.layer_windows) if all(mc.layer_windows or (0,)) else 0)
+                               kv_window=max(mc.layer_windows) if all(mc.layer_windows or (0,)) else 0,
+                               window=window, num_window_pages=self.pool.num_window_pages,
+                               page_bytes=self.pool.nbytes())
         log.info(
             "engine ready: model=%s source=%s device=%s dtype=%s quantization=%s kv_cache_dtype=%s backend=%s "
-            "sampler=%s kv_tokens=%d page_size=%d eos=%s (%.1fs)",
+            "sampler=%s kv_tokens=%d window_tokens=%d page_size=%d eos=%s (%.1fs)",
             name, source, self.device, str(self.dtype).removeprefix("torch."), self.quantization,
-            str(self.kv_dtype).removeprefix("torch."), self.attn.name, self.sampler.name, capacity, cfg.page_size,
-            list(mc.eos_token_ids), self.loaded.load_s,
+            str(self.kv_dtype).removeprefix("torch."), self.attn.name, self.sampler.name, capacity,
+            num_window_pages * cfg.page_size, cfg.page_size, list(mc.eos_token_ids), self.loaded.load_s,
         )
 
     def model_info(self, *, overlap: bool, eos_token_ids: Iterable[int], prefix_cache: str | None,
@@ -302,22 +330,31 @@ class Engine:
                              "memory budget")
         return StatePool(shape, slots, cfg.max_running_requests, self.device, num_snapshots=slots)
 
-    def _kv_pages(self, shape: KVShape) -> int:
+    def _kv_pages(self, shape: KVShape, windowed: tuple[int, ...] = (), window: int = 0) -> tuple[int, int]:
+        """(full pages, window pages) of the KV pool: by --max-total-tokens (full pages, and window pages for the
+        running requests' windows, `window_tokens`, at most as many), else by the memory budget (`KVPool.split_budget`
+        with window layers)."""
         cfg = self.cfg
         self._free_after_weights = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        want = window_tokens(window, cfg.page_size, cfg.max_running_requests) if windowed else 0
         if cfg.max_total_tokens:
             pages = max(1, cfg.max_total_tokens // cfg.page_size)
-            need = (pages + 1) * cfg.page_size * shape.bytes_per_token()  # + the scratch page
+            win = min(pages, -(-want // cfg.page_size)) if windowed else 0
+            full = tuple(i for i in range(shape.num_layers) if i not in windowed)
+            need = ((pages + 1) * cfg.page_size * shape.bytes_per_token(full)  # + the scratch pages
+                    + (win + 1) * cfg.page_size * shape.bytes_per_token(windowed))
             if self.device.type == "cuda" and need > self._free_after_weights:  # refused, not a CUDA OOM traceback
                 raise ValueError(f"--max-total-tokens {cfg.max_total_tokens:,} needs a {need / 2**30:.1f} GiB KV pool "
                                  f"and {self._free_after_weights / 2**30:.1f} GiB of {self.device} is free after the "
                                  "weights: lower it, or leave it out to size the pool by --mem-fraction")
-            return pages
+            return pages, win
         if self.device.type == "cuda":
             budget = int(self._free_after_weights * cfg.mem_fraction)
         else:
             budget = int(cfg.kv_cache_gib * (1 << 30))
-        return KVPool.pages_for_budget(shape, budget, cfg.page_size)
+        if windowed:
+            return KVPool.split_budget(shape, windowed, budget, cfg.page_size, want)
+        return KVPool.pages_for_budget(shape, budget, cfg.page_size), 0
 
     def capture_graphs(self, max_bs: int | None = None) -> None:
         """(Re)capture the decode CUDA graphs, e.g. after flipping a field of `self.kernels`."""
@@ -357,6 +394,35 @@ class Engine:
 
     def free_pages(self, pages: list[int]) -> None:
         self.pool.free_pages(pages)
+
+    @property
+    def num_free_window_pages(self) -> int:
+        return self.pool.num_free_window_pages
+
+    def drop_windows(self, pages: list[int]) -> int:
+        """Give back the window pages linked to these full pages (kvcache/pool.py); how many there were."""
+        return self.pool.drop_windows(pages)
+
+    def window_pages(self, pages: list[int]) -> list[int]:
+        """The window page linked to each full page (0: none)."""
+        return [self.pool.window_of[pg] for pg in pages]
+
+    def adopt_windows(self, pages: list[int], donors: list[int]) -> None:
+        """Each of `pages` (the prefix cache's) without a window page takes the one of its donor (a request's page of
+        the same positions, about to be freed), where that has one: slot_map follows (one device op)."""
+        took = self.pool.adopt_windows(pages, donors)
+        if took:
+            p = self.pool.page_size
+            slots = [pg * p + i for pg in took for i in range(p)]
+            self.write_slot_map(self.upload(slots, torch.int64), self.upload(self.window_slots(slots), torch.int64))
+
+    def window_slots(self, slots: list[int]) -> list[int]:
+        """The window slot of each full slot (host side)."""
+        return self.pool.window_slots(slots)
+
+    def write_slot_map(self, loc: torch.Tensor, window_loc: torch.Tensor) -> None:
+        """slot_map[loc] = window_loc (int64, on the device): where the window layers keep a step's new tokens."""
+        self.pool.slot_map[loc] = window_loc
 
     def alloc_req_row(self) -> int | None:
         """A free page-table row, or None when every row is taken."""

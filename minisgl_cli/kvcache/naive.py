@@ -31,3 +31,6 @@ class NaiveCache:
 
     def evict(self, num_tokens: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64)
+
+    def nodes(self, unlocked: bool = False) -> list[RadixNode]:
+        return []

@@ -19,6 +19,15 @@ normalized latent (kv_lora_rank) | the rotated rope key (qk_rope_head_dim)], as 
 `bytes_per_token` counts K alone, so the same memory budget holds that many more tokens. In FP8 the row is K alone
 too: codes of row - mean with K's scale (one per layer: its one head) and K's means; its values, the latent columns,
 are those columns' code * scale + mean (the V scale and means stay unused).
+
+A pool with window layers (`window_layers`: a model mixing sliding-window and full layers, Gemma 3 / 4, gpt-oss)
+keeps those layers' K/V in pages of their own, fewer than the full pages: every full page a request or the prefix
+cache holds may have one window page linked to it (the same positions), given back once no query reads those
+positions through the window any more (scheduler/cache.py decides when). The page table keeps full slots; a window
+layer finds its slot through `slot_map` (full slot -> window slot, on the device: the kernels read it), which
+the scheduler writes with each step's new tokens; the host keeps `window_of` (full page -> window page, 0: none).
+An entry whose window page was given back goes stale on the device: only positions behind the window, which
+attention masks, ever read it.
 """
 
 from __future__ import annotations
@@ -48,10 +57,12 @@ class KVShape:
         """Layer `layer_id`'s (KV heads, head dim)."""
         return self.per_layer[layer_id] if self.per_layer else (self.num_kv_heads, self.head_dim)
 
-    def bytes_per_token(self) -> int:
+    def bytes_per_token(self, layers: tuple[int, ...] | None = None) -> int:
+        """KV bytes of one token in `layers` (None: every layer)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         halves = 1 if self.latent else 2
-        return halves * itemsize * sum(h * d for h, d in map(self.of, range(self.num_layers)))
+        return halves * itemsize * sum(h * d for h, d in map(self.of, range(self.num_layers) if layers is None
+                                                               else layers))
 
 
 class KVPool:
@@ -70,8 +81,11 @@ class KVPool:
         max_context_len: int,
         device: torch.device | str,
         kv_scale: float | None = None,
+        window_layers: tuple[int, ...] = (),
+        num_window_pages: int = 0,
     ):
-        """kv_scale: FP8 pools only: one fixed scale for every head's K and V instead of calibrating."""
+        """kv_scale: FP8 pools only: one fixed scale for every head's K and V instead of calibrating.
+        window_layers: layers whose KV lives in `num_window_pages` window pages (see the module docstring)."""
         if num_pages < 1 or page_size < 1:
             raise ValueError("KV pool needs at least one page of at least one slot")
         self.shape = shape
@@ -79,10 +93,20 @@ class KVPool:
         self.num_pages = num_pages
         self.device = torch.device(device)
         num_slots = (num_pages + 1) * page_size
+        if window_layers and num_window_pages < 1:
+            raise ValueError("window layers need at least one window page")
+        self.window_layers = frozenset(window_layers)
+        self.num_window_pages = num_window_pages if window_layers else 0
+        rows = [(self.num_window_pages + 1) * page_size if i in self.window_layers else num_slots
+                for i in range(shape.num_layers)]
         layers = [shape.of(i) for i in range(shape.num_layers)]
-        self.k = [torch.zeros((num_slots, h, d), dtype=shape.dtype, device=device) for h, d in layers]
+        self.k = [torch.zeros((n, h, d), dtype=shape.dtype, device=device) for n, (h, d) in zip(rows, layers)]
         self.v = ([k[..., : shape.latent] for k in self.k] if shape.latent else  # MLA: views, no memory
-                  [torch.zeros((num_slots, h, d), dtype=shape.dtype, device=device) for h, d in layers])
+                  [torch.zeros((n, h, d), dtype=shape.dtype, device=device) for n, (h, d) in zip(rows, layers)])
+        # Window pages: full slot -> window slot on the device, full page -> window page on the host (0: none)
+        self.slot_map = torch.zeros(num_slots if window_layers else 0, dtype=torch.int64, device=device)
+        self.window_of = [0] * (num_pages + 1) if window_layers else []
+        self._free_window_pages: list[int] = list(range(self.num_window_pages, 0, -1))
         self.quantized = shape.dtype == FP8
         # FP8: scales per (layer, KV head) and means per (layer, KV head, channel), fp32, updated in place only (sized
         # by the widest layer; a narrower layer's are the leading entries: `_quant`).
@@ -102,21 +126,87 @@ class KVPool:
     def pages_for_budget(shape: KVShape, budget_bytes: int, page_size: int) -> int:
         return max(1, budget_bytes // (shape.bytes_per_token() * page_size))
 
+    @staticmethod
+    def split_budget(shape: KVShape, window_layers: tuple[int, ...], budget_bytes: int, page_size: int,
+                     window_tokens: int) -> tuple[int, int]:
+        """(full pages, window pages) of a pool with window layers in `budget_bytes`: window pages for
+        `window_tokens` (what the running requests' windows need), the rest full pages; both alike where the
+        budget holds no more full pages than that (short of memory, every token may as well keep its window)."""
+        full = tuple(i for i in range(shape.num_layers) if i not in window_layers)
+        per_full, per_window = shape.bytes_per_token(full) * page_size, shape.bytes_per_token(window_layers) * page_size
+        alike = budget_bytes // (per_full + per_window)
+        window = -(-window_tokens // page_size)
+        if alike <= window:
+            return max(1, alike), max(1, alike)
+        return max(1, (budget_bytes - window * per_window) // max(per_full, 1)), window
+
+    def nbytes(self) -> tuple[int, int]:
+        """(bytes of a full page, bytes of a window page): what each page of each kind holds, every layer's."""
+        full = tuple(i for i in range(self.shape.num_layers) if i not in self.window_layers)
+        p = self.page_size
+        return self.shape.bytes_per_token(full) * p, self.shape.bytes_per_token(tuple(self.window_layers)) * p
+
     # --- pages ---------------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
         return len(self._free_pages)
 
     def alloc_pages(self, n: int) -> list[int] | None:
-        """Take n pages, or None (and take nothing) when fewer are free."""
-        if n > len(self._free_pages):
+        """Take n pages (each with a window page linked, in a pool with window layers), or None (and take nothing)
+        when fewer are free."""
+        if n > len(self._free_pages) or (self.window_layers and n > len(self._free_window_pages)):
             return None
         taken = self._free_pages[-n:] if n else []
         del self._free_pages[len(self._free_pages) - n :]
+        if self.window_layers:
+            for page in taken:
+                self.window_of[page] = self._free_window_pages.pop()
         return taken
 
     def free_pages(self, pages: list[int]) -> None:
+        if self.window_layers:
+            self.drop_windows(pages)
         self._free_pages.extend(pages)
+
+    # --- window pages (a pool with window layers) ------------------------------------------------
+    @property
+    def num_free_window_pages(self) -> int:
+        return len(self._free_window_pages)
+
+    def drop_windows(self, pages: list[int]) -> int:
+        """Give back the window pages linked to these full pages (those that have one); returns how many."""
+        n = 0
+        for page in pages:
+            w = self.window_of[page]
+            if w:
+                self._free_window_pages.append(w)
+                self.window_of[page] = 0
+                n += 1
+        return n
+
+    def adopt_windows(self, pages: list[int], donors: list[int]) -> list[int]:
+        """Each of `pages` without a window page takes its donor's (a page of the same positions and KV), where the
+        donor has one; returns the pages that took one (their slot_map entries are the caller's to write)."""
+        took = []
+        for page, donor in zip(pages, donors):
+            if not self.window_of[page] and self.window_of[donor]:
+                self.window_of[page], self.window_of[donor] = self.window_of[donor], 0
+                took.append(page)
+        return took
+
+    def window_slots(self, slots: list[int]) -> list[int]:
+        """The window slot of each full slot (host side: `window_of`; a page with none gives scratch slot 0)."""
+        p, of = self.page_size, self.window_of
+        return [of[s // p] * p + s % p for s in slots]
+
+    def loc_of(self, layer_id: int, loc: torch.Tensor) -> torch.Tensor:
+        """Where layer `layer_id` stores the tokens of full slots `loc`: the slots, or a window layer's through
+        `slot_map`."""
+        return self.slot_map[loc] if layer_id in self.window_layers else loc
+
+    def slot_map_of(self, layer_id: int) -> torch.Tensor | None:
+        """The full -> window slot map a kernel reads for layer `layer_id`, or None (its slots are the full ones)."""
+        return self.slot_map if layer_id in self.window_layers else None
 
     def slots_of_pages(self, pages: list[int]) -> torch.Tensor:
         """All token slots of the given pages, in order."""

@@ -150,6 +150,10 @@ class RadixCache:
                 heapq.heappush(leaves, parent)
         return torch.cat(freed) if freed else torch.empty(0, dtype=torch.int64)
 
+    def nodes(self, unlocked: bool = False) -> list[RadixNode]:
+        """The cached nodes, least recently used first (only those no request holds where `unlocked`)."""
+        return sorted(n for n in self._nodes() if not unlocked or n.lock_ref == 0)
+
     def _dropped(self, node: RadixNode) -> None:
         """`node` left the tree (evicted): a subclass frees what else it held."""
 

@@ -192,6 +192,8 @@ def dummy_checkpoint(mc: ModelConfig, device: torch.device, dtype: torch.dtype, 
             yield name, torch.zeros(shape, device=device, dtype=dtype)
         elif len(shape) == 1:
             yield name, torch.ones(shape, device=device, dtype=dtype)
+        elif device.type == "meta":  # shapes only: an engine's memory accounting at full size, no weights
+            yield name, torch.empty(shape, device=device, dtype=dtype)
         else:
             gen = torch.Generator(device=device).manual_seed(seed * 100003 + i)
             if device.type == "cuda":

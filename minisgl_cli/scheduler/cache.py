@@ -18,7 +18,16 @@ KV that follows the window: where every layer of the model attends through a sli
 no query of the request reads them again. Their page-table entries stay (attention masks those positions), and a
 request that gave pages back caches nothing more in the prefix tree when it ends (its prompt, cached after prefill,
 stays: that KV is whole), so a cached prefix always comes with all of its KV. A prompt's pages stay while the tree
-holds them (locked by the request); the tokens it writes after its prompt cost at most the window's pages."""
+holds them (locked by the request); the tokens it writes after its prompt cost at most the window's pages.
+
+Where sliding and full layers mix (Gemma 3 / 4, gpt-oss: the engine's `window` and window pages, kvcache/pool.py), the
+full layers keep every page and the sliding layers' window pages follow the window: a request's own pages wholly
+behind it give their window pages back before each step (`_drop_windows`), so a request holds its full pages and
+about a window (plus the chunk in flight) of window pages. A prompt goes to the prefix tree when its prefill is done
+(not chunk by chunk), with the window pages of its last window: a repeat of the prompt finds them there. A match is
+cut back to where the window pages its next query reads are all there (`_window_cut`), so the cache stays exact:
+a prefix comes with the window KV it needs or is recomputed. The tree's window pages on unlocked nodes are given back,
+least recently used first, when a step's window pages run short (`allocate`)."""
 
 from __future__ import annotations
 
@@ -42,6 +51,9 @@ class CacheManager:
         self.tree = create_prefix_cache(cache_kind, self.page_size,
                                         engine.free_state_snapshot if self.snapshots else None)
         self.window = engine.spec.kv_window  # > 0: pages behind it are given back (the module docstring)
+        # > 0: the sliding layers' window, their KV in window pages that follow it (the module docstring)
+        self.window_pages = engine.spec.num_window_pages
+        self.sliding = engine.spec.window if self.window_pages else 0
 
     # --- accounting ----------------------------------------------------------------------------
     @property
@@ -68,6 +80,18 @@ class CacheManager:
             assert isinstance(self.tree, HybridRadixCache)
             snaps = self.engine.num_free_state_snapshots + self.tree.snapshots
             assert snaps == self.num_snapshots, f"state snapshot leak: {snaps} accounted of {self.num_snapshots}"
+        if self.window_pages:
+            linked = self.engine.window_pages(self._held_pages(reqs))
+            held = sum(w != 0 for w in linked)
+            assert len(set(linked) - {0}) == held, "a window page linked to two pages"
+            total = self.engine.num_free_window_pages + held
+            assert total == self.window_pages, f"window page leak: {total} accounted of {self.window_pages}"
+
+    def _held_pages(self, reqs: list[Req]) -> list[int]:
+        """Every full page requests and the tree hold."""
+        p = self.page_size
+        tree = [s // p for node in self.tree.nodes() for s in node.slots[::p].tolist()]
+        return tree + [pg for r in reqs for pg in r.pages[r.dropped :]]
 
     def _slots_to_pages(self, slots: torch.Tensor) -> list[int]:
         if self.page_size == 1:
@@ -93,6 +117,10 @@ class CacheManager:
                 return False
         ids = req.all_key_ids
         m = self.tree.match(ids[: len(ids) - 1])
+        if self.sliding and m.length:
+            keep = self._window_cut(m.slots)
+            if keep < m.length:  # its next query would read window KV the tree gave back: recompute from there
+                m = self.tree.match(ids[:keep])
         self.tree.lock(m.node)
         req.prefix_node, req.prefix_len, req.kv_len = m.node, m.length, m.length
         req.prefix_slots = m.slots[: m.length].tolist() if m.length else []
@@ -103,11 +131,31 @@ class CacheManager:
             self.engine.write_page_table(row, slice(0, m.length), self.engine.upload(req.prefix_slots, torch.int32))
         return True
 
+    def _window_cut(self, slots: torch.Tensor) -> int:
+        """The longest page-aligned prefix of a match (its KV `slots`) after which a query at its end finds every
+        window page it reads (positions end - window + 1 .. end - 1), 0 where there is none."""
+        p, w = self.page_size, self.sliding
+        has = [pg != 0 for pg in self.engine.window_pages((slots[::p] // p).tolist())]
+        run: list[int] = []  # run[j]: pages with window pages in a row, ending at page j
+        for ok in has:
+            run.append(run[-1] + 1 if ok and run else int(ok))
+        for j in range(len(has), 0, -1):
+            end = j * p
+            if run[j - 1] >= j - max(0, end - w + 1) // p:
+                return end
+        return 0
+
     def allocate(self, n_pages: int) -> list[int] | None:
-        """n pages, evicting unlocked cache leaves if needed; None (and nothing taken) if impossible."""
+        """n pages (each with a window page, where the model has window layers), evicting unlocked cache leaves if
+        needed and then the window pages of unlocked cache nodes; None (and nothing taken) if impossible."""
         short = n_pages - self.engine.num_free_pages
         if short > 0:
             self.engine.free_pages(self._slots_to_pages(self.tree.evict(short * self.page_size)))
+        short = n_pages - self.engine.num_free_window_pages if self.window_pages else 0
+        for node in self.tree.nodes(unlocked=True) if short > 0 else []:  # least recently used first
+            short -= self.engine.drop_windows(self._slots_to_pages(node.slots))
+            if short <= 0:
+                break
         return self.engine.alloc_pages(n_pages)
 
     def reserve(self, req: Req, n: int) -> bool:
@@ -119,8 +167,16 @@ class CacheManager:
         are never read (attention reads each row up to its length) and the next step overwrites them."""
         keep = -(-req.kv_len // self.page_size) - req.prefix_len // self.page_size
         if keep < len(req.pages):
-            self.engine.free_pages(req.pages[keep:])
+            self.engine.free_pages(req.pages[max(keep, req.dropped) :])  # (pages given back are 0s in the list)
             del req.pages[keep:]
+            req.dropped, req.windows_dropped = min(req.dropped, keep), min(req.windows_dropped, keep)
+
+    def can_rewind(self, req: Req, kv_len: int) -> bool:
+        """Whether a query at `kv_len` would find all the KV it reads of `req`'s (none of it given back behind a
+        window since): a rewind further back than the window must start over."""
+        given_back = max(req.dropped, req.windows_dropped)
+        window = self.sliding or self.window
+        return not given_back or req.prefix_len + given_back * self.page_size <= kv_len - window + 1
 
     def reserve_each(self, reqs: list[Req], n: int) -> bool:
         """`reserve(req, n)` for every request at once, with one allocation (a decode step's new pages); False, and
@@ -129,6 +185,9 @@ class CacheManager:
         if self.window:
             for r in reqs:
                 self._drop_behind(r)
+        if self.sliding:
+            for r in reqs:
+                self._drop_windows(r, r.kv_len - self.sliding)
         needs = [-(-(r.kv_len + n) // p) - (r.prefix_len // p + len(r.pages)) for r in reqs]
         total = sum(k for k in needs if k > 0)
         if not total:
@@ -153,6 +212,15 @@ class CacheManager:
             req.pages[req.dropped : dead] = [0] * (dead - req.dropped)  # page 0: the scratch page, never read
             req.dropped = dead
 
+    def _drop_windows(self, req: Req, end: int) -> None:
+        """Give back the window pages of `req`'s own pages wholly before position `end` (a query at q reads window
+        positions q - window + 1 .. q: before each step, end = kv_len - window keeps a position of slack). A step still
+        in flight that reads one runs before any later step can write it (one device stream), as in _drop_behind."""
+        dead = end // self.page_size - req.prefix_len // self.page_size
+        if dead > req.windows_dropped:
+            self.engine.drop_windows(req.pages[req.windows_dropped : dead])
+            req.windows_dropped = dead
+
     def slots(self, req: Req, start: int, end: int) -> list[int]:
         """KV slots of positions start..end-1 (reserved already), computed on the host: no device read."""
         p, first = self.page_size, req.prefix_len
@@ -163,18 +231,24 @@ class CacheManager:
         base = first // p
         return pre + [own[q // p - base] * p + q % p for q in range(lo, end)]
 
-    def write_rows(self, fb: ForwardBatch) -> None:
-        """page_table[row of each new token of the step, its position] = its KV slot: one device op per step."""
+    def write_rows(self, fb: ForwardBatch, locs: list[int]) -> None:
+        """page_table[row of each new token of the step, its position] = its KV slot (`locs`, the step's
+        out_cache_loc on the host): one device op per step; with window pages a second, the slots' window slots."""
         loc = fb.out_cache_loc.to(torch.int32)
         if fb.is_decode:
             rows = fb.req_rows
         else:
             rows = torch.repeat_interleave(fb.req_rows, fb.extend_lens, output_size=fb.num_tokens)
         self.engine.write_page_table(rows, fb.positions, loc)
+        if self.window_pages:
+            self.engine.write_slot_map(fb.out_cache_loc, self.engine.upload(self.engine.window_slots(locs),
+                                                                            torch.int64))
 
     def prefill_cut(self, req: Req, n: int) -> int:
         """How many of the next n tokens `req` prefills this step: a hybrid's chunk ends at the last page boundary
         before its last token, where its state is snapshot for a repeated prompt to start from."""
+        if self.window_pages:  # a chunk takes at most half the window pages: the running requests' windows keep theirs
+            n = min(n, max(1, self.window_pages // 2 * self.page_size))
         if not self.snapshots:
             return n
         cut = (req.seq_len - 1) // self.page_size * self.page_size
@@ -205,6 +279,11 @@ class CacheManager:
         if not self.tree.reuses or req.dropped:  # a request that gave pages back holds no whole prompt to cache
             return
         p = self.page_size
+        if self.sliding:  # the prompt whole, once, with its last window's window pages (the module docstring)
+            if req.kv_len < len(req.input_ids):
+                return
+            n = len(req.input_ids)
+            self._drop_windows(req, n - n % p - self.sliding - p)
         old = req.prefix_len
         snap = -1
         if self.snapshots:
@@ -232,8 +311,11 @@ class CacheManager:
         # Pages below `existing` duplicate what another request cached first: point at the tree's, free ours.
         first_own, covered = old // p, aligned // p - old // p
         dup = max(existing, old) // p - first_own
+        if dup and self.window_pages:  # the tree's pages take our window KV where they lack it (this request reads it)
+            self.engine.adopt_windows((m.slots[old : old + dup * p : p] // p).tolist(), req.pages[:dup])
         self.engine.free_pages(req.pages[:dup])
         req.pages = req.pages[covered:]
+        req.windows_dropped = max(0, req.windows_dropped - covered)
         req.prefix_node, req.prefix_len, req.prefix_slots = m.node, aligned, m.slots.tolist()
         if dup:
             end = max(existing, old)
@@ -266,11 +348,14 @@ class CacheManager:
             # Own pages below `existing` duplicate the tree's; pages past `aligned` hold a partial page.
             first_own = req.prefix_len // p
             keep_from, keep_to = max(existing, req.prefix_len) // p, aligned // p
+            if self.window_pages and keep_from > first_own:  # the tree keeps their window KV where it has none
+                tree = self.tree.match(ids[: keep_from * p]).slots
+                self.engine.adopt_windows((tree[first_own * p :: p] // p).tolist(), req.pages[: keep_from - first_own])
             adopted = set(req.pages[keep_from - first_own : keep_to - first_own])
             self.engine.free_pages([pg for pg in req.pages if pg not in adopted])
         else:
             self.engine.free_pages(req.pages[req.dropped :])
-        req.pages, req.dropped = [], 0
+        req.pages, req.dropped, req.windows_dropped = [], 0, 0
         if req.prefix_node is not None:
             self.tree.unlock(req.prefix_node)
             req.prefix_node = None

@@ -84,6 +84,8 @@ class DraftModelProposer:
                 break
             keep += 1
         shadow.kv_len = min(keep, len(ids) - 1)
+        if not self.cache.can_rewind(shadow, shadow.kv_len):  # its KV there went behind a window: start over
+            shadow.kv_len = 0
         self.cache.rewind(shadow)
         del shadow.input_ids[shadow.kv_len:]
         return None if max(ids) >= self.engine.spec.vocab_size else shadow
@@ -116,7 +118,7 @@ class DraftModelProposer:
             locs += slots
         if ids:
             batch = self.engine.build_batch("prefill", ids, rows, starts, lens, locs)
-            self.cache.write_rows(batch)
+            self.cache.write_rows(batch, locs)
             self.engine.forward(batch)
 
     def _decode(self, work: list[tuple[Req, list[int]]]) -> list[int | None]:
@@ -141,7 +143,7 @@ class DraftModelProposer:
         if not ids:
             return [None] * len(work)
         batch = self.engine.build_batch("decode", ids, rows, starts, [1] * len(ids), locs)
-        self.cache.write_rows(batch)
+        self.cache.write_rows(batch, locs)
         tokens = self.engine.forward(batch).argmax(dim=-1).tolist()
         return [None if r is None else tokens[r] for r in last]
 

@@ -79,6 +79,7 @@ class Req:
     prefix_node: RadixNode | None = None
     pages: list[int] = field(default_factory=list)  # pages for positions prefix_len.. (owned here)
     dropped: int = 0  # leading pages of `pages` given back behind an all-windowed model's window (0 in the list)
+    windows_dropped: int = 0  # leading pages of `pages` whose window pages are given back (sliding and full layers)
     prefix_slots: list[int] = field(default_factory=list)  # KV slots of the matched prefix (host copy)
     state_slot: int | None = None  # its recurrent-state slot while it holds one (linear-attention models)
     done: bool = False  # finished or aborted: an in-flight step's token for it is dropped

@@ -426,7 +426,7 @@ class Scheduler:
                 fb.runs = [1 + len(d) for d in drafts]
         else:
             fb = engine.build_batch(mode, ids, req_rows, starts, lens, locs)
-        self.cache.write_rows(fb)
+        self.cache.write_rows(fb, locs)
         if prev_rows and any(r >= 0 for r in src):
             assert self._inflight is not None and drafts is None  # prev_rows came from it; src is per row then
             fb.input_ids = feed_input_ids(fb.input_ids, src, self._inflight, engine)
@@ -574,6 +574,13 @@ class Scheduler:
         s.tokens_free = self.cache.num_free_pages * p
         s.tokens_cached = tree.cached_tokens
         s.tokens_in_use = self.cache.pages_in_use(self.running + list(self.waiting)) * p
+        spec = self.engine.spec
+        s.window_tokens_total = spec.num_window_pages * p
+        s.window_tokens_free = self.engine.num_free_window_pages * p
+        full, window = spec.page_bytes
+        s.kv_bytes_total = spec.num_pages * full + spec.num_window_pages * window
+        s.kv_bytes_used = s.kv_bytes_total - (self.cache.num_free_pages * full
+                                              + self.engine.num_free_window_pages * window)
         s.state_slots_total, s.state_slots_free = self.cache.num_state_slots, self.engine.num_free_state_slots
         s.prefill_tok_s, s.decode_tok_s = self._prefill_rate.rate(), self._decode_rate.rate()
         s.spec_accepted_tok_s = self._accepted_rate.rate()

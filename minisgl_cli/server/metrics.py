@@ -204,6 +204,17 @@ class ServerMetrics:
                 ("spec_draft_tokens_total", sched.spec_draft_tokens, "Draft tokens verified."),
                 ("spec_accepted_tokens_total", sched.spec_accepted_tokens, "Draft tokens accepted."),
             ))
+            if sched.kv_bytes_total:  # an engine with a KV pool: its bytes, full and window pages together
+                families("gauge", (
+                    ("kv_bytes_total", sched.kv_bytes_total, "KV pool bytes (full and window pages)."),
+                    ("kv_bytes_used", sched.kv_bytes_used, "KV bytes held by requests and the prefix cache."),
+                ))
+            if sched.window_tokens_total:  # sliding and full layers mixed: the sliding layers' window pages
+                families("gauge", (
+                    ("kv_window_tokens_total", sched.window_tokens_total,
+                     "Sliding layers' window pool size in tokens (they keep only their window's KV)."),
+                    ("kv_window_tokens_free", sched.window_tokens_free, "Free window-pool tokens."),
+                ))
             if sched.state_slots_total:  # a linear-attention model: its recurrent-state slots (kvcache/state.py)
                 families("gauge", (
                     ("state_slots_total", sched.state_slots_total, "Recurrent-state slots (linear-attention layers)."),

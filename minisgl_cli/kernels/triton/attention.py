@@ -24,7 +24,8 @@ Sliding windows and sinks (per layer, so CUDA graphs capture them as constants; 
 full-attention layer runs the kernels it ran before them, with no window arithmetic): `window` > 0 limits a query at
 position p to keys p - window + 1 .. p (decode splits only that span; extend starts at the first tile a block's
 first row sees and masks every tile); `sinks` [H] fp32 add exp(sink) to each head's softmax denominator only,
-at the end (decode: in the reduce, or the single split's own normalisation).
+at the end (decode: in the reduce, or the single split's own normalisation). A window layer of a pool that keeps its
+KV in pages of its own (`slot_map`, `MAPPED`) reads one more index per position: the full slot's window slot.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def store_kv(
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, req_rows_ptr, seq_lens_ptr,
-    mid_o_ptr, mid_lse_ptr, o_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, order_ptr, sinks_ptr,
+    mid_o_ptr, mid_lse_ptr, o_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, order_ptr, sinks_ptr, slot_map_ptr,
     qk_scale,  # softmax scale * log2(e)
     num_splits, window,
     stride_qb, stride_qh,
@@ -148,7 +149,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
-    HAS_ORDER: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr,
+    HAS_ORDER: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr, MAPPED: tl.constexpr,
 ):
     """Program (b, kv_head, split): attention of b's query heads of this group over one chunk of its context
     (of its last `window` positions where window > 0).
@@ -193,6 +194,8 @@ def _decode_partial_kernel(
             n_mask = offs_n < end
             # Page-table indirection: the slot of each position, then that slot's row in the cache.
             slots = tl.load(page_table_ptr + row * stride_pt + offs_n, mask=n_mask, other=0).to(tl.int64)
+            if MAPPED:  # a window layer's slot of that full slot (kvcache/pool.py's slot_map)
+                slots = tl.load(slot_map_ptr + slots)
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
                         mask=kv_mask, other=0.0)
@@ -305,6 +308,7 @@ def decode_attention(
     order: torch.Tensor | None = None,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    slot_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one token per request) -> [B, H, D] over positions 0..seq_lens[b]-1 of each request (the last
     `window` of them where window > 0); `sinks` [H] fp32: each head's sink logit in its softmax's denominator.
@@ -315,6 +319,7 @@ def decode_attention(
     quant: an FP8 cache's scales and means (kernels/fp8.py).
     order: [B] int32, the rows in the order their programs start (longest context first, as the backend
     passes it: the programs that start last are then short ones, which shortens the tail), or None.
+    slot_map: a window layer's full slot -> slot in its own cache (kvcache/pool.py), or None.
     """
     B, H, D = q.shape
     hkv = k_cache.shape[1]
@@ -336,7 +341,7 @@ def decode_attention(
     _decode_partial_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, page_table, req_rows, seq_lens, mid_o, mid_lse, out, *fp8,
         order if order is not None else seq_lens, sinks if sinks is not None else mid_lse,
-        scale * LOG2E, num_splits, window,
+        slot_map if slot_map is not None else seq_lens, scale * LOG2E, num_splits, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
@@ -346,7 +351,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=D, BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype if quant is None else torch.float16), DIRECT=direct,
         KV_FP8=quant is not None, HAS_ORDER=order is not None, HAS_SINKS=sinks is not None, WINDOWED=window > 0,
-        num_warps=warps, num_stages=stages, **pdl_kwargs(q, pdl),
+        MAPPED=slot_map is not None, num_warps=warps, num_stages=stages, **pdl_kwargs(q, pdl),
     )
     if direct:
         return out
@@ -375,10 +380,10 @@ def decode_attention(
 @triton.jit
 def _extend_tile(
     q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh, window,
-    k_cache_ptr, v_cache_ptr, page_table_ptr,
+    k_cache_ptr, v_cache_ptr, page_table_ptr, slot_map_ptr,
     qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOWED: tl.constexpr, MAPPED: tl.constexpr,
 ):
     """One online-softmax step over keys n0..n0+BLOCK_N-1; MASKED adds the causal, length and window masks."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -391,6 +396,8 @@ def _extend_tile(
     else:
         slots = tl.load(page_table_ptr + row * stride_pt + offs_n).to(tl.int64)
         kv_mask = d_mask[None, :]
+    if MAPPED:  # a window layer's slot of that full slot (kvcache/pool.py's slot_map)
+        slots = tl.load(slot_map_ptr + slots)
     k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
                 mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
@@ -414,7 +421,7 @@ def _extend_tile(
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
     page_table_ptr, req_rows_ptr, seq_lens_ptr, qo_indptr_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, sinks_ptr,
-    qk_scale, window,
+    slot_map_ptr, qk_scale, window,
     stride_qt, stride_qh,
     stride_ks, stride_kh, stride_vs, stride_vh,
     stride_ot, stride_oh,
@@ -422,6 +429,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr,
+    MAPPED: tl.constexpr,
 ):
     """Program (m_block, b, head): causal attention of BLOCK_M new tokens of request b for one query head."""
     mb = tl.program_id(0)
@@ -459,14 +467,14 @@ def _extend_kernel(
         for n0 in range(lo, full_end, BLOCK_N):
             m_i, l_i, acc = _extend_tile(
                 q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh, window, k_cache_ptr, v_cache_ptr, page_table_ptr,
-                qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
-                HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION, WINDOWED,
+                slot_map_ptr, qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
+                HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION, WINDOWED, MAPPED,
             )
         for n0 in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _extend_tile(
                 q, m_i, l_i, acc, n0, row, q_pos, kv_end, kvh, window, k_cache_ptr, v_cache_ptr, page_table_ptr,
-                qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
-                HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION, WINDOWED,
+                slot_map_ptr, qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
+                HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION, WINDOWED, MAPPED,
             )
         if HAS_SINKS:
             l_i += tl.exp2(tl.load(sinks_ptr + h) * 1.4426950408889634 - m_i)
@@ -498,12 +506,13 @@ def extend_attention(
     quant: KVQuant | None = None,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    slot_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (request b's new tokens are rows qo_indptr[b]:qo_indptr[b+1]) -> [T, H, D].
 
     Token i of request b is at position seq_lens[b] - extend_len_b + i and attends causally to the whole
     sequence (its last `window` positions where window > 0), whose KV (this step's tokens included) must already be
-    in the pool. quant, sinks: as decode's.
+    in the pool. quant, sinks, slot_map: as decode's.
     """
     T, H, D = q.shape
     hkv = k_cache.shape[1]
@@ -521,14 +530,15 @@ def extend_attention(
     fp8 = (quant.k_scale, quant.v_scale, quant.v_mean) if quant is not None else (q, q, q)  # placeholders
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, req_rows, seq_lens, qo_indptr, *fp8,
-        sinks if sinks is not None else q, scale * LOG2E, window,
+        sinks if sinks is not None else q, slot_map if slot_map is not None else seq_lens, scale * LOG2E, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
         page_table.stride(0),
         GROUP=H // hkv, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_D=_pow2(D, 16), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype if quant is None else torch.float16), KV_FP8=quant is not None,
-        HAS_SINKS=sinks is not None, WINDOWED=window > 0, num_warps=warps, num_stages=stages,
+        HAS_SINKS=sinks is not None, WINDOWED=window > 0, MAPPED=slot_map is not None, num_warps=warps,
+        num_stages=stages,
     )
     return out
 
