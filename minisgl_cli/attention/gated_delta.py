@@ -187,6 +187,16 @@ def commit(inputs: tuple[torch.Tensor, ...], ssm: torch.Tensor, slots: torch.Ten
         at += n
 
 
+def _depthwise(seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The causal conv's depthwise F.conv1d (seq [B, C, L], weight [C, 1, K]), without TF32 on CUDA: cuDNN's convs
+    take it by default (torch.backends.cudnn.allow_tf32), which would round an fp32 model's (the exact mode's)
+    conv inputs to 10-bit mantissas."""
+    cudnn = torch.backends.cudnn
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                     allow_tf32=False):
+        return F.conv1d(seq, weight, groups=seq.shape[1])
+
+
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
                  lens: list[int]) -> torch.Tensor:
     """The causal depthwise conv + SiLU over an extend step's mixed q, k, v rows x [T, C], request after request,
@@ -197,7 +207,7 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot
     for i, n in enumerate(lens):
         slot = slots[i : i + 1]
         seq = torch.cat([conv.index_select(0, slot)[0], x[at : at + n].t().to(conv.dtype)], dim=1)  # [C, K-1+n]
-        y = F.conv1d(seq[None].to(weight.dtype), w, groups=x.shape[1])[0]  # [C, n]
+        y = _depthwise(seq[None].to(weight.dtype), w)[0]  # [C, n]
         conv.index_copy_(0, slot, seq[None, :, seq.shape[1] - conv.shape[2] :])
         out[at : at + n] = F.silu(y).t().to(x.dtype)
         at += n
@@ -212,7 +222,7 @@ def conv_verify(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots
     at, w = 0, weight[:, None, :]
     for i, n in enumerate(runs):
         seq = torch.cat([conv.index_select(0, slots[i : i + 1])[0], x[at : at + n].t().to(conv.dtype)], dim=1)
-        out[at : at + n] = F.silu(F.conv1d(seq[None].to(weight.dtype), w, groups=x.shape[1])[0]).t().to(x.dtype)
+        out[at : at + n] = F.silu(_depthwise(seq[None].to(weight.dtype), w)[0]).t().to(x.dtype)
         seqs.append(seq)
         at += n
     return out, seqs
@@ -228,6 +238,6 @@ def conv_commit(conv: torch.Tensor, slots: torch.Tensor, seqs: list[torch.Tensor
 def conv_step(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """conv_prefill for one token a request, x [B, C]: no host reads."""
     seq = torch.cat([conv.index_select(0, slots), x[:, :, None].to(conv.dtype)], dim=2)  # [B, C, K]
-    y = F.conv1d(seq.to(weight.dtype), weight[:, None, :], groups=x.shape[1])[:, :, 0]
+    y = _depthwise(seq.to(weight.dtype), weight[:, None, :])[:, :, 0]
     conv.index_copy_(0, slots, seq[:, :, 1:])
     return F.silu(y).to(x.dtype)
