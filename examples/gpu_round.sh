@@ -50,8 +50,11 @@ cat "$WORK/machine.txt"
 # (t) ~200 s over two workers: Triton compiles, tiny models built with transformers, a few engines (the two Qwen-VL
 # tests ~70 s each)
 XDIST=$($PY -c 'import xdist' 2>/dev/null && echo "-n 2 --dist loadfile")  # pytest-xdist where installed
+# pytest-timeout where installed (the H200 images have it): a test that hangs fails with its traceback and the rest
+# run, instead of the part's limit killing pytest before it prints which tests failed
+PER_TEST=$($PY -c 'import pytest_timeout' 2>/dev/null && echo "--timeout ${TEST_TIMEOUT:-90}")
 want t && part "(t) GPU tests of this round" 240 60 "$OUT/tests.log" \
-  $PY -m pytest -q -p no:cacheprovider $XDIST $TESTS
+  $PY -m pytest -q -rfE -p no:cacheprovider $XDIST $PER_TEST $TESTS
 
 # (s) ~25 s, mostly Triton's first compiles
 want s && part "(s) sampler micro-benchmark" 60 20 "$OUT/sampling.log" \
