@@ -130,7 +130,8 @@ def test_a_split_that_cannot_be_made_is_one_line_and_exit_1(case, tiny_models, t
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), (result.stderr, result.exception)
     (line,) = [x for x in result.stderr.splitlines() if x.strip()]
     assert line.startswith("error: ") and expected in line, line
-    assert not multiprocessing.active_children()  # refused before any rank started
+    # refused before any rank started (other children of this process, an earlier module's media worker, may live on)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("minisgl media rank")]
 
 
 @pytest.mark.slow
