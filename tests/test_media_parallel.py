@@ -151,6 +151,8 @@ def test_serve_media_worker_leads_the_ranks_and_leaves_none_behind(one_process, 
     from minisgl_cli.server.errors import install_error_handlers
     from minisgl_cli.server.media import build_media_router
 
+    me = psutil.Process()
+    earlier = {p.pid for p in me.children(recursive=True)}  # an earlier module's children: not this test's
     service = MediaService(MediaSettings(video_model_dir=tiny_models["wan"], device="cpu", media_parallel="auto"))
     assert service.settings.spec("video").media_parallel == "cfg"  # auto: the default video job is guided
     app = FastAPI()
@@ -165,10 +167,9 @@ def test_serve_media_worker_leads_the_ranks_and_leaves_none_behind(one_process, 
         assert r.status_code == 200, r.text
         frames = np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(f)))) for f in r.json()["data"][0]
                            ["frames"]])
-        me = psutil.Process()
         # (this test process's own multiprocessing resource tracker lives as long as it does)
-        below = [p for p in me.children(recursive=True)
-                 if not (p.ppid() == me.pid and "resource_tracker" in " ".join(p.cmdline()))]
+        below = [p for p in me.children(recursive=True) if p.pid not in earlier
+                 and not (p.ppid() == me.pid and "resource_tracker" in " ".join(p.cmdline()))]
         assert any(p.ppid() not in (me.pid, 1) for p in below)  # the worker's own child: rank 1
     finally:
         service.close()
