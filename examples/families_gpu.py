@@ -67,28 +67,29 @@ def step_bytes(engine, context: int) -> int:
     return total
 
 
-def one(name: str, out: str, long: bool, profile: bool = False) -> None:
+def one(name: str, long: bool, profile: bool = False) -> None:
     import gpu_bench as gb  # beside this script; imported, its SAMPLED stays empty: greedy rows only
     import torch
 
-    bw = copy_bandwidth()
-    print(f"[{name}] device copy {bw / 1e12:.2f} TB/s", flush=True)
     if long:
-        return one_long(name, bw, out)
+        return one_long(name)
+    bw = copy_bandwidth()  # the floor's bandwidth, in this child
+    print(f"[{name}] device copy {bw / 1e12:.2f} TB/s", flush=True)
     e = gb.make_engine(name)  # 300k tokens of KV: the preset's ~290k held at once, the rest for activations
     start = len(gb.ROWS)
     gb.bench_engine(name, e, True, [(True, True)], [(True, True)], profile)
-    floor = step_bytes(e, 128 + 256) / bw * 1e3  # the 512-token decode's middle context
+    nbytes = step_bytes(e, 128 + 256)  # at the 512-token decode's middle context
+    floor = nbytes / bw * 1e3
     for r in gb.ROWS[start:]:
         r["kernels"] = f"{e.attn.name} attention"
         if r["workload"] == "batch-1 decode":
             r.update(floor_ms=round(floor, 3), of_floor=round(floor / r["step_ms"], 3),
-                     gbytes_step=round(step_bytes(e, 384) / 1e9, 3))
+                     gbytes_step=round(nbytes / 1e9, 3))
         print("ROW " + json.dumps(r), flush=True)
     torch.cuda.synchronize()
 
 
-def one_long(name: str, bw: float, out: str) -> None:
+def one_long(name: str) -> None:
     """A 32k-token prompt, 256 new tokens, with the windows as configured and with every layer full."""
     import gpu_bench as gb
     import torch
@@ -126,7 +127,7 @@ def main() -> None:
     ap.add_argument("--one-long", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one or args.one_long:
-        return one(args.one or args.one_long, args.out, bool(args.one_long), args.profile == "yes")
+        return one(args.one or args.one_long, bool(args.one_long), args.profile == "yes")
     rows: list[dict] = []
     jobs = [("--one", m) for m in args.models.split(",") if m] + [("--one-long", m) for m in args.long.split(",") if m]
     for flag, m in jobs:

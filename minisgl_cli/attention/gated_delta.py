@@ -191,6 +191,8 @@ def _depthwise(seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The causal conv's depthwise F.conv1d (seq [B, C, L], weight [C, 1, K]), without TF32 on CUDA: cuDNN's convs
     take it by default (torch.backends.cudnn.allow_tf32), which would round an fp32 model's (the exact mode's)
     conv inputs to 10-bit mantissas."""
+    if seq.device.type != "cuda" or seq.dtype != torch.float32:  # TF32 touches fp32 on CUDA only: no flag flips
+        return F.conv1d(seq, weight, groups=seq.shape[1])
     cudnn = torch.backends.cudnn
     with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
                      allow_tf32=False):
