@@ -21,7 +21,12 @@ class TritonDecodeMeta:
     num_splits: int  # KV splits per request (fixed per captured batch size under CUDA graphs)
     mid_o: torch.Tensor  # [bs, H, num_splits, D] fp32: per-split normalised outputs
     mid_lse: torch.Tensor  # [bs, H, num_splits] fp32: per-split base-2 log-sum-exps
-    order: torch.Tensor  # [bs] int32: the rows by context length, longest first (the kernel starts those first)
+    order: torch.Tensor | None  # [bs] int32: the rows by context length, longest first (the kernel starts those first)
+
+
+# Up to this many rows a decode step's programs all start in the first wave: their order buys nothing, and sorting
+# them on the device cost ~100 us of host work a step (a sort's launches), a fifth of batch 1's.
+IN_ORDER_MAX_BS = 8
 
 
 @dataclass
@@ -70,6 +75,7 @@ class TritonBackend(AttentionBackend):
         self.num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
         self._graph: dict[str, torch.Tensor] | None = None
         self._graph_max_bs = 0
+        self._order_dirty = False  # the graphs' order holds a permutation (a step of more than IN_ORDER_MAX_BS)
 
     # --- metadata --------------------------------------------------------------------------------
     def _splits(self, bs: int) -> int:
@@ -88,7 +94,7 @@ class TritonBackend(AttentionBackend):
             tiles = -(-max(batch.seq_lens_cpu, default=1) // tk.decode_block_n(self.head_dim, self.pool.quantized))
             splits = max(1, min(self._splits(bs), tiles))
             mid_o, mid_lse = self._scratch(bs, splits)
-            order = torch.argsort(batch.seq_lens, descending=True).to(torch.int32)
+            order = torch.argsort(batch.seq_lens, descending=True).to(torch.int32) if bs > IN_ORDER_MAX_BS else None
             batch.attn_meta = TritonDecodeMeta(batch.req_rows, batch.seq_lens, splits, mid_o, mid_lse, order)
         else:
             batch.attn_meta = TritonExtendMeta(
@@ -104,6 +110,7 @@ class TritonBackend(AttentionBackend):
             "req_rows": torch.zeros(max_bs, dtype=torch.int64, device=dev),
             "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
             "order": torch.arange(max_bs, dtype=torch.int32, device=dev),
+            "identity": torch.arange(max_bs, dtype=torch.int32, device=dev),
             "mid_o": torch.empty(rows * self.num_heads * self.head_dim, dtype=torch.float32, device=dev),
             "mid_lse": torch.empty(rows * self.num_heads, dtype=torch.float32, device=dev),
         }
@@ -137,7 +144,12 @@ class TritonBackend(AttentionBackend):
         if n < bs:  # padding rows: one position of page-table row 0 (any valid slot; output discarded)
             g["req_rows"][n:bs].zero_()
             g["seq_lens"][n:bs].fill_(1)
-        g["order"][:bs].copy_(torch.argsort(g["seq_lens"][:bs], descending=True))
+        if bs > IN_ORDER_MAX_BS:
+            g["order"][:bs].copy_(torch.argsort(g["seq_lens"][:bs], descending=True))
+            self._order_dirty = True
+        elif self._order_dirty:  # a bigger step's order may name rows past this graph's: back to rows in order
+            g["order"].copy_(g["identity"])
+            self._order_dirty = False
 
     def _require_graph_state(self, bs: int) -> dict[str, torch.Tensor]:
         if self._graph is None:

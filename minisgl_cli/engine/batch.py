@@ -60,6 +60,10 @@ class ForwardBatch:
     # Linear-attention layers run a request's rows in order and keep its state as it was until the scheduler says
     # how many were accepted (models/qwen3_next.py).
     runs: list[int] | None = None
+    out_cache_loc32: torch.Tensor | None = None  # [T] int32: out_cache_loc as the page table holds slots
+    # A decode step of one token a request: positions, out_cache_loc and req_rows as rows 0-2 of one [3, B] view of
+    # the upload, so a graph replay takes them in one copy.
+    decode_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -105,9 +109,12 @@ class ForwardBatch:
         if isinstance(out_cache_loc, torch.Tensor):
             out_cache_loc = out_cache_loc.tolist()
         device = torch.device(device)
-        ids, pos, loc, slots, last = host.to_device_parts(
-            [input_ids, positions, out_cache_loc, req_rows, [i - 1 for i in indptr[1:]]], torch.int64, device)
-        lens, extends, qo_indptr = host.to_device_parts([seq_lens, extend_lens, indptr], torch.int32, device)
+        (ids, pos, loc, slots, last), (lens, extends, qo_indptr, loc32) = host.to_device_mixed(
+            [([input_ids, positions, out_cache_loc, req_rows, [i - 1 for i in indptr[1:]]], torch.int64),
+             ([seq_lens, extend_lens, indptr, out_cache_loc], torch.int32)], device)
+        decode_rows = None
+        if len(input_ids) == B and B:  # parts of B entries each, padded alike: equally spaced in the upload
+            decode_rows = pos.as_strided((3, B), (B + B % 2, 1))
         return ForwardBatch(
             mode=mode,
             input_ids=ids,
@@ -120,4 +127,6 @@ class ForwardBatch:
             extend_lens_cpu=list(extend_lens),
             qo_indptr=qo_indptr,
             logits_indices=last,
+            out_cache_loc32=loc32,
+            decode_rows=decode_rows,
         )

@@ -550,7 +550,10 @@ class Engine:
     def sample(self, logits: torch.Tensor, rows: SamplingBatch, bitmask: torch.Tensor | None = None) -> Sampled:
         """The next token per request (left on the device); logprobs on rank 0 only, the one that reports them."""
         sg = self.sampler_graphs
-        if sg is not None and bitmask is None and sg.takes(logits, rows):
+        drawn = self.graphs.greedy_of(logits) if self.graphs is not None and rows.plain and bitmask is None else None
+        if drawn is not None:  # the decode graph took the argmax already
+            out = Sampled(drawn)
+        elif sg is not None and bitmask is None and sg.takes(logits, rows):
             out = Sampled(sg.draw(logits.shape[0], rows.needs))
         else:
             out = sample(logits, rows, self.sampling, self.sampler, bitmask)

@@ -30,6 +30,9 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 MAX_DEFAULT_BS = 256  # the most rows default_max_bs captures
+# Graphs up to this many rows also take each row's argmax: a greedy step's draw then costs no launch of its own
+# (at batch 1 the eager argmax's host work was ~50 us of a ~500 us step; past a few rows the host is not the limit).
+GREEDY_MAX_BS = 16
 
 
 def default_max_bs(free_bytes: int, max_running: int) -> int:
@@ -49,14 +52,17 @@ class DecodeGraphs:
         self.max_bs = self.sizes[-1]
         n = self.max_bs
         # Static inputs: replays copy the real step's tensors in; rows past the real batch stay at 0
-        # (token 0, position 0, KV slot 0 = the pool's scratch slot).
+        # (token 0, position 0, KV slot 0 = the pool's scratch slot). Positions, KV slots and page-table rows are
+        # rows of one block, laid out as ForwardBatch.decode_rows: one copy takes all three.
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
-        self.req_rows = torch.zeros(n, dtype=torch.int64, device=device)  # a VLM reads its rows' M-RoPE deltas
+        self.rows = torch.zeros((3, n), dtype=torch.int64, device=device)
+        self.positions, self.out_cache_loc = self.rows[0], self.rows[1]
+        self.req_rows = self.rows[2]  # a VLM reads its rows' M-RoPE deltas
         self.logits = torch.empty((n, vocab), dtype=dtype, device=device)
+        self.greedy = torch.zeros(n, dtype=torch.int64, device=device)  # each row's argmax (graphs <= GREEDY_MAX_BS)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._dirty = 0  # rows of out_cache_loc that may hold a real slot from an earlier replay
+        self.last = 0  # rows of the last replay
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         ones = torch.ones(bs, dtype=torch.int32, device=self.device)
@@ -73,6 +79,8 @@ class DecodeGraphs:
         # The head's output lands in the one static buffer (engine dtype: an fp32 copy of 256 x 128k
         # logits would cost ~0.1 ms a step; the sampler widens only what it computes on).
         self.logits[:bs].copy_(self.model.logits(hidden))
+        if bs <= GREEDY_MAX_BS:
+            torch.argmax(self.logits[:bs], dim=-1, out=self.greedy[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -103,12 +111,24 @@ class DecodeGraphs:
         n = batch.batch_size
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:n].copy_(batch.positions, non_blocking=True)
-        self.out_cache_loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
-        self.req_rows[:n].copy_(batch.req_rows, non_blocking=True)
+        if batch.decode_rows is not None:
+            self.rows[:, :n].copy_(batch.decode_rows, non_blocking=True)
+        else:
+            self.positions[:n].copy_(batch.positions, non_blocking=True)
+            self.out_cache_loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
+            self.req_rows[:n].copy_(batch.req_rows, non_blocking=True)
         if self._dirty > n:  # rows a bigger step wrote must not scribble over live KV slots now
             self.out_cache_loc[n : self._dirty].zero_()
         self._dirty = n
         self.attn.prepare_for_replay(batch, bs)
         self.graphs[bs].replay()
+        self.last = n
         return self.logits[:n]
+
+    def greedy_of(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The argmax rows the last replay took, if `logits` are that replay's and its graph took them (a view of
+        the static buffer: stream-ordered readers only, before the next replay)."""
+        n = logits.shape[0]
+        if n > GREEDY_MAX_BS or n != self.last or logits.data_ptr() != self.logits.data_ptr():
+            return None
+        return self.greedy[:n]

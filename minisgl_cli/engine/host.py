@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -23,8 +24,8 @@ def host_tensor(data: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
     `torch.tensor` on a list of Python ints (a step's metadata is a few thousand of them)."""
     code = _ARRAY_CODES.get(dtype)
     if code is None or not data:
-        return torch.tensor(data, dtype=dtype)
-    return torch.frombuffer(array.array(code, data), dtype=dtype)
+        return torch.tensor(list(data), dtype=dtype)
+    return torch.frombuffer(data if isinstance(data, array.array) else array.array(code, data), dtype=dtype)
 
 
 @functools.cache
@@ -46,37 +47,39 @@ def trim_heap() -> None:
 
 
 class _UploadRing:
-    """A few reusable pinned buffers per dtype for host-to-device copies of step metadata. A slot is
-    reused only after the event recorded behind its copy has fired (in practice long before: at most
-    one step is in flight)."""
+    """Reusable pinned byte buffers for host-to-device copies of step metadata. A slot is reused only after the
+    event recorded behind its copy has fired: with a few uploads a step, 16 slots put that several steps back (at
+    most one step is in flight, so the wait never stalls on it)."""
 
-    SLOTS = 4
+    SLOTS = 16
 
     def __init__(self) -> None:
-        self._bufs: dict[torch.dtype, list[torch.Tensor | None]] = {}
-        self._events: dict[torch.dtype, list[torch.cuda.Event | None]] = {}
-        self._next: dict[torch.dtype, int] = {}
+        self._bufs: list[torch.Tensor | None] = [None] * self.SLOTS
+        self._events: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        self._next = 0
 
     def copy(self, data: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        bufs = self._bufs.setdefault(dtype, [None] * self.SLOTS)
-        events = self._events.setdefault(dtype, [None] * self.SLOTS)
-        i = self._next.get(dtype, 0)
-        self._next[dtype] = (i + 1) % self.SLOTS
-        ev = events[i]
+        return self.copy_bytes(memoryview(array.array(_ARRAY_CODES[dtype], data)).cast("B"), device).view(dtype)
+
+    def copy_bytes(self, raw: memoryview, device: torch.device) -> torch.Tensor:
+        """`raw` on the device (uint8), through the next pinned slot: one host memmove and one async copy."""
+        i = self._next
+        self._next = (i + 1) % self.SLOTS
+        ev = self._events[i]
         if ev is not None:
             ev.synchronize()
-        n = len(data)
-        buf = bufs[i]
+        n = raw.nbytes
+        buf = self._bufs[i]
         if buf is None or buf.numel() < n:
             with torch.inference_mode(False):  # a normal tensor, written in and out of inference mode alike
-                buf = bufs[i] = torch.empty(max(n, 4096, 2 * (buf.numel() if buf is not None else 0)),
-                                            dtype=dtype, pin_memory=True)
-        host = buf[:n]
-        host.copy_(host_tensor(data, dtype))
-        out = host.to(device, non_blocking=True)
+                buf = self._bufs[i] = torch.empty(max(n, 32768, 2 * (buf.numel() if buf is not None else 0)),
+                                                  dtype=torch.uint8, pin_memory=True)
+        if n:  # a plain memmove: a torch copy_ here cost more than the bytes (it dispatches like any op)
+            ctypes.memmove(buf.data_ptr(), (ctypes.c_char * n).from_buffer(raw), n)
+        out = buf[:n].to(device, non_blocking=True)
         ev = ev or torch.cuda.Event()
         ev.record()
-        events[i] = ev
+        self._events[i] = ev
         return out
 
 
@@ -121,15 +124,38 @@ class HostBuffers:
         """Several host lists in one upload, each a view of it that starts on a 16-byte boundary. Triton compiles a
         kernel once per alignment of its pointers: views at offsets that vary with a step's sizes made steps of a
         new parity compile a new variant mid-serving (a ~1 s stall, 1 draw in 4 of the nano-vllm preset)."""
-        step = max(1, 16 // dtype.itemsize)
-        flat: list[float] = []
-        starts = []
-        for part in parts:
-            starts.append(len(flat))
-            flat += part
-            flat += [0] * (-len(flat) % step)
-        dev = self.to_device(flat, dtype, device)
-        return [dev[at : at + len(part)] for at, part in zip(starts, parts)]
+        return self.to_device_mixed([(parts, dtype)], device)[0]
+
+    def to_device_mixed(self, groups: Sequence[tuple[Sequence[Sequence[float]], torch.dtype]],
+                        device: torch.device) -> list[list[torch.Tensor]]:
+        """`to_device_parts` for several dtypes at once: one upload on CUDA (a step's int64 and int32 fields)."""
+        flats: list[array.array[Any]] = []
+        starts: list[list[int]] = []
+        for parts, dtype in groups:
+            step = max(1, 16 // dtype.itemsize)
+            flat: array.array[Any] = array.array(_ARRAY_CODES[dtype])
+            at = []
+            for part in parts:
+                at.append(len(flat))
+                flat.extend(part)
+                flat.extend([0] * (-len(flat) % step))
+            flats.append(flat)
+            starts.append(at)
+        if device.type == "cuda":
+            raw = bytearray()
+            for flat in flats:
+                raw += flat.tobytes()
+            dev = self._upload.copy_bytes(memoryview(raw), device)
+        out: list[list[torch.Tensor]] = []
+        offset = 0
+        for (parts, dtype), flat, at in zip(groups, flats, starts):
+            if device.type == "cuda":
+                whole = dev[offset : offset + len(flat) * dtype.itemsize].view(dtype)
+                offset += len(flat) * dtype.itemsize
+            else:
+                whole = host_tensor(flat, dtype).to(device)
+            out.append([whole[a : a + len(part)] for a, part in zip(at, parts)])
+        return out
 
     def readback(self, n: int) -> torch.Tensor:
         """A pinned int64 host buffer of n entries to copy sampled ids into (valid until 3 more calls)."""

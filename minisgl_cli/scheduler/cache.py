@@ -234,7 +234,7 @@ class CacheManager:
     def write_rows(self, fb: ForwardBatch, locs: list[int]) -> None:
         """page_table[row of each new token of the step, its position] = its KV slot (`locs`, the step's
         out_cache_loc on the host): one device op per step; with window pages a second, the slots' window slots."""
-        loc = fb.out_cache_loc.to(torch.int32)
+        loc = fb.out_cache_loc32 if fb.out_cache_loc32 is not None else fb.out_cache_loc.to(torch.int32)
         if fb.is_decode:
             rows = fb.req_rows
         else:

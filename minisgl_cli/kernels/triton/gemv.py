@@ -149,10 +149,11 @@ def mma_fits(k: int, config: Config) -> bool:
 
 
 def pick_config(n: int, k: int, act_mul: bool = False, itemsize: int = 2) -> Config:
-    """The kernel and its block shape, from sweeps on an H100 (examples/gpu_bench.py --only gemv [--sweep-fp8]).
+    """The kernel and its block shape, from sweeps (examples/gpu_bench.py --only gemv --sweep [--sweep-fp8]).
 
-    16-bit weights: few rows per program win everywhere (more programs in flight to hide the DRAM latency);
-    long K rows take 512-wide chunks, short ones 1024. The fused SiLU input needs more registers per chunk.
+    16-bit weights (an H200 sweep, 2026-11-30; the H100's picks of one row a program left 10-25% on its faster
+    memory): 4-8 rows a program, 2-8k weights a chunk step, so each program keeps more bytes in flight; two rows
+    where N alone gives tens of thousands of programs (a head, Llama-8B's gate / up).
     FP8 weights: the tensor-core kernel wherever rows split into steps of 16 * 64 inputs -- 8 rows per
     program, 3 stages, each row's first step prefetched into L2 before the wait (Llama-8B at one row: 2.4-3.1
     TB/s, against 1.6-2.7 for the FMA kernel); 16 rows for a qkv-sized N, and on a square 4096 x 4096 the
@@ -166,13 +167,16 @@ def pick_config(n: int, k: int, act_mul: bool = False, itemsize: int = 2) -> Con
         if mma_fits(k, cfg):
             return cfg
         return (8, 512, 4) if k >= 4096 else (4, min(2048, triton.next_power_of_2(k)), 8)
-    if k >= 4096:
-        return (4 if act_mul else 1), 512, 4
-    return (
-        (1 if n <= 1024 and not act_mul else 2),
-        min(1024, triton.next_power_of_2(k)),
-        (8 if act_mul or n <= 1024 else 4),
-    )
+    chunk = triton.next_power_of_2(k)
+    if act_mul:  # a down projection: the fused SiLU input costs registers per chunk
+        return (8, min(1024, chunk), 4) if k >= 8192 else (4, min(1024, chunk), 8)
+    if n > 16384:  # a head or a wide gate / up: programs enough at two rows each
+        return (2, min(1024, chunk), 4) if k >= 2048 else (8, min(256, chunk), 4)
+    if n <= 1024:
+        return 1, min(1024, chunk), 4
+    if n > 4096:
+        return 8, min(512, chunk), 4
+    return 4, min(1024 if k >= 4096 else 512, chunk), 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act_mul: bool = False,
