@@ -72,13 +72,14 @@ def run(args: argparse.Namespace) -> dict:
     sched = Scheduler(engine, SchedulerConfig(), emit)
     prompt = [(7 * i + 3) % 5000 + 10 for i in range(128)]
 
-    def drained(rid: str, tokens: int) -> float:
+    def drained(rid: str, tokens: int) -> tuple[float, dict[str, float]]:
         """The host's own work a step: each step starts with the device idle, so no launch waits on a queue that
         is full and the read finds its step done. CPU µs a step."""
         done[0] = False
         sched.handle(AddRequest(rid, prompt, SamplingParams(max_new_tokens=tokens, ignore_eos=True, **sampling)))
         sched.step()
         steps, cpu = 0, 0.0
+        phases.clear()
         while not done[0]:
             if torch.cuda.is_available() and args.device != "cpu":
                 torch.cuda.synchronize()
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
             steps += 1
         while sched._inflight is not None:
             sched.step()
-        return cpu / steps * 1e6
+        return cpu / steps * 1e6, {k: round(v / steps * 1e6, 1) for k, v in phases.items()}
 
     def one(rid: str, tokens: int, profile: int = 0) -> tuple[int, float, float, str]:
         done[0] = False
@@ -129,13 +130,13 @@ def run(args: argparse.Namespace) -> dict:
     one("warm", 64)
     steps, wall, cpu, _ = one("timed", args.tokens)
     split = {k: round(v / steps * 1e6, 1) for k, v in phases.items()}
-    host_own = drained("drained", min(args.tokens, 256))
+    host_own, own_split = drained("drained", min(args.tokens, 256))
     _, _, _, ops = one("profiled", 40 + 2 * args.profile_steps + 8, profile=args.profile_steps)
     if args.print_ops:
         print(ops, flush=True)
     out = {"model": args.model, "sampled": args.sampled, "steps": steps, "tok_s": round(steps / wall, 1),
            "step_us": round(wall / steps * 1e6, 1), "host_cpu_us": round(cpu / steps * 1e6, 1),
-           "host_own_us": round(host_own, 1), "split_us": split}
+           "host_own_us": round(host_own, 1), "split_us": split, "own_split_us": own_split}
     print("RESULT " + json.dumps(out), flush=True)
     return out
 
@@ -166,6 +167,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['tree']:5} {r['model']:14} {'sampled' if r['sampled'] else 'greedy':8} {r['tok_s']:8.1f} "
               f"{r['step_us']:8.1f} {r['host_cpu_us']:11.1f} {r['host_own_us']:11.1f}  {r['split_us']}")
+        print(f"{'':>62}  drained: {r.get('own_split_us')}")
 
 
 if __name__ == "__main__":
