@@ -64,21 +64,29 @@ def _sinks(device: str) -> torch.Tensor:
 
 @pytest.mark.gpu
 @needs_triton
-@pytest.mark.parametrize("mode,splits", [("decode", 1), ("decode", 3), ("extend", 0)])
+@pytest.mark.parametrize("mode,splits", [("decode", 1), ("decode", 3), ("merged", 3), ("extend", 0)])
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
 def test_triton_kernels_window_and_sinks_match_the_definition(mode, splits, window, with_sinks):
+    """`merged`: the split programs merge their own partials through the split counters (one launch); the same
+    output as the separate reduce pass, and the counters left at zero for the next call."""
     patch_interpreter()
     from minisgl_cli.kernels.triton import attention as tk
 
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
-    pool, batch, q, k, v = _case(mode, dtype, DEV)
+    pool, batch, q, k, v = _case("extend" if mode == "extend" else "decode", dtype, DEV)
     pool.store(0, batch.out_cache_loc, k, v)
     sinks = _sinks(DEV) if with_sinks else None
     scale = 1.0 / math.sqrt(HEADS[2])
-    if mode == "decode":
+    if mode != "extend":
+        counters = torch.zeros(len(DECODE) * HEADS[1], dtype=torch.int32, device=DEV) if mode == "merged" else None
         out = tk.decode_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens, scale,
-                                  splits, window=window, sinks=sinks)
+                                  splits, window=window, sinks=sinks, counters=counters)
+        if counters is not None:
+            assert not counters.any()
+            two_pass = tk.decode_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
+                                           scale, splits, window=window, sinks=sinks)
+            torch.testing.assert_close(out, two_pass, rtol=0, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
     else:
         out = tk.extend_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
                                   batch.qo_indptr, max(batch.extend_lens_cpu), scale, window=window, sinks=sinks)

@@ -22,6 +22,7 @@ class TritonDecodeMeta:
     mid_o: torch.Tensor  # [bs, H, num_splits, D] fp32: per-split normalised outputs
     mid_lse: torch.Tensor  # [bs, H, num_splits] fp32: per-split base-2 log-sum-exps
     order: torch.Tensor | None  # [bs] int32: the rows by context length, longest first (the kernel starts those first)
+    counters: torch.Tensor | None = None  # [>= bs * Hkv] int32 zeros: the split programs merge their own partials
 
 
 # Up to this many rows a decode step's programs all start in the first wave: their order buys nothing, and sorting
@@ -76,10 +77,19 @@ class TritonBackend(AttentionBackend):
         self._graph: dict[str, torch.Tensor] | None = None
         self._graph_max_bs = 0
         self._order_dirty = False  # the graphs' order holds a permutation (a step of more than IN_ORDER_MAX_BS)
+        self._counters = torch.zeros(0, dtype=torch.int32, device=pool.device)
 
     # --- metadata --------------------------------------------------------------------------------
     def _splits(self, bs: int) -> int:
         return tk.num_kv_splits(bs, self.num_kv_heads, self.num_sms)
+
+    def _split_counters(self, bs: int) -> torch.Tensor:
+        """Zeros for bs requests' split counters (each decode call leaves them zero again): kept, grown as needed."""
+        n = bs * self.num_kv_heads
+        if self._counters.numel() < n:
+            self._counters = torch.zeros(max(n, 2 * self._counters.numel()), dtype=torch.int32,
+                                         device=self.pool.device)
+        return self._counters
 
     def _scratch(self, bs: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         h, d, dev = self.num_heads, self.head_dim, self.pool.device
@@ -95,7 +105,8 @@ class TritonBackend(AttentionBackend):
             splits = max(1, min(self._splits(bs), tiles))
             mid_o, mid_lse = self._scratch(bs, splits)
             order = torch.argsort(batch.seq_lens, descending=True).to(torch.int32) if bs > IN_ORDER_MAX_BS else None
-            batch.attn_meta = TritonDecodeMeta(batch.req_rows, batch.seq_lens, splits, mid_o, mid_lse, order)
+            batch.attn_meta = TritonDecodeMeta(batch.req_rows, batch.seq_lens, splits, mid_o, mid_lse, order,
+                                               self._split_counters(bs))
         else:
             batch.attn_meta = TritonExtendMeta(
                 batch.req_rows, batch.seq_lens, batch.qo_indptr, max(batch.extend_lens_cpu, default=0)
@@ -111,6 +122,7 @@ class TritonBackend(AttentionBackend):
             "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
             "order": torch.arange(max_bs, dtype=torch.int32, device=dev),
             "identity": torch.arange(max_bs, dtype=torch.int32, device=dev),
+            "counters": torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=dev),
             "mid_o": torch.empty(rows * self.num_heads * self.head_dim, dtype=torch.float32, device=dev),
             "mid_lse": torch.empty(rows * self.num_heads, dtype=torch.float32, device=dev),
         }
@@ -128,6 +140,7 @@ class TritonBackend(AttentionBackend):
             mid_o=g["mid_o"][: bs * h * splits * d].view(bs, h, splits, d),
             mid_lse=g["mid_lse"][: bs * h * splits].view(bs, h, splits),
             order=g["order"][:bs],
+            counters=g["counters"],
         )
         if batch is not None:
             batch.attn_meta = meta
@@ -175,7 +188,7 @@ class TritonBackend(AttentionBackend):
             return tk.decode_attention(
                 q, k_cache, v_cache, table, meta.req_rows, meta.seq_lens, self.scale,
                 meta.num_splits, meta.mid_o, meta.mid_lse, pdl=self.kernels.pdl, quant=quant, order=meta.order,
-                window=window, sinks=sinks, slot_map=self.pool.slot_map_of(layer_id),
+                window=window, sinks=sinks, slot_map=self.pool.slot_map_of(layer_id), counters=meta.counters,
             )
         return tk.extend_attention(
             q, k_cache, v_cache, table, meta.req_rows, meta.seq_lens, meta.qo_indptr,

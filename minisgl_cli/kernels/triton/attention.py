@@ -138,6 +138,7 @@ def store_kv(
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, req_rows_ptr, seq_lens_ptr,
     mid_o_ptr, mid_lse_ptr, o_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, order_ptr, sinks_ptr, slot_map_ptr,
+    counter_ptr,
     qk_scale,  # softmax scale * log2(e)
     num_splits, window,
     stride_qb, stride_qh,
@@ -150,6 +151,7 @@ def _decode_partial_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr, MAPPED: tl.constexpr,
+    MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Program (b, kv_head, split): attention of b's query heads of this group over one chunk of its context
     (of its last `window` positions where window > 0).
@@ -227,6 +229,46 @@ def _decode_partial_kernel(
             tl.store(mo + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
             ml = mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split
             tl.store(ml, m_i + tl.log2(l_i), mask=g_mask)
+    if MERGE:  # the last of (b, kv_head)'s split programs to finish merges their partials: no second launch
+        tl.debug_barrier()  # every warp's partial is written before the count says so (the atomic releases them)
+        counter = counter_ptr + b * tl.num_programs(1) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            tl.debug_barrier()
+            for g in tl.static_range(GROUP):
+                _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, kvh * GROUP + g, seq_len, num_splits,
+                              window, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob,
+                              stride_oh, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_S, HAS_SINKS, WINDOWED, ".cg")
+            tl.store(counter, 0)  # ready for the next step (the count is all this kernel keeps between steps)
+
+@triton.jit
+def _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, h, seq_len, num_splits, window,
+                  stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                  HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr, CACHE: tl.constexpr):
+    """Head h of request b: merge the partials of the non-empty splits, each weighted by exp2(lse - max) (and the
+    head's sink in the denominator). CACHE: the loads' cache modifier (".cg" where other SMs just wrote them)."""
+    lo = tl.maximum(seq_len - window, 0) if WINDOWED else seq_len * 0
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    live = tl.cdiv(seq_len - lo, chunk)  # splits that saw at least one position
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < live
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse_ptr + b.to(tl.int64) * stride_mlb + h * stride_mlh + offs_s,
+                  mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
+    top = tl.max(lse, 0)
+    w = tl.exp2(lse - top)  # masked splits: exp2(-inf) = 0
+    part = tl.load(
+        mid_o_ptr + b.to(tl.int64) * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=CACHE,
+    )
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(tl.load(sinks_ptr + h) * 1.4426950408889634 - top)
+    out = tl.sum(part * w[:, None], 0) / denom
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+             out.to(o_ptr.dtype.element_ty), mask=d_mask)
+
 
 @triton.jit
 def _decode_reduce_kernel(
@@ -238,35 +280,14 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr,
 ):
-    """Program (b, head): merge the partials of the non-empty splits, each weighted by exp2(lse - max) (and the
-    head's sink in the denominator)."""
+    """Program (b, head): `_merge_splits` as a pass of its own (where no split counters are given)."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
-    lo = tl.maximum(seq_len - window, 0) if WINDOWED else seq_len * 0
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
-    live = tl.cdiv(seq_len - lo, chunk)  # splits that saw at least one position
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < live
-    d_mask = offs_d < HEAD_DIM
-    lse = tl.load(mid_lse_ptr + b.to(tl.int64) * stride_mlb + h * stride_mlh + offs_s,
-                  mask=s_mask, other=float("-inf"))
-    top = tl.max(lse, 0)
-    w = tl.exp2(lse - top)  # masked splits: exp2(-inf) = 0
-    part = tl.load(
-        mid_o_ptr + b.to(tl.int64) * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
-    )
-    denom = tl.sum(w, 0)
-    if HAS_SINKS:
-        denom += tl.exp2(tl.load(sinks_ptr + h) * 1.4426950408889634 - top)
-    out = tl.sum(part * w[:, None], 0) / denom
-    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-             out.to(o_ptr.dtype.element_ty), mask=d_mask)
+    _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, tl.program_id(1), tl.load(seq_lens_ptr + b),
+                  num_splits, window, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                  HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_S, HAS_SINKS, WINDOWED, "")
 
 
 def decode_block_n(head_dim: int, fp8: bool = False) -> int:
@@ -309,6 +330,7 @@ def decode_attention(
     window: int = 0,
     sinks: torch.Tensor | None = None,
     slot_map: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one token per request) -> [B, H, D] over positions 0..seq_lens[b]-1 of each request (the last
     `window` of them where window > 0); `sinks` [H] fp32: each head's sink logit in its softmax's denominator.
@@ -320,6 +342,8 @@ def decode_attention(
     order: [B] int32, the rows in the order their programs start (longest context first, as the backend
     passes it: the programs that start last are then short ones, which shortens the tail), or None.
     slot_map: a window layer's full slot -> slot in its own cache (kvcache/pool.py), or None.
+    counters: >= B * Hkv int32 zeros (left zero after the call): with them the last split program of each (request,
+    KV head) merges the partials itself, one launch instead of two; without, a reduce pass does.
     """
     B, H, D = q.shape
     hkv = k_cache.shape[1]
@@ -337,11 +361,14 @@ def decode_attention(
     block_n, warps, stages = config or decode_config(D, quant is not None)
     block_d = _pow2(D, 16)
     direct = num_splits == 1
+    merge = counters is not None and not direct
+    assert counters is None or counters.numel() >= B * hkv
     fp8 = (quant.k_scale, quant.v_scale, quant.v_mean) if quant is not None else (q, q, q)  # placeholders
     _decode_partial_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, page_table, req_rows, seq_lens, mid_o, mid_lse, out, *fp8,
         order if order is not None else seq_lens, sinks if sinks is not None else mid_lse,
-        slot_map if slot_map is not None else seq_lens, scale * LOG2E, num_splits, window,
+        slot_map if slot_map is not None else seq_lens, counters if counters is not None else seq_lens,
+        scale * LOG2E, num_splits, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
@@ -351,9 +378,10 @@ def decode_attention(
         GROUP=group, HEAD_DIM=D, BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype if quant is None else torch.float16), DIRECT=direct,
         KV_FP8=quant is not None, HAS_ORDER=order is not None, HAS_SINKS=sinks is not None, WINDOWED=window > 0,
-        MAPPED=slot_map is not None, num_warps=warps, num_stages=stages, **pdl_kwargs(q, pdl),
+        MAPPED=slot_map is not None, MERGE=merge, BLOCK_S=_pow2(num_splits, 2), num_warps=warps,
+        num_stages=stages, **pdl_kwargs(q, pdl),
     )
-    if direct:
+    if direct or merge:
         return out
     _decode_reduce_kernel[(B, H)](
         mid_o, mid_lse, seq_lens, out, sinks if sinks is not None else mid_lse, num_splits, window,
