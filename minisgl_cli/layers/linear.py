@@ -70,6 +70,13 @@ class ColumnParallelLinear(nn.Module):
             return self.method.apply_fp8_rows(self, x, self.bias)
         return self.method.apply(self, x, self.bias, decode)
 
+    def forward_gate_up_silu(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | None:
+        """silu(gate) * up of this merged [gate; up] layer's output in one kernel where the method has it for x (a
+        decode step's few CUDA rows: the GEMV's epilogue), else None: then forward, and the activation after it."""
+        if isinstance(x, Fp8Rows) or self.bias is not None or len(self.local_sizes) != 2:
+            return None
+        return self.method.apply_gate_up_silu(self, x)
+
 
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split across ranks; partial sums meet in an all-reduce."""

@@ -80,10 +80,9 @@ _N_ALIGN = 16  # the int4 pack takes output rows in multiples of 16: pad with ze
 
 
 def gemv_ops(x: torch.Tensor, weight: torch.Tensor, kernels: Kernels) -> ModuleType | None:
-    """The Triton ops when x is one CUDA row (batch-1 decode) over 16-bit or FP8 weights: their GEMV beats cuBLAS."""
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dtype not in (torch.bfloat16, torch.float16, fp8.FP8):
-        return None
-    return kernels.triton(x)
+    """The Triton ops when x's few CUDA rows (a small decode batch) take their GEMV: it beats cuBLAS there
+    (Kernels.gemv_rows)."""
+    return kernels.gemv_rows(x, weight)
 
 
 class LinearMethod:
@@ -122,6 +121,14 @@ class LinearMethod:
         if ops is None:
             return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None, decode)
         return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, pdl=layer.kernels.pdl)
+
+    def apply_gate_up_silu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a merged gate-up layer's x W^T (no bias) in one GEMV, the SiLU-and-mul in its epilogue,
+        where the kernels do that for x (Kernels.gate_up_silu); None: the caller runs apply, then the activation."""
+        ops = layer.kernels.gate_up_silu(x, layer.weight)
+        if ops is None:
+            return None
+        return ops.gemv(x.contiguous(), layer.weight, pdl=layer.kernels.pdl, gate_up=True)
 
     def takes_fp8_rows(self, layer: Layer, x: torch.Tensor) -> bool:
         """Whether `apply_fp8_rows` takes x quantized per token (kernels/fp8.Fp8Rows, from the norm before it)."""
@@ -196,6 +203,9 @@ class _WeightOnly(LinearMethod):
 
     def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
         return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None, decode)
+
+    def apply_gate_up_silu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor | None:
+        return None  # the low-bit copy's kernels have no epilogue
 
     def for_lm_head(self) -> LinearMethod:
         # Where fbgemm's int8 would run 7-bit activations (no VNNI, see _FBGEMM) the head stays dense: exact logits,
@@ -404,6 +414,12 @@ class Fp8Method(LinearMethod):
         xq, xs = ops.quant_rows(gate_up.contiguous(), act_mul=True, pdl=layer.kernels.pdl)  # SiLU-and-mul fused in
         return self._scaled_mm(xq, xs, layer, None, gate_up.dtype)
 
+    def apply_gate_up_silu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor | None:
+        ops = layer.kernels.gate_up_silu(x, layer.weight) if self._ops(layer, x) is not None else None
+        if ops is None:
+            return None
+        return ops.gemv(x.contiguous(), layer.weight, pdl=layer.kernels.pdl, scale=layer.weight_scale, gate_up=True)
+
     @staticmethod
     def _ops(layer: Layer, x: torch.Tensor) -> ModuleType | None:
         """The Triton ops where the kernels run this layer (CUDA, fused ops on, and a weight whose sides are
@@ -479,6 +495,9 @@ class Fp8BlockMethod(LinearMethod):
     def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
         # not the dense method's one-row GEMV: that one knows no block scales
         return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None, decode)
+
+    def apply_gate_up_silu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor | None:
+        return None  # the block-scaled GEMM has no epilogue
 
 
 METHODS: dict[str, type[LinearMethod]] = {"none": LinearMethod, "int4": Int4Method, "int8": Int8Method,

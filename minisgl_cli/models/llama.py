@@ -112,6 +112,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Rows, decode: bool) -> LayerOut:
         """`decode`: a decode step's rows (a quantized method's low-bit copy takes them: layers/quant.py). The
         next layer's input norm (or the final norm) takes the result: it may stay a `Partial` sum for it."""
+        act = self.gate_up_proj.forward_gate_up_silu(x)  # a few CUDA rows: the SiLU-and-mul in the GEMV's epilogue
+        if act is not None:
+            return self.down_proj.to_norm(act, decode)
         return self.down_proj.to_norm(self.gate_up_proj(x, decode), decode, silu_mul=True)
 
 

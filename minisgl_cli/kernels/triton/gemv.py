@@ -28,14 +28,15 @@ from minisgl_cli.kernels.triton.pdl import pdl_kwargs
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride_w,
-                 HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACT_MUL: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACT_MUL: tl.constexpr, GATE_UP: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """GATE_UP: the weight is a merged [gate; up] of 2N rows and y = silu(x Wg) * (x Wu) [N] (`_gate_up_rows`)."""
     if USE_PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn, mask_n = _weight_rows(pid, tl.arange(0, BLOCK_N), N, GATE_UP, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    mask_n = rn < N  # K masks stay vectorisable: K is specialised on divisibility by 16
+    # K masks stay vectorisable: K is specialised on divisibility by 16
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_w + rk[None, :]
     # The weights never depend on an earlier kernel: the first chunk streams in before waiting for x
     # (under programmatic dependent launch that overlaps the previous kernel's tail).
@@ -60,7 +61,50 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride_w,
         y *= tl.load(s_ptr + rn, mask=mask_n, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+    _store_rows(y_ptr, y, pid, N, GATE_UP, BLOCK_N)
+
+
+@triton.jit
+def _weight_rows(pid, r, N, GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The weight rows of program `pid`'s output rows `r` (0 .. BLOCK_N), and which exist.
+
+    GATE_UP: the weight is [gate; up] (2N rows) and the program's rows pair up, (2i, 2i + 1) = (gate row j, up row
+    j) for its BLOCK_N / 2 outputs j: both halves of an output in one program, for the SiLU-and-mul epilogue."""
+    if GATE_UP:
+        j = pid * (BLOCK_N // 2) + r // 2
+        return j + (r % 2) * N, j < N
+    rn = pid * BLOCK_N + r
+    return rn, rn < N
+
+
+@triton.jit
+def _silu_mul_pairs(y, dt, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] fp32 sums of (gate, up) pairs -> silu(gate) * up [BLOCK_N / 2] (fp32 of a `dt` value)."""
+    pairs = tl.reshape(y, (BLOCK_N // 2, 2))
+    half = tl.arange(0, 2)[None, :]
+    return _silu_mul(tl.sum(tl.where(half == 0, pairs, 0.0), axis=1), tl.sum(tl.where(half == 1, pairs, 0.0), axis=1),
+                     dt)
+
+
+@triton.jit
+def _silu_mul(g, u, dt):
+    """silu(g) * u of fp32 sums, rounded to `dt` where the unfused path rounds (the GEMV's output, the activation
+    of ops.silu_and_mul, its product: the caller's store)."""
+    gf = g.to(dt).to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)
+    return act * u.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(y_ptr, y, pid, N, GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program `pid`'s finished fp32 sums [BLOCK_N] to y (with GATE_UP: silu(gate) * up, BLOCK_N / 2 of them)."""
+    out_ty = y_ptr.dtype.element_ty
+    if GATE_UP:
+        rn = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        y = _silu_mul_pairs(y, out_ty, BLOCK_N)
+    else:
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + rn, y.to(out_ty), mask=rn < N)
 
 
 @triton.jit
@@ -75,7 +119,7 @@ def _prefetch_rows_l2(row_ptrs, nbytes, nrows: tl.constexpr):
 
 @triton.jit
 def _gemv_fp8_mma_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride_w,
-                         HAS_BIAS: tl.constexpr, ACT_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, ACT_MUL: tl.constexpr, GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
     """FP8 weights through the tensor cores: each step's stretch of 16 * BLOCK_K inputs cut into 16 pieces.
 
@@ -92,20 +136,20 @@ def _gemv_fp8_mma_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride_w,
     The weights never depend on the previous kernel, so under programmatic dependent launch some are asked
     for before waiting on it (overlapping its tail). PREFETCH 0: none (Triton pipelines the loads after the
     wait, num_stages); 1: the first tile into registers, then the next while computing this one, by hand;
-    2: the first step's bytes of each row into L2; 3: each whole row into L2."""
+    2: the first step's bytes of each row into L2; 3: each whole row into L2. GATE_UP: as `_gemv_kernel`'s."""
     if USE_PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
     if PREFETCH >= 2:
-        pr = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        pr = tl.minimum(pr, N - 1)
+        pr, pr_ok = _weight_rows(pid, tl.arange(0, BLOCK_N), N, GATE_UP, BLOCK_N)
+        pr = tl.where(pr_ok, pr, 0)
         _prefetch_rows_l2(w_ptr + pr.to(tl.int64) * stride_w, K if PREFETCH == 3 else 16 * BLOCK_K, BLOCK_N)
     rows = tl.arange(0, BLOCK_N * 16)
-    rn_w = pid * BLOCK_N + rows // 16
+    rn_w, ok_w = _weight_rows(pid, rows // 16, N, GATE_UP, BLOCK_N)
     piece = rows % 16
     rj = tl.arange(0, BLOCK_K)
     rc = tl.arange(0, 16)
-    w_mask = (rn_w < N)[:, None]
+    w_mask = ok_w[:, None]
     w_ptrs = w_ptr + rn_w.to(tl.int64)[:, None] * stride_w + (piece * BLOCK_K)[:, None] + rj[None, :]
     x_ptrs = x_ptr + (rc * BLOCK_K)[None, :] + rj[:, None]
     acc = tl.zeros((BLOCK_N * 16, 16), dtype=tl.float32)
@@ -130,12 +174,57 @@ def _gemv_fp8_mma_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride_w,
             w = nxt
     diag = tl.sum(tl.where(piece[:, None] == rc[None, :], acc, 0.0), axis=1)
     y = tl.sum(tl.reshape(diag, (BLOCK_N, 16)), axis=1)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = rn < N
+    rn, mask_n = _weight_rows(pid, tl.arange(0, BLOCK_N), N, GATE_UP, BLOCK_N)
     y *= tl.load(s_ptr + rn, mask=mask_n, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+    _store_rows(y_ptr, y, pid, N, GATE_UP, BLOCK_N)
+
+
+@triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
+                      HAS_BIAS: tl.constexpr, ACT_MUL: tl.constexpr, GATE_UP: tl.constexpr, ROWS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """M <= ROWS rows of x (a small decode batch) against one pass over 16-bit weights: each weight tile, once in
+    registers, is multiplied into every row, so the weight bytes are read once for the batch (cuBLAS at 2-4 rows
+    reads them at a fraction of the bandwidth its big tiles reach). ACT_MUL and GATE_UP as `_gemv_kernel`'s."""
+    if USE_PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    rn, mask_n = _weight_rows(pid, tl.arange(0, BLOCK_N), N, GATE_UP, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rm = tl.arange(0, ROWS)
+    mask_m = rm < M
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_w + rk[None, :]
+    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_x + rk[None, :]
+    w = tl.load(w_ptrs, mask=mask_n[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
+    if USE_PDL:
+        gdc_wait()
+    acc = tl.zeros((BLOCK_N, ROWS, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xm = mask_m[:, None] & ((k0 + rk) < K)[None, :]
+        x = tl.load(x_ptrs + k0, mask=xm, other=0.0)
+        xf = x.to(tl.float32)
+        if ACT_MUL:  # x is [gate | up] of 2K per row
+            u = tl.load(x_ptrs + K + k0, mask=xm, other=0.0)
+            xf = _silu_mul(xf, u, x.dtype).to(x.dtype).to(tl.float32)
+        acc += w.to(tl.float32)[:, None, :] * xf[None, :, :]
+        w_ptrs += BLOCK_K
+        nk = (k0 + BLOCK_K + rk) < K
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & nk[None, :], other=0.0, eviction_policy="evict_first")
+    y = tl.sum(acc, axis=2)  # [BLOCK_N, ROWS]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    out_ty = y_ptr.dtype.element_ty
+    if GATE_UP:
+        pairs = tl.reshape(y, (BLOCK_N // 2, 2, ROWS))
+        half = tl.arange(0, 2)[None, :, None]
+        y = _silu_mul(tl.sum(tl.where(half == 0, pairs, 0.0), axis=1), tl.sum(tl.where(half == 1, pairs, 0.0), axis=1),
+                      out_ty)
+        rn_o = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    else:
+        rn_o = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + rm[None, :] * stride_y + rn_o[:, None], y.to(out_ty), mask=(rn_o < N)[:, None] & mask_m[None, :])
 
 
 Config = tuple[int, ...]
@@ -175,34 +264,68 @@ def pick_config(n: int, k: int, act_mul: bool = False, itemsize: int = 2) -> Con
     )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act_mul: bool = False,
-         config: Config | None = None, pdl: bool = True, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """y[1, N] = f(x) @ weight[N, K]^T (+ bias); f(x) = silu(x[:, :K]) * x[:, K:] when act_mul (x is [1, 2K]).
+MAX_ROWS = 4
+"""The most rows `gemv` takes: the rows kernel's accumulators grow with them, and past a few rows a GEMM's tiles reuse
+each weight load as well (cuBLAS)."""
 
-    scale: the fp32 per-row scales [N] of an e4m3 `weight` (W = weight * scale[:, None]).
-    config: see `pick_config`; a 5-tuple runs the tensor-core kernel (FP8 weights, 16-bit x only)."""
+
+def pick_rows_config(n: int, k: int, rows: int, gate_up: bool = False) -> Config:
+    """(BLOCK_N, BLOCK_K, num_warps) of the 2-4 row kernel: few weight rows per program, as at one row, in chunks
+    that keep the [BLOCK_N, rows, BLOCK_K] accumulators in registers (a first guess: sweep it with
+    examples/decode_kernels_gpu.py --sweep)."""
+    block_k = min(512 if rows <= 2 else 256, triton.next_power_of_2(k))
+    return (2 if gate_up else 1), block_k, 4
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act_mul: bool = False,
+         config: Config | None = None, pdl: bool = True, scale: torch.Tensor | None = None,
+         gate_up: bool = False) -> torch.Tensor:
+    """y[M, N] = f(x) @ weight[N, K]^T (+ bias) for M <= MAX_ROWS rows; f(x) = silu(x[:, :K]) * x[:, K:] when act_mul
+    (x is [M, 2K]).
+
+    gate_up: weight is a merged [gate; up] (2I rows) and y = silu(x Wg^T) * (x Wu^T) [M, I], the SiLU-and-mul in the
+    epilogue (each program computes matching gate and up rows), rounded as gemv then ops.silu_and_mul round.
+    scale: the fp32 per-row scales [N] of an e4m3 `weight` (W = weight * scale[:, None]); one row only.
+    config: see `pick_config` (one row) and `pick_rows_config`; a 5-tuple runs the tensor-core kernel (FP8 weights,
+    16-bit x only)."""
     n, k = weight.shape
-    assert x.shape[0] == 1 and x.shape[-1] == (2 * k if act_mul else k) and x.is_contiguous()
-    assert weight.stride(1) == 1
+    m = x.shape[0]
+    assert 1 <= m <= MAX_ROWS and x.shape[-1] == (2 * k if act_mul else k) and x.stride(-1) == 1
+    assert weight.stride(1) == 1 and not (gate_up and (act_mul or n % 2))
+    n_out = n // 2 if gate_up else n
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    bias_arg = bias if bias is not None else weight
+    scale_arg = scale if scale is not None else weight
+    if m > 1:
+        assert scale is None, "FP8 weights take one row here (more: Fp8Method's scaled GEMM)"
+        block_n, block_k, warps = config or pick_rows_config(n_out, k, m, gate_up)
+        rows = triton.next_power_of_2(m)
+        _gemv_rows_kernel[(triton.cdiv(n_out, block_n // 2 if gate_up else block_n),)](
+            x, weight, bias_arg, y, m, n_out, k, x.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, ACT_MUL=act_mul, GATE_UP=gate_up, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=warps, **pdl_kwargs(x, pdl),
+        )
+        return y
+    assert x.is_contiguous()
     config = config or pick_config(n, k, act_mul, weight.element_size())
     if len(config) == 5 and (x.dtype not in (torch.bfloat16, torch.float16) or not mma_fits(k, config)):
         config = (8, 512, 4)  # an fp32 row (the tensor-core kernel widens x to fp16), or rows it cannot slice
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    bias_arg = bias if bias is not None else weight
-    scale_arg = scale if scale is not None else weight
+    if gate_up and config[0] < 2:  # a program's rows pair gate with up
+        config = (2, *config[1:])
+    per = config[0] // 2 if gate_up else config[0]  # outputs a program writes
     if len(config) == 5:
         assert scale is not None
         block_n, block_k, warps, stages, prefetch = config
-        _gemv_fp8_mma_kernel[(triton.cdiv(n, block_n),)](
-            x, weight, bias_arg, scale_arg, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-            ACT_MUL=act_mul, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, num_warps=warps,
+        _gemv_fp8_mma_kernel[(triton.cdiv(n_out, per),)](
+            x, weight, bias_arg, scale_arg, y, n_out, k, weight.stride(0), HAS_BIAS=bias is not None,
+            ACT_MUL=act_mul, GATE_UP=gate_up, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, num_warps=warps,
             num_stages=stages, **pdl_kwargs(x, pdl),
         )
         return y
     block_n, block_k, warps = config
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias_arg, scale_arg, y, n, k,
-        weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, ACT_MUL=act_mul,
+    _gemv_kernel[(triton.cdiv(n_out, per),)](
+        x, weight, bias_arg, scale_arg, y, n_out, k,
+        weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, ACT_MUL=act_mul, GATE_UP=gate_up,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_kwargs(x, pdl),
     )
     return y
