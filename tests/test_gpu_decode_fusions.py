@@ -1,5 +1,6 @@
-"""The decode-step fusions (Kernels.fused_decode): the gate-up GEMV with the SiLU-and-mul in its epilogue and the GEMV
-of 2-4 rows (kernels/triton/gemv.py), each against the unfused kernels or torch it replaces.
+"""The decode-step fusions (Kernels.fused_decode): the gate-up GEMV with the SiLU-and-mul in its epilogue, the qkv GEMV
+with RoPE and the K/V store in its epilogue, and the GEMV of 2-4 rows (kernels/triton/gemv.py), each against the
+unfused kernels or torch it replaces.
 
 Runs on CUDA (bf16, Llama-3.1-8B's and Qwen3-0.6B's widths, and the engine's decode logits with the fusions on vs
 off); without a GPU the kernels run under Triton's interpreter on CPU tensors (fp16, small widths), where triton is
@@ -101,6 +102,7 @@ def test_gemv_of_a_few_rows_equals_the_gemm(T, n, k, rows, act):
     assert out.shape == (rows, n) and _rel(out, ref) <= 2 * _rel(gemm, ref) + 1e-3
 
 
+@pytest.mark.skipif(not CUDA, reason="a few seconds under the interpreter for what the GPU run covers")
 def test_gemv_of_rows_that_are_a_view(T):
     """Rows a stride apart (a slice of a wider batch) read as they lie, written to a fresh [M, N]."""
     w = _rand(48, 64, seed=1, scale=0.125)
@@ -108,6 +110,41 @@ def test_gemv_of_rows_that_are_a_view(T):
     out = T.gemv(wide[:, :64], w)
     want = F.linear(wide[:, :64].float(), w.float()).to(DTYPE)
     assert _rel(out, want) <= 1e-2
+
+
+@pytest.mark.parametrize("rows,kv_fp8", [(1, False), (2, False), (4, False), (1, True), (3, True)] if CUDA
+                         else [(3, True)])
+def test_qkv_gemv_with_rope_and_kv_store_equals_gemv_then_rope_kernel(T, rows, kv_fp8):
+    """One launch = the qkv GEMV (bias, as Qwen2's), then ops.qk_norm_rope_ (no q/k norm) with its K/V store: the
+    same rotated rows and the same cache entries (bf16, or an FP8 pool's codes), other slots untouched."""
+    if kv_fp8 and NO_FP8:
+        pytest.skip("e4m3 in Triton: Ada / Hopper and newer")
+    from minisgl_cli.kernels.fp8 import FP8, KVQuant
+    from minisgl_cli.layers.rotary import RotaryEmbedding
+
+    (nq, nkv, d), k = ((32, 8, 128), 4096) if CUDA else ((4, 2, 16), 64)
+    n = (nq + 2 * nkv) * d
+    w, b, x = _rand(n, k, seed=rows, scale=k**-0.5), _rand(n, seed=2), _rand(rows, k, seed=3)
+    rope = RotaryEmbedding(d, 4096, 500000.0)
+    rope.to(DEV)
+    pos = torch.tensor([5, 4000, 17, 3][:rows], device=DEV)
+    loc = torch.tensor([2, 7, 9, 11][:rows], device=DEV)
+    g = torch.Generator().manual_seed(rows)
+    scales = [torch.rand(nkv, generator=g) * 0.1 + 0.01 for _ in range(2)]
+    means = [torch.randn(nkv, d, generator=g) * 0.1 for _ in range(2)]
+    quant = KVQuant(*(t.to(DEV) for t in (*scales, *means))) if kv_fp8 else None
+    caches = [torch.randn(16, nkv, d, generator=g).to(DEV, DTYPE).to(FP8 if kv_fp8 else DTYPE) for _ in range(4)]
+    caches[2].copy_(caches[0]), caches[3].copy_(caches[1])  # the fused kernel's pair, then the reference's
+    got = T.gemv_rope_kv(x, w, b, pos, rope.cos, rope.sin, nq, nkv, d, (caches[0], caches[1], loc, quant))
+    want = T.gemv(x, w, b) if rows == 1 else (F.linear(x, w, b) if CUDA else
+                                               F.linear(x.float(), w.float(), b.float()).to(DTYPE))
+    T.qk_norm_rope_(want, pos, rope.cos, rope.sin, nq, nkv, d, None, None, 0.0, (caches[2], caches[3], loc, quant))
+    assert _rel(got, want) <= 1e-2
+    for mine, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert _rel(mine.float(), ref.float()) <= 1e-2
+        others = torch.ones(16, dtype=torch.bool, device=DEV)
+        others[loc] = False
+        assert torch.equal(mine[others].float(), ref[others].float())
 
 
 @pytest.mark.skipif(not CUDA, reason="the engine's CUDA graphs")

@@ -42,8 +42,8 @@ def load_sgl_kernel(device: torch.device) -> tuple[ModuleType | None, str | None
 @dataclass
 class Kernels:
     fused: bool = True  # CUDA: fused Triton ops (add+RMSNorm, q/k-norm+RoPE+KV store, SiLU-and-mul, GEMV)
-    # CUDA, with `fused`: the decode-step fusions of a few rows (`gemv_rows`, `gate_up_silu`); off, a decode step
-    # launches what it did before them (MINISGL_FUSED_DECODE=0, for A/B timing).
+    # CUDA, with `fused`: the decode-step fusions of a few rows (`gemv_rows`, `gate_up_silu`, `qkv_rope`); off, a
+    # decode step launches what it did before them (MINISGL_FUSED_DECODE=0, for A/B timing).
     fused_decode: bool = True
     pdl: bool = True  # CUDA, Hopper and newer: programmatic dependent launch between our Triton kernels
     cpu_gemm: str = "auto"  # CPU: the GEMM policy of layers/cpu_gemm.py (auto, invariant, mkl, fp16)
@@ -76,6 +76,14 @@ class Kernels:
         """The Triton ops when silu(x Wg^T) * (x Wu^T) of a merged gate-up weight is one GEMV with the SiLU-and-mul in
         its epilogue (`fused_decode` and a GEMV's rows), saving the activation's launch and round trip. Else None."""
         return self.gemv_rows(x, weight) if self.fused_decode and x.dtype in (torch.bfloat16, torch.float16) else None
+
+    def qkv_rope(self, x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+        """The Triton ops when the fused qkv projection of x takes RoPE and the K/V store in its GEMV's epilogue
+        (`fused_decode`, x a GEMV's rows over 16-bit weights; no q/k norm, which needs a whole head): one launch a
+        layer fewer than ops.qk_norm_rope_ after the GEMV. Else None."""
+        if not self.fused_decode or weight.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        return self.gemv_rows(x, weight)
 
     def sgl_ops(self, x: torch.Tensor) -> ModuleType | None:
         """sgl_kernel when `x` is on CUDA and the engine runs its ops, else None."""

@@ -61,6 +61,7 @@ from minisgl_cli.kernels.cpu import int4 as cpu_int4
 from minisgl_cli.layers import cpu_gemm
 from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.kernel_choice import Kernels
+from minisgl_cli.layers.rotary import RopeTable
 from minisgl_cli.loader.blocks import (
     Fp8Blocks,
     Int4Groups,
@@ -129,6 +130,17 @@ class LinearMethod:
         if ops is None:
             return None
         return ops.gemv(x.contiguous(), layer.weight, pdl=layer.kernels.pdl, gate_up=True)
+
+    def apply_rope_kv(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, rope: RopeTable,
+                      heads: tuple[int, int, int], kv: fp8.KVCache) -> torch.Tensor | None:
+        """A fused qkv layer's x W^T (+ bias) with RoPE on its q and k heads (heads: Hq, Hkv, D) and k, v stored to
+        `kv` (attention.base.KVBuffers) in one GEMV, where the kernels do that for x (Kernels.qkv_rope); None: the
+        caller runs apply, then the RoPE and the store."""
+        ops = layer.kernels.qkv_rope(x, layer.weight)
+        if ops is None:
+            return None
+        return ops.gemv_rope_kv(x, layer.weight, bias, rope.rows, rope.cos, rope.sin, *heads, kv,
+                                pdl=layer.kernels.pdl)
 
     def takes_fp8_rows(self, layer: Layer, x: torch.Tensor) -> bool:
         """Whether `apply_fp8_rows` takes x quantized per token (kernels/fp8.Fp8Rows, from the norm before it)."""
@@ -206,6 +218,10 @@ class _WeightOnly(LinearMethod):
 
     def apply_gate_up_silu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor | None:
         return None  # the low-bit copy's kernels have no epilogue
+
+    def apply_rope_kv(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, rope: RopeTable,
+                      heads: tuple[int, int, int], kv: fp8.KVCache) -> torch.Tensor | None:
+        return None
 
     def for_lm_head(self) -> LinearMethod:
         # Where fbgemm's int8 would run 7-bit activations (no VNNI, see _FBGEMM) the head stays dense: exact logits,

@@ -66,6 +66,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend, rope: RopeTable,
                 rope_at: RopeAt | None) -> LayerOut:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = self._qkv_rope_kv(x, batch, attn, rope)
+        if qkv is not None:  # rotated, K/V stored: what the branches below do after the projection
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            o = attn.forward(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                             v.view(-1, self.num_kv_heads, self.head_dim), self.layer_id, batch, kv_stored=True,
+                             window=self.window, sinks=self.sinks)
+            return self.o_proj.to_norm(o.reshape(-1, q_size), batch.is_decode)
         qkv = self.qkv_proj(x, batch.is_decode)
         sgl = self.kernels.sgl_ops(qkv)  # --engine sgl: its RoPE (and RMSNorm) below, attention stores K/V
         ops = self.kernels.triton(qkv) if sgl is None and self.head_dim in (64, 128, 256) else None
@@ -96,6 +103,20 @@ class Attention(nn.Module):
         o = attn.forward(q, k, v, self.layer_id, batch, kv_stored=kv_out is not None, window=self.window,
                          sinks=self.sinks)
         return self.o_proj.to_norm(o.reshape(-1, q_size), batch.is_decode)  # for post_attention_layernorm
+
+
+    def _qkv_rope_kv(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend,
+                     rope: RopeTable) -> torch.Tensor | None:
+        """The qkv projection with RoPE and the K/V store in its GEMV's epilogue, where the kernels have that for x
+        (a few CUDA rows: Kernels.qkv_rope) and this layer needs nothing between them (no q/k norm): the rotated
+        rows, K/V in the pool. Else None."""
+        if (isinstance(x, Fp8Rows) or self.q_norm is not None or self.kernels.sgl_ops(x) is not None
+                or self.kernels.qkv_rope(x, self.qkv_proj.weight) is None):
+            return None
+        kv_out = attn.kv_buffers(self.layer_id, batch)
+        if kv_out is None:
+            return None
+        return self.qkv_proj.forward_rope_kv(x, rope, (self.num_heads, self.num_kv_heads, self.head_dim), kv_out)
 
 
 class MLP(nn.Module):

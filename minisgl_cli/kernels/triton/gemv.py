@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from minisgl_cli.kernels.fp8 import KVCache
+from minisgl_cli.kernels.triton.fp8 import fp8_codes
 from minisgl_cli.kernels.triton.pdl import pdl_kwargs
 
 
@@ -182,16 +184,10 @@ def _gemv_fp8_mma_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride_w,
 
 
 @triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
-                      HAS_BIAS: tl.constexpr, ACT_MUL: tl.constexpr, GATE_UP: tl.constexpr, ROWS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """M <= ROWS rows of x (a small decode batch) against one pass over 16-bit weights: each weight tile, once in
-    registers, is multiplied into every row, so the weight bytes are read once for the batch (cuBLAS at 2-4 rows
-    reads them at a fraction of the bandwidth its big tiles reach). ACT_MUL and GATE_UP as `_gemv_kernel`'s."""
-    if USE_PDL:
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    rn, mask_n = _weight_rows(pid, tl.arange(0, BLOCK_N), N, GATE_UP, BLOCK_N)
+def _dot_rows(x_ptr, w_ptr, rn, mask_n, M, K, stride_x, stride_w, ACT_MUL: tl.constexpr, ROWS: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """[BLOCK_N, ROWS] fp32 sums of weight rows `rn` against x's M <= ROWS rows (zero for rows past M): each weight
+    chunk, once in registers, multiplied into every row. The first chunk is asked for before the PDL wait."""
     rk = tl.arange(0, BLOCK_K)
     rm = tl.arange(0, ROWS)
     mask_m = rm < M
@@ -212,19 +208,107 @@ def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, s
         w_ptrs += BLOCK_K
         nk = (k0 + BLOCK_K + rk) < K
         w = tl.load(w_ptrs, mask=mask_n[:, None] & nk[None, :], other=0.0, eviction_policy="evict_first")
-    y = tl.sum(acc, axis=2)  # [BLOCK_N, ROWS]
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _pair_halves(y, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """[BLOCK_N, ROWS] sums whose rows pair up (2i, 2i + 1) -> the firsts and the seconds, each [BLOCK_N / 2, ROWS]."""
+    pairs = tl.reshape(y, (BLOCK_N // 2, 2, ROWS))
+    half = tl.arange(0, 2)[None, :, None]
+    return tl.sum(tl.where(half == 0, pairs, 0.0), axis=1), tl.sum(tl.where(half == 1, pairs, 0.0), axis=1)
+
+
+@triton.jit
+def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
+                      HAS_BIAS: tl.constexpr, ACT_MUL: tl.constexpr, GATE_UP: tl.constexpr, ROWS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """M <= ROWS rows of x (a small decode batch) against one pass over 16-bit weights, so the weight bytes are read
+    once for the batch (cuBLAS at 2-4 rows reads them at a fraction of the bandwidth its big tiles reach). ACT_MUL and
+    GATE_UP as `_gemv_kernel`'s."""
+    if USE_PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    rn, mask_n = _weight_rows(pid, tl.arange(0, BLOCK_N), N, GATE_UP, BLOCK_N)
+    y = _dot_rows(x_ptr, w_ptr, rn, mask_n, M, K, stride_x, stride_w, ACT_MUL, ROWS, BLOCK_N, BLOCK_K, USE_PDL)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     out_ty = y_ptr.dtype.element_ty
+    rm = tl.arange(0, ROWS)
     if GATE_UP:
-        pairs = tl.reshape(y, (BLOCK_N // 2, 2, ROWS))
-        half = tl.arange(0, 2)[None, :, None]
-        y = _silu_mul(tl.sum(tl.where(half == 0, pairs, 0.0), axis=1), tl.sum(tl.where(half == 1, pairs, 0.0), axis=1),
-                      out_ty)
+        g, u = _pair_halves(y, BLOCK_N, ROWS)
+        y = _silu_mul(g, u, out_ty)
         rn_o = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     else:
         rn_o = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(y_ptr + rm[None, :] * stride_y + rn_o[:, None], y.to(out_ty), mask=(rn_o < N)[:, None] & mask_m[None, :])
+    tl.store(y_ptr + rm[None, :] * stride_y + rn_o[:, None], y.to(out_ty), mask=(rn_o < N)[:, None] & (rm < M)[None, :])
+
+
+@triton.jit
+def _store_kv_halves(cache_ptr, scale_ptr, mean_ptr, slot, h, j, mask, o1, o2, HEAD_DIM: tl.constexpr,
+                     KV_FP8: tl.constexpr):
+    """Entries j and j + D/2 of KV heads h ([P, 1]) of each token (slot: [1, ROWS] offsets of their cache rows), under
+    mask: as they are, or (FP8) the e4m3 codes of x - mean at the head's scale (as ops._store_kv_heads)."""
+    half: tl.constexpr = HEAD_DIM // 2
+    dst = cache_ptr + slot + h * HEAD_DIM + j
+    if KV_FP8:
+        scale = tl.load(scale_ptr + h, mask=mask, other=1.0)
+        m1 = tl.load(mean_ptr + h * HEAD_DIM + j, mask=mask, other=0.0)
+        m2 = tl.load(mean_ptr + h * HEAD_DIM + half + j, mask=mask, other=0.0)
+        ty = cache_ptr.dtype.element_ty
+        tl.store(dst, fp8_codes(o1.to(tl.float32) - m1, scale, ty), mask=mask)
+        tl.store(dst + half, fp8_codes(o2.to(tl.float32) - m2, scale, ty), mask=mask)
+    else:
+        tl.store(dst, o1, mask=mask)
+        tl.store(dst + half, o2, mask=mask)
+
+
+@triton.jit
+def _gemv_qkv_rope_kernel(x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
+                          k_scale_ptr, v_scale_ptr, k_mean_ptr, v_mean_ptr, M, K, stride_x, stride_w, stride_y,
+                          stride_cos, stride_cs, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, KV_FP8: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """The fused qkv projection of M <= ROWS tokens with, in its epilogue, RoPE on the q and k heads and the rotated k
+    and the v heads stored to their cache slots: ops._qk_norm_rope_kernel's work (without a q/k norm) minus its launch
+    and its pass over the rows. A program's BLOCK_N weight rows pair up, (2i, 2i + 1) = rows j and j + D/2 of one
+    head: the two entries RoPE turns together."""
+    if USE_PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    half: tl.constexpr = HEAD_DIM // 2
+    pairs: tl.constexpr = (NUM_Q + 2 * NUM_KV) * half
+    r = tl.arange(0, BLOCK_N)
+    p = pid * (BLOCK_N // 2) + r // 2
+    rn = (p // half) * HEAD_DIM + p % half + (r % 2) * half
+    y = _dot_rows(x_ptr, w_ptr, rn, p < pairs, M, K, stride_x, stride_w, False, ROWS, BLOCK_N, BLOCK_K, USE_PDL)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=p < pairs, other=0.0).to(tl.float32)[:, None]
+    dt = y_ptr.dtype.element_ty
+    x1, x2 = _pair_halves(y, BLOCK_N, ROWS)
+    a1, a2 = x1.to(dt).to(tl.float32), x2.to(dt).to(tl.float32)  # the GEMV's output, as the unfused path rounds it
+    po = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    h, j = (po // half)[:, None], (po % half)[:, None]  # [P, 1]: head and entry of each pair
+    rm = tl.arange(0, ROWS)
+    mask_m = rm < M
+    ok = (po < pairs)[:, None] & mask_m[None, :]
+    pos = tl.load(pos_ptr + rm, mask=mask_m, other=0)[None, :]
+    c = tl.load(cos_ptr + pos * stride_cos + j, mask=ok, other=0.0).to(dt).to(tl.float32)  # cos/sin repeat per half
+    s = tl.load(sin_ptr + pos * stride_cos + j, mask=ok, other=0.0).to(dt).to(tl.float32)
+    # x*cos + rotate_half(x)*sin with the reference's roundings: each product, then the sum (ops._qk_norm_rope_kernel)
+    o1 = ((a1 * c).to(dt).to(tl.float32) + (-a2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+    rot = h < NUM_Q + NUM_KV  # q and k heads turn; v heads pass as they are
+    o1 = tl.where(rot, o1, a1.to(dt))
+    o2 = tl.where(rot, o2, a2.to(dt))
+    out = y_ptr + rm[None, :] * stride_y + h * HEAD_DIM + j
+    tl.store(out, o1, mask=ok)
+    tl.store(out + half, o2, mask=ok)
+    slot = (tl.load(loc_ptr + rm, mask=mask_m, other=0).to(tl.int64) * stride_cs)[None, :]
+    is_k = (h >= NUM_Q) & rot
+    _store_kv_halves(k_cache_ptr, k_scale_ptr, k_mean_ptr, slot, h - NUM_Q, j, ok & is_k, o1, o2, HEAD_DIM, KV_FP8)
+    _store_kv_halves(v_cache_ptr, v_scale_ptr, v_mean_ptr, slot, h - NUM_Q - NUM_KV, j, ok & ~rot, o1, o2, HEAD_DIM,
+                     KV_FP8)
 
 
 Config = tuple[int, ...]
@@ -326,6 +410,31 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n_out, per),)](
         x, weight, bias_arg, scale_arg, y, n_out, k,
         weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, ACT_MUL=act_mul, GATE_UP=gate_up,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_kwargs(x, pdl),
+    )
+    return y
+
+
+def gemv_rope_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, num_q: int, num_kv: int, head_dim: int,
+                 kv_cache: KVCache, pdl: bool = True,
+                 config: Config | None = None) -> torch.Tensor:
+    """gemv(x, weight, bias) of a fused qkv projection [M, (Hq + 2 Hkv) D], M <= MAX_ROWS, 16-bit weights, with RoPE
+    on its q and k heads (positions [M] into cos / sin [P, D]) and the rotated k and the v heads stored to their slots
+    (kv_cache as ops.qk_norm_rope_'s: (k_cache, v_cache, loc, quant)) in the same kernel. Returns the rotated rows."""
+    n, k = weight.shape
+    m = x.shape[0]
+    k_cache, v_cache, loc, quant = kv_cache
+    assert 1 <= m <= MAX_ROWS and x.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    assert n == (num_q + 2 * num_kv) * head_dim and head_dim % 2 == 0
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1:] == (num_kv, head_dim)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = config or pick_rows_config(n // 2, k, m, gate_up=True)
+    fp8 = quant if quant is not None else (cos,) * 4  # placeholders, never read
+    _gemv_qkv_rope_kernel[(triton.cdiv(n // 2, block_n // 2),)](
+        x, weight, bias if bias is not None else weight, y, positions, cos, sin, k_cache, v_cache, loc, *fp8, m, k,
+        x.stride(0), weight.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), NUM_Q=num_q, NUM_KV=num_kv,
+        HEAD_DIM=head_dim, HAS_BIAS=bias is not None, KV_FP8=quant is not None, ROWS=triton.next_power_of_2(m),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_kwargs(x, pdl),
     )
     return y
