@@ -7,6 +7,8 @@ decode steps with the fusions on and off (Kernels.fused_decode, env MINISGL_FUSE
 Kernels, at each model's widths and each token count (rows of a decode step), over enough copies of the weights to
 miss L2 (>= 200 MB a graph), captured back to back in one CUDA graph and replayed between CUDA events (us a call):
   qkv, o, lm_head   one linear: before, the batch-1 GEMV at 1 row and cuBLAS at 2-4; fused, the GEMV at every count
+  qkv+rope          (no q/k norm: Llama) the qkv linear as above, then ops.qk_norm_rope_ (RoPE, K/V to the pool);
+                    fused, one GEMV with both in its epilogue
   mlp               gate-up, SiLU-and-mul, down: before, at 1 row the gate-up GEMV then the down GEMV with the
                     SiLU-and-mul on its input, at 2-4 cuBLAS, silu_and_mul, cuBLAS; fused, the gate-up GEMV with
                     the SiLU-and-mul in its epilogue, then the down GEMV (--fp8: the same with FP8 weights, 1 row)
@@ -33,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 CUDA = torch.cuda.is_available()
-WIDTHS = {  # hidden, q + 2 kv heads' width, q heads' width, intermediate, vocab
-    "llama-3.1-8b": (4096, 6144, 4096, 14336, 128256),
-    "qwen3-0.6b": (1024, 4096, 2048, 3072, 151936),
-    "tiny": (64, 96, 64, 96, 200),  # the CPU smoke test's
+WIDTHS = {  # hidden, q heads, kv heads, head dim, intermediate, vocab, q/k norm
+    "llama-3.1-8b": (4096, 32, 8, 128, 14336, 128256, False),
+    "qwen3-0.6b": (1024, 16, 8, 128, 3072, 151936, True),
+    "tiny": (64, 4, 2, 16, 96, 200, False),  # the CPU smoke test's
 }
 Op = Callable[[int], torch.Tensor]  # copy index -> the op's output
 
@@ -68,7 +70,8 @@ def cases(model: str, rows: int, fp8: bool, dev: str, dt: torch.dtype, budget: i
     from minisgl_cli.kernels import fp8 as F8
     from minisgl_cli.kernels.triton.gemv import gemv
 
-    h, qkv, q, inter, vocab = WIDTHS[model]
+    h, nq, nkv, d, inter, vocab, qk_norm = WIDTHS[model]
+    qkv, q = (nq + 2 * nkv) * d, nq * d
     x = torch.randn(rows, h, device=dev, dtype=dt)
     act_bytes = lambda *widths: sum(rows * w * x.element_size() for w in widths)  # noqa: E731
 
@@ -82,6 +85,9 @@ def cases(model: str, rows: int, fp8: bool, dev: str, dt: torch.dtype, budget: i
         xi = x if k == h else torch.randn(rows, k, device=dev, dtype=dt)
         yield (name, nbytes + act_bytes(k, n), len(ws), lambda i, ws=ws, xi=xi: linear_before(xi, ws[i][0]),
                lambda i, ws=ws, xi=xi: gemv(xi, ws[i][0]))
+    if not qk_norm:  # the engine's qkv + RoPE + K/V store (a q/k norm keeps ops.qk_norm_rope_ after the GEMV)
+        kv_bytes = act_bytes(2 * nkv * d)  # the new K and V rows in the pool
+        yield rope_case(x, *weights((qkv, h)), nq, nkv, d, act_bytes(h, qkv) + kv_bytes)
     ws, nbytes = weights((2 * inter, h), (h, inter))
     # activations: x in, gate-up out (before: 2I, read again by the next kernel; fused: I), down out
     yield ("mlp", nbytes + act_bytes(h, inter, h), len(ws), lambda i: mlp_before(x, *ws[i]),
@@ -95,6 +101,26 @@ def cases(model: str, rows: int, fp8: bool, dev: str, dt: torch.dtype, budget: i
         del ws8
         yield ("mlp fp8", nbytes + act_bytes(h, inter, h), len(q8), lambda i: mlp_before(x, *q8[i]),
                lambda i: mlp_fused(x, *q8[i]))
+
+
+def rope_case(x: torch.Tensor, ws: list[list[torch.Tensor]], nbytes: int, nq: int, nkv: int, d: int, act: int):
+    """("qkv+rope", ...): before, the qkv linear then ops.qk_norm_rope_ storing K/V; fused, gemv_rope_kv."""
+    from minisgl_cli.kernels.triton import ops as T
+    from minisgl_cli.layers.rotary import RotaryEmbedding
+
+    rows, dev = x.shape[0], x.device
+    rope = RotaryEmbedding(d, 8192, 500000.0).to(dev)
+    pos = torch.arange(4000, 4000 + rows, device=dev)
+    kv = (torch.zeros(64, nkv, d, device=dev, dtype=x.dtype), torch.zeros(64, nkv, d, device=dev, dtype=x.dtype),
+          torch.arange(rows, device=dev), None)
+
+    def before(i: int) -> torch.Tensor:
+        qkv = linear_before(x, ws[i][0])
+        T.qk_norm_rope_(qkv, pos, rope.cos, rope.sin, nq, nkv, d, None, None, 0.0, kv)
+        return qkv
+
+    return ("qkv+rope", nbytes + act, len(ws), before,
+            lambda i: T.gemv_rope_kv(x, ws[i][0], None, pos, rope.cos, rope.sin, nq, nkv, d, kv))
 
 
 def graph_us(fn: Op, copies: int, reps: int = 20) -> float:
@@ -149,7 +175,7 @@ def sweep_rows(model: str, tokens: list[int]) -> None:
     """Block shapes of the 2-4 row kernel on the gate-up (SiLU epilogue) and down projections."""
     from minisgl_cli.kernels.triton.gemv import pick_rows_config
 
-    h, _, _, inter, _ = WIDTHS[model]
+    h, _, _, _, inter, _, _ = WIDTHS[model]
     for rows in tokens:
         for name, (n, k), gate_up in (("gate_up", (2 * inter, h), True), ("down", (h, inter), False)):
             copies = max(2, min(16, -(-200_000_000 // (n * k * 2))))

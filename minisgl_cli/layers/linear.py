@@ -83,7 +83,8 @@ class ColumnParallelLinear(nn.Module):
     def forward_gate_up_silu(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | None:
         """silu(gate) * up of this merged [gate; up] layer's output in one kernel where the method has it for x (a
         decode step's few CUDA rows: the GEMV's epilogue), else None: then forward, and the activation after it."""
-        if isinstance(x, Fp8Rows) or self.bias is not None or len(self.local_sizes) != 2:
+        halves = len(self.local_sizes) == 2 and self.local_sizes[0] == self.local_sizes[1]
+        if isinstance(x, Fp8Rows) or self.bias is not None or not halves:
             return None
         return self.method.apply_gate_up_silu(self, x)
 
