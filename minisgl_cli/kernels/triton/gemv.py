@@ -74,13 +74,16 @@ def _weight_rows(pid, r, N, GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr):
     j) for its BLOCK_N / 2 outputs j: both halves of an output in one program, for the SiLU-and-mul epilogue."""
     if GATE_UP:
         j = pid * (BLOCK_N // 2) + r // 2
-        return j + (r % 2) * N, j < N
-    rn = pid * BLOCK_N + r
-    return rn, rn < N
+        rn = j + (r % 2) * N
+        ok = j < N
+    else:
+        rn = pid * BLOCK_N + r
+        ok = rn < N
+    return rn, ok
 
 
 @triton.jit
-def _silu_mul_pairs(y, dt, BLOCK_N: tl.constexpr):
+def _silu_mul_pairs(y, dt: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_N] fp32 sums of (gate, up) pairs -> silu(gate) * up [BLOCK_N / 2] (fp32 of a `dt` value)."""
     pairs = tl.reshape(y, (BLOCK_N // 2, 2))
     half = tl.arange(0, 2)[None, :]
@@ -89,7 +92,7 @@ def _silu_mul_pairs(y, dt, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul(g, u, dt):
+def _silu_mul(g, u, dt: tl.constexpr):
     """silu(g) * u of fp32 sums, rounded to `dt` where the unfused path rounds (the GEMV's output, the activation
     of ops.silu_and_mul, its product: the caller's store)."""
     gf = g.to(dt).to(tl.float32)
@@ -354,11 +357,11 @@ each weight load as well (cuBLAS)."""
 
 
 def pick_rows_config(n: int, k: int, rows: int, gate_up: bool = False) -> Config:
-    """(BLOCK_N, BLOCK_K, num_warps) of the 2-4 row kernel: few weight rows per program, as at one row, in chunks
-    that keep the [BLOCK_N, rows, BLOCK_K] accumulators in registers (a first guess: sweep it with
-    examples/decode_kernels_gpu.py --sweep)."""
-    block_k = min(512 if rows <= 2 else 256, triton.next_power_of_2(k))
-    return (2 if gate_up else 1), block_k, 4
+    """(BLOCK_N, BLOCK_K, num_warps) of the 1-4 row kernels (`_gemv_rows_kernel`, `_gemv_qkv_rope_kernel`): few
+    weight rows per program, as at one row (a gate-up or RoPE pair: 2), in 512-wide chunks. Not yet swept on a GPU
+    (examples/decode_kernels_gpu.py --sweep); compiled for sm_90, 4 rows take 56 registers a thread (78 with a
+    pair), no spills, where 1024-wide chunks take 130-223."""
+    return (2 if gate_up else 1), min(512, triton.next_power_of_2(k)), 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act_mul: bool = False,
