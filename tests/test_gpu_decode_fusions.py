@@ -151,9 +151,10 @@ def test_qkv_gemv_with_rope_and_kv_store_equals_gemv_then_rope_kernel(T, rows, k
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-0.6b"])
 def test_engine_decode_logits_with_the_fusions_on_and_off(name, monkeypatch):
     """The same decode step at 1 and 3 rows (a graph of 4) with the fusions on and off: the logits agree within
-    bf16's noise (tests/test_gpu_numerics.py's bar), and greedy decoding at batch 1 picks the same tokens."""
+    bf16's noise (tests/test_gpu_numerics.py's bar; its HF comparison runs with them on). Not greedy ids: the fused
+    kernels sum in another order, and this dummy model's near-uniform logits would flip on a last-bit tie."""
     from minisgl_cli.engine.batch import ForwardBatch
-    from tests.test_gpu_numerics import TOL, _compare, _engine, _greedy, _prompts
+    from tests.test_gpu_numerics import TOL, _compare, _engine
 
     engine, cfg = _engine(name, monkeypatch)
     pool, dev, vocab = engine.pool, engine.device, cfg["vocab_size"]
@@ -182,9 +183,3 @@ def test_engine_decode_logits_with_the_fusions_on_and_off(name, monkeypatch):
         for r, p in zip(rows, pages):
             pool.free_req_row(r)
             pool.free_pages(p)
-    engine.kernels.fused_decode = True
-    engine.capture_graphs()
-    on = _greedy(engine, _prompts(vocab, (40,)))
-    engine.kernels.fused_decode = False
-    engine.capture_graphs()
-    assert _greedy(engine, _prompts(vocab, (40,))) == on
