@@ -187,31 +187,56 @@ def _gemv_fp8_mma_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride_w,
 
 
 @triton.jit
+def _x_chunk(x_ptr, row, M, k0, cols, mk, K, stride_x, ACT_MUL: tl.constexpr):
+    """Row `row` of x at columns k0 + cols (zero past K or past the M rows), fp32; ACT_MUL: silu(gate) * up of a
+    [gate | up] row. `cols` [BLOCK_N, BLOCK_K] repeats the chunk's columns for every weight row: x loaded in the weight
+    tile's own layout (each copy from L1), not once and then shuffled through shared memory every chunk."""
+    m = mk & (row < M)
+    x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=m, other=0.0)
+    xf = x.to(tl.float32)
+    if ACT_MUL:
+        u = tl.load(x_ptr + row * stride_x + K + k0 + cols, mask=m, other=0.0)
+        xf = _silu_mul(xf, u, x.dtype).to(x.dtype).to(tl.float32)
+    return xf
+
+
+@triton.jit
 def _dot_rows(x_ptr, w_ptr, rn, mask_n, M, K, stride_x, stride_w, ACT_MUL: tl.constexpr, ROWS: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """[BLOCK_N, ROWS] fp32 sums of weight rows `rn` against x's M <= ROWS rows (zero for rows past M): each weight
-    chunk, once in registers, multiplied into every row. The first chunk is asked for before the PDL wait."""
+    """[BLOCK_N, ROWS] fp32 sums of weight rows `rn` against x's M <= ROWS rows (ROWS 1, 2 or 4; zero past M): each
+    weight chunk, once in registers, multiplied into every row. One accumulator a row, each laid out as the one-row
+    kernel's (a [BLOCK_N, ROWS, BLOCK_K] one made Triton shuffle x and w through shared memory every chunk). The first
+    chunk is asked for before the PDL wait."""
     rk = tl.arange(0, BLOCK_K)
-    rm = tl.arange(0, ROWS)
-    mask_m = rm < M
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_w + rk[None, :]
-    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_x + rk[None, :]
     w = tl.load(w_ptrs, mask=mask_n[:, None] & (rk < K)[None, :], other=0.0, eviction_policy="evict_first")
     if USE_PDL:
         gdc_wait()
-    acc = tl.zeros((BLOCK_N, ROWS, BLOCK_K), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    cols = rk[None, :] + 0 * rn[:, None]
     for k0 in range(0, K, BLOCK_K):
-        xm = mask_m[:, None] & ((k0 + rk) < K)[None, :]
-        x = tl.load(x_ptrs + k0, mask=xm, other=0.0)
-        xf = x.to(tl.float32)
-        if ACT_MUL:  # x is [gate | up] of 2K per row
-            u = tl.load(x_ptrs + K + k0, mask=xm, other=0.0)
-            xf = _silu_mul(xf, u, x.dtype).to(x.dtype).to(tl.float32)
-        acc += w.to(tl.float32)[:, None, :] * xf[None, :, :]
+        mk = (k0 + cols) < K
+        wf = w.to(tl.float32)
+        acc0 += wf * _x_chunk(x_ptr, 0, M, k0, cols, mk, K, stride_x, ACT_MUL)
+        if ROWS > 1:
+            acc1 += wf * _x_chunk(x_ptr, 1, M, k0, cols, mk, K, stride_x, ACT_MUL)
+        if ROWS > 2:
+            acc2 += wf * _x_chunk(x_ptr, 2, M, k0, cols, mk, K, stride_x, ACT_MUL)
+            acc3 += wf * _x_chunk(x_ptr, 3, M, k0, cols, mk, K, stride_x, ACT_MUL)
         w_ptrs += BLOCK_K
-        nk = (k0 + BLOCK_K + rk) < K
+        nk = (k0 + BLOCK_K + rk) < K  # all false after the last chunk: no memory is touched
         w = tl.load(w_ptrs, mask=mask_n[:, None] & nk[None, :], other=0.0, eviction_policy="evict_first")
-    return tl.sum(acc, axis=2)
+    rm = tl.arange(0, ROWS)[None, :]
+    y = tl.where(rm == 0, tl.sum(acc0, axis=1)[:, None], 0.0)
+    if ROWS > 1:
+        y = tl.where(rm == 1, tl.sum(acc1, axis=1)[:, None], y)
+    if ROWS > 2:
+        y = tl.where(rm == 2, tl.sum(acc2, axis=1)[:, None], y)
+        y = tl.where(rm == 3, tl.sum(acc3, axis=1)[:, None], y)
+    return y
 
 
 @triton.jit
@@ -359,8 +384,8 @@ each weight load as well (cuBLAS)."""
 def pick_rows_config(n: int, k: int, rows: int, gate_up: bool = False) -> Config:
     """(BLOCK_N, BLOCK_K, num_warps) of the 1-4 row kernels (`_gemv_rows_kernel`, `_gemv_qkv_rope_kernel`): few
     weight rows per program, as at one row (a gate-up or RoPE pair: 2), in 512-wide chunks. Not yet swept on a GPU
-    (examples/decode_kernels_gpu.py --sweep); compiled for sm_90, 4 rows take 56 registers a thread (78 with a
-    pair), no spills, where 1024-wide chunks take 130-223."""
+    (examples/decode_kernels_gpu.py --sweep); compiled for sm_90, 4 rows take 48 registers a thread (72 with a
+    pair), no spills, where 1024-wide chunks take 96-167."""
     return (2 if gate_up else 1), min(512, triton.next_power_of_2(k)), 4
 
 
@@ -371,7 +396,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     (x is [M, 2K]).
 
     gate_up: weight is a merged [gate; up] (2I rows) and y = silu(x Wg^T) * (x Wu^T) [M, I], the SiLU-and-mul in the
-    epilogue (each program computes matching gate and up rows), rounded as gemv then ops.silu_and_mul round.
+    epilogue (each program computes matching gate and up rows), rounded as gemv then ops.silu_and_mul round. With
+    16-bit weights it runs the rows kernel at one row too (`_dot_rows`: no shuffle of x for a pair of weight rows).
     scale: the fp32 per-row scales [N] of an e4m3 `weight` (W = weight * scale[:, None]); one row only.
     config: see `pick_config` (one row) and `pick_rows_config`; a 5-tuple runs the tensor-core kernel (FP8 weights,
     16-bit x only)."""
@@ -383,7 +409,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else weight
     scale_arg = scale if scale is not None else weight
-    if m > 1:
+    if m > 1 or (gate_up and scale is None):  # (a 16-bit gate-up pair: this kernel loads x in the pair's layout)
         assert scale is None, "FP8 weights take one row here (more: Fp8Method's scaled GEMM)"
         block_n, block_k, warps = config or pick_rows_config(n_out, k, m, gate_up)
         rows = triton.next_power_of_2(m)
