@@ -17,7 +17,8 @@ of_floor = floor_us / us (1.0: the op reads at the copy's speed). --sweep also t
 kernel (gemv.pick_rows_config's source).
 
 End to end: --e2e-tokens requests of a 128-token prompt decoding 512 tokens together (greedy, CUDA graphs and overlap
-on, dummy weights), with the fusions off then on: ms a step and tok/s.
+on, dummy weights), with the fusions off then on: ms a step, tok/s, and the device ops a decode step launches
+(counted by torch.profiler with the graphs off).
 
 Without CUDA (a smoke test of this script) it runs each op once at small widths under Triton's interpreter
 (TRITON_INTERPRET=1, triton on PYTHONPATH; see tests/test_gpu_decode_fusions.py) and checks fused against unfused,
@@ -205,7 +206,7 @@ def end_to_end(model: str, tokens: list[int]) -> None:
     top = max(tokens)
     e = make_engine(model, max_running_requests=max(8, top), cuda_graph_max_bs=max(8, top), max_total_tokens=32_768)
     g = random.Random(0)
-    print(f"\n{'model':<14}{'rows':>5}{'fusions':>9}{'step_ms':>9}{'tok/s':>9}")
+    print(f"\n{'model':<14}{'rows':>5}{'fusions':>9}{'step_ms':>9}{'tok/s':>9}{'kernels/step':>14}")
     for rows in tokens:
         prompts = [[g.randint(0, 10000) for _ in range(128)] for _ in range(rows)]
         for on in (False, True):
@@ -214,8 +215,26 @@ def end_to_end(model: str, tokens: list[int]) -> None:
             run_requests(e, prompts, [16] * rows, overlap=True)  # warm
             st = run_requests(e, prompts, [512] * rows, overlap=True)
             step = (st.last_tok - st.first_tok) / (st.tokens / rows - 1)
-            print(f"{model:<14}{rows:>5}{'on' if on else 'off':>9}{step * 1e3:>9.3f}{rows / step:>9.1f}", flush=True)
+            print(f"{model:<14}{rows:>5}{'on' if on else 'off':>9}{step * 1e3:>9.3f}{rows / step:>9.1f}"
+                  f"{kernels_per_step(e, prompts):>14.1f}", flush=True)
     e.kernels.fused_decode = True
+
+
+def kernels_per_step(e, prompts: list[list[int]]) -> float:
+    """Device ops (kernels, copies) a decode step launches, graphs off so the profiler sees each: two runs of 9 and
+    25 new tokens, the difference over the 16 extra steps (the prefill and the first token cancel out)."""
+    from gpu_bench import run_requests, with_graphs
+
+    saved: dict = {}
+    with_graphs(e, False, saved)
+    counts = []
+    for new in (9, 25):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run_requests(e, prompts, [new] * len(prompts), overlap=False)
+            torch.cuda.synchronize()
+        counts.append(sum(ev.count for ev in prof.key_averages() if ev.device_type == torch.autograd.DeviceType.CUDA))
+    with_graphs(e, True, saved)
+    return (counts[1] - counts[0]) / 16
 
 
 def smoke() -> None:
