@@ -104,7 +104,6 @@ class Attention(nn.Module):
                          sinks=self.sinks)
         return self.o_proj.to_norm(o.reshape(-1, q_size), batch.is_decode)  # for post_attention_layernorm
 
-
     def _qkv_rope_kv(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend,
                      rope: RopeTable) -> torch.Tensor | None:
         """The qkv projection with RoPE and the K/V store in its GEMV's epilogue, where the kernels have that for x
