@@ -65,6 +65,13 @@ def disable_fused_ops() -> bool:
     return flag("MINISGL_DISABLE_FUSED_OPS")
 
 
+def fused_decode() -> bool:
+    """MINISGL_FUSED_DECODE (default on): CUDA decode steps of 1-4 rows run the fused GEMVs (the gate-up projection
+    with the SiLU-and-mul in its epilogue; 2-4 rows through the GEMV, not cuBLAS); 0: the kernels from before them,
+    for A/B timing (examples/decode_kernels_gpu.py). Only with the fused ops on (MINISGL_DISABLE_FUSED_OPS unset)."""
+    return flag("MINISGL_FUSED_DECODE", True)
+
+
 def disable_pdl() -> bool:
     """MINISGL_DISABLE_PDL: no programmatic dependent launch between our Triton kernels (CUDA)."""
     return flag("MINISGL_DISABLE_PDL")

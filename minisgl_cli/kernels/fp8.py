@@ -71,6 +71,11 @@ class KVQuant(NamedTuple):
     v_mean: torch.Tensor  # [Hkv, D] fp32
 
 
+KVCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVQuant | None]
+"""A layer's pool tensors for a kernel that stores K/V itself: k, v [slots, Hkv, D], the new tokens' slots [T], and an
+FP8 pool's KVQuant (attention.base.KVBuffers is this tuple, named)."""
+
+
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes [M, K], fp32 scales [M, ceil(K / group)]) of x [M, K], one scale per token per `group` columns (the
     last group maybe partial): the activations of a block-wise FP8 GEMM (kernels/triton/fp8_block.py), as DeepSeek's

@@ -17,6 +17,8 @@ import torch
 
 from minisgl_cli.layers.cpu_gemm import POLICIES
 
+GEMV_MAX_ROWS = 4  # kernels/triton/gemv.py's MAX_ROWS (kept here: this module imports no Triton)
+
 
 @functools.cache
 def _triton_ops() -> ModuleType:
@@ -40,6 +42,9 @@ def load_sgl_kernel(device: torch.device) -> tuple[ModuleType | None, str | None
 @dataclass
 class Kernels:
     fused: bool = True  # CUDA: fused Triton ops (add+RMSNorm, q/k-norm+RoPE+KV store, SiLU-and-mul, GEMV)
+    # CUDA, with `fused`: the decode-step fusions of a few rows (`gemv_rows`, `gate_up_silu`, `qkv_rope`); off, a
+    # decode step launches what it did before them (MINISGL_FUSED_DECODE=0, for A/B timing).
+    fused_decode: bool = True
     pdl: bool = True  # CUDA, Hopper and newer: programmatic dependent launch between our Triton kernels
     cpu_gemm: str = "auto"  # CPU: the GEMM policy of layers/cpu_gemm.py (auto, invariant, mkl, fp16)
     ordered_sums: bool = False  # RMSNorm sums through ATen's cumsum, as a compiled CPU step does (layers/norm.py)
@@ -56,6 +61,29 @@ class Kernels:
         if not (self.fused and x.is_cuda):
             return None
         return _triton_ops()
+
+    def gemv_rows(self, x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+        """The Triton ops when x W^T is a GEMV of theirs (kernels/triton/gemv.py): x one CUDA row over 16-bit or FP8
+        weights (batch-1 decode), or with `fused_decode` up to GEMV_MAX_ROWS rows over 16-bit weights. Else None."""
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if rows == 1:
+            ok = weight.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+        else:
+            ok = self.fused_decode and 1 < rows <= GEMV_MAX_ROWS and weight.dtype in (torch.bfloat16, torch.float16)
+        return self.triton(x) if ok else None
+
+    def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+        """The Triton ops when silu(x Wg^T) * (x Wu^T) of a merged gate-up weight is one GEMV with the SiLU-and-mul in
+        its epilogue (`fused_decode` and a GEMV's rows), saving the activation's launch and round trip. Else None."""
+        return self.gemv_rows(x, weight) if self.fused_decode and x.dtype in (torch.bfloat16, torch.float16) else None
+
+    def qkv_rope(self, x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+        """The Triton ops when the fused qkv projection of x takes RoPE and the K/V store in its GEMV's epilogue
+        (`fused_decode`, x a GEMV's rows over 16-bit weights; no q/k norm, which needs a whole head): one launch a
+        layer fewer than ops.qk_norm_rope_ after the GEMV. Else None."""
+        if not self.fused_decode or weight.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        return self.gemv_rows(x, weight)
 
     def sgl_ops(self, x: torch.Tensor) -> ModuleType | None:
         """sgl_kernel when `x` is on CUDA and the engine runs its ops, else None."""

@@ -10,9 +10,10 @@ from torch import nn
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import all_reduce
 from minisgl_cli.distributed.push_rows import Partial
-from minisgl_cli.kernels.fp8 import Fp8Rows
+from minisgl_cli.kernels.fp8 import Fp8Rows, KVCache
 from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.quant import LinearMethod
+from minisgl_cli.layers.rotary import RopeTable
 from minisgl_cli.loader.hf import Weight, whole
 
 
@@ -69,6 +70,23 @@ class ColumnParallelLinear(nn.Module):
         if isinstance(x, Fp8Rows):
             return self.method.apply_fp8_rows(self, x, self.bias)
         return self.method.apply(self, x, self.bias, decode)
+
+    def forward_rope_kv(self, x: torch.Tensor | Fp8Rows, rope: RopeTable, heads: tuple[int, int, int],
+                        kv: KVCache) -> torch.Tensor | None:
+        """This fused qkv layer's output with RoPE on its q and k heads (heads: Hq, Hkv, D) and k, v stored to `kv`,
+        in one kernel where the method has it for x (a decode step's few CUDA rows: the GEMV's epilogue), else None:
+        then forward, and the RoPE and the store after it."""
+        if isinstance(x, Fp8Rows):
+            return None
+        return self.method.apply_rope_kv(self, x, self.bias, rope, heads, kv)
+
+    def forward_gate_up_silu(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | None:
+        """silu(gate) * up of this merged [gate; up] layer's output in one kernel where the method has it for x (a
+        decode step's few CUDA rows: the GEMV's epilogue), else None: then forward, and the activation after it."""
+        halves = len(self.local_sizes) == 2 and self.local_sizes[0] == self.local_sizes[1]
+        if isinstance(x, Fp8Rows) or self.bias is not None or not halves:
+            return None
+        return self.method.apply_gate_up_silu(self, x)
 
 
 class RowParallelLinear(nn.Module):

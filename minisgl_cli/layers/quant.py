@@ -61,6 +61,7 @@ from minisgl_cli.kernels.cpu import int4 as cpu_int4
 from minisgl_cli.layers import cpu_gemm
 from minisgl_cli.layers.activation import silu_and_mul
 from minisgl_cli.layers.kernel_choice import Kernels
+from minisgl_cli.layers.rotary import RopeTable
 from minisgl_cli.loader.blocks import (
     Fp8Blocks,
     Int4Groups,
@@ -80,10 +81,9 @@ _N_ALIGN = 16  # the int4 pack takes output rows in multiples of 16: pad with ze
 
 
 def gemv_ops(x: torch.Tensor, weight: torch.Tensor, kernels: Kernels) -> ModuleType | None:
-    """The Triton ops when x is one CUDA row (batch-1 decode) over 16-bit or FP8 weights: their GEMV beats cuBLAS."""
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dtype not in (torch.bfloat16, torch.float16, fp8.FP8):
-        return None
-    return kernels.triton(x)
+    """The Triton ops when x's few CUDA rows (a small decode batch) take their GEMV: it beats cuBLAS there
+    (Kernels.gemv_rows)."""
+    return kernels.gemv_rows(x, weight)
 
 
 class LinearMethod:
@@ -122,6 +122,25 @@ class LinearMethod:
         if ops is None:
             return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None, decode)
         return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, pdl=layer.kernels.pdl)
+
+    def apply_gate_up_silu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a merged gate-up layer's x W^T (no bias) in one GEMV, the SiLU-and-mul in its epilogue,
+        where the kernels do that for x (Kernels.gate_up_silu); None: the caller runs apply, then the activation."""
+        ops = layer.kernels.gate_up_silu(x, layer.weight)
+        if ops is None:
+            return None
+        return ops.gemv(x.contiguous(), layer.weight, pdl=layer.kernels.pdl, gate_up=True)
+
+    def apply_rope_kv(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, rope: RopeTable,
+                      heads: tuple[int, int, int], kv: fp8.KVCache) -> torch.Tensor | None:
+        """A fused qkv layer's x W^T (+ bias) with RoPE on its q and k heads (heads: Hq, Hkv, D) and k, v stored to
+        `kv` (attention.base.KVBuffers) in one GEMV, where the kernels do that for x (Kernels.qkv_rope); None: the
+        caller runs apply, then the RoPE and the store."""
+        ops = layer.kernels.qkv_rope(x, layer.weight)
+        if ops is None:
+            return None
+        return ops.gemv_rope_kv(x, layer.weight, bias, rope.rows, rope.cos, rope.sin, *heads, kv,
+                                pdl=layer.kernels.pdl)
 
     def takes_fp8_rows(self, layer: Layer, x: torch.Tensor) -> bool:
         """Whether `apply_fp8_rows` takes x quantized per token (kernels/fp8.Fp8Rows, from the norm before it)."""
@@ -196,6 +215,13 @@ class _WeightOnly(LinearMethod):
 
     def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
         return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None, decode)
+
+    def apply_gate_up_silu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor | None:
+        return None  # the low-bit copy's kernels have no epilogue
+
+    def apply_rope_kv(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, rope: RopeTable,
+                      heads: tuple[int, int, int], kv: fp8.KVCache) -> torch.Tensor | None:
+        return None
 
     def for_lm_head(self) -> LinearMethod:
         # Where fbgemm's int8 would run 7-bit activations (no VNNI, see _FBGEMM) the head stays dense: exact logits,
@@ -404,6 +430,12 @@ class Fp8Method(LinearMethod):
         xq, xs = ops.quant_rows(gate_up.contiguous(), act_mul=True, pdl=layer.kernels.pdl)  # SiLU-and-mul fused in
         return self._scaled_mm(xq, xs, layer, None, gate_up.dtype)
 
+    def apply_gate_up_silu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor | None:
+        ops = layer.kernels.gate_up_silu(x, layer.weight) if self._ops(layer, x) is not None else None
+        if ops is None:
+            return None
+        return ops.gemv(x.contiguous(), layer.weight, pdl=layer.kernels.pdl, scale=layer.weight_scale, gate_up=True)
+
     @staticmethod
     def _ops(layer: Layer, x: torch.Tensor) -> ModuleType | None:
         """The Triton ops where the kernels run this layer (CUDA, fused ops on, and a weight whose sides are
@@ -479,6 +511,9 @@ class Fp8BlockMethod(LinearMethod):
     def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
         # not the dense method's one-row GEMV: that one knows no block scales
         return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None, decode)
+
+    def apply_gate_up_silu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor | None:
+        return None  # the block-scaled GEMM has no epilogue
 
 
 METHODS: dict[str, type[LinearMethod]] = {"none": LinearMethod, "int4": Int4Method, "int8": Int8Method,

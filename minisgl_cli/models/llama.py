@@ -66,6 +66,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend, rope: RopeTable,
                 rope_at: RopeAt | None) -> LayerOut:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = self._qkv_rope_kv(x, batch, attn, rope)
+        if qkv is not None:  # rotated, K/V stored: what the branches below do after the projection
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            o = attn.forward(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                             v.view(-1, self.num_kv_heads, self.head_dim), self.layer_id, batch, kv_stored=True,
+                             window=self.window, sinks=self.sinks)
+            return self.o_proj.to_norm(o.reshape(-1, q_size), batch.is_decode)
         qkv = self.qkv_proj(x, batch.is_decode)
         sgl = self.kernels.sgl_ops(qkv)  # --engine sgl: its RoPE (and RMSNorm) below, attention stores K/V
         ops = self.kernels.triton(qkv) if sgl is None and self.head_dim in (64, 128, 256) else None
@@ -97,6 +104,19 @@ class Attention(nn.Module):
                          sinks=self.sinks)
         return self.o_proj.to_norm(o.reshape(-1, q_size), batch.is_decode)  # for post_attention_layernorm
 
+    def _qkv_rope_kv(self, x: torch.Tensor | Fp8Rows, batch: ForwardBatch, attn: AttentionBackend,
+                     rope: RopeTable) -> torch.Tensor | None:
+        """The qkv projection with RoPE and the K/V store in its GEMV's epilogue, where the kernels have that for x
+        (a few CUDA rows: Kernels.qkv_rope) and this layer needs nothing between them (no q/k norm): the rotated
+        rows, K/V in the pool. Else None."""
+        if (isinstance(x, Fp8Rows) or self.q_norm is not None or self.kernels.sgl_ops(x) is not None
+                or self.kernels.qkv_rope(x, self.qkv_proj.weight) is None):
+            return None
+        kv_out = attn.kv_buffers(self.layer_id, batch)
+        if kv_out is None:
+            return None
+        return self.qkv_proj.forward_rope_kv(x, rope, (self.num_heads, self.num_kv_heads, self.head_dim), kv_out)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPInfo, kernels: Kernels, method: LinearMethod):
@@ -112,6 +132,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Rows, decode: bool) -> LayerOut:
         """`decode`: a decode step's rows (a quantized method's low-bit copy takes them: layers/quant.py). The
         next layer's input norm (or the final norm) takes the result: it may stay a `Partial` sum for it."""
+        act = self.gate_up_proj.forward_gate_up_silu(x)  # a few CUDA rows: the SiLU-and-mul in the GEMV's epilogue
+        if act is not None:
+            return self.down_proj.to_norm(act, decode)
         return self.down_proj.to_norm(self.gate_up_proj(x, decode), decode, silu_mul=True)
 
 

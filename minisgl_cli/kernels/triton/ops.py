@@ -14,9 +14,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from minisgl_cli.distributed.push_rows import PushRows
-from minisgl_cli.kernels.fp8 import FP8, INV_MAX, TINY, Fp8Rows, KVQuant
+from minisgl_cli.kernels.fp8 import FP8, INV_MAX, TINY, Fp8Rows, KVCache
 from minisgl_cli.kernels.triton.fp8 import fp8_codes, quant_rows  # noqa: F401  (quant_rows re-exported, as gemv)
-from minisgl_cli.kernels.triton.gemv import gemv  # noqa: F401  (re-exported: one switch for every Triton layer op)
+from minisgl_cli.kernels.triton.gemv import gemv, gemv_rope_kv  # noqa: F401  (re-exported: one switch for every layer op)
 from minisgl_cli.kernels.triton.moe import FUSED_MAX_TOKENS as MOE_FUSED_MAX_TOKENS  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.moe import SwiGLUExperts  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.moe import fused_experts as moe_fused  # noqa: F401  (as gemv)
@@ -230,8 +230,6 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_c
     if STORE_KV:  # the rotated k as the q/k rows hold it
         _store_kv_heads(k_cache_ptr, k_scale_ptr, k_mean_ptr, slot, j - NUM_Q, is_k, o1, o2, offs, HEAD_DIM, KV_FP8)
 
-
-KVCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVQuant | None]  # as attention.base.KVBuffers
 
 
 def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
