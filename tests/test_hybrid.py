@@ -438,6 +438,34 @@ def test_a_batched_prefill_equals_each_request_decoded_token_by_token():
     assert not torch.equal(ssm[slots], ssm0[slots]) and torch.equal(ssm[1], ssm0[1])  # a slot no request holds
 
 
+def test_a_batched_verify_step_equals_decoding_its_rows_and_commits_the_accepted_only():
+    """A verify step runs row j of every request at once: each row's output is that of decoding the request's rows
+    one at a time, the slots stay as they were, and `commit` leaves each state after its accepted rows only."""
+    from minisgl_cli.attention import gated_delta as gd
+
+    runs, accepted, slots = [3, 1, 4, 3], [2, 1, 0, 3], torch.tensor([4, 0, 2, 5])
+    g = torch.Generator().manual_seed(4)
+    T, Hk, H, K, V = sum(runs), 2, 4, 16, 8
+    q, k, v = torch.randn(T, Hk, K, generator=g), torch.randn(T, Hk, K, generator=g), torch.randn(T, H, V, generator=g)
+    decay, beta = -torch.rand(T, H, generator=g), torch.rand(T, H, generator=g)
+    ssm0 = torch.randn(6, H, K, V, generator=g) * 0.3
+    ssm = ssm0.clone()
+    o, inputs = gd.verify(q, k, v, decay, beta, ssm, slots, runs)
+    assert torch.equal(ssm, ssm0)
+    gd.commit(inputs, ssm, slots, runs, accepted)
+    alone, want, at = ssm0.clone(), ssm0.clone(), 0
+    for i, (n, a) in enumerate(zip(runs, accepted)):
+        for t in range(at, at + n):
+            row = slice(t, t + 1)
+            torch.testing.assert_close(o[row], gd.decode(q[row], k[row], v[row], decay[row], beta[row], alone,
+                                                         slots[i : i + 1]), rtol=0, atol=1e-6)
+            if t == at + a - 1:
+                want[slots[i]] = alone[slots[i]]
+        at += n
+    torch.testing.assert_close(ssm, want, rtol=0, atol=1e-6)
+    assert torch.equal(ssm[2], ssm0[2]) and not torch.equal(ssm[5], ssm0[5])  # none accepted / three
+
+
 def test_engine_holds_kv_for_full_attention_layers_only(hybrid_dirs):
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.engine.engine import Engine

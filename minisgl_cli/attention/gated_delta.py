@@ -3,11 +3,15 @@
 Per value head, with q and k L2-normalized (q also scaled by k_dim^-1/2), a state S (k_dim x v_dim) carried from
 token to token:  S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t.
 A prefill runs it a chunk of C tokens at a time: within a chunk the updates are one unit-lower-triangular solve
-(the WY form) and a few matmuls, between chunks the state is carried (see `chunked`). Decode is the one-step update
-batched over requests (`step`). Each request's state lives in its slot of the pool (kvcache/state.py): a prefill
-chunk starts from it and writes it back, so a long prompt cut into chunks by the scheduler carries it across them.
-A speculative verify step runs each request's rows in order without writing the state (`verify`); once the scheduler
-knows how many were accepted, `commit` advances the state over those only, so rejected drafts never enter it.
+(the WY form) and a few matmuls, between chunks the state is carried (see `chunked`); every request of an extend
+step goes at once (the chunks of all of them in one batch, the states carried a chunk index at a time): a step's
+op count grows with its longest request's chunks, not with its number of requests. Decode is the one-step update
+batched over requests (`step`). Each request's state lives in its slot of the pool (kvcache/state.py), beside the
+last inputs of the causal conv before the rule (`conv_prefill`, `conv_step`): a prefill chunk starts from them and
+writes them back, so a long prompt cut into chunks by the scheduler carries them across.
+A speculative verify step runs each request's rows in order (row j of all of them at once) without writing the state
+(`verify`); once the scheduler knows how many were accepted, `commit` advances the state over those only, so rejected
+drafts never enter it.
 
 Which path runs where: the torch code of this module everywhere by default (and verify steps always); on CUDA with
 MINISGL_FLA=1, where flash-linear-attention (`fla-core`, Triton) imports, its `chunk_gated_delta_rule` and
@@ -165,7 +169,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     fla = fla_ops(q)
     if fla is not None:
         q, k, v = _for_fla(q, k, v, groups)
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long).to(q.device, non_blocking=True)
+        cu = _upload(torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long), q.device)
         o, final = fla.chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype),
                                               initial_state=ssm.index_select(0, slots), output_final_state=True,
                                               cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
@@ -194,41 +198,63 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     return o
 
 
+@dataclass(frozen=True)
+class _Rounds:
+    """A verify step's rows taken one round at a time: round j steps row j of every request that has one (requests
+    with more rows first)."""
+
+    order: torch.Tensor  # [B] int64: the requests by their number of rows, most first
+    rows: torch.Tensor  # the rows of round 0, then those of round 1, ..
+    counts: tuple[int, ...]  # rows in each round
+
+
+@functools.lru_cache(maxsize=8)
+def _rounds(runs: tuple[int, ...], upto: tuple[int, ...], device: torch.device) -> _Rounds:
+    """Rounds over the first upto[i] of each request's runs[i] rows."""
+    order = sorted(range(len(runs)), key=lambda i: -upto[i])
+    starts = [0, *itertools.accumulate(runs)]
+    rounds = [[starts[i] + j for i in order if upto[i] > j] for j in range(max(upto, default=0))]
+    return _Rounds(_upload(torch.tensor(order), device), _upload(torch.tensor(sum(rounds, [])), device),
+                   tuple(len(r) for r in rounds))
+
+
+def _advance(inputs: tuple[torch.Tensor, ...], ssm: torch.Tensor, slots: torch.Tensor, runs: list[int],
+             upto: list[int], out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's state (in `ssm` at `slots`) one `step` a row over its first upto[i] rows of a verify step's
+    normalized inputs (q, k, v, g, beta), all requests together row by row; the outputs into `out` where given.
+    Returns (the requests' slots, their states after), in `_Rounds` order."""
+    plan = _rounds(tuple(runs), tuple(upto), inputs[0].device)
+    slots = slots.index_select(0, plan.order)
+    states = ssm.index_select(0, slots)
+    at = 0
+    for b in plan.counts:
+        rows = plan.rows[at : at + b]
+        q, k, v, g, beta = (x.index_select(0, rows) for x in inputs)
+        o, states[:b] = step(q, k, v, g, beta, states[:b])
+        if out is not None:
+            out.index_copy_(0, rows, o)
+        at += b
+    return slots, states
+
+
 def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
            ssm: torch.Tensor, slots: torch.Tensor, runs: list[int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """A verify step (speculative decoding): each request's `runs[i]` rows in order, one step each from the state in
-    its slot (`slots` [B], one a request), as decode would run them; the slots are left as they were. Returns o
-    [T, H, V] and the step's normalized inputs, for `commit` to advance each state over the rows accepted."""
+    its slot (`slots` [B], one a request), as decode would run them (row j of every request at once); the slots are
+    left as they were. Returns o [T, H, V] and the step's normalized inputs, for `commit` to advance each state over
+    the rows accepted."""
     qn, kn = _normalized(q, k, v.shape[1] // q.shape[1])
     inputs = (qn, kn, v.float(), g.float(), beta.float())
     out = torch.empty_like(inputs[2])
-    at = 0
-    for i, n in enumerate(runs):
-        state = ssm.index_select(0, slots[i : i + 1])
-        for j in range(at, at + n):
-            o, state = _step_at(inputs, j, state)
-            out[j] = o[0]
-        at += n
+    _advance(inputs, ssm, slots, runs, runs, out)
     return out, inputs
-
-
-def _step_at(inputs: tuple[torch.Tensor, ...], j: int, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`step` on row j of a verify step's normalized inputs (q, k, v, g, beta)."""
-    q, k, v, g, beta = (x[j : j + 1] for x in inputs)
-    return step(q, k, v, g, beta, state)
 
 
 def commit(inputs: tuple[torch.Tensor, ...], ssm: torch.Tensor, slots: torch.Tensor, runs: list[int],
            accepted: list[int]) -> None:
-    """After a verify step: each request's state advanced over its first `accepted[i]` rows (the same steps as
-    `verify` ran: the same numbers), the rejected drafts' never written."""
-    at = 0
-    for i, (n, a) in enumerate(zip(runs, accepted)):
-        state = ssm.index_select(0, slots[i : i + 1])
-        for j in range(at, at + a):
-            _, state = _step_at(inputs, j, state)
-        ssm.index_copy_(0, slots[i : i + 1], state)
-        at += n
+    """After a verify step: each request's state advanced over its first `accepted[i]` rows (the steps `verify`
+    ran), the rejected drafts' never written."""
+    ssm.index_copy_(0, *_advance(inputs, ssm, slots, runs, accepted))
 
 
 def _depthwise(seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
