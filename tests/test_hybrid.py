@@ -286,8 +286,8 @@ def test_ngram_speculation_gives_the_plain_greedy_answer(tmp_path_factory, token
                 monkeypatch.setattr(gated_delta, name, lambda x, ssm, slots, runs, accepted, _o=orig:
                                     _o(x, ssm, slots, runs, runs))
             else:
-                monkeypatch.setattr(gated_delta, name, lambda conv, slots, seqs, accepted, _o=orig:
-                                    _o(conv, slots, seqs, [seq.shape[1] - conv.shape[2] for seq in seqs]))
+                monkeypatch.setattr(gated_delta, name, lambda conv, slots, seq, runs, accepted, _o=orig:
+                                    _o(conv, slots, seq, runs, runs))
     model_dir = make_hybrid(family, tmp_path_factory.mktemp("spec") / family, tokenizer_dir, vocab_size=64)
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (4, 7, 10, 30, 50)]
@@ -400,6 +400,70 @@ def test_a_padded_decode_row_leaves_live_states_alone(hybrid_dirs):
     for a, b in zip(state_padded, state_alone):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
     assert not all(torch.equal(a, b[int(engine.state.slot_of_row[row])]) for a, b in zip(state_alone, before))
+
+
+def test_a_batched_prefill_equals_each_request_decoded_token_by_token():
+    """The extend step's gated delta rule and causal conv run every request at once (chunks padded, the state carried
+    over all of them together, one conv over the packed rows): on requests of 1, C, C + 1 and 3 C + 5 tokens (C the
+    rule's chunk) from nonzero states in scattered slots, each request's outputs and final states are those of its
+    tokens decoded one at a time (the one-step update, the definition), and those of a prefill of it alone."""
+    from minisgl_cli.attention import gated_delta as gd
+
+    c = gd.CHUNK
+    lens, slots = [1, c, c + 1, 3 * c + 5], torch.tensor([5, 0, 3, 2])
+    g = torch.Generator().manual_seed(3)
+    T, Hk, H, K, V, C, W = sum(lens), 2, 4, 16, 8, 24, 3  # C conv channels, W = kernel - 1 conv state columns
+    q, k, v = torch.randn(T, Hk, K, generator=g), torch.randn(T, Hk, K, generator=g), torch.randn(T, H, V, generator=g)
+    decay, beta = -torch.rand(T, H, generator=g) * 0.5, torch.rand(T, H, generator=g)
+    x, weight = torch.randn(T, C, generator=g), torch.randn(C, W + 1, generator=g) * 0.5
+    ssm0, conv0 = torch.randn(6, H, K, V, generator=g) * 0.3, torch.randn(6, C, W, generator=g)
+
+    ssm, conv = ssm0.clone(), conv0.clone()
+    o, y = gd.prefill(q, k, v, decay, beta, ssm, slots, lens), gd.conv_prefill(x, weight, conv, slots, lens)
+    ssm1, conv1 = ssm0.clone(), conv0.clone()  # each request alone: one token at a time, then one prefill
+    ssm2, conv2 = ssm0.clone(), conv0.clone()
+    o1, y1, o2, y2 = torch.empty_like(o), torch.empty_like(y), torch.empty_like(o), torch.empty_like(y)
+    at = 0
+    for i, n in enumerate(lens):
+        slot, rows = slots[i : i + 1], slice(at, at + n)
+        for t in range(at, at + n):
+            row = slice(t, t + 1)
+            o1[row] = gd.decode(q[row], k[row], v[row], decay[row], beta[row], ssm1, slot)
+            y1[row] = gd.conv_step(x[row], weight, conv1, slot)
+        o2[rows] = gd.prefill(q[rows], k[rows], v[rows], decay[rows], beta[rows], ssm2, slot, [n])
+        y2[rows] = gd.conv_prefill(x[rows], weight, conv2, slot, [n])
+        at += n
+    for ours, alone in ((o, o2), (ssm, ssm2), (y, y2), (conv, conv2), (o, o1), (ssm, ssm1), (y, y1), (conv, conv1)):
+        torch.testing.assert_close(ours, alone, rtol=0, atol=1e-5)
+    assert not torch.equal(ssm[slots], ssm0[slots]) and torch.equal(ssm[1], ssm0[1])  # a slot no request holds
+
+
+def test_a_batched_verify_step_equals_decoding_its_rows_and_commits_the_accepted_only():
+    """A verify step runs row j of every request at once: each row's output is that of decoding the request's rows
+    one at a time, the slots stay as they were, and `commit` leaves each state after its accepted rows only."""
+    from minisgl_cli.attention import gated_delta as gd
+
+    runs, accepted, slots = [3, 1, 4, 3], [2, 1, 0, 3], torch.tensor([4, 0, 2, 5])
+    g = torch.Generator().manual_seed(4)
+    T, Hk, H, K, V = sum(runs), 2, 4, 16, 8
+    q, k, v = torch.randn(T, Hk, K, generator=g), torch.randn(T, Hk, K, generator=g), torch.randn(T, H, V, generator=g)
+    decay, beta = -torch.rand(T, H, generator=g), torch.rand(T, H, generator=g)
+    ssm0 = torch.randn(6, H, K, V, generator=g) * 0.3
+    ssm = ssm0.clone()
+    o, inputs = gd.verify(q, k, v, decay, beta, ssm, slots, runs)
+    assert torch.equal(ssm, ssm0)
+    gd.commit(inputs, ssm, slots, runs, accepted)
+    alone, want, at = ssm0.clone(), ssm0.clone(), 0
+    for i, (n, a) in enumerate(zip(runs, accepted)):
+        for t in range(at, at + n):
+            row = slice(t, t + 1)
+            torch.testing.assert_close(o[row], gd.decode(q[row], k[row], v[row], decay[row], beta[row], alone,
+                                                         slots[i : i + 1]), rtol=0, atol=1e-6)
+            if t == at + a - 1:
+                want[slots[i]] = alone[slots[i]]
+        at += n
+    torch.testing.assert_close(ssm, want, rtol=0, atol=1e-6)
+    assert torch.equal(ssm[2], ssm0[2]) and not torch.equal(ssm[5], ssm0[5])  # none accepted / three
 
 
 def test_engine_holds_kv_for_full_attention_layers_only(hybrid_dirs):

@@ -3,11 +3,15 @@
 Per value head, with q and k L2-normalized (q also scaled by k_dim^-1/2), a state S (k_dim x v_dim) carried from
 token to token:  S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t.
 A prefill runs it a chunk of C tokens at a time: within a chunk the updates are one unit-lower-triangular solve
-(the WY form) and a few matmuls, between chunks the state is carried (see `chunked`). Decode is the one-step update
-batched over requests (`step`). Each request's state lives in its slot of the pool (kvcache/state.py): a prefill
-chunk starts from it and writes it back, so a long prompt cut into chunks by the scheduler carries it across them.
-A speculative verify step runs each request's rows in order without writing the state (`verify`); once the scheduler
-knows how many were accepted, `commit` advances the state over those only, so rejected drafts never enter it.
+(the WY form) and a few matmuls, between chunks the state is carried (see `chunked`); every request of an extend
+step goes at once (the chunks of all of them in one batch, the states carried a chunk index at a time): a step's
+op count grows with its longest request's chunks, not with its number of requests. Decode is the one-step update
+batched over requests (`step`). Each request's state lives in its slot of the pool (kvcache/state.py), beside the
+last inputs of the causal conv before the rule (`conv_prefill`, `conv_step`): a prefill chunk starts from them and
+writes them back, so a long prompt cut into chunks by the scheduler carries them across.
+A speculative verify step runs each request's rows in order (row j of all of them at once) without writing the state
+(`verify`); once the scheduler knows how many were accepted, `commit` advances the state over those only, so rejected
+drafts never enter it.
 
 Which path runs where: the torch code of this module everywhere by default (and verify steps always); on CUDA with
 MINISGL_FLA=1, where flash-linear-attention (`fla-core`, Triton) imports, its `chunk_gated_delta_rule` and
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -55,33 +60,85 @@ def _normalized(q: torch.Tensor, k: torch.Tensor, groups: int) -> tuple[torch.Te
     return q, k
 
 
+@dataclass(frozen=True)
+class _Chunks:
+    """Where an extend step's tokens go when cut into chunks: chunk j of every request that has one, for j = 0, 1, ..
+    in turn (requests with more chunks first), each chunk [heads, chunk] rows, a request's last one padded."""
+
+    rows: torch.Tensor  # [T * H] int64: each (token, head)'s row of the layout [num_chunks * H * chunk]
+    order: torch.Tensor  # [B] int64: the requests in the layout's order (most chunks first)
+    steps: tuple[tuple[int, int], ...]  # for each j: (the first chunk j, how many requests have a chunk j)
+    num_chunks: int
+
+
+def _upload(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on `device`, through pinned memory on CUDA (a copy from pageable memory may wait for the
+    steps in flight)."""
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
+
+
+@functools.lru_cache(maxsize=8)  # every linear layer of a step asks for the same one
+def _chunks(lens: tuple[int, ...], chunk: int, heads: int, device: torch.device) -> _Chunks:
+    n = torch.tensor(lens, dtype=torch.long)
+    counts = (n + chunk - 1) // chunk
+    order = torch.argsort(counts, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(lens))
+    active = (counts[None, :] > torch.arange(int(counts.max()) if len(lens) else 0)[:, None]).sum(1)  # per j
+    first = active.cumsum(0) - active
+    req = torch.repeat_interleave(torch.arange(len(lens)), n)
+    at = torch.arange(int(n.sum())) - (n.cumsum(0) - n)[req]  # each token's place in its request
+    rows = (((first[at // chunk] + rank[req]) * heads)[:, None] + torch.arange(heads)) * chunk + (at % chunk)[:, None]
+    return _Chunks(_upload(rows.reshape(-1), device), _upload(order, device),
+                   tuple(zip(first.tolist(), active.tolist())), int(active.sum()))
+
+
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: q, k [T, H, K] (normalized), v [T, H, V], g (log decay, <= 0) and beta [T, H], all fp32; state
-    [H, K, V] before the first token. Returns (o [T, H, V], the state after the last token).
+            ssm: torch.Tensor, slots: torch.Tensor, lens: list[int], chunk: int = CHUNK) -> torch.Tensor:
+    """B sequences of `lens` tokens, packed: q, k [T, H, K] (normalized), v [T, H, V], g (log decay, <= 0) and beta
+    [T, H], all fp32; sequence i's state in `ssm` [slots, H, K, V] at slots[i], read before its first token and
+    left there after its last. Returns o [T, H, V].
 
     Within a chunk, with G_i = g_1 + .. + g_i and D_ij = exp(G_i - G_j) (j <= i): the values each token writes,
     u_i = beta_i (v_i - exp(G_i) S0^T k_i - sum_{j<i} D_ij (k_i . k_j) u_j), solve (I + A) U = beta V - beta exp(G) K S0
     with A_ij = beta_i D_ij (k_i . k_j) strictly below the diagonal; then O = exp(G) Q S0 + (D * Q K^T) U and the
-    state after the chunk is exp(G_C) S0 + (exp(G_C - G) K)^T U."""
-    out = torch.empty_like(v)
-    for s in range(0, q.shape[0], chunk):
-        qc, kc, vc = (x[s : s + chunk].transpose(0, 1) for x in (q, k, v))  # [H, C, *]
-        gc, bc = g[s : s + chunk].t(), beta[s : s + chunk].t()  # [H, C]
-        n = qc.shape[1]
-        cum = gc.cumsum(-1)
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # D, zero above
-        a = (kc @ kc.transpose(-1, -2)) * decay * bc[:, :, None]
-        lower = a.tril(-1)  # the solve reads the strict lower triangle only (unit diagonal)
-        u = torch.linalg.solve_triangular(lower, bc[:, :, None] * vc, upper=False, unitriangular=True)
-        w = torch.linalg.solve_triangular(lower, (bc * cum.exp())[:, :, None] * kc, upper=False, unitriangular=True)
-        u = u - w @ state
-        o = (cum.exp()[:, :, None] * qc) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ u
-        last = cum[:, -1:]
-        state = last.exp()[:, :, None] * state + ((last - cum).exp()[:, :, None] * kc).transpose(-1, -2) @ u
-        out[s : s + chunk] = o.transpose(0, 1)
-    return out, state
+    state after the chunk is exp(G_C) S0 + (exp(G_C - G) K)^T U. Everything but S0 is computed for every chunk of
+    every sequence at once; then the states are carried chunk by chunk, all sequences together (as many rounds as
+    the longest has chunks). A pad row (q = k = v = beta = g = 0) writes nothing and decays by exp(0) = 1."""
+    longest = max(lens, default=1)
+    if longest < chunk:  # short sequences only (a chat turn, a decode-sized extend): a power of 2 past them
+        chunk = 1 << (longest - 1).bit_length()
+    T, H, K, V = v.shape[0], v.shape[1], k.shape[-1], v.shape[-1]
+    plan = _chunks(tuple(lens), chunk, H, q.device)
+    n = plan.num_chunks
+
+    def laid(x: torch.Tensor) -> torch.Tensor:  # [T, H, *] -> [chunks, H, chunk, *], the pad rows zero
+        rows = x.reshape(T * H, -1)
+        return rows.new_zeros(n * H * chunk, rows.shape[1]).index_copy_(0, plan.rows, rows).view(n, H, chunk, -1)
+
+    q, k, v = laid(q), laid(k), laid(v)
+    g, beta = laid(g)[..., 0], laid(beta)[..., 0]  # [chunks, H, chunk]
+    cum = g.cumsum(-1)  # [chunks, H, chunk]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # D, zero above
+    lower = ((k @ k.mT) * decay * beta[..., None]).tril(-1)  # the solve reads the strict lower triangle (A)
+    rhs = torch.cat([beta[..., None] * v, (beta * cum.exp())[..., None] * k], dim=-1)
+    u0, w = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True).split([V, K], dim=-1)
+    within = (q @ k.mT) * decay
+    last = cum[..., -1:]
+    reads = torch.cat([w, cum.exp()[..., None] * q], dim=2)  # what a chunk reads of S0: W, exp(G) Q
+    fade, writes = last.exp()[..., None], ((last - cum).exp()[..., None] * k).mT.contiguous()
+    order = slots.index_select(0, plan.order)
+    states = ssm.index_select(0, order)
+    o = torch.empty_like(v)
+    for first, b in plan.steps:  # chunk j of the b sequences that have one: layout rows first .. first + b
+        s, at = states[:b], slice(first, first + b)
+        r = reads[at] @ s
+        u = u0[at] - r[:, :, :chunk]
+        torch.add(r[:, :, chunk:], within[at] @ u, out=o[at])
+        s.mul_(fade[at]).view(b * H, K, V).baddbmm_(writes[at].view(b * H, K, chunk), u.view(b * H, chunk, V))
+    ssm.index_copy_(0, order, states)
+    return o.view(n * H * chunk, V).index_select(0, plan.rows).view(T, H, V)
 
 
 def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -105,30 +162,21 @@ def _for_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             ssm: torch.Tensor, slots: torch.Tensor, lens: list[int]) -> torch.Tensor:
-    """An extend step's tokens, request after request (`lens` tokens each, their states in `ssm` [slots, H, K, V]
+    """An extend step's tokens, all requests at once (`lens` tokens each, their states in `ssm` [slots, H, K, V]
     at `slots` [B]): q, k [T, Hk, K], v [T, H, V] in the model dtype, g and beta [T, H]. Returns o [T, H, V]
     (fp32) and leaves each request's state after its last token in its slot."""
     groups = v.shape[1] // q.shape[1]
     fla = fla_ops(q)
     if fla is not None:
         q, k, v = _for_fla(q, k, v, groups)
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long).to(q.device, non_blocking=True)
+        cu = _upload(torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long), q.device)
         o, final = fla.chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype),
                                               initial_state=ssm.index_select(0, slots), output_final_state=True,
                                               cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
         ssm.index_copy_(0, slots, final.float())
         return o[0].float()
     qn, kn = _normalized(q, k, groups)
-    vf, gf, bf = v.float(), g.float(), beta.float()
-    out = torch.empty_like(vf)
-    at = 0
-    for i, n in enumerate(lens):
-        slot = slots[i : i + 1]
-        rows = slice(at, at + n)
-        out[rows], state = chunked(qn[rows], kn[rows], vf[rows], gf[rows], bf[rows], ssm.index_select(0, slot)[0])
-        ssm.index_copy_(0, slot, state[None])
-        at += n
-    return out
+    return chunked(qn, kn, v.float(), g.float(), beta.float(), ssm, slots, lens)
 
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -150,41 +198,63 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     return o
 
 
+@dataclass(frozen=True)
+class _Rounds:
+    """A verify step's rows taken one round at a time: round j steps row j of every request that has one (requests
+    with more rows first)."""
+
+    order: torch.Tensor  # [B] int64: the requests by their number of rows, most first
+    rows: torch.Tensor  # the rows of round 0, then those of round 1, ..
+    counts: tuple[int, ...]  # rows in each round
+
+
+@functools.lru_cache(maxsize=8)
+def _rounds(runs: tuple[int, ...], upto: tuple[int, ...], device: torch.device) -> _Rounds:
+    """Rounds over the first upto[i] of each request's runs[i] rows."""
+    order = sorted(range(len(runs)), key=lambda i: -upto[i])
+    starts = [0, *itertools.accumulate(runs)]
+    rounds = [[starts[i] + j for i in order if upto[i] > j] for j in range(max(upto, default=0))]
+    return _Rounds(_upload(torch.tensor(order), device), _upload(torch.tensor(sum(rounds, [])), device),
+                   tuple(len(r) for r in rounds))
+
+
+def _advance(inputs: tuple[torch.Tensor, ...], ssm: torch.Tensor, slots: torch.Tensor, runs: list[int],
+             upto: list[int], out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's state (in `ssm` at `slots`) one `step` a row over its first upto[i] rows of a verify step's
+    normalized inputs (q, k, v, g, beta), all requests together row by row; the outputs into `out` where given.
+    Returns (the requests' slots, their states after), in `_Rounds` order."""
+    plan = _rounds(tuple(runs), tuple(upto), inputs[0].device)
+    slots = slots.index_select(0, plan.order)
+    states = ssm.index_select(0, slots)
+    at = 0
+    for b in plan.counts:
+        rows = plan.rows[at : at + b]
+        q, k, v, g, beta = (x.index_select(0, rows) for x in inputs)
+        o, states[:b] = step(q, k, v, g, beta, states[:b])
+        if out is not None:
+            out.index_copy_(0, rows, o)
+        at += b
+    return slots, states
+
+
 def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
            ssm: torch.Tensor, slots: torch.Tensor, runs: list[int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """A verify step (speculative decoding): each request's `runs[i]` rows in order, one step each from the state in
-    its slot (`slots` [B], one a request), as decode would run them; the slots are left as they were. Returns o
-    [T, H, V] and the step's normalized inputs, for `commit` to advance each state over the rows accepted."""
+    its slot (`slots` [B], one a request), as decode would run them (row j of every request at once); the slots are
+    left as they were. Returns o [T, H, V] and the step's normalized inputs, for `commit` to advance each state over
+    the rows accepted."""
     qn, kn = _normalized(q, k, v.shape[1] // q.shape[1])
     inputs = (qn, kn, v.float(), g.float(), beta.float())
     out = torch.empty_like(inputs[2])
-    at = 0
-    for i, n in enumerate(runs):
-        state = ssm.index_select(0, slots[i : i + 1])
-        for j in range(at, at + n):
-            o, state = _step_at(inputs, j, state)
-            out[j] = o[0]
-        at += n
+    _advance(inputs, ssm, slots, runs, runs, out)
     return out, inputs
-
-
-def _step_at(inputs: tuple[torch.Tensor, ...], j: int, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`step` on row j of a verify step's normalized inputs (q, k, v, g, beta)."""
-    q, k, v, g, beta = (x[j : j + 1] for x in inputs)
-    return step(q, k, v, g, beta, state)
 
 
 def commit(inputs: tuple[torch.Tensor, ...], ssm: torch.Tensor, slots: torch.Tensor, runs: list[int],
            accepted: list[int]) -> None:
-    """After a verify step: each request's state advanced over its first `accepted[i]` rows (the same steps as
-    `verify` ran: the same numbers), the rejected drafts' never written."""
-    at = 0
-    for i, (n, a) in enumerate(zip(runs, accepted)):
-        state = ssm.index_select(0, slots[i : i + 1])
-        for j in range(at, at + a):
-            _, state = _step_at(inputs, j, state)
-        ssm.index_copy_(0, slots[i : i + 1], state)
-        at += n
+    """After a verify step: each request's state advanced over its first `accepted[i]` rows (the steps `verify`
+    ran), the rejected drafts' never written."""
+    ssm.index_copy_(0, *_advance(inputs, ssm, slots, runs, accepted))
 
 
 def _depthwise(seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -199,42 +269,69 @@ def _depthwise(seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.conv1d(seq, weight, groups=seq.shape[1])
 
 
-def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
-                 lens: list[int]) -> torch.Tensor:
-    """The causal depthwise conv + SiLU over an extend step's mixed q, k, v rows x [T, C], request after request,
-    each continuing from the last kernel - 1 columns in its slot of `conv` [slots, C, kernel - 1] (and leaving its
-    own last ones there). weight [C, kernel]."""
-    out = torch.empty_like(x)
-    at, w = 0, weight[:, None, :]
-    for i, n in enumerate(lens):
-        slot = slots[i : i + 1]
-        seq = torch.cat([conv.index_select(0, slot)[0], x[at : at + n].t().to(conv.dtype)], dim=1)  # [C, K-1+n]
-        y = _depthwise(seq[None].to(weight.dtype), w)[0]  # [C, n]
-        conv.index_copy_(0, slot, seq[None, :, seq.shape[1] - conv.shape[2] :])
-        out[at : at + n] = F.silu(y).t().to(x.dtype)
-        at += n
-    return out
+@dataclass(frozen=True)
+class _Packed:
+    """An extend or verify step's conv input packed as one sequence of rows: each request's conv state (`width`
+    rows), then its own rows, request after request."""
+
+    rows: torch.Tensor  # [T] int64: where each row of the step goes
+    states: torch.Tensor  # [B * width] int64: where each request's state goes
+    outputs: torch.Tensor  # [T] int64: each row's window's first row (its row of the conv's output)
+    starts: tuple[int, ...]  # each request's first row
+
+
+@functools.lru_cache(maxsize=8)
+def _packed(lens: tuple[int, ...], width: int, device: torch.device) -> _Packed:
+    n = torch.tensor(lens, dtype=torch.long)
+    starts = n.cumsum(0) - n + torch.arange(len(lens)) * width
+    rows = torch.arange(int(n.sum())) + torch.repeat_interleave(starts + width - (n.cumsum(0) - n), n)
+    states = (starts[:, None] + torch.arange(width)).reshape(-1)
+    return _Packed(_upload(rows, device), _upload(states, device), _upload(rows - width, device),
+                   tuple(starts.tolist()))
+
+
+@functools.lru_cache(maxsize=8)
+def _state_rows(starts: tuple[int, ...], after: tuple[int, ...], width: int, device: torch.device) -> torch.Tensor:
+    """The packed rows of each request's conv state after its first `after` rows: [B * width]."""
+    return _upload(torch.tensor([s + a + j for s, a in zip(starts, after) for j in range(width)]), device)
 
 
 def conv_verify(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
-                runs: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """conv_prefill over a verify step's runs, leaving the slots' conv states as they were: also returns each run's
-    input columns after its state's ([C, kernel - 1 + n]), for `conv_commit`."""
-    out, seqs = torch.empty_like(x), []
-    at, w = 0, weight[:, None, :]
-    for i, n in enumerate(runs):
-        seq = torch.cat([conv.index_select(0, slots[i : i + 1])[0], x[at : at + n].t().to(conv.dtype)], dim=1)
-        out[at : at + n] = F.silu(_depthwise(seq[None].to(weight.dtype), w)[0]).t().to(x.dtype)
-        seqs.append(seq)
-        at += n
-    return out, seqs
+                runs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal depthwise conv + SiLU over a step's mixed q, k, v rows x [T, C], `runs[i]` rows a request, each
+    continuing from the last kernel - 1 inputs in its slot of `conv` [slots, C, kernel - 1], all requests at once
+    over their inputs packed (`_Packed`); the slots are left as they were. weight [C, kernel]. Returns the output
+    and the packed input [T + B (kernel - 1), C], for `conv_commit`.
+
+    The conv is `kernel` multiply-adds of shifted rows in fp32 (on the CPU the very sums F.conv1d makes), in the
+    rows' own layout: no transposes to [C, T] and back, and no cuDNN (whose fp32 convs take TF32 by default)."""
+    width, channels = conv.shape[2], x.shape[1]
+    plan = _packed(tuple(runs), width, x.device)
+    seq = conv.new_empty(x.shape[0] + len(runs) * width, channels)
+    seq.index_copy_(0, plan.states, conv.index_select(0, slots).transpose(1, 2).reshape(-1, channels))
+    seq.index_copy_(0, plan.rows, x.to(conv.dtype))
+    n, w = seq.shape[0] - width, weight.float().t()  # row r of y: the window seq[r : r + kernel]
+    y = seq[:n].float() * w[0]
+    for j in range(1, width + 1):
+        y.addcmul_(seq[j : j + n], w[j])
+    return F.silu(y.index_select(0, plan.outputs)).to(x.dtype), seq
 
 
-def conv_commit(conv: torch.Tensor, slots: torch.Tensor, seqs: list[torch.Tensor], accepted: list[int]) -> None:
-    """Each slot's conv state: the last kernel - 1 inputs up to its request's accepted rows."""
+def conv_commit(conv: torch.Tensor, slots: torch.Tensor, seq: torch.Tensor, runs: list[int],
+                accepted: list[int]) -> None:
+    """Each slot's conv state: the last kernel - 1 inputs up to its request's first `accepted` rows, from
+    `conv_verify`'s packed input."""
     width = conv.shape[2]
-    for i, (seq, a) in enumerate(zip(seqs, accepted)):
-        conv.index_copy_(0, slots[i : i + 1], seq[None, :, a : a + width])
+    cols = _state_rows(_packed(tuple(runs), width, seq.device).starts, tuple(accepted), width, seq.device)
+    conv.index_copy_(0, slots, seq.index_select(0, cols).view(len(runs), width, -1).transpose(1, 2))
+
+
+def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
+                 lens: list[int]) -> torch.Tensor:
+    """`conv_verify` over an extend step's rows (`lens` a request), each slot left with its request's last inputs."""
+    out, seq = conv_verify(x, weight, conv, slots, lens)
+    conv_commit(conv, slots, seq, lens, lens)
+    return out
 
 
 def conv_step(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

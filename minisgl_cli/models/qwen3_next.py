@@ -86,7 +86,7 @@ class GatedDeltaNet(nn.Module):
 
     pool: StatePool | None = None  # set by the engine (bind_state) before the first forward
     # a verify step's (request slots, runs, conv inputs, delta-rule inputs) until `commit`
-    pending: tuple[torch.Tensor, list[int], list[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
+    pending: tuple[torch.Tensor, list[int], torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
     def __init__(self, cfg: ModelConfig, index: int, tp: TPInfo, kernels: Kernels, method: LinearMethod):
         super().__init__()
@@ -156,7 +156,7 @@ class GatedDeltaNet(nn.Module):
         if runs is not None:  # a verify step: each request's slot (that of its first row), the states left alone
             firsts = torch.tensor([0, *itertools.accumulate(runs)][:-1], dtype=torch.int64)
             slots = slots[firsts.to(slots.device)]
-            mixed, seqs = gated_delta.conv_verify(mixed, self.conv_weight, conv, slots, runs)
+            mixed, seq = gated_delta.conv_verify(mixed, self.conv_weight, conv, slots, runs)
         elif decode:
             # A captured decode graph's padded rows (KV slot 0, the scratch page) must not touch a live request's
             # state: they update the scratch state slot.
@@ -173,7 +173,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
         if runs is not None:
             o, inputs = gated_delta.verify(q, k, v, g, beta, ssm, slots, runs)
-            self.pending = (slots, runs, seqs, inputs)
+            self.pending = (slots, runs, seq, inputs)
         elif decode:
             o = gated_delta.decode(q, k, v, g, beta, ssm, slots)
         else:
@@ -185,9 +185,9 @@ class GatedDeltaNet(nn.Module):
     def commit(self, accepted: list[int]) -> None:
         """After the verify step this layer last ran: each request's state over its `accepted` rows."""
         assert self.pending is not None and self.pool is not None, "a commit follows a verify step"
-        slots, runs, seqs, inputs = self.pending
+        slots, runs, seq, inputs = self.pending
         self.pending = None
-        gated_delta.conv_commit(self.pool.conv[self.index], slots, seqs, accepted)
+        gated_delta.conv_commit(self.pool.conv[self.index], slots, seq, runs, accepted)
         gated_delta.commit(inputs, self.pool.ssm[self.index], slots, runs, accepted)
 
 
