@@ -1,0 +1,244 @@
+"""The newer families' GGUF layouts (Gemma 3, DeepSeek-V2 / V3) read back into HF's: config fields from llama.cpp's
+metadata, tensors from llama.cpp's names and transforms.
+
+What llama.cpp's converter (convert_hf_to_gguf.py, its Gemma3Model / DeepseekV2Model) does, undone here:
+  * gemma3: every RMSNorm weight stored as 1 + w (Gemma's norm scales by 1 + w; ggml's by w), q / k rows as HF has
+    them (NEOX RoPE: no interleave); the local layers' RoPE base (10000), their pattern (every 6th layer global) and
+    the score scale are not in the file: llama.cpp fixes them, and so do we, as it does;
+  * deepseek2: MLA written as MQA (head_count_kv 1, key_length kv_lora_rank + rope dims), the per-head widths in
+    key_length_mla / value_length_mla (older files: key_length / value_length); kv_b_proj split into attn_k_b
+    ([head, kv_lora_rank, nope], k transposed) and attn_v_b ([head, v_dim, kv_lora_rank]) by newer converters, whole
+    (attn_kv_b) by older ones; the routed experts stacked into ffn_*_exps [E, out, in]; sigmoid gating (V3) with the
+    correction bias exp_probs_b, or softmax (V2); YaRN's mscale_all_dim as 0.1 x yarn_log_multiplier; RoPE dims in
+    (x0, x1) pairs as HF's DeepSeek stores them (rope_interleave), no row permutation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Out:
+    """One HF tensor made from a GGUF tensor: its name, its value, and where its bytes as shipped still hold it (the
+    whole GGUF tensor: `shipped`; expert e of a stacked one: `expert`), so its blocks may be kept."""
+
+    name: str
+    value: np.ndarray
+    shipped: bool = False
+    expert: int | None = None
+
+
+class Meta:
+    """A GGUF's metadata under its architecture's prefix."""
+
+    def __init__(self, fields: Callable[[str, Any], Any], arch: str):
+        self._field, self.arch = fields, arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._field(f"{self.arch}.{key}", default)
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise KeyError(f"{self.arch}.{key}")
+        return value
+
+
+def _common(meta: Meta, vocab: int) -> dict[str, Any]:
+    """The fields every family shares, named as transformers' configs take them."""
+    return dict(vocab_size=int(meta.get("vocab_size", vocab)), hidden_size=int(meta.need("embedding_length")),
+                num_hidden_layers=int(meta.need("block_count")),
+                num_attention_heads=int(meta.need("attention.head_count")),
+                rms_norm_eps=float(meta.need("attention.layer_norm_rms_epsilon")),
+                max_position_embeddings=int(meta.need("context_length")), dtype="float32")
+
+
+def _layer(name: str) -> tuple[int, str, str] | None:
+    """(layer, kind, suffix) of a blk.{i}.{kind}.{suffix} name, else None."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
+        return int(parts[1]), parts[2], parts[3]
+    return None
+
+
+_GLOBALS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+# --- Gemma 3 ------------------------------------------------------------------------------------------------------
+
+_GEMMA3_LAYER = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+GEMMA3_SWA_PATTERN = 6  # llama.cpp's for gemma3 where the file lists no pattern: every 6th layer global
+GEMMA3_SWA_ROPE_BASE = 10000.0  # llama.cpp's local layers' base where the file names none
+
+
+def gemma3_config(meta: Meta, vocab: int) -> dict[str, Any]:
+    c = _common(meta, vocab)
+    n, heads, hidden = c["num_hidden_layers"], c["num_attention_heads"], c["hidden_size"]
+    head_dim = int(meta.need("attention.key_length"))
+    window = meta.get("attention.sliding_window")
+    pattern = meta.get("attention.sliding_window_pattern")
+    if window is None:  # written only where some layer is local
+        types = ["full_attention"] * n
+    elif isinstance(pattern, list):  # newer files: a flag a layer
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        every = int(pattern or GEMMA3_SWA_PATTERN)
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base", 1_000_000.0))}
+    if meta.get("rope.scaling.type") == "linear":
+        full.update(rope_type="linear", factor=float(meta.need("rope.scaling.factor")))
+    # llama.cpp's score scale: 27B's (62 layers) by hidden / heads, every other size's by head_dim
+    scalar = hidden // heads if n == 62 else head_dim
+    return dict(c, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
+                intermediate_size=int(meta.need("feed_forward_length")),
+                num_key_value_heads=int(meta.get("attention.head_count_kv", heads)), head_dim=head_dim,
+                sliding_window=int(window) if window is not None else 4096, layer_types=types,
+                query_pre_attn_scalar=scalar, final_logit_softcapping=meta.get("final_logit_softcapping"),
+                hidden_activation="gelu_pytorch_tanh",
+                rope_parameters={"full_attention": full, "sliding_attention": {
+                    "rope_type": "default", "rope_theta": float(meta.get("rope.freq_base_swa", GEMMA3_SWA_ROPE_BASE))}})
+
+
+def gemma3_tensor(name: str, w: np.ndarray, cfg: dict[str, Any]) -> list[Out]:
+    layer = _layer(name)
+    if layer is None:
+        base, suffix = name.rsplit(".", 1)
+        hf = f"{_GLOBALS[base]}.{suffix}"
+    else:
+        hf = f"model.layers.{layer[0]}.{_GEMMA3_LAYER[layer[1]]}.{layer[2]}"
+    if hf.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + w; HF (and our loader) hold w
+        return [Out(hf, w - 1.0)]
+    return [Out(hf, w, shipped=True)]
+
+
+def gemma3_expected(cfg: dict[str, Any]) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(cfg["num_hidden_layers"]):
+        names |= {f"model.layers.{i}.{hf}.weight" for hf in _GEMMA3_LAYER.values()}
+    return names
+
+
+# --- DeepSeek-V2 / V3 ---------------------------------------------------------------------------------------------
+
+_DEEPSEEK_LAYER = {
+    "attn_q": "self_attn.q_proj", "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj", "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate", "exp_probs_b": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+_DEEPSEEK_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax)
+
+
+def deepseek2_config(meta: Meta, vocab: int) -> dict[str, Any]:
+    c = _common(meta, vocab)
+    rope_dims = int(meta.need("rope.dimension_count"))
+    kv_lora = int(meta.need("attention.kv_lora_rank"))
+    if meta.get("attention.key_length_mla") is not None:  # MLA as MQA: the heads' own widths here
+        qk_dim, v_dim = int(meta.need("attention.key_length_mla")), int(meta.need("attention.value_length_mla"))
+    else:  # older files: the heads' widths in key_length / value_length
+        qk_dim, v_dim = int(meta.need("attention.key_length")), int(meta.need("attention.value_length"))
+    q_lora = meta.get("attention.q_lora_rank")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base", 10000.0))}
+    if meta.get("rope.scaling.type") == "yarn":
+        mscale = 10.0 * float(meta.get("rope.scaling.yarn_log_multiplier", 0.0))  # llama.cpp's 0.1 x mscale_all_dim
+        rope.update(rope_type="yarn", factor=float(meta.need("rope.scaling.factor")),
+                    original_max_position_embeddings=int(meta.need("rope.scaling.original_context_length")),
+                    beta_fast=32.0, beta_slow=1.0, mscale=mscale, mscale_all_dim=mscale)
+    v3 = int(meta.get("expert_gating_func", 1)) == _SIGMOID_GATING
+    experts = int(meta.get("expert_count", 0))
+    groups = int(meta.get("expert_group_count", 1))
+    fields = dict(c, q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=kv_lora, qk_rope_head_dim=rope_dims,
+                  qk_nope_head_dim=qk_dim - rope_dims, v_head_dim=v_dim, head_dim=rope_dims,
+                  num_key_value_heads=c["num_attention_heads"], intermediate_size=int(meta.need("feed_forward_length")),
+                  rope_parameters=rope, first_k_dense_replace=int(meta.get("leading_dense_block_count", 0)),
+                  n_routed_experts=experts or None, num_experts_per_tok=int(meta.get("expert_used_count", 0)) or None,
+                  moe_intermediate_size=int(meta.get("expert_feed_forward_length", 0)) or None,
+                  n_shared_experts=int(meta.get("expert_shared_count", 0)) or None,
+                  routed_scaling_factor=float(meta.get("expert_weights_scale", 1.0)),
+                  norm_topk_prob=bool(meta.get("expert_weights_norm", False)),
+                  n_group=groups, topk_group=int(meta.get("expert_group_used_count", 1)))
+    if v3:  # sigmoid scores, the correction bias, grouped top-k
+        return dict(fields, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], rope_interleave=True)
+    return dict(fields, model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"],
+                topk_method="group_limited_greedy" if groups > 1 else "greedy")
+
+
+def deepseek2_tensor(name: str, w: np.ndarray, cfg: dict[str, Any]) -> list[Out]:
+    layer = _layer(name)
+    if layer is None:
+        base, suffix = name.rsplit(".", 1)
+        return [Out(f"{_GLOBALS[base]}.{suffix}", w, shipped=True)]
+    i, kind, suffix = layer
+    p = f"model.layers.{i}."
+    if kind in _DEEPSEEK_EXPERTS:  # [E, out, in]: one HF matrix an expert
+        return [Out(f"{p}mlp.experts.{e}.{_DEEPSEEK_EXPERTS[kind]}.{suffix}", np.ascontiguousarray(w[e]), expert=e)
+                for e in range(w.shape[0])]
+    if kind == "attn_k_b":  # [head, kv_lora, nope] -> kv_b_proj's k rows [head, nope, kv_lora]; joined with attn_v_b
+        return [Out(f"{p}self_attn.k_b", np.ascontiguousarray(w.transpose(0, 2, 1)))]
+    if kind == "attn_v_b":
+        return [Out(f"{p}self_attn.v_b", np.ascontiguousarray(w))]
+    if kind == "exp_probs_b":
+        return [Out(f"{p}mlp.gate.e_score_correction_bias", w)]
+    return [Out(f"{p}{_DEEPSEEK_LAYER[kind]}.{suffix}", w, shipped=True)]
+
+
+def deepseek2_join(tensors: dict[str, np.ndarray], cfg: dict[str, Any]) -> None:
+    """Each layer's kv_b_proj from a split file's k and v halves: per head its nope k rows, then its v rows."""
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.self_attn."
+        if p + "k_b" in tensors:
+            k, v = tensors.pop(p + "k_b"), tensors.pop(p + "v_b")
+            tensors[p + "kv_b_proj.weight"] = np.concatenate([k, v], axis=1).reshape(-1, k.shape[-1])
+
+
+def deepseek2_expected(cfg: dict[str, Any]) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    attn = ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+    attn += ["q_a_proj", "q_a_layernorm", "q_b_proj"] if cfg["q_lora_rank"] else ["q_proj"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        names |= {f"{p}self_attn.{a}.weight" for a in attn} | {f"{p}input_layernorm.weight",
+                                                                f"{p}post_attention_layernorm.weight"}
+        if not cfg["n_routed_experts"] or i < cfg["first_k_dense_replace"]:
+            names |= {f"{p}mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
+            continue
+        names |= {f"{p}mlp.gate.weight"} | {f"{p}mlp.experts.{e}.{m}.weight" for e in range(cfg["n_routed_experts"])
+                                            for m in _DEEPSEEK_EXPERTS.values()}
+        if cfg["n_shared_experts"]:
+            names |= {f"{p}mlp.shared_experts.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
+        if cfg["architectures"] == ["DeepseekV3ForCausalLM"]:
+            names.add(f"{p}mlp.gate.e_score_correction_bias")
+    return names
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one GGUF architecture reads back: its HF config fields, each tensor's HF tensors, the HF tensors made of
+    several GGUF ones (joined once all are read), and the names a complete file gives."""
+
+    config: Callable[[Meta, int], dict[str, Any]]
+    tensor: Callable[[str, np.ndarray, dict[str, Any]], list[Out]]
+    expected: Callable[[dict[str, Any]], set[str]]
+    join: Callable[[dict[str, np.ndarray], dict[str, Any]], None] = lambda tensors, cfg: None
+
+
+FAMILIES = {
+    "gemma3": Family(gemma3_config, gemma3_tensor, gemma3_expected),
+    "deepseek2": Family(deepseek2_config, deepseek2_tensor, deepseek2_expected, deepseek2_join),
+}

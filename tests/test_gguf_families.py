@@ -1,0 +1,250 @@
+"""GGUFs of the newer families as llama.cpp's converter writes them (Gemma 3; DeepSeek-V3 and V2 with MLA, kv_b split
+into k_b / v_b or whole): converted back to the HF checkpoint they came from, tensor for tensor, and run greedy equal
+to transformers fp32 token for token; a Q8_0 file to its own blocks; the Gemma norms' +1 left in makes the answers
+differ (the test can tell); an architecture still unconverted is refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_checkpoint
+from test_hf_parity import hf_greedy, ours_greedy
+from test_loader_gguf import TINY_VOCAB, finish_gguf, gguf_writer
+
+from minisgl_cli.loader import ModelLoadError
+from minisgl_cli.loader.gguf import convert_gguf
+
+gguf = pytest.importorskip("gguf")
+N_NEW = 12
+
+
+def _prompts() -> list[list[int]]:
+    """A short prompt and two past the Gemma window (8) and DeepSeek's YaRN original context (16)."""
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (5, 14, 27)]
+
+
+def write_llamacpp_gguf(hf_dir: Path, path: Path, arch: str, quant: str = "F32",
+                        split_kv_b: bool = True) -> dict[str, np.ndarray]:
+    """The tiny HF checkpoint at `hf_dir` as llama.cpp's convert_hf_to_gguf.py lays it out for `arch` ("gemma3",
+    "deepseek2"): its metadata keys, the gguf package's tensor names (TensorNameMap, as the converter maps them), and
+    the converter's transforms: Gemma's norms stored as 1 + w; DeepSeek's routed experts stacked [E, out, in], kv_b
+    split into k_b (transposed) and v_b where `split_kv_b`. Matrices whose rows are whole 32-blocks as `quant` (F32 or
+    Q8_0), the rest F32, as the converter falls back. Returns each HF tensor as the file gives it back."""
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    sd = {k: v.float().numpy() for k, v in load_file(hf_dir / "model.safetensors").items()}
+    n = cfg["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3 if arch == "gemma3" else gguf.MODEL_ARCH.DEEPSEEK2, n)
+    w = gguf_writer(path, arch, None)  # the tiny byte-level tokenizer: the models' vocab is its
+    w.add_block_count(n)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    rope = cfg["rope_parameters"]
+    given: dict[str, np.ndarray] = {}
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+
+    def add(gguf_name: str, value: np.ndarray, hf: list[str]) -> None:
+        """Write `value` (as `quant` where its rows allow) and record what it gives back under the HF names `hf`."""
+        if qtype != gguf.GGMLQuantizationType.F32 and value.ndim >= 2 and value.shape[-1] % 32 == 0:
+            blocks = quantize(value, qtype)
+            w.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+            value = dequantize(blocks, qtype).reshape(value.shape)
+        else:
+            w.add_tensor(gguf_name, value)
+        for i, name in enumerate(hf):
+            given[name] = value[i] if len(hf) > 1 else value
+
+    if arch == "gemma3":
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        w.add_sliding_window(cfg["sliding_window"])
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        for name, value in sd.items():
+            base = name.removesuffix(".weight")
+            if name.endswith("norm.weight"):  # Gemma3Model.modify_tensors: the norm's 1 + w
+                w.add_tensor(names.get_name(base) + ".weight", value + 1)
+                given[name] = value
+            else:
+                add(names.get_name(base) + ".weight", value, [name])
+        finish_gguf(w)
+        return given
+
+    # deepseek2 (DeepseekV2Model.set_gguf_parameters): MLA as MQA with kv_lora_rank + rope dims per "head"
+    kv_lora, nope, rope_dims, v_dim = (cfg[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                                        "v_head_dim"))
+    w.add_head_count_kv(1)
+    w.add_kv_lora_rank(kv_lora)
+    w.add_key_length(kv_lora + rope_dims)
+    w.add_value_length(kv_lora)
+    w.add_key_length_mla(nope + rope_dims)
+    w.add_value_length_mla(v_dim)
+    if cfg.get("q_lora_rank"):
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_rope_dimension_count(rope_dims)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    v3 = cfg["model_type"] == "deepseek_v3"
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    heads, n_exp = cfg["num_attention_heads"], cfg["n_routed_experts"]
+    for name, value in sd.items():
+        if ".experts." in name and ".shared_experts." not in name:
+            if ".experts.0." not in name:
+                continue  # stacked with expert 0
+            stacked = [name.replace(".experts.0.", f".experts.{e}.") for e in range(n_exp)]
+            merged = name.replace(".experts.0.", ".experts.").removesuffix(".weight")
+            add(names.get_name(merged) + ".weight", np.stack([sd[s] for s in stacked]), stacked)
+        elif name.endswith("kv_b_proj.weight") and split_kv_b:  # per head: nope k rows, then v rows
+            kv_b = value.reshape(heads, nope + v_dim, kv_lora)
+            k_b, v_b = np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(kv_b[:, nope:])
+            base = name.removesuffix(".kv_b_proj.weight")
+            add(names.get_name(base + ".k_b_proj") + ".weight", k_b, [name + ".k"])
+            add(names.get_name(base + ".v_b_proj") + ".weight", v_b, [name + ".v"])
+            given[name] = np.concatenate([given.pop(name + ".k").transpose(0, 2, 1), given.pop(name + ".v")],
+                                         axis=1).reshape(value.shape)
+        elif name.endswith("e_score_correction_bias"):
+            add(names.get_name(name.removesuffix("_bias")) + ".bias", value, [name])
+        else:
+            add(names.get_name(name.removesuffix(".weight")) + ".weight", value, [name])
+    finish_gguf(w)
+    return given
+
+
+def _gemma3(root: Path, tokenizer_dir: Path) -> Path:
+    """Six layers (five local with window 8 and RoPE base 10k, one global at 1M), a final soft cap; the score scale
+    llama.cpp runs for every Gemma 3 but the 27B: head_dim's."""
+    return make_tiny_checkpoint("gemma3", root, tokenizer_dir, sliding_window=8, num_hidden_layers=6,
+                                query_pre_attn_scalar=16, final_logit_softcapping=30.0, vocab_size=TINY_VOCAB)
+
+
+def _deepseek(family: str, root: Path, tokenizer_dir: Path) -> Path:
+    from test_deepseek import make_tiny_deepseek
+
+    return make_tiny_deepseek(family, root, tokenizer_dir, vocab_size=TINY_VOCAB)
+
+
+# gemma3; DeepSeek-V3 (q_lora, sigmoid grouped routing, YaRN) with kv_b split as newer converters write it; V2-Lite's
+# shape (plain q_proj, softmax group-limited routing) with kv_b whole as older ones did
+CASES = {"gemma3": ("gemma3", {}), "deepseek_v3": ("deepseek2", {}),
+         "deepseek_v2": ("deepseek2", {"split_kv_b": False})}
+
+
+def _source(case: str, root: Path, tokenizer_dir: Path) -> Path:
+    return _gemma3(root, tokenizer_dir) if case == "gemma3" else _deepseek(case.split("_")[1], root, tokenizer_dir)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_llamacpp_gguf_converts_back_to_its_checkpoint_and_answers_as_transformers(
+        tmp_path: Path, tokenizer_dir: Path, case: str) -> None:
+    from safetensors.torch import load_file
+
+    arch, kw = CASES[case]
+    hf_dir = _source(case, tmp_path / "hf", tokenizer_dir)
+    write_llamacpp_gguf(hf_dir, tmp_path / "tiny.gguf", arch, **kw)
+    out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
+
+    src, ours = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert ours.keys() == src.keys()
+    for name, value in src.items():  # the norms' 1 + w - 1 within fp32 rounding, every other tensor exact
+        torch.testing.assert_close(ours[name], value.float(), rtol=0, atol=1e-6 if "norm" in name else 0)
+    prompts = _prompts()
+    theirs = hf_greedy(hf_dir, prompts, N_NEW)
+    assert len({tuple(t) for t in theirs}) > 1, "degenerate tiny model: outputs do not depend on the prompt"
+    assert ours_greedy(out, prompts, N_NEW) == theirs
+
+
+@pytest.mark.parametrize("case", ["gemma3", "deepseek_v3"])
+def test_a_q8_0_gguf_converts_to_its_blocks_kept_as_shipped(tmp_path: Path, tokenizer_dir: Path, case: str) -> None:
+    """A Q8_0 file: its weights are its blocks dequantized (to the fp32 modes), and the int8 mode's copies are its
+    blocks as shipped, each expert's its own (the directory then runs as any HF checkpoint does)."""
+    from safetensors.torch import load_file
+
+    from minisgl_cli.loader.blocks import BLOCKS_FILE, Int8Groups, iter_blocks
+
+    arch, kw = CASES[case]
+    hf_dir = _source(case, tmp_path / "hf", tokenizer_dir)
+    given = write_llamacpp_gguf(hf_dir, tmp_path / "tiny.gguf", arch, quant="Q8_0", **kw)
+    out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
+    ours, src = load_file(out / "model.safetensors"), load_file(hf_dir / "model.safetensors")
+    assert ours.keys() == src.keys() == given.keys()
+    quantized = [n for n in given if not np.array_equal(given[n], src[n].float().numpy())]
+    assert quantized, "nothing was quantized"
+    for name, value in given.items():
+        torch.testing.assert_close(ours[name], torch.from_numpy(value).float(), rtol=0,
+                                   atol=1e-6 if "norm" in name else 0)
+    blocks = dict(iter_blocks(out / BLOCKS_FILE))
+    for name in quantized:
+        if name.endswith("kv_b_proj.weight"):  # joined from k_b and v_b: held as their blocks dequantized
+            continue
+        kept = blocks[name]
+        assert isinstance(kept, Int8Groups), name
+        dequant = kept.q.float().reshape(*kept.scale.shape, -1) * kept.scale.float()[..., None]
+        assert torch.equal(dequant.reshape(ours[name].shape), ours[name]), name
+
+
+def test_gemma3_norms_read_as_stored_change_the_answers(
+        tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The negative control: without the -1 on llama.cpp's stored 1 + w the parity test above fails."""
+    from minisgl_cli.loader import gguf_families
+
+    hf_dir = _gemma3(tmp_path / "hf", tokenizer_dir)
+    write_llamacpp_gguf(hf_dir, tmp_path / "tiny.gguf", "gemma3")
+    import minisgl_cli.loader.gguf as gguf_mod
+
+    def as_stored(name: str, w: np.ndarray, cfg: dict) -> list[gguf_families.Out]:
+        return [gguf_families.Out(o.name, o.value + 1.0 if o.name.endswith("norm.weight") else o.value)
+                for o in gguf_families.gemma3_tensor(name, w, cfg)]
+
+    family = gguf_families.Family(gguf_families.gemma3_config, as_stored, gguf_families.gemma3_expected)
+    monkeypatch.setattr(gguf_mod, "FAMILIES", {**gguf_families.FAMILIES, "gemma3": family})
+    out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
+    prompts = _prompts()
+    assert ours_greedy(out, prompts, N_NEW) != hf_greedy(hf_dir, prompts, N_NEW)
+
+
+def test_an_unconverted_architecture_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A GGUF of an architecture we do not convert (gemma4 here) fails `minisgl chat` and `minisgl serve` with one
+    line naming it and the ones converted, and no traceback."""
+    path = tmp_path / "tiny-gemma4.gguf"
+    w = gguf_writer(path, "gemma4", None)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    finish_gguf(w)
+    with pytest.raises(ModelLoadError, match="gemma4.*gemma3, deepseek2"):
+        convert_gguf(path, tmp_path / "out")
+    from typer.testing import CliRunner
+
+    from minisgl_cli.app import app
+
+    for command in ("chat", "serve"):
+        res = CliRunner().invoke(app, [command, "--model", str(path)], input="hi\n")
+        assert res.exit_code == 1, res.output
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+        assert "unsupported GGUF architecture 'gemma4'" in lines[0], lines
