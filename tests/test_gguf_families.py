@@ -28,6 +28,9 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (5, 14, 27)]
 
 
+ARCHS = {"gemma3": gguf.MODEL_ARCH.GEMMA3, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS}
+
+
 def write_llamacpp_gguf(hf_dir: Path, path: Path, arch: str, quant: str = "F32",
                         split_kv_b: bool = True) -> dict[str, np.ndarray]:
     """The tiny HF checkpoint at `hf_dir` as llama.cpp's convert_hf_to_gguf.py lays it out for `arch` ("gemma3",
@@ -41,7 +44,7 @@ def write_llamacpp_gguf(hf_dir: Path, path: Path, arch: str, quant: str = "F32",
     cfg = json.loads((hf_dir / "config.json").read_text())
     sd = {k: v.float().numpy() for k, v in load_file(hf_dir / "model.safetensors").items()}
     n = cfg["num_hidden_layers"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3 if arch == "gemma3" else gguf.MODEL_ARCH.DEEPSEEK2, n)
+    names = gguf.get_tensor_name_map(ARCHS[arch], n)
     w = gguf_writer(path, arch, None)  # the tiny byte-level tokenizer: the models' vocab is its
     w.add_block_count(n)
     w.add_context_length(cfg["max_position_embeddings"])
@@ -54,9 +57,9 @@ def write_llamacpp_gguf(hf_dir: Path, path: Path, arch: str, quant: str = "F32",
     given: dict[str, np.ndarray] = {}
     qtype = getattr(gguf.GGMLQuantizationType, quant)
 
-    def add(gguf_name: str, value: np.ndarray, hf: list[str]) -> None:
+    def add(gguf_name: str, value: np.ndarray, hf: list[str], quantized: bool = True) -> np.ndarray:
         """Write `value` (as `quant` where its rows allow) and record what it gives back under the HF names `hf`."""
-        if qtype != gguf.GGMLQuantizationType.F32 and value.ndim >= 2 and value.shape[-1] % 32 == 0:
+        if quantized and qtype != gguf.GGMLQuantizationType.F32 and value.ndim >= 2 and value.shape[-1] % 32 == 0:
             blocks = quantize(value, qtype)
             w.add_tensor(gguf_name, blocks, raw_dtype=qtype)
             value = dequantize(blocks, qtype).reshape(value.shape)
@@ -64,6 +67,7 @@ def write_llamacpp_gguf(hf_dir: Path, path: Path, arch: str, quant: str = "F32",
             w.add_tensor(gguf_name, value)
         for i, name in enumerate(hf):
             given[name] = value[i] if len(hf) > 1 else value
+        return value
 
     if arch == "gemma3":
         w.add_head_count_kv(cfg["num_key_value_heads"])
@@ -80,6 +84,42 @@ def write_llamacpp_gguf(hf_dir: Path, path: Path, arch: str, quant: str = "F32",
                 given[name] = value
             else:
                 add(names.get_name(base) + ".weight", value, [name])
+        finish_gguf(w)
+        return given
+
+    if arch == "gpt-oss":  # GptOssModel: the experts (alone) as `quant`, MXFP4 in llama.cpp's files
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        for name, value in sd.items():
+            base = name.rpartition(".mlp.experts.")[0] + ".mlp.experts."
+            if name.endswith("experts.gate_up_proj"):  # [E, H, 2I], gate and up alternating -> two [E, I, H]
+                t = value.transpose(0, 2, 1)
+                gate = add(names.get_name(base + "gate_proj") + ".weight", np.ascontiguousarray(t[:, ::2]), [])
+                up = add(names.get_name(base + "up_proj") + ".weight", np.ascontiguousarray(t[:, 1::2]), [])
+                given[name] = np.stack([gate, up], axis=2).reshape(t.shape).transpose(0, 2, 1)
+            elif name.endswith("experts.gate_up_proj_bias"):
+                add(names.get_name(base + "gate_proj") + ".bias", np.ascontiguousarray(value[..., ::2]), [], False)
+                add(names.get_name(base + "up_proj") + ".bias", np.ascontiguousarray(value[..., 1::2]), [], False)
+                given[name] = value
+            elif name.endswith("experts.down_proj"):  # [E, I, H] -> [E, H, I]
+                down = np.ascontiguousarray(value.transpose(0, 2, 1))
+                given[name] = add(names.get_name(base + "down_proj") + ".weight", down, []).transpose(0, 2, 1)
+            elif name.endswith("experts.down_proj_bias"):
+                add(names.get_name(base + "down_proj") + ".bias", value, [name], False)
+            else:
+                base, _, suffix = name.rpartition(".")
+                if suffix == "sinks":
+                    base, suffix = name, "weight"
+                add(names.get_name(base) + "." + suffix, value, [name], quantized=False)
         finish_gguf(w)
         return given
 
@@ -144,6 +184,23 @@ def _gemma3(root: Path, tokenizer_dir: Path) -> Path:
                                 query_pre_attn_scalar=16, final_logit_softcapping=30.0, vocab_size=TINY_VOCAB)
 
 
+def _gpt_oss(root: Path, tokenizer_dir: Path) -> Path:
+    """Four layers (windowed, full, windowed, full; window 8), 4 experts of width 32 taking 2 a token, YaRN over a
+    short original context; the SwiGLU clamp llama.cpp runs (7); embeddings ten times the tiny default, else its
+    biases drown the prompt out at this vocab."""
+    from safetensors.torch import load_file, save_file
+
+    out = make_tiny_checkpoint("gpt_oss", root, tokenizer_dir, seed=1, sliding_window=8, num_hidden_layers=4,
+                               num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, swiglu_limit=7.0,
+                               vocab_size=TINY_VOCAB, rope_parameters={
+                                   "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                   "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
+    sd = load_file(out / "model.safetensors")
+    sd["model.embed_tokens.weight"] *= 10
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 def _deepseek(family: str, root: Path, tokenizer_dir: Path) -> Path:
     from test_deepseek import make_tiny_deepseek
 
@@ -153,11 +210,13 @@ def _deepseek(family: str, root: Path, tokenizer_dir: Path) -> Path:
 # gemma3; DeepSeek-V3 (q_lora, sigmoid grouped routing, YaRN) with kv_b split as newer converters write it; V2-Lite's
 # shape (plain q_proj, softmax group-limited routing) with kv_b whole as older ones did
 CASES = {"gemma3": ("gemma3", {}), "deepseek_v3": ("deepseek2", {}),
-         "deepseek_v2": ("deepseek2", {"split_kv_b": False})}
+         "deepseek_v2": ("deepseek2", {"split_kv_b": False}), "gpt_oss": ("gpt-oss", {})}
 
 
 def _source(case: str, root: Path, tokenizer_dir: Path) -> Path:
-    return _gemma3(root, tokenizer_dir) if case == "gemma3" else _deepseek(case.split("_")[1], root, tokenizer_dir)
+    if case.startswith("deepseek"):
+        return _deepseek(case.split("_")[1], root, tokenizer_dir)
+    return (_gemma3 if case == "gemma3" else _gpt_oss)(root, tokenizer_dir)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -180,17 +239,18 @@ def test_a_llamacpp_gguf_converts_back_to_its_checkpoint_and_answers_as_transfor
     assert ours_greedy(out, prompts, N_NEW) == theirs
 
 
-@pytest.mark.parametrize("case", ["gemma3", "deepseek_v3"])
-def test_a_q8_0_gguf_converts_to_its_blocks_kept_as_shipped(tmp_path: Path, tokenizer_dir: Path, case: str) -> None:
+@pytest.mark.parametrize("case,quant", [("gemma3", "Q8_0"), ("deepseek_v3", "Q8_0"), ("gpt_oss", "MXFP4")])
+def test_a_quantized_gguf_converts_to_its_blocks(tmp_path: Path, tokenizer_dir: Path, case: str, quant: str) -> None:
     """A Q8_0 file: its weights are its blocks dequantized (to the fp32 modes), and the int8 mode's copies are its
-    blocks as shipped, each expert's its own (the directory then runs as any HF checkpoint does)."""
+    blocks as shipped, each expert's its own (the directory then runs as any HF checkpoint does); gpt-oss's MXFP4
+    experts (as llama.cpp ships them) dequantized by the gguf package."""
     from safetensors.torch import load_file
 
     from minisgl_cli.loader.blocks import BLOCKS_FILE, Int8Groups, iter_blocks
 
     arch, kw = CASES[case]
     hf_dir = _source(case, tmp_path / "hf", tokenizer_dir)
-    given = write_llamacpp_gguf(hf_dir, tmp_path / "tiny.gguf", arch, quant="Q8_0", **kw)
+    given = write_llamacpp_gguf(hf_dir, tmp_path / "tiny.gguf", arch, quant=quant, **kw)
     out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
     ours, src = load_file(out / "model.safetensors"), load_file(hf_dir / "model.safetensors")
     assert ours.keys() == src.keys() == given.keys()
@@ -200,7 +260,7 @@ def test_a_q8_0_gguf_converts_to_its_blocks_kept_as_shipped(tmp_path: Path, toke
         torch.testing.assert_close(ours[name], torch.from_numpy(value).float(), rtol=0,
                                    atol=1e-6 if "norm" in name else 0)
     blocks = dict(iter_blocks(out / BLOCKS_FILE))
-    for name in quantized:
+    for name in quantized if quant == "Q8_0" else ():
         if name.endswith("kv_b_proj.weight"):  # joined from k_b and v_b: held as their blocks dequantized
             continue
         kept = blocks[name]

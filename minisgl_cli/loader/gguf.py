@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from minisgl_cli.loader.blocks import Blocks
 
 GGUF_MAGIC = b"GGUF"
-EXPECTED_GGUF = ("a llama (or Mixtral), qwen3moe, gemma3 or deepseek2 .gguf file with quant types the gguf package "
-                 "can dequantize")
+EXPECTED_GGUF = ("a llama (or Mixtral), qwen3moe, gemma3, deepseek2 or gpt-oss .gguf file with quant types the gguf "
+                 "package can dequantize")
 
 # llama.cpp per-layer tensor names -> HF Llama names (within model.layers.{i}).
 _LAYER_TENSORS = {
@@ -118,7 +118,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             _write_config(hp, tmp)
             eos, max_len = hp.eos_token_id, hp.max_position_embeddings
         del reader  # releases the memmap before the (slow) tokenizer pass
-        _write_tokenizer(gguf_path, eos, max_len, tmp)
+        _write_tokenizer(gguf_path, eos, max_len, tmp, family is not None)
         _move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -429,17 +429,15 @@ def _write_family_config(cfg: dict[str, Any], out: Path) -> None:
                      pad_token_id=cfg["pad_token_id"]).save_pretrained(out)
 
 
-def _write_tokenizer(gguf_path: Path, eos_token_id: int | None, max_len: int, out: Path) -> None:
+def _write_tokenizer(gguf_path: Path, eos_token_id: int | None, max_len: int, out: Path, family: bool) -> None:
     # transformers' own GGUF tokenizer conversion: it rebuilds the BPE model, pre-tokenizer,
     # special tokens and chat template exactly as its GGUF loading path would see them.
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except ValueError as e:  # an architecture transformers' GGUF loading lacks (deepseek2): its tokenizer, classless
-        if "is not supported" not in str(e):
-            raise
-        tok = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # The newer families' files through the tokenizer alone: AutoTokenizer first reads the file's model config, which
+    # transformers lacks for some (deepseek2) and misreads for others (gpt-oss's rope scaling).
+    auto = PreTrainedTokenizerFast if family else AutoTokenizer
+    tok = auto.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out))
 
     # transformers 5 writes the template to chat_template.jinja; HF checkpoints (and older

@@ -1,5 +1,5 @@
-"""The newer families' GGUF layouts (Gemma 3, DeepSeek-V2 / V3) read back into HF's: config fields from llama.cpp's
-metadata, tensors from llama.cpp's names and transforms.
+"""The newer families' GGUF layouts (Gemma 3, DeepSeek-V2 / V3, gpt-oss) read back into HF's: config fields from
+llama.cpp's metadata, tensors from llama.cpp's names and transforms.
 
 What llama.cpp's converter (convert_hf_to_gguf.py, its Gemma3Model / DeepseekV2Model) does, undone here:
   * gemma3: every RMSNorm weight stored as 1 + w (Gemma's norm scales by 1 + w; ggml's by w), q / k rows as HF has
@@ -10,7 +10,11 @@ What llama.cpp's converter (convert_hf_to_gguf.py, its Gemma3Model / DeepseekV2M
     ([head, kv_lora_rank, nope], k transposed) and attn_v_b ([head, v_dim, kv_lora_rank]) by newer converters, whole
     (attn_kv_b) by older ones; the routed experts stacked into ffn_*_exps [E, out, in]; sigmoid gating (V3) with the
     correction bias exp_probs_b, or softmax (V2); YaRN's mscale_all_dim as 0.1 x yarn_log_multiplier; RoPE dims in
-    (x0, x1) pairs as HF's DeepSeek stores them (rope_interleave), no row permutation.
+    (x0, x1) pairs as HF's DeepSeek stores them (rope_interleave), no row permutation;
+  * gpt-oss: HF's gate_up_proj [E, H, 2I] (gate and up in alternate columns) split into ffn_gate_exps /
+    ffn_up_exps [E, I, H] and down_proj [E, I, H] transposed to ffn_down_exps [E, H, I], each with its bias, the
+    experts usually MXFP4 (dequantized here by the gguf package); the sinks as attn_sinks; the window pattern (even
+    layers local) and the SwiGLU clamp (7) fixed by llama.cpp, not in the file.
 """
 
 from __future__ import annotations
@@ -227,6 +231,82 @@ def deepseek2_expected(cfg: dict[str, Any]) -> set[str]:
     return names
 
 
+# --- gpt-oss ------------------------------------------------------------------------------------------------------
+
+_GPT_OSS_LAYER = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router",
+}
+GPT_OSS_SWA_PATTERN = 2  # llama.cpp's: even layers windowed, odd ones full
+GPT_OSS_SWIGLU_LIMIT = 7.0  # llama.cpp's clamp for gpt-oss (not in the file)
+
+
+def gpt_oss_config(meta: Meta, vocab: int) -> dict[str, Any]:
+    c = _common(meta, vocab)
+    n = c["num_hidden_layers"]
+    pattern = meta.get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        every = int(pattern or GPT_OSS_SWA_PATTERN)
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base", 150000.0))}
+    if meta.get("rope.scaling.type") == "yarn":
+        rope.update(rope_type="yarn", factor=float(meta.need("rope.scaling.factor")), beta_fast=32.0, beta_slow=1.0,
+                    original_max_position_embeddings=int(meta.need("rope.scaling.original_context_length")),
+                    truncate=False)
+    return dict(c, model_type="gpt_oss", architectures=["GptOssForCausalLM"],
+                intermediate_size=int(meta.need("expert_feed_forward_length")),
+                num_local_experts=int(meta.need("expert_count")),
+                num_experts_per_tok=int(meta.need("expert_used_count")),
+                num_key_value_heads=int(meta.need("attention.head_count_kv")),
+                head_dim=int(meta.need("attention.key_length")),
+                sliding_window=int(meta.need("attention.sliding_window")),
+                layer_types=types, rope_parameters=rope, attention_bias=True, swiglu_limit=GPT_OSS_SWIGLU_LIMIT)
+
+
+def gpt_oss_tensor(name: str, w: np.ndarray, cfg: dict[str, Any]) -> list[Out]:
+    layer = _layer(name)
+    if layer is None:
+        base, suffix = name.rsplit(".", 1)
+        return [Out(f"{_GLOBALS[base]}.{suffix}", w, shipped=True)]
+    i, kind, suffix = layer
+    p = f"model.layers.{i}."
+    if kind == "attn_sinks":
+        return [Out(f"{p}self_attn.sinks", w)]
+    if kind in ("ffn_gate_exps", "ffn_up_exps"):  # [E, I, H] (bias [E, I]): joined into gate_up_proj's columns
+        return [Out(f"{p}mlp.experts.{kind}.{suffix}", w)]
+    if kind == "ffn_down_exps":  # [E, H, I] -> HF's [E, I, H]; its bias [E, H] as is
+        return [Out(f"{p}mlp.experts.down_proj" + ("" if suffix == "weight" else "_bias"),
+                    np.ascontiguousarray(w.transpose(0, 2, 1)) if suffix == "weight" else w)]
+    return [Out(f"{p}{_GPT_OSS_LAYER[kind]}.{suffix}", w, shipped=True)]
+
+
+def gpt_oss_join(tensors: dict[str, np.ndarray], cfg: dict[str, Any]) -> None:
+    """Each layer's gate_up_proj [E, H, 2I] (and its bias [E, 2I]) from ffn_gate_exps / ffn_up_exps: HF interleaves
+    them, gate in the even columns, up in the odd ones."""
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts."
+        for suffix, hf in (("weight", "gate_up_proj"), ("bias", "gate_up_proj_bias")):
+            if p + f"ffn_gate_exps.{suffix}" not in tensors:
+                continue
+            gate, up = tensors.pop(p + f"ffn_gate_exps.{suffix}"), tensors.pop(p + f"ffn_up_exps.{suffix}")
+            if suffix == "weight":  # [E, I, H] -> [E, H, I]
+                gate, up = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+            tensors[p + hf] = np.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)
+
+
+def gpt_oss_expected(cfg: dict[str, Any]) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        names |= {f"{p}{hf}.{s}" for hf in _GPT_OSS_LAYER.values() for s in ("weight", "bias") if "norm" not in hf}
+        names |= {f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight", f"{p}self_attn.sinks"}
+        names |= {f"{p}mlp.experts.{n}" for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+    return names
+
+
 @dataclass(frozen=True)
 class Family:
     """How one GGUF architecture reads back: its HF config fields, each tensor's HF tensors, the HF tensors made of
@@ -241,4 +321,5 @@ class Family:
 FAMILIES = {
     "gemma3": Family(gemma3_config, gemma3_tensor, gemma3_expected),
     "deepseek2": Family(deepseek2_config, deepseek2_tensor, deepseek2_expected, deepseek2_join),
+    "gpt-oss": Family(gpt_oss_config, gpt_oss_tensor, gpt_oss_expected, gpt_oss_join),
 }
