@@ -28,7 +28,19 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (5, 14, 27)]
 
 
-ARCHS = {"gemma3": gguf.MODEL_ARCH.GEMMA3, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS}
+ARCHS = {"gemma3": gguf.MODEL_ARCH.GEMMA3, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS,
+         "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT, "qwen35": gguf.MODEL_ARCH.QWEN35,
+         "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE}
+
+
+def _tiled(w: np.ndarray, axis: int, cfg: dict, head: int) -> np.ndarray:
+    """_LinearAttentionVReorderBase's reorder: Qwen3.5's value heads from HF's grouped order ([key head, r]) to
+    ggml's tiled one ([r, key head]) along `axis`, heads `head` wide."""
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    w = np.moveaxis(w, axis, 0)
+    rest = w.shape[1:]
+    w = w.reshape(nk, nv // nk, head, *rest).swapaxes(0, 1).reshape(-1, *rest)
+    return np.ascontiguousarray(np.moveaxis(w, 0, axis))
 
 
 def write_llamacpp_gguf(hf_dir: Path, path: Path, arch: str, quant: str = "F32",
@@ -123,6 +135,78 @@ def write_llamacpp_gguf(hf_dir: Path, path: Path, arch: str, quant: str = "F32",
         finish_gguf(w)
         return given
 
+    if arch in ("qwen3next", "qwen35", "qwen35moe"):  # Qwen3NextModel, and Qwen3.5's value-head reorder after it
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_rope_dimension_count(int(cfg["head_dim"] * rope["partial_rotary_factor"]))
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        w.add_full_attention_interval(cfg["layer_types"].index("full_attention") + 1)
+        n_exp = cfg.get("num_experts") or 0
+        if n_exp:
+            w.add_expert_count(n_exp)
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        nk, kd, vd = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        reorder = arch != "qwen3next"
+
+        def tiled(value: np.ndarray, axis: int, head: int) -> np.ndarray:
+            return _tiled(value, axis, cfg, head) if reorder else value
+
+        for name, value in sd.items():
+            base, _, suffix = name.rpartition(".")
+            stored, gguf_name = value, None
+            if ".experts." in name and ".shared_expert." not in name:
+                if ".experts.0." not in name:
+                    continue  # stacked with expert 0
+                stacked = [name.replace(".experts.0.", f".experts.{e}.") for e in range(n_exp)]
+                merged = name.replace(".experts.0.", ".experts.").removesuffix(".weight")
+                add(names.get_name(merged) + ".weight", np.stack([sd[n] for n in stacked]), stacked)
+                continue
+            if name.endswith("A_log"):  # stored as A = -exp(A_log), bare-named
+                stored, gguf_name = -np.exp(tiled(value, 0, 1)), names.get_name(name)
+            elif name.endswith("dt_bias"):
+                stored, gguf_name = tiled(value, 0, 1), names.get_name(base + ".dt_proj") + ".bias"
+            elif "conv1d" in name:  # squeezed; its value channels reordered
+                sq = value[:, 0, :]
+                stored = np.concatenate([sq[:2 * kd * nk], tiled(sq[2 * kd * nk:], 0, vd)])
+            elif "in_proj_qkvz" in name:  # [q, k, v, z] per key head -> attn_qkv (q, k, v of all heads), attn_gate
+                g = value.reshape(nk, -1, value.shape[-1])
+                r_vd = (g.shape[1] - 2 * kd) // 2
+                q, k, v, z = np.split(g, [kd, 2 * kd, 2 * kd + r_vd], axis=1)
+                qkv = np.concatenate([t.reshape(-1, value.shape[-1]) for t in (q, k, v)])
+                layer = base.removesuffix(".in_proj_qkvz")
+                add(names.get_name(layer + ".in_proj_qkv") + ".weight", qkv, [name + ".qkv"])
+                add(names.get_name(layer + ".in_proj_z") + ".weight", z.reshape(-1, value.shape[-1]), [name + ".z"])
+                qkv, z = given.pop(name + ".qkv"), given.pop(name + ".z")
+                parts = [t.reshape(nk, -1, t.shape[-1]) for t in (qkv[:kd * nk], qkv[kd * nk:2 * kd * nk],
+                                                                   qkv[2 * kd * nk:], z)]
+                given[name] = np.concatenate(parts, axis=1).reshape(value.shape)
+                continue
+            elif "in_proj_qkv" in name:
+                stored = np.concatenate([value[:2 * kd * nk], tiled(value[2 * kd * nk:], 0, vd)])
+            elif "in_proj_z" in name:
+                stored = tiled(value, 0, vd)
+            elif "in_proj_a" in name or "in_proj_b." in name:
+                stored = tiled(value, 0, 1)
+            elif "out_proj" in name:
+                stored = tiled(value, 1, vd)
+            elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                stored = value + 1  # Qwen3-Next's (1 + w) norms
+            if stored is not value or value.ndim < 2:  # transformed (or a vector): F32, as given back exactly
+                w.add_tensor(gguf_name or names.get_name(base) + "." + suffix, np.ascontiguousarray(stored))
+                given[name] = value
+            else:
+                add(gguf_name or names.get_name(base) + "." + suffix, value, [name])
+        finish_gguf(w)
+        return given
+
     # deepseek2 (DeepseekV2Model.set_gguf_parameters): MLA as MQA with kv_lora_rank + rope dims per "head"
     kv_lora, nope, rope_dims, v_dim = (cfg[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                                         "v_head_dim"))
@@ -201,6 +285,14 @@ def _gpt_oss(root: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
+def _hybrid(family: str, root: Path, tokenizer_dir: Path) -> Path:
+    """Three Gated DeltaNet layers (2 key heads, 4 value heads: Qwen3.5's value heads reordered in the file) and one
+    gated full-attention layer."""
+    from test_hybrid import make_hybrid
+
+    return make_hybrid(family, root, tokenizer_dir, vocab_size=TINY_VOCAB)
+
+
 def _deepseek(family: str, root: Path, tokenizer_dir: Path) -> Path:
     from test_deepseek import make_tiny_deepseek
 
@@ -210,12 +302,15 @@ def _deepseek(family: str, root: Path, tokenizer_dir: Path) -> Path:
 # gemma3; DeepSeek-V3 (q_lora, sigmoid grouped routing, YaRN) with kv_b split as newer converters write it; V2-Lite's
 # shape (plain q_proj, softmax group-limited routing) with kv_b whole as older ones did
 CASES = {"gemma3": ("gemma3", {}), "deepseek_v3": ("deepseek2", {}),
-         "deepseek_v2": ("deepseek2", {"split_kv_b": False}), "gpt_oss": ("gpt-oss", {})}
+         "deepseek_v2": ("deepseek2", {"split_kv_b": False}), "gpt_oss": ("gpt-oss", {}),
+         "qwen3_next": ("qwen3next", {}), "qwen3_5": ("qwen35", {}), "qwen3_5_moe": ("qwen35moe", {})}
 
 
 def _source(case: str, root: Path, tokenizer_dir: Path) -> Path:
     if case.startswith("deepseek"):
         return _deepseek(case.split("_")[1], root, tokenizer_dir)
+    if case.startswith("qwen"):
+        return _hybrid(case, root, tokenizer_dir)
     return (_gemma3 if case == "gemma3" else _gpt_oss)(root, tokenizer_dir)
 
 
@@ -231,15 +326,17 @@ def test_a_llamacpp_gguf_converts_back_to_its_checkpoint_and_answers_as_transfor
 
     src, ours = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
     assert ours.keys() == src.keys()
-    for name, value in src.items():  # the norms' 1 + w - 1 within fp32 rounding, every other tensor exact
-        torch.testing.assert_close(ours[name], value.float(), rtol=0, atol=1e-6 if "norm" in name else 0)
+    for name, value in src.items():  # the norms' 1 + w - 1 and A_log's log(exp) within fp32 rounding, the rest exact
+        torch.testing.assert_close(ours[name], value.float(), rtol=0, atol=1e-6 if "norm" in name or "A_log" in name
+                                   else 0)
     prompts = _prompts()
     theirs = hf_greedy(hf_dir, prompts, N_NEW)
     assert len({tuple(t) for t in theirs}) > 1, "degenerate tiny model: outputs do not depend on the prompt"
     assert ours_greedy(out, prompts, N_NEW) == theirs
 
 
-@pytest.mark.parametrize("case,quant", [("gemma3", "Q8_0"), ("deepseek_v3", "Q8_0"), ("gpt_oss", "MXFP4")])
+@pytest.mark.parametrize("case,quant", [("gemma3", "Q8_0"), ("deepseek_v3", "Q8_0"), ("gpt_oss", "MXFP4"),
+                                        ("qwen3_5_moe", "Q8_0")])
 def test_a_quantized_gguf_converts_to_its_blocks(tmp_path: Path, tokenizer_dir: Path, case: str, quant: str) -> None:
     """A Q8_0 file: its weights are its blocks dequantized (to the fp32 modes), and the int8 mode's copies are its
     blocks as shipped, each expert's its own (the directory then runs as any HF checkpoint does); gpt-oss's MXFP4
@@ -284,6 +381,20 @@ def test_gemma3_norms_read_as_stored_change_the_answers(
 
     family = gguf_families.Family(gguf_families.gemma3_config, as_stored, gguf_families.gemma3_expected)
     monkeypatch.setattr(gguf_mod, "FAMILIES", {**gguf_families.FAMILIES, "gemma3": family})
+    out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
+    prompts = _prompts()
+    assert ours_greedy(out, prompts, N_NEW) != hf_greedy(hf_dir, prompts, N_NEW)
+
+
+def test_qwen3_5_value_heads_left_in_llamacpp_order_change_the_answers(
+        tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The negative control of the value-head reorder: Qwen3.5's linear layers read in ggml's tiled head order (2 key
+    heads, 4 value heads) answer otherwise."""
+    from minisgl_cli.loader import gguf_families
+
+    hf_dir = _hybrid("qwen3_5", tmp_path / "hf", tokenizer_dir)
+    write_llamacpp_gguf(hf_dir, tmp_path / "tiny.gguf", "qwen35")
+    monkeypatch.setattr(gguf_families, "_grouped", lambda w, axis, cfg, head: w)
     out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
     prompts = _prompts()
     assert ours_greedy(out, prompts, N_NEW) != hf_greedy(hf_dir, prompts, N_NEW)

@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from minisgl_cli.loader.blocks import Blocks
 
 GGUF_MAGIC = b"GGUF"
-EXPECTED_GGUF = ("a llama (or Mixtral), qwen3moe, gemma3, deepseek2 or gpt-oss .gguf file with quant types the gguf "
-                 "package can dequantize")
 
 # llama.cpp per-layer tensor names -> HF Llama names (within model.layers.{i}).
 _LAYER_TENSORS = {
@@ -55,6 +53,8 @@ _GLOBAL_TENSORS = {
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # qwen3moe's head norms
 ARCHS = ("llama", "qwen3moe")  # the general.architecture values read as Llama's layout (with experts: Mixtral)
 ALL_ARCHS = (*ARCHS, *FAMILIES)  # and the newer families' (loader/gguf_families.py)
+EXPECTED_GGUF = (f"a .gguf file of architecture {', '.join(ALL_ARCHS)} (llama with experts: Mixtral) with quant types "
+                 "the gguf package can dequantize")
 # A MoE layer's router and stacked experts (within model.layers.{i}): llama.cpp's names -> HF's, by architecture.
 _MOE_ROUTER = {"llama": "block_sparse_moe.gate", "qwen3moe": "mlp.gate"}
 _EXPERT_TENSORS = {
@@ -130,8 +130,7 @@ def read_hparams(reader: Any, gguf_path: Path) -> HParams:
     """Read LlamaConfig values from GGUF metadata, deriving them the way transformers does."""
     arch = _field(reader, "general.architecture")
     if arch not in ARCHS:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (converted: {', '.join(ALL_ARCHS)})",
-                             gguf_path, EXPECTED_GGUF)
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}", gguf_path, EXPECTED_GGUF)
 
     def need(key: str) -> Any:
         value = _field(reader, f"{arch}.{key}")

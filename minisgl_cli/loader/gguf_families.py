@@ -1,5 +1,5 @@
-"""The newer families' GGUF layouts (Gemma 3, DeepSeek-V2 / V3, gpt-oss) read back into HF's: config fields from
-llama.cpp's metadata, tensors from llama.cpp's names and transforms.
+"""The newer families' GGUF layouts (Gemma 3, DeepSeek-V2 / V3, gpt-oss, Qwen3-Next / Qwen3.5) read back into HF's:
+config fields from llama.cpp's metadata, tensors from llama.cpp's names and transforms.
 
 What llama.cpp's converter (convert_hf_to_gguf.py, its Gemma3Model / DeepseekV2Model) does, undone here:
   * gemma3: every RMSNorm weight stored as 1 + w (Gemma's norm scales by 1 + w; ggml's by w), q / k rows as HF has
@@ -14,7 +14,12 @@ What llama.cpp's converter (convert_hf_to_gguf.py, its Gemma3Model / DeepseekV2M
   * gpt-oss: HF's gate_up_proj [E, H, 2I] (gate and up in alternate columns) split into ffn_gate_exps /
     ffn_up_exps [E, I, H] and down_proj [E, I, H] transposed to ffn_down_exps [E, H, I], each with its bias, the
     experts usually MXFP4 (dequantized here by the gguf package); the sinks as attn_sinks; the window pattern (even
-    layers local) and the SwiGLU clamp (7) fixed by llama.cpp, not in the file.
+    layers local) and the SwiGLU clamp (7) fixed by llama.cpp, not in the file;
+  * qwen3next / qwen35 / qwen35moe: the (1 + w) norms stored as 1 + w (the gated ssm_norm as is), A_log as
+    A = -exp(A_log) (ssm_a, bare-named), dt_bias as ssm_dt.bias, the conv squeezed to [channels, kernel], every
+    full_attention_interval-th layer full; Qwen3-Next's in_proj_qkvz split into attn_qkv (q, k, v of all heads) and
+    attn_gate (z), in_proj_ba as ssm_ba; Qwen3.5's in_proj_qkv / z / a / b, conv, A, dt and out_proj with their value
+    heads reordered from HF's grouped order to ggml's tiled one (where key and value heads differ in number).
 """
 
 from __future__ import annotations
@@ -63,10 +68,11 @@ def _common(meta: Meta, vocab: int) -> dict[str, Any]:
 
 
 def _layer(name: str) -> tuple[int, str, str] | None:
-    """(layer, kind, suffix) of a blk.{i}.{kind}.{suffix} name, else None."""
+    """(layer, kind, suffix) of a blk.{i}.{kind}.{suffix} name (suffix "" for llama.cpp's bare ones: ssm_a), else
+    None."""
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
-        return int(parts[1]), parts[2], parts[3]
+    if len(parts) in (3, 4) and parts[0] == "blk" and parts[1].isdigit():
+        return int(parts[1]), parts[2], parts[3] if len(parts) == 4 else ""
     return None
 
 
@@ -307,6 +313,151 @@ def gpt_oss_expected(cfg: dict[str, Any]) -> set[str]:
     return names
 
 
+# --- Qwen3-Next / Qwen3.5 (dense and MoE) -------------------------------------------------------------------------
+
+_HYBRID_LAYER = {
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z", "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b", "ssm_a": "linear_attn.A_log",
+    "ssm_dt": "linear_attn.dt_bias", "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_HYBRID_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_HYBRID_CLASSES = {"qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
+                   "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+                   "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")}
+
+
+def hybrid_config(meta: Meta, vocab: int) -> dict[str, Any]:
+    c = _common(meta, vocab)
+    head_dim = int(meta.need("attention.key_length"))
+    interval = int(meta.get("full_attention_interval", 4))
+    nv = int(meta.need("ssm.time_step_rank"))
+    experts = int(meta.get("expert_count", 0))
+    model_type, arch = _HYBRID_CLASSES[meta.arch]
+    fields = dict(c, model_type=model_type, architectures=[arch], head_dim=head_dim,
+                  num_key_value_heads=int(meta.need("attention.head_count_kv")),
+                  layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                               for i in range(c["num_hidden_layers"])],
+                  linear_conv_kernel_dim=int(meta.need("ssm.conv_kernel")),
+                  linear_key_head_dim=int(meta.need("ssm.state_size")),
+                  linear_num_key_heads=int(meta.need("ssm.group_count")), linear_num_value_heads=nv,
+                  linear_value_head_dim=int(meta.need("ssm.inner_size")) // nv,
+                  rope_parameters={"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base", 10000.0)),
+                                   "partial_rotary_factor": int(meta.need("rope.dimension_count")) / head_dim})
+    if not experts:
+        return dict(fields, intermediate_size=int(meta.need("feed_forward_length")))
+    width = int(meta.need("expert_feed_forward_length"))
+    moe: dict[str, Any] = dict(
+        num_experts=experts, num_experts_per_tok=int(meta.need("expert_used_count")), moe_intermediate_size=width,
+        intermediate_size=int(meta.get("feed_forward_length", width)),
+        shared_expert_intermediate_size=int(meta.get("expert_shared_feed_forward_length", 0)))
+    if meta.arch == "qwen3next":  # llama.cpp renormalizes Qwen3-Next's top k unless the file says otherwise
+        moe.update(norm_topk_prob=bool(meta.get("expert_weights_norm", True)), decoder_sparse_step=1,
+                   mlp_only_layers=[])
+    return dict(fields, **moe)
+
+
+def _grouped(w: np.ndarray, axis: int, cfg: dict[str, Any], head: int) -> np.ndarray:
+    """Qwen3.5's value heads back from llama.cpp's tiled order (each key head's r-th value head together: [r, k]) to
+    HF's grouped one ([k, r]) along `axis`, heads `head` wide; as they are where every key head has one value head."""
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if nk == nv or cfg["model_type"] == "qwen3_next":
+        return w
+    w = np.moveaxis(w, axis, 0)
+    rest = w.shape[1:]
+    w = w.reshape(nv // nk, nk, head, *rest).swapaxes(0, 1).reshape(-1, *rest)
+    return np.ascontiguousarray(np.moveaxis(w, 0, axis))
+
+
+def hybrid_tensor(name: str, w: np.ndarray, cfg: dict[str, Any]) -> list[Out]:
+    layer = _layer(name)
+    if layer is None:
+        base, suffix = name.rsplit(".", 1)
+        hf = f"{_GLOBALS[base]}.{suffix}"
+        return [Out(hf, w - 1.0) if hf.endswith("norm.weight") else Out(hf, w, shipped=True)]
+    i, kind, suffix = layer
+    p = f"model.layers.{i}."
+    if kind in _HYBRID_EXPERTS:  # [E, out, in]: one HF matrix an expert
+        return [Out(f"{p}mlp.experts.{e}.{_HYBRID_EXPERTS[kind]}.{suffix}", np.ascontiguousarray(w[e]), expert=e)
+                for e in range(w.shape[0])]
+    if kind == "ffn_gate_up_exps":  # fused [E, 2I, H]: gate's rows, then up's
+        half = w.shape[1] // 2
+        return [Out(f"{p}mlp.experts.{e}.{m}.{suffix}", np.ascontiguousarray(w[e, rows])) for e in range(w.shape[0])
+                for m, rows in (("gate_proj", slice(0, half)), ("up_proj", slice(half, None)))]
+    hf = f"{p}{_HYBRID_LAYER[kind]}"
+    vd, kd, nk = cfg["linear_value_head_dim"], cfg["linear_key_head_dim"], cfg["linear_num_key_heads"]
+    if kind == "ssm_a":  # llama.cpp stores A = -exp(A_log)
+        return [Out(hf, _grouped(np.log(-w), 0, cfg, 1))]
+    if kind == "ssm_dt":  # dt_bias, stored as dt_proj's bias
+        return [Out(hf, _grouped(w, 0, cfg, 1))]
+    if kind == "ssm_conv1d":  # squeezed [channels, kernel]; HF's [channels, 1, kernel], the value channels grouped
+        qk = 2 * kd * nk
+        return [Out(f"{hf}.{suffix}", np.concatenate([w[:qk], _grouped(w[qk:], 0, cfg, vd)])[:, None, :])]
+    if kind == "attn_qkv":
+        qk = 2 * kd * nk
+        fixed = np.concatenate([w[:qk], _grouped(w[qk:], 0, cfg, vd)])
+        if cfg["model_type"] == "qwen3_next":  # joined with attn_gate back into in_proj_qkvz
+            return [Out(f"{p}linear_attn.qkv", fixed)]
+        return [Out(f"{hf}.{suffix}", fixed, shipped=nk == cfg["linear_num_value_heads"])]
+    if kind == "attn_gate":
+        if cfg["model_type"] == "qwen3_next":
+            return [Out(f"{p}linear_attn.z", w)]
+        return [Out(f"{hf}.{suffix}", _grouped(w, 0, cfg, vd))]
+    if kind in ("ssm_alpha", "ssm_beta"):
+        return [Out(f"{hf}.{suffix}", _grouped(w, 0, cfg, 1))]
+    if kind == "ssm_out":
+        return [Out(f"{hf}.{suffix}", _grouped(w, 1, cfg, vd))]
+    if kind == "ffn_gate_inp_shexp":  # HF's [1, hidden]
+        return [Out(f"{hf}.{suffix}", w.reshape(1, -1), shipped=True)]
+    if hf.endswith("norm") and kind != "ssm_norm":  # llama.cpp stores the (1 + w) norms' 1 + w; the gated one as is
+        return [Out(f"{hf}.{suffix}", w - 1.0)]
+    return [Out(f"{hf}.{suffix}", w, shipped=True)]
+
+
+def hybrid_join(tensors: dict[str, np.ndarray], cfg: dict[str, Any]) -> None:
+    """Qwen3-Next's in_proj_qkvz from attn_qkv (q, k, v of every head) and attn_gate (z): per key head its q, k, then
+    its value heads' v and z rows."""
+    nk = cfg["linear_num_key_heads"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.linear_attn."
+        if p + "qkv" not in tensors:
+            continue
+        qkv, z = tensors.pop(p + "qkv"), tensors.pop(p + "z")
+        qk = cfg["linear_key_head_dim"] * nk
+        q, k, v = qkv[:qk], qkv[qk:2 * qk], qkv[2 * qk:]
+        parts = [t.reshape(nk, -1, t.shape[-1]) for t in (q, k, v, z)]
+        tensors[p + "in_proj_qkvz.weight"] = np.concatenate(parts, axis=1).reshape(-1, qkv.shape[-1])
+
+
+def hybrid_expected(cfg: dict[str, Any]) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    next_ = cfg["model_type"] == "qwen3_next"
+    linear = ["in_proj_qkvz", "in_proj_ba"] if next_ else ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"]
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        names |= {f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"}
+        if kind == "full_attention":
+            names |= {f"{p}self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+        else:
+            names |= {f"{p}linear_attn.{m}.weight" for m in (*linear, "conv1d", "norm", "out_proj")}
+            names |= {f"{p}linear_attn.A_log", f"{p}linear_attn.dt_bias"}
+        if cfg.get("num_experts"):
+            names |= {f"{p}mlp.gate.weight"} | {f"{p}mlp.experts.{e}.{m}.weight" for e in range(cfg["num_experts"])
+                                                for m in _HYBRID_EXPERTS.values()}
+            if cfg.get("shared_expert_intermediate_size"):
+                names |= {f"{p}mlp.shared_expert.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
+                names.add(f"{p}mlp.shared_expert_gate.weight")
+        else:
+            names |= {f"{p}mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
+    return names
+
+
 @dataclass(frozen=True)
 class Family:
     """How one GGUF architecture reads back: its HF config fields, each tensor's HF tensors, the HF tensors made of
@@ -322,4 +473,5 @@ FAMILIES = {
     "gemma3": Family(gemma3_config, gemma3_tensor, gemma3_expected),
     "deepseek2": Family(deepseek2_config, deepseek2_tensor, deepseek2_expected, deepseek2_join),
     "gpt-oss": Family(gpt_oss_config, gpt_oss_tensor, gpt_oss_expected, gpt_oss_join),
+    **{arch: Family(hybrid_config, hybrid_tensor, hybrid_expected, hybrid_join) for arch in _HYBRID_CLASSES},
 }
