@@ -28,7 +28,8 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in (5, 14, 27)]
 
 
-ARCHS = {"gemma3": gguf.MODEL_ARCH.GEMMA3, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS,
+ARCHS = {"gemma3": gguf.MODEL_ARCH.GEMMA3, "gemma4": gguf.MODEL_ARCH.GEMMA4, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
+         "gpt-oss": gguf.MODEL_ARCH.GPT_OSS,
          "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT, "qwen35": gguf.MODEL_ARCH.QWEN35,
          "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE}
 
@@ -96,6 +97,39 @@ def write_llamacpp_gguf(hf_dir: Path, path: Path, arch: str, quant: str = "F32",
                 given[name] = value
             else:
                 add(names.get_name(base) + ".weight", value, [name])
+        finish_gguf(w)
+        return given
+
+    if arch == "gemma4":  # Gemma4Model: Gemma3Model's keys, per-layer ones, plain norms, rope_freqs for the global RoPE
+        types = cfg["layer_types"]
+        full = cfg["rope_parameters"]["full_attention"]
+        wide = {int(i): o for i, o in (cfg.get("per_layer_config") or {}).items()}
+        global_dim = next(iter(wide.values()))["head_dim"]
+        kv = [wide.get(i, {}).get("num_key_value_heads", cfg["num_key_value_heads"]) for i in range(n)]
+        first_shared = n - cfg["num_kv_shared_layers"]
+        w.add_head_count_kv(kv)
+        w.add_key_length(global_dim)
+        w.add_value_length(global_dim)
+        w.add_key_length_swa(cfg["head_dim"])
+        w.add_value_length_swa(cfg["head_dim"])
+        w.add_rope_freq_base(full["rope_theta"])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        w.add_rope_dimension_count(global_dim)
+        w.add_rope_dimension_count_swa(cfg["head_dim"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+        w.add_shared_kv_layers(cfg["num_kv_shared_layers"])
+        w.add_embedding_length_per_layer_input(cfg["hidden_size_per_layer_input"])
+        if cfg.get("use_double_wide_mlp"):  # the shared layers' MLPs twice as wide
+            w.add_feed_forward_length([cfg["intermediate_size"] * (2 if i >= first_shared else 1) for i in range(n)])
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        turning = int(global_dim * full["partial_rotary_factor"] / 2)
+        w.add_tensor("rope_freqs.weight", np.array([1.0] * turning + [1e30] * (global_dim // 2 - turning),
+                                                   dtype=np.float32))
+        for name, value in sd.items():
+            base, suffix = (name, "weight") if name.endswith("layer_scalar") else name.rsplit(".", 1)
+            add(names.get_name(base) + "." + suffix, value, [name], quantized=value.ndim == 2)
         finish_gguf(w)
         return given
 
@@ -268,6 +302,16 @@ def _gemma3(root: Path, tokenizer_dir: Path) -> Path:
                                 query_pre_attn_scalar=16, final_logit_softcapping=30.0, vocab_size=TINY_VOCAB)
 
 
+def _gemma4(root: Path, tokenizer_dir: Path) -> Path:
+    """test_sliding_window's Gemma 4: local layers (window 8, 2 KV heads of 16) and global ones (1 KV head of 32,
+    K = V, proportional RoPE turning a quarter of the pairs), the last two layers reading earlier layers' KV (their
+    MLPs twice as wide), per-layer inputs of width 8, a final soft cap."""
+    from test_sliding_window import GEMMA4
+
+    return make_tiny_checkpoint("gemma4", root, tokenizer_dir, **{**GEMMA4, "vocab_size": TINY_VOCAB,
+                                                                  "vocab_size_per_layer_input": TINY_VOCAB})
+
+
 def _gpt_oss(root: Path, tokenizer_dir: Path) -> Path:
     """Four layers (windowed, full, windowed, full; window 8), 4 experts of width 32 taking 2 a token, YaRN over a
     short original context; the SwiGLU clamp llama.cpp runs (7); embeddings ten times the tiny default, else its
@@ -301,7 +345,7 @@ def _deepseek(family: str, root: Path, tokenizer_dir: Path) -> Path:
 
 # gemma3; DeepSeek-V3 (q_lora, sigmoid grouped routing, YaRN) with kv_b split as newer converters write it; V2-Lite's
 # shape (plain q_proj, softmax group-limited routing) with kv_b whole as older ones did
-CASES = {"gemma3": ("gemma3", {}), "deepseek_v3": ("deepseek2", {}),
+CASES = {"gemma3": ("gemma3", {}), "gemma4": ("gemma4", {}), "deepseek_v3": ("deepseek2", {}),
          "deepseek_v2": ("deepseek2", {"split_kv_b": False}), "gpt_oss": ("gpt-oss", {}),
          "qwen3_next": ("qwen3next", {}), "qwen3_5": ("qwen35", {}), "qwen3_5_moe": ("qwen35moe", {})}
 
@@ -311,7 +355,7 @@ def _source(case: str, root: Path, tokenizer_dir: Path) -> Path:
         return _deepseek(case.split("_")[1], root, tokenizer_dir)
     if case.startswith("qwen"):
         return _hybrid(case, root, tokenizer_dir)
-    return (_gemma3 if case == "gemma3" else _gpt_oss)(root, tokenizer_dir)
+    return {"gemma3": _gemma3, "gemma4": _gemma4, "gpt_oss": _gpt_oss}[case](root, tokenizer_dir)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -335,8 +379,8 @@ def test_a_llamacpp_gguf_converts_back_to_its_checkpoint_and_answers_as_transfor
     assert ours_greedy(out, prompts, N_NEW) == theirs
 
 
-@pytest.mark.parametrize("case,quant", [("gemma3", "Q8_0"), ("deepseek_v3", "Q8_0"), ("gpt_oss", "MXFP4"),
-                                        ("qwen3_5_moe", "Q8_0")])
+@pytest.mark.parametrize("case,quant", [("gemma3", "Q8_0"), ("gemma4", "Q8_0"), ("deepseek_v3", "Q8_0"),
+                                        ("gpt_oss", "MXFP4"), ("qwen3_5_moe", "Q8_0")])
 def test_a_quantized_gguf_converts_to_its_blocks(tmp_path: Path, tokenizer_dir: Path, case: str, quant: str) -> None:
     """A Q8_0 file: its weights are its blocks dequantized (to the fp32 modes), and the int8 mode's copies are its
     blocks as shipped, each expert's its own (the directory then runs as any HF checkpoint does); gpt-oss's MXFP4
@@ -401,14 +445,23 @@ def test_qwen3_5_value_heads_left_in_llamacpp_order_change_the_answers(
 
 
 def test_an_unconverted_architecture_is_refused_in_one_line(tmp_path: Path) -> None:
-    """A GGUF of an architecture we do not convert (gemma4 here) fails `minisgl chat` and `minisgl serve` with one
-    line naming it and the ones converted, and no traceback."""
-    path = tmp_path / "tiny-gemma4.gguf"
-    w = gguf_writer(path, "gemma4", None)
+    """A GGUF of an architecture we do not convert (gemma3n here: Gemma 3n) fails `minisgl chat` and `minisgl serve`
+    with one line naming it and the ones converted, and no traceback; so does a variant not converted (Gemma 4's
+    MoE)."""
+    path = tmp_path / "tiny-gemma3n.gguf"
+    w = gguf_writer(path, "gemma3n", None)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     finish_gguf(w)
-    with pytest.raises(ModelLoadError, match="gemma4.*gemma3, deepseek2"):
+    with pytest.raises(ModelLoadError, match="gemma3n.*gemma3, gemma4, deepseek2"):
         convert_gguf(path, tmp_path / "out")
+    moe = tmp_path / "tiny-gemma4-moe.gguf"
+    w = gguf_writer(moe, "gemma4", None)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 8), dtype=np.float32))
+    finish_gguf(w)
+    with pytest.raises(ModelLoadError, match="Gemma 4's MoE block .* not supported") as err:
+        convert_gguf(moe, tmp_path / "out")
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
     from typer.testing import CliRunner
 
     from minisgl_cli.app import app
@@ -418,4 +471,4 @@ def test_an_unconverted_architecture_is_refused_in_one_line(tmp_path: Path) -> N
         assert res.exit_code == 1, res.output
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:"), res.stderr
-        assert "unsupported GGUF architecture 'gemma4'" in lines[0], lines
+        assert "unsupported GGUF architecture 'gemma3n'" in lines[0], lines

@@ -369,14 +369,29 @@ def _write_config(hp: HParams, out: Path) -> None:
 
 def _family_config(reader: Any, family: Family, gguf_path: Path) -> dict[str, Any]:
     """The HF config fields of a family's GGUF, with the token ids and tied head every family's file gives alike."""
-    meta = Meta(lambda key, default: _field(reader, key, default), _field(reader, "general.architecture"))
+    from gguf.quants import dequantize
+
+    tensors = {t.name: t for t in reader.tensors}
+
+    def values(name: str) -> np.ndarray | None:
+        t = tensors.get(name)
+        return None if t is None else np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+    def shape(name: str) -> tuple[int, ...] | None:  # HF's order: the GGUF's listed shape reversed
+        t = tensors.get(name)
+        return None if t is None else tuple(int(d) for d in reversed(t.shape))
+
+    meta = Meta(lambda key, default: _field(reader, key, default), _field(reader, "general.architecture"), values,
+                shape)
+    ids = {k: _opt_int(_field(reader, f"tokenizer.ggml.{g}")) for k, g in (
+        ("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id"))}
     try:
         cfg = family.config(meta, _tensor(reader, "token_embd.weight").shape[-1])
     except KeyError as e:
         raise ModelLoadError(f"GGUF metadata lacks {e.args[0]}", gguf_path, EXPECTED_GGUF) from None
-    ids = {k: _opt_int(_field(reader, f"tokenizer.ggml.{g}")) for k, g in (
-        ("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id"))}
-    return dict(cfg, **ids, tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors))
+    except ValueError as e:  # a variant of the architecture not converted
+        raise ModelLoadError(str(e), gguf_path, EXPECTED_GGUF) from None
+    return dict(ids, **cfg, tie_word_embeddings="output.weight" not in tensors)
 
 
 def _write_family_weights(reader: Any, family: Family, cfg: dict[str, Any], gguf_path: Path, out: Path) -> None:
@@ -428,7 +443,8 @@ def _write_family_config(cfg: dict[str, Any], out: Path) -> None:
                      pad_token_id=cfg["pad_token_id"]).save_pretrained(out)
 
 
-def _write_tokenizer(gguf_path: Path, eos_token_id: int | None, max_len: int, out: Path, family: bool) -> None:
+def _write_tokenizer(gguf_path: Path, eos_token_id: int | list[int] | None, max_len: int, out: Path,
+                     family: bool) -> None:
     # transformers' own GGUF tokenizer conversion: it rebuilds the BPE model, pre-tokenizer,
     # special tokens and chat template exactly as its GGUF loading path would see them.
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -448,6 +464,8 @@ def _write_tokenizer(gguf_path: Path, eos_token_id: int | None, max_len: int, ou
         template = (out / "chat_template.jinja").read_text()
     if template is not None:
         cfg["chat_template"] = template
+    if isinstance(eos_token_id, list):  # several ends (Gemma 4's turn ends): the tokenizer's eos is the first
+        eos_token_id = eos_token_id[0]
     if eos_token_id is not None:
         cfg["eos_token"] = tok.convert_ids_to_tokens(eos_token_id)
     cfg["model_max_length"] = max_len  # instead of transformers' 1e30 "unset"

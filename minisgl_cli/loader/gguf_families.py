@@ -1,10 +1,15 @@
-"""The newer families' GGUF layouts (Gemma 3, DeepSeek-V2 / V3, gpt-oss, Qwen3-Next / Qwen3.5) read back into HF's:
-config fields from llama.cpp's metadata, tensors from llama.cpp's names and transforms.
+"""The newer families' GGUF layouts (Gemma 3 / 4, DeepSeek-V2 / V3, gpt-oss, Qwen3-Next / Qwen3.5) read back into
+HF's: config fields from llama.cpp's metadata, tensors from llama.cpp's names and transforms.
 
 What llama.cpp's converter (convert_hf_to_gguf.py, its Gemma3Model / DeepseekV2Model) does, undone here:
   * gemma3: every RMSNorm weight stored as 1 + w (Gemma's norm scales by 1 + w; ggml's by w), q / k rows as HF has
     them (NEOX RoPE: no interleave); the local layers' RoPE base (10000), their pattern (every 6th layer global) and
     the score scale are not in the file: llama.cpp fixes them, and so do we, as it does;
+  * gemma4 (dense): plain norms (w, no shift); the layer kinds as sliding_window_pattern flags, the global layers'
+    head_dim in key_length (the local ones' in key_length_swa), KV heads and MLP widths as per-layer arrays, K = V
+    where a global layer has no attn_v, the shared-KV layers' count, the per-layer inputs' tensors; the global
+    layers' proportional RoPE as rope_freqs (1 for each turning pair, 1e30 for the still ones); the MoE variant
+    refused;
   * deepseek2: MLA written as MQA (head_count_kv 1, key_length kv_lora_rank + rope dims), the per-head widths in
     key_length_mla / value_length_mla (older files: key_length / value_length); kv_b_proj split into attn_k_b
     ([head, kv_lora_rank, nope], k transposed) and attn_v_b ([head, v_dim, kv_lora_rank]) by newer converters, whole
@@ -43,13 +48,20 @@ class Out:
 
 
 class Meta:
-    """A GGUF's metadata under its architecture's prefix."""
+    """A GGUF's metadata under its architecture's prefix, and the few tensors a config is read from (Gemma 4's
+    rope_freqs): `tensor(name)` their values, `shape(name)` any tensor's HF-order shape (None where absent)."""
 
-    def __init__(self, fields: Callable[[str, Any], Any], arch: str):
-        self._field, self.arch = fields, arch
+    def __init__(self, fields: Callable[[str, Any], Any], arch: str,
+                 tensors: Callable[[str], np.ndarray | None] = lambda name: None,
+                 shapes: Callable[[str], tuple[int, ...] | None] = lambda name: None):
+        self._field, self.arch, self.tensor, self.shape = fields, arch, tensors, shapes
 
     def get(self, key: str, default: Any = None) -> Any:
         return self._field(f"{self.arch}.{key}", default)
+
+    def field(self, key: str) -> Any:
+        """A field outside the architecture's prefix (the tokenizer's)."""
+        return self._field(key, None)
 
     def need(self, key: str) -> Any:
         value = self.get(key)
@@ -136,6 +148,91 @@ def gemma3_expected(cfg: dict[str, Any]) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     for i in range(cfg["num_hidden_layers"]):
         names |= {f"model.layers.{i}.{hf}.weight" for hf in _GEMMA3_LAYER.values()}
+    return names
+
+
+# --- Gemma 4 (dense) -----------------------------------------------------------------------------------------------
+
+_GEMMA4_LAYER = {
+    **_GEMMA3_LAYER, "layer_output_scale": "layer_scalar", "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
+}
+_GEMMA4_GLOBALS = {**_GLOBALS, "per_layer_token_embd": "model.embed_tokens_per_layer",
+                   "per_layer_model_proj": "model.per_layer_model_projection",
+                   "per_layer_proj_norm": "model.per_layer_projection_norm"}
+_GEMMA4_STOPS = ("<turn|>", "<|tool_response>")  # ends of a turn beside eos, as transformers' GGUF reader adds them
+
+
+def gemma4_config(meta: Meta, vocab: int) -> dict[str, Any]:
+    if meta.shape("blk.0.ffn_gate_inp.weight") is not None:
+        raise ValueError("Gemma 4's MoE block (ffn_gate_inp, 26B-A4B) is not supported yet")
+    c = _common(meta, vocab)
+    n, heads = c["num_hidden_layers"], c["num_attention_heads"]
+    swa = meta.need("attention.sliding_window_pattern")
+    types = ["sliding_attention" if w else "full_attention" for w in swa]
+    global_dim, local_dim = int(meta.need("attention.key_length")), int(meta.need("attention.key_length_swa"))
+    kv = meta.get("attention.head_count_kv", heads)
+    kv = [int(k) for k in kv] if isinstance(kv, list) else [int(kv)] * n
+    ff = meta.need("feed_forward_length")
+    ff = [int(f) for f in ff] if isinstance(ff, list) else [int(ff)] * n
+    local_kv = next(k for k, t in zip(kv, types) if t == "sliding_attention")
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    # proportional RoPE on the global layers: rope_freqs holds 1 for each turning pair, 1e30 for the still ones
+    freqs = meta.tensor("rope_freqs.weight")
+    turning = int((np.asarray(freqs) < 1e29).sum()) if freqs is not None else global_dim // 2
+    per_layer = int(meta.get("embedding_length_per_layer_input", 0))
+    per_layer_vocab = meta.shape("per_layer_token_embd.weight")
+    softcap = meta.get("final_logit_softcapping")
+    tokens = meta.field("tokenizer.ggml.tokens") or []
+    stops = [tokens.index(t) for t in _GEMMA4_STOPS if t in tokens]
+    eos = meta.field("tokenizer.ggml.eos_token_id")
+    if stops and eos is not None:
+        c["eos_token_id"] = [int(eos), *stops]
+    return dict(c, model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], head_dim=local_dim,
+                num_key_value_heads=local_kv, intermediate_size=ff[0], use_double_wide_mlp=len(set(ff)) > 1,
+                layer_types=types, sliding_window=int(meta.need("attention.sliding_window")),
+                per_layer_config={str(i): {"head_dim": global_dim, "num_key_value_heads": kv[i]} for i in full},
+                attention_k_eq_v=bool(full) and all(meta.shape(f"blk.{i}.attn_v.weight") is None for i in full),
+                num_kv_shared_layers=int(meta.get("attention.shared_kv_layers", 0)),
+                hidden_size_per_layer_input=per_layer, vocab_size_per_layer_input=(
+                    per_layer_vocab[0] if per_layer_vocab else c["vocab_size"]),
+                final_logit_softcapping=float(softcap) if softcap else None, hidden_activation="gelu_pytorch_tanh",
+                rope_parameters={"full_attention": {"rope_type": "proportional",
+                                                    "rope_theta": float(meta.get("rope.freq_base", 1_000_000.0)),
+                                                    "partial_rotary_factor": 2 * turning / global_dim},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": float(
+                                     meta.get("rope.freq_base_swa", GEMMA3_SWA_ROPE_BASE))}})
+
+
+def gemma4_tensor(name: str, w: np.ndarray, cfg: dict[str, Any]) -> list[Out]:
+    layer = _layer(name)  # Gemma 4's norms are plain (w): stored as they are, unlike Gemma 3's
+    if layer is None:
+        base, suffix = name.rsplit(".", 1)
+        return [Out(f"{_GEMMA4_GLOBALS[base]}.{suffix}", w, shipped=True)]
+    i, kind, suffix = layer
+    if kind == "layer_output_scale":  # HF's bare `layer_scalar` [1]
+        return [Out(f"model.layers.{i}.layer_scalar", w.reshape(1))]
+    return [Out(f"model.layers.{i}.{_GEMMA4_LAYER[kind]}.{suffix}", w, shipped=True)]
+
+
+def gemma4_expected(cfg: dict[str, Any]) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if cfg["hidden_size_per_layer_input"]:
+        names |= {f"{n}.weight" for n in ("model.embed_tokens_per_layer", "model.per_layer_model_projection",
+                                          "model.per_layer_projection_norm")}
+    plain = ("self_attn.q_proj", "self_attn.o_proj", "self_attn.q_norm", "input_layernorm", "post_attention_layernorm",
+             "pre_feedforward_layernorm", "post_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    first_shared = cfg["num_hidden_layers"] - cfg["num_kv_shared_layers"]
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        names |= {f"{p}{m}.weight" for m in plain} | {f"{p}layer_scalar"}
+        if i < first_shared:  # shared layers read an earlier layer's KV: no k / v of their own
+            names |= {f"{p}self_attn.k_proj.weight", f"{p}self_attn.k_norm.weight"}
+            if not (cfg["attention_k_eq_v"] and kind == "full_attention"):
+                names.add(f"{p}self_attn.v_proj.weight")
+        if cfg["hidden_size_per_layer_input"]:
+            names |= {f"{p}{m}.weight" for m in ("per_layer_input_gate", "per_layer_projection",
+                                                 "post_per_layer_input_norm")}
     return names
 
 
@@ -471,6 +568,7 @@ class Family:
 
 FAMILIES = {
     "gemma3": Family(gemma3_config, gemma3_tensor, gemma3_expected),
+    "gemma4": Family(gemma4_config, gemma4_tensor, gemma4_expected),
     "deepseek2": Family(deepseek2_config, deepseek2_tensor, deepseek2_expected, deepseek2_join),
     "gpt-oss": Family(gpt_oss_config, gpt_oss_tensor, gpt_oss_expected, gpt_oss_join),
     **{arch: Family(hybrid_config, hybrid_tensor, hybrid_expected, hybrid_join) for arch in _HYBRID_CLASSES},
