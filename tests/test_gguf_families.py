@@ -83,6 +83,7 @@ def write_llamacpp_gguf(hf_dir: Path, path: Path, arch: str, quant: str = "F32",
         return value
 
     if arch == "gemma3":
+        w.add_eot_token_id(0)  # Gemma's <end_of_turn>: an end of generation beside eos
         w.add_head_count_kv(cfg["num_key_value_heads"])
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
@@ -370,6 +371,9 @@ def test_a_llamacpp_gguf_converts_back_to_its_checkpoint_and_answers_as_transfor
 
     src, ours = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
     assert ours.keys() == src.keys()
+    if case == "gemma3":  # the file's end of turn ends a generation too
+        for file in ("config.json", "generation_config.json"):
+            assert json.loads((out / file).read_text())["eos_token_id"] == [2, 0], file
     for name, value in src.items():  # the norms' 1 + w - 1 and A_log's log(exp) within fp32 rounding, the rest exact
         torch.testing.assert_close(ours[name], value.float(), rtol=0, atol=1e-6 if "norm" in name or "A_log" in name
                                    else 0)

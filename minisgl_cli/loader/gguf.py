@@ -383,8 +383,14 @@ def _family_config(reader: Any, family: Family, gguf_path: Path) -> dict[str, An
 
     meta = Meta(lambda key, default: _field(reader, key, default), _field(reader, "general.architecture"), values,
                 shape)
-    ids = {k: _opt_int(_field(reader, f"tokenizer.ggml.{g}")) for k, g in (
+    ids: dict[str, Any] = {k: _opt_int(_field(reader, f"tokenizer.ggml.{g}")) for k, g in (
         ("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id"))}
+    # llama.cpp ends a generation at the end-of-turn / end-of-message tokens too (Gemma's <end_of_turn>), not only eos
+    ends = [ids["eos_token_id"], *(_opt_int(_field(reader, f"tokenizer.ggml.{k}")) for k in ("eot_token_id",
+                                                                                         "eom_token_id"))]
+    ends = list(dict.fromkeys(e for e in ends if e is not None))
+    if len(ends) > 1:
+        ids["eos_token_id"] = ends
     try:
         cfg = family.config(meta, _tensor(reader, "token_embd.weight").shape[-1])
     except KeyError as e:

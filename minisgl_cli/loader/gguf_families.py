@@ -187,7 +187,8 @@ def gemma4_config(meta: Meta, vocab: int) -> dict[str, Any]:
     stops = [tokens.index(t) for t in _GEMMA4_STOPS if t in tokens]
     eos = meta.field("tokenizer.ggml.eos_token_id")
     if stops and eos is not None:
-        c["eos_token_id"] = [int(eos), *stops]
+        eot = meta.field("tokenizer.ggml.eot_token_id")
+        c["eos_token_id"] = list(dict.fromkeys(int(e) for e in (eos, eot, *stops) if e is not None))
     return dict(c, model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], head_dim=local_dim,
                 num_key_value_heads=local_kv, intermediate_size=ff[0], use_double_wide_mlp=len(set(ff)) > 1,
                 layer_types=types, sliding_window=int(meta.need("attention.sliding_window")),
