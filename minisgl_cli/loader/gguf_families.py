@@ -1,7 +1,8 @@
 """The newer families' GGUF layouts (Gemma 3 / 4, DeepSeek-V2 / V3, gpt-oss, Qwen3-Next / Qwen3.5) read back into
 HF's: config fields from llama.cpp's metadata, tensors from llama.cpp's names and transforms.
 
-What llama.cpp's converter (convert_hf_to_gguf.py, its Gemma3Model / DeepseekV2Model) does, undone here:
+What llama.cpp's converter (convert_hf_to_gguf.py: Gemma3Model, Gemma4Model, DeepseekV2Model, GptOssModel,
+Qwen3NextModel and Qwen3.5's _LinearAttentionVReorderBase) does, undone here:
   * gemma3: every RMSNorm weight stored as 1 + w (Gemma's norm scales by 1 + w; ggml's by w), q / k rows as HF has
     them (NEOX RoPE: no interleave); the local layers' RoPE base (10000), their pattern (every 6th layer global) and
     the score scale are not in the file: llama.cpp fixes them, and so do we, as it does;
@@ -71,8 +72,9 @@ class Meta:
 
 
 def _common(meta: Meta, vocab: int) -> dict[str, Any]:
-    """The fields every family shares, named as transformers' configs take them."""
-    return dict(vocab_size=int(meta.get("vocab_size", vocab)), hidden_size=int(meta.need("embedding_length")),
+    """The fields every family shares, named as transformers' configs take them; the vocab the embedding's rows (not
+    {arch}.vocab_size: llama.cpp's Gemma 3 converter drops the rows past the tokenizer's)."""
+    return dict(vocab_size=int(vocab), hidden_size=int(meta.need("embedding_length")),
                 num_hidden_layers=int(meta.need("block_count")),
                 num_attention_heads=int(meta.need("attention.head_count")),
                 rms_norm_eps=float(meta.need("attention.layer_norm_rms_epsilon")),
@@ -175,8 +177,10 @@ def gemma4_config(meta: Meta, vocab: int) -> dict[str, Any]:
     kv = [int(k) for k in kv] if isinstance(kv, list) else [int(kv)] * n
     ff = meta.need("feed_forward_length")
     ff = [int(f) for f in ff] if isinstance(ff, list) else [int(ff)] * n
-    local_kv = next(k for k, t in zip(kv, types) if t == "sliding_attention")
+    local_kv = next((k for k, t in zip(kv, types) if t == "sliding_attention"), kv[0])
     full = [i for i, t in enumerate(types) if t == "full_attention"]
+    shared = int(meta.get("attention.shared_kv_layers", 0))
+    own_kv = [i for i in full if i < n - shared]  # the shared layers read an earlier layer's KV: no k / v of their own
     # proportional RoPE on the global layers: rope_freqs holds 1 for each turning pair, 1e30 for the still ones
     freqs = meta.tensor("rope_freqs.weight")
     turning = int((np.asarray(freqs) < 1e29).sum()) if freqs is not None else global_dim // 2
@@ -193,8 +197,8 @@ def gemma4_config(meta: Meta, vocab: int) -> dict[str, Any]:
                 num_key_value_heads=local_kv, intermediate_size=ff[0], use_double_wide_mlp=len(set(ff)) > 1,
                 layer_types=types, sliding_window=int(meta.need("attention.sliding_window")),
                 per_layer_config={str(i): {"head_dim": global_dim, "num_key_value_heads": kv[i]} for i in full},
-                attention_k_eq_v=bool(full) and all(meta.shape(f"blk.{i}.attn_v.weight") is None for i in full),
-                num_kv_shared_layers=int(meta.get("attention.shared_kv_layers", 0)),
+                attention_k_eq_v=bool(own_kv) and all(meta.shape(f"blk.{i}.attn_v.weight") is None for i in own_kv),
+                num_kv_shared_layers=shared,
                 hidden_size_per_layer_input=per_layer, vocab_size_per_layer_input=(
                     per_layer_vocab[0] if per_layer_vocab else c["vocab_size"]),
                 final_logit_softcapping=float(softcap) if softcap else None, hidden_activation="gelu_pytorch_tanh",
