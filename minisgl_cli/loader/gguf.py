@@ -5,6 +5,9 @@ Mixtral directory, a `qwen3moe` GGUF a Qwen3-MoE one (its q / k head norms, no q
 top-k as llama.cpp runs it). Each layer's router `ffn_gate_inp` and stacked experts `ffn_{gate,up,down}_exps`
 [E, out, in] split into HF's per-expert matrices, each expert's blocks kept as shipped.
 
+The newer families (gemma3, gemma4, deepseek2, gpt-oss, qwen3next, qwen35, qwen35moe) go through their tables in
+loader/gguf_families.py: the same steps, their config, names and llama.cpp's transforms undone there.
+
 transformers can load a GGUF directly, but it re-parses and re-dequantizes on every load
 (~26 s for SmolLM2-135M on 2 CPU cores). We do that work once with the `gguf` package and
 write a plain fp32 HF directory (model.safetensors: what transformers and the exact fp32 mode load),
