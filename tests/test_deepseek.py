@@ -41,14 +41,15 @@ FAMILIES = {
 }
 
 
-def make_tiny_deepseek(family: str, out: Path, tokenizer_from: Path) -> Path:
-    """A tiny random DeepSeek checkpoint of `family` saved by transformers, with the default model's tokenizer; its
-    weights larger than the init default and V3's correction bias random (else zeros), so routing and tokens vary."""
+def make_tiny_deepseek(family: str, out: Path, tokenizer_from: Path, **overrides) -> Path:
+    """A tiny random DeepSeek checkpoint of `family` (config fields: its own, `overrides`) saved by transformers, with
+    the default model's tokenizer; its weights larger than the init default and V3's correction bias random (else
+    zeros), so routing and tokens vary."""
     import transformers
 
     name, fields = FAMILIES[family]
     torch.manual_seed(0)
-    cfg = getattr(transformers, f"{name}Config")(**{**_TINY, **fields})
+    cfg = getattr(transformers, f"{name}Config")(**{**_TINY, **fields, **overrides})
     model = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():

@@ -291,8 +291,7 @@ def _write_moe_gguf(hf_dir: Path, tokenizer_gguf: Path, path: Path, arch: str) -
     sd = {k: v.float().numpy() for k, v in load_file(hf_dir / "model.safetensors").items()}
     qwen = arch == "qwen3moe"
     n_exp = cfg.get("num_experts") or cfg["num_local_experts"]  # transformers 5 saves Qwen3-MoE's under the latter
-    reader = gguf.GGUFReader(tokenizer_gguf)
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf_writer(path, arch, tokenizer_gguf)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -308,13 +307,6 @@ def _write_moe_gguf(hf_dir: Path, tokenizer_gguf: Path, path: Path, arch: str) -
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    for key, field in reader.fields.items():  # the default model's tokenizer, as shipped
-        if key.startswith("tokenizer."):
-            value, kind = field.contents(), field.types[0]
-            if kind == gguf.GGUFValueType.ARRAY:
-                writer.add_array(key, value)
-            else:
-                writer.add_key_value(key, value, kind)
     writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
     if "lm_head.weight" in sd:
@@ -344,11 +336,46 @@ def _write_moe_gguf(hf_dir: Path, tokenizer_gguf: Path, path: Path, arch: str) -
             writer.add_tensor(f"blk.{i}.ffn_{kind}_exps.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
             experts[f"{i}.{moe}.experts.{{e}}.{w}"] = dequantize(blocks, gguf.GGMLQuantizationType.Q4_0).reshape(
                 stacked.shape)
+    finish_gguf(writer)
+    return experts
+
+
+TINY_VOCAB = 3 + 256 + 1  # BYTE_TOKENIZER's tokens
+
+
+def gguf_writer(path: Path, arch: str, tokenizer_gguf: Path | None):
+    """A GGUFWriter of `arch` at `path` holding the tokenizer fields of `tokenizer_gguf` (the default model's), as
+    shipped: the tiny checkpoints' tokenizer; where None, a byte-level BPE of TINY_VOCAB tokens (ids 0-2 special, then
+    the 256 bytes and one merge), quick to write and convert, for tiny models of that vocab."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    if tokenizer_gguf is None:
+        byte_chars = list(bytes_to_unicode().values())
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(["<|endoftext|>", "<|im_start|>", "<|im_end|>", *byte_chars, "\u0120t"])
+        writer.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * 257)
+        writer.add_token_merges(["\u0120 t"])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        return writer
+    reader = gguf.GGUFReader(tokenizer_gguf)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            value, kind = field.contents(), field.types[0]
+            if kind == gguf.GGUFValueType.ARRAY:
+                writer.add_array(key, value)
+            else:
+                writer.add_key_value(key, value, kind)
+    return writer
+
+
+def finish_gguf(writer) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return experts
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3moe"])

@@ -5,6 +5,9 @@ Mixtral directory, a `qwen3moe` GGUF a Qwen3-MoE one (its q / k head norms, no q
 top-k as llama.cpp runs it). Each layer's router `ffn_gate_inp` and stacked experts `ffn_{gate,up,down}_exps`
 [E, out, in] split into HF's per-expert matrices, each expert's blocks kept as shipped.
 
+The newer families (gemma3, gemma4, deepseek2, gpt-oss, qwen3next, qwen35, qwen35moe) go through their tables in
+loader/gguf_families.py: the same steps, their config, names and llama.cpp's transforms undone there.
+
 transformers can load a GGUF directly, but it re-parses and re-dequantizes on every load
 (~26 s for SmolLM2-135M on 2 CPU cores). We do that work once with the `gguf` package and
 write a plain fp32 HF directory (model.safetensors: what transformers and the exact fp32 mode load),
@@ -26,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from minisgl_cli.loader.errors import ModelLoadError
+from minisgl_cli.loader.gguf_families import FAMILIES, Family, Meta
 
 if TYPE_CHECKING:
     from minisgl_cli.loader.blocks import Blocks
 
 GGUF_MAGIC = b"GGUF"
-EXPECTED_GGUF = "a llama (or Mixtral) or qwen3moe .gguf file with quant types the gguf package can dequantize"
 
 # llama.cpp per-layer tensor names -> HF Llama names (within model.layers.{i}).
 _LAYER_TENSORS = {
@@ -51,7 +54,10 @@ _GLOBAL_TENSORS = {
     "output.weight": "lm_head.weight",
 }
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # qwen3moe's head norms
-ARCHS = ("llama", "qwen3moe")  # the general.architecture values converted (llama with experts: Mixtral)
+ARCHS = ("llama", "qwen3moe")  # the general.architecture values read as Llama's layout (with experts: Mixtral)
+ALL_ARCHS = (*ARCHS, *FAMILIES)  # and the newer families' (loader/gguf_families.py)
+EXPECTED_GGUF = (f"a .gguf file of architecture {', '.join(ALL_ARCHS)} (llama with experts: Mixtral) with quant types "
+                 "the gguf package can dequantize")
 # A MoE layer's router and stacked experts (within model.layers.{i}): llama.cpp's names -> HF's, by architecture.
 _MOE_ROUTER = {"llama": "block_sparse_moe.gate", "qwen3moe": "mlp.gate"}
 _EXPERT_TENSORS = {
@@ -98,15 +104,24 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """
     gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir)
     reader = _open_reader(gguf_path)
-    hp = read_hparams(reader, gguf_path)
+    family = FAMILIES.get(_field(reader, "general.architecture"))
+    cfg = _family_config(reader, family, gguf_path) if family is not None else None
+    hp = read_hparams(reader, gguf_path) if family is None else None
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        _write_weights(reader, hp, gguf_path, tmp)
+        if family is not None and cfg is not None:
+            _write_family_weights(reader, family, cfg, gguf_path, tmp)
+            _write_family_config(cfg, tmp)
+            eos, max_len = cfg.get("eos_token_id"), cfg["max_position_embeddings"]
+        else:
+            assert hp is not None
+            _write_weights(reader, hp, gguf_path, tmp)
+            _write_config(hp, tmp)
+            eos, max_len = hp.eos_token_id, hp.max_position_embeddings
         del reader  # releases the memmap before the (slow) tokenizer pass
-        _write_config(hp, tmp)
-        _write_tokenizer(gguf_path, hp, tmp)
+        _write_tokenizer(gguf_path, eos, max_len, tmp, family is not None)
         _move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -352,12 +367,101 @@ def _write_config(hp: HParams, out: Path) -> None:
     ).save_pretrained(out)
 
 
-def _write_tokenizer(gguf_path: Path, hp: HParams, out: Path) -> None:
+# --- the newer families (loader/gguf_families.py) ---------------------------------------------------------------
+
+
+def _family_config(reader: Any, family: Family, gguf_path: Path) -> dict[str, Any]:
+    """The HF config fields of a family's GGUF, with the token ids and tied head every family's file gives alike."""
+    from gguf.quants import dequantize
+
+    tensors = {t.name: t for t in reader.tensors}
+
+    def values(name: str) -> np.ndarray | None:
+        t = tensors.get(name)
+        return None if t is None else np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+    def shape(name: str) -> tuple[int, ...] | None:  # HF's order: the GGUF's listed shape reversed
+        t = tensors.get(name)
+        return None if t is None else tuple(int(d) for d in reversed(t.shape))
+
+    meta = Meta(lambda key, default: _field(reader, key, default), _field(reader, "general.architecture"), values,
+                shape)
+    ids: dict[str, Any] = {k: _opt_int(_field(reader, f"tokenizer.ggml.{g}")) for k, g in (
+        ("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id"))}
+    # llama.cpp ends a generation at the end-of-turn / end-of-message tokens too (Gemma's <end_of_turn>), not only eos
+    ends = [ids["eos_token_id"], *(_opt_int(_field(reader, f"tokenizer.ggml.{k}")) for k in ("eot_token_id",
+                                                                                         "eom_token_id"))]
+    ends = list(dict.fromkeys(e for e in ends if e is not None))
+    if len(ends) > 1:
+        ids["eos_token_id"] = ends
+    try:
+        cfg = family.config(meta, _tensor(reader, "token_embd.weight").shape[-1])
+    except KeyError as e:
+        raise ModelLoadError(f"GGUF metadata lacks {e.args[0]}", gguf_path, EXPECTED_GGUF) from None
+    except ValueError as e:  # a variant of the architecture not converted
+        raise ModelLoadError(str(e), gguf_path, EXPECTED_GGUF) from None
+    return dict(ids, **cfg, tie_word_embeddings="output.weight" not in tensors)
+
+
+def _write_family_weights(reader: Any, family: Family, cfg: dict[str, Any], gguf_path: Path, out: Path) -> None:
+    """As _write_weights, through the family's names and transforms: a tensor kept as its blocks where its HF tensor
+    is its bytes as shipped (the whole tensor, or one expert of a stacked one)."""
+    import torch
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+
+    from minisgl_cli.loader.blocks import BLOCKS_FILE, save_blocks
+
+    values: dict[str, np.ndarray] = {}
+    blocks: dict[str, Blocks] = {}
+    for t in reader.tensors:
+        if t.name in _SKIPPED_TENSORS:
+            continue
+        try:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except NotImplementedError:
+            raise ModelLoadError(
+                f"unsupported quant type {t.tensor_type.name} in {t.name}", gguf_path, EXPECTED_GGUF) from None
+        try:
+            outs = family.tensor(t.name, w, cfg)
+        except KeyError:
+            raise ModelLoadError(f"unexpected GGUF tensor {t.name!r}", gguf_path, EXPECTED_GGUF) from None
+        for o in outs:
+            values[o.name] = np.array(o.value, dtype=np.float32)  # a copy: F32 tensors are views of the memmap
+            shipped = t.data if o.shipped and len(t.data.shape) == 2 else (
+                t.data[o.expert] if o.expert is not None else None)
+            kept = _blocks(t.tensor_type.name, shipped, np.ascontiguousarray) if shipped is not None else None
+            if kept is not None:
+                blocks[o.name] = kept
+    family.join(values, cfg)
+    missing = family.expected(cfg) - values.keys()
+    if missing:
+        raise ModelLoadError(f"GGUF lacks tensors {sorted(missing)[:3]}", gguf_path, EXPECTED_GGUF)
+    tensors = {k: torch.from_numpy(v) for k, v in values.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / BLOCKS_FILE).parent.mkdir()
+    save_blocks({k: blocks.get(k, v) for k, v in tensors.items()}, out / BLOCKS_FILE)
+
+
+def _write_family_config(cfg: dict[str, Any], out: Path) -> None:
+    from transformers import AutoConfig, GenerationConfig
+
+    fields = dict(cfg)
+    AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(out)
+    GenerationConfig(bos_token_id=cfg["bos_token_id"], eos_token_id=cfg["eos_token_id"],
+                     pad_token_id=cfg["pad_token_id"]).save_pretrained(out)
+
+
+def _write_tokenizer(gguf_path: Path, eos_token_id: int | list[int] | None, max_len: int, out: Path,
+                     family: bool) -> None:
     # transformers' own GGUF tokenizer conversion: it rebuilds the BPE model, pre-tokenizer,
     # special tokens and chat template exactly as its GGUF loading path would see them.
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # The newer families' files through the tokenizer alone: AutoTokenizer first reads the file's model config, which
+    # transformers lacks for some (deepseek2) and misreads for others (gpt-oss's rope scaling).
+    auto = PreTrainedTokenizerFast if family else AutoTokenizer
+    tok = auto.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out))
 
     # transformers 5 writes the template to chat_template.jinja; HF checkpoints (and older
@@ -369,9 +473,11 @@ def _write_tokenizer(gguf_path: Path, hp: HParams, out: Path) -> None:
         template = (out / "chat_template.jinja").read_text()
     if template is not None:
         cfg["chat_template"] = template
-    if hp.eos_token_id is not None:
-        cfg["eos_token"] = tok.convert_ids_to_tokens(hp.eos_token_id)
-    cfg["model_max_length"] = hp.max_position_embeddings  # instead of transformers' 1e30 "unset"
+    if isinstance(eos_token_id, list):  # several ends (Gemma 4's turn ends): the tokenizer's eos is the first
+        eos_token_id = eos_token_id[0]
+    if eos_token_id is not None:
+        cfg["eos_token"] = tok.convert_ids_to_tokens(eos_token_id)
+    cfg["model_max_length"] = max_len  # instead of transformers' 1e30 "unset"
     for key in ("is_local", "local_files_only"):  # load-time flags, not tokenizer properties
         cfg.pop(key, None)
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
