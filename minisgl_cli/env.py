@@ -66,10 +66,11 @@ def disable_fused_ops() -> bool:
 
 
 def fused_decode() -> bool:
-    """MINISGL_FUSED_DECODE (default on): CUDA decode steps of 1-4 rows run the fused GEMVs (the gate-up projection
-    with the SiLU-and-mul in its epilogue; 2-4 rows through the GEMV, not cuBLAS); 0: the kernels from before them,
-    for A/B timing (examples/decode_kernels_gpu.py). Only with the fused ops on (MINISGL_DISABLE_FUSED_OPS unset)."""
-    return flag("MINISGL_FUSED_DECODE", True)
+    """MINISGL_FUSED_DECODE=1 (opt-in): CUDA decode steps of 1-4 rows run the fused GEMVs (the gate-up projection
+    with the SiLU-and-mul in its epilogue, the qkv projection with RoPE and the KV store in its; 2-4 rows through the
+    GEMV, not cuBLAS). Off by default: on an H200 they were no faster at one row and 0.3-0.9x cuBLAS at 2-4 on most
+    layers (docs/benchmarks.md, issue 50). Only with the fused ops on (MINISGL_DISABLE_FUSED_OPS unset)."""
+    return flag("MINISGL_FUSED_DECODE", False)
 
 
 def disable_pdl() -> bool:

@@ -48,7 +48,7 @@ def _compare(ours: torch.Tensor, ref: torch.Tensor, tie: float = TOL) -> tuple[f
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b"])
 @pytest.mark.parametrize("lens", [[17, 100, 250], [100]], ids=["3req", "1req"])
 def test_prefill_and_graph_decode_match_hf(name, lens, monkeypatch):
-    """3 requests pad to the graph of 4 (the GEMV's 4-row kernel; cuBLAS with MINISGL_FUSED_DECODE=0); 1 request takes
+    """3 requests pad to the graph of 4 (cuBLAS; the GEMV's 4-row kernel with MINISGL_FUSED_DECODE=1); 1 request takes
     the batch-1 GEMV kernels."""
     from minisgl_cli.engine.batch import ForwardBatch
     from minisgl_cli.models.hf_export import hf_twin

