@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from timing import graph_us  # examples/, beside this script
 
 CUDA = torch.cuda.is_available()
 WIDTHS = {  # hidden, q heads, kv heads, head dim, intermediate, vocab, q/k norm
@@ -124,30 +125,9 @@ def rope_case(x: torch.Tensor, ws: list[list[torch.Tensor]], nbytes: int, nq: in
             lambda i: T.gemv_rope_kv(x, ws[i][0], None, pos, rope.cos, rope.sin, nq, nkv, d, kv))
 
 
-def graph_us(fn: Op, copies: int, reps: int = 20) -> float:
+def copies_us(fn: Op, copies: int, reps: int = 20) -> float:
     """Median us a call of fn over each weight copy, captured back to back in one CUDA graph (as a decode step runs)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(copies):
-            fn(i)
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps / copies)
-    return sorted(times)[len(times) // 2]
+    return graph_us([lambda i=i: fn(i) for i in range(copies)], reps, draws=7)
 
 
 def kernels(models: list[str], tokens: list[int], fp8: bool, sweep: bool) -> None:
@@ -163,7 +143,7 @@ def kernels(models: list[str], tokens: list[int], fp8: bool, sweep: bool) -> Non
             for name, nbytes, copies, before, fused in cases(model, rows, fp8, "cuda", torch.bfloat16, 200_000_000):
                 ref, got = before(0).float(), fused(0).float()
                 err = ((got - ref).norm() / ref.norm()).item()
-                b_us, f_us = graph_us(before, copies), graph_us(fused, copies)
+                b_us, f_us = copies_us(before, copies), copies_us(fused, copies)
                 floor = nbytes / bw * 1e6
                 print(f"{model:<14}{name:<9}{rows:>5}{floor:>10.2f}{b_us:>11.2f}{f_us:>10.2f}{floor / f_us:>10.2f}"
                       f"{b_us / f_us:>9.2f}x" + (f"  (rel. diff {err:.1e})" if err > 1e-2 else ""), flush=True)
@@ -195,7 +175,7 @@ def sweep_rows(model: str, tokens: list[int]) -> None:
 def _gemv_us(x: torch.Tensor, ws: list[torch.Tensor], gate_up: bool, config: tuple[int, ...] | None) -> float:
     from minisgl_cli.kernels.triton.gemv import gemv
 
-    return graph_us(lambda i: gemv(x, ws[i], gate_up=gate_up, config=config), len(ws))
+    return copies_us(lambda i: gemv(x, ws[i], gate_up=gate_up, config=config), len(ws))
 
 
 def end_to_end(model: str, tokens: list[int]) -> None:

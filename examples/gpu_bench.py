@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from timing import accumulate  # examples/, beside this script
+from timing import accumulate, graph_us  # examples/, beside this script
 
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.engine import Engine
@@ -417,9 +417,9 @@ def bench_fp8_ops() -> None:
             w = torch.ones(hidden, device=dev, dtype=dt)
             # In a CUDA graph, as the decode step runs them (do_bench would time two launches' Python too).
             row(workload="fp8-op", model=model, op="add+norm(+quant)", tokens=tokens, K=hidden, us_in_graph={
-                "norm": round(_graph_us([lambda: T.rmsnorm(x, w, 1e-6, residual=res)]), 2),
-                "norm,quant": round(_graph_us([lambda: T.quant_rows(T.rmsnorm(x, w, 1e-6, residual=res))]), 2),
-                "norm+quant": round(_graph_us([lambda: T.rmsnorm(x, w, 1e-6, residual=res, quant=True)]), 2)})
+                "norm": round(graph_us([lambda: T.rmsnorm(x, w, 1e-6, residual=res)]), 2),
+                "norm,quant": round(graph_us([lambda: T.quant_rows(T.rmsnorm(x, w, 1e-6, residual=res))]), 2),
+                "norm+quant": round(graph_us([lambda: T.rmsnorm(x, w, 1e-6, residual=res, quant=True)]), 2)})
             qkv = torch.randn(tokens, (hq + 2 * hkv) * d, device=dev, dtype=dt)
             pos = torch.randint(0, 4000, (tokens,), device=dev)
             rope = RotaryEmbedding(d, 4096, 1e6).to(dev)
@@ -449,32 +449,6 @@ def bench_fp8_ops() -> None:
                                      use_fast_accum=fast).double()
                 err[tag] = f"{((y - ref).norm() / ref.norm()).item():.2e}"
             row(workload="fp8-op", op="scaled_mm rel err", M=m, N=n, K=k, data=data, **err)
-
-def _graph_us(fns: list, reps: int = 20) -> float:
-    """Mean microseconds per call of fns, captured back to back in one CUDA graph (as in a decode step)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps / len(fns))
-    return sorted(times)[len(times) // 2]
-
 
 GEMV_SHAPES = {  # (N, K) of each linear at batch 1
     "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
@@ -508,18 +482,18 @@ def bench_gemv(do_sweep: bool = False, fp8: bool = False, sweep_fp8: bool = Fals
             ref = (xin.double() @ ws[0].double().T)
             mine = G.gemv(x, ws[0], act_mul=act).double()
             err = ((mine - ref).norm() / ref.norm()).item()
-            cub = _graph_us([lambda w=w: torch.nn.functional.linear(xin, w) for w in ws])
+            cub = graph_us([lambda w=w: torch.nn.functional.linear(xin, w) for w in ws])
             if act:  # cuBLAS path also pays the separate SiLU-and-mul kernel
                 from minisgl_cli.kernels.triton import ops as T
 
-                cub = _graph_us([lambda w=w: torch.nn.functional.linear(T.silu_and_mul(x), w) for w in ws])
+                cub = graph_us([lambda w=w: torch.nn.functional.linear(T.silu_and_mul(x), w) for w in ws])
             picked = G.pick_config(n, k, act)
-            us_pick = _graph_us([lambda w=w: G.gemv(x, w, act_mul=act) for w in ws])
+            us_pick = graph_us([lambda w=w: G.gemv(x, w, act_mul=act) for w in ws])
             best = (picked, us_pick)
             for cfg in sweep:
                 if cfg[0] > 1 and -(-n // cfg[0]) < sms // 2:
                     continue
-                us = _graph_us([lambda w=w: G.gemv(x, w, act_mul=act, config=cfg) for w in ws])
+                us = graph_us([lambda w=w: G.gemv(x, w, act_mul=act, config=cfg) for w in ws])
                 if best is None or us < best[1]:
                     best = (cfg, us)
             gb = n * k * 2 / 1e9
@@ -547,13 +521,13 @@ def bench_fp8_linear(model: str, name: str, ws: list[torch.Tensor], x: torch.Ten
     mine = G.gemv(x, qs[0][0], act_mul=act, scale=qs[0][1]).double()
     err = ((mine - ref).norm() / ref.norm()).item()
     picked = G.pick_config(n, k, act, 1)
-    us = _graph_us([lambda q=q: G.gemv(x, q[0], act_mul=act, scale=q[1]) for q in qs])
+    us = graph_us([lambda q=q: G.gemv(x, q[0], act_mul=act, scale=q[1]) for q in qs])
     best = (picked, us)
     if do_sweep:  # both kernels' shapes (pick_config's source)
         mma = [(bn, bk, w, st, pf) for bn in (4, 8, 16) for bk in (64, 128) for w, st, pf in
                ((4, 2, 0), (4, 3, 0), (4, 4, 0), (4, 1, 1))]
         for cfg in [(4, 512, 4), (8, 512, 4), (8, 1024, 8)] + [c for c in mma if G.mma_fits(k, c)]:
-            t = _graph_us([lambda q=q, cfg=cfg: G.gemv(x, q[0], act_mul=act, scale=q[1], config=cfg) for q in qs])
+            t = graph_us([lambda q=q, cfg=cfg: G.gemv(x, q[0], act_mul=act, scale=q[1], config=cfg) for q in qs])
             if t < best[1]:
                 best = (cfg, t)
     # 256 rows (a full decode batch) and 8192 (a prefill chunk): bf16 cuBLAS vs FP8 (activation quant + row-wise
@@ -572,10 +546,10 @@ def bench_fp8_linear(model: str, name: str, ws: list[torch.Tensor], x: torch.Ten
         ref_m = (fp8.round_trip_rows(xm_in).double() @ fp8.dequantize(qs[0][0], qs[0][1][:, None]).double().T)
         cells[f"m{m}_rel_err"] = f"{((fp8_mm(qs[0]).double() - ref_m).norm() / ref_m.norm()).item():.2e}"
         reps = 20 if m == 256 else 3
-        cells[f"m{m}_bf16_us"] = round(_graph_us([lambda w=w, xm=xm: torch.nn.functional.linear(
+        cells[f"m{m}_bf16_us"] = round(graph_us([lambda w=w, xm=xm: torch.nn.functional.linear(
             T.silu_and_mul(xm) if act else xm, w) for w in ws], reps), 2)
-        cells[f"m{m}_fp8_us"] = round(_graph_us([lambda q=q, xm=xm: fp8_mm(q, xm) for q in qs], reps), 2)
-        cells[f"m{m}_fp8_fast_us"] = round(_graph_us([lambda q=q, xm=xm: fp8_mm(q, xm, True) for q in qs], reps), 2)
+        cells[f"m{m}_fp8_us"] = round(graph_us([lambda q=q, xm=xm: fp8_mm(q, xm) for q in qs], reps), 2)
+        cells[f"m{m}_fp8_fast_us"] = round(graph_us([lambda q=q, xm=xm: fp8_mm(q, xm, True) for q in qs], reps), 2)
         del xm, xm_in, ref_m
     # bytes read: the e4m3 codes (1 per weight) and the fp32 scales; x and y are noise next to them
     tbs = lambda t: round((n * k + 4 * n) / t / 1e6, 2)  # noqa: E731  (bytes / us / 1e6 = TB/s)

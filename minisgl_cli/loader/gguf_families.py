@@ -134,11 +134,16 @@ def gemma3_config(meta: Meta, vocab: int) -> dict[str, Any]:
                     "rope_type": "default", "rope_theta": float(meta.get("rope.freq_base_swa", GEMMA3_SWA_ROPE_BASE))}})
 
 
+def _global(name: str, table: dict[str, str] | None = None) -> str:
+    """The HF name of a tensor outside the layers (token_embd.weight -> model.embed_tokens.weight)."""
+    base, suffix = name.rsplit(".", 1)
+    return f"{(_GLOBALS if table is None else table)[base]}.{suffix}"
+
+
 def gemma3_tensor(name: str, w: np.ndarray, cfg: dict[str, Any]) -> list[Out]:
     layer = _layer(name)
     if layer is None:
-        base, suffix = name.rsplit(".", 1)
-        hf = f"{_GLOBALS[base]}.{suffix}"
+        hf = _global(name)
     else:
         hf = f"model.layers.{layer[0]}.{_GEMMA3_LAYER[layer[1]]}.{layer[2]}"
     if hf.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + w; HF (and our loader) hold w
@@ -212,8 +217,7 @@ def gemma4_config(meta: Meta, vocab: int) -> dict[str, Any]:
 def gemma4_tensor(name: str, w: np.ndarray, cfg: dict[str, Any]) -> list[Out]:
     layer = _layer(name)  # Gemma 4's norms are plain (w): stored as they are, unlike Gemma 3's
     if layer is None:
-        base, suffix = name.rsplit(".", 1)
-        return [Out(f"{_GEMMA4_GLOBALS[base]}.{suffix}", w, shipped=True)]
+        return [Out(_global(name, _GEMMA4_GLOBALS), w, shipped=True)]
     i, kind, suffix = layer
     if kind == "layer_output_scale":  # HF's bare `layer_scalar` [1]
         return [Out(f"model.layers.{i}.layer_scalar", w.reshape(1))]
@@ -294,8 +298,7 @@ def deepseek2_config(meta: Meta, vocab: int) -> dict[str, Any]:
 def deepseek2_tensor(name: str, w: np.ndarray, cfg: dict[str, Any]) -> list[Out]:
     layer = _layer(name)
     if layer is None:
-        base, suffix = name.rsplit(".", 1)
-        return [Out(f"{_GLOBALS[base]}.{suffix}", w, shipped=True)]
+        return [Out(_global(name), w, shipped=True)]
     i, kind, suffix = layer
     p = f"model.layers.{i}."
     if kind in _DEEPSEEK_EXPERTS:  # [E, out, in]: one HF matrix an expert
@@ -377,8 +380,7 @@ def gpt_oss_config(meta: Meta, vocab: int) -> dict[str, Any]:
 def gpt_oss_tensor(name: str, w: np.ndarray, cfg: dict[str, Any]) -> list[Out]:
     layer = _layer(name)
     if layer is None:
-        base, suffix = name.rsplit(".", 1)
-        return [Out(f"{_GLOBALS[base]}.{suffix}", w, shipped=True)]
+        return [Out(_global(name), w, shipped=True)]
     i, kind, suffix = layer
     p = f"model.layers.{i}."
     if kind == "attn_sinks":
@@ -480,8 +482,7 @@ def _grouped(w: np.ndarray, axis: int, cfg: dict[str, Any], head: int) -> np.nda
 def hybrid_tensor(name: str, w: np.ndarray, cfg: dict[str, Any]) -> list[Out]:
     layer = _layer(name)
     if layer is None:
-        base, suffix = name.rsplit(".", 1)
-        hf = f"{_GLOBALS[base]}.{suffix}"
+        hf = _global(name)
         return [Out(hf, w - 1.0) if hf.endswith("norm.weight") else Out(hf, w, shipped=True)]
     i, kind, suffix = layer
     p = f"model.layers.{i}."
