@@ -58,13 +58,7 @@ def write_llamacpp_gguf(hf_dir: Path, path: Path, arch: str, quant: str = "F32",
     sd = {k: v.float().numpy() for k, v in load_file(hf_dir / "model.safetensors").items()}
     n = cfg["num_hidden_layers"]
     names = gguf.get_tensor_name_map(ARCHS[arch], n)
-    w = gguf_writer(path, arch, None)  # the tiny byte-level tokenizer: the models' vocab is its
-    w.add_block_count(n)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w = gguf_writer(path, arch, None, cfg)  # the tiny byte-level tokenizer: the models' vocab is its
     w.add_vocab_size(cfg["vocab_size"])
     rope = cfg["rope_parameters"]
     given: dict[str, np.ndarray] = {}

@@ -291,14 +291,8 @@ def _write_moe_gguf(hf_dir: Path, tokenizer_gguf: Path, path: Path, arch: str) -
     sd = {k: v.float().numpy() for k, v in load_file(hf_dir / "model.safetensors").items()}
     qwen = arch == "qwen3moe"
     n_exp = cfg.get("num_experts") or cfg["num_local_experts"]  # transformers 5 saves Qwen3-MoE's under the latter
-    writer = gguf_writer(path, arch, tokenizer_gguf)
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
+    writer = gguf_writer(path, arch, tokenizer_gguf, cfg)
     writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_expert_count(n_exp)
@@ -343,14 +337,22 @@ def _write_moe_gguf(hf_dir: Path, tokenizer_gguf: Path, path: Path, arch: str) -
 TINY_VOCAB = 3 + 256 + 1  # BYTE_TOKENIZER's tokens
 
 
-def gguf_writer(path: Path, arch: str, tokenizer_gguf: Path | None):
+def gguf_writer(path: Path, arch: str, tokenizer_gguf: Path | None, cfg: dict | None = None):
     """A GGUFWriter of `arch` at `path` holding the tokenizer fields of `tokenizer_gguf` (the default model's), as
     shipped: the tiny checkpoints' tokenizer; where None, a byte-level BPE of TINY_VOCAB tokens (ids 0-2 special, then
-    the 256 bytes and one merge), quick to write and convert, for tiny models of that vocab."""
+    the 256 bytes and one merge), quick to write and convert, for tiny models of that vocab. `cfg`: an HF config
+    whose fields every architecture writes alike (layers, context, widths, heads, RMSNorm eps) go in too."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     writer = gguf.GGUFWriter(str(path), arch)
+    if cfg is not None:
+        writer.add_block_count(cfg["num_hidden_layers"])
+        writer.add_context_length(cfg["max_position_embeddings"])
+        writer.add_embedding_length(cfg["hidden_size"])
+        writer.add_feed_forward_length(cfg["intermediate_size"])
+        writer.add_head_count(cfg["num_attention_heads"])
+        writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if tokenizer_gguf is None:
         byte_chars = list(bytes_to_unicode().values())
         writer.add_tokenizer_model("gpt2")
