@@ -312,3 +312,21 @@ def test_calls_to_tools_not_offered_and_forced_calls(server_url, stream):
     named = {"type": "function", "function": {"name": "get_weather"}}
     assert _calls(client, stream, tools=TOOLS, tool_choice=named) == (paris, None, "tool_calls")
     assert _calls(client, stream, tools=TOOLS + other, tool_choice="required") == (paris, None, "tool_calls")
+
+
+def test_forced_calls_through_responses_and_messages(server_url):
+    """The Responses API's named function and Anthropic's `any` map onto the same forced calls."""
+    import anthropic
+    from openai import OpenAI
+
+    out = OpenAI(base_url=f"{server_url}/v1", api_key="x").responses.create(
+        model="default", input="Weather in Paris?", max_output_tokens=60,
+        tools=[{"type": "function", **TOOLS[0]["function"]}], tool_choice={"type": "function", "name": "get_weather"})
+    assert [(i.type, i.name, json.loads(i.arguments)) for i in out.output] == \
+        [("function_call", "get_weather", {"city": "Paris"})]
+    msg = anthropic.Anthropic(base_url=server_url, api_key="x", max_retries=0).messages.create(
+        model="default", max_tokens=60, messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}],
+        tool_choice={"type": "any"})
+    assert [(b.type, b.name, b.input) for b in msg.content] == [("tool_use", "get_weather", {"city": "Paris"})]
+    assert msg.stop_reason == "tool_use"

@@ -239,10 +239,12 @@ class ServerContext:
         deadline = self.deadline(body.timeout)
         mode = body.tool_mode
         template_kwargs, prefill = body.chat_template_kwargs, ""
-        if self.reasoning == "harmony" and mode in ("named", "required"):
-            # the prompt ends inside the forced call (the model's own format), the parser reads on from there
-            choice = body.tool_choice.model_dump() if mode == "named" else mode  # type: ignore[union-attr]
-            template_kwargs, prefill = {**(template_kwargs or {}), "tool_choice": choice}, harmony.forced_call(choice)
+        if self.reasoning == "harmony":
+            # a forced call: the prompt ends inside it (the model's own format), the parser reads on from there
+            if mode in ("named", "required"):
+                choice = body.tool_choice.model_dump() if mode == "named" else mode  # type: ignore[union-attr]
+                template_kwargs = {**(template_kwargs or {}), "tool_choice": choice}
+            prefill = harmony.forced_call((template_kwargs or {}).get("tool_choice"))
         prompt = await self.prompt_of(deadline, messages=body.messages, param="messages",
                                       tools=body.tools if mode else None, images=True,
                                       template_kwargs=template_kwargs)
