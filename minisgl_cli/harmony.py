@@ -6,7 +6,8 @@ result). The model writes its thoughts in the `analysis` channel, its answer in 
 `commentary` message addressed `to=functions.NAME` whose text is the JSON arguments. `render` writes the prompt as
 openai-harmony renders it (system message with the reasoning effort, developer message with the instructions and the
 tools as a TypeScript-like `functions` namespace, then the turns); `HarmonyParser` reads a reply back, whole or as it
-streams, into thoughts, content and tool calls.
+streams, into thoughts, content and tool calls. A `tool_choice` that forces a call (`forced_call`) ends the prompt with
+the start of that call, so the reply begins inside it: the parser is told the same start (its `prefill`).
 
 openai-harmony (PyPI) is the reference implementation, but it fetches its o200k vocabulary file over the network on
 first use, which these machines cannot do; the format's markers are plain text here, each one special token of the
@@ -41,7 +42,8 @@ def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = 
            template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True) -> str:
     """The prompt text of a chat (messages as the chat templates take them: role, content, tool_calls, thinking,
     tool_call_id). `template_kwargs`: `reasoning_effort` (OpenAI's names), or `enable_thinking` false (low),
-    `model_identity`. ValueError for what the format cannot say."""
+    `model_identity`, `tool_choice` (OpenAI's: `required` or a named function end the prompt in the call,
+    `forced_call`). ValueError for what the format cannot say."""
     kw = template_kwargs or {}
     effort = kw.get("reasoning_effort") or ("low" if kw.get("enable_thinking") is False else "medium")
     if effort not in EFFORTS:
@@ -79,8 +81,7 @@ def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = 
                 args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
                 last_call = fn.get("name")
                 names[c.get("id") or ""] = last_call or ""
-                out.append(f"{START}assistant{CHANNEL}commentary to=functions.{last_call} {CONSTRAIN}json"
-                           f"{MESSAGE}{args}{CALL}")
+                out.append(f"{START}assistant{_call_header(last_call or '')}{args}{CALL}")
         elif role == "assistant":
             out.append(_message("assistant", content, "final"))
         elif role == "tool":
@@ -91,8 +92,28 @@ def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = 
         else:
             raise ValueError(f"role {role!r}: harmony takes system, developer, user, assistant and tool messages")
     if add_generation_prompt:
-        out.append(f"{START}assistant")
+        out.append(f"{START}assistant{forced_call(kw.get('tool_choice'))}")
     return "".join(out)
+
+
+def forced_call(tool_choice: Any) -> str:
+    """The start of the reply a `tool_choice` (OpenAI's: "required", or `{"type": "function", "function": {"name":
+    N}}`) forces, which the prompt ends with: for a named function its call's whole header, as a call is rendered (the
+    reply is then the arguments); for `required` the commentary channel to some function, the model writing on from
+    its name's `.` (a pretokenizer boundary: `=functions` and `.name` are words of their own). "": nothing forced."""
+    if tool_choice == "required":
+        return f"{CHANNEL}commentary to=functions"
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    return _call_header(name) if name else ""
+
+
+def call_text(name: str, arguments: str) -> str:
+    """A tool call as the model writes it (a reply's own words, for where no tool call can go)."""
+    return f"{_call_header(name)}{arguments}{CALL}"
+
+
+def _call_header(name: str) -> str:
+    return f"{CHANNEL}commentary to=functions.{name} {CONSTRAIN}json{MESSAGE}"
 
 
 def _message(role: str, text: str, channel: str | None = None) -> str:
@@ -173,11 +194,13 @@ def _held(text: str, markers: tuple[str, ...]) -> int:
 
 class HarmonyParser:
     """One reply's text (its markers kept: the request decodes special tokens) in, `Parsed` pieces out as they become
-    certain. A reply that does not open with a marker (a grammar forced its output) is content as it is."""
+    certain. A reply that does not open with a marker (a grammar forced its output) is content as it is. `prefill`:
+    the start of the reply the prompt wrote (`forced_call`), read before the reply's own text."""
 
-    def __init__(self) -> None:
-        self.held = ""
-        self.state = "lead"  # lead -> header (role, recipient, channel) -> body -> between -> header ... | raw
+    def __init__(self, prefill: str = "") -> None:
+        self.held = prefill
+        # lead -> header (role, recipient, channel) -> body -> between -> header ... | raw
+        self.state = "header" if prefill else "lead"
         self.channel = ""
         self.recipient = ""
         self.args = ""  # a tool call's arguments so far

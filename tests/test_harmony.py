@@ -57,6 +57,52 @@ def test_reply_channels_parse_wherever_the_deltas_cut(text, want):
     assert _streamed(text, list(text)) == want
 
 
+@pytest.mark.parametrize("choice,reply,want", [
+    # a named call's header is the prompt's end: the reply is its arguments (a grammar forced them: no marker first)
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Paris"}',
+     Parsed("", "", [("get_weather", '{"city": "Paris"}')])),
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Paris"}<|call|>',
+     Parsed("", "", [("get_weather", '{"city": "Paris"}')])),
+    # `required`: the commentary channel to some function, whose name the model writes on
+    ("required", '.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+     Parsed("", "", [("get_weather", '{"city": "Paris"}')])),
+])
+def test_a_forced_call_is_the_prompts_end_and_the_replys_start(choice, reply, want):
+    prompt = harmony.render([{"role": "user", "content": "Weather?"}], TOOLS, {"tool_choice": choice})
+    prefill = harmony.forced_call(choice)
+    assert prompt.endswith("<|start|>assistant" + prefill) and prefill.startswith("<|channel|>commentary to=functions")
+    # the header as a call is rendered in history, so the model continues the format it was trained on
+    if isinstance(choice, dict):
+        history = harmony.render([{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [
+            {"id": "c", "function": {"name": "get_weather", "arguments": "{}"}}]}], TOOLS, add_generation_prompt=False)
+        assert history.endswith(f"<|start|>assistant{prefill}{{}}<|call|>")
+    assert HarmonyParser(prefill).parse(reply) == want
+    for i in range(len(reply) + 1):
+        parser = HarmonyParser(prefill)
+        assert parser.feed(reply[:i]).add(parser.feed(reply[i:])).add(parser.finish()) == want
+
+
+def test_calls_are_kept_whatever_their_tool():
+    """A call to a function the request did not offer is the model's reply all the same: it goes back as a call (the
+    client decides, as with vLLM's gpt-oss parser), never dropped; arguments that are no JSON go back as written."""
+    from minisgl_cli.server.tools import Call, harmony_calls
+
+    found = [("get_weather", '{"city":"Paris"}'), ("browser.search", "not json")]
+    assert harmony_calls(found, None) == [Call("get_weather", '{"city": "Paris"}'), Call("browser.search", "not json")]
+    assert harmony_calls(found, False) == [Call("get_weather", '{"city": "Paris"}')]
+
+
+def test_a_call_where_none_is_asked_for_stays_in_the_content():
+    """tool_choice none (or no tools): a call the model makes anyway cannot be a tool call; its text is the content."""
+    from minisgl_cli.server.choices import ChoiceStream
+    from minisgl_cli.server.reasoning import HarmonySplit
+    from minisgl_cli.types import Delta
+
+    chunks = ChoiceStream(None, set(), None, split=HarmonySplit()).feed(Delta("r", CALL, finish_reason="stop"))
+    assert chunks == [{"reasoning_content": "Thinking hard"}, {"content": CALL.split("<|start|>assistant")[1]},
+                      {"finish_reason": "stop"}]
+
+
 def test_prompt_renders_system_developer_tools_and_turns():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": "", "thinking": "Need the tool.",
@@ -233,4 +279,54 @@ def test_tool_calls_come_from_the_commentary_channel_whole_and_streamed(server_u
         tools=[{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}])
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "input", None)) for b in msg.content] == \
         [("thinking", "Thinking hard"), ("tool_use", {"city": "Paris"})]
+    assert msg.stop_reason == "tool_use"
+
+
+def _calls(client, stream: bool, **kw) -> tuple[list[tuple[str, dict]], str | None, str | None]:
+    """(calls as (name, arguments), content, finish_reason) of one chat, streamed or not."""
+    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       max_tokens=60, stream=stream, **kw)
+    if not stream:
+        m = r.choices[0].message
+        return ([(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or []], m.content,
+                r.choices[0].finish_reason)
+    calls, content, reason = [], "", None
+    for chunk in r:
+        if chunk.choices:
+            calls += chunk.choices[0].delta.tool_calls or []
+            content += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls], content or None, reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_calls_to_tools_not_offered_and_forced_calls(server_url, stream):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server_url}/v1", api_key="x")
+    paris = [("get_weather", {"city": "Paris"})]
+    # the model calls get_weather, which this request does not offer: the call comes back all the same
+    other = [{"type": "function", "function": {**TOOLS[0]["function"], "name": "get_forecast"}}]
+    assert _calls(client, stream, tools=other) == (paris, None, "tool_calls")
+    # tool_choice named / required: the prompt ends in the call's header, the reply (no thoughts) is its arguments
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert _calls(client, stream, tools=TOOLS, tool_choice=named) == (paris, None, "tool_calls")
+    assert _calls(client, stream, tools=TOOLS + other, tool_choice="required") == (paris, None, "tool_calls")
+
+
+def test_forced_calls_through_responses_and_messages(server_url):
+    """The Responses API's named function and Anthropic's `any` map onto the same forced calls."""
+    import anthropic
+    from openai import OpenAI
+
+    out = OpenAI(base_url=f"{server_url}/v1", api_key="x").responses.create(
+        model="default", input="Weather in Paris?", max_output_tokens=60,
+        tools=[{"type": "function", **TOOLS[0]["function"]}], tool_choice={"type": "function", "name": "get_weather"})
+    assert [(i.type, i.name, json.loads(i.arguments)) for i in out.output] == \
+        [("function_call", "get_weather", {"city": "Paris"})]
+    msg = anthropic.Anthropic(base_url=server_url, api_key="x", max_retries=0).messages.create(
+        model="default", max_tokens=60, messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}],
+        tool_choice={"type": "any"})
+    assert [(b.type, b.name, b.input) for b in msg.content] == [("tool_use", "get_weather", {"city": "Paris"})]
     assert msg.stop_reason == "tool_use"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from minisgl_cli import harmony
 from minisgl_cli.server import tools
 from minisgl_cli.server.reasoning import HarmonySplit, ReasoningSplit
 from minisgl_cli.types import Delta, TokenLogprob
@@ -19,8 +20,8 @@ class ChoiceStream:
                  split: ReasoningSplit | HarmonySplit | None = None):
         self.how, self.parallel = how, parallel
         self.split = split  # with a reasoning parser: the thoughts go out as reasoning_content, apart
-        # harmony's `auto` calls come whole from its commentary channel (the split's), each as soon as it ends
-        self.harmony = isinstance(split, HarmonySplit) and how == "auto"
+        # harmony's calls come whole from its commentary channel (the split's), each as soon as it ends
+        self.harmony = isinstance(split, HarmonySplit)
         self.called = 0  # calls sent
         # Without a tokenizer every delta is token ids only: each is sent (empty content) so that clients can
         # time the tokens. With one, text-less deltas (the EOS token, UTF-8 held back) send nothing.
@@ -42,10 +43,14 @@ class ChoiceStream:
                 thoughts, text = thoughts + more, text + rest
             if thoughts:
                 out.append({"reasoning_content": thoughts})
+            if isinstance(self.split, HarmonySplit):
+                found = self.split.take_calls()
+                if self.how is None:  # no tool calls asked for: the call's text stays in the content
+                    text += "".join(harmony.call_text(*c) for c in found)
+                else:
+                    calls = tools.harmony_calls(found, self.parallel)
+                    calls = calls[: max(0, 1 - self.called)] if self.parallel is False else calls
             d = replace(d, text=text)
-            if self.harmony and isinstance(self.split, HarmonySplit):
-                calls = tools.harmony_calls(self.split.take_calls(), self.names, self.parallel)
-                calls = calls[: max(0, 1 - self.called)] if self.parallel is False else calls
         if self.how is None or self.harmony:
             if d.text or (self.token_only and d.token_ids and not d.finish_reason):
                 out.append({"content": d.text})

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
+from minisgl_cli import harmony
 from minisgl_cli.admission import AdmissionError, new_tokens
 from minisgl_cli.api import protocol as p
 from minisgl_cli.client.protocol import EngineClient
@@ -65,7 +66,7 @@ class ChatRun:
     """A started chat (n choices): its run, how its output is read (`how`: None, "auto", "required" or
     "named:<tool>", as tools.parse takes it), its tools' names, the downscale note, its prompt's length, the
     reasoning parser its replies go through (None: none), the name of the model that answers it (the served
-    model's, or the VLM's beside the engine)."""
+    model's, or the VLM's beside the engine), and the start of its replies the prompt wrote (harmony's forced call)."""
 
     run: EngineRun
     how: str | None
@@ -74,18 +75,23 @@ class ChatRun:
     prompt_tokens: int
     reasoning: str | None
     model: str
+    prefill: str = ""
 
     def split(self) -> ReasoningSplit | HarmonySplit | None:
         """A new split of one reply's thoughts from its content (None without a parser)."""
-        return new_split(self.reasoning) if self.reasoning else None
+        return new_split(self.reasoning, self.prefill) if self.reasoning else None
 
     def reply(self, text: str, parallel: bool | None) -> tuple[str | None, str | None, list[tools.Call]]:
         """A whole reply (a non-streamed choice) as (thoughts or None, content, tool calls): the thoughts split off
-        first, then the calls parsed from the content only (harmony's `auto` calls: its commentary channel's)."""
+        first, then the calls parsed from the content only (harmony's: its commentary channel's; where the request
+        takes no tool calls, their text stays in the content)."""
         split = self.split()
         thoughts, text = split.split(text) if split else (None, text)
-        if isinstance(split, HarmonySplit) and self.how == "auto":
-            calls = tools.harmony_calls(split.take_calls(), self.names, parallel)
+        if isinstance(split, HarmonySplit):
+            found = split.take_calls()
+            if self.how is None:
+                return thoughts, text + "".join(harmony.call_text(*c) for c in found), []
+            calls = tools.harmony_calls(found, parallel)
             return thoughts, text if text or not calls else None, calls
         content, calls = tools.parse(self.how, text, self.names, parallel) if self.how else (text, [])
         return thoughts, content, calls
@@ -232,17 +238,24 @@ class ServerContext:
         self.check_model(body.model)
         deadline = self.deadline(body.timeout)
         mode = body.tool_mode
+        template_kwargs, prefill = body.chat_template_kwargs, ""
+        if self.reasoning == "harmony":
+            # a forced call: the prompt ends inside it (the model's own format), the parser reads on from there
+            if mode in ("named", "required"):
+                choice = body.tool_choice.model_dump() if mode == "named" else mode  # type: ignore[union-attr]
+                template_kwargs = {**(template_kwargs or {}), "tool_choice": choice}
+            prefill = harmony.forced_call((template_kwargs or {}).get("tool_choice"))
         prompt = await self.prompt_of(deadline, messages=body.messages, param="messages",
                                       tools=body.tools if mode else None, images=True,
-                                      template_kwargs=body.chat_template_kwargs)
+                                      template_kwargs=template_kwargs)
         max_new, note = self.budget([prompt], body.requested_max_tokens, "max_tokens", "messages")
         structured = body.structured()
-        forced = tools.forced_schema(body)
-        if forced is not None:
+        forced = tools.forced_schema(body, harmony=self.reasoning == "harmony")
+        if mode in ("named", "required"):
             if structured:
                 raise InputError(f"tool_choice {mode} already constrains the output: drop response_format / regex / "
                                  "ebnf", "tool_choice")
-            structured = {"json_schema": forced}
+            structured = {"json_schema": forced} if forced is not None else {}
         # Not streamed: the text is needed only at the end, decoded once there (stream_text), not token by token.
         extra = dict(logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, stream_text=bool(body.stream),
                      **structured)
@@ -255,7 +268,7 @@ class ServerContext:
         run = self.start(reqs, endpoint, deadline, user)
         names = {t.function.name for t in body.tools or []}
         how = f"named:{body.tool_choice.function.name}" if mode == "named" else mode  # type: ignore[union-attr]
-        return ChatRun(run, how, names, note, prompt.tokens, self.reasoning, self.model_name)
+        return ChatRun(run, how, names, note, prompt.tokens, self.reasoning, self.model_name, prefill)
 
     async def vlm_prompt(self, body: p.ChatCompletionRequest) -> vlm_chat.VlmPrompt:
         """A chat with images, checked and prepared for the VLM beside the engine: a 400 where the server has none

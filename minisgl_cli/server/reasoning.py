@@ -107,12 +107,12 @@ class ReasoningSplit:
 
 class HarmonySplit:
     """ReasoningSplit's verbs over a harmony reply; the tool calls its commentary channel made wait in `calls` until
-    the caller takes them (`take_calls`)."""
+    the caller takes them (`take_calls`). `prefill`: the reply's start that the prompt wrote (harmony.forced_call)."""
 
     reasoned = True
 
-    def __init__(self) -> None:
-        self.parser = HarmonyParser()
+    def __init__(self, prefill: str = "") -> None:
+        self.parser = HarmonyParser(prefill)
         self.calls: list[tuple[str, str]] = []  # (name, JSON arguments), not yet taken
 
     def _out(self, parsed: Parsed) -> tuple[str, str]:
@@ -134,6 +134,6 @@ class HarmonySplit:
         return calls
 
 
-def new_split(parser: str) -> ReasoningSplit | HarmonySplit:
-    """A split of one reply for the parser `resolve_parser` gave."""
-    return HarmonySplit() if parser == "harmony" else ReasoningSplit(parser)
+def new_split(parser: str, prefill: str = "") -> ReasoningSplit | HarmonySplit:
+    """A split of one reply for the parser `resolve_parser` gave (`prefill`: harmony's forced call)."""
+    return HarmonySplit(prefill) if parser == "harmony" else ReasoningSplit(parser)

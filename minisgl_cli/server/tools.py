@@ -8,8 +8,10 @@ no tools get Qwen2.5's Hermes prompt). What comes back depends on `tool_choice`:
   (`{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several joined by `;`); gpt-oss's
   come from its harmony commentary channel (`to=functions.NAME`), which the harmony parser reads (`harmony_calls`).
 - `required`: the grammar forces a JSON array of `{"name", "arguments"}` calls, each one of the tools with
-  arguments following its schema (one call at most with `parallel_tool_calls: false`).
-- a named function: the grammar forces that function's arguments object; the whole output is the arguments.
+  arguments following its schema (one call at most with `parallel_tool_calls: false`); harmony's calls are no such
+  array: there the prompt ends in the commentary channel to `functions`, the model names the function, no grammar.
+- a named function: the grammar forces that function's arguments object; the whole output is the arguments
+  (harmony: after the prompt's end, the call's header `harmony.forced_call`).
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ def _arguments_schema(tool: p.Tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def forced_schema(body: p.ChatCompletionRequest) -> str | None:
-    """The JSON schema the output must follow for `required` and named choices (None for auto / none)."""
+def forced_schema(body: p.ChatCompletionRequest, harmony: bool = False) -> str | None:
+    """The JSON schema the output must follow for `required` and named choices (None for auto / none; for `required`
+    on a harmony model too: its calls are no JSON array, the prompt's end forces one)."""
     mode, tools = body.tool_mode, body.tools or []
     if mode == "named":
         name = body.tool_choice.function.name  # type: ignore[union-attr]
         return json.dumps(_arguments_schema(next(t for t in tools if t.function.name == name)))
-    if mode == "required":
+    if mode == "required" and not harmony:
         calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                    "arguments": _arguments_schema(t)},
                   "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
@@ -120,10 +123,17 @@ def parse_required(text: str) -> list[Call]:
             if isinstance(c, dict) and "name" in c and "arguments" in c]
 
 
-def harmony_calls(found: list[tuple[str, str]], names: set[str], parallel: bool | None) -> list[Call]:
-    """The calls of a harmony reply's commentary channel, (name, JSON arguments) as the parser found them: those to
-    the request's tools, with arguments that are a JSON object."""
-    calls = [c for c in (_call({"name": name, "arguments": args}, names) for name, args in found) if c is not None]
+def harmony_calls(found: list[tuple[str, str]], parallel: bool | None) -> list[Call]:
+    """The calls of a harmony reply's commentary channel, (name, arguments) as the parser found them: each one the
+    model made, whether or not the request offered its tool (as vLLM's gpt-oss parser: the client decides; dropping
+    it would lose the reply), its arguments as JSON text where they parse, else as written."""
+    calls = []
+    for name, args in found:
+        try:
+            args = json.dumps(json.loads(args), ensure_ascii=False)
+        except ValueError:
+            pass
+        calls.append(Call(name, args))
     return calls[:1] if parallel is False else calls
 
 
