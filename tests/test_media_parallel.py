@@ -185,3 +185,55 @@ def test_serve_refuses_a_split_it_cannot_make_at_start_up():
     (line,) = [x for x in result.stderr.splitlines() if x.strip()]
     assert line == ("error: --media-parallel cfg splits the two CFG passes over exactly 2 ranks, got "
                     "--media-parallel-size 3 (use ulysses for more)"), line
+
+
+@pytest.mark.slow
+def test_sigterm_mid_split_job_ends_every_rank_within_5s(tiny_model_dirs, tiny_models, tmp_path):
+    """A real `minisgl serve` whose media worker leads a CFG split: SIGTERM while the split video denoises ends the
+    server, the worker and its rank within the issue 46 bar, and the client's request ends (no hang)."""
+    import signal
+    import threading
+    import time
+
+    import httpx
+    import psutil
+    from serve_process import Serve, gone
+
+    # a tiny chat model in-process: the media worker (a child) and its rank are what this test is about
+    s = Serve(tiny_model_dirs["llama"], tmp_path, "--runtime", "in-process", "--video-model-dir",
+              str(tiny_models["wan"]), "--media-parallel", "cfg")
+    try:
+        s.wait_healthy()
+        ended: list = []
+
+        def long_video() -> None:  # minutes of steps unless stopped
+            try:
+                ended.append(httpx.post(f"{s.url}/v1/videos/generations", timeout=120, json={
+                    "prompt": "a long one", "size": "32x32", "num_frames": 1, "steps": 1000, "seed": 1}))
+            except httpx.HTTPError as exc:
+                ended.append(exc)
+
+        call = threading.Thread(target=long_video, daemon=True)
+        call.start()
+
+        def media() -> dict:
+            return httpx.get(f"{s.url}/metrics", params={"format": "json"}, timeout=30).json()["media"]
+
+        deadline = time.monotonic() + 300
+        while not (media()["running"] == 1 and media()["steps"] > 0):
+            assert time.monotonic() < deadline and call.is_alive(), (ended, s.stderr())
+            time.sleep(0.2)
+        server = psutil.Process(s.proc.pid)
+        below = server.children(recursive=True)
+        worker = psutil.Process(media()["worker_pid"])
+        assert [p for p in worker.children() if "resource_tracker" not in " ".join(p.cmdline())], s.stderr()  # rank 1
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(10) == 0, s.stderr()
+        assert time.monotonic() - t0 < 5, s.stderr()
+        assert gone(below, 1) == [], [(p.pid, p.cmdline()) for p in gone(below, 0)]
+        call.join(10)
+        # the request ends: its connection closed, or the worker's 503 on the way out
+        assert ended and (isinstance(ended[0], httpx.HTTPError) or ended[0].status_code == 503), ended
+    finally:
+        s.stop()
