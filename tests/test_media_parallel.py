@@ -74,6 +74,20 @@ def test_two_ranks_make_the_frames_one_process_makes(mode, one_process, tiny_mod
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("minisgl media rank")]
 
 
+@pytest.mark.slow
+def test_cfg_split_with_compile_makes_the_same_frames(one_process, tiny_models, tmp_path):
+    """--compile with a CFG split: each rank compiles its DiT's blocks (the split wraps the transformer's forward,
+    outside the compiled blocks) and the frames are one process's."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    result = video(tiny_models["wan"], tmp_path, "--media-parallel", "cfg", "--compile")
+    assert counters["stats"]["unique_graphs"] > graphs  # rank 0 (this process) compiled
+    assert "64x64x5 on cpu x2 (cfg): 2 steps in " in result.stderr, result.stderr
+    assert np.abs(frames_of(result).astype(int) - one_process.astype(int)).max() <= 1
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("minisgl media rank")]
+
+
 def test_auto_picks_cfg_for_a_guided_job_on_two_ranks_else_ulysses():
     assert resolve_mode("auto", 5.0, 2) == "cfg"
     assert resolve_mode("auto", 1.0, 2) == "ulysses"  # CFG off: one pass a step, nothing to split
@@ -111,6 +125,8 @@ BAD = {
                            "over exactly 2 ranks"),
     "cfg without guidance": ("wan", ["--media-parallel", "cfg", "--guidance-scale", "1"],
                              "guidance 1 runs one (CFG is on above 1): use ulysses"),
+    "ulysses with compile": ("wan", ["--media-parallel", "ulysses", "--compile"],
+                             "--media-parallel ulysses and --compile do not combine"),
     "one rank": ("wan", ["--media-parallel", "ulysses", "--media-parallel-size", "1"], "needs 2 or more ranks"),
     "no plan": ("z-image", ["--media-parallel", "ulysses"], "ZImageTransformer2DModel has no context-parallel plan"),
     "cfg of a one-call pipeline": ("z-image", ["--media-parallel", "cfg", "--guidance-scale", "4"],
