@@ -248,6 +248,7 @@ def test_sigterm_mid_split_job_ends_every_rank_within_5s(tiny_model_dirs, tiny_m
         assert s.proc.wait(10) == 0, s.stderr()
         assert time.monotonic() - t0 < 5, s.stderr()
         assert gone(below, 1) == [], [(p.pid, p.cmdline()) for p in gone(below, 0)]
+        assert "leaked semaphore" not in s.stderr(), s.stderr()  # the rank queues' (the worker leaves by os._exit)
         call.join(10)
         # the request ends: its connection closed, or the worker's 503 on the way out
         assert ended and (isinstance(ended[0], httpx.HTTPError) or ended[0].status_code == 503), ended
