@@ -74,6 +74,20 @@ def test_two_ranks_make_the_frames_one_process_makes(mode, one_process, tiny_mod
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("minisgl media rank")]
 
 
+@pytest.mark.slow
+def test_cfg_split_with_compile_makes_the_same_frames(one_process, tiny_models, tmp_path):
+    """--compile with a CFG split: each rank compiles its DiT's blocks (the split wraps the transformer's forward,
+    outside the compiled blocks) and the frames are one process's."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    result = video(tiny_models["wan"], tmp_path, "--media-parallel", "cfg", "--compile")
+    assert counters["stats"]["unique_graphs"] > graphs  # rank 0 (this process) compiled
+    assert "64x64x5 on cpu x2 (cfg): 2 steps in " in result.stderr, result.stderr
+    assert np.abs(frames_of(result).astype(int) - one_process.astype(int)).max() <= 1
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("minisgl media rank")]
+
+
 def test_auto_picks_cfg_for_a_guided_job_on_two_ranks_else_ulysses():
     assert resolve_mode("auto", 5.0, 2) == "cfg"
     assert resolve_mode("auto", 1.0, 2) == "ulysses"  # CFG off: one pass a step, nothing to split
@@ -111,6 +125,8 @@ BAD = {
                            "over exactly 2 ranks"),
     "cfg without guidance": ("wan", ["--media-parallel", "cfg", "--guidance-scale", "1"],
                              "guidance 1 runs one (CFG is on above 1): use ulysses"),
+    "ulysses with compile": ("wan", ["--media-parallel", "ulysses", "--compile"],
+                             "--media-parallel ulysses and --compile do not combine"),
     "one rank": ("wan", ["--media-parallel", "ulysses", "--media-parallel-size", "1"], "needs 2 or more ranks"),
     "no plan": ("z-image", ["--media-parallel", "ulysses"], "ZImageTransformer2DModel has no context-parallel plan"),
     "cfg of a one-call pipeline": ("z-image", ["--media-parallel", "cfg", "--guidance-scale", "4"],
@@ -185,3 +201,56 @@ def test_serve_refuses_a_split_it_cannot_make_at_start_up():
     (line,) = [x for x in result.stderr.splitlines() if x.strip()]
     assert line == ("error: --media-parallel cfg splits the two CFG passes over exactly 2 ranks, got "
                     "--media-parallel-size 3 (use ulysses for more)"), line
+
+
+@pytest.mark.slow
+def test_sigterm_mid_split_job_ends_every_rank_within_5s(tiny_model_dirs, tiny_models, tmp_path):
+    """A real `minisgl serve` whose media worker leads a CFG split: SIGTERM while the split video denoises ends the
+    server, the worker and its rank within the issue 46 bar, and the client's request ends (no hang)."""
+    import signal
+    import threading
+    import time
+
+    import httpx
+    import psutil
+    from serve_process import Serve, gone
+
+    # a tiny chat model in-process: the media worker (a child) and its rank are what this test is about
+    s = Serve(tiny_model_dirs["llama"], tmp_path, "--runtime", "in-process", "--video-model-dir",
+              str(tiny_models["wan"]), "--media-parallel", "cfg")
+    try:
+        s.wait_healthy()
+        ended: list = []
+
+        def long_video() -> None:  # minutes of steps unless stopped
+            try:
+                ended.append(httpx.post(f"{s.url}/v1/videos/generations", timeout=120, json={
+                    "prompt": "a long one", "size": "32x32", "num_frames": 1, "steps": 1000, "seed": 1}))
+            except httpx.HTTPError as exc:
+                ended.append(exc)
+
+        call = threading.Thread(target=long_video, daemon=True)
+        call.start()
+
+        def media() -> dict:
+            return httpx.get(f"{s.url}/metrics", params={"format": "json"}, timeout=30).json()["media"]
+
+        deadline = time.monotonic() + 300
+        while not (media()["running"] == 1 and media()["steps"] > 0):
+            assert time.monotonic() < deadline and call.is_alive(), (ended, s.stderr())
+            time.sleep(0.2)
+        server = psutil.Process(s.proc.pid)
+        below = server.children(recursive=True)
+        worker = psutil.Process(media()["worker_pid"])
+        assert [p for p in worker.children() if "resource_tracker" not in " ".join(p.cmdline())], s.stderr()  # rank 1
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(10) == 0, s.stderr()
+        assert time.monotonic() - t0 < 5, s.stderr()
+        assert gone(below, 1) == [], [(p.pid, p.cmdline()) for p in gone(below, 0)]
+        assert "leaked semaphore" not in s.stderr(), s.stderr()  # the rank queues' (the worker leaves by os._exit)
+        call.join(10)
+        # the request ends: its connection closed, or the worker's 503 on the way out
+        assert ended and (isinstance(ended[0], httpx.HTTPError) or ended[0].status_code == 503), ended
+    finally:
+        s.stop()

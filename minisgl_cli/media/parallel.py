@@ -81,6 +81,9 @@ def check_spec(spec: ModelSpec, device: str) -> None:
         raise MediaError("--media-parallel and --cpu-offload do not combine", "media_parallel")
     if spec.media_cache is not None:
         raise MediaError("--media-parallel and --media-cache do not combine yet", "media_parallel")
+    if mode == "ulysses" and spec.compile:  # dynamo fails the first call inside diffusers' hook (inspect.signature)
+        raise MediaError("--media-parallel ulysses and --compile do not combine: torch.compile cannot trace diffusers' "
+                         "context-parallel hooks (use cfg, or --no-compile)", "compile")
     if mode == "ulysses" and spec.attention_backend == "fp8":
         raise MediaError("--media-parallel ulysses needs an attention backend with context parallelism "
                          "(auto, sdpa, cudnn, flash2, flash3), not fp8", "media_parallel")

@@ -200,8 +200,11 @@ def check_options(spec: ModelSpec, device: str) -> None:
 
 
 def compiles(spec: ModelSpec, device: str) -> bool:
-    """--compile / --no-compile, or by default (None) on CUDA only: CPU and MPS run eager."""
-    return device.startswith("cuda") if spec.compile is None else spec.compile
+    """--compile / --no-compile, or by default (None) on CUDA only: CPU and MPS run eager, and so does a Ulysses split
+    (torch.compile cannot trace diffusers' context-parallel hooks: media/parallel.check_spec refuses --compile)."""
+    if spec.compile is None:
+        return device.startswith("cuda") and spec.media_parallel != "ulysses"
+    return spec.compile
 
 
 def _auto_attention(device: str) -> str:

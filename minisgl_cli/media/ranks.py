@@ -274,3 +274,10 @@ class Ranks:
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
+        # The queues' named semaphores are unlinked when the queues are collected: the media worker leaves through
+        # os._exit (no exit finalizers), which would leave them to the resource tracker's warning at the server's exit.
+        for q in [*self.queues, self.ready]:
+            with contextlib.suppress(Exception):
+                q.close()
+                q.join_thread()  # its feeder thread holds two of them
+        self.queues, self.ready = [], None
