@@ -141,19 +141,18 @@ class HostBuffers:
                 flat.extend([0] * (-len(flat) % step))
             flats.append(flat)
             starts.append(at)
-        if device.type == "cuda":
-            raw = bytearray()
-            for flat in flats:
-                raw += flat.tobytes()
+        raw = bytearray()
+        for flat in flats:
+            raw += flat.tobytes()
+        if device.type == "cuda":  # through the pinned ring, asynchronously
             dev = self._upload.copy_bytes(memoryview(raw), device)
+        else:  # the bytes as they are (a CPU tensor shares them)
+            dev = torch.frombuffer(raw, dtype=torch.uint8).to(device) if raw else torch.empty(0, dtype=torch.uint8)
         out: list[list[torch.Tensor]] = []
         offset = 0
         for (parts, dtype), flat, at in zip(groups, flats, starts):
-            if device.type == "cuda":
-                whole = dev[offset : offset + len(flat) * dtype.itemsize].view(dtype)
-                offset += len(flat) * dtype.itemsize
-            else:
-                whole = host_tensor(flat, dtype).to(device)
+            whole = dev[offset : offset + len(flat) * dtype.itemsize].view(dtype)
+            offset += len(flat) * dtype.itemsize
             out.append([whole[a : a + len(part)] for a, part in zip(at, parts)])
         return out
 
