@@ -106,19 +106,23 @@ GEMMA3_SWA_PATTERN = 6  # llama.cpp's for gemma3 where the file lists no pattern
 GEMMA3_SWA_ROPE_BASE = 10000.0  # llama.cpp's local layers' base where the file names none
 
 
+def _layer_types(meta: Meta, n: int, every: int) -> list[str]:
+    """Each layer's attention: the file's flag a layer (newer files), else every `every`-th layer full (the file's
+    period where it gives one, else llama.cpp's for the architecture)."""
+    pattern = meta.get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        return ["sliding_attention" if p else "full_attention" for p in pattern]
+    every = int(pattern or every)
+    return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+
+
 def gemma3_config(meta: Meta, vocab: int) -> dict[str, Any]:
     c = _common(meta, vocab)
     n, heads, hidden = c["num_hidden_layers"], c["num_attention_heads"], c["hidden_size"]
     head_dim = int(meta.need("attention.key_length"))
     window = meta.get("attention.sliding_window")
-    pattern = meta.get("attention.sliding_window_pattern")
-    if window is None:  # written only where some layer is local
-        types = ["full_attention"] * n
-    elif isinstance(pattern, list):  # newer files: a flag a layer
-        types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    else:
-        every = int(pattern or GEMMA3_SWA_PATTERN)
-        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    # the window is written only where some layer is local
+    types = ["full_attention"] * n if window is None else _layer_types(meta, n, GEMMA3_SWA_PATTERN)
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base", 1_000_000.0))}
     if meta.get("rope.scaling.type") == "linear":
         full.update(rope_type="linear", factor=float(meta.need("rope.scaling.factor")))
@@ -356,12 +360,7 @@ GPT_OSS_SWIGLU_LIMIT = 7.0  # llama.cpp's clamp for gpt-oss (not in the file)
 def gpt_oss_config(meta: Meta, vocab: int) -> dict[str, Any]:
     c = _common(meta, vocab)
     n = c["num_hidden_layers"]
-    pattern = meta.get("attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    else:
-        every = int(pattern or GPT_OSS_SWA_PATTERN)
-        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    types = _layer_types(meta, n, GPT_OSS_SWA_PATTERN)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base", 150000.0))}
     if meta.get("rope.scaling.type") == "yarn":
         rope.update(rope_type="yarn", factor=float(meta.need("rope.scaling.factor")), beta_fast=32.0, beta_slow=1.0,
