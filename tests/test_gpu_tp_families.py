@@ -38,11 +38,14 @@ def _build(family: str, root, tokenizer_dir):
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5", "gpt_oss", "gemma3"])
-def test_new_families_at_tp_2_answer_as_transformers(tmp_path_factory, tokenizer_dir, family):
+def test_new_families_at_tp_2_answer_as_transformers(tmp_path_factory, tokenizer_dir, monkeypatch, family):
     model_dir = _build(family, tmp_path_factory.mktemp(family), tokenizer_dir)
     prompts = _prompts()
     params = [SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)] * len(prompts)
     with LLM(str(model_dir), device="cuda", tp_size=2, max_prefill_tokens=12, **EXACT) as llm:
         cold = [r.token_ids for r in llm.generate(prompts, params)]
         cached = [r.token_ids for r in llm.generate(prompts, params)]
+    # The reference runs on the CPU in fp32; where fla-core imports, transformers would take its Triton kernels for
+    # Qwen3.5's gated delta rule, CPU tensors included (not exact): its torch path is the one it takes when exporting.
+    monkeypatch.setattr("transformers.integrations.hub_kernels.is_torchdynamo_exporting", lambda: True)
     assert cold == cached == hf_greedy(model_dir, prompts, N_NEW)

@@ -65,7 +65,10 @@ def check_spec(spec: ModelSpec, device: str) -> None:
     import torch
 
     if device.startswith("cuda"):
-        first = int(device.partition(":")[2] or 0)
+        import torch.distributed as dist
+
+        # Rank r runs on the r-th GPU after rank 0's: the group's first GPU is this one less this rank's place.
+        first = int(device.partition(":")[2] or 0) - (dist.get_rank() if dist.is_initialized() else 0)
         have = torch.cuda.device_count()
         if first + size > have:
             raise MediaError(f"--media-parallel-size {size} needs {size} GPUs from {device}, this machine has {have}",

@@ -175,7 +175,10 @@ def _follow(start: FollowerStart) -> None:
         _join(start.rank, start.size, start.addr, device, start.timeout)
         loaded = load_pipeline(start.spec)
     except Exception as exc:  # noqa: BLE001 - any start-up failure is one line for rank 0
+        log.debug("media rank %d failed to load", start.rank, exc_info=True)
         start.ready.put((start.rank, getattr(exc, "message", None) or f"{type(exc).__name__}: {first_line(exc)}"))
+        start.ready.close()
+        start.ready.join_thread()  # the line reaches rank 0 before leave()'s os._exit, which skips the queue's flush
         leave(1)
     start.ready.put((start.rank, None))
     code = 0
