@@ -237,3 +237,37 @@ def test_a_job_out_of_device_memory_is_a_503_that_says_what_to_change():
     assert (status, code) == (503, "out_of_memory")
     assert "Tried to allocate 2.00 GiB" in message and "--mem-fraction" in message
     assert failure(RuntimeError("boom"))[::2] == (500, "generation_failed")
+
+
+def test_png_bytes_round_trips_every_layout_through_its_threaded_deflate():
+    """media/encode.py's own PNG writer: PIL reads back the very pixels for RGB, RGBA, grey, odd sizes, a 1x1 and an
+    image large enough to deflate in several pieces on several threads."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from minisgl_cli.media import encode
+
+    rng = np.random.default_rng(0)
+    big = rng.integers(0, 256, (1024, 700, 3), dtype=np.uint8)
+    big[:, :350] //= 16  # a half that deflates well, so pieces differ in size
+    assert len(big.tobytes()) > 2 * encode.PNG_PIECE
+    for arr in (big, big[:37, :53], big[:, :, 0], np.dstack([big, big[:, :, :1]]), big[:1, :1]):
+        back = np.asarray(Image.open(io.BytesIO(encode.png_bytes(Image.fromarray(arr)))))
+        assert back.shape == arr.shape and (back == arr).all(), arr.shape
+
+
+def test_images_made_8_bit_on_their_device_equal_diffusers_pil_output():
+    """batch.rgb_images from a pipeline's "pt" output: the same bytes as diffusers' own "pil" postprocess."""
+    import numpy as np
+    import torch
+    from diffusers.image_processor import VaeImageProcessor
+
+    from minisgl_cli.media.batch import rgb_images
+
+    decoded = torch.randn(2, 3, 33, 17, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 1.2
+    proc = VaeImageProcessor()
+    want = [np.asarray(im.convert("RGB")) for im in proc.postprocess(decoded, output_type="pil")]
+    got = [np.asarray(im) for im in rgb_images(proc.postprocess(decoded, output_type="pt"))]
+    assert all(g.dtype == np.uint8 and (g == w).all() for g, w in zip(got, want, strict=True))

@@ -310,3 +310,23 @@ def test_warm_up_gives_way_to_a_job_between_its_steps():
     ran = len(checks)  # each call checks before it and after its one step
     checks.clear()
     assert warm_up(loaded, job, idle=idle_for(3)) is False and len(checks) == 4 < ran
+
+
+def test_z_image_encodes_a_prompt_on_its_own_tokens_as_diffusers_does_on_512(tiny_models):  # noqa: F811
+    """media/text_encoder.py: the rows of a batch of prompts of unequal length, encoded without the 512-token padding
+    and its mask, equal diffusers' own encoding (fp32 on a CPU: to rounding); a pipeline that is not Z-Image keeps
+    its own method."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from minisgl_cli.media import text_encoder
+
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_models["z-image"]), torch_dtype=torch.float32)
+    prompts = ["a red fox in snow", "a lighthouse on a cliff at dusk, waves below, gulls over the foam", "x"]
+    with torch.inference_mode():
+        want = pipe._encode_prompt(list(prompts), device="cpu")
+        assert text_encoder.install(pipe) and not text_encoder.install(object())
+        got = pipe._encode_prompt(list(prompts), device="cpu")
+    assert [g.shape for g in got] == [w.shape for w in want] and len({w.shape[0] for w in want}) == 3
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

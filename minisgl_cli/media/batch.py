@@ -75,7 +75,7 @@ def generate(loaded: LoadedPipeline, jobs: list[Job], on_step: StepHook | None =
         **prompt_kwargs(loaded.pipe),
     }
     if isinstance(first, ImageJob):
-        kwargs |= {"num_images_per_prompt": 1, "output_type": "pil"}
+        kwargs |= {"num_images_per_prompt": 1, "output_type": "pt"}  # made 8-bit on the device: rgb_images
     else:
         kwargs |= {"num_frames": first.num_frames, "output_type": "np"}
     loaded.tile_vae_for(first.width, first.height, first.num_frames if isinstance(first, VideoJob) else 1)
@@ -88,7 +88,7 @@ def generate(loaded: LoadedPipeline, jobs: list[Job], on_step: StepHook | None =
     for job, span in zip(jobs, spans(jobs), strict=True):
         assert job.seed is not None
         if isinstance(job, ImageJob):
-            images = [im.convert("RGB") for im in out.images[span]]
+            images = rgb_images(out.images[span])
             results.append(ImageResult(images, job.seed, elapsed_s, loaded.model_dir))
         else:
             results.append(VideoResult(uint8_frames(out.frames[span.start]), job.fps, job.seed, elapsed_s,
@@ -141,4 +141,18 @@ def preview(loaded: LoadedPipeline, latents: Any, span: slice) -> list[Any]:
     vae = pipe.vae
     lat = latents[span].to(vae.dtype) / vae.config.scaling_factor + (getattr(vae.config, "shift_factor", None) or 0.0)
     image = vae.decode(lat, return_dict=False)[0]
-    return [im.convert("RGB") for im in pipe.image_processor.postprocess(image, output_type="pil")]
+    return rgb_images(pipe.image_processor.postprocess(image, output_type="pt"))
+
+
+def rgb_images(images: Any) -> list[Any]:
+    """A pipeline's images as RGB PIL images. From its "pt" output (N x C x H x W in [0, 1]) the 8-bit step is
+    diffusers' own (x * 255 in float32, rounded half to even) done on the images' device: the same bytes as its "pil"
+    output, with a quarter of the float copy's bytes crossing to the host and no float pass over them there."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    if not isinstance(images, torch.Tensor):  # a pipeline that gave PIL images anyway
+        return [im.convert("RGB") for im in images]
+    pixels = (images.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu().numpy()
+    return [Image.fromarray(np.repeat(p, 3, axis=2) if p.shape[2] == 1 else p[:, :, :3]) for p in pixels]

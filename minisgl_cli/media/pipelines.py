@@ -4,7 +4,8 @@ the load on first use only.
 
 The speed-ups, in the order they apply: FP8 DiT linears (media/fp8.py), the attention kernels, regional compile of
 the DiT's blocks and the image VAE's decode (media/compile.py), cache-dit's step cache (media/step_cache.py),
-the text-embedding cache (media/prompt_cache.py, always on: it is exact). VAE tiling switches on per job past
+the prompt encoded on its own tokens (media/text_encoder.py) and the text-embedding cache (media/prompt_cache.py),
+both always on: they are exact. VAE tiling switches on per job past
 TILE_PIXELS (an image) or TILE_VOXELS (a video's frames x pixels).
 """
 
@@ -276,9 +277,10 @@ def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
         from minisgl_cli.media.step_cache import enable
 
         enable(pipe, spec.media_cache, spec.kind)
-    from minisgl_cli.media.prompt_cache import PromptCache, install
+    from minisgl_cli.media import prompt_cache, text_encoder
 
-    install(pipe, PromptCache())
+    text_encoder.install(pipe)
+    prompt_cache.install(pipe, prompt_cache.PromptCache())
     # Fronts show their own progress through step callbacks; diffusers' tqdm would garble it.
     pipe.set_progress_bar_config(disable=True)
 
