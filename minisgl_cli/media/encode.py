@@ -73,7 +73,7 @@ def png_bytes(image: Any, level: int = PNG_LEVEL) -> bytes:
     lines[0, 1:] = rows[0]  # the first row's "above" is zeros
     np.subtract(rows[1:], rows[:-1], out=lines[1:, 1:])  # uint8 wraps modulo 256, as PNG's filters do
     header = struct.pack(">IIBBBBB", width, height, 8, _COLOR_TYPE[channels], 0, 0, 0)
-    idat = _deflate(memoryview(lines).cast("B"), level)
+    idat = _deflate(memoryview(lines.reshape(-1).data), level)
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
 
 
