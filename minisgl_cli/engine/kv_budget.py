@@ -28,11 +28,10 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class Split:
-    """How the free memory after the weights splits: `kv_bytes` for the KV pool, `kept` left to a neighbour."""
+    """How the free memory after the weights splits: `kv_bytes` for the KV pool, `keep` left to a neighbour."""
 
     kv_bytes: int
-    kept: int = 0  # 0: no neighbour on this device, or an explicit size (which keeps nothing on purpose)
-    keep: KeepFree | None = None
+    keep: KeepFree | None = None  # None: no neighbour on this device, or an explicit size (it keeps nothing itself)
     device: str = "cuda"
     warning: str | None = None  # an explicit size leaves the neighbour less than it needs
 
@@ -41,7 +40,7 @@ class Split:
         kept none."""
         if self.keep is None:
             return None
-        return (f"kept {self.kept / GIB:.1f} GiB of {self.device} for {self.keep.what}; the KV pool has "
+        return (f"kept {self.keep.nbytes / GIB:.1f} GiB of {self.device} for {self.keep.what}; the KV pool has "
                 f"{kv_tokens:,} tokens in its {self.kv_bytes / GIB:.1f} GiB")
 
     def report(self, kv_tokens: int) -> None:
@@ -68,17 +67,16 @@ def split(free: int, keep: KeepFree | None, *, mem_fraction: float | None = None
           min_pool: int = 0, device: str = "cuda") -> Split:
     """The KV pool's bytes out of `free` (bytes free after the weights) beside `keep` (None: nothing to keep):
     `pool_bytes` (--max-total-tokens' pool), else `mem_fraction` of `free`, else by default 0.85 of what is left
-    once `keep` is kept. ValueError where the default would leave the pool less than `min_pool`; a warning in the
-    Split where an explicit size leaves `keep` less than it needs."""
+    once `keep` is kept. ValueError where the default would leave the pool less than `min_pool` (the bytes of
+    MIN_KV_TOKENS tokens); a warning in the Split where an explicit size leaves `keep` less than it needs."""
     if pool_bytes is None and mem_fraction is None:
-        kept = keep.nbytes if keep is not None else 0
-        kv = int(max(0, free - kept) * DEFAULT_MEM_FRACTION)
+        kv = int(max(0, free - (keep.nbytes if keep is not None else 0)) * DEFAULT_MEM_FRACTION)
         if keep is not None and kv < min_pool:
             raise ValueError(
                 f"{device} has {free / GIB:.1f} GiB free after the text model's weights: {keep.what} needs "
                 f"{keep.nbytes / GIB:.1f} GiB of it and the KV pool at least {min_pool / GIB:.1f} GiB "
                 f"({MIN_KV_TOKENS:,} tokens): {keep.remedy}")
-        return Split(kv, kept, keep, device)
+        return Split(kv, keep, device)
     kv = pool_bytes if pool_bytes is not None else int(free * (mem_fraction or DEFAULT_MEM_FRACTION))
     warning = None
     if keep is not None and free - kv < keep.nbytes:
@@ -86,4 +84,4 @@ def split(free: int, keep: KeepFree | None, *, mem_fraction: float | None = None
         warning = (f"{flag} leaves {max(0, free - kv) / GIB:.1f} GiB of {device} beside the KV pool, and "
                    f"{keep.what} needs {keep.nbytes / GIB:.1f} GiB: its first job may run out of memory (leave "
                    f"{flag.split()[0]} out to split the GPU between them)")
-    return Split(kv, 0, None, device, warning)
+    return Split(kv, None, device, warning)
