@@ -106,3 +106,26 @@ def test_only_the_media_gpu_keeps_room():
     assert shares_device(MEDIA, "cuda:1") is None  # another rank or replica: its whole GPU for the KV pool
     assert shares_device(KeepFree("cuda:1", GIB, "", ""), "cuda:1") is not None
     assert shares_device(None, "cuda") is None
+
+
+@pytest.mark.gpu
+def test_the_engine_leaves_the_kept_memory_free_on_its_gpu():
+    """On a CUDA GPU (skipped without one): the KV pool sizes itself around a KeepFree on its device, and a device
+    too small for both refuses the start with the KeepFree's remedy."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from minisgl_cli.engine.engine import Engine
+
+    base = dict(model="qwen3-0.6b", load_format="dummy", device="cuda", disable_cuda_graph=True)
+    keep = KeepFree("cuda:0", torch.cuda.mem_get_info()[0] // 2, "a neighbour", "a remedy")
+    engine = Engine(EngineConfig(**base, keep_free=keep))
+    assert engine.split is not None and engine.split.keep is keep
+    assert torch.cuda.mem_get_info()[0] >= keep.nbytes  # its half is still free once the pool is allocated
+    del engine
+    torch.cuda.empty_cache()
+    too_much = KeepFree("cuda:0", torch.cuda.mem_get_info()[0], "a neighbour", "a remedy")
+    with pytest.raises(ValueError, match="needs .* GiB of it and the KV pool at least .*: a remedy$"):
+        Engine(EngineConfig(**base, keep_free=too_much))
+    torch.cuda.empty_cache()
