@@ -42,8 +42,8 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16":
 
 @dataclass(frozen=True)
 class MediaMemory:
-    """What the media worker takes on its device: each pipeline's weights (by model name), and the activations of
-    its largest call plus its own overhead (the worker runs one call at a time)."""
+    """What the media worker takes on its device: each pipeline's weights (by built-in name or dir name), and the
+    activations of its largest call plus its own overhead (the worker runs one call at a time)."""
 
     weights: dict[str, int]
     activations: int
@@ -64,7 +64,7 @@ def estimate(settings: MediaSettings, kinds: Iterable[Kind], itemsize: int = 2) 
     weights, calls = {}, []
     for kind in kinds:
         spec = settings.spec(kind)
-        weights[spec.model.rstrip("/").split("/")[-1]] = _weights(spec, itemsize)
+        weights[spec.model if spec.load_format == "dummy" else spec.model_dir.name] = _weights(spec, itemsize)
         defaults = job_defaults(ImageJob if kind == "image" else VideoJob)
         width, height = defaults["width"], defaults["height"]
         nbytes = settings.max_batch * width * height * BYTES_PER_PIXEL[kind] * ALLOCATOR_MARGIN
