@@ -105,6 +105,8 @@ def serve(
     """Serve the OpenAI API (/v1/...), /generate, /metrics, /health and a web page at /.
 
     It listens at once (503 until the engine is up). Details: docs/server.md, docs/options.md."""
+    from minisgl_cli import backends
+    from minisgl_cli.media.memory import keep_free
     from minisgl_cli.media.settings import MediaSettings
     from minisgl_cli.notice import notice
     from minisgl_cli.server.app import ServerSettings
@@ -118,8 +120,6 @@ def serve(
     if prebuild:
         c.prebuild(opts)
     if stream_interval != 1:  # the detokenizer process holds the tokens: the multi-process runtime only
-        from minisgl_cli import backends
-
         if opts.runtime.mode == "in-process" or backends.resolve(opts.engine.engine) in backends.SERIAL:
             c.fail("--stream-interval is the detokenizer process's: it needs the multi-process runtime "
                    "(--runtime processes, --engine torch or sgl)", code=2)
@@ -187,7 +187,10 @@ def serve(
                 load_vlm(vision.model, vision.device)
             except VlmLoadError as exc:
                 raise RuntimeError(str(exc)) from None
-        return opts.client(stop=stop, per_replica_cap=per_replica)
+        engine = opts.engine
+        if backends.resolve(engine.engine) not in backends.SERIAL:  # a KV pool: room for the media worker beside it
+            engine = replace(engine, keep_free=keep_free(media, str(engine.resolved_device())))
+        return replace(opts, engine=engine).client(stop=stop, per_replica_cap=per_replica)
 
     try:
         run_server(make_client, settings, launch)

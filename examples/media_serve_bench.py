@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minisgl_cli.api.http_server import free_port  # noqa: E402
 
-SERVE = "--model qwen3-0.6b --load-format dummy --mem-fraction 0.3"  # the rest of the GPU: the image pipeline
+SERVE = "--model qwen3-0.6b --load-format dummy"  # serve leaves the image pipeline its room (media/memory.py)
 IMAGE = "--media-load-format dummy --image-model z-image-turbo"
 
 

@@ -30,6 +30,17 @@ DecodeStep = Literal["off", "load", "build"]  # EngineConfig.decode_step
 SAMPLERS: tuple[str, ...] = ("auto", "torch", "triton")
 
 
+@dataclass(frozen=True)
+class KeepFree:
+    """Memory of one device that another process takes after this engine has sized its KV pool: `serve`'s media
+    worker loads its pipeline on the first image request (media/memory.py says how much)."""
+
+    device: str  # "cuda" (= cuda:0), "cuda:1"
+    nbytes: int
+    what: str  # who keeps it, for the start-up line: "the media worker (z-image-turbo: ...)"
+    remedy: str  # what to change when the device cannot hold both
+
+
 @dataclass
 class EngineConfig:
     model: str | None = field(default=None, metadata=dict(  # None = the default model
@@ -61,8 +72,10 @@ class EngineConfig:
         flags=("--max-total-tokens",), min=1, help="KV pool size in tokens (default: from memory)."))
     kv_cache_gib: float = field(default=1.0, metadata=dict(
         flags=("--kv-cache-gib",), min=0.001, help="CPU: memory for the KV pool, GiB."))
-    mem_fraction: float = field(default=0.85, metadata=dict(  # of the free memory left after the weights
-        flags=("--mem-fraction",), min=0.01, max=1.0, help="CUDA: fraction of free memory for the KV pool."))
+    mem_fraction: float | None = field(default=None, metadata=dict(  # of the free memory left after the weights
+        flags=("--mem-fraction",), min=0.01, max=1.0,
+        help="CUDA: fraction of free memory for the KV pool (default: 0.85, of what is left once serve keeps room for "
+             "a media pipeline on the same GPU)."))
     max_running_requests: int = field(default=64, metadata=dict(
         flags=("--max-running-requests",), min=1, help="Requests decoded together at most."))
     disable_cuda_graph: bool = field(default=False, metadata=dict(
@@ -87,6 +100,7 @@ class EngineConfig:
     seed: int = 0  # dummy weights
     num_threads: int | None = None  # CPU: torch intra-op threads (None = torch's default)
     kv_cache_scale: float | None = None  # FP8 KV: one fixed scale for every head instead of the first prefill's
+    keep_free: KeepFree | None = None  # CUDA: memory a process beside this engine takes later (engine/kv_budget.py)
     # Kernel choices (layers/kernel_choice.py's Kernels), by default from the environment:
     disable_fused_ops: bool = field(default_factory=env.disable_fused_ops)  # CUDA: torch ops, not fused Triton ones
     disable_pdl: bool = field(default_factory=env.disable_pdl)  # CUDA: no programmatic dependent launch

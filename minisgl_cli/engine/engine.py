@@ -26,6 +26,7 @@ from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import broadcast_from_rank0, min_over_ranks, setup_all_reduce
 from minisgl_cli.distributed.one_shot import buffer_bytes
 from minisgl_cli.distributed.push_rows import FUSED_NORM_ROWS
+from minisgl_cli.engine import kv_budget
 from minisgl_cli.engine.batch import ForwardBatch, Mode
 from minisgl_cli.engine.config import EngineConfig
 from minisgl_cli.engine.graph import MAX_DEFAULT_BS, DecodeGraphs, default_max_bs
@@ -220,6 +221,7 @@ class Engine:
                      key=KVShape.bytes_per_token)
         windowed = window_layers(mc)
         window = max(mc.window_of(mc.kv_layers[i]) for i in windowed) if windowed else 0
+        self.split: kv_budget.Split | None = None  # CUDA: the free memory's split (_kv_pages)
         num_pages, num_window_pages = self._kv_pages(widest, windowed, window)
         num_pages, num_window_pages = min_over_ranks(num_pages, tp), min_over_ranks(num_window_pages, tp)
         capacity = num_pages * cfg.page_size
@@ -228,6 +230,8 @@ class Engine:
         )
         self.pool = KVPool(shape, num_pages, cfg.page_size, cfg.max_running_requests, self.max_context_len, self.device,
                            kv_scale=cfg.kv_cache_scale, window_layers=windowed, num_window_pages=num_window_pages)
+        if self.split is not None:
+            self.split.report(capacity)
         self.attn = create_backend(
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
             mc.head_dim, mc.attn_scale, self.device, self.kernels, variants=mc.attention_variants,
@@ -293,7 +297,7 @@ class Engine:
         """An engine for a speculative draft model beside this one (scheduler/draft_model.py): the same device and
         modes, TP 1, a KV pool of as many tokens as this one's, no compiled decode."""
         cfg = dataclasses.replace(self.cfg, model=model, max_total_tokens=self.spec.num_pages * self.spec.page_size,
-                                  device=str(self.device), torch_compile="off")
+                                  device=str(self.device), torch_compile="off", keep_free=None)
         return Engine(cfg)
 
     def start_serving(self) -> None:
@@ -318,7 +322,9 @@ class Engine:
         cfg = self.cfg
         shape = state_shape(self.model_cfg, self.dtype, self.tp)
         if self.device.type == "cuda":
-            budget = int(torch.cuda.mem_get_info(self.device)[0] * cfg.mem_fraction)
+            free = torch.cuda.mem_get_info(self.device)[0]
+            budget = kv_budget.split(free, kv_budget.shares_device(cfg.keep_free, self.device),
+                                     mem_fraction=cfg.mem_fraction).kv_bytes
         else:
             budget = int(cfg.kv_cache_gib * (1 << 30))
         # every rank the same count (they schedule alike)
@@ -333,9 +339,11 @@ class Engine:
     def _kv_pages(self, shape: KVShape, windowed: tuple[int, ...] = (), window: int = 0) -> tuple[int, int]:
         """(full pages, window pages) of the KV pool: by --max-total-tokens (full pages, and window pages for the
         running requests' windows, `window_tokens`, at most as many), else by the memory budget (`KVPool.split_budget`
-        with window layers)."""
+        with window layers); on CUDA, beside what `keep_free` keeps (engine/kv_budget.py)."""
         cfg = self.cfg
-        self._free_after_weights = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        cuda = self.device.type == "cuda"
+        self._free_after_weights = free = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+        keep = kv_budget.shares_device(cfg.keep_free, self.device) if cuda else None
         want = window_tokens(window, cfg.page_size, cfg.max_running_requests) if windowed else 0
         if cfg.max_total_tokens:
             pages = max(1, cfg.max_total_tokens // cfg.page_size)
@@ -343,13 +351,17 @@ class Engine:
             full = tuple(i for i in range(shape.num_layers) if i not in windowed)
             need = ((pages + 1) * cfg.page_size * shape.bytes_per_token(full)  # + the scratch pages
                     + (win + 1) * cfg.page_size * shape.bytes_per_token(windowed))
-            if self.device.type == "cuda" and need > self._free_after_weights:  # refused, not a CUDA OOM traceback
+            if cuda and need > free:  # refused, not a CUDA OOM traceback
                 raise ValueError(f"--max-total-tokens {cfg.max_total_tokens:,} needs a {need / 2**30:.1f} GiB KV pool "
-                                 f"and {self._free_after_weights / 2**30:.1f} GiB of {self.device} is free after the "
+                                 f"and {free / 2**30:.1f} GiB of {self.device} is free after the "
                                  "weights: lower it, or leave it out to size the pool by --mem-fraction")
+            if cuda:
+                self.split = kv_budget.split(free, keep, pool_bytes=need, device=str(self.device))
             return pages, win
-        if self.device.type == "cuda":
-            budget = int(self._free_after_weights * cfg.mem_fraction)
+        if cuda:
+            self.split = kv_budget.split(free, keep, mem_fraction=cfg.mem_fraction, device=str(self.device),
+                                         min_pool=kv_budget.MIN_KV_TOKENS * shape.bytes_per_token())
+            budget = self.split.kv_bytes
         else:
             budget = int(cfg.kv_cache_gib * (1 << 30))
         if windowed:

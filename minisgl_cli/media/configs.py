@@ -10,6 +10,7 @@ ones are on the hub): a prompt becomes about one token a byte.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from minisgl_cli.media.jobs import Kind, MediaError
@@ -110,6 +111,38 @@ def builtin_kind(name: str) -> Kind:
     return PIPELINES[name][0]
 
 
+def _component(name: str, part: str, tokenizer: Any) -> Any:
+    """One component of built-in pipeline `name`, built in torch's current default device (random weights)."""
+    import diffusers
+    import transformers
+
+    cls_name, kwargs = PIPELINES[name][2][part]
+    if part != "text_encoder":
+        return getattr(diffusers, cls_name)(**kwargs)
+    config = getattr(transformers, _CONFIGS[cls_name])(
+        **kwargs, **({} if "vocab_size" in kwargs else {"vocab_size": len(tokenizer)}),
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        **({"decoder_start_token_id": tokenizer.pad_token_id} if cls_name == "UMT5EncoderModel" else {}))
+    return getattr(transformers, cls_name)(config)
+
+
+@functools.cache
+def parameter_counts(name: str) -> dict[str, int]:
+    """The parameters (and buffers) of each weighted component of built-in pipeline `name`, counted on the meta
+    device: no memory, a second or two for Z-Image-Turbo's 10B."""
+    import torch
+
+    builtin_kind(name)
+    tokenizer = byte_tokenizer()
+    counts = {}
+    with torch.device("meta"):
+        for part in PIPELINES[name][2]:
+            if part != "scheduler":
+                module = _component(name, part, tokenizer)
+                counts[part] = sum(t.numel() for t in (*module.parameters(), *module.buffers()))
+    return counts
+
+
 def _cast(model: Any, dtype: Any, keep_fp32: bool = True) -> Any:
     """`model` in `dtype` as from_pretrained(torch_dtype=dtype) leaves it: its fp32-kept modules (Wan's norms,
     RoPE, time embedder) stay in float32 where `keep_fp32` (diffusers always; transformers under fp16 only)."""
@@ -129,7 +162,6 @@ def build_dummy_pipeline(name: str, device: str, dtype: Any) -> Any:
     dtype) and then cast to `dtype`, one module at a time."""
     import diffusers
     import torch
-    import transformers
 
     builtin_kind(name)
     _, pipeline_cls, parts = PIPELINES[name]
@@ -140,17 +172,10 @@ def build_dummy_pipeline(name: str, device: str, dtype: Any) -> Any:
     cuda = [torch.device(device).index or 0] if device.startswith("cuda") else []
     with torch.random.fork_rng(devices=cuda), torch.device(device):
         torch.manual_seed(0)
-        for part, (cls_name, kwargs) in parts.items():
-            if part == "text_encoder":
-                config = getattr(transformers, _CONFIGS[cls_name])(
-                    **kwargs, **({} if "vocab_size" in kwargs else {"vocab_size": len(tokenizer)}),
-                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                    **({"decoder_start_token_id": tokenizer.pad_token_id} if cls_name == "UMT5EncoderModel" else {}))
-                components[part] = _cast(getattr(transformers, cls_name)(config), dtype, dtype == torch.float16)
-            elif part == "scheduler":
-                components[part] = getattr(diffusers, cls_name)(**kwargs)
-            else:
-                components[part] = _cast(getattr(diffusers, cls_name)(**kwargs), dtype)
+        for part in parts:
+            module = _component(name, part, tokenizer)
+            keep_fp32 = part != "text_encoder" or dtype == torch.float16
+            components[part] = module if part == "scheduler" else _cast(module, dtype, keep_fp32)
     transformer = components["transformer"]
     if hasattr(transformer, "x_pad_token"):  # Z-Image's pad embeddings start at zero: a tiny DiT then emits NaN
         with torch.no_grad():

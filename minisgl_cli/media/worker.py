@@ -308,9 +308,10 @@ def failure(exc: Exception) -> tuple[int, str | None, str, str]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return 503, None, "out_of_memory", (
-            f"out of GPU memory for this job ({first_line(exc)[:160]}): beside a text engine on the same GPU, start "
-            "`minisgl serve` with a smaller --mem-fraction (e.g. 0.3) or --max-total-tokens; or ask for fewer images "
-            "or a smaller size")
+            f"out of GPU memory for this job ({first_line(exc)[:160]}): ask for fewer images or a smaller size; beside "
+            "a text engine on the same GPU, `minisgl serve` leaves room for a batch of --media-max-batch images of "
+            "the default size unless --mem-fraction or --max-total-tokens says otherwise: raise --media-max-batch, "
+            "or give the KV pool less with a smaller --mem-fraction")
     log.exception("media generation failed")
     return 500, None, "generation_failed", f"generation failed: {first_line(exc) or type(exc).__name__}"
 
