@@ -279,8 +279,7 @@ def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
         enable(pipe, spec.media_cache, spec.kind)
     from minisgl_cli.media import prompt_cache, text_encoder
 
-    # The encoder compiled on a GPU only: there a short prompt's encode is launch overhead, on a CPU it is arithmetic.
-    text_encoder.install(pipe, compiled=compiles(spec, device) and device.startswith("cuda"))
+    text_encoder.install(pipe)
     prompt_cache.install(pipe, prompt_cache.PromptCache())
     # Fronts show their own progress through step callbacks; diffusers' tqdm would garble it.
     pipe.set_progress_bar_config(disable=True)

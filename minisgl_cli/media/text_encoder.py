@@ -5,10 +5,6 @@ each prompt's own rows of the second-to-last layer. Its Qwen3 encoder is causal 
 no kept row ever attends to a pad: encoding only as far as the batch's longest prompt (shorter ones padded on the
 right, their pad rows dropped as before) gives the same rows in exact arithmetic, at a short prompt for a fifteenth of
 the work. (Kernels chosen for another row count may round the last bit differently, as any batch change does.)
-
-Where the pipeline compiles on a GPU, so do the encoder's decoder layers (one graph for all 36): eager, a short prompt's encode
-is ~30 ms of Python launching ~700 small kernels on an H200, not arithmetic. The tokens are then padded to a multiple
-of BUCKET, so a server meets a few shapes, not one a prompt length.
 """
 
 from __future__ import annotations
@@ -16,13 +12,10 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-BUCKET = 64  # compiled: the encoded length rounded up to this (pads after a causal prompt change none of its rows)
 
-
-def install(pipe: Any, compiled: bool = False) -> bool:
-    """Replace a Z-Image pipeline's `_encode_prompt` with `prompt_rows` (`compiled`: its encoder's layers compiled,
-    lengths bucketed); False (nothing done) for any other pipeline, or a Z-Image whose method no longer takes the
-    arguments this one reads."""
+def install(pipe: Any) -> bool:
+    """Replace a Z-Image pipeline's `_encode_prompt` with `prompt_rows`; False (nothing done) for any other pipeline,
+    or a Z-Image whose method no longer takes the arguments this one reads."""
     original = getattr(pipe, "_encode_prompt", None)
     if type(pipe).__name__ != "ZImagePipeline" or original is None:
         return False
@@ -34,32 +27,25 @@ def install(pipe: Any, compiled: bool = False) -> bool:
         if prompt_embeds is not None:
             return prompt_embeds
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        return prompt_rows(pipe, prompts, device or pipe._execution_device, max_sequence_length,
-                           BUCKET if compiled else 1)
+        return prompt_rows(pipe, prompts, device or pipe._execution_device, max_sequence_length)
 
-    if compiled:
-        from minisgl_cli.media.compile import use_persistent_cache
-
-        use_persistent_cache()
-        for layer in pipe.text_encoder.layers:
-            layer.compile()
     pipe._encode_prompt = encode
     return True
 
 
-def prompt_rows(pipe: Any, prompts: list[str], device: Any, max_tokens: int, bucket: int = 1) -> list[Any]:
+def prompt_rows(pipe: Any, prompts: list[str], device: Any, max_tokens: int) -> list[Any]:
     """Each prompt's embedding rows (its tokens x the encoder's width), as diffusers' Z-Image makes them: the chat
-    template with thinking on, cut at `max_tokens`, the second-to-last layer's hidden states. The batch is encoded
-    as long as its longest prompt, rounded up to a multiple of `bucket`."""
+    template with thinking on, cut at `max_tokens`, the second-to-last layer's hidden states."""
     import torch
 
     tok = pipe.tokenizer
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
                                      enable_thinking=True) for p in prompts]
     ids = tok(texts, truncation=True, max_length=max_tokens)["input_ids"]
-    longest = -(-max(len(row) for row in ids) // bucket) * bucket
+    longest = max(len(row) for row in ids)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     batch = torch.tensor([row + [pad] * (longest - len(row)) for row in ids], device=device)
-    # No attention mask: causal attention alone keeps every prompt's rows off the pads after them.
-    states = pipe.text_encoder(input_ids=batch, output_hidden_states=True).hidden_states[-2]
+    # No attention mask: causal attention alone keeps every prompt's rows off the pads after them. No KV cache: one
+    # pass. (Compiling the encoder did not pay: transformers' cache and output hooks recompiled it per layer.)
+    states = pipe.text_encoder(input_ids=batch, use_cache=False, output_hidden_states=True).hidden_states[-2]
     return [states[i, : len(row)] for i, row in enumerate(ids)]
