@@ -100,8 +100,11 @@ class TritonBackend(AttentionBackend):
                 raise ValueError(f"layer {i}: {h} query heads are not a multiple of its {hkv} KV heads")
             self._shape_of.append((h, hkv, d) if hkv else None)
         self.shapes: tuple[HeadShape, ...] = tuple(dict.fromkeys(s for s in self._shape_of if s is not None))
-        self.num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count if on_cuda \
-            else INTERPRETER_SMS
+        self._max_kv_heads = max(hkv for _, hkv, _ in self.shapes)
+        # Each shape's decode tile: no split shorter than one (prepare caps the splits by the tiles of a step)
+        self._block_n = {s: tk.decode_block_n(s[2], pool.shape.dtype.itemsize) for s in self.shapes}
+        self.num_sms = (torch.cuda.get_device_properties(pool.device).multi_processor_count if on_cuda
+                        else INTERPRETER_SMS)
         self._graph: dict[str, torch.Tensor] | None = None
         self._graph_max_bs = 0
         self._order_dirty = False  # the graphs' order holds a permutation (a step of more than IN_ORDER_MAX_BS)
@@ -113,7 +116,7 @@ class TritonBackend(AttentionBackend):
 
     def _split_counters(self, bs: int) -> torch.Tensor:
         """Zeros for bs requests' split counters (each decode call leaves them zero again): kept, grown as needed."""
-        n = bs * max(hkv for _, hkv, _ in self.shapes)
+        n = bs * self._max_kv_heads
         if self._counters.numel() < n:
             self._counters = torch.zeros(max(n, 2 * self._counters.numel()), dtype=torch.int32,
                                          device=self.pool.device)
@@ -137,9 +140,8 @@ class TritonBackend(AttentionBackend):
         if batch.is_decode:
             bs = batch.batch_size
             # No point in splits shorter than one KV tile: cap by the longest context of this step.
-            longest, itemsize = max(batch.seq_lens_cpu, default=1), self.pool.shape.dtype.itemsize
-            splits = {s: max(1, min(self._splits(bs, s), -(-longest // tk.decode_block_n(s[2], itemsize))))
-                      for s in self.shapes}
+            longest = max(batch.seq_lens_cpu, default=1)
+            splits = {s: max(1, min(self._splits(bs, s), -(-longest // n))) for s, n in self._block_n.items()}
             n_o, n_lse = self._scratch_size(bs, splits)
             dev = self.pool.device
             plans = self._plan(bs, splits, torch.empty(n_o, dtype=torch.float32, device=dev),
@@ -161,7 +163,7 @@ class TritonBackend(AttentionBackend):
             "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
             "order": torch.arange(max_bs, dtype=torch.int32, device=dev),
             "identity": torch.arange(max_bs, dtype=torch.int32, device=dev),
-            "counters": torch.zeros(max_bs * max(hkv for _, hkv, _ in self.shapes), dtype=torch.int32, device=dev),
+            "counters": torch.zeros(max_bs * self._max_kv_heads, dtype=torch.int32, device=dev),
             "mid_o": torch.empty(max(o for o, _ in sizes), dtype=torch.float32, device=dev),
             "mid_lse": torch.empty(max(lse for _, lse in sizes), dtype=torch.float32, device=dev),
         }
