@@ -31,8 +31,8 @@ def create_backend(
     """Build the attention backend `name` over `pool`; `kernels` is the engine's choice (PDL for Triton's);
     `variants`: some layer attends through a sliding window or with sinks, which FlashInfer's wrappers here do not
     take (refused by name; auto skips it); `layer_heads`: each pool layer's query heads where the model's layers differ
-    in head shape (the pool's per-layer shapes: Gemma 4), which torch and Triton run and FlashInfer's wrappers here,
-    planned for one shape, do not (refused by name; auto skips it).
+    in head shape (() = num_heads for every layer). A pool of per-layer shapes (Gemma 4) runs on torch and Triton;
+    FlashInfer's wrappers here plan for one shape (refused by name; auto skips it).
 
     "auto": FlashInfer if it imports and passes a tiny decode check, else Triton on CUDA (if it
     imports), else torch -- always torch on the CPU, where neither GPU library is even imported. An FP8 pool
