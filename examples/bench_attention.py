@@ -6,9 +6,11 @@ card's device-to-device copy bandwidth measured here (bytes read + written). Sma
 read faster than HBM; the large ones are the honest figures.
 
     PYTHONPATH=. python examples/bench_attention.py [--page-size 16] [--quick]
-                                                    [--sweep-decode [--kv-fp8] | --sweep-extend]
+                                                    [--sweep-decode [--kv-fp8] | --sweep-extend] [--shape NAME]
 
 --kv-fp8 runs the decode sweep over an FP8 pool (e4m3 codes, per-head scales): bytes counted at one per value.
+--shape: the sweeps' heads (default llama8b; gemma4-global / gemma4-sliding: Gemma-4-31B's 4 KV heads of 512 and
+16 of 256, 32 query heads).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from minisgl_cli.engine.host import HostBuffers
 from minisgl_cli.kvcache.pool import KVPool, KVShape
 
 SHAPES = {"llama8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}
+WIDE_SHAPES = {"gemma4-global": (32, 4, 512), "gemma4-sliding": (32, 16, 256)}  # for the sweeps (--shape)
 
 
 def build(mode: str, prefix: list[int], ext: list[int], heads, page_size: int, dtype: torch.dtype):
@@ -77,21 +80,26 @@ def copy_bandwidth() -> float:
 
 EXTEND_CASES = (([0], [4096]), ([2048] * 4, [1024] * 4), ([0] * 16, [512] * 16))
 EXTEND_CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 128, 8, 2)]
+# heads wider than 128 (tiles that fit shared memory and registers)
+WIDE_EXTEND_CONFIGS = [(32, 32, 4, 2), (32, 32, 8, 2), (32, 32, 8, 3), (64, 32, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2),
+                       (16, 64, 4, 2), (64, 16, 8, 2)]
 
 
-def sweep_extend(page_size: int) -> None:
-    """Median ms of the Triton extend kernel per (BLOCK_M, BLOCK_N, warps, stages), llama8b shape, bf16."""
+def sweep_extend(page_size: int, shape: str = "llama8b") -> None:
+    """Median ms of the Triton extend kernel per (BLOCK_M, BLOCK_N, warps, stages), `shape`'s heads, bf16."""
     from minisgl_cli.kernels.triton import attention as tk
 
-    heads = SHAPES["llama8b"]
-    print(f"# {torch.cuda.get_device_name()}: extend sweep, llama8b heads, bf16, page_size {page_size}")
+    heads = (SHAPES | WIDE_SHAPES)[shape]
+    configs = EXTEND_CONFIGS if heads[2] <= 128 else WIDE_EXTEND_CONFIGS
+    print(f"# {torch.cuda.get_device_name()}: extend sweep, {shape} heads, bf16, page_size {page_size}; "
+          f"default {tk.extend_config(heads[2])}")
     for prefix, ext in EXTEND_CASES:
         pool, batch, q, k, v = build("prefill", prefix, ext, heads, page_size, torch.bfloat16)
         pool.store(0, batch.out_cache_loc, k, v)
         flops = sum(4 * heads[0] * heads[2] * (e * p + e * (e + 1) / 2) for p, e in zip(prefix, ext))
         ms_torch = time_backend("torch", pool, batch, q, k, v, heads, graph=False)
         cells = [f"torch {ms_torch:.3f} ({flops / ms_torch / 1e9:.0f})"]
-        for cfg in EXTEND_CONFIGS:
+        for cfg in configs:
             fn = functools.partial(
                 tk.extend_attention, q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
                 batch.qo_indptr, max(ext), 1.0 / math.sqrt(heads[2]), config=cfg,
@@ -122,9 +130,9 @@ def fp8_pool(pool: KVPool) -> KVPool:
     return out
 
 
-def sweep_decode(page_size: int, fp8: bool = False) -> None:
-    """Decode kernel per (BLOCK_N, warps, stages), llama8b heads (and qwen3's at 256 requests), bf16 or FP8 KV,
-    programs started longest context first (as the backend does), inside a CUDA graph: KV-read GB/s.
+def sweep_decode(page_size: int, fp8: bool = False, shape: str = "llama8b") -> None:
+    """Decode kernel per (BLOCK_N, warps, stages), `shape`'s heads (llama8b: and qwen3's at 256 requests), bf16 or
+    FP8 KV, programs started longest context first (as the backend does), inside a CUDA graph: KV-read GB/s.
 
     Cases: 256 requests of mixed contexts (the nano-vllm preset's steady state; one split, no reduce)
     and one request of 640 / 4096 tokens (batch-1 decode; split-K + reduce).
@@ -136,15 +144,15 @@ def sweep_decode(page_size: int, fp8: bool = False) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rnd = random.Random(0)
     bs256 = [rnd.randint(200, 1600) for _ in range(256)]
-    cases = {"bs256 ctx U[200,1600]": ("llama8b", bs256), "bs1 ctx 640": ("llama8b", [640]),
-             "bs1 ctx 4096": ("llama8b", [4096]),
-             "bs32 ctx U[200,1600]": ("llama8b", [rnd.randint(200, 1600) for _ in range(32)])}
-    if fp8:
+    cases = {"bs256 ctx U[200,1600]": (shape, bs256), "bs1 ctx 640": (shape, [640]),
+             "bs1 ctx 4096": (shape, [4096]),
+             "bs32 ctx U[200,1600]": (shape, [rnd.randint(200, 1600) for _ in range(32)])}
+    if fp8 and shape == "llama8b":
         cases["qwen3 bs256 ctx U[200,1600]"] = ("qwen3-0.6b", bs256)
     kind = "fp8 e4m3" if fp8 else "bf16"
-    print(f"# {torch.cuda.get_device_name()}: decode sweep, {kind} KV, page_size {page_size}")
-    for label, (shape, ctxs) in cases.items():
-        heads = SHAPES[shape]
+    print(f"# {torch.cuda.get_device_name()}: decode sweep, {shape} heads, {kind} KV, page_size {page_size}")
+    for label, (name, ctxs) in cases.items():
+        heads = (SHAPES | WIDE_SHAPES)[name]
         h, hkv, d = heads
         pool, batch, q, k, v = build("decode", [c - 1 for c in ctxs], [1] * len(ctxs), heads, page_size, torch.bfloat16)
         quant = None
@@ -159,7 +167,9 @@ def sweep_decode(page_size: int, fp8: bool = False) -> None:
         out = torch.empty_like(q)
         order = torch.argsort(batch.seq_lens, descending=True).to(torch.int32)
         cells = []
-        for cfg in DECODE_CONFIGS_FP8 if fp8 else DECODE_CONFIGS:
+        default_cfg = tk.decode_config(d, pool.k[0].element_size())
+        configs = DECODE_CONFIGS_FP8 if fp8 else DECODE_CONFIGS
+        for cfg in configs + ([default_cfg] if default_cfg not in configs else []):
             fn = functools.partial(
                 tk.decode_attention, q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
                 1.0 / math.sqrt(d), splits, mid_o, mid_lse, out, config=cfg, quant=quant, order=order,
@@ -171,7 +181,7 @@ def sweep_decode(page_size: int, fp8: bool = False) -> None:
             except Exception as exc:  # e.g. out of shared memory for a config
                 print(f"  {cfg} failed: {type(exc).__name__}")
         cells.sort(reverse=True)
-        default = next((c for c in cells if c[1] == tk.decode_config(d, fp8)), None)
+        default = next((c for c in cells if c[1] == default_cfg), None)
         assert default is not None, "the default config is in the sweep"
         print(
             f"{label} (splits {splits}, KV {kv_bytes / 1e6:.0f} MB): "
@@ -189,12 +199,13 @@ def main() -> None:
     ap.add_argument("--sweep-extend", action="store_true", help="only time extend tile configs")
     ap.add_argument("--sweep-decode", action="store_true", help="only time decode kernel configs")
     ap.add_argument("--kv-fp8", action="store_true", help="--sweep-decode over an FP8 KV pool")
+    ap.add_argument("--shape", default="llama8b", choices=[*SHAPES, *WIDE_SHAPES], help="the sweeps' heads")
     args = ap.parse_args()
     if args.sweep_decode:
-        sweep_decode(args.page_size, args.kv_fp8)
+        sweep_decode(args.page_size, args.kv_fp8, args.shape)
         return
     if args.sweep_extend:
-        sweep_extend(args.page_size)
+        sweep_extend(args.page_size, args.shape)
         return
     dtype = torch.bfloat16
     have_fi = importlib.util.find_spec("flashinfer") is not None

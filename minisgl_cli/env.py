@@ -169,6 +169,12 @@ def hub_offline() -> bool:
     return flag("HF_HUB_OFFLINE")
 
 
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET (Triton's own): its interpreter runs the Triton kernels on CPU tensors, so the triton attention
+    backend takes a CPU device too (slow: for tests on a machine without a GPU)."""
+    return flag("TRITON_INTERPRET")
+
+
 # --- chat ----------------------------------------------------------------------------------------
 def state_dir() -> Path:
     """MINISGL_HOME: where the chat history lives; default ~/.local/state/minisgl."""

@@ -95,6 +95,29 @@ def test_triton_kernels_window_and_sinks_match_the_definition(mode, splits, wind
     assert ((out.float().cpu() - ref).norm() / ref.norm()).item() < tol
 
 
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("merged", [False, True], ids=["reduce", "merged"])
+def test_triton_decode_of_wide_heads_matches_the_definition(merged):
+    """Head dim 512 (Gemma 4's global layers): its own tiles, and the split partials merged in column halves, by the
+    reduce pass and by the last split program; window and sinks on."""
+    patch_interpreter()
+    from minisgl_cli.kernels.triton import attention as tk
+
+    heads, window = (HEADS[0], 1, 512), 45
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    pool, batch, q, k, v = make_case("decode", [s - 1 for s in DECODE], [1] * len(DECODE), heads, 16, dtype, DEV,
+                                     seed=10)
+    pool.store(0, batch.out_cache_loc, k, v)
+    sinks = _sinks(DEV)
+    counters = torch.zeros(len(DECODE), dtype=torch.int32, device=DEV) if merged else None
+    out = tk.decode_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
+                              1.0 / math.sqrt(heads[2]), 3, window=window, sinks=sinks, counters=counters)
+    ref = naive(pool, batch, q, heads, window, sinks)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert ((out.float().cpu() - ref).norm() / ref.norm()).item() < tol
+
+
 class OneCallBackend(TorchBackend):
     """The torch backend as it attends on the GPU (the kernels' reference) and over an FP8 pool: not row_invariant,
     so decode runs SDPA under the window's mask and each request's extend rows attend in one call."""
@@ -174,3 +197,103 @@ def test_window_layer_reads_its_own_pages_through_the_slot_map(mode, backend):
     ref = naive(pool, batch, q, HEADS, window, None)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     assert ((out.float().cpu() - ref).norm() / ref.norm()).item() < tol
+
+
+# Gemma 4's two kinds of layer as (query heads, KV heads, head dim): narrow sliding heads (window 8) and one wide KV
+# head of the global layers' 512 (the full-size model's), each layer its own split count at a decode step.
+MIXED = ((4, 2, 16), (4, 1, 512))
+MIXED_WINDOWS = (8, 0)
+MIXED_EXTEND = [(0, 21), (13, 9), (40, 2)]  # (cached prefix, new tokens), fewer than EXTEND's: wide heads cost more
+
+
+def _mixed_case(mode: str, dtype: torch.dtype, device: str, seed: int = 8):
+    """A two-layer pool of MIXED's shapes (random KV everywhere; an FP8 one calibrated to means far from zero, so a
+    layer that read another's means would show), `_case`'s requests, and each layer's q / k / v of this step."""
+    from minisgl_cli.kvcache.pool import KVShape
+
+    if mode == "decode":
+        one, batch, *_ = _case(mode, dtype, device)
+    else:
+        prefix, ext = zip(*MIXED_EXTEND)
+        one, batch, *_ = make_case("prefill", list(prefix), list(ext), MIXED[0], 16, dtype, device, seed=9)
+    shape = KVShape(2, MIXED[0][1], MIXED[0][2], dtype, per_layer=tuple((hkv, d) for _, hkv, d in MIXED))
+    pool = KVPool(shape, one.num_pages, one.page_size, one.page_table.shape[0], one.max_context_len, device)
+    pool.page_table.copy_(one.page_table)
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.float32 if pool.quantized else dtype
+    slots = torch.arange(pool.k[0].shape[0], device=device)
+    for layer, (_, hkv, d) in enumerate(MIXED):
+        kv = [torch.randn((len(slots), hkv, d), generator=g).to(device, wide) + 3 for _ in range(2)]
+        if pool.quantized:
+            pool.calibrate(layer, *kv)
+        pool.store(layer, slots, *kv)
+    T = batch.out_cache_loc.numel()
+    qkv = [tuple(torch.randn((T, n, d), generator=g).to(device, wide) for n in (h, hkv, hkv)) for h, hkv, d in MIXED]
+    return pool, batch, qkv
+
+
+def _reference(pool: KVPool, batch, qkv) -> list[torch.Tensor]:
+    """Each layer's attention through the torch backend (one call a request, as on the GPU) over a copy of the pool."""
+    import copy
+
+    ref_pool = copy.copy(pool)
+    ref_pool.k, ref_pool.v = [t.clone() for t in pool.k], [t.clone() for t in pool.v]
+    be = OneCallBackend(ref_pool, *MIXED[0], 1.0)
+    ref_batch = copy.copy(batch)
+    be.prepare(ref_batch)
+    return [be.forward(*qkv[i], i, ref_batch, window=MIXED_WINDOWS[i]).float().cpu() for i in range(len(MIXED))]
+
+
+# The interpreter runs the first four (its "16bit" is fp32); the GPU all: the fp32 and FP8 tiles of 512-wide heads too
+MIXED_CASES = [("decode", "16bit"), ("graph", "16bit"), ("extend", "16bit"), ("decode", "fp8"), ("extend", "fp8"),
+               ("decode", "fp32"), ("graph", "fp32"), ("extend", "fp32")]
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("mode,kv", MIXED_CASES)
+def test_triton_backend_runs_layers_of_different_head_shapes(mode, kv):
+    """The Triton backend over a pool whose layers differ in head shape (Gemma 4): a decode step's split-K plan per
+    shape (different split counts) over one shared scratch sized for the largest, the same through the CUDA-graph
+    state (captured on a GPU with other context lengths, replayed with the real ones), and extend; a head dim of 512,
+    windows on the narrow layer; an FP8 pool's per-layer means read where the kernels look. All as the torch
+    backend."""
+    if DEV != "cuda" and (mode, kv) not in MIXED_CASES[:4]:
+        pytest.skip("the interpreter's tiles are correct at any size: the GPU runs the other tiles")
+    patch_interpreter()
+    from minisgl_cli.attention.triton_backend import TritonBackend
+    from minisgl_cli.kernels.fp8 import FP8
+
+    dtype = {"fp8": FP8, "fp32": torch.float32}.get(kv, torch.bfloat16 if DEV == "cuda" else torch.float32)
+    pool, batch, qkv = _mixed_case("prefill" if mode == "extend" else "decode", dtype, DEV)
+    ref = _reference(pool, batch, qkv)
+    be = TritonBackend(pool, *MIXED[0], 1.0, layer_heads=tuple(h for h, _, _ in MIXED))
+    if mode == "graph":
+        be.init_cuda_graph_state(len(DECODE) + 2)  # the scratch sized for every graph's worst shape
+        be.prepare_for_capture(len(DECODE), batch)
+        for i, (_, k, v) in enumerate(qkv):
+            be.store(i, batch.out_cache_loc, k, v)
+        run = lambda: [be.attend(*qkv[i], i, batch, MIXED_WINDOWS[i]) for i in range(len(MIXED))]  # noqa: E731
+        if DEV == "cuda":
+            run()  # compiles outside the capture
+            real = batch.seq_lens.clone()
+            batch.seq_lens.fill_(1)  # captured at other lengths: the graph reads the real ones at replay
+            be.prepare_for_replay(batch, len(DECODE))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = run()
+            batch.seq_lens.copy_(real)
+            be.prepare_for_replay(batch, len(DECODE))
+            graph.replay()
+            torch.cuda.synchronize()
+        else:
+            be.prepare_for_replay(batch, len(DECODE))
+            outs = run()
+    else:
+        be.prepare(batch)
+        if mode == "decode":  # each shape its own split count (its tiles: 16 or 32 positions at 512, 128 at 16)
+            assert len({p.num_splits for p in batch.attn_meta.splits.values()}) == 2
+        outs = [be.forward(*qkv[i], i, batch, window=MIXED_WINDOWS[i]) for i in range(len(MIXED))]
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for out, want in zip(outs, ref):
+        assert ((out.float().cpu() - want).norm() / want.norm()).item() < tol

@@ -10,6 +10,7 @@ layer keeping every token would (the engine's own accounting)."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 import pytest
@@ -19,6 +20,7 @@ from test_hf_parity import EXACT, hf_greedy
 
 from minisgl_cli import LLM, SamplingParams
 from minisgl_cli.types import SchedulerStats
+from tests.triton_interp import INTERPRET, patch_interpreter
 
 WINDOW = 8
 N_NEW = 24
@@ -32,11 +34,12 @@ def _prompts() -> list[list[int]]:
     return ids + [prefix + torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 6, 11)]
 
 
-def _ours(model_dir, prompts: list[list[int]], **kw) -> tuple[list[list[int]], list[list[int]]]:
-    """(cold, cached): every prompt greedily, then all of them again (now each prompt's KV comes from the cache).
-    `max_prefill_tokens` 12 cuts the long prompts into chunks that end inside a window."""
-    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
-    with LLM(str(model_dir), attention_backend="torch", max_prefill_tokens=12, **EXACT, **kw) as llm:
+def _ours(model_dir, prompts: list[list[int]], backend: str = "torch", n: int = N_NEW,
+          **kw) -> tuple[list[list[int]], list[list[int]]]:
+    """(cold, cached): every prompt's `n` greedy tokens, then all of them again (now each prompt's KV comes from the
+    cache). `max_prefill_tokens` 12 cuts the long prompts into chunks that end inside a window."""
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    with LLM(str(model_dir), attention_backend=backend, max_prefill_tokens=12, **EXACT, **kw) as llm:
         cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
         cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
         llm.client.check_pages()
@@ -221,13 +224,15 @@ def test_gemma4_checkpoint_wrapped_with_towers_serves_its_text_model(windowed_di
 
 
 def test_gemma4_parts_not_built_are_refused_at_load_by_name(windowed_dirs, tmp_path):
-    """Gemma 4's MoE block and its bidirectional mode are refused by name; so are the GPU backends for its layers of
-    two head shapes (the torch backend runs them, also on CUDA)."""
+    """Gemma 4's MoE block and its bidirectional mode are refused by name; so is FlashInfer for layers of two head
+    shapes (torch and Triton run them), windowed or not."""
     import json
     import shutil
 
+    from minisgl_cli.attention import create_backend
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.kvcache.pool import KVPool, KVShape
     from minisgl_cli.loader.errors import ModelLoadError
 
     src = windowed_dirs["gemma4"]
@@ -239,16 +244,34 @@ def test_gemma4_parts_not_built_are_refused_at_load_by_name(windowed_dirs, tmp_p
         (d / "config.json").write_text(json.dumps({**cfg, field: value}))
         with pytest.raises(ModelLoadError, match=what):
             Engine(EngineConfig(model=str(d), **EXACT))
-    with pytest.raises(ValueError, match="heads of different shapes.*triton"):
-        Engine(EngineConfig(model=str(src), attention_backend="triton", **EXACT))
+    with pytest.raises(ValueError, match="flashinfer"):
+        Engine(EngineConfig(model=str(src), attention_backend="flashinfer", **EXACT))
+    pool = KVPool(KVShape(2, 2, 16, torch.float32, per_layer=((2, 16), (1, 32))), 4, 1, 1, 4, "cpu")
+    with pytest.raises(ValueError, match="heads of different shapes.*flashinfer"):
+        create_backend("flashinfer", pool, 4, 2, 16, 1.0, "cpu")
+
+
+@pytest.mark.skipif(not (INTERPRET and importlib.util.find_spec("triton") is not None),
+                    reason="needs TRITON_INTERPRET=1 with triton importable (tests/test_gpu_window_attention.py)")
+def test_gemma4_on_triton_under_the_interpreter_matches_transformers(windowed_dirs):
+    """The CUDA path's Triton backend and kernels, run on CPU tensors by Triton's interpreter, over Gemma 4's layers of
+    two head shapes (sliding: 2 KV heads of 16 in window pages; global: 1 of 32; two layers reading others' KV): a
+    prompt past the window prefilled in chunks, decode across the window, then the prompt cached -- transformers'
+    greedy ids. (One prompt and 8 tokens: the interpreter takes ~50 ms a program.)"""
+    patch_interpreter()
+    model_dir = windowed_dirs["gemma4"]
+    prompts = _prompts()[2:3]  # 29 tokens: chunks of 12, 12 and 5 over a window of 8
+    cold, cached = _ours(model_dir, prompts, backend="triton", n=8)
+    assert cold == cached == hf_greedy(model_dir, prompts, 8)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels and CUDA graphs")
-@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gemma4", "gpt_oss"])
 def test_windowed_models_on_triton_and_cuda_graphs_match_transformers(windowed_dirs, family):
-    """The CUDA path in the exact mode: Triton prefill / extend and decode kernels (windows, sinks), decode replayed
-    from CUDA graphs (every layer's window and sinks captured as constants), the prompts chunked and cached."""
+    """The CUDA path in the exact mode: Triton prefill / extend and decode kernels (windows, sinks; Gemma 4's layers
+    of two head shapes, each shape its own split-K plan), decode replayed from CUDA graphs (every layer's window and
+    sinks captured as constants), the prompts chunked and cached."""
     model_dir = windowed_dirs[family]
     prompts = _prompts()
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
@@ -262,14 +285,14 @@ def test_windowed_models_on_triton_and_cuda_graphs_match_transformers(windowed_d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gemma4_on_cuda_runs_the_torch_backend_and_matches_transformers(windowed_dirs):
-    """Gemma 4's layers of two head shapes on CUDA: auto takes the torch backend (the GPU kernels are refused for
-    them), the same greedy ids as transformers, cold and cached."""
+def test_gemma4_on_cuda_runs_the_triton_backend_and_matches_transformers(windowed_dirs):
+    """Gemma 4's layers of two head shapes on CUDA: auto takes the Triton backend (FlashInfer is skipped for them),
+    the same greedy ids as transformers, cold and cached."""
     model_dir = windowed_dirs["gemma4"]
     prompts = _prompts()
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
     with LLM(str(model_dir), max_prefill_tokens=12, device="cuda", **EXACT) as llm:
-        assert llm.client.info.attention_backend == "torch"
+        assert llm.client.info.attention_backend == "triton"
         cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
         cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
         llm.client.check_pages()

@@ -1,5 +1,5 @@
 """The Triton attention backend: our own paged kernels (split-K decode, causal extend, fused KV store), graph-ready;
-16-bit or FP8 KV (the kernels dequantize in registers)."""
+16-bit or FP8 KV (the kernels dequantize in registers); layers of different head shapes (Gemma 4)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,32 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl_cli import env
 from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.kernels.triton import attention as tk
 from minisgl_cli.kvcache.pool import KVPool
 from minisgl_cli.layers.kernel_choice import Kernels
 
+HeadShape = tuple[int, int, int]  # a layer's (query heads, KV heads, head dim)
+INTERPRETER_SMS = 4  # the "SMs" split-K plans for under Triton's interpreter (CPU tensors): a few splits, as on a GPU
+
+
+@dataclass
+class DecodeSplits:
+    """One head shape's split-K plan of a decode step, shared by every layer of that shape."""
+
+    num_splits: int  # KV splits per request (fixed per captured batch size under CUDA graphs)
+    mid_o: torch.Tensor  # [bs, H, num_splits, D] fp32: per-split normalised outputs
+    mid_lse: torch.Tensor  # [bs, H, num_splits] fp32: per-split base-2 log-sum-exps
+
 
 @dataclass
 class TritonDecodeMeta:
     req_rows: torch.Tensor  # [bs] int64: page-table rows
     seq_lens: torch.Tensor  # [bs] int32: context length including this step's token
-    num_splits: int  # KV splits per request (fixed per captured batch size under CUDA graphs)
-    mid_o: torch.Tensor  # [bs, H, num_splits, D] fp32: per-split normalised outputs
-    mid_lse: torch.Tensor  # [bs, H, num_splits] fp32: per-split base-2 log-sum-exps
+    # By head shape: every shape's partials view the step's one scratch (the layers attend one after another)
+    splits: dict[HeadShape, DecodeSplits]
     order: torch.Tensor | None  # [bs] int32: the rows by context length, longest first (the kernel starts those first)
     counters: torch.Tensor | None = None  # [>= bs * Hkv] int32 zeros: the split programs merge their own partials
 
@@ -60,53 +72,82 @@ class TritonBackend(AttentionBackend):
 
     The decode kernels never read host-side values in `attend`: the split count is fixed per `bs` at
     capture and each request's chunking is derived from its seq_len on the device.
+
+    Layers of different head shapes (Gemma 4: narrow sliding heads, wide global ones; `layer_heads` and the pool's
+    per-layer shapes): each distinct (query heads, KV heads, head dim) gets its own split count, planned once a step
+    (or once per captured size) and reused by its layers; all their partials view one scratch sized for the largest
+    shape, the split counters for the most KV heads, so a captured step allocates nothing per layer.
     """
 
     name = "triton"
     supports_cuda_graph = True
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 kernels: Kernels | None = None):
+                 kernels: Kernels | None = None, layer_heads: tuple[int, ...] = ()):
+        """`layer_heads`: each pool layer's query heads where the layers' head shapes differ (() = num_heads)."""
         super().__init__(pool, num_heads, num_kv_heads, head_dim, scale)
         self.kernels = kernels or Kernels()  # the engine's: its `pdl` switches the decode kernels' launch
-        if pool.device.type != "cuda":
+        on_cuda = pool.device.type == "cuda"
+        if not on_cuda and not env.triton_interpret():
             raise ValueError("the triton attention backend needs a CUDA KV pool")
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        self.num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
+        # Each pool layer's head shape; None for a layer that stores no KV (Gemma 4's shared-KV layers attend through
+        # the layer they share).
+        self._shape_of: list[HeadShape | None] = []
+        for i in range(pool.shape.num_layers):
+            hkv, d = pool.shape.of(i)
+            h = layer_heads[i] if layer_heads else num_heads
+            if hkv and h % hkv:
+                raise ValueError(f"layer {i}: {h} query heads are not a multiple of its {hkv} KV heads")
+            self._shape_of.append((h, hkv, d) if hkv else None)
+        self.shapes: tuple[HeadShape, ...] = tuple(dict.fromkeys(s for s in self._shape_of if s is not None))
+        self._max_kv_heads = max(hkv for _, hkv, _ in self.shapes)
+        # Each shape's decode tile: no split shorter than one (prepare caps the splits by the tiles of a step)
+        self._block_n = {s: tk.decode_block_n(s[2], pool.shape.dtype.itemsize) for s in self.shapes}
+        self.num_sms = (torch.cuda.get_device_properties(pool.device).multi_processor_count if on_cuda
+                        else INTERPRETER_SMS)
         self._graph: dict[str, torch.Tensor] | None = None
         self._graph_max_bs = 0
         self._order_dirty = False  # the graphs' order holds a permutation (a step of more than IN_ORDER_MAX_BS)
         self._counters = torch.zeros(0, dtype=torch.int32, device=pool.device)
 
     # --- metadata --------------------------------------------------------------------------------
-    def _splits(self, bs: int) -> int:
-        return tk.num_kv_splits(bs, self.num_kv_heads, self.num_sms)
+    def _splits(self, bs: int, shape: HeadShape) -> int:
+        return tk.num_kv_splits(bs, shape[1], self.num_sms)
 
     def _split_counters(self, bs: int) -> torch.Tensor:
         """Zeros for bs requests' split counters (each decode call leaves them zero again): kept, grown as needed."""
-        n = bs * self.num_kv_heads
+        n = bs * self._max_kv_heads
         if self._counters.numel() < n:
             self._counters = torch.zeros(max(n, 2 * self._counters.numel()), dtype=torch.int32,
                                          device=self.pool.device)
         return self._counters
 
-    def _scratch(self, bs: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        h, d, dev = self.num_heads, self.head_dim, self.pool.device
-        mid_o = torch.empty((bs, h, splits, d), dtype=torch.float32, device=dev)
-        mid_lse = torch.empty((bs, h, splits), dtype=torch.float32, device=dev)
-        return mid_o, mid_lse
+    @staticmethod
+    def _plan(bs: int, splits: dict[HeadShape, int], mid_o: torch.Tensor,
+              mid_lse: torch.Tensor) -> dict[HeadShape, DecodeSplits]:
+        """Each shape's plan of `splits[shape]` splits over views of the flat scratch `mid_o` / `mid_lse`."""
+        return {(h, hkv, d): DecodeSplits(n, mid_o[: bs * h * n * d].view(bs, h, n, d),
+                                          mid_lse[: bs * h * n].view(bs, h, n))
+                for (h, hkv, d), n in splits.items()}
+
+    @staticmethod
+    def _scratch_size(bs: int, splits: dict[HeadShape, int]) -> tuple[int, int]:
+        """(mid_o, mid_lse) floats the largest of these shapes' plans needs."""
+        return (max(bs * h * n * d for (h, _, d), n in splits.items()),
+                max(bs * h * n for (h, _, _), n in splits.items()))
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
             bs = batch.batch_size
             # No point in splits shorter than one KV tile: cap by the longest context of this step.
-            tiles = -(-max(batch.seq_lens_cpu, default=1) // tk.decode_block_n(self.head_dim, self.pool.quantized))
-            splits = max(1, min(self._splits(bs), tiles))
-            mid_o, mid_lse = self._scratch(bs, splits)
+            longest = max(batch.seq_lens_cpu, default=1)
+            splits = {s: max(1, min(self._splits(bs, s), -(-longest // n))) for s, n in self._block_n.items()}
+            n_o, n_lse = self._scratch_size(bs, splits)
+            dev = self.pool.device
+            plans = self._plan(bs, splits, torch.empty(n_o, dtype=torch.float32, device=dev),
+                               torch.empty(n_lse, dtype=torch.float32, device=dev))
             order = torch.argsort(batch.seq_lens, descending=True).to(torch.int32) if bs > IN_ORDER_MAX_BS else None
-            batch.attn_meta = TritonDecodeMeta(batch.req_rows, batch.seq_lens, splits, mid_o, mid_lse, order,
-                                               self._split_counters(bs))
+            batch.attn_meta = TritonDecodeMeta(batch.req_rows, batch.seq_lens, plans, order, self._split_counters(bs))
         else:
             batch.attn_meta = TritonExtendMeta(
                 batch.req_rows, batch.seq_lens, batch.qo_indptr, max(batch.extend_lens_cpu, default=0)
@@ -115,30 +156,27 @@ class TritonBackend(AttentionBackend):
     # --- CUDA graphs -----------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
         dev = self.pool.device
-        # Each captured size bs views bs * splits(bs) partial rows of one flat scratch; size it for the worst bs.
-        rows = max(bs * self._splits(bs) for bs in range(1, max_bs + 1))
+        # Each captured size bs views its shapes' partials in one flat scratch; size it for the worst bs and shape.
+        sizes = [self._scratch_size(bs, {s: self._splits(bs, s) for s in self.shapes}) for bs in range(1, max_bs + 1)]
         self._graph = {
             "req_rows": torch.zeros(max_bs, dtype=torch.int64, device=dev),
             "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
             "order": torch.arange(max_bs, dtype=torch.int32, device=dev),
             "identity": torch.arange(max_bs, dtype=torch.int32, device=dev),
-            "counters": torch.zeros(max_bs * self.num_kv_heads, dtype=torch.int32, device=dev),
-            "mid_o": torch.empty(rows * self.num_heads * self.head_dim, dtype=torch.float32, device=dev),
-            "mid_lse": torch.empty(rows * self.num_heads, dtype=torch.float32, device=dev),
+            "counters": torch.zeros(max_bs * self._max_kv_heads, dtype=torch.int32, device=dev),
+            "mid_o": torch.empty(max(o for o, _ in sizes), dtype=torch.float32, device=dev),
+            "mid_lse": torch.empty(max(lse for _, lse in sizes), dtype=torch.float32, device=dev),
         }
         self._graph_max_bs = max_bs
 
     def prepare_for_capture(self, bs: int, batch: ForwardBatch | None = None) -> TritonDecodeMeta:
         """Decode metadata of static views for a graph of `bs` rows; also set as `batch.attn_meta` if given."""
         g = self._require_graph_state(bs)
-        splits = self._splits(bs)
-        h, d = self.num_heads, self.head_dim
+        splits = {s: self._splits(bs, s) for s in self.shapes}
         meta = TritonDecodeMeta(
             req_rows=g["req_rows"][:bs],
             seq_lens=g["seq_lens"][:bs],
-            num_splits=splits,
-            mid_o=g["mid_o"][: bs * h * splits * d].view(bs, h, splits, d),
-            mid_lse=g["mid_lse"][: bs * h * splits].view(bs, h, splits),
+            splits=self._plan(bs, splits, g["mid_o"], g["mid_lse"]),
             order=g["order"][:bs],
             counters=g["counters"],
         )
@@ -185,9 +223,10 @@ class TritonBackend(AttentionBackend):
         table = self.pool.page_table
         quant = self.pool.layer_quant(layer_id)
         if isinstance(meta, TritonDecodeMeta):
+            plan = meta.splits[self._shape_of[layer_id]]  # type: ignore[index]  # a layer that stores KV
             return tk.decode_attention(
                 q, k_cache, v_cache, table, meta.req_rows, meta.seq_lens, self.scale,
-                meta.num_splits, meta.mid_o, meta.mid_lse, pdl=self.kernels.pdl, quant=quant, order=meta.order,
+                plan.num_splits, plan.mid_o, plan.mid_lse, pdl=self.kernels.pdl, quant=quant, order=meta.order,
                 window=window, sinks=sinks, slot_map=self.pool.slot_map_of(layer_id), counters=meta.counters,
             )
         return tk.extend_attention(

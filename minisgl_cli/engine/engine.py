@@ -235,7 +235,8 @@ class Engine:
         self.attn = create_backend(
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
             mc.head_dim, mc.attn_scale, self.device, self.kernels, variants=mc.attention_variants,
-            mixed_heads=mc.mixed_heads,
+            layer_heads=tuple(mc.heads_of(tp.rank, tp.size, i).n_q for i in range(mc.num_layers)) if mc.mixed_heads
+            else (),
         ) if mc.mla is None else create_mla_backend(cfg.attention_backend, self.pool, heads.n_q, mc.mla.kv_lora_rank,
                                                     mc.mla.qk_rope_head_dim, mc.attn_scale, self.kernels)
         # Every request's sampling parameters on the device, by page-table row (written when a request takes its row).

@@ -109,7 +109,8 @@ class KVPool:
         self._free_window_pages: list[int] = list(range(self.num_window_pages, 0, -1))
         self.quantized = shape.dtype == FP8
         # FP8: scales per (layer, KV head) and means per (layer, KV head, channel), fp32, updated in place only (sized
-        # by the widest layer; a narrower layer's are the leading entries: `_quant`).
+        # by the widest layer; a narrower layer's are the leading entries, its means contiguous [Hkv, D] as the
+        # kernels read them: `_quant`).
         hmax, dmax = max(h for h, _ in layers), max(d for _, d in layers)
         heads, dims = (shape.num_layers, hmax), (shape.num_layers, hmax, dmax)
         self.k_scale = torch.full(heads, kv_scale or 1.0, dtype=torch.float32, device=device)
@@ -247,8 +248,8 @@ class KVPool:
     def _quant(self, layer_id: int) -> KVQuant:
         """Views of this layer's FP8 scales and means (its own heads and channels)."""
         h, d = self.shape.of(layer_id)
-        return KVQuant(self.k_scale[layer_id, :h], self.v_scale[layer_id, :h], self.k_mean[layer_id, :h, :d],
-                       self.v_mean[layer_id, :h, :d])
+        k_mean, v_mean = (m[layer_id].view(-1)[: h * d].view(h, d) for m in (self.k_mean, self.v_mean))
+        return KVQuant(self.k_scale[layer_id, :h], self.v_scale[layer_id, :h], k_mean, v_mean)
 
     def layer_quant(self, layer_id: int) -> KVQuant | None:
         """This layer's FP8 scales and means for a kernel, or None for a 16-bit pool."""

@@ -151,7 +151,7 @@ def _decode_partial_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr, MAPPED: tl.constexpr,
-    MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    MERGE: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_D: tl.constexpr,
 ):
     """Program (b, kv_head, split): attention of b's query heads of this group over one chunk of its context
     (of its last `window` positions where window > 0).
@@ -237,37 +237,38 @@ def _decode_partial_kernel(
             for g in tl.static_range(GROUP):
                 _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, kvh * GROUP + g, seq_len, num_splits,
                               window, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob,
-                              stride_oh, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_S, HAS_SINKS, WINDOWED, ".cg")
+                              stride_oh, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_S, HAS_SINKS, WINDOWED, ".cg", MERGE_D)
             tl.store(counter, 0)  # ready for the next step (the count is all this kernel keeps between steps)
 
 @triton.jit
 def _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, h, seq_len, num_splits, window,
                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                  HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr, CACHE: tl.constexpr):
+                  HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr, CACHE: tl.constexpr, MERGE_D: tl.constexpr):
     """Head h of request b: merge the partials of the non-empty splits, each weighted by exp2(lse - max) (and the
     head's sink in the denominator). CACHE: the loads' cache modifier (".cg" where other SMs just wrote them)."""
     lo = tl.maximum(seq_len - window, 0) if WINDOWED else seq_len * 0
     chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     live = tl.cdiv(seq_len - lo, chunk)  # splits that saw at least one position
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < live
-    d_mask = offs_d < HEAD_DIM
     lse = tl.load(mid_lse_ptr + b.to(tl.int64) * stride_mlb + h * stride_mlh + offs_s,
                   mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
     top = tl.max(lse, 0)
     w = tl.exp2(lse - top)  # masked splits: exp2(-inf) = 0
-    part = tl.load(
-        mid_o_ptr + b.to(tl.int64) * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=CACHE,
-    )
     denom = tl.sum(w, 0)
     if HAS_SINKS:
         denom += tl.exp2(tl.load(sinks_ptr + h) * 1.4426950408889634 - top)
-    out = tl.sum(part * w[:, None], 0) / denom
-    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-             out.to(o_ptr.dtype.element_ty), mask=d_mask)
+    for d0 in tl.static_range(0, BLOCK_D, MERGE_D):  # MERGE_D columns at a time: a wide head's partials in halves
+        offs_d = d0 + tl.arange(0, MERGE_D)
+        d_mask = offs_d < HEAD_DIM
+        part = tl.load(
+            mid_o_ptr + b.to(tl.int64) * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=CACHE,
+        )
+        out = tl.sum(part * w[:, None], 0) / denom
+        tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+                 out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -278,7 +279,7 @@ def _decode_reduce_kernel(
     stride_mlb, stride_mlh,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr,
+    USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr, MERGE_D: tl.constexpr,
 ):
     """Program (b, head): `_merge_splits` as a pass of its own (where no split counters are given)."""
     if USE_PDL:
@@ -287,22 +288,31 @@ def _decode_reduce_kernel(
     b = tl.program_id(0)
     _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, tl.program_id(1), tl.load(seq_lens_ptr + b),
                   num_splits, window, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                  HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_S, HAS_SINKS, WINDOWED, "")
+                  HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_S, HAS_SINKS, WINDOWED, "", MERGE_D)
 
 
-def decode_block_n(head_dim: int, fp8: bool = False) -> int:
-    return decode_config(head_dim, fp8)[0]
+_MERGE_COLS = 256  # the merge's columns at a time: [32 splits, 256] fp32 partials, 64 registers a thread at 4 warps
 
 
-def decode_config(head_dim: int, fp8: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the decode kernel, from H100 sweeps (bench_attention.py --sweep-decode).
+def decode_block_n(head_dim: int, itemsize: int = 2) -> int:
+    return decode_config(head_dim, itemsize)[0]
+
+
+def decode_config(head_dim: int, itemsize: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the decode kernel for a cache of `itemsize`-byte values (1: FP8 codes, 4:
+    fp32), from H100 sweeps (bench_attention.py --sweep-decode) up to head_dim 128.
 
     16-bit KV: 128-position tiles (+2% at 256 requests, +9% at one request over 64). FP8 KV: the same tiles,
     three stages (256 requests, longest first: 2532 GB/s vs 2521 with two, 2290 with 64-position tiles; capping
-    the registers at 128 for a fourth program per SM: 2477)."""
+    the registers at 128 for a fourth program per SM: 2477). Wider heads (Gemma 3's 256, Gemma 4's global 512;
+    not swept yet): tiles of 32 positions, and at 512 eight warps (a program's [16, 512] fp32 accumulator and the
+    merge's [splits, 256] partials at 32 registers a thread) and, over an fp32 cache, 16 positions, so two stages of
+    K and V tiles stay near 128 KB of shared memory."""
+    if head_dim > 256:
+        return (16 if itemsize > 2 else 32), 8, 2
     if head_dim > 128:
         return 32, 4, 2
-    return (128, 4, 3) if fp8 else (128, 4, 2)
+    return (128, 4, 3) if itemsize == 1 else (128, 4, 2)
 
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int = 32) -> int:
@@ -358,7 +368,7 @@ def decode_attention(
         out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    block_n, warps, stages = config or decode_config(D, quant is not None)
+    block_n, warps, stages = config or decode_config(D, k_cache.element_size())
     block_d = _pow2(D, 16)
     direct = num_splits == 1
     merge = counters is not None and not direct
@@ -378,8 +388,8 @@ def decode_attention(
         GROUP=group, HEAD_DIM=D, BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype if quant is None else torch.float16), DIRECT=direct,
         KV_FP8=quant is not None, HAS_ORDER=order is not None, HAS_SINKS=sinks is not None, WINDOWED=window > 0,
-        MAPPED=slot_map is not None, MERGE=merge, BLOCK_S=_pow2(num_splits, 2), num_warps=warps,
-        num_stages=stages, **pdl_kwargs(q, pdl),
+        MAPPED=slot_map is not None, MERGE=merge, BLOCK_S=_pow2(num_splits, 2), MERGE_D=min(block_d, _MERGE_COLS),
+        num_warps=warps, num_stages=stages, **pdl_kwargs(q, pdl),
     )
     if direct or merge:
         return out
@@ -389,7 +399,8 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=_pow2(num_splits, 2), HAS_SINKS=sinks is not None,
-        WINDOWED=window > 0, num_warps=4 if block_d >= 128 else 2, **pdl_kwargs(q, pdl),
+        WINDOWED=window > 0, MERGE_D=min(block_d, _MERGE_COLS), num_warps=4 if block_d >= 128 else 2,
+        **pdl_kwargs(q, pdl),
     )
     return out
 
@@ -515,8 +526,18 @@ def _extend_kernel(
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs with head_dim <= 128; fp32 or wider heads
-# use half-size tiles to stay inside shared memory. Overridable for tuning (examples/bench_attention.py).
+# use smaller tiles to stay inside shared memory (extend_config). Overridable for tuning (examples/bench_attention.py).
 EXTEND_CONFIG: tuple[int, int, int, int] = (64, 64, 4, 2)
+
+
+def extend_config(head_dim: int, itemsize: int = 2) -> tuple[int, int, int, int]:
+    """The extend kernel's tiles for a cache of `itemsize`-byte values (1: FP8 codes, 4: fp32). Up to head_dim 256:
+    EXTEND_CONFIG (16-bit and FP8, up to 128) or half-size tiles. Gemma 4's global heads (512; not swept yet): 32
+    rows over eight warps (the [32, 512] fp32 accumulator at 64 registers a thread), 32-position K / V tiles (16 over
+    an fp32 cache, with 16 rows), two stages in about 128 KB of shared memory."""
+    if head_dim > 256:
+        return (16, 16, 8, 2) if itemsize > 2 else (32, 32, 8, 2)
+    return EXTEND_CONFIG if itemsize <= 2 and head_dim <= 128 else (32, 32, 4, 2)
 
 
 def extend_attention(
@@ -551,9 +572,7 @@ def extend_attention(
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if T == 0 or B == 0:
         return out
-    if config is None:
-        config = EXTEND_CONFIG if q.dtype != torch.float32 and D <= 128 else (32, 32, 4, 2)
-    block_m, block_n, warps, stages = config
+    block_m, block_n, warps, stages = config or extend_config(D, k_cache.element_size())
     grid = (triton.cdiv(max_extend_len, block_m), B, H)
     fp8 = (quant.k_scale, quant.v_scale, quant.v_mean) if quant is not None else (q, q, q)  # placeholders
     _extend_kernel[grid](
@@ -575,7 +594,9 @@ __all__ = [
     "LOG2E",
     "decode_attention",
     "decode_block_n",
+    "decode_config",
     "extend_attention",
+    "extend_config",
     "num_kv_splits",
     "store_kv",
 ]
