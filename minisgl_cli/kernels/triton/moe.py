@@ -24,8 +24,12 @@ Each output row is one MMA row of its block, so where a slot lands in its block 
 FP8 expert weights (e4m3, an fp32 scale per output row) run w8a16 or w8a8 (kernels/triton/moe_tiles.py says which and
 when): w8a16 widens the weight tile to the activation dtype; w8a8 takes the activations as e4m3 codes with a scale
 per row (triton_fp8.quant_rows: the tokens before gate/up, the gate/up output before down), an FP8 MMA on the two
-8-bit tiles. The scales multiply the finished accumulator. The grid is sized for the worst case the shapes allow:
-min(T k BLOCK_M, T k + E (BLOCK_M - 1)) rows, so a decode step's handful of slots launches a handful of blocks.
+8-bit tiles. The scales multiply the finished accumulator. MXFP4 expert weights (gpt-oss's, kept as its checkpoints
+ship them: two e2m1 codes a byte, an e8m0 exponent per 32 values along K) run w4a16: the bytes and exponents loaded
+as stored, each tile widened to the activation dtype in registers (`_mxfp4_tile`: exact, so the result is the
+dequantized weights' up to the order of the fp32 sums), a 16-bit MMA. The grid is sized for the worst case the
+shapes allow: min(T k BLOCK_M, T k + E (BLOCK_M - 1)) rows, so a decode step's handful of slots launches a handful
+of blocks.
 
 gpt-oss's experts (`SwiGLUExperts`): each projection's per-expert bias added to its rounded output, and the clamped
 SwiGLU in place of SiLU-and-mul, in the same two GEMMs; its routing (a softmax over the k largest logits) is the
@@ -162,10 +166,29 @@ def _place_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr, nu
 
 
 @triton.jit
+def _mxfp4_tile(packed, exps, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] weight tile in `dtype` of MXFP4 rows: bytes [BLOCK_N, BLOCK_K / 2] (two e2m1 codes
+    each, the low nibble first) and e8m0 exponents [BLOCK_N, BLOCK_K / 32] (one per 32 values: 2 ** (e - 127)).
+
+    Each value built as fp32 bits, the exponent already added: a code's magnitude bits m = (exponent, mantissa)
+    shifted under the fp32 exponent field make 2 ** (e2m1 exponent - 1) (1 + mantissa / 2) once the block's
+    exponent e - 1 is added there (the normal codes, m >= 2); m = 1 (0.5) is the block's 2 ** (e - 128) alone, and
+    m = 0 is zero. Exact (e2m1 times a power of two) for exponents 2 .. 251, as loader/mxfp4.py's `dequantize`."""
+    p = packed.to(tl.int32)
+    codes = tl.reshape(tl.join(p & 0xF, p >> 4), (BLOCK_N, BLOCK_K))  # k = 2 byte + nibble
+    e = (exps.to(tl.int32) - 1) << 23
+    e = tl.reshape(tl.broadcast_to(e[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+    m = codes & 7
+    bits = tl.where(m >= 2, (m << 22) + e, m * e) | ((codes & 8) << 28)
+    return tl.trans(bits.to(tl.float32, bitcast=True).to(dtype))
+
+
+@triton.jit
 def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                        logits_ptr, N, K, numel, E, stride_a, stride_we, stride_wn, stride_c, stride_se, stride_be,
-                        stride_l, limit, alpha, A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
-                        HAS_SCALE: tl.constexpr, A_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+                        logits_ptr, N, K, numel, E, stride_a, stride_we, stride_wn, stride_c, stride_se, stride_sn,
+                        stride_be, stride_l, limit, alpha, A_DIV: tl.constexpr, GATED: tl.constexpr,
+                        ROUTED: tl.constexpr, HAS_SCALE: tl.constexpr, MXFP4: tl.constexpr, A_SCALE: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         ONE_SLOT: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, RENORMALIZE: tl.constexpr,
                         USE_PDL: tl.constexpr):
@@ -173,6 +196,8 @@ def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sorte
     (GATED: silu(. w[expert, n]) * (. w[expert, N + n])); ROUTED: times rw[slot]. A_SCALE: a holds e4m3 codes,
     row r's value codes * as[r], and the MMA runs on the 8-bit tiles. gpt-oss: HAS_BIAS adds b[expert, n] (and
     b[expert, N + n]) to each projection's output; SWIGLU takes its clamped SwiGLU (`limit`, `alpha`) for SiLU-and-mul.
+    MXFP4: w holds bytes [E, rows, K / 2] (two e2m1 codes each) and s e8m0 exponents [E, rows, K / 32], widened to
+    a's dtype in registers (`_mxfp4_tile`).
 
     ONE_SLOT (a few tokens, no alignment): block b holds slot b alone, in its first row. Gate/up routes it (its
     token's top-k from the gate logits, in every program of the slot) and its first column tile writes the
@@ -207,15 +232,31 @@ def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sorte
     a_ptrs = a_ptr + (slot // A_DIV).to(tl.int64)[:, None] * stride_a + rk[None, :]
     # the weight tile read as [BLOCK_K, BLOCK_N] of the row-major [N, K] matrix
     w_ptrs = w_ptr + expert * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
+    if MXFP4:  # as stored, [BLOCK_N, BLOCK_K / 2] bytes and [BLOCK_N, BLOCK_K / 32] exponents (K a multiple of 32)
+        rb = tl.arange(0, BLOCK_K // 2)
+        rs = tl.arange(0, BLOCK_K // 32)
+        w_ptrs = w_ptr + expert * stride_we + rn.to(tl.int64)[:, None] * stride_wn + rb[None, :]
+        s_ptrs = s_ptr + expert * stride_se + rn.to(tl.int64)[:, None] * stride_sn + rs[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # a e4m3 (A_SCALE): the weight tile's .to is none, an FP8 MMA
         mk = k0 + rk < K
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & mk[None, :], other=0.0)
-        wm = mk[:, None] & mask_n[None, :]
-        acc = tl.dot(a, tl.load(w_ptrs + k0, mask=wm, other=0.0).to(a.dtype), acc)
-        if GATED:
-            acc_up = tl.dot(a, tl.load(w_ptrs + N * stride_wn + k0, mask=wm, other=0.0).to(a.dtype), acc_up)
+        if MXFP4:
+            bm = mask_n[:, None] & (k0 // 2 + rb < K // 2)[None, :]
+            sm = mask_n[:, None] & (k0 // 32 + rs < K // 32)[None, :]
+            w = _mxfp4_tile(tl.load(w_ptrs + k0 // 2, mask=bm, other=0), tl.load(s_ptrs + k0 // 32, mask=sm, other=0),
+                            a.dtype, BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, w, acc)
+            if GATED:
+                w = _mxfp4_tile(tl.load(w_ptrs + N * stride_wn + k0 // 2, mask=bm, other=0),
+                                tl.load(s_ptrs + N * stride_sn + k0 // 32, mask=sm, other=0), a.dtype, BLOCK_N, BLOCK_K)
+                acc_up = tl.dot(a, w, acc_up)
+        else:
+            wm = mk[:, None] & mask_n[None, :]
+            acc = tl.dot(a, tl.load(w_ptrs + k0, mask=wm, other=0.0).to(a.dtype), acc)
+            if GATED:
+                acc_up = tl.dot(a, tl.load(w_ptrs + N * stride_wn + k0, mask=wm, other=0.0).to(a.dtype), acc_up)
     if HAS_SCALE:  # FP8 weights: w = code * scale[expert, row]
         s_ptrs = s_ptr + expert * stride_se + rn
         acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
@@ -248,6 +289,11 @@ def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sorte
     tl.store(c_ptrs, acc.to(dtype), mask=valid[:, None] & mask_n[None, :])
 
 
+def is_mxfp4(w: torch.Tensor) -> bool:
+    """Whether expert weights are MXFP4 bytes (their exponents ride in the scale's place)."""
+    return w.dtype == torch.uint8
+
+
 def align(ids: torch.Tensor, n_exp: int, block_m: int,
           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted slot ids [rows], each block's expert [rows / block_m], padded total [1]) of expert ids [T, k]."""
@@ -277,13 +323,17 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H] in x's dtype (`terms`: the
     [T, k, H] terms, unsummed).
 
-    x [T, H]; gate_up [E, 2I, H] and down [E, H, I] in x's dtype, or e4m3 with fp32 scales [E, 2I] / [E, H];
+    x [T, H]; gate_up [E, 2I, H] and down [E, H, I] in x's dtype, or e4m3 with fp32 scales [E, 2I] / [E, H], or
+    MXFP4 (uint8: `is_mxfp4`) bytes [E, 2I, H / 2] / [E, H, I / 2] with e8m0 exponents [E, 2I, H / 32] / [E, H, I / 32];
     weights [T, k] fp32, ids [T, k]; `tiles` (default: `pick_tiles(T, fp8)`; FP8 weights and `tiles.fp8_act`:
-    w8a8, x and the gate/up output quantized per row to e4m3 for the MMAs); `swiglu`: gpt-oss's experts."""
+    w8a8, x and the gate/up output quantized per row to e4m3 for the MMAs; MXFP4 always w4a16); `swiglu`: gpt-oss's
+    experts."""
     n_tok, k = ids.shape
-    n_exp, two_i, hidden = gate_up.shape
-    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None)
-    w8a8 = tiles.fp8_act and gate_up_scale is not None
+    n_exp, two_i = gate_up.shape[:2]
+    hidden = down.shape[1]
+    mxfp4 = is_mxfp4(gate_up)
+    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None, w8a8=False if mxfp4 else None)
+    w8a8 = tiles.fp8_act and gate_up_scale is not None and not mxfp4
     numel = n_tok * k
     x = x.contiguous()
     out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
@@ -358,7 +408,7 @@ def one_slot_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
     W8A8_MIN_TOKENS)."""
     n_tok, hidden = x.shape
     numel = n_tok * top_k
-    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None, w8a8=False)
+    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None, w8a8=False)  # MXFP4 too: w4a16
     out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
     if numel == 0:
         return out.view(n_tok, top_k, hidden) if terms else out.view(n_tok, top_k, hidden).sum(dim=1)
@@ -377,8 +427,12 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c:
                 route: Route | None = None, swiglu: SwiGLUExperts | None = None) -> None:
     """One of the two expert GEMMs into c [T k, N]: gated, gate/up from the tokens' rows a [T, H]; else down from
     the slots' rows a [T k, I], scaled by their routing weights. `a_scale` [rows, 1] fp32: a is e4m3 codes (w8a8).
-    `swiglu`: gpt-oss's biases (this projection's) and activation."""
+    `swiglu`: gpt-oss's biases (this projection's) and activation. MXFP4 weights (uint8) take `scale` as their
+    exponents."""
     n = w.shape[1] // 2 if gated else w.shape[1]
+    mxfp4 = is_mxfp4(w)
+    if mxfp4 and (a.shape[1] % 32 or cfg.block_k % 32):
+        raise ValueError(f"MXFP4 experts need K ({a.shape[1]}) and BLOCK_K ({cfg.block_k}) multiples of 32")
     grid = (slots.block_expert.numel(), triton.cdiv(n, cfg.block_n))
     one_slot = slots.sorted_ids is None
     assert not (one_slot and gated and route is None), "one-slot blocks: gate/up routes the slots"
@@ -390,10 +444,12 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c:
     _expert_gemm_kernel[grid](a, a_scale, w, scale, bias, c, slots.weights, sorted_ids, slots.block_expert, total,
                               logits, n, a.shape[1], c.shape[0], n_exp, a.stride(0), w.stride(0), w.stride(1),
                               c.stride(0), scale.stride(0) if scale is not None else 0,
-                              bias.stride(0) if bias is not None else 0, logits.stride(0),
+                              scale.stride(1) if scale is not None else 0, bias.stride(0) if bias is not None else 0,
+                              logits.stride(0),
                               swiglu.limit if swiglu is not None else 0.0, swiglu.alpha if swiglu is not None else 0.0,
                               A_DIV=slots.top_k if gated else 1, GATED=gated, ROUTED=not gated,
-                              HAS_SCALE=scale is not None, A_SCALE=a_scale is not None, HAS_BIAS=bias is not None,
+                              HAS_SCALE=scale is not None and not mxfp4, MXFP4=mxfp4, A_SCALE=a_scale is not None,
+                              HAS_BIAS=bias is not None,
                               SWIGLU=swiglu is not None, BLOCK_M=cfg.block_m,
                               BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SLOT=one_slot,
                               K_P2=triton.next_power_of_2(slots.top_k), E_P2=triton.next_power_of_2(n_exp),
