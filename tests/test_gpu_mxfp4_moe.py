@@ -140,3 +140,73 @@ def test_packed_experts_refuse_a_width_off_the_exponent_blocks(T):
     x = torch.randn(2, HIDDEN - 16).to(DEV, DTYPE)
     with pytest.raises(ValueError, match="multiples of 32"):
         T.routed_experts(x, torch.randn(2, n_exp).to(DEV), top_k=top_k, renormalize=True, **packed)
+
+
+@pytest.fixture(scope="module")
+def oss_mxfp4(tmp_path_factory, tokenizer_dir):
+    """A tiny gpt-oss MXFP4 checkpoint as the hub packs them (tests/test_mxfp4.py's)."""
+    from test_mxfp4 import mxfp4_checkpoint, oss_bf16
+
+    root = tmp_path_factory.mktemp("mxfp4_gpu")
+    return mxfp4_checkpoint(oss_bf16(root / "bf16", tokenizer_dir), root / "mxfp4")
+
+
+@CUDA_ONLY
+@pytest.mark.skipif(INTERPRET, reason="the engine on a CUDA GPU")
+def test_mxfp4_checkpoint_stays_packed_on_cuda_and_answers_as_its_dequantized_load(oss_mxfp4):
+    """By default (auto) a CUDA engine keeps the shipped bytes and exponents (the fused kernels run them); its greedy
+    answers, cold and cached, are those of --quantization none (the experts dequantized to bf16 at load)."""
+    from test_mxfp4 import _prompts
+
+    from minisgl_cli import LLM, SamplingParams
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(oss_mxfp4), device="cuda", max_total_tokens=2048))
+    experts = engine.model.layers[0].mlp.experts
+    assert engine.quantization == "mxfp4" and experts.gate_up_proj.dtype == torch.uint8
+    assert experts.gate_up_scale.shape == (4, 64, 2) and experts.down_proj.shape == (4, 64, 16)
+    del engine
+    prompts = _prompts()
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True)] * len(prompts)
+    answers = {}
+    for quantization in ("auto", "none"):
+        with LLM(str(oss_mxfp4), device="cuda", quantization=quantization) as llm:
+            cold = [r.token_ids for r in llm.generate(prompts, params)]
+            cached = [r.token_ids for r in llm.generate(prompts, params)]
+            llm.client.check_pages()
+        assert cold == cached
+        answers[quantization] = cold
+    assert answers["auto"] == answers["none"]
+
+
+@CUDA_ONLY
+@pytest.mark.skipif(INTERPRET, reason="the engine on a CUDA GPU")
+def test_gpt_oss_dummy_weights_are_packed_and_the_kv_pool_gets_the_bytes_saved():
+    """The built-in gpt-oss-20b (cut to 4 layers) with --load-format dummy: random MXFP4 experts kept packed; the KV
+    pool, sized from the memory left after the weights, gets the bytes packing saved against --quantization none."""
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.loader import configs
+
+    cfg = configs.builtin_config("gpt-oss-20b")
+    cfg.update(num_hidden_layers=4, layer_types=cfg["layer_types"][:4])
+    configs.BUILTIN_CONFIGS["gpt-oss-20b-4layer"] = cfg
+    free, pages, expert_bytes = {}, {}, {}
+    try:
+        for quantization in ("auto", "none"):
+            engine = Engine(EngineConfig(model="gpt-oss-20b-4layer", load_format="dummy", device="cuda",
+                                         quantization=quantization, mem_fraction=0.5, disable_cuda_graph=True))
+            assert (engine.quantization == "mxfp4") == (quantization == "auto")
+            free[quantization], pages[quantization] = engine._free_after_weights, engine.pool.num_pages
+            expert_bytes[quantization] = sum(p.numel() * p.element_size() for name, p in engine.model.named_parameters()
+                                             if ".experts." in name and "bias" not in name)
+            del engine
+            torch.cuda.empty_cache()
+    finally:
+        del configs.BUILTIN_CONFIGS["gpt-oss-20b-4layer"]
+    # 4 bits a weight and a byte per 32: 17 / 64 of bf16's bytes
+    assert expert_bytes["auto"] * 64 == expert_bytes["none"] * 17
+    saved = expert_bytes["none"] - expert_bytes["auto"]
+    assert abs((free["auto"] - free["none"]) - saved) < 0.05 * saved
+    assert pages["auto"] > pages["none"]

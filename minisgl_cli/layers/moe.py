@@ -22,8 +22,8 @@ graph-safe there too.
 
 gpt-oss's experts (`SwiGLU`): a bias after each projection and the clamped SwiGLU in place of SiLU-and-mul, its
 gate's bias, and its routing (a softmax over the k largest logits, which is the softmax top-k renormalized); on the
-fused Triton path (16-bit experts and FP8 ones: --quantization fp8 keeps an MXFP4 checkpoint's experts compact on
-the GPU) the kernels add the biases and apply that activation (kernels/triton/moe.py `SwiGLUExperts`).
+fused Triton path (16-bit experts, its MXFP4 checkpoints' experts kept packed on CUDA, or FP8 ones) the kernels add
+the biases and apply that activation (kernels/triton/moe.py `SwiGLUExperts`).
 
 DeepSeek's blocks (`GroupedRouting`, layers/routing.py): the router's logits in fp32 from an fp32 gate, sigmoid or
 softmax scores, grouped top-k with V3's correction bias for the choice only, the routed scaling factor
@@ -55,6 +55,8 @@ from minisgl_cli.layers.quant import LinearMethod, gemv_ops
 from minisgl_cli.layers.routing import GroupedRouting
 from minisgl_cli.loader.blocks import Int4Groups, Int8Groups
 from minisgl_cli.loader.hf import Weight, whole
+from minisgl_cli.loader.mxfp4 import BLOCK as MXFP4_BLOCK
+from minisgl_cli.loader.mxfp4 import dequantize as mxfp4_dequantize
 
 # Checkpoint names of one expert's projections: Qwen3-MoE's and Mixtral's (w1 gate, w3 up, w2 down).
 EXPERT_PROJ = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
@@ -125,8 +127,8 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 def triton_experts(x: torch.Tensor, kernels: Kernels, fp8: bool = False) -> ModuleType | None:
     """The Triton ops when the experts of a step with activations `x` [T, H] take the fused path
-    (kernels/triton/moe.py), else None. FP8 experts take it at every size (the grouped GEMM would need them
-    dequantized per call)."""
+    (kernels/triton/moe.py), else None. FP8 and MXFP4 experts (`fp8`: quantized ones) take it at every size (the
+    grouped GEMM would need them dequantized per call)."""
     ops = kernels.triton(x)
     if ops is None or x.dtype not in (torch.bfloat16, torch.float16):  # fp32's tl.dot would round through tf32
         return None
@@ -233,12 +235,21 @@ class Experts(nn.Module):
 
     `copies` (--quantization int4 / int8, the CPU): once loaded, each expert matrix also gets the method's low-bit
     copy, which decode steps multiply by: a GGUF's own blocks where it shipped them, else quantized from the dense
-    matrix (as a linear layer's are); prefill steps keep the dense weights (layers/quant.py says why)."""
+    matrix (as a linear layer's are); prefill steps keep the dense weights (layers/quant.py says why).
+
+    `mxfp4` (an MXFP4 checkpoint on CUDA, layers/quant.py's mxfp4): the checkpoint's bytes and exponents as shipped
+    (loader/mxfp4.py), rows de-interleaved into gate then up: `gate_up_proj` uint8 [E, 2I, H / 2] with
+    `gate_up_scale` uint8 [E, 2I, H / 32], `down_proj` [E, H, I / 2] with `down_scale` [E, H, I / 32]; the Triton
+    kernels widen them in registers (w4a16), the torch paths (the fused ops off) multiply by them dequantized per
+    call (`dense`)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPInfo, fp8: bool = False,
-                 copies: LinearMethod | None = None, bias: bool = False):
+                 copies: LinearMethod | None = None, bias: bool = False, mxfp4: bool = False):
         super().__init__()
         self.local = n = divide(intermediate_size, tp, "moe intermediate size")
+        if mxfp4 and (n % MXFP4_BLOCK or hidden_size % MXFP4_BLOCK):
+            raise ValueError(f"MXFP4 experts stay packed where their widths are whole {MXFP4_BLOCK}-value blocks, not "
+                             f"{n} (a TP rank's) by {hidden_size}: use --quantization none")
         self.start = tp.rank * n
         self.tp = tp
         # gpt-oss: [E, 2I] (this rank's gate and up rows) and [E, H] (rank 0 holds it: added once before the
@@ -248,6 +259,7 @@ class Experts(nn.Module):
             self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * n), requires_grad=False)
             self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
         self.fp8 = fp8
+        self.mxfp4 = mxfp4
         self.copies = copies if copies is not None and copies.decode_copy else None
         self.gate_up_copies = self.down_copies = None
         self._blocks: dict[tuple[int, str], Int4Groups | Int8Groups] = {}  # (expert, proj): a GGUF's, until copied
@@ -258,6 +270,14 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, n, dtype=dtype), requires_grad=False)
         self.gate_up_scale = self.down_scale = None
+        if mxfp4:  # bytes and exponents, as shipped (see the class docstring)
+            b, u8 = MXFP4_BLOCK, torch.uint8
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size // 2, dtype=u8),
+                                             requires_grad=False)
+            self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, n // 2, dtype=u8), requires_grad=False)
+            self.gate_up_scale = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size // b, dtype=u8),
+                                              requires_grad=False)
+            self.down_scale = nn.Parameter(torch.empty(num_experts, hidden_size, n // b, dtype=u8), requires_grad=False)
         if fp8:
             self.gate_up_scale = nn.Parameter(torch.ones(num_experts, 2 * n, dtype=torch.float32), requires_grad=False)
             self.down_scale = nn.Parameter(torch.ones(num_experts, hidden_size, dtype=torch.float32),
@@ -280,8 +300,14 @@ class Experts(nn.Module):
 
     def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
         """gpt-oss's stacked experts as its checkpoints carry them: `gate_up_proj` [E, H, 2I] with gate and up
-        interleaved (even columns gate), `down_proj` [E, I, H], and their `_bias`es ([E, 2I] interleaved, [E, H])."""
+        interleaved (even columns gate), `down_proj` [E, I, H], and their `_bias`es ([E, 2I] interleaved, [E, H]);
+        MXFP4 experts kept packed: their `_blocks` and `_scales` instead of the projections."""
         n, start = self.local, self.start
+        if self.mxfp4 and name.endswith(("_blocks", "_scales")):
+            self._load_packed(name, loaded)
+            return
+        if self.mxfp4 and name in ("gate_up_proj", "down_proj"):
+            raise KeyError(f"checkpoint expert tensor {name!r} is dense but these experts hold MXFP4 bytes")
         w = whole(loaded)
         if name in ("gate_up_proj", "gate_up_proj_bias"):
             gate, up = w[..., 0::2], w[..., 1::2]  # [E, (H,) I] each
@@ -305,6 +331,23 @@ class Experts(nn.Module):
             raise KeyError(f"checkpoint expert tensor {name!r} is MXFP4 but config.json's quantization_config "
                            "does not say quant_method mxfp4 (loader/mxfp4.py)")
         raise KeyError(f"checkpoint has an experts tensor {name!r} this layer was built without")
+
+    def _load_packed(self, name: str, loaded: Weight) -> None:
+        """An MXFP4 part as loader/mxfp4.py yields it (checked): bytes [E, rows, G, 16] or exponents [E, rows, G] of
+        gate/up (rows interleaved, even ones gate: this rank's gate rows, then its up rows) or down (this rank's
+        blocks of each row)."""
+        n, start, b = self.local, self.start, MXFP4_BLOCK
+        proj, part = name.rsplit("_", 1)
+        dst = {("gate_up_proj", "blocks"): self.gate_up_proj, ("gate_up_proj", "scales"): self.gate_up_scale,
+               ("down_proj", "blocks"): self.down_proj, ("down_proj", "scales"): self.down_scale}.get((proj, part))
+        if dst is None:
+            raise KeyError(f"checkpoint has an MXFP4 experts tensor {name!r} this layer was built without")
+        if proj == "down_proj":
+            w = whole(loaded.narrow(2, start // b, n // b))
+        else:
+            w = whole(loaded)
+            w = torch.cat((w[:, 0::2][:, start:start + n], w[:, 1::2][:, start:start + n]), dim=1)
+        dst.data.copy_(w.flatten(2) if part == "blocks" else w)
 
     @staticmethod
     def _put(param: nn.Parameter, scale: nn.Parameter | None, expert: int, rows: slice, w: torch.Tensor,
@@ -340,7 +383,7 @@ class Experts(nn.Module):
         """The torch loop's multiply by the dense experts on the CPU: the dense linears' GEMMs (layers/cpu_gemm.py:
         in the quantized modes a row's result whatever the rows beside it, so an expert's share of a prompt's rows
         gives a token the same value cold or after a prefix hit), each matrix a view kept for its cached pack."""
-        if self.gate_up_proj.device.type != "cpu" or self.fp8:
+        if self.gate_up_proj.device.type != "cpu" or self.fp8 or self.mxfp4:
             return None
         if self._views is None:  # made once loaded (the first call), kept: the packs are cached by the view
             self._views = (self.gate_up_proj.data.unbind(0), self.down_proj.data.unbind(0))
@@ -364,7 +407,11 @@ class Experts(nn.Module):
 
     def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) in `dtype` for the torch paths: the weights, or FP8's dequantized (kept on the CPU,
-        rebuilt per call on CUDA, where the fused kernels read the codes themselves)."""
+        rebuilt per call on CUDA, where the fused kernels read the codes themselves), or MXFP4's (per call: CUDA)."""
+        if self.mxfp4:
+            assert self.gate_up_scale is not None and self.down_scale is not None
+            return tuple(mxfp4_dequantize(w.unflatten(-1, (-1, MXFP4_BLOCK // 2)), s, dtype)  # type: ignore[return-value]
+                         for w, s in ((self.gate_up_proj, self.gate_up_scale), (self.down_proj, self.down_scale)))
         if not self.fp8:
             return self.gate_up_proj, self.down_proj
         if self._dense is not None and self._dense[0].dtype == dtype:
@@ -383,15 +430,17 @@ class MoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  tp: TPInfo, kernels: Kernels, fp8: bool = False, copies: LinearMethod | None = None,
                  swiglu: SwiGLU | None = None, routing: GroupedRouting | None = None,
-                 shared_experts: nn.Module | None = None):
+                 shared_experts: nn.Module | None = None, mxfp4: bool = False):
         """`swiglu`: gpt-oss's experts (its activation, biases, the gate's bias and its routing); `routing`: DeepSeek's
-        router; `shared_experts`: a dense MLP (forward(x, decode), TP-split like the experts) added to their sum."""
+        router; `shared_experts`: a dense MLP (forward(x, decode), TP-split like the experts) added to their sum;
+        `mxfp4`: the experts kept packed (Experts)."""
         super().__init__()
         self.top_k, self.renormalize, self.tp, self.kernels = top_k, renormalize, tp, kernels
         self.swiglu = swiglu
         self.routing = routing
         self.gate = Gate(hidden_size, num_experts, kernels, bias=swiglu is not None, routing=routing)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8, copies, bias=swiglu is not None)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8, copies, bias=swiglu is not None,
+                               mxfp4=mxfp4)
         self.shared_experts = shared_experts
 
     def _swiglu_experts(self, ops: ModuleType) -> Any:
@@ -408,7 +457,7 @@ class MoE(nn.Module):
         """`decode`: a decode step's rows, which take the experts' int4 / int8 copies where they have them."""
         assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
         e = self.experts
-        ops = triton_experts(x, self.kernels, e.fp8)
+        ops = triton_experts(x, self.kernels, e.fp8 or e.mxfp4)
         if self.routing is not None:
             logits = F.linear(x.float(), self.gate.weight.float())  # fp32, as transformers' DeepSeek routers
             weights, ids = route_grouped(logits, self.top_k, self.routing, self.gate.e_score_correction_bias)

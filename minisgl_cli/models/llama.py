@@ -148,7 +148,8 @@ class DecoderLayer(nn.Module):
         self.mlp: MLP | MoE = (
             MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
                 cfg.norm_topk_prob, tp, kernels, fp8=method.name == "fp8", copies=method,
-                swiglu=SwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha) if cfg.swiglu_limit else None)
+                swiglu=SwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha) if cfg.swiglu_limit else None,
+                mxfp4=method.name == "mxfp4")
             if cfg.is_moe_layer(layer_id) else MLP(cfg, tp, kernels, method)
         )
 
