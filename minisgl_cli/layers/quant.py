@@ -21,7 +21,10 @@ runs (EngineConfig refuses the others with a one-line error).
         128 x 128 block, loader/blocks.py's Fp8Blocks), CUDA 8.9+ only: activations quantized per token per
         128 columns, then kernels/triton/fp8_block.py's block-scaled GEMM (at one row too). Not a --quantization
         choice: auto takes it for such a checkpoint on such a GPU; elsewhere (the CPU, --quantization none) its
-        weights are dequantized at load and run dense. MoE experts and the LM head are dense (dequantized) here.
+        weights are dequantized at load and run dense. The LM head is dense (dequantized) here; MoE experts keep
+        their blocks too (layers/moe.py's Experts, the fused Triton experts: w8a16, or w8a8 with the activations
+        per token per 128 columns from moe_tiles.W8A8_MIN_TOKENS tokens) where a TP rank's expert width is whole
+        blocks, else they are dense as well.
   mxfp4  an MXFP4 checkpoint's MoE experts as shipped (gpt-oss's: two e2m1 codes a byte, an e8m0 exponent per 32
         values; layers/moe.py's Experts hold them, kernels/triton/moe.py runs them w4a16), every linear dense as under
         none. CUDA only, not a --quantization choice either: auto takes it for such a checkpoint on a CUDA GPU

@@ -45,7 +45,7 @@ _GEMMA3 = {
 # layers, one dense and four MoE, to fit one H200 in bf16 (~97 GB); "deepseek-tiny": V3's design at toy widths, for
 # starting the CPU paths (`minisgl smoke --model deepseek-tiny --load-format dummy --device cpu`);
 # "deepseek-v3-5layer-fp8": the same with V3's published quantization_config (block-wise FP8, 128 x 128), so its
-# linears run as the shipped checkpoint's do on an FP8 GPU (layers/quant.py's fp8-block; the experts stay bf16).
+# linears and experts run as the shipped checkpoint's do on an FP8 GPU (layers/quant.py's fp8-block: ~50 GB).
 _DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
     "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_attention_heads": 128,
