@@ -20,11 +20,9 @@ import torch
 
 from tests.triton_interp import INTERPRET, patch_interpreter
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() and not (INTERPRET and importlib.util.find_spec("triton")),
-                       reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)"),
-]
+RUNS = torch.cuda.is_available() or bool(INTERPRET and importlib.util.find_spec("triton"))
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not RUNS, reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)")]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine on a CUDA GPU")
@@ -32,6 +30,21 @@ CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine
 # down's columns end in a masked half tile, and the picked tiles (128 deep) mask K in every step
 HIDDEN, INTER = 96, 64
 TILE = (16, 64, 64, 4, 1)
+
+
+if RUNS:  # triton importable: a kernel that widens one tile, for the first test
+    import triton
+    import triton.language as tl
+
+    from minisgl_cli.kernels.triton.moe import _mxfp4_tile
+
+    @triton.jit
+    def _widen(b_ptr, s_ptr, out_ptr):
+        rows = tl.arange(0, 16)
+        packed = tl.load(b_ptr + rows[:, None] * 16 + tl.arange(0, 16)[None, :])
+        exps = tl.load(s_ptr + rows[:, None] + tl.arange(0, 1)[None, :])
+        tile = _mxfp4_tile(packed, exps, tl.float32, 16, 32)  # [32, 16]
+        tl.store(out_ptr + tl.arange(0, 32)[:, None] * 16 + rows[None, :], tile)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +97,19 @@ def _bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
     """Equal within the rounding of the output dtype (the fp32 sums may run in another order)."""
     torch.testing.assert_close(got.float(), want.float(), rtol=2 * torch.finfo(DTYPE).eps,
                                atol=2 * torch.finfo(DTYPE).eps * want.abs().max().item())
+
+
+def test_the_tile_widens_every_code_under_every_exponent_exactly(T):
+    """`_mxfp4_tile` in fp32: all 256 bytes (both nibbles, every sign) under exponents 2^-125 .. 2^113, bit for bit
+    loader/mxfp4.py's `dequantize` (transformers' numbers)."""
+    from minisgl_cli.loader.mxfp4 import dequantize
+
+    blocks = torch.arange(256, dtype=torch.uint8).view(16, 1, 16)
+    exps = torch.tensor([2, 3, 50, 100, 112, 113, 114, 119, 121, 126, 127, 128, 133, 160, 200, 240], dtype=torch.uint8)
+    out = torch.empty(32, 16, device=DEV)
+    _widen[(1,)](blocks.to(DEV), exps.to(DEV), out)
+    want = dequantize(blocks, exps[:, None], torch.float32).view(16, 32).t()
+    assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.parametrize("n_tok", [1, 3, 6])

@@ -175,17 +175,18 @@ def _mxfp4_tile(packed, exps, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_
     """The [BLOCK_K, BLOCK_N] weight tile in `dtype` of MXFP4 rows: bytes [BLOCK_N, BLOCK_K / 2] (two e2m1 codes
     each, the low nibble first) and e8m0 exponents [BLOCK_N, BLOCK_K / 32] (one per 32 values: 2 ** (e - 127)).
 
-    Each value built as fp32 bits, the exponent already added: a code's magnitude bits m = (exponent, mantissa)
-    shifted under the fp32 exponent field make 2 ** (e2m1 exponent - 1) (1 + mantissa / 2) once the block's
-    exponent e - 1 is added there (the normal codes, m >= 2); m = 1 (0.5) is the block's 2 ** (e - 128) alone, and
-    m = 0 is zero. Exact (e2m1 times a power of two) for exponents 2 .. 251, as loader/mxfp4.py's `dequantize`."""
+    A code's bits moved into fp16's (sign to bit 15, its exponent and mantissa bits under fp16's lowest exponent bits
+    and top mantissa bit) make its value times 2 ** -14 (the code 0.5 an fp16 subnormal, which widens exactly), so
+    each value is a shift and a mask or two, a widening and one multiply by its block's 2 ** (e - 127 + 14), made once
+    a block. Exact (e2m1 times a power of two), as loader/mxfp4.py's `dequantize`, for exponents 2 .. 240."""
     p = packed.to(tl.int32)
-    codes = tl.reshape(tl.join(p & 0xF, p >> 4), (BLOCK_N, BLOCK_K))  # k = 2 byte + nibble
-    e = (exps.to(tl.int32) - 1) << 23
-    e = tl.reshape(tl.broadcast_to(e[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
-    m = codes & 7
-    bits = tl.where(m >= 2, (m << 22) + e, m * e) | ((codes & 8) << 28)
-    return tl.trans(bits.to(tl.float32, bitcast=True).to(dtype))
+    lo = ((p & 0x07) << 9) | ((p & 0x08) << 12)
+    hi = ((p & 0x70) << 5) | ((p & 0x80) << 8)
+    half = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # k = 2 byte + nibble
+    half = half.to(tl.int16).to(tl.float16, bitcast=True)
+    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+    return tl.trans((half.to(tl.float32) * scale).to(dtype))
 
 
 @triton.jit
