@@ -2,6 +2,7 @@
 bytes against the card's copy bandwidth, and a 32k-context decode with a model's windows on and off.
 
     PYTHONPATH=. python examples/families_gpu.py [--models deepseek-v2-lite,qwen3.5-9b,...] [--long gemma-3-12b]
+        [--quantization none]
 
 Each model runs in a child process of its own (an engine's memory is all given back between models, and one that
 fails costs only its own rows); the rows are examples/gpu_bench.py's (greedy, CUDA graphs and overlap on), plus:
@@ -11,6 +12,8 @@ fails costs only its own rows); the rows are examples/gpu_bench.py's (greedy, CU
     of_floor = floor_ms / step_ms (1.0: the step reads at the copy's speed).
   * --long: one request of a 32k-token prompt decoding 256 tokens, once as the model is and once with every layer
     made full attention (the window off), each with the KV bytes its request holds from the engine's own pool.
+  * --quantization: every engine's (default auto: gpt-oss's MXFP4 experts packed, the w4a16 path; none: them
+    dequantized to bf16); each row names the weights it ran.
 """
 
 from __future__ import annotations
@@ -67,10 +70,11 @@ def step_bytes(engine, context: int) -> int:
     return total
 
 
-def one(name: str, long: bool, profile: bool = False) -> None:
+def one(name: str, long: bool, profile: bool = False, quantization: str = "auto") -> None:
     import gpu_bench as gb  # beside this script; imported, its SAMPLED stays empty: greedy rows only
     import torch
 
+    gb.DTYPES["quantization"] = quantization
     if long:
         return one_long(name)
     bw = copy_bandwidth()  # the floor's bandwidth, in this child
@@ -81,7 +85,7 @@ def one(name: str, long: bool, profile: bool = False) -> None:
     nbytes = step_bytes(e, 128 + 256)  # at the 512-token decode's middle context
     floor = nbytes / bw * 1e3
     for r in gb.ROWS[start:]:
-        r["kernels"] = f"{e.attn.name} attention"
+        r["kernels"] = f"{e.attn.name} attention, {e.quantization} weights"
         if r["workload"] == "batch-1 decode":
             r.update(floor_ms=round(floor, 3), of_floor=round(floor / r["step_ms"], 3),
                      gbytes_step=round(nbytes / 1e9, 3))
@@ -123,19 +127,20 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--timeout", type=int, default=240, help="seconds a model's child may take")
     ap.add_argument("--profile", default="", help="models whose batch-1 step gets a kernel table (torch.profiler)")
+    ap.add_argument("--quantization", default="auto", help="every engine's --quantization (auto, none, fp8)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--one-long", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one or args.one_long:
-        return one(args.one or args.one_long, bool(args.one_long), args.profile == "yes")
+        return one(args.one or args.one_long, bool(args.one_long), args.profile == "yes", args.quantization)
     rows: list[dict] = []
     jobs = [("--one", m) for m in args.models.split(",") if m] + [("--one-long", m) for m in args.long.split(",") if m]
     for flag, m in jobs:
         t0 = time.perf_counter()
         try:
             prof = ["--profile", "yes"] if m in args.profile.split(",") else []
-            p = subprocess.run([sys.executable, __file__, flag, m, "--out", args.out, *prof], capture_output=True,
-                               text=True, timeout=args.timeout)
+            cmd = [sys.executable, __file__, flag, m, "--out", args.out, "--quantization", args.quantization, *prof]
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             text, rc = p.stdout + p.stderr, p.returncode
         except subprocess.TimeoutExpired as exc:
             text, rc = (exc.stdout or b"").decode() + (exc.stderr or b"").decode(), "timeout"

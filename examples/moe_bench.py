@@ -36,7 +36,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_bench import _graph_us, drop_engine, run_requests  # noqa: E402  (the scheduler driver, graph timer)
+from gpu_bench import drop_engine, run_requests  # noqa: E402  (the scheduler driver)
+from timing import graph_us as _graph_us  # noqa: E402
 
 from minisgl_cli.distributed import TPInfo  # noqa: E402
 from minisgl_cli.engine.config import EngineConfig  # noqa: E402

@@ -284,6 +284,10 @@ _BLOCK = (16, 32)  # the tiny config's FP8 blocks (DeepSeek ships 128 x 128): ro
 
 @pytest.fixture(scope="module")
 def block_fp8_dirs(deepseek_dirs, tmp_path_factory) -> dict[str, Path]:
+    return block_fp8_checkpoints(deepseek_dirs["v3"], tmp_path_factory.mktemp("block_fp8"))
+
+
+def block_fp8_checkpoints(v3: Path, root: Path) -> dict[str, Path]:
     """The v3 checkpoint as DeepSeek ships its FP8 one: every decoder linear's `weight` in e4m3 blocks of _BLOCK with
     its `weight_scale_inv` (the router, norms, embeddings and LM head as they were), quantization_config saying so;
     and the same weights dequantized to fp32 in a plain checkpoint, for transformers."""
@@ -293,12 +297,11 @@ def block_fp8_dirs(deepseek_dirs, tmp_path_factory) -> dict[str, Path]:
 
     from minisgl_cli.loader.blocks import quantize_fp8_blocks
 
-    root = tmp_path_factory.mktemp("block_fp8")
     dirs = {kind: root / kind for kind in ("fp8", "dequantized")}
     for d in dirs.values():
-        shutil.copytree(deepseek_dirs["v3"], d)
+        shutil.copytree(v3, d)
     fp8, dense = {}, {}
-    for name, w in load_file(str(deepseek_dirs["v3"] / "model.safetensors")).items():
+    for name, w in load_file(str(v3 / "model.safetensors")).items():
         if w.dim() == 2 and name.startswith("model.layers.") and not name.endswith(".mlp.gate.weight"):
             blocks = quantize_fp8_blocks(w, _BLOCK)
             fp8[name], fp8[f"{name}_scale_inv"] = blocks.q, blocks.scale_inv
@@ -375,14 +378,47 @@ def test_fp8_blocks_cut_reorder_and_dequantize_by_their_blocks():
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_block_fp8_experts_keep_each_tp_ranks_blocks_as_shipped(tp):
+    """A block-FP8 checkpoint's experts under the fp8-block method (layers/moe.py's Experts, `fp8_block`) keep each
+    rank's codes and block scales as shipped (gate and up rows, down's columns: whole blocks); dequantized they are
+    that rank's slice of the dequantized experts. A dense matrix (dummy weights) is made into blocks as DeepSeek's were;
+    a rank's width that splits a block leaves the experts dense."""
+    from minisgl_cli.distributed import TPInfo
+    from minisgl_cli.layers.moe import Experts, fp8_expert_blocks
+    from minisgl_cli.layers.quant import Fp8BlockMethod
+    from minisgl_cli.loader.blocks import quantize_fp8_blocks
+
+    n_exp, hidden, inter = 2, 72, 64  # hidden 72: a partial last column block of gate/up, a partial row block of down
+    assert fp8_expert_blocks(Fp8BlockMethod(_BLOCK), inter, TPInfo(0, tp)) == _BLOCK
+    assert fp8_expert_blocks(Fp8BlockMethod(_BLOCK), 48, TPInfo(0, 2)) is None  # 24 columns a rank: not whole blocks
+    g = torch.Generator().manual_seed(tp)
+    shipped = {(e, p): quantize_fp8_blocks(torch.randn(*shape, generator=g), _BLOCK) for e in range(n_exp)
+               for p, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                                ("down_proj", (hidden, inter)))}
+    for rank in range(tp):
+        experts = Experts(n_exp, hidden, inter, TPInfo(rank, tp), fp8_block=_BLOCK)
+        for (e, proj), b in shipped.items():
+            experts.load_expert(e, proj, b if e == 0 else b.dequantize())  # expert 1: dense, made into blocks
+        assert experts.gate_up_proj.dtype == torch.float8_e4m3fn
+        assert experts.gate_up_scale.shape == (n_exp, 2 * inter // tp // 16, 3)
+        gate_up, down = experts.dense(torch.float32)
+        n, start = inter // tp, rank * inter // tp
+        for e in range(n_exp):
+            want = [shipped[(e, p)].dequantize() for p in ("gate_proj", "up_proj", "down_proj")]
+            assert torch.equal(gate_up[e], torch.cat([w[start:start + n] for w in want[:2]]))
+            assert torch.equal(down[e], want[2][:, start:start + n])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs CUDA 8.9+: the block-wise FP8 GEMM")
 def test_block_fp8_checkpoint_on_cuda_keeps_its_blocks(block_fp8_dirs):
     """On an FP8 GPU auto keeps the blocks as shipped (e4m3 weights, kernels/triton/fp8_block.py's GEMM with the
-    activations per token group): teacher-forced against the dequantized weights on the CPU (prefill chunks, then
-    decode steps), the logits within 9% and the greedy choice the same at 80% of positions: what FP8 activations cost
-    this tiny model (the method's fp32 reference path, the kernel's numbers, measured 6.3% and 86% on the CPU)."""
+    activations per token group; the MoE experts' blocks too, on the torch path here: fp32): teacher-forced against
+    the dequantized weights on the CPU (prefill chunks, then decode steps), the logits within 9% and the greedy choice
+    the same at 80% of positions: what FP8 activations cost this tiny model (the method's fp32 reference path, the
+    kernel's numbers, measured 6.4% and 86% on the CPU; 6.3% and 86% with the experts dense)."""
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.engine.engine import Engine
 
@@ -391,6 +427,7 @@ def test_block_fp8_checkpoint_on_cuda_keeps_its_blocks(block_fp8_dirs):
     assert gpu.quantization == "fp8-block" and cpu.quantization == "none"
     attn = gpu.model.layers[0].self_attn
     assert attn.q_a_proj.weight.dtype == torch.float8_e4m3fn and attn.kv_b_proj.weight.dtype == torch.float32
+    assert gpu.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     rel, same = [], []
     for prompt in _prompts():
         # the last 4 tokens as decode steps: one-row linears (the shared experts' SiLU-and-mul included)

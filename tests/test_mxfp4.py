@@ -53,19 +53,25 @@ def mxfp4_checkpoint(src, out, edit=None):
     return out
 
 
-@pytest.fixture(scope="module")
-def oss_dirs(tmp_path_factory, tokenizer_dir):
-    root = tmp_path_factory.mktemp("mxfp4")
-    # hidden 64, intermediate 32: two and one 32-value blocks per row; windows of 8, sinks, 4 experts
-    bf16 = make_tiny_checkpoint("gpt_oss", root / "bf16", tokenizer_dir, sliding_window=8, num_hidden_layers=4,
+def oss_bf16(out, tokenizer_dir):
+    """A tiny bf16 gpt-oss checkpoint: hidden 64, intermediate 32 (two and one 32-value blocks per row), windows of 8,
+    sinks, 4 experts, their weights 4x the init's scale, so that their rounding to MXFP4 changes the answers (the
+    test can tell)."""
+    bf16 = make_tiny_checkpoint("gpt_oss", out, tokenizer_dir, sliding_window=8, num_hidden_layers=4,
                                 num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, swiglu_limit=1.5,
                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                  "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                  "original_max_position_embeddings": 16})
-    # experts 4x the init's scale, so that their rounding to MXFP4 changes the answers (the test can tell)
     weights = load_file(str(bf16 / "model.safetensors"))
     save_file({k: v * 4 if k.endswith(_EXPERTS) else v for k, v in weights.items()}, str(bf16 / "model.safetensors"),
               metadata={"format": "pt"})
+    return bf16
+
+
+@pytest.fixture(scope="module")
+def oss_dirs(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("mxfp4")
+    bf16 = oss_bf16(root / "bf16", tokenizer_dir)
     return bf16, mxfp4_checkpoint(bf16, root / "mxfp4")
 
 
@@ -133,3 +139,31 @@ def test_mxfp4_experts_kept_as_fp8_on_cuda_take_the_fused_kernels_and_answer_as_
         assert cold == cached
         answers.append(cold)
     assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_packed_experts_hold_each_tp_ranks_share_of_the_shipped_bytes(tp):
+    """Experts kept packed (layers/quant.py's mxfp4, as on CUDA) load the parts as shipped: each rank's gate and up
+    rows (the checkpoint interleaves them) and its 32-value blocks of the down rows; dequantized (the torch paths'
+    weights) they are exactly that rank's experts of the dequantized load (the bf16 path's)."""
+    from minisgl_cli.distributed import TPInfo
+    from minisgl_cli.layers.moe import Experts
+    from minisgl_cli.loader.mxfp4 import dequantize
+
+    n_exp, hidden, inter = 3, 64, 128  # a TP 2 rank: two of each down row's four blocks
+    g = torch.Generator().manual_seed(tp)
+    parts = {}
+    for proj, rows, cols in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+        parts[f"{proj}_blocks"] = torch.randint(0, 256, (n_exp, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+        parts[f"{proj}_scales"] = torch.randint(120, 130, (n_exp, rows, cols // 32), generator=g, dtype=torch.uint8)
+    for rank in range(tp):
+        packed = Experts(n_exp, hidden, inter, TPInfo(rank, tp), mxfp4=True)
+        dense = Experts(n_exp, hidden, inter, TPInfo(rank, tp))
+        for name, t in parts.items():
+            packed.load_shard(name, t)
+        for proj in ("gate_up_proj", "down_proj"):  # as loader/mxfp4.py yields them dequantized: [E, cols, rows]
+            dense.load_shard(proj, dequantize(parts[f"{proj}_blocks"], parts[f"{proj}_scales"], torch.float32)
+                             .transpose(1, 2))
+        assert packed.gate_up_proj.dtype == torch.uint8 and packed.gate_up_proj.shape == (n_exp, 2 * inter // tp, 32)
+        for got, want in zip(packed.dense(torch.float32), dense.dense(torch.float32)):
+            assert torch.equal(got, want)

@@ -159,7 +159,10 @@ class Engine:
             fp8_block = fp8_block_size(hf_cfg)
         except ValueError as exc:
             raise ModelLoadError(f"model weights not usable ({exc})", model_dir or name) from None
-        native = native_quantization(blocks) if blocks else "fp8-block" if fp8_block else None
+        # An MXFP4 checkpoint (gpt-oss's): auto keeps its experts packed on CUDA where each rank's share of an
+        # expert stays whole blocks, else dequantizes them as they load.
+        native = (native_quantization(blocks) if blocks else "fp8-block" if fp8_block
+                  else "mxfp4" if mxfp4.packs(hf_cfg, tp.size) else None)
         self.quantization = cfg.resolved_quantization(native)
         self.dtype = cfg.resolved_dtype(quantized=self.quantization != "none")
         # The modes whose decode may run compiled normalize as the compiled step does, compiled or not (layers/norm.py).
@@ -195,18 +198,23 @@ class Engine:
                 self.model = create_model(mc, tp, self.kernels, method).eval()
             finally:
                 torch.set_default_dtype(prev)
-        if source == "dummy":
-            self.model.load_weights(dummy_checkpoint(mc, self.device, self.dtype, seed=cfg.seed))
-        elif blocks is not None and METHODS[self.quantization].takes_blocks:
-            self.model.load_weights(iter_blocks(blocks))  # the GGUF's blocks as shipped, no fp32 round trip
+        weights: Iterable[tuple[str, Weight]]
+        gguf_blocks = blocks is not None and METHODS[self.quantization].takes_blocks
+        if source == "dummy":  # an MXFP4 config's experts as random bytes and exponents, as its checkpoints ship them
+            weights = dummy_checkpoint(mc, self.device, self.dtype, seed=cfg.seed, mxfp4=mxfp4.is_mxfp4(hf_cfg))
+        elif gguf_blocks:
+            assert blocks is not None
+            weights = iter_blocks(blocks)  # the GGUF's blocks as shipped, no fp32 round trip
         else:
             assert model_dir is not None  # _locate gives a dir for every source but built-in dummies
-            weights: Iterable[tuple[str, Weight]] = iter_safetensors(model_dir)
-            if mxfp4.is_mxfp4(hf_cfg):  # gpt-oss's experts as shipped: dequantized as they stream in
-                e, h, i = mc.num_experts, mc.hidden_size, mc.moe_intermediate_size
-                weights = mxfp4.dequantized(weights, self.dtype, self.device,
-                                            {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}, model_dir)
-            self.model.load_weights(with_fp8_blocks(weights, fp8_block) if fp8_block else weights)
+            weights = iter_safetensors(model_dir)
+            weights = with_fp8_blocks(weights, fp8_block) if fp8_block else weights
+        if mxfp4.is_mxfp4(hf_cfg) and not gguf_blocks:  # gpt-oss's experts: packed, or dequantized as they stream in
+            e, h, i = mc.num_experts, mc.hidden_size, mc.moe_intermediate_size
+            weights = mxfp4.expert_weights(weights, self.dtype, self.device,
+                                           {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}, model_dir or name,
+                                           packed=self.quantization == "mxfp4")
+        self.model.load_weights(weights)
 
         # A linear-attention model's state slots come first (kvcache/state.py): the KV pool takes what is left.
         self.state = self._state_pool() if mc.linear_attn is not None else None
@@ -343,6 +351,8 @@ class Engine:
         with window layers); on CUDA, beside what `keep_free` keeps (engine/kv_budget.py)."""
         cfg = self.cfg
         cuda = self.device.type == "cuda"
+        if cuda:  # the loading's temporaries (dequantized experts, say) back to the device first
+            torch.cuda.empty_cache()
         self._free_after_weights = free = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         keep = kv_budget.shares_device(cfg.keep_free, self.device) if cuda else None
         want = window_tokens(window, cfg.page_size, cfg.max_running_requests) if windowed else 0

@@ -22,8 +22,8 @@ graph-safe there too.
 
 gpt-oss's experts (`SwiGLU`): a bias after each projection and the clamped SwiGLU in place of SiLU-and-mul, its
 gate's bias, and its routing (a softmax over the k largest logits, which is the softmax top-k renormalized); on the
-fused Triton path (16-bit experts and FP8 ones: --quantization fp8 keeps an MXFP4 checkpoint's experts compact on
-the GPU) the kernels add the biases and apply that activation (kernels/triton/moe.py `SwiGLUExperts`).
+fused Triton path (16-bit experts, its MXFP4 checkpoints' experts kept packed on CUDA, or FP8 ones) the kernels add
+the biases and apply that activation (kernels/triton/moe.py `SwiGLUExperts`).
 
 DeepSeek's blocks (`GroupedRouting`, layers/routing.py): the router's logits in fp32 from an fp32 gate, sigmoid or
 softmax scores, grouped top-k with V3's correction bias for the choice only, the routed scaling factor
@@ -44,7 +44,16 @@ from torch import nn
 
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.distributed.comm import all_reduce
-from minisgl_cli.kernels.fp8 import FP8, Fp8Rows, dequantize, quantize, round_trip_rows, row_scales
+from minisgl_cli.kernels.fp8 import (
+    FP8,
+    Fp8Rows,
+    dequantize,
+    dequantize_groups,
+    quantize,
+    quantize_groups,
+    round_trip_rows,
+    row_scales,
+)
 from minisgl_cli.kernels.triton.moe_tiles import fp8_act
 from minisgl_cli.layers import cpu_gemm
 from minisgl_cli.layers.activation import silu_and_mul
@@ -53,8 +62,10 @@ from minisgl_cli.layers.linear import divide
 from minisgl_cli.layers.norm import Terms
 from minisgl_cli.layers.quant import LinearMethod, gemv_ops
 from minisgl_cli.layers.routing import GroupedRouting
-from minisgl_cli.loader.blocks import Int4Groups, Int8Groups
+from minisgl_cli.loader.blocks import Fp8Blocks, Int4Groups, Int8Groups, quantize_fp8_blocks
 from minisgl_cli.loader.hf import Weight, whole
+from minisgl_cli.loader.mxfp4 import BLOCK as MXFP4_BLOCK
+from minisgl_cli.loader.mxfp4 import dequantize as mxfp4_dequantize
 
 # Checkpoint names of one expert's projections: Qwen3-MoE's and Mixtral's (w1 gate, w3 up, w2 down).
 EXPERT_PROJ = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
@@ -125,8 +136,8 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 def triton_experts(x: torch.Tensor, kernels: Kernels, fp8: bool = False) -> ModuleType | None:
     """The Triton ops when the experts of a step with activations `x` [T, H] take the fused path
-    (kernels/triton/moe.py), else None. FP8 experts take it at every size (the grouped GEMM would need them
-    dequantized per call)."""
+    (kernels/triton/moe.py), else None. FP8 and MXFP4 experts (`fp8`: quantized ones) take it at every size (the
+    grouped GEMM would need them dequantized per call)."""
     ops = kernels.triton(x)
     if ops is None or x.dtype not in (torch.bfloat16, torch.float16):  # fp32's tl.dot would round through tf32
         return None
@@ -135,20 +146,33 @@ def triton_experts(x: torch.Tensor, kernels: Kernels, fp8: bool = False) -> Modu
     return None
 
 
+def fp8_expert_blocks(method: LinearMethod, intermediate_size: int, tp: TPInfo) -> tuple[int, int] | None:
+    """The blocks a block-wise FP8 checkpoint's experts keep (layers/quant.py's fp8-block), or None where they load
+    dense: another method, or a TP rank's share of an expert's width that splits a block."""
+    block: tuple[int, int] | None = getattr(method, "block", None) if method.name == "fp8-block" else None
+    if block is None or intermediate_size % tp.size:
+        return None
+    n = intermediate_size // tp.size
+    return None if n % block[0] or n % block[1] else block
+
+
 ExpertMatmul = Callable[[int, str, torch.Tensor], torch.Tensor]  # (expert, "gate_up" | "down", rows) -> rows W^T
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, kernels: Kernels, grouped: bool, fp8_rows: bool = False,
                   matmul: ExpertMatmul | None = None, act_fn: Activation = silu_and_mul,
-                  biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  biases: tuple[torch.Tensor, torch.Tensor] | None = None, fp8_groups: int = 0) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H].
 
     gate_up [E, 2I, H], down [E, H, I]; `grouped`: one torch._grouped_mm per projection (see the module docstring),
     else one F.linear per expert that received rows (`matmul`, where given, in its place: `Experts.dense_matmul`
     or `decode_matmul`). Every shape is static but the loop's. `fp8_rows`: the inputs of both projections through
-    e4m3 per row and back (the w8a8 kernels' activations, simulated)."""
+    e4m3 per row and back (the w8a8 kernels' activations, simulated); `fp8_groups`: per row per that many columns
+    (block-wise FP8 experts' w8a8)."""
     def act(t: torch.Tensor) -> torch.Tensor:
+        if fp8_groups:
+            return dequantize_groups(*quantize_groups(t, fp8_groups), fp8_groups).to(t.dtype)
         return round_trip_rows(t).to(t.dtype) if fp8_rows else t
 
     x = act(x)
@@ -233,12 +257,32 @@ class Experts(nn.Module):
 
     `copies` (--quantization int4 / int8, the CPU): once loaded, each expert matrix also gets the method's low-bit
     copy, which decode steps multiply by: a GGUF's own blocks where it shipped them, else quantized from the dense
-    matrix (as a linear layer's are); prefill steps keep the dense weights (layers/quant.py says why)."""
+    matrix (as a linear layer's are); prefill steps keep the dense weights (layers/quant.py says why).
+
+    `mxfp4` (an MXFP4 checkpoint on CUDA, layers/quant.py's mxfp4): the checkpoint's bytes and exponents as shipped
+    (loader/mxfp4.py), rows de-interleaved into gate then up: `gate_up_proj` uint8 [E, 2I, H / 2] with
+    `gate_up_scale` uint8 [E, 2I, H / 32], `down_proj` [E, H, I / 2] with `down_scale` [E, H, I / 32]; the Triton
+    kernels widen them in registers (w4a16), the torch paths (the fused ops off) multiply by them dequantized per
+    call (`dense`).
+
+    `fp8_block` (bn, bk) (a block-wise FP8 checkpoint on CUDA 8.9+, layers/quant.py's fp8-block: DeepSeek-V3's): e4m3
+    codes as shipped with an fp32 scale per bn x bk block, `gate_up_scale` [E, 2I / bn, H / bk] (gate's row blocks,
+    then up's), `down_scale` [E, H / bn, I / bk]; each TP rank's rows and columns whole blocks (else the model keeps
+    its experts dense). The Triton kernels scale each K step's dot by its blocks' scales: w8a16 below
+    `moe_tiles.W8A8_MIN_TOKENS` tokens, from there w8a8 with the activations per token per bk columns (as the dense
+    block-FP8 linears take them); the torch paths multiply by the dequantized blocks, the activations through e4m3
+    per group and back where the kernels would run w8a8."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPInfo, fp8: bool = False,
-                 copies: LinearMethod | None = None, bias: bool = False):
+                 copies: LinearMethod | None = None, bias: bool = False, mxfp4: bool = False,
+                 fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.local = n = divide(intermediate_size, tp, "moe intermediate size")
+        if fp8_block is not None and (n % fp8_block[0] or n % fp8_block[1]):
+            raise ValueError(f"block-wise FP8 experts need a TP rank's width ({n}) in whole {fp8_block} blocks")
+        if mxfp4 and (n % MXFP4_BLOCK or hidden_size % MXFP4_BLOCK):
+            raise ValueError(f"MXFP4 experts stay packed where their widths are whole {MXFP4_BLOCK}-value blocks, not "
+                             f"{n} (a TP rank's) by {hidden_size}: use --quantization none")
         self.start = tp.rank * n
         self.tp = tp
         # gpt-oss: [E, 2I] (this rank's gate and up rows) and [E, H] (rank 0 holds it: added once before the
@@ -248,26 +292,51 @@ class Experts(nn.Module):
             self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * n), requires_grad=False)
             self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
         self.fp8 = fp8
+        self.mxfp4 = mxfp4
+        self.fp8_block = fp8_block
         self.copies = copies if copies is not None and copies.decode_copy else None
         self.gate_up_copies = self.down_copies = None
         self._blocks: dict[tuple[int, str], Int4Groups | Int8Groups] = {}  # (expert, proj): a GGUF's, until copied
         self._down_rows: dict[int, Weight] = {}  # expert: its whole down_proj, whose rows give the int8 copy's scales
         self._views: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None  # see dense_matmul
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 experts dequantized once on the CPU
-        dtype = FP8 if fp8 else None
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size, dtype=dtype), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, n, dtype=dtype), requires_grad=False)
+        # the stored widths and element type: MXFP4 bytes and their exponents, e4m3 codes, or the engine dtype
+        dtype, per = (torch.uint8, 2) if mxfp4 else (FP8 if fp8 or fp8_block else None, 1)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size // per, dtype=dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, n // per, dtype=dtype), requires_grad=False)
         self.gate_up_scale = self.down_scale = None
+        if mxfp4:  # bytes and exponents, as shipped (see the class docstring)
+            b, u8 = MXFP4_BLOCK, torch.uint8
+            self.gate_up_scale = nn.Parameter(torch.empty(num_experts, 2 * n, hidden_size // b, dtype=u8),
+                                              requires_grad=False)
+            self.down_scale = nn.Parameter(torch.empty(num_experts, hidden_size, n // b, dtype=u8), requires_grad=False)
+        if fp8_block is not None:
+            bn, bk = fp8_block
+            self.gate_up_scale = nn.Parameter(torch.ones(num_experts, 2 * n // bn, -(-hidden_size // bk),
+                                                         dtype=torch.float32), requires_grad=False)
+            self.down_scale = nn.Parameter(torch.ones(num_experts, -(-hidden_size // bn), n // bk,
+                                                      dtype=torch.float32), requires_grad=False)
         if fp8:
             self.gate_up_scale = nn.Parameter(torch.ones(num_experts, 2 * n, dtype=torch.float32), requires_grad=False)
             self.down_scale = nn.Parameter(torch.ones(num_experts, hidden_size, dtype=torch.float32),
                                            requires_grad=False)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the experts hold codes (FP8 rows or blocks, MXFP4) the fused kernels take at every batch size."""
+        return self.fp8 or self.mxfp4 or self.fp8_block is not None
 
     def load_expert(self, expert: int, proj: str, loaded: Weight) -> None:
         """One checkpoint matrix of expert `expert` (`proj`: gate_proj [I, H], up_proj [I, H], down_proj [H, I]):
         only this rank's rows or columns are read."""
         n, start = self.local, self.start
         part = loaded.narrow(1, start, n) if proj == "down_proj" else loaded.narrow(0, start, n)
+        if self.fp8_block is not None:
+            row = 0 if proj in ("gate_proj", "down_proj") else n
+            self._put_blocks(self.down_proj if proj == "down_proj" else self.gate_up_proj,
+                             self.down_scale if proj == "down_proj" else self.gate_up_scale, expert, row, part)
+            return
         if proj == "down_proj":  # a per-row scale is the whole row's, as TP 1 holds it (layers/quant.py's `full`)
             self._put(self.down_proj, self.down_scale, expert, slice(None), whole(part), full=loaded)
             if self.copies is not None:
@@ -280,8 +349,14 @@ class Experts(nn.Module):
 
     def load_shard(self, name: str, loaded: Weight, shard: int = 0) -> None:
         """gpt-oss's stacked experts as its checkpoints carry them: `gate_up_proj` [E, H, 2I] with gate and up
-        interleaved (even columns gate), `down_proj` [E, I, H], and their `_bias`es ([E, 2I] interleaved, [E, H])."""
+        interleaved (even columns gate), `down_proj` [E, I, H], and their `_bias`es ([E, 2I] interleaved, [E, H]);
+        MXFP4 experts kept packed: their `_blocks` and `_scales` instead of the projections."""
         n, start = self.local, self.start
+        if self.mxfp4 and name.endswith(("_blocks", "_scales")):
+            self._load_packed(name, loaded)
+            return
+        if self.mxfp4 and name in ("gate_up_proj", "down_proj"):
+            raise KeyError(f"checkpoint expert tensor {name!r} is dense but these experts hold MXFP4 bytes")
         w = whole(loaded)
         if name in ("gate_up_proj", "gate_up_proj_bias"):
             gate, up = w[..., 0::2], w[..., 1::2]  # [E, (H,) I] each
@@ -305,6 +380,32 @@ class Experts(nn.Module):
             raise KeyError(f"checkpoint expert tensor {name!r} is MXFP4 but config.json's quantization_config "
                            "does not say quant_method mxfp4 (loader/mxfp4.py)")
         raise KeyError(f"checkpoint has an experts tensor {name!r} this layer was built without")
+
+    def _load_packed(self, name: str, loaded: Weight) -> None:
+        """An MXFP4 part as loader/mxfp4.py yields it (checked): bytes [E, rows, G, 16] or exponents [E, rows, G] of
+        gate/up (rows interleaved, even ones gate: this rank's gate rows, then its up rows) or down (this rank's
+        blocks of each row)."""
+        n, start, b = self.local, self.start, MXFP4_BLOCK
+        proj, part = name.rsplit("_", 1)
+        dst = {("gate_up_proj", "blocks"): self.gate_up_proj, ("gate_up_proj", "scales"): self.gate_up_scale,
+               ("down_proj", "blocks"): self.down_proj, ("down_proj", "scales"): self.down_scale}.get((proj, part))
+        if dst is None:
+            raise KeyError(f"checkpoint has an MXFP4 experts tensor {name!r} this layer was built without")
+        if proj == "down_proj":
+            w = whole(loaded.narrow(2, start // b, n // b))
+        else:
+            w = whole(loaded)
+            w = torch.cat((w[:, 0::2][:, start:start + n], w[:, 1::2][:, start:start + n]), dim=1)
+        dst.data.copy_(w.flatten(2) if part == "blocks" else w)
+
+    def _put_blocks(self, param: nn.Parameter, scale: nn.Parameter | None, expert: int, row: int, w: Weight) -> None:
+        """w into the expert's rows from `row` as e4m3 blocks: a checkpoint's own (Fp8Blocks, this rank's part of
+        them), else (a dense tensor: dummy weights, a bf16 checkpoint) quantized into blocks as DeepSeek's were."""
+        assert self.fp8_block is not None and scale is not None
+        if not (isinstance(w, Fp8Blocks) and w.block == self.fp8_block):
+            w = quantize_fp8_blocks(whole(w).to(param.device), self.fp8_block)
+        param.data[expert].narrow(0, row, w.q.shape[0]).copy_(w.q)
+        scale.data[expert].narrow(0, row // self.fp8_block[0], w.scale_inv.shape[0]).copy_(w.scale_inv)
 
     @staticmethod
     def _put(param: nn.Parameter, scale: nn.Parameter | None, expert: int, rows: slice, w: torch.Tensor,
@@ -340,7 +441,7 @@ class Experts(nn.Module):
         """The torch loop's multiply by the dense experts on the CPU: the dense linears' GEMMs (layers/cpu_gemm.py:
         in the quantized modes a row's result whatever the rows beside it, so an expert's share of a prompt's rows
         gives a token the same value cold or after a prefix hit), each matrix a view kept for its cached pack."""
-        if self.gate_up_proj.device.type != "cpu" or self.fp8:
+        if self.gate_up_proj.device.type != "cpu" or self.quantized:
             return None
         if self._views is None:  # made once loaded (the first call), kept: the packs are cached by the view
             self._views = (self.gate_up_proj.data.unbind(0), self.down_proj.data.unbind(0))
@@ -364,7 +465,16 @@ class Experts(nn.Module):
 
     def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) in `dtype` for the torch paths: the weights, or FP8's dequantized (kept on the CPU,
-        rebuilt per call on CUDA, where the fused kernels read the codes themselves)."""
+        rebuilt per call on CUDA, where the fused kernels read the codes themselves), or MXFP4's (per call: CUDA)."""
+        if self.fp8_block is not None:  # per call (CUDA only)
+            assert self.gate_up_scale is not None and self.down_scale is not None
+            return tuple(torch.stack([Fp8Blocks(q, s, self.fp8_block).dequantize(dtype) for q, s in zip(w, sc)])
+                         for w, sc in ((self.gate_up_proj, self.gate_up_scale),
+                                       (self.down_proj, self.down_scale)))  # type: ignore[return-value]
+        if self.mxfp4:
+            assert self.gate_up_scale is not None and self.down_scale is not None
+            return tuple(mxfp4_dequantize(w.unflatten(-1, (-1, MXFP4_BLOCK // 2)), s, dtype)  # type: ignore[return-value]
+                         for w, s in ((self.gate_up_proj, self.gate_up_scale), (self.down_proj, self.down_scale)))
         if not self.fp8:
             return self.gate_up_proj, self.down_proj
         if self._dense is not None and self._dense[0].dtype == dtype:
@@ -383,15 +493,18 @@ class MoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  tp: TPInfo, kernels: Kernels, fp8: bool = False, copies: LinearMethod | None = None,
                  swiglu: SwiGLU | None = None, routing: GroupedRouting | None = None,
-                 shared_experts: nn.Module | None = None):
+                 shared_experts: nn.Module | None = None, mxfp4: bool = False,
+                 fp8_block: tuple[int, int] | None = None):
         """`swiglu`: gpt-oss's experts (its activation, biases, the gate's bias and its routing); `routing`: DeepSeek's
-        router; `shared_experts`: a dense MLP (forward(x, decode), TP-split like the experts) added to their sum."""
+        router; `shared_experts`: a dense MLP (forward(x, decode), TP-split like the experts) added to their sum;
+        `mxfp4`, `fp8_block`: the experts kept as an MXFP4 or a block-wise FP8 checkpoint ships them (Experts)."""
         super().__init__()
         self.top_k, self.renormalize, self.tp, self.kernels = top_k, renormalize, tp, kernels
         self.swiglu = swiglu
         self.routing = routing
         self.gate = Gate(hidden_size, num_experts, kernels, bias=swiglu is not None, routing=routing)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8, copies, bias=swiglu is not None)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, tp, fp8, copies, bias=swiglu is not None,
+                               mxfp4=mxfp4, fp8_block=fp8_block)
         self.shared_experts = shared_experts
 
     def _swiglu_experts(self, ops: ModuleType) -> Any:
@@ -408,19 +521,19 @@ class MoE(nn.Module):
         """`decode`: a decode step's rows, which take the experts' int4 / int8 copies where they have them."""
         assert isinstance(x, torch.Tensor)  # takes_fp8_rows said no
         e = self.experts
-        ops = triton_experts(x, self.kernels, e.fp8)
+        ops = triton_experts(x, self.kernels, e.quantized)
         if self.routing is not None:
             logits = F.linear(x.float(), self.gate.weight.float())  # fp32, as transformers' DeepSeek routers
             weights, ids = route_grouped(logits, self.top_k, self.routing, self.gate.e_score_correction_bias)
             if ops is not None:  # DeepSeek's own choice through the fused kernels
                 y = ops.moe_fused(x, e.gate_up_proj, e.down_proj, weights, ids.to(torch.int32), e.gate_up_scale,
-                                  e.down_scale, pdl=self.kernels.pdl and e.gate_up_scale is None)
+                                  e.down_scale, pdl=self.kernels.pdl and e.gate_up_scale is None, block=e.fp8_block)
                 return self._plus_shared(all_reduce(y, self.tp), x, decode)
         elif ops is not None:  # one rank: the choices' terms left for the next norm to sum (layers/norm.py)
             # gpt-oss's softmax over its k largest logits is the renormalized softmax top-k
             y = ops.moe_routed(x, self.gate(x), e.gate_up_proj, e.down_proj, self.top_k,
                                self.renormalize or self.swiglu is not None, e.gate_up_scale, e.down_scale,
-                               self.kernels.pdl, terms=True, swiglu=self._swiglu_experts(ops))
+                               self.kernels.pdl, terms=True, swiglu=self._swiglu_experts(ops), block=e.fp8_block)
             return Terms(y) if self.tp.size == 1 else all_reduce(y.sum(dim=1), self.tp)
         else:
             weights, ids = route(self.gate(x), self.top_k, self.renormalize, topk_first=self.swiglu is not None)
@@ -429,7 +542,7 @@ class MoE(nn.Module):
         y = fused_experts(x, *e.dense(x.dtype), weights, ids, self.kernels,
                           grouped_mm_runs(x.device, x.dtype) and matmul is None,
                           fp8_rows=e.fp8 and fp8_act(x.shape[0]), matmul=matmul, act_fn=self.swiglu or silu_and_mul,
-                          biases=biases)
+                          biases=biases, fp8_groups=e.fp8_block[1] if e.fp8_block and fp8_act(x.shape[0]) else 0)
         return self._plus_shared(all_reduce(y, self.tp), x, decode)
 
     def _plus_shared(self, y: torch.Tensor, x: torch.Tensor, decode: bool) -> torch.Tensor:

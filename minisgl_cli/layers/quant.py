@@ -21,7 +21,15 @@ runs (EngineConfig refuses the others with a one-line error).
         128 x 128 block, loader/blocks.py's Fp8Blocks), CUDA 8.9+ only: activations quantized per token per
         128 columns, then kernels/triton/fp8_block.py's block-scaled GEMM (at one row too). Not a --quantization
         choice: auto takes it for such a checkpoint on such a GPU; elsewhere (the CPU, --quantization none) its
-        weights are dequantized at load and run dense. MoE experts and the LM head are dense (dequantized) here.
+        weights are dequantized at load and run dense. The LM head is dense (dequantized) here; MoE experts keep
+        their blocks too (layers/moe.py's Experts, the fused Triton experts: w8a16, or w8a8 with the activations
+        per token per 128 columns from moe_tiles.W8A8_MIN_TOKENS tokens) where a TP rank's expert width is whole
+        blocks, else they are dense as well.
+  mxfp4  an MXFP4 checkpoint's MoE experts as shipped (gpt-oss's: two e2m1 codes a byte, an e8m0 exponent per 32
+        values; layers/moe.py's Experts hold them, kernels/triton/moe.py runs them w4a16), every linear dense as under
+        none. CUDA only, not a --quantization choice either: auto takes it for such a checkpoint on a CUDA GPU
+        (loader/mxfp4.py's `packs` says where the experts can stay packed); elsewhere, and under --quantization none,
+        the experts are dequantized at load.
 
 The int4 copy runs minisgl's own kernel where the CPU has AVX512-BF16 (kernels/cpu/int4.py: 1.3x PyTorch's at one
 row, ~2x at 16), else PyTorch's `_weight_int4pack_mm_for_cpu`; the int8 copy runs `_weight_int8pack_mm`; all with
@@ -516,5 +524,12 @@ class Fp8BlockMethod(LinearMethod):
         return None  # the block-scaled GEMM has no epilogue
 
 
+class Mxfp4Method(LinearMethod):
+    """MXFP4 experts kept packed (see the module docstring); the linears are the dense method's."""
+
+    name = "mxfp4"
+    devices = ("cuda",)
+
+
 METHODS: dict[str, type[LinearMethod]] = {"none": LinearMethod, "int4": Int4Method, "int8": Int8Method,
-                                           "fp8": Fp8Method, "fp8-block": Fp8BlockMethod}
+                                           "fp8": Fp8Method, "fp8-block": Fp8BlockMethod, "mxfp4": Mxfp4Method}

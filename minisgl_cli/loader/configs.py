@@ -13,8 +13,10 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 
-# gpt-oss (the hub's MXFP4 experts load dequantized: loader/mxfp4.py): 128-position windows on every other layer, a
-# sink per head, experts of 2880 with biases (4 per token); 20b and 120b differ in depth and expert count.
+# gpt-oss: 128-position windows on every other layer, a sink per head, experts of 2880 with biases (4 per token); 20b
+# and 120b differ in depth and expert count. The hub's quantization_config: MXFP4 experts (loader/mxfp4.py), so
+# dummy weights come as its checkpoints do, kept packed on CUDA (--quantization none: dequantized, ~42 / ~234 GB
+# in bf16 against ~14 / ~66 GB packed).
 _GPT_OSS = {
     "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
     "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_experts_per_tok": 4,
@@ -23,6 +25,8 @@ _GPT_OSS = {
                      "original_max_position_embeddings": 4096},
     "max_position_embeddings": 131072, "tie_word_embeddings": False, "bos_token_id": 199998,
     "eos_token_id": [200002, 199999, 200012],
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
 }
 
 # Gemma 3's text decoders (the checkpoints' text_config): five local layers (1024-position windows, RoPE base 10k) to
@@ -41,7 +45,7 @@ _GEMMA3 = {
 # layers, one dense and four MoE, to fit one H200 in bf16 (~97 GB); "deepseek-tiny": V3's design at toy widths, for
 # starting the CPU paths (`minisgl smoke --model deepseek-tiny --load-format dummy --device cpu`);
 # "deepseek-v3-5layer-fp8": the same with V3's published quantization_config (block-wise FP8, 128 x 128), so its
-# linears run as the shipped checkpoint's do on an FP8 GPU (layers/quant.py's fp8-block; the experts stay bf16).
+# linears and experts run as the shipped checkpoint's do on an FP8 GPU (layers/quant.py's fp8-block: ~50 GB).
 _DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
     "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_attention_heads": 128,
@@ -135,7 +139,7 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0, "max_position_embeddings": 32768, "tie_word_embeddings": False,
         "bos_token_id": 1, "eos_token_id": 2,
     },
-    # Sliding-window attention (gpt-oss: ~42 / ~234 GB in bf16)
+    # Sliding-window attention
     "gpt-oss-20b": {**_GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32,
                     "layer_types": ["sliding_attention", "full_attention"] * 12},
     "gpt-oss-120b": {**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128,

@@ -1,4 +1,4 @@
-"""MXFP4 expert weights as gpt-oss checkpoints ship them, dequantized as they load.
+"""MXFP4 expert weights as gpt-oss checkpoints ship them: kept packed, or dequantized as they load.
 
 A checkpoint whose config says `quantization_config.quant_method: mxfp4` carries each layer's stacked experts as
 two tensors per projection instead of one:
@@ -7,10 +7,11 @@ two tensors per projection instead of one:
   `<proj>_scales`  uint8 [E, rows, cols / 32]      one e8m0 exponent per 32 values: 2 ** (s - 127)
 
 where (rows, cols) is (2I, H) for `gate_up_proj` (gate and up rows interleaved) and (H, I) for `down_proj`.
-`dequantized` pairs them up (they may come in either order, from different shards) and yields the projection
-under its bf16 name in the bf16 checkpoints' layout, [E, cols, rows], so the experts load it as they load those.
-The numbers are transformers' `convert_moe_packed_tensors`: a code's value times its block's power of two, exact
-in bf16 and fp32.
+`expert_weights` pairs them up (they may come in either order, from different shards) and checks their shapes; on a
+CUDA GPU (layers/quant.py's mxfp4, where `packs`) it yields both parts as they are, for the experts to hold packed
+(layers/moe.py's Experts; kernels/triton/moe.py widens them in registers), else the projection under its bf16 name in
+the bf16 checkpoints' layout, [E, cols, rows], so the experts load it as they load those. The numbers are
+transformers' `convert_moe_packed_tensors`: a code's value times its block's power of two, exact in bf16 and fp32.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def is_mxfp4(hf_cfg: dict[str, Any]) -> bool:
     return (hf_cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
 
 
+def packs(hf_cfg: dict[str, Any], tp_size: int) -> bool:
+    """Whether an MXFP4 checkpoint's experts can stay packed at TP `tp_size`: each rank's share of an expert's width
+    (the down projection's columns) whole 32-value blocks (gpt-oss's 2880: TP 1 and 2, not 4)."""
+    width = hf_cfg.get("intermediate_size", 0)
+    return is_mxfp4(hf_cfg) and width % tp_size == 0 and width // tp_size % BLOCK == 0
+
+
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., rows, G, 16] codes and [..., rows, G] exponents -> [..., rows, G * 32] values in `dtype`."""
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
@@ -43,11 +51,13 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     return values.flatten(-2).to(dtype)
 
 
-def dequantized(weights: Iterable[tuple[str, Weight]], dtype: torch.dtype, device: torch.device,
-                shapes: dict[str, tuple[int, int, int]], source: Path | str) -> Iterator[tuple[str, Weight]]:
-    """The checkpoint's tensors with each MXFP4 pair replaced by the projection it stands for, [E, cols, rows] in
-    `dtype` (computed on `device`); `shapes`: each projection's (E, rows, cols) as the model expects it, so a
-    malformed pair is refused by name before anything is copied."""
+def expert_weights(weights: Iterable[tuple[str, Weight]], dtype: torch.dtype, device: torch.device,
+                   shapes: dict[str, tuple[int, int, int]], source: Path | str,
+                   packed: bool = False) -> Iterator[tuple[str, Weight]]:
+    """The checkpoint's tensors with each MXFP4 pair checked and kept as it is (`packed`: `<proj>_blocks` and
+    `<proj>_scales`, unread yet) or replaced by the projection it stands for, [E, cols, rows] in `dtype` (computed on
+    `device`); `shapes`: each projection's (E, rows, cols) as the model expects it, so a malformed pair is refused by
+    name before anything is copied."""
     held: dict[str, dict[str, Weight]] = {}
     for name, tensor in weights:
         part = next((p for p in _PARTS if name.endswith(p)), None)
@@ -61,8 +71,11 @@ def dequantized(weights: Iterable[tuple[str, Weight]], dtype: torch.dtype, devic
             continue
         del held[stem]
         proj = stem.rpartition(".")[2]
+        _check(stem, proj, pair["_blocks"], pair["_scales"], shapes, source)
+        if packed:
+            yield from ((stem + p, pair[p]) for p in _PARTS)
+            continue
         blocks, scales = whole(pair["_blocks"]), whole(pair["_scales"])
-        _check(stem, proj, blocks, scales, shapes, source)
         blocks, scales = blocks.to(device), scales.to(device)
         out = torch.empty(blocks.shape[0], blocks.shape[2] * BLOCK, blocks.shape[1], dtype=dtype, device=device)
         for e in range(out.shape[0]):  # an expert at a time: the codes' temporaries stay one expert's size
@@ -75,17 +88,26 @@ def dequantized(weights: Iterable[tuple[str, Weight]], dtype: torch.dtype, devic
                              "each MXFP4 projection as _blocks and _scales")
 
 
-def _check(stem: str, proj: str, blocks: torch.Tensor, scales: torch.Tensor,
-           shapes: dict[str, tuple[int, int, int]], source: Path | str) -> None:
+def _check(stem: str, proj: str, blocks: Weight, scales: Weight, shapes: dict[str, tuple[int, int, int]],
+           source: Path | str) -> None:
     expected = shapes.get(proj)
     if expected is None:
         raise ModelLoadError(f"MXFP4 tensor {stem}_blocks is not an expert projection", source,
                              f"MXFP4 only for {' and '.join(shapes)}")
     e, rows, cols = expected
     want_blocks, want_scales = (e, rows, cols // BLOCK, BLOCK // 2), (e, rows, cols // BLOCK)
-    if (blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or tuple(blocks.shape) != want_blocks
-            or tuple(scales.shape) != want_scales or cols % BLOCK):
+    kinds = [_dtype(t) for t in (blocks, scales)]
+    if (kinds != ["uint8", "uint8"] or tuple(blocks.shape) != want_blocks or tuple(scales.shape) != want_scales
+            or cols % BLOCK):
         raise ModelLoadError(
-            f"MXFP4 tensor {stem}: blocks {blocks.dtype} {list(blocks.shape)}, scales {scales.dtype} "
+            f"MXFP4 tensor {stem}: blocks {kinds[0]} {list(blocks.shape)}, scales {kinds[1]} "
             f"{list(scales.shape)}", source,
             f"blocks uint8 {list(want_blocks)} and scales uint8 {list(want_scales)} for this config")
+
+
+def _dtype(w: Weight) -> str:
+    """A tensor's element type by name, read or not (a LazyTensor's safetensors name: U8)."""
+    stored = getattr(w, "stored_dtype", None)
+    if stored is not None:
+        return "uint8" if stored == "U8" else stored
+    return str(getattr(w, "dtype", type(w).__name__)).removeprefix("torch.")

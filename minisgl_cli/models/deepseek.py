@@ -32,7 +32,7 @@ from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
-from minisgl_cli.layers.moe import MoE, grouped_mm_runs
+from minisgl_cli.layers.moe import MoE, fp8_expert_blocks, grouped_mm_runs
 from minisgl_cli.layers.norm import LayerOut, RMSNorm
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.layers.rotary import RopeTable, RotaryEmbedding
@@ -132,7 +132,8 @@ class DeepseekDecoderLayer(DecoderLayer):
                 shared = MLP(dataclasses.replace(cfg, intermediate_size=width), tp, kernels, method)
             self.mlp = MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
                            cfg.norm_topk_prob, tp, kernels, fp8=method.name == "fp8", copies=method,
-                           routing=cfg.routing, shared_experts=shared)
+                           routing=cfg.routing, shared_experts=shared,
+                           fp8_block=fp8_expert_blocks(method, cfg.moe_intermediate_size, tp))
         else:
             self.mlp = MLP(cfg, tp, kernels, method)
 

@@ -13,7 +13,8 @@ import torch
 from minisgl_cli.models.config import ModelConfig, VisionConfig
 
 
-def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+def _shapes(mc: ModelConfig, mxfp4: bool = False) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a checkpoint of `mc` by its HF name; `mxfp4`: gpt-oss's experts as MXFP4 bytes and exponents."""
     if mc.mla is not None:
         yield from _deepseek_shapes(mc)
         return
@@ -25,7 +26,7 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         p = f"model.layers.{i}."
         if i in linear:
             yield from _linear_attn_shapes(mc, f"{p}linear_attn.")
-            yield from _mlp_shapes(mc, i, p)
+            yield from _mlp_shapes(mc, i, p, mxfp4=mxfp4)
             continue
         d, inter = mc.head_dim_of(i), mc.intermediate_size
         q, kv = mc.num_heads * d, mc.kv_heads_of(i) * d
@@ -48,7 +49,7 @@ def _shapes(mc: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield f"{p}self_attn.q_norm.weight", (d,)
             if len(projs) > 1:
                 yield f"{p}self_attn.k_norm.weight", (d,)
-        yield from _mlp_shapes(mc, i, p, inter)
+        yield from _mlp_shapes(mc, i, p, inter, mxfp4)
         if mc.architecture == "Gemma3ForCausalLM" or gemma4:
             yield f"{p}pre_feedforward_layernorm.weight", (h,)
             yield f"{p}post_feedforward_layernorm.weight", (h,)
@@ -123,7 +124,8 @@ def _linear_attn_shapes(mc: ModelConfig, p: str) -> Iterator[tuple[str, tuple[in
     yield f"{p}out_proj.weight", (h, la.value_dim)
 
 
-def _mlp_shapes(mc: ModelConfig, i: int, p: str, inter: int = 0) -> Iterator[tuple[str, tuple[int, ...]]]:
+def _mlp_shapes(mc: ModelConfig, i: int, p: str, inter: int = 0,
+                mxfp4: bool = False) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Layer i's MLP (dense of `inter`, default the config's width; or the experts with their router and any shared
     expert) and its two norms."""
     h, inter = mc.hidden_size, inter or mc.intermediate_size
@@ -131,9 +133,14 @@ def _mlp_shapes(mc: ModelConfig, i: int, p: str, inter: int = 0) -> Iterator[tup
         e, i2 = mc.num_experts, mc.moe_intermediate_size
         yield f"{p}mlp.router.weight", (e, h)
         yield f"{p}mlp.router.bias", (e,)
-        yield f"{p}mlp.experts.gate_up_proj", (e, h, 2 * i2)
+        if mxfp4:  # loader/mxfp4.py's layout: [E, rows, cols / 32, 16] bytes, [E, rows, cols / 32] exponents
+            for proj, rows, cols in (("gate_up_proj", 2 * i2, h), ("down_proj", h, i2)):
+                yield f"{p}mlp.experts.{proj}_blocks", (e, rows, cols // 32, 16)
+                yield f"{p}mlp.experts.{proj}_scales", (e, rows, cols // 32)
+        else:
+            yield f"{p}mlp.experts.gate_up_proj", (e, h, 2 * i2)
+            yield f"{p}mlp.experts.down_proj", (e, i2, h)
         yield f"{p}mlp.experts.gate_up_proj_bias", (e, 2 * i2)
-        yield f"{p}mlp.experts.down_proj", (e, i2, h)
         yield f"{p}mlp.experts.down_proj_bias", (e, h)
     elif mc.is_moe_layer(i):  # Qwen3-MoE's names (the loader takes Mixtral's too)
         yield f"{p}mlp.gate.weight", (mc.num_experts, h)
@@ -182,13 +189,19 @@ def _vision_shapes(vc: VisionConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 @torch.no_grad()
 def dummy_checkpoint(mc: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                     std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
-    """Normal(0, std) matrices, ones for norm weights, zeros for biases and sinks, one tensor at a time.
+                     std: float = 0.02, mxfp4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Normal(0, std) matrices, ones for norm weights, zeros for biases and sinks, one tensor at a time; `mxfp4`:
+    gpt-oss's experts as an MXFP4 checkpoint's (uniform random bytes: codes of RMS ~2.9, under exponents of
+    2^-8 .. 2^-6, RMS ~std).
 
     CPU tensors get the same numbers whatever the machine; CUDA ones are drawn on the device (an 8B
     model in seconds), the same on every GPU of one kind."""
-    for i, (name, shape) in enumerate(_shapes(mc)):
-        if name.endswith(("bias", "sinks")):
+    for i, (name, shape) in enumerate(_shapes(mc, mxfp4)):
+        if name.endswith(("_blocks", "_scales")):
+            gen = torch.Generator(device=device).manual_seed(seed * 100003 + i) if device.type != "meta" else None
+            low, high = (0, 256) if name.endswith("_blocks") else (119, 122)
+            yield name, torch.randint(low, high, shape, generator=gen, device=device, dtype=torch.uint8)
+        elif name.endswith(("bias", "sinks")):
             yield name, torch.zeros(shape, device=device, dtype=dtype)
         elif len(shape) == 1:
             yield name, torch.ones(shape, device=device, dtype=dtype)

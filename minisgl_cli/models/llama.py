@@ -21,7 +21,7 @@ from minisgl_cli.kernels.fp8 import Fp8Rows
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
-from minisgl_cli.layers.moe import EXPERT_PROJ, Experts, MoE, SwiGLU, grouped_mm_runs
+from minisgl_cli.layers.moe import EXPERT_PROJ, Experts, MoE, SwiGLU, fp8_expert_blocks, grouped_mm_runs
 from minisgl_cli.layers.norm import LayerOut, RMSNorm, rows_of
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.layers.rotary import MRotaryEmbedding, RopeTable, RotaryEmbedding
@@ -148,7 +148,8 @@ class DecoderLayer(nn.Module):
         self.mlp: MLP | MoE = (
             MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
                 cfg.norm_topk_prob, tp, kernels, fp8=method.name == "fp8", copies=method,
-                swiglu=SwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha) if cfg.swiglu_limit else None)
+                swiglu=SwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha) if cfg.swiglu_limit else None,
+                mxfp4=method.name == "mxfp4", fp8_block=fp8_expert_blocks(method, cfg.moe_intermediate_size, tp))
             if cfg.is_moe_layer(layer_id) else MLP(cfg, tp, kernels, method)
         )
 

@@ -33,7 +33,7 @@ from minisgl_cli.kvcache.state import StatePool, StateShape
 from minisgl_cli.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl_cli.layers.kernel_choice import Kernels
 from minisgl_cli.layers.linear import ColumnParallelLinear, RowParallelLinear
-from minisgl_cli.layers.moe import Gate, MoE
+from minisgl_cli.layers.moe import Gate, MoE, fp8_expert_blocks
 from minisgl_cli.layers.norm import LayerOut
 from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.layers.rotary import RopeTable, RotaryEmbedding
@@ -234,7 +234,8 @@ class SharedExpertMoE(MoE):
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo, kernels: Kernels, method: LinearMethod):
         super().__init__(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                         cfg.norm_topk_prob, tp, kernels, fp8=method.name == "fp8", copies=method)
+                         cfg.norm_topk_prob, tp, kernels, fp8=method.name == "fp8", copies=method,
+                         fp8_block=fp8_expert_blocks(method, cfg.moe_intermediate_size, tp))
         self.shared_expert = MLP(dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size), tp,
                                  kernels, method)
         self.shared_expert_gate = Gate(cfg.hidden_size, 1, kernels)
@@ -262,7 +263,8 @@ class HybridDecoderLayer(nn.Module):
             self.mlp = SharedExpertMoE(cfg, tp, kernels, method)
         elif cfg.is_moe_layer(layer_id):
             self.mlp = MoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                           cfg.norm_topk_prob, tp, kernels, fp8=method.name == "fp8", copies=method)
+                           cfg.norm_topk_prob, tp, kernels, fp8=method.name == "fp8", copies=method,
+                           fp8_block=fp8_expert_blocks(method, cfg.moe_intermediate_size, tp))
         else:
             self.mlp = MLP(cfg, tp, kernels, method)
 

@@ -24,8 +24,16 @@ Each output row is one MMA row of its block, so where a slot lands in its block 
 FP8 expert weights (e4m3, an fp32 scale per output row) run w8a16 or w8a8 (kernels/triton/moe_tiles.py says which and
 when): w8a16 widens the weight tile to the activation dtype; w8a8 takes the activations as e4m3 codes with a scale
 per row (triton_fp8.quant_rows: the tokens before gate/up, the gate/up output before down), an FP8 MMA on the two
-8-bit tiles. The scales multiply the finished accumulator. The grid is sized for the worst case the shapes allow:
-min(T k BLOCK_M, T k + E (BLOCK_M - 1)) rows, so a decode step's handful of slots launches a handful of blocks.
+8-bit tiles. The scales multiply the finished accumulator. MXFP4 expert weights (gpt-oss's, kept as its checkpoints
+ship them: two e2m1 codes a byte, an e8m0 exponent per 32 values along K) run w4a16: the bytes and exponents loaded
+as stored, each tile widened to the activation dtype in registers (`_mxfp4_tile`: exact, so the result is the
+dequantized weights' up to the order of the fp32 sums), a 16-bit MMA. Block-wise FP8 expert weights (DeepSeek-V3's
+checkpoints: e4m3, an fp32 scale per 128 x 128 block, `block`) keep the per-row FP8 experts' w8a16 / w8a8 choice,
+but their scales vary along K: each K step stays inside one block column and its dot joins the sum times its blocks'
+scales (w8a8: and its rows' scales, the activations quantized per token per 128 columns by
+kernels/triton/fp8_block.py's quant_groups, as the dense block-FP8 linears take them). The grid is sized for the
+worst case the shapes allow: min(T k BLOCK_M, T k + E (BLOCK_M - 1)) rows, so a decode step's handful of slots
+launches a handful of blocks.
 
 gpt-oss's experts (`SwiGLUExperts`): each projection's per-expert bias added to its rounded output, and the clamped
 SwiGLU in place of SiLU-and-mul, in the same two GEMMs; its routing (a softmax over the k largest logits) is the
@@ -37,7 +45,7 @@ GPUs where it runs (examples/moe_bench.py measures both; kernels/triton/moe_tile
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -45,6 +53,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from minisgl_cli.kernels.triton.fp8 import quant_rows
+from minisgl_cli.kernels.triton.fp8_block import quant_groups
 from minisgl_cli.kernels.triton.moe_tiles import FUSED_MAX_TOKENS, SMALL_MAX_TOKENS, MoeConfig, MoeTiles, pick_tiles  # noqa: F401  (re-exported)
 from minisgl_cli.kernels.triton.pdl import pdl_kwargs
 
@@ -162,10 +171,31 @@ def _place_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr, nu
 
 
 @triton.jit
+def _mxfp4_tile(packed, exps, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] weight tile in `dtype` of MXFP4 rows: bytes [BLOCK_N, BLOCK_K / 2] (two e2m1 codes
+    each, the low nibble first) and e8m0 exponents [BLOCK_N, BLOCK_K / 32] (one per 32 values: 2 ** (e - 127)).
+
+    A code's bits moved into fp16's (sign to bit 15, its exponent and mantissa bits under fp16's lowest exponent bits
+    and top mantissa bit) make its value times 2 ** -14 (the code 0.5 an fp16 subnormal, which widens exactly), so
+    each value is a shift and a mask or two, a widening and one multiply by its block's 2 ** (e - 127 + 14), made once
+    a block. Exact (e2m1 times a power of two), as loader/mxfp4.py's `dequantize`, for exponents 2 .. 240."""
+    p = packed.to(tl.int32)
+    lo = ((p & 0x07) << 9) | ((p & 0x08) << 12)
+    hi = ((p & 0x70) << 5) | ((p & 0x80) << 8)
+    half = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # k = 2 byte + nibble
+    half = half.to(tl.int16).to(tl.float16, bitcast=True)
+    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+    return tl.trans((half.to(tl.float32) * scale).to(dtype))
+
+
+@triton.jit
 def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                        logits_ptr, N, K, numel, E, stride_a, stride_we, stride_wn, stride_c, stride_se, stride_be,
-                        stride_l, limit, alpha, A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
-                        HAS_SCALE: tl.constexpr, A_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+                        logits_ptr, N, K, numel, E, stride_a, stride_as, stride_we, stride_wn, stride_c, stride_se,
+                        stride_sn, stride_be, stride_l, limit, alpha, A_DIV: tl.constexpr, GATED: tl.constexpr,
+                        ROUTED: tl.constexpr, HAS_SCALE: tl.constexpr, MXFP4: tl.constexpr, A_SCALE: tl.constexpr,
+                        BLOCK_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         ONE_SLOT: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, RENORMALIZE: tl.constexpr,
                         USE_PDL: tl.constexpr):
@@ -173,6 +203,10 @@ def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sorte
     (GATED: silu(. w[expert, n]) * (. w[expert, N + n])); ROUTED: times rw[slot]. A_SCALE: a holds e4m3 codes,
     row r's value codes * as[r], and the MMA runs on the 8-bit tiles. gpt-oss: HAS_BIAS adds b[expert, n] (and
     b[expert, N + n]) to each projection's output; SWIGLU takes its clamped SwiGLU (`limit`, `alpha`) for SiLU-and-mul.
+    MXFP4: w holds bytes [E, rows, K / 2] (two e2m1 codes each) and s e8m0 exponents [E, rows, K / 32], widened to
+    a's dtype in registers (`_mxfp4_tile`). BLOCK_SCALE (block-wise FP8, DeepSeek-V3's): s holds an fp32 scale per
+    (GROUP_N x GROUP_K) block of w [E, rows / GROUP_N, K / GROUP_K], each K step (inside one group) scaled by its
+    blocks' before it joins the sum; with A_SCALE, a's scales are per row per K group too [rows, K / GROUP_K].
 
     ONE_SLOT (a few tokens, no alignment): block b holds slot b alone, in its first row. Gate/up routes it (its
     token's top-k from the gate logits, in every program of the slot) and its first column tile writes the
@@ -207,21 +241,52 @@ def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sorte
     a_ptrs = a_ptr + (slot // A_DIV).to(tl.int64)[:, None] * stride_a + rk[None, :]
     # the weight tile read as [BLOCK_K, BLOCK_N] of the row-major [N, K] matrix
     w_ptrs = w_ptr + expert * stride_we + rn.to(tl.int64)[None, :] * stride_wn + rk[:, None]
+    if BLOCK_SCALE:  # each column's row of block scales, each row's of group scales
+        sb_ptrs = s_ptr + expert * stride_se + (rn // GROUP_N) * stride_sn
+        if A_SCALE:
+            sa_ptrs = as_ptr + (slot // A_DIV).to(tl.int64) * stride_as
+    if MXFP4:  # as stored, [BLOCK_N, BLOCK_K / 2] bytes and [BLOCK_N, BLOCK_K / 32] exponents (K a multiple of 32)
+        rb = tl.arange(0, BLOCK_K // 2)
+        rs = tl.arange(0, BLOCK_K // 32)
+        w_ptrs = w_ptr + expert * stride_we + rn.to(tl.int64)[:, None] * stride_wn + rb[None, :]
+        s_ptrs = s_ptr + expert * stride_se + rn.to(tl.int64)[:, None] * stride_sn + rs[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # a e4m3 (A_SCALE): the weight tile's .to is none, an FP8 MMA
         mk = k0 + rk < K
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & mk[None, :], other=0.0)
-        wm = mk[:, None] & mask_n[None, :]
-        acc = tl.dot(a, tl.load(w_ptrs + k0, mask=wm, other=0.0).to(a.dtype), acc)
-        if GATED:
-            acc_up = tl.dot(a, tl.load(w_ptrs + N * stride_wn + k0, mask=wm, other=0.0).to(a.dtype), acc_up)
+        if MXFP4:
+            bm = mask_n[:, None] & (k0 // 2 + rb < K // 2)[None, :]
+            sm = mask_n[:, None] & (k0 // 32 + rs < K // 32)[None, :]
+            w = _mxfp4_tile(tl.load(w_ptrs + k0 // 2, mask=bm, other=0), tl.load(s_ptrs + k0 // 32, mask=sm, other=0),
+                            a.dtype, BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, w, acc)
+            if GATED:
+                w = _mxfp4_tile(tl.load(w_ptrs + N * stride_wn + k0 // 2, mask=bm, other=0),
+                                tl.load(s_ptrs + N * stride_sn + k0 // 32, mask=sm, other=0), a.dtype, BLOCK_N, BLOCK_K)
+                acc_up = tl.dot(a, w, acc_up)
+        elif BLOCK_SCALE:  # the step's dot, in fp32, times its weight blocks' scales (and its rows' group scales)
+            wm = mk[:, None] & mask_n[None, :]
+            scale = tl.load(sb_ptrs + k0 // GROUP_K, mask=mask_n, other=0.0)[None, :]
+            if A_SCALE:
+                scale = scale * tl.load(sa_ptrs + k0 // GROUP_K, mask=valid, other=0.0)[:, None]
+            acc += tl.dot(a, tl.load(w_ptrs + k0, mask=wm, other=0.0).to(a.dtype)) * scale
+            if GATED:
+                scale = tl.load(sb_ptrs + (N // GROUP_N) * stride_sn + k0 // GROUP_K, mask=mask_n, other=0.0)[None, :]
+                if A_SCALE:
+                    scale = scale * tl.load(sa_ptrs + k0 // GROUP_K, mask=valid, other=0.0)[:, None]
+                acc_up += tl.dot(a, tl.load(w_ptrs + N * stride_wn + k0, mask=wm, other=0.0).to(a.dtype)) * scale
+        else:
+            wm = mk[:, None] & mask_n[None, :]
+            acc = tl.dot(a, tl.load(w_ptrs + k0, mask=wm, other=0.0).to(a.dtype), acc)
+            if GATED:
+                acc_up = tl.dot(a, tl.load(w_ptrs + N * stride_wn + k0, mask=wm, other=0.0).to(a.dtype), acc_up)
     if HAS_SCALE:  # FP8 weights: w = code * scale[expert, row]
         s_ptrs = s_ptr + expert * stride_se + rn
         acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
         if GATED:
             acc_up *= tl.load(s_ptrs + N, mask=mask_n, other=0.0)[None, :]
-    if A_SCALE:  # FP8 activations: a = code * scale[row]
+    if A_SCALE and not BLOCK_SCALE:  # FP8 activations: a = code * scale[row]
         a_scale = tl.load(as_ptr + slot // A_DIV, mask=valid, other=0.0)[:, None]
         acc *= a_scale
         if GATED:
@@ -246,6 +311,11 @@ def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sorte
         acc *= tl.load(rw_ptr + slot, mask=valid, other=0.0)[:, None]
     c_ptrs = c_ptr + slot.to(tl.int64)[:, None] * stride_c + rn[None, :]
     tl.store(c_ptrs, acc.to(dtype), mask=valid[:, None] & mask_n[None, :])
+
+
+def is_mxfp4(w: torch.Tensor) -> bool:
+    """Whether expert weights are MXFP4 bytes (their exponents ride in the scale's place)."""
+    return w.dtype == torch.uint8
 
 
 def align(ids: torch.Tensor, n_exp: int, block_m: int,
@@ -273,17 +343,22 @@ def align(ids: torch.Tensor, n_exp: int, block_m: int,
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
                   tiles: MoeTiles | None = None, pdl: bool = False, terms: bool = False,
-                  swiglu: SwiGLUExperts | None = None) -> torch.Tensor:
+                  swiglu: SwiGLUExperts | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H] in x's dtype (`terms`: the
     [T, k, H] terms, unsummed).
 
-    x [T, H]; gate_up [E, 2I, H] and down [E, H, I] in x's dtype, or e4m3 with fp32 scales [E, 2I] / [E, H];
+    x [T, H]; gate_up [E, 2I, H] and down [E, H, I] in x's dtype, or e4m3 with fp32 scales [E, 2I] / [E, H], or
+    MXFP4 (uint8: `is_mxfp4`) bytes [E, 2I, H / 2] / [E, H, I / 2] with e8m0 exponents [E, 2I, H / 32] / [E, H, I / 32];
     weights [T, k] fp32, ids [T, k]; `tiles` (default: `pick_tiles(T, fp8)`; FP8 weights and `tiles.fp8_act`:
-    w8a8, x and the gate/up output quantized per row to e4m3 for the MMAs); `swiglu`: gpt-oss's experts."""
+    w8a8, x and the gate/up output quantized per row to e4m3 for the MMAs; MXFP4 always w4a16); `swiglu`: gpt-oss's
+    experts; `block` (bn, bk): block-wise FP8 weights (DeepSeek-V3's), the scales fp32 [E, 2I / bn, H / bk] and
+    [E, H / bn, I / bk], w8a8 quantizing the activations per token per bk columns as the dense block-FP8 linears do."""
     n_tok, k = ids.shape
-    n_exp, two_i, hidden = gate_up.shape
-    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None)
-    w8a8 = tiles.fp8_act and gate_up_scale is not None
+    n_exp, two_i = gate_up.shape[:2]
+    hidden = down.shape[1]
+    mxfp4 = is_mxfp4(gate_up)
+    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None, w8a8=False if mxfp4 else None)
+    w8a8 = tiles.fp8_act and gate_up_scale is not None and not mxfp4
     numel = n_tok * k
     x = x.contiguous()
     out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
@@ -291,18 +366,26 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
         return out.view(n_tok, k, hidden) if terms else out.view(n_tok, k, hidden).sum(dim=1)
     slots = Slots(*align(ids.contiguous(), n_exp, tiles.gate_up.block_m, pdl), weights.contiguous().view(-1), k)
     h = torch.empty(numel, two_i // 2, dtype=x.dtype, device=x.device)
-    a: tuple[torch.Tensor, torch.Tensor | None] = quant_rows(x.contiguous(), pdl=pdl) if w8a8 else (x, None)
+
+    def codes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """t as the GEMM takes it: w8a8's e4m3 codes with their scales (per row, or per row per group), else t."""
+        if not w8a8:
+            return t, None
+        return quant_groups(t, block[1]) if block is not None else quant_rows(t, pdl=pdl)
+
+    a = codes(x)
     expert_gemm(a[0], gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True, a_scale=a[1], pdl=pdl,
-                swiglu=swiglu)
-    a = quant_rows(h, pdl=pdl) if w8a8 else (h, None)  # h rounded to x's dtype first, as the dense FP8 MLP does
-    expert_gemm(a[0], down, down_scale, out, slots, tiles.down, gated=False, a_scale=a[1], pdl=pdl, swiglu=swiglu)
+                swiglu=swiglu, block=block)
+    a = codes(h)  # h rounded to x's dtype first, as the dense FP8 MLP does
+    expert_gemm(a[0], down, down_scale, out, slots, tiles.down, gated=False, a_scale=a[1], pdl=pdl, swiglu=swiglu,
+                block=block)
     return out.view(n_tok, k, hidden) if terms else out.view(n_tok, k, hidden).sum(dim=1)
 
 
 def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                    renormalize: bool, gate_up_scale: torch.Tensor | None = None,
                    down_scale: torch.Tensor | None = None, pdl: bool = False, terms: bool = False,
-                   swiglu: SwiGLUExperts | None = None) -> torch.Tensor:
+                   swiglu: SwiGLUExperts | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """The MoE block after its gate's linear: up to SMALL_MAX_TOKENS tokens `one_slot_experts`, else `route` then
     `fused_experts`; [T, H], or with `terms` each token's k terms [T, k, H] for the caller to sum.
 
@@ -312,10 +395,10 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
     pdl = pdl and gate_up_scale is None
     if x.shape[0] <= SMALL_MAX_TOKENS:
         return one_slot_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale, pdl=pdl,
-                                terms=terms, swiglu=swiglu)
+                                terms=terms, swiglu=swiglu, block=block)
     weights, ids = route(logits, top_k, renormalize, pdl)
     return fused_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale, pdl=pdl, terms=terms,
-                         swiglu=swiglu)
+                         swiglu=swiglu, block=block)
 
 
 @dataclass
@@ -352,13 +435,14 @@ class Route:
 def one_slot_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                      renormalize: bool, gate_up_scale: torch.Tensor | None = None,
                      down_scale: torch.Tensor | None = None, tiles: MoeTiles | None = None,
-                     pdl: bool = False, terms: bool = False, swiglu: SwiGLUExperts | None = None) -> torch.Tensor:
+                     pdl: bool = False, terms: bool = False, swiglu: SwiGLUExperts | None = None,
+                     block: tuple[int, int] | None = None) -> torch.Tensor:
     """`fused_experts` of a few tokens, routed inside the gate/up pass: one slot a block, no alignment, three launches
     (gate/up, down, the sum; `terms`: two, the [T, k, H] terms unsummed). FP8 experts run w8a16 (below
     W8A8_MIN_TOKENS)."""
     n_tok, hidden = x.shape
     numel = n_tok * top_k
-    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None, w8a8=False)
+    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None, w8a8=False)  # MXFP4 too: w4a16
     out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
     if numel == 0:
         return out.view(n_tok, top_k, hidden) if terms else out.view(n_tok, top_k, hidden).sum(dim=1)
@@ -367,18 +451,29 @@ def one_slot_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
     h = torch.empty(numel, gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
     x = x.contiguous()
     expert_gemm(x, gate_up, gate_up_scale, h, slots, tiles.gate_up, gated=True, pdl=pdl,
-                route=Route(logits.contiguous(), renormalize), swiglu=swiglu)
-    expert_gemm(h, down, down_scale, out, slots, tiles.down, gated=False, pdl=pdl, swiglu=swiglu)
+                route=Route(logits.contiguous(), renormalize), swiglu=swiglu, block=block)
+    expert_gemm(h, down, down_scale, out, slots, tiles.down, gated=False, pdl=pdl, swiglu=swiglu, block=block)
     return out.view(n_tok, top_k, hidden) if terms else out.view(n_tok, top_k, hidden).sum(dim=1)
 
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c: torch.Tensor, slots: Slots,
                 cfg: MoeConfig, gated: bool, a_scale: torch.Tensor | None = None, pdl: bool = False,
-                route: Route | None = None, swiglu: SwiGLUExperts | None = None) -> None:
+                route: Route | None = None, swiglu: SwiGLUExperts | None = None,
+                block: tuple[int, int] | None = None) -> None:
     """One of the two expert GEMMs into c [T k, N]: gated, gate/up from the tokens' rows a [T, H]; else down from
     the slots' rows a [T k, I], scaled by their routing weights. `a_scale` [rows, 1] fp32: a is e4m3 codes (w8a8).
-    `swiglu`: gpt-oss's biases (this projection's) and activation."""
+    `swiglu`: gpt-oss's biases (this projection's) and activation. MXFP4 weights (uint8) take `scale` as their
+    exponents; `block` (bn, bk): w block-wise FP8 with `scale` per block, `a_scale` (w8a8) per row per bk columns,
+    each K step one group (BLOCK_K cut to bk where deeper)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
+    mxfp4 = is_mxfp4(w)
+    if mxfp4 and (a.shape[1] % 32 or cfg.block_k % 32):
+        raise ValueError(f"MXFP4 experts need K ({a.shape[1]}) and BLOCK_K ({cfg.block_k}) multiples of 32")
+    group_n, group_k = block or (1, 1)
+    if block is not None:
+        assert scale is not None and (not gated or n % group_n == 0), "gate and up rows each whole blocks"
+        if group_k % cfg.block_k:  # each K step inside one group
+            cfg = replace(cfg, block_k=group_k)
     grid = (slots.block_expert.numel(), triton.cdiv(n, cfg.block_n))
     one_slot = slots.sorted_ids is None
     assert not (one_slot and gated and route is None), "one-slot blocks: gate/up routes the slots"
@@ -388,12 +483,16 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c:
     total = slots.total if slots.total is not None else slots.block_expert
     bias = None if swiglu is None else swiglu.gate_up_bias if gated else swiglu.down_bias
     _expert_gemm_kernel[grid](a, a_scale, w, scale, bias, c, slots.weights, sorted_ids, slots.block_expert, total,
-                              logits, n, a.shape[1], c.shape[0], n_exp, a.stride(0), w.stride(0), w.stride(1),
+                              logits, n, a.shape[1], c.shape[0], n_exp, a.stride(0),
+                              a_scale.stride(0) if a_scale is not None else 0, w.stride(0), w.stride(1),
                               c.stride(0), scale.stride(0) if scale is not None else 0,
-                              bias.stride(0) if bias is not None else 0, logits.stride(0),
+                              scale.stride(1) if scale is not None else 0, bias.stride(0) if bias is not None else 0,
+                              logits.stride(0),
                               swiglu.limit if swiglu is not None else 0.0, swiglu.alpha if swiglu is not None else 0.0,
                               A_DIV=slots.top_k if gated else 1, GATED=gated, ROUTED=not gated,
-                              HAS_SCALE=scale is not None, A_SCALE=a_scale is not None, HAS_BIAS=bias is not None,
+                              HAS_SCALE=scale is not None and not mxfp4 and block is None, MXFP4=mxfp4,
+                              A_SCALE=a_scale is not None, BLOCK_SCALE=block is not None, GROUP_N=group_n,
+                              GROUP_K=group_k, HAS_BIAS=bias is not None,
                               SWIGLU=swiglu is not None, BLOCK_M=cfg.block_m,
                               BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SLOT=one_slot,
                               K_P2=triton.next_power_of_2(slots.top_k), E_P2=triton.next_power_of_2(n_exp),

@@ -9,6 +9,10 @@ FP8 experts (e4m3 weights, an fp32 scale per output row) run one of two ways (ke
          SiLU-and-mul, for the down GEMM), an FP8 MMA on both 8-bit tiles with fp32 sums, the token's scale times
          the channel's in the epilogue: from `W8A8_MIN_TOKENS` tokens, where widening each weight tile for a 16-bit
          MMA held the kernel well under the bandwidth (~2.2-2.8 TB/s on an H200, against 3.0-3.3 for w8a8)
+
+MXFP4 experts (gpt-oss's, packed) run w4a16 at every size, on the w8a16 table (`pick_tiles(n, True, w8a8=False)`):
+not swept for them yet (examples/mxfp4_bench.py --sweep times their candidates). Their BLOCK_K must be a multiple of
+32 (one exponent per 32 values), as every tile here is.
 """
 
 from __future__ import annotations
