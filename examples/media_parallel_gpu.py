@@ -5,7 +5,8 @@ For each variant: one call to load and warm up, then `--runs` warm calls timed e
 steps, the VAE decode on rank 0) at 832x480, 81 frames, CFG 5, `--steps` steps (10 by default), extrapolated to 50
 steps from the mean step time ("s@50", as examples/media_bench.py does). The frames of each two-GPU variant are
 compared with the one-GPU frames of the same seed and prompt: PSNR in dB over the 8-bit frames (inf: identical).
-Eager (no torch.compile) unless `--compile`; attention: auto (cuDNN on Hopper). A table on stdout, JSON under --out.
+Eager (no torch.compile) unless `--compile`; attention: auto (cuDNN on Hopper). Each variant runs in a process of its
+own (as a server runs one group a process). A table on stdout, JSON under --out.
 
     python examples/media_parallel_gpu.py --out $OUT                   # 2 GPUs: one, cfg, ulysses (~3-4 min)
     python examples/media_parallel_gpu.py --tiny --device cpu          # the tiny Wan over 2 gloo ranks (CPU smoke)
@@ -130,6 +131,8 @@ def main() -> None:
     ap.add_argument("--collective-timeout", type=float, default=120.0,
                     help="seconds any collective may wait (a hung rank fails the variant, not the whole budget)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/media_parallel"))
+    ap.add_argument("--variant-timeout", type=float, default=600.0, help="seconds a variant's process may take")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # run this variant here (the loop runs each in a child)
     a = ap.parse_args()
     a.model = "wan2.1-t2v-1.3b"
     if a.tiny:
@@ -152,8 +155,14 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
     reference = None
+    if a.one:  # a child of the loop below: one variant, its row and frames to files
+        row, frames = run_variant(a.one, a, sync)
+        (a.out / f"{a.one}.row.json").write_text(json.dumps(asdict(row)))
+        if frames is not None:
+            np.save(a.out / f"{a.one}.frames.npy", frames)
+        return
     for variant in a.variants.split(","):
-        row, frames = run_variant(variant, a, sync)
+        row, frames = variant_in_child(variant, a)
         if variant == "one":
             reference = frames
         if reference is not None and frames is not None:
@@ -168,6 +177,26 @@ def main() -> None:
         print(f"{variant}: load {row.load_s:.1f} s, first {row.first_s:.2f} s, warm {row.warm_s:.2f} s, step "
               f"{row.step_s:.3f} s, s@50 {row.at_50_s:.1f}, PSNR {row.psnr_db:.1f} dB {row.note}", flush=True)
     print(table(rows, a))
+
+
+def variant_in_child(variant: str, a: argparse.Namespace) -> tuple[Row, Any]:
+    """One variant in a process of its own: a torn-down NCCL group leaves state behind it (a Ulysses group started
+    after a CFG group's close crashed in NCCL's split on two H200s), and a user's server starts one group a process."""
+    import subprocess
+
+    for f in (a.out / f"{variant}.row.json", a.out / f"{variant}.frames.npy"):
+        f.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--one", variant, "--out", str(a.out)]
+    try:
+        ended = f"exited {subprocess.run(cmd, timeout=a.variant_timeout).returncode}"
+    except subprocess.TimeoutExpired:
+        ended = f"ran past {a.variant_timeout:.0f} s"
+    row_file, frames_file = a.out / f"{variant}.row.json", a.out / f"{variant}.frames.npy"
+    if not row_file.exists():
+        return Row(variant, 1 if variant == "one" else a.size, note=f"failed: its process {ended}"), None
+    frames = np.load(frames_file) if frames_file.exists() else None
+    frames_file.unlink(missing_ok=True)
+    return Row(**json.loads(row_file.read_text())), frames
 
 
 def save(rows: list[Row], a: argparse.Namespace, torch: Any) -> None:
