@@ -42,6 +42,10 @@ log = logging.getLogger("minisgl.media")
 
 NICE = 10  # below the text engine's processes: a chat reply stays fast while media runs on the same CPU
 STOP_GRACE_S = 2.0  # after SIGTERM: the step in progress ends the call; past this the process just exits
+# The warm-up (batch.warm_up) starts once the queue has been empty this long. Started at once, it met each request a
+# client sent on the last one's answer inside a warm-up step (a batch of 3 at 1024^2: ~0.3 s on an H200), which then
+# gave way and started again at the next idle moment: every request of a one-at-a-time client paid for a step.
+WARM_UP_IDLE_S = 2.0
 
 
 @dataclass
@@ -171,6 +175,8 @@ class MediaWorker:
     def serve(self) -> None:
         while True:
             with self.cond:
+                if not self.queue and not self.stopping and self.warm_next is not None:
+                    self.cond.wait_for(lambda: self.queue or self.stopping, WARM_UP_IDLE_S)
                 if not self.queue and not self.stopping and self.warm_next is not None:
                     like, self.warm_next = self.warm_next, None
                     self.cond.release()
