@@ -5,21 +5,13 @@ Runs on CUDA (bf16); without a GPU under Triton's interpreter, as tests/test_gpu
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.triton_interp import INTERPRET, patch_interpreter
+from tests.triton_interp import NEEDS_FP8, NEEDS_TRITON, patch_interpreter
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() and not (INTERPRET and importlib.util.find_spec("triton")),
-                       reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)"),
-    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-                       reason="e4m3 in Triton: Ada / Hopper and newer"),
-]
+pytestmark = [pytest.mark.gpu, NEEDS_TRITON, NEEDS_FP8]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
 TILE = {} if DEV == "cuda" else {"block_m": 32, "block_n": 32, "num_warps": 4}

@@ -10,21 +10,15 @@ was set before it was imported (the Makefile's test target):
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from minisgl_cli.kernels import fp8
 from minisgl_cli.loader.blocks import quantize_fp8_blocks
-from tests.triton_interp import INTERPRET, patch_interpreter
+from tests.triton_interp import NEEDS_FP8, NEEDS_TRITON, patch_interpreter
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON = torch.cuda.is_available() or (INTERPRET and importlib.util.find_spec("triton") is not None)
-NO_FP8 = DEV == "cuda" and torch.cuda.get_device_capability() < (8, 9)
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not TRITON, reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)"),
-              pytest.mark.skipif(NO_FP8, reason="FP8 needs compute capability 8.9+")]
+pytestmark = [pytest.mark.gpu, NEEDS_TRITON, NEEDS_FP8]
 
 
 @pytest.mark.parametrize("m,n,k,block", [(1, 48, 64, (16, 32)), (5, 40, 72, (16, 32)), (70, 200, 256, (128, 128))])

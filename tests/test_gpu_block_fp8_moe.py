@@ -12,21 +12,13 @@ capability 8.9+.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.triton_interp import INTERPRET, patch_interpreter
+from tests.triton_interp import INTERPRET, NEEDS_FP8, NEEDS_TRITON, patch_interpreter
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() and not (INTERPRET and importlib.util.find_spec("triton")),
-                       reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)"),
-    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-                       reason="FP8 needs compute capability 8.9+"),
-]
+pytestmark = [pytest.mark.gpu, NEEDS_TRITON, NEEDS_FP8]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 # hidden 96, width 64 in blocks of 16 rows x 32 columns (DeepSeek ships 128 x 128): gate/up's K ends in a partial

@@ -11,20 +11,14 @@ importable and TRITON_INTERPRET=1 was set before it was imported (`make test` do
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from minisgl_cli.kernels import fp8
-from tests.triton_interp import INTERPRET, patch_interpreter
+from tests.triton_interp import NEEDS_TRITON, patch_interpreter
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() and not (INTERPRET and importlib.util.find_spec("triton")),
-                       reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)"),
-]
+pytestmark = [pytest.mark.gpu, NEEDS_TRITON]
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float16

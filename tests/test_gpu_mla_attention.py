@@ -10,7 +10,6 @@ and TRITON_INTERPRET=1 was set before it was imported (as tests/test_gpu_window_
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
@@ -20,11 +19,9 @@ from minisgl_cli.attention.mla import MlaBackend
 from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.engine.host import HostBuffers
 from minisgl_cli.kvcache.pool import KVPool, KVShape
-from tests.triton_interp import INTERPRET, patch_interpreter
+from tests.triton_interp import NEEDS_TRITON, patch_interpreter
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON = torch.cuda.is_available() or (INTERPRET and importlib.util.find_spec("triton") is not None)
-needs_triton = pytest.mark.skipif(not TRITON, reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)")
 LENS = [1, 7, 33, 70]
 
 
@@ -69,7 +66,7 @@ def _naive(pool: KVPool, batch: ForwardBatch, q: torch.Tensor, rank: int, scale:
 
 
 @pytest.mark.gpu
-@needs_triton
+@NEEDS_TRITON
 @pytest.mark.parametrize("heads,rank,rope,fp8", [(4, 32, 8, False), (20, 64, 16, False), (16, 512, 64, False),
                                                 (20, 64, 16, True)])
 def test_triton_mla_decode_matches_torch_and_the_definition(heads, rank, rope, fp8):
@@ -96,7 +93,7 @@ def test_triton_mla_decode_matches_torch_and_the_definition(heads, rank, rope, f
 
 
 @pytest.mark.gpu
-@needs_triton
+@NEEDS_TRITON
 def test_graph_metadata_pads_rows_and_keeps_the_real_rows_answers():
     """What a captured decode graph reads: the static rows and lengths of a bigger graph, filled from a real step
     (prepare_for_replay), the padding rows on page-table row 0; the real rows answer as without a graph."""
@@ -120,7 +117,7 @@ def test_graph_metadata_pads_rows_and_keeps_the_real_rows_answers():
 
 
 @pytest.mark.gpu
-@needs_triton
+@NEEDS_TRITON
 def test_fp8_pool_reaches_the_kernel_through_the_backend():
     """MlaBackend's absorbed decode over an FP8 latent pool: through the kernel (the layer's scale and means handed
     to it) as through torch's decode over the dequantized rows."""

@@ -15,19 +15,13 @@ and on the GPU w8a8); on the GPU also a CUDA graph's replay and the whole MoE bl
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.triton_interp import INTERPRET, patch_interpreter
+from tests.triton_interp import INTERPRET, NEEDS_TRITON, patch_interpreter
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() and not (INTERPRET and importlib.util.find_spec("triton")),
-                       reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)"),
-]
+pytestmark = [pytest.mark.gpu, NEEDS_TRITON]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 SMALL = (16, 16, 32, 4, 1)  # a tile smaller than the shapes: several blocks and column tiles, masked K edges

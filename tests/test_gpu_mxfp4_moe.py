@@ -13,16 +13,13 @@ dequantized load (--quantization none), and the built-in gpt-oss-20b's dummy wei
 from __future__ import annotations
 
 import gc
-import importlib.util
 
 import pytest
 import torch
 
-from tests.triton_interp import INTERPRET, patch_interpreter
+from tests.triton_interp import INTERPRET, NEEDS_TRITON, TRITON_RUNS, patch_interpreter
 
-RUNS = torch.cuda.is_available() or bool(INTERPRET and importlib.util.find_spec("triton"))
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not RUNS, reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)")]
+pytestmark = [pytest.mark.gpu, NEEDS_TRITON]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine on a CUDA GPU")
@@ -32,7 +29,7 @@ HIDDEN, INTER = 96, 64
 TILE = (16, 64, 64, 4, 1)
 
 
-if RUNS:  # triton importable: a kernel that widens one tile, for the first test
+if TRITON_RUNS:  # triton importable: a kernel that widens one tile, for the first test
     import triton
     import triton.language as tl
 

@@ -9,7 +9,6 @@ importable and TRITON_INTERPRET=1 was set before it was imported (as tests/test_
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -18,11 +17,9 @@ from test_attention_kernels import make_case
 
 from minisgl_cli.attention.torch_backend import TorchBackend
 from minisgl_cli.kvcache.pool import KVPool
-from tests.triton_interp import INTERPRET, patch_interpreter
+from tests.triton_interp import NEEDS_TRITON, TRITON_RUNS, patch_interpreter
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON = torch.cuda.is_available() or (INTERPRET and importlib.util.find_spec("triton") is not None)
-needs_triton = pytest.mark.skipif(not TRITON, reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)")
 HEADS = (8, 2, 32)  # 4 query heads a KV head
 WINDOWS = [0, 8, 45]
 # (cached prefix, new tokens): a prompt past the window, a chunk starting inside one, a chunk past two tiles
@@ -63,7 +60,7 @@ def _sinks(device: str) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@needs_triton
+@NEEDS_TRITON
 @pytest.mark.parametrize("mode,splits", [("decode", 1), ("decode", 3), ("merged", 3), ("extend", 0)])
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
@@ -96,7 +93,7 @@ def test_triton_kernels_window_and_sinks_match_the_definition(mode, splits, wind
 
 
 @pytest.mark.gpu
-@needs_triton
+@NEEDS_TRITON
 @pytest.mark.parametrize("merged", [False, True], ids=["reduce", "merged"])
 def test_triton_decode_of_wide_heads_matches_the_definition(merged):
     """Head dim 512 (Gemma 4's global layers): its own tiles, and the split partials merged in column halves, by the
@@ -170,7 +167,7 @@ def test_window_layer_reads_its_own_pages_through_the_slot_map(mode, backend):
     and the Triton decode / extend kernels (MAPPED)."""
     window, dtype = 8, torch.float32
     if backend == "triton":
-        if not TRITON:
+        if not TRITON_RUNS:
             pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)")
         patch_interpreter()
         dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
@@ -250,7 +247,7 @@ MIXED_CASES = [("decode", "16bit"), ("graph", "16bit"), ("extend", "16bit"), ("d
 
 
 @pytest.mark.gpu
-@needs_triton
+@NEEDS_TRITON
 @pytest.mark.parametrize("mode,kv", MIXED_CASES)
 def test_triton_backend_runs_layers_of_different_head_shapes(mode, kv):
     """The Triton backend over a pool whose layers differ in head shape (Gemma 4): a decode step's split-K plan per

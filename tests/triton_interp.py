@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
+import pytest
 import torch
 
 INTERPRET = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+# Where this repo's Triton kernels run: a CUDA GPU, or the CPU under the interpreter with triton importable.
+TRITON_RUNS = torch.cuda.is_available() or bool(INTERPRET and importlib.util.find_spec("triton"))
+NEEDS_TRITON = pytest.mark.skipif(not TRITON_RUNS,
+                                  reason="needs a CUDA GPU (or TRITON_INTERPRET=1 with triton importable)")
+NEEDS_FP8 = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                               reason="FP8 in Triton needs compute capability 8.9+ (Ada / Hopper)")
 
 
 def patch_interpreter() -> None:
