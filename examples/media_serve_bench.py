@@ -45,13 +45,30 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
+TIMED: list[dict[str, float]] = []  # each image's seconds: end to end, and the server's Server-Timing parts
+
+
 async def image(client: httpx.AsyncClient, url: str, prompt: str, seed: int, size: str) -> float:
     t = time.perf_counter()
     r = await client.post(f"{url}/v1/images/generations",
                           json={"prompt": prompt, "size": size, "seed": seed, "output_format": "png"})
     r.raise_for_status()
     assert r.json()["data"][0]["b64_json"]
-    return time.perf_counter() - t
+    took = time.perf_counter() - t
+    parts = dict(p.split(";dur=") for p in r.headers.get("server-timing", "").split(", ") if ";dur=" in p)
+    TIMED.append({"e2e": took, **{k: float(v) / 1e3 for k, v in parts.items()}})
+    return took
+
+
+def where(timed: list[dict[str, float]]) -> dict[str, float]:
+    """Medians (ms) of where an image's seconds went: the pipeline call, the PNG, the rest inside the server (queue,
+    hand-offs between its processes) and outside it (HTTP, base64, JSON, the client)."""
+    if not timed or "total" not in timed[0]:
+        return {}
+    med = lambda f: round(1e3 * statistics.median(f(t) for t in timed), 1)  # noqa: E731
+    return {"generate_ms": med(lambda t: t["generate"]), "encode_ms": med(lambda t: t["encode"]),
+            "in_server_rest_ms": med(lambda t: t["total"] - t["generate"] - t["encode"]),
+            "outside_server_ms": med(lambda t: t["e2e"] - t["total"])}
 
 
 async def chat_tpot(client: httpx.AsyncClient, url: str, tokens: int) -> float:
@@ -75,10 +92,12 @@ async def measure(url: str, a: argparse.Namespace) -> dict[str, Any]:
         t = time.perf_counter()
         await image(client, url, "a cold start: a lantern festival over a river at night", 1, a.size)
         out["cold_first_image_s"] = time.perf_counter() - t
+        TIMED.clear()
         alone = [await image(client, url, f"a portrait number {i} in a misty bamboo courtyard", 10 + i, a.size)
                  for i in range(a.runs)]
         out["alone_s"] = statistics.median(alone)
         out["alone_all_s"] = alone
+        out["alone_where"] = where(TIMED)
         out["chat_tpot_alone_ms"] = 1e3 * await chat_tpot(client, url, a.chat_tokens)
         t = time.perf_counter()
         chat = asyncio.create_task(chat_tpot(client, url, a.chat_tokens))

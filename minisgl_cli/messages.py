@@ -262,8 +262,9 @@ class MediaResult:
     jid: str
     items: list[bytes]
     seed: int
-    elapsed_s: float
+    elapsed_s: float  # the pipeline call (its whole batch)
     prompt_tokens: int = 0
+    encode_s: float = 0.0  # this job's items encoded (PNG, mp4...) in the worker, after the call
 
 
 @dataclass

@@ -259,12 +259,14 @@ class MediaWorker:
         for p, result in zip(batch, results, strict=True):
             if p.msg.jid not in live:
                 continue
+            start = time.perf_counter()
             try:
                 items = _encode(p.msg, result)
             except Exception as exc:  # noqa: BLE001 - e.g. no mp4 writer: this job's error
                 self._fail({p.msg.jid}, exc)
                 continue
-            self.emit(MediaResult(p.msg.jid, items, result.seed, result.elapsed_s, p.prompt_tokens))
+            self.emit(MediaResult(p.msg.jid, items, result.seed, result.elapsed_s, p.prompt_tokens,
+                                  time.perf_counter() - start))
 
     def _warm_up(self, like: ImageJob | VideoJob) -> None:
         from minisgl_cli.media.ranks import load as load_pipeline

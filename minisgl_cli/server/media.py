@@ -187,6 +187,14 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+def server_timing(result: MediaResult, since: float) -> dict[str, str]:
+    """The `Server-Timing` header of a job's response (ms): the pipeline call, the encoding, and the whole of it in
+    this server since the request was admitted; `total` less the other two is the queue and the hand-offs."""
+    total = time.perf_counter() - since
+    parts = (("generate", result.elapsed_s), ("encode", result.encode_s), ("total", total))
+    return {"Server-Timing": ", ".join(f"{name};dur={1e3 * s:.1f}" for name, s in parts)}
+
+
 def _usage(tokens: int) -> dict[str, Any]:
     """OpenAI's image usage: the prompt's text tokens in (as the pipeline counts them); no image tokens."""
     return {"input_tokens": tokens, "output_tokens": 0, "total_tokens": tokens,
@@ -233,7 +241,8 @@ def build_media_router(settings: MediaSettings | None = None, service: MediaServ
     router = APIRouter(tags=["media"])
 
     @router.post("/v1/images/generations")
-    async def create_image(body: ImageGenerationRequest, request: Request) -> Any:
+    async def create_image(body: ImageGenerationRequest, request: Request, response: Response) -> Any:
+        since = time.perf_counter()
         try:
             job = image_job(body)
             check_model(settings, "image", body.model)
@@ -248,6 +257,7 @@ def build_media_router(settings: MediaSettings | None = None, service: MediaServ
             return Response(status_code=499)
         except Exception as exc:
             return media_error(exc, "image")
+        response.headers.update(server_timing(result, since))
         return {
             "created": int(time.time()),
             "data": [{"b64_json": _b64(item), "revised_prompt": None} for item in result.items],
@@ -260,7 +270,8 @@ def build_media_router(settings: MediaSettings | None = None, service: MediaServ
         }
 
     @router.post("/v1/videos/generations")
-    async def create_video(body: VideoGenerationRequest, request: Request) -> Any:
+    async def create_video(body: VideoGenerationRequest, request: Request, response: Response) -> Any:
+        since = time.perf_counter()
         try:
             w, h = parse_size(body.size)
             job = VideoJob(body.prompt, w, h, body.num_frames, body.fps, body.steps, body.guidance_scale, body.seed,
@@ -274,6 +285,7 @@ def build_media_router(settings: MediaSettings | None = None, service: MediaServ
             return Response(status_code=499)
         except Exception as exc:
             return media_error(exc, "video")
+        response.headers.update(server_timing(result, since))
         if as_frames:
             item: dict[str, Any] = {"frames": [_b64(f) for f in result.items], "mime_type": "image/png"}
         else:
