@@ -1,6 +1,7 @@
 """Grammars: structured output (JSON schema, regex, EBNF) compiled by xgrammar into per-request token matchers.
 
-A request with `json_schema`, `regex` or `ebnf` gets a matcher at admission (compiling is milliseconds and cached by
+A request with `json_schema`, `regex`, `ebnf` or `structural_tag` (xgrammar's: text, special tokens and JSON schemas
+combined, as harmony's forced tool calls need) gets a matcher at admission (compiling is milliseconds and cached by
 grammar text, and doing it in the loop keeps every TP rank's schedule identical). Before each step that samples for
 such a request, its matcher writes the allowed next tokens into one row of a bitmask the sampler applies; after the
 step it accepts the token drawn. A verify step (speculative decoding) has a row per draft: the matcher walks the
@@ -89,15 +90,17 @@ class Grammars:
         compiler = self.compiler()  # first: it raises GrammarError where xgrammar is missing
         import xgrammar as xgr
 
-        kind = "json_schema" if p.json_schema is not None else "regex" if p.regex is not None else "ebnf"
+        kind = next(k for k in ("json_schema", "regex", "ebnf", "structural_tag") if getattr(p, k) is not None)
         try:
             if p.json_schema is not None:
                 # Compact JSON: free whitespace would let a small model pad with newlines until max_tokens.
                 compiled = compiler.compile_json_schema(p.json_schema, any_whitespace=False, strict_mode=True)
             elif p.regex is not None:
                 compiled = compiler.compile_regex(p.regex)
-            else:
+            elif p.ebnf is not None:
                 compiled = compiler.compile_grammar(p.ebnf)
+            else:  # its tokens named by their text resolve through the compiler's vocabulary
+                compiled = compiler.compile_structural_tag(p.structural_tag)
         except Exception as exc:  # xgrammar raises RuntimeError (and others) with its parser's message
             message = _CPP_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
             raise GrammarError(f"invalid {kind}: {message or type(exc).__name__}") from None
