@@ -158,8 +158,7 @@ def scripted_oss(out, tokenizer_dir):
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    # its end of text <|return|>, as gpt-oss's tokenizer has it (the default model's <|im_end|> ends no harmony message)
-    tok.add_special_tokens({"additional_special_tokens": list(harmony.MARKERS), "eos_token": harmony.RETURN})
+    tok.add_special_tokens({"additional_special_tokens": list(harmony.MARKERS)})
     ids = {t: tok.encode(t, add_special_tokens=False) for t in ("analysis", "final", "functions", "json")}
     assert all(len(v) == 1 for v in ids.values())
     chains = [tok.encode("<|start|>assistant" + reply, add_special_tokens=False) for reply in (ANSWER, CALL)]
@@ -331,8 +330,9 @@ ALARM = {"type": "function", "function": {"name": "set_alarm", "parameters": {
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}])
 def test_forced_calls_hold_to_the_offered_tools_and_their_schemas(server_url, stream, choice):
     """A forced choice is enforced, not only prompted: left to itself after the prompt's end the model calls
-    get_weather with {"city": "Paris"}; the grammar holds the name to one of the offered tools (`required`) and the
-    arguments to that tool's schema."""
+    get_weather with {"city": "Paris"}; the grammar holds the name to one of the offered tools (`required`), the
+    arguments to that tool's schema, and the end to `<|call|>` (this tokenizer's <|im_end|> is a stop token too,
+    which ends no harmony message: the call would be lost)."""
     import jsonschema
     from openai import OpenAI
 

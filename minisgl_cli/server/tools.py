@@ -14,8 +14,7 @@ no tools get Qwen2.5's Hermes prompt). What comes back depends on `tool_choice`:
 Harmony's calls (gpt-oss) are its own commentary messages: the prompt ends inside the call (`harmony.forced_call`), and
 the grammar, an xgrammar structural tag, holds the rest of it: for `required` the header on from `to=functions` with
 the name one of the tools' (`harmony.forced_header`, its markers as the single special tokens they are), then that
-tool's arguments; the stop token after them (`<|call|>` as gpt-oss ends a call; xgrammar leaves the reply's end to
-the stop tokens) ends the reply.
+tool's arguments, then the call's end, `<|call|>` (a stop token: the grammar's only end, scheduler/grammar.py).
 """
 
 from __future__ import annotations
@@ -62,9 +61,11 @@ def forced_grammar(body: p.ChatCompletionRequest, harmony_choice: Any = None) ->
     if mode == "named":
         name = body.tool_choice.function.name  # type: ignore[union-attr]
         tools = [next(t for t in tools if t.function.name == name)]
-    if harmony_choice is not None:
-        calls = [_harmony_call(harmony_choice, t) for t in tools]
-        return {"structural_tag": json.dumps({"type": "structural_tag", "format": {"type": "or", "elements": calls}})}
+    if harmony_choice is not None:  # one of the calls, then its end (scheduler/grammar.py makes it the only one)
+        call = {"type": "or", "elements": [_harmony_call(harmony_choice, t) for t in tools]}
+        end = {"type": "token", "token": harmony.CALL}
+        return {"structural_tag": json.dumps({"type": "structural_tag",
+                                              "format": {"type": "sequence", "elements": [call, end]}})}
     if mode == "named":
         return {"json_schema": json.dumps(_arguments_schema(tools[0]))}
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _arguments_schema(t)},
