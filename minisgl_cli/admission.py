@@ -60,9 +60,10 @@ def admit_params(params: SamplingParams, vocab_size: int) -> None:
 
 
 def grammar_field(params: SamplingParams) -> str | None:
-    """The field that holds the request's grammar (json_schema, regex, ebnf), or None: what a grammar's error is
-    about."""
-    return next((f for f in ("json_schema", "regex", "ebnf") if getattr(params, f) is not None), None)
+    """The field that holds the request's grammar (json_schema, regex, ebnf, structural_tag), or None: what a
+    grammar's error is about."""
+    return next((f for f in ("json_schema", "regex", "ebnf", "structural_tag") if getattr(params, f) is not None),
+                None)
 
 
 def new_tokens(prompt_tokens: int, requested: int | None, max_context_len: int, param: str = "max_tokens",

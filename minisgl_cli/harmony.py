@@ -7,7 +7,8 @@ result). The model writes its thoughts in the `analysis` channel, its answer in 
 openai-harmony renders it (system message with the reasoning effort, developer message with the instructions and the
 tools as a TypeScript-like `functions` namespace, then the turns); `HarmonyParser` reads a reply back, whole or as it
 streams, into thoughts, content and tool calls. A `tool_choice` that forces a call (`forced_call`) ends the prompt with
-the start of that call, so the reply begins inside it: the parser is told the same start (its `prefill`).
+the start of that call, so the reply begins inside it: the parser is told the same start (its `prefill`), and the
+grammar of forced calls (server/tools.py) the rest of the header (`forced_header`) and the arguments' schema.
 
 openai-harmony (PyPI) is the reference implementation, but it fetches its o200k vocabulary file over the network on
 first use, which these machines cannot do; the format's markers are plain text here, each one special token of the
@@ -105,6 +106,13 @@ def forced_call(tool_choice: Any) -> str:
         return f"{CHANNEL}commentary to=functions"
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     return _call_header(name) if name else ""
+
+
+def forced_header(tool_choice: Any, name: str) -> str:
+    """What of a forced call's header the model still writes after the prompt's end (`forced_call`) when it calls
+    `name`, up to its arguments: nothing for a named function, `.NAME <|constrain|>json<|message|>` for `required`
+    (a grammar holds the reply to it)."""
+    return _call_header(name).removeprefix(forced_call(tool_choice))
 
 
 def call_text(name: str, arguments: str) -> str:

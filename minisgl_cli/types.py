@@ -62,10 +62,13 @@ class SamplingParams:
     logprobs: bool = False  # report each output token's logprob (from the distribution the sampler drew from)
     top_logprobs: int = 0  # and the n most likely alternatives at each position (0..20)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
-    # Structured output (at most one): a JSON schema (text), a regular expression, or an EBNF grammar.
+    # Structured output (at most one): a JSON schema (text), a regular expression, an EBNF grammar, or xgrammar's
+    # structural tag (JSON text: literal text, single special tokens and JSON schemas in sequence or alternation, as
+    # harmony's forced tool calls need).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
     # False: the text comes whole with the last delta, decoded once at the end (no stop strings: they need it as
     # it grows), for a consumer that only wants the whole text (LLM.generate, the offline bench).
     stream_text: bool = True
@@ -91,8 +94,8 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
-        if sum(x is not None for x in (self.json_schema, self.regex, self.ebnf)) > 1:
-            raise ValueError("give at most one of json_schema, regex, ebnf")
+        if sum(x is not None for x in (self.json_schema, self.regex, self.ebnf, self.structural_tag)) > 1:
+            raise ValueError("give at most one of json_schema, regex, ebnf, structural_tag")
 
     @property
     def greedy(self) -> bool:
@@ -105,7 +108,7 @@ class SamplingParams:
     @property
     def constrained(self) -> bool:
         """A grammar restricts which tokens may come next."""
-        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
+        return any(g is not None for g in (self.json_schema, self.regex, self.ebnf, self.structural_tag))
 
     @property
     def penalized(self) -> bool:

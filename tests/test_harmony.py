@@ -71,6 +71,9 @@ def test_a_forced_call_is_the_prompts_end_and_the_replys_start(choice, reply, wa
     prompt = harmony.render([{"role": "user", "content": "Weather?"}], TOOLS, {"tool_choice": choice})
     prefill = harmony.forced_call(choice)
     assert prompt.endswith("<|start|>assistant" + prefill) and prefill.startswith("<|channel|>commentary to=functions")
+    # what the model still writes of the header (the grammar holds it to that), the prefill's rest
+    assert prefill + harmony.forced_header(choice, "get_weather") == \
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
     # the header as a call is rendered in history, so the model continues the format it was trained on
     if isinstance(choice, dict):
         history = harmony.render([{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [
@@ -312,6 +315,35 @@ def test_calls_to_tools_not_offered_and_forced_calls(server_url, stream):
     named = {"type": "function", "function": {"name": "get_weather"}}
     assert _calls(client, stream, tools=TOOLS, tool_choice=named) == (paris, None, "tool_calls")
     assert _calls(client, stream, tools=TOOLS + other, tool_choice="required") == (paris, None, "tool_calls")
+
+
+# Two tools the scripted model never calls (it writes get_weather's call whatever it is offered), of other schemas
+UNIT = {"type": "function", "function": {"name": "set_unit", "parameters": {
+    "type": "object", "required": ["unit"], "additionalProperties": False,
+    "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+ALARM = {"type": "function", "function": {"name": "set_alarm", "parameters": {
+    "type": "object", "required": ["on"], "additionalProperties": False,
+    "properties": {"on": {"type": "boolean"}, "label": {"enum": ["wake", "nap"]}}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}])
+def test_forced_calls_hold_to_the_offered_tools_and_their_schemas(server_url, stream, choice):
+    """A forced choice is enforced, not only prompted: left to itself after the prompt's end the model calls
+    get_weather with {"city": "Paris"}; the grammar holds the name to one of the offered tools (`required`), the
+    arguments to that tool's schema, and the end to `<|call|>` (this tokenizer's <|im_end|> is a stop token too,
+    which ends no harmony message: the call would be lost)."""
+    import jsonschema
+    from openai import OpenAI
+
+    tools = [UNIT, ALARM]
+    calls, content, reason = _calls(OpenAI(base_url=f"{server_url}/v1", api_key="x"), stream, tools=tools,
+                                    tool_choice=choice)
+    assert (len(calls), content, reason) == (1, None, "tool_calls"), calls
+    name, args = calls[0]
+    assert name == (choice["function"]["name"] if isinstance(choice, dict) else name) and name in ("set_unit",
+                                                                                                  "set_alarm")
+    jsonschema.validate(args, next(t for t in tools if t["function"]["name"] == name)["function"]["parameters"])
 
 
 def test_forced_calls_through_responses_and_messages(server_url):

@@ -167,6 +167,7 @@ class HFClient(SerialClient):
             "logprobs": p.wants_logprobs, "presence_penalty": bool(p.presence_penalty),
             "frequency_penalty": bool(p.frequency_penalty), "logit_bias": bool(p.logit_bias),
             "json_schema": p.json_schema is not None, "regex": p.regex is not None, "ebnf": p.ebnf is not None,
+            "structural_tag": p.structural_tag is not None,
         })
 
     def _generate(self, ids: list[int], params: SamplingParams,

@@ -126,6 +126,7 @@ class MLXClient(SerialClient):
             "logprobs": p.wants_logprobs, "presence_penalty": bool(p.presence_penalty),
             "frequency_penalty": bool(p.frequency_penalty), "repetition_penalty": p.repetition_penalized,
             "json_schema": p.json_schema is not None, "regex": p.regex is not None, "ebnf": p.ebnf is not None,
+            "structural_tag": p.structural_tag is not None,
         })
 
     def _generate(self, ids: list[int], params: SamplingParams,

@@ -1,6 +1,7 @@
 """Grammars: structured output (JSON schema, regex, EBNF) compiled by xgrammar into per-request token matchers.
 
-A request with `json_schema`, `regex` or `ebnf` gets a matcher at admission (compiling is milliseconds and cached by
+A request with `json_schema`, `regex`, `ebnf` or `structural_tag` (xgrammar's: text, special tokens and JSON schemas
+combined, as harmony's forced tool calls need) gets a matcher at admission (compiling is milliseconds and cached by
 grammar text, and doing it in the loop keeps every TP rank's schedule identical). Before each step that samples for
 such a request, its matcher writes the allowed next tokens into one row of a bitmask the sampler applies; after the
 step it accepts the token drawn. A verify step (speculative decoding) has a row per draft: the matcher walks the
@@ -13,6 +14,7 @@ one for the seconds it takes; without xgrammar nothing is built and such request
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import re
 import threading
@@ -41,6 +43,7 @@ class Grammars:
     def __init__(self, model_dir: Path | None, vocab_size: int, stop_ids: frozenset[int], device: torch.device):
         self.model_dir, self.vocab_size, self.stop_ids, self.device = model_dir, vocab_size, stop_ids, device
         self._compiler = None
+        self._stop_text: dict[str, int] = {}  # each stop token's text -> its id
         self._building: threading.Thread | None = None
         self._buffers: list[torch.Tensor] = []
         self._next = 0
@@ -79,6 +82,7 @@ class Grammars:
             info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
                                                       stop_token_ids=sorted(self.stop_ids) or None)
             xgr_version = importlib.metadata.version("xgrammar")
+            self._stop_text = {tok.convert_ids_to_tokens(i): i for i in self.stop_ids if i < len(tok)}
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
             log.info("grammar compiler ready: xgrammar %s, vocab %d, stop ids %s", xgr_version, self.vocab_size,
                      sorted(self.stop_ids))
@@ -89,19 +93,39 @@ class Grammars:
         compiler = self.compiler()  # first: it raises GrammarError where xgrammar is missing
         import xgrammar as xgr
 
-        kind = "json_schema" if p.json_schema is not None else "regex" if p.regex is not None else "ebnf"
+        kind = next(k for k in ("json_schema", "regex", "ebnf", "structural_tag") if getattr(p, k) is not None)
+        stops = None
         try:
             if p.json_schema is not None:
                 # Compact JSON: free whitespace would let a small model pad with newlines until max_tokens.
                 compiled = compiler.compile_json_schema(p.json_schema, any_whitespace=False, strict_mode=True)
             elif p.regex is not None:
                 compiled = compiler.compile_regex(p.regex)
-            else:
+            elif p.ebnf is not None:
                 compiled = compiler.compile_grammar(p.ebnf)
+            elif p.structural_tag is not None:  # its tokens named by their text resolve through the vocabulary
+                tag, stops = self._ending(p.structural_tag)
+                compiled = compiler.compile_structural_tag(tag)
         except Exception as exc:  # xgrammar raises RuntimeError (and others) with its parser's message
             message = _CPP_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
             raise GrammarError(f"invalid {kind}: {message or type(exc).__name__}") from None
-        return xgr.GrammarMatcher(compiled)  # rolls back any number of tokens
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=stops)  # rolls back any number of tokens
+
+    def _ending(self, tag: str) -> tuple[str, list[int] | None]:
+        """A structural tag whose format is a sequence ending in one of the stop tokens (harmony's forced call, in
+        `<|call|>`): xgrammar keeps stop tokens out of a grammar's body, so it compiles without that last token, and
+        its matcher takes that one alone as the end (not any other stop token)."""
+        spec: Any = json.loads(tag)
+        fmt = spec.get("format") if isinstance(spec, dict) else None
+        if not (isinstance(fmt, dict) and fmt.get("type") == "sequence" and fmt.get("elements")):
+            return tag, None
+        last = fmt["elements"][-1]
+        token = last.get("token") if isinstance(last, dict) and last.get("type") == "token" else None
+        stop = token if isinstance(token, int) else self._stop_text.get(token) if isinstance(token, str) else None
+        if stop not in self.stop_ids:
+            return tag, None
+        fmt["elements"] = fmt["elements"][:-1]
+        return json.dumps(spec), [stop]
 
     @staticmethod
     def trim(matcher, drafts: list[int]) -> list[int]:

@@ -238,24 +238,23 @@ class ServerContext:
         self.check_model(body.model)
         deadline = self.deadline(body.timeout)
         mode = body.tool_mode
-        template_kwargs, prefill = body.chat_template_kwargs, ""
+        template_kwargs, prefill, forced_choice = body.chat_template_kwargs, "", None
         if self.reasoning == "harmony":
             # a forced call: the prompt ends inside it (the model's own format), the parser reads on from there
             if mode in ("named", "required"):
-                choice = body.tool_choice.model_dump() if mode == "named" else mode  # type: ignore[union-attr]
-                template_kwargs = {**(template_kwargs or {}), "tool_choice": choice}
+                forced_choice = body.tool_choice.model_dump() if mode == "named" else mode  # type: ignore[union-attr]
+                template_kwargs = {**(template_kwargs or {}), "tool_choice": forced_choice}
             prefill = harmony.forced_call((template_kwargs or {}).get("tool_choice"))
         prompt = await self.prompt_of(deadline, messages=body.messages, param="messages",
                                       tools=body.tools if mode else None, images=True,
                                       template_kwargs=template_kwargs)
         max_new, note = self.budget([prompt], body.requested_max_tokens, "max_tokens", "messages")
         structured = body.structured()
-        forced = tools.forced_schema(body, harmony=self.reasoning == "harmony")
         if mode in ("named", "required"):
             if structured:
                 raise InputError(f"tool_choice {mode} already constrains the output: drop response_format / regex / "
                                  "ebnf", "tool_choice")
-            structured = {"json_schema": forced} if forced is not None else {}
+            structured = tools.forced_grammar(body, harmony_choice=forced_choice)
         # Not streamed: the text is needed only at the end, decoded once there (stream_text), not token by token.
         extra = dict(logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0, stream_text=bool(body.stream),
                      **structured)

@@ -8,10 +8,13 @@ no tools get Qwen2.5's Hermes prompt). What comes back depends on `tool_choice`:
   (`{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several joined by `;`); gpt-oss's
   come from its harmony commentary channel (`to=functions.NAME`), which the harmony parser reads (`harmony_calls`).
 - `required`: the grammar forces a JSON array of `{"name", "arguments"}` calls, each one of the tools with
-  arguments following its schema (one call at most with `parallel_tool_calls: false`); harmony's calls are no such
-  array: there the prompt ends in the commentary channel to `functions`, the model names the function, no grammar.
-- a named function: the grammar forces that function's arguments object; the whole output is the arguments
-  (harmony: after the prompt's end, the call's header `harmony.forced_call`).
+  arguments following its schema (one call at most with `parallel_tool_calls: false`).
+- a named function: the grammar forces that function's arguments object; the whole output is the arguments.
+
+Harmony's calls (gpt-oss) are its own commentary messages: the prompt ends inside the call (`harmony.forced_call`), and
+the grammar, an xgrammar structural tag, holds the rest of it: for `required` the header on from `to=functions` with
+the name one of the tools' (`harmony.forced_header`, its markers as the single special tokens they are), then that
+tool's arguments, then the call's end, `<|call|>` (a stop token: the grammar's only end, scheduler/grammar.py).
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl_cli import harmony
 from minisgl_cli.api import protocol as p
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _OPEN = "<tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+_MARKER = re.compile("(" + "|".join(map(re.escape, harmony.MARKERS)) + ")")
 
 
 def new_call_id() -> str:
@@ -46,22 +51,40 @@ def _arguments_schema(tool: p.Tool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def forced_schema(body: p.ChatCompletionRequest, harmony: bool = False) -> str | None:
-    """The JSON schema the output must follow for `required` and named choices (None for auto / none; for `required`
-    on a harmony model too: its calls are no JSON array, the prompt's end forces one)."""
+def forced_grammar(body: p.ChatCompletionRequest, harmony_choice: Any = None) -> dict[str, str]:
+    """The grammar the output must follow for `required` and named choices, as SamplingParams fields (empty for auto
+    / none): a JSON schema, or on a harmony model (`harmony_choice`: the tool choice its prompt ends in,
+    `harmony.forced_call`) a structural tag of the calls that may follow (`_harmony_call`)."""
     mode, tools = body.tool_mode, body.tools or []
+    if mode not in ("named", "required"):
+        return {}
     if mode == "named":
         name = body.tool_choice.function.name  # type: ignore[union-attr]
-        return json.dumps(_arguments_schema(next(t for t in tools if t.function.name == name)))
-    if mode == "required" and not harmony:
-        calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                   "arguments": _arguments_schema(t)},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-        if body.parallel_tool_calls is False:
-            schema["maxItems"] = 1
-        return json.dumps(schema)
-    return None
+        tools = [next(t for t in tools if t.function.name == name)]
+    if harmony_choice is not None:  # one of the calls, then its end (scheduler/grammar.py makes it the only one)
+        call = {"type": "or", "elements": [_harmony_call(harmony_choice, t) for t in tools]}
+        end = {"type": "token", "token": harmony.CALL}
+        return {"structural_tag": json.dumps({"type": "structural_tag",
+                                              "format": {"type": "sequence", "elements": [call, end]}})}
+    if mode == "named":
+        return {"json_schema": json.dumps(_arguments_schema(tools[0]))}
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _arguments_schema(t)},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if body.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return {"json_schema": json.dumps(schema)}
+
+
+def _harmony_call(choice: Any, tool: p.Tool) -> dict[str, Any]:
+    """A forced harmony call to `tool` after the prompt's end, as a structural tag's element: what is left of its
+    header (text, and each marker as its one special token: spelled out in other tokens it would not be the marker)
+    and its arguments, JSON (one whitespace at most in a row: gpt-oss writes them compact) that follows the schema."""
+    header = [x for x in _MARKER.split(harmony.forced_header(choice, tool.function.name)) if x]
+    return {"type": "sequence", "elements": [
+        *({"type": "token", "token": x} if x in harmony.MARKERS else {"type": "const_string", "value": x}
+          for x in header),
+        {"type": "json_schema", "json_schema": _arguments_schema(tool), "max_whitespace_cnt": 1}]}
 
 
 def _call(obj: Any, names: set[str]) -> Call | None:
