@@ -8,7 +8,10 @@ then:
 - alone: `--runs` images one after another (each a new prompt and seed): median seconds an image;
 - chat alone: a streamed chat completion of 128 tokens: its time per output token (TPOT);
 - 8 at once: `--concurrency` image requests sent together with a chat stream beside them: images per minute,
-  p50 / p99 latency, and the chat's TPOT while they run.
+  p50 / p99 latency, and the chat's TPOT while they run (after one untimed burst of as many: the batch sizes it
+  brings compiled first);
+- where an image's seconds went, from the server's `Server-Timing` header: the pipeline call, the PNG, the rest
+  inside the server, the rest outside it (`alone_where`, `concurrent_where`).
 
     python examples/media_serve_bench.py --out /tmp/media_serve                                 # GPU, dummy weights
     python examples/media_serve_bench.py --serve-args "--device cpu --model DIR" --image-args "--image-model-dir D \\
@@ -99,12 +102,20 @@ async def measure(url: str, a: argparse.Namespace) -> dict[str, Any]:
         out["alone_all_s"] = alone
         out["alone_where"] = where(TIMED)
         out["chat_tpot_alone_ms"] = 1e3 * await chat_tpot(client, url, a.chat_tokens)
+        # Untimed: the same burst once, so the batch sizes it brings are compiled before the timed one (the worker
+        # also compiles them when idle, batch.warm_up, but a bench leaves it no idle time).
+        t = time.perf_counter()
+        await asyncio.gather(*(image(client, url, f"a warm-up crowd number {i}", 200 + i, a.size)
+                               for i in range(a.concurrency)))
+        out["burst_warmup_s"] = time.perf_counter() - t
+        TIMED.clear()
         t = time.perf_counter()
         chat = asyncio.create_task(chat_tpot(client, url, a.chat_tokens))
         lat = await asyncio.gather(*(image(client, url, f"a crowd scene number {i}, lanterns", 100 + i, a.size)
                                      for i in range(a.concurrency)))
         wall = time.perf_counter() - t
         out["chat_tpot_during_ms"] = 1e3 * await chat
+        out["concurrent_where"] = where(TIMED)
         out |= {"concurrent": a.concurrency, "concurrent_wall_s": wall, "images_per_min": 60 * a.concurrency / wall,
                 "images_per_min_alone": 60 / out["alone_s"], "p50_s": percentile(lat, 0.5),
                 "p99_s": percentile(lat, 0.99)}
