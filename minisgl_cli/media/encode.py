@@ -27,6 +27,7 @@ def unique_path(out_dir: str | Path, stem: str, suffix: str = "") -> Path:
 
 PNG_LEVEL = 1  # zlib's fastest: 1024x1024 in ~90 ms on one core at PIL's adaptive filter, ~430 at its default 6
 PNG_PIECE = 256 << 10  # the least a thread deflates: below it, threads cost more than they save
+PNG_THREADS = min(8, os.cpu_count() or 1)
 _COLOR_TYPE = {1: 0, 2: 4, 3: 2, 4: 6}  # channels -> PNG colour type (grey, grey + alpha, RGB, RGBA)
 
 
@@ -38,7 +39,7 @@ def _deflate(data: memoryview, level: int) -> bytes:
     """One zlib stream of `data`, its pieces deflated on threads as pigz does: each piece primed with the 32 KB before
     it (so the ratio stays near one stream's), all but the last ended on a byte boundary (a sync flush), the pieces'
     raw streams concatenated under one header and one Adler-32 of the whole."""
-    pieces = max(1, min(_pool()._max_workers, len(data) // PNG_PIECE))
+    pieces = max(1, min(PNG_THREADS, len(data) // PNG_PIECE))
     bounds = [len(data) * i // pieces for i in range(pieces + 1)]
 
     def piece(i: int) -> bytes:
@@ -54,7 +55,7 @@ def _deflate(data: memoryview, level: int) -> bytes:
 
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="minisgl-png")
+    return ThreadPoolExecutor(max_workers=PNG_THREADS, thread_name_prefix="minisgl-png")
 
 
 def png_bytes(image: Any, level: int = PNG_LEVEL) -> bytes:
