@@ -15,8 +15,13 @@
 #                  (g) the same at the nano-vllm preset, --tp 1 and --tp 2 (its throughput in the summary)
 #   fronts.log     (f) examples/fronts_cpu.py: Qwen3-0.6B --dp 1 vs --dp 2 through HTTP with each server process's
 #                      CPU share (API, detokenizers, ranks) and the client's: what holds --dp 2
+#   media.log      (h) examples/media_parallel_gpu.py: one Wan2.1-1.3B video on one GPU and split over two
+#                      (MEDIA_VARIANTS, default one,cfg,ulysses; MEDIA_STEPS steps timed, default 5)
+#   families.log   (i) tests/test_gpu_tp_families.py: the new families at TP 2 = transformers (FAMILIES, default all
+#                      four; FAMILY_TIMEOUT seconds each, default 170)
 #
 #   OUT=/tmp/two_gpu bash examples/two_gpu.sh
+#   PARTS="h c g i" TP_CONFIGS="tp1 tp2 tp1-fp8 tp2-fp8" BUDGET=540 bash examples/two_gpu.sh   # issue 51's table
 #   PARTS="a c" BUDGET=200 OUT=/tmp/two_gpu bash examples/two_gpu.sh   # some parts only
 #   DRY=1 OUT=/tmp/two_gpu bash examples/two_gpu.sh                    # the plan, nothing run
 #   PARTS="a b c" TP_MODEL=smollm2-135m TP_ARGS="--output-len 8 --input-len 32 --num-prompts 2 --max-total-tokens 4096" \
@@ -29,6 +34,9 @@ WORK=$(mktemp -d /tmp/two_gpu.XXXXXX)  # everything else: only the six files abo
 PY=${PY:-python3}
 BUDGET=${BUDGET:-400}
 PARTS=${PARTS:-a b c d e f g}
+# (c)'s configurations by tag (TP_CONFIGS="tp1 tp2" for some): tp, --all-reduce, tag, --quantization
+TP_ALL=("1 auto tp1 none" "2 auto tp2 none" "2 one-shot tp2-oneshot none" "2 nccl tp2-nccl none" "1 auto tp1-fp8 fp8"
+        "2 auto tp2-fp8 fp8")
 TP_MODEL=${TP_MODEL:-llama-3.1-8b}
 read -r -a TP_ARGS <<< "${TP_ARGS:-}"
 . examples/parts.sh
@@ -51,18 +59,19 @@ want b && part "(b) pytest tests/test_gpu_tp.py" 170 60 "$OUT/pytest.log" \
 # (c) Llama-3.1-8B batch-1 decode and greedy tokens: ~40-60 s per configuration (start, 4x32 greedy tokens,
 # warm-up, 3 x 256 tokens at batch 1)
 if want c; then
-  for cfg in "1 auto tp1 none" "2 auto tp2 none" "2 one-shot tp2-oneshot none" "2 nccl tp2-nccl none" \
-             "1 auto tp1-fp8 fp8" "2 auto tp2-fp8 fp8"; do
+  for cfg in "${TP_ALL[@]}"; do
     read -r tp ar tag quant <<< "$cfg"
+    [ -n "$TP_CONFIGS" ] && [[ " $TP_CONFIGS " != *" $tag "* ]] && continue
     part "(c) $TP_MODEL --tp $tp --all-reduce $ar --quantization $quant" 120 45 "$OUT/tp.log" \
       $PY examples/tp_decode.py --model "$TP_MODEL" --tp "$tp" --all-reduce "$ar" --quantization "$quant" \
         "${TP_ARGS[@]}" --json "$WORK/$tag.json"
   done
   # Against TP 1; the fused kernel and the one-shot against NCCL at TP 2 (the same sums: the same tokens); FP8.
-  [ -z "$DRY" ] && { $PY examples/tp_decode.py --report "$WORK"/tp1.json "$WORK"/tp2.json "$WORK"/tp2-oneshot.json \
-      "$WORK"/tp2-nccl.json
-    echo; $PY examples/tp_decode.py --report "$WORK"/tp2-nccl.json "$WORK"/tp2.json "$WORK"/tp2-oneshot.json
-    echo; $PY examples/tp_decode.py --report "$WORK"/tp1-fp8.json "$WORK"/tp2-fp8.json; } > "$WORK/tp_table.txt" 2>&1
+  # Reports over the runs that wrote their JSON (a part that failed or was left out drops from its table).
+  report() { local f=(); for t in "$@"; do [ -f "$WORK/$t.json" ] && f+=("$WORK/$t.json"); done
+             [ "${#f[@]}" -gt 1 ] && { $PY examples/tp_decode.py --report "${f[@]}"; echo; }; }
+  [ -z "$DRY" ] && { report tp1 tp2 tp2-oneshot tp2-nccl; report tp2-nccl tp2 tp2-oneshot; report tp1-fp8 tp2-fp8
+    } > "$WORK/tp_table.txt" 2>&1
   cat "$WORK/tp_table.txt" >> "$OUT/tp.log" 2>/dev/null
 fi
 
@@ -124,6 +133,21 @@ for tp, v in rows.items():
 EOF
 fi
 
+# (h) one video over two GPUs against one: each variant in a process of its own (build ~30 s, a warm-up call, one
+# timed call of MEDIA_STEPS steps extrapolated to 50): ~60-90 s a variant
+want h && part "(h) Wan2.1-1.3B over two GPUs (${MEDIA_VARIANTS:-one,cfg,ulysses})" 400 90 "$OUT/media.log" \
+  $PY examples/media_parallel_gpu.py --variants "${MEDIA_VARIANTS:-one,cfg,ulysses}" --steps "${MEDIA_STEPS:-5}" \
+    --variant-timeout 200 --out "$WORK/media"
+
+# (i) the new families at TP 2 = transformers fp32, one pytest run a family (each starts two ranks and compiles its
+# fp32 Triton kernels: 60-150 s)
+if want i; then
+  for fam in ${FAMILIES:-qwen3_5 gpt_oss gemma3 deepseek_v3}; do
+    part "(i) TP 2 = transformers: $fam" "${FAMILY_TIMEOUT:-170}" 60 "$OUT/families.log" \
+      $PY -m pytest -q -p no:cacheprovider "tests/test_gpu_tp_families.py::test_new_families_at_tp_2_answer_as_transformers[$fam]"
+  done
+fi
+
 # The summary, and the rows in one JSON.
 {
   cat "$WORK/machine.txt"
@@ -141,6 +165,10 @@ fi
   grep -E "^---- |busy steps after" "$OUT/prof.log" 2>/dev/null || echo "(not run)"  # parts e and g
   echo; echo "== (g) $TP_MODEL, the nano-vllm preset"
   cat "$WORK/preset_table.txt" 2>/dev/null || echo "(not run)"
+  echo; echo "== (h) one video over two GPUs"
+  sed -n '/^Wan /,$p' "$OUT/media.log" 2>/dev/null | head -7 || echo "(not run)"
+  echo; echo "== (i) the new families at TP 2"
+  grep -E "^== \(i\)|passed|failed|Error" "$OUT/families.log" 2>/dev/null | tail -12 || echo "(not run)"
   echo; echo "== (f) CPU per process through HTTP"
   sed -n '/^ *dp1 /,$p' "$OUT/fronts.log" 2>/dev/null | head -20 || echo "(not run)"
 } > "$OUT/summary.txt"
