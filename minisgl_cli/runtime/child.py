@@ -11,6 +11,7 @@ Every child (scheduler ranks, tokenizer workers, the detokenizer, the media work
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -34,8 +35,10 @@ T = TypeVar("T")
 def die_with_parent() -> None:
     """In a child process: be killed when the parent dies, however it dies (even kill -9): no orphans.
 
-    Ctrl-C reaches the whole process group; the parent stops its children itself, so they ignore it."""
+    Ctrl-C reaches the whole process group; the parent stops its children itself, so they ignore it. SIGUSR1 prints
+    every thread's stack to stderr (`kill -USR1 PID`): where a stuck rank waits, without stopping it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if sys.platform.startswith("linux"):
         import ctypes
 
