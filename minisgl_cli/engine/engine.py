@@ -375,9 +375,15 @@ class Engine:
             budget = self.split.kv_bytes
         else:
             budget = int(cfg.kv_cache_gib * (1 << 30))
+        # No more pages than the running requests can fill, each at its longest context: past that a budget only
+        # lengthens the host's free-page list (a tiny model on a 141 GB card listed ~10^8 pages, minutes at start).
+        mc = self.model_cfg
+        context = min(cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        most = -(-cfg.max_running_requests * context // cfg.page_size)
         if windowed:
-            return KVPool.split_budget(shape, windowed, budget, cfg.page_size, want)
-        return KVPool.pages_for_budget(shape, budget, cfg.page_size), 0
+            full, win = KVPool.split_budget(shape, windowed, budget, cfg.page_size, want)
+            return min(full, most), min(win, most)
+        return min(KVPool.pages_for_budget(shape, budget, cfg.page_size), most), 0
 
     def capture_graphs(self, max_bs: int | None = None) -> None:
         """(Re)capture the decode CUDA graphs, e.g. after flipping a field of `self.kernels`."""
