@@ -159,7 +159,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--serve-args", default=SERVE)
     ap.add_argument("--image-args", default=IMAGE)
-    ap.add_argument("--quantizations", default="none,fp8", help="--media-quantization values, one server each")
+    ap.add_argument("--quantizations", default="none,fp8", help="--media-quantization values, one server each (one "
+                    "named twice starts again: its first image then takes the stored compile)")
     ap.add_argument("--size", default="1024x1024")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=8)
@@ -169,7 +170,8 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     rows = {}
     for q in a.quantizations.split(","):
-        log = a.out / f"serve-{q}.log"
+        key = q if q not in rows else f"{q} again"  # a second start: its first image takes the stored compile
+        log = a.out / f"serve-{key.replace(' ', '-')}.log"
         t = time.perf_counter()
         proc, url = serve([*shlex.split(a.serve_args), *shlex.split(a.image_args), "--media-quantization", q], log)
         healthy_s = time.perf_counter() - t
@@ -178,10 +180,10 @@ def main() -> None:
         finally:
             row_stop = stop(proc)
         row |= {"healthy_s": healthy_s, "sigterm_exit_s": row_stop}
-        rows[q] = row
-        print(f"{q}: " + json.dumps({k: v for k, v in row.items() if k != "media_metrics"}), flush=True)
+        rows[key] = row
+        print(f"{key}: " + json.dumps({k: v for k, v in row.items() if k != "media_metrics"}), flush=True)
     (a.out / "media_serve.json").write_text(json.dumps(rows, indent=2))
-    print("\n| quantization | cold first image s | image alone s | images/min alone | images/min x"
+    print("\n| quantization | first image after start s | image alone s | images/min alone | images/min x"
           f"{a.concurrency} | p50 / p99 s | chat TPOT alone / during ms | SIGTERM exit s |")
     print("|---|---|---|---|---|---|---|---|")
     for q, r in rows.items():
