@@ -49,6 +49,16 @@ def test_batched_prefill_of_different_lengths_equals_one_by_one(tiny_model_dirs)
     assert (together.argmax(-1) == alone.argmax(-1)).all()
 
 
+def test_a_pool_sized_by_memory_holds_no_more_than_the_running_requests_can_fill(tiny_model_dirs):
+    """4 GiB of a tiny model's KV would be ~10^7 pages (each listed on the host); the pool keeps what 3 requests at
+    the longest context (100 tokens) can fill, and a pool given by --max-total-tokens stays as asked."""
+    model = str(tiny_model_dirs["qwen2"])
+    sized = Engine(EngineConfig(model=model, kv_cache_gib=4.0, max_running_requests=3, max_context_len=100))
+    assert sized.pool.num_pages == -(-3 * 100 // sized.cfg.page_size) and sized.max_context_len == 100
+    asked = Engine(EngineConfig(model=model, max_total_tokens=4096, max_running_requests=3, max_context_len=100))
+    assert asked.pool.num_pages * asked.cfg.page_size == 4096
+
+
 def test_two_engines_in_one_process_keep_their_own_kernel_choice(tiny_model_dirs):
     """An engine's kernels (and pinned buffers) are its own: a second engine on the fp16 CPU GEMM leaves the
     first one's fp32 logits bit for bit as they were (a process-wide switch used to flip both)."""
