@@ -381,8 +381,8 @@ class Engine:
         context = min(cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings)
         most = -(-cfg.max_running_requests * context // cfg.page_size)
         if windowed:
-            full, win = KVPool.split_budget(shape, windowed, budget, cfg.page_size, want)
-            return min(full, most), min(win, most)
+            full_pages, window_pages = KVPool.split_budget(shape, windowed, budget, cfg.page_size, want)
+            return min(full_pages, most), min(window_pages, most)
         return min(KVPool.pages_for_budget(shape, budget, cfg.page_size), most), 0
 
     def capture_graphs(self, max_bs: int | None = None) -> None:
