@@ -21,7 +21,7 @@
 #                      four; FAMILY_TIMEOUT seconds each, default 170)
 #
 #   OUT=/tmp/two_gpu bash examples/two_gpu.sh
-#   PARTS="h c g i" TP_CONFIGS="tp1 tp2 tp1-fp8 tp2-fp8" BUDGET=540 bash examples/two_gpu.sh   # issue 51's table
+#   PARTS="c g" TP_CONFIGS="tp1 tp2 tp1-fp8 tp2-fp8" PRESET_QUANTS="none fp8" BUDGET=560 bash examples/two_gpu.sh  # TP table
 #   PARTS="a c" BUDGET=200 OUT=/tmp/two_gpu bash examples/two_gpu.sh   # some parts only
 #   DRY=1 OUT=/tmp/two_gpu bash examples/two_gpu.sh                    # the plan, nothing run
 #   PARTS="a b c" TP_MODEL=smollm2-135m TP_ARGS="--output-len 8 --input-len 32 --num-prompts 2 --max-total-tokens 4096" \
@@ -107,29 +107,33 @@ want f && part "(f) Qwen3-0.6B --dp 1 vs --dp 2, CPU per process" 300 120 "$OUT/
 
 # (g) the nano-vllm preset (256 requests in flight) at --tp 1 and --tp 2, each rank profiled for 20 busy steps after
 # 300: throughput, and whether a TP-2 step waits for the host or the kernels. ~60-90 s per configuration
+# PRESET_QUANTS="none fp8" adds the FP8 weights' rows (the TP table's preset half).
 if want g; then
-  for tp in 1 2; do
-    addr=(); [ "$tp" -gt 1 ] && addr=(--dist-init-addr "127.0.0.1:$((29700 + tp))")
-    part "(g) $TP_MODEL --tp $tp, the nano-vllm preset" 180 60 "$OUT/tp.log" \
-      env MINISGL_TORCH_PROFILER_DIR="$WORK/preset-prof-tp$tp" MINISGL_PROFILE_SKIP=300 MINISGL_PROFILE_STEPS=20 \
-      $PY -m minisgl_cli.app bench --model "$TP_MODEL" --load-format dummy --max-running-requests 256 \
-        --max-total-tokens 300000 --tp "$tp" "${addr[@]}" --runtime processes --preset nano-vllm --num-prompts 256 \
-        --concurrency 256 --no-baseline --output-json "$WORK/preset-tp$tp.json"
-    for f in "$WORK/preset-prof-tp$tp"/*-steps.txt; do
-      [ -f "$f" ] && { echo "---- preset --tp $tp $(basename "$f")"; cat "$f"; }
-    done >> "$OUT/prof.log" 2>/dev/null
+  for quant in ${PRESET_QUANTS:-none}; do
+    for tp in 1 2; do
+      addr=(); [ "$tp" -gt 1 ] && addr=(--dist-init-addr "127.0.0.1:$((29700 + tp))")
+      part "(g) $TP_MODEL --tp $tp --quantization $quant, the nano-vllm preset" 180 60 "$OUT/tp.log" \
+        env MINISGL_TORCH_PROFILER_DIR="$WORK/preset-prof-tp$tp-$quant" MINISGL_PROFILE_SKIP=300 MINISGL_PROFILE_STEPS=20 \
+        $PY -m minisgl_cli.app bench --model "$TP_MODEL" --load-format dummy --max-running-requests 256 \
+          --max-total-tokens 300000 --tp "$tp" "${addr[@]}" --quantization "$quant" --runtime processes \
+          --preset nano-vllm --num-prompts 256 --concurrency 256 --no-baseline --output-json "$WORK/preset-tp$tp-$quant.json"
+      for f in "$WORK/preset-prof-tp$tp-$quant"/*-steps.txt; do
+        [ -f "$f" ] && { echo "---- preset --tp $tp --quantization $quant $(basename "$f")"; cat "$f"; }
+      done >> "$OUT/prof.log" 2>/dev/null
+    done
   done
-  [ -z "$DRY" ] && $PY - "$WORK" > "$WORK/preset_table.txt" 2>&1 <<'EOF'
+  [ -z "$DRY" ] && $PY - "$WORK" ${PRESET_QUANTS:-none} > "$WORK/preset_table.txt" 2>&1 <<'EOF'
 import json, sys
-rows = {}
-for tp in (1, 2):
-    try:
-        rows[tp] = json.load(open(f"{sys.argv[1]}/preset-tp{tp}.json"))["results"][-1]["output_throughput"]
-    except (OSError, ValueError, KeyError, IndexError):
-        rows[tp] = None
-for tp, v in rows.items():
-    ratio = f"{v / rows[1]:.2f}x" if v and rows[1] else "-"
-    print(f"--tp {tp}: {v or 0:,.0f} out tok/s  {ratio}")
+for quant in sys.argv[2:]:
+    rows = {}
+    for tp in (1, 2):
+        try:
+            rows[tp] = json.load(open(f"{sys.argv[1]}/preset-tp{tp}-{quant}.json"))["results"][-1]["output_throughput"]
+        except (OSError, ValueError, KeyError, IndexError):
+            rows[tp] = None
+    for tp, v in rows.items():
+        ratio = f"{v / rows[1]:.2f}x" if v and rows[1] else "-"
+        print(f"--tp {tp} --quantization {quant}: {v or 0:,.0f} out tok/s  {ratio}")
 EOF
 fi
 
