@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import save_checkpoint
-from test_hf_parity import EXACT, hf_greedy
+from test_hf_parity import EXACT, cold_and_cached, hf_greedy
 
 from minisgl_cli import LLM, SamplingParams
 from tests.triton_interp import INTERPRET, patch_interpreter
@@ -71,14 +71,8 @@ def _prompts() -> list[list[int]]:
 
 def _ours(model_dir: Path, prompts: list[list[int]], backend: str = "torch",
           **kw) -> tuple[list[list[int]], list[list[int]]]:
-    """(cold, cached): every prompt greedily, then all again (each prompt's latent KV now from the radix cache);
-    `max_prefill_tokens` 12 cuts the long prompts into chunks."""
-    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
-    with LLM(str(model_dir), attention_backend=backend, max_prefill_tokens=12, **EXACT, **kw) as llm:
-        cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
-        cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
-        llm.client.check_pages()
-    return cold, cached
+    """(cold, cached), each prompt's latent KV from the radix cache the second time."""
+    return cold_and_cached(model_dir, prompts, N_NEW, backend, **kw)
 
 
 @pytest.fixture(scope="module")

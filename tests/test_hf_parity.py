@@ -47,6 +47,18 @@ def ours_greedy(model_dir, prompt_ids: list[list[int]], n: int, repetition_penal
     return [r.token_ids for r in res]
 
 
+def cold_and_cached(model_dir, prompts: list[list[int]], n: int, backend: str = "torch",
+                    **kw) -> tuple[list[list[int]], list[list[int]]]:
+    """(cold, cached): every prompt's `n` greedy tokens in the exact mode, then all of them again (now each prompt's
+    KV comes from the radix cache); `max_prefill_tokens` 12 cuts long prompts into chunks."""
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    with LLM(str(model_dir), attention_backend=backend, max_prefill_tokens=12, **EXACT, **kw) as llm:
+        cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        llm.client.check_pages()
+    return cold, cached
+
+
 def test_smollm2_greedy_matches_hf_fp32(default_model_dir):
     from minisgl_cli.tokenizer import Tokenizer
 

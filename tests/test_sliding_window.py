@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from conftest import make_tiny_checkpoint
-from test_hf_parity import EXACT, hf_greedy
+from test_hf_parity import EXACT, cold_and_cached, hf_greedy
 
 from minisgl_cli import LLM, SamplingParams
 from minisgl_cli.types import SchedulerStats
@@ -36,14 +36,8 @@ def _prompts() -> list[list[int]]:
 
 def _ours(model_dir, prompts: list[list[int]], backend: str = "torch", n: int = N_NEW,
           **kw) -> tuple[list[list[int]], list[list[int]]]:
-    """(cold, cached): every prompt's `n` greedy tokens, then all of them again (now each prompt's KV comes from the
-    cache). `max_prefill_tokens` 12 cuts the long prompts into chunks that end inside a window."""
-    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-    with LLM(str(model_dir), attention_backend=backend, max_prefill_tokens=12, **EXACT, **kw) as llm:
-        cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
-        cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
-        llm.client.check_pages()
-    return cold, cached
+    """(cold, cached); the prompts' 12-token chunks end inside a window."""
+    return cold_and_cached(model_dir, prompts, n, backend, **kw)
 
 
 @pytest.fixture(scope="module")
