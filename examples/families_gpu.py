@@ -14,6 +14,8 @@ fails costs only its own rows); the rows are examples/gpu_bench.py's (greedy, CU
     made full attention (the window off), each with the KV bytes its request holds from the engine's own pool.
   * --quantization: every engine's (default auto: gpt-oss's MXFP4 experts packed, the w4a16 path; none: them
     dequantized to bf16); each row names the weights it ran.
+  * --also-temperature T: a sampled row (temperature T, the seeded device sampler) beside each greedy one: what a
+    chat client that samples gets.
 """
 
 from __future__ import annotations
@@ -70,11 +72,14 @@ def step_bytes(engine, context: int) -> int:
     return total
 
 
-def one(name: str, long: bool, profile: bool = False, quantization: str = "auto") -> None:
-    import gpu_bench as gb  # beside this script; imported, its SAMPLED stays empty: greedy rows only
+def one(name: str, long: bool, profile: bool = False, quantization: str = "auto",
+        temperature: float | None = None) -> None:
+    import gpu_bench as gb  # beside this script; imported, its SAMPLED is empty (greedy rows only) unless asked
     import torch
 
     gb.DTYPES["quantization"] = quantization
+    if temperature is not None:
+        gb.SAMPLED.append(dict(temperature=temperature))
     if long:
         return one_long(name)
     bw = copy_bandwidth()  # the floor's bandwidth, in this child
@@ -128,11 +133,13 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=240, help="seconds a model's child may take")
     ap.add_argument("--profile", default="", help="models whose batch-1 step gets a kernel table (torch.profiler)")
     ap.add_argument("--quantization", default="auto", help="every engine's --quantization (auto, none, fp8)")
+    ap.add_argument("--also-temperature", type=float, default=None, help="a sampled row beside each greedy one")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--one-long", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one or args.one_long:
-        return one(args.one or args.one_long, bool(args.one_long), args.profile == "yes", args.quantization)
+        return one(args.one or args.one_long, bool(args.one_long), args.profile == "yes", args.quantization,
+                   args.also_temperature)
     rows: list[dict] = []
     jobs = [("--one", m) for m in args.models.split(",") if m] + [("--one-long", m) for m in args.long.split(",") if m]
     for flag, m in jobs:
@@ -140,6 +147,8 @@ def main() -> None:
         try:
             prof = ["--profile", "yes"] if m in args.profile.split(",") else []
             cmd = [sys.executable, __file__, flag, m, "--out", args.out, "--quantization", args.quantization, *prof]
+            if args.also_temperature is not None:
+                cmd += ["--also-temperature", str(args.also_temperature)]
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             text, rc = p.stdout + p.stderr, p.returncode
         except subprocess.TimeoutExpired as exc:
@@ -156,7 +165,7 @@ def main() -> None:
             show(r)
     with open(os.path.join(args.out, "families.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print("\n==== families (one GPU, dummy weights, greedy, graphs + overlap) ====")
+    print("\n==== families (one GPU, dummy weights, graphs + overlap) ====")
     for r in rows:
         show(r)
 
@@ -166,11 +175,12 @@ def show(r: dict) -> None:
     if "error" in r:
         print(f"{r['model']:<24} {r['workload']:<20} ERROR {r['error']}")
     elif r["workload"] == "batch-1 decode":
-        print(f"{r['model']:<24} batch-1 {r['tok_s']:>8.1f} tok/s  step {r['step_ms']:.3f} ms  floor "
-              f"{r['floor_ms']:.3f} ms ({r['gbytes_step']} GB)  of floor {r['of_floor']:.2f}  "
-              f"cpu/step {r['cpu_ms_per_step']} ms  {r['kernels']}")
+        print(f"{r['model']:<24} batch-1 {r.get('sampling', 'greedy'):<14} {r['tok_s']:>8.1f} tok/s  step "
+              f"{r['step_ms']:.3f} ms  floor {r['floor_ms']:.3f} ms ({r['gbytes_step']} GB)  of floor "
+              f"{r['of_floor']:.2f}  cpu/step {r['cpu_ms_per_step']} ms  {r['kernels']}")
     elif r["workload"] == "nano-vllm preset":
-        print(f"{r['model']:<24} preset  {r['tok_s']:>8.1f} tok/s  wall {r['wall_s']} s  {r['kernels']}")
+        print(f"{r['model']:<24} preset  {r.get('sampling', 'greedy'):<14} {r['tok_s']:>8.1f} tok/s  wall "
+              f"{r['wall_s']} s  {r['kernels']}")
     else:
         print(f"{r['model']:<24} 32k     {r['tok_s']:>8.1f} tok/s  step {r['step_ms']:.3f} ms  "
               f"KV {r['kv_bytes_per_token']} B/token  {r['kernels']}")
