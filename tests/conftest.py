@@ -7,6 +7,9 @@ import faulthandler
 import importlib.util
 import os
 import shutil
+import signal
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 # The suite runs dozens of engines and servers on a few shared cores: OpenMP threads that sleep at a barrier instead
@@ -60,6 +63,44 @@ def default_model_path() -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     return default_model_path()
+
+
+@dataclass(frozen=True)
+class BuiltStep:
+    """What `default_built_step`'s server left: its store (holding the built step), its URL and its stderr lines."""
+
+    store: Path
+    url: str
+    lines: list[str]
+
+
+@pytest.fixture(scope="session")
+def default_built_step(tmp_path_factory) -> BuiltStep:
+    """`minisgl serve` of the default model as a newcomer runs it, on an empty store of compiled steps: healthy, an
+    answer, the compiled CPU decode's build to its end, an answer on it, then a SIGTERM. One build a run (about a
+    minute of both cores) for the tests that read its log (test_serve_lifecycle.py) and decode through its package
+    (test_cpu_compile.py)."""
+    import httpx
+    from serve_process import Serve
+
+    tmp = tmp_path_factory.mktemp("default_step")
+    # The default model by its built-in alias; the compile as serve does by default (the tests turn it off).
+    s = Serve("smollm2-135m-instruct", tmp, "--torch-compile", "auto",
+              env={"MINISGL_COMPILED_DIR": str(tmp / "compiled")})
+    try:
+        s.wait_healthy()
+        assert s.answers()
+        deadline = time.monotonic() + 400
+        while "the compiled step is built" not in s.stderr():
+            assert time.monotonic() < deadline, s.stderr()
+            time.sleep(0.5)
+        assert httpx.get(f"{s.url}/metrics", timeout=10).json()["scheduler"]["decode_step"] == "compiled"
+        assert s.answers()  # on the compiled decode
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(10) == 0, s.stderr()
+    finally:
+        s.stop()
+    return BuiltStep(tmp / "compiled", s.url, s.stderr().splitlines())
 
 
 # The one fixed English text the quality tests read (our own prose): two stories, ~2,900 and ~3,100 SmolLM2

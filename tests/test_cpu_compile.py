@@ -1,8 +1,8 @@
 """The compiled CPU decode step (cpu_step/compiled.py): built once by a child process, stored by its key, loaded by
 every later engine of that key; a package of another key is rebuilt, never loaded; its greedy answers are eager's.
 
-The key tests build one tiny random model's step (seconds to a minute); the default model's step is built once into
-the shared store (minutes the first time, then loaded: later runs of the suite reuse it)."""
+The key tests build one tiny random model's step (seconds to a minute); the default model's step is built once a run
+by `minisgl serve` (conftest's default_built_step) and loaded from its store."""
 
 from __future__ import annotations
 
@@ -186,16 +186,16 @@ def test_a_package_of_another_key_is_rebuilt_never_loaded(tiny_step, store, tiny
         assert torch.equal(compiled, engine.model(batch, engine.attn))  # the seed-2 weights, not seed 1's
 
 
-@pytest.fixture(scope="module")
-def default_step() -> None:
-    """The default model's step in the shared store (built now if it is not there: minutes)."""
-    cpu_build.prebuild(EngineConfig(torch_compile="auto"))
-
-
 @pytest.mark.slow
-def test_compiled_greedy_answers_equal_eager_on_the_parity_prompts(default_step):
-    """The default model (int4 GGUF) through the stored step: the parity prompts' greedy tokens equal the eager
-    step's, one at a time and all in one batch."""
+def test_compiled_greedy_answers_equal_eager_on_the_parity_prompts(default_built_step, monkeypatch):
+    """The default model (int4 GGUF) through the step `minisgl serve` stored (conftest's default_built_step; a
+    prebuild finds it there and builds nothing): the parity prompts' greedy tokens equal the eager step's, one at a
+    time and all in one batch."""
+    monkeypatch.setenv("MINISGL_COMPILED_DIR", str(default_built_step.store))
+    stored = {p: p.stat().st_mtime_ns for p in default_built_step.store.glob("*.pt2")}
+    assert len(stored) == 1
+    assert cpu_build.prebuild(EngineConfig(torch_compile="auto")) in stored
+    assert {p: p.stat().st_mtime_ns for p in default_built_step.store.glob("*.pt2")} == stored
     answers = {}
     for mode in ("off", "auto"):
         with LLM(torch_compile=mode, cache="naive") as llm:

@@ -70,7 +70,8 @@ def test_aten_s_kernel_runs_the_int4_layers_where_asked():
     and the layer's decode product near the dense one as with minisgl's."""
     code = """
 import torch
-from minisgl_cli.layers import cpu_int4, quant
+from minisgl_cli.kernels.cpu import int4 as cpu_int4
+from minisgl_cli.layers import quant
 from minisgl_cli.layers.linear import RowParallelLinear
 torch.manual_seed(0)
 torch.set_default_dtype(torch.bfloat16)

@@ -173,15 +173,20 @@ def test_an_abort_while_a_step_runs_caches_only_computed_kv(model, cold, overlap
         settle(llm)
 
 
+@pytest.fixture(scope="module")
+def random_work(cold) -> tuple[list, list[list[int]]]:
+    """The random-faults test's 32 requests and each one's answer alone (the same for each of its variants)."""
+    work = workload(32, seed=3)
+    return work, [cold(ids, n) for ids, n in work]
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize("after_forward", [False, True], ids=["before-forward", "after-forward"])
-def test_random_faults_under_load_leave_every_survivor_and_retry_as_cold(model, overlap, after_forward):
+def test_random_faults_under_load_leave_every_survivor_and_retry_as_cold(model, random_work, overlap, after_forward):
     """32 concurrent requests (a third sharing a long prefix) on a small pool (pages evicted, requests retracted),
     with ~1 step in 6 raising at random: every request that finishes answers as alone, every failed one sent again
     answers as alone, and every page is accounted for."""
-    work = workload(32, seed=3)
-    with LLM(model, cache="naive") as ref_llm:
-        alone = [ref_llm.generate(ids, params(n))[0].token_ids for ids, n in work]
+    work, alone = random_work
     with LLM(model, overlap_on_cpu=overlap, max_total_tokens=1200, page_size=4, max_running_requests=8,
              max_prefill_tokens=96) as llm:
         with StepFaults(engine_of(llm), at_random(1 / 6, seed=7), after_forward=after_forward) as faults:

@@ -168,29 +168,6 @@ def _chat(server, **extra):
         "model": "default", "messages": HI, "max_tokens": 12, "temperature": 0, **extra})
 
 
-@pytest.mark.slow
-def test_structured_output_without_xgrammar_is_a_400_and_the_server_goes_on(default_model_dir, tmp_path):
-    """A plain install lacks xgrammar: a JSON request gets a 400 naming the extra to install, while the requests
-    beside it finish, and the server (every process of it) lives on."""
-    import concurrent.futures
-
-    server = _serve_with(default_model_dir, tmp_path, {
-        "xgrammar/__init__.py": 'raise ImportError("xgrammar is hidden by this test")\n'})
-    try:
-        server.wait_healthy()
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            plain = [pool.submit(_chat, server) for _ in range(3)]
-            structured = pool.submit(_chat, server, response_format={"type": "json_object"})
-            r = structured.result()
-            assert r.status_code == 400, r.text
-            err = r.json()["error"]
-            assert 'pip install "minisgl[structured]"' in err["message"] and err["code"] == "unsupported_feature"
-            assert all(f.result().status_code == 200 for f in plain)
-        assert server.proc.poll() is None and server.answers()
-    finally:
-        server.stop()
-
-
 # Injected into every process of the server: a request whose stop strings hold this marker cannot be decoded.
 FAILING_DECODE = '''
 from minisgl_cli import tokenizer
@@ -213,8 +190,40 @@ tokenizer.RequestDecoder.__init__, tokenizer.RequestDecoder.spans = __init__, sp
 '''
 
 
+@pytest.fixture(scope="module")
+def injected_server(default_model_dir, tmp_path_factory):
+    """One healthy server for both injections below (a start of the default model costs ~10 s of the suite): xgrammar
+    hidden, and FAILING_DECODE, which touches only requests that ask for it by their stop strings."""
+    server = _serve_with(default_model_dir, tmp_path_factory.mktemp("injected"), {
+        "xgrammar/__init__.py": 'raise ImportError("xgrammar is hidden by this test")\n',
+        "sitecustomize.py": FAILING_DECODE})
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow
-def test_a_request_the_detokenizer_cannot_decode_fails_alone(default_model_dir, tmp_path):
+def test_structured_output_without_xgrammar_is_a_400_and_the_server_goes_on(injected_server):
+    """A plain install lacks xgrammar: a JSON request gets a 400 naming the extra to install, while the requests
+    beside it finish, and the server (every process of it) lives on."""
+    import concurrent.futures
+
+    server = injected_server
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        plain = [pool.submit(_chat, server) for _ in range(3)]
+        structured = pool.submit(_chat, server, response_format={"type": "json_object"})
+        r = structured.result()
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert 'pip install "minisgl[structured]"' in err["message"] and err["code"] == "unsupported_feature"
+        assert all(f.result().status_code == 200 for f in plain)
+    assert server.proc.poll() is None and server.answers()
+
+
+@pytest.mark.slow
+def test_a_request_the_detokenizer_cannot_decode_fails_alone(injected_server):
     """In the real multi-process server, the detokenizer's decoding of one request raises (injected): that request
     ends with an engine error, the streams beside it finish with the text they have alone, its KV is freed, and
     the detokenizer (every process) lives on."""
@@ -223,22 +232,18 @@ def test_a_request_the_detokenizer_cannot_decode_fails_alone(default_model_dir, 
     import httpx
     import psutil
 
-    server = _serve_with(default_model_dir, tmp_path, {"sitecustomize.py": FAILING_DECODE})
-    try:
-        server.wait_healthy()
-        alone = _chat(server).json()["choices"][0]["message"]["content"]
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            plain = [pool.submit(_chat, server, stream=False) for _ in range(3)]
-            failing = pool.submit(_chat, server, stop=["<cannot-decode>"]).result()
-            assert failing.status_code == 500, failing.text
-            err = failing.json()["error"]
-            assert err["code"] == "engine_error" and "could not decode the output" in err["message"], err
-            assert [f.result().json()["choices"][0]["message"]["content"] for f in plain] == [alone] * 3
-        assert server.proc.poll() is None and server.answers()
-        assert all(psutil.pid_exists(pid) for pid in server.children().values())
-        deadline = time.monotonic() + 30  # the failed request's abort reaches the scheduler after its error
-        while (s := httpx.get(f"{server.url}/metrics", timeout=30).json()["scheduler"])["tokens_in_use"]:
-            assert time.monotonic() < deadline, s
-            time.sleep(0.2)
-    finally:
-        server.stop()
+    server = injected_server
+    alone = _chat(server).json()["choices"][0]["message"]["content"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        plain = [pool.submit(_chat, server, stream=False) for _ in range(3)]
+        failing = pool.submit(_chat, server, stop=["<cannot-decode>"]).result()
+        assert failing.status_code == 500, failing.text
+        err = failing.json()["error"]
+        assert err["code"] == "engine_error" and "could not decode the output" in err["message"], err
+        assert [f.result().json()["choices"][0]["message"]["content"] for f in plain] == [alone] * 3
+    assert server.proc.poll() is None and server.answers()
+    assert all(psutil.pid_exists(pid) for pid in server.children().values())
+    deadline = time.monotonic() + 30  # the failed request's abort reaches the scheduler after its error
+    while (s := httpx.get(f"{server.url}/metrics", timeout=30).json()["scheduler"])["tokens_in_use"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.2)

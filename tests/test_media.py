@@ -226,14 +226,6 @@ def test_image_cli_wrong_pipeline_kind(tiny_models):
     assert result.exit_code == 1 and "minisgl video" in result.stderr
 
 
-@pytest.mark.slow
-def test_image_cli_compile(tiny_models, tmp_path):
-    size = ("--height", "32", "--width", "32", "--seed", "4")
-    (compiled,) = image_cli(tiny_models["z-image"], tmp_path, *size, "--compile")
-    (eager,) = image_cli(tiny_models["z-image"], tmp_path, *size)
-    assert np.abs(pixels(compiled).astype(int) - pixels(eager).astype(int)).max() <= 2
-
-
 def test_a_job_out_of_device_memory_is_a_503_that_says_what_to_change():
     import torch
 

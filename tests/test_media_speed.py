@@ -200,7 +200,9 @@ def test_compile_defaults_on_for_cuda_only():
 
 
 @pytest.mark.slow
-def test_regional_compile_matches_eager_and_stores_its_cache(tmp_path):
+def test_regional_compile_matches_eager_and_stores_its_cache(tiny_models, tmp_path):  # noqa: F811
+    """`minisgl image --compile` of a checkpoint on disk (the saved tiny Z-Image) in a fresh process: the eager
+    pipeline's pixels, and its kernels stored. (The dummy weights' compile: the warm-up test above.)"""
     import subprocess
 
     import torch
@@ -208,14 +210,14 @@ def test_regional_compile_matches_eager_and_stores_its_cache(tmp_path):
 
     from minisgl_cli.media.compile import compile_denoiser
 
-    eager = load_pipeline(image_spec())
+    eager = load_pipeline(image_spec(tiny_models["z-image"]))
     ref = np.asarray(generate_images(eager, ImageJob(prompt="a fox", width=32, height=32, steps=2, seed=4)).images[0])
     # A fresh process, as a user's start: inductor reads its cache dir once a process, and a graph an earlier test
     # compiled would be a cache hit that writes nothing.
     cache = tmp_path / "inductor"
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
-    cli = [sys.executable, "-m", "minisgl_cli.app", "image", "-p", "a fox", "--load-format", "dummy", "--model",
-           "tiny-z-image", "--compile", "--seed", "4", "--output-dir", str(tmp_path), *SMALL]
+    cli = [sys.executable, "-m", "minisgl_cli.app", "image", "-p", "a fox", "--model-dir", str(tiny_models["z-image"]),
+           "--compile", "--seed", "4", "--output-dir", str(tmp_path), *SMALL]
     done = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     (path,) = [Path(p) for p in done.stdout.split()]

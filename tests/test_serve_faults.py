@@ -21,7 +21,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from serve_process import Serve
+from serve_process import Serve, gone
 
 pytestmark = pytest.mark.slow
 
@@ -138,7 +138,10 @@ def under_way(pool: ThreadPoolExecutor, url: str) -> list[Future[Outcome]]:
 @pytest.mark.parametrize("kind", ["scheduler rank 0", "tokenizer 0", "detokenizer"])
 def test_a_dead_child_is_a_503_with_retry_after_or_an_engine_unavailable_frame_never_a_400(default_model_dir,
                                                                                             tmp_path, kind):
+    """Then serve exits non-zero with one line naming the child, and every process under it is gone (as
+    test_serve_lifecycle.py's dead-child test asks of an idle server: these kinds die here, under load)."""
     s, children = start_serve(default_model_dir, tmp_path)
+    tree = psutil.Process(s.proc.pid).children(recursive=True)
     tokenizer = children["tokenizer 0"]
     try:
         with ThreadPoolExecutor(8) as pool:
@@ -162,6 +165,11 @@ def test_a_dead_child_is_a_503_with_retry_after_or_an_engine_unavailable_frame_n
         if tokenizer.is_running():
             tokenizer.resume()
         s.stop()
+    lines = s.stderr().strip().splitlines()
+    last = lines[next(i for i, line in enumerate(lines) if line.startswith("minisgl: serving ")) + 1:]
+    assert len(last) == 1, lines
+    assert last[0].startswith("error: ") and f"{kind} (pid {children[kind].pid}) exited with code -9" in last[0], lines
+    assert gone(tree) == []
     assert not [o for o in outcomes + after if o.status == 400], outcomes + after
     for o in outcomes[:2]:  # the streams under way: their error frame
         assert (o.status, o.code) == (200, "engine_unavailable") and o.frames > 0, o
