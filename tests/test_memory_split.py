@@ -72,16 +72,16 @@ def test_the_worker_is_sized_for_the_pipelines_it_would_load(tiny_models, tmp_pa
 def test_default_split_keeps_the_media_estimate_first():
     s = split(100 * GIB, MEDIA, min_pool=GIB)
     assert (s.keep, s.kv_bytes, s.warning) == (MEDIA, int(70 * GIB * 0.85), None)
-    assert s.line(1_234_567) == ("kept 30.0 GiB of cuda for the media worker (z-image-turbo); the KV pool has "
-                                 "1,234,567 tokens in its 59.5 GiB")
+    assert s.line(1_234_567, s.kv_bytes) == (
+        "kept 30.0 GiB of cuda for the media worker (z-image-turbo); the KV pool has 1,234,567 tokens in its 59.5 GiB")
     alone = split(100 * GIB, None)  # no media worker on this GPU: 0.85 of the free memory, as before
-    assert (alone.kv_bytes, alone.line(1000)) == (int(85 * GIB), None)
+    assert (alone.kv_bytes, alone.line(1000, alone.kv_bytes)) == (int(85 * GIB), None)
 
 
 def test_explicit_mem_fraction_or_max_total_tokens_wins_with_a_warning_past_the_estimate():
     assert split(100 * GIB, MEDIA, mem_fraction=0.6) == Split(60 * GIB, device="cuda")  # leaves 40: no warning
     tight = split(100 * GIB, MEDIA, mem_fraction=0.9)
-    assert tight.kv_bytes == int(90 * GIB) and tight.line(1000) is None
+    assert tight.kv_bytes == int(90 * GIB) and tight.line(1000, tight.kv_bytes) is None
     assert tight.warning == (
         "--mem-fraction 0.9 leaves 10.0 GiB of cuda beside the KV pool, and the media worker (z-image-turbo) needs "
         "30.0 GiB: its first job may run out of memory (leave --mem-fraction out to split the GPU between them)")

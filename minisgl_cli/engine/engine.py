@@ -233,13 +233,12 @@ class Engine:
         num_pages, num_window_pages = self._kv_pages(widest, windowed, window)
         num_pages, num_window_pages = min_over_ranks(num_pages, tp), min_over_ranks(num_window_pages, tp)
         capacity = num_pages * cfg.page_size
-        self.max_context_len = min(
-            cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings, capacity
-        )
+        self.max_context_len = min(self._longest_context(), capacity)
         self.pool = KVPool(shape, num_pages, cfg.page_size, cfg.max_running_requests, self.max_context_len, self.device,
                            kv_scale=cfg.kv_cache_scale, window_layers=windowed, num_window_pages=num_window_pages)
         if self.split is not None:
-            self.split.report(capacity)
+            full_page, window_page = self.pool.nbytes()
+            self.split.report(capacity, full_page * num_pages + window_page * num_window_pages)
         self.attn = create_backend(
             cfg.attention_backend, self.pool, heads.n_q, heads.n_kv,
             mc.head_dim, mc.attn_scale, self.device, self.kernels, variants=mc.attention_variants,
@@ -377,13 +376,16 @@ class Engine:
             budget = int(cfg.kv_cache_gib * (1 << 30))
         # No more pages than the running requests can fill, each at its longest context: past that a budget only
         # lengthens the host's free-page list (a tiny model on a 141 GB card listed ~10^8 pages, minutes at start).
-        mc = self.model_cfg
-        context = min(cfg.max_context_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        most = -(-cfg.max_running_requests * context // cfg.page_size)
+        most = -(-cfg.max_running_requests * self._longest_context() // cfg.page_size)
         if windowed:
             full_pages, window_pages = KVPool.split_budget(shape, windowed, budget, cfg.page_size, want)
             return min(full_pages, most), min(window_pages, most)
         return min(KVPool.pages_for_budget(shape, budget, cfg.page_size), most), 0
+
+    def _longest_context(self) -> int:
+        """Tokens one request may hold before the pool's size caps it: --max-context-len within the model's."""
+        mpe = self.model_cfg.max_position_embeddings
+        return min(self.cfg.max_context_len or mpe, mpe)
 
     def capture_graphs(self, max_bs: int | None = None) -> None:
         """(Re)capture the decode CUDA graphs, e.g. after flipping a field of `self.kernels`."""

@@ -35,19 +35,19 @@ class Split:
     device: str = "cuda"
     warning: str | None = None  # an explicit size leaves the neighbour less than it needs
 
-    def line(self, kv_tokens: int) -> str | None:
-        """The start-up line of a split that kept memory (the KV pool then holds `kv_tokens`); None for one that
-        kept none."""
+    def line(self, kv_tokens: int, pool_bytes: int) -> str | None:
+        """The start-up line of a split that kept memory (the KV pool then holds `kv_tokens` in `pool_bytes`, at most
+        `kv_bytes`: the engine takes no more than its running requests can fill); None for one that kept none."""
         if self.keep is None:
             return None
         return (f"kept {self.keep.nbytes / GIB:.1f} GiB of {self.device} for {self.keep.what}; the KV pool has "
-                f"{kv_tokens:,} tokens in its {self.kv_bytes / GIB:.1f} GiB")
+                f"{kv_tokens:,} tokens in its {pool_bytes / GIB:.1f} GiB")
 
-    def report(self, kv_tokens: int) -> None:
+    def report(self, kv_tokens: int, pool_bytes: int) -> None:
         """The start-up line as a notice; the warning of an explicit size that leaves too little."""
         if self.warning:
             log.warning(self.warning)
-        if line := self.line(kv_tokens):
+        if line := self.line(kv_tokens, pool_bytes):
             notice(line)
 
 
