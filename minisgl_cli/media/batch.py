@@ -81,8 +81,11 @@ def generate(loaded: LoadedPipeline, jobs: list[Job], on_step: StepHook | None =
     loaded.tile_vae_for(first.width, first.height, first.num_frames if isinstance(first, VideoJob) else 1)
     start = time.perf_counter()
     out = loaded.run(kwargs, first.steps, on_step)
-    if loaded.device.startswith("cuda"):  # the call returns with the VAE's kernels still queued: they are its time too
+    # The call returns with the VAE's kernels still queued (CUDA, MPS): they are its time too.
+    if loaded.device.startswith("cuda"):
         torch.cuda.synchronize(torch.device(loaded.device))
+    elif loaded.device == "mps":
+        torch.mps.synchronize()
     elapsed_s = time.perf_counter() - start
     if loaded.rank > 0:  # a media group's other rank: rank 0 hands back the results
         return []
