@@ -170,7 +170,8 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     rows = {}
     for q in a.quantizations.split(","):
-        key = q if q not in rows else f"{q} again"  # a second start: its first image takes the stored compile
+        starts = sum(k.split()[0] == q for k in rows)  # a later start's first image takes the stored compile
+        key = f"{q} start {starts + 1}" if starts else q
         log = a.out / f"serve-{key.replace(' ', '-')}.log"
         t = time.perf_counter()
         proc, url = serve([*shlex.split(a.serve_args), *shlex.split(a.image_args), "--media-quantization", q], log)

@@ -101,8 +101,8 @@ def test_a_signal_after_the_shutdown_ends_the_process_at_once():
 # which checks this line and this tree too: here the rank only TP 2 has.
 @pytest.mark.parametrize("kind", ["scheduler rank 1"])
 def test_a_dead_child_stops_the_server_with_one_line_naming_it(serve, kind):
-    """kill -9 of any child (the detokenizer's included): serve exits non-zero with one line naming it, and every
-    process under serve is gone (its whole tree as psutil sees it, not only the children it named)."""
+    """kill -9 of a child: serve exits non-zero with one line naming it, and every process under serve is gone (its
+    whole tree as psutil sees it, not only the children it named)."""
     s = serve()
     s.wait_healthy()
     children = s.children()
