@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 35's run on a two-GPU machine, in order of value, within BUDGET seconds (default 400): each part under
 # `timeout` (its whole process group), a part that fails or runs out is logged and the next one runs, and a
-# summary table ends it. Six files under $OUT:
+# summary table ends it. Files under $OUT (a part not run writes none):
 #   summary.txt    the table printed at the end (also on stdout)
 #   allreduce.log  (a) examples/allreduce_bench.py: NCCL vs one-shot all-reduce, 4 KB-4 MB, eager and in a graph
 #   pytest.log     (b) tests/test_gpu_tp.py: one-shot == NCCL bit for bit; TP 2 greedy tokens vs TP 1
@@ -30,7 +30,7 @@ set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/two_gpu}; mkdir -p "$OUT"
-WORK=$(mktemp -d /tmp/two_gpu.XXXXXX)  # everything else: only the six files above go to $OUT
+WORK=$(mktemp -d /tmp/two_gpu.XXXXXX)  # everything else: only the files above go to $OUT
 PY=${PY:-python3}
 BUDGET=${BUDGET:-400}
 PARTS=${PARTS:-a b c d e f g}
