@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> dict:
 
     kw = {"cuda_graph_max_bs": 8} if args.device != "cpu" else {}
     engine = Engine(EngineConfig(model=args.model, load_format="dummy", device=args.device, max_running_requests=8,
-                                 max_total_tokens=8192, **kw))
+                                 max_total_tokens=8192, quantization=args.quantization, **kw))
     phases: dict[str, float] = {}
     clock = time.thread_time
     for owner, attr, label in ((Scheduler, "_schedule", "schedule"), (Scheduler, "_run", "build + launch"),
@@ -134,7 +134,8 @@ def run(args: argparse.Namespace) -> dict:
     _, _, _, ops = one("profiled", 40 + 2 * args.profile_steps + 8, profile=args.profile_steps)
     if args.print_ops:
         print(ops, flush=True)
-    out = {"model": args.model, "sampled": args.sampled, "steps": steps, "tok_s": round(steps / wall, 1),
+    out = {"model": args.model, "quantization": args.quantization, "sampled": args.sampled, "steps": steps,
+           "tok_s": round(steps / wall, 1),
            "step_us": round(wall / steps * 1e6, 1), "host_cpu_us": round(cpu / steps * 1e6, 1),
            "host_own_us": round(host_own, 1), "split_us": split, "own_split_us": own_split}
     print("RESULT " + json.dumps(out), flush=True)
@@ -149,6 +150,7 @@ def main() -> None:
     ap.add_argument("--sampled", action="store_true", help="temperature 0.7, top-p 0.9 (default greedy)")
     ap.add_argument("--profile-steps", type=int, default=100)
     ap.add_argument("--print-ops", action="store_true", help="print the torch-op and cProfile tables")
+    ap.add_argument("--quantization", default="auto", help="the engine's linear weights (auto, none, fp8)")
     ap.add_argument("--old", help="another tree: the same run there first, in a child")
     args = ap.parse_args()
     rows = []

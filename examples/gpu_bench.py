@@ -524,8 +524,9 @@ def bench_fp8_linear(model: str, name: str, ws: list[torch.Tensor], x: torch.Ten
     us = graph_us([lambda q=q: G.gemv(x, q[0], act_mul=act, scale=q[1]) for q in qs])
     best = (picked, us)
     if do_sweep:  # both kernels' shapes (pick_config's source)
-        mma = [(bn, bk, w, st, pf) for bn in (4, 8, 16) for bk in (64, 128) for w, st, pf in
-               ((4, 2, 0), (4, 3, 0), (4, 4, 0), (4, 1, 1))]
+        mma = [(bn, bk, w, st, pf) for bn in (4, 8, 16, 32) for bk in (32, 64, 128) for w, st, pf in
+               ((4, 2, 0), (4, 3, 0), (4, 4, 0), (4, 1, 1), (4, 3, 2), (4, 3, 3), (8, 3, 0), (8, 3, 2))
+               if bn * bk <= 2048]
         for cfg in [(4, 512, 4), (8, 512, 4), (8, 1024, 8)] + [c for c in mma if G.mma_fits(k, c)]:
             t = graph_us([lambda q=q, cfg=cfg: G.gemv(x, q[0], act_mul=act, scale=q[1], config=cfg) for q in qs])
             if t < best[1]:
