@@ -8,6 +8,9 @@ read faster than HBM; the large ones are the honest figures.
     PYTHONPATH=. python examples/bench_attention.py [--page-size 16] [--quick]
                                                     [--sweep-decode [--kv-fp8] | --sweep-extend] [--shape NAME]
 
+--sweep-short: batch-1 decode at contexts 130..4096, each shape's split programs merging their own partials (the
+engine's decode), for each of several `min_chunk` values (the fewest positions a split covers; 1 = every tile a
+split, as before SHORT_CONTEXT): µs a call over 16 pools in one CUDA graph (the KV from DRAM, as in a step).
 --kv-fp8 runs the decode sweep over an FP8 pool (e4m3 codes, per-head scales): bytes counted at one per value.
 --shape: the sweeps' heads (default llama8b; gemma4-global / gemma4-sliding: Gemma-4-31B's 4 KV heads of 512 and
 16 of 256, 32 query heads).
@@ -29,6 +32,7 @@ from minisgl_cli.engine.host import HostBuffers
 from minisgl_cli.kvcache.pool import KVPool, KVShape
 
 SHAPES = {"llama8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}
+SHORT_SHAPES = {**SHAPES, "qwen3-30b-a3b": (32, 4, 128)}
 WIDE_SHAPES = {"gemma4-global": (32, 4, 512), "gemma4-sliding": (32, 16, 256)}  # for the sweeps (--shape)
 
 
@@ -192,6 +196,42 @@ def sweep_decode(page_size: int, fp8: bool = False, shape: str = "llama8b") -> N
         torch.cuda.empty_cache()
 
 
+def sweep_short(page_size: int) -> None:
+    """Batch-1 decode as the engine runs it (splits by num_kv_splits, counters: one launch) for each min_chunk."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from timing import graph_us
+
+    from minisgl_cli.kernels.triton import attention as tk
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    chunks = (1, 256, 512, 1024, 2048)
+    print(f"# {torch.cuda.get_device_name()}: batch-1 decode, µs a call by min_chunk (default {tk.SHORT_CONTEXT}), "
+          f"page_size {page_size}, 16 pools in one graph")
+    print(f"{'shape':<14} {'ctx':>5} " + " ".join(f"{c:>7}" for c in chunks))
+    for name, heads in SHORT_SHAPES.items():
+        h, hkv, d = heads
+        splits = tk.num_kv_splits(1, hkv, sms)
+        for ctx in (130, 384, 640, 1024, 2048, 4096):
+            cases = [build("decode", [ctx - 1], [1], heads, page_size, torch.bfloat16) for _ in range(16)]
+            mid_o = torch.empty((1, h, splits, d), dtype=torch.float32, device="cuda")
+            mid_lse = torch.empty((1, h, splits), dtype=torch.float32, device="cuda")
+            counters = torch.zeros(hkv, dtype=torch.int32, device="cuda")
+            out = torch.empty_like(cases[0][2])
+            row = []
+            for mc in chunks:
+                fns = [functools.partial(tk.decode_attention, q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows,
+                                         batch.seq_lens, 1.0 / math.sqrt(d), splits, mid_o, mid_lse, out,
+                                         counters=counters, min_chunk=mc)
+                       for pool, batch, q, _, _ in cases]
+                row.append(graph_us(fns))
+            print(f"{name:<14} {ctx:>5} " + " ".join(f"{t:7.2f}" for t in row), flush=True)
+            del cases
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--page-size", type=int, default=16)
@@ -199,8 +239,12 @@ def main() -> None:
     ap.add_argument("--sweep-extend", action="store_true", help="only time extend tile configs")
     ap.add_argument("--sweep-decode", action="store_true", help="only time decode kernel configs")
     ap.add_argument("--kv-fp8", action="store_true", help="--sweep-decode over an FP8 KV pool")
+    ap.add_argument("--sweep-short", action="store_true", help="batch-1 decode by min_chunk (SHORT_CONTEXT's source)")
     ap.add_argument("--shape", default="llama8b", choices=[*SHAPES, *WIDE_SHAPES], help="the sweeps' heads")
     args = ap.parse_args()
+    if args.sweep_short:
+        sweep_short(args.page_size)
+        return
     if args.sweep_decode:
         sweep_decode(args.page_size, args.kv_fp8, args.shape)
         return

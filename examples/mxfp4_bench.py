@@ -68,7 +68,7 @@ def time_size(m: int, layers: list[dict], g: torch.Generator, sweep: bool) -> di
              packed_tbs=round(bf16_bytes * 17 / 64 / us["packed"] / 1e6, 2),
              bf16_tbs=round(bf16_bytes / us["bf16"] / 1e6, 2),
              max_diff=f"{((got - want).abs().max() / want.abs().max()).item():.1e}",
-             picked=str(triton_moe.pick_tiles(m, True, w8a8=False)))
+             picked=str(triton_moe.pick_tiles(m, mxfp4=True)))
     if sweep:
         r.update(sweep_tiles(m, x, logits, layers))
     return r
@@ -113,7 +113,7 @@ def sweep_tiles(m: int, x: torch.Tensor, logits: list[torch.Tensor], layers: lis
             name = f"best_{'gate_up' if gated else 'down'}_bm{bm}"
             found[name] = dict(tile=list(vars(cfg).values()), us=round(t, 1))
             print(f"  M={m} {name}: {found[name]}", flush=True)
-            gemm_picked = triton_moe.pick_tiles(m, True, w8a8=False)
+            gemm_picked = triton_moe.pick_tiles(m, mxfp4=True)
             cfg = gemm_picked.gate_up if gated else gemm_picked.down
             if cfg.block_m == bm:
                 found[f"picked_{'gate_up' if gated else 'down'}_us"] = round(

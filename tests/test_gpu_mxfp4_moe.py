@@ -24,7 +24,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine on a CUDA GPU")
 # hidden 96 (3 exponents a gate/up row), width 64 (2 a down row): with a 64-deep, 64-wide tile the K steps and the
-# down's columns end in a masked half tile, and the picked tiles (128 deep) mask K in every step
+# down's columns end in a masked half tile, and the picked tiles (128 deep; 256 at one token) mask K in every step
 HIDDEN, INTER = 96, 64
 TILE = (16, 64, 64, 4, 1)
 
@@ -124,6 +124,10 @@ def test_packed_gpt_oss_experts_equal_the_dequantized_ones(T, n_tok, tile):
     x = torch.randn(n_tok, HIDDEN, generator=g).to(DEV, DTYPE)
     logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)
     tiles = T.MoeTiles.both(T.MoeConfig(*TILE)) if tile == "small" else None
+    if tile == "picked":  # one token: the packed experts' own tiles, not the FP8 table's
+        from minisgl_cli.kernels.triton.moe_tiles import TILES_MXFP4
+
+        assert (T.pick_tiles(n_tok, mxfp4=True) == TILES_MXFP4[0][1]) == (n_tok == 1)
     if n_tok <= T.SMALL_MAX_TOKENS:
         def run(**w):
             return T.one_slot_experts(x, logits, top_k=top_k, renormalize=True, tiles=tiles, swiglu=swiglu, **w)

@@ -357,7 +357,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     n_exp, two_i = gate_up.shape[:2]
     hidden = down.shape[1]
     mxfp4 = is_mxfp4(gate_up)
-    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None, w8a8=False if mxfp4 else None)
+    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None, w8a8=False if mxfp4 else None, mxfp4=mxfp4)
     w8a8 = tiles.fp8_act and gate_up_scale is not None and not mxfp4
     numel = n_tok * k
     x = x.contiguous()
@@ -442,7 +442,7 @@ def one_slot_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tenso
     W8A8_MIN_TOKENS)."""
     n_tok, hidden = x.shape
     numel = n_tok * top_k
-    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None, w8a8=False)  # MXFP4 too: w4a16
+    tiles = tiles or pick_tiles(n_tok, gate_up_scale is not None, w8a8=False, mxfp4=is_mxfp4(gate_up))  # w4a16
     out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
     if numel == 0:
         return out.view(n_tok, top_k, hidden) if terms else out.view(n_tok, top_k, hidden).sum(dim=1)

@@ -10,9 +10,9 @@ FP8 experts (e4m3 weights, an fp32 scale per output row) run one of two ways (ke
          the channel's in the epilogue: from `W8A8_MIN_TOKENS` tokens, where widening each weight tile for a 16-bit
          MMA held the kernel well under the bandwidth (~2.2-2.8 TB/s on an H200, against 3.0-3.3 for w8a8)
 
-MXFP4 experts (gpt-oss's, packed) run w4a16 at every size, on the w8a16 table (`pick_tiles(n, True, w8a8=False)`):
-not swept for them yet (examples/mxfp4_bench.py --sweep times their candidates). Their BLOCK_K must be a multiple of
-32 (one exponent per 32 values), as every tile here is.
+MXFP4 experts (gpt-oss's, packed) run w4a16 at every size (`pick_tiles(n, mxfp4=True)`): their own tiles at one
+token, the w8a16 table's from two. Their BLOCK_K must be a multiple of 32 (one exponent per 32 values), as every tile
+here is.
 """
 
 from __future__ import annotations
@@ -78,6 +78,11 @@ TILES_FP8: tuple[tuple[int, MoeTiles], ...] = (  # w8a16 (below W8A8_MIN_TOKENS;
     (512, _tiles(32, (64, 128, 8, 3), (64, 128, 4, 3))),
     *_PREFILL,
 )
+# MXFP4 experts (w4a16): `examples/mxfp4_bench.py --sizes 1,4 --sweep` on one H200 (2026-11-30, gpt-oss-20b's 32
+# experts of H 2880, I 2880, top 4; µs a layer in a graph): at one token 256-deep K tiles, gate/up 47.1 -> 43.0 and down
+# 25.7 -> 23.6 (a packed weight tile is half the bytes of an FP8 one: a deeper step keeps as many in flight); at
+# four the w8a16 tiles were the sweep's best within 0.5%. Larger batches not swept.
+TILES_MXFP4: tuple[tuple[int, MoeTiles], ...] = ((1, _tiles(16, (32, 256, 4, 3), (16, 256, 2, 3))), *TILES_FP8)
 # FP8 experts from this many tokens run w8a8 (module docstring), on these tiles. `examples/moe_bench.py --fp8
 # --sizes 1,8,16,32,64,128,256,512,1024` on one H200 (2026-11-27, Qwen3-30B-A3B's shapes, 4 layers in a graph, us a
 # layer, w8a16 -> w8a8 on the seed tiles): 1 token 40.5 -> 41.3 (a tie: the two quantization launches cost what the
@@ -114,9 +119,12 @@ def fp8_act(n_tokens: int) -> bool:
     return n_tokens >= W8A8_MIN_TOKENS
 
 
-def pick_tiles(n_tokens: int, fp8: bool = False, w8a8: bool | None = None) -> MoeTiles:
-    """The tiles of a batch of `n_tokens`; FP8 experts: w8a8's (default: where `fp8_act` says) or w8a16's."""
-    if not fp8:
+def pick_tiles(n_tokens: int, fp8: bool = False, w8a8: bool | None = None, mxfp4: bool = False) -> MoeTiles:
+    """The tiles of a batch of `n_tokens`; FP8 experts: w8a8's (default: where `fp8_act` says) or w8a16's; MXFP4
+    experts (w4a16) their own."""
+    if mxfp4:
+        table = TILES_MXFP4
+    elif not fp8:
         table = TILES_16BIT
     else:
         table = TILES_W8A8 if (fp8_act(n_tokens) if w8a8 is None else w8a8) else TILES_FP8
