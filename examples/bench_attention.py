@@ -9,8 +9,8 @@ read faster than HBM; the large ones are the honest figures.
                                                     [--sweep-decode [--kv-fp8] | --sweep-extend] [--shape NAME]
 
 --sweep-short: batch-1 decode at contexts 130..4096, each shape's split programs merging their own partials (the
-engine's decode), for each of several `min_chunk` values (the fewest positions a split covers; 1 = every tile a
-split, as before SHORT_CONTEXT): µs a call over 16 pools in one CUDA graph (the KV from DRAM, as in a step).
+engine's decode): split over num_kv_splits (as before SHORT_CONTEXT), in one split, and as shipped; µs a call over 16
+pools in one CUDA graph (the KV from DRAM, as in a step).
 --kv-fp8 runs the decode sweep over an FP8 pool (e4m3 codes, per-head scales): bytes counted at one per value.
 --shape: the sweeps' heads (default llama8b; gemma4-global / gemma4-sliding: Gemma-4-31B's 4 KV heads of 512 and
 16 of 256, 32 query heads).
@@ -197,7 +197,7 @@ def sweep_decode(page_size: int, fp8: bool = False, shape: str = "llama8b") -> N
 
 
 def sweep_short(page_size: int) -> None:
-    """Batch-1 decode as the engine runs it (splits by num_kv_splits, counters: one launch) for each min_chunk."""
+    """Batch-1 decode as the engine runs it (splits by num_kv_splits, counters: one launch) for each `short`."""
     import os
     import sys
 
@@ -207,10 +207,10 @@ def sweep_short(page_size: int) -> None:
     from minisgl_cli.kernels.triton import attention as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    chunks = (1, 256, 512, 1024, 2048)
-    print(f"# {torch.cuda.get_device_name()}: batch-1 decode, µs a call by min_chunk (default {tk.SHORT_CONTEXT}), "
-          f"page_size {page_size}, 16 pools in one graph")
-    print(f"{'shape':<14} {'ctx':>5} " + " ".join(f"{c:>7}" for c in chunks))
+    shorts = {"split": 0, "one": 1 << 30, "default": None}  # default: one split up to SHORT_CONTEXT
+    print(f"# {torch.cuda.get_device_name()}: batch-1 decode, µs a call: split over num_kv_splits, in one split, and "
+          f"as shipped (one split up to {tk.SHORT_CONTEXT}); page_size {page_size}, 16 pools in one graph")
+    print(f"{'shape':<14} {'ctx':>5} " + " ".join(f"{c:>7}" for c in shorts))
     for name, heads in SHORT_SHAPES.items():
         h, hkv, d = heads
         splits = tk.num_kv_splits(1, hkv, sms)
@@ -221,10 +221,10 @@ def sweep_short(page_size: int) -> None:
             counters = torch.zeros(hkv, dtype=torch.int32, device="cuda")
             out = torch.empty_like(cases[0][2])
             row = []
-            for mc in chunks:
+            for short in shorts.values():
                 fns = [functools.partial(tk.decode_attention, q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows,
                                          batch.seq_lens, 1.0 / math.sqrt(d), splits, mid_o, mid_lse, out,
-                                         counters=counters, min_chunk=mc)
+                                         counters=counters, short=short)
                        for pool, batch, q, _, _ in cases]
                 row.append(graph_us(fns))
             print(f"{name:<14} {ctx:>5} " + " ".join(f"{t:7.2f}" for t in row), flush=True)
@@ -239,7 +239,7 @@ def main() -> None:
     ap.add_argument("--sweep-extend", action="store_true", help="only time extend tile configs")
     ap.add_argument("--sweep-decode", action="store_true", help="only time decode kernel configs")
     ap.add_argument("--kv-fp8", action="store_true", help="--sweep-decode over an FP8 KV pool")
-    ap.add_argument("--sweep-short", action="store_true", help="batch-1 decode by min_chunk (SHORT_CONTEXT's source)")
+    ap.add_argument("--sweep-short", action="store_true", help="batch-1 decode split or not (SHORT_CONTEXT's source)")
     ap.add_argument("--shape", default="llama8b", choices=[*SHAPES, *WIDE_SHAPES], help="the sweeps' heads")
     args = ap.parse_args()
     if args.sweep_short:

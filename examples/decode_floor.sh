@@ -2,7 +2,7 @@
 # Issue 50 on one GPU within BUDGET seconds (default 560): where a batch-1 decode step's time goes, model by model.
 # Parts (PARTS, default "s h f"), each under examples/parts.sh, logs in $OUT:
 #   tests.log      (t) pytest over TESTS (default the decode attention's and the packed experts' GPU tests)
-#   attention.log  (a) examples/bench_attention.py --sweep-short: batch-1 decode attention by min_chunk
+#   attention.log  (a) examples/bench_attention.py --sweep-short: batch-1 decode attention split or in one split
 #   fp8_sweep/     (s) examples/gpu_bench.py --only gemv --sweep-fp8: the FP8 GEMV's block shapes on this card
 #   host_*.log     (h) examples/decode_host.py --print-ops for each of HOST_MODELS (model[:quantization]): tok/s, the
 #                      host's own µs a step, the device's kernels a step (count, µs each); with OLD=DIR the same

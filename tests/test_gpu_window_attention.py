@@ -61,15 +61,15 @@ def _sinks(device: str) -> torch.Tensor:
 
 @pytest.mark.gpu
 @NEEDS_TRITON
-@pytest.mark.parametrize("mode,splits,min_chunk", [("decode", 1, None), ("decode", 3, 1), ("merged", 3, 1),
+@pytest.mark.parametrize("mode,splits,short", [("decode", 1, None), ("decode", 3, 0), ("merged", 3, 0),
                                                   ("merged", 3, 128), ("merged", 3, None), ("extend", 0, None)])
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
-def test_triton_kernels_window_and_sinks_match_the_definition(mode, splits, min_chunk, window, with_sinks):
+def test_triton_kernels_window_and_sinks_match_the_definition(mode, splits, short, window, with_sinks):
     """`merged`: the split programs merge their own partials through the split counters (one launch); the same
-    output as the separate reduce pass, and the counters left at zero for the next call. min_chunk 1: every context
-    over 3 splits of a tile; 128: the contexts up to a tile in one split that writes the output itself, the rest
-    merged, in one batch; None (the default, 512): every context here in one split."""
+    output as the separate reduce pass, and the counters left at zero for the next call. short 0: every context over 3
+    splits; 128: the contexts up to a tile in one split that writes the output itself, the rest merged, in one batch;
+    None (the default, SHORT_CONTEXT 384): every context here in one split."""
     patch_interpreter()
     from minisgl_cli.kernels.triton import attention as tk
 
@@ -81,11 +81,11 @@ def test_triton_kernels_window_and_sinks_match_the_definition(mode, splits, min_
     if mode != "extend":
         counters = torch.zeros(len(DECODE) * HEADS[1], dtype=torch.int32, device=DEV) if mode == "merged" else None
         out = tk.decode_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens, scale,
-                                  splits, window=window, sinks=sinks, counters=counters, min_chunk=min_chunk)
+                                  splits, window=window, sinks=sinks, counters=counters, short=short)
         if counters is not None:
             assert not counters.any()
             two_pass = tk.decode_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
-                                           scale, splits, window=window, sinks=sinks, min_chunk=min_chunk)
+                                           scale, splits, window=window, sinks=sinks, short=short)
             torch.testing.assert_close(out, two_pass, rtol=0, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
     else:
         out = tk.extend_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
@@ -112,7 +112,7 @@ def test_triton_decode_of_wide_heads_matches_the_definition(merged):
     sinks = _sinks(DEV)
     counters = torch.zeros(len(DECODE), dtype=torch.int32, device=DEV) if merged else None
     out = tk.decode_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
-                              1.0 / math.sqrt(heads[2]), 3, window=window, sinks=sinks, counters=counters, min_chunk=1)
+                              1.0 / math.sqrt(heads[2]), 3, window=window, sinks=sinks, counters=counters, short=0)
     ref = naive(pool, batch, q, heads, window, sinks)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     assert ((out.float().cpu() - ref).norm() / ref.norm()).item() < tol

@@ -140,7 +140,7 @@ def _decode_partial_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, order_ptr, sinks_ptr, slot_map_ptr,
     counter_ptr,
     qk_scale,  # softmax scale * log2(e)
-    num_splits, window, min_chunk,
+    num_splits, window, short,
     stride_qb, stride_qh,
     stride_ks, stride_kh, stride_vs, stride_vh,
     stride_pt,
@@ -156,8 +156,8 @@ def _decode_partial_kernel(
     """Program (b, kv_head, split): attention of b's query heads of this group over one chunk of its context
     (of its last `window` positions where window > 0).
 
-    The chunk length is derived from the request's own seq_len on the device (`_split_chunk`: at least
-    min_chunk positions), so the grid depends only on the batch size and num_splits -- which is what
+    The chunk length is derived from the request's own seq_len on the device (`_split_chunk`: a context of at
+    most `short` positions in one chunk), so the grid depends only on the batch size and num_splits -- which is what
     lets a CUDA graph captured once replay for any context lengths. Splits past the end do nothing; the
     reduce recomputes the same chunking and ignores them. A context that fits one chunk has one live split,
     which (DIRECT or MERGE) writes the output itself: no partials, no count, no merge.
@@ -172,7 +172,7 @@ def _decode_partial_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     lo = tl.maximum(seq_len - window, 0) if WINDOWED else seq_len * 0
-    chunk = _split_chunk(seq_len - lo, num_splits, min_chunk, BLOCK_N)
+    chunk = _split_chunk(seq_len - lo, num_splits, short, BLOCK_N)
     live = tl.cdiv(seq_len - lo, chunk)  # splits that see at least one position
     if DIRECT or MERGE:  # a lone live split is the whole softmax
         lone = live == 1
@@ -243,27 +243,27 @@ def _decode_partial_kernel(
                 tl.debug_barrier()
                 for g in tl.static_range(GROUP):
                     _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, kvh * GROUP + g, seq_len, num_splits,
-                                  window, min_chunk, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                                  window, short, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                                   stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_S, HAS_SINKS, WINDOWED,
                                   ".cg", MERGE_D)
                 tl.store(counter, 0)  # ready for the next step (the count is all this kernel keeps between steps)
 
 
 @triton.jit
-def _split_chunk(span, num_splits, min_chunk, BLOCK_N: tl.constexpr):
-    """Positions each split of a `span`-position context covers: span / num_splits, at least min_chunk, in whole
-    BLOCK_N tiles (a short context in one split: splitting it would cost a merge more than its tiles take)."""
-    return tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N), tl.cdiv(min_chunk, BLOCK_N)) * BLOCK_N
+def _split_chunk(span, num_splits, short, BLOCK_N: tl.constexpr):
+    """Positions each split of a `span`-position context covers, in whole BLOCK_N tiles: all of them up to `short`
+    (splitting a short context costs a merge more than its tiles take), else span / num_splits."""
+    return tl.cdiv(tl.where(span <= short, span, tl.cdiv(span, num_splits)), BLOCK_N) * BLOCK_N
 
 @triton.jit
-def _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, h, seq_len, num_splits, window, min_chunk,
+def _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, h, seq_len, num_splits, window, short,
                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
                   HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr, CACHE: tl.constexpr, MERGE_D: tl.constexpr):
     """Head h of request b: merge the partials of the non-empty splits, each weighted by exp2(lse - max) (and the
     head's sink in the denominator). CACHE: the loads' cache modifier (".cg" where other SMs just wrote them)."""
     lo = tl.maximum(seq_len - window, 0) if WINDOWED else seq_len * 0
-    live = tl.cdiv(seq_len - lo, _split_chunk(seq_len - lo, num_splits, min_chunk, BLOCK_N))  # splits that saw one
+    live = tl.cdiv(seq_len - lo, _split_chunk(seq_len - lo, num_splits, short, BLOCK_N))  # splits that saw one
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < live
     lse = tl.load(mid_lse_ptr + b.to(tl.int64) * stride_mlb + h * stride_mlh + offs_s,
@@ -288,7 +288,7 @@ def _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, h, seq_len, num_s
 @triton.jit
 def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, seq_lens_ptr, o_ptr, sinks_ptr,
-    num_splits, window, min_chunk,
+    num_splits, window, short,
     stride_mob, stride_moh, stride_mos,
     stride_mlb, stride_mlh,
     stride_ob, stride_oh,
@@ -301,15 +301,17 @@ def _decode_reduce_kernel(
         gdc_wait()
     b = tl.program_id(0)
     _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, tl.program_id(1), tl.load(seq_lens_ptr + b),
-                  num_splits, window, min_chunk, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob,
+                  num_splits, window, short, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob,
                   stride_oh, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_S, HAS_SINKS, WINDOWED, "", MERGE_D)
 
 
-SHORT_CONTEXT = 512
-"""The fewest positions a decode split covers (`decode_attention`'s min_chunk). At batch 1 a split of one 128-position
-tile cost a merge (the count, the partials written and read back, each head of the group in turn) of several times
-its tile: 6.8 µs a Qwen3-0.6B layer's attention, 13.7 with Qwen3-30B-A3B's group of 8, at ~130 positions (an H200,
-PDL off, examples/decode_floor.sh)."""
+SHORT_CONTEXT = 384
+"""The longest context a decode runs in one split (`decode_attention`'s short). At batch 1, splits of one 128-position
+tile each cost a merge (the count, the partials written and read back, each head of the group in turn) of several
+times a tile: one program walking the whole context is faster up to ~3 tiles, slower from ~5 (~8 for a group of 8)
+(`examples/bench_attention.py --sweep-short`, an H200, µs a call at 130 / 384 / 640 / 1024 positions, split as before
+vs one split: Llama-8B's heads 8.1 / 9.2 / 10.2 / 11.7 vs 5.1 / 7.4 / 12.9 / 20.5; Qwen3-30B-A3B's group of 8
+11.2 / 10.9 / 12.0 / 13.4 vs 5.2 / 7.3 / 10.9 / 16.6)."""
 
 _MERGE_COLS = 256  # the merge's columns at a time: [32 splits, 256] fp32 partials, 64 registers a thread at 4 warps
 
@@ -361,7 +363,7 @@ def decode_attention(
     sinks: torch.Tensor | None = None,
     slot_map: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
-    min_chunk: int | None = None,
+    short: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one token per request) -> [B, H, D] over positions 0..seq_lens[b]-1 of each request (the last
     `window` of them where window > 0); `sinks` [H] fp32: each head's sink logit in its softmax's denominator.
@@ -375,8 +377,8 @@ def decode_attention(
     slot_map: a window layer's full slot -> slot in its own cache (kvcache/pool.py), or None.
     counters: >= B * Hkv int32 zeros (left zero after the call): with them the last split program of each (request,
     KV head) merges the partials itself, one launch instead of two; without, a reduce pass does.
-    min_chunk: the fewest positions a split covers (default SHORT_CONTEXT): a context up to that long is one split,
-    whose program writes the output itself where it can (num_splits 1, or counters given).
+    short: the longest context (default SHORT_CONTEXT) that runs in one split whatever num_splits, its program writing
+    the output itself where it can (num_splits 1, or counters given); 0: every context over num_splits.
     """
     B, H, D = q.shape
     hkv = k_cache.shape[1]
@@ -401,7 +403,7 @@ def decode_attention(
         q, k_cache, v_cache, page_table, req_rows, seq_lens, mid_o, mid_lse, out, *fp8,
         order if order is not None else seq_lens, sinks if sinks is not None else mid_lse,
         slot_map if slot_map is not None else seq_lens, counters if counters is not None else seq_lens,
-        scale * LOG2E, num_splits, window, SHORT_CONTEXT if min_chunk is None else min_chunk,
+        scale * LOG2E, num_splits, window, SHORT_CONTEXT if short is None else short,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
@@ -418,7 +420,7 @@ def decode_attention(
         return out
     _decode_reduce_kernel[(B, H)](
         mid_o, mid_lse, seq_lens, out, sinks if sinks is not None else mid_lse, num_splits, window,
-        SHORT_CONTEXT if min_chunk is None else min_chunk, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        SHORT_CONTEXT if short is None else short, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=_pow2(num_splits, 2), HAS_SINKS=sinks is not None,
