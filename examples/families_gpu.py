@@ -163,6 +163,7 @@ def main() -> None:
         print(f"-- {m} {flag}: exit {rc} in {time.perf_counter() - t0:.0f}s", flush=True)
         for r in got:
             show(r)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "families.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print("\n==== families (one GPU, dummy weights, graphs + overlap) ====")
