@@ -58,6 +58,40 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-2) -> None:
     assert err <= tol * want.abs().max().item(), (err, want.abs().max().item())
 
 
+# DeepSeek's routers: (scoring, experts, groups, groups kept, group score, bias, renormalize, scale, top-k)
+GROUPED = {
+    "v3": ("sigmoid", 256, 8, 4, "top2_sum", True, True, 2.5, 8),
+    "v3-one-group": ("sigmoid", 64, 1, 1, "top2_sum", True, True, 1.0, 6),
+    "v2": ("softmax", 160, 8, 3, "max", False, False, 16.0, 6),  # groups of 20: not a power of two
+    "v2-lite": ("softmax", 64, 1, 1, "max", False, False, 1.0, 6),  # no grouping at all
+}
+
+
+@pytest.mark.parametrize("case", list(GROUPED))
+def test_grouped_routing_in_one_launch_picks_what_the_torch_router_picks(T, case):
+    """kernels/triton/moe.py's route_grouped (through layers/moe.py's route_grouped with the ops) against the torch
+    steps it replaces: the same experts, ascending, and the same weights to fp32 rounding (the renormalizing sum may
+    add in another order); the groups matter (the test can tell: without them other experts win)."""
+    from dataclasses import replace
+
+    from minisgl_cli.kernels.triton import ops
+    from minisgl_cli.layers.moe import route_grouped
+    from minisgl_cli.layers.routing import GroupedRouting
+
+    scoring, n_exp, n_group, topk_group, group_score, has_bias, renorm, scale, top_k = GROUPED[case]
+    r = GroupedRouting(scoring, n_group, topk_group, group_score, has_bias, renorm, scale)
+    g = torch.Generator().manual_seed(n_exp + top_k)
+    logits = (torch.randn(7, n_exp, generator=g) * 3).to(DEV)
+    bias = (torch.randn(n_exp, generator=g) * 0.5).to(DEV) if has_bias else None
+    want_w, want_ids = route_grouped(logits, top_k, r, bias)
+    got_w, got_ids = route_grouped(logits, top_k, r, bias, ops)
+    assert got_ids.dtype == torch.int32 and torch.equal(got_ids.long().cpu(), want_ids.cpu())
+    torch.testing.assert_close(got_w.cpu(), want_w.cpu(), rtol=1e-6, atol=0)
+    if n_group > 1:
+        ungrouped = route_grouped(logits, top_k, replace(r, n_group=1, topk_group=1, group_score="max"), bias)[1]
+        assert not torch.equal(ungrouped.cpu(), want_ids.cpu()), "the groups changed nothing"
+
+
 @pytest.mark.parametrize("n_exp,top_k,n_tok", [(8, 2, 1), (8, 2, 33), (16, 3, 9), (60, 8, 5), (128, 8, 1),
                                                (128, 8, 64)])
 def test_route_picks_torchs_top_k(T, n_exp, top_k, n_tok):

@@ -104,11 +104,18 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights, ids
 
 
-def route_grouped(logits: torch.Tensor, top_k: int, r: GroupedRouting,
-                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def route_grouped(logits: torch.Tensor, top_k: int, r: GroupedRouting, bias: torch.Tensor | None,
+                  ops: ModuleType | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, expert ids [T, k] ascending): DeepSeek's choice from fp32 `logits` [T, E], step for step
-    as transformers computes it (see GroupedRouting); `bias`: V3's e_score_correction_bias [E]."""
+    as transformers computes it (see GroupedRouting); `bias`: V3's e_score_correction_bias [E]. With the Triton
+    `ops`, everything after the scores in one launch (kernels/triton/moe.py's route_grouped) instead of ~15 small
+    ones, its ids int32 (as the fused experts take them)."""
     scores = logits.sigmoid() if r.scoring == "sigmoid" else logits.softmax(dim=-1, dtype=torch.float32)
+    if ops is not None:
+        w, ids = ops.moe_route_grouped(scores.contiguous(), top_k, bias, r.n_group, r.topk_group,
+                                       r.group_score == "top2_sum", float("-inf") if r.scoring == "sigmoid" else 0.0,
+                                       r.renormalize, r.routed_scaling_factor)
+        return w, ids
     choice = scores + bias if bias is not None else scores
     if r.n_group > 1 or r.group_score == "top2_sum":  # V3 scores its groups even when there is one
         n_tok, n_exp = choice.shape
@@ -524,7 +531,7 @@ class MoE(nn.Module):
         ops = triton_experts(x, self.kernels, e.quantized)
         if self.routing is not None:
             logits = F.linear(x.float(), self.gate.weight.float())  # fp32, as transformers' DeepSeek routers
-            weights, ids = route_grouped(logits, self.top_k, self.routing, self.gate.e_score_correction_bias)
+            weights, ids = route_grouped(logits, self.top_k, self.routing, self.gate.e_score_correction_bias, ops)
             if ops is not None:  # DeepSeek's own choice through the fused kernels
                 y = ops.moe_fused(x, e.gate_up_proj, e.down_proj, weights, ids.to(torch.int32), e.gate_up_scale,
                                   e.down_scale, pdl=self.kernels.pdl and e.gate_up_scale is None, block=e.fp8_block)

@@ -4,7 +4,8 @@ One layer's experts in four or five launches (w8a8: two more, the quantizations)
 back to the host (CUDA graphs capture them):
 
   route     one program per token: softmax over the experts in fp32, the k largest (lowest id first on a tie),
-            renormalized where the model says so (`route` in layers/moe.py is the reference)
+            renormalized where the model says so (`route` in layers/moe.py is the reference); DeepSeek's grouped
+            choice from its scores likewise (`route_grouped`)
   align     the T k (token, choice) slots sorted by expert (stable: slots ascending within one), each expert's
             run padded to a whole number of BLOCK_M rows with an out-of-range slot id, and the expert of each
             block; blocks past the padded total are skipped by the GEMMs. One program per chunk of slots, after
@@ -104,6 +105,84 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
         _route_kernel[(n_tok,)](logits, weights, ids, logits.stride(0), n_exp, K=top_k,
                                 K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(n_exp),
                                 RENORMALIZE=renormalize, **pdl_kwargs(logits, pdl))
+    return weights, ids
+
+
+@triton.jit
+def _grouped_route_kernel(scores_ptr, bias_ptr, w_ptr, ids_ptr, stride_s, E, group_size, masked, scale,
+                          K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, GROUPS: tl.constexpr,
+                          G_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP2_SUM: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program t: token t's DeepSeek choice from its scores [E] (layers/moe.py's `route_grouped` after the scores):
+    the choice values (scores + the correction bias), each group's score (the sum of its two best, or its best),
+    the TOPK_GROUP best groups kept (the rest set to `masked`), the K best kept experts (lowest id first on a tie),
+    their scores renormalized and scaled, stored with the ids ascending."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_P2)
+    valid = e < E
+    scores = tl.load(scores_ptr + row * stride_s + e, mask=valid, other=0.0)
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0)
+    if GROUPS:
+        g = tl.arange(0, G_P2)
+        member = (e[None, :] // group_size == g[:, None]) & valid[None, :]  # [G_P2, E_P2]: expert e in group g
+        vals = tl.where(member, choice[None, :], float("-inf"))
+        best = tl.max(vals, axis=1)
+        if TOP2_SUM:  # the best two, the first best's lane set aside (a tie counts twice, as topk(2) does)
+            first = tl.min(tl.where(vals == best[:, None], e[None, :], E_P2), axis=1)
+            second = tl.max(tl.where(e[None, :] == first[:, None], float("-inf"), vals), axis=1)
+            group_score = best + second
+        else:
+            group_score = best
+        group_score = tl.where(g < E // group_size, group_score, float("-inf"))
+        kept = g < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            top = tl.max(group_score, axis=0)
+            pick = tl.min(tl.where(group_score == top, g, G_P2), axis=0)
+            kept = kept | (g == pick)
+            group_score = tl.where(g == pick, float("-inf"), group_score)
+        keep = tl.max(tl.where(member & kept[:, None], 1, 0), axis=0) > 0
+        choice = tl.where(keep, choice, masked)
+    choice = tl.where(valid, choice, float("-inf"))  # padding lanes never win
+    j = tl.arange(0, K_P2)
+    weights = tl.zeros((K_P2,), dtype=tl.float32)
+    ids = tl.full((K_P2,), E_P2, dtype=tl.int32)
+    taken = e < 0
+    for i in tl.static_range(K):  # the k best one by one (their scores, not the biased values, are the weights)
+        top = tl.max(tl.where(taken, float("-inf"), choice), axis=0)
+        pick = tl.min(tl.where((choice == top) & ~taken, e, E_P2), axis=0)
+        weights = tl.where(j == i, tl.sum(tl.where(e == pick, scores, 0.0), axis=0), weights)
+        ids = tl.where(j == i, pick, ids)
+        taken = taken | (e == pick)
+    if RENORMALIZE:
+        weights = tl.div_rn(weights, tl.sum(weights, axis=0) + 1e-20)
+    weights = weights * scale
+    rank = tl.sum(tl.where(ids[None, :] < ids[:, None], 1, 0), axis=1)  # each pick's place among the ids ascending
+    tl.store(w_ptr + row * K + rank, weights, mask=j < K)
+    tl.store(ids_ptr + row * K + rank, ids, mask=j < K)
+
+
+def route_grouped(scores: torch.Tensor, top_k: int, bias: torch.Tensor | None, n_group: int, topk_group: int,
+                  top2_sum: bool, masked: float, renormalize: bool, scale: float,
+                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int32 ascending) of DeepSeek's router from its scores [T, E] fp32
+    (the sigmoid or softmax of the logits): layers/moe.py's `route_grouped` after its first op, in one launch.
+    Groups are scored where n_group > 1 or top2_sum (V3 scores its one group); `masked` is what a dropped group's
+    experts count as (-inf: V3, 0: V2)."""
+    n_tok, n_exp = scores.shape
+    assert scores.dtype == torch.float32 and scores.stride(1) == 1 and n_exp % n_group == 0
+    weights = torch.empty(n_tok, top_k, dtype=torch.float32, device=scores.device)
+    ids = torch.empty(n_tok, top_k, dtype=torch.int32, device=scores.device)
+    if n_tok:
+        _grouped_route_kernel[(n_tok,)](
+            scores, bias if bias is not None else scores, weights, ids, scores.stride(0), n_exp, n_exp // n_group,
+            masked, scale, K=top_k, K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(n_exp),
+            GROUPS=n_group > 1 or top2_sum, G_P2=triton.next_power_of_2(n_group), TOPK_GROUP=topk_group,
+            TOP2_SUM=top2_sum, HAS_BIAS=bias is not None, RENORMALIZE=renormalize, **pdl_kwargs(scores, pdl))
     return weights, ids
 
 

@@ -20,6 +20,7 @@ from minisgl_cli.kernels.triton.gemv import gemv, gemv_rope_kv  # noqa: F401  (r
 from minisgl_cli.kernels.triton.moe import FUSED_MAX_TOKENS as MOE_FUSED_MAX_TOKENS  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.moe import SwiGLUExperts  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.moe import fused_experts as moe_fused  # noqa: F401  (as gemv)
+from minisgl_cli.kernels.triton.moe import route_grouped as moe_route_grouped  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.moe import routed_experts as moe_routed  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.pdl import pdl_kwargs
 
