@@ -139,3 +139,30 @@ def test_fp8_pool_reaches_the_kernel_through_the_backend():
         outs.append(backend._absorbed(q_nope, q_pe, 0, batch.attn_meta, Weights()))
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[0].float(), outs[1].float(), **tol)
+
+
+@NEEDS_TRITON
+@pytest.mark.parametrize("dtype", [
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(DEV == "cpu", reason="the interpreter casts to bf16 by "
+                                                          "truncation (CUDA rounds to nearest, as torch)")),
+    torch.float16], ids=["bf16", "fp16"])
+def test_the_rope_of_q_pe_and_k_pe_in_one_launch_is_the_torch_rotation_bit_for_bit(dtype):
+    """kernels/triton/ops.py's rope_pair_ (MLA's q_pe and k_pe, views into wider rows, rotated in place) against
+    layers/rotary.py's rotate, to the bit: each product and the sum rounded where torch rounds them."""
+    patch_interpreter()
+    from minisgl_cli.kernels.triton import ops
+    from minisgl_cli.layers.rotary import RotaryEmbedding
+
+    n_tok, heads, nope, rope = 5, 3, 16, 8
+    gen = torch.Generator().manual_seed(3)
+    rot = RotaryEmbedding(rope, 64, 10000.0)
+    at = rot.at(torch.tensor([0, 3, 17, 40, 63]).to(DEV), dtype)
+    q = (torch.randn(n_tok, heads, nope + rope, generator=gen) * 4).to(DEV, dtype)
+    kv = (torch.randn(n_tok, 12 + rope, generator=gen) * 4).to(DEV, dtype)
+    q_pe, k_pe = q[..., nope:], kv[:, 12:]
+    want_q, want_k = rot.rotate(q_pe, at), rot.rotate(k_pe[:, None], at)[:, 0]
+    before_nope, before_c = q[..., :nope].clone(), kv[:, :12].clone()
+    ops.rope_pair_(q_pe, k_pe, *at, pdl=False)
+    assert torch.equal(q_pe, want_q) and torch.equal(k_pe, want_k)
+    assert torch.equal(q[..., :nope], before_nope) and torch.equal(kv[:, :12], before_c)  # the rest of each row
+    assert not torch.equal(want_q, q_pe.new_zeros(q_pe.shape))

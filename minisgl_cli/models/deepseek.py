@@ -51,7 +51,7 @@ class MlaAttention(nn.Module):
         super().__init__()
         m = cfg.mla
         assert m is not None
-        self.layer_id, self.rope, self.m = layer_id, rope, m
+        self.layer_id, self.rope, self.m, self.kernels = layer_id, rope, m, kernels
         heads = cfg.heads_of(tp.rank, tp.size)
         self.num_heads = n = heads.n_q
         start = heads.q_start
@@ -108,7 +108,11 @@ class MlaAttention(nn.Module):
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x, decode).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         at = rope_at if rope_at is not None else self.rope.at(rope, q.dtype)
-        q_pe, k_pe = self.rope.rotate(q_pe, at), self.rope.rotate(k_pe[:, None], at)[:, 0]
+        ops = self.kernels.triton(q) if q.dtype in (torch.bfloat16, torch.float16) else None
+        if ops is not None:  # both in place, one launch (the torch ops below are eight)
+            ops.rope_pair_(q_pe, k_pe, *at, pdl=self.kernels.pdl)
+        else:
+            q_pe, k_pe = self.rope.rotate(q_pe, at), self.rope.rotate(k_pe[:, None], at)[:, 0]
         latent = torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
         o = attn.forward_mla(q_nope, q_pe, latent, self.layer_id, batch, self)
         return self.o_proj.to_norm(o.reshape(-1, n * m.v_head_dim), decode)

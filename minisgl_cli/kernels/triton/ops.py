@@ -273,6 +273,44 @@ def pick_rope_config(tokens: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _rope_pair_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_ct, stride_st,
+                      NUM_Q: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (t, h): token t's q head h (h < NUM_Q) or its k (h == NUM_Q), rotated in place with the roundings of
+    layers/rotary.py's rotate: x cos + roll(x, D/2) sin_signed, each product and the sum rounded to x's dtype."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if h < NUM_Q:
+        row = q_ptr + t * stride_qt + h * stride_qh
+    else:
+        row = k_ptr + t * stride_kt
+    d = tl.arange(0, D)
+    x = tl.load(row + d)
+    xr = tl.load(row + (d + D // 2) % D)
+    c = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
+    a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
+    b = (xr.to(tl.float32) * s).to(x.dtype).to(tl.float32)
+    tl.store(row + d, (a + b).to(x.dtype))
+
+
+def rope_pair_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+               pdl: bool = True) -> None:
+    """q [T, H, D] and k [T, D] (16-bit; rows may be views into wider ones) rotated in place in one launch, as
+    layers/rotary.py's rotate(x, (cos, sin_signed)) computes them; cos / sin_signed [T, 1, D] (`RotaryEmbedding.at`)."""
+    n_tok, heads, dim = q.shape
+    assert k.shape == (n_tok, dim) and dim & (dim - 1) == 0 and q.stride(2) == k.stride(1) == 1
+    assert q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16)
+    if n_tok:
+        _rope_pair_kernel[(n_tok, heads + 1)](
+            q, k, cos, sin_signed, q.stride(0), q.stride(1), k.stride(0), cos.stride(0), sin_signed.stride(0),
+            NUM_Q=heads, D=dim, num_warps=1, **pdl_kwargs(q, pdl),
+        )
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_launch_dependents()
