@@ -226,10 +226,10 @@ def _switch_off(monkeypatch, feature: str) -> None:
         return
     grouped = moe.route_grouped
 
-    def wrong(logits, top_k, r, bias):
+    def wrong(logits, top_k, r, bias, ops=None):
         if feature == "correction_bias":
-            return grouped(logits, top_k, r, None)
-        return grouped(logits, top_k, dataclasses.replace(r, n_group=1, topk_group=1, group_score="max"), bias)
+            return grouped(logits, top_k, r, None, ops)
+        return grouped(logits, top_k, dataclasses.replace(r, n_group=1, topk_group=1, group_score="max"), bias, ops)
 
     monkeypatch.setattr(moe, "route_grouped", wrong)
 
