@@ -86,10 +86,15 @@ def test_triton_mla_decode_matches_torch_and_the_definition(heads, rank, rope, f
     torch.testing.assert_close(ours.float().cpu(), _naive(pool, batch, q, rank, scale), **tol)
     torch.testing.assert_close(ours.float().cpu(), torch_out.float().cpu(), **tol)
     # the keys split over programs and merged (several empty splits for the short rows): the same answers
-    for splits in (1, 3, 16):
+    one = mla_decode(q, pool.k[0], pool.page_table, batch.req_rows, batch.seq_lens, rank, scale, pool.layer_quant(0),
+                     splits=1)
+    for splits in (3, 16):
         split = mla_decode(q, pool.k[0], pool.page_table, batch.req_rows, batch.seq_lens, rank, scale,
                            pool.layer_quant(0), splits=splits)
         torch.testing.assert_close(split.float().cpu(), _naive(pool, batch, q, rank, scale), **tol)
+        # a row whose keys all fall in its first split: the merge reads that split alone, weight 1, the same bits
+        lone = [i for i, n in enumerate(LENS) if n <= 32]  # BLOCK_N 32 (16 at rank 512): 1 and 7 keys
+        assert lone and torch.equal(split[lone], one[lone])
 
 
 @pytest.mark.gpu

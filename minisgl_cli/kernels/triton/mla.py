@@ -47,7 +47,7 @@ def _mla_decode_kernel(
     q_pe = tl.load(q_rows + R + p[None, :], mask=hmask[:, None] & (p[None, :] < P), other=0.0)
     row = tl.load(ROWS + b)
     n = tl.load(LENS + b)
-    per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N  # this split's keys: whole tiles, the last split short
+    per = _split_keys(n, SPLITS, BLOCK_N)
     lo = split * per
     hi = tl.minimum(n, lo + per)
     if KV_FP8:  # the layer's one scale joins the logits' scalar (see the module docstring)
@@ -85,21 +85,31 @@ def _mla_decode_kernel(
 
 
 @triton.jit
-def _mla_merge_kernel(PART, LSE, OUT, K_SCALE, K_MEAN, stride_pb, stride_ps, stride_ph, stride_ob, stride_oh,
+def _split_keys(n, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys of each split of a request of n: whole tiles, the last live split short, the ones past it empty."""
+    return tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _mla_merge_kernel(PART, LSE, OUT, LENS, K_SCALE, K_MEAN, stride_pb, stride_ps, stride_ph, stride_ob, stride_oh,
                       H: tl.constexpr, R: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_R: tl.constexpr, KV_FP8: tl.constexpr):
-    """OUT[b, heads] = the splits' outputs weighted by their share of the softmax's mass (2^(lse - max))."""
+                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr):
+    """OUT[b, heads] = the splits' outputs weighted by their share of the softmax's mass (2^(lse - max)). Only the
+    splits that saw a key are read: an empty one weighs exactly 0 (its lse is -1e30, its part 0), so leaving it out
+    changes no bit, and a short context's few live splits cost a few loads, not SPLITS."""
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     r = tl.arange(0, BLOCK_R)
     hmask = heads < H
     mask = hmask[:, None] & (r[None, :] < R)
+    n = tl.load(LENS + b)
+    live = tl.maximum(tl.cdiv(n, tl.maximum(_split_keys(n, SPLITS, BLOCK_N), 1)), 1)  # (an empty row: split 0's 0)
     top = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    for i in range(SPLITS):
+    for i in range(live):
         top = tl.maximum(top, tl.load(LSE + (b * SPLITS + i) * H + heads, mask=hmask, other=-1.0e30))
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    for i in range(SPLITS):
+    for i in range(live):
         w = tl.exp2(tl.load(LSE + (b * SPLITS + i) * H + heads, mask=hmask, other=-1.0e30) - top)
         part = tl.load(PART + b * stride_pb + i * stride_ps + heads[:, None] * stride_ph + r[None, :], mask=mask,
                        other=0.0)
@@ -151,6 +161,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     )
     if splits > 1:
         _mla_merge_kernel[(bsz, triton.cdiv(heads, block_h))](
-            part, lse, out, *fp8, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
-            H=heads, R=rank, SPLITS=splits, BLOCK_H=block_h, BLOCK_R=block_r, KV_FP8=quant is not None, num_warps=4)
+            part, lse, out, seq_lens, *fp8, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
+            out.stride(1), H=heads, R=rank, SPLITS=splits, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_N=block_n,
+            KV_FP8=quant is not None, num_warps=4)
     return out
