@@ -255,6 +255,7 @@ def _split_chunk(span, num_splits, short, BLOCK_N: tl.constexpr):
     (splitting a short context costs a merge more than its tiles take), else span / num_splits."""
     return tl.cdiv(tl.where(span <= short, span, tl.cdiv(span, num_splits)), BLOCK_N) * BLOCK_N
 
+
 @triton.jit
 def _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, h, seq_len, num_splits, window, short,
                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
