@@ -23,6 +23,7 @@ from minisgl_cli.kernels.triton.moe import fused_experts as moe_fused  # noqa: F
 from minisgl_cli.kernels.triton.moe import route_grouped as moe_route_grouped  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.moe import routed_experts as moe_routed  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.pdl import pdl_kwargs
+from minisgl_cli.kernels.triton.sampling import argmax_rows  # noqa: F401  (as gemv)
 
 
 @triton.jit
