@@ -19,6 +19,9 @@ launch's first pass (max and masses at once, each block relative to its own max;
 first: one more launch) draws round 0; each of SPLIT_ROUNDS test launches accepts the pick or draws the next
 round's; a row still rejected after them finishes in one program (rare: a round rejects at most the mass outside
 the kept set). Both paths draw the same tokens, up to fp32 summation order.
+
+A plain greedy row inside a decode graph takes `argmax_rows`: the split path's first pass alone, each block's max and
+its first index, the row's last program picking.
 """
 
 from __future__ import annotations
