@@ -108,8 +108,10 @@ class MlaAttention(nn.Module):
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x, decode).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         at = rope_at if rope_at is not None else self.rope.at(rope, q.dtype)
-        ops = self.kernels.triton(q) if q.dtype in (torch.bfloat16, torch.float16) else None
-        if ops is not None:  # both in place, one launch (the torch ops below are eight)
+        # A decode step's rows: both in place, one launch (the torch ops below are eight). Not a prefill's: a program
+        # a head, its cos / sin loads apiece, is the layout ops.pick_rope_config found slow for thousands of tokens.
+        ops = self.kernels.triton(q) if decode and q.dtype in (torch.bfloat16, torch.float16) else None
+        if ops is not None:
             ops.rope_pair_(q_pe, k_pe, *at, pdl=self.kernels.pdl)
         else:
             q_pe, k_pe = self.rope.rotate(q_pe, at), self.rope.rotate(k_pe[:, None], at)[:, 0]
