@@ -26,6 +26,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from minisgl_cli.kernels.fp8 import KVCache
 from minisgl_cli.kernels.triton.fp8 import fp8_codes
 from minisgl_cli.kernels.triton.pdl import pdl_kwargs
+from minisgl_cli.kernels.triton.rope import rotate_halves
 
 
 @triton.jit
@@ -323,9 +324,7 @@ def _gemv_qkv_rope_kernel(x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr,
     pos = tl.load(pos_ptr + rm, mask=mask_m, other=0)[None, :]
     c = tl.load(cos_ptr + pos * stride_cos + j, mask=ok, other=0.0).to(dt).to(tl.float32)  # cos/sin repeat per half
     s = tl.load(sin_ptr + pos * stride_cos + j, mask=ok, other=0.0).to(dt).to(tl.float32)
-    # x*cos + rotate_half(x)*sin with the reference's roundings: each product, then the sum (ops._qk_norm_rope_kernel)
-    o1 = ((a1 * c).to(dt).to(tl.float32) + (-a2 * s).to(dt).to(tl.float32)).to(dt)
-    o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+    o1, o2 = rotate_halves(a1, a2, c, s, dt)
     rot = h < NUM_Q + NUM_KV  # q and k heads turn; v heads pass as they are
     o1 = tl.where(rot, o1, a1.to(dt))
     o2 = tl.where(rot, o2, a2.to(dt))

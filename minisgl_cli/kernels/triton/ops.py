@@ -23,6 +23,7 @@ from minisgl_cli.kernels.triton.moe import fused_experts as moe_fused  # noqa: F
 from minisgl_cli.kernels.triton.moe import route_grouped as moe_route_grouped  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.moe import routed_experts as moe_routed  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.pdl import pdl_kwargs
+from minisgl_cli.kernels.triton.rope import rotate_halves
 from minisgl_cli.kernels.triton.sampling import argmax_rows  # noqa: F401  (as gemv)
 
 
@@ -223,10 +224,7 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_c
     pos = tl.load(pos_ptr + t)
     c = tl.load(cos_ptr + pos * stride_cos + offs).to(dt).to(tl.float32)  # cos/sin repeat over the halves
     s = tl.load(sin_ptr + pos * stride_cos + offs).to(dt).to(tl.float32)
-    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-    # x*cos + rotate_half(x)*sin with the reference's roundings: each product, then the sum
-    o1 = ((a1 * c).to(dt).to(tl.float32) + (-a2 * s).to(dt).to(tl.float32)).to(dt)
-    o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+    o1, o2 = rotate_halves(x1.to(tl.float32), x2.to(tl.float32), c, s, dt)
     tl.store(base + offs, o1, mask=rot)
     tl.store(base + half + offs, o2, mask=rot)
     if STORE_KV:  # the rotated k as the q/k rows hold it
@@ -276,8 +274,8 @@ def pick_rope_config(tokens: int) -> tuple[int, int]:
 @triton.jit
 def _rope_pair_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_ct, stride_st,
                       NUM_Q: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (t, h): token t's q head h (h < NUM_Q) or its k (h == NUM_Q), rotated in place with the roundings of
-    layers/rotary.py's rotate: x cos + roll(x, D/2) sin_signed, each product and the sum rounded to x's dtype."""
+    """Program (t, h): token t's q head h (h < NUM_Q) or its k (h == NUM_Q), rotated in place (`rotate_halves`; the
+    cos repeats over the halves and sin_signed's second half is the plain sin, as RotaryEmbedding.at builds them)."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -287,14 +285,15 @@ def _rope_pair_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stri
         row = q_ptr + t * stride_qt + h * stride_qh
     else:
         row = k_ptr + t * stride_kt
-    d = tl.arange(0, D)
-    x = tl.load(row + d)
-    xr = tl.load(row + (d + D // 2) % D)
+    half: tl.constexpr = D // 2
+    d = tl.arange(0, half)
+    x1 = tl.load(row + d)
+    x2 = tl.load(row + half + d)
     c = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
-    a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
-    b = (xr.to(tl.float32) * s).to(x.dtype).to(tl.float32)
-    tl.store(row + d, (a + b).to(x.dtype))
+    s = tl.load(sin_ptr + t * stride_st + half + d).to(tl.float32)
+    o1, o2 = rotate_halves(x1.to(tl.float32), x2.to(tl.float32), c, s, x1.dtype)
+    tl.store(row + d, o1)
+    tl.store(row + half + d, o2)
 
 
 def rope_pair_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
