@@ -60,23 +60,31 @@ from minisgl_cli.kernels.triton.pdl import pdl_kwargs
 
 
 @triton.jit
+def _pick_k(x, e, K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr):
+    """The K largest of x [E_P2] (lanes e), one by one in registers, the lowest lane first on a tie, none twice:
+    (their values, their lanes), each [K_P2]; lanes from K hold 0 and E_P2."""
+    j = tl.arange(0, K_P2)
+    tops = tl.zeros((K_P2,), dtype=tl.float32)
+    ids = tl.full((K_P2,), E_P2, dtype=tl.int32)
+    taken = e < 0
+    for i in tl.static_range(K):
+        top = tl.max(tl.where(taken, float("-inf"), x), axis=0)
+        pick = tl.min(tl.where((x == top) & ~taken, e, E_P2), axis=0)
+        tops = tl.where(j == i, top, tops)
+        ids = tl.where(j == i, pick, ids)
+        taken = taken | (e == pick)
+    return tops, ids
+
+
+@triton.jit
 def _top_k(logits_ptr, row, stride_l, E, K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
            RENORMALIZE: tl.constexpr):
-    """(weights [K_P2] fp32, ids [K_P2] int32) of token `row`'s gate logits; lanes from K hold zeros."""
+    """(weights [K_P2] fp32, ids [K_P2] int32) of token `row`'s gate logits; lanes from K hold 0 and E_P2."""
     e = tl.arange(0, E_P2)
     x = tl.load(logits_ptr + row * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
-    p = tl.where(e < E, p, -1.0)  # padding lanes never win
-    j = tl.arange(0, K_P2)
-    weights = tl.zeros((K_P2,), dtype=tl.float32)
-    ids = tl.zeros((K_P2,), dtype=tl.int32)
-    for i in tl.static_range(K):  # the k largest one by one, in registers
-        best = tl.max(p, axis=0)
-        pick = tl.min(tl.where(p == best, e, E_P2), axis=0)
-        weights = tl.where(j == i, best, weights)
-        ids = tl.where(j == i, pick, ids)
-        p = tl.where(e == pick, -1.0, p)
+    weights, ids = _pick_k(tl.where(e < E, p, float("-inf")), e, K, K_P2, E_P2)  # padding lanes never win
     if RENORMALIZE:
         weights = weights / tl.sum(weights, axis=0)
     return weights, ids
@@ -147,17 +155,10 @@ def _grouped_route_kernel(scores_ptr, bias_ptr, w_ptr, ids_ptr, stride_s, E, gro
             group_score = tl.where(g == pick, float("-inf"), group_score)
         keep = tl.max(tl.where(member & kept[:, None], 1, 0), axis=0) > 0
         choice = tl.where(keep, choice, masked)
-    choice = tl.where(valid, choice, float("-inf"))  # padding lanes never win
+    _, ids = _pick_k(tl.where(valid, choice, float("-inf")), e, K, K_P2, E_P2)  # padding lanes never win
+    # the weights are the picks' scores, not their biased values (lanes from K: id E_P2, weight 0)
+    weights = tl.sum(tl.where(e[None, :] == ids[:, None], scores[None, :], 0.0), axis=1)
     j = tl.arange(0, K_P2)
-    weights = tl.zeros((K_P2,), dtype=tl.float32)
-    ids = tl.full((K_P2,), E_P2, dtype=tl.int32)
-    taken = e < 0
-    for i in tl.static_range(K):  # the k best one by one (their scores, not the biased values, are the weights)
-        top = tl.max(tl.where(taken, float("-inf"), choice), axis=0)
-        pick = tl.min(tl.where((choice == top) & ~taken, e, E_P2), axis=0)
-        weights = tl.where(j == i, tl.sum(tl.where(e == pick, scores, 0.0), axis=0), weights)
-        ids = tl.where(j == i, pick, ids)
-        taken = taken | (e == pick)
     if RENORMALIZE:
         weights = tl.div_rn(weights, tl.sum(weights, axis=0) + 1e-20)
     weights = weights * scale
