@@ -181,6 +181,13 @@ def _block_draw(base, V, inv_t, m, floor, low, mass, target, SPLIT: tl.constexpr
 
 
 @triton.jit
+def _first_of(x, top, idx, V):
+    """The first of x's lanes `idx` that holds `top` (V where none does): a block's argmax from its max, or the row's
+    from its blocks' maxima and their first indices (blocks in index order)."""
+    return tl.min(tl.where(x == top, idx, V), axis=0)
+
+
+@triton.jit
 def _split_max_kernel(logits_ptr, stride, V, part_f, part_i, SPLIT: tl.constexpr):
     """Each block's largest logit (unscaled) and its first index: the min-p rows' floor needs the row's max before
     the masses."""
@@ -192,7 +199,7 @@ def _split_max_kernel(logits_ptr, stride, V, part_f, part_i, SPLIT: tl.constexpr
     top = tl.max(x, axis=0)
     pf = part_f + (row * nb + blk) * 3
     tl.store(pf, top)
-    tl.store(part_i + row * nb + blk, tl.min(tl.where(x == top, idx, V), axis=0))
+    tl.store(part_i + row * nb + blk, _first_of(x, top, idx, V))
 
 
 @triton.jit
@@ -217,7 +224,7 @@ def _split_first_kernel(logits_ptr, stride, V, temp_ptr, top_p_ptr, min_p_ptr, f
     else:
         top = tl.max(x, axis=0)
         tl.store(pf + blk * 3, top)
-        tl.store(pi + blk, tl.min(tl.where(x == top, idx, V), axis=0))
+        tl.store(pi + blk, _first_of(x, top, idx, V))
     if HAS_MAX:
         floor = top * inv_t + log_min_p  # min-p: s >= floor (log 0 = -inf: no cut)
     else:
@@ -231,7 +238,7 @@ def _split_first_kernel(logits_ptr, stride, V, temp_ptr, top_p_ptr, min_p_ptr, f
     if _last_arrival(cnt_ptr, row, nb):
         bmax = tl.load(pf + bs * 3, mask=bs < nb, other=float("-inf"), cache_modifier=".cg")
         top = tl.max(bmax, axis=0)
-        arg = tl.min(tl.where(bmax == top, tl.load(pi + bs, mask=bs < nb, other=V, cache_modifier=".cg"), V), axis=0)
+        arg = _first_of(bmax, top, tl.load(pi + bs, mask=bs < nb, other=V, cache_modifier=".cg"), V)
         pick = arg
         done = arg * 0 + 1
         if tl.load(greedy_ptr + row) == 0:
@@ -321,12 +328,12 @@ def _argmax_kernel(logits_ptr, stride, V, part_f, part_i, out_ptr, cnt_ptr, SPLI
     x = tl.where(x != x, float("inf"), x)
     top = tl.max(x, axis=0)
     tl.store(part_f + row * nb + blk, top)
-    tl.store(part_i + row * nb + blk, tl.min(tl.where(x == top, idx, V), axis=0))
+    tl.store(part_i + row * nb + blk, _first_of(x, top, idx, V))
     if _last_arrival(cnt_ptr, row, nb):
         bs = tl.arange(0, NBP)
         bmax = tl.load(part_f + row * nb + bs, mask=bs < nb, other=float("-inf"), cache_modifier=".cg")
         first = tl.load(part_i + row * nb + bs, mask=bs < nb, other=V, cache_modifier=".cg")
-        tl.store(out_ptr + row, tl.min(tl.where(bmax == tl.max(bmax, axis=0), first, V), axis=0).to(tl.int64))
+        tl.store(out_ptr + row, _first_of(bmax, tl.max(bmax, axis=0), first, V).to(tl.int64))
 
 
 def argmax_rows(logits: torch.Tensor, out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
