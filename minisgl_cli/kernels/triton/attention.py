@@ -311,8 +311,8 @@ SHORT_CONTEXT = 384
 tile each cost a merge (the count, the partials written and read back, each head of the group in turn) of several
 times a tile: one program walking the whole context is faster up to ~3 tiles, slower from ~5 (~8 for a group of 8)
 (`examples/bench_attention.py --sweep-short`, an H200, µs a call at 130 / 384 / 640 / 1024 positions, split as before
-vs one split: Llama-8B's heads 8.1 / 9.2 / 10.2 / 11.7 vs 5.1 / 7.4 / 12.9 / 20.5; Qwen3-30B-A3B's group of 8
-11.2 / 10.9 / 12.0 / 13.4 vs 5.2 / 7.3 / 10.9 / 16.6)."""
+vs one split: Llama-8B's heads 7.8 / 9.2 / 10.1 / 11.6 vs 5.1 / 7.4 / 12.7 / 20.4; Qwen3-30B-A3B's group of 8
+11.8 / 11.5 / 12.4 / 13.5 vs 5.3 / 7.4 / 11.0 / 18.4; docs/benchmarks.md, issue 50)."""
 
 _MERGE_COLS = 256  # the merge's columns at a time: [32 splits, 256] fp32 partials, 64 registers a thread at 4 warps
 
