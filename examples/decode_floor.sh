@@ -14,6 +14,8 @@
 #   moe.log        (m) examples/moe_bench.py --sizes 1 --sweep --sweep-dtypes one_slot --no-engine: Qwen3-30B-A3B's
 #                      few-token expert tiles
 #   summary.txt    the parts' status and each result line
+# HOST_ARGS / FAMILY_ARGS add to those scripts' arguments (e.g. HOST_ARGS=--sampled, FAMILY_ARGS="--also-temperature
+# 0.7": the sampled rows beside the greedy ones).
 # MINISGL_DISABLE_PDL=1 in the environment: every kernel waits for the one before, so the kernel tables' µs are each
 # kernel's own (with PDL a kernel's time also counts its wait for its predecessor).
 #
@@ -41,16 +43,16 @@ if want h; then
     model=${spec%%:*}; quant=auto; [[ $spec == *:* ]] && quant=${spec#*:}
     part "host $spec" 120 40 "$OUT/host_${model}_${quant}.log" \
       $PY examples/decode_host.py --model "$model" --quantization "$quant" --print-ops --profile-steps 50 \
-      ${OLD:+--old "$OLD"}
+      ${OLD:+--old "$OLD"} $HOST_ARGS
   done
 fi
 if want f; then
   if [ -n "$OLD" ]; then  # the old tree's package first on the path (the children inherit it)
     PYTHONPATH=$OLD:$PYTHONPATH part "families (old)" 330 90 "$OUT/families_old.log" \
-      $PY examples/families_gpu.py --models "$FAMILY_MODELS" --long "" --profile "$FAMILY_PROFILE" --out "$OUT/old"
+      $PY examples/families_gpu.py --models "$FAMILY_MODELS" --long "" --profile "$FAMILY_PROFILE" --out "$OUT/old" $FAMILY_ARGS
   fi
   part families 330 90 "$OUT/families.log" \
-    $PY examples/families_gpu.py --models "$FAMILY_MODELS" --long "" --profile "$FAMILY_PROFILE" --out "$OUT"
+    $PY examples/families_gpu.py --models "$FAMILY_MODELS" --long "" --profile "$FAMILY_PROFILE" --out "$OUT" $FAMILY_ARGS
 fi
 want x && part mxfp4 150 40 "$OUT/mxfp4.log" $PY examples/mxfp4_bench.py --sizes 1,4 --sweep --out "$OUT"
 want m && part moe 150 40 "$OUT/moe.log" \
