@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -149,19 +150,24 @@ def compiled_dir() -> Path:
     return _path("MINISGL_COMPILED_DIR") or cache_dir() / "compiled"
 
 
+_TEMP_DIR_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def temp_dir(path: Path) -> Iterator[None]:
     """TMPDIR set to `path` for the block, for C++ code that reads it there (AOTInductor's package loader unpacks
-    into it); then as it was."""
-    old = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(path)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = old
+    into it); then as it was. One block at a time in a process: two that overlapped in two threads restored each
+    other's value, leaving TMPDIR naming a removed dir for every later temp file and child (playwright, mlx)."""
+    with _TEMP_DIR_LOCK:
+        old = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = str(path)
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = old
 
 
 def hub_offline() -> bool:

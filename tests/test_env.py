@@ -40,3 +40,28 @@ def test_the_openmp_wait_policy_is_the_users():
             {"OMP_WAIT_POLICY": given} if given else {})
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want
+
+
+def test_temp_dir_blocks_in_two_threads_leave_tmpdir_as_it_was(monkeypatch, tmp_path):
+    """Two compiled steps loading at once (an engine starting while another's watcher loads) each set TMPDIR for
+    their unpack: the later block to end must not put back the earlier one's removed dir."""
+    import threading
+    import time
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    first_in = threading.Event()
+
+    def block(name: str, hold: float, signal: bool) -> None:
+        with env.temp_dir(tmp_path / name):
+            if signal:
+                first_in.set()
+            time.sleep(hold)
+
+    a = threading.Thread(target=block, args=("a", 0.2, True))
+    a.start()
+    first_in.wait(5)
+    b = threading.Thread(target=block, args=("b", 0.4, False))  # would end last, restoring a's dir, were they let in
+    b.start()
+    a.join()
+    b.join()
+    assert os.environ["TMPDIR"] == str(tmp_path)
