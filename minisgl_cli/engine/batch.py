@@ -64,6 +64,12 @@ class ForwardBatch:
     # A decode step of one token a request: positions, out_cache_loc and req_rows as rows 0-2 of one [3, B] view of
     # the upload, so a graph replay takes them in one copy.
     decode_rows: torch.Tensor | None = None
+    # MTP drafts (scheduler/mtp.py). `keep_hidden`: the model keeps every row's last hidden state in `hidden` [T, H]
+    # (the target's after its final norm; the MTP module's before its head's norm: what the next MTP row takes).
+    # `prev_hidden` [T, H]: an MTP step's input beside its tokens, the hidden state of each row's previous position.
+    keep_hidden: bool = False
+    hidden: torch.Tensor | None = None
+    prev_hidden: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

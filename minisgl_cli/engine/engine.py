@@ -10,6 +10,7 @@ it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Iterable
@@ -43,6 +44,7 @@ from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.loader.hf import Weight, fp8_block_size, iter_safetensors, read_hf_config, with_fp8_blocks
 from minisgl_cli.models import ModelConfig, create_model
 from minisgl_cli.models.dummy import dummy_checkpoint
+from minisgl_cli.models.mtp import DeepseekMTP, dummy_extras, mtp_config, mtp_weights
 from minisgl_cli.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from minisgl_cli.models.qwen3_next import Qwen3NextForCausalLM, state_shape
 from minisgl_cli.sampling.graphs import SamplerGraphs
@@ -136,13 +138,16 @@ def _locate(cfg: EngineConfig) -> tuple[dict, Path | None, str, str]:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, tp: TPInfo = TPInfo(), own_process: bool = False):
-        """`own_process`: a scheduler process's engine, whose exit the runtime makes (see --torch-compile)."""
+    def __init__(self, cfg: EngineConfig, tp: TPInfo = TPInfo(), own_process: bool = False,
+                 mtp_of: Engine | None = None):
+        """`own_process`: a scheduler process's engine, whose exit the runtime makes (see --torch-compile). `mtp_of`:
+        this engine runs that engine's model's MTP module (models/mtp.py; see `mtp_engine`)."""
         t0 = time.perf_counter()
         self.cfg = cfg
         self.tp = tp
         self.device = cfg.resolved_device()
         self.host = HostBuffers()  # pinned staging for this engine's batches and sampled ids
+        self.keep_hidden = False  # forwards keep every row's hidden state (keep_hidden_states)
         # This engine's kernels, shared by its model and attention backend (and no other engine's).
         sgl, why_not = load_sgl_kernel(self.device) if cfg.engine == "sgl" else (None, None)
         if why_not is not None and tp.rank == 0:
@@ -152,6 +157,9 @@ class Engine:
         if self.device.type == "cpu" and cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         hf_cfg, model_dir, name, source = _locate(cfg)
+        target_layers = hf_cfg.get("num_hidden_layers", 0)
+        if mtp_of is not None:
+            hf_cfg = mtp_config(hf_cfg)
         # A converted GGUF carries its own int4 / int8 blocks: auto keeps them on CPU (layers/quant.py).
         blocks = blocks_file(model_dir) if model_dir is not None and source != "dummy" else None
         # A block-wise FP8 checkpoint (DeepSeek-V3's): auto keeps its blocks where the GPU runs FP8, else dequantizes.
@@ -195,7 +203,8 @@ class Engine:
             try:
                 method = Fp8BlockMethod(fp8_block) if fp8_block and self.quantization == "fp8-block" else (
                     METHODS[self.quantization]())
-                self.model = create_model(mc, tp, self.kernels, method).eval()
+                self.model = (create_model(mc, tp, self.kernels, method) if mtp_of is None else
+                              DeepseekMTP(mc, tp, self.kernels, method)).eval()
             finally:
                 torch.set_default_dtype(prev)
         weights: Iterable[tuple[str, Weight]]
@@ -214,7 +223,13 @@ class Engine:
             weights = mxfp4.expert_weights(weights, self.dtype, self.device,
                                            {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}, model_dir or name,
                                            packed=self.quantization == "mxfp4")
+        if mtp_of is not None:
+            weights = (itertools.chain(weights, dummy_extras(mc.hidden_size, self.device, self.dtype, cfg.seed))
+                       if source == "dummy" else mtp_weights(weights, target_layers))
         self.model.load_weights(weights)
+        if isinstance(self.model, DeepseekMTP):
+            assert mtp_of is not None  # the one way it is built
+            self.model.share(mtp_of.model)
 
         # A linear-attention model's state slots come first (kvcache/state.py): the KV pool takes what is left.
         self.state = self._state_pool() if mc.linear_attn is not None else None
@@ -308,6 +323,23 @@ class Engine:
                                   device=str(self.device), torch_compile="off", keep_free=None)
         return Engine(cfg)
 
+    def mtp_engine(self) -> Engine:
+        """An engine for this model's MTP module (models/mtp.py; scheduler/mtp.py), like `draft_engine`'s: the same
+        device and modes, a one-layer KV pool of as many tokens as this one's, eager (its rows take the target's
+        hidden states beside their tokens, which no captured graph reads yet). ValueError where the model ships no MTP
+        layer."""
+        cfg = dataclasses.replace(self.cfg, max_total_tokens=self.spec.num_pages * self.spec.page_size,
+                                  device=str(self.device), torch_compile="off", keep_free=None,
+                                  disable_cuda_graph=True)
+        return Engine(cfg, mtp_of=self)
+
+    def keep_hidden_states(self) -> None:
+        """Every forward from now on keeps each row's last hidden state in its batch's `hidden` (an MTP proposer reads
+        them): the decode graphs are captured again with a buffer for them."""
+        self.keep_hidden = True
+        if self.graphs is not None:
+            self.capture_graphs(self.graphs.max_bs)
+
     def start_serving(self) -> None:
         """The scheduler starts stepping: start what runs beside serving (the CPU decode's compile)."""
         if self.compiled is not None:
@@ -398,7 +430,8 @@ class Engine:
         max_bs = min_over_ranks(max_bs, self.tp)
         self.graphs = self.sampler_graphs = None
         torch.cuda.empty_cache()
-        graphs = DecodeGraphs(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device, self.dtype)
+        graphs = DecodeGraphs(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device, self.dtype,
+                              hidden=self.model_cfg.hidden_size if self.keep_hidden else 0)
         graphs.capture()
         self.graphs = graphs
         if self.sampler.name == "triton":  # small sampled batches draw by replay too (sampling/graphs.py)
@@ -550,11 +583,16 @@ class Engine:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] (engine dtype) of each request's last token (decode through a CUDA graph when one fits)."""
         # (a linear-attention model's verify step runs eagerly: its layers run each request's rows in order)
+        batch.keep_hidden = self.keep_hidden
         if self.graphs is not None and self.graphs.can_run(batch) and (batch.runs is None or self.state is None):
-            return self.graphs.replay(batch)
+            logits = self.graphs.replay(batch)
+            if self.keep_hidden:  # a copy: the static buffer is the next replay's
+                batch.hidden = self.graphs.hidden[: batch.batch_size].clone()
+            return logits
         if self.compiled is not None and self.compiled.can_run(batch):
             hidden = self.compiled.run(batch)
-            if hidden is not None:
+            if hidden is not None:  # a decode step's: one row a request
+                batch.hidden = hidden if self.keep_hidden else None
                 return self.model.logits(hidden)
         if batch.images is not None:
             assert self.vision is not None  # only its build_batch sets them

@@ -44,7 +44,8 @@ def default_max_bs(free_bytes: int, max_running: int) -> int:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_bs: int, vocab: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, hidden: int = 0):
+        """`hidden`: the model's width, where replays keep each row's hidden state (MTP drafts read it); 0: not."""
         self.model = model
         self.attn = attn
         self.device = device
@@ -59,6 +60,7 @@ class DecodeGraphs:
         self.positions, self.out_cache_loc = self.rows[0], self.rows[1]
         self.req_rows = self.rows[2]  # a VLM reads its rows' M-RoPE deltas
         self.logits = torch.empty((n, vocab), dtype=dtype, device=device)
+        self.hidden = torch.empty((n, hidden), dtype=dtype, device=device)
         self.greedy = torch.zeros(n, dtype=torch.int64, device=device)  # each row's argmax (graphs <= GREEDY_MAX_BS)
         self.argmax_counts = torch.zeros(n, dtype=torch.int32, device=device)  # the Triton argmax's row counters
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -77,6 +79,8 @@ class DecodeGraphs:
 
     def _body(self, batch: ForwardBatch, bs: int) -> None:
         hidden = self.model(batch, self.attn)
+        if self.hidden.shape[1]:
+            self.hidden[:bs].copy_(hidden)
         # The head's output lands in the one static buffer (engine dtype: an fp32 copy of 256 x 128k
         # logits would cost ~0.1 ms a step; the sampler widens only what it computes on).
         self.logits[:bs].copy_(self.model.logits(hidden))

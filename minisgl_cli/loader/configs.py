@@ -56,7 +56,7 @@ _DEEPSEEK_V3 = {
     "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 163840, "tie_word_embeddings": False,
     "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
-    "bos_token_id": 0, "eos_token_id": 1,
+    "bos_token_id": 0, "eos_token_id": 1, "num_nextn_predict_layers": 1,  # one MTP layer (--speculative-algorithm mtp)
 }
 
 # Gated DeltaNet hybrids (models/qwen3_next.py): three linear-attention layers to one gated full-attention layer.

@@ -225,6 +225,10 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             h_, residual = layer(h_, residual, batch, attn, rope, rope_at)
         assert residual is not None  # set by the first layer
+        if batch.keep_hidden:  # every row's normed state for MTP drafts (a row's norm is the same whatever its batch)
+            h, _ = self.norm.forward_residual(h_, residual)
+            batch.hidden = h
+            return h if batch.is_decode else h[batch.logits_indices]
         if not batch.is_decode:  # only each request's last token is sampled
             idx = batch.logits_indices
             h_ = h_[idx] if isinstance(h_, torch.Tensor) else h_.select(idx)

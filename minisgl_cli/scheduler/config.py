@@ -10,8 +10,9 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
 Policy = Literal["prefill-first", "decode-first"]
-# Speculative decoding (scheduler/speculative.py): none, prompt lookup, or a smaller draft model.
-SpeculativeAlgorithm = Literal["none", "ngram", "draft"]
+# Speculative decoding (scheduler/speculative.py): none, prompt lookup, a smaller draft model, or the model's own
+# multi-token-prediction layer (DeepSeek-V3's MTP).
+SpeculativeAlgorithm = Literal["none", "ngram", "draft", "mtp"]
 SPECULATIVE_ALGORITHMS: tuple[str, ...] = get_args(SpeculativeAlgorithm)
 
 
@@ -31,7 +32,8 @@ class SchedulerConfig:
         help="CUDA: read each step's tokens before launching the next (no overlap scheduling)."))
     speculative_algorithm: SpeculativeAlgorithm = field(default="none", metadata=dict(
         flags=("--speculative-algorithm",), env="MINISGL_SPECULATIVE_ALGORITHM",
-        help="Speculative decoding: none, ngram (prompt lookup) or draft (a draft model)."))
+        help="Speculative decoding: none, ngram (prompt lookup), draft (a draft model) or mtp (the model's own "
+             "MTP layer: DeepSeek-V3)."))
     num_speculative_tokens: int = field(default=3, metadata=dict(  # k = 5 wins only where answers copy at length
         flags=("--num-speculative-tokens",), min=1, max=16,
         help="Draft tokens a request proposes per step at most (its verify step runs k + 1 rows)."))
@@ -66,7 +68,7 @@ class SchedulerConfig:
 
 
 # (flag, field, the algorithms it configures): the others would ignore it.
-_SPEC_KNOBS = (("--num-speculative-tokens", "num_speculative_tokens", ("ngram", "draft")),
+_SPEC_KNOBS = (("--num-speculative-tokens", "num_speculative_tokens", ("ngram", "draft", "mtp")),
                ("--prompt-lookup-min", "prompt_lookup_min", ("ngram",)),
                ("--prompt-lookup-max", "prompt_lookup_max", ("ngram",)))
 _DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}

@@ -21,6 +21,8 @@ DRAFT_LINEAR = ("--speculative-algorithm draft: the draft model has linear-atten
                 "whose state the draft's own steps cannot roll back (not built; the target may be one)")
 
 if TYPE_CHECKING:
+    import torch
+
     from minisgl_cli.engine.engine import Engine
 
 
@@ -90,15 +92,6 @@ class DraftModelProposer:
         del shadow.input_ids[shadow.kv_len:]
         return None if max(ids) >= self.engine.spec.vocab_size else shadow
 
-    def _take(self, shadow: Req, ids: list[int]) -> list[int] | None:
-        """KV slots for `ids` after the shadow's tokens (it then holds them), or None when the pool is short."""
-        start = shadow.kv_len
-        if not self.cache.reserve(shadow, len(ids)):
-            return None
-        shadow.kv_len += len(ids)
-        shadow.input_ids += ids
-        return self.cache.slots(shadow, start, shadow.kv_len)
-
     def _extend(self, work: list[tuple[Req, list[int]]]) -> None:
         """One extend writing the KV of the prompt tokens each shadow lacks (`work`: the shadow and its prompt)."""
         ids: list[int] = []
@@ -108,7 +101,7 @@ class DraftModelProposer:
         locs: list[int] = []
         for shadow, prompt in work:
             start, new = shadow.kv_len, prompt[shadow.kv_len:]
-            if not new or (slots := self._take(shadow, new)) is None:
+            if not new or (slots := take_slots(self.cache, shadow, new)) is None:
                 continue
             assert shadow.req_row is not None  # attached
             ids += new
@@ -131,7 +124,7 @@ class DraftModelProposer:
         last: list[int | None] = []  # each shadow's last row
         for shadow, new in work:
             start = shadow.kv_len
-            if (slots := self._take(shadow, new)) is None:
+            if (slots := take_slots(self.cache, shadow, new)) is None:
                 last.append(None)
                 continue
             assert shadow.req_row is not None  # attached
@@ -147,6 +140,9 @@ class DraftModelProposer:
         tokens = self.engine.forward(batch).argmax(dim=-1).tolist()
         return [None if r is None else tokens[r] for r in last]
 
+    def observe(self, req: Req, start: int, hidden: torch.Tensor) -> None:
+        pass  # proposes from tokens alone
+
     def release(self, req: Req) -> None:
         shadow = self.drafts.pop(req.rid, None)
         if shadow is not None:
@@ -155,6 +151,17 @@ class DraftModelProposer:
     def close(self) -> None:
         for rid in list(self.drafts):
             self.cache.release(self.drafts.pop(rid), cache=False)
+
+
+def take_slots(cache: CacheManager, shadow: Req, ids: list[int]) -> list[int] | None:
+    """KV slots in a draft engine's `cache` for `ids` after the shadow request's tokens (it then holds them), or None
+    when the pool is short."""
+    start = shadow.kv_len
+    if not cache.reserve(shadow, len(ids)):
+        return None
+    shadow.kv_len += len(ids)
+    shadow.input_ids += ids
+    return cache.slots(shadow, start, shadow.kv_len)
 
 
 def _check_tokenizers(target: Engine, draft: Engine, model: str) -> None:

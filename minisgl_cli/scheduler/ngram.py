@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from minisgl_cli.scheduler.request import Req
 
 MAX_CANDIDATES = 64  # earlier occurrences of the last min_n tokens a lookup tries (the latest first)
@@ -87,6 +89,9 @@ class NgramProposer:
             index.extend(req.output_ids[max(have - prompt, 0) :])
             out.append(index.propose(k))
         return out
+
+    def observe(self, req: Req, start: int, hidden: torch.Tensor) -> None:
+        pass  # proposes from tokens alone
 
     def release(self, req: Req) -> None:
         self.indexes.pop(req.rid, None)

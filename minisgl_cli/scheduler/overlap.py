@@ -42,6 +42,8 @@ class Launched:
     event: torch.cuda.Event | None = None
     rows: dict[int, int] = field(default_factory=dict)  # id(req) -> row, for requests that sampled
     drafts: list[list[int]] | None = None  # a verify step's, per request (its rows: 1 + its drafts, in order)
+    starts: list[int] = field(default_factory=list)  # each request's first row's position
+    hidden: torch.Tensor | None = None  # every row's hidden state, where the engine keeps them (MTP drafts)
 
     @property
     def next_ids(self) -> torch.Tensor:

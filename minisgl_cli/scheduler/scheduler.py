@@ -366,7 +366,7 @@ class Scheduler:
                      ", ".join(f"{r.rid}: +{n} after {r.kv_len} cached" for r, n in zip(reqs, lens)))
         before = [r.kv_len for r in reqs]
         try:
-            sampled, produces = self._run(mode, reqs, lens, drafts)
+            sampled, produces, hidden = self._run(mode, reqs, lens, drafts)
         except Exception as exc:
             # Nothing this step wrote is known to be written: its requests' KV ends where it began (what a release
             # caches), and the pages it reserved are freed with them.
@@ -378,13 +378,16 @@ class Scheduler:
         if mode == "prefill":  # after the launch: the step still writes the pages this may free
             for req in reqs:
                 self.cache.cache_prefilled(req)
-        return Launched.start(mode, reqs, lens, produces, sampled, self.engine,
+        step = Launched.start(mode, reqs, lens, produces, sampled, self.engine,
                               async_copy=self.overlap and drafts is None, drafts=drafts)
+        step.starts, step.hidden = before, hidden
+        return step
 
     def _run(self, mode: Mode, reqs: list[Req], lens: list[int],
-             drafts: list[list[int]] | None) -> tuple[Sampled, list[bool]]:
+             drafts: list[list[int]] | None) -> tuple[Sampled, list[bool], torch.Tensor | None]:
         """`_launch`'s work up to the device: the step's rows (raising each request's kv_len to what it will have
-        computed), its page-table writes, the forward and the sampling; the sampled ids and which requests produce."""
+        computed), its page-table writes, the forward and the sampling; the sampled ids, which requests produce and
+        the rows' hidden states (where the engine keeps them)."""
         prev_rows = self._inflight.rows if self._inflight is not None else {}
         ids: list[int] = []
         locs: list[int] = []
@@ -451,7 +454,7 @@ class Scheduler:
             sampled = engine.step(fb, rows, self._bitmask(reqs, produces, drafts))
         if self.trace is not None:
             self.trace.record(mode, len(reqs), len(ids), len(self.running), len(self.waiting))
-        return sampled, produces
+        return sampled, produces, fb.hidden
 
     def _bitmask(self, reqs: list[Req], produces: list[bool], drafts: list[list[int]] | None) -> torch.Tensor | None:
         """The grammar rows' allowed next tokens (None when no request in the step has a grammar)."""
@@ -477,12 +480,18 @@ class Scheduler:
                 row += 1 + len(d)
             row = 0
             self.engine.commit_verify([1 + n for n in runs])  # linear-attention states advance over the kept rows
+        hidden_row = 0  # the request's first row in step.hidden (a prompt chunk has many)
         for i, (req, produced) in enumerate(zip(step.reqs, step.produces)):
             drafts = step.drafts[i] if step.drafts is not None else []
             first, row = row, row + 1 + len(drafts)
+            n = runs[i] if drafts else 0
+            rows = step.lens[i] if step.mode == "prefill" else 1 + len(drafts)
+            if step.hidden is not None and self.proposer is not None and not req.done:  # the rows it kept
+                kept = step.hidden[hidden_row : hidden_row + (1 + n if drafts else rows)]
+                self.proposer.observe(req, step.starts[i], kept)
+            hidden_row += rows
             if not produced or req.done:
                 continue  # a prompt chunk, or the extra token of a request that finished one step earlier
-            n = runs[i] if drafts else 0
             if drafts:
                 req.kv_len -= len(drafts) - n  # rejected drafts: their KV is given back
                 self.cache.rewind(req)

@@ -24,17 +24,20 @@ from typing import TYPE_CHECKING, Protocol
 from minisgl_cli.scheduler.config import SchedulerConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from minisgl_cli.engine.engine import Engine
     from minisgl_cli.scheduler.request import Req
 
 log = logging.getLogger("minisgl.speculative")
 
-DRAFT_TP = "--speculative-algorithm draft runs at --tp 1 (the ranks would have to share the draft's tokens: not built)"
+DRAFT_TP = ("--speculative-algorithm {} runs at --tp 1 (the ranks would have to share the draft's tokens: not "
+            "built)")
 DRAFT_IMAGES = ("--speculative-algorithm draft: the model takes images, which a draft model would not see (not built); "
                 "--speculative-algorithm ngram speculates on image requests too")
 
 class Proposer(Protocol):
-    """What proposes draft tokens: the n-gram lookup, a draft model, later an EAGLE-style head. It proposes
+    """What proposes draft tokens: the n-gram lookup, a draft model, the model's own MTP layer. It proposes
     deterministically (the verify rule treats each draft as certain, q = 1) and the same on every TP rank."""
 
     name: str
@@ -42,6 +45,11 @@ class Proposer(Protocol):
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         """Up to budgets[i] tokens likely to follow reqs[i]'s tokens (every one known on the host); [] for none."""
+        ...
+
+    def observe(self, req: Req, start: int, hidden: torch.Tensor) -> None:
+        """A step computed `req`'s rows at positions start.. and kept them: their hidden states (only where the engine
+        keeps them, which an MTP proposer asks for)."""
         ...
 
     def release(self, req: Req) -> None:
@@ -72,8 +80,14 @@ def create_proposer(cfg: SchedulerConfig, engine: Engine) -> Proposer | None:
 
         assert cfg.speculative_draft_model is not None  # SchedulerConfig checks it
         if engine.tp.size > 1:  # each rank would run its own draft model, whose tokens the ranks must share
-            raise ValueError(DRAFT_TP)
+            raise ValueError(DRAFT_TP.format("draft"))
         if engine.vision is not None:  # the draft's KV would hold the placeholders' embeddings, not the images'
             raise ValueError(DRAFT_IMAGES)
         return DraftModelProposer(engine, cfg.speculative_draft_model)
+    if cfg.speculative_algorithm == "mtp":
+        from minisgl_cli.scheduler.mtp import MtpProposer
+
+        if engine.tp.size > 1:
+            raise ValueError(DRAFT_TP.format("mtp"))
+        return MtpProposer(engine)
     return None

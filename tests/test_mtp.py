@@ -1,0 +1,251 @@
+"""`--speculative-algorithm mtp`: DeepSeek-V3's MTP layer as the draft source (models/mtp.py, scheduler/mtp.py), on a
+tiny random V3 checkpoint that ships one MTP layer the way DeepSeek's do (decoder layer num_hidden_layers with enorm,
+hnorm, eh_proj, shared_head and copies of the embedding and head).
+
+The drafts are checked against a plain reference built from transformers' own decoder layer; the answers against
+transformers' greedy ones (the verify rule keeps them whatever the drafts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_deepseek import N_NEW, _prompts, make_tiny_deepseek
+from test_hf_parity import EXACT, cold_and_cached, hf_greedy
+
+from minisgl_cli import LLM, SamplingParams
+from minisgl_cli.scheduler.config import SchedulerConfig
+
+LAYERS = 3  # the target's; the MTP layer is layer 3
+
+
+def make_mtp_checkpoint(out: Path, tokenizer_dir: Path) -> Path:
+    """A tiny V3 of LAYERS layers plus one MTP layer: transformers builds LAYERS + 1 layers (the last a MoE block, as
+    DeepSeek's MTP block is); its config then says LAYERS and num_nextn_predict_layers 1, and the MTP layer's own
+    tensors are added as DeepSeek ships them."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_deepseek("v3", out, tokenizer_dir, num_hidden_layers=LAYERS + 1)
+    [file] = out.glob("*.safetensors")
+    sd = load_file(file)
+    g = torch.Generator().manual_seed(7)
+    h = sd["model.embed_tokens.weight"].shape[1]
+    p = f"model.layers.{LAYERS}."
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        sd[f"{p}{norm}.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    sd[f"{p}eh_proj.weight"] = 0.08 * torch.randn(h, 2 * h, generator=g)
+    sd[f"{p}embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+    sd[f"{p}shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    save_file(sd, file, metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(num_hidden_layers=LAYERS, num_nextn_predict_layers=1)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    return make_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "v3", tokenizer_dir)
+
+
+class Reference:
+    """The MTP layer in plain torch around transformers' decoder layer: row q takes token q + 1 and state h_q."""
+
+    def __init__(self, model_dir: Path):
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        self.target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                     num_hidden_layers=LAYERS + 1).eval()
+        self.block, self.rotary = whole.model.layers[LAYERS], whole.model.rotary_emb
+        [file] = model_dir.glob("*.safetensors")
+        sd = load_file(file)
+        p = f"model.layers.{LAYERS}."
+        self.own = {k.removeprefix(p): v.float() for k, v in sd.items()
+                    if k.startswith(p) and k.removeprefix(p).split(".")[0] in ("enorm", "hnorm", "eh_proj",
+                                                                                   "shared_head")}
+        self.eps = self.target.config.rms_norm_eps
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * self.own[f"{name}.weight"]
+
+    @torch.no_grad()
+    def states(self, ids: list[int]) -> torch.Tensor:
+        """The target's final (normed) hidden state at each position of `ids`."""
+        return self.target.model(torch.tensor([ids])).last_hidden_state[0]
+
+    @torch.no_grad()
+    def rows(self, tokens: list[int], states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, logits) of MTP rows at positions 0.. with these tokens and input states, causally."""
+        e = self._norm(self.target.model.embed_tokens(torch.tensor([tokens])), "enorm")
+        x = torch.cat((e, self._norm(states[None], "hnorm")), -1) @ self.own["eh_proj.weight"].T
+        n = len(tokens)
+        pos = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = self.block(x, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(x, pos))
+        out = out[0] if isinstance(out, tuple) else out
+        return out[0], self.target.lm_head(self._norm(out[0], "shared_head.norm"))
+
+    def drafts(self, ids: list[int], k: int) -> list[int]:
+        """The k greedy drafts after `ids` (its last token not yet in the target's cache), chained as the proposer
+        chains them: each draft and the last row's output become the next row."""
+        states, tokens = self.states(ids[:-1]), ids[1:]
+        out: list[int] = []
+        for _ in range(k):
+            o, logits = self.rows(tokens, states)
+            out.append(int(logits[-1].argmax()))
+            tokens, states = tokens + [out[-1]], torch.cat((states, o[-1:]))
+        return out
+
+
+def test_the_proposers_drafts_are_the_mtp_layers_as_a_reference_computes_them(mtp_dir, monkeypatch):
+    """Every proposal a request got (from its prompt's rows, then from the rows of the decode and verify steps) equals
+    the reference's chain over the same tokens."""
+    from minisgl_cli.scheduler.mtp import MtpProposer
+
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = MtpProposer.propose
+
+    def recording(self, reqs, budgets):
+        out = propose(self, reqs, budgets)
+        seen.extend((list(r.all_ids), d) for r, d in zip(reqs, out) if d)
+        return out
+
+    monkeypatch.setattr(MtpProposer, "propose", recording)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompts = _prompts()[:3]
+    with LLM(str(mtp_dir), attention_backend="torch", speculative_algorithm="mtp", num_speculative_tokens=3,
+             **EXACT) as llm:
+        llm.generate(prompts, [params] * len(prompts))
+        llm.client.check_pages()
+    assert len(seen) >= len(prompts)
+    ref = Reference(mtp_dir)
+    for ids, drafts in seen:
+        assert drafts == ref.drafts(ids, len(drafts)), ids
+
+
+def test_mtp_speculation_keeps_the_greedy_answers_cold_and_cached(mtp_dir):
+    """Greedy answers equal transformers' (the target alone), cold and from the radix cache (a cached prefix's MTP rows
+    start after it), chunked prompts included; drafts were made and verified."""
+    prompts = _prompts()
+    theirs = hf_greedy(mtp_dir, prompts, N_NEW)
+    cold, cached = cold_and_cached(mtp_dir, prompts, N_NEW, speculative_algorithm="mtp", num_speculative_tokens=2)
+    assert cold == theirs
+    assert cached == theirs
+
+
+def test_mtp_sampled_and_forked_requests_draw_what_they_draw_without_it(mtp_dir):
+    """A seeded sampled request draws the very tokens it draws without speculation; n = 2 copies of a prompt (the
+    second's prefix from the cache) both answer; the stats count the drafts."""
+    prompts = _prompts()[:2]
+    sampled = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, temperature=0.8, seed=11)
+    greedy = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    results = []
+    for kw in ({}, dict(speculative_algorithm="mtp")):
+        with LLM(str(mtp_dir), attention_backend="torch", **EXACT, **kw) as llm:
+            out = llm.generate([*prompts, prompts[1], prompts[1]], [sampled, sampled, greedy, greedy])
+            stats = llm.client.stats()
+            llm.client.check_pages()
+        results.append(([r.token_ids for r in out], stats))
+    (plain, _), (spec, stats) = results
+    assert spec == plain
+    assert spec[2] == spec[3]
+    assert stats.spec_draft_tokens > 0 and stats.spec_verifies > 0
+
+
+def test_models_without_an_mtp_layer_and_misused_flags_are_refused_in_one_line(tokenizer_dir, tmp_path):
+    """A config without num_nextn_predict_layers; one that names an MTP layer its weights lack (transformers' own
+    DeepseekV3Config says 1 by default); the draft model's and n-gram's flags beside mtp."""
+    none = make_tiny_deepseek("v3", tmp_path / "none", tokenizer_dir, num_nextn_predict_layers=0)
+    with pytest.raises(ValueError, match="no MTP layer to draft with: its config has no num_nextn_predict_layers"):
+        LLM(str(none), attention_backend="torch", speculative_algorithm="mtp", **EXACT)
+    unshipped = make_tiny_deepseek("v3", tmp_path / "unshipped", tokenizer_dir)
+    assert json.loads((unshipped / "config.json").read_text()).get("num_nextn_predict_layers") == 1
+    with pytest.raises(ValueError, match="the checkpoint lacks its MTP layer's weights"):
+        LLM(str(unshipped), attention_backend="torch", speculative_algorithm="mtp", **EXACT)
+    with pytest.raises(ValueError, match="--speculative-draft-model"):
+        SchedulerConfig(speculative_algorithm="mtp", speculative_draft_model="x")
+    with pytest.raises(ValueError, match="ngram does not use them|drop --prompt-lookup-min"):
+        SchedulerConfig(speculative_algorithm="mtp", prompt_lookup_min=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mtp_on_cuda_answers_as_transformers_and_drafts_as_the_reference(mtp_dir, monkeypatch):
+    """The CUDA path in the exact mode (fp32: DeepSeek's experts then run eagerly, outside graphs): the target keeps
+    its hidden states there, the MTP engine's decode rows go through the Triton MLA kernel; answers and drafts as on
+    the CPU."""
+    from minisgl_cli.scheduler.mtp import MtpProposer
+
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = MtpProposer.propose
+
+    def recording(self, reqs, budgets):
+        out = propose(self, reqs, budgets)
+        seen.extend((list(r.all_ids), d) for r, d in zip(reqs, out) if d)
+        return out
+
+    monkeypatch.setattr(MtpProposer, "propose", recording)
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    with LLM(str(mtp_dir), max_prefill_tokens=12, device="cuda", speculative_algorithm="mtp", **EXACT) as llm:
+        got = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        llm.client.check_pages()
+    assert got == hf_greedy(mtp_dir, prompts, N_NEW)
+    ref = Reference(mtp_dir)
+    assert seen and all(d == ref.drafts(ids, len(d)) for ids, d in seen[:8])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_graphs_keep_the_hidden_states_the_eager_forward_keeps(tiny_model_dirs):
+    """keep_hidden_states: a decode step replayed from the graphs hands back each row's hidden state (a copy: the next
+    replay leaves it), the same the eager forward keeps for the same rows."""
+    from minisgl_cli.engine.config import EngineConfig
+    from minisgl_cli.engine.engine import Engine
+    from minisgl_cli.scheduler.cache import CacheManager
+    from minisgl_cli.scheduler.request import Req
+
+    engine = Engine(EngineConfig(model=str(tiny_model_dirs["llama"]), dtype="float32", device="cuda",
+                                 max_running_requests=4))
+    assert engine.graphs is not None
+    engine.keep_hidden_states()
+    cache = CacheManager(engine, "naive")
+    reqs = [Req(f"r{i}", [5 + i, 9, 11, 13], SamplingParams()) for i in range(3)]
+
+    def step(mode: str, graphs: bool) -> torch.Tensor:
+        ids, rows, starts, lens, locs = [], [], [], [], []
+        for r in reqs:
+            new = r.input_ids if mode == "prefill" else [17]
+            assert cache.reserve(r, len(new))
+            start = r.kv_len
+            r.kv_len += len(new)
+            ids += new
+            rows.append(r.req_row)
+            starts.append(start)
+            lens.append(len(new))
+            locs += cache.slots(r, start, r.kv_len)
+        batch = engine.build_batch(mode, ids, rows, starts, lens, locs)
+        cache.write_rows(batch, locs)
+        saved, engine.graphs = engine.graphs, engine.graphs if graphs else None
+        try:
+            engine.forward(batch)
+        finally:
+            engine.graphs = saved
+        assert batch.hidden is not None and batch.hidden.shape[0] == len(ids)
+        return batch.hidden
+
+    for r in reqs:
+        assert cache.attach(r)
+    prefill = step("prefill", graphs=False)
+    assert prefill.shape[0] == 12  # every prompt row, not only each request's last
+    replayed = step("decode", graphs=True).clone()
+    for r in reqs:  # the same decode rows again, eagerly (their KV slots rewritten with the same values)
+        r.kv_len -= 1
+        cache.rewind(r)
+    eager = step("decode", graphs=False)
+    torch.testing.assert_close(replayed, eager)
