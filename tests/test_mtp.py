@@ -8,6 +8,7 @@ transformers' greedy ones (the verify rule keeps them whatever the drafts)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -50,28 +51,69 @@ def mtp_dir(tmp_path_factory, tokenizer_dir) -> Path:
     return make_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "v3", tokenizer_dir)
 
 
+def make_hybrid_mtp_checkpoint(family: str, out: Path, tokenizer_dir: Path) -> Path:
+    """A tiny Qwen3-Next / Qwen3.5 hybrid (test_hybrid's: 3 linear layers, one full) plus one MTP layer as those ship
+    it: transformers builds a fifth, full-attention layer, saved as mtp.layers.0 beside mtp.fc, the two pre-fc norms
+    and mtp.norm. The five-layer checkpoint stays beside it (`<out>-whole`), for the reference's block."""
+    from safetensors.torch import load_file, save_file
+    from test_hybrid import make_hybrid
+
+    types = ["linear_attention"] * 3 + ["full_attention"] * 2
+    make_hybrid(family, out, tokenizer_dir, num_hidden_layers=5, layer_types=types)
+    shutil.copytree(out, out.with_name(f"{out.name}-whole"))
+    [file] = out.glob("*.safetensors")
+    sd = {(f"mtp.layers.0.{k.removeprefix('model.layers.4.')}" if k.startswith("model.layers.4.") else k): v
+          for k, v in load_file(file).items()}
+    g = torch.Generator().manual_seed(7)
+    h = sd["model.embed_tokens.weight"].shape[1]
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        sd[f"mtp.{norm}.weight"] = 0.3 * torch.randn(h, generator=g)  # (1 + w) norms
+    sd["mtp.fc.weight"] = 0.08 * torch.randn(h, 2 * h, generator=g)
+    save_file(sd, file, metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(num_hidden_layers=4, layer_types=types[:4], mtp_num_hidden_layers=1)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_mtp_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hybrid-mtp")
+    return {f: make_hybrid_mtp_checkpoint(f, root / f, tokenizer_dir) for f in ("qwen3_next", "qwen3_5")}
+
+
 class Reference:
-    """The MTP layer in plain torch around transformers' decoder layer: row q takes token q + 1 and state h_q."""
+    """The MTP layer in plain torch around transformers' decoder layer: row q takes token q + 1 and state h_q. DeepSeek
+    (`model.layers.LAYERS.*`, plain norms, the block's output chained) or a Qwen hybrid (`mtp.*`, (1 + w) norms, the
+    normed output chained)."""
 
     def __init__(self, model_dir: Path):
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
         self.target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                     num_hidden_layers=LAYERS + 1).eval()
-        self.block, self.rotary = whole.model.layers[LAYERS], whole.model.rotary_emb
         [file] = model_dir.glob("*.safetensors")
-        sd = load_file(file)
-        p = f"model.layers.{LAYERS}."
-        self.own = {k.removeprefix(p): v.float() for k, v in sd.items()
-                    if k.startswith(p) and k.removeprefix(p).split(".")[0] in ("enorm", "hnorm", "eh_proj",
-                                                                                   "shared_head")}
+        sd = {k: v.float() for k, v in load_file(file).items()}
+        self.qwen = "mtp.fc.weight" in sd
+        if self.qwen:  # the MTP block as transformers' fifth layer (make_hybrid_mtp_checkpoint)
+            whole = AutoModelForCausalLM.from_pretrained(model_dir.with_name(f"{model_dir.name}-whole"),
+                                                         dtype=torch.float32).eval()
+            block = whole.model.layers[4]
+            names = {"fc": "mtp.fc", "enorm": "mtp.pre_fc_norm_embedding", "hnorm": "mtp.pre_fc_norm_hidden",
+                     "norm": "mtp.norm"}
+        else:
+            whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                         num_hidden_layers=LAYERS + 1).eval()
+            block = whole.model.layers[LAYERS]
+            p = f"model.layers.{LAYERS}."
+            names = {"fc": f"{p}eh_proj", "enorm": f"{p}enorm", "hnorm": f"{p}hnorm", "norm": f"{p}shared_head.norm"}
+        self.block, self.rotary = block, whole.model.rotary_emb
+        self.w = {ours: sd[f"{theirs}.weight"] for ours, theirs in names.items()}
         self.eps = self.target.config.rms_norm_eps
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x * self.own[f"{name}.weight"]
+        return x * (1 + self.w[name] if self.qwen else self.w[name])
 
     @torch.no_grad()
     def states(self, ids: list[int]) -> torch.Tensor:
@@ -80,15 +122,16 @@ class Reference:
 
     @torch.no_grad()
     def rows(self, tokens: list[int], states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output, logits) of MTP rows at positions 0.. with these tokens and input states, causally."""
+        """(what the next row takes, logits) of MTP rows at positions 0.. with these tokens and states, causally."""
         e = self._norm(self.target.model.embed_tokens(torch.tensor([tokens])), "enorm")
-        x = torch.cat((e, self._norm(states[None], "hnorm")), -1) @ self.own["eh_proj.weight"].T
+        x = torch.cat((e, self._norm(states[None], "hnorm")), -1) @ self.w["fc"].T
         n = len(tokens)
         pos = torch.arange(n)[None]
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
         out = self.block(x, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(x, pos))
-        out = out[0] if isinstance(out, tuple) else out
-        return out[0], self.target.lm_head(self._norm(out[0], "shared_head.norm"))
+        out = (out[0] if isinstance(out, tuple) else out)[0]
+        normed = self._norm(out, "norm")
+        return (normed if self.qwen else out), self.target.lm_head(normed)
 
     def drafts(self, ids: list[int], k: int) -> list[int]:
         """The k greedy drafts after `ids` (its last token not yet in the target's cache), chained as the proposer
@@ -102,9 +145,8 @@ class Reference:
         return out
 
 
-def test_the_proposers_drafts_are_the_mtp_layers_as_a_reference_computes_them(mtp_dir, monkeypatch):
-    """Every proposal a request got (from its prompt's rows, then from the rows of the decode and verify steps) equals
-    the reference's chain over the same tokens."""
+def _recorded_drafts(model_dir: Path, prompts: list[list[int]], monkeypatch, **kw) -> list[tuple[list[int], list[int]]]:
+    """Every non-empty proposal (the request's tokens then, the drafts) of greedy runs of `prompts` with mtp."""
     from minisgl_cli.scheduler.mtp import MtpProposer
 
     seen: list[tuple[list[int], list[int]]] = []
@@ -117,15 +159,41 @@ def test_the_proposers_drafts_are_the_mtp_layers_as_a_reference_computes_them(mt
 
     monkeypatch.setattr(MtpProposer, "propose", recording)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    prompts = _prompts()[:3]
-    with LLM(str(mtp_dir), attention_backend="torch", speculative_algorithm="mtp", num_speculative_tokens=3,
-             **EXACT) as llm:
+    with LLM(str(model_dir), speculative_algorithm="mtp", num_speculative_tokens=3, **{**EXACT, **kw}) as llm:
         llm.generate(prompts, [params] * len(prompts))
         llm.client.check_pages()
     assert len(seen) >= len(prompts)
+    return seen
+
+
+def test_the_proposers_drafts_are_the_mtp_layers_as_a_reference_computes_them(mtp_dir, monkeypatch):
+    """Every proposal a request got (from its prompt's rows, then from the rows of the decode and verify steps) equals
+    the reference's chain over the same tokens."""
     ref = Reference(mtp_dir)
-    for ids, drafts in seen:
+    for ids, drafts in _recorded_drafts(mtp_dir, _prompts()[:3], monkeypatch, attention_backend="torch"):
         assert drafts == ref.drafts(ids, len(drafts)), ids
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_hybrid_mtp_drafts_as_the_reference_and_keeps_the_greedy_answers(hybrid_mtp_dirs, monkeypatch, family):
+    """Qwen3-Next (MoE) and Qwen3.5 (dense): the mtp.* layer drafts as the reference computes it (the normed output
+    chained), and the answers stay transformers', cold and cached (the linear layers' states over accepted drafts
+    only)."""
+    from test_hybrid import CHUNK
+    from test_hybrid import _prompts as hybrid_prompts
+
+    model_dir = hybrid_mtp_dirs[family]
+    prompts = hybrid_prompts()
+    ref = Reference(model_dir)
+    for ids, drafts in _recorded_drafts(model_dir, prompts[1:4], monkeypatch, attention_backend="torch"):
+        assert drafts == ref.drafts(ids, len(drafts)), ids
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    with LLM(str(model_dir), attention_backend="torch", max_prefill_tokens=CHUNK, speculative_algorithm="mtp",
+             **EXACT) as llm:
+        cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        llm.client.check_pages()
+    assert cold == cached == hf_greedy(model_dir, prompts, N_NEW)
 
 
 def test_mtp_speculation_keeps_the_greedy_answers_cold_and_cached(mtp_dir):
@@ -179,25 +247,15 @@ def test_mtp_on_cuda_answers_as_transformers_and_drafts_as_the_reference(mtp_dir
     """The CUDA path in the exact mode (fp32: DeepSeek's experts then run eagerly, outside graphs): the target keeps
     its hidden states there, the MTP engine's decode rows go through the Triton MLA kernel; answers and drafts as on
     the CPU."""
-    from minisgl_cli.scheduler.mtp import MtpProposer
-
-    seen: list[tuple[list[int], list[int]]] = []
-    propose = MtpProposer.propose
-
-    def recording(self, reqs, budgets):
-        out = propose(self, reqs, budgets)
-        seen.extend((list(r.all_ids), d) for r, d in zip(reqs, out) if d)
-        return out
-
-    monkeypatch.setattr(MtpProposer, "propose", recording)
     prompts = _prompts()
+    ref = Reference(mtp_dir)
+    for ids, drafts in _recorded_drafts(mtp_dir, prompts[:3], monkeypatch, device="cuda")[:8]:
+        assert drafts == ref.drafts(ids, len(drafts)), ids
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
     with LLM(str(mtp_dir), max_prefill_tokens=12, device="cuda", speculative_algorithm="mtp", **EXACT) as llm:
         got = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
         llm.client.check_pages()
     assert got == hf_greedy(mtp_dir, prompts, N_NEW)
-    ref = Reference(mtp_dir)
-    assert seen and all(d == ref.drafts(ids, len(d)) for ids, d in seen[:8])
 
 
 @pytest.mark.gpu

@@ -44,7 +44,7 @@ from minisgl_cli.loader.errors import ModelLoadError
 from minisgl_cli.loader.hf import Weight, fp8_block_size, iter_safetensors, read_hf_config, with_fp8_blocks
 from minisgl_cli.models import ModelConfig, create_model
 from minisgl_cli.models.dummy import dummy_checkpoint
-from minisgl_cli.models.mtp import DeepseekMTP, dummy_extras, mtp_config, mtp_weights
+from minisgl_cli.models.mtp import MtpHead, create_mtp_model, dummy_extras, mtp_config, mtp_weights
 from minisgl_cli.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from minisgl_cli.models.qwen3_next import Qwen3NextForCausalLM, state_shape
 from minisgl_cli.sampling.graphs import SamplerGraphs
@@ -157,7 +157,7 @@ class Engine:
         if self.device.type == "cpu" and cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         hf_cfg, model_dir, name, source = _locate(cfg)
-        target_layers = hf_cfg.get("num_hidden_layers", 0)
+        target_cfg = hf_cfg
         if mtp_of is not None:
             hf_cfg = mtp_config(hf_cfg)
         # A converted GGUF carries its own int4 / int8 blocks: auto keeps them on CPU (layers/quant.py).
@@ -204,7 +204,7 @@ class Engine:
                 method = Fp8BlockMethod(fp8_block) if fp8_block and self.quantization == "fp8-block" else (
                     METHODS[self.quantization]())
                 self.model = (create_model(mc, tp, self.kernels, method) if mtp_of is None else
-                              DeepseekMTP(mc, tp, self.kernels, method)).eval()
+                              create_mtp_model(mc, tp, self.kernels, method)).eval()
             finally:
                 torch.set_default_dtype(prev)
         weights: Iterable[tuple[str, Weight]]
@@ -225,14 +225,14 @@ class Engine:
                                            packed=self.quantization == "mxfp4")
         if mtp_of is not None:
             weights = (itertools.chain(weights, dummy_extras(mc.hidden_size, self.device, self.dtype, cfg.seed))
-                       if source == "dummy" else mtp_weights(weights, target_layers))
+                       if source == "dummy" else mtp_weights(weights, target_cfg))
         self.model.load_weights(weights)
-        if isinstance(self.model, DeepseekMTP):
+        if isinstance(self.model, MtpHead):
             assert mtp_of is not None  # the one way it is built
             self.model.share(mtp_of.model)
 
         # A linear-attention model's state slots come first (kvcache/state.py): the KV pool takes what is left.
-        self.state = self._state_pool() if mc.linear_attn is not None else None
+        self.state = self._state_pool() if mc.linear_attn is not None and mc.linear_attn.layers else None
         if self.state is not None:
             assert isinstance(self.model, Qwen3NextForCausalLM)  # the one family with linear-attention layers
             self.model.bind_state(self.state)

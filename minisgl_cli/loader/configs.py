@@ -67,7 +67,7 @@ _QWEN3_5 = {
     "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
     "full_attention_interval": 4, "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-    "tie_word_embeddings": False,
+    "tie_word_embeddings": False, "mtp_num_hidden_layers": 1,  # one MTP layer (--speculative-algorithm mtp)
 }
 
 # Gemma 4 31B's text decoder (google/gemma-4-31B's text_config as published): five local layers (1024-position

@@ -12,7 +12,8 @@ What differs from llama.py, each as transformers' DeepseekV2ForCausalLM / Deepse
              halves too; V2's complex one keeps pairs, which only reorders the terms of the q . k sum)
   MoE        layers/moe.py with DeepSeek's router (GroupedRouting) and the shared experts; the first
              first_k_dense_replace layers dense
-MTP layers a checkpoint ships beyond num_hidden_layers are skipped (transformers skips them too). TP splits the heads
+MTP layers a checkpoint ships beyond num_hidden_layers are skipped here (transformers skips them too; models/mtp.py
+loads the first as the draft of `--speculative-algorithm mtp`). TP splits the heads
 (q_b_proj / q_proj, kv_b_proj, o_proj) and the experts; the low-rank projections and the latent are whole on every
 rank."""
 

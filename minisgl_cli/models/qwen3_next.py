@@ -11,7 +11,8 @@ of each head by RoPE, and multiply the attention's output by sigmoid(gate). Ever
 norm scales by (1 + w) (loaded as 1 + w, as Gemma's). MoE layers add a shared expert gated by sigmoid to the routed
 experts. Qwen3-Next's checkpoints fuse q, k, v, z (and b, a) grouped per key head: they are reordered on loading
 into Qwen3.5's split layout, so one forward serves both. Qwen3.5's hub checkpoints (Qwen3_5ForConditionalGeneration)
-load their language model; their vision tower and any MTP head are skipped.
+load their language model; their vision tower is skipped, and so is the MTP layer (models/mtp.py loads it for
+`--speculative-algorithm mtp`).
 """
 
 from __future__ import annotations
@@ -329,7 +330,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
         def rest() -> Iterator[tuple[str, Weight]]:
             for name, tensor in weights:
-                # the multi-token-prediction head (not a draft source here yet); a Qwen3.5 checkpoint's vision tower
+                # the multi-token-prediction layer (models/mtp.py's); a Qwen3.5 checkpoint's vision tower
                 if name.startswith(("mtp.", "model.visual.", "visual.")):
                     continue
                 name = name.replace("model.language_model.", "model.", 1)  # a Qwen3.5 checkpoint's language model

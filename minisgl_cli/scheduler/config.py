@@ -11,7 +11,7 @@ from typing import Literal, get_args
 
 Policy = Literal["prefill-first", "decode-first"]
 # Speculative decoding (scheduler/speculative.py): none, prompt lookup, a smaller draft model, or the model's own
-# multi-token-prediction layer (DeepSeek-V3's MTP).
+# multi-token-prediction layer (DeepSeek-V3's, Qwen3-Next's and Qwen3.5's MTP).
 SpeculativeAlgorithm = Literal["none", "ngram", "draft", "mtp"]
 SPECULATIVE_ALGORITHMS: tuple[str, ...] = get_args(SpeculativeAlgorithm)
 
@@ -33,7 +33,7 @@ class SchedulerConfig:
     speculative_algorithm: SpeculativeAlgorithm = field(default="none", metadata=dict(
         flags=("--speculative-algorithm",), env="MINISGL_SPECULATIVE_ALGORITHM",
         help="Speculative decoding: none, ngram (prompt lookup), draft (a draft model) or mtp (the model's own "
-             "MTP layer: DeepSeek-V3)."))
+             "MTP layer: DeepSeek-V3, Qwen3-Next, Qwen3.5)."))
     num_speculative_tokens: int = field(default=3, metadata=dict(  # k = 5 wins only where answers copy at length
         flags=("--num-speculative-tokens",), min=1, max=16,
         help="Draft tokens a request proposes per step at most (its verify step runs k + 1 rows)."))

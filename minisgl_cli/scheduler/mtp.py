@@ -1,5 +1,6 @@
 """MtpProposer: speculative decoding with the model's own multi-token-prediction layer (`--speculative-algorithm
-mtp`; DeepSeek-V3's, models/mtp.py), run by an engine of its own beside the target's, on a one-layer KV pool.
+mtp`: DeepSeek-V3's, Qwen3-Next's, Qwen3.5's; models/mtp.py), run by an engine of its own beside the target's, on a
+one-layer KV pool.
 
 The target's engine keeps every row's hidden state (`Engine.keep_hidden_states`); the scheduler hands each step's
 kept rows here (`observe`: a prompt chunk's, a decode step's row, a verify step's accepted rows). The MTP layer's row
