@@ -166,11 +166,17 @@ def _recorded_drafts(model_dir: Path, prompts: list[list[int]], monkeypatch, **k
     return seen
 
 
-def test_the_proposers_drafts_are_the_mtp_layers_as_a_reference_computes_them(mtp_dir, monkeypatch):
+@pytest.mark.parametrize("flush", [512, 3])
+def test_the_proposers_drafts_are_the_mtp_layers_as_a_reference_computes_them(mtp_dir, monkeypatch, flush):
     """Every proposal a request got (from its prompt's rows, then from the rows of the decode and verify steps) equals
-    the reference's chain over the same tokens."""
+    the reference's chain over the same tokens; `flush` 3: a prompt's rows written as its chunks come, in several
+    extends before its first proposal."""
+    from minisgl_cli.scheduler import mtp
+
+    monkeypatch.setattr(mtp, "FLUSH_ROWS", flush)
     ref = Reference(mtp_dir)
-    for ids, drafts in _recorded_drafts(mtp_dir, _prompts()[:3], monkeypatch, attention_backend="torch"):
+    for ids, drafts in _recorded_drafts(mtp_dir, _prompts()[:4], monkeypatch, attention_backend="torch",
+                                        max_prefill_tokens=12):
         assert drafts == ref.drafts(ids, len(drafts)), ids
 
 

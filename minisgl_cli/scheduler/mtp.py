@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from minisgl_cli.engine.engine import Engine
 
 
+FLUSH_ROWS = 512  # a prompt's states are written once this many wait (bounds what a long prompt holds)
+
+
 @dataclass
 class _Track:
     """One request's MTP rows: `shadow` (in the MTP engine's cache) holds them at positions 0.. for the request's
@@ -74,29 +77,48 @@ class MtpProposer:
             t = self.tracks[req.rid] = _Track(shadow, base=start)
         kept = 0 if t.pending is None else start - t.base - t.done
         t.pending = hidden if not kept else torch.cat((t.pending[:kept], hidden))  # type: ignore[index]
+        # A long prompt's states are written as its chunks come (each row's next token is a prompt token), not held
+        # to its first proposal; the last one waits for it.
+        ready = min(t.pending.shape[0], len(req.all_ids) - 1 - t.base - t.done) - 1
+        if ready >= FLUSH_ROWS:
+            self._write([(t, req.all_ids, ready)])
+
+    def _write(self, work: list[tuple[_Track, list[int], int]]) -> list[tuple[int, torch.Tensor] | None]:
+        """Write the first n pending rows of each track (`work`: the track, its request's tokens, n) in one extend,
+        after giving back the last proposal's chain rows: per track its last row's greedy token and output, or None
+        where the pool had no room (its rows stay pending)."""
+        rows = []
+        for t, ids, n in work:
+            t.shadow.kv_len = t.done
+            self.cache.rewind(t.shadow)
+            del t.shadow.input_ids[t.done:]
+            q = t.base + t.done
+            assert t.pending is not None
+            rows.append((t, ids[q + 1 : q + 1 + n], t.pending[:n]))
+        out = self._rows("prefill", rows)
+        for (t, _, n), got in zip(work, out):
+            if got is not None:
+                assert t.pending is not None
+                t.done += n
+                t.pending = t.pending[n:].clone() if n < t.pending.shape[0] else None  # not the whole chunk's
+        return out
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in reqs]
-        work: list[tuple[int, _Track, list[int]]] = []  # (index, track, the tokens of its unwritten rows)
+        work: list[tuple[int, _Track, list[int], int]] = []  # (index, track, its tokens, its rows to write)
         for i, req in enumerate(reqs):
             t = self.tracks.get(req.rid)
             ids = req.all_ids
             # every state up to the last token's position - 1 seen, and one row at least to write
             if t is None or t.pending is None or t.seen != len(ids) - 1:
                 continue
-            t.shadow.kv_len = t.done  # the last proposal's chain rows go back
-            self.cache.rewind(t.shadow)
-            del t.shadow.input_ids[t.done:]
-            q = t.base + t.done
-            work.append((i, t, ids[q + 1:]))
+            work.append((i, t, ids, t.pending.shape[0]))
         if not work:
             return out
-        firsts = self._rows("prefill", [(t, tokens, t.pending) for _, t, tokens in work])  # type: ignore[misc]
+        firsts = self._write([(t, ids, n) for _, t, ids, n in work])
         chains: dict[int, list[int]] = {}
         live: list[tuple[int, _Track, torch.Tensor]] = []
-        for (i, t, tokens), first in zip(work, firsts):
-            t.done += len(tokens)
-            t.pending = None
+        for (i, t, _, _), first in zip(work, firsts):
             if first is not None:
                 chains[i] = [first[0]]
                 if budgets[i] > 1:
