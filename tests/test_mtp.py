@@ -249,19 +249,23 @@ def test_models_without_an_mtp_layer_and_misused_flags_are_refused_in_one_line(t
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_mtp_on_cuda_answers_as_transformers_and_drafts_as_the_reference(mtp_dir, monkeypatch):
-    """The CUDA path in the exact mode (fp32: DeepSeek's experts then run eagerly, outside graphs): the target keeps
-    its hidden states there, the MTP engine's decode rows go through the Triton MLA kernel; answers and drafts as on
-    the CPU."""
+@pytest.mark.parametrize("family", ["deepseek", "qwen3_5"])
+def test_mtp_on_cuda_answers_as_transformers_and_drafts_as_the_reference(mtp_dir, hybrid_mtp_dirs, monkeypatch,
+                                                                         family):
+    """The CUDA path in the exact mode (fp32). DeepSeek: its experts run eagerly there, outside graphs; the MTP
+    engine's decode rows go through the Triton MLA kernel. Qwen3.5 (dense): the target's decode graphs copy out each
+    row's hidden state, and the MTP engine's chained rows replay graphs that take one. Answers and drafts as on the
+    CPU."""
+    model_dir = mtp_dir if family == "deepseek" else hybrid_mtp_dirs[family]
     prompts = _prompts()
-    ref = Reference(mtp_dir)
-    for ids, drafts in _recorded_drafts(mtp_dir, prompts[:3], monkeypatch, device="cuda")[:8]:
+    ref = Reference(model_dir)
+    for ids, drafts in _recorded_drafts(model_dir, prompts[:3], monkeypatch, device="cuda")[:8]:
         assert drafts == ref.drafts(ids, len(drafts)), ids
     params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
-    with LLM(str(mtp_dir), max_prefill_tokens=12, device="cuda", speculative_algorithm="mtp", **EXACT) as llm:
+    with LLM(str(model_dir), max_prefill_tokens=12, device="cuda", speculative_algorithm="mtp", **EXACT) as llm:
         got = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
         llm.client.check_pages()
-    assert got == hf_greedy(mtp_dir, prompts, N_NEW)
+    assert got == hf_greedy(model_dir, prompts, N_NEW)
 
 
 @pytest.mark.gpu

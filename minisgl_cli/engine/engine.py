@@ -147,7 +147,7 @@ class Engine:
         self.tp = tp
         self.device = cfg.resolved_device()
         self.host = HostBuffers()  # pinned staging for this engine's batches and sampled ids
-        self.keep_hidden = False  # forwards keep every row's hidden state (keep_hidden_states)
+        self.keep_hidden = mtp_of is not None  # forwards keep every row's hidden state (keep_hidden_states)
         # This engine's kernels, shared by its model and attention backend (and no other engine's).
         sgl, why_not = load_sgl_kernel(self.device) if cfg.engine == "sgl" else (None, None)
         if why_not is not None and tp.rank == 0:
@@ -325,12 +325,10 @@ class Engine:
 
     def mtp_engine(self) -> Engine:
         """An engine for this model's MTP module (models/mtp.py; scheduler/mtp.py), like `draft_engine`'s: the same
-        device and modes, a one-layer KV pool of as many tokens as this one's, eager (its rows take the target's
-        hidden states beside their tokens, which no captured graph reads yet). ValueError where the model ships no MTP
-        layer."""
+        device and modes, a one-layer KV pool of as many tokens as this one's; on CUDA its chained decode rows replay
+        graphs that take each row's input state beside its token. ValueError where the model ships no MTP layer."""
         cfg = dataclasses.replace(self.cfg, max_total_tokens=self.spec.num_pages * self.spec.page_size,
-                                  device=str(self.device), torch_compile="off", keep_free=None,
-                                  disable_cuda_graph=True)
+                                  device=str(self.device), torch_compile="off", keep_free=None)
         return Engine(cfg, mtp_of=self)
 
     def keep_hidden_states(self) -> None:
@@ -431,7 +429,8 @@ class Engine:
         self.graphs = self.sampler_graphs = None
         torch.cuda.empty_cache()
         graphs = DecodeGraphs(self.model, self.attn, max_bs, self.model_cfg.vocab_size, self.device, self.dtype,
-                              hidden=self.model_cfg.hidden_size if self.keep_hidden else 0)
+                              hidden=self.model_cfg.hidden_size if self.keep_hidden else 0,
+                              takes_hidden=isinstance(self.model, MtpHead))
         graphs.capture()
         self.graphs = graphs
         if self.sampler.name == "triton":  # small sampled batches draw by replay too (sampling/graphs.py)

@@ -44,8 +44,9 @@ def default_max_bs(free_bytes: int, max_running: int) -> int:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_bs: int, vocab: int,
-                 device: torch.device, dtype: torch.dtype, hidden: int = 0):
-        """`hidden`: the model's width, where replays keep each row's hidden state (MTP drafts read it); 0: not."""
+                 device: torch.device, dtype: torch.dtype, hidden: int = 0, takes_hidden: bool = False):
+        """`hidden`: the model's width, where replays keep each row's hidden state (MTP drafts read it); 0: not.
+        `takes_hidden`: the model reads a hidden state a row beside its token (an MTP layer: `batch.prev_hidden`)."""
         self.model = model
         self.attn = attn
         self.device = device
@@ -61,6 +62,7 @@ class DecodeGraphs:
         self.req_rows = self.rows[2]  # a VLM reads its rows' M-RoPE deltas
         self.logits = torch.empty((n, vocab), dtype=dtype, device=device)
         self.hidden = torch.empty((n, hidden), dtype=dtype, device=device)
+        self.prev_hidden = torch.zeros((n, hidden), dtype=dtype, device=device) if takes_hidden else None
         self.greedy = torch.zeros(n, dtype=torch.int64, device=device)  # each row's argmax (graphs <= GREEDY_MAX_BS)
         self.argmax_counts = torch.zeros(n, dtype=torch.int32, device=device)  # the Triton argmax's row counters
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -75,12 +77,13 @@ class DecodeGraphs:
             seq_lens=ones, extend_lens=ones, seq_lens_cpu=[1] * bs, extend_lens_cpu=[1] * bs,
             qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=self.device),
             logits_indices=torch.arange(bs, dtype=torch.int64, device=self.device),
+            prev_hidden=self.prev_hidden[:bs] if self.prev_hidden is not None else None,
         )
 
     def _body(self, batch: ForwardBatch, bs: int) -> None:
         hidden = self.model(batch, self.attn)
-        if self.hidden.shape[1]:
-            self.hidden[:bs].copy_(hidden)
+        if self.hidden.shape[1]:  # an MTP layer's next-row state where it sets one, else the rows' hidden states
+            self.hidden[:bs].copy_(batch.hidden if batch.hidden is not None else hidden)
         # The head's output lands in the one static buffer (engine dtype: an fp32 copy of 256 x 128k
         # logits would cost ~0.1 ms a step; the sampler widens only what it computes on).
         self.logits[:bs].copy_(self.model.logits(hidden))
@@ -120,6 +123,9 @@ class DecodeGraphs:
         n = batch.batch_size
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        if self.prev_hidden is not None:
+            assert batch.prev_hidden is not None  # an MTP step's
+            self.prev_hidden[:n].copy_(batch.prev_hidden, non_blocking=True)
         if batch.decode_rows is not None:
             self.rows[:, :n].copy_(batch.decode_rows, non_blocking=True)
         else:
