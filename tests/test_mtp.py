@@ -82,6 +82,22 @@ def hybrid_mtp_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     return {f: make_hybrid_mtp_checkpoint(f, root / f, tokenizer_dir) for f in ("qwen3_next", "qwen3_5")}
 
 
+@pytest.fixture(scope="module")
+def narrow_mtp_dir(mtp_dir, tmp_path_factory) -> Path:
+    """The MTP checkpoint with a head that names 4 tokens (the other rows zero): the target's answers and the MTP
+    layer's guesses then come from one small alphabet, so drafts are accepted often (runs of several), by chance."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("narrow") / "v3"
+    shutil.copytree(mtp_dir, out)
+    [file] = out.glob("*.safetensors")
+    sd = load_file(file)
+    for name in ("lm_head.weight", f"model.layers.{LAYERS}.shared_head.head.weight"):
+        sd[name][4:] = 0
+    save_file(sd, file, metadata={"format": "pt"})
+    return out
+
+
 class Reference:
     """The MTP layer in plain torch around transformers' decoder layer: row q takes token q + 1 and state h_q. DeepSeek
     (`model.layers.LAYERS.*`, plain norms, the block's output chained) or a Qwen hybrid (`mtp.*`, (1 + w) norms, the
@@ -180,6 +196,23 @@ def test_the_proposers_drafts_are_the_mtp_layers_as_a_reference_computes_them(mt
         assert drafts == ref.drafts(ids, len(drafts)), ids
 
 
+def test_accepted_drafts_hand_over_their_rows_and_the_next_drafts_follow_from_them(narrow_mtp_dir, monkeypatch):
+    """Drafts accepted (8 of 30 here): the verify step's kept rows become MTP rows, and every later proposal is
+    still the reference's chain; the answers are transformers'."""
+    prompts = _prompts()[:4]
+    ref = Reference(narrow_mtp_dir)
+    seen = _recorded_drafts(narrow_mtp_dir, prompts, monkeypatch, attention_backend="torch", max_prefill_tokens=12)
+    for ids, drafts in seen:
+        assert drafts == ref.drafts(ids, len(drafts)), ids
+    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
+    with LLM(str(narrow_mtp_dir), attention_backend="torch", speculative_algorithm="mtp", num_speculative_tokens=3,
+             **EXACT) as llm:
+        got = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
+        stats = llm.client.stats()
+    assert got == hf_greedy(narrow_mtp_dir, prompts, N_NEW)
+    assert stats.spec_accepted_tokens >= len(prompts), stats
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 def test_hybrid_mtp_drafts_as_the_reference_and_keeps_the_greedy_answers(hybrid_mtp_dirs, monkeypatch, family):
     """Qwen3-Next (MoE) and Qwen3.5 (dense): the mtp.* layer drafts as the reference computes it (the normed output
@@ -202,12 +235,15 @@ def test_hybrid_mtp_drafts_as_the_reference_and_keeps_the_greedy_answers(hybrid_
     assert cold == cached == hf_greedy(model_dir, prompts, N_NEW)
 
 
-def test_mtp_speculation_keeps_the_greedy_answers_cold_and_cached(mtp_dir):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mtp_speculation_keeps_the_greedy_answers_cold_and_cached(mtp_dir, overlap):
     """Greedy answers equal transformers' (the target alone), cold and from the radix cache (a cached prefix's MTP rows
-    start after it), chunked prompts included; drafts were made and verified."""
+    start after it), chunked prompts included; with overlap scheduling (forced on the CPU) too, whose plain steps
+    between paused drafts hand their rows over a step late."""
     prompts = _prompts()
     theirs = hf_greedy(mtp_dir, prompts, N_NEW)
-    cold, cached = cold_and_cached(mtp_dir, prompts, N_NEW, speculative_algorithm="mtp", num_speculative_tokens=2)
+    cold, cached = cold_and_cached(mtp_dir, prompts, N_NEW, speculative_algorithm="mtp", num_speculative_tokens=2,
+                                   overlap_on_cpu=overlap)
     assert cold == theirs
     assert cached == theirs
 
