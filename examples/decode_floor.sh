@@ -13,6 +13,8 @@
 #   mxfp4.log      (x) examples/mxfp4_bench.py --sizes 1,4 --sweep: gpt-oss's packed experts' tiles
 #   moe.log        (m) examples/moe_bench.py --sizes 1 --sweep --sweep-dtypes one_slot --no-engine: Qwen3-30B-A3B's
 #                      few-token expert tiles
+#   mtp.log        (p) examples/mtp_cost.py over MTP_MODELS: an MTP draft's cost (its extend, its chained row) and the
+#                      verify step's, in the model's decode steps (issue 49's --speculative-algorithm mtp)
 #   summary.txt    the parts' status and each result line
 # HOST_ARGS / FAMILY_ARGS add to those scripts' arguments (e.g. HOST_ARGS=--sampled, FAMILY_ARGS="--also-temperature
 # 0.7": the sampled rows beside the greedy ones).
@@ -30,6 +32,7 @@ PARTS=${PARTS:-s h f}
 HOST_MODELS=${HOST_MODELS:-qwen3-0.6b llama-3.1-8b llama-3.1-8b:fp8}
 FAMILY_MODELS=${FAMILY_MODELS:-qwen3-30b-a3b,gpt-oss-20b,deepseek-v2-lite}
 FAMILY_PROFILE=${FAMILY_PROFILE-$FAMILY_MODELS}  # the models with a kernel table
+MTP_MODELS=${MTP_MODELS:-deepseek-v3-5layer-fp8,qwen3.5-9b}
 TESTS=${TESTS:-tests/test_attention_kernels.py tests/test_gpu_window_attention.py tests/test_gpu_mxfp4_moe.py}
 source "$(dirname "$0")/parts.sh"
 
@@ -55,6 +58,7 @@ if want f; then
     $PY examples/families_gpu.py --models "$FAMILY_MODELS" --long "" --profile "$FAMILY_PROFILE" --out "$OUT" $FAMILY_ARGS
 fi
 want x && part mxfp4 150 40 "$OUT/mxfp4.log" $PY examples/mxfp4_bench.py --sizes 1,4 --sweep --out "$OUT"
+want p && part mtp 200 60 "$OUT/mtp.log" $PY examples/mtp_cost.py --models "$MTP_MODELS" --out "$OUT"
 want m && part moe 150 40 "$OUT/moe.log" \
   $PY examples/moe_bench.py --sizes 1 --sweep --sweep-dtypes one_slot --no-engine --out "$OUT"
 
@@ -65,6 +69,7 @@ want m && part moe 150 40 "$OUT/moe.log" \
   grep -h "passed\|failed" "$OUT/tests.log" 2>/dev/null | tail -2
   grep -h -A25 "^# .*batch-1 decode, µs" "$OUT/attention.log" 2>/dev/null
   grep -h "gemv-fp8\|RESULT\|device busy" "$OUT"/*.log "$OUT"/fp8_sweep/* 2>/dev/null | cut -c1-400
+  grep -h -A8 "tok/s, decode step" "$OUT/mtp.log" 2>/dev/null
   for f in families_old families; do
     [ -f "$OUT/$f.log" ] && echo "-- $f" && grep -h "batch-1\|preset" "$OUT/$f.log" | grep -v "^ROW\|RESULT" | sort -u
   done

@@ -1,0 +1,106 @@
+"""What an MTP draft costs beside the step it saves (`--speculative-algorithm mtp`, issue 49): one request decodes
+greedily through the scheduler (in process, as `LLM` runs it), once plainly and once with MTP drafts; every
+forward of the target and of the MTP engine is timed (the device synchronized around it) by its kind.
+
+Printed, per model: the target's decode step (one row), its verify step by rows (k + 1), the MTP layer's extend (a
+request's rows from the target's states) and its chained decode row, tok/s both ways, and the acceptance a verify
+of k drafts needs to break even: with random (dummy) weights no draft is accepted, so the speed-up real weights give
+is (1 + accepted) / (verify + proposal) in plain steps, from these figures.
+
+    PYTHONPATH=. python examples/mtp_cost.py --models deepseek-v3-5layer,qwen3.5-9b          # an H200
+    PYTHONPATH=. python examples/mtp_cost.py --models deepseek-tiny --device cpu --tokens 48   # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from minisgl_cli import LLM, SamplingParams
+from minisgl_cli.engine.engine import Engine
+from minisgl_cli.models.mtp import MtpHead
+
+_ORIGINAL = Engine.forward
+
+
+def _timed(times: dict[str, list[float]], sync: Callable[[], None]) -> Callable:
+    """Engine.forward wrapped: each call's wall time (device synchronized before and after) under its kind."""
+    forward = Engine.forward
+
+    def timed(self: Engine, batch):  # type: ignore[no-untyped-def]
+        sync()
+        t0 = time.perf_counter()
+        out = forward(self, batch)
+        sync()
+        mtp = isinstance(self.model, MtpHead)
+        rows = batch.num_tokens
+        kind = (("mtp extend" if not batch.is_decode else "mtp decode row") if mtp else
+                "target prefill" if not batch.is_decode else
+                "target decode" if rows == batch.batch_size and batch.runs is None else f"target verify {rows} rows")
+        times[kind].append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    return timed
+
+
+def run(model: str, device: str, tokens: int, k: int, spec: bool) -> dict:
+    """One request of `tokens` greedy tokens after a 128-token prompt: tok/s and the forwards' ms by kind."""
+    times: dict[str, list[float]] = defaultdict(list)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    kw = dict(speculative_algorithm="mtp", num_speculative_tokens=k) if spec else {}
+    prompt = [list(range(100, 228))]
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    with LLM(model, load_format="dummy", device=device, processes=False, **kw) as llm:
+        llm.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm: graphs, kernels
+        Engine.forward = _timed(times, sync)  # type: ignore[method-assign]
+        try:
+            t0 = time.perf_counter()
+            out = llm.generate([list(range(300, 428))], params)[0]
+            wall = time.perf_counter() - t0
+        finally:
+            Engine.forward = _ORIGINAL  # type: ignore[method-assign]
+        stats = llm.client.stats()
+    return {"tok_s": len(out.token_ids) / wall, "ms": {kind: statistics.median(v) for kind, v in times.items()},
+            "calls": {kind: len(v) for kind, v in times.items()}, "drafted": stats.spec_draft_tokens,
+            "accepted": stats.spec_accepted_tokens}
+
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="deepseek-v3-5layer,qwen3.5-9b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("-k", type=int, default=3, help="--num-speculative-tokens")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    results = {}
+    for model in args.models.split(","):
+        plain, mtp = run(model, args.device, args.tokens, args.k, False), run(model, args.device, args.tokens,
+                                                                              args.k, True)
+        results[model] = {"plain": plain, "mtp": mtp}
+        step = plain["ms"].get("target decode", float("nan"))
+        print(f"{model} ({args.device}): plain {plain['tok_s']:.1f} tok/s, decode step {step:.3f} ms; "
+              f"with mtp k={args.k} {mtp['tok_s']:.1f} tok/s ({mtp['accepted']} of {mtp['drafted']} drafts "
+              "accepted: random weights)")
+        for kind, ms in sorted(mtp["ms"].items()):
+            print(f"  {kind:<24} {ms:8.3f} ms  x{mtp['calls'][kind]:<5} = {ms / step:5.2f} decode steps")
+        verify = mtp["ms"].get(f"target verify {args.k + 1} rows")
+        ext, row = mtp["ms"].get("mtp extend"), mtp["ms"].get("mtp decode row")
+        if verify and ext and row:
+            cost = (verify + ext + (args.k - 1) * row) / step  # a verify of k drafts and its proposal, in plain steps
+            print(f"  k={args.k}: a verify and its proposal cost {cost:.2f} decode steps: MTP pays where more than "
+                  f"{cost - 1:.2f} drafts a verify are accepted")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "mtp_cost.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
