@@ -325,10 +325,13 @@ class Engine:
 
     def mtp_engine(self) -> Engine:
         """An engine for this model's MTP module (models/mtp.py; scheduler/mtp.py), like `draft_engine`'s: the same
-        device and modes, a one-layer KV pool of as many tokens as this one's; on CUDA its chained decode rows replay
-        graphs that take each row's input state beside its token. ValueError where the model ships no MTP layer."""
-        cfg = dataclasses.replace(self.cfg, max_total_tokens=self.spec.num_pages * self.spec.page_size,
-                                  device=str(self.device), torch_compile="off", keep_free=None)
+        device and modes; a one-layer KV pool, on the CPU of as many tokens as this one's, on CUDA of what the memory
+        this one left holds (its --mem-fraction of it: a pool of all this one's tokens need not fit beside it; a
+        request its pool has no room for gets no drafts); on CUDA its chained decode rows replay graphs that take each
+        row's input state beside its token. ValueError where the model ships no MTP layer."""
+        tokens = self.spec.num_pages * self.spec.page_size if self.device.type == "cpu" else None
+        cfg = dataclasses.replace(self.cfg, max_total_tokens=tokens, device=str(self.device), torch_compile="off",
+                                  keep_free=None)
         return Engine(cfg, mtp_of=self)
 
     def keep_hidden_states(self) -> None:
