@@ -353,3 +353,19 @@ def test_decode_graphs_keep_the_hidden_states_the_eager_forward_keeps(tiny_model
         cache.rewind(r)
     eager = step("decode", graphs=False)
     torch.testing.assert_close(replayed, eager)
+
+
+def test_the_cli_refuses_mtp_in_one_line_at_tp_2_and_on_a_model_without_it(tiny_model_dirs):
+    """`chat --speculative-algorithm mtp`: at --tp 2 (each rank would draft alone), and on a Llama (no MTP layer): a
+    one-line message, a non-zero exit."""
+    from typer.testing import CliRunner
+
+    from minisgl_cli.app import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["chat", "--model", "deepseek-tiny", "--load-format", "dummy",
+                                 "--speculative-algorithm", "mtp", "--tp", "2"])
+    assert result.exit_code != 0 and "--speculative-algorithm mtp runs at --tp 1" in result.output
+    result = runner.invoke(app, ["chat", "--model", str(tiny_model_dirs["llama"]), "--speculative-algorithm", "mtp"])
+    assert result.exit_code != 0 and "has no MTP layer to draft with" in result.output
+    assert "Traceback" not in result.output
