@@ -131,9 +131,10 @@ def _decode(engine: Engine, rows: list[tuple[int, torch.Tensor]]) -> ForwardBatc
 
 
 def _unpacked() -> set[str]:
-    """The package copies in the temp dir: AOTInductor's loader's own (aotinductor_*) and ours."""
+    """The package copies in the temp dir: AOTInductor's loader's own (aotinductor_*) and whatever is in ours (a
+    process's minisgl-unpack-<pid> stays while it lives, emptied after each load)."""
     tmp = Path(tempfile.gettempdir())
-    return {p.name for p in [*tmp.glob("aotinductor_*"), *tmp.glob("minisgl-unpack-*")]}
+    return {str(p.relative_to(tmp)) for p in [*tmp.glob("aotinductor_*"), *tmp.glob("minisgl-unpack-*/*")]}
 
 
 @pytest.mark.slow
@@ -351,3 +352,20 @@ def test_a_store_that_cannot_be_written_leaves_decode_eager(tmp_path, monkeypatc
     engine.start_serving()
     assert engine.compiled is not None and engine.compiled._proc is None
     assert engine.decode_step == "eager" and "could not start" in str(engine.compiled.error)
+
+
+def test_the_unpack_dir_is_this_processs_and_a_dead_ones_is_swept(monkeypatch):
+    """The loader unpacks into <temp>/minisgl-unpack-<pid>, which stays while the process lives (a child that
+    inherited TMPDIR naming it during a load keeps a temp dir that exists); a killed process's is removed."""
+    from minisgl_cli.cpu_step import compiled
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # a pid no process has now
+    dead = Path(tempfile.gettempdir()) / f"minisgl-unpack-{proc.pid}"
+    dead.mkdir(exist_ok=True)
+    (dead / "left.so").write_bytes(b"x")
+    monkeypatch.setattr(compiled, "_UNPACK", None)
+    mine = compiled._unpack_dir()
+    assert mine.name == f"minisgl-unpack-{os.getpid()}" and mine.is_dir()
+    assert not dead.exists()
+    assert compiled._unpack_dir() == mine

@@ -22,6 +22,7 @@ int8 weight is no tensor AOTInductor can hold).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import dataclasses
@@ -32,6 +33,7 @@ import logging
 import os
 import pickle
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -240,12 +242,49 @@ def _load(path: Path, key: StepKey) -> Any | None:
         return None
     # The loader unpacks the package (~130 MB: its library and weights) into a temp dir it removes only when it is
     # destroyed, which a process ended by a signal or os._exit never does: each start left its copy in /tmp. Unpacked
-    # into our own dir instead, removed once loaded; the library and weights stay mapped.
-    with tempfile.TemporaryDirectory(prefix="minisgl-unpack-") as unpack, env.temp_dir(Path(unpack)):
+    # into our own dir instead, emptied once loaded; the library and weights stay mapped.
+    unpack = _unpack_dir()
+    with env.temp_dir(unpack):
         try:  # the package's runner alone: aoti_load_package first reads the whole archive in Python (~2.5 s here)
             return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         except (AttributeError, TypeError):  # another torch's binding: the public call
             return torch._inductor.aoti_load_package(str(path)).loader
+        finally:  # still one load at a time (temp_dir's lock): no other load's copy is in it
+            for entry in unpack.iterdir():
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+
+_UNPACK: Path | None = None  # this process's unpack dir, once made
+
+
+def _unpack_dir() -> Path:
+    """This process's dir for the loader's unpacked copies, <temp dir>/minisgl-unpack-<pid>: kept while the process
+    lives, so a child started while a load had TMPDIR naming it (TMPDIR is the process's, every thread's) still has a
+    temp dir that exists; removed at exit. Dirs of processes no longer alive (killed) are removed with the first."""
+    global _UNPACK
+    if _UNPACK is None:
+        root = Path(tempfile.gettempdir())
+        for old in root.glob("minisgl-unpack-*"):
+            pid = old.name.removeprefix("minisgl-unpack-")
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        _UNPACK = root / f"minisgl-unpack-{os.getpid()}"
+        _UNPACK.mkdir(exist_ok=True)
+        atexit.register(shutil.rmtree, _UNPACK, ignore_errors=True)
+    return _UNPACK
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 class CompiledDecode:
