@@ -16,8 +16,8 @@
 #   mtp.log        (p) examples/mtp_cost.py over MTP_MODELS: an MTP draft's cost (its extend, its chained row) and the
 #                      verify step's, in the model's decode steps (issue 49's --speculative-algorithm mtp)
 #   summary.txt    the parts' status and each result line
-# HOST_ARGS / FAMILY_ARGS add to those scripts' arguments (e.g. HOST_ARGS=--sampled, FAMILY_ARGS="--also-temperature
-# 0.7": the sampled rows beside the greedy ones).
+# HOST_ARGS / FAMILY_ARGS / MTP_ARGS add to those scripts' arguments (e.g. HOST_ARGS=--sampled, FAMILY_ARGS="--also-
+# temperature 0.7", MTP_ARGS="--temperature 0.7": sampled rows instead of, or beside, the greedy ones).
 # MINISGL_DISABLE_PDL=1 in the environment: every kernel waits for the one before, so the kernel tables' µs are each
 # kernel's own (with PDL a kernel's time also counts its wait for its predecessor).
 #
@@ -58,7 +58,7 @@ if want f; then
     $PY examples/families_gpu.py --models "$FAMILY_MODELS" --long "" --profile "$FAMILY_PROFILE" --out "$OUT" $FAMILY_ARGS
 fi
 want x && part mxfp4 150 40 "$OUT/mxfp4.log" $PY examples/mxfp4_bench.py --sizes 1,4 --sweep --out "$OUT"
-want p && part mtp 200 60 "$OUT/mtp.log" $PY examples/mtp_cost.py --models "$MTP_MODELS" --out "$OUT"
+want p && part mtp 200 60 "$OUT/mtp.log" $PY examples/mtp_cost.py --models "$MTP_MODELS" --out "$OUT" $MTP_ARGS
 want m && part moe 150 40 "$OUT/moe.log" \
   $PY examples/moe_bench.py --sizes 1 --sweep --sweep-dtypes one_slot --no-engine --out "$OUT"
 

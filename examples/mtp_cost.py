@@ -1,13 +1,14 @@
 """What an MTP draft costs beside the step it saves (`--speculative-algorithm mtp`, issue 49): one request decodes
-greedily through the scheduler (in process, as `LLM` runs it), once plainly and once with MTP drafts; every
-forward of the target and of the MTP engine is timed (the device synchronized around it) by its kind.
+(greedy, or sampled with --temperature) through `LLM` in this process, once plainly and once with MTP drafts: first
+untimed, for its tok/s, then again with every forward of the target and of the MTP engine timed by its kind (the
+device synchronized around each, which the tok/s must not pay).
 
 Printed, per model: the target's decode step (one row), its verify step by rows (k + 1), the MTP layer's extend (a
 request's rows from the target's states) and its chained decode row, tok/s both ways, and the acceptance a verify
 of k drafts needs to break even: with random (dummy) weights no draft is accepted, so the speed-up real weights give
 is (1 + accepted) / (verify + proposal) in plain steps, from these figures.
 
-    PYTHONPATH=. python examples/mtp_cost.py --models deepseek-v3-5layer,qwen3.5-9b          # an H200
+    PYTHONPATH=. python examples/mtp_cost.py --models deepseek-v3-5layer-fp8,qwen3.5-9b      # an H200
     PYTHONPATH=. python examples/mtp_cost.py --models deepseek-tiny --device cpu --tokens 48   # a CPU smoke run
 """
 
@@ -50,45 +51,52 @@ def _timed(times: dict[str, list[float]], sync: Callable[[], None]) -> Callable:
     return timed
 
 
-def run(model: str, device: str, tokens: int, k: int, spec: bool) -> dict:
-    """One request of `tokens` greedy tokens after a 128-token prompt: tok/s and the forwards' ms by kind."""
+def run(model: str, device: str, tokens: int, k: int, spec: bool, temperature: float) -> dict:
+    """One request of `tokens` tokens (greedy at `temperature` 0, else sampled, seeded) after a 128-token prompt,
+    through `LLM` in this process once a first request (8 tokens, right after the start: its seconds reported too) has
+    warmed it: its tok/s (untimed), then the forwards' ms by kind (a second run, timed)."""
     times: dict[str, list[float]] = defaultdict(list)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     kw = dict(speculative_algorithm="mtp", num_speculative_tokens=k) if spec else {}
     prompt = [list(range(100, 228))]
-    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=temperature, seed=1)
     with LLM(model, load_format="dummy", device=device, processes=False, **kw) as llm:
-        llm.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm: graphs, kernels
+        t0 = time.perf_counter()
+        llm.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))  # the first: kernels compile
+        first_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = llm.generate([list(range(300, 428))], params)[0]
+        wall = time.perf_counter() - t0
+        stats = llm.client.stats()
         Engine.forward = _timed(times, sync)  # type: ignore[method-assign]
-        try:
-            t0 = time.perf_counter()
-            out = llm.generate([list(range(300, 428))], params)[0]
-            wall = time.perf_counter() - t0
+        try:  # the same request again (its prompt now cached), each forward timed
+            llm.generate([list(range(300, 428))], params)
         finally:
             Engine.forward = _ORIGINAL  # type: ignore[method-assign]
-        stats = llm.client.stats()
-    return {"tok_s": len(out.token_ids) / wall, "ms": {kind: statistics.median(v) for kind, v in times.items()},
+    return {"tok_s": len(out.token_ids) / wall, "first_s": first_s,
+            "ms": {kind: statistics.median(v) for kind, v in times.items()},
             "calls": {kind: len(v) for kind, v in times.items()}, "drafted": stats.spec_draft_tokens,
             "accepted": stats.spec_accepted_tokens}
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="deepseek-v3-5layer,qwen3.5-9b")
+    ap.add_argument("--models", default="deepseek-v3-5layer-fp8,qwen3.5-9b")  # bf16's 5 layers + MTP: past 141 GB
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("-k", type=int, default=3, help="--num-speculative-tokens")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (seeded) requests")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     results = {}
+    how = "greedy" if args.temperature == 0 else f"sampled at {args.temperature:g}"
     for model in args.models.split(","):
-        plain, mtp = run(model, args.device, args.tokens, args.k, False), run(model, args.device, args.tokens,
-                                                                              args.k, True)
-        results[model] = {"plain": plain, "mtp": mtp}
+        plain, mtp = (run(model, args.device, args.tokens, args.k, spec, args.temperature) for spec in (False, True))
+        results[model] = {"plain": plain, "mtp": mtp, "temperature": args.temperature}
         step = plain["ms"].get("target decode", float("nan"))
-        print(f"{model} ({args.device}): plain {plain['tok_s']:.1f} tok/s, decode step {step:.3f} ms; "
-              f"with mtp k={args.k} {mtp['tok_s']:.1f} tok/s ({mtp['accepted']} of {mtp['drafted']} drafts "
+        print(f"{model} ({args.device}, {how}, through LLM): plain {plain['tok_s']:.1f} tok/s, decode step "
+              f"{step:.3f} ms, first request {plain['first_s']:.1f} s; with mtp k={args.k} "
+              f"{mtp['tok_s']:.1f} tok/s, first {mtp['first_s']:.1f} s ({mtp['accepted']} of {mtp['drafted']} drafts "
               "accepted: random weights)")
         for kind, ms in sorted(mtp["ms"].items()):
             print(f"  {kind:<24} {ms:8.3f} ms  x{mtp['calls'][kind]:<5} = {ms / step:5.2f} decode steps")

@@ -263,7 +263,8 @@ _UNPACK: Path | None = None  # this process's unpack dir, once made
 def _unpack_dir() -> Path:
     """This process's dir for the loader's unpacked copies, <temp dir>/minisgl-unpack-<pid>: kept while the process
     lives, so a child started while a load had TMPDIR naming it (TMPDIR is the process's, every thread's) still has a
-    temp dir that exists; removed at exit. Dirs of processes no longer alive (killed) are removed with the first."""
+    temp dir that exists; removed at exit. Dirs of processes no longer alive (killed) are removed with the first
+    call."""
     global _UNPACK
     if _UNPACK is None:
         root = Path(tempfile.gettempdir())
@@ -272,8 +273,9 @@ def _unpack_dir() -> Path:
             if pid.isdigit() and not _alive(int(pid)):
                 shutil.rmtree(old, ignore_errors=True)
         _UNPACK = root / f"minisgl-unpack-{os.getpid()}"
-        _UNPACK.mkdir(exist_ok=True)
         atexit.register(shutil.rmtree, _UNPACK, ignore_errors=True)
+    # made again where gone: another process sweeping /tmp (one in another PID namespace sees this pid as dead)
+    _UNPACK.mkdir(exist_ok=True)
     return _UNPACK
 
 

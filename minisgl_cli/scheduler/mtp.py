@@ -28,6 +28,7 @@ from minisgl_cli.scheduler.draft_model import take_slots
 from minisgl_cli.scheduler.request import Req
 
 if TYPE_CHECKING:
+    from minisgl_cli.engine.batch import Mode
     from minisgl_cli.engine.engine import Engine
 
 
@@ -136,7 +137,7 @@ class MtpProposer:
             out[i] = chain
         return out
 
-    def _rows(self, mode: str, work: list[tuple[_Track, list[int], torch.Tensor]]
+    def _rows(self, mode: Mode, work: list[tuple[_Track, list[int], torch.Tensor]]
               ) -> list[tuple[int, torch.Tensor] | None]:
         """One forward of the MTP layer over each track's rows (`work`: the track, the rows' tokens, their input
         states): per track its last row's greedy token and output state, or None where the pool had no room."""
@@ -163,7 +164,7 @@ class MtpProposer:
             last.append(len(rows) - 1)
         if not ids:
             return [None] * len(work)
-        batch = self.engine.build_batch("prefill" if mode == "prefill" else "decode", ids, rows, starts, lens, locs)
+        batch = self.engine.build_batch(mode, ids, rows, starts, lens, locs)
         self.cache.write_rows(batch, locs)
         batch.prev_hidden = torch.cat(states)
         tokens_out = self.engine.forward(batch).argmax(dim=-1).tolist()

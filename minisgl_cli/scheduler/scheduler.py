@@ -480,18 +480,14 @@ class Scheduler:
                 row += 1 + len(d)
             row = 0
             self.engine.commit_verify([1 + n for n in runs])  # linear-attention states advance over the kept rows
-        hidden_row = 0  # the request's first row in step.hidden (a prompt chunk has many)
+        if step.hidden is not None and self.proposer is not None:
+            self._observe(step, runs)
         for i, (req, produced) in enumerate(zip(step.reqs, step.produces)):
             drafts = step.drafts[i] if step.drafts is not None else []
             first, row = row, row + 1 + len(drafts)
-            n = runs[i] if drafts else 0
-            rows = step.lens[i] if step.mode == "prefill" else 1 + len(drafts)
-            if step.hidden is not None and self.proposer is not None and not req.done:  # the rows it kept
-                kept = step.hidden[hidden_row : hidden_row + (1 + n if drafts else rows)]
-                self.proposer.observe(req, step.starts[i], kept)
-            hidden_row += rows
             if not produced or req.done:
                 continue  # a prompt chunk, or the extra token of a request that finished one step earlier
+            n = runs[i] if drafts else 0
             if drafts:
                 req.kv_len -= len(drafts) - n  # rejected drafts: their KV is given back
                 self.cache.rewind(req)
@@ -525,6 +521,19 @@ class Scheduler:
         self._account(step.mode, step.lens, emitted, accepted, now)
         if out:
             self._emit_outputs(out)
+
+    def _observe(self, step: Launched, runs: list[int]) -> None:
+        """Hand the proposer each request's rows the step kept (an MTP proposer's input: a prompt chunk's rows, a
+        decode row, a verify step's row and its accepted drafts'), before any of them finishes."""
+        assert step.hidden is not None and self.proposer is not None
+        first = 0  # the request's first row in step.hidden
+        for i, req in enumerate(step.reqs):
+            drafts = step.drafts[i] if step.drafts is not None else []
+            rows = step.lens[i] if step.mode == "prefill" else 1 + len(drafts)
+            if not req.done:
+                kept = 1 + runs[i] if drafts else rows
+                self.proposer.observe(req, step.starts[i], step.hidden[first : first + kept])
+            first += rows
 
     def _stop_reason(self, req: Req, tok: int) -> FinishReason | None:
         if tok in req.stop_ids:
