@@ -36,7 +36,7 @@ MTP_MODELS=${MTP_MODELS:-deepseek-v3-5layer-fp8,qwen3.5-9b}
 TESTS=${TESTS:-tests/test_attention_kernels.py tests/test_gpu_window_attention.py tests/test_gpu_mxfp4_moe.py}
 source "$(dirname "$0")/parts.sh"
 
-want t && part tests 200 60 "$OUT/tests.log" $PY -m pytest -q -p no:cacheprovider -x $TESTS
+want t && part tests 200 60 "$OUT/tests.log" $PY -m pytest -q -p no:cacheprovider $TESTS
 want a && part attention 120 30 "$OUT/attention.log" $PY examples/bench_attention.py --sweep-short
 
 want s && part fp8-sweep 200 60 "$OUT/fp8_sweep.log" \

@@ -31,30 +31,48 @@ from minisgl_cli.models.mtp import MtpHead
 _ORIGINAL = Engine.forward
 
 
-def _timed(times: dict[str, list[float]], sync: Callable[[], None]) -> Callable:
-    """Engine.forward wrapped: each call's wall time (device synchronized before and after) under its kind."""
+def _kind(engine: Engine, batch) -> str:  # type: ignore[no-untyped-def]
+    rows = batch.num_tokens
+    if isinstance(engine.model, MtpHead):
+        return "mtp extend" if not batch.is_decode else "mtp decode row"
+    return ("target prefill" if not batch.is_decode else
+            "target decode" if rows == batch.batch_size and batch.runs is None else f"target verify {rows} rows")
+
+
+def _timed(times: dict[str, list[float]], sync: Callable[[], None], tables: dict[str, str] | None) -> Callable:
+    """Engine.forward wrapped: each call's wall time (device synchronized before and after) under its kind; with
+    `tables`, each kind's first call also under torch's profiler (in the engine's thread), its op table kept."""
     forward = Engine.forward
 
     def timed(self: Engine, batch):  # type: ignore[no-untyped-def]
+        kind = _kind(self, batch)
         sync()
         t0 = time.perf_counter()
-        out = forward(self, batch)
+        if tables is not None and kind not in tables:
+            with torch.profiler.profile(activities=_ACTIVITIES[self.device.type]) as prof:
+                out = forward(self, batch)
+                sync()
+            by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            tables[kind] = "\n".join(prof.key_averages().table(sort_by=k, row_limit=15, max_name_column_width=60)
+                                     for k in dict.fromkeys((by, "self_cpu_time_total")))
+        else:
+            out = forward(self, batch)
         sync()
-        mtp = isinstance(self.model, MtpHead)
-        rows = batch.num_tokens
-        kind = (("mtp extend" if not batch.is_decode else "mtp decode row") if mtp else
-                "target prefill" if not batch.is_decode else
-                "target decode" if rows == batch.batch_size and batch.runs is None else f"target verify {rows} rows")
         times[kind].append((time.perf_counter() - t0) * 1e3)
         return out
 
     return timed
 
 
-def run(model: str, device: str, tokens: int, k: int, spec: bool, temperature: float) -> dict:
+_ACTIVITIES = {"cuda": [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+               "cpu": [torch.profiler.ProfilerActivity.CPU]}
+
+
+def run(model: str, device: str, tokens: int, k: int, spec: bool, temperature: float, profile: bool = False) -> dict:
     """One request of `tokens` tokens (greedy at `temperature` 0, else sampled, seeded) after a 128-token prompt,
     through `LLM` in this process once a first request (8 tokens, right after the start: its seconds reported too) has
-    warmed it: its tok/s (untimed), then the forwards' ms by kind (a second run, timed)."""
+    warmed it: its tok/s (untimed), then the forwards' ms by kind (a second run, timed; `profile`: each kind's op
+    table printed)."""
     times: dict[str, list[float]] = defaultdict(list)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     kw = dict(speculative_algorithm="mtp", num_speculative_tokens=k) if spec else {}
@@ -68,11 +86,14 @@ def run(model: str, device: str, tokens: int, k: int, spec: bool, temperature: f
         out = llm.generate([list(range(300, 428))], params)[0]
         wall = time.perf_counter() - t0
         stats = llm.client.stats()
-        Engine.forward = _timed(times, sync)  # type: ignore[method-assign]
+        tables: dict[str, str] | None = {} if profile else None
+        Engine.forward = _timed(times, sync, tables)  # type: ignore[method-assign]
         try:  # the same request again (its prompt now cached), each forward timed
             llm.generate([list(range(300, 428))], params)
         finally:
             Engine.forward = _ORIGINAL  # type: ignore[method-assign]
+        for kind, table in (tables or {}).items():
+            print(f"-- {model}{' with mtp' if spec else ''}: a {kind}'s ops (its first call in the timed run)\n{table}")
     return {"tok_s": len(out.token_ids) / wall, "first_s": first_s,
             "ms": {kind: statistics.median(v) for kind, v in times.items()},
             "calls": {kind: len(v) for kind, v in times.items()}, "drafted": stats.spec_draft_tokens,
@@ -86,12 +107,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("-k", type=int, default=3, help="--num-speculative-tokens")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (seeded) requests")
+    ap.add_argument("--profile", action="store_true",
+                    help="print each kind's op table (torch.profiler; that call counts in the figures too)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     results = {}
     how = "greedy" if args.temperature == 0 else f"sampled at {args.temperature:g}"
     for model in args.models.split(","):
-        plain, mtp = (run(model, args.device, args.tokens, args.k, spec, args.temperature) for spec in (False, True))
+        plain, mtp = (run(model, args.device, args.tokens, args.k, spec, args.temperature, args.profile)
+                       for spec in (False, True))
         results[model] = {"plain": plain, "mtp": mtp, "temperature": args.temperature}
         step = plain["ms"].get("target decode", float("nan"))
         print(f"{model} ({args.device}, {how}, through LLM): plain {plain['tok_s']:.1f} tok/s, decode step "

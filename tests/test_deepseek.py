@@ -110,7 +110,7 @@ def test_two_copies_of_a_prompt_at_once_both_answer_as_transformers(deepseek_dir
 def test_tp2_answers_as_tp1(deepseek_dirs, theirs, family):
     """TP 2 on the CPU: each rank its half of the heads (q, kv_b_proj, o_proj) and of every expert and the shared
     experts; the latent and the low-rank projections whole on both."""
-    cold, cached = _ours(deepseek_dirs[family], _prompts(), tp_size=2)
+    cold, cached = _ours(deepseek_dirs[family], _prompts(), tp_size=2, device="cpu")
     assert cold == cached == theirs[family]
 
 
@@ -255,7 +255,7 @@ def test_latent_cache_holds_no_v_half_and_32k_tokens_cost_what_it_says(deepseek_
     # MHA of the MLA model's width: its 3 layers, 4 heads of 16 (as many KV heads), hidden 64
     mha_dir = make_tiny_checkpoint("llama", tmp_path / "mha", tokenizer_dir, num_hidden_layers=3,
                                    num_key_value_heads=4)
-    engines = {name: Engine(EngineConfig(model=str(d), kv_cache_gib=0.01, page_size=16, **EXACT))
+    engines = {name: Engine(EngineConfig(model=str(d), kv_cache_gib=0.01, page_size=16, device="cpu", **EXACT))
                for name, d in (("mla", deepseek_dirs["v3"]), ("mha", mha_dir))}
     mla, mha = engines["mla"].pool, engines["mha"].pool
     assert mla.shape.latent == 32 and mla.shape.head_dim == 32 + 8 and mla.shape.num_kv_heads == 1
@@ -331,7 +331,7 @@ def test_block_fp8_checkpoint_loads_and_answers_as_transformers_on_its_dequantiz
 def test_tp2_loads_block_fp8_shards_as_tp1(block_fp8_dirs, block_fp8_theirs):
     """TP 2: each rank cuts its shards out of the blocks (q_b_proj's heads and the experts' gate / up rows on block
     boundaries; o_proj's and the experts' down columns off them, dequantized whole first) and answers as TP 1."""
-    cold, cached = _ours(block_fp8_dirs["fp8"], _prompts(), tp_size=2)
+    cold, cached = _ours(block_fp8_dirs["fp8"], _prompts(), tp_size=2, device="cpu")
     assert cold == cached == block_fp8_theirs
 
 
@@ -492,7 +492,7 @@ def test_fp8_latent_cache_halves_the_bytes_a_token(deepseek_dirs):
     from minisgl_cli.engine.engine import Engine
 
     pools = {kv: Engine(EngineConfig(model=str(deepseek_dirs["v3"]), kv_cache_gib=0.004, page_size=16,
-                                     kv_cache_dtype=kv, **EXACT)).pool for kv in ("bf16", "fp8_e4m3")}
+                                     kv_cache_dtype=kv, device="cpu", **EXACT)).pool for kv in ("bf16", "fp8_e4m3")}
     bf16, fp8 = (p.shape.bytes_per_token() for p in pools.values())
     assert (bf16, fp8) == (3 * (32 + 8) * 2, 3 * (32 + 8))
     assert pools["fp8_e4m3"].num_pages == int(0.004 * 2**30) // (fp8 * 16) >= 2 * pools["bf16"].num_pages - 1

@@ -308,7 +308,7 @@ def test_tp_2_gives_the_tp_1_answers(hybrid_dirs, family):
     attention, half of every expert, its own state slots; cold and cached as transformers."""
     model_dir = hybrid_dirs[family]
     prompts = _prompts()
-    cold, cached, _ = _ours(model_dir, prompts, tp_size=2)
+    cold, cached, _ = _ours(model_dir, prompts, tp_size=2, device="cpu")
     assert cold == cached == hf_greedy(model_dir, prompts, N_NEW)
 
 

@@ -144,7 +144,9 @@ class Reference:
         n = len(tokens)
         pos = torch.arange(n)[None]
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-        out = self.block(x, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(x, pos))
+        # Qwen3.5's rotary is multimodal: transformers releases differ on whether it takes (bs, n) ids or (3, bs, n)
+        rot_pos = pos.expand(3, -1, -1) if hasattr(self.rotary, "mrope_section") else pos
+        out = self.block(x, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(x, rot_pos))
         out = (out[0] if isinstance(out, tuple) else out)[0]
         normed = self._norm(out, "norm")
         return (normed if self.qwen else out), self.target.lm_head(normed)
@@ -283,6 +285,30 @@ def test_models_without_an_mtp_layer_and_misused_flags_are_refused_in_one_line(t
         SchedulerConfig(speculative_algorithm="mtp", prompt_lookup_min=2)
 
 
+@pytest.mark.parametrize("name", ["deepseek-v3-5layer", "qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
+def test_the_builtin_configs_dummy_mtp_layer_has_the_shapes_the_layer_takes(name):
+    """`--load-format dummy` with mtp on a built-in config (the GPU benchmarks' way): the layer's random tensors load
+    into the module of its one-layer config (shapes only, on the meta device): a Qwen hybrid's attention keeps its
+    gate though that config has no linear layer."""
+    import itertools
+
+    from minisgl_cli.distributed import TPInfo
+    from minisgl_cli.layers.kernel_choice import Kernels
+    from minisgl_cli.layers.quant import METHODS
+    from minisgl_cli.loader.configs import builtin_config
+    from minisgl_cli.models import ModelConfig
+    from minisgl_cli.models.dummy import dummy_checkpoint
+    from minisgl_cli.models.mtp import create_mtp_model, dummy_extras, mtp_config
+
+    mc = ModelConfig.from_hf(mtp_config(builtin_config(name)))
+    meta = torch.device("meta")
+    with meta:
+        model = create_mtp_model(mc, TPInfo(), Kernels(), METHODS["none"]())
+    model.load_weights(itertools.chain(dummy_checkpoint(mc, meta, torch.bfloat16),
+                                       dummy_extras(mc.hidden_size, meta, torch.bfloat16, seed=0)))
+    assert model.eh_proj.weight.shape == (mc.hidden_size, 2 * mc.hidden_size)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["deepseek", "qwen3_5"])
@@ -364,8 +390,9 @@ def test_the_cli_refuses_mtp_in_one_line_at_tp_2_and_on_a_model_without_it(tiny_
 
     runner = CliRunner()
     result = runner.invoke(app, ["chat", "--model", "deepseek-tiny", "--load-format", "dummy",
-                                 "--speculative-algorithm", "mtp", "--tp", "2"])
+                                 "--speculative-algorithm", "mtp", "--tp", "2", "--device", "cpu"])
     assert result.exit_code != 0 and "--speculative-algorithm mtp runs at --tp 1" in result.output
-    result = runner.invoke(app, ["chat", "--model", str(tiny_model_dirs["llama"]), "--speculative-algorithm", "mtp"])
+    result = runner.invoke(app, ["chat", "--model", str(tiny_model_dirs["llama"]), "--speculative-algorithm", "mtp",
+                                 "--device", "cpu"])
     assert result.exit_code != 0 and "has no MTP layer to draft with" in result.output
     assert "Traceback" not in result.output

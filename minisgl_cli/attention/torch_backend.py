@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minisgl_cli.attention.base import AttentionBackend
 from minisgl_cli.engine.batch import ForwardBatch
@@ -24,6 +25,7 @@ from minisgl_cli.kvcache.pool import KVPool
 _PAD = 16  # the CPU's fp32 vector width (AVX-512; twice AVX2's): see TorchBackend.prepare
 _ROWS = 32  # prefill rows attend in blocks of this many positions (TorchBackend._blocks): SDPA's own row block
 _GROUP = 8  # decode: a KV head's query rows padded to a multiple of this (TorchBackend.decode)
+_CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -58,6 +60,10 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     broadcast to it: one logit per query row) each row's softmax denominator gains exp(sink): the output scaled by
     sigmoid(lse - sink), lse from the CPU flash kernel (the one SDPA runs there; SDPA itself elsewhere)."""
     gqa = q.shape[1] != k.shape[1]
+    if sinks is None and q.is_cuda:  # not cuDNN's: it builds a plan per new shape, ~150 ms of host time on an H200
+        with sdpa_kernel(_CUDA_SDPA):  # (MLA's prefill, a chunk of a new length each time: examples/mtp_cost.py)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                                  enable_gqa=gqa)
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
     if gqa:

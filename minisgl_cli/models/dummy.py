@@ -30,8 +30,10 @@ def _shapes(mc: ModelConfig, mxfp4: bool = False) -> Iterator[tuple[str, tuple[i
             continue
         d, inter = mc.head_dim_of(i), mc.intermediate_size
         q, kv = mc.num_heads * d, mc.kv_heads_of(i) * d
-        # a hybrid's full attention projects a gate beside each query head
-        projs = [("q_proj", 2 * q if linear else q), ("k_proj", kv), ("v_proj", kv)]
+        # a hybrid's full attention projects a gate beside each query head (the family's: an MTP layer's one-layer
+        # config has no linear layer)
+        gated = mc.linear_attn is not None
+        projs = [("q_proj", 2 * q if gated else q), ("k_proj", kv), ("v_proj", kv)]
         if mc.kv_source_of(i) != i:  # Gemma 4's shared-KV layers: a query projection only, and a wider MLP
             projs, inter = projs[:1], inter * (2 if mc.double_wide_mlp else 1)
         elif mc.attention_k_eq_v and not mc.window_of(i):  # Gemma 4's global layers: V is K's projection

@@ -100,9 +100,11 @@ def dummy_extras(hidden: int, device: torch.device, dtype: torch.dtype, seed: in
                  std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
     """Random weights for the MTP layer's own tensors (`--load-format dummy`), as models/dummy.py draws a checkpoint's:
     norms at one, the projection Normal(0, std)."""
-    gen = torch.Generator(device=device).manual_seed(seed * 100003 + 99991)
     for name in OWN:
-        if name == "eh_proj.weight":
+        if name == "eh_proj.weight" and device.type == "meta":  # shapes only (an engine's accounting)
+            yield name, torch.empty((hidden, 2 * hidden), device=device, dtype=dtype)
+        elif name == "eh_proj.weight":
+            gen = torch.Generator(device=device).manual_seed(seed * 100003 + 99991)
             yield name, (torch.randn((hidden, 2 * hidden), generator=gen, device=device) * std).to(dtype)
         else:
             yield name, torch.ones(hidden, device=device, dtype=dtype)
