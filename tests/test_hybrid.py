@@ -283,8 +283,8 @@ def test_ngram_speculation_gives_the_plain_greedy_answer(tmp_path_factory, token
         for name in ("commit", "conv_commit"):
             orig = getattr(gated_delta, name)
             if name == "commit":
-                monkeypatch.setattr(gated_delta, name, lambda x, ssm, slots, runs, accepted, _o=orig:
-                                    _o(x, ssm, slots, runs, runs))
+                monkeypatch.setattr(gated_delta, name, lambda x, ssm, slots, runs, accepted, fused, _o=orig:
+                                    _o(x, ssm, slots, runs, runs, fused))
             else:
                 monkeypatch.setattr(gated_delta, name, lambda conv, slots, seq, runs, accepted, _o=orig:
                                     _o(conv, slots, seq, runs, runs))

@@ -13,9 +13,11 @@ A speculative verify step runs each request's rows in order (row j of all of the
 (`verify`); once the scheduler knows how many were accepted, `commit` advances the state over those only, so rejected
 drafts never enter it.
 
-Which path runs where: the torch code of this module everywhere by default (and verify steps always); on CUDA with
-MINISGL_FLA=1, where flash-linear-attention (`fla-core`, Triton) imports, its `chunk_gated_delta_rule` and
-`fused_recurrent_gated_delta_rule` (opt-in: see `fla_ops`). Both normalize q and k in fp32 and keep the states in fp32.
+Which path runs where: the torch code of this module everywhere by default; on CUDA with the fused ops on (16-bit
+models), a verify step and its commit through kernels/triton/gated_delta.py (a request's rows in one program);
+on CUDA with MINISGL_FLA=1, where flash-linear-attention (`fla-core`, Triton) imports, its `chunk_gated_delta_rule`
+and `fused_recurrent_gated_delta_rule` for prefill and decode (opt-in: see `fla_ops`). All normalize q and k in fp32
+and keep the states in fp32.
 """
 
 from __future__ import annotations
@@ -248,24 +250,51 @@ def _advance(inputs: tuple[torch.Tensor, ...], ssm: torch.Tensor, slots: torch.T
     return slots, states
 
 
+@functools.lru_cache(maxsize=8)  # every linear layer of a verify step asks for the same one
+def first_rows(runs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Each request's first row in a verify step of `runs` rows a request, [B] int64 on `device` (uploaded once a
+    step, not a pageable copy a layer: that one may wait for the steps in flight)."""
+    return _upload(torch.tensor([0, *itertools.accumulate(runs)][:-1], dtype=torch.int64), device)
+
+
+@functools.lru_cache(maxsize=8)
+def _spans(runs: tuple[int, ...], upto: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each request's first row, how many of its rows to step) [B] int32 on `device`, for the Triton kernel."""
+    starts = torch.tensor([0, *itertools.accumulate(runs)][:-1], dtype=torch.int32)
+    return _upload(starts, device), _upload(torch.tensor(upto, dtype=torch.int32), device)
+
+
 def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           ssm: torch.Tensor, slots: torch.Tensor, runs: list[int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+           ssm: torch.Tensor, slots: torch.Tensor, runs: list[int],
+           fused: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """A verify step (speculative decoding): each request's `runs[i]` rows in order, one step each from the state in
     its slot (`slots` [B], one a request), as decode would run them (row j of every request at once); the slots are
     left as they were. Returns o [T, H, V] and the step's normalized inputs, for `commit` to advance each state over
-    the rows accepted."""
+    the rows accepted. `fused` (CUDA): each request's rows in one Triton launch (kernels/triton/gated_delta.py)."""
     qn, kn = _normalized(q, k, v.shape[1] // q.shape[1])
-    inputs = (qn, kn, v.float(), g.float(), beta.float())
-    out = torch.empty_like(inputs[2])
-    _advance(inputs, ssm, slots, runs, runs, out)
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    inputs = (qn, kn, vf, gf, bf)
+    out = torch.empty_like(vf)
+    if fused:
+        from minisgl_cli.kernels.triton.gated_delta import rows_in_order
+
+        rows_in_order(qn, kn, vf, gf, bf, ssm, slots, *_spans(tuple(runs), tuple(runs), q.device), out, False)
+    else:
+        _advance(inputs, ssm, slots, runs, runs, out)
     return out, inputs
 
 
 def commit(inputs: tuple[torch.Tensor, ...], ssm: torch.Tensor, slots: torch.Tensor, runs: list[int],
-           accepted: list[int]) -> None:
+           accepted: list[int], fused: bool = False) -> None:
     """After a verify step: each request's state advanced over its first `accepted[i]` rows (the steps `verify`
-    ran), the rejected drafts' never written."""
-    ssm.index_copy_(0, *_advance(inputs, ssm, slots, runs, accepted))
+    ran), the rejected drafts' never written. `fused`: as `verify`'s."""
+    if fused:
+        from minisgl_cli.kernels.triton.gated_delta import rows_in_order
+
+        qn, kn, vf, gf, bf = inputs
+        rows_in_order(qn, kn, vf, gf, bf, ssm, slots, *_spans(tuple(runs), tuple(accepted), ssm.device), None, True)
+    else:
+        ssm.index_copy_(0, *_advance(inputs, ssm, slots, runs, accepted))
 
 
 def _depthwise(seq: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@ load their language model; their vision tower is skipped, and so is the MTP laye
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import re
 from collections.abc import Iterable, Iterator
 
@@ -86,14 +85,14 @@ class GatedDeltaNet(nn.Module):
     """One linear-attention layer; `index` is its place among the model's linear layers (its state in each slot)."""
 
     pool: StatePool | None = None  # set by the engine (bind_state) before the first forward
-    # a verify step's (request slots, runs, conv inputs, delta-rule inputs) until `commit`
-    pending: tuple[torch.Tensor, list[int], torch.Tensor, tuple[torch.Tensor, ...]] | None = None
+    # a verify step's (request slots, runs, conv inputs, delta-rule inputs, whether fused) until `commit`
+    pending: tuple[torch.Tensor, list[int], torch.Tensor, tuple[torch.Tensor, ...], bool] | None = None
 
     def __init__(self, cfg: ModelConfig, index: int, tp: TPInfo, kernels: Kernels, method: LinearMethod):
         super().__init__()
         la = cfg.linear_attn
         assert la is not None
-        self.la, self.index = la, index
+        self.la, self.index, self.kernels = la, index, kernels
         # This rank's heads: key heads [k0, k0 + hk) and their value heads [v0, v0 + hv), in every part of the input
         # projection, the conv's channels, A_log / dt_bias and the output projection's columns.
         self.hk, self.hv = hk, hv = linear_heads(cfg, tp)
@@ -155,8 +154,7 @@ class GatedDeltaNet(nn.Module):
         conv, ssm = pool.conv[self.index], pool.ssm[self.index]
         runs = batch.runs
         if runs is not None:  # a verify step: each request's slot (that of its first row), the states left alone
-            firsts = torch.tensor([0, *itertools.accumulate(runs)][:-1], dtype=torch.int64)
-            slots = slots[firsts.to(slots.device)]
+            slots = slots[gated_delta.first_rows(tuple(runs), slots.device)]
             mixed, seq = gated_delta.conv_verify(mixed, self.conv_weight, conv, slots, runs)
         elif decode:
             # A captured decode graph's padded rows (KV slot 0, the scratch page) must not touch a live request's
@@ -173,8 +171,10 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
         if runs is not None:
-            o, inputs = gated_delta.verify(q, k, v, g, beta, ssm, slots, runs)
-            self.pending = (slots, runs, seq, inputs)
+            # CUDA with the fused ops on, 16-bit (fp32 is the exact mode: torch's sums): the rows in one launch
+            fused = q.dtype != torch.float32 and self.kernels.triton(q) is not None
+            o, inputs = gated_delta.verify(q, k, v, g, beta, ssm, slots, runs, fused)
+            self.pending = (slots, runs, seq, inputs, fused)
         elif decode:
             o = gated_delta.decode(q, k, v, g, beta, ssm, slots)
         else:
@@ -186,10 +186,10 @@ class GatedDeltaNet(nn.Module):
     def commit(self, accepted: list[int]) -> None:
         """After the verify step this layer last ran: each request's state over its `accepted` rows."""
         assert self.pending is not None and self.pool is not None, "a commit follows a verify step"
-        slots, runs, seq, inputs = self.pending
+        slots, runs, seq, inputs, fused = self.pending
         self.pending = None
         gated_delta.conv_commit(self.pool.conv[self.index], slots, seq, runs, accepted)
-        gated_delta.commit(inputs, self.pool.ssm[self.index], slots, runs, accepted)
+        gated_delta.commit(inputs, self.pool.ssm[self.index], slots, runs, accepted, fused)
 
 
 class GatedAttention(nn.Module):
