@@ -3,8 +3,9 @@
 untimed, for its tok/s, then again with every forward of the target and of the MTP engine timed by its kind (the
 device synchronized around each, which the tok/s must not pay).
 
-Printed, per model: the target's decode step (one row), its verify step by rows (k + 1), the MTP layer's extend (a
-request's rows from the target's states) and its chained decode row, tok/s both ways, and the acceptance a verify
+Printed, per model: the target's decode step (one row), its verify step by rows (k + 1), the MTP layer's forwards
+by rows (a write of a request's rows from the target's states: an extend, or decode rows where few; a chained draft's
+row), tok/s both ways, and the acceptance a verify
 of k drafts needs to break even: with random (dummy) weights no draft is accepted, so the speed-up real weights give
 is (1 + accepted) / (verify + proposal) in plain steps, from these figures.
 
@@ -34,7 +35,9 @@ _ORIGINAL = Engine.forward
 def _kind(engine: Engine, batch) -> str:  # type: ignore[no-untyped-def]
     rows = batch.num_tokens
     if isinstance(engine.model, MtpHead):
-        return "mtp extend" if not batch.is_decode else "mtp decode row"
+        # a write of a few rows runs as decode rows, one a token (scheduler/mtp.py's DECODE_FORM_ROWS), like a chained
+        # draft's row: told apart by their count only
+        return "mtp extend" if not batch.is_decode else f"mtp {rows} decode row{'s' * (rows > 1)}"
     return ("target prefill" if not batch.is_decode else
             "target decode" if rows == batch.batch_size and batch.runs is None else f"target verify {rows} rows")
 
@@ -125,9 +128,11 @@ def main() -> None:
         for kind, ms in sorted(mtp["ms"].items()):
             print(f"  {kind:<24} {ms:8.3f} ms  x{mtp['calls'][kind]:<5} = {ms / step:5.2f} decode steps")
         verify = mtp["ms"].get(f"target verify {args.k + 1} rows")
-        ext, row = mtp["ms"].get("mtp extend"), mtp["ms"].get("mtp decode row")
-        if verify and ext and row:
-            cost = (verify + ext + (args.k - 1) * row) / step  # a verify of k drafts and its proposal, in plain steps
+        # After a verify that accepted none, the proposal writes 1 row (as a decode row) then chains k - 1: k one-row
+        # forwards (the prompt's write, the one extend, is not a verify's)
+        row = mtp["ms"].get("mtp 1 decode row")
+        if verify and row:
+            cost = (verify + args.k * row) / step  # a verify of k drafts and its proposal, in plain steps
             print(f"  k={args.k}: a verify and its proposal cost {cost:.2f} decode steps: MTP pays where more than "
                   f"{cost - 1:.2f} drafts a verify are accepted")
     Path(args.out).mkdir(parents=True, exist_ok=True)

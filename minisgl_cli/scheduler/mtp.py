@@ -5,9 +5,11 @@ one-layer KV pool.
 The target's engine keeps every row's hidden state (`Engine.keep_hidden_states`); the scheduler hands each step's
 kept rows here (`observe`: a prompt chunk's, a decode step's row, a verify step's accepted rows). The MTP layer's row
 at position q takes token q + 1 and the target's state at q, so once a request's last token t_n is known every row up
-to n - 1 can be written. A proposal writes the rows not written yet in one extend (its last row's logits give the first
-draft), then chains: the draft and the MTP layer's own output go in as the next row's token and state, one decode
-step a draft. Those chain rows are given back before the next proposal; the rows from the target's states stay.
+to n - 1 can be written. A proposal writes the rows not written yet in one forward (its last row's logits give the
+first draft): an extend, or where they are few (after a verify: 1 + the drafts accepted) decode rows, one a token,
+which on CUDA replay a graph. It then chains: the draft and the MTP layer's own output go in as the next row's token
+and state, one decode step a draft. Those chain rows are given back before the next proposal; the rows from the
+target's states stay.
 
 A request's MTP rows start at the first position whose state this proposer saw (a prompt's first uncached token): a
 cached prefix's states were computed by another request and are not kept, so its rows attend over what follows it
@@ -33,6 +35,10 @@ if TYPE_CHECKING:
 
 
 FLUSH_ROWS = 512  # a prompt's states are written once this many wait (bounds what a long prompt holds)
+# An extend of at most this many rows (on CUDA: as many as the decode graphs take) runs as decode rows, one a token,
+# each over its request's page-table row up to its own position: on CUDA a graph's replay, not an eager extend
+# (DeepSeek-V3's MTP extend took 6.2 ms eagerly on an H200, a decode row 1.1: docs/benchmarks.md).
+DECODE_FORM_ROWS = 8
 
 
 @dataclass
@@ -164,13 +170,22 @@ class MtpProposer:
             last.append(len(rows) - 1)
         if not ids:
             return [None] * len(work)
-        batch = self.engine.build_batch(mode, ids, rows, starts, lens, locs)
+        engine = self.engine
+        graphs = engine.graphs
+        ends = list(itertools.accumulate(lens))  # each track's last row + 1
+        if mode == "decode" or len(ids) <= (graphs.max_bs if graphs is not None else DECODE_FORM_ROWS):
+            # one row a token (a verify step's layout): every row's logits, a track's last at its end - 1
+            batch = engine.build_batch("decode", ids, [r for r, n in zip(rows, lens) for _ in range(n)],
+                                       [s + j for s, n in zip(starts, lens) for j in range(n)], [1] * len(ids), locs)
+            picks = [e - 1 for e in ends]
+        else:  # an extend: each track's last row's logits
+            batch = engine.build_batch(mode, ids, rows, starts, lens, locs)
+            picks = list(range(len(rows)))
         self.cache.write_rows(batch, locs)
         batch.prev_hidden = torch.cat(states)
-        tokens_out = self.engine.forward(batch).argmax(dim=-1).tolist()
+        tokens_out = engine.forward(batch)[picks].argmax(dim=-1).tolist()
         out = batch.hidden
         assert out is not None  # the MTP layer keeps every row's output
-        ends = list(itertools.accumulate(lens))  # each track's last row + 1
         return [None if r is None else (tokens_out[r], out[ends[r] - 1 : ends[r]]) for r in last]
 
     def release(self, req: Req) -> None:
