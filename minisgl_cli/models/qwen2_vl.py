@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl_cli.attention.base import AttentionBackend
+from minisgl_cli.attention.torch_backend import sdpa
 from minisgl_cli.distributed import TPInfo
 from minisgl_cli.engine.batch import ForwardBatch
 from minisgl_cli.layers.kernel_choice import Kernels
@@ -84,13 +85,14 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
     """Bidirectional attention of q, k, v [S, H, D] within each segment, none across: the segments of one length go
     through SDPA together, as a batch."""
     S, H, D = q.shape
-    if segments.whole:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    scale = D**-0.5
+    if segments.whole:  # (torch_backend.sdpa: not cuDNN's on CUDA, which plans each new image size anew)
+        o = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, scale)
         return o[0].transpose(0, 1)
     out = torch.empty_like(q)
     for n, m, rows in segments.groups:
         qs, ks, vs = (t[rows].view(m, n, H, D).transpose(1, 2) for t in (q, k, v))
-        out[rows] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(m * n, H, D)
+        out[rows] = sdpa(qs, ks, vs, None, scale).transpose(1, 2).reshape(m * n, H, D)
     return out
 
 
