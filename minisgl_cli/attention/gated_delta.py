@@ -250,18 +250,23 @@ def _advance(inputs: tuple[torch.Tensor, ...], ssm: torch.Tensor, slots: torch.T
     return slots, states
 
 
+def _firsts(runs: tuple[int, ...]) -> list[int]:
+    """Each request's first row in a step of `runs` rows a request."""
+    return [0, *itertools.accumulate(runs)][:-1]
+
+
 @functools.lru_cache(maxsize=8)  # every linear layer of a verify step asks for the same one
 def first_rows(runs: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Each request's first row in a verify step of `runs` rows a request, [B] int64 on `device` (uploaded once a
-    step, not a pageable copy a layer: that one may wait for the steps in flight)."""
-    return _upload(torch.tensor([0, *itertools.accumulate(runs)][:-1], dtype=torch.int64), device)
+    """`_firsts` as [B] int64 on `device` (uploaded once a step, not a pageable copy a layer: that one may wait for
+    the steps in flight)."""
+    return _upload(torch.tensor(_firsts(runs), dtype=torch.int64), device)
 
 
 @functools.lru_cache(maxsize=8)
 def _spans(runs: tuple[int, ...], upto: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(each request's first row, how many of its rows to step) [B] int32 on `device`, for the Triton kernel."""
-    starts = torch.tensor([0, *itertools.accumulate(runs)][:-1], dtype=torch.int32)
-    return _upload(starts, device), _upload(torch.tensor(upto, dtype=torch.int32), device)
+    return (_upload(torch.tensor(_firsts(runs), dtype=torch.int32), device),
+            _upload(torch.tensor(upto, dtype=torch.int32), device))
 
 
 def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
