@@ -250,23 +250,16 @@ def _advance(inputs: tuple[torch.Tensor, ...], ssm: torch.Tensor, slots: torch.T
     return slots, states
 
 
-def _firsts(runs: tuple[int, ...]) -> list[int]:
-    """Each request's first row in a step of `runs` rows a request."""
-    return [0, *itertools.accumulate(runs)][:-1]
-
-
-@functools.lru_cache(maxsize=8)  # every linear layer of a verify step asks for the same one
-def first_rows(runs: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """`_firsts` as [B] int64 on `device` (uploaded once a step, not a pageable copy a layer: that one may wait for
+@functools.lru_cache(maxsize=16)  # every linear layer of a verify step asks for the same ones
+def _device_ints(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Host ints as [n] int64 on `device`, uploaded once a step (not a pageable copy a layer: that one may wait for
     the steps in flight)."""
-    return _upload(torch.tensor(_firsts(runs), dtype=torch.int64), device)
+    return _upload(torch.tensor(values, dtype=torch.int64), device)
 
 
-@functools.lru_cache(maxsize=8)
-def _spans(runs: tuple[int, ...], upto: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each request's first row, how many of its rows to step) [B] int32 on `device`, for the Triton kernel."""
-    return (_upload(torch.tensor(_firsts(runs), dtype=torch.int32), device),
-            _upload(torch.tensor(upto, dtype=torch.int32), device))
+def first_rows(runs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Each request's first row in a step of `runs` rows a request, [B] int64 on `device`."""
+    return _device_ints(tuple(itertools.accumulate(runs, initial=0))[:-1], device)
 
 
 def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -283,7 +276,8 @@ def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     if fused:
         from minisgl_cli.kernels.triton.gated_delta import rows_in_order
 
-        rows_in_order(qn, kn, vf, gf, bf, ssm, slots, *_spans(tuple(runs), tuple(runs), q.device), out, False)
+        spans = first_rows(tuple(runs), q.device), _device_ints(tuple(runs), q.device)
+        rows_in_order(qn, kn, vf, gf, bf, ssm, slots, *spans, out, write=False)
     else:
         _advance(inputs, ssm, slots, runs, runs, out)
     return out, inputs
@@ -297,7 +291,8 @@ def commit(inputs: tuple[torch.Tensor, ...], ssm: torch.Tensor, slots: torch.Ten
         from minisgl_cli.kernels.triton.gated_delta import rows_in_order
 
         qn, kn, vf, gf, bf = inputs
-        rows_in_order(qn, kn, vf, gf, bf, ssm, slots, *_spans(tuple(runs), tuple(accepted), ssm.device), None, True)
+        spans = first_rows(tuple(runs), ssm.device), _device_ints(tuple(accepted), ssm.device)
+        rows_in_order(qn, kn, vf, gf, bf, ssm, slots, *spans, None, write=True)
     else:
         ssm.index_copy_(0, *_advance(inputs, ssm, slots, runs, accepted))
 

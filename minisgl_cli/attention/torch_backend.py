@@ -60,14 +60,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     broadcast to it: one logit per query row) each row's softmax denominator gains exp(sink): the output scaled by
     sigmoid(lse - sink), lse from the CPU flash kernel (the one SDPA runs there; SDPA itself elsewhere)."""
     gqa = q.shape[1] != k.shape[1]
-    if sinks is None and q.is_cuda:  # not cuDNN's: it builds a plan per new shape, ~150 ms of host time on an H200
-        # (MLA's prefill, a chunk of a new length each time: examples/mtp_cost.py). The flags it sets are the
-        # process's: an engine's forwards run in one thread, and media's cuDNN attention in a process of its own.
-        with sdpa_kernel(_CUDA_SDPA):
+    if sinks is None:
+        # On CUDA not cuDNN's: it builds a plan per new shape, ~150 ms of host time on an H200 (MLA's prefill, a chunk
+        # of a new length each time: examples/mtp_cost.py). The flags it sets are the process's: an engine's forwards
+        # run in one thread, and media's cuDNN attention in a process of its own.
+        with sdpa_kernel(_CUDA_SDPA) if q.is_cuda else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                                   enable_gqa=gqa)
-    if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
     if gqa:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

@@ -207,11 +207,18 @@ def dummy_checkpoint(mc: ModelConfig, device: torch.device, dtype: torch.dtype, 
             yield name, torch.zeros(shape, device=device, dtype=dtype)
         elif len(shape) == 1:
             yield name, torch.ones(shape, device=device, dtype=dtype)
-        elif device.type == "meta":  # shapes only: an engine's memory accounting at full size, no weights
-            yield name, torch.empty(shape, device=device, dtype=dtype)
         else:
-            gen = torch.Generator(device=device).manual_seed(seed * 100003 + i)
-            if device.type == "cuda":
-                yield name, torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std, generator=gen)
-            else:
-                yield name, (torch.randn(shape, generator=gen) * std).to(dtype)
+            yield name, random_matrix(shape, device, dtype, seed * 100003 + i, std)
+
+
+def random_matrix(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, seed: int,
+                  std: float = 0.02) -> torch.Tensor:
+    """A dummy checkpoint's Normal(0, std) matrix from generator seed `seed`: on the CPU the same numbers whatever
+    the machine, on CUDA drawn on the device; on the meta device shapes only (an engine's memory accounting at full
+    size, no weights)."""
+    if device.type == "meta":
+        return torch.empty(shape, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if device.type == "cuda":
+        return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std, generator=gen)
+    return (torch.randn(shape, generator=gen) * std).to(dtype)

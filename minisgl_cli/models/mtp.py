@@ -34,6 +34,7 @@ from minisgl_cli.layers.quant import LinearMethod
 from minisgl_cli.loader.hf import Weight
 from minisgl_cli.models.config import HYBRID_ARCHITECTURES, MLA_ARCHITECTURES, ModelConfig
 from minisgl_cli.models.deepseek import DeepseekV3ForCausalLM
+from minisgl_cli.models.dummy import random_matrix
 from minisgl_cli.models.gemma3 import GemmaRMSNorm
 from minisgl_cli.models.llama import LlamaForCausalLM
 from minisgl_cli.models.qwen3_next import Qwen3NextForCausalLM
@@ -101,11 +102,8 @@ def dummy_extras(hidden: int, device: torch.device, dtype: torch.dtype, seed: in
     """Random weights for the MTP layer's own tensors (`--load-format dummy`), as models/dummy.py draws a checkpoint's:
     norms at one, the projection Normal(0, std)."""
     for name in OWN:
-        if name == "eh_proj.weight" and device.type == "meta":  # shapes only (an engine's accounting)
-            yield name, torch.empty((hidden, 2 * hidden), device=device, dtype=dtype)
-        elif name == "eh_proj.weight":
-            gen = torch.Generator(device=device).manual_seed(seed * 100003 + 99991)
-            yield name, (torch.randn((hidden, 2 * hidden), generator=gen, device=device) * std).to(dtype)
+        if name == "eh_proj.weight":
+            yield name, random_matrix((hidden, 2 * hidden), device, dtype, seed * 100003 + 99991, std)
         else:
             yield name, torch.ones(hidden, device=device, dtype=dtype)
 

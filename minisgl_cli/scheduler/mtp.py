@@ -183,7 +183,8 @@ class MtpProposer:
             picks = list(range(len(rows)))
         self.cache.write_rows(batch, locs)
         batch.prev_hidden = torch.cat(states)
-        tokens_out = engine.forward(batch)[picks].argmax(dim=-1).tolist()
+        greedy = engine.forward(batch).argmax(dim=-1).tolist()
+        tokens_out = [greedy[p] for p in picks]
         out = batch.hidden
         assert out is not None  # the MTP layer keeps every row's output
         return [None if r is None else (tokens_out[r], out[ends[r] - 1 : ends[r]]) for r in last]

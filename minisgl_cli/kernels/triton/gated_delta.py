@@ -35,7 +35,7 @@ def _rows_in_order_kernel(Q, K, V, G, BETA, SSM, SLOTS, STARTS, COUNTS, OUT,
     live = cols < DV
     slot = tl.load(SLOTS + b).to(tl.int64)
     start = tl.load(STARTS + b).to(tl.int64)
-    count = tl.load(COUNTS + b)
+    count = tl.load(COUNTS + b).to(tl.int32)
     state = SSM + slot * stride_ss + h * stride_sh + keys[:, None] * DV + cols[None, :]
     s = tl.load(state, mask=live[None, :], other=0.0)
     for i in range(count):
@@ -59,8 +59,8 @@ def rows_in_order(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   out: torch.Tensor | None, write: bool) -> None:
     """Request b's rows starts[b] .. starts[b] + counts[b] - 1 of q, k [T, H, K], v [T, H, V], g, beta [T, H] (fp32)
     stepped in order from its state ssm[slots[b]] ([slots, H, K, V], fp32); each row's output into `out` [T, H, V]
-    where given, and with `write` the state after its last row back in its slot. slots, starts, counts: [B] on the
-    device (a count of 0 leaves the request's slot as it was)."""
+    where given, and with `write` the state after its last row back in its slot. slots, starts, counts: [B] int64
+    on the device (a count of 0 leaves the request's slot as it was)."""
     n_req, heads, dk, dv = slots.shape[0], v.shape[1], k.shape[-1], v.shape[-1]
     assert q.dtype == k.dtype == v.dtype == g.dtype == beta.dtype == ssm.dtype == torch.float32
     assert dk & (dk - 1) == 0 and q.stride() == k.stride() and q.stride(2) == v.stride(2) == 1
