@@ -10,9 +10,9 @@
 #   families.log   (f) examples/families_gpu.py over FAMILY_MODELS with a kernel table each (FAMILY_PROFILE): the
 #                      MoE / MLA models' batch-1 and preset rows against their bytes; with OLD=DIR that tree's first
 #                      (families_old.log)
-#   mxfp4.log      (x) examples/mxfp4_bench.py --sizes 1,4 --sweep: gpt-oss's packed experts' tiles
-#   moe.log        (m) examples/moe_bench.py --sizes 1 --sweep --sweep-dtypes one_slot --no-engine: Qwen3-30B-A3B's
-#                      few-token expert tiles
+#   mxfp4.log      (x) examples/mxfp4_bench.py --sizes 1,4 --sweep (or MXFP4_ARGS): gpt-oss's packed experts' tiles
+#   moe.log        (m) examples/moe_bench.py --sizes 1 --sweep --sweep-dtypes one_slot --no-engine (MOE_ARGS):
+#                      Qwen3-30B-A3B's few-token expert tiles
 #   mtp.log        (p) examples/mtp_cost.py over MTP_MODELS: an MTP draft's cost (its extend, its chained row) and the
 #                      verify step's, in the model's decode steps (issue 49's --speculative-algorithm mtp)
 #   summary.txt    the parts' status and each result line
@@ -57,10 +57,10 @@ if want f; then
   part families 330 90 "$OUT/families.log" \
     $PY examples/families_gpu.py --models "$FAMILY_MODELS" --long "" --profile "$FAMILY_PROFILE" --out "$OUT" $FAMILY_ARGS
 fi
-want x && part mxfp4 150 40 "$OUT/mxfp4.log" $PY examples/mxfp4_bench.py --sizes 1,4 --sweep --out "$OUT"
+want x && part mxfp4 150 40 "$OUT/mxfp4.log" $PY examples/mxfp4_bench.py ${MXFP4_ARGS:---sizes 1,4 --sweep} --out "$OUT"
 want p && part mtp 200 60 "$OUT/mtp.log" $PY examples/mtp_cost.py --models "$MTP_MODELS" --out "$OUT" $MTP_ARGS
 want m && part moe 150 40 "$OUT/moe.log" \
-  $PY examples/moe_bench.py --sizes 1 --sweep --sweep-dtypes one_slot --no-engine --out "$OUT"
+  $PY examples/moe_bench.py ${MOE_ARGS:---sizes 1 --sweep --sweep-dtypes one_slot --no-engine} --out "$OUT"
 
 {
   echo "==== decode_floor.sh: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)," \

@@ -12,7 +12,8 @@
    time, and the aligned path with PDL on (FP8: PDL on and off). The bytes
    of the experts the tokens chose over the fused time give an effective TB/s. `--sweep` also times every
    candidate tile of each GEMM per BLOCK_M, bf16 and (--fp8) w8a16 and w8a8 (--sweep-dtypes picks), for the
-   TILES tables; `--sweep-dtypes one_slot,one_slot_fp8`: the few-token path's.
+   TILES tables; `--sweep-dtypes one_slot,one_slot_fp8`: the few-token path's (at one token the GEMV form's, BLOCK_M 1).
+   At one token also the few-token path on the MMA tiles (`one_slot_mma`) beside the GEMV form the table picks.
 2. Qwen3-30B-A3B with dummy weights (bf16; --fp8: then FP8 experts and linears, a second engine): one 128-token
    prompt, 256 new tokens, EOS ignored, CUDA graphs and overlap on; decode tok/s with the fused experts as shipped,
    without the few-token path ("aligned"), and as shipped again (graphs recaptured; every other fused op stays
@@ -55,6 +56,8 @@ LAYERS = 4  # 4 x 1.2 GB of experts: none stays in the 50 MB L2 between its call
 # expert holds at T tokens: T k / E on average).
 SWEEP_NK = [(n, k, w, st) for n in (32, 64, 128) for k in (64, 128, 256) for w, st in ((4, 3), (4, 4), (8, 3))] + [
     (256, 64, 8, 3), (256, 128, 8, 3)] + [(16, k, w, st) for k in (128, 256) for w, st in ((4, 3), (4, 4), (2, 3))]
+# the GEMV form's (BLOCK_M 1: rows a program, depth, warps; no MMA pipeline to stage)
+SWEEP_GEMV = [(n, k, w, 1) for n in (4, 8, 16) for k in (256, 512, 1024) for w in (2, 4, 8)]
 
 
 def sweep_block_m(m: int) -> tuple[int, ...]:
@@ -113,6 +116,10 @@ def time_size(m: int, blocks: list[MoE], q: list | None, g: torch.Generator, swe
         for b in blocks])
     if m <= 8:  # the few-token path (one-slot blocks routed by gate/up), whatever SMALL_MAX_TOKENS says
         us["one_slot"] = _graph_us([lambda b=b: one_slot(b) for b in blocks])
+        if m == 1:  # one token on the MMA tiles, against the GEMV form the table picks
+            us["one_slot_mma"] = _graph_us([lambda b=b: triton_moe.one_slot_experts(
+                x, b.gate(x), b.experts.gate_up_proj, b.experts.down_proj, TOP_K, True, pdl=True,
+                tiles=triton_moe.MMA_16BIT_FEW) for b in blocks])
         if q is not None:
             us["one_slot_fp8_pdl"] = _graph_us([lambda b=b, qb=qb: one_slot(b, qb) for b, qb in zip(blocks, q)])
             us["one_slot_fp8"] = _graph_us([lambda b=b, qb=qb: one_slot(b, qb, pdl=False) for b, qb in zip(blocks, q)])
@@ -189,7 +196,7 @@ def sweep_tiles(m: int, x: torch.Tensor, blocks: list[MoE], q: list | None, dtyp
         a = triton_ops.quant_rows(x, pdl=False) if w8a8 else (x, None)
         best = None
         one_slot = dtype.startswith("one_slot")  # a slot a block, gate/up routing them (the few-token path)
-        for bm in (16,) if one_slot else sweep_block_m(m):
+        for bm in ((1,) if m == 1 else (16,)) if one_slot else sweep_block_m(m):
             layers = []
             for (w, ids), e, b in zip(routes, experts, blocks):
                 h = torch.randn(m * TOP_K, INTER, device="cuda", dtype=torch.bfloat16)
@@ -220,7 +227,7 @@ def _sweep_gemm(a: tuple, layers: list[tuple], bm: int, gated: bool) -> list[tup
             triton_moe.expert_gemm(ha[0], dn, ds, out, slots, cfg, gated=False, a_scale=ha[1])
 
     times = []
-    for n, k, w, st in SWEEP_NK:
+    for n, k, w, st in SWEEP_GEMV if bm == 1 else SWEEP_NK:
         cfg = triton_moe.MoeConfig(bm, n, k, w, st)
         try:
             times.append((_graph_us([lambda layer=layer, cfg=cfg: call(layer, cfg) for layer in layers]), cfg))

@@ -31,6 +31,7 @@ from minisgl_cli.loader.mxfp4 import dequantize  # noqa: E402
 HIDDEN, INTER, EXPERTS, TOP_K = 2880, 2880, 32, 4  # gpt-oss-20b
 LAYERS = 4  # 4 x 1.6 GB of bf16 experts (0.4 GB packed): none stays in the 50 MB L2 between its calls
 SWEEP = [(n, k, w, st) for n in (16, 32, 64, 128) for k in (64, 128, 256) for w, st in ((4, 3), (4, 4), (2, 3), (8, 3))]
+SWEEP_GEMV = [(n, k, w, 1) for n in (4, 8, 16) for k in (256, 512, 1024) for w in (2, 4, 8)]  # BLOCK_M 1
 
 
 def make_layers(g: torch.Generator) -> list[dict]:
@@ -62,9 +63,13 @@ def time_size(m: int, layers: list[dict], g: torch.Generator, sweep: bool) -> di
                                          swiglu=layers[i]["swiglu"])
 
     us = {kind: graph_us([lambda i=i, kind=kind: run(i, kind) for i in range(LAYERS)]) for kind in ("packed", "bf16")}
+    if m == 1:  # one token on the MMA tiles, against the GEMV form the table picks
+        us["packed_mma"] = graph_us([lambda i=i: triton_moe.one_slot_experts(
+            x, logits[i], *layers[i]["packed"][:2], TOP_K, True, *layers[i]["packed"][2:], pdl=True, terms=True,
+            swiglu=layers[i]["swiglu"], tiles=triton_moe.MMA_MXFP4_ONE) for i in range(LAYERS)])
     got, want = run(0, "packed").float(), run(0, "bf16").float()
     bf16_bytes = chosen * 3 * HIDDEN * INTER * 2
-    r = dict(M=m, experts_chosen=chosen, packed_us=round(us["packed"], 1), bf16_us=round(us["bf16"], 1),
+    r = dict(M=m, experts_chosen=chosen, **{f"{k}_us": round(v, 1) for k, v in us.items()},
              packed_tbs=round(bf16_bytes * 17 / 64 / us["packed"] / 1e6, 2),
              bf16_tbs=round(bf16_bytes / us["bf16"] / 1e6, 2),
              max_diff=f"{((got - want).abs().max() / want.abs().max()).item():.1e}",
@@ -78,7 +83,7 @@ def sweep_tiles(m: int, x: torch.Tensor, logits: list[torch.Tensor], layers: lis
     """The fastest tile of each packed GEMM at M tokens (a layer's µs, `LAYERS` layers in a graph)."""
     one_slot = m <= triton_moe.SMALL_MAX_TOKENS
     found = {}
-    for bm in (16,) if one_slot else (16, 32) if m <= 256 else (32, 64):
+    for bm in ((1,) if m == 1 else (16,)) if one_slot else (16, 32) if m <= 256 else (32, 64):
         state = []
         for lg, layer in zip(logits, layers):
             h = torch.empty(m * TOP_K, INTER, device="cuda", dtype=torch.bfloat16)
@@ -102,7 +107,7 @@ def sweep_tiles(m: int, x: torch.Tensor, logits: list[torch.Tensor], layers: lis
 
         for gated in (True, False):  # gate/up first: it writes the one-slot blocks' experts and weights for down
             times = []
-            for n, k, warps, stages in SWEEP:
+            for n, k, warps, stages in SWEEP_GEMV if bm == 1 else SWEEP:
                 cfg = triton_moe.MoeConfig(bm, n, k, warps, stages)
                 try:
                     calls = [lambda s=s, cfg=cfg, gated=gated: gemm(s, cfg, gated) for s in state]

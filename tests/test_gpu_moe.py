@@ -25,6 +25,12 @@ pytestmark = [pytest.mark.gpu, NEEDS_TRITON]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 SMALL = (16, 16, 32, 4, 1)  # a tile smaller than the shapes: several blocks and column tiles, masked K edges
+GEMV = (1, 4, 32, 4, 1)  # the GEMV form (a slot a program), smaller than the shapes likewise
+
+
+def _tiles(T, tile: str):
+    """The tiles a test names: None (picked by the batch size), SMALL's or GEMV's."""
+    return None if tile == "picked" else T.MoeTiles.both(T.MoeConfig(*(SMALL if tile == "small" else GEMV)))
 NO_FP8 = DEV == "cuda" and torch.cuda.get_device_capability() < (8, 9)  # e4m3 in Triton: Ada / Hopper and newer
 
 
@@ -106,7 +112,8 @@ def test_route_picks_torchs_top_k(T, n_exp, top_k, n_tok):
 
 
 @pytest.mark.parametrize("n_exp,top_k,n_tok,block_m", [(8, 2, 1, 16), (8, 2, 64, 16), (128, 8, 3, 16),
-                                                      (128, 8, 64, 32), (4, 1, 70, 64), (128, 8, 600, 16)])
+                                                      (128, 8, 64, 32), (4, 1, 70, 64), (128, 8, 600, 16),
+                                                      (256, 8, 600, 16)])  # 256 experts: chunks of 128
 def test_align_sorts_every_slot_once_into_its_experts_blocks(T, n_exp, top_k, n_tok, block_m):
     g = torch.Generator().manual_seed(n_tok)
     ids = torch.stack([torch.randperm(n_exp, generator=g)[:top_k] for _ in range(n_tok)]).to(DEV)
@@ -127,8 +134,10 @@ def test_align_sorts_every_slot_once_into_its_experts_blocks(T, n_exp, top_k, n_
 
 @pytest.mark.parametrize("n_exp,top_k,n_tok", [(8, 2, 1), (8, 2, 64), (16, 8, 3), (128, 8, 1), (128, 8, 17),
                                                (4, 1, 40)])
-@pytest.mark.parametrize("tile", ["picked", "small"])
+@pytest.mark.parametrize("tile", ["picked", "small", "gemv"])
 def test_fused_experts_match_the_reference(T, n_exp, top_k, n_tok, tile):
+    """The choices as given (DeepSeek's router hands them in): aligned blocks, or with the GEMV form a slot a
+    program and no alignment."""
     from minisgl_cli.layers.moe import route
 
     hidden, inter = 64, 48  # K = 48 is not a multiple of the small tile's 32: the masked edge
@@ -136,7 +145,7 @@ def test_fused_experts_match_the_reference(T, n_exp, top_k, n_tok, tile):
     g = torch.Generator().manual_seed(n_tok)
     x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
     weights, ids = route(torch.randn(n_tok, n_exp, generator=g).to(DEV), top_k, True)
-    tiles = T.MoeTiles.both(T.MoeConfig(*SMALL)) if tile == "small" else None
+    tiles = _tiles(T, tile)
     got = T.fused_experts(x, gate_up.to(DEV, DTYPE), down.to(DEV, DTYPE), weights, ids, tiles=tiles)
     assert got.shape == (n_tok, hidden) and got.dtype == DTYPE
     _close(got, _reference(x, gate_up.to(DTYPE), down.to(DTYPE), weights, ids))
@@ -144,11 +153,11 @@ def test_fused_experts_match_the_reference(T, n_exp, top_k, n_tok, tile):
 
 @pytest.mark.parametrize("n_exp,top_k,n_tok", [(8, 2, 1), (8, 2, 4), (16, 3, 2), (128, 8, 1), (60, 8, 3),
                                                (4, 1, 4)])
-@pytest.mark.parametrize("tile", ["picked", "small"])
+@pytest.mark.parametrize("tile", ["picked", "small", "gemv"])
 def test_one_slot_experts_route_themselves_and_match_the_reference(T, n_exp, top_k, n_tok, tile):
-    """The few-token path (a slot a block of the aligned kernels, routed inside the gate/up pass) against the
-    reference on route()'s choices, renormalized or not, summed or as terms; a tile smaller than the shapes masks
-    every edge."""
+    """The few-token path (a slot a block of the aligned kernels or a slot a program of the GEMV form, routed inside
+    the gate/up pass) against the reference on route()'s choices, renormalized or not, summed or as terms; a tile
+    smaller than the shapes masks every edge."""
     from minisgl_cli.layers.moe import route
 
     hidden, inter = 64, 47  # 47 rows: a masked row tile in gate/up, a masked K step in down
@@ -156,7 +165,7 @@ def test_one_slot_experts_route_themselves_and_match_the_reference(T, n_exp, top
     g = torch.Generator().manual_seed(n_tok + 100)
     x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
     logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)
-    tiles = T.MoeTiles.both(T.MoeConfig(*SMALL)) if tile == "small" else None
+    tiles = _tiles(T, tile)
     for renormalize in (False, True):
         got = T.one_slot_experts(x, logits, gate_up, down, top_k, renormalize, tiles=tiles)
         terms = T.one_slot_experts(x, logits, gate_up, down, top_k, renormalize, tiles=tiles, terms=True)
@@ -169,7 +178,8 @@ def test_one_slot_experts_route_themselves_and_match_the_reference(T, n_exp, top
 
 
 @pytest.mark.skipif(NO_FP8, reason="FP8 needs compute capability 8.9+")
-def test_one_slot_fp8_experts_match_their_dequantized_weights(T):
+@pytest.mark.parametrize("tile", ["small", "gemv"])
+def test_one_slot_fp8_experts_match_their_dequantized_weights(T, tile):
     """FP8 experts on the few-token path run w8a16: codes widened, the row's scale on the finished dot."""
     from minisgl_cli.layers.moe import route
 
@@ -179,7 +189,7 @@ def test_one_slot_fp8_experts_match_their_dequantized_weights(T):
     x = torch.randn(n_tok, hidden, generator=g).to(DEV, DTYPE)
     logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)
     got = T.one_slot_experts(x, logits, gu.to(DEV), dn.to(DEV), top_k, True, gs.to(DEV), ds.to(DEV),
-                             tiles=T.MoeTiles.both(T.MoeConfig(*SMALL)))
+                             tiles=_tiles(T, tile))
     want = _reference(x, *(c.float() * s[..., None] for c, s in ((gu, gs), (dn, ds))), *route(logits, top_k, True))
     _close(got, want)
 
@@ -322,7 +332,11 @@ def test_fused_experts_replay_in_a_cuda_graph(T):
     def one_slot(x, logits):
         return T.one_slot_experts(x, logits, gate_up, down, top_k, True, pdl=True)
 
-    for run in (aligned, one_slot):
+    def one_token(x, logits):  # the picked tiles' GEMV form
+        return T.one_slot_experts(x[:1], logits[:1], gate_up, down, top_k, True, pdl=True)
+
+    assert T.pick_tiles(1).gate_up.block_m == 1
+    for run in (aligned, one_slot, one_token):
         static = inputs(0)
         run(*static)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
@@ -332,8 +346,9 @@ def test_fused_experts_replay_in_a_cuda_graph(T):
             dst.copy_(src)
         graph.replay()
         torch.testing.assert_close(out, run(*static), rtol=0, atol=0)
-        w, ids = route(static[1], top_k, True)
-        _close(out, _reference(static[0], gate_up, down, w, ids))
+        rows = out.shape[0]
+        w, ids = route(static[1][:rows], top_k, True)
+        _close(out, _reference(static[0][:rows], gate_up, down, w, ids))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the MoE block on CUDA")

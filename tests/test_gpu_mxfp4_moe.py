@@ -27,6 +27,7 @@ CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine
 # down's columns end in a masked half tile, and the picked tiles (128 deep; 256 at one token) mask K in every step
 HIDDEN, INTER = 96, 64
 TILE = (16, 64, 64, 4, 1)
+GEMV = (1, 8, 64, 4, 1)  # the GEMV form: two 32-value blocks a step, so K = 96 ends in a masked half step
 
 
 if TRITON_RUNS:  # triton importable: a kernel that widens one tile, for the first test
@@ -110,11 +111,12 @@ def test_the_tile_widens_every_code_under_every_exponent_exactly(T):
 
 
 @pytest.mark.parametrize("n_tok", [1, 3, 6])
-@pytest.mark.parametrize("tile", ["picked", "small"])
+@pytest.mark.parametrize("tile", ["picked", "small", "gemv"])
 def test_packed_gpt_oss_experts_equal_the_dequantized_ones(T, n_tok, tile):
     """gpt-oss's experts (biases, clamped SwiGLU, top-k then softmax routing) packed: the few-token path (1, 3 tokens)
-    and the aligned one (6), each equal to the kernels on the dequantized weights within bf16 rounding and close to the
-    torch path; the biases and the clamp change the answer (the test can tell)."""
+    and the aligned one (6; the GEMV form takes the choices as given, a slot a program), each equal to the kernels on
+    the dequantized weights within bf16 rounding and close to the torch path; the biases and the clamp change the
+    answer (the test can tell)."""
     from minisgl_cli.layers.moe import route
 
     n_exp, top_k = 8, 2
@@ -123,8 +125,8 @@ def test_packed_gpt_oss_experts_equal_the_dequantized_ones(T, n_tok, tile):
     act, biases, swiglu = _swiglu(n_exp, g, T)
     x = torch.randn(n_tok, HIDDEN, generator=g).to(DEV, DTYPE)
     logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)
-    tiles = T.MoeTiles.both(T.MoeConfig(*TILE)) if tile == "small" else None
-    if tile == "picked":  # one token: the packed experts' own tiles, not the FP8 table's
+    tiles = None if tile == "picked" else T.MoeTiles.both(T.MoeConfig(*(TILE if tile == "small" else GEMV)))
+    if tile == "picked":  # one token: the packed experts' own tiles (the GEMV form), not the FP8 table's
         from minisgl_cli.kernels.triton.moe_tiles import TILES_MXFP4
 
         assert (T.pick_tiles(n_tok, mxfp4=True) == TILES_MXFP4[0][1]) == (n_tok == 1)

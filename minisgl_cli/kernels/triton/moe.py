@@ -55,7 +55,15 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from minisgl_cli.kernels.triton.fp8 import quant_rows
 from minisgl_cli.kernels.triton.fp8_block import quant_groups
-from minisgl_cli.kernels.triton.moe_tiles import FUSED_MAX_TOKENS, SMALL_MAX_TOKENS, MoeConfig, MoeTiles, pick_tiles  # noqa: F401  (re-exported)
+from minisgl_cli.kernels.triton.moe_tiles import (  # noqa: F401  (re-exported)
+    FUSED_MAX_TOKENS,
+    MMA_16BIT_FEW,
+    MMA_MXFP4_ONE,
+    SMALL_MAX_TOKENS,
+    MoeConfig,
+    MoeTiles,
+    pick_tiles,
+)
 from minisgl_cli.kernels.triton.pdl import pdl_kwargs
 
 
@@ -270,6 +278,62 @@ def _mxfp4_tile(packed, exps, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _slot_expert(logits_ptr, rw_ptr, block_expert_ptr, pid_m, pid_n, stride_l, E, A_DIV: tl.constexpr,
+                 ROUTE: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """The expert of one-slot block `pid_m`: ROUTE (gate/up) picks it from its token's top-k of the gate logits (in
+    every program of the slot) and the first column tile writes it and its weight for down; else it is read."""
+    if ROUTE:
+        weights, ids = _top_k(logits_ptr, pid_m // A_DIV, stride_l, E, A_DIV, K_P2, E_P2, RENORMALIZE)
+        mine = tl.arange(0, K_P2) == pid_m % A_DIV
+        expert = tl.sum(tl.where(mine, ids, 0), axis=0).to(tl.int64)
+        if pid_n == 0:
+            tl.store(rw_ptr + pid_m, tl.sum(tl.where(mine, weights, 0.0), axis=0))
+            tl.store(block_expert_ptr + pid_m, expert.to(tl.int32))
+    else:
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    return expert
+
+
+@triton.jit
+def _finish(acc, acc_up, slot, valid, rn, mask_n, expert, as_ptr, s_ptr, b_ptr, rw_ptr, c_ptr, N, stride_se,
+            stride_be, stride_c, limit, alpha, A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
+            HAS_SCALE: tl.constexpr, A_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+    """An expert GEMM's epilogue on its fp32 sums [rows, BLOCK_N] of slots `slot` (those `valid`), columns rn: the
+    weights' row scales (HAS_SCALE) and the activations' (A_SCALE), the biases, SiLU-and-mul or gpt-oss's SwiGLU
+    (GATED; acc_up the up projection's), the routing weight (ROUTED), stored to c in its dtype."""
+    if HAS_SCALE:  # FP8 weights: w = code * scale[expert, row]
+        s_ptrs = s_ptr + expert * stride_se + rn
+        acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(s_ptrs + N, mask=mask_n, other=0.0)[None, :]
+    if A_SCALE:  # FP8 activations: a = code * scale[row]
+        a_scale = tl.load(as_ptr + slot // A_DIV, mask=valid, other=0.0)[:, None]
+        acc *= a_scale
+        if GATED:
+            acc_up *= a_scale
+    dtype = c_ptr.dtype.element_ty
+    if HAS_BIAS:  # added to the rounded product, as the torch path adds it
+        b_ptrs = b_ptr + expert * stride_be + rn
+        acc = acc.to(dtype).to(tl.float32) + tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+        if GATED:
+            acc_up = acc_up.to(dtype).to(tl.float32) + tl.load(b_ptrs + N, mask=mask_n, other=0.0).to(tl.float32)
+    if GATED:  # rounded where the unfused path rounds: gate and up, silu(gate), the product
+        g = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        if SWIGLU:  # the gate clamped above, the up both ways: gate * sigmoid(alpha gate) * (up + 1)
+            g = tl.minimum(g, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
+            act = (g / (1.0 + tl.exp(-alpha * g))).to(dtype).to(tl.float32)
+        else:
+            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        acc = act * up
+    if ROUTED:
+        acc *= tl.load(rw_ptr + slot, mask=valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + slot.to(tl.int64)[:, None] * stride_c + rn[None, :]
+    tl.store(c_ptrs, acc.to(dtype), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                         logits_ptr, N, K, numel, E, stride_a, stride_as, stride_we, stride_wn, stride_c, stride_se,
                         stride_sn, stride_be, stride_l, limit, alpha, A_DIV: tl.constexpr, GATED: tl.constexpr,
@@ -297,15 +361,8 @@ def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sorte
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if ONE_SLOT:
-        if GATED:
-            weights, ids = _top_k(logits_ptr, pid_m // A_DIV, stride_l, E, A_DIV, K_P2, E_P2, RENORMALIZE)
-            mine = tl.arange(0, K_P2) == pid_m % A_DIV
-            expert = tl.sum(tl.where(mine, ids, 0), axis=0).to(tl.int64)
-            if pid_n == 0:
-                tl.store(rw_ptr + pid_m, tl.sum(tl.where(mine, weights, 0.0), axis=0))
-                tl.store(block_expert_ptr + pid_m, expert.to(tl.int32))
-        else:
-            expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        expert = _slot_expert(logits_ptr, rw_ptr, block_expert_ptr, pid_m, pid_n, stride_l, E, A_DIV, GATED, K_P2,
+                              E_P2, RENORMALIZE)
         rows = tl.arange(0, BLOCK_M)
         slot = pid_m + rows * 0
         valid = rows == 0
@@ -361,36 +418,149 @@ def _expert_gemm_kernel(a_ptr, as_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sorte
             acc = tl.dot(a, tl.load(w_ptrs + k0, mask=wm, other=0.0).to(a.dtype), acc)
             if GATED:
                 acc_up = tl.dot(a, tl.load(w_ptrs + N * stride_wn + k0, mask=wm, other=0.0).to(a.dtype), acc_up)
-    if HAS_SCALE:  # FP8 weights: w = code * scale[expert, row]
-        s_ptrs = s_ptr + expert * stride_se + rn
-        acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
+    _finish(acc, acc_up, slot, valid, rn, mask_n, expert, as_ptr, s_ptr, b_ptr, rw_ptr, c_ptr, N, stride_se,
+            stride_be, stride_c, limit, alpha, A_DIV, GATED, ROUTED, HAS_SCALE, A_SCALE and not BLOCK_SCALE, HAS_BIAS,
+            SWIGLU)
+
+
+@triton.jit
+def _dense_dots(x_ptr, w_rows, up, mask_n, K, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight rows `w_rows` [BLOCK_N] (16-bit or e4m3: widened in registers) times the row x [K], and with GATED the
+    rows `up` elements on: (sums, up's sums) [BLOCK_N] fp32. Each chunk's next is asked for before this one's sums."""
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_rows[:, None] + rk[None, :]
+    m = mask_n[:, None] & (rk < K)[None, :]
+    w = tl.load(w_ptrs, mask=m, other=0.0, eviction_policy="evict_first")
+    wu = w
+    if GATED:
+        wu = tl.load(w_ptrs + up, mask=m, other=0.0, eviction_policy="evict_first")
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)[None, :]
+        m = mask_n[:, None] & (k0 + BLOCK_K + rk < K)[None, :]  # all false after the last chunk: nothing read
+        nxt = tl.load(w_ptrs + k0 + BLOCK_K, mask=m, other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x
+        w = nxt
         if GATED:
-            acc_up *= tl.load(s_ptrs + N, mask=mask_n, other=0.0)[None, :]
-    if A_SCALE and not BLOCK_SCALE:  # FP8 activations: a = code * scale[row]
-        a_scale = tl.load(as_ptr + slot // A_DIV, mask=valid, other=0.0)[:, None]
-        acc *= a_scale
+            nxt = tl.load(w_ptrs + up + k0 + BLOCK_K, mask=m, other=0.0, eviction_policy="evict_first")
+            acc_up += wu.to(tl.float32) * x
+            wu = nxt
+    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
+
+
+@triton.jit
+def _half_pair(p):
+    """The two fp16 values whose bits a word holds (low half, high half), in fp32."""
+    lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _x_pair(x, A_BF16: tl.constexpr):
+    """The two 16-bit activations a word holds (x[2j], x[2j + 1]), in fp32."""
+    if A_BF16:  # bf16 is fp32's top half
+        return (x << 16).to(tl.float32, bitcast=True), (x & -65536).to(tl.float32, bitcast=True)
+    return _half_pair(x)
+
+
+@triton.jit
+def _mxfp4_word_dots(v, x0, x1, x2, x3, x4, x5, x6, x7):
+    """Each word of MXFP4 codes v [.., 4] (8 values: byte i holds values 2i, 2i + 1 in its low and high nibble) times
+    its 8 activations x0 .. x7 (fp32), summed a word, times 2 ** -14 (the block's scale brings it back: `_mxfp4_tile`'s
+    fp16 trick). A mask and a shift or two make two values' fp16 bits at once: values (0, 4), (1, 5), (2, 6), (3, 7)
+    land in a word's low and high halves."""
+    a, b = _half_pair(((v & 0x00070007) << 9) | ((v & 0x00080008) << 12))
+    t = a * x0 + b * x4
+    a, b = _half_pair(((v & 0x00700070) << 5) | ((v & 0x00800080) << 8))
+    t += a * x1 + b * x5
+    a, b = _half_pair(((v & 0x07000700) << 1) | ((v & 0x08000800) << 4))
+    t += a * x2 + b * x6
+    a, b = _half_pair(((v >> 3) & 0x0E000E00) | (v & -2147450880))  # -2147450880: 0x80008000, the two signs
+    return t + a * x3 + b * x7
+
+
+@triton.jit
+def _mxfp4_chunk(w_ptrs, s_ptrs, k0, mask_n, kb, blocks):
+    """One chunk of MXFP4 rows from value k0: its code words [BLOCK_N, KB, 4] and its blocks' scales [BLOCK_N, KB]
+    (2 ** (e - 127 + 14)); zeros past the rows' `blocks` blocks."""
+    ok = (k0 // 32 + kb < blocks)[None, :]
+    v = tl.load(w_ptrs + k0 // 8, mask=mask_n[:, None, None] & ok[:, :, None], other=0, eviction_policy="evict_first")
+    e = tl.load(s_ptrs + k0 // 32, mask=mask_n[:, None] & ok, other=0)
+    return v, (e.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
+
+
+@triton.jit
+def _mxfp4_dots(x_ptr, w_rows, s_rows, up_w, up_s, mask_n, K, GATED: tl.constexpr, A_BF16: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_dense_dots` of MXFP4 rows: w_rows [BLOCK_N] point at each row's codes as 32-bit words (8 a word, 4 words a
+    32-value block), s_rows at its e8m0 exponents (one a block), x_ptr at the activations as 32-bit pairs; GATED: the
+    up rows `up_w` words and `up_s` exponents on. A block's 4 word sums take its scale once; each chunk's next is
+    asked for before this one's sums."""
+    KB: tl.constexpr = BLOCK_K // 32
+    kb = tl.arange(0, KB)
+    words = (kb[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]  # [1, KB, 4]: a chunk's words
+    w_ptrs = w_rows[:, None, None] + words
+    s_ptrs = s_rows[:, None] + kb[None, :]
+    x_ptrs = x_ptr + words * 4  # each word's first activation pair
+    blocks = K // 32
+    acc = tl.zeros((BLOCK_N, KB), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, KB), dtype=tl.float32)
+    v, scale = _mxfp4_chunk(w_ptrs, s_ptrs, 0, mask_n, kb, blocks)
+    vu, scale_up = v, scale
+    if GATED:
+        vu, scale_up = _mxfp4_chunk(w_ptrs + up_w, s_ptrs + up_s, 0, mask_n, kb, blocks)
+    for k0 in range(0, K, BLOCK_K):
+        x_ok = (k0 // 32 + kb < blocks)[None, :, None]
+        xp = x_ptrs + k0 // 2
+        x0, x1 = _x_pair(tl.load(xp, mask=x_ok, other=0), A_BF16)
+        x2, x3 = _x_pair(tl.load(xp + 1, mask=x_ok, other=0), A_BF16)
+        x4, x5 = _x_pair(tl.load(xp + 2, mask=x_ok, other=0), A_BF16)
+        x6, x7 = _x_pair(tl.load(xp + 3, mask=x_ok, other=0), A_BF16)
+        nv, nscale = _mxfp4_chunk(w_ptrs, s_ptrs, k0 + BLOCK_K, mask_n, kb, blocks)
+        acc += tl.sum(_mxfp4_word_dots(v, x0, x1, x2, x3, x4, x5, x6, x7), axis=2) * scale
+        v, scale = nv, nscale
         if GATED:
-            acc_up *= a_scale
-    dtype = c_ptr.dtype.element_ty
-    if HAS_BIAS:  # added to the rounded product, as the torch path adds it
-        b_ptrs = b_ptr + expert * stride_be + rn
-        acc = acc.to(dtype).to(tl.float32) + tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)
-        if GATED:
-            acc_up = acc_up.to(dtype).to(tl.float32) + tl.load(b_ptrs + N, mask=mask_n, other=0.0).to(tl.float32)
-    if GATED:  # rounded where the unfused path rounds: gate and up, silu(gate), the product
-        g = acc.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
-        if SWIGLU:  # the gate clamped above, the up both ways: gate * sigmoid(alpha gate) * (up + 1)
-            g = tl.minimum(g, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
-            act = (g / (1.0 + tl.exp(-alpha * g))).to(dtype).to(tl.float32)
-        else:
-            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        acc = act * up
-    if ROUTED:
-        acc *= tl.load(rw_ptr + slot, mask=valid, other=0.0)[:, None]
-    c_ptrs = c_ptr + slot.to(tl.int64)[:, None] * stride_c + rn[None, :]
-    tl.store(c_ptrs, acc.to(dtype), mask=valid[:, None] & mask_n[None, :])
+            nv, nscale = _mxfp4_chunk(w_ptrs + up_w, s_ptrs + up_s, k0 + BLOCK_K, mask_n, kb, blocks)
+            acc_up += tl.sum(_mxfp4_word_dots(vu, x0, x1, x2, x3, x4, x5, x6, x7), axis=2) * scale_up
+            vu, scale_up = nv, nscale
+    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
+
+
+@triton.jit
+def _expert_gemv_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, block_expert_ptr, logits_ptr, N, K, E, stride_a,
+                        stride_we, stride_wn, stride_c, stride_se, stride_sn, stride_be, stride_l, limit, alpha,
+                        A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                        MXFP4: tl.constexpr, A_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
+                        RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    """The GEMV form of `_expert_gemm_kernel`'s one-slot blocks (MoeConfig.block_m 1): program (slot, column tile)
+    streams BLOCK_N rows of the slot's expert against its one activation row in fp32 multiply-adds, no MMA and no
+    tile of 15 padding rows. MXFP4: a_ptr holds the activations as 32-bit pairs and w_ptr the codes as 32-bit words
+    (strides in words), each value widened with `_mxfp4_tile`'s fp16 trick in the weights' own layout. ROUTE: gate/up
+    picks its slots' experts (`_slot_expert`); else block_expert names them. The epilogue is `_finish`'s."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = _slot_expert(logits_ptr, rw_ptr, block_expert_ptr, pid_m, pid_n, stride_l, E, A_DIV, ROUTE, K_P2, E_P2,
+                          RENORMALIZE)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    x_ptr = a_ptr + (pid_m // A_DIV).to(tl.int64) * stride_a
+    w_rows = w_ptr + expert * stride_we + rn.to(tl.int64) * stride_wn
+    if MXFP4:
+        s_rows = s_ptr + expert * stride_se + rn.to(tl.int64) * stride_sn
+        acc, acc_up = _mxfp4_dots(x_ptr, w_rows, s_rows, N * stride_wn, N * stride_sn, mask_n, K, GATED, A_BF16,
+                                  BLOCK_N, BLOCK_K)
+    else:
+        acc, acc_up = _dense_dots(x_ptr, w_rows, N * stride_wn, mask_n, K, GATED, BLOCK_N, BLOCK_K)
+    slot = pid_m + tl.arange(0, 1)
+    _finish(acc[None, :], acc_up[None, :], slot, slot >= 0, rn, mask_n, expert, s_ptr, s_ptr, b_ptr, rw_ptr, c_ptr,
+            N, stride_se, stride_be, stride_c, limit, alpha, A_DIV, GATED, not GATED, HAS_SCALE, False, HAS_BIAS,
+            SWIGLU)
 
 
 def is_mxfp4(w: torch.Tensor) -> bool:
@@ -409,6 +579,8 @@ def align(ids: torch.Tensor, n_exp: int, block_m: int,
     total = torch.empty(1, dtype=torch.int32, device=dev)
     e_p2 = triton.next_power_of_2(n_exp)
     chunk = 64 if numel <= 4096 else 256  # few programs at decode sizes, few count rows to sum at prefill sizes
+    # _place_kernel's rank scans [chunk, E] in shared memory: at most 128 KB of it (256 experts: chunks of 128)
+    chunk = min(chunk, max(16, 32768 // e_p2))
     n_chunks = triton.cdiv(numel, chunk)
     hist = torch.empty(n_chunks, e_p2, dtype=torch.int32, device=dev)  # unread when one chunk
     warps = 4 if chunk == 64 else 8
@@ -444,7 +616,10 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     out = torch.empty(numel, hidden, dtype=x.dtype, device=x.device)
     if numel == 0:
         return out.view(n_tok, k, hidden) if terms else out.view(n_tok, k, hidden).sum(dim=1)
-    slots = Slots(*align(ids.contiguous(), n_exp, tiles.gate_up.block_m, pdl), weights.contiguous().view(-1), k)
+    if tiles.gate_up.block_m == 1:  # the GEMV form: a slot a program, the choices as given (no alignment)
+        slots = Slots(None, ids.to(torch.int32).contiguous().view(-1), None, weights.contiguous().view(-1), k)
+    else:
+        slots = Slots(*align(ids.contiguous(), n_exp, tiles.gate_up.block_m, pdl), weights.contiguous().view(-1), k)
     h = torch.empty(numel, two_i // 2, dtype=x.dtype, device=x.device)
 
     def codes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -549,6 +724,8 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c:
     mxfp4 = is_mxfp4(w)
     if mxfp4 and (a.shape[1] % 32 or cfg.block_k % 32):
         raise ValueError(f"MXFP4 experts need K ({a.shape[1]}) and BLOCK_K ({cfg.block_k}) multiples of 32")
+    if cfg.block_m == 1:
+        return _expert_gemv(a, w, scale, c, slots, cfg, gated, pdl, route, swiglu, a_scale is None and block is None)
     group_n, group_k = block or (1, 1)
     if block is not None:
         assert scale is not None and (not gated or n % group_n == 0), "gate and up rows each whole blocks"
@@ -578,3 +755,34 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c:
                               K_P2=triton.next_power_of_2(slots.top_k), E_P2=triton.next_power_of_2(n_exp),
                               RENORMALIZE=route is not None and route.renormalize, num_warps=cfg.num_warps,
                               num_stages=cfg.num_stages, **pdl_kwargs(a, pdl))
+
+
+def _expert_gemv(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c: torch.Tensor, slots: Slots,
+                 cfg: MoeConfig, gated: bool, pdl: bool, route: Route | None, swiglu: SwiGLUExperts | None,
+                 plain: bool) -> None:
+    """`expert_gemm` in the GEMV form (`_expert_gemv_kernel`, cfg.block_m 1): a program a (slot, BLOCK_N columns),
+    the slots unaligned. `plain`: neither w8a8 activations nor block-wise FP8 scales, which it does not take."""
+    if slots.sorted_ids is not None or not plain:
+        raise ValueError("the GEMV form (BLOCK_M 1) takes unaligned slots of 16-bit activations, and 16-bit, per-row "
+                         "FP8 or MXFP4 weights")
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    mxfp4 = is_mxfp4(w)
+    k, a_bf16 = a.shape[1], a.dtype == torch.bfloat16
+    if mxfp4:  # codes as 32-bit words, activations as 32-bit pairs (K is whole 32-value blocks)
+        a, w = a.contiguous().view(torch.int32), w.view(torch.int32)
+    logits = route.logits if route is not None else slots.weights  # (unread without a route)
+    n_exp = logits.shape[-1] if route is not None else 1
+    bias = None if swiglu is None else swiglu.gate_up_bias if gated else swiglu.down_bias
+    grid = (slots.block_expert.numel(), triton.cdiv(n, cfg.block_n))
+    _expert_gemv_kernel[grid](a, w, scale, bias, c, slots.weights, slots.block_expert, logits, n, k, n_exp,
+                              a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+                              scale.stride(0) if scale is not None else 0,
+                              scale.stride(1) if scale is not None and scale.dim() > 1 else 0,
+                              bias.stride(0) if bias is not None else 0, logits.stride(0),
+                              swiglu.limit if swiglu is not None else 0.0, swiglu.alpha if swiglu is not None else 0.0,
+                              A_DIV=slots.top_k if gated else 1, GATED=gated, ROUTE=route is not None,
+                              HAS_SCALE=scale is not None and not mxfp4, MXFP4=mxfp4,
+                              A_BF16=a_bf16, HAS_BIAS=bias is not None, SWIGLU=swiglu is not None,
+                              BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_P2=triton.next_power_of_2(slots.top_k),
+                              E_P2=triton.next_power_of_2(n_exp), RENORMALIZE=route is not None and route.renormalize,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(c, pdl))

@@ -22,7 +22,9 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Tile of one expert GEMM: BLOCK_M slot rows (the alignment unit), BLOCK_N output columns, BLOCK_K deep."""
+    """Tile of one expert GEMM: BLOCK_M slot rows (the alignment unit), BLOCK_N output columns, BLOCK_K deep.
+    BLOCK_M 1: the GEMV form of unaligned one-slot blocks (kernels/triton/moe.py `_expert_gemv_kernel`): a program a
+    slot streams BLOCK_N rows of its expert in fp32 multiply-adds, no MMA tile of padding rows."""
 
     block_m: int
     block_n: int
@@ -63,8 +65,15 @@ def _tiles(m: int, gate_up: tuple[int, int, int, int], down: tuple[int, int, int
 # tiles from the shapes' arithmetic, not yet swept: wider, deeper tiles reuse a weight tile across more rows.
 _PREFILL = ((2048, _tiles(64, (128, 64, 8, 3), (128, 64, 8, 3))),
             (1 << 62, _tiles(128, (128, 64, 8, 4), (128, 64, 8, 4))))
+# One token (batch-1 decode): the GEMV form. At one slot row a block the MMA tile's 15 padding rows and its operand
+# shuffles cost more than the weight stream (Qwen3-30B-A3B's experts at 1.8-2.3 TB/s; gpt-oss's packed ones 5x their
+# bytes, 2026-11-30); the tiles are the dense GEMV's (kernels/triton/gemv.py: a few rows a program, 256-512 deep).
+GEMV_16BIT = _tiles(1, (4, 512, 4, 1), (4, 256, 4, 1))
+GEMV_MXFP4 = _tiles(1, (8, 512, 4, 1), (8, 512, 4, 1))
+MMA_16BIT_FEW = _tiles(16, (32, 128, 4, 4), (64, 128, 4, 3))  # 2-4 tokens; one token's before the GEMV form
 TILES_16BIT: tuple[tuple[int, MoeTiles], ...] = (
-    (4, _tiles(16, (32, 128, 4, 4), (64, 128, 4, 3))),
+    (1, GEMV_16BIT),
+    (4, MMA_16BIT_FEW),
     (32, _tiles(16, (32, 256, 4, 3), (64, 128, 4, 3))),
     (128, _tiles(16, (128, 128, 4, 3), (128, 128, 4, 3))),
     (512, _tiles(32, (64, 128, 4, 3), (64, 128, 4, 3))),
@@ -82,7 +91,8 @@ TILES_FP8: tuple[tuple[int, MoeTiles], ...] = (  # w8a16 (below W8A8_MIN_TOKENS;
 # experts of H 2880, I 2880, top 4; µs a layer in a graph): at one token 256-deep K tiles, gate/up 47.1 -> 43.0 and down
 # 25.7 -> 23.6 (a packed weight tile is half the bytes of an FP8 one: a deeper step keeps as many in flight); at
 # four the w8a16 tiles were the sweep's best within 0.5%. Larger batches not swept.
-TILES_MXFP4: tuple[tuple[int, MoeTiles], ...] = ((1, _tiles(16, (32, 256, 4, 3), (16, 256, 2, 3))), *TILES_FP8)
+TILES_MXFP4: tuple[tuple[int, MoeTiles], ...] = ((1, GEMV_MXFP4), *TILES_FP8)
+MMA_MXFP4_ONE = _tiles(16, (32, 256, 4, 3), (16, 256, 2, 3))  # one token on the MMA tiles (examples/mxfp4_bench.py)
 # FP8 experts from this many tokens run w8a8 (module docstring), on these tiles. `examples/moe_bench.py --fp8
 # --sizes 1,8,16,32,64,128,256,512,1024` on one H200 (2026-11-27, Qwen3-30B-A3B's shapes, 4 layers in a graph, us a
 # layer, w8a16 -> w8a8 on the seed tiles): 1 token 40.5 -> 41.3 (a tie: the two quantization launches cost what the
