@@ -9,7 +9,7 @@
 #                      on that tree first, in a child (before / after in one call)
 #   families.log   (f) examples/families_gpu.py over FAMILY_MODELS with a kernel table each (FAMILY_PROFILE): the
 #                      MoE / MLA models' batch-1 and preset rows against their bytes; with OLD=DIR that tree's first
-#                      (families_old.log)
+#                      (families_old.log); FAMILY_LIMIT: the part's seconds (default 330)
 #   mxfp4.log      (x) examples/mxfp4_bench.py --sizes 1,4 --sweep (or MXFP4_ARGS): gpt-oss's packed experts' tiles
 #   moe.log        (m) examples/moe_bench.py --sizes 1 --sweep --sweep-dtypes one_slot --no-engine (MOE_ARGS):
 #                      Qwen3-30B-A3B's few-token expert tiles
@@ -54,7 +54,7 @@ if want f; then
     PYTHONPATH=$OLD:$PYTHONPATH part "families (old)" 330 90 "$OUT/families_old.log" \
       $PY examples/families_gpu.py --models "$FAMILY_MODELS" --long "" --profile "$FAMILY_PROFILE" --out "$OUT/old" $FAMILY_ARGS
   fi
-  part families 330 90 "$OUT/families.log" \
+  part families "${FAMILY_LIMIT:-330}" 90 "$OUT/families.log" \
     $PY examples/families_gpu.py --models "$FAMILY_MODELS" --long "" --profile "$FAMILY_PROFILE" --out "$OUT" $FAMILY_ARGS
 fi
 want x && part mxfp4 150 40 "$OUT/mxfp4.log" $PY examples/mxfp4_bench.py ${MXFP4_ARGS:---sizes 1,4 --sweep} --out "$OUT"

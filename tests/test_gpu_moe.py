@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.gpu, NEEDS_TRITON]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 SMALL = (16, 16, 32, 4, 1)  # a tile smaller than the shapes: several blocks and column tiles, masked K edges
-GEMV = (1, 4, 32, 4, 1)  # the GEMV form (a slot a program), smaller than the shapes likewise
+GEMV = (1, 16, 32, 4, 1)  # the GEMV form (a slot a program), smaller than the shapes likewise
 
 
 def _tiles(T, tile: str):
