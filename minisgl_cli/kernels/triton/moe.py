@@ -19,7 +19,12 @@ back to the host (CUDA graphs capture them):
 
 Up to SMALL_MAX_TOKENS tokens (decode) `one_slot_experts` skips route and align: block b holds slot b alone in its
 first row, and the gate/up programs route their slot themselves (the token's top-k from its E logits, recomputed in
-each) and write its expert and weight for down; gate, gate/up, down: three launches a layer.
+each) and write its expert and weight for down; gate, gate/up, down: three launches a layer. At one token the tiles
+(moe_tiles.py) pick the GEMV form of those blocks (BLOCK_M 1, `_expert_gemv_kernel`): a program streams BLOCK_N rows
+of its slot's expert against the one activation row in fp32 multiply-adds, in the weights' own layout, where an MMA
+tile would be 15 padding rows and its operands shuffled through shared memory (gpt-oss's packed experts on an H200:
+45 against 78 µs a layer). The GEMV form also takes choices handed in (`fused_experts`: a slot a program, no
+alignment).
 
 Each output row is one MMA row of its block, so where a slot lands in its block changes nothing in its value.
 FP8 expert weights (e4m3, an fp32 scale per output row) run w8a16 or w8a8 (kernels/triton/moe_tiles.py says which and

@@ -67,7 +67,10 @@ _PREFILL = ((2048, _tiles(64, (128, 64, 8, 3), (128, 64, 8, 3))),
             (1 << 62, _tiles(128, (128, 64, 8, 4), (128, 64, 8, 4))))
 # One token (batch-1 decode): the GEMV form. At one slot row a block the MMA tile's 15 padding rows and its operand
 # shuffles cost more than the weight stream (Qwen3-30B-A3B's experts at 1.8-2.3 TB/s; gpt-oss's packed ones 5x their
-# bytes, 2026-11-30); the tiles are the dense GEMV's (kernels/triton/gemv.py: a few rows a program, 256-512 deep).
+# bytes); the tiles are the dense GEMV's (kernels/triton/gemv.py: a few rows a program, 256-512 deep). One H200
+# (2026-11-30, `examples/mxfp4_bench.py --sizes 1 --sweep`, gpt-oss-20b's experts, µs a layer in a graph): packed
+# 78.2 on the MMA tiles -> 45.4 in the GEMV form; the sweep's best gate/up 29.3 (16, 256, 2 warps) and down 16.2
+# (16, 512, 2) against the picks' 29.6 and 16.6 (kept: within the noise).
 GEMV_16BIT = _tiles(1, (4, 512, 4, 1), (4, 256, 4, 1))
 GEMV_MXFP4 = _tiles(1, (8, 512, 4, 1), (8, 512, 4, 1))
 MMA_16BIT_FEW = _tiles(16, (32, 128, 4, 4), (64, 128, 4, 3))  # 2-4 tokens; one token's before the GEMV form
