@@ -177,6 +177,27 @@ def test_one_slot_experts_route_themselves_and_match_the_reference(T, n_exp, top
         _close(got, aligned, tol=1e-2)  # the same terms, each rounded where the aligned path rounds it
 
 
+@pytest.mark.parametrize("n_exp", [8, 128])
+def test_one_token_routes_apart_from_many_experts(T, n_exp, monkeypatch):
+    """At one token (the GEMV form) a model of ROUTE_APART_EXPERTS experts or more routes in a launch of its own and
+    runs the GEMV form on its choices; fewer experts route in the gate/up pass. Either equals the reference."""
+    from minisgl_cli.layers.moe import route
+
+    routed_in_gate_up = []
+    one_slot = T.one_slot_experts
+    monkeypatch.setattr(T, "one_slot_experts", lambda *a, **kw: routed_in_gate_up.append(1) or one_slot(*a, **kw))
+
+    top_k, hidden, inter = 8 if n_exp > 8 else 2, 64, 47
+    gate_up, down = (w.to(DEV, DTYPE) for w in _weights(n_exp, hidden, inter, seed=n_exp))
+    g = torch.Generator().manual_seed(n_exp + 1)
+    x = torch.randn(1, hidden, generator=g).to(DEV, DTYPE)
+    logits = torch.randn(1, n_exp, generator=g).to(DEV)
+    got = T.routed_experts(x, logits, gate_up, down, top_k, True)
+    assert bool(routed_in_gate_up) == (n_exp < T.ROUTE_APART_EXPERTS)
+    assert torch.equal(got, T.fused_experts(x, gate_up, down, *T.route(logits, top_k, True)))  # the same sums
+    _close(got, _reference(x, gate_up, down, *route(logits, top_k, True)))
+
+
 @pytest.mark.skipif(NO_FP8, reason="FP8 needs compute capability 8.9+")
 @pytest.mark.parametrize("tile", ["small", "gemv"])
 def test_one_slot_fp8_experts_match_their_dequantized_weights(T, tile):

@@ -64,6 +64,7 @@ from minisgl_cli.kernels.triton.moe_tiles import (  # noqa: F401  (re-exported)
     FUSED_MAX_TOKENS,
     MMA_16BIT_FEW,
     MMA_MXFP4_ONE,
+    ROUTE_APART_EXPERTS,
     SMALL_MAX_TOKENS,
     MoeConfig,
     MoeTiles,
@@ -647,13 +648,15 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
                    down_scale: torch.Tensor | None = None, pdl: bool = False, terms: bool = False,
                    swiglu: SwiGLUExperts | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """The MoE block after its gate's linear: up to SMALL_MAX_TOKENS tokens `one_slot_experts`, else `route` then
-    `fused_experts`; [T, H], or with `terms` each token's k terms [T, k, H] for the caller to sum.
+    `fused_experts`; [T, H], or with `terms` each token's k terms [T, k, H] for the caller to sum. Where the tiles
+    take the GEMV form and the experts are ROUTE_APART_EXPERTS or more, `route` then the GEMV form on its choices.
 
     `pdl` reaches the 16-bit experts only: under programmatic dependent launch the FP8 (w8a16) expert kernels ran
     far slower (examples/moe_bench.py on an H100, one token, 4 layers: 52.8 against 33.0 us a layer on one-slot
     blocks, 47.0 against 41.6 aligned; the 16-bit ones gain: 46.4 against 49.3 aligned)."""
     pdl = pdl and gate_up_scale is None
-    if x.shape[0] <= SMALL_MAX_TOKENS:
+    gemv = pick_tiles(x.shape[0], gate_up_scale is not None, w8a8=False, mxfp4=is_mxfp4(gate_up)).gate_up.block_m == 1
+    if x.shape[0] <= SMALL_MAX_TOKENS and not (gemv and logits.shape[-1] >= ROUTE_APART_EXPERTS):
         return one_slot_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale, pdl=pdl,
                                 terms=terms, swiglu=swiglu, block=block)
     weights, ids = route(logits, top_k, renormalize, pdl)

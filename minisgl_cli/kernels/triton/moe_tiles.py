@@ -125,6 +125,11 @@ FUSED_MAX_TOKENS = 1024
 # 4 tokens 108.0 against 114.8. The tiles are the aligned table's (the one-slot sweep found none faster for bf16).
 # Below W8A8_MIN_TOKENS, so FP8 experts there run w8a16 as the CPU simulates.
 SMALL_MAX_TOKENS = 4
+# In the GEMV form (one token) a model of this many experts or more routes in a launch of its own first: every
+# program of a slot picking the token's top-k over E logits before its first weight load cost more than the launch
+# (`examples/moe_bench.py --sizes 1` on an H200, 2026-11-30, Qwen3-30B-A3B's 128 experts, µs a layer: routed in
+# gate/up 33.4, a route launch then the GEMV form on its choices 30.3). gpt-oss's 32 stay routed in gate/up.
+ROUTE_APART_EXPERTS = 128
 
 
 def fp8_act(n_tokens: int) -> bool:
