@@ -72,3 +72,20 @@ def test_committing_all_rows_is_what_decode_steps_make():
     gated_delta.commit(inputs, ssm, slot, runs, [4], fused=True)
     torch.testing.assert_close(out, torch.cat(outs), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ssm, stepped, rtol=1e-5, atol=1e-5)
+
+
+@NEEDS_TRITON
+def test_a_fused_decode_step_is_the_torch_step():
+    """`decode` in one launch (the path a 16-bit CUDA decode graph runs) = torch's gather, step and scatter: the
+    outputs, the states of the slots it names, and the other slots left alone."""
+    patch_interpreter()
+    q, k, v, g, beta, ssm = _step_inputs([1, 1, 1], 2, 4, 32, 24, seed=11)
+    slots = torch.tensor([5, 0, 2], device=DEV)
+    ours_ssm, theirs_ssm = ssm.clone(), ssm.clone()
+    ours = gated_delta.decode(q, k, v, g, beta, ours_ssm, slots, fused=True)
+    theirs = gated_delta.decode(q, k, v, g, beta, theirs_ssm, slots, fused=False)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours_ssm, theirs_ssm, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ours_ssm[5], ssm[5])
+    for untouched in (1, 3, 4):
+        assert torch.equal(ours_ssm[untouched], ssm[untouched])

@@ -14,7 +14,8 @@ A speculative verify step runs each request's rows in order (row j of all of the
 drafts never enter it.
 
 Which path runs where: the torch code of this module everywhere by default; on CUDA with the fused ops on (16-bit
-models), a verify step and its commit through kernels/triton/gated_delta.py (a request's rows in one program);
+models), a decode step, a verify step and its commit through kernels/triton/gated_delta.py (a request's rows in one
+program);
 on CUDA with MINISGL_FLA=1, where flash-linear-attention (`fla-core`, Triton) imports, its `chunk_gated_delta_rule`
 and `fused_recurrent_gated_delta_rule` for prefill and decode (opt-in: see `fla_ops`). All normalize q and k in fp32
 and keep the states in fp32.
@@ -193,9 +194,11 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+           ssm: torch.Tensor, slots: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """A decode step (one token a request, its state at `slots` [B] of `ssm`): o [B, H, V] (fp32), the states
-    updated in place. No host reads: CUDA graphs capture it."""
+    updated in place. No host reads: CUDA graphs capture it. `fused` (CUDA): the step in one Triton launch, each state
+    read and written once (kernels/triton/gated_delta.py's rows in order, one row a request), where torch gathers,
+    steps and scatters it in ~8 launches."""
     groups = v.shape[1] // q.shape[1]
     fla = fla_ops(q)
     if fla is not None:
@@ -206,6 +209,15 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
         ssm.index_copy_(0, slots, final.float())
         return o[:, 0].float()
     qn, kn = _normalized(q, k, groups)
+    if fused:
+        from minisgl_cli.kernels.triton.gated_delta import rows_in_order
+
+        n = slots.shape[0]
+        out = torch.empty(n, v.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
+        rows = torch.arange(n, device=v.device)  # request b's one row is row b (made in the graph: no host copy)
+        rows_in_order(qn, kn, v.float(), g.float(), beta.float(), ssm, slots, rows, torch.ones_like(rows), out,
+                      write=True)
+        return out
     o, state = step(qn, kn, v.float(), g.float(), beta.float(), ssm.index_select(0, slots))
     ssm.index_copy_(0, slots, state)
     return o

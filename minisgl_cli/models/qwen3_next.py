@@ -170,13 +170,13 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(T, hv, la.head_v_dim)
         beta = b.sigmoid()
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        # CUDA with the fused ops on, 16-bit (fp32 is the exact mode: torch's sums): a request's rows in one launch
+        fused = q.dtype != torch.float32 and self.kernels.triton(q) is not None
         if runs is not None:
-            # CUDA with the fused ops on, 16-bit (fp32 is the exact mode: torch's sums): the rows in one launch
-            fused = q.dtype != torch.float32 and self.kernels.triton(q) is not None
             o, inputs = gated_delta.verify(q, k, v, g, beta, ssm, slots, runs, fused)
             self.pending = (slots, runs, seq, inputs, fused)
         elif decode:
-            o = gated_delta.decode(q, k, v, g, beta, ssm, slots)
+            o = gated_delta.decode(q, k, v, g, beta, ssm, slots, fused)
         else:
             o = gated_delta.prefill(q, k, v, g, beta, ssm, slots, batch.extend_lens_cpu)
         o = self.norm(o, z.reshape(T, hv, la.head_v_dim), x.dtype)

@@ -1,4 +1,5 @@
-"""Triton kernel for the gated delta rule's rows in order (attention/gated_delta.py): a verify step and its commit.
+"""Triton kernel for the gated delta rule's rows in order (attention/gated_delta.py): a decode step, a verify step and
+its commit.
 
 A speculative verify step gives each request of a linear-attention model (Qwen3-Next, Qwen3.5) a run of rows (its
 last token and its drafts) that must step its state one row at a time, as decode would. The torch path does this a
@@ -11,7 +12,8 @@ S [K, BLOCK_V] in registers and walks the request's rows:
 
 (q and k normalized and repeated over the value heads beforehand, all fp32, as `gated_delta.step` takes them); the
 value columns are independent of one another, so the blocks need nothing from each other. `WRITE` stores the state
-after the request's rows back in its slot (the commit); without it the slots are only read (the verify step).
+after the request's rows back in its slot (the commit; a decode step: one row a request, its output and its state);
+without it the slots are only read (the verify step).
 The sums over K run in another order than torch's einsum: fp32 rounding apart, the same numbers.
 """
 
