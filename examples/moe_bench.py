@@ -56,8 +56,6 @@ LAYERS = 4  # 4 x 1.2 GB of experts: none stays in the 50 MB L2 between its call
 # expert holds at T tokens: T k / E on average).
 SWEEP_NK = [(n, k, w, st) for n in (32, 64, 128) for k in (64, 128, 256) for w, st in ((4, 3), (4, 4), (8, 3))] + [
     (256, 64, 8, 3), (256, 128, 8, 3)] + [(16, k, w, st) for k in (128, 256) for w, st in ((4, 3), (4, 4), (2, 3))]
-# the GEMV form's (BLOCK_M 1: rows a program, depth, warps; no MMA pipeline to stage)
-SWEEP_GEMV = [(n, k, w, 1) for n in (4, 8, 16) for k in (256, 512, 1024) for w in (2, 4, 8)]
 
 
 def sweep_block_m(m: int) -> tuple[int, ...]:
@@ -227,7 +225,7 @@ def _sweep_gemm(a: tuple, layers: list[tuple], bm: int, gated: bool) -> list[tup
             triton_moe.expert_gemm(ha[0], dn, ds, out, slots, cfg, gated=False, a_scale=ha[1])
 
     times = []
-    for n, k, w, st in SWEEP_GEMV if bm == 1 else SWEEP_NK:
+    for n, k, w, st in triton_moe.GEMV_SWEEP if bm == 1 else SWEEP_NK:
         cfg = triton_moe.MoeConfig(bm, n, k, w, st)
         try:
             times.append((_graph_us([lambda layer=layer, cfg=cfg: call(layer, cfg) for layer in layers]), cfg))

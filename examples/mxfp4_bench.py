@@ -31,7 +31,6 @@ from minisgl_cli.loader.mxfp4 import dequantize  # noqa: E402
 HIDDEN, INTER, EXPERTS, TOP_K = 2880, 2880, 32, 4  # gpt-oss-20b
 LAYERS = 4  # 4 x 1.6 GB of bf16 experts (0.4 GB packed): none stays in the 50 MB L2 between its calls
 SWEEP = [(n, k, w, st) for n in (16, 32, 64, 128) for k in (64, 128, 256) for w, st in ((4, 3), (4, 4), (2, 3), (8, 3))]
-SWEEP_GEMV = [(n, k, w, 1) for n in (4, 8, 16) for k in (256, 512, 1024) for w in (2, 4, 8)]  # BLOCK_M 1
 
 
 def make_layers(g: torch.Generator) -> list[dict]:
@@ -107,7 +106,7 @@ def sweep_tiles(m: int, x: torch.Tensor, logits: list[torch.Tensor], layers: lis
 
         for gated in (True, False):  # gate/up first: it writes the one-slot blocks' experts and weights for down
             times = []
-            for n, k, warps, stages in SWEEP_GEMV if bm == 1 else SWEEP:
+            for n, k, warps, stages in triton_moe.GEMV_SWEEP if bm == 1 else SWEEP:
                 cfg = triton_moe.MoeConfig(bm, n, k, warps, stages)
                 try:
                     calls = [lambda s=s, cfg=cfg, gated=gated: gemm(s, cfg, gated) for s in state]

@@ -62,6 +62,7 @@ from minisgl_cli.kernels.triton.fp8 import quant_rows
 from minisgl_cli.kernels.triton.fp8_block import quant_groups
 from minisgl_cli.kernels.triton.moe_tiles import (  # noqa: F401  (re-exported)
     FUSED_MAX_TOKENS,
+    GEMV_SWEEP,
     MMA_16BIT_FEW,
     MMA_MXFP4_ONE,
     ROUTE_APART_EXPERTS,
@@ -564,6 +565,7 @@ def _expert_gemv_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, block_expert_
     else:
         acc, acc_up = _dense_dots(x_ptr, w_rows, N * stride_wn, mask_n, K, GATED, BLOCK_N, BLOCK_K)
     slot = pid_m + tl.arange(0, 1)
+    # (as_ptr: s_ptr in its place, unread with A_SCALE off; ROUTED: down scales by the slot's routing weight)
     _finish(acc[None, :], acc_up[None, :], slot, slot >= 0, rn, mask_n, expert, s_ptr, s_ptr, b_ptr, rw_ptr, c_ptr,
             N, stride_se, stride_be, stride_c, limit, alpha, A_DIV, GATED, not GATED, HAS_SCALE, False, HAS_BIAS,
             SWIGLU)
@@ -655,10 +657,11 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
     far slower (examples/moe_bench.py on an H100, one token, 4 layers: 52.8 against 33.0 us a layer on one-slot
     blocks, 47.0 against 41.6 aligned; the 16-bit ones gain: 46.4 against 49.3 aligned)."""
     pdl = pdl and gate_up_scale is None
-    gemv = pick_tiles(x.shape[0], gate_up_scale is not None, w8a8=False, mxfp4=is_mxfp4(gate_up)).gate_up.block_m == 1
+    few = pick_tiles(x.shape[0], gate_up_scale is not None, w8a8=False, mxfp4=is_mxfp4(gate_up))  # one_slot's
+    gemv = few.gate_up.block_m == 1
     if x.shape[0] <= SMALL_MAX_TOKENS and not (gemv and logits.shape[-1] >= ROUTE_APART_EXPERTS):
-        return one_slot_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale, pdl=pdl,
-                                terms=terms, swiglu=swiglu, block=block)
+        return one_slot_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale, tiles=few,
+                                pdl=pdl, terms=terms, swiglu=swiglu, block=block)
     weights, ids = route(logits, top_k, renormalize, pdl)
     return fused_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale, pdl=pdl, terms=terms,
                          swiglu=swiglu, block=block)

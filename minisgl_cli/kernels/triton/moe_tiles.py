@@ -72,6 +72,8 @@ _PREFILL = ((2048, _tiles(64, (128, 64, 8, 3), (128, 64, 8, 3))),
 # 78.2 on the MMA tiles -> 45.4 in the GEMV form; the sweep's best gate/up 29.3 (16, 256, 2 warps) and down 16.2
 # (16, 512, 2) against the picks' 29.6 and 16.6 (kept: within the noise).
 GEMV_16BIT = _tiles(1, (4, 512, 4, 1), (4, 256, 4, 1))
+# the GEMV form's sweep candidates (BLOCK_N, BLOCK_K, warps, stages: no MMA pipeline to stage), for both benchmarks
+GEMV_SWEEP = [(n, k, w, 1) for n in (4, 8, 16) for k in (256, 512, 1024) for w in (2, 4, 8)]
 GEMV_MXFP4 = _tiles(1, (8, 512, 4, 1), (8, 512, 4, 1))
 MMA_16BIT_FEW = _tiles(16, (32, 128, 4, 4), (64, 128, 4, 3))  # 2-4 tokens; one token's before the GEMV form
 TILES_16BIT: tuple[tuple[int, MoeTiles], ...] = (

@@ -1,0 +1,81 @@
+"""The MoE GEMV form's loop as an H100 / H200 runs it, without a GPU: instructions a weight value, by opcode.
+
+Compiles kernels/triton/moe.py's `_expert_gemv_kernel` for sm_90 on this machine (Triton's `ASTSource`; the wheel
+carries ptxas and cuobjdump), finds the K loop in the SASS (the last backward branch) and prints its instruction mix
+over the weight values one thread covers an iteration. A proxy for where an ALU-bound GEMV's time goes, to compare
+variants of the kernel before a GPU times them.
+
+    PYTHONPATH=. python examples/gemv_sass.py [--block-n 8] [--block-k 512] [--warps 4] [--gated] [--dense]
+
+Needs triton importable (the CPU machines: PYTHONPATH=$PWD:$PWD/.venv/triton-interpreter, without TRITON_INTERPRET).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from minisgl_cli.kernels.triton import moe
+
+
+def compile_sass(block_n: int, block_k: int, warps: int, gated: bool, mxfp4: bool) -> str:
+    ints = ("N", "K", "E", "stride_a", "stride_we", "stride_wn", "stride_c", "stride_se", "stride_sn", "stride_be",
+            "stride_l")
+    sig = {"a_ptr": "*i32" if mxfp4 else "*bf16", "w_ptr": "*i32" if mxfp4 else "*bf16", "s_ptr": "*u8",
+           "b_ptr": "*bf16", "c_ptr": "*bf16", "rw_ptr": "*fp32", "block_expert_ptr": "*i32", "logits_ptr": "*bf16",
+           **{name: "i32" for name in ints}, "limit": "fp32", "alpha": "fp32"}
+    const = dict(A_DIV=4 if gated else 1, GATED=gated, ROUTE=gated, HAS_SCALE=False, MXFP4=mxfp4, A_BF16=True,
+                 HAS_BIAS=True, SWIGLU=True, BLOCK_N=block_n, BLOCK_K=block_k, K_P2=4, E_P2=32, RENORMALIZE=True,
+                 USE_PDL=False)
+    sig.update({name: "constexpr" for name in const})
+    kernel = triton.compile(ASTSource(moe._expert_gemv_kernel, sig, constexprs=const),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_opcodes(sass: str) -> list[str]:
+    """The opcodes between the last backward branch's target and the branch (the K loop)."""
+    ins, loop = [], None
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4})\*/\s*(?:@!?U?P\w+\s+)?(\S+)(.*?);", line)
+        if not m:
+            continue
+        addr, op = int(m.group(1), 16), m.group(2)
+        ins.append((addr, op))
+        branch = re.match(r"\s*0x([0-9a-f]+)", m.group(3)) if op.startswith("BRA") else None
+        if branch and int(branch.group(1), 16) < addr:
+            loop = (int(branch.group(1), 16), addr)
+    if loop is None:
+        raise SystemExit("no loop found in the SASS")
+    return [op for addr, op in ins if loop[0] <= addr <= loop[1]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--block-n", type=int, default=8)
+    ap.add_argument("--block-k", type=int, default=512)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--gated", action="store_true", help="the gate/up GEMM (two accumulators), else down")
+    ap.add_argument("--dense", action="store_true", help="16-bit weights, else packed MXFP4")
+    args = ap.parse_args()
+    ops = loop_opcodes(compile_sass(args.block_n, args.block_k, args.warps, args.gated, not args.dense))
+    values = args.block_n * args.block_k * (2 if args.gated else 1) // (32 * args.warps)  # a thread's, an iteration
+    print(f"loop: {len(ops)} instructions for {values} weight values a thread: {len(ops) / values:.1f} a value")
+    for op, n in collections.Counter(op.split(".")[0] for op in ops).most_common(12):
+        print(f"  {op:8s} {n:4d}  {n / values:.2f} a value")
+
+
+if __name__ == "__main__":
+    main()
