@@ -38,10 +38,10 @@ imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg")
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")  # the SDK's videos.* say so
 
-# One long job's work (32x32 x 1000 steps = 1.02 megapixel-steps) fits the slow server's cap of 4; n=16 x 1000 steps
-# does not.
-MAX_WORK = "4"
-LONG = {"prompt": "a long job", "size": "32x32", "steps": 1000, "seed": 1}
+# One long job's work (128x128 x 1000 steps = 16.4 megapixel-steps) fits the slow server's cap of 20; a second
+# beside it does not. A long image runs ~14 s here (a 32x32 one ran 3 s: a race with the tests' waits).
+MAX_WORK = "20"
+LONG = {"prompt": "a long job", "size": "128x128", "steps": 1000, "seed": 1}
 
 
 def client(url: str):
@@ -207,8 +207,8 @@ class Background:
 
 
 def long_video(s: Serve, **extra) -> str:
-    """A video job that runs for minutes unless cancelled (1.02 megapixel-steps): its id (to DELETE it)."""
-    r = httpx.post(f"{s.url}/v1/videos", json={"prompt": "a long one", "size": "32x32", "num_frames": 1,
+    """A video job of 16.4 megapixel-steps (~3 s of the tiny Wan's steps at any size): its id (to DELETE it)."""
+    r = httpx.post(f"{s.url}/v1/videos", json={"prompt": "a long one", "size": "128x128", "num_frames": 1,
                                                "steps": 1000, **extra}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["id"]
@@ -271,7 +271,7 @@ def test_delete_frees_the_worker_within_one_step(serve):
 @pytest.mark.slow
 def test_a_client_hang_up_cancels_its_job(serve):
     before = media(serve)
-    # A client that hangs up once its job has stepped (a read timeout would race a fast machine's 1000 steps).
+    # A client that hangs up once its job has stepped (a read timeout raced the job: CI once got the image).
     body = json.dumps(LONG).encode()
     with socket.create_connection(("127.0.0.1", serve.port), timeout=60) as conn:
         conn.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -291,7 +291,7 @@ def test_a_client_hang_up_cancels_its_job(serve):
 
 @pytest.mark.slow
 def test_queue_and_work_caps_answer_429_and_503_with_retry_after(serve):
-    r = image(serve.url, prompt="x", n=16, steps=1000)  # alone past --media-max-work: 400 at once
+    r = image(serve.url, prompt="x", size="256x256", n=16, steps=1000)  # alone past --media-max-work: 400 at once
     assert r.status_code == 400 and "megapixel-steps" in r.json()["error"]["message"]
     blocker = long_video(serve)
     wait_for(lambda: media(serve)["running"] == 1)
@@ -302,7 +302,7 @@ def test_queue_and_work_caps_answer_429_and_503_with_retry_after(serve):
     assert r.json()["error"]["type"] == "rate_limit_error"
     for video_id in queued:
         cancel(serve, video_id)
-    r = image(serve.url, prompt="too much beside the blocker", size="64x64", steps=800)  # 3.3 + 1.02 > 4
+    r = image(serve.url, prompt="too much beside the blocker", size="64x64", steps=1000)  # 4.1 + 16.4 > 20
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
     cancel(serve, blocker)
     wait_for(lambda: idle(serve), 60)
