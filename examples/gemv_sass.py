@@ -6,6 +6,9 @@ over the weight values one thread covers an iteration. A proxy for where an ALU-
 variants of the kernel before a GPU times them.
 
     PYTHONPATH=. python examples/gemv_sass.py [--block-n 8] [--block-k 512] [--warps 4] [--gated] [--dense]
+        [--model gpt-oss-20b|qwen3-30b-a3b]
+
+The arguments are specialized as Triton's JIT would for that model's experts (16-byte divisibility where it holds).
 
 Needs triton importable (the CPU machines: PYTHONPATH=$PWD:$PWD/.venv/triton-interpreter, without TRITON_INTERPRET).
 """
@@ -25,18 +28,40 @@ from triton.compiler import ASTSource
 
 from minisgl_cli.kernels.triton import moe
 
+# (hidden, expert intermediate, experts, top-k) of the models whose expert GEMVs these are
+SHAPES = {"gpt-oss-20b": (2880, 2880, 32, 4), "qwen3-30b-a3b": (2048, 768, 128, 8)}
 
-def compile_sass(block_n: int, block_k: int, warps: int, gated: bool, mxfp4: bool) -> str:
-    ints = ("N", "K", "E", "stride_a", "stride_we", "stride_wn", "stride_c", "stride_se", "stride_sn", "stride_be",
-            "stride_l")
+
+def launch_ints(shape: tuple[int, int, int, int], gated: bool, mxfp4: bool) -> dict[str, int]:
+    """The integer arguments `moe._expert_gemv` passes for a model's contiguous expert weights (strides in the
+    kernel's units: 32-bit words of codes and activation pairs for MXFP4, elements else)."""
+    hidden, inter, n_exp, top_k = shape
+    n, k = (inter, hidden) if gated else (hidden, inter)
+    rows = 2 * n if gated else n
+    per_word = 8 if mxfp4 else 1  # weight values a unit of w's stride
+    return dict(N=n, K=k, E=n_exp, stride_a=k // (2 if mxfp4 else 1), stride_we=rows * k // per_word,
+                stride_wn=k // per_word, stride_c=n, stride_se=rows * k // 32 if mxfp4 else rows,
+                stride_sn=k // 32 if mxfp4 else 0, stride_be=rows, stride_l=n_exp)
+
+
+def compile_sass(block_n: int, block_k: int, warps: int, gated: bool, mxfp4: bool,
+                 shape: tuple[int, int, int, int] = SHAPES["gpt-oss-20b"]) -> str:
+    """SASS of the kernel as the JIT specializes it for `shape`: pointers 16-byte aligned (torch's allocations), each
+    integer argument divisible by 16 marked so where it is (Triton's `tt.divisibility`), as a launch would."""
+    ints = launch_ints(shape, gated, mxfp4)
     sig = {"a_ptr": "*i32" if mxfp4 else "*bf16", "w_ptr": "*i32" if mxfp4 else "*bf16", "s_ptr": "*u8",
            "b_ptr": "*bf16", "c_ptr": "*bf16", "rw_ptr": "*fp32", "block_expert_ptr": "*i32", "logits_ptr": "*bf16",
            **{name: "i32" for name in ints}, "limit": "fp32", "alpha": "fp32"}
-    const = dict(A_DIV=4 if gated else 1, GATED=gated, ROUTE=gated, HAS_SCALE=False, MXFP4=mxfp4, A_BF16=True,
-                 HAS_BIAS=True, SWIGLU=True, BLOCK_N=block_n, BLOCK_K=block_k, K_P2=4, E_P2=32, RENORMALIZE=True,
-                 USE_PDL=False)
+    const = dict(A_DIV=shape[3] if gated else 1, GATED=gated, ROUTE=gated, HAS_SCALE=False, MXFP4=mxfp4, A_BF16=True,
+                 HAS_BIAS=True, SWIGLU=True, BLOCK_N=block_n, BLOCK_K=block_k, K_P2=shape[3],
+                 E_P2=shape[2], RENORMALIZE=True, USE_PDL=False)
+    names = moe._expert_gemv_kernel.arg_names
+    if "ASM" in names:  # (a tree before the inline PTX has none)
+        const["ASM"] = True
     sig.update({name: "constexpr" for name in const})
-    kernel = triton.compile(ASTSource(moe._expert_gemv_kernel, sig, constexprs=const),
+    aligned = [name for name, ty in sig.items() if ty.startswith("*") or ints.get(name, 1) % 16 == 0]
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    kernel = triton.compile(ASTSource(moe._expert_gemv_kernel, sig, constexprs=const, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -69,8 +94,10 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--gated", action="store_true", help="the gate/up GEMM (two accumulators), else down")
     ap.add_argument("--dense", action="store_true", help="16-bit weights, else packed MXFP4")
+    ap.add_argument("--model", choices=sorted(SHAPES), default="gpt-oss-20b", help="whose expert shapes (strides)")
     args = ap.parse_args()
-    ops = loop_opcodes(compile_sass(args.block_n, args.block_k, args.warps, args.gated, not args.dense))
+    ops = loop_opcodes(compile_sass(args.block_n, args.block_k, args.warps, args.gated, not args.dense,
+                                    SHAPES[args.model]))
     values = args.block_n * args.block_k * (2 if args.gated else 1) // (32 * args.warps)  # a thread's, an iteration
     print(f"loop: {len(ops)} instructions for {values} weight values a thread: {len(ops) / values:.1f} a value")
     for op, n in collections.Counter(op.split(".")[0] for op in ops).most_common(12):

@@ -457,81 +457,105 @@ def _dense_dots(x_ptr, w_rows, up, mask_n, K, GATED: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
-def _half_pair(p):
-    """The two fp16 values whose bits a word holds (low half, high half), in fp32."""
+def _half_pair(p, ASM: tl.constexpr):
+    """The two fp16 values whose bits a word holds (low half, high half), in fp32. ASM (CUDA; Triton's interpreter
+    runs no PTX): one conversion a half read in place; the casts through int16 cost a byte permute a pair besides."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+            "=r,=r,r", [p], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
     lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
 
 
 @triton.jit
-def _x_pair(x, A_BF16: tl.constexpr):
+def _x_pair(x, A_BF16: tl.constexpr, ASM: tl.constexpr):
     """The two 16-bit activations a word holds (x[2j], x[2j + 1]), in fp32."""
     if A_BF16:  # bf16 is fp32's top half
         return (x << 16).to(tl.float32, bitcast=True), (x & -65536).to(tl.float32, bitcast=True)
-    return _half_pair(x)
+    return _half_pair(x, ASM)
 
 
 @triton.jit
-def _mxfp4_word_dots(v, x0, x1, x2, x3, x4, x5, x6, x7):
+def _mxfp4_word_dots(v, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
     """Each word of MXFP4 codes v [.., 4] (8 values: byte i holds values 2i, 2i + 1 in its low and high nibble) times
     its 8 activations x0 .. x7 (fp32), summed a word, times 2 ** -14 (the block's scale brings it back: `_mxfp4_tile`'s
     fp16 trick). A mask and a shift or two make two values' fp16 bits at once: values (0, 4), (1, 5), (2, 6), (3, 7)
     land in a word's low and high halves."""
-    a, b = _half_pair(((v & 0x00070007) << 9) | ((v & 0x00080008) << 12))
-    t = a * x0 + b * x4
-    a, b = _half_pair(((v & 0x00700070) << 5) | ((v & 0x00800080) << 8))
-    t += a * x1 + b * x5
-    a, b = _half_pair(((v & 0x07000700) << 1) | ((v & 0x08000800) << 4))
-    t += a * x2 + b * x6
-    a, b = _half_pair(((v >> 3) & 0x0E000E00) | (v & -2147450880))  # -2147450880: 0x80008000, the two signs
-    return t + a * x3 + b * x7
+    a, b = _half_pair(((v & 0x00070007) << 9) | ((v & 0x00080008) << 12), ASM)
+    t = a * x0
+    t = t + b * x4  # one chain of multiply-adds (a sum of products would add its pairs apart: 3 more a word)
+    a, b = _half_pair(((v & 0x00700070) << 5) | ((v & 0x00800080) << 8), ASM)
+    t = t + a * x1
+    t = t + b * x5
+    a, b = _half_pair(((v & 0x07000700) << 1) | ((v & 0x08000800) << 4), ASM)
+    t = t + a * x2
+    t = t + b * x6
+    a, b = _half_pair(((v >> 3) & 0x0E000E00) | (v & -2147450880), ASM)  # -2147450880: 0x80008000, the signs
+    t = t + a * x3
+    return t + b * x7
 
 
 @triton.jit
-def _mxfp4_chunk(w_ptrs, s_ptrs, k0, mask_n, kb, blocks):
-    """One chunk of MXFP4 rows from value k0: its code words [BLOCK_N, KB, 4] and its blocks' scales [BLOCK_N, KB]
-    (2 ** (e - 127 + 14)); zeros past the rows' `blocks` blocks."""
-    ok = (k0 // 32 + kb < blocks)[None, :]
-    v = tl.load(w_ptrs + k0 // 8, mask=mask_n[:, None, None] & ok[:, :, None], other=0, eviction_policy="evict_first")
-    e = tl.load(s_ptrs + k0 // 32, mask=mask_n[:, None] & ok, other=0)
-    return v, (e.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
+def _block_sums(v, e, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr):
+    """Code words v [BLOCK_N, 4 KB] times their activations (each [1, 4 KB]), summed a 32-value block (4 words, one
+    thread's: no shuffle) and scaled by the block's e8m0 exponent e [BLOCK_N, KB]: [BLOCK_N, KB] fp32."""
+    t = _mxfp4_word_dots(v, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
+    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # 2 ** (e - 127), and the trick's 2 ** 14
+    return tl.sum(tl.reshape(t, (BLOCK_N, KB, 4)), axis=2) * scale
 
 
 @triton.jit
 def _mxfp4_dots(x_ptr, w_rows, s_rows, up_w, up_s, mask_n, K, GATED: tl.constexpr, A_BF16: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     """`_dense_dots` of MXFP4 rows: w_rows [BLOCK_N] point at each row's codes as 32-bit words (8 a word, 4 words a
-    32-value block), s_rows at its e8m0 exponents (one a block), x_ptr at the activations as 32-bit pairs; GATED: the
-    up rows `up_w` words and `up_s` exponents on. A block's 4 word sums take its scale once; each chunk's next is
-    asked for before this one's sums."""
+    32-value block; 16-byte aligned), s_rows at its e8m0 exponents (one a block), x_ptr at the activations as 32-bit
+    pairs; GATED: the up rows `up_w` words and `up_s` exponents on. Rows by words [BLOCK_N, BLOCK_K / 8]: a block is
+    one thread's 16-byte load, the activations a row-independent [words] (widened once for the rows a thread holds).
+    Each chunk's next is asked for before this one's sums."""
+    W: tl.constexpr = BLOCK_K // 8
     KB: tl.constexpr = BLOCK_K // 32
+    rw = tl.arange(0, W)
     kb = tl.arange(0, KB)
-    words = (kb[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]  # [1, KB, 4]: a chunk's words
-    w_ptrs = w_rows[:, None, None] + words
+    blocks = K // 32  # masks in whole blocks: constant over a block's 4 words, so a block is one load
+    w_ptrs = w_rows[:, None] + rw[None, :]
     s_ptrs = s_rows[:, None] + kb[None, :]
-    x_ptrs = x_ptr + words * 4  # each word's first activation pair
-    blocks = K // 32
+    x_ptrs = x_ptr + rw * 4  # each word's first activation pair
+    m = mask_n[:, None] & (rw // 4 < blocks)[None, :]
+    ms = mask_n[:, None] & (kb < blocks)[None, :]
+    v = tl.load(w_ptrs, mask=m, other=0, eviction_policy="evict_first")
+    e = tl.load(s_ptrs, mask=ms, other=0)
+    vu = v
+    eu = e
+    if GATED:
+        vu = tl.load(w_ptrs + up_w, mask=m, other=0, eviction_policy="evict_first")
+        eu = tl.load(s_ptrs + up_s, mask=ms, other=0)
     acc = tl.zeros((BLOCK_N, KB), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, KB), dtype=tl.float32)
-    v, scale = _mxfp4_chunk(w_ptrs, s_ptrs, 0, mask_n, kb, blocks)
-    vu, scale_up = v, scale
-    if GATED:
-        vu, scale_up = _mxfp4_chunk(w_ptrs + up_w, s_ptrs + up_s, 0, mask_n, kb, blocks)
     for k0 in range(0, K, BLOCK_K):
-        x_ok = (k0 // 32 + kb < blocks)[None, :, None]
-        xp = x_ptrs + k0 // 2
-        x0, x1 = _x_pair(tl.load(xp, mask=x_ok, other=0), A_BF16)
-        x2, x3 = _x_pair(tl.load(xp + 1, mask=x_ok, other=0), A_BF16)
-        x4, x5 = _x_pair(tl.load(xp + 2, mask=x_ok, other=0), A_BF16)
-        x6, x7 = _x_pair(tl.load(xp + 3, mask=x_ok, other=0), A_BF16)
-        nv, nscale = _mxfp4_chunk(w_ptrs, s_ptrs, k0 + BLOCK_K, mask_n, kb, blocks)
-        acc += tl.sum(_mxfp4_word_dots(v, x0, x1, x2, x3, x4, x5, x6, x7), axis=2) * scale
-        v, scale = nv, nscale
+        kw = k0 // 8
+        x_ok = (kw + rw) // 4 < blocks
+        xp = x_ptrs + kw * 4
+        x0, x1 = _x_pair(tl.load(xp, mask=x_ok, other=0), A_BF16, ASM)
+        x2, x3 = _x_pair(tl.load(xp + 1, mask=x_ok, other=0), A_BF16, ASM)
+        x4, x5 = _x_pair(tl.load(xp + 2, mask=x_ok, other=0), A_BF16, ASM)
+        x6, x7 = _x_pair(tl.load(xp + 3, mask=x_ok, other=0), A_BF16, ASM)
+        x0, x1, x2, x3 = x0[None, :], x1[None, :], x2[None, :], x3[None, :]
+        x4, x5, x6, x7 = x4[None, :], x5[None, :], x6[None, :], x7[None, :]
+        m = mask_n[:, None] & ((kw + W + rw) // 4 < blocks)[None, :]  # all false after the last chunk: nothing read
+        ms = mask_n[:, None] & (k0 // 32 + KB + kb < blocks)[None, :]
+        nv = tl.load(w_ptrs + kw + W, mask=m, other=0, eviction_policy="evict_first")
+        ne = tl.load(s_ptrs + k0 // 32 + KB, mask=ms, other=0)
+        acc += _block_sums(v, e, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N, KB, ASM)
+        v = nv
+        e = ne
         if GATED:
-            nv, nscale = _mxfp4_chunk(w_ptrs + up_w, s_ptrs + up_s, k0 + BLOCK_K, mask_n, kb, blocks)
-            acc_up += tl.sum(_mxfp4_word_dots(vu, x0, x1, x2, x3, x4, x5, x6, x7), axis=2) * scale_up
-            vu, scale_up = nv, nscale
+            nv = tl.load(w_ptrs + up_w + kw + W, mask=m, other=0, eviction_policy="evict_first")
+            ne = tl.load(s_ptrs + up_s + k0 // 32 + KB, mask=ms, other=0)
+            acc_up += _block_sums(vu, eu, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N, KB, ASM)
+            vu = nv
+            eu = ne
     return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
 
 
@@ -541,12 +565,13 @@ def _expert_gemv_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, block_expert_
                         A_DIV: tl.constexpr, GATED: tl.constexpr, ROUTE: tl.constexpr, HAS_SCALE: tl.constexpr,
                         MXFP4: tl.constexpr, A_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
-                        RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+                        RENORMALIZE: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """The GEMV form of `_expert_gemm_kernel`'s one-slot blocks (MoeConfig.block_m 1): program (slot, column tile)
     streams BLOCK_N rows of the slot's expert against its one activation row in fp32 multiply-adds, no MMA and no
     tile of 15 padding rows. MXFP4: a_ptr holds the activations as 32-bit pairs and w_ptr the codes as 32-bit words
     (strides in words), each value widened with `_mxfp4_tile`'s fp16 trick in the weights' own layout. ROUTE: gate/up
-    picks its slots' experts (`_slot_expert`); else block_expert names them. The epilogue is `_finish`'s."""
+    picks its slots' experts (`_slot_expert`); else block_expert names them. The epilogue is `_finish`'s. ASM: inline
+    PTX where it saves instructions (on CUDA; the interpreter runs the plain Triton)."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -558,10 +583,11 @@ def _expert_gemv_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, block_expert_
     mask_n = rn < N
     x_ptr = a_ptr + (pid_m // A_DIV).to(tl.int64) * stride_a
     w_rows = w_ptr + expert * stride_we + rn.to(tl.int64) * stride_wn
-    if MXFP4:
+    if MXFP4:  # each row starts 16-byte aligned (the host checks): a block's 4 words are one load
+        w_rows = tl.multiple_of(w_rows, 16)
         s_rows = s_ptr + expert * stride_se + rn.to(tl.int64) * stride_sn
         acc, acc_up = _mxfp4_dots(x_ptr, w_rows, s_rows, N * stride_wn, N * stride_sn, mask_n, K, GATED, A_BF16,
-                                  BLOCK_N, BLOCK_K)
+                                  BLOCK_N, BLOCK_K, ASM)
     else:
         acc, acc_up = _dense_dots(x_ptr, w_rows, N * stride_wn, mask_n, K, GATED, BLOCK_N, BLOCK_K)
     slot = pid_m + tl.arange(0, 1)
@@ -781,6 +807,8 @@ def _expert_gemv(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c
     k, a_bf16 = a.shape[1], a.dtype == torch.bfloat16
     if mxfp4:  # codes as 32-bit words, activations as 32-bit pairs (K is whole 32-value blocks)
         a, w = a.contiguous().view(torch.int32), w.view(torch.int32)
+        if w.data_ptr() % 16 or w.stride(0) % 4 or w.stride(1) % 4:  # the kernel loads a block's 4 words at once
+            raise ValueError("packed MXFP4 experts must start each row on a 16-byte boundary")
     logits = route.logits if route is not None else slots.weights  # (unread without a route)
     n_exp = logits.shape[-1] if route is not None else 1
     bias = None if swiglu is None else swiglu.gate_up_bias if gated else swiglu.down_bias
@@ -796,4 +824,4 @@ def _expert_gemv(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, c
                               A_BF16=a_bf16, HAS_BIAS=bias is not None, SWIGLU=swiglu is not None,
                               BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_P2=triton.next_power_of_2(slots.top_k),
                               E_P2=triton.next_power_of_2(n_exp), RENORMALIZE=route is not None and route.renormalize,
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(c, pdl))
+                              ASM=a.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(c, pdl))
