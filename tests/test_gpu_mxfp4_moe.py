@@ -172,6 +172,21 @@ def test_packed_experts_refuse_a_width_off_the_exponent_blocks(T):
         T.routed_experts(x, torch.randn(2, n_exp).to(DEV), top_k=top_k, renormalize=True, **packed)
 
 
+def test_packed_rows_off_a_16_byte_boundary_are_refused(T):
+    """The GEMV form loads a block's 4 code words at once: rows whose start is not 16-byte aligned (a view with a row
+    stride of 13 words) are refused by name, not read misaligned."""
+    packed, _ = _experts(4, seed=4)
+    for name in ("gate_up", "down"):
+        w = packed[name]
+        wide = torch.zeros(*w.shape[:-1], w.shape[-1] + 4, dtype=w.dtype, device=w.device)
+        wide[..., : w.shape[-1]] = w
+        packed[name] = wide[..., : w.shape[-1]]  # the same bytes, each row 4 bytes further on
+    tiles = T.MoeTiles.both(T.MoeConfig(*GEMV))
+    x = torch.randn(1, HIDDEN).to(DEV, DTYPE)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        T.one_slot_experts(x, torch.randn(1, 4).to(DEV), top_k=1, renormalize=True, tiles=tiles, **packed)
+
+
 @pytest.fixture(scope="module")
 def oss_mxfp4(tmp_path_factory, tokenizer_dir):
     """A tiny gpt-oss MXFP4 checkpoint as the hub packs them (tests/test_mxfp4.py's)."""

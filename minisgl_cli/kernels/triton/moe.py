@@ -479,10 +479,10 @@ def _x_pair(x, A_BF16: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _mxfp4_word_dots(v, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
-    """Each word of MXFP4 codes v [.., 4] (8 values: byte i holds values 2i, 2i + 1 in its low and high nibble) times
-    its 8 activations x0 .. x7 (fp32), summed a word, times 2 ** -14 (the block's scale brings it back: `_mxfp4_tile`'s
-    fp16 trick). A mask and a shift or two make two values' fp16 bits at once: values (0, 4), (1, 5), (2, 6), (3, 7)
-    land in a word's low and high halves."""
+    """Each word of MXFP4 codes v (8 values: byte i holds values 2i, 2i + 1 in its low and high nibble) times its 8
+    activations x0 .. x7 (fp32, broadcast against v), summed a word, times 2 ** -14 (the block's scale brings it back:
+    `_mxfp4_tile`'s fp16 trick). A mask and a shift or two make two values' fp16 bits at once: values (0, 4), (1, 5),
+    (2, 6), (3, 7) land in a word's low and high halves."""
     a, b = _half_pair(((v & 0x00070007) << 9) | ((v & 0x00080008) << 12), ASM)
     t = a * x0
     t = t + b * x4  # one chain of multiply-adds (a sum of products would add its pairs apart: 3 more a word)
