@@ -6,7 +6,8 @@ the fused Triton kernels; with --sweep, the packed path's tiles (for kernels/tri
 `LAYERS` layers of gpt-oss-20b's experts (32 of H 2880 and I 2880, top 4, biases, the clamped SwiGLU), random bytes
 and exponents, run back to back in one CUDA graph (the weights come from DRAM, as in a decode step). Per M tokens:
 µs a layer of the experts as the engine runs them (`routed_experts`: the few-token path up to SMALL_MAX_TOKENS, else
-route + align; the gate's logits given), packed and dequantized; the bytes of the experts chosen over that time (TB/s:
+route + align; the gate's logits given), packed and dequantized (one token: also packed without PDL, and packed on
+the MMA tiles); the bytes of the experts chosen over that time (TB/s:
 the packed path reads 17/64 of bf16's bytes); the packed output's largest difference from the bf16 one, in units of
 its largest value (bf16 rounding: ~1e-2 at most). --sweep: each GEMM of the packed path at every candidate tile
 (few-token slots up to SMALL_MAX_TOKENS, aligned blocks above), the fastest printed. Prints RESULT lines and writes
@@ -56,13 +57,14 @@ def time_size(m: int, layers: list[dict], g: torch.Generator, sweep: bool) -> di
     logits = [x @ layer["gate"].t() for layer in layers]
     chosen = len(set(logits[0].topk(TOP_K, dim=-1).indices.flatten().tolist()))
 
-    def run(i: int, kind: str) -> torch.Tensor:
+    def run(i: int, kind: str, pdl: bool = True) -> torch.Tensor:
         w = layers[i][kind]
-        return triton_moe.routed_experts(x, logits[i], w[0], w[1], TOP_K, True, w[2], w[3], pdl=True, terms=True,
+        return triton_moe.routed_experts(x, logits[i], w[0], w[1], TOP_K, True, w[2], w[3], pdl=pdl, terms=True,
                                          swiglu=layers[i]["swiglu"])
 
     us = {kind: graph_us([lambda i=i, kind=kind: run(i, kind) for i in range(LAYERS)]) for kind in ("packed", "bf16")}
-    if m == 1:  # one token on the MMA tiles, against the GEMV form the table picks
+    if m == 1:  # the GEMV form launched without PDL (as before it took it), then one token on the MMA tiles
+        us["packed_no_pdl"] = graph_us([lambda i=i: run(i, "packed", pdl=False) for i in range(LAYERS)])
         us["packed_mma"] = graph_us([lambda i=i: triton_moe.one_slot_experts(
             x, logits[i], *layers[i]["packed"][:2], TOP_K, True, *layers[i]["packed"][2:], pdl=True, terms=True,
             swiglu=layers[i]["swiglu"], tiles=triton_moe.MMA_MXFP4_ONE) for i in range(LAYERS)])

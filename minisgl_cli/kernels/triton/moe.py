@@ -679,12 +679,13 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
     `fused_experts`; [T, H], or with `terms` each token's k terms [T, k, H] for the caller to sum. Where the tiles
     take the GEMV form and the experts are ROUTE_APART_EXPERTS or more, `route` then the GEMV form on its choices.
 
-    `pdl` reaches the 16-bit experts only: under programmatic dependent launch the FP8 (w8a16) expert kernels ran
-    far slower (examples/moe_bench.py on an H100, one token, 4 layers: 52.8 against 33.0 us a layer on one-slot
-    blocks, 47.0 against 41.6 aligned; the 16-bit ones gain: 46.4 against 49.3 aligned)."""
-    pdl = pdl and gate_up_scale is None
+    `pdl` reaches the 16-bit experts and the GEMV form only: under programmatic dependent launch the FP8 (w8a16)
+    expert kernels' MMA tiles ran far slower (examples/moe_bench.py on an H100, one token, 4 layers: 52.8 against 33.0
+    us a layer on one-slot blocks, 47.0 against 41.6 aligned; the 16-bit ones gain: 46.4 against 49.3 aligned). The
+    GEMV form takes it for packed MXFP4 weights too (untimed: `examples/mxfp4_bench.py`'s packed_no_pdl column)."""
     few = pick_tiles(x.shape[0], gate_up_scale is not None, w8a8=False, mxfp4=is_mxfp4(gate_up))  # one_slot's
     gemv = few.gate_up.block_m == 1
+    pdl = pdl and (gate_up_scale is None or gemv)
     if x.shape[0] <= SMALL_MAX_TOKENS and not (gemv and logits.shape[-1] >= ROUTE_APART_EXPERTS):
         return one_slot_experts(x, logits, gate_up, down, top_k, renormalize, gate_up_scale, down_scale, tiles=few,
                                 pdl=pdl, terms=terms, swiglu=swiglu, block=block)
