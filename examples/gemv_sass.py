@@ -6,7 +6,7 @@ over the weight values one thread covers an iteration. A proxy for where an ALU-
 variants of the kernel before a GPU times them.
 
     PYTHONPATH=. python examples/gemv_sass.py [--block-n 8] [--block-k 512] [--warps 4] [--gated] [--dense]
-        [--model gpt-oss-20b|qwen3-30b-a3b]
+        [--model gpt-oss-20b|qwen3-30b-a3b] [--sweep]
 
 The arguments are specialized as Triton's JIT would for that model's experts (16-byte divisibility where it holds).
 
@@ -44,10 +44,10 @@ def launch_ints(shape: tuple[int, int, int, int], gated: bool, mxfp4: bool) -> d
                 stride_sn=k // 32 if mxfp4 else 0, stride_be=rows, stride_l=n_exp)
 
 
-def compile_sass(block_n: int, block_k: int, warps: int, gated: bool, mxfp4: bool,
-                 shape: tuple[int, int, int, int] = SHAPES["gpt-oss-20b"]) -> str:
-    """SASS of the kernel as the JIT specializes it for `shape`: pointers 16-byte aligned (torch's allocations), each
-    integer argument divisible by 16 marked so where it is (Triton's `tt.divisibility`), as a launch would."""
+def compile_cubin(block_n: int, block_k: int, warps: int, gated: bool, mxfp4: bool,
+                  shape: tuple[int, int, int, int] = SHAPES["gpt-oss-20b"]) -> bytes:
+    """The kernel for sm_90 as the JIT specializes it for `shape`: pointers 16-byte aligned (torch's allocations),
+    each integer argument divisible by 16 marked so where it is (Triton's `tt.divisibility`), as a launch would."""
     ints = launch_ints(shape, gated, mxfp4)
     sig = {"a_ptr": "*i32" if mxfp4 else "*bf16", "w_ptr": "*i32" if mxfp4 else "*bf16", "s_ptr": "*u8",
            "b_ptr": "*bf16", "c_ptr": "*bf16", "rw_ptr": "*fp32", "block_expert_ptr": "*i32", "logits_ptr": "*bf16",
@@ -63,11 +63,22 @@ def compile_sass(block_n: int, block_k: int, warps: int, gated: bool, mxfp4: boo
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     kernel = triton.compile(ASTSource(moe._expert_gemv_kernel, sig, constexprs=const, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return kernel.asm["cubin"]
+
+
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """`cuobjdump FLAG` of a cubin (the wheel's own binary): -sass, -res-usage."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
+        f.write(cubin)
         f.flush()
-        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def compile_sass(block_n: int, block_k: int, warps: int, gated: bool, mxfp4: bool,
+                 shape: tuple[int, int, int, int] = SHAPES["gpt-oss-20b"]) -> str:
+    """`compile_cubin`'s SASS."""
+    return cuobjdump(compile_cubin(block_n, block_k, warps, gated, mxfp4, shape), "-sass")
 
 
 def loop_opcodes(sass: str) -> list[str]:
@@ -95,7 +106,20 @@ def main() -> None:
     ap.add_argument("--gated", action="store_true", help="the gate/up GEMM (two accumulators), else down")
     ap.add_argument("--dense", action="store_true", help="16-bit weights, else packed MXFP4")
     ap.add_argument("--model", choices=sorted(SHAPES), default="gpt-oss-20b", help="whose expert shapes (strides)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="every tile of moe_tiles.GEMV_SWEEP, gate/up and down: instructions a value, registers and "
+                         "stack bytes a thread (a stack frame: registers spilled)")
     args = ap.parse_args()
+    if args.sweep:
+        for gated in (True, False):
+            for n, k, warps, _ in moe.GEMV_SWEEP:
+                cubin = compile_cubin(n, k, warps, gated, not args.dense, SHAPES[args.model])
+                per = len(loop_opcodes(cuobjdump(cubin, "-sass"))) / (n * k * (2 if gated else 1) / (32 * warps))
+                use = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(cubin, "-res-usage"))
+                assert use is not None, "cuobjdump printed no resource usage"
+                print(f"{'gate/up' if gated else 'down':7s} {n:2d} rows {k:4d} deep {warps} warps: "
+                      f"{per:4.1f} a value, {use[1]} registers, stack {use[2]} bytes")
+        return
     ops = loop_opcodes(compile_sass(args.block_n, args.block_k, args.warps, args.gated, not args.dense,
                                     SHAPES[args.model]))
     values = args.block_n * args.block_k * (2 if args.gated else 1) // (32 * args.warps)  # a thread's, an iteration

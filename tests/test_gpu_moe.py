@@ -26,12 +26,12 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 SMALL = (16, 16, 32, 4, 1)  # a tile smaller than the shapes: several blocks and column tiles, masked K edges
 GEMV = (1, 16, 32, 4, 1)  # the GEMV form (a slot a program), smaller than the shapes likewise
+NO_FP8 = DEV == "cuda" and torch.cuda.get_device_capability() < (8, 9)  # e4m3 in Triton: Ada / Hopper and newer
 
 
 def _tiles(T, tile: str):
     """The tiles a test names: None (picked by the batch size), SMALL's or GEMV's."""
     return None if tile == "picked" else T.MoeTiles.both(T.MoeConfig(*(SMALL if tile == "small" else GEMV)))
-NO_FP8 = DEV == "cuda" and torch.cuda.get_device_capability() < (8, 9)  # e4m3 in Triton: Ada / Hopper and newer
 
 
 @pytest.fixture(scope="module")

@@ -266,6 +266,13 @@ def _place_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr, nu
 
 
 @triton.jit
+def _e8m0_scale(e):
+    """The fp32 factor of MXFP4 codes widened by the fp16 trick (`_mxfp4_tile`) under e8m0 exponents e:
+    2 ** (e - 127), times the trick's 2 ** 14."""
+    return (e.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
+
+
+@triton.jit
 def _mxfp4_tile(packed, exps, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The [BLOCK_K, BLOCK_N] weight tile in `dtype` of MXFP4 rows: bytes [BLOCK_N, BLOCK_K / 2] (two e2m1 codes
     each, the low nibble first) and e8m0 exponents [BLOCK_N, BLOCK_K / 32] (one per 32 values: 2 ** (e - 127)).
@@ -279,8 +286,7 @@ def _mxfp4_tile(packed, exps, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_
     hi = ((p & 0x70) << 5) | ((p & 0x80) << 8)
     half = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # k = 2 byte + nibble
     half = half.to(tl.int16).to(tl.float16, bitcast=True)
-    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+    scale = tl.reshape(tl.broadcast_to(_e8m0_scale(exps)[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
     return tl.trans((half.to(tl.float32) * scale).to(dtype))
 
 
@@ -502,8 +508,7 @@ def _block_sums(v, e, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N: tl.constexpr, KB:
     """Code words v [BLOCK_N, 4 KB] times their activations (each [1, 4 KB]), summed a 32-value block (4 words, one
     thread's: no shuffle) and scaled by the block's e8m0 exponent e [BLOCK_N, KB]: [BLOCK_N, KB] fp32."""
     t = _mxfp4_word_dots(v, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
-    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # 2 ** (e - 127), and the trick's 2 ** 14
-    return tl.sum(tl.reshape(t, (BLOCK_N, KB, 4)), axis=2) * scale
+    return tl.sum(tl.reshape(t, (BLOCK_N, KB, 4)), axis=2) * _e8m0_scale(e)
 
 
 @triton.jit

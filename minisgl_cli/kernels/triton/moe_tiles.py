@@ -74,7 +74,7 @@ _PREFILL = ((2048, _tiles(64, (128, 64, 8, 3), (128, 64, 8, 3))),
 GEMV_16BIT = _tiles(1, (4, 512, 4, 1), (4, 256, 4, 1))
 # the GEMV form's sweep candidates (BLOCK_N, BLOCK_K, warps, stages: no MMA pipeline to stage), for both benchmarks
 GEMV_SWEEP = [(n, k, w, 1) for n in (4, 8, 16) for k in (256, 512, 1024) for w in (2, 4, 8)]
-GEMV_MXFP4 = _tiles(1, (8, 512, 4, 1), (8, 512, 4, 1))
+GEMV_MXFP4 = _tiles(1, (8, 512, 4, 1), (8, 512, 4, 1))  # picked for the loop before 17d6fca's rework: to resweep
 MMA_16BIT_FEW = _tiles(16, (32, 128, 4, 4), (64, 128, 4, 3))  # 2-4 tokens; one token's before the GEMV form
 TILES_16BIT: tuple[tuple[int, MoeTiles], ...] = (
     (1, GEMV_16BIT),
