@@ -127,9 +127,11 @@ def report(paths: list[str]) -> int:
 
 
 def main() -> int:
+    from minisgl_cli.distributed import ALL_REDUCES
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--all-reduce", default="auto", choices=("auto", "one-shot", "nccl"))
+    parser.add_argument("--all-reduce", default="auto", choices=ALL_REDUCES)
     parser.add_argument("--model", default="llama-3.1-8b", help="a built-in config (dummy weights)")
     parser.add_argument("--quantization", default="none")
     parser.add_argument("--num-prompts", type=int, default=3)

@@ -12,6 +12,8 @@ split at a near-tie and then differ (docs/benchmarks.md, `--tp 2` vs `--tp 1`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import random
 import traceback
 
@@ -86,16 +88,19 @@ def test_one_shot_all_reduce_equals_nccl_eager_and_in_a_graph():
     assert results == {0: None, 1: None}, "\n".join(str(v) for v in results.values() if v)
 
 
-def _fused(rank: int, device: torch.device, tp) -> None:
+def _fused(rank: int, device: torch.device, tp, lamport: bool = False) -> None:
     """The fused all-reduce + RMSNorm against the one-shot sum then the Triton RMSNorm, bit for bit (the normed
-    rows, FP8 codes too, and the residual), 1 to 64 rows, eager and replayed in a graph."""
+    rows, FP8 codes too, and the residual), 1 to 64 rows, eager and replayed in a graph; with its flags or
+    (`lamport`) the rows as their own flags."""
     from minisgl_cli.distributed import comm
     from minisgl_cli.distributed.push_rows import FUSED_NORM_ROWS
     from minisgl_cli.kernels.triton import ops
 
     hidden = 4096
+    tp = dataclasses.replace(tp, all_reduce="lamport" if lamport else "auto")
     tp = comm.setup_all_reduce(tp, device, torch.bfloat16, 2 << 20, (FUSED_NORM_ROWS, hidden))
     assert tp.push_rows is not None, "the fused kernel's buffers could not be set up: see the warning above"
+    assert tp.push_rows.lamport == lamport
     g = torch.Generator(device=device).manual_seed(rank)  # each rank's partial rows differ
     alike = torch.Generator(device=device).manual_seed(1234)  # the weight and residual are the same on both
     weight = torch.randn(hidden, generator=alike, device=device).to(torch.bfloat16)
@@ -131,8 +136,9 @@ def _fused(rank: int, device: torch.device, tp) -> None:
                 assert same(static_out, want) and torch.equal(static_r, want_r), f"graph {rows} rows, {quant}"
 
 
-def test_fused_all_reduce_rmsnorm_equals_the_sum_then_the_norm():
-    results = run_ranks(_on_rank, 2, _fused, timeout=180)
+@pytest.mark.parametrize("lamport", [False, True])
+def test_fused_all_reduce_rmsnorm_equals_the_sum_then_the_norm(lamport):
+    results = run_ranks(_on_rank, 2, functools.partial(_fused, lamport=lamport), timeout=180)
     assert results == {0: None, 1: None}, "\n".join(str(v) for v in results.values() if v)
 
 

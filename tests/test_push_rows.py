@@ -24,8 +24,10 @@ pytestmark = pytest.mark.skipif(not (INTERPRET and importlib.util.find_spec("tri
                                 reason="needs TRITON_INTERPRET=1 with triton importable (no GPU)")
 
 
-def test_two_ranks_sum_add_and_normalize_like_the_unfused_ops():
-    from minisgl_cli.distributed.push_rows import FLAG
+@pytest.mark.parametrize("lamport", [False, True])
+def test_two_ranks_sum_add_and_normalize_like_the_unfused_ops(lamport):
+    """Flags, or (lamport) the rows as their own flags: -0.0 sent as +0.0, and each slot read reset to -0.0."""
+    from minisgl_cli.distributed.push_rows import FLAG, UNSET
     from minisgl_cli.kernels.fp8 import INV_MAX, TINY
     from minisgl_cli.kernels.triton import ops as triton_ops
 
@@ -33,6 +35,10 @@ def test_two_ranks_sum_add_and_normalize_like_the_unfused_ops():
     slot = max_rows * n
     data_bytes = 2 * world * slot * dt.itemsize
     bufs = [torch.zeros(data_bytes + world * max_rows * FLAG.itemsize, dtype=torch.uint8) for _ in range(world)]
+    if lamport:
+        for b in bufs:
+            b[:data_bytes].view(dt).fill_(-0.0)
+    data = [b[:data_bytes].view(dt).view(2, world, max_rows, n) for b in bufs]
     data_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
     flag_ptrs = torch.tensor([b.data_ptr() + data_bytes for b in bufs], dtype=torch.int64)
     epochs = [torch.zeros(max_rows, dtype=FLAG) for _ in range(world)]
@@ -43,18 +49,28 @@ def test_two_ranks_sum_add_and_normalize_like_the_unfused_ops():
         out = torch.empty_like(x)
         triton_ops._all_reduce_rmsnorm_kernel[(x.shape[0],)](
             x, residual, w, out, out, data_ptrs, flag_ptrs, epochs[rank], rank, slot, max_rows, residual.stride(0),
-            out.stride(0), n, 1e-6, TINY, INV_MAX, WORLD=world, QUANT=False, BLOCK=n, USE_PDL=False)
+            out.stride(0), n, 1e-6, TINY, INV_MAX, WORLD=world, QUANT=False, LAMPORT=lamport, UNSET=UNSET[2],
+            BLOCK=n, USE_PDL=False)
         return out
+
+    def unset(rows: torch.Tensor) -> bool:
+        return bool((rows.view(torch.int16) == UNSET[2]).all())
 
     for call, rows in ((1, 3), (2, 3), (3, 1)):
         parts = [torch.randn(rows, n, generator=g).to(dt) for _ in range(world)]
+        parts[0][0, :5] = -0.0  # on the wire (lamport) +0.0: -0.0 would read as not yet written
+        parts[1][-1, 3:7] = -0.0
         residual = torch.randn(rows, n, generator=g).to(dt)
-        rank0_data = bufs[0][:data_bytes].view(dt).view(2, world, max_rows, n)
-        rank0_flags = bufs[0][data_bytes:].view(FLAG).view(world, max_rows)
-        rank0_data[call % 2, 1, :rows] = parts[1]  # rank 1's push of this call, by hand
-        rank0_flags[1, :rows] = call
+        data[0][call % 2, 1, :rows] = parts[1] + 0.0 if lamport else parts[1]  # rank 1's push of this call, by hand
+        if not lamport:
+            bufs[0][data_bytes:].view(FLAG).view(world, max_rows)[1, :rows] = call
         res = [residual.clone() for _ in range(world)]
-        outs = [fused(r, parts[r], res[r]) for r in range(world)]
+        outs = [fused(0, parts[0], res[0])]
+        if lamport:
+            assert unset(data[0][call % 2, 1, :rows]), "rank 0 left what it read"
+        outs.append(fused(1, parts[1], res[1]))
+        if lamport:
+            assert unset(data[1][call % 2, 0, :rows]), "rank 1 left what it read"
         # The unfused ops: the sum rounded to the dtype, + residual rounded, then RMSNorm as layers/norm.py does.
         summed = ((parts[0].float() + parts[1].float()).to(dt).float() + residual.float()).to(dt)
         h = summed.float()
@@ -64,4 +80,5 @@ def test_two_ranks_sum_add_and_normalize_like_the_unfused_ops():
             assert torch.equal(outs[r], want), (call, r, (outs[r].float() - want.float()).abs().max())
         assert epochs[0][:rows].tolist() == epochs[1][:rows].tolist() == [call] * rows
         flags1 = bufs[1][data_bytes:].view(FLAG).view(world, max_rows)
-        assert flags1[0, :rows].tolist() == [call] * rows  # rank 0 raised its flags on rank 1
+        # rank 0 raised its flags on rank 1; with lamport none
+        assert flags1[0, :rows].tolist() == [0 if lamport else call] * rows

@@ -12,8 +12,9 @@ from typing import Any, Literal, get_args
 
 # How a TP group sums the layers' partial products: auto (on one CUDA host: small decode batches' sums fused with the
 # residual add + RMSNorm after them (push_rows.py), other small messages by torch's one-shot kernel over symmetric
-# memory, NCCL above them), one-shot (the same without the fused kernel), nccl (the group's all-reduce for all).
-AllReduce = Literal["auto", "one-shot", "nccl"]
+# memory, NCCL above them), one-shot (the same without the fused kernel), nccl (the group's all-reduce for all),
+# lamport (auto with the fused kernel's rows their own arrival flags: push_rows.py).
+AllReduce = Literal["auto", "one-shot", "nccl", "lamport"]
 ALL_REDUCES: tuple[str, ...] = get_args(AllReduce)
 
 
@@ -27,7 +28,7 @@ class TPInfo:
     all_reduce: AllReduce = "auto"  # what the group may use (DistConfig's, nccl across hosts)
     # The one-shot all-reduce (one_shot.OneShotAllReduce) once comm.setup_all_reduce made it on every rank.
     one_shot: Any = field(default=None, compare=False, repr=False)
-    # The fused all-reduce + RMSNorm's buffers (push_rows.PushRows), likewise (--all-reduce auto).
+    # The fused all-reduce + RMSNorm's buffers (push_rows.PushRows), likewise (--all-reduce auto or lamport).
     push_rows: Any = field(default=None, compare=False, repr=False)
 
 

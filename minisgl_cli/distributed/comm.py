@@ -49,8 +49,8 @@ def init_tp(rank: int, cfg: DistConfig, device: torch.device) -> TPInfo:
 def setup_all_reduce(tp: TPInfo, device: torch.device, dtype: torch.dtype, max_bytes: int,
                      push: tuple[int, int] | None = None) -> TPInfo:
     """tp with the one-shot all-reduce for `dtype` messages up to `max_bytes`, and (`push`: max rows, row size;
-    --all-reduce auto) the fused all-reduce + RMSNorm's buffers, where every rank can set them up; else tp as it
-    was (NCCL, or gloo on the CPU), one line logged saying why.
+    --all-reduce auto or lamport) the fused all-reduce + RMSNorm's buffers, where every rank can set them up; else tp
+    as it was (NCCL, or gloo on the CPU), one line logged saying why.
 
     Collective: every rank of the group calls it at the same point. Each step (allocate, map the peers' buffers,
     sum known values once) ends with the ranks agreeing over the host group, so they choose alike."""
@@ -66,8 +66,8 @@ def setup_all_reduce(tp: TPInfo, device: torch.device, dtype: torch.dtype, max_b
     ]):
         return tp
     tp = dataclasses.replace(tp, one_shot=made)
-    if push is not None and tp.all_reduce == "auto":
-        rows = push_rows.PushRows(device, tp.rank, tp.size, push[0], push[1], dtype)
+    if push is not None and tp.all_reduce in ("auto", "lamport"):
+        rows = push_rows.PushRows(device, tp.rank, tp.size, push[0], push[1], dtype, lamport=tp.all_reduce == "lamport")
         if _agreed(tp, "no fused all-reduce + RMSNorm (its buffers", [
             ("allocate", rows.allocate),
             ("rendezvous", lambda: rows.rendezvous(dist.group.WORLD)),
@@ -104,7 +104,9 @@ def describe_all_reduce(tp: TPInfo) -> str:
     if tp.size == 1:
         return ""
     if tp.one_shot is not None:
-        fused = f"fused with RMSNorm <= {tp.push_rows.max_rows} rows, " if tp.push_rows is not None else ""
+        push = tp.push_rows
+        fused = (f"fused with RMSNorm{' (Lamport)' if push.lamport else ''} <= {push.max_rows} rows, "
+                 if push is not None else "")
         return f"{fused}one-shot <= {tp.one_shot.nbytes >> 10} KiB, else nccl"
     return dist.get_backend()
 

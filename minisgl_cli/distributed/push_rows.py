@@ -12,6 +12,13 @@ peers' flags in its own buffer, sums the rows in rank order and normalizes. This
 and a local epoch per row: call k of row r writes parity k % 2 and raises its flags to k. A peer can be at most
 one call ahead (it needs this rank's rows of call k to finish call k), so the other parity is never overwritten
 while it is read; flags only grow, so nothing is reset between calls (or between CUDA graph replays).
+
+`--all-reduce lamport` drops the flags (the Lamport protocol of TensorRT-LLM's small all-reduces): the data region
+starts as -0.0 in every element, a sender writes its rows with -0.0 made +0.0, and a reader polls the rows themselves
+until no element reads -0.0, sums, and writes -0.0 back over what it read. The flags cost the sender a system-wide
+fence (its stores to the peer acknowledged over NVLink) and then a second crossing; here each element signals its
+own arrival. The same parity argument makes the reset safe: a peer writes this parity again only at call k + 2,
+after this rank's call k + 1, which ran after call k's reset had finished.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ FLAG = torch.int64  # call counts: at 20k calls a second an int32 would wrap wit
 # The most rows the fused kernel takes (one program each): decode batches up to this; larger ones are bandwidth
 # work, where the one-shot / NCCL sum and a separate norm cost little more.
 FUSED_NORM_ROWS = 64
+UNSET = {2: -(1 << 15), 4: -(1 << 31)}  # -0.0's bits as a signed integer, by the element's bytes: "not yet written"
 
 
 @dataclass
@@ -44,8 +52,9 @@ class Partial:
 class PushRows:
     """One rank's part of the symmetric buffers, the peers' addresses, and the per-row epochs."""
 
-    def __init__(self, device: torch.device, rank: int, world: int, max_rows: int, row: int, dtype: torch.dtype):
-        self.device, self.rank, self.world = device, rank, world
+    def __init__(self, device: torch.device, rank: int, world: int, max_rows: int, row: int, dtype: torch.dtype,
+                 lamport: bool = False):
+        self.device, self.rank, self.world, self.lamport = device, rank, world, lamport
         self.max_rows, self.row, self.dtype = max_rows, row, dtype
         self.slot = max_rows * row  # elements of one (parity, sender) slot
         self.data_bytes = 2 * world * self.slot * dtype.itemsize
@@ -55,12 +64,15 @@ class PushRows:
         self.flag_ptrs: torch.Tensor | None = None  # int64 [world]: each rank's flags
 
     def allocate(self) -> None:
-        """This rank's buffer, zeroed (its flags must read 0 before any peer can raise one: rendezvous follows)."""
+        """This rank's buffer, zeroed (its flags must read 0 before any peer can raise one: rendezvous follows); with
+        `lamport` its data region all -0.0 (unwritten)."""
         import torch.distributed._symmetric_memory as symm_mem
 
         flag_bytes = self.world * self.max_rows * FLAG.itemsize
         self.buffer = symm_mem.empty(self.data_bytes + flag_bytes, dtype=torch.uint8, device=self.device)
         self.buffer.zero_()
+        if self.lamport:
+            self.buffer[:self.data_bytes].view(self.dtype).fill_(-0.0)
         torch.cuda.synchronize(self.device)
 
     def rendezvous(self, group: Any) -> None:

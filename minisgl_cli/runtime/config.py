@@ -36,7 +36,8 @@ class RuntimeConfig:
     all_reduce: AllReduce = field(default="auto", metadata=dict(
         flags=("--all-reduce",), env="MINISGL_ALL_REDUCE",
         help="CUDA --tp: auto (small decode sums fused with the RMSNorm after them, one-shot over symmetric memory "
-             "for other small messages, NCCL above), one-shot (no fused kernel) or nccl."))
+             "for other small messages, NCCL above), one-shot (no fused kernel), nccl, or lamport (auto with the "
+             "fused kernel flagless: each element signals its own arrival)."))
     dp_size: int = field(default=1, metadata=dict(
         flags=("--dp", "--dp-size"), min=1,
         help="Data-parallel engine replicas, each on its own --tp devices."))

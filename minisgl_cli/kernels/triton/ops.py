@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from minisgl_cli.distributed.push_rows import PushRows
+from minisgl_cli.distributed.push_rows import UNSET, PushRows
 from minisgl_cli.kernels.fp8 import FP8, INV_MAX, TINY, Fp8Rows, KVCache
 from minisgl_cli.kernels.triton.fp8 import fp8_codes, quant_rows  # noqa: F401  (quant_rows re-exported, as gemv)
 from minisgl_cli.kernels.triton.gemv import gemv, gemv_rope_kv  # noqa: F401  (re-exported: one switch for every layer op)
@@ -77,9 +77,11 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, stride_x, stride_r, str
 @triton.jit
 def _all_reduce_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, data_ptrs, flag_ptrs, epoch_ptr, rank, slot,
                                max_rows, stride_r, stride_o, N, eps, tiny, inv_max, WORLD: tl.constexpr,
-                               QUANT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                               QUANT: tl.constexpr, LAMPORT: tl.constexpr, UNSET: tl.constexpr, BLOCK: tl.constexpr,
+                               USE_PDL: tl.constexpr):
     """Row `row` of every rank's partial sum x, summed over the TP group, then the residual add and RMSNorm:
-    the memory protocol is distributed/push_rows.py's."""
+    the memory protocol is distributed/push_rows.py's (LAMPORT: its flagless form; UNSET: -0.0's bits as a signed
+    integer of the element's width)."""
     if USE_PDL:
         gdc_launch_dependents()
     row = tl.program_id(0)
@@ -89,38 +91,66 @@ def _all_reduce_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, data_ptrs, f
     if USE_PDL:
         gdc_wait()
     x = tl.load(x_ptr + row.to(tl.int64) * N + offs, mask=mask, other=0.0)
+    dt = x_ptr.dtype.element_ty
+    if LAMPORT:  # -0.0 means "not yet written" on the wire: send (and sum, as every rank does) +0.0 for it
+        x = tl.where(x == 0, tl.zeros_like(x), x)
     epoch = tl.load(epoch_ptr + row) + 1
     tl.store(epoch_ptr + row, epoch)
     parity = epoch % 2
-    dt = x_ptr.dtype.element_ty
     # This rank's row into its slot of every peer's buffer, then (all stores issued: the barrier) the flags.
     mine = (parity * WORLD + rank) * slot + row.to(tl.int64) * N
     for q in tl.static_range(WORLD):
         if q != rank:
-            peer = tl.load(data_ptrs + q).to(tl.pointer_type(dt))
-            tl.store(peer + mine + offs, x, mask=mask)
-    tl.debug_barrier()
-    for q in tl.static_range(WORLD):
-        if q != rank:
-            flag = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int64)) + rank * max_rows + row
-            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+            tl.store(_beside(x_ptr, tl.load(data_ptrs + q)) + mine + offs, x, mask=mask)
+    if not LAMPORT:
+        tl.debug_barrier()
+        for q in tl.static_range(WORLD):
+            if q != rank:
+                flag = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int64)) + rank * max_rows + row
+                tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
     # The peers' rows, as each arrives, summed in rank order in fp32: every rank rounds alike, and (two ranks)
     # each element is one correctly rounded addition, as NCCL's and the one-shot's.
-    own_data = tl.load(data_ptrs + rank).to(tl.pointer_type(dt))
+    own_data = _beside(x_ptr, tl.load(data_ptrs + rank))
     own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for q in tl.static_range(WORLD):
         if q == rank:
             acc += x.to(tl.float32)
         else:
-            seen = tl.atomic_add(own_flags + q * max_rows + row, 0, sem="acquire", scope="sys")
-            while seen < epoch:
-                seen = tl.atomic_add(own_flags + q * max_rows + row, 0, sem="acquire", scope="sys")
-            tl.debug_barrier()
             theirs = own_data + (parity * WORLD + q) * slot + row.to(tl.int64) * N
-            acc += tl.load(theirs + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            if LAMPORT:
+                acc += _lamport_take(theirs + offs, mask, UNSET).to(tl.float32)
+            else:
+                seen = tl.atomic_add(own_flags + q * max_rows + row, 0, sem="acquire", scope="sys")
+                while seen < epoch:
+                    seen = tl.atomic_add(own_flags + q * max_rows + row, 0, sem="acquire", scope="sys")
+                tl.debug_barrier()
+                acc += tl.load(theirs + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
     _add_norm_store(acc.to(dt), row.to(tl.int64), offs, mask, r_ptr, w, out_ptr, s_ptr, stride_r, stride_o, N, eps,
                     tiny, inv_max, True, QUANT)
+
+
+@triton.jit
+def _beside(anchor, addr):
+    """The buffer at integer address `addr` as a pointer of `anchor`'s type, made from `anchor` (a pointer argument)
+    plus their gap, so that Triton sees its alignment and moves rows as 16-byte vectors (a pointer made from an integer
+    is one element at a time: 8 stores a thread over NVLink instead of one). The symmetric buffers are 16-byte
+    aligned, so the gap is a multiple of 16 bytes wherever the anchor is aligned, and where it is not, Triton's
+    alignment of the anchor bounds the sum's."""
+    nbytes: tl.constexpr = anchor.dtype.element_ty.primitive_bitwidth // 8
+    return anchor + tl.multiple_of((addr - anchor.to(tl.int64)) // nbytes, 16 // nbytes)
+
+
+@triton.jit
+def _lamport_take(ptrs, mask, UNSET: tl.constexpr):
+    """A peer's row at ptrs once every element has arrived (none reads -0.0), then -0.0 written back over it (the
+    slot unwritten again for the call that next uses it). Each element is read and reset by the same thread."""
+    bits_ty = tl.int16 if UNSET == -(1 << 15) else tl.int32
+    v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+    while tl.max((v.to(bits_ty, bitcast=True) == UNSET).to(tl.int32), axis=0) > 0:
+        v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+    tl.store(ptrs.to(tl.pointer_type(bits_ty)), tl.full(ptrs.shape, UNSET, bits_ty), mask=mask)
+    return v
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -162,7 +192,8 @@ def all_reduce_rmsnorm(partial: torch.Tensor, residual: torch.Tensor, weight: to
     _all_reduce_rmsnorm_kernel[(t,)](
         partial, residual, weight, out, scales, push.data_ptrs, push.flag_ptrs, push.epochs, push.rank, push.slot,
         push.max_rows, residual.stride(0), out.stride(0), n, eps, TINY, INV_MAX, WORLD=push.world, QUANT=quant,
-        BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl_kwargs(partial, pdl),
+        LAMPORT=push.lamport, UNSET=UNSET[partial.element_size()], BLOCK=block,
+        num_warps=min(16, max(1, block // 256)), **pdl_kwargs(partial, pdl),
     )
     return Fp8Rows(out, scales, partial.dtype) if quant else out
 
