@@ -667,6 +667,7 @@ def main() -> None:
             row(section=name, error=f"{type(exc).__name__}: {exc}")
         gc.collect()
         torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)  # a folder of its own per run (flashinfer_gpu.sh: one a backend)
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
         json.dump(ROWS, f, indent=1)
     print("\n==== summary (" + torch.cuda.get_device_name() + ") ====")

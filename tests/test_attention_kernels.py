@@ -224,6 +224,15 @@ def test_create_backend_auto_is_torch_on_cpu():
     assert {m for m in ("triton", "flashinfer") if m in sys.modules} == gpu_mods_before
 
 
+@needs_cuda
+def test_create_backend_auto_is_triton_on_cuda_even_with_flashinfer_installed():
+    """FlashInfer runs only by name: ours was faster end to end on an H100 and an H200 (docs/gpu.md)."""
+    from minisgl_cli.attention.triton_backend import TritonBackend
+
+    be = create_backend("auto", _tiny_pool("cuda"), 4, 2, 16, 0.25, "cuda")
+    assert isinstance(be, TritonBackend)
+
+
 @pytest.mark.parametrize("name", ["triton", "flashinfer"])
 def test_create_backend_gpu_names_on_cpu_raise(name, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # under Triton's interpreter "triton" runs on the CPU
