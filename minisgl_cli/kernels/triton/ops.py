@@ -101,7 +101,7 @@ def _all_reduce_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, data_ptrs, f
     mine = (parity * WORLD + rank) * slot + row.to(tl.int64) * N
     for q in tl.static_range(WORLD):
         if q != rank:
-            tl.store(_beside(x_ptr, tl.load(data_ptrs + q)) + mine + offs, x, mask=mask)
+            tl.store(_buffer(x_ptr, tl.load(data_ptrs + q), LAMPORT) + mine + offs, x, mask=mask)
     if not LAMPORT:
         tl.debug_barrier()
         for q in tl.static_range(WORLD):
@@ -110,7 +110,7 @@ def _all_reduce_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, data_ptrs, f
                 tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
     # The peers' rows, as each arrives, summed in rank order in fp32: every rank rounds alike, and (two ranks)
     # each element is one correctly rounded addition, as NCCL's and the one-shot's.
-    own_data = _beside(x_ptr, tl.load(data_ptrs + rank))
+    own_data = _buffer(x_ptr, tl.load(data_ptrs + rank), LAMPORT)
     own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for q in tl.static_range(WORLD):
@@ -131,14 +131,17 @@ def _all_reduce_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, data_ptrs, f
 
 
 @triton.jit
-def _beside(anchor, addr):
-    """The buffer at integer address `addr` as a pointer of `anchor`'s type, made from `anchor` (a pointer argument)
-    plus their gap, so that Triton sees its alignment and moves rows as 16-byte vectors (a pointer made from an integer
-    is one element at a time: 8 stores a thread over NVLink instead of one). The symmetric buffers are 16-byte
-    aligned, so the gap is a multiple of 16 bytes wherever the anchor is aligned, and where it is not, Triton's
-    alignment of the anchor bounds the sum's."""
-    nbytes: tl.constexpr = anchor.dtype.element_ty.primitive_bitwidth // 8
-    return anchor + tl.multiple_of((addr - anchor.to(tl.int64)) // nbytes, 16 // nbytes)
+def _buffer(anchor, addr, VECTORS: tl.constexpr):
+    """The symmetric buffer at integer address `addr` as a pointer of `anchor`'s type. VECTORS: made from `anchor` (a
+    pointer argument) plus their gap, so that Triton sees its alignment and moves rows as 16-byte vectors (a pointer
+    made from an integer moves one element at a time: 8 stores a thread over NVLink instead of one). The buffers are
+    16-byte aligned, so the gap is a multiple of 16 bytes wherever the anchor is aligned, and where it is not, Triton's
+    alignment of the anchor bounds the sum's. Only the Lamport form takes it so far: the flag protocol keeps the
+    element-wise accesses its TP 2 = NCCL runs were made with (docs/benchmarks.md, 2026-12-01)."""
+    if VECTORS:
+        nbytes: tl.constexpr = anchor.dtype.element_ty.primitive_bitwidth // 8
+        return anchor + tl.multiple_of((addr - anchor.to(tl.int64)) // nbytes, 16 // nbytes)
+    return addr.to(tl.pointer_type(anchor.dtype.element_ty))
 
 
 @triton.jit
