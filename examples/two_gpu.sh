@@ -7,7 +7,9 @@
 #   pytest.log     (b) tests/test_gpu_tp.py: one-shot == NCCL bit for bit; TP 2 greedy tokens vs TP 1
 #   tp.log         (c) examples/tp_decode.py: Llama-3.1-8B dummy weights, batch-1 decode and greedy tokens at
 #                      --tp 1, --tp 2 (--all-reduce auto: the fused all-reduce + RMSNorm), --all-reduce lamport
-#                      (the fused kernel flagless), one-shot and nccl; FP8 weights at --tp 1, --tp 2 (auto, lamport)
+#                      (the fused kernel flagless), one-shot and nccl; FP8 weights at --tp 1, --tp 2 (auto, lamport);
+#                      TP_CONFIGS naming tp2-again / tp2-lamport-again runs that configuration a second time, and
+#                      the report says whether its greedy tokens repeated
 #   dp.log         (d) examples/dp_scaling.sh, shortened: Qwen3-0.6B --dp 2 vs --dp 1 through HTTP, and the router
 #   results.json   the rows of (a), (c) and (d)
 #   prof.log       (e) where a batch-1 step's time goes at --tp 1 and --tp 2: each rank's StepProfiler table (wall vs
@@ -36,7 +38,8 @@ BUDGET=${BUDGET:-400}
 PARTS=${PARTS:-a b c d e f g}
 # (c)'s configurations by tag (TP_CONFIGS="tp1 tp2" for some): tp, --all-reduce, tag, --quantization
 TP_ALL=("1 auto tp1 none" "2 auto tp2 none" "2 one-shot tp2-oneshot none" "2 nccl tp2-nccl none" "1 auto tp1-fp8 fp8"
-        "2 auto tp2-fp8 fp8" "2 lamport tp2-lamport none" "2 lamport tp2-fp8-lamport fp8")
+        "2 auto tp2-fp8 fp8" "2 lamport tp2-lamport none" "2 lamport tp2-fp8-lamport fp8"
+        "2 auto tp2-again none" "2 lamport tp2-lamport-again none")  # the -again runs: does a TP 2 run repeat itself?
 TP_MODEL=${TP_MODEL:-llama-3.1-8b}
 read -r -a TP_ARGS <<< "${TP_ARGS:-}"
 . examples/parts.sh
@@ -71,7 +74,8 @@ if want c; then
   report() { local f=(); for t in "$@"; do [ -f "$WORK/$t.json" ] && f+=("$WORK/$t.json"); done
              [ "${#f[@]}" -gt 1 ] && { $PY examples/tp_decode.py --report "${f[@]}"; echo; }; }
   [ -z "$DRY" ] && { report tp1 tp2 tp2-lamport tp2-oneshot tp2-nccl; report tp2-nccl tp2 tp2-lamport tp2-oneshot
-    report tp1-fp8 tp2-fp8 tp2-fp8-lamport; } > "$WORK/tp_table.txt" 2>&1
+    report tp1-fp8 tp2-fp8 tp2-fp8-lamport; report tp2 tp2-again; report tp2-lamport tp2-lamport-again
+    } > "$WORK/tp_table.txt" 2>&1
   cat "$WORK/tp_table.txt" >> "$OUT/tp.log" 2>/dev/null
 fi
 
