@@ -21,6 +21,7 @@ def test_all_reduce_flag_reaches_every_replicas_ranks(monkeypatch):
     rt = RuntimeConfig(all_reduce="nccl", dp_size=2, tp_size=2)
     assert rt.replica_dist(0).all_reduce == rt.replica_dist(1).all_reduce == "nccl"
     assert RuntimeConfig(all_reduce="one-shot").dist.all_reduce == "one-shot"
+    assert RuntimeConfig(all_reduce="lamport").dist.all_reduce == "lamport"
     with pytest.raises(ValueError, match="--all-reduce must be one of auto, one-shot, nccl"):
         RuntimeConfig(all_reduce="custom")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--all-reduce"):
@@ -43,6 +44,17 @@ def test_all_reduce_flag_and_its_variable_are_parsed_and_checked(args, env, ok):
     else:
         assert result.exit_code == 2, result.output
         assert "--all-reduce must be one of auto, one-shot, nccl" in result.output, result.output
+
+
+def test_the_start_line_names_the_fused_kernels_protocol():
+    from types import SimpleNamespace
+
+    shot = SimpleNamespace(nbytes=32 << 10)
+    for lamport, fused in ((False, "fused with RMSNorm <= 4 rows"), (True, "fused with RMSNorm (Lamport) <= 4 rows")):
+        tp = TPInfo(0, 2, one_shot=shot, push_rows=SimpleNamespace(max_rows=4, lamport=lamport))
+        assert comm.describe_all_reduce(tp) == f"{fused}, one-shot <= 32 KiB, else nccl"
+    unfused = TPInfo(0, 2, all_reduce="one-shot", one_shot=shot)
+    assert comm.describe_all_reduce(unfused) == "one-shot <= 32 KiB, else nccl"
 
 
 def test_the_buffer_caps_what_one_rank_reads_from_its_peers():
