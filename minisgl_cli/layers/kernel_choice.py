@@ -46,6 +46,7 @@ class Kernels:
     # (MINISGL_FUSED_DECODE=1): on an H200 they did not beat the kernels they replace (docs/benchmarks.md, issue 50).
     fused_decode: bool = False
     pdl: bool = True  # CUDA, Hopper and newer: programmatic dependent launch between our Triton kernels
+    l2_prefetch: bool = False  # CUDA: batch-1 GEMVs ask their rows into L2 before the PDL wait (MINISGL_GEMV_PREFETCH)
     cpu_gemm: str = "auto"  # CPU: the GEMM policy of layers/cpu_gemm.py (auto, invariant, mkl, fp16)
     ordered_sums: bool = False  # RMSNorm sums through ATen's cumsum, as a compiled CPU step does (layers/norm.py)
     # --engine sgl: sgl_kernel's RMSNorm (+add), SiLU-and-mul and RoPE take those ops' place on CUDA;
