@@ -151,7 +151,8 @@ def _decode_partial_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr, MAPPED: tl.constexpr,
-    MERGE: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_D: tl.constexpr,
+    MERGE: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_D: tl.constexpr, MERGE_G: tl.constexpr,
+    MERGE_GD: tl.constexpr,
 ):
     """Program (b, kv_head, split): attention of b's query heads of this group over one chunk of its context
     (of its last `window` positions where window > 0).
@@ -241,11 +242,16 @@ def _decode_partial_kernel(
             counter = counter_ptr + b * tl.num_programs(1) + kvh
             if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:
                 tl.debug_barrier()
-                for g in tl.static_range(GROUP):
-                    _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, kvh * GROUP + g, seq_len, num_splits,
-                                  window, short, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-                                  stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_S, HAS_SINKS, WINDOWED,
-                                  ".cg", MERGE_D)
+                if MERGE_G > 0:  # the group's heads at once: one chain of loads, not one a head
+                    _merge_group(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, kvh * GROUP, live,
+                                 stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                                 GROUP, MERGE_G, HEAD_DIM, BLOCK_D, BLOCK_S, HAS_SINKS, MERGE_GD)
+                else:
+                    for g in tl.static_range(GROUP):
+                        _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, kvh * GROUP + g, seq_len,
+                                      num_splits, window, short, stride_mob, stride_moh, stride_mos, stride_mlb,
+                                      stride_mlh, stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_S,
+                                      HAS_SINKS, WINDOWED, ".cg", MERGE_D)
                 tl.store(counter, 0)  # ready for the next step (the count is all this kernel keeps between steps)
 
 
@@ -287,6 +293,41 @@ def _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, h, seq_len, num_s
 
 
 @triton.jit
+def _merge_group(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, h0, live,
+                 stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                 GROUP: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, MERGE_D: tl.constexpr):
+    """`_merge_splits` of heads h0 .. h0 + GROUP - 1 (G: GROUP's power of two) of request b, over its `live` splits, as
+    [G, splits] and [G, splits, MERGE_D] tiles: every head's log-sum-exps in one load and each column slice of every
+    head's partials in one, where a head at a time was a chain of dependent loads a head (8 for a group of 8). Partials
+    come through L2 (.cg): other SMs just wrote them."""
+    offs_g = tl.arange(0, G)
+    g_mask = offs_g < GROUP
+    heads = h0 + offs_g
+    offs_s = tl.arange(0, BLOCK_S)
+    gs_mask = g_mask[:, None] & (offs_s < live)[None, :]
+    lse = tl.load(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads[:, None] * stride_mlh + offs_s[None, :],
+                  mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
+    top = tl.where(g_mask, tl.max(lse, 1), 0.0)  # padding heads: no -inf - -inf
+    w = tl.exp2(lse - top[:, None])  # masked splits: exp2(-inf) = 0
+    denom = tl.sum(w, 1)
+    if HAS_SINKS:
+        denom += tl.exp2(tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * 1.4426950408889634 - top)
+    denom = tl.where(g_mask, denom, 1.0)
+    for d0 in tl.static_range(0, BLOCK_D, MERGE_D):
+        offs_d = d0 + tl.arange(0, MERGE_D)
+        d_mask = offs_d < HEAD_DIM
+        part = tl.load(
+            mid_o_ptr + b.to(tl.int64) * stride_mob + heads[:, None, None] * stride_moh
+            + offs_s[None, :, None] * stride_mos + offs_d[None, None, :],
+            mask=gs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg",
+        )
+        out = tl.sum(part * w[:, :, None], 1) / denom[:, None]
+        tl.store(o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
 def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, seq_lens_ptr, o_ptr, sinks_ptr,
     num_splits, window, short,
@@ -312,9 +353,21 @@ tile each cost a merge (the count, the partials written and read back, each head
 times a tile: one program walking the whole context is faster up to ~3 tiles, slower from ~5 (~8 for a group of 8)
 (`examples/bench_attention.py --sweep-short`, an H200, µs a call at 130 / 384 / 640 / 1024 positions, split as before
 vs one split: Llama-8B's heads 7.8 / 9.2 / 10.1 / 11.6 vs 5.1 / 7.4 / 12.7 / 20.4; Qwen3-30B-A3B's group of 8
-11.8 / 11.5 / 12.4 / 13.5 vs 5.3 / 7.4 / 11.0 / 18.4; docs/benchmarks.md, issue 50)."""
+11.8 / 11.5 / 12.4 / 13.5 vs 5.3 / 7.4 / 11.0 / 18.4; docs/benchmarks.md, issue 50). Those merges took a group's heads
+one at a time; `_merge_group` takes them together since (untimed: the crossover may move down)."""
 
 _MERGE_COLS = 256  # the merge's columns at a time: [32 splits, 256] fp32 partials, 64 registers a thread at 4 warps
+_MERGE_TILE = 8192  # a whole group's merge: [heads, splits, columns] fp32 partials, 64 registers a thread at 4 warps
+_MERGE_MAX_HEADS = 16  # past this a group's heads merge one at a time (fewer than 16 columns a slice otherwise)
+
+
+def merge_group_tile(group: int, splits_block: int, block_d: int) -> tuple[int, int]:
+    """(G, columns a slice) of the grouped merge of `group` query heads a KV head over `splits_block` splits; G 0:
+    merge a head at a time (a group past _MERGE_MAX_HEADS)."""
+    g = _pow2(group, 1)
+    if g > _MERGE_MAX_HEADS:
+        return 0, 0
+    return g, max(16, min(block_d, _MERGE_TILE // (g * splits_block)))
 
 
 def decode_block_n(head_dim: int, itemsize: int = 2) -> int:
@@ -400,6 +453,7 @@ def decode_attention(
     merge = counters is not None and not direct
     assert counters is None or counters.numel() >= B * hkv
     fp8 = (quant.k_scale, quant.v_scale, quant.v_mean) if quant is not None else (q, q, q)  # placeholders
+    merge_g, merge_gd = merge_group_tile(group, _pow2(num_splits, 2), block_d)
     _decode_partial_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, page_table, req_rows, seq_lens, mid_o, mid_lse, out, *fp8,
         order if order is not None else seq_lens, sinks if sinks is not None else mid_lse,
@@ -415,7 +469,7 @@ def decode_attention(
         DOT_PRECISION=_dot_precision(q.dtype if quant is None else torch.float16), DIRECT=direct,
         KV_FP8=quant is not None, HAS_ORDER=order is not None, HAS_SINKS=sinks is not None, WINDOWED=window > 0,
         MAPPED=slot_map is not None, MERGE=merge, BLOCK_S=_pow2(num_splits, 2), MERGE_D=min(block_d, _MERGE_COLS),
-        num_warps=warps, num_stages=stages, **pdl_kwargs(q, pdl),
+        MERGE_G=merge_g, MERGE_GD=merge_gd, num_warps=warps, num_stages=stages, **pdl_kwargs(q, pdl),
     )
     if direct or merge:
         return out
