@@ -9,7 +9,8 @@ read faster than HBM; the large ones are the honest figures.
                                                     [--sweep-decode [--kv-fp8] | --sweep-extend] [--shape NAME]
 
 --sweep-short: batch-1 decode at contexts 130..4096, each shape's split programs merging their own partials (the
-engine's decode): split over num_kv_splits (as before SHORT_CONTEXT), in one split, and as shipped; µs a call over 16
+engine's decode): split over num_kv_splits (as before SHORT_CONTEXT; the merge a head at a time, as before
+2026-12-01, and a group at a time), in one split, and as shipped; µs a call over 16
 pools in one CUDA graph (the KV from DRAM, as in a step).
 --kv-fp8 runs the decode sweep over an FP8 pool (e4m3 codes, per-head scales): bytes counted at one per value.
 --shape: the sweeps' heads (default llama8b; gemma4-global / gemma4-sliding: Gemma-4-31B's 4 KV heads of 512 and
@@ -32,7 +33,7 @@ from minisgl_cli.engine.host import HostBuffers
 from minisgl_cli.kvcache.pool import KVPool, KVShape
 
 SHAPES = {"llama8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}
-SHORT_SHAPES = {**SHAPES, "qwen3-30b-a3b": (32, 4, 128)}
+SHORT_SHAPES = {**SHAPES, "qwen3-30b-a3b": (32, 4, 128), "gpt-oss-20b": (64, 8, 64)}
 WIDE_SHAPES = {"gemma4-global": (32, 4, 512), "gemma4-sliding": (32, 16, 256)}  # for the sweeps (--shape)
 
 
@@ -207,9 +208,12 @@ def sweep_short(page_size: int) -> None:
     from minisgl_cli.kernels.triton import attention as tk
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shorts = {"split": 0, "one": 1 << 30, "default": None}  # default: one split up to SHORT_CONTEXT
-    print(f"# {torch.cuda.get_device_name()}: batch-1 decode, µs a call: split over num_kv_splits, in one split, and "
-          f"as shipped (one split up to {tk.SHORT_CONTEXT}); page_size {page_size}, 16 pools in one graph")
+    # (short, group merge): split with the merge a head at a time (before 2026-12-01) and a group at a time, in one
+    # split, and as shipped (one split up to SHORT_CONTEXT)
+    shorts = {"split/h": (0, False), "split": (0, True), "one": (1 << 30, True), "default": (None, True)}
+    print(f"# {torch.cuda.get_device_name()}: batch-1 decode, µs a call: split over num_kv_splits (merging a head at a "
+          f"time, then a group), in one split, and as shipped (one split up to {tk.SHORT_CONTEXT}); page_size "
+          f"{page_size}, 16 pools in one graph")
     print(f"{'shape':<14} {'ctx':>5} " + " ".join(f"{c:>7}" for c in shorts))
     for name, heads in SHORT_SHAPES.items():
         h, hkv, d = heads
@@ -221,10 +225,10 @@ def sweep_short(page_size: int) -> None:
             counters = torch.zeros(hkv, dtype=torch.int32, device="cuda")
             out = torch.empty_like(cases[0][2])
             row = []
-            for short in shorts.values():
+            for short, group_merge in shorts.values():
                 fns = [functools.partial(tk.decode_attention, q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows,
                                          batch.seq_lens, 1.0 / math.sqrt(d), splits, mid_o, mid_lse, out,
-                                         counters=counters, short=short)
+                                         counters=counters, short=short, group_merge=group_merge)
                        for pool, batch, q, _, _ in cases]
                 row.append(graph_us(fns))
             print(f"{name:<14} {ctx:>5} " + " ".join(f"{t:7.2f}" for t in row), flush=True)

@@ -87,6 +87,10 @@ def test_triton_kernels_window_and_sinks_match_the_definition(mode, splits, shor
             two_pass = tk.decode_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
                                            scale, splits, window=window, sinks=sinks, short=short)
             torch.testing.assert_close(out, two_pass, rtol=0, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+            per_head = tk.decode_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
+                                           scale, splits, window=window, sinks=sinks, counters=counters, short=short,
+                                           group_merge=False)  # the merge a head at a time, as before the group's
+            torch.testing.assert_close(out, per_head, rtol=0, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
     else:
         out = tk.extend_attention(q, pool.k[0], pool.v[0], pool.page_table, batch.req_rows, batch.seq_lens,
                                   batch.qo_indptr, max(batch.extend_lens_cpu), scale, window=window, sinks=sinks)

@@ -418,6 +418,7 @@ def decode_attention(
     slot_map: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     short: int | None = None,
+    group_merge: bool = True,
 ) -> torch.Tensor:
     """q [B, H, D] (one token per request) -> [B, H, D] over positions 0..seq_lens[b]-1 of each request (the last
     `window` of them where window > 0); `sinks` [H] fp32: each head's sink logit in its softmax's denominator.
@@ -433,6 +434,8 @@ def decode_attention(
     KV head) merges the partials itself, one launch instead of two; without, a reduce pass does.
     short: the longest context (default SHORT_CONTEXT) that runs in one split whatever num_splits, its program writing
     the output itself where it can (num_splits 1, or counters given); 0: every context over num_splits.
+    group_merge: with counters, the last split program merges its group's heads together (`_merge_group`); False: a
+    head at a time, as before it (for `bench_attention.py --sweep-short`'s comparison).
     """
     B, H, D = q.shape
     hkv = k_cache.shape[1]
@@ -453,7 +456,7 @@ def decode_attention(
     merge = counters is not None and not direct
     assert counters is None or counters.numel() >= B * hkv
     fp8 = (quant.k_scale, quant.v_scale, quant.v_mean) if quant is not None else (q, q, q)  # placeholders
-    merge_g, merge_gd = merge_group_tile(group, _pow2(num_splits, 2), block_d)
+    merge_g, merge_gd = merge_group_tile(group, _pow2(num_splits, 2), block_d) if group_merge else (0, 0)
     _decode_partial_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, page_table, req_rows, seq_lens, mid_o, mid_lse, out, *fp8,
         order if order is not None else seq_lens, sinks if sinks is not None else mid_lse,
