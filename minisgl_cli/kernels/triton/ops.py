@@ -111,7 +111,8 @@ def _all_reduce_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, data_ptrs, f
     # The peers' rows, as each arrives, summed in rank order in fp32: every rank rounds alike, and (two ranks)
     # each element is one correctly rounded addition, as NCCL's and the one-shot's.
     own_data = _buffer(x_ptr, tl.load(data_ptrs + rank), LAMPORT)
-    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
+    if not LAMPORT:
+        own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for q in tl.static_range(WORLD):
         if q == rank:
