@@ -172,7 +172,7 @@ def _decode_partial_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    lo = tl.maximum(seq_len - window, 0) if WINDOWED else seq_len * 0
+    lo = _window_start(seq_len, window, WINDOWED)
     chunk = _split_chunk(seq_len - lo, num_splits, short, BLOCK_N)
     live = tl.cdiv(seq_len - lo, chunk)  # splits that see at least one position
     if DIRECT or MERGE:  # a lone live split is the whole softmax
@@ -245,14 +245,26 @@ def _decode_partial_kernel(
                 if MERGE_G > 0:  # the group's heads at once: one chain of loads, not one a head
                     _merge_group(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, kvh * GROUP, live,
                                  stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                                 GROUP, MERGE_G, HEAD_DIM, BLOCK_D, BLOCK_S, HAS_SINKS, MERGE_GD)
-                else:
+                                 GROUP, MERGE_G, HEAD_DIM, BLOCK_D, BLOCK_S, HAS_SINKS, ".cg", MERGE_GD)
+                else:  # a head at a time (a group past _MERGE_MAX_HEADS, or group_merge=False)
                     for g in tl.static_range(GROUP):
-                        _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, kvh * GROUP + g, seq_len,
-                                      num_splits, window, short, stride_mob, stride_moh, stride_mos, stride_mlb,
-                                      stride_mlh, stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_S,
-                                      HAS_SINKS, WINDOWED, ".cg", MERGE_D)
+                        _merge_group(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, kvh * GROUP + g, live,
+                                     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob,
+                                     stride_oh, 1, 1, HEAD_DIM, BLOCK_D, BLOCK_S, HAS_SINKS, ".cg", MERGE_D)
                 tl.store(counter, 0)  # ready for the next step (the count is all this kernel keeps between steps)
+
+
+@triton.jit
+def _window_start(seq_len, window, WINDOWED: tl.constexpr):
+    """The first position a decode of seq_len positions attends to (its last `window` where WINDOWED)."""
+    return tl.maximum(seq_len - window, 0) if WINDOWED else seq_len * 0
+
+
+@triton.jit
+def _live_splits(seq_len, num_splits, window, short, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+    """The splits of a seq_len-position decode that see at least one position (`_split_chunk`'s chunks)."""
+    lo = _window_start(seq_len, window, WINDOWED)
+    return tl.cdiv(seq_len - lo, _split_chunk(seq_len - lo, num_splits, short, BLOCK_N))
 
 
 @triton.jit
@@ -263,51 +275,22 @@ def _split_chunk(span, num_splits, short, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, h, seq_len, num_splits, window, short,
-                  stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                  HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr, CACHE: tl.constexpr, MERGE_D: tl.constexpr):
-    """Head h of request b: merge the partials of the non-empty splits, each weighted by exp2(lse - max) (and the
-    head's sink in the denominator). CACHE: the loads' cache modifier (".cg" where other SMs just wrote them)."""
-    lo = tl.maximum(seq_len - window, 0) if WINDOWED else seq_len * 0
-    live = tl.cdiv(seq_len - lo, _split_chunk(seq_len - lo, num_splits, short, BLOCK_N))  # splits that saw one
-    offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < live
-    lse = tl.load(mid_lse_ptr + b.to(tl.int64) * stride_mlb + h * stride_mlh + offs_s,
-                  mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
-    top = tl.max(lse, 0)
-    w = tl.exp2(lse - top)  # masked splits: exp2(-inf) = 0
-    denom = tl.sum(w, 0)
-    if HAS_SINKS:
-        denom += tl.exp2(tl.load(sinks_ptr + h) * 1.4426950408889634 - top)
-    for d0 in tl.static_range(0, BLOCK_D, MERGE_D):  # MERGE_D columns at a time: a wide head's partials in halves
-        offs_d = d0 + tl.arange(0, MERGE_D)
-        d_mask = offs_d < HEAD_DIM
-        part = tl.load(
-            mid_o_ptr + b.to(tl.int64) * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
-            mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=CACHE,
-        )
-        out = tl.sum(part * w[:, None], 0) / denom
-        tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-                 out.to(o_ptr.dtype.element_ty), mask=d_mask)
-
-
-@triton.jit
 def _merge_group(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, h0, live,
                  stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                  GROUP: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, MERGE_D: tl.constexpr):
-    """`_merge_splits` of heads h0 .. h0 + GROUP - 1 (G: GROUP's power of two) of request b, over its `live` splits, as
-    [G, splits] and [G, splits, MERGE_D] tiles: every head's log-sum-exps in one load and each column slice of every
-    head's partials in one, where a head at a time was a chain of dependent loads a head (8 for a group of 8). Partials
-    come through L2 (.cg): other SMs just wrote them."""
+                 BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, CACHE: tl.constexpr, MERGE_D: tl.constexpr):
+    """Heads h0 .. h0 + GROUP - 1 (G: GROUP's power of two) of request b: merge the partials of its `live` splits, each
+    weighted by exp2(lse - max) (and the head's sink in the denominator), as [G, splits] and [G, splits, MERGE_D]
+    tiles: every head's log-sum-exps in one load and each column slice of every head's partials in one (a head at a
+    time is a chain of dependent loads a head: 8 for a group of 8). CACHE: the loads' cache modifier (".cg" where
+    other SMs just wrote them)."""
     offs_g = tl.arange(0, G)
     g_mask = offs_g < GROUP
     heads = h0 + offs_g
     offs_s = tl.arange(0, BLOCK_S)
     gs_mask = g_mask[:, None] & (offs_s < live)[None, :]
     lse = tl.load(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads[:, None] * stride_mlh + offs_s[None, :],
-                  mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
+                  mask=gs_mask, other=float("-inf"), cache_modifier=CACHE)
     top = tl.where(g_mask, tl.max(lse, 1), 0.0)  # padding heads: no -inf - -inf
     w = tl.exp2(lse - top[:, None])  # masked splits: exp2(-inf) = 0
     denom = tl.sum(w, 1)
@@ -320,7 +303,7 @@ def _merge_group(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, h0, live,
         part = tl.load(
             mid_o_ptr + b.to(tl.int64) * stride_mob + heads[:, None, None] * stride_moh
             + offs_s[None, :, None] * stride_mos + offs_d[None, None, :],
-            mask=gs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg",
+            mask=gs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=CACHE,
         )
         out = tl.sum(part * w[:, :, None], 1) / denom[:, None]
         tl.store(o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -337,14 +320,16 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOWED: tl.constexpr, MERGE_D: tl.constexpr,
 ):
-    """Program (b, head): `_merge_splits` as a pass of its own (where no split counters are given)."""
+    """Program (b, head): `_merge_group` of one head as a pass of its own (where no split counters are given)."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
     b = tl.program_id(0)
-    _merge_splits(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, tl.program_id(1), tl.load(seq_lens_ptr + b),
-                  num_splits, window, short, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob,
-                  stride_oh, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_S, HAS_SINKS, WINDOWED, "", MERGE_D)
+    seq_len = tl.load(seq_lens_ptr + b)
+    _merge_group(mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, b, tl.program_id(1),
+                 _live_splits(seq_len, num_splits, window, short, BLOCK_N, WINDOWED), stride_mob, stride_moh,
+                 stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, 1, 1, HEAD_DIM, BLOCK_D, BLOCK_S, HAS_SINKS,
+                 "", MERGE_D)
 
 
 SHORT_CONTEXT = 384
@@ -356,8 +341,7 @@ vs one split: Llama-8B's heads 7.8 / 9.2 / 10.1 / 11.6 vs 5.1 / 7.4 / 12.7 / 20.
 11.8 / 11.5 / 12.4 / 13.5 vs 5.3 / 7.4 / 11.0 / 18.4; docs/benchmarks.md, issue 50). Those merges took a group's heads
 one at a time; `_merge_group` takes them together since (untimed: the crossover may move down)."""
 
-_MERGE_COLS = 256  # the merge's columns at a time: [32 splits, 256] fp32 partials, 64 registers a thread at 4 warps
-_MERGE_TILE = 8192  # a whole group's merge: [heads, splits, columns] fp32 partials, 64 registers a thread at 4 warps
+_MERGE_TILE = 8192  # a merge's [heads, splits, columns] fp32 partials at a time: 64 registers a thread at 4 warps
 _MERGE_MAX_HEADS = 16  # past this a group's heads merge one at a time (fewer than 16 columns a slice otherwise)
 
 
@@ -457,6 +441,7 @@ def decode_attention(
     assert counters is None or counters.numel() >= B * hkv
     fp8 = (quant.k_scale, quant.v_scale, quant.v_mean) if quant is not None else (q, q, q)  # placeholders
     merge_g, merge_gd = merge_group_tile(group, _pow2(num_splits, 2), block_d) if group_merge else (0, 0)
+    merge_d = merge_group_tile(1, _pow2(num_splits, 2), block_d)[1]  # a head at a time
     _decode_partial_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, page_table, req_rows, seq_lens, mid_o, mid_lse, out, *fp8,
         order if order is not None else seq_lens, sinks if sinks is not None else mid_lse,
@@ -471,7 +456,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=D, BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype if quant is None else torch.float16), DIRECT=direct,
         KV_FP8=quant is not None, HAS_ORDER=order is not None, HAS_SINKS=sinks is not None, WINDOWED=window > 0,
-        MAPPED=slot_map is not None, MERGE=merge, BLOCK_S=_pow2(num_splits, 2), MERGE_D=min(block_d, _MERGE_COLS),
+        MAPPED=slot_map is not None, MERGE=merge, BLOCK_S=_pow2(num_splits, 2), MERGE_D=merge_d,
         MERGE_G=merge_g, MERGE_GD=merge_gd, num_warps=warps, num_stages=stages, **pdl_kwargs(q, pdl),
     )
     if direct or merge:
@@ -482,7 +467,7 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=_pow2(num_splits, 2), HAS_SINKS=sinks is not None,
-        WINDOWED=window > 0, MERGE_D=min(block_d, _MERGE_COLS), num_warps=4 if block_d >= 128 else 2,
+        WINDOWED=window > 0, MERGE_D=merge_d, num_warps=4 if block_d >= 128 else 2,
         **pdl_kwargs(q, pdl),
     )
     return out
