@@ -687,7 +687,9 @@ def routed_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
     `pdl` reaches the 16-bit experts and the GEMV form only: under programmatic dependent launch the FP8 (w8a16)
     expert kernels' MMA tiles ran far slower (examples/moe_bench.py on an H100, one token, 4 layers: 52.8 against 33.0
     us a layer on one-slot blocks, 47.0 against 41.6 aligned; the 16-bit ones gain: 46.4 against 49.3 aligned). The
-    GEMV form takes it for packed MXFP4 weights too (untimed: `examples/mxfp4_bench.py`'s packed_no_pdl column)."""
+    GEMV form takes it for packed MXFP4 weights too; `examples/mxfp4_bench.py` on an H200 (2026-12-01, gpt-oss-20b,
+    one token) put the packed layer at 51.0 / 50.9 us with / without it at the old tiles and 35.4 / 32.7 at the swept
+    ones: against it there, but the engine's step (other kernels between) was timed only with it on."""
     few = pick_tiles(x.shape[0], gate_up_scale is not None, w8a8=False, mxfp4=is_mxfp4(gate_up))  # one_slot's
     gemv = few.gate_up.block_m == 1
     pdl = pdl and (gate_up_scale is None or gemv)
