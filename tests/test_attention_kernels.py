@@ -225,12 +225,15 @@ def test_create_backend_auto_is_torch_on_cpu():
 
 
 @needs_cuda
-def test_create_backend_auto_is_triton_on_cuda_even_with_flashinfer_installed():
-    """FlashInfer runs only by name: ours was faster end to end on an H100 and an H200 (docs/gpu.md)."""
+def test_create_backend_auto_is_triton_on_cuda_even_with_flashinfer_installed(monkeypatch):
+    """FlashInfer runs only by name: ours was faster end to end on an H100 and an H200 (docs/gpu.md). auto does not
+    so much as import its backend (it tried FlashInfer first whenever it imported)."""
     from minisgl_cli.attention.triton_backend import TritonBackend
 
+    monkeypatch.delitem(sys.modules, "minisgl_cli.attention.flashinfer_backend", raising=False)
     be = create_backend("auto", _tiny_pool("cuda"), 4, 2, 16, 0.25, "cuda")
     assert isinstance(be, TritonBackend)
+    assert "minisgl_cli.attention.flashinfer_backend" not in sys.modules
 
 
 @pytest.mark.parametrize("name", ["triton", "flashinfer"])
