@@ -218,7 +218,7 @@ def sweep_short(page_size: int) -> None:
     for name, heads in SHORT_SHAPES.items():
         h, hkv, d = heads
         splits = tk.num_kv_splits(1, hkv, sms)
-        for ctx in (130, 384, 640, 1024, 2048, 4096):
+        for ctx in (130, 192, 256, 320, 384, 640, 1024, 4096):
             cases = [build("decode", [ctx - 1], [1], heads, page_size, torch.bfloat16) for _ in range(16)]
             mid_o = torch.empty((1, h, splits, d), dtype=torch.float32, device="cuda")
             mid_lse = torch.empty((1, h, splits), dtype=torch.float32, device="cuda")

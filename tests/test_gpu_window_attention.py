@@ -69,7 +69,8 @@ def test_triton_kernels_window_and_sinks_match_the_definition(mode, splits, shor
     """`merged`: the split programs merge their own partials through the split counters (one launch); the same
     output as the separate reduce pass, and the counters left at zero for the next call. short 0: every context over 3
     splits; 128: the contexts up to a tile in one split that writes the output itself, the rest merged, in one batch;
-    None (the default, SHORT_CONTEXT 384): every context here in one split."""
+    None (the default, SHORT_CONTEXT 256): every context here in one split but the
+    300-position one."""
     patch_interpreter()
     from minisgl_cli.kernels.triton import attention as tk
 

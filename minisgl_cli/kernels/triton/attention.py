@@ -332,14 +332,14 @@ def _decode_reduce_kernel(
                  "", MERGE_D)
 
 
-SHORT_CONTEXT = 384
+SHORT_CONTEXT = 256
 """The longest context a decode runs in one split (`decode_attention`'s short). At batch 1, splits of one 128-position
-tile each cost a merge (the count, the partials written and read back, each head of the group in turn) of several
-times a tile: one program walking the whole context is faster up to ~3 tiles, slower from ~5 (~8 for a group of 8)
-(`examples/bench_attention.py --sweep-short`, an H200, µs a call at 130 / 384 / 640 / 1024 positions, split as before
-vs one split: Llama-8B's heads 7.8 / 9.2 / 10.1 / 11.6 vs 5.1 / 7.4 / 12.7 / 20.4; Qwen3-30B-A3B's group of 8
-11.8 / 11.5 / 12.4 / 13.5 vs 5.3 / 7.4 / 11.0 / 18.4; docs/benchmarks.md, issue 50). Those merges took a group's heads
-one at a time; `_merge_group` takes them together since (untimed: the crossover may move down)."""
+tile each cost a merge (the count, the partials written and read back) of about a tile: one program walking the whole
+context is faster up to ~2 tiles, slower from ~3 (`examples/bench_attention.py --sweep-short`, an H200, µs a call at
+130 / 384 / 640 positions, split with the grouped merge vs one split: Llama-8B's heads 5.9 / 6.7 / 7.5 vs 5.0 / 7.3 /
+12.6; Qwen3-0.6B's 5.7 / 6.3 / 7.0 vs 5.1 / 7.2 / 12.1; Qwen3-30B-A3B's group of 8 6.7 / 6.8 / 7.7 vs 5.1 / 7.2 /
+10.9; docs/benchmarks.md, issue 50). With the merge a head at a time (before 2026-12-01) the crossover was ~3-5 tiles
+(384 here)."""
 
 _MERGE_TILE = 8192  # a merge's [heads, splits, columns] fp32 partials at a time: 64 registers a thread at 4 warps
 _MERGE_MAX_HEADS = 16  # past this a group's heads merge one at a time (fewer than 16 columns a slice otherwise)
