@@ -7,8 +7,6 @@
 #   host_*.log     (h) examples/decode_host.py --print-ops for each of HOST_MODELS (model[:quantization]): tok/s, the
 #                      host's own µs a step, the device's kernels a step (count, µs each); with OLD=DIR the same
 #                      on that tree first, in a child (before / after in one call)
-#   prefetch_*.log (g) decode_host.py for each of HOST_MODELS twice, MINISGL_GEMV_PREFETCH unset then 1: the GEMVs'
-#                      rows asked into L2 before their PDL wait, off and on, in one call
 #   families.log   (f) examples/families_gpu.py over FAMILY_MODELS with a kernel table each (FAMILY_PROFILE): the
 #                      MoE / MLA models' batch-1 and preset rows against their bytes; with OLD=DIR that tree's first
 #                      (families_old.log); FAMILY_LIMIT: the part's seconds (default 330)
@@ -49,16 +47,6 @@ if want h; then
     part "host $spec" 120 40 "$OUT/host_${model}_${quant}.log" \
       $PY examples/decode_host.py --model "$model" --quantization "$quant" --print-ops --profile-steps 50 \
       ${OLD:+--old "$OLD"} $HOST_ARGS
-  done
-fi
-if want g; then
-  for spec in $HOST_MODELS; do
-    model=${spec%%:*}; quant=auto; [[ $spec == *:* ]] && quant=${spec#*:}
-    for on in 0 1; do
-      part "host $spec prefetch=$on" 120 40 "$OUT/prefetch_${model}_${quant}.log" \
-        env MINISGL_GEMV_PREFETCH=$on $PY examples/decode_host.py --model "$model" --quantization "$quant" \
-        --profile-steps 50 $HOST_ARGS
-    done
   done
 fi
 if want f; then

@@ -74,13 +74,6 @@ def fused_decode() -> bool:
     return flag("MINISGL_FUSED_DECODE", False)
 
 
-def gemv_prefetch() -> bool:
-    """MINISGL_GEMV_PREFETCH=1 (opt-in): each batch-1 GEMV program first asks its whole weight rows into L2, so that
-    under PDL the programs resident while the kernel before runs start their bytes streaming (kernels/triton/gemv.py).
-    Off until timed end to end on a GPU (docs/gpu.md)."""
-    return flag("MINISGL_GEMV_PREFETCH", False)
-
-
 def disable_pdl() -> bool:
     """MINISGL_DISABLE_PDL: no programmatic dependent launch between our Triton kernels (CUDA)."""
     return flag("MINISGL_DISABLE_PDL")

@@ -42,41 +42,6 @@ def test_gemv_matches_fp64(n, k, bias, dtype):
     assert _rel(out, ref) <= 2 * _rel(cublas, ref) + 1e-3
 
 
-@pytest.mark.parametrize("kind", ["bf16", "silu", "gate_up", "rows", "fp8_fma", "fp8_mma"])
-def test_gemv_prefetching_its_rows_into_l2_gives_the_same_bits(kind):
-    """MINISGL_GEMV_PREFETCH's form of each GEMV kernel (its rows asked into L2 first; the tensor-core kernel's
-    PREFETCH 2 made 3): bit for bit the plain form, eager and replayed in a graph under PDL; a weight whose rows are
-    off 16-byte boundaries is not prefetched (and still right)."""
-    from minisgl_cli.kernels import fp8
-    from minisgl_cli.kernels.triton.gemv import gemv, prefetchable
-
-    g = torch.Generator(DEV).manual_seed(len(kind))
-    n, k = (6144, 4096) if kind != "silu" else (1024, 3072)
-    w = (torch.randn(n, k, device=DEV, generator=g) * 0.05).bfloat16()
-    kw: dict = {}
-    if kind.startswith("fp8"):
-        w, scale = fp8.quantize_rows(w.float())
-        kw = dict(scale=scale[:, 0].contiguous(), config=(8, 512, 4) if kind == "fp8_fma" else (8, 64, 4, 3, 2))
-    elif kind == "gate_up":
-        kw = dict(gate_up=True)
-    elif kind == "silu":
-        kw = dict(act_mul=True)
-    rows = 3 if kind == "rows" else 1
-    x = torch.randn(rows, 2 * k if kind == "silu" else k, device=DEV, generator=g).bfloat16()
-    assert prefetchable(w) and not prefetchable(w[:, 1:]) and not prefetchable(w.cpu())
-    want = gemv(x, w, **kw)
-    assert torch.equal(gemv(x, w, prefetch=True, **kw), want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = gemv(x, w, prefetch=True, **kw)
-    graph.replay()
-    assert torch.equal(out, want)
-    if kind == "bf16":
-        off = w[:, 4:]  # rows off 16-byte boundaries, 8,184 bytes wide
-        xo = x[:, 4:].contiguous()
-        assert not prefetchable(off) and torch.equal(gemv(xo, off, prefetch=True), gemv(xo, off))
-
-
 @pytest.mark.parametrize("n,k", [(1024, 3072), (4096, 14336), (300, 1000)])
 def test_gemv_with_fused_silu_mul(n, k):
     from minisgl_cli.kernels.triton import ops as T

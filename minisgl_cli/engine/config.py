@@ -105,7 +105,6 @@ class EngineConfig:
     disable_fused_ops: bool = field(default_factory=env.disable_fused_ops)  # CUDA: torch ops, not fused Triton ones
     disable_pdl: bool = field(default_factory=env.disable_pdl)  # CUDA: no programmatic dependent launch
     fused_decode: bool = field(default_factory=env.fused_decode)  # CUDA: the fused GEMVs of 1-4 row decode steps
-    gemv_prefetch: bool = field(default_factory=env.gemv_prefetch)  # CUDA: GEMV rows into L2 before the PDL wait
     cpu_gemm: str = field(default_factory=env.cpu_gemm)  # CPU: GEMM policy (auto, invariant, mkl, fp16)
     sampler: str = field(default_factory=env.sampler)  # auto (triton on CUDA where it imports), torch, triton
 

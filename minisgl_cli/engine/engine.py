@@ -153,7 +153,7 @@ class Engine:
         if why_not is not None and tp.rank == 0:
             log.warning("--engine sgl: %s; running the torch engine", why_not)
         self.kernels = Kernels(fused=not cfg.disable_fused_ops, pdl=not cfg.disable_pdl, cpu_gemm=cfg.cpu_gemm,
-                               sgl=sgl, fused_decode=cfg.fused_decode, l2_prefetch=cfg.gemv_prefetch)
+                               sgl=sgl, fused_decode=cfg.fused_decode)
         if self.device.type == "cpu" and cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         hf_cfg, model_dir, name, source = _locate(cfg)

@@ -46,7 +46,6 @@ class Kernels:
     # (MINISGL_FUSED_DECODE=1): on an H200 they did not beat the kernels they replace (docs/benchmarks.md, issue 50).
     fused_decode: bool = False
     pdl: bool = True  # CUDA, Hopper and newer: programmatic dependent launch between our Triton kernels
-    l2_prefetch: bool = False  # CUDA: batch-1 GEMVs ask their rows into L2 before the PDL wait (MINISGL_GEMV_PREFETCH)
     cpu_gemm: str = "auto"  # CPU: the GEMM policy of layers/cpu_gemm.py (auto, invariant, mkl, fp16)
     ordered_sums: bool = False  # RMSNorm sums through ATen's cumsum, as a compiled CPU step does (layers/norm.py)
     # --engine sgl: sgl_kernel's RMSNorm (+add), SiLU-and-mul and RoPE take those ops' place on CUDA;
@@ -59,8 +58,8 @@ class Kernels:
 
     @property
     def gemv_launch(self) -> dict[str, bool]:
-        """How this engine launches the batch-1 GEMV (`kernels/triton/gemv.py` `gemv`'s pdl and prefetch)."""
-        return {"pdl": self.pdl, "prefetch": self.l2_prefetch}
+        """How this engine launches the batch-1 GEMV (`kernels/triton/gemv.py` `gemv`'s launch flags)."""
+        return {"pdl": self.pdl}
 
     def triton(self, x: torch.Tensor) -> ModuleType | None:
         """The Triton ops module when `x` is on CUDA and fusion is on, else None (use torch)."""

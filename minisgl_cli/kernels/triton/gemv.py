@@ -32,15 +32,12 @@ from minisgl_cli.kernels.triton.rope import rotate_halves
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride_w,
                  HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACT_MUL: tl.constexpr, GATE_UP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
-    """GATE_UP: the weight is a merged [gate; up] of 2N rows and y = silu(x Wg) * (x Wu) [N] (`_gate_up_rows`).
-    PREFETCH: the program's whole rows into L2 first (`_prefetch_own_rows`)."""
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """GATE_UP: the weight is a merged [gate; up] of 2N rows and y = silu(x Wg) * (x Wu) [N] (`_gate_up_rows`)."""
     if USE_PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
     rn, mask_n = _weight_rows(pid, tl.arange(0, BLOCK_N), N, GATE_UP, BLOCK_N)
-    if PREFETCH:
-        _prefetch_own_rows(w_ptr, rn, mask_n, K, stride_w, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     # K masks stay vectorisable: K is specialised on divisibility by 16
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_w + rk[None, :]
@@ -124,17 +121,6 @@ def _prefetch_rows_l2(row_ptrs, nbytes, nrows: tl.constexpr):
         "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, $3; "
         "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r,r", [row_ptrs, nbytes, nrows], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_own_rows(w_ptr, rn, mask_n, K, stride_w, BLOCK_N: tl.constexpr):
-    """Ask for a program's BLOCK_N weight rows `rn` (those under mask_n; K elements each, 16-byte aligned rows of a
-    multiple of 16 bytes: the host checks) to come into L2. Before the PDL wait: the kernel's programs that are
-    resident while the kernel before runs (at batch 1 a short attention or norm that leaves most SMs idle) start
-    their bytes streaming then, instead of their first chunk alone."""
-    item: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    rows = w_ptr + tl.where(mask_n, rn, 0).to(tl.int64) * stride_w
-    _prefetch_rows_l2(rows, K * item, BLOCK_N)
 
 
 @triton.jit
@@ -265,16 +251,14 @@ def _pair_halves(y, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
 @triton.jit
 def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
                       HAS_BIAS: tl.constexpr, ACT_MUL: tl.constexpr, GATE_UP: tl.constexpr, ROWS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """M <= ROWS rows of x (a small decode batch) against one pass over 16-bit weights, so the weight bytes are read
-    once for the batch (cuBLAS at 2-4 rows reads them at a fraction of the bandwidth its big tiles reach). ACT_MUL,
-    GATE_UP and PREFETCH as `_gemv_kernel`'s."""
+    once for the batch (cuBLAS at 2-4 rows reads them at a fraction of the bandwidth its big tiles reach). ACT_MUL and
+    GATE_UP as `_gemv_kernel`'s."""
     if USE_PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
     rn, mask_n = _weight_rows(pid, tl.arange(0, BLOCK_N), N, GATE_UP, BLOCK_N)
-    if PREFETCH:
-        _prefetch_own_rows(w_ptr, rn, mask_n, K, stride_w, BLOCK_N)
     y = _dot_rows(x_ptr, w_ptr, rn, mask_n, M, K, stride_x, stride_w, ACT_MUL, ROWS, BLOCK_N, BLOCK_K, USE_PDL)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -408,17 +392,9 @@ def pick_rows_config(n: int, k: int, rows: int, gate_up: bool = False) -> Config
     return (2 if gate_up else 1), min(512, triton.next_power_of_2(k)), 4
 
 
-def prefetchable(weight: torch.Tensor) -> bool:
-    """Whether `weight`'s rows can be asked into L2 by bulk prefetch: a CUDA tensor (the prefetch is PTX: Triton's
-    interpreter runs none) whose rows start on 16-byte boundaries and span a multiple of 16 bytes."""
-    es = weight.element_size()
-    return (weight.is_cuda and weight.data_ptr() % 16 == 0 and (weight.stride(0) * es) % 16 == 0
-            and (weight.shape[1] * es) % 16 == 0)
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act_mul: bool = False,
          config: Config | None = None, pdl: bool = True, scale: torch.Tensor | None = None,
-         gate_up: bool = False, prefetch: bool = False) -> torch.Tensor:
+         gate_up: bool = False) -> torch.Tensor:
     """y[M, N] = f(x) @ weight[N, K]^T (+ bias) for M <= MAX_ROWS rows; f(x) = silu(x[:, :K]) * x[:, K:] when act_mul
     (x is [M, 2K]).
 
@@ -427,17 +403,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     16-bit weights it runs the rows kernel at one row too (`_dot_rows`: no shuffle of x for a pair of weight rows).
     scale: the fp32 per-row scales [N] of an e4m3 `weight` (W = weight * scale[:, None]); one row only.
     config: see `pick_config` (one row) and `pick_rows_config`; a 5-tuple runs the tensor-core kernel (FP8 weights,
-    16-bit x only).
-    prefetch (opt-in, `Kernels.l2_prefetch`): each program first asks its whole rows into L2, so that under PDL the
-    programs resident during the kernel before start their bytes streaming (the tensor-core kernel: its PREFETCH 2,
-    each row's first step, becomes 3, the whole row). Where `prefetchable` says no, it is not done. The same numbers
-    either way."""
+    16-bit x only)."""
     n, k = weight.shape
     m = x.shape[0]
     assert 1 <= m <= MAX_ROWS and x.shape[-1] == (2 * k if act_mul else k) and x.stride(-1) == 1
     assert weight.stride(1) == 1 and not (gate_up and (act_mul or n % 2))
     n_out = n // 2 if gate_up else n
-    prefetch = prefetch and prefetchable(weight)
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else weight
     scale_arg = scale if scale is not None else weight
@@ -448,7 +419,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         _gemv_rows_kernel[(triton.cdiv(n_out, block_n // 2 if gate_up else block_n),)](
             x, weight, bias_arg, y, m, n_out, k, x.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, ACT_MUL=act_mul, GATE_UP=gate_up, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
-            PREFETCH=prefetch, num_warps=warps, **pdl_kwargs(x, pdl),
+            num_warps=warps, **pdl_kwargs(x, pdl),
         )
         return y
     assert x.is_contiguous()
@@ -460,18 +431,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     per = config[0] // 2 if gate_up else config[0]  # outputs a program writes
     if len(config) == 5:
         assert scale is not None
-        block_n, block_k, warps, stages, mode = config
+        block_n, block_k, warps, stages, prefetch = config
         _gemv_fp8_mma_kernel[(triton.cdiv(n_out, per),)](
             x, weight, bias_arg, scale_arg, y, n_out, k, weight.stride(0), HAS_BIAS=bias is not None,
-            ACT_MUL=act_mul, GATE_UP=gate_up, BLOCK_N=block_n, BLOCK_K=block_k,
-            PREFETCH=3 if prefetch and mode == 2 else mode, num_warps=warps, num_stages=stages, **pdl_kwargs(x, pdl),
+            ACT_MUL=act_mul, GATE_UP=gate_up, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, num_warps=warps,
+            num_stages=stages, **pdl_kwargs(x, pdl),
         )
         return y
     block_n, block_k, warps = config
     _gemv_kernel[(triton.cdiv(n_out, per),)](
         x, weight, bias_arg, scale_arg, y, n_out, k,
         weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, ACT_MUL=act_mul, GATE_UP=gate_up,
-        BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, num_warps=warps, **pdl_kwargs(x, pdl),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_kwargs(x, pdl),
     )
     return y
 
