@@ -458,12 +458,13 @@ GEMV_SHAPES = {  # (N, K) of each linear at batch 1
 }
 
 
-def bench_gemv(do_sweep: bool = False, fp8: bool = False, sweep_fp8: bool = False) -> None:
+def bench_gemv(do_sweep: bool = False, fp8: bool = False, sweep_fp8: bool = False,
+               fp8_rows: tuple[int, ...] = (256, 8192)) -> None:
     """Triton GEMV (kernels/triton/gemv.py) vs cuBLAS (F.linear) at one row, weights cold in L2.
 
     Each timing runs the op over enough weight copies (>= 200 MB in all, twice the L2) inside one CUDA
     graph, as the decode step does; us = per call. `--sweep` also tries other block shapes (pick_config's source).
-    `fp8`: the same layers with FP8 weights too (bench_fp8_linear; `sweep_fp8` sweeps its block shapes).
+    `fp8`: the same layers with FP8 weights too (bench_fp8_linear at `fp8_rows`; `sweep_fp8` sweeps its block shapes).
     """
     from minisgl_cli.kernels.triton import gemv as G
 
@@ -501,14 +502,16 @@ def bench_gemv(do_sweep: bool = False, fp8: bool = False, sweep_fp8: bool = Fals
                 triton_us=round(us_pick, 2), picked=list(picked), best_cfg=list(best[0]), best_us=round(best[1], 2),
                 cublas_tbs=round(gb / cub * 1e3, 2), triton_tbs=round(gb / us_pick * 1e3, 2), rel_err=f"{err:.2e}")
             if fp8:
-                bench_fp8_linear(model, name, ws, x, act, sweep_fp8)
+                bench_fp8_linear(model, name, ws, x, act, sweep_fp8, fp8_rows)
             del ws
             torch.cuda.empty_cache()
 
 
-def bench_fp8_linear(model: str, name: str, ws: list[torch.Tensor], x: torch.Tensor, act: bool, do_sweep: bool) -> None:
-    """FP8 weights of the same layer: the batch-1 GEMV (vs bf16's bytes) and, at 256 rows, per-token quant +
-    torch._scaled_mm against bf16 cuBLAS; errors against the fp32 quantize / dequantize reference."""
+def bench_fp8_linear(model: str, name: str, ws: list[torch.Tensor], x: torch.Tensor, act: bool, do_sweep: bool,
+                     rows: tuple[int, ...] = (256, 8192)) -> None:
+    """FP8 weights of the same layer: the batch-1 GEMV (vs bf16's bytes) and, at each of `rows` (1: batch-1 decode
+    as W8A8, the way the batched steps run), per-token quant + torch._scaled_mm against bf16 cuBLAS; errors against
+    the fp32 quantize / dequantize reference."""
     from minisgl_cli.kernels import fp8
     from minisgl_cli.kernels.triton import gemv as G
     from minisgl_cli.kernels.triton import ops as T
@@ -535,7 +538,7 @@ def bench_fp8_linear(model: str, name: str, ws: list[torch.Tensor], x: torch.Ten
     # scaled GEMM; also with use_fast_accum, which skips the fp32 promotion of Hopper's FP8 accumulators)
     g = torch.Generator(device="cuda").manual_seed(n + k)
     cells: dict = {}
-    for m in (256,) if name == "lm_head" else (256, 8192):  # 8192 rows of logits: no LM head does that
+    for m in [r for r in rows if r <= 256 or name != "lm_head"]:  # 8192 rows of logits: no LM head does that
         xm = torch.randn((m, 2 * k if act else k), device="cuda", dtype=torch.bfloat16, generator=g)
         xm_in = T.silu_and_mul(xm) if act else xm
 
@@ -546,7 +549,7 @@ def bench_fp8_linear(model: str, name: str, ws: list[torch.Tensor], x: torch.Ten
 
         ref_m = (fp8.round_trip_rows(xm_in).double() @ fp8.dequantize(qs[0][0], qs[0][1][:, None]).double().T)
         cells[f"m{m}_rel_err"] = f"{((fp8_mm(qs[0]).double() - ref_m).norm() / ref_m.norm()).item():.2e}"
-        reps = 20 if m == 256 else 3
+        reps = 20 if m <= 256 else 3
         cells[f"m{m}_bf16_us"] = round(graph_us([lambda w=w, xm=xm: torch.nn.functional.linear(
             T.silu_and_mul(xm) if act else xm, w) for w in ws], reps), 2)
         cells[f"m{m}_fp8_us"] = round(graph_us([lambda q=q, xm=xm: fp8_mm(q, xm) for q in qs], reps), 2)
@@ -564,6 +567,8 @@ def main() -> None:
     ap.add_argument("--only", default="ops,gemv,qwen,llama")
     ap.add_argument("--sweep", action="store_true", help="GEMV section: also sweep block shapes")
     ap.add_argument("--sweep-fp8", action="store_true", help="GEMV section: sweep the FP8 GEMV's block shapes")
+    ap.add_argument("--fp8-rows", default="256,8192",
+                    help="GEMV section with --fp8: the row counts of quant + torch._scaled_mm (1: batch 1 as W8A8)")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "flashinfer"])
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate baselines")
     ap.add_argument("--main-only", action="store_true", help="only the default variant (graphs, overlap, fused)")
@@ -597,7 +602,8 @@ def main() -> None:
     if "fp8ops" in only:
         sections.append(("fp8ops", bench_fp8_ops))
     if "gemv" in only:
-        sections.append(("gemv", lambda: bench_gemv(args.sweep, args.fp8 or args.sweep_fp8, args.sweep_fp8)))
+        fp8_rows = tuple(int(r) for r in args.fp8_rows.split(","))
+        sections.append(("gemv", lambda: bench_gemv(args.sweep, args.fp8 or args.sweep_fp8, args.sweep_fp8, fp8_rows)))
 
     def side_by_side(name: str, tag: str, settings: list[dict]) -> None:
         for kw in settings:  # one engine at a time: each needs the memory the last one held
