@@ -526,22 +526,6 @@ def bench_fp8_linear(model: str, name: str, ws: list[torch.Tensor], x: torch.Ten
     picked = G.pick_config(n, k, act, 1)
     us = graph_us([lambda q=q: G.gemv(x, q[0], act_mul=act, scale=q[1]) for q in qs])
     best = (picked, us)
-    # W8A8 at one row (the engine's FP8 batch 1): the row's codes from the norm before (qkv, gate/up: the GEMV alone)
-    # or from quant_rows (o, down: the quantization's launch too)
-    w8a8: dict = {}
-    if G.takes_w8a8(qs[0][0]):
-        xq, xs = T.quant_rows(x, act_mul=act)
-        y8 = G.gemv(xq, qs[0][0], scale=qs[0][1], x_scale=xs, out_dtype=torch.bfloat16).double()
-        ref8 = fp8.round_trip_rows(xin).double() @ fp8.dequantize(qs[0][0], qs[0][1][:, None]).double().T
-
-        def quant_gemv(q: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-            codes, scale = T.quant_rows(x, act_mul=act)
-            return G.gemv(codes, q[0], scale=q[1], x_scale=scale, out_dtype=torch.bfloat16)
-
-        t8 = graph_us([lambda q=q: G.gemv(xq, q[0], scale=q[1], x_scale=xs, out_dtype=torch.bfloat16) for q in qs])
-        tq = graph_us([lambda q=q: quant_gemv(q) for q in qs])
-        w8a8 = dict(w8a8_us=round(t8, 2), w8a8_quant_us=round(tq, 2),
-                    w8a8_rel_err=f"{((y8 - ref8).norm() / ref8.norm()).item():.2e}")
     if do_sweep:  # both kernels' shapes (pick_config's source)
         mma = [(bn, bk, w, st, pf) for bn in (4, 8, 16, 32) for bk in (32, 64, 128) for w, st, pf in
                ((4, 2, 0), (4, 3, 0), (4, 4, 0), (4, 1, 1), (4, 3, 2), (4, 3, 3), (8, 3, 0), (8, 3, 2))
@@ -575,7 +559,7 @@ def bench_fp8_linear(model: str, name: str, ws: list[torch.Tensor], x: torch.Ten
     tbs = lambda t: round((n * k + 4 * n) / t / 1e6, 2)  # noqa: E731  (bytes / us / 1e6 = TB/s)
     row(workload="gemv-fp8", model=model, op=name, N=n, K=k, fp8_us=round(us, 2), fp8_tbs=tbs(us),
         picked=list(picked), best_cfg=list(best[0]), best_us=round(best[1], 2), best_tbs=tbs(best[1]),
-        rel_err=f"{err:.2e}", **w8a8, **({"w8a8_tbs": tbs(w8a8["w8a8_us"])} if w8a8 else {}), **cells)
+        rel_err=f"{err:.2e}", **cells)
 
 
 def main() -> None:
@@ -703,8 +687,6 @@ def main() -> None:
         elif r.get("workload") == "gemv-fp8":
             print(f"gemv-fp8 {r['model']:<13} {r['op']:<8} fp8 {r['fp8_us']:>8.1f}us {r['fp8_tbs']:.2f}TB/s "
                   f"{r['picked']} best {r['best_us']}us {r['best_tbs']:.2f}TB/s {r['best_cfg']} err {r['rel_err']}  |  "
-                  + (f"w8a8 {r['w8a8_us']}us {r['w8a8_tbs']:.2f}TB/s (+quant {r['w8a8_quant_us']}us) err "
-                     f"{r['w8a8_rel_err']}  |  " if "w8a8_us" in r else "")
                   + "  ".join(f"M={m}: bf16 {r[f'm{m}_bf16_us']}us fp8 {r[f'm{m}_fp8_us']}us "
                               f"(fast {r[f'm{m}_fp8_fast_us']}) err {r[f'm{m}_rel_err']}"
                               for m in (256, 8192) if f"m{m}_fp8_us" in r))

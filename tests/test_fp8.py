@@ -106,9 +106,7 @@ def test_fp8_linear_holds_e4m3_weights_and_quantizes_activations_per_token():
     torch.testing.assert_close(col.weight_scale, w.abs().amax(-1) / 448)  # per output channel
     x = torch.randn(5, 64, generator=g)
     torch.testing.assert_close(col(x), F.linear(fp8.round_trip_rows(x), w_q) + 1)  # per-token activations
-    # one row the same: its arithmetic does not depend on its batch (the GPU's W8A8 GEMV)
-    torch.testing.assert_close(col(x[:1]), F.linear(fp8.round_trip_rows(x[:1]), w_q) + 1)
-    torch.testing.assert_close(col(x[:1]), col(x)[:1])
+    torch.testing.assert_close(col(x[:1]), F.linear(x[:1], w_q) + 1)  # one row: weight-only (as the GEMV)
     assert (col(x) - F.linear(x, w) - 1).norm() / F.linear(x, w).norm() < 0.05
     # row-parallel down projection with SiLU-and-mul: the same path on the activation
     down = RowParallelLinear(64, 48, method=Fp8Method())

@@ -12,12 +12,11 @@ runs (EngineConfig refuses the others with a one-line error).
         load as they are; a dense checkpoint quantizes like Q4_1 (min and (max - min) / 15 per group)
   int8  plus its 8-bit copy, one scale per output channel (re-quantized per row from a GGUF's Q8_0)
   fp8   e4m3 weights with one fp32 scale per output channel (the whole row's), made at load from the
-        dense checkpoint (kernels/fp8.py). Activations quantized per token (by the norm before, or on the fly) at
-        every row count, so a row's arithmetic is the same whatever its batch or step: more than one row, one GEMM
-        through torch._scaled_mm (row-wise scales, bf16 out); one row (batch-1 decode, a one-token extend), the
-        Triton GEMV multiplies the row's e4m3 codes with the weights' on the tensor cores (kernels/triton/gemv.py).
-        On the CPU (and on CUDA with the fused ops off) the same numbers by quantize / dequantize in fp32: the
-        simulation the kernels are tested against and the quality checks run on.
+        dense checkpoint (kernels/fp8.py). More than one row: activations quantized per token on the fly, one
+        GEMM through torch._scaled_mm (row-wise scales, bf16 out). One row (batch-1 decode): the Triton GEMV
+        reads the 8-bit weights against the 16-bit row (kernels/triton/gemv.py). On the CPU (and on CUDA
+        with the fused ops off) the same numbers by quantize / dequantize in fp32: the simulation the
+        kernels are tested against and the quality checks run on.
   fp8-block  a block-wise FP8 checkpoint's weights as shipped (DeepSeek-V3's: e4m3 with one fp32 scale per
         128 x 128 block, loader/blocks.py's Fp8Blocks), CUDA 8.9+ only: activations quantized per token per
         128 columns, then kernels/triton/fp8_block.py's block-scaled GEMM (at one row too). Not a --quantization
@@ -411,40 +410,40 @@ class Fp8Method(LinearMethod):
         return LinearMethod() if edge else self
 
     def takes_fp8_rows(self, layer: Layer, x: torch.Tensor) -> bool:
-        # Where apply would quantize the rows itself (the kernels, any row count): the norm before writes them.
-        return self._ops(layer, x) is not None
+        # Where apply would quantize the rows itself for torch._scaled_mm (the kernels, more than one row).
+        return self._ops(layer, x) is not None and x.reshape(-1, x.shape[-1]).shape[0] > 1
 
     def apply_fp8_rows(self, layer: Layer, rows: fp8.Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
-        return self._product(rows.codes, rows.scales, layer, bias, rows.dtype)
+        return self._scaled_mm(rows.codes, rows.scales, layer, bias, rows.dtype)
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, decode: bool = False) -> torch.Tensor:
         ops = self._ops(layer, x)
         if ops is None:
             return self._reference(layer, x, bias)
-        n = layer.weight.shape[0]
-        xq, xs = ops.quant_rows(x.reshape(-1, x.shape[-1]).contiguous(), pdl=layer.kernels.pdl)
-        return self._product(xq, xs, layer, bias, x.dtype).view(*x.shape[:-1], n)
+        pdl, n = layer.kernels.pdl, layer.weight.shape[0]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] == 1:
+            return ops.gemv(x2.contiguous(), layer.weight, bias, scale=layer.weight_scale,
+                            **layer.kernels.gemv_launch).view(*x.shape[:-1], n)
+        xq, xs = ops.quant_rows(x2.contiguous(), pdl=pdl)
+        return self._scaled_mm(xq, xs, layer, bias, x.dtype).view(*x.shape[:-1], n)
 
     def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
         ops = self._ops(layer, gate_up)
         if ops is None or gate_up.dim() != 2:
             return self._reference(layer, silu_and_mul(gate_up, layer.kernels), None)
+        if gate_up.shape[0] == 1:
+            return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, scale=layer.weight_scale,
+                            **layer.kernels.gemv_launch)
         xq, xs = ops.quant_rows(gate_up.contiguous(), act_mul=True, pdl=layer.kernels.pdl)  # SiLU-and-mul fused in
-        return self._product(xq, xs, layer, None, gate_up.dtype)
+        return self._scaled_mm(xq, xs, layer, None, gate_up.dtype)
 
     def apply_gate_up_silu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor | None:
-        return None  # the activations are quantized per token before the GEMV: no 16-bit row to fuse into
-
-    def _product(self, xq: torch.Tensor, xs: torch.Tensor, layer: Layer, bias: torch.Tensor | None,
-                 dtype: torch.dtype) -> torch.Tensor:
-        """Quantized rows [M, K] (e4m3, fp32 scales [M, 1]) times the weight: one row through the Triton GEMV's
-        tensor cores where the weight's sides fit it (faster there than torch._scaled_mm: docs/benchmarks.md), else
-        the scaled GEMM."""
-        ops = layer.kernels.triton(xq)
-        if xq.shape[0] == 1 and ops is not None and ops.takes_w8a8(layer.weight):
-            return ops.gemv(xq, layer.weight, bias, scale=layer.weight_scale, x_scale=xs, out_dtype=dtype,
-                            **layer.kernels.gemv_launch)
-        return self._scaled_mm(xq, xs, layer, bias, dtype)
+        ops = layer.kernels.gate_up_silu(x, layer.weight) if self._ops(layer, x) is not None else None
+        if ops is None:
+            return None
+        return ops.gemv(x.contiguous(), layer.weight, scale=layer.weight_scale, gate_up=True,
+                        **layer.kernels.gemv_launch)
 
     @staticmethod
     def _ops(layer: Layer, x: torch.Tensor) -> ModuleType | None:
@@ -464,8 +463,9 @@ class Fp8Method(LinearMethod):
 
     @staticmethod
     def _reference(layer: Layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The same numbers in fp32 by quantize / dequantize: activations per token, as the kernels take them."""
-        xf = fp8.round_trip_rows(x.reshape(-1, x.shape[-1]))
+        """The same numbers in fp32 by quantize / dequantize: activations per token unless x is one row."""
+        x2 = x.reshape(-1, x.shape[-1])
+        xf = x2.float() if x2.shape[0] == 1 else fp8.round_trip_rows(x2)
         w = getattr(layer, "weight_dense", None)
         if w is None:  # CUDA: dequantized per call (a reference path, not a fast one)
             w = fp8.dequantize(layer.weight, layer.weight_scale[:, None])

@@ -124,9 +124,9 @@ def _prefetch_rows_l2(row_ptrs, nbytes, nrows: tl.constexpr):
 
 
 @triton.jit
-def _gemv_fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride_w,
-                         HAS_BIAS: tl.constexpr, ACT_MUL: tl.constexpr, GATE_UP: tl.constexpr, X_FP8: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+def _gemv_fp8_mma_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride_w,
+                         HAS_BIAS: tl.constexpr, ACT_MUL: tl.constexpr, GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
     """FP8 weights through the tensor cores: each step's stretch of 16 * BLOCK_K inputs cut into 16 pieces.
 
     A GEMV has one row of x, and a tensor-core tile wants 16: padding x with 15 zero rows makes every warp
@@ -142,11 +142,7 @@ def _gemv_fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride
     The weights never depend on the previous kernel, so under programmatic dependent launch some are asked
     for before waiting on it (overlapping its tail). PREFETCH 0: none (Triton pipelines the loads after the
     wait, num_stages); 1: the first tile into registers, then the next while computing this one, by hand;
-    2: the first step's bytes of each row into L2; 3: each whole row into L2. GATE_UP: as `_gemv_kernel`'s.
-
-    X_FP8 (W8A8): x holds the row's e4m3 codes and xs_ptr its fp32 scale (quantized per token, as the rows of a
-    batched step are): both operands go to the tensor cores as they are, nothing is widened. Each step's products
-    are summed apart and added to fp32 accumulators (Hopper's FP8 MMA keeps fewer accumulator bits than fp32)."""
+    2: the first step's bytes of each row into L2; 3: each whole row into L2. GATE_UP: as `_gemv_kernel`'s."""
     if USE_PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -174,23 +170,18 @@ def _gemv_fp8_mma_kernel(x_ptr, xs_ptr, w_ptr, b_ptr, s_ptr, y_ptr, N, K, stride
         else:
             w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0, eviction_policy="evict_first")
         xv = tl.load(x_ptrs + k0)
-        if X_FP8:
-            acc += tl.dot(w, xv)
-        else:
-            xf = xv.to(tl.float32)
-            if ACT_MUL:  # x is [gate | up] of 2K: silu(gate) * up, rounded where the unfused path rounds
-                u = tl.load(x_ptrs + K + k0)
-                act = (xf / (1.0 + tl.exp(-xf))).to(xv.dtype).to(tl.float32)
-                xf = (act * u.to(tl.float32)).to(xv.dtype).to(tl.float32)
-            acc = tl.dot(w.to(tl.float16), tl.clamp(xf, -65504.0, 65504.0).to(tl.float16), acc)
+        xf = xv.to(tl.float32)
+        if ACT_MUL:  # x is [gate | up] of 2K: silu(gate) * up, rounded where the unfused path rounds
+            u = tl.load(x_ptrs + K + k0)
+            act = (xf / (1.0 + tl.exp(-xf))).to(xv.dtype).to(tl.float32)
+            xf = (act * u.to(tl.float32)).to(xv.dtype).to(tl.float32)
+        acc = tl.dot(w.to(tl.float16), tl.clamp(xf, -65504.0, 65504.0).to(tl.float16), acc)
         if PREFETCH == 1:
             w = nxt
     diag = tl.sum(tl.where(piece[:, None] == rc[None, :], acc, 0.0), axis=1)
     y = tl.sum(tl.reshape(diag, (BLOCK_N, 16)), axis=1)
     rn, mask_n = _weight_rows(pid, tl.arange(0, BLOCK_N), N, GATE_UP, BLOCK_N)
     y *= tl.load(s_ptr + rn, mask=mask_n, other=0.0)
-    if X_FP8:
-        y *= tl.load(xs_ptr)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
     _store_rows(y_ptr, y, pid, N, GATE_UP, BLOCK_N)
@@ -357,7 +348,7 @@ def mma_fits(k: int, config: Config) -> bool:
     return len(config) == 5 and k % (16 * config[1]) == 0
 
 
-def pick_config(n: int, k: int, act_mul: bool = False, itemsize: int = 2, x_fp8: bool = False) -> Config:
+def pick_config(n: int, k: int, act_mul: bool = False, itemsize: int = 2) -> Config:
     """The kernel and its block shape, from sweeps (examples/gpu_bench.py --only gemv --sweep [--sweep-fp8]).
 
     16-bit weights (an H200 sweep, 2026-11-30; the H100's picks of one row a program left 10-25% on its faster
@@ -367,13 +358,7 @@ def pick_config(n: int, k: int, act_mul: bool = False, itemsize: int = 2, x_fp8:
     program, 3 stages, each row's first step prefetched into L2 before the wait (Llama-8B at one row: 2.4-3.1
     TB/s, against 1.6-2.7 for the FMA kernel); 16 rows for a qkv-sized N, and on a square 4096 x 4096 the
     first tile into registers instead (7.5 vs 7.9 us).
-    W8A8 (`x_fp8`: e4m3 codes of x too, nothing widened): always 3 stages, the weight tiles streamed into shared memory
-    for the FP8 MMAs (compiled for sm_90 offline: 1.0-1.3 instructions a weight value in the loop, against 2.9 for the
-    16-bit row at the same tile and 4.1 with the first tile in registers, whose trip to the MMA's layout is all byte
-    permutes). Not yet swept on a GPU.
     """
-    if itemsize == 1 and x_fp8:
-        return (16, 64, 4, 3, 2) if 4096 < n <= 8192 else (8, 64, 4, 3, 2)
     if itemsize == 1:
         if not act_mul and n <= 4096 and k <= 4096:
             cfg: Config = (8, 64, 4, 1, 1)
@@ -399,19 +384,6 @@ MAX_ROWS = 4
 each weight load as well (cuBLAS)."""
 
 
-def _runnable_prefetch(prefetch: int, x: torch.Tensor) -> int:
-    """The tensor-core kernel's PREFETCH where it runs: the L2 prefetches (2, 3) are PTX, which Triton's interpreter
-    (CPU tensors) does not run: none there (the same numbers)."""
-    return prefetch if x.is_cuda or prefetch < 2 else 0
-
-
-def takes_w8a8(weight: torch.Tensor) -> bool:
-    """Whether `gemv` takes one row of e4m3 codes (`x_scale`) against this e4m3 weight: its sides fit the tensor-core
-    kernel's steps (every model's layers here; else the caller's scaled GEMM)."""
-    n, k = weight.shape
-    return weight.dtype == torch.float8_e4m3fn and mma_fits(k, pick_config(n, k, False, 1, x_fp8=True))
-
-
 def pick_rows_config(n: int, k: int, rows: int, gate_up: bool = False) -> Config:
     """(BLOCK_N, BLOCK_K, num_warps) of the 1-4 row kernels (`_gemv_rows_kernel`, `_gemv_qkv_rope_kernel`): few
     weight rows per program, as at one row (a gate-up or RoPE pair: 2), in 512-wide chunks. Not yet swept on a GPU
@@ -422,8 +394,7 @@ def pick_rows_config(n: int, k: int, rows: int, gate_up: bool = False) -> Config
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act_mul: bool = False,
          config: Config | None = None, pdl: bool = True, scale: torch.Tensor | None = None,
-         gate_up: bool = False, x_scale: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+         gate_up: bool = False) -> torch.Tensor:
     """y[M, N] = f(x) @ weight[N, K]^T (+ bias) for M <= MAX_ROWS rows; f(x) = silu(x[:, :K]) * x[:, K:] when act_mul
     (x is [M, 2K]).
 
@@ -431,27 +402,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     epilogue (each program computes matching gate and up rows), rounded as gemv then ops.silu_and_mul round. With
     16-bit weights it runs the rows kernel at one row too (`_dot_rows`: no shuffle of x for a pair of weight rows).
     scale: the fp32 per-row scales [N] of an e4m3 `weight` (W = weight * scale[:, None]); one row only.
-    config: see `pick_config` (one row) and `pick_rows_config`; a 5-tuple runs the tensor-core kernel (FP8 weights).
-    x_scale: x is one row of e4m3 codes with this fp32 scale [1, 1] (W8A8: `takes_w8a8` says where), the output
-    `out_dtype`."""
+    config: see `pick_config` (one row) and `pick_rows_config`; a 5-tuple runs the tensor-core kernel (FP8 weights,
+    16-bit x only)."""
     n, k = weight.shape
     m = x.shape[0]
     assert 1 <= m <= MAX_ROWS and x.shape[-1] == (2 * k if act_mul else k) and x.stride(-1) == 1
     assert weight.stride(1) == 1 and not (gate_up and (act_mul or n % 2))
     n_out = n // 2 if gate_up else n
-    y = torch.empty((m, n_out), dtype=out_dtype or x.dtype, device=x.device)
-    if x_scale is not None:
-        assert scale is not None and m == 1 and not (act_mul or gate_up) and out_dtype is not None
-        config = config or pick_config(n, k, False, 1, x_fp8=True)
-        assert mma_fits(k, config), "W8A8 rows take the tensor-core kernel: see takes_w8a8"
-        block_n, block_k, warps, stages, prefetch = config
-        prefetch = _runnable_prefetch(prefetch, x)
-        _gemv_fp8_mma_kernel[(triton.cdiv(n, block_n),)](
-            x, x_scale, weight, bias if bias is not None else weight, scale, y, n, k, weight.stride(0),
-            HAS_BIAS=bias is not None, ACT_MUL=False, GATE_UP=False, X_FP8=True, BLOCK_N=block_n, BLOCK_K=block_k,
-            PREFETCH=prefetch, num_warps=warps, num_stages=stages, **pdl_kwargs(x, pdl),
-        )
-        return y
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     bias_arg = bias if bias is not None else weight
     scale_arg = scale if scale is not None else weight
     if m > 1 or (gate_up and scale is None):  # (a 16-bit gate-up pair: this kernel loads x in the pair's layout)
@@ -474,11 +432,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if len(config) == 5:
         assert scale is not None
         block_n, block_k, warps, stages, prefetch = config
-        prefetch = _runnable_prefetch(prefetch, x)
         _gemv_fp8_mma_kernel[(triton.cdiv(n_out, per),)](
-            x, scale_arg, weight, bias_arg, scale_arg, y, n_out, k, weight.stride(0),
-            HAS_BIAS=bias is not None, ACT_MUL=act_mul, GATE_UP=gate_up, X_FP8=False, BLOCK_N=block_n,
-            BLOCK_K=block_k, PREFETCH=prefetch, num_warps=warps, num_stages=stages, **pdl_kwargs(x, pdl),
+            x, weight, bias_arg, scale_arg, y, n_out, k, weight.stride(0), HAS_BIAS=bias is not None,
+            ACT_MUL=act_mul, GATE_UP=gate_up, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, num_warps=warps,
+            num_stages=stages, **pdl_kwargs(x, pdl),
         )
         return y
     block_n, block_k, warps = config

@@ -16,7 +16,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from minisgl_cli.distributed.push_rows import UNSET, PushRows
 from minisgl_cli.kernels.fp8 import FP8, INV_MAX, TINY, Fp8Rows, KVCache
 from minisgl_cli.kernels.triton.fp8 import fp8_codes, quant_rows  # noqa: F401  (quant_rows re-exported, as gemv)
-from minisgl_cli.kernels.triton.gemv import gemv, gemv_rope_kv, takes_w8a8  # noqa: F401  (re-exported: one switch for every layer op)
+from minisgl_cli.kernels.triton.gemv import gemv, gemv_rope_kv  # noqa: F401  (re-exported: one switch for every layer op)
 from minisgl_cli.kernels.triton.moe import FUSED_MAX_TOKENS as MOE_FUSED_MAX_TOKENS  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.moe import SwiGLUExperts  # noqa: F401  (as gemv)
 from minisgl_cli.kernels.triton.moe import fused_experts as moe_fused  # noqa: F401  (as gemv)
