@@ -56,11 +56,6 @@ class Kernels:
         if self.cpu_gemm not in POLICIES:
             raise ValueError(f"unknown CPU GEMM policy {self.cpu_gemm!r}; choose one of {', '.join(POLICIES)}")
 
-    @property
-    def gemv_launch(self) -> dict[str, bool]:
-        """How this engine launches the batch-1 GEMV (`kernels/triton/gemv.py` `gemv`'s launch flags)."""
-        return {"pdl": self.pdl}
-
     def triton(self, x: torch.Tensor) -> ModuleType | None:
         """The Triton ops module when `x` is on CUDA and fusion is on, else None (use torch)."""
         if not (self.fused and x.is_cuda):

@@ -245,7 +245,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = gemv_ops(x, self.weight, self.kernels)  # batch-1 decode on CUDA: the Triton GEMV
         if ops is not None:
-            return ops.gemv(x.contiguous(), self.weight, self.bias, **self.kernels.gemv_launch)
+            return ops.gemv(x.contiguous(), self.weight, self.bias, pdl=self.kernels.pdl)
         return cpu_gemm.linear(x, self.weight, self.bias, self.kernels.cpu_gemm)  # on CPU: as the dense linears
 
 

@@ -121,7 +121,7 @@ class LinearMethod:
         x is a decode step's rows (the quantized CPU methods run their low-bit copy for them, else the dense one)."""
         ops = gemv_ops(x, layer.weight, layer.kernels)
         if ops is not None:
-            return ops.gemv(x.contiguous(), layer.weight, bias, **layer.kernels.gemv_launch)
+            return ops.gemv(x.contiguous(), layer.weight, bias, pdl=layer.kernels.pdl)
         return cpu_gemm.linear(x, layer.weight, bias, layer.kernels.cpu_gemm)
 
     def apply_silu_mul(self, layer: Layer, gate_up: torch.Tensor, decode: bool = False) -> torch.Tensor:
@@ -129,7 +129,7 @@ class LinearMethod:
         ops = gemv_ops(gate_up, layer.weight, layer.kernels)
         if ops is None:
             return self.apply(layer, silu_and_mul(gate_up, layer.kernels), None, decode)
-        return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, **layer.kernels.gemv_launch)
+        return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, pdl=layer.kernels.pdl)
 
     def apply_gate_up_silu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of a merged gate-up layer's x W^T (no bias) in one GEMV, the SiLU-and-mul in its epilogue,
@@ -137,7 +137,7 @@ class LinearMethod:
         ops = layer.kernels.gate_up_silu(x, layer.weight)
         if ops is None:
             return None
-        return ops.gemv(x.contiguous(), layer.weight, gate_up=True, **layer.kernels.gemv_launch)
+        return ops.gemv(x.contiguous(), layer.weight, pdl=layer.kernels.pdl, gate_up=True)
 
     def apply_rope_kv(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, rope: RopeTable,
                       heads: tuple[int, int, int], kv: fp8.KVCache) -> torch.Tensor | None:
@@ -423,8 +423,8 @@ class Fp8Method(LinearMethod):
         pdl, n = layer.kernels.pdl, layer.weight.shape[0]
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] == 1:
-            return ops.gemv(x2.contiguous(), layer.weight, bias, scale=layer.weight_scale,
-                            **layer.kernels.gemv_launch).view(*x.shape[:-1], n)
+            return ops.gemv(x2.contiguous(), layer.weight, bias, pdl=pdl, scale=layer.weight_scale).view(
+                *x.shape[:-1], n)
         xq, xs = ops.quant_rows(x2.contiguous(), pdl=pdl)
         return self._scaled_mm(xq, xs, layer, bias, x.dtype).view(*x.shape[:-1], n)
 
@@ -433,8 +433,8 @@ class Fp8Method(LinearMethod):
         if ops is None or gate_up.dim() != 2:
             return self._reference(layer, silu_and_mul(gate_up, layer.kernels), None)
         if gate_up.shape[0] == 1:
-            return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, scale=layer.weight_scale,
-                            **layer.kernels.gemv_launch)
+            return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, pdl=layer.kernels.pdl,
+                            scale=layer.weight_scale)
         xq, xs = ops.quant_rows(gate_up.contiguous(), act_mul=True, pdl=layer.kernels.pdl)  # SiLU-and-mul fused in
         return self._scaled_mm(xq, xs, layer, None, gate_up.dtype)
 
@@ -442,8 +442,7 @@ class Fp8Method(LinearMethod):
         ops = layer.kernels.gate_up_silu(x, layer.weight) if self._ops(layer, x) is not None else None
         if ops is None:
             return None
-        return ops.gemv(x.contiguous(), layer.weight, scale=layer.weight_scale, gate_up=True,
-                        **layer.kernels.gemv_launch)
+        return ops.gemv(x.contiguous(), layer.weight, pdl=layer.kernels.pdl, scale=layer.weight_scale, gate_up=True)
 
     @staticmethod
     def _ops(layer: Layer, x: torch.Tensor) -> ModuleType | None:
