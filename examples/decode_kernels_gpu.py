@@ -149,16 +149,21 @@ def kernels(models: list[str], tokens: list[int], fp8: bool, sweep: bool) -> Non
                       f"{b_us / f_us:>9.2f}x" + (f"  (rel. diff {err:.1e})" if err > 1e-2 else ""), flush=True)
             torch.cuda.empty_cache()
         if sweep:
-            sweep_rows(model, [t for t in tokens if t > 1])
+            sweep_rows(model, tokens)
+            if 1 in tokens and not WIDTHS[model][6]:
+                sweep_rope(model)
 
 
 def sweep_rows(model: str, tokens: list[int]) -> None:
-    """Block shapes of the 2-4 row kernel on the gate-up (SiLU epilogue) and down projections."""
+    """Block shapes of the 1-4 row kernel on the gate-up (SiLU epilogue) and, from 2 rows, down projections (one row's
+    down projection is the one-row kernel's, swept by gpu_bench.py --only gemv --sweep)."""
     from minisgl_cli.kernels.triton.gemv import pick_rows_config
 
     h, _, _, _, inter, _, _ = WIDTHS[model]
     for rows in tokens:
         for name, (n, k), gate_up in (("gate_up", (2 * inter, h), True), ("down", (h, inter), False)):
+            if rows == 1 and not gate_up:
+                continue
             copies = max(2, min(16, -(-200_000_000 // (n * k * 2))))
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -170,6 +175,37 @@ def sweep_rows(model: str, tokens: list[int]) -> None:
             print(f"  sweep {model} {name} rows {rows}: picked {picked} {timed[None]:.2f} us, "
                   f"best {best} {timed[best]:.2f} us", flush=True)
             torch.cuda.empty_cache()
+
+
+def sweep_rope(model: str) -> None:
+    """Block shapes of the qkv GEMV with RoPE and the K/V store in its epilogue at one row (`gemv_rope_kv`), against
+    the one-row GEMV then ops.qk_norm_rope_ (what a step runs without the fused decode)."""
+    from minisgl_cli.kernels.triton import ops as T
+    from minisgl_cli.layers.rotary import RotaryEmbedding
+
+    h, nq, nkv, d, _, _, _ = WIDTHS[model]
+    n = (nq + 2 * nkv) * d
+    copies = max(2, min(16, -(-200_000_000 // (n * h * 2))))
+    ws = [torch.randn(n, h, device="cuda", dtype=torch.bfloat16) * h**-0.5 for _ in range(copies)]
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+    rope = RotaryEmbedding(d, 8192, 500000.0).to("cuda")
+    pos = torch.tensor([4000], device="cuda")
+    kv = (torch.zeros(64, nkv, d, device="cuda", dtype=x.dtype), torch.zeros(64, nkv, d, device="cuda", dtype=x.dtype),
+          torch.arange(1, device="cuda"), None)
+
+    def unfused(i: int) -> torch.Tensor:
+        qkv = T.gemv(x, ws[i])
+        T.qk_norm_rope_(qkv, pos, rope.cos, rope.sin, nq, nkv, d, None, None, 0.0, kv)
+        return qkv
+
+    timed = {}
+    for cfg in [None, *((bn, bk, w) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for w in (2, 4, 8))]:
+        timed[cfg] = copies_us(lambda i, c=cfg: T.gemv_rope_kv(x, ws[i], None, pos, rope.cos, rope.sin, nq, nkv, d,
+                                                               kv, config=c), copies)
+    best = min((c for c in timed if c is not None), key=lambda c: timed[c])
+    print(f"  sweep {model} qkv+rope rows 1: gemv then qk_norm_rope_ {copies_us(unfused, copies):.2f} us, fused "
+          f"picked {timed[None]:.2f} us, best {best} {timed[best]:.2f} us", flush=True)
+    torch.cuda.empty_cache()
 
 
 def _gemv_us(x: torch.Tensor, ws: list[torch.Tensor], gate_up: bool, config: tuple[int, ...] | None) -> float:

@@ -353,7 +353,10 @@ def pick_config(n: int, k: int, act_mul: bool = False, itemsize: int = 2) -> Con
 
     16-bit weights (an H200 sweep, 2026-11-30; the H100's picks of one row a program left 10-25% on its faster
     memory): 4-8 rows a program, 2-8k weights a chunk step, so each program keeps more bytes in flight; two rows
-    where N alone gives tens of thousands of programs (a head, Llama-8B's gate / up).
+    where N alone gives tens of thousands of programs (a head, Llama-8B's gate / up). Up to 1,024 rows the whole of a
+    2k row is one chunk, which its program asks for before the PDL wait: Qwen3-0.6B's o_proj, after the attention,
+    took Qwen3-0.6B batch 1 from 1,248.5 to 1,280.7 tok/s on an H200 (`examples/gemv_e2e.py`, 2026-12-01; the sweep
+    above times a GEMV after a copy of itself, not after the kernels a step runs before it).
     FP8 weights: the tensor-core kernel wherever rows split into steps of 16 * 64 inputs -- 8 rows per
     program, 3 stages, each row's first step prefetched into L2 before the wait (Llama-8B at one row: 2.4-3.1
     TB/s, against 1.6-2.7 for the FMA kernel); 16 rows for a qkv-sized N, and on a square 4096 x 4096 the
@@ -372,8 +375,8 @@ def pick_config(n: int, k: int, act_mul: bool = False, itemsize: int = 2) -> Con
         return (8, min(1024, chunk), 4) if k >= 8192 else (4, min(1024, chunk), 8)
     if n > 16384:  # a head or a wide gate / up: programs enough at two rows each
         return (2, min(1024, chunk), 4) if k >= 2048 else (8, min(256, chunk), 4)
-    if n <= 1024:
-        return 1, min(1024, chunk), 4
+    if n <= 1024:  # a row a program, the whole of a 2k row in one chunk (end to end: examples/gemv_e2e.py)
+        return 1, min(2048, chunk), 4
     if n > 4096:
         return 8, min(512, chunk), 4
     return 4, min(1024 if k >= 4096 else 512, chunk), 4
