@@ -356,7 +356,8 @@ def pick_config(n: int, k: int, act_mul: bool = False, itemsize: int = 2) -> Con
     where N alone gives tens of thousands of programs (a head, Llama-8B's gate / up). Up to 1,024 rows the whole of a
     2k row is one chunk, which its program asks for before the PDL wait: Qwen3-0.6B's o_proj, after the attention,
     took Qwen3-0.6B batch 1 from 1,248.5 to 1,280.7 tok/s on an H200 (`examples/gemv_e2e.py`, 2026-12-01; the sweep
-    above times a GEMV after a copy of itself, not after the kernels a step runs before it).
+    above times a GEMV after a copy of itself, not after the kernels a step runs before it), and its qkv (4096 x 1024)
+    in one chunk of 8 rows a program 1,277.8 to 1,314.5.
     FP8 weights: the tensor-core kernel wherever rows split into steps of 16 * 64 inputs -- 8 rows per
     program, 3 stages, each row's first step prefetched into L2 before the wait (Llama-8B at one row: 2.4-3.1
     TB/s, against 1.6-2.7 for the FMA kernel); 16 rows for a qkv-sized N, and on a square 4096 x 4096 the
@@ -379,6 +380,8 @@ def pick_config(n: int, k: int, act_mul: bool = False, itemsize: int = 2) -> Con
         return 1, min(2048, chunk), 4
     if n > 4096:
         return 8, min(512, chunk), 4
+    if k <= 1024:  # a row of at most 1k in one chunk (Qwen3-0.6B's qkv, end to end as above)
+        return 8, chunk, 8
     return 4, min(1024 if k >= 4096 else 512, chunk), 4
 
 
