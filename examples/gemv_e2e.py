@@ -10,8 +10,9 @@ and lose back to back.
         --variant "o+qkv=4096x4096:1,4096,4;6144x4096:2,4096,8"
 
 A variant is NAME=LAYER:CONFIG[;LAYER:CONFIG...]; LAYER is NxK (weight rows x columns), NxKa for a down projection
-(the SiLU-and-mul on its input); CONFIG is gemv.Config's tuple. Each variant recaptures the graphs, decodes 16
-tokens to warm, then --repeats times one request of a 128-token prompt and --tokens new tokens (greedy, overlap).
+(the SiLU-and-mul on its input); CONFIG is gemv.Config's tuple (a 5-tuple applies to FP8 weights only, a 3-tuple to
+16-bit ones: an FP8 model keeps some layers 16-bit). Each variant recaptures the graphs, decodes 16 tokens to warm,
+then --repeats times one request of a 128-token prompt and --tokens new tokens (greedy, overlap).
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def main() -> None:
     override: Override = {}
 
     def pick(n: int, k: int, act_mul: bool = False, itemsize: int = 2) -> tuple[int, ...]:
-        return override.get((n, k, act_mul)) or picks(n, k, act_mul, itemsize)
+        cfg = override.get((n, k, act_mul))
+        fits = cfg is not None and (len(cfg) == 5) == (itemsize == 1)  # FP8's tensor-core shapes: e4m3 weights only
+        return cfg if cfg is not None and fits else picks(n, k, act_mul, itemsize)
 
     G.pick_config = pick
     e = make_engine(args.model, quantization=args.quantization, max_running_requests=8, cuda_graph_max_bs=8,
