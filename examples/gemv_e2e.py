@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gemv_e2e.py times the one-row GEMV's CUDA kernels, and this machine has no CUDA device")
 
     from minisgl_cli.kernels.triton import gemv as G
 
