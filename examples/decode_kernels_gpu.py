@@ -66,6 +66,15 @@ def mlp_fused(x: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor, sgu=None, sd
     return T.gemv(T.gemv(x, wgu, scale=sgu, gate_up=True), wd, scale=sd)
 
 
+def weight_copies(shapes: tuple[tuple[int, int], ...], dev: str, dt: torch.dtype, budget: int = 200_000_000,
+                  itemsize: int = 2) -> tuple[list[list[torch.Tensor]], int]:
+    """Copies of random [N, K] weights of `shapes` (one list a copy), enough of them for `budget` bytes in all (2-16):
+    a graph over them reads its weights from DRAM, not L2. And one copy's bytes (at `itemsize` bytes a weight)."""
+    nbytes = sum(n * k * itemsize for n, k in shapes)
+    copies = max(2, min(16, -(-budget // nbytes)))
+    return [[torch.randn(n, k, device=dev, dtype=dt) * k**-0.5 for n, k in shapes] for _ in range(copies)], nbytes
+
+
 def cases(model: str, rows: int, fp8: bool, dev: str, dt: torch.dtype, budget: int):
     """(op, bytes, copies, before, fused) at `model`'s widths; each op takes the index of a weight copy (enough copies
     for `budget` bytes in all, so the timed graph reads them from DRAM, not L2)."""
@@ -78,9 +87,7 @@ def cases(model: str, rows: int, fp8: bool, dev: str, dt: torch.dtype, budget: i
     act_bytes = lambda *widths: sum(rows * w * x.element_size() for w in widths)  # noqa: E731
 
     def weights(*shapes: tuple[int, int], itemsize: int = 2) -> tuple[list[list[torch.Tensor]], int]:
-        nbytes = sum(n * k * itemsize for n, k in shapes)
-        copies = max(2, min(16, -(-budget // nbytes)))
-        return [[torch.randn(n, k, device=dev, dtype=dt) * k**-0.5 for n, k in shapes] for _ in range(copies)], nbytes
+        return weight_copies(shapes, dev, dt, budget, itemsize)
 
     for name, (n, k) in {"qkv": (qkv, h), "o": (h, q), "lm_head": (vocab, h)}.items():
         ws, nbytes = weights((n, k))
@@ -105,8 +112,10 @@ def cases(model: str, rows: int, fp8: bool, dev: str, dt: torch.dtype, budget: i
                lambda i: mlp_fused(x, *q8[i]))
 
 
-def rope_case(x: torch.Tensor, ws: list[list[torch.Tensor]], nbytes: int, nq: int, nkv: int, d: int, act: int):
-    """("qkv+rope", ...): before, the qkv linear then ops.qk_norm_rope_ storing K/V; fused, gemv_rope_kv."""
+def rope_case(x: torch.Tensor, ws: list[list[torch.Tensor]], nbytes: int, nq: int, nkv: int, d: int, act: int,
+              config: tuple[int, ...] | None = None):
+    """("qkv+rope", ...): before, the qkv linear then ops.qk_norm_rope_ storing K/V; fused, gemv_rope_kv (at `config`:
+    its block shape, default the pick)."""
     from minisgl_cli.kernels.triton import ops as T
     from minisgl_cli.layers.rotary import RotaryEmbedding
 
@@ -122,7 +131,7 @@ def rope_case(x: torch.Tensor, ws: list[list[torch.Tensor]], nbytes: int, nq: in
         return qkv
 
     return ("qkv+rope", nbytes + act, len(ws), before,
-            lambda i: T.gemv_rope_kv(x, ws[i][0], None, pos, rope.cos, rope.sin, nq, nkv, d, kv))
+            lambda i: T.gemv_rope_kv(x, ws[i][0], None, pos, rope.cos, rope.sin, nq, nkv, d, kv, config=config))
 
 
 def copies_us(fn: Op, copies: int, reps: int = 20) -> float:
@@ -164,8 +173,7 @@ def sweep_rows(model: str, tokens: list[int]) -> None:
         for name, (n, k), gate_up in (("gate_up", (2 * inter, h), True), ("down", (h, inter), False)):
             if rows == 1 and not gate_up:
                 continue
-            copies = max(2, min(16, -(-200_000_000 // (n * k * 2))))
-            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+            ws = [c[0] for c in weight_copies(((n, k),), "cuda", torch.bfloat16)[0]]
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             picked = pick_rows_config(n // 2 if gate_up else n, k, rows, gate_up)
             shapes = [(bn, bk, w) for bn in ((2, 4, 8) if gate_up else (1, 2, 4)) for bk in (128, 256, 512, 1024)
@@ -180,28 +188,13 @@ def sweep_rows(model: str, tokens: list[int]) -> None:
 def sweep_rope(model: str) -> None:
     """Block shapes of the qkv GEMV with RoPE and the K/V store in its epilogue at one row (`gemv_rope_kv`), against
     the one-row GEMV then ops.qk_norm_rope_ (what a step runs without the fused decode)."""
-    from minisgl_cli.kernels.triton import ops as T
-    from minisgl_cli.layers.rotary import RotaryEmbedding
-
     h, nq, nkv, d, _, _, _ = WIDTHS[model]
-    n = (nq + 2 * nkv) * d
-    copies = max(2, min(16, -(-200_000_000 // (n * h * 2))))
-    ws = [torch.randn(n, h, device="cuda", dtype=torch.bfloat16) * h**-0.5 for _ in range(copies)]
+    ws, _ = weight_copies((((nq + 2 * nkv) * d, h),), "cuda", torch.bfloat16)
     x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
-    rope = RotaryEmbedding(d, 8192, 500000.0).to("cuda")
-    pos = torch.tensor([4000], device="cuda")
-    kv = (torch.zeros(64, nkv, d, device="cuda", dtype=x.dtype), torch.zeros(64, nkv, d, device="cuda", dtype=x.dtype),
-          torch.arange(1, device="cuda"), None)
-
-    def unfused(i: int) -> torch.Tensor:
-        qkv = T.gemv(x, ws[i])
-        T.qk_norm_rope_(qkv, pos, rope.cos, rope.sin, nq, nkv, d, None, None, 0.0, kv)
-        return qkv
-
     timed = {}
     for cfg in [None, *((bn, bk, w) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for w in (2, 4, 8))]:
-        timed[cfg] = copies_us(lambda i, c=cfg: T.gemv_rope_kv(x, ws[i], None, pos, rope.cos, rope.sin, nq, nkv, d,
-                                                               kv, config=c), copies)
+        _, _, copies, unfused, fused = rope_case(x, ws, 0, nq, nkv, d, 0, config=cfg)
+        timed[cfg] = copies_us(fused, copies)
     best = min((c for c in timed if c is not None), key=lambda c: timed[c])
     print(f"  sweep {model} qkv+rope rows 1: gemv then qk_norm_rope_ {copies_us(unfused, copies):.2f} us, fused "
           f"picked {timed[None]:.2f} us, best {best} {timed[best]:.2f} us", flush=True)

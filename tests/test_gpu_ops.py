@@ -24,7 +24,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (1000, 1000), (6144, 4096), (77, 4100)])
+# (each of pick_config's 16-bit shapes: Qwen3-0.6B's qkv and o, gpt-oss-20b's o, Llama-8B's qkv, odd sizes)
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (2880, 4096), (1024, 3072), (1000, 1000), (6144, 4096),
+                                 (77, 4100)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gemv_matches_fp64(n, k, bias, dtype):

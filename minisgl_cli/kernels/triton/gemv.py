@@ -358,8 +358,8 @@ def pick_config(n: int, k: int, act_mul: bool = False, itemsize: int = 2) -> Con
     took Qwen3-0.6B batch 1 from 1,248.5 to 1,280.7 tok/s on an H200 (`examples/gemv_e2e.py`, 2026-12-01; the sweep
     above times a GEMV after a copy of itself, not after the kernels a step runs before it), and its qkv (4096 x 1024)
     in one chunk of 8 rows a program 1,277.8 to 1,314.5. An o_proj of up to 3,072 rows of 4k: a row a program in one
-    chunk, gpt-oss-20b (2880 x 4096) 532.0 to 556.7 and Qwen3-30B-A3B (2048 x 4096) 369.0 to 371.0; Llama-8B's 4096
-    rows lost 1.6% to it and keep 4 rows a program.
+    chunk, as gemv_e2e.py variants gpt-oss-20b (2880 x 4096) 532.0 to 556.7 and Qwen3-30B-A3B (2048 x 4096) 369.0 to
+    371.0; Llama-8B's 4096 rows lost 1.6% to it and keep 4 rows a program.
     FP8 weights: the tensor-core kernel wherever rows split into steps of 16 * 64 inputs -- 8 rows per
     program, 3 stages, each row's first step prefetched into L2 before the wait (Llama-8B at one row: 2.4-3.1
     TB/s, against 1.6-2.7 for the FMA kernel); 16 rows for a qkv-sized N, and on a square 4096 x 4096 the
