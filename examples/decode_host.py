@@ -80,15 +80,24 @@ def run(args: argparse.Namespace) -> dict:
         sched.step()
         steps, cpu = 0, 0.0
         phases.clear()
+        prof = cProfile.Profile() if args.profile_drained else None
         while not done[0]:
             if torch.cuda.is_available() and args.device != "cpu":
                 torch.cuda.synchronize()
+            if prof is not None:
+                prof.enable()
             c0 = clock()
             sched.step()
             cpu += clock() - c0
+            if prof is not None:
+                prof.disable()
             steps += 1
         while sched._inflight is not None:
             sched.step()
+        if prof is not None:  # (its own overhead inflates the phases above)
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            print(f"-- the drained steps' Python functions ({steps} steps)\n{buf.getvalue()}", flush=True)
         return cpu / steps * 1e6, {k: round(v / steps * 1e6, 1) for k, v in phases.items()}
 
     def one(rid: str, tokens: int, profile: int = 0) -> tuple[int, float, float, str]:
@@ -150,6 +159,8 @@ def main() -> None:
     ap.add_argument("--sampled", action="store_true", help="temperature 0.7, top-p 0.9 (default greedy)")
     ap.add_argument("--profile-steps", type=int, default=100)
     ap.add_argument("--print-ops", action="store_true", help="print the torch-op and cProfile tables")
+    ap.add_argument("--profile-drained", action="store_true",
+                    help="cProfile the drained steps too (the host's own work by function; inflates their figure)")
     ap.add_argument("--quantization", default="auto", help="the engine's linear weights (auto, none, fp8)")
     ap.add_argument("--old", help="another tree: the same run there first, in a child")
     args = ap.parse_args()
