@@ -395,9 +395,9 @@ def test_a_quantized_gguf_converts_to_its_blocks(tmp_path: Path, tokenizer_dir: 
     assert ours.keys() == src.keys() == given.keys()
     quantized = [n for n in given if not np.array_equal(given[n], src[n].float().numpy())]
     assert quantized, "nothing was quantized"
-    for name, value in given.items():
+    for name, value in given.items():  # A_log through log(-(-exp)): numpy's SIMD exp / log differ by an ulp by CPU
         torch.testing.assert_close(ours[name], torch.from_numpy(value).float(), rtol=0,
-                                   atol=1e-6 if "norm" in name else 0)
+                                   atol=1e-6 if "norm" in name or "A_log" in name else 0)
     blocks = dict(iter_blocks(out / BLOCKS_FILE))
     for name in quantized if quant == "Q8_0" else ():
         if name.endswith("kv_b_proj.weight"):  # joined from k_b and v_b: held as their blocks dequantized

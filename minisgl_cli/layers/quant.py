@@ -41,11 +41,11 @@ same arithmetic whether it is prefilled cold or extended alone after a prefix hi
 whatever the batch size (each kernel gives each row the same result whatever the rows beside it), so a greedy answer
 does not depend on the cache.
 
-The LM head of an int4 / int8 model is held as int8 per channel and multiplied with the activations
-quantized to int8 per row on the fly (int32 sums, fp32 logits): 8 bits because 4-bit logits cost SmolLM2
-6% perplexity (8-bit: 0.2%), and int8 sums because they are the fastest 8-bit kernel at every batch size
-here, exact whatever the batch, and not rounded to bf16 (near-tied greedy choices stay as exact). Where the CPU
-lacks VNNI the head stays dense instead (see _FBGEMM).
+The LM head of an int4 / int8 model is held as int8 per channel and multiplied with the activations quantized per
+row on the fly, as two int8 rows (codes, then their remainder's; int32 sums, fp32 logits): 8 bits because 4-bit
+logits cost SmolLM2 6% perplexity (8-bit: 0.2%), and int8 sums because they are the fastest 8-bit kernel at every
+batch size here, exact whatever the batch, and not rounded to bf16 (near-tied greedy choices stay as exact). Where
+the CPU lacks VNNI the head stays dense instead (see _FBGEMM).
 
 Under fp8 the LM head, the embedding, the norms and the first and last decoder layers stay in the engine
 dtype (as vLLM and sglang keep the head): on SmolLM2-135M (the second story of tests/data/perplexity_en.txt,
@@ -308,15 +308,15 @@ class Int8Method(_WeightOnly):
 
 
 class Int8LogitsMethod(LinearMethod):
-    """The LM head of the quantized methods: int8 weights per channel times the activations quantized to 8 bits on
-    the fly, int32 sums, fp32 logits. fbgemm's dynamic int8 linear (`quantized::linear_dynamic`: 2-3x faster than
-    torch._int_mm here at every batch size) runs it; where this torch no longer builds its packed weight (its
-    qint8 tensors are deprecated since 2.13), torch._int_mm does. It keeps no dense copy (a tied head reads the
-    embedding's).
+    """The LM head of the quantized methods: int8 weights per channel times the activations quantized on the fly as two
+    8-bit rows each (codes, then their remainder's codes), int32 sums, fp32 logits. fbgemm's dynamic int8 linear
+    (`quantized::linear_dynamic`: 2-3x faster than torch._int_mm here at every batch size) runs it; where this torch
+    no longer builds its packed weight (its qint8 tensors are deprecated since 2.13), torch._int_mm does. It keeps
+    no dense copy (a tied head reads the embedding's).
 
-    fbgemm quantizes its whole input with one scale and zero point, from the input's min and max: rows scaled to
-    +-127 first, plus two anchor columns at +-127 (zero weights) so that min and max, and with them every row's
-    codes, are the same whatever the other rows of the batch hold."""
+    fbgemm quantizes its whole input with one scale and zero point, from the input's min and max: rows (each
+    activation row's two) scaled to +-127 first, plus two anchor columns at +-127 (zero weights) so that min and
+    max, and with them every row's codes, are the same whatever the other rows of the batch hold."""
 
     name = "int8-logits"
     quantized = True
@@ -339,14 +339,21 @@ class Int8LogitsMethod(LinearMethod):
 
     def apply(self, layer: Layer, x: torch.Tensor, bias: torch.Tensor | None, decode: bool = False) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).float()
-        x_scale = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / 127  # the activations quantized per row
+        m = x2.shape[0]
+        # Each row in two 8-bit rows: its codes at its own scale, then what they left out at that remainder's scale.
+        # One 8-bit row loses a hidden state's small features beside its outliers (SmolLM2's "What is the capital of
+        # France?" then opened "L'Étoile, ..."); two carry ~15 bits for the same weight bytes, one pass over them.
+        hi_scale = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / 127
+        hi = (x2 / hi_scale).round_().clamp_(-127, 127)
+        rest = x2 - hi * hi_scale
+        lo_scale = rest.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / 127
+        rows, scales = torch.cat([hi, rest / lo_scale]), torch.cat([hi_scale, lo_scale])
         if layer.fbgemm is not None:  # one input scale for fbgemm: rows scaled alike, anchors fix its min and max
-            xa = torch.cat([(x2 / x_scale).clamp_(-127, 127), _ANCHORS.expand(x2.shape[0], -1)], dim=1)
-            y = torch.ops.quantized.linear_dynamic(xa, layer.fbgemm, False) * x_scale
+            xa = torch.cat([rows.clamp_(-127, 127), _ANCHORS.expand(2 * m, -1)], dim=1)
+            y = torch.ops.quantized.linear_dynamic(xa, layer.fbgemm, False) * scales
         else:
-            xq = (x2 / x_scale).round_().to(torch.int8)
-            y = torch._int_mm(xq, layer.qweight_t) * x_scale * layer.qscale  # fp32 logits whatever the engine dtype
-        y = y.view(*x.shape[:-1], y.shape[-1])
+            y = torch._int_mm(rows.round_().to(torch.int8), layer.qweight_t) * scales * layer.qscale  # fp32 logits
+        y = (y[:m] + y[m:]).view(*x.shape[:-1], y.shape[-1])
         return y + bias if bias is not None else y
 
 
