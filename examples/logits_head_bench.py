@@ -37,10 +37,10 @@ def main() -> None:
         head.qweight_t, head.qscale = q.q.t(), q.scale[:, 0]
 
     def one_row(x: torch.Tensor) -> torch.Tensor:
-        """The form before: each activation row as one 8-bit row."""
+        """The form before: each activation row as one 8-bit row, fbgemm's range anchored at +-127."""
         s = x.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / 127
         if head.fbgemm is not None:
-            xa = torch.cat([(x / s).clamp_(-127, 127), quant._ANCHORS.expand(x.shape[0], -1)], dim=1)
+            xa = torch.cat([(x / s).clamp_(-127, 127), torch.tensor([[127.0, -127.0]]).expand(x.shape[0], -1)], dim=1)
             return torch.ops.quantized.linear_dynamic(xa, head.fbgemm, False) * s
         return torch._int_mm((x / s).round_().to(torch.int8), head.qweight_t) * s * head.qscale
 

@@ -105,6 +105,29 @@ def test_quantized_lm_head_is_int8_with_fp32_logits_and_tied_to_the_embedding(fb
     assert torch.allclose(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("fbgemm", [True, False])
+def test_the_int8_head_keeps_a_rows_ordinary_features_beside_an_outlier(fbgemm, monkeypatch):
+    """Hidden states carry a few features far larger than the rest: one 8-bit row at the row's largest value left the
+    rest a few codes each (5% of the largest logit; SmolLM2 then answered "L'Étoile, ..." for Paris). The head's two
+    8-bit rows (codes, then the remainder's) keep the logits within 0.1% of the int8 weights' exact product."""
+    if fbgemm and not quant._FBGEMM:
+        pytest.skip("fbgemm runs the head where the CPU has VNNI")
+    if not fbgemm:
+        monkeypatch.setattr(quant, "_fbgemm_pack", lambda q, scale: None)
+    torch.manual_seed(0)
+    head = ParallelLMHead(512, 256, method=quant.Int8LogitsMethod())
+    w = torch.randn(512, 256) * 0.05
+    head.load_shard("weight", w)
+    head.finish_loading()
+    assert (head.fbgemm is not None) == fbgemm
+    q = quant.quantize_int8(w)
+    x = torch.randn(3, 256)
+    x[:, 7] = 60.0  # the outlier feature
+    want = x @ (q.q.float() * q.scale).t()
+    got = head.logits(x)
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+
+
 def test_quantized_perplexity_stays_close_to_the_exact_path(default_model_dir, text_docs, monkeypatch):
     """Same weights (the bundled Q4_1 GGUF), same text: int8 within 1% and int4 (its blocks as shipped) within 3% of
     the exact fp32 path. The text is read as 512-token prefills (tests/perplexity.py), so the low-bit kernels are

@@ -342,7 +342,8 @@ class Int8LogitsMethod(LinearMethod):
         m = x2.shape[0]
         # Each row in two 8-bit rows: its codes at its own scale, then what they left out at that remainder's scale.
         # One 8-bit row loses a hidden state's small features beside its outliers (SmolLM2's "What is the capital of
-        # France?" then opened "L'Étoile, ..."); two carry ~15 bits for the same weight bytes, one pass over them.
+        # France?" then opened "L'Étoile, ..."); two carry ~15 bits for the same weight bytes, one pass over them
+        # (tests/test_quant.py: a row with an outlier feature within 0.1% of the int8 weights' exact product).
         hi_scale = x2.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / 127
         hi = (x2 / hi_scale).round_().clamp_(-127, 127)
         rest = x2 - hi * hi_scale
@@ -362,8 +363,10 @@ class Int8LogitsMethod(LinearMethod):
 # capital of France?" changed at its first token on an AVX2 CPU). There the quantized methods keep a dense head, and
 # Int8LogitsMethod itself (asked for directly) runs torch._int_mm's exact int32 sums (3x slower there than dense).
 _FBGEMM = torch.cpu._is_vnni_supported()
-# The input's min and max whatever its rows (clamped to them: rounding may leave a scaled row a hair past 127).
-_ANCHORS = torch.tensor([[127.0, -127.0]])
+# The input's min and max whatever its rows (clamped to them: rounding may leave a scaled row a hair past 127). fbgemm
+# spreads [min, max] over 255 steps: [-128, 127] makes its step exactly 1 (zero point 128), so the integer codes pass
+# through as they are (at [-127, 127] each moved by up to half a step: 17x the two rows' logit error).
+_ANCHORS = torch.tensor([[127.0, -128.0]])
 
 
 def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> Any | None:
