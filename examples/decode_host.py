@@ -44,6 +44,69 @@ def kernel_table(prof, steps: int) -> str:
     return "\n".join(lines)
 
 
+def timeline_table(prof, model: str) -> str:
+    """The device's timeline over the profiled steps: each decode graph's span (first kernel's start to last's end),
+    the idle time inside it (no kernel running), and what runs between two decode graphs (the step's work outside
+    its graph: input copies, page-table writes, the read-back), from the CUDA trace's kernel and copy records."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))["traceEvents"]
+    api = {e["args"]["correlation"]: e["name"] for e in trace
+           if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"], api.get(e.get("args", {}).get("correlation"), "?"),
+                  e.get("args", {}).get("correlation")) for e in trace
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X")
+    graphs: dict[int, list[tuple]] = {}
+    for op in ops:
+        if op[3] == "cudaGraphLaunch":
+            graphs.setdefault(op[4], []).append(op)
+    decode = sorted((g for g in graphs.values() if len(g) >= 20), key=lambda g: g[0][0])  # the model's graphs
+
+    def busy(run: list[tuple], lo: float, hi: float) -> float:
+        """µs in [lo, hi] with at least one of run's records on the device."""
+        total, end = 0.0, lo
+        for s0, s1, *_ in sorted(run):
+            s0, s1 = max(s0, end), min(s1, hi)
+            if s1 > s0:
+                total += s1 - s0
+                end = s1
+        return total
+
+    spans, idle_in, gaps, idle_gap = [], [], [], []
+    between: dict[str, list[float]] = {}
+    bubbles: dict[str, float] = {}  # idle µs inside the graphs, by the kernel that ends it
+    for a, b in zip(decode, decode[1:]):
+        lo, hi = a[0][0], max(o[1] for o in a)
+        spans.append(hi - lo)
+        idle_in.append(hi - lo - busy(a, lo, hi))
+        end = lo
+        for o in sorted(a):
+            if o[0] > end:
+                bubbles[o[2][:60]] = bubbles.get(o[2][:60], 0.0) + o[0] - end
+            end = max(end, o[1])
+        nxt = b[0][0]
+        gaps.append(nxt - hi)
+        mid = [o for o in ops if hi <= o[0] < nxt]
+        idle_gap.append(nxt - hi - busy(mid, hi, nxt))
+        for o in mid:
+            between.setdefault(f"{o[2][:60]} ({o[3]})", []).append(o[1] - o[0])
+    n = max(1, len(gaps))
+    mean = lambda v: sum(v) / max(1, len(v))  # noqa: E731
+    lines = [f"timeline {model}: {len(gaps)} steps; decode graph span {mean(spans):.1f} µs "
+             f"({mean([len(g) for g in decode]):.0f} records), idle inside it {mean(idle_in):.1f} µs; "
+             f"between graphs {mean(gaps):.1f} µs, idle there {mean(idle_gap):.1f} µs",
+             f"{'n/step':>7} {'µs each':>8}  between two decode graphs"]
+    lines += [f"{len(v) / n:7.2f} {mean(v):8.2f}  {k}" for k, v in sorted(between.items(), key=lambda kv: -sum(kv[1]))]
+    lines += [f"{'µs/step':>7}  idle inside the graph before (by kernel)"]
+    lines += [f"{v / n:7.2f}  {k}" for k, v in sorted(bubbles.items(), key=lambda kv: -kv[1])[:12]]
+    print("TIMELINE " + json.dumps({"model": model, "span_us": round(mean(spans), 1),
+                                    "idle_in_graph_us": round(mean(idle_in), 1), "between_us": round(mean(gaps), 1),
+                                    "idle_between_us": round(mean(idle_gap), 1)}), flush=True)
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> dict:
     from timing import accumulate  # examples/, beside this script
 
@@ -120,6 +183,8 @@ def run(args: argparse.Namespace) -> dict:
                 prof.__exit__(None, None, None)
                 ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
                 kernels = kernel_table(prof, profile)
+                if acts[-1] != torch.profiler.ProfilerActivity.CPU:
+                    kernels += "\n" + timeline_table(prof, args.model)
                 ops = kernels + "\n" + ops
                 prof = None
                 cprof = cProfile.Profile()
