@@ -69,6 +69,7 @@ ifeq ($(GPU),)
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu_moe.py tests/test_push_rows.py tests/test_dit_attention.py \
 		tests/test_gpu_window_attention.py tests/test_gpu_mla_attention.py tests/test_gpu_block_fp8.py \
 		tests/test_gpu_decode_fusions.py tests/test_gpu_mxfp4_moe.py tests/test_gpu_block_fp8_moe.py tests/test_gpu_argmax.py \
+		tests/test_gpu_step_inputs.py \
 		tests/test_gpu_gated_delta.py \
 		tests/test_deepseek.py::test_triton_absorbed_decode_under_the_interpreter_answers_as_transformers \
 		tests/test_sliding_window.py::test_gemma4_on_triton_under_the_interpreter_matches_transformers

@@ -94,3 +94,9 @@ class AttentionBackend(ABC):
     def prepare_for_replay(self, batch: ForwardBatch, bs: int) -> None:
         """Copy a real decode batch (batch_size <= bs) into the static metadata captured for `bs`."""
         raise NotImplementedError(f"{self.name} backend does not support CUDA graphs")
+
+    def graph_rows(self, bs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The static page rows [bs] int64 and lengths [bs] int32 graph `bs` reads, where filling them with the
+        batch's (padding rows 0 and 1) is all `prepare_for_replay` would do now: the replay writes them in its one
+        input launch (kernels/triton/step_inputs.py). None: it calls `prepare_for_replay`."""
+        return None

@@ -116,6 +116,10 @@ class MlaBackend(TorchBackend):
             g.req_rows[n:].zero_()
             g.seq_lens[n:].fill_(1)
 
+    def graph_rows(self, bs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        g = self.prepare_for_capture(bs)
+        return g.req_rows, g.seq_lens
+
     def forward_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, layer_id: int,
                     batch: ForwardBatch, w: MlaWeights) -> torch.Tensor:
         """q_nope [T, H, dn], q_pe [T, H, dr] (rotated), latent [T, R + dr] this step's rows ([c | k_pe], stored

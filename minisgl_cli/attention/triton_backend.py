@@ -202,6 +202,12 @@ class TritonBackend(AttentionBackend):
             g["order"].copy_(g["identity"])
             self._order_dirty = False
 
+    def graph_rows(self, bs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if bs > IN_ORDER_MAX_BS or self._order_dirty:  # the rows' order is the replay's to set too
+            return None
+        g = self._require_graph_state(bs)
+        return g["req_rows"][:bs], g["seq_lens"][:bs]
+
     def _require_graph_state(self, bs: int) -> dict[str, torch.Tensor]:
         if self._graph is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs) first")

@@ -64,6 +64,9 @@ class ForwardBatch:
     # A decode step of one token a request: positions, out_cache_loc and req_rows as rows 0-2 of one [3, B] view of
     # the upload, so a graph replay takes them in one copy.
     decode_rows: torch.Tensor | None = None
+    # The step's page-table entries (page_table[req_rows, positions] = out_cache_loc32) are still to write: the
+    # engine writes them with the forward (`Engine.write_step_rows`; a decode graph's replay in its input launch).
+    page_write: bool = False
     # MTP drafts (scheduler/mtp.py). `keep_hidden`: the model keeps every row's last hidden state in `hidden` [T, H]
     # (the target's after its final norm; the MTP module's before its head's norm: what the next MTP row takes).
     # `prev_hidden` [T, H]: an MTP step's input beside its tokens, the hidden state of each row's previous position.

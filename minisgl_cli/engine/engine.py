@@ -529,6 +529,25 @@ class Engine:
         assert self.state is not None
         self.state.copy(src, dst)
 
+    def write_step_rows(self, fb: ForwardBatch) -> None:
+        """page_table[row of each new token of the step, its position] = its KV slot: left to the forward where a
+        decode graph will take the step (its replay writes them in its input launch: `fb.page_write`), else now."""
+        if self._graph_takes(fb) and fb.decode_rows is not None and fb.out_cache_loc32 is not None:
+            fb.page_write = True
+            return
+        loc = fb.out_cache_loc32 if fb.out_cache_loc32 is not None else fb.out_cache_loc.to(torch.int32)
+        if fb.is_decode:
+            rows = fb.req_rows
+        else:
+            rows = torch.repeat_interleave(fb.req_rows, fb.extend_lens, output_size=fb.num_tokens)
+        self.write_page_table(rows, fb.positions, loc)
+
+    def _graph_takes(self, batch: ForwardBatch) -> bool:
+        """Whether `forward` replays a decode graph for `batch` (a linear-attention model's verify step runs eagerly:
+        its layers run each request's rows in order)."""
+        return (self.graphs is not None and self.graphs.can_run(batch)
+                and (batch.runs is None or self.state is None))
+
     def write_page_table(self, rows: int | torch.Tensor, positions: slice | torch.Tensor,
                          slots: torch.Tensor) -> None:
         """page_table[rows, positions] = slots (int32, on the device): one device op."""
@@ -584,13 +603,18 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] (engine dtype) of each request's last token (decode through a CUDA graph when one fits)."""
-        # (a linear-attention model's verify step runs eagerly: its layers run each request's rows in order)
         batch.keep_hidden = self.keep_hidden
-        if self.graphs is not None and self.graphs.can_run(batch) and (batch.runs is None or self.state is None):
-            logits = self.graphs.replay(batch)
+        if self._graph_takes(batch):
+            assert self.graphs is not None
+            logits = self.graphs.replay(batch, self.pool.page_table if batch.page_write else None)
+            batch.page_write = False
             if self.keep_hidden:  # a copy: the static buffer is the next replay's
                 batch.hidden = self.graphs.hidden[: batch.batch_size].clone()
             return logits
+        if batch.page_write:  # (runs set after the rows were written: not a graph's step after all)
+            batch.page_write = False
+            assert batch.out_cache_loc32 is not None  # write_step_rows defers only then
+            self.write_page_table(batch.req_rows, batch.positions, batch.out_cache_loc32)
         if self.compiled is not None and self.compiled.can_run(batch):
             hidden = self.compiled.run(batch)
             if hidden is not None:  # a decode step's: one row a request

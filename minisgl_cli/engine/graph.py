@@ -118,24 +118,37 @@ class DecodeGraphs:
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.batch_size <= self.max_bs
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, vocab] (a view of the static buffer: valid until the next replay)."""
+    def replay(self, batch: ForwardBatch, page_table: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, vocab] (a view of the static buffer: valid until the next replay). `page_table`: the step's
+        page-table entries are still to write (`ForwardBatch.page_write`), into this table."""
         n = batch.batch_size
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
         if self.prev_hidden is not None:
             assert batch.prev_hidden is not None  # an MTP step's
             self.prev_hidden[:n].copy_(batch.prev_hidden, non_blocking=True)
-        if batch.decode_rows is not None:
-            self.rows[:, :n].copy_(batch.decode_rows, non_blocking=True)
+        ops = self.model.kernels.triton(self.input_ids)
+        attn_rows = self.attn.graph_rows(bs) if ops is not None and batch.decode_rows is not None else None
+        if attn_rows is not None and (page_table is None or batch.out_cache_loc32 is not None):
+            # one launch for the copies below and the page-table write (rows n..bs-1 padded as they describe)
+            assert batch.decode_rows is not None and ops is not None
+            ops.decode_inputs(n, bs, batch.input_ids, batch.decode_rows, batch.seq_lens, self.input_ids, self.rows,
+                              *attn_rows, page_table, batch.out_cache_loc32)
+            self._dirty = self._dirty if self._dirty > bs else n
         else:
-            self.positions[:n].copy_(batch.positions, non_blocking=True)
-            self.out_cache_loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
-            self.req_rows[:n].copy_(batch.req_rows, non_blocking=True)
-        if self._dirty > n:  # rows a bigger step wrote must not scribble over live KV slots now
-            self.out_cache_loc[n : self._dirty].zero_()
-        self._dirty = n
-        self.attn.prepare_for_replay(batch, bs)
+            if page_table is not None:
+                loc = batch.out_cache_loc32 if batch.out_cache_loc32 is not None else batch.out_cache_loc.int()
+                page_table[batch.req_rows, batch.positions] = loc
+            self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+            if batch.decode_rows is not None:
+                self.rows[:, :n].copy_(batch.decode_rows, non_blocking=True)
+            else:
+                self.positions[:n].copy_(batch.positions, non_blocking=True)
+                self.out_cache_loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
+                self.req_rows[:n].copy_(batch.req_rows, non_blocking=True)
+            if self._dirty > n:  # rows a bigger step wrote must not scribble over live KV slots now
+                self.out_cache_loc[n : self._dirty].zero_()
+            self._dirty = n
+            self.attn.prepare_for_replay(batch, bs)
         self.graphs[bs].replay()
         self.last = n
         return self.logits[:n]

@@ -233,13 +233,9 @@ class CacheManager:
 
     def write_rows(self, fb: ForwardBatch, locs: list[int]) -> None:
         """page_table[row of each new token of the step, its position] = its KV slot (`locs`, the step's
-        out_cache_loc on the host): one device op per step; with window pages a second, the slots' window slots."""
-        loc = fb.out_cache_loc32 if fb.out_cache_loc32 is not None else fb.out_cache_loc.to(torch.int32)
-        if fb.is_decode:
-            rows = fb.req_rows
-        else:
-            rows = torch.repeat_interleave(fb.req_rows, fb.extend_lens, output_size=fb.num_tokens)
-        self.engine.write_page_table(rows, fb.positions, loc)
+        out_cache_loc on the host): one device op per step, or none of its own where a decode graph's replay writes
+        them (`Engine.write_step_rows`); with window pages another, the slots' window slots."""
+        self.engine.write_step_rows(fb)
         if self.window_pages:
             self.engine.write_slot_map(fb.out_cache_loc, self.engine.upload(self.engine.window_slots(locs),
                                                                             torch.int64))

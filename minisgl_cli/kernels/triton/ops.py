@@ -25,6 +25,7 @@ from minisgl_cli.kernels.triton.moe import routed_experts as moe_routed  # noqa:
 from minisgl_cli.kernels.triton.pdl import pdl_kwargs
 from minisgl_cli.kernels.triton.rope import rotate_halves
 from minisgl_cli.kernels.triton.sampling import argmax_rows  # noqa: F401  (as gemv)
+from minisgl_cli.kernels.triton.step_inputs import decode_inputs  # noqa: F401  (as gemv)
 
 
 @triton.jit
