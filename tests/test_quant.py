@@ -128,6 +128,7 @@ def test_the_int8_head_keeps_a_rows_ordinary_features_beside_an_outlier(fbgemm, 
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
 
 
+@pytest.mark.slow  # ~90 s on 2 cores: every row of the text as a decode step, three engines; make test runs it
 def test_quantized_perplexity_stays_close_to_the_exact_path(default_model_dir, text_docs, monkeypatch):
     """Same weights (the bundled Q4_1 GGUF), same text: int8 within 1% and int4 (its blocks as shipped) within 3% of
     the exact fp32 path. The text is read as 512-token prefills (tests/perplexity.py), so the low-bit kernels are
