@@ -24,6 +24,7 @@ import pstats
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -52,7 +53,7 @@ def timeline_table(prof, model: str) -> str:
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))["traceEvents"]
+        trace = json.loads(Path(f.name).read_text())["traceEvents"]
     api = {e["args"]["correlation"]: e["name"] for e in trace
            if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     ops = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"], api.get(e.get("args", {}).get("correlation"), "?"),

@@ -611,10 +611,9 @@ class Engine:
             if self.keep_hidden:  # a copy: the static buffer is the next replay's
                 batch.hidden = self.graphs.hidden[: batch.batch_size].clone()
             return logits
-        if batch.page_write:  # (runs set after the rows were written: not a graph's step after all)
+        if batch.page_write:  # deferred, but no graph takes the step (its eligibility changed since): write now
             batch.page_write = False
-            assert batch.out_cache_loc32 is not None  # write_step_rows defers only then
-            self.write_page_table(batch.req_rows, batch.positions, batch.out_cache_loc32)
+            self.write_step_rows(batch)
         if self.compiled is not None and self.compiled.can_run(batch):
             hidden = self.compiled.run(batch)
             if hidden is not None:  # a decode step's: one row a request

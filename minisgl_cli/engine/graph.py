@@ -128,16 +128,19 @@ class DecodeGraphs:
             self.prev_hidden[:n].copy_(batch.prev_hidden, non_blocking=True)
         ops = self.model.kernels.triton(self.input_ids)
         attn_rows = self.attn.graph_rows(bs) if ops is not None and batch.decode_rows is not None else None
-        if attn_rows is not None and (page_table is None or batch.out_cache_loc32 is not None):
+        loc32 = batch.out_cache_loc32
+        if page_table is not None:
+            assert loc32 is not None  # Engine.write_step_rows defers the write only then
+        if attn_rows is not None:
             # one launch for the copies below and the page-table write (rows n..bs-1 padded as they describe)
             assert batch.decode_rows is not None and ops is not None
             ops.decode_inputs(n, bs, batch.input_ids, batch.decode_rows, batch.seq_lens, self.input_ids, self.rows,
-                              *attn_rows, page_table, batch.out_cache_loc32)
+                              *attn_rows, page_table, loc32)
+            # it zeroed rows n..bs-1; rows past bs may still hold a bigger step's slots
             self._dirty = self._dirty if self._dirty > bs else n
         else:
-            if page_table is not None:
-                loc = batch.out_cache_loc32 if batch.out_cache_loc32 is not None else batch.out_cache_loc.int()
-                page_table[batch.req_rows, batch.positions] = loc
+            if page_table is not None and loc32 is not None:
+                page_table[batch.req_rows, batch.positions] = loc32
             self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
             if batch.decode_rows is not None:
                 self.rows[:, :n].copy_(batch.decode_rows, non_blocking=True)
