@@ -63,10 +63,16 @@ $(TRITON_INTERP)/.installed:
 	$(PIP) install -q --no-deps --target $(TRITON_INTERP) triton==3.6.0
 	touch $@
 
+# Where there is no GPU the tests run in TEST_JOBS pytest processes (pytest-xdist), a test file per process at a time
+# (conftest.py groups them): most tests wait on servers, children and sockets, so two processes on two cores take the
+# suite ~1.8x faster than one. On a GPU one process: each engine sizes its KV pool by the card's free memory.
+TEST_JOBS ?= $(if $(GPU),1,2)
+XDIST := $(if $(filter-out 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadgroup)
+
 test: $(STAMP) $(if $(GPU),,$(TRITON_INTERP)/.installed)
 ifeq ($(GPU),)
 	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR):$(CURDIR)/$(TRITON_INTERP) \
-		$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu_moe.py tests/test_push_rows.py tests/test_dit_attention.py \
+		$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) tests/test_gpu_moe.py tests/test_push_rows.py tests/test_dit_attention.py \
 		tests/test_gpu_window_attention.py tests/test_gpu_mla_attention.py tests/test_gpu_block_fp8.py \
 		tests/test_gpu_decode_fusions.py tests/test_gpu_mxfp4_moe.py tests/test_gpu_block_fp8_moe.py tests/test_gpu_argmax.py \
 		tests/test_gpu_step_inputs.py \
@@ -74,10 +80,10 @@ ifeq ($(GPU),)
 		tests/test_deepseek.py::test_triton_absorbed_decode_under_the_interpreter_answers_as_transformers \
 		tests/test_sliding_window.py::test_gemma4_on_triton_under_the_interpreter_matches_transformers
 endif
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=25
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(XDIST) --durations=25
 
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(XDIST) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check minisgl_cli commands tests examples

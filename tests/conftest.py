@@ -189,6 +189,16 @@ def tiny_moe_dirs(tmp_path_factory, default_model_dir) -> dict[str, Path]:
     return {a: make_tiny_checkpoint(a, root / a, default_model_dir) for a in TINY_MOE}
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`'s `--dist loadgroup`) a test file runs whole in one process, keeping its module
+    fixtures built once; the files whose tests share the one-minute `default_built_step` build run in one process
+    together, so it is built once a run, not once a process."""
+    shared = {item.path for item in items if "default_built_step" in getattr(item, "fixturenames", ())}
+    for item in items:
+        group = "default_built_step" if item.path in shared else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_unconfigure(config):
     """A run that does not exit within 2 minutes of its summary (a thread or child stuck at interpreter exit)
     dumps every thread's stack and exits 1, rather than hanging CI until its limit."""
