@@ -33,7 +33,7 @@ def main() -> None:
     a = ap.parse_args()
     e4m3 = torch.float8_e4m3fn
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, M = {a.tokens}")
-    print(f"| K x N | bf16 ms (TFLOPS) | FP8 row-wise ms (TFLOPS) | FP8 tensor-wise ms (TFLOPS) |")
+    print("| K x N | bf16 ms (TFLOPS) | FP8 row-wise ms (TFLOPS) | FP8 tensor-wise ms (TFLOPS) |")
     print("|---|---:|---:|---:|")
     for shape in a.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))
@@ -43,10 +43,12 @@ def main() -> None:
         sa, sb = torch.ones(a.tokens, 1, device="cuda"), torch.ones(1, n, device="cuda")
         one = torch.ones((), device="cuda")
         flops = 2 * a.tokens * k * n
-        rows = [timed(lambda: x @ w.t(), a.iters),
-                timed(lambda: torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), a.iters),
-                timed(lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                      a.iters)]
+        calls = [lambda x=x, w=w: x @ w.t(),
+                 lambda xq=xq, wq=wq, sa=sa, sb=sb: torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sb,
+                                                                      out_dtype=torch.bfloat16),
+                 lambda xq=xq, wq=wq, one=one: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
+                                                                 out_dtype=torch.bfloat16)]
+        rows = [timed(call, a.iters) for call in calls]
         cells = " | ".join(f"{ms:.3f} ({flops / ms / 1e9:.0f})" for ms in rows)
         print(f"| {k} x {n} | {cells} |", flush=True)
 
