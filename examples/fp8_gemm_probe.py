@@ -10,19 +10,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-
-
-def timed(fn, iters: int) -> float:
-    """ms a call, the mean over `iters` after a warm-up."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from timing import cuda_ms  # examples/, beside this script
 
 
 def main() -> None:
@@ -48,7 +36,7 @@ def main() -> None:
                                                                       out_dtype=torch.bfloat16),
                  lambda xq=xq, wq=wq, one=one: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
                                                                  out_dtype=torch.bfloat16)]
-        rows = [timed(call, a.iters) for call in calls]
+        rows = [cuda_ms(call, a.iters) for call in calls]
         cells = " | ".join(f"{ms:.3f} ({flops / ms / 1e9:.0f})" for ms in rows)
         print(f"| {k} x {n} | {cells} |", flush=True)
 

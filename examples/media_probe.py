@@ -110,11 +110,10 @@ def wan(tiny: bool) -> tuple[nn.Module, callable]:
 
 
 def sage() -> None:
-    """8-bit attention alone at Wan's and Z-Image's self-attention shapes, against SDPA (bf16)."""
+    """SageAttention alone at Wan's and Z-Image's self-attention shapes, against SDPA (bf16); our FP8 kernel's figures
+    at the same shapes: examples/dit_attention_probe.py."""
     import torch.nn.functional as F
     from sageattention import sageattn
-
-    from minisgl_cli.kernels.triton.dit_attention import fp8_attention, quantize_qkv
 
     for label, s, h in (("wan 832x480x81", 32760, 12), ("zimage 1024", 4224, 30)):
         q, k, v = (torch.randn(1, s, h, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -125,17 +124,6 @@ def sage() -> None:
         ms, first = timed(functools.partial(sageattn, q, k, v, tensor_layout="NHD"))
         cos = F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
         print(f"{label}: sdpa {ms_ref:.2f} ms, sage {ms:.2f} ms (first {first:.1f} s), cosine {cos:.5f}", flush=True)
-        for bm, bn, warps, stages in ((128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 4, 2), (64, 128, 4, 3),
-                                      (128, 64, 8, 4)):
-            run = functools.partial(fp8_attention, q, k, v, None, bm, bn, warps, stages)
-            out = run()
-            ms, first = timed(run)
-            cos = F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
-            print(f"{label}: ours fp8 {bm}x{bn} w{warps} s{stages}: {ms:.2f} ms (first {first:.1f} s), "
-                  f"cosine {cos:.5f}", flush=True)
-        xq = quantize_qkv(q, k, v)
-        ms, _ = timed(functools.partial(quantize_qkv, q, k, v))
-        print(f"{label}: of which quantizing q, k, v: {ms:.2f} ms ({len(xq)} tensors)", flush=True)
 
 
 def main() -> None:
@@ -143,7 +131,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["zimage", "wan"])
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--sage", action="store_true",
-                    help="time 8-bit attention alone against SDPA: SageAttention 1.x (Triton, INT8 QK) and ours (FP8)")
+                    help="time SageAttention 1.x (Triton, INT8 QK) alone against SDPA")
     args = ap.parse_args()
     if args.sage:
         return sage()

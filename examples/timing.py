@@ -1,5 +1,5 @@
-"""The benchmarks' clocks: time spent inside chosen methods, summed by label (how they split a step's host work), and
-a kernel's time inside a CUDA graph."""
+"""The benchmarks' clocks: time spent inside chosen methods, summed by label (how they split a step's host work), a
+kernel's time inside a CUDA graph, and a call's GPU time in a warm loop."""
 
 from __future__ import annotations
 
@@ -49,3 +49,18 @@ def graph_us(fns: Sequence[Callable[[], object]], reps: int = 20, draws: int = 5
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / reps / len(fns))
     return sorted(times)[len(times) // 2]
+
+
+def cuda_ms(fn: Callable[[], object], iters: int, warm: int = 3) -> float:
+    """ms a call of fn on the GPU, the mean over `iters` back-to-back calls (CUDA events) after `warm` calls."""
+    import torch
+
+    for _ in range(warm):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters

@@ -25,9 +25,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     fits = (attn_mask is None and not is_causal and dropout_p == 0.0 and key.shape[1] >= MIN_KEYS
             and query.shape[-1] in (64, 128) and key.shape[2] == query.shape[2] and query.is_cuda)
     if fits:
-        from minisgl_cli.kernels.triton.dit_attention import fp8_attention
+        from minisgl_cli.kernels.triton.dit_attention import fp8_attention_op
 
-        return fp8_attention(query, key, value, scale)
+        return fp8_attention_op(query, key, value, query.shape[-1] ** -0.5 if scale is None else scale)
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
     name = AttentionBackendName(_fallback)

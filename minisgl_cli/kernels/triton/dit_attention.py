@@ -3,16 +3,26 @@
 A DiT's self-attention over a video's 32k tokens is most of its step (Wan2.1-1.3B at 832x480x81: 350 of 520 ms on
 an H200, at ~565 TFLOPS in cuDNN's bf16 kernel). Both of its dots run here in FP8 e4m3, the rate Hopper's tensor
 cores double, as SageAttention does with INT8:
-- Q and K: one scale a token (a row of the QK^T tile: the scales multiply the fp32 scores after the dot). K is
-  smoothed first by its mean over the sequence: `q . (k - mean)` differs from `q . k` by the same `q . mean` on
-  every score of a row, which softmax ignores, and the spread left is what the 8 bits then cover.
-- P (the softmax weights, in [0, 1] after the running-max shift) scales by 448 into e4m3's range; V has one scale
-  a channel (over the sequence), applied to the output once at the end, with the 448.
-- V is stored transposed (D x S), so the second dot reads its operand K-major, as Hopper's FP8 MMA wants.
-Softmax runs in base 2 with the row sums from the unquantized weights, as in attention.py.
+- Q: one scale a token (a row of the QK^T tile: it multiplies the fp32 scores after the dot, with the softmax scale
+  and log2(e) folded in). K: one scale a tile of BLOCK_N tokens (a scalar a loop step, so the scores take one
+  multiply-add on their way to exp2), after smoothing by its mean over the sequence: `q . (k - mean)` differs from
+  `q . k` by the same `q . mean` on every score of a row, which softmax ignores, and the spread left is what the
+  8 bits then cover.
+- P (the softmax weights) comes out of exp2 already in e4m3's range: the running max is shifted by log2(445), so
+  the largest weight is 445 rather than 1, and the row sums, taken from the same weights, cancel the factor.
+  V has one scale a channel (over the sequence), applied to the output once at the end.
+- The codes are laid out head-major and padded to whole tiles, V transposed (D x S), so every tile is one TMA
+  (tensor-descriptor) load in bounds and the second dot reads its operand K-major, as Hopper's FP8 MMA wants;
+  only the last key tile masks its padding. The codes come from two Triton passes (quantize_qkv).
+Tiles: 64 queries x 128 keys on 4 warps, 3 stages, the fastest of those examples/dit_attention_probe.py tried on an
+H200 (~800 TFLOPS at Wan's shape, 1.4x cuDNN's bf16). Tried and slower there: 128-query tiles on 8 warps, 64-key
+tiles, Triton's warp specialization (equal), and the exponentials in fp16 pairs (ex2.approx.f16x2: the conversions
+cost more than the halved MUFU work saved).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,79 +30,161 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
-_P_SCALE = tl.constexpr(FP8_MAX)  # the softmax weights, [0, 1], times this fill e4m3's range
-_NEG_INIT = tl.constexpr(-1.0e30)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_P_SHIFT = tl.constexpr(8.8)  # log2 of the largest softmax weight, 2^8.8 ~ 445 < 448 (e4m3's max)
 
 
-def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(B, S, H, D) q, k, v -> e4m3 codes and fp32 scales: q and k a token each (k less its mean), v a channel."""
-    e4m3 = torch.float8_e4m3fn
+@dataclass
+class Fp8QKV:
+    """Attention inputs in e4m3, head-major and padded to whole tiles, with their fp32 scales."""
 
-    def per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-8) / FP8_MAX
-        return (x.float() / s).to(e4m3), s.squeeze(-1)  # codes (B, S, H, D), scales (B, S, H)
-
-    q8, sq = per_token(q)
-    k8, sk = per_token(k - k.mean(dim=1, keepdim=True))
-    sv = v.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-8) / FP8_MAX  # (B, 1, H, D)
-    v8t = (v.float() / sv).to(e4m3).permute(0, 2, 3, 1).contiguous()  # (B, H, D, S)
-    return q8, sq, k8, sk, v8t, sv.squeeze(1)  # sv (B, H, D)
+    q: torch.Tensor  # (B, H, S_q_pad, D) codes
+    q_scale: torch.Tensor  # (B, H, S_q_pad): a token's scale times softmax scale times log2(e)
+    k: torch.Tensor  # (B, H, S_k_pad, D) codes of k less its mean over the sequence
+    k_scale: torch.Tensor  # (B, H, S_k_pad // block_n): one a tile of keys
+    vt: torch.Tensor  # (B, H, D, S_k_pad) codes, transposed
+    v_scale: torch.Tensor  # (B, H, D): one a channel
 
 
 @triton.jit
-def _fp8_attention(Q, SQ, K, SK, VT, SV, OUT, S_Q, S_K, H,
-                   sqb, sqs, sqh, ssb, sss, ssh, skb, sks, skh, tkb, tks, tkh, stb, std, sth,
-                   svb, svh, sob, sos, soh,
-                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
+def _quantize_q(X, CODES, SCALES, S, H, S_PAD, sxb, sxs, sxh, scale, D: tl.constexpr, TILE: tl.constexpr):
+    """A tile of query tokens of one head: e4m3 codes, one scale a token (times `scale`), zeros past S."""
     bh = tl.program_id(1)
+    rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    dims = tl.arange(0, D)
+    x = tl.load(X + bh // H * sxb + bh % H * sxh + rows[:, None] * sxs + dims[None, :], mask=(rows < S)[:, None],
+                other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), 1), 1e-8) / _FP8_MAX
+    tl.store(CODES + (bh * S_PAD + rows)[:, None] * D + dims[None, :], (x / s[:, None]).to(tl.float8e4nv))
+    tl.store(SCALES + bh * S_PAD + rows, s * scale)
+
+
+@triton.jit
+def _quantize_kv(K, V, K_MEAN, V_SCALE, K_CODES, K_SCALES, VT_CODES, S, H, S_PAD, skb, sks, skh, svb, svs, svh,
+                 D: tl.constexpr, TILE: tl.constexpr):
+    """A tile of key / value tokens of one head: k less its mean in e4m3 with one scale for the tile; v's codes by
+    its channel scales, stored transposed (D x S_PAD); zeros past S."""
+    bh = tl.program_id(1)
+    t = tl.program_id(0)
     b = bh // H
     h = bh % H
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = t * TILE + tl.arange(0, TILE)
     dims = tl.arange(0, D)
-    row_ok = rows < S_Q
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + dims[None, :], mask=row_ok[:, None], other=0.0)
-    sq = tl.load(SQ + b * ssb + h * ssh + rows * sss, mask=row_ok, other=0.0)  # softmax scale * log2(e) in it
-    m = tl.full([BLOCK_M], _NEG_INIT, tl.float32)
+    ok = (rows < S)[:, None]
+    k = tl.load(K + b * skb + h * skh + rows[:, None] * sks + dims[None, :], mask=ok, other=0.0).to(tl.float32)
+    k = tl.where(ok, k - tl.load(K_MEAN + bh * D + dims)[None, :], 0.0)
+    s = tl.maximum(tl.max(tl.abs(k)), 1e-8) / _FP8_MAX
+    tl.store(K_CODES + (bh * S_PAD + rows)[:, None] * D + dims[None, :], (k / s).to(tl.float8e4nv))
+    tl.store(K_SCALES + bh * (S_PAD // TILE) + t, s)
+    v = tl.load(V + b * svb + h * svh + rows[:, None] * svs + dims[None, :], mask=ok, other=0.0).to(tl.float32)
+    v = v / tl.load(V_SCALE + bh * D + dims)[None, :]
+    tl.store(VT_CODES + (bh * D + dims)[:, None] * S_PAD + rows[None, :], tl.trans(v).to(tl.float8e4nv))
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_m: int,
+                 block_n: int) -> Fp8QKV:
+    """(B, S, H, D) q, k, v -> e4m3 codes and scales (Fp8QKV): two reductions over the sequence (k's mean, v's
+    channel maxima) and two Triton passes."""
+    b, s_q, h, d = q.shape
+    s_k = k.shape[1]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    s_q_pad, s_k_pad = triton.cdiv(s_q, block_m) * block_m, triton.cdiv(s_k, block_n) * block_n
+    e4m3 = torch.float8_e4m3fn
+    q8 = torch.empty(b, h, s_q_pad, d, device=q.device, dtype=e4m3)
+    sq = torch.empty(b, h, s_q_pad, device=q.device, dtype=torch.float32)
+    _quantize_q[(s_q_pad // block_m, b * h)](q, q8, sq, s_q, h, s_q_pad, q.stride(0), q.stride(1), q.stride(2),
+                                             scale * LOG2E, D=d, TILE=block_m)
+    k_mean = k.mean(dim=1, dtype=torch.float32).contiguous()  # (B, H, D)
+    sv = (torch.linalg.vector_norm(v, float("inf"), dim=1, dtype=torch.float32).clamp(min=1e-8) / FP8_MAX).contiguous()
+    k8 = torch.empty(b, h, s_k_pad, d, device=q.device, dtype=e4m3)
+    sk = torch.empty(b, h, s_k_pad // block_n, device=q.device, dtype=torch.float32)
+    vt = torch.empty(b, h, d, s_k_pad, device=q.device, dtype=e4m3)
+    _quantize_kv[(s_k_pad // block_n, b * h)](k, v, k_mean, sv, k8, sk, vt, s_k, h, s_k_pad, k.stride(0),
+                                              k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                                              D=d, TILE=block_n)
+    return Fp8QKV(q8, sq, k8, sk, vt, sv)
+
+
+@triton.jit
+def _key_tile(q, sq, K, SK, VT, acc, row_sum, m, start, bh, S_K, S_K_PAD, D: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASK: tl.constexpr):
+    """One tile of keys into the running softmax (m, row_sum) and output (acc)."""
+    k = K.load([bh * S_K_PAD + start, 0])
+    qk = tl.dot(q, k.T)
+    if MASK:
+        qk = tl.where((start + tl.arange(0, BLOCK_N) < S_K)[None, :], qk, float("-inf"))
+    c = sq * tl.load(SK + bh * (S_K_PAD // BLOCK_N) + start // BLOCK_N)
+    m_new = tl.maximum(m, tl.max(qk, 1) * c)
+    p = tl.exp2(qk * c[:, None] - (m_new - _P_SHIFT)[:, None])
+    alpha = tl.exp2(m - m_new)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    vt = VT.load([bh * D, start])
+    acc = tl.dot(p.to(tl.float8e4nv), vt.T, acc * alpha[:, None])
+    return acc, row_sum, m_new
+
+
+@triton.jit
+def _fp8_attention(Q, SQ, K, SK, VT, SV, OUT, S_Q, S_K, H, S_Q_PAD, S_K_PAD, sob, sos, soh,
+                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = Q.load([bh * S_Q_PAD + pid_m * BLOCK_M, 0])
+    sq = tl.load(SQ + bh * S_Q_PAD + rows)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(0, S_K, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < S_K
-        k = tl.load(K + b * skb + h * skh + cols[:, None] * sks + dims[None, :], mask=col_ok[:, None], other=0.0)
-        sk = tl.load(SK + b * tkb + h * tkh + cols * tks, mask=col_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * sq[:, None] * sk[None, :]
-        s = tl.where(col_ok[None, :], s, _NEG_INIT)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        vt = tl.load(VT + b * stb + h * sth + dims[:, None] * std + cols[None, :], mask=col_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot((p * _P_SCALE).to(tl.float8e4nv), tl.trans(vt))
-        m = m_new
-    sv = tl.load(SV + b * svb + h * svh + dims)
-    out = acc * (sv[None, :] / (row_sum[:, None] * _P_SCALE))
+    whole = S_K // BLOCK_N * BLOCK_N
+    for start in tl.range(0, whole, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        acc, row_sum, m = _key_tile(q, sq, K, SK, VT, acc, row_sum, m, start, bh, S_K, S_K_PAD, D, BLOCK_N, False)
+    if whole < S_K:  # the last tile's padding masked
+        acc, row_sum, m = _key_tile(q, sq, K, SK, VT, acc, row_sum, m, whole, bh, S_K, S_K_PAD, D, BLOCK_N, True)
+    sv = tl.load(SV + bh * D + tl.arange(0, D))
+    out = acc * (sv[None, :] / row_sum[:, None])
+    b = bh // H
+    h = bh % H
+    dims = tl.arange(0, D)
     tl.store(OUT + b * sob + h * soh + rows[:, None] * sos + dims[None, :], out.to(OUT.dtype.element_ty),
-             mask=row_ok[:, None])
+             mask=(rows < S_Q)[:, None])
 
 
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                  block_m: int = 128, block_n: int = 128, num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
+                  block_m: int = 64, block_n: int = 128, num_warps: int = 4, num_stages: int = 3,
+                  warp_specialize: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale) v over (B, S, H, D) tensors (diffusers' NHD layout), both dots in FP8; the output in
     q's dtype and layout. No mask, no causality: a DiT's self-attention."""
     b, s_q, h, d = q.shape
-    s_k = k.shape[1]
     if d not in (64, 128) or k.shape[2] != h:
         raise ValueError(f"fp8 attention takes head_dim 64 or 128 and as many K as Q heads, got {d}, {k.shape[2]}/{h}")
-    scale = d ** -0.5 if scale is None else scale
-    q8, sq, k8, sk, v8t, sv = quantize_qkv(q, k, v)
+    x = quantize_qkv(q, k, v, d ** -0.5 if scale is None else scale, block_m, block_n)
     out = torch.empty_like(q)
-    grid = (triton.cdiv(s_q, block_m), b * h)
-    sq = sq * (scale * LOG2E)  # a float argument would reach the kernel as fp64 under torch.compile
-    _fp8_attention[grid](q8, sq, k8, sk, v8t, sv, out, s_q, s_k, h,
-                         q8.stride(0), q8.stride(1), q8.stride(2), sq.stride(0), sq.stride(1), sq.stride(2),
-                         k8.stride(0), k8.stride(1), k8.stride(2), sk.stride(0), sk.stride(1), sk.stride(2),
-                         v8t.stride(0), v8t.stride(2), v8t.stride(1),
-                         sv.stride(0), sv.stride(1), out.stride(0), out.stride(1), out.stride(2),
-                         D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    attend(x, out, k.shape[1], block_m, block_n, num_warps, num_stages, warp_specialize)
     return out
+
+
+def attend(x: Fp8QKV, out: torch.Tensor, s_k: int, block_m: int = 64, block_n: int = 128, num_warps: int = 4,
+           num_stages: int = 3, warp_specialize: bool = False) -> None:
+    """The kernel alone: quantized inputs (quantize_qkv's, with the same tiles) into `out` (B, S_q, H, D)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, h, s_q_pad, d = x.q.shape
+    s_k_pad = x.k.shape[2]
+    qd = TensorDescriptor.from_tensor(x.q.view(-1, d), [block_m, d])
+    kd = TensorDescriptor.from_tensor(x.k.view(-1, d), [block_n, d])
+    vd = TensorDescriptor.from_tensor(x.vt.view(-1, s_k_pad), [d, block_n])
+    grid = (s_q_pad // block_m, b * h)
+    _fp8_attention[grid](qd, x.q_scale, kd, x.k_scale, vd, x.v_scale, out, out.shape[1], s_k, h, s_q_pad, s_k_pad,
+                         out.stride(0), out.stride(1), out.stride(2), D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+                         WARP_SPECIALIZE=warp_specialize, num_warps=num_warps, num_stages=num_stages)
+
+
+@torch.library.custom_op("minisgl::dit_fp8_attention", mutates_args=())
+def fp8_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp8_attention at its default tiles as one opaque op: a compiled DiT block calls it as is, and its host-side
+    TMA descriptors stay out of the traced graph."""
+    return fp8_attention(q, k, v, scale)
+
+
+@fp8_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
