@@ -1,0 +1,110 @@
+"""The FP8 DiT linears' activation quantization at Wan's and Z-Image's shapes: what a compiled block runs for "GELU /
+SiLU-and-mul / nothing, then e4m3 codes and a scale a token" (the input of the next FP8 GEMM), ms and GB/s (bytes in
++ out), and how many codes differ from inductor's.
+
+    python examples/fp8_act_quant_probe.py
+
+Candidates: inductor's fusion of kernels/fp8.py's torch ops (what media/fp8.py ships; a two-pass reduction on wide
+rows), the same with inductor's multi-kernel choice (persistent or looped reduction picked by timing), the
+activation in eager torch then the engine's one-pass quant_rows kernel, and a one-pass Triton kernel of this probe
+(the activation fused, a reciprocal multiply instead of IEEE division)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from timing import cuda_ms  # examples/, beside this script
+
+from minisgl_cli.kernels import fp8
+
+SHAPES = (("wan FFN (GELU-tanh)", 32760, 8960, "gelu"), ("z-image FFN (SiLU-and-mul)", 4160, 10240, "silu_mul"),
+          ("wan norm output", 32760, 1536, "none"), ("z-image norm output", 4160, 3840, "none"))
+
+
+def act(kind: str, h: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+    if kind == "gelu":
+        return F.gelu(h, approximate="tanh")
+    if kind == "silu_mul":
+        return F.silu(h) * u
+    return h
+
+
+def torch_path(kind: str, h: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp8.quantize_rows(act(kind, h, u))
+
+
+@triton.jit
+def _act_quant(H, U, Q, S, K, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(H + row * K + offs, mask=mask, other=0.0).to(tl.float32)
+    if ACT == "gelu":  # tanh form: x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3))
+        z = 1.5957691216057308 * (x + 0.044715 * x * x * x)
+        x = (x / (1.0 + tl.exp(-z))).to(tl.bfloat16).to(tl.float32)
+    if ACT == "silu_mul":
+        u = tl.load(U + row * K + offs, mask=mask, other=0.0).to(tl.float32)
+        x = ((x / (1.0 + tl.exp(-x))).to(tl.bfloat16).to(tl.float32) * u).to(tl.bfloat16).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) * (1.0 / 448.0)
+    tl.store(Q + row * K + offs, tl.clamp(x * (1.0 / scale), -448.0, 448.0).to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + row, scale)
+
+
+def one_pass(kind: str, h: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = h.shape
+    q = torch.empty(m, k, device=h.device, dtype=fp8.FP8)
+    s = torch.empty(m, 1, device=h.device, dtype=torch.float32)
+    block = triton.next_power_of_2(k)
+    _act_quant[(m,)](h, h if u is None else u, q, s, k, ACT=kind, BLOCK=block, num_warps=min(16, max(4, block // 512)))
+    return q, s
+
+
+def engine(kind: str, h: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    from minisgl_cli.kernels.triton.fp8 import quant_rows
+
+    return quant_rows(act(kind, h, u), pdl=False)
+
+
+def main() -> None:
+    import torch._inductor.config as inductor_config
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| shape | path | ms | GB/s | codes unlike inductor's |")
+    print("|---|---|---:|---:|---:|")
+    for label, m, k, kind in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        h = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        u = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g) if kind == "silu_mul" else None
+        nbytes = h.numel() * (2 * (1 + (u is not None)) + 1)
+        torch._dynamo.reset()
+        inductor_config.triton.multi_kernel = 0
+        ref = torch.compile(functools.partial(torch_path, kind))
+        want = ref(h, u)[0]
+        paths = [("inductor (shipped)", ref)]
+        for name, fn in (("inductor multi-kernel", None), ("eager act + engine quant_rows", engine),
+                         ("one-pass Triton", one_pass)):
+            if fn is None:
+                torch._dynamo.reset()
+                inductor_config.triton.multi_kernel = 1
+                fn = torch.compile(functools.partial(torch_path, kind))
+                fn(h, u)
+                inductor_config.triton.multi_kernel = 0
+            else:
+                fn = functools.partial(fn, kind)
+            paths.append((name, fn))
+        for name, fn in paths:
+            try:
+                ms = cuda_ms(functools.partial(fn, h, u), 20)
+                differ = (fn(h, u)[0].view(torch.uint8) != want.view(torch.uint8)).float().mean().item()
+            except Exception as exc:  # noqa: BLE001 -- a candidate that does not build is a row
+                print(f"| {label} | {name} | failed: {type(exc).__name__}: {str(exc)[:100]} | | |", flush=True)
+                continue
+            print(f"| {label} | {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {differ:.2%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
