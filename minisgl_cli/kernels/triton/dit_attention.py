@@ -14,10 +14,10 @@ cores double, as SageAttention does with INT8:
 - The codes are laid out head-major and padded to whole tiles, V transposed (D x S), so every tile is one TMA
   (tensor-descriptor) load in bounds and the second dot reads its operand K-major, as Hopper's FP8 MMA wants;
   only the last key tile masks its padding. The codes come from two Triton passes (quantize_qkv).
-Tiles: 64 queries x 128 keys on 4 warps, 3 stages, the fastest of those examples/dit_attention_probe.py tried on an
-H200 (~790 TFLOPS at Wan's shape, 1.37x cuDNN's bf16; 1.32x with the quantization). Tried and slower there: 128-query tiles on 8 warps, 64-key
-tiles, Triton's warp specialization (equal), and the exponentials in fp16 pairs (ex2.approx.f16x2: the conversions
-cost more than the halved MUFU work saved).
+Tiles: 64 queries x 128 keys on 4 warps, 3 stages, the fastest of those examples/dit_attention_probe.py tried on
+an H200 (~790 TFLOPS at Wan's shape, 1.37x cuDNN's bf16; 1.32x with the quantization). Tried and slower there:
+128-query tiles on 8 warps, 64-key tiles, Triton's warp specialization (equal), and the exponentials in fp16 pairs
+(ex2.approx.f16x2: the conversions cost more than the halved MUFU work saved).
 """
 
 from __future__ import annotations
