@@ -85,3 +85,16 @@ def test_op_inside_fullgraph_compile():
 
     got = torch.compile(block, fullgraph=True, backend="aot_eager" if DEV == "cpu" else "inductor")(q, k, v)
     torch.testing.assert_close(got, fp8_attention(q * 2, k, v, 0.1) + 1)
+
+
+def test_fp8_attention_takes_head_major_views():
+    """q, k, v as (B, S, H, D) views of head-major memory (an SDPA layout transposed): the same output as from
+    contiguous copies, returned contiguous."""
+    patch_interpreter()
+    from minisgl_cli.kernels.triton.dit_attention import fp8_attention
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 40, 64, generator=g).to(DEV, DTYPE).transpose(1, 2) for _ in range(3))
+    out = fp8_attention(q, k, v, **TILE)
+    assert out.is_contiguous() and out.shape == q.shape
+    torch.testing.assert_close(out, fp8_attention(q.contiguous(), k.contiguous(), v.contiguous(), **TILE))

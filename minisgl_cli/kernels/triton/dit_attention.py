@@ -49,7 +49,7 @@ class Fp8QKV:
 @triton.jit
 def _quantize_q(X, CODES, SCALES, S, H, S_PAD, sxb, sxs, sxh, scale, D: tl.constexpr, TILE: tl.constexpr):
     """A tile of query tokens of one head: e4m3 codes, one scale a token (times `scale`), zeros past S."""
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets past 2^31 elements at large batches
     rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
     dims = tl.arange(0, D)
     x = tl.load(X + bh // H * sxb + bh % H * sxh + rows[:, None] * sxs + dims[None, :], mask=(rows < S)[:, None],
@@ -64,7 +64,7 @@ def _quantize_kv(K, V, K_MEAN, V_SCALE, K_CODES, K_SCALES, VT_CODES, S, H, S_PAD
                  D: tl.constexpr, TILE: tl.constexpr):
     """A tile of key / value tokens of one head: k less its mean in e4m3 with one scale for the tile; v's codes by
     its channel scales, stored transposed (D x S_PAD); zeros past S."""
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)
     t = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -141,7 +141,7 @@ def _fp8_attention(Q, SQ, K, SK, VT, SV, OUT, S_Q, S_K, H, S_Q_PAD, S_K_PAD, sob
         acc, row_sum, m = _key_tile(q, sq, K, SK, VT, acc, row_sum, m, whole, bh, S_K, S_K_PAD, D, BLOCK_N, True)
     sv = tl.load(SV + bh * D + tl.arange(0, D))
     out = acc * (sv[None, :] / row_sum[:, None])
-    b = bh // H
+    b = (bh // H).to(tl.int64)
     h = bh % H
     dims = tl.arange(0, D)
     tl.store(OUT + b * sob + h * soh + rows[:, None] * sos + dims[None, :], out.to(OUT.dtype.element_ty),
@@ -157,7 +157,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if d not in (64, 128) or k.shape[2] != h:
         raise ValueError(f"fp8 attention takes head_dim 64 or 128 and as many K as Q heads, got {d}, {k.shape[2]}/{h}")
     x = quantize_qkv(q, k, v, d ** -0.5 if scale is None else scale, block_m, block_n)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # contiguous, whatever q's strides: the op's fake
     attend(x, out, k.shape[1], block_m, block_n, num_warps, num_stages, warp_specialize)
     return out
 
@@ -187,4 +187,4 @@ def fp8_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 @fp8_attention_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
