@@ -63,6 +63,22 @@ def test_every_part_of_the_key_names_another_package():
     assert len(paths) == 1 + len(dataclasses.fields(key))
 
 
+def test_the_source_key_follows_the_cpu_code_not_cudas_kernels(tmp_path, monkeypatch):
+    """An edit to a traced file changes StepKey.source; one to kernels/triton (CUDA only) keeps the stored steps."""
+    for rel in ("kernels/cpu/a.py", "kernels/triton/b.py", "models/c.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    monkeypatch.setattr(cpu_compile, "_ROOT", tmp_path)
+    monkeypatch.setattr(cpu_compile, "_TRACED", ("kernels", "models"))
+    before = cpu_compile._source()
+    (tmp_path / "kernels/triton/b.py").write_text("x = 2\n")
+    assert cpu_compile._source() == before
+    for rel in ("kernels/cpu/a.py", "models/c.py"):
+        (tmp_path / rel).write_text("x = 3\n")
+        assert cpu_compile._source() != before
+        before = cpu_compile._source()
+
+
 def test_a_build_removes_the_packages_it_supersedes_only(tmp_path, monkeypatch):
     """After a build, the same model and mode built by another minisgl source or torch goes; another model's stays."""
     monkeypatch.setenv("MINISGL_COMPILED_DIR", str(tmp_path))

@@ -66,6 +66,7 @@ _KEY = "minisgl_step_key"  # the package's metadata entry holding its StepKey
 _ROOT = Path(__file__).resolve().parents[1]  # minisgl_cli/
 # The code the step runs and the code that builds it: an edit there rebuilds (StepKey.source).
 _TRACED = ("models", "layers", "attention", "kernels", "kvcache", "engine/batch.py", "engine/host.py", "cpu_step")
+_UNTRACED = ("kernels/triton",)  # CUDA's kernels, never in a CPU step: an edit there keeps the stored steps
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,8 @@ def _cpu() -> str:
 def _source() -> str:
     files = sorted(f for part in _TRACED for f in ([_ROOT / part] if part.endswith(".py") else
                                                     (p for p in (_ROOT / part).rglob("*") if p.suffix in _CODE)))
-    return _digest(f.read_bytes() for f in files)
+    skip = tuple(_ROOT / part for part in _UNTRACED)
+    return _digest(f.read_bytes() for f in files if not any(f.is_relative_to(d) for d in skip))
 
 
 class DecodeStep(nn.Module):
