@@ -66,12 +66,12 @@ def probe(label: str, s: int, h: int, old: Any, configs: list[str], iters: int) 
         row("old FP8 kernel", cuda_ms(call, iters), None, call())
     for cfg in configs:
         bm, bn, warps, stages = (int(x) for x in cfg.rstrip("w").split("x"))
-        tiles = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, warp_specialize=cfg.endswith("w"))
+        tiles = ours.Tiles(bm, bn, warps, stages, warp_specialize=cfg.endswith("w"))
         try:
             x = ours.quantize_qkv(q, k, v, 128 ** -0.5, bm, bn)
             out = torch.empty_like(q)
-            kernel_ms = cuda_ms(functools.partial(ours.attend, x, out, s, **tiles), iters)
-            total = cuda_ms(functools.partial(ours.fp8_attention, q, k, v, None, **tiles), iters)
+            kernel_ms = cuda_ms(functools.partial(ours.attend, x, out, s, tiles), iters)
+            total = cuda_ms(functools.partial(ours.fp8_attention, q, k, v, None, tiles), iters)
         except Exception as exc:  # noqa: BLE001 -- a config Triton cannot build is a row, not the end
             print(f"| {label} | FP8 {cfg} | failed: {type(exc).__name__}: {str(exc)[:120]} | | | |", flush=True)
             continue

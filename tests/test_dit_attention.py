@@ -15,20 +15,20 @@ from tests.triton_interp import NEEDS_FP8, NEEDS_TRITON, patch_interpreter
 pytestmark = [pytest.mark.gpu, NEEDS_TRITON, NEEDS_FP8]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
-TILE = {} if DEV == "cuda" else {"block_m": 32, "block_n": 32, "num_warps": 4}
+TILE = {} if DEV == "cuda" else {"block_m": 32, "block_n": 32}  # dit_attention.Tiles: the CPU takes small tiles
 
 
 @pytest.mark.parametrize("b,s_q,s_k,h,d", [(1, 70, 70, 2, 64), (2, 100, 37, 3, 128), (1, 256, 256, 1, 128)])
 def test_fp8_attention_matches_sdpa(b, s_q, s_k, h, d):
     patch_interpreter()
-    from minisgl_cli.kernels.triton.dit_attention import fp8_attention
+    from minisgl_cli.kernels.triton.dit_attention import Tiles, fp8_attention
 
     g = torch.Generator().manual_seed(s_q * 31 + s_k)
     q, v = (torch.randn(b, s, h, d, generator=g).to(DEV, DTYPE) for s in (s_q, s_k))
     k = (torch.randn(b, s_k, h, d, generator=g) + 2.0).to(DEV, DTYPE)  # an offset the mean smoothing takes out
     v = torch.randn(b, s_k, h, d, generator=g).to(DEV, DTYPE)
     ref = F.scaled_dot_product_attention(*(x.transpose(1, 2).float() for x in (q, k, v))).transpose(1, 2)
-    out = fp8_attention(q, k, v, **TILE)
+    out = fp8_attention(q, k, v, tiles=Tiles(**TILE))
     assert out.shape == q.shape and out.dtype == q.dtype
     cos = F.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0).item()
     assert cos > 0.995, cos  # e4m3 keeps 3 mantissa bits; on random data (the hard case) this is ~0.997
@@ -85,16 +85,18 @@ def test_op_inside_fullgraph_compile():
 
     got = torch.compile(block, fullgraph=True, backend="aot_eager" if DEV == "cpu" else "inductor")(q, k, v)
     torch.testing.assert_close(got, fp8_attention(q * 2, k, v, 0.1) + 1)
+    torch.testing.assert_close(fp8_attention_op(q, k, v, None), fp8_attention(q, k, v, 64 ** -0.5))  # diffusers' None
 
 
 def test_fp8_attention_takes_head_major_views():
     """q, k, v as (B, S, H, D) views of head-major memory (an SDPA layout transposed): the same output as from
     contiguous copies, returned contiguous."""
     patch_interpreter()
-    from minisgl_cli.kernels.triton.dit_attention import fp8_attention
+    from minisgl_cli.kernels.triton.dit_attention import Tiles, fp8_attention
 
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 3, 40, 64, generator=g).to(DEV, DTYPE).transpose(1, 2) for _ in range(3))
-    out = fp8_attention(q, k, v, **TILE)
+    out = fp8_attention(q, k, v, tiles=Tiles(**TILE))
     assert out.is_contiguous() and out.shape == q.shape
-    torch.testing.assert_close(out, fp8_attention(q.contiguous(), k.contiguous(), v.contiguous(), **TILE))
+    dense = fp8_attention(q.contiguous(), k.contiguous(), v.contiguous(), tiles=Tiles(**TILE))
+    torch.testing.assert_close(out, dense)

@@ -27,7 +27,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     if fits:
         from minisgl_cli.kernels.triton.dit_attention import fp8_attention_op
 
-        return fp8_attention_op(query, key, value, query.shape[-1] ** -0.5 if scale is None else scale)
+        return fp8_attention_op(query, key, value, scale)
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
     name = AttentionBackendName(_fallback)

@@ -28,10 +28,22 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl_cli.kernels.fp8 import FP8_MAX
+
 LOG2E = 1.4426950408889634
-FP8_MAX = 448.0
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _P_SHIFT = tl.constexpr(8.8)  # log2 of the largest softmax weight, 2^8.8 ~ 445 < 448 (e4m3's max)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The kernel's launch shape: queries and keys a tile (the quantization's tiles too), warps, pipeline stages."""
+
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    warp_specialize: bool = False
 
 
 @dataclass
@@ -149,24 +161,23 @@ def _fp8_attention(Q, SQ, K, SK, VT, SV, OUT, S_Q, S_K, H, S_Q_PAD, S_K_PAD, sob
 
 
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                  block_m: int = 64, block_n: int = 128, num_warps: int = 4, num_stages: int = 3,
-                  warp_specialize: bool = False) -> torch.Tensor:
+                  tiles: Tiles = Tiles()) -> torch.Tensor:
     """softmax(q k^T * scale) v over (B, S, H, D) tensors (diffusers' NHD layout), both dots in FP8; the output in
-    q's dtype and layout. No mask, no causality: a DiT's self-attention."""
+    q's dtype and shape, contiguous. No mask, no causality: a DiT's self-attention."""
     b, s_q, h, d = q.shape
     if d not in (64, 128) or k.shape[2] != h:
         raise ValueError(f"fp8 attention takes head_dim 64 or 128 and as many K as Q heads, got {d}, {k.shape[2]}/{h}")
-    x = quantize_qkv(q, k, v, d ** -0.5 if scale is None else scale, block_m, block_n)
+    x = quantize_qkv(q, k, v, d ** -0.5 if scale is None else scale, tiles.block_m, tiles.block_n)
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # contiguous, whatever q's strides: the op's fake
-    attend(x, out, k.shape[1], block_m, block_n, num_warps, num_stages, warp_specialize)
+    attend(x, out, k.shape[1], tiles)
     return out
 
 
-def attend(x: Fp8QKV, out: torch.Tensor, s_k: int, block_m: int = 64, block_n: int = 128, num_warps: int = 4,
-           num_stages: int = 3, warp_specialize: bool = False) -> None:
+def attend(x: Fp8QKV, out: torch.Tensor, s_k: int, tiles: Tiles = Tiles()) -> None:
     """The kernel alone: quantized inputs (quantize_qkv's, with the same tiles) into `out` (B, S_q, H, D)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    block_m, block_n = tiles.block_m, tiles.block_n
     b, h, s_q_pad, d = x.q.shape
     s_k_pad = x.k.shape[2]
     qd = TensorDescriptor.from_tensor(x.q.view(-1, d), [block_m, d])
@@ -175,16 +186,17 @@ def attend(x: Fp8QKV, out: torch.Tensor, s_k: int, block_m: int = 64, block_n: i
     grid = (s_q_pad // block_m, b * h)
     _fp8_attention[grid](qd, x.q_scale, kd, x.k_scale, vd, x.v_scale, out, out.shape[1], s_k, h, s_q_pad, s_k_pad,
                          out.stride(0), out.stride(1), out.stride(2), D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                         WARP_SPECIALIZE=warp_specialize, num_warps=num_warps, num_stages=num_stages)
+                         WARP_SPECIALIZE=tiles.warp_specialize, num_warps=tiles.num_warps,
+                         num_stages=tiles.num_stages)
 
 
 @torch.library.custom_op("minisgl::dit_fp8_attention", mutates_args=())
-def fp8_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def fp8_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
     """fp8_attention at its default tiles as one opaque op: a compiled DiT block calls it as is, and its host-side
     TMA descriptors stay out of the traced graph."""
     return fp8_attention(q, k, v, scale)
 
 
 @fp8_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
     return q.new_empty(q.shape)
