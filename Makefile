@@ -72,7 +72,7 @@ XDIST := $(if $(filter-out 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadgroup)
 test: $(STAMP) $(if $(GPU),,$(TRITON_INTERP)/.installed)
 ifeq ($(GPU),)
 	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR):$(CURDIR)/$(TRITON_INTERP) \
-		$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) tests/test_gpu_moe.py tests/test_push_rows.py tests/test_dit_attention.py \
+		$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) tests/test_gpu_moe.py tests/test_push_rows.py tests/test_dit_attention.py tests/test_fp8_act_quant.py \
 		tests/test_gpu_window_attention.py tests/test_gpu_mla_attention.py tests/test_gpu_block_fp8.py \
 		tests/test_gpu_decode_fusions.py tests/test_gpu_mxfp4_moe.py tests/test_gpu_block_fp8_moe.py tests/test_gpu_argmax.py \
 		tests/test_gpu_step_inputs.py \

@@ -1,20 +1,20 @@
-"""The FP8 DiT linears' activation quantization at Wan's and Z-Image's shapes: what a compiled block runs for "GELU /
-SiLU-and-mul / nothing, then e4m3 codes and a scale a token" (the input of the next FP8 GEMM), ms and GB/s (bytes in
-+ out), and how many codes differ from inductor's.
+"""The FP8 DiT linears' activation quantization at Wan's and Z-Image's shapes: what a compiled block runs for "bias +
+GELU / SiLU-and-mul / nothing, then e4m3 codes and a scale a token" (the input of the next FP8 GEMM), ms and GB/s
+(bytes in + out), and how many codes differ from inductor's.
 
     python examples/fp8_act_quant_probe.py
 
-Candidates: inductor's fusion of kernels/fp8.py's torch ops (what media/fp8.py ships; a two-pass reduction on wide
-rows), the same with inductor's multi-kernel choice (persistent or looped reduction picked by timing), the
-activation in eager torch then the engine's one-pass quant_rows kernel, and a one-pass Triton kernel of this probe
-(the activation fused, a reciprocal multiply instead of IEEE division)."""
+Candidates: inductor's fusion of kernels/fp8.py's torch ops (what media/fp8.py shipped before its Fp8MLP; a
+multi-pass reduction on wide rows), the same with inductor's multi-kernel choice (persistent or looped reduction
+picked by timing), the activation in eager torch then the engine's quant_rows, the engine's quant_rows with the
+activation fused (what Fp8MLP runs), and a one-pass kernel of this probe that multiplies by the reciprocal of the
+scale where the engine's divides (IEEE, for torch's codes): what that division costs."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from timing import cuda_ms  # examples/, beside this script
@@ -25,48 +25,53 @@ SHAPES = (("wan FFN (GELU-tanh)", 32760, 8960, "gelu"), ("z-image FFN (SiLU-and-
           ("wan norm output", 32760, 1536, "none"), ("z-image norm output", 4160, 3840, "none"))
 
 
-def act(kind: str, h: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-    if kind == "gelu":
-        return F.gelu(h, approximate="tanh")
-    if kind == "silu_mul":
-        return F.silu(h) * u
-    return h
+def act(kind: str, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """kind's activation of x (+ b); silu_mul: x is [gate | up]."""
+    return fp8.activate(x if b is None else x + b, "gelu_tanh" if kind == "gelu" else kind)  # type: ignore[arg-type]
 
 
-def torch_path(kind: str, h: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return fp8.quantize_rows(act(kind, h, u))
+def torch_path(kind: str, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp8.quantize_rows(act(kind, x, b))
 
 
 @triton.jit
-def _act_quant(H, U, Q, S, K, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_quant(X, B, Q, S, K, ACT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
-    x = tl.load(H + row * K + offs, mask=mask, other=0.0).to(tl.float32)
-    if ACT == "gelu":  # tanh form: x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3))
+    width = 2 * K if ACT == "silu_mul" else K
+    x = tl.load(X + row * width + offs, mask=mask, other=0.0).to(tl.float32)
+    if ACT == "gelu":  # bias, then the tanh form: x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3))
+        x = (x + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
         z = 1.5957691216057308 * (x + 0.044715 * x * x * x)
         x = (x / (1.0 + tl.exp(-z))).to(tl.bfloat16).to(tl.float32)
     if ACT == "silu_mul":
-        u = tl.load(U + row * K + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(X + row * width + K + offs, mask=mask, other=0.0).to(tl.float32)
         x = ((x / (1.0 + tl.exp(-x))).to(tl.bfloat16).to(tl.float32) * u).to(tl.bfloat16).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) * (1.0 / 448.0)
     tl.store(Q + row * K + offs, tl.clamp(x * (1.0 / scale), -448.0, 448.0).to(Q.dtype.element_ty), mask=mask)
     tl.store(S + row, scale)
 
 
-def one_pass(kind: str, h: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    m, k = h.shape
-    q = torch.empty(m, k, device=h.device, dtype=fp8.FP8)
-    s = torch.empty(m, 1, device=h.device, dtype=torch.float32)
+def one_pass(kind: str, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape[0], x.shape[1] // (2 if kind == "silu_mul" else 1)
+    q = torch.empty(m, k, device=x.device, dtype=fp8.FP8)
+    s = torch.empty(m, 1, device=x.device, dtype=torch.float32)
     block = triton.next_power_of_2(k)
-    _act_quant[(m,)](h, h if u is None else u, q, s, k, ACT=kind, BLOCK=block, num_warps=min(16, max(4, block // 512)))
+    _act_quant[(m,)](x, x if b is None else b, q, s, k, ACT=kind, BLOCK=block, num_warps=min(16, max(4, block // 512)))
     return q, s
 
 
-def engine(kind: str, h: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def eager_then_engine(kind: str, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     from minisgl_cli.kernels.triton.fp8 import quant_rows
 
-    return quant_rows(act(kind, h, u), pdl=False)
+    return quant_rows(act(kind, x, b), pdl=False)
+
+
+def engine_fused(kind: str, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    from minisgl_cli.kernels.triton.fp8 import quant_rows
+
+    return quant_rows(x, "gelu_tanh" if kind == "gelu" else kind, b, pdl=False)  # type: ignore[arg-type]
 
 
 def main() -> None:
@@ -77,16 +82,17 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     for label, m, k, kind in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(0)
-        h = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-        u = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g) if kind == "silu_mul" else None
-        nbytes = h.numel() * (2 * (1 + (u is not None)) + 1)
+        h = torch.randn(m, 2 * k if kind == "silu_mul" else k, device="cuda", dtype=torch.bfloat16, generator=g)
+        u = torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g) if kind == "gelu" else None  # bias
+        nbytes = h.numel() * 2 + m * k
         torch._dynamo.reset()
         inductor_config.triton.multi_kernel = 0
         ref = torch.compile(functools.partial(torch_path, kind))
         want = ref(h, u)[0]
-        paths = [("inductor (shipped)", ref)]
-        for name, fn in (("inductor multi-kernel", None), ("eager act + engine quant_rows", engine),
-                         ("one-pass Triton", one_pass)):
+        paths = [("inductor (before)", ref)]
+        for name, fn in (("inductor multi-kernel", None), ("eager act + engine quant_rows", eager_then_engine),
+                         ("engine quant_rows, act fused (shipped)", engine_fused),
+                         ("one pass, reciprocal (probe)", one_pass)):
             if fn is None:
                 torch._dynamo.reset()
                 inductor_config.triton.multi_kernel = 1

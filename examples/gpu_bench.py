@@ -411,7 +411,7 @@ def bench_fp8_ops() -> None:
             for op, k, act in (("quant", hidden, False), ("silu+quant", inter, True)):
                 x = torch.randn(tokens, 2 * k if act else k, device=dev, dtype=dt)
                 row(workload="fp8-op", model=model, op=op, tokens=tokens, K=k,
-                    us={"picked": bench(lambda x=x, act=act: T.quant_rows(x, act_mul=act))})
+                    us={"picked": bench(lambda x=x, act=act: T.quant_rows(x, act="silu_mul" if act else "none"))})
             # The decoder's add + RMSNorm ahead of an FP8 linear: then quant_rows, or the codes from the norm.
             x, res = (torch.randn(tokens, hidden, device=dev, dtype=dt) for _ in range(2))
             w = torch.ones(hidden, device=dev, dtype=dt)
@@ -543,7 +543,7 @@ def bench_fp8_linear(model: str, name: str, ws: list[torch.Tensor], x: torch.Ten
         xm_in = T.silu_and_mul(xm) if act else xm
 
         def fp8_mm(q, xm=xm, fast=False):
-            xq, xs = T.quant_rows(xm, act_mul=act)
+            xq, xs = T.quant_rows(xm, act="silu_mul" if act else "none")
             return torch._scaled_mm(xq, q[0].t(), scale_a=xs, scale_b=q[1][None, :], out_dtype=torch.bfloat16,
                                     use_fast_accum=fast)
 

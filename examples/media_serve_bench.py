@@ -14,8 +14,13 @@ then:
   inside the server, the rest outside it (`alone_where`, `concurrent_where`).
 
     python examples/media_serve_bench.py --out /tmp/media_serve                                 # GPU, dummy weights
+    python examples/media_serve_bench.py --videos ";--media-attention fp8 --media-quantization fp8"   # Wan, 2 servers
     python examples/media_serve_bench.py --serve-args "--device cpu --model DIR" --image-args "--image-model-dir D \\
         --media-load-format auto" --size 256x256 --concurrency 4 --quantizations none           # a CPU smoke run
+
+`--videos`: Wan2.1-1.3B instead (832x480x81, CFG 5), one server per `;`-separated list of extra serve arguments
+(an empty one: the exact defaults): its first video (build and compile, `--video-cold-steps` steps), then one video of
+`--video-steps` steps (an mp4, as a user gets it), with where its seconds went.
 
 A table on stdout, JSON and each server's log under --out."""
 
@@ -61,6 +66,29 @@ async def image(client: httpx.AsyncClient, url: str, prompt: str, seed: int, siz
     parts = dict(p.split(";dur=") for p in r.headers.get("server-timing", "").split(", ") if ";dur=" in p)
     TIMED.append({"e2e": took, **{k: float(v) / 1e3 for k, v in parts.items()}})
     return took
+
+
+async def video(client: httpx.AsyncClient, url: str, prompt: str, seed: int, steps: int,
+                a: argparse.Namespace) -> float:
+    t = time.perf_counter()
+    r = await client.post(f"{url}/v1/videos/generations", json={"prompt": prompt, "seed": seed, "steps": steps,
+                                                                 "size": a.video_size, "num_frames": a.video_frames})
+    r.raise_for_status()
+    assert r.json()["data"][0]["mime_type"] == "video/mp4"
+    took = time.perf_counter() - t
+    parts = dict(p.split(";dur=") for p in r.headers.get("server-timing", "").split(", ") if ";dur=" in p)
+    TIMED.append({"e2e": took, **{k: float(v) / 1e3 for k, v in parts.items()}})
+    return took
+
+
+async def measure_video(url: str, a: argparse.Namespace) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=1800) as client:
+        t = time.perf_counter()
+        await video(client, url, "a cold start: waves on a rocky shore", 1, a.video_cold_steps, a)
+        cold = time.perf_counter() - t
+        TIMED.clear()
+        took = await video(client, url, "a red fox running through fresh snow, cinematic", 7, a.video_steps, a)
+        return {"cold_first_video_s": cold, "video_s": took, "where": where(TIMED), "steps": a.video_steps}
 
 
 def where(timed: list[dict[str, float]]) -> dict[str, float]:
@@ -165,9 +193,19 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--chat-tokens", type=int, default=128)
+    ap.add_argument("--videos", default=None, help="Wan through serve: `;`-separated extra serve arguments, a "
+                    "server each (instead of the image runs)")
+    ap.add_argument("--video-model", default="wan2.1-t2v-1.3b")
+    ap.add_argument("--video-size", default="832x480")
+    ap.add_argument("--video-frames", type=int, default=81)
+    ap.add_argument("--video-steps", type=int, default=50)
+    ap.add_argument("--video-cold-steps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("/tmp/media_serve"))
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.videos is not None:
+        videos(a)
+        return
     rows = {}
     for q in a.quantizations.split(","):
         starts = sum(k.split()[0] == q for k in rows)  # a later start's first image takes the stored compile
@@ -191,6 +229,32 @@ def main() -> None:
         print(f"| {q} | {r['cold_first_image_s']:.1f} | {r['alone_s']:.3f} | {r['images_per_min_alone']:.1f} | "
               f"{r['images_per_min']:.1f} | {r['p50_s']:.2f} / {r['p99_s']:.2f} | "
               f"{r['chat_tpot_alone_ms']:.1f} / {r['chat_tpot_during_ms']:.1f} | {r['sigterm_exit_s']:.1f} |")
+
+
+def videos(a: argparse.Namespace) -> None:
+    rows = {}
+    for i, extra in enumerate(a.videos.split(";")):
+        key = extra.strip() or "exact (defaults)"
+        t = time.perf_counter()
+        proc, url = serve([*shlex.split(a.serve_args), "--media-load-format", "dummy", "--video-model",
+                           a.video_model, *shlex.split(extra)], a.out / f"serve-video-{i}.log")
+        healthy_s = time.perf_counter() - t
+        try:
+            row = asyncio.run(measure_video(url, a))
+        finally:
+            exit_s = stop(proc)
+        rows[key] = row = row | {"healthy_s": healthy_s, "sigterm_exit_s": exit_s}
+        print(f"{key}: {json.dumps(row)}", flush=True)
+    (a.out / "media_serve_video.json").write_text(json.dumps(rows, indent=2))
+    print("\n| serve arguments | first video after start s (steps) | video s (steps) | in the pipeline s | mp4 s | "
+          "rest s | SIGTERM exit s |")
+    print("|---|---|---|---|---|---|---|")
+    for key, r in rows.items():
+        w = r["where"]
+        rest = r["video_s"] - (w.get("generate_ms", 0) + w.get("encode_ms", 0)) / 1e3
+        print(f"| {key} | {r['cold_first_video_s']:.1f} ({a.video_cold_steps}) | {r['video_s']:.1f} ({r['steps']}) | "
+              f"{w.get('generate_ms', float('nan')) / 1e3:.1f} | {w.get('encode_ms', float('nan')) / 1e3:.2f} | "
+              f"{rest:.2f} | {r['sigterm_exit_s']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def test_quant_rows_gives_the_codes_of_core_fp8(m, k):
     q_ref, s_ref = fp8.quantize_rows(x)
     assert torch.equal(s, s_ref) and _same_codes(q, q_ref)
     gu = torch.randn(m, 2 * k, device=DEV, generator=g).bfloat16()
-    q, s = T.quant_rows(gu, act_mul=True)  # SiLU-and-mul fused in: the codes of the unfused op's output
+    q, s = T.quant_rows(gu, act="silu_mul")  # SiLU-and-mul fused in: the codes of the unfused op's output
     q_ref, s_ref = fp8.quantize_rows(T.silu_and_mul(gu))
     assert torch.equal(s, s_ref) and _same_codes(q, q_ref)
 

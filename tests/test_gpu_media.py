@@ -47,7 +47,7 @@ def test_fp8_linear_scaled_mm_matches_the_emulation():
 
     torch.manual_seed(0)
     dense = torch.nn.Linear(256, 512, bias=True).to("cuda", torch.bfloat16)
-    layer = Fp8Linear(dense)
+    layer = Fp8Linear.of(dense)
     x = torch.randn(3, 77, 256, device="cuda", dtype=torch.bfloat16)
     y = layer(x)
     emulated = layer.to("cpu")(x.cpu()).cuda()  # the CPU branch: quantize / dequantize in fp32

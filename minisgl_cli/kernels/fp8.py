@@ -13,14 +13,18 @@ give the same scales and 8-bit codes.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 INV_MAX = 1.0 / FP8_MAX  # (rounded to fp32 where it multiplies)
 TINY = 1e-12  # floor of amax: an all-zero row gets a finite scale (and quantizes to zeros)
+# What the Triton quant_rows applies to a row before quantizing it: nothing; silu(gate) * up of a fused [gate | up]
+# row (the decoder's and Z-Image's MLP); GELU-tanh (Wan's MLP, diffusers' "gelu-approximate").
+Act = Literal["none", "silu_mul", "gelu_tanh"]
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
@@ -48,6 +52,16 @@ def round_trip_rows(x: torch.Tensor) -> torch.Tensor:
     """x through per-row e4m3 and back, in fp32: what the FP8 GEMM sees of an activation."""
     q, scale = quantize_rows(x)
     return dequantize(q, scale)
+
+
+def activate(x: torch.Tensor, act: Act) -> torch.Tensor:
+    """act(x) as torch's unfused ops compute and round it: the numbers the Triton quant_rows quantizes."""
+    if act == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if act == "silu_mul":
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x
 
 
 class Fp8Rows(NamedTuple):

@@ -445,7 +445,7 @@ class Fp8Method(LinearMethod):
         if gate_up.shape[0] == 1:
             return ops.gemv(gate_up.contiguous(), layer.weight, act_mul=True, pdl=layer.kernels.pdl,
                             scale=layer.weight_scale)
-        xq, xs = ops.quant_rows(gate_up.contiguous(), act_mul=True, pdl=layer.kernels.pdl)  # SiLU-and-mul fused in
+        xq, xs = ops.quant_rows(gate_up.contiguous(), act="silu_mul", pdl=layer.kernels.pdl)  # SiLU-and-mul fused in
         return self._scaled_mm(xq, xs, layer, None, gate_up.dtype)
 
     def apply_gate_up_silu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor | None:
