@@ -7,16 +7,14 @@ GELU / SiLU-and-mul / nothing, then e4m3 codes and a scale a token" (the input o
 Candidates: inductor's fusion of kernels/fp8.py's torch ops (what media/fp8.py shipped before its Fp8MLP; a
 multi-pass reduction on wide rows), the same with inductor's multi-kernel choice (persistent or looped reduction
 picked by timing), the activation in eager torch then the engine's quant_rows, the engine's quant_rows with the
-activation fused (what Fp8MLP runs), and a one-pass kernel of this probe that multiplies by the reciprocal of the
-scale where the engine's divides (IEEE, for torch's codes): what that division costs."""
+activation fused, dividing by the scale (IEEE, torch's codes) or multiplying by its reciprocal (what Fp8MLP runs).
+"""
 
 from __future__ import annotations
 
 import functools
 
 import torch
-import triton
-import triton.language as tl
 from timing import cuda_ms  # examples/, beside this script
 
 from minisgl_cli.kernels import fp8
@@ -34,44 +32,16 @@ def torch_path(kind: str, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torc
     return fp8.quantize_rows(act(kind, x, b))
 
 
-@triton.jit
-def _act_quant(X, B, Q, S, K, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < K
-    width = 2 * K if ACT == "silu_mul" else K
-    x = tl.load(X + row * width + offs, mask=mask, other=0.0).to(tl.float32)
-    if ACT == "gelu":  # bias, then the tanh form: x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3))
-        x = (x + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
-        z = 1.5957691216057308 * (x + 0.044715 * x * x * x)
-        x = (x / (1.0 + tl.exp(-z))).to(tl.bfloat16).to(tl.float32)
-    if ACT == "silu_mul":
-        u = tl.load(X + row * width + K + offs, mask=mask, other=0.0).to(tl.float32)
-        x = ((x / (1.0 + tl.exp(-x))).to(tl.bfloat16).to(tl.float32) * u).to(tl.bfloat16).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) * (1.0 / 448.0)
-    tl.store(Q + row * K + offs, tl.clamp(x * (1.0 / scale), -448.0, 448.0).to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + row, scale)
-
-
-def one_pass(kind: str, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    m, k = x.shape[0], x.shape[1] // (2 if kind == "silu_mul" else 1)
-    q = torch.empty(m, k, device=x.device, dtype=fp8.FP8)
-    s = torch.empty(m, 1, device=x.device, dtype=torch.float32)
-    block = triton.next_power_of_2(k)
-    _act_quant[(m,)](x, x if b is None else b, q, s, k, ACT=kind, BLOCK=block, num_warps=min(16, max(4, block // 512)))
-    return q, s
-
-
 def eager_then_engine(kind: str, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     from minisgl_cli.kernels.triton.fp8 import quant_rows
 
     return quant_rows(act(kind, x, b), pdl=False)
 
 
-def engine_fused(kind: str, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def engine_fused(exact: bool, kind: str, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     from minisgl_cli.kernels.triton.fp8 import quant_rows
 
-    return quant_rows(x, "gelu_tanh" if kind == "gelu" else kind, b, pdl=False)  # type: ignore[arg-type]
+    return quant_rows(x, "gelu_tanh" if kind == "gelu" else kind, b, exact, pdl=False)  # type: ignore[arg-type]
 
 
 def main() -> None:
@@ -91,8 +61,8 @@ def main() -> None:
         want = ref(h, u)[0]
         paths = [("inductor (before)", ref)]
         for name, fn in (("inductor multi-kernel", None), ("eager act + engine quant_rows", eager_then_engine),
-                         ("engine quant_rows, act fused (shipped)", engine_fused),
-                         ("one pass, reciprocal (probe)", one_pass)):
+                         ("engine quant_rows, act fused, IEEE division", functools.partial(engine_fused, True)),
+                         ("engine quant_rows, act fused, reciprocal (Fp8MLP)", functools.partial(engine_fused, False))):
             if fn is None:
                 torch._dynamo.reset()
                 inductor_config.triton.multi_kernel = 1

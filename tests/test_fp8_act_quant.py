@@ -19,7 +19,7 @@ DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
 
 def _codes_match(q: torch.Tensor, s: torch.Tensor, q_ref: torch.Tensor, s_ref: torch.Tensor) -> None:
     """The same scales; the same codes but where the activation's last bit fell the other side of a rounding (the
-    kernel's exp form of tanh against torch's): there one e4m3 step apart, and rare."""
+    kernel's exp form of tanh against torch's, a reciprocal's rounding): there one e4m3 step apart, and rare."""
     torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=0)
     a, b = q.float(), q_ref.float()  # the codes' values (x / scale)
     differ = (q.view(torch.uint8) != q_ref.view(torch.uint8))
@@ -30,7 +30,8 @@ def _codes_match(q: torch.Tensor, s: torch.Tensor, q_ref: torch.Tensor, s_ref: t
 @pytest.mark.parametrize("act,bias", [("gelu_tanh", True), ("gelu_tanh", False), ("silu_mul", False),
                                       ("none", True)])
 @pytest.mark.parametrize("m,k", [(5, 96), (33, 1000)])
-def test_quant_rows_quantizes_the_activation_of_the_biased_rows(act, bias, m, k):
+@pytest.mark.parametrize("exact", [True, False])
+def test_quant_rows_quantizes_the_activation_of_the_biased_rows(act, bias, m, k, exact):
     patch_interpreter()
     from minisgl_cli.kernels.triton.fp8 import quant_rows
 
@@ -40,7 +41,7 @@ def test_quant_rows_quantizes_the_activation_of_the_biased_rows(act, bias, m, k)
     x[-1, 3] = -40.0
     x[min(1, m - 1)] = 0
     b = (torch.randn(k, generator=g)).to(DEV, DTYPE) if bias else None
-    q, s = quant_rows(x, act, b, pdl=False)
+    q, s = quant_rows(x, act, b, exact, pdl=False)
     q_ref, s_ref = fp8.quantize_rows(fp8.activate(x if b is None else x + b, act))
     assert q.shape == (m, k) and q.dtype == fp8.FP8 and s.shape == (m, 1)
     _codes_match(q, s, q_ref, s_ref)
@@ -56,11 +57,11 @@ def test_op_inside_fullgraph_compile():
     b = torch.randn(256, generator=g).to(DEV, DTYPE)
 
     def block(x, b):
-        q, s = quant_rows_op(x * 2, "gelu_tanh", b)
+        q, s = quant_rows_op(x * 2, "gelu_tanh", b, False)
         return q.float() * s
 
     got = torch.compile(block, fullgraph=True, backend="aot_eager" if DEV == "cpu" else "inductor")(x, b)
-    q, s = quant_rows(x * 2, "gelu_tanh", b, pdl=False)
+    q, s = quant_rows(x * 2, "gelu_tanh", b, False, pdl=False)
     torch.testing.assert_close(got, q.float() * s)
 
 
