@@ -73,8 +73,9 @@ def test_fp8_mlp_on_cuda_matches_its_emulation(act):
     from minisgl_cli.media.fp8 import Fp8Linear, Fp8MLP
 
     torch.manual_seed(0)
-    up = [nn.Linear(256, 512, bias=act == "gelu_tanh") for _ in range(2 if act == "silu_mul" else 1)]
-    mlp = Fp8MLP(Fp8Linear.of(*up), Fp8Linear.of(nn.Linear(512, 256)), act).to("cuda", torch.bfloat16)
+    dense = dict(device="cuda", dtype=torch.bfloat16)  # built in bf16: a Module.to(dtype) would cast the e4m3 codes
+    up = [nn.Linear(256, 512, bias=act == "gelu_tanh", **dense) for _ in range(2 if act == "silu_mul" else 1)]
+    mlp = Fp8MLP(Fp8Linear.of(*up), Fp8Linear.of(nn.Linear(512, 256, **dense)), act)
     x = torch.randn(2, 77, 256, device="cuda", dtype=torch.bfloat16)
     eager = mlp(x)
     compiled = torch.compile(mlp, fullgraph=True)(x)
