@@ -11,7 +11,7 @@ bf16, as vLLM-Omni and SGLang Diffusion keep them. `torch._scaled_mm` needs CUDA
 A block's MLP becomes one `Fp8MLP`: its up projection's bias, its activation (Wan's GELU-tanh, Z-Image's
 SiLU-and-mul, whose two up projections become one GEMM) and the down projection's per-token quantization run as one
 pass over each row (kernels/triton/fp8.py), where inductor's fusion of the same numbers made a multi-pass reduction
-(Wan: 1.02 ms a layer against 0.54, examples/fp8_act_quant_probe.py).
+(Wan: 1.13 ms a layer against 0.57, examples/fp8_act_quant_probe.py).
 """
 
 from __future__ import annotations
