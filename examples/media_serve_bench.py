@@ -56,16 +56,21 @@ def percentile(xs: list[float], q: float) -> float:
 TIMED: list[dict[str, float]] = []  # each image's seconds: end to end, and the server's Server-Timing parts
 
 
+def record(r: httpx.Response, since: float) -> float:
+    """Seconds since `since` for a finished response, kept in TIMED with its Server-Timing parts."""
+    took = time.perf_counter() - since
+    parts = dict(p.split(";dur=") for p in r.headers.get("server-timing", "").split(", ") if ";dur=" in p)
+    TIMED.append({"e2e": took, **{k: float(v) / 1e3 for k, v in parts.items()}})
+    return took
+
+
 async def image(client: httpx.AsyncClient, url: str, prompt: str, seed: int, size: str) -> float:
     t = time.perf_counter()
     r = await client.post(f"{url}/v1/images/generations",
                           json={"prompt": prompt, "size": size, "seed": seed, "output_format": "png"})
     r.raise_for_status()
     assert r.json()["data"][0]["b64_json"]
-    took = time.perf_counter() - t
-    parts = dict(p.split(";dur=") for p in r.headers.get("server-timing", "").split(", ") if ";dur=" in p)
-    TIMED.append({"e2e": took, **{k: float(v) / 1e3 for k, v in parts.items()}})
-    return took
+    return record(r, t)
 
 
 async def video(client: httpx.AsyncClient, url: str, prompt: str, seed: int, steps: int,
@@ -75,10 +80,7 @@ async def video(client: httpx.AsyncClient, url: str, prompt: str, seed: int, ste
                                                                  "size": a.video_size, "num_frames": a.video_frames})
     r.raise_for_status()
     assert r.json()["data"][0]["mime_type"] == "video/mp4"
-    took = time.perf_counter() - t
-    parts = dict(p.split(";dur=") for p in r.headers.get("server-timing", "").split(", ") if ";dur=" in p)
-    TIMED.append({"e2e": took, **{k: float(v) / 1e3 for k, v in parts.items()}})
-    return took
+    return record(r, t)
 
 
 async def measure_video(url: str, a: argparse.Namespace) -> dict[str, Any]:
