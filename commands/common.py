@@ -94,12 +94,6 @@ class MediaQuantization(str, Enum):
     fp8 = "fp8"
 
 
-class MediaCache(str, Enum):
-    dbcache = "dbcache"
-    fbcache = "fbcache"
-    taylorseer = "taylorseer"
-
-
 class MediaLoadFormat(str, Enum):
     auto = "auto"
     dummy = "dummy"
@@ -125,8 +119,9 @@ def media_speed_options(serve: bool = False) -> tuple[Any, Any, Any, Any, Any]:
         f"{p}quantization", envvar="MINISGL_MEDIA_QUANTIZATION", metavar="<str>", rich_help_panel=panel,
         help="fp8: the DiT's block linears in FP8 e4m3 (CUDA, compute capability 8.9+).")
     cache = typer.Option(
-        "--media-cache", envvar="MINISGL_MEDIA_CACHE", metavar="<str>", rich_help_panel=panel,
-        help="Step cache (cache-dit; approximate): fbcache, dbcache or taylorseer.")
+        "--media-cache", envvar="MINISGL_MEDIA_CACHE", metavar="<str>", rich_help_panel=panel, callback=_media_cache,
+        help="Step cache (cache-dit; approximate): fbcache, dbcache or taylorseer, tuned by :key=value,... "
+             "(threshold, warmup, front, back, max-continuous, max-cached, order).")
     load_format = typer.Option(
         f"{p}load-format", envvar="MINISGL_MEDIA_LOAD_FORMAT", metavar="<str>", rich_help_panel=panel,
         help="dummy: the model names a built-in config (z-image-turbo, wan2.1-t2v-1.3b), random weights (speed work).")
@@ -167,12 +162,24 @@ def media_quantization(value: MediaQuantization) -> str | None:
     return None if value is MediaQuantization.none else value.value
 
 
+def _media_cache(value: str | None) -> str | None:
+    """--media-cache checked where the command starts (media/step_cache.py's parse)."""
+    if value is not None:
+        from minisgl_cli.media.jobs import MediaError
+        from minisgl_cli.media.step_cache import check
+
+        try:
+            check(value)
+        except MediaError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
 def speed_options(compile: bool | None, attention_backend: MediaAttention, quantization: MediaQuantization,
-                  media_cache: MediaCache | None, load_format: MediaLoadFormat) -> dict[str, Any]:
+                  media_cache: str | None, load_format: MediaLoadFormat) -> dict[str, Any]:
     """The speed options of `image` / `video` as ModelSpec's keyword arguments."""
     return dict(compile=compile, attention_backend=attention_backend.value,
-                quantization=media_quantization(quantization), media_cache=media_cache.value if media_cache else None,
-                load_format=load_format.value)
+                quantization=media_quantization(quantization), media_cache=media_cache, load_format=load_format.value)
 
 
 class Command(TyperCommand):

@@ -72,7 +72,7 @@ def serve(
     media_compile: Annotated[c.MediaCompile, COMPILE] = c.MediaCompile.auto,
     media_attention: Annotated[c.MediaAttention, ATTENTION] = c.MediaAttention.auto,
     media_quantization: Annotated[c.MediaQuantization, QUANTIZATION] = c.MediaQuantization.none,
-    media_cache: Annotated[Optional[c.MediaCache], MEDIA_CACHE] = None,
+    media_cache: Annotated[Optional[str], MEDIA_CACHE] = None,
     media_load_format: Annotated[c.MediaLoadFormat, LOAD_FORMAT] = c.MediaLoadFormat.auto,
     media_parallel: Annotated[Optional[c.MediaParallel], PARALLEL] = None,
     media_parallel_size: Annotated[int, PARALLEL_SIZE] = 2,

@@ -52,7 +52,7 @@ def video(
     compile: Annotated[Optional[bool], COMPILE] = None,
     attention_backend: Annotated[c.MediaAttention, ATTENTION] = c.MediaAttention.auto,
     quantization: Annotated[c.MediaQuantization, QUANTIZATION] = c.MediaQuantization.none,
-    media_cache: Annotated[Optional[c.MediaCache], MEDIA_CACHE] = None,
+    media_cache: Annotated[Optional[str], MEDIA_CACHE] = None,
     load_format: Annotated[c.MediaLoadFormat, LOAD_FORMAT] = c.MediaLoadFormat.auto,
     media_parallel: Annotated[Optional[c.MediaParallel], PARALLEL] = None,
     media_parallel_size: Annotated[int, PARALLEL_SIZE] = 2,

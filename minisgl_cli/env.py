@@ -247,7 +247,8 @@ def media_quantization() -> str | None:
 
 
 def media_cache() -> str | None:
-    """MINISGL_MEDIA_CACHE (--media-cache): cache-dit's step cache (dbcache, fbcache, taylorseer); approximate."""
+    """MINISGL_MEDIA_CACHE (--media-cache): cache-dit's step cache (dbcache, fbcache, taylorseer[:key=value,...]);
+    approximate."""
     return _text("MINISGL_MEDIA_CACHE")
 
 

@@ -142,7 +142,7 @@ def test_media_cache_on_z_image(tiny_models):  # noqa: F811
 
     pipe = DiffusionPipeline.from_pretrained(str(tiny_models["z-image"]))
     pipe.set_progress_bar_config(disable=True)
-    step_cache.enable(pipe, "taylorseer", "image", threshold=10.0)
+    step_cache.enable(pipe, "taylorseer:threshold=10,order=2", "image")
     pipe(prompt="a fox", width=32, height=32, num_inference_steps=8, guidance_scale=0.0)
     assert step_cache.cached_steps(pipe)
 
@@ -151,6 +151,46 @@ def test_unknown_media_cache_is_refused():
     fails_with(["image", "--media-cache", "teacache", *SMALL], "teacache")
     with pytest.raises(MediaError, match="dbcache, fbcache, taylorseer"):
         load_pipeline(image_spec(media_cache="teacache"))
+
+
+def test_media_cache_options_parse_and_bad_ones_are_refused():
+    from minisgl_cli.media.step_cache import CacheSpec, parse
+
+    assert parse("fbcache") == CacheSpec("fbcache")
+    assert parse("dbcache: threshold=0.24, max-continuous=3,warmup=2,front=4,back=1,max-cached=10") == CacheSpec(
+        "dbcache", threshold=0.24, max_continuous=3, warmup=2, front=4, back=1, max_cached=10)
+    assert parse("taylorseer:order=2").order == 2
+    for bad, says in [("fbcache:thresh=1", "'thresh=1' is not an option"), ("fbcache:threshold", "not an option"),
+                      ("fbcache:threshold=0", "must be a number > 0"), ("fbcache:warmup=x", "must be an integer"),
+                      ("fbcache:max-continuous=0", "-1 or an integer >= 1"), ("fbcache:order=2", "TaylorSeer's"),
+                      ("taylorseer:order=3", "1 or 2"), ("fbcache:front=0", ">= 1")]:
+        with pytest.raises(MediaError, match=says):
+            parse(bad)
+    fails_with(["image", "--media-cache", "fbcache:threshold=-1", *SMALL], "threshold", "> 0")
+    fails_with(["video", "--media-cache", "dbcache:speed=9", *SMALL], "speed=9")
+    with pytest.raises(MediaError, match="front \\+ back = 5 blocks"):  # tiny-wan has 2
+        load_pipeline(ModelSpec.create("video", "tiny-wan", None, device="cpu", load_format="dummy",
+                                       media_cache="dbcache:front=4,back=1"))
+
+
+def test_media_cache_options_change_what_is_cached():
+    """Each knob moves the cached steps of one tiny-wan run: a threshold nothing passes caches nothing, a loose one
+    every step past the warmup, max-cached caps them, max-continuous breaks up runs of them."""
+    from minisgl_cli.media import step_cache
+
+    def cached(value: str) -> list[int]:
+        loaded = load_pipeline(ModelSpec.create("video", "tiny-wan", None, device="cpu", load_format="dummy",
+                                                media_cache=value))
+        generate_video(loaded, VideoJob("waves", 32, 32, num_frames=5, steps=10, seed=5))
+        return step_cache.cached_steps(loaded.pipe)
+
+    assert cached("fbcache:threshold=1e-9,warmup=2") == []
+    loose = cached("fbcache:threshold=1e9,warmup=2")
+    assert loose == list(range(2, 10))  # every step past the first two
+    assert len(cached("fbcache:threshold=1e9,warmup=2,max-cached=3")) == 3
+    broken = cached("fbcache:threshold=1e9,warmup=2,max-continuous=1")
+    assert broken and all(b - a > 1 for a, b in zip(broken, broken[1:]))  # never two cached steps in a row
+    assert cached("fbcache:threshold=1e9,warmup=5")[0] == 5
 
 
 # --- FP8 ---------------------------------------------------------------------------------------

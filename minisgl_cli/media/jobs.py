@@ -120,7 +120,7 @@ class ModelSpec:
     attention_backend: str = "auto"  # media/pipelines.py ATTENTION_BACKENDS
     allow_download: bool = True
     quantization: str | None = None  # "fp8": the DiT's linear weights in FP8 e4m3 (CUDA)
-    media_cache: str | None = None  # a cache-dit step cache (approximate, opt-in): "dbcache", "fbcache", "taylorseer"
+    media_cache: str | None = None  # cache-dit's step cache (approximate, opt-in): media/step_cache.py's MODE[:k=v,..]
     load_format: str = "auto"  # "dummy": `model` names a built-in config, built with random weights (speed work)
     # One job over several devices (media/parallel.py): "cfg" or "ulysses" ("auto" is resolved before), on this many
     # ranks; None: one device.

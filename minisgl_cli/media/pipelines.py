@@ -189,9 +189,9 @@ def check_options(spec: ModelSpec, device: str) -> None:
 
         check_device(device)
     if spec.media_cache is not None:
-        from minisgl_cli.media.step_cache import check_mode
+        from minisgl_cli.media.step_cache import check
 
-        check_mode(spec.media_cache)
+        check(spec.media_cache)
     if spec.load_format not in ("auto", "dummy"):
         raise MediaError(f"unknown --load-format {spec.load_format!r}: use auto or dummy", "load_format")
     if spec.media_parallel is not None:

@@ -7,13 +7,20 @@ changed little since the last computed step reuses the cached residual of the re
 
 The first steps always compute (4 for an image pipeline, as cache-dit's own Z-Image-Turbo example warms up its 9
 steps; 8 for video). cache-dit's `summary` reports which steps were cached (`cached_steps`).
+
+`--media-cache MODE:KEY=VALUE,...` tunes it (sglang's SGLANG_CACHE_DIT_* knobs, cache-dit's names in brackets):
+threshold (residual_diff_threshold), warmup (max_warmup_steps), front / back (Fn / Bn_compute_blocks: the blocks
+that always compute), max-continuous (max_continuous_cached_steps: -1 no limit), max-cached (max_cached_steps),
+order (the TaylorSeer's, 1 or 2). E.g. `fbcache:threshold=0.24,max-continuous=3` is sglang's default.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 from minisgl_cli.media.jobs import Kind, MediaError
 
@@ -22,10 +29,66 @@ THRESHOLD = 0.12  # cache-dit's own default residual_diff_threshold
 WARMUP = {"image": 4, "video": 8}
 
 
-def check_mode(mode: str) -> str:
+@dataclass(frozen=True)
+class CacheSpec:
+    """A --media-cache value, MODE[:KEY=VALUE,...], parsed; None: the mode's and the pipeline kind's default."""
+
+    mode: str
+    threshold: float = THRESHOLD
+    warmup: int | None = None  # WARMUP[kind]
+    front: int | None = None  # 1 for fbcache; 8 (fewer in a shorter stack) for dbcache and taylorseer
+    back: int = 0
+    max_continuous: int = -1  # -1: no limit
+    max_cached: int = -1
+    order: int = 1
+
+
+class _Option(NamedTuple):
+    kind: type
+    ok: Callable[[Any], bool]
+    range: str
+
+
+_OPTIONS = {
+    "threshold": _Option(float, lambda v: v > 0, "a number > 0"),
+    "warmup": _Option(int, lambda v: v >= 0, "an integer >= 0"),
+    "front": _Option(int, lambda v: v >= 1, "an integer >= 1"),
+    "back": _Option(int, lambda v: v >= 0, "an integer >= 0"),
+    "max-continuous": _Option(int, lambda v: v == -1 or v >= 1, "-1 or an integer >= 1"),
+    "max-cached": _Option(int, lambda v: v >= -1, "-1 or an integer >= 0"),
+    "order": _Option(int, lambda v: v in (1, 2), "1 or 2"),
+}
+
+
+def parse(value: str) -> CacheSpec:
+    """--media-cache's value as a CacheSpec; a MediaError names what is wrong."""
+    mode, _, rest = value.partition(":")
     if mode not in MODES:
-        raise MediaError(f"unknown --media-cache {mode!r}: use one of {', '.join(MODES)}", "media_cache")
-    return mode
+        raise MediaError(f"unknown --media-cache {mode!r}: use one of {', '.join(MODES)} "
+                         "(then :key=value,... to tune it)", "media_cache")
+    spec = CacheSpec(mode)
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, raw = (part.strip() for part in item.partition("="))
+        option = _OPTIONS.get(key)
+        if option is None or not eq:
+            raise MediaError(f"--media-cache {mode}: {item!r} is not an option: use key=value with a key of "
+                             f"{', '.join(_OPTIONS)}", "media_cache")
+        try:
+            number = option.kind(raw)
+        except ValueError:
+            number = None
+        if number is None or not option.ok(number):
+            raise MediaError(f"--media-cache {mode}: {key}={raw!r} must be {option.range}", "media_cache")
+        if key == "order" and mode != "taylorseer":
+            raise MediaError(f"--media-cache {mode}: order is the TaylorSeer's (use taylorseer)", "media_cache")
+        spec = replace(spec, **{key.replace("-", "_"): number})
+    return spec
+
+
+def check(value: str) -> str:
+    """value, once parse takes it."""
+    parse(value)
+    return value
 
 
 def _quiet(log: logging.Logger) -> None:
@@ -37,10 +100,9 @@ def _quiet(log: logging.Logger) -> None:
             handler.setStream(sys.stderr)
 
 
-def enable(pipe: Any, mode: str, kind: Kind, threshold: float = THRESHOLD) -> None:
-    """Hook cache-dit's step cache into `pipe` (in place); `threshold`: the residual change below which a step
-    reuses the cache (higher: more steps skipped, more drift)."""
-    check_mode(mode)
+def enable(pipe: Any, value: str, kind: Kind) -> None:
+    """Hook cache-dit's step cache of a --media-cache value into `pipe` (in place)."""
+    spec = parse(value)
     try:
         import cache_dit
     except ImportError:
@@ -48,14 +110,20 @@ def enable(pipe: Any, mode: str, kind: Kind, threshold: float = THRESHOLD) -> No
                          "media_cache") from None
     _quiet(logging.getLogger("CACHE_DIT"))
     blocks = _num_blocks(pipe)
-    front = 1 if mode == "fbcache" else min(8, max(1, blocks - 1))
-    config = cache_dit.DBCacheConfig(Fn_compute_blocks=front, Bn_compute_blocks=0, residual_diff_threshold=threshold,
-                                     max_warmup_steps=WARMUP[kind])
-    calibrator = cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=1) if mode == "taylorseer" else None
+    front = spec.front or (1 if spec.mode == "fbcache" else min(8, max(1, blocks - 1)))
+    if blocks and front + spec.back > blocks:
+        raise MediaError(f"--media-cache {value}: front + back = {front + spec.back} blocks always computed, but "
+                         f"{type(pipe.transformer).__name__} has {blocks}", "media_cache")
+    config = cache_dit.DBCacheConfig(
+        Fn_compute_blocks=front, Bn_compute_blocks=spec.back, residual_diff_threshold=spec.threshold,
+        max_warmup_steps=WARMUP[kind] if spec.warmup is None else spec.warmup, max_cached_steps=spec.max_cached,
+        max_continuous_cached_steps=spec.max_continuous)
+    calibrator = (cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=spec.order) if spec.mode == "taylorseer"
+                  else None)
     try:
         cache_dit.enable_cache(pipe, cache_config=config, calibrator_config=calibrator)
     except Exception as exc:  # a pipeline cache-dit has no adapter for
-        raise MediaError(f"--media-cache {mode}: cache-dit cannot cache {type(pipe).__name__} ({exc})",
+        raise MediaError(f"--media-cache {spec.mode}: cache-dit cannot cache {type(pipe).__name__} ({exc})",
                          "media_cache") from None
 
 
