@@ -269,3 +269,20 @@ def test_images_made_8_bit_on_their_device_equal_diffusers_pil_output():
     want = [np.asarray(im.convert("RGB")) for im in proc.postprocess(decoded, output_type="pil")]
     got = [np.asarray(im) for im in rgb_images(proc.postprocess(decoded, output_type="pt"))]
     assert all(g.dtype == np.uint8 and (g == w).all() for g, w in zip(got, want, strict=True))
+
+
+def test_video_frames_made_8_bit_on_their_device_equal_the_numpy_path():
+    """batch.uint8_frames from a video pipeline's "pt" output: the same bytes as from its "np" output (what it took
+    before), frame for frame."""
+    import numpy as np
+    import torch
+    from diffusers.video_processor import VideoProcessor
+
+    from minisgl_cli.media.batch import uint8_frames
+
+    decoded = torch.randn(1, 3, 5, 33, 17, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) * 1.2
+    proc = VideoProcessor()
+    want = uint8_frames(proc.postprocess_video(decoded, output_type="np")[0])
+    got = uint8_frames(proc.postprocess_video(decoded, output_type="pt")[0])
+    assert len(got) == len(want) == 5
+    assert all(g.dtype == np.uint8 and g.shape == (33, 17, 3) and (g == w).all() for g, w in zip(got, want))

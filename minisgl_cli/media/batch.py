@@ -77,7 +77,7 @@ def generate(loaded: LoadedPipeline, jobs: list[Job], on_step: StepHook | None =
     if isinstance(first, ImageJob):
         kwargs |= {"num_images_per_prompt": 1, "output_type": "pt"}  # made 8-bit on the device: rgb_images
     else:
-        kwargs |= {"num_frames": first.num_frames, "output_type": "np"}
+        kwargs |= {"num_frames": first.num_frames, "output_type": "pt"}  # made 8-bit on the device: uint8_frames
     loaded.tile_vae_for(first.width, first.height, first.num_frames if isinstance(first, VideoJob) else 1)
     start = time.perf_counter()
     out = loaded.run(kwargs, first.steps, on_step)
@@ -128,15 +128,28 @@ def warm_up(loaded: LoadedPipeline, like: Job, max_rows: int = 3, idle: Callable
 
 
 def uint8_frames(video: Any) -> list[Any]:
-    """One video of a pipeline's `.frames`: float array in [0, 1], uint8 array, or PIL list."""
+    """One video of a pipeline's `.frames` as 8-bit H x W x C arrays. From its "pt" output (F x C x H x W in [0, 1])
+    made 8-bit on the video's device as rgb_images does (Wan's 81 frames at 832x480: 97 MB cross to the host, not
+    388 MB of floats then a float pass there); a float array in [0, 1], a uint8 array or PIL images as they come."""
     import numpy as np
+    import torch
 
+    if isinstance(video, torch.Tensor):
+        return list(_to_uint8_hwc(video))
     if isinstance(video, (list, tuple)) and video and not isinstance(video[0], np.ndarray):
         return [np.asarray(f.convert("RGB")) for f in video]  # PIL images
     arr = np.asarray(video)
     if arr.dtype != np.uint8:
         arr = (np.clip(arr, 0.0, 1.0) * 255).round().astype(np.uint8)
     return list(arr)
+
+
+def _to_uint8_hwc(x: Any) -> Any:
+    """N x C x H x W in [0, 1] -> N x H x W x C uint8 numpy: diffusers' own 8-bit step (x * 255 in float32, rounded
+    half to even, as its numpy postprocess rounds) on x's device, then one copy to the host."""
+    import torch
+
+    return (x.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu().numpy()
 
 
 def preview(loaded: LoadedPipeline, latents: Any, span: slice) -> list[Any]:
@@ -159,5 +172,5 @@ def rgb_images(images: Any) -> list[Any]:
 
     if not isinstance(images, torch.Tensor):  # a pipeline that gave PIL images anyway
         return [im.convert("RGB") for im in images]
-    pixels = (images.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu().numpy()
+    pixels = _to_uint8_hwc(images)
     return [Image.fromarray(np.repeat(p, 3, axis=2) if p.shape[2] == 1 else p[:, :, :3]) for p in pixels]
