@@ -19,29 +19,30 @@ from timing import cuda_ms  # examples/, beside this script
 
 from minisgl_cli.kernels import fp8
 
-SHAPES = (("wan FFN (GELU-tanh)", 32760, 8960, "gelu"), ("z-image FFN (SiLU-and-mul)", 4160, 10240, "silu_mul"),
+SHAPES = (("wan FFN (GELU-tanh)", 32760, 8960, "gelu_tanh"), ("z-image FFN (SiLU-and-mul)", 4160, 10240, "silu_mul"),
           ("wan norm output", 32760, 1536, "none"), ("z-image norm output", 4160, 3840, "none"))
 
 
-def act(kind: str, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def act(kind: fp8.Act, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """kind's activation of x (+ b); silu_mul: x is [gate | up]."""
-    return fp8.activate(x if b is None else x + b, "gelu_tanh" if kind == "gelu" else kind)  # type: ignore[arg-type]
+    return fp8.activate(x if b is None else x + b, kind)
 
 
-def torch_path(kind: str, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_path(kind: fp8.Act, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8.quantize_rows(act(kind, x, b))
 
 
-def eager_then_engine(kind: str, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def eager_then_engine(kind: fp8.Act, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     from minisgl_cli.kernels.triton.fp8 import quant_rows
 
     return quant_rows(act(kind, x, b), pdl=False)
 
 
-def engine_fused(exact: bool, kind: str, x: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def engine_fused(exact: bool, kind: fp8.Act, x: torch.Tensor,
+                 b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     from minisgl_cli.kernels.triton.fp8 import quant_rows
 
-    return quant_rows(x, "gelu_tanh" if kind == "gelu" else kind, b, exact, pdl=False)  # type: ignore[arg-type]
+    return quant_rows(x, kind, b, exact, pdl=False)
 
 
 def main() -> None:
@@ -53,7 +54,7 @@ def main() -> None:
     for label, m, k, kind in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(0)
         h = torch.randn(m, 2 * k if kind == "silu_mul" else k, device="cuda", dtype=torch.bfloat16, generator=g)
-        u = torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g) if kind == "gelu" else None  # bias
+        u = torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g) if kind == "gelu_tanh" else None  # bias
         nbytes = h.numel() * 2 + m * k
         torch._dynamo.reset()
         inductor_config.triton.multi_kernel = 0

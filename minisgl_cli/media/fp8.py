@@ -164,8 +164,8 @@ def quantize_denoiser(denoiser: Any) -> int:
                          "quantization")
     for block in blocks:
         for name, child in list(block.named_modules()):  # MLPs first: their linears go with them
-            if not any(k in name for k in _KEEP) and (mlp := _mlp(child)) is not None and _fits(*_linears(child)):
-                _replace(block, name, mlp)
+            if not any(k in name for k in _KEEP) and _fits(*_linears(child)) and (mlp := _mlp(child)) is not None:
+                _replace(block, name, mlp)  # (fits first: _mlp quantizes the weights it finds)
         for name, child in list(block.named_modules()):
             if isinstance(child, nn.Linear) and not any(k in name for k in _KEEP) and _fits(child):
                 _replace(block, name, Fp8Linear.of(child))
