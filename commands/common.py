@@ -121,7 +121,7 @@ def media_speed_options(serve: bool = False) -> tuple[Any, Any, Any, Any, Any]:
     cache = typer.Option(
         "--media-cache", envvar="MINISGL_MEDIA_CACHE", metavar="<str>", rich_help_panel=panel, callback=_media_cache,
         help="Step cache (cache-dit; approximate): fbcache, dbcache or taylorseer, tuned by :key=value,... "
-             "(threshold, warmup, front, back, max-continuous, max-cached, order).")
+             "(threshold, warmup, front, back, max-continuous, max-cached, order, scm, scm-policy).")
     load_format = typer.Option(
         f"{p}load-format", envvar="MINISGL_MEDIA_LOAD_FORMAT", metavar="<str>", rich_help_panel=panel,
         help="dummy: the model names a built-in config (z-image-turbo, wan2.1-t2v-1.3b), random weights (speed work).")

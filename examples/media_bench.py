@@ -14,6 +14,8 @@ Variants (`--variants`, comma-separated; tokens joined by "+"):
 
     python examples/media_bench.py --out /tmp/media                       # H200: both models, default variants
     python examples/media_bench.py --wan-steps 50 --variants plain,compile+fp8+fbcache --skip-image
+    python examples/media_bench.py --wan-steps 50 --skip-image --video-variants compile,compile+fp8+fp8attn+fbcache \
+        --cache-options scm=fast,scm-policy=static      # a cache's knobs (--media-cache's :key=value,...)
     python examples/media_bench.py --tiny --device cpu                     # the tiny configs: a CPU smoke run
 
 A variant listed twice (`compile,compile`) times a start that finds the first one's compile stored (dynamo reset,
@@ -113,13 +115,13 @@ def psnr(a: Any, b: Any) -> float:
     return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
-def parse(variant: str) -> dict[str, Any]:
+def parse(variant: str, cache_options: str = "") -> dict[str, Any]:
     tokens = set(variant.split("+"))
     unknown = tokens - {"plain", "eager", "compile", "fp8", *CACHES, *ATTENTION}
     if unknown:
         raise SystemExit(f"unknown variant token(s) {sorted(unknown)} in {variant!r}")
     return dict(plain="plain" in tokens, compile="compile" in tokens, quantization="fp8" if "fp8" in tokens else None,
-                media_cache=next((t for t in tokens if t in CACHES), None),
+                media_cache=next((f"{t}:{cache_options}" if cache_options else t for t in tokens if t in CACHES), None),
                 attention_backend=next((ATTENTION[t] for t in tokens if t in ATTENTION), "auto"))
 
 
@@ -142,7 +144,7 @@ def run_model(kind: str, name: str, variants: list[str], a: argparse.Namespace, 
         call["num_frames"] = a.wan_frames
     rows, reference, seen = [], None, set()
     for variant in variants:
-        opts = parse(variant)
+        opts = parse(variant, a.cache_options)
         row = Row(name, variant)
         if variant in seen:  # a compiled variant again: its first call reads the compile the first one stored
             row.note = "again: stored compile"
@@ -243,6 +245,7 @@ def main() -> None:
     ap.add_argument("--wan-height", type=int, default=480)
     ap.add_argument("--wan-frames", type=int, default=81)
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--cache-options", default="", help="the step cache variants' knobs, e.g. scm=fast,threshold=0.2")
     ap.add_argument("--out", type=Path, default=Path("/tmp/media_bench"))
     a = ap.parse_args()
     image_model, video_model = ("tiny-z-image", "tiny-wan") if a.tiny else ("z-image-turbo", "wan2.1-t2v-1.3b")

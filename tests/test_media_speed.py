@@ -160,10 +160,14 @@ def test_media_cache_options_parse_and_bad_ones_are_refused():
     assert parse("dbcache: threshold=0.24, max-continuous=3,warmup=2,front=4,back=1,max-cached=10") == CacheSpec(
         "dbcache", threshold=0.24, max_continuous=3, warmup=2, front=4, back=1, max_cached=10)
     assert parse("taylorseer:order=2").order == 2
+    assert parse("fbcache:scm=fast,scm-policy=static") == CacheSpec("fbcache", scm="fast", scm_policy="static")
     for bad, says in [("fbcache:thresh=1", "'thresh=1' is not an option"), ("fbcache:threshold", "not an option"),
                       ("fbcache:threshold=0", "must be a number > 0"), ("fbcache:warmup=x", "must be an integer"),
                       ("fbcache:max-continuous=0", "-1 or an integer >= 1"), ("fbcache:order=2", "TaylorSeer's"),
-                      ("taylorseer:order=3", "1 or 2"), ("fbcache:front=0", ">= 1")]:
+                      ("taylorseer:order=3", "1 or 2"), ("fbcache:front=0", ">= 1"),
+                      ("fbcache:scm=turbo", "slow or medium or fast or ultra"),
+                      ("fbcache:scm=fast,scm-policy=always", "dynamic or static"),
+                      ("fbcache:scm-policy=static", "scm-policy needs a mask")]:
         with pytest.raises(MediaError, match=says):
             parse(bad)
     fails_with(["image", "--media-cache", "fbcache:threshold=-1", *SMALL], "threshold", "> 0")
@@ -191,6 +195,32 @@ def test_media_cache_options_change_what_is_cached():
     broken = cached("fbcache:threshold=1e9,warmup=2,max-continuous=1")
     assert broken and all(b - a > 1 for a, b in zip(broken, broken[1:]))  # never two cached steps in a row
     assert cached("fbcache:threshold=1e9,warmup=5")[0] == 5
+
+
+def test_media_cache_step_mask_follows_each_calls_step_count():
+    """scm=PRESET: the mask is drawn for each call's steps; `static` caches exactly the masked-off steps even where
+    no residual passes the threshold, `dynamic` (the default) only those that pass it; a step count the presets do
+    not cover computes every step."""
+    import cache_dit
+
+    from minisgl_cli.media import step_cache
+
+    def cached(value: str, steps: int) -> list[int]:
+        loaded = load_pipeline(ModelSpec.create("video", "tiny-wan", None, device="cpu", load_format="dummy",
+                                                media_cache=value))
+        generate_video(loaded, VideoJob("waves", 32, 32, num_frames=5, steps=steps, seed=5))
+        return step_cache.cached_steps(loaded.pipe)
+
+    def skipped(steps: int) -> list[int]:
+        return [i for i, m in enumerate(cache_dit.steps_mask(total_steps=steps, mask_policy="fast")) if m == 0]
+
+    static = "fbcache:threshold=1e-9,scm=fast,scm-policy=static"
+    assert skipped(20) != skipped(10)
+    for steps in (20, 10, 20):  # one pipeline, a new mask each call
+        assert cached(static, steps) == skipped(steps)
+    assert cached("fbcache:threshold=1e-9,scm=fast", 20) == []  # dynamic: nothing passes this threshold
+    assert set(cached("fbcache:threshold=1e9,scm=fast", 20)) == set(skipped(20))  # ... and everything passes this
+    assert cached(static, 5) == []  # fast has no 5-step mask
 
 
 # --- FP8 ---------------------------------------------------------------------------------------

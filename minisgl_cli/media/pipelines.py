@@ -88,6 +88,10 @@ class LoadedPipeline:
         import torch
 
         with self.lock, torch.inference_mode():
+            if self.spec.media_cache is not None:  # a step mask is drawn for this call's step count
+                from minisgl_cli.media.step_cache import prepare
+
+                prepare(self.pipe, self.spec.media_cache, total_steps)
             return self.pipe(**kwargs)
 
 

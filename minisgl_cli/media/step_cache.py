@@ -12,6 +12,11 @@ steps; 8 for video). cache-dit's `summary` reports which steps were cached (`cac
 threshold (residual_diff_threshold), warmup (max_warmup_steps), front / back (Fn / Bn_compute_blocks: the blocks
 that always compute), max-continuous (max_continuous_cached_steps: -1 no limit), max-cached (max_cached_steps),
 order (the TaylorSeer's, 1 or 2). E.g. `fbcache:threshold=0.24,max-continuous=3` is sglang's default.
+
+scm=slow|medium|fast|ultra adds cache-dit's step computation mask (SCM; SGLANG_CACHE_DIT_SCM_PRESET): a schedule,
+drawn for each call's step count, of the steps that always compute (20 of 50 for `fast`); the others may reuse the
+cache: `scm-policy=dynamic` (the default, as sglang's) when the residual test passes, `static` always. Step counts
+the presets do not cover (below 8 but 4 and 6) compute every step.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from typing import Any, NamedTuple
 from minisgl_cli.media.jobs import Kind, MediaError
 
 MODES = ("dbcache", "fbcache", "taylorseer")
+SCM_PRESETS = ("slow", "medium", "fast", "ultra")
+SCM_POLICIES = ("dynamic", "static")
 THRESHOLD = 0.12  # cache-dit's own default residual_diff_threshold
 WARMUP = {"image": 4, "video": 8}
 
@@ -41,6 +48,8 @@ class CacheSpec:
     max_continuous: int = -1  # -1: no limit
     max_cached: int = -1
     order: int = 1
+    scm: str | None = None  # a SCM_PRESETS name: the steps that always compute
+    scm_policy: str = "dynamic"
 
 
 class _Option(NamedTuple):
@@ -57,6 +66,8 @@ _OPTIONS = {
     "max-continuous": _Option(int, lambda v: v == -1 or v >= 1, "-1 or an integer >= 1"),
     "max-cached": _Option(int, lambda v: v >= -1, "-1 or an integer >= 0"),
     "order": _Option(int, lambda v: v in (1, 2), "1 or 2"),
+    "scm": _Option(str, lambda v: v in SCM_PRESETS, " or ".join(SCM_PRESETS)),
+    "scm-policy": _Option(str, lambda v: v in SCM_POLICIES, " or ".join(SCM_POLICIES)),
 }
 
 
@@ -66,7 +77,7 @@ def parse(value: str) -> CacheSpec:
     if mode not in MODES:
         raise MediaError(f"unknown --media-cache {mode!r}: use one of {', '.join(MODES)} "
                          "(then :key=value,... to tune it)", "media_cache")
-    spec = CacheSpec(mode)
+    spec, given = CacheSpec(mode), set()
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, raw = (part.strip() for part in item.partition("="))
         option = _OPTIONS.get(key)
@@ -74,14 +85,18 @@ def parse(value: str) -> CacheSpec:
             raise MediaError(f"--media-cache {mode}: {item!r} is not an option: use key=value with a key of "
                              f"{', '.join(_OPTIONS)}", "media_cache")
         try:
-            number = option.kind(raw)
+            parsed = option.kind(raw)
         except ValueError:
-            number = None
-        if number is None or not option.ok(number):
+            parsed = None
+        if parsed is None or not option.ok(parsed):
             raise MediaError(f"--media-cache {mode}: {key}={raw!r} must be {option.range}", "media_cache")
         if key == "order" and mode != "taylorseer":
             raise MediaError(f"--media-cache {mode}: order is the TaylorSeer's (use taylorseer)", "media_cache")
-        spec = replace(spec, **{key.replace("-", "_"): number})
+        spec = replace(spec, **{key.replace("-", "_"): parsed})
+        given.add(key)
+    if spec.scm is None and "scm-policy" in given:
+        raise MediaError(f"--media-cache {mode}: scm-policy needs a mask (add scm={'|'.join(SCM_PRESETS)})",
+                         "media_cache")
     return spec
 
 
@@ -117,7 +132,7 @@ def enable(pipe: Any, value: str, kind: Kind) -> None:
     config = cache_dit.DBCacheConfig(
         Fn_compute_blocks=front, Bn_compute_blocks=spec.back, residual_diff_threshold=spec.threshold,
         max_warmup_steps=WARMUP[kind] if spec.warmup is None else spec.warmup, max_cached_steps=spec.max_cached,
-        max_continuous_cached_steps=spec.max_continuous)
+        max_continuous_cached_steps=spec.max_continuous, steps_computation_policy=spec.scm_policy)
     calibrator = (cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=spec.order) if spec.mode == "taylorseer"
                   else None)
     try:
@@ -125,6 +140,40 @@ def enable(pipe: Any, value: str, kind: Kind) -> None:
     except Exception as exc:  # a pipeline cache-dit has no adapter for
         raise MediaError(f"--media-cache {spec.mode}: cache-dit cannot cache {type(pipe).__name__} ({exc})",
                          "media_cache") from None
+
+
+def prepare(pipe: Any, value: str, steps: int) -> None:
+    """Before a call of `steps` steps: draw a scm= mask for that many. The wrapped pipeline builds each call's cache
+    context from the config `enable` gave cache-dit (kept on the DiT as `_context_kwargs`, one per block stack)."""
+    spec = parse(value)
+    if spec.scm is None:
+        return
+    import cache_dit
+
+    try:
+        mask: list[int] | None = cache_dit.steps_mask(total_steps=steps, mask_policy=spec.scm)
+    except AssertionError:  # a step count the presets do not cover: every step computes
+        mask = None
+    for config in _cache_configs(pipe):
+        config.num_inference_steps = steps
+        config.steps_computation_mask = mask
+
+
+def _cache_configs(pipe: Any) -> list[Any]:
+    """The cache configs cache-dit keeps for `pipe`'s DiT(s) and their block stacks, each once."""
+    from torch import nn
+
+    found: dict[int, Any] = {}
+    for name in ("transformer", "transformer_2"):
+        denoiser = getattr(pipe, name, None)
+        if denoiser is None:
+            continue
+        holders = [denoiser, *(m for m in denoiser.children() if isinstance(m, nn.ModuleList))]
+        for holder in holders:
+            kwargs = getattr(holder, "_context_kwargs", None)
+            if kwargs and kwargs.get("cache_config") is not None:
+                found.setdefault(id(kwargs["cache_config"]), kwargs["cache_config"])
+    return list(found.values())
 
 
 def cached_steps(pipe: Any) -> list[int]:
