@@ -4,8 +4,9 @@ Each variant (media_bench.py's tokens, plus `dynamic`: the DiT compiled with sym
 of static ones first; `autotune`: inductor's GEMM autotuning) is built from the same built-in config, called once
 (the cold compile) and twice warm, then:
   - a warm call's wall time split into text encoder / transformer / VAE (media_bench.py's Timer);
-  - torch.profiler over one warm call: GPU kernel time by class (GEMM, attention, Triton-fused, other), the
-    GPU's busy fraction of the wall, and the top kernels;
+  - torch.profiler over one warm call (the part timer's syncs off: the call as the server makes it): GPU kernel
+    time by class (GEMM, attention, Triton-fused, other), the GPU's busy fraction of the wall, the top kernels, and
+    the GPU's idle gaps of `--gap-us` or more with the host ops that ran through each (where the host held it up);
   - with `--shapes`: calls with other batch sizes and prompt lengths, each one's time and the graphs dynamo
     compiled for it (a recompile shows as seconds and a count above 0); `--warm-up` runs the media worker's
     warm-up (batch.warm_up) before them.
@@ -55,7 +56,27 @@ def busy_us(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile_call(call: Any) -> dict[str, Any]:
+def idle_gaps(spans: list[tuple[float, float]], host: list[tuple[float, float, str]], min_us: float
+                ) -> list[dict[str, Any]]:
+    """The GPU's idle intervals of at least `min_us` between its first and last kernel, each with the longest host
+    ops (name, µs) that overlap it: what the host was doing while the device waited."""
+    gaps, end = [], None
+    for s, e in sorted(spans):
+        if end is not None and s - end >= min_us:
+            gaps.append((end, s))
+        end = e if end is None else max(end, e)
+    out = []
+    for g0, g1 in gaps:
+        ops: dict[str, float] = defaultdict(float)
+        for s, e, name in host:
+            if s < g1 and e > g0:
+                ops[name] += min(e, g1) - max(s, g0)
+        top = sorted(ops.items(), key=lambda kv: -kv[1])[:4]
+        out.append(dict(start_us=g0, us=g1 - g0, host=[(n[:60], round(v, 1)) for n, v in top]))
+    return out
+
+
+def profile_call(call: Any, gap_us: float = 200.0) -> dict[str, Any]:
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -68,8 +89,10 @@ def profile_call(call: Any) -> dict[str, Any]:
     by_class: dict[str, float] = defaultdict(float)
     by_name: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
-    spans = []
+    spans, host = [], []
     for e in prof.events():
+        if e.device_type == DeviceType.CPU and not e.name.startswith(("cuda", "cudnn", "ProfilerStep")):
+            host.append((e.time_range.start, e.time_range.end, e.name))
         if e.device_type != DeviceType.CUDA or e.name.startswith(("Memcpy", "Memset")):
             continue
         us = e.time_range.end - e.time_range.start
@@ -78,9 +101,14 @@ def profile_call(call: Any) -> dict[str, Any]:
         counts[e.name[:90]] += 1
         spans.append((e.time_range.start, e.time_range.end))
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    gaps = idle_gaps(spans, host, gap_us)
+    t0 = min(s for s, _ in spans) if spans else 0.0
+    for g in gaps:
+        g["start_us"] = round(g["start_us"] - t0, 1)
     return dict(wall_ms=1e3 * wall, busy_ms=busy_us(spans) / 1e3, kernels=len(spans),
                 class_ms={k: v / 1e3 for k, v in sorted(by_class.items())},
-                top=[(n, v / 1e3, counts[n]) for n, v in top])
+                top=[(n, v / 1e3, counts[n]) for n, v in top],
+                gaps_ms=sum(g["us"] for g in gaps) / 1e3, gaps=gaps)
 
 
 def graphs() -> int:
@@ -131,7 +159,7 @@ def run_variant(variant: str, a: argparse.Namespace) -> dict[str, Any]:
         sync()
         return time.perf_counter() - t
 
-    out: dict[str, Any] = dict(variant=variant)
+    out: dict[str, Any] = dict(variant=variant, gap_us=a.gap_us)
     g0 = graphs()
     out["first_s"] = call(0)
     out["first_graphs"] = graphs() - g0
@@ -145,7 +173,10 @@ def run_variant(variant: str, a: argparse.Namespace) -> dict[str, Any]:
     out["warm_s"] = statistics.median(warm)
     out["parts_ms"] = {k: statistics.median(v) for k, v in parts.items()}
     if cuda:
-        out["profile"] = profile_call(lambda: call(50))
+        timer.sync = lambda: None  # the call as the server makes it: no sync at each part's ends
+        out["unsynced_s"] = statistics.median(call(20 + i) for i in range(a.runs))
+        out["profile"] = profile_call(lambda: call(50), a.gap_us)
+        timer.sync = sync
     if a.warm_up:
         g = graphs()
         t = time.perf_counter()
@@ -176,6 +207,11 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"   profiled call {pr['wall_ms']:.1f} ms, GPU busy {pr['busy_ms']:.1f} ms "
                      f"({pr['busy_ms'] / pr['wall_ms']:.0%}), {pr['kernels']} kernels; ms by class: {classes}")
         lines += [f"     {ms:8.2f} ms {count:5d}x  {name}" for name, ms, count in pr["top"]]
+        lines.append(f"   unsynced warm call {r['unsynced_s']:.3f} s; GPU idle gaps >= {r['gap_us']:.0f} us: "
+                     f"{len(pr['gaps'])}, {pr['gaps_ms']:.1f} ms")
+        for g in sorted(pr["gaps"], key=lambda g: -g["us"])[:15]:
+            ops = "; ".join(f"{n} {us:.0f}" for n, us in g["host"])
+            lines.append(f"     at {g['start_us'] / 1e3:8.2f} ms: {g['us']:7.0f} us idle | host: {ops}")
     if "warm_up" in r:
         lines.append(f"   warm-up (batch.warm_up): {r['warm_up']['s']:.2f} s, {r['warm_up']['graphs']} graphs")
     for s in r.get("shapes", []):
@@ -197,6 +233,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shapes", action="store_true", help="time other batch sizes and prompt lengths")
     ap.add_argument("--warm-up", action="store_true", help="before --shapes, the worker's warm-up (batch.warm_up)")
+    ap.add_argument("--gap-us", type=float, default=200.0, help="the GPU idle gaps listed: this long or longer")
     ap.add_argument("--out", default=None, help="write profile.json here")
     a = ap.parse_args()
     if a.tiny:
