@@ -11,6 +11,7 @@ pytest.importorskip("diffusers")
 
 def test_enable_routes_every_attention_and_falls_back_exactly():
     from diffusers import WanTransformer3DModel
+    from diffusers.models.attention_dispatch import attention_backend
 
     from minisgl_cli.media import fp8_attention
 
@@ -20,7 +21,9 @@ def test_enable_routes_every_attention_and_falls_back_exactly():
     x = torch.randn(1, 4, 3, 8, 8)
     ctx = torch.randn(1, 7, 32)
     t = torch.tensor([500])
-    with torch.inference_mode():
+    # diffusers' set_attention_backend also sets its process-wide default: a GPU pipeline loaded earlier in this
+    # process (cuDNN on Hopper) would send these CPU tensors to cuDNN. The model's own attention here is SDPA's.
+    with torch.inference_mode(), attention_backend("native"):
         before = model(x, t, ctx, return_dict=False)[0]
         routed = fp8_attention.enable(model)
         after = model(x, t, ctx, return_dict=False)[0]
