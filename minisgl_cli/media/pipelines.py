@@ -283,7 +283,7 @@ def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
         enable(pipe, spec.media_cache, spec.kind)
     from minisgl_cli.media import prompt_cache, text_encoder
 
-    text_encoder.install(pipe, graphs=device.startswith("cuda") and not spec.cpu_offload)
+    text_encoder.install(pipe)
     prompt_cache.install(pipe, prompt_cache.PromptCache())
     # Fronts show their own progress through step callbacks; diffusers' tqdm would garble it.
     pipe.set_progress_bar_config(disable=True)
