@@ -29,6 +29,8 @@ REFUSED = [
     (["serve", "--dist-init-addr", "127.0.0.1:29999"], "--dist-init-addr is where the --tp ranks meet",
      "--tp 1 has one rank"),
     (["chat", "--dist-init-addr", "127.0.0.1:29999"], "--dist-init-addr", "--tp 1 has one rank"),
+    # ... and several hosts without one: no port on this host's loopback is theirs to meet at.
+    (["serve", "--tp", "2", "--nnodes", "2"], "--nnodes > 1 needs --dist-init-addr", "which every node reaches"),
     # bench: the options of the engine it would load here against a server, and a server's options without one.
     (["bench", "--url", "http://127.0.0.1:9", "--tp", "2", "--kv-cache-dtype", "bf16", "--cache", "naive",
       "--peer", "llama-cpp"], "--url benchmarks a running server", "drop --kv-cache-dtype, --tp, --cache, --peer"),
@@ -77,3 +79,23 @@ def test_the_same_flags_are_taken_where_they_do_something():
     opts = _options(["--engine", "hf", "--dtype", "float32", "--device", "cpu", "--runtime", "in-process"])
     assert isinstance(opts, EngineOptions) and opts.engine.engine == "hf"
     assert "drop --num-tokenizer" in str(_options(["--num-tokenizer", "2"]))
+
+
+def test_ranks_meet_at_a_port_free_at_start_unless_told_where():
+    """Without --dist-init-addr each replica's ranks meet at a loopback port nothing holds at start (two engines
+    started side by side on one host once collided at the old fixed 29517); with it, at its port plus the replica."""
+    import socket
+
+    from minisgl_cli.runtime.config import RuntimeConfig
+
+    with socket.socket() as held:  # a port in use is never the one picked
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        rt = RuntimeConfig(tp_size=2, dp_size=2)
+        addrs = [rt.replica_dist(i).init_addr for i in range(2)]
+    for addr in addrs:
+        host, _, port = addr.rpartition(":")
+        assert host == "127.0.0.1" and int(port) not in (taken, 29517)
+    told = RuntimeConfig(tp_size=2, dp_size=2, dist_init_addr="10.0.0.1:29999")
+    assert [told.replica_dist(i).init_addr for i in range(2)] == ["10.0.0.1:29999", "10.0.0.1:30000"]

@@ -13,11 +13,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from minisgl_cli.distributed import free_port
 
 
 def shared_port(host: str, port: int, n: int, backlog: int = 2048) -> list[socket.socket]:

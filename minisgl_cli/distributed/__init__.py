@@ -7,6 +7,7 @@ symmetric memory (CUDA) is in `one_shot.py`, the buffers of the all-reduce fused
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -16,6 +17,13 @@ from typing import Any, Literal, get_args
 # lamport (auto with the fused kernel's rows their own arrival flags: push_rows.py).
 AllReduce = Literal["auto", "one-shot", "nccl", "lamport"]
 ALL_REDUCES: tuple[str, ...] = get_args(AllReduce)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `host` now (the OS's pick): a rendezvous or server of this host's own."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from minisgl_cli.distributed import free_port
 from minisgl_cli.media.jobs import Cancelled, MediaError, ModelSpec, first_line
 from minisgl_cli.media.pipelines import LoadedPipeline, load_pipeline
 
@@ -198,12 +198,6 @@ def _follow(start: FollowerStart) -> None:
     leave(code)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Ranks:
     """Rank 0's handle on ranks 1..N-1: their processes, the queues that hand them jobs."""
 
@@ -215,7 +209,7 @@ class Ranks:
     def start(cls, spec: ModelSpec, device: str) -> Ranks:
         """Spawn ranks 1..N-1 (each loads `spec` on its own device) and join the group as rank 0."""
         size = spec.media_parallel_size
-        addr = f"127.0.0.1:{_free_port()}"
+        addr = f"127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")  # no fork of a process that holds torch and its threads
         ready, procs, queues = ctx.Queue(), [], []
         for rank in range(1, size):

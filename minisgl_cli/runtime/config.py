@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from minisgl_cli.dispatch import DISPATCH_POLICIES, DispatchPolicy
-from minisgl_cli.distributed import AllReduce, DistConfig
+from minisgl_cli.distributed import AllReduce, DistConfig, free_port
 
 RuntimeMode = Literal["auto", "processes", "in-process"]
 
@@ -30,9 +30,10 @@ class RuntimeConfig:
         flags=("--nnodes",), min=1, help="Hosts the --tp ranks span (each runs --tp/--nnodes ranks)."))
     node_rank: int = field(default=0, metadata=dict(
         flags=("--node-rank",), min=0, help="This host's index; node 0 runs the API and rank 0."))
-    dist_init_addr: str = field(default="127.0.0.1:29517", metadata=dict(
+    dist_init_addr: str | None = field(default=None, metadata=dict(  # None: a free port of this host's
         flags=("--dist-init-addr",),
-        help="HOST:PORT where the ranks meet (--dp replica i: PORT+i)."))
+        help="HOST:PORT where the ranks meet (--dp replica i: PORT+i); needed with --nnodes > 1. "
+             "Default: a free port on 127.0.0.1 for each replica."))
     all_reduce: AllReduce = field(default="auto", metadata=dict(
         flags=("--all-reduce",), env="MINISGL_ALL_REDUCE",
         help="CUDA --tp: auto (small decode sums fused with the RMSNorm after them, one-shot over symmetric memory "
@@ -65,6 +66,9 @@ class RuntimeConfig:
         if self.dispatch not in DISPATCH_POLICIES:
             raise ValueError(f"--dispatch must be one of {', '.join(DISPATCH_POLICIES)}, "
                              f"not {self.dispatch!r}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT: node 0's address, which every node "
+                             "reaches")
         _ = self.dist  # validates --tp / --nnodes / --node-rank / --dist-init-addr / --all-reduce now, as a usage error
 
     @property
@@ -72,9 +76,13 @@ class RuntimeConfig:
         return self.replica_dist(0)
 
     def replica_dist(self, replica: int) -> DistConfig:
-        """Where replica `replica`'s ranks meet: --dist-init-addr's port plus the replica's index."""
-        host, _, port = self.dist_init_addr.rpartition(":")
-        addr = f"{host}:{int(port) + replica}" if replica and port.isdigit() else self.dist_init_addr
+        """Where replica `replica`'s ranks meet: --dist-init-addr's port plus the replica's index, or without one a
+        port free now (one host: two engines started side by side must not meet at one fixed port)."""
+        if self.dist_init_addr is None:
+            addr = f"127.0.0.1:{free_port()}"
+        else:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            addr = f"{host}:{int(port) + replica}" if replica and port.isdigit() else self.dist_init_addr
         return DistConfig(self.tp_size, self.nnodes, self.node_rank, addr, self.all_reduce)
 
     def processes(self, by_default: bool) -> bool:
