@@ -145,7 +145,6 @@ def test_fused_all_reduce_rmsnorm_equals_the_sum_then_the_norm(lamport):
 def _greedy(tp: int) -> tuple[list, list[str]]:
     """Qwen3-0.6B dummy weights at --tp `tp`: each prompt's 16 greedy tokens with their top-2 logprobs, and the
     start-up lines (which name the all-reduce)."""
-    from minisgl_cli.api.http_server import free_port
     from minisgl_cli.client.protocol import complete
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.runtime.config import RuntimeConfig
@@ -158,7 +157,7 @@ def _greedy(tp: int) -> tuple[list, list[str]]:
     lines: list[str] = []
     engine = EngineConfig(model="qwen3-0.6b", load_format="dummy", max_total_tokens=8192, max_running_requests=4,
                           cuda_graph_max_bs=4)
-    rt = RuntimeConfig(tp_size=tp, dist_init_addr=f"127.0.0.1:{free_port()}")
+    rt = RuntimeConfig(tp_size=tp)
     client = launch(engine, SchedulerConfig(), rt, lines.append)
     try:
         async def run():

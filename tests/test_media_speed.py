@@ -221,6 +221,7 @@ def test_media_cache_step_mask_follows_each_calls_step_count():
     assert cached("fbcache:threshold=1e-9,scm=fast", 20) == []  # dynamic: nothing passes this threshold
     assert set(cached("fbcache:threshold=1e9,scm=fast", 20)) == set(skipped(20))  # ... and everything passes this
     assert cached(static, 5) == []  # fast has no 5-step mask
+    assert cached(static, 4) == skipped(4) != []  # ... and has a 4-step one (distilled models)
 
 
 # --- FP8 ---------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ EXACT = dict(dtype="float32", quantization="none")
 
 
 def _launch(model: str, tp: int, num_tokenizer: int = 0):
-    rt = RuntimeConfig(tp_size=tp, dist_init_addr=f"127.0.0.1:{free_port()}", num_tokenizer=num_tokenizer)
+    rt = RuntimeConfig(tp_size=tp, num_tokenizer=num_tokenizer)
     return launch(EngineConfig(model=model, max_total_tokens=2048, **EXACT), SchedulerConfig(), rt)
 
 

@@ -105,7 +105,6 @@ def test_same_image_reuses_its_kv_and_another_image_never_does(tiny_vlms):
 
 
 def _greedy_remote_and_local(model_dir: Path, chats: list[list[dict]], tp: int) -> tuple[list, list]:
-    from minisgl_cli.api.http_server import free_port
     from minisgl_cli.client.local import LocalClient
     from minisgl_cli.client.protocol import complete
     from minisgl_cli.engine.config import EngineConfig
@@ -126,7 +125,7 @@ def _greedy_remote_and_local(model_dir: Path, chats: list[list[dict]], tp: int) 
         want = greedy(local)
     finally:
         local.close()
-    rt = RuntimeConfig(tp_size=tp, dist_init_addr=f"127.0.0.1:{free_port()}")
+    rt = RuntimeConfig(tp_size=tp)
     remote = launch(cfg, SchedulerConfig(max_prefill_tokens=9), rt)  # 9-token chunks: images cut on both ranks
     try:
         got = greedy(remote)
@@ -154,7 +153,6 @@ def test_requests_made_from_one_image_prompt_each_get_their_own_pixels(tiny_vlms
     the prompt's own segment goes when the prompt is dropped."""
     import gc
 
-    from minisgl_cli.api.http_server import free_port
     from minisgl_cli.client.protocol import complete
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.runtime.config import RuntimeConfig
@@ -164,7 +162,7 @@ def test_requests_made_from_one_image_prompt_each_get_their_own_pixels(tiny_vlms
 
     before = set(pixels._ROOT.glob(f"{pixels.PREFIX}*"))
     cfg = EngineConfig(model=str(tiny_vlms["qwen2-vl"]), max_total_tokens=2048, dtype="float32", quantization="none")
-    remote = launch(cfg, SchedulerConfig(), RuntimeConfig(dist_init_addr=f"127.0.0.1:{free_port()}"))
+    remote = launch(cfg, SchedulerConfig(), RuntimeConfig())
     try:
         async def run() -> list[list[int]]:
             prompt = await remote.prompt(GenerateRequest(messages=CHATS[0]))
@@ -287,7 +285,6 @@ def test_an_image_prompt_refused_at_admission_leaves_no_pixels(tiny_vlms):
     """The tokenizer worker shares an image prompt's pixels before it admits the prompt: one it refuses (too long for
     the context) takes none of them out of shared memory's reach, with the runtime still serving."""
     from minisgl_cli.admission import AdmissionError
-    from minisgl_cli.api.http_server import free_port
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.runtime.config import RuntimeConfig
     from minisgl_cli.runtime.launch import launch
@@ -296,7 +293,7 @@ def test_an_image_prompt_refused_at_admission_leaves_no_pixels(tiny_vlms):
 
     cfg = EngineConfig(model=str(tiny_vlms["qwen2-vl"]), max_total_tokens=2048, dtype="float32", quantization="none",
                        max_context_len=8)
-    remote = launch(cfg, SchedulerConfig(), RuntimeConfig(dist_init_addr=f"127.0.0.1:{free_port()}"))
+    remote = launch(cfg, SchedulerConfig(), RuntimeConfig())
     try:
         with pytest.raises(AdmissionError):
             asyncio.run(remote.prompt(GenerateRequest(messages=CHATS[0])))

@@ -32,6 +32,7 @@ from minisgl_cli.media.jobs import Kind, MediaError
 MODES = ("dbcache", "fbcache", "taylorseer")
 SCM_PRESETS = ("slow", "medium", "fast", "ultra")
 SCM_POLICIES = ("dynamic", "static")
+SCM_SHORT_STEPS = (4, 6)  # the step counts below 8 that cache-dit's presets have masks for
 THRESHOLD = 0.12  # cache-dit's own default residual_diff_threshold
 WARMUP = {"image": 4, "video": 8}
 
@@ -150,10 +151,10 @@ def prepare(pipe: Any, value: str, steps: int) -> None:
         return
     import cache_dit
 
-    try:
-        mask: list[int] | None = cache_dit.steps_mask(total_steps=steps, mask_policy=spec.scm)
-    except AssertionError:  # a step count the presets do not cover: every step computes
-        mask = None
+    # The presets cover 8 steps and more, and 4 or 6 (distilled models); other counts compute every step. (Decided
+    # here: cache-dit refuses them by an assert, and under `python -O` its loop then never ends.)
+    covered = steps >= 8 or steps in SCM_SHORT_STEPS
+    mask = cache_dit.steps_mask(total_steps=steps, mask_policy=spec.scm) if covered else None
     for config in _cache_configs(pipe):
         config.num_inference_steps = steps
         config.steps_computation_mask = mask
