@@ -99,8 +99,9 @@ class MediaLoadFormat(str, Enum):
     dummy = "dummy"
 
 
-def media_speed_options(serve: bool = False) -> tuple[Any, Any, Any, Any, Any]:
-    """The diffusion pipelines' speed options: (compile, attention backend, quantization, step cache, load format).
+def media_speed_options(serve: bool = False) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """The diffusion pipelines' speed options: (compile, attention backend, quantization, step cache, load format,
+    disable CUDA graphs).
     In their own panel: --compile, --quantization... on image / video; on serve with a media prefix
     (--media-quantization: serve's --quantization is the LLM's). One env var each, for all three commands."""
     panel, p = (f"Media {SPEED_PANEL.lower()}", "--media-") if serve else (SPEED_PANEL, "--")
@@ -125,7 +126,10 @@ def media_speed_options(serve: bool = False) -> tuple[Any, Any, Any, Any, Any]:
     load_format = typer.Option(
         f"{p}load-format", envvar="MINISGL_MEDIA_LOAD_FORMAT", metavar="<str>", rich_help_panel=panel,
         help="dummy: the model names a built-in config (z-image-turbo, wan2.1-t2v-1.3b), random weights (speed work).")
-    return compile_, attention, quantization, cache, load_format
+    no_graphs = typer.Option(
+        f"{p}disable-cuda-graph", envvar="MINISGL_MEDIA_NO_GRAPHS", rich_help_panel=panel,
+        help="Run the text encoder and the DiT's blocks eagerly on CUDA (no graph capture; the same pixels).")
+    return compile_, attention, quantization, cache, load_format, no_graphs
 
 
 class MediaParallel(str, Enum):
@@ -176,10 +180,11 @@ def _media_cache(value: str | None) -> str | None:
 
 
 def speed_options(compile: bool | None, attention_backend: MediaAttention, quantization: MediaQuantization,
-                  media_cache: str | None, load_format: MediaLoadFormat) -> dict[str, Any]:
-    """The speed options of `image` / `video` as ModelSpec's keyword arguments."""
+                  media_cache: str | None, load_format: MediaLoadFormat, disable_cuda_graph: bool) -> dict[str, Any]:
+    """The speed options of `image` / `video` / `serve` as ModelSpec's (and MediaSettings') keyword arguments."""
     return dict(compile=compile, attention_backend=attention_backend.value,
-                quantization=media_quantization(quantization), media_cache=media_cache, load_format=load_format.value)
+                quantization=media_quantization(quantization), media_cache=media_cache, load_format=load_format.value,
+                cuda_graphs=not disable_cuda_graph)
 
 
 class Command(TyperCommand):

@@ -15,7 +15,7 @@ app = typer.Typer()
 setup = c.in_panel(c.MODEL_PANEL)  # the model and how it runs
 MODEL, MODEL_DIR = c.pipeline_options("MINISGL_IMAGE_MODEL", "Z_IMAGE_MODEL_DIR",
                                       f"{DEFAULT_IMAGE_MODEL_DIR} for the default --model")
-COMPILE, ATTENTION, QUANTIZATION, MEDIA_CACHE, LOAD_FORMAT = c.media_speed_options()
+COMPILE, ATTENTION, QUANTIZATION, MEDIA_CACHE, LOAD_FORMAT, NO_GRAPHS = c.media_speed_options()
 PARALLEL, PARALLEL_SIZE = c.media_parallel_options()
 
 
@@ -56,6 +56,7 @@ def image(
     quantization: Annotated[c.MediaQuantization, QUANTIZATION] = c.MediaQuantization.none,
     media_cache: Annotated[Optional[str], MEDIA_CACHE] = None,
     load_format: Annotated[c.MediaLoadFormat, LOAD_FORMAT] = c.MediaLoadFormat.auto,
+    disable_cuda_graph: Annotated[bool, NO_GRAPHS] = False,
     media_parallel: Annotated[Optional[c.MediaParallel], PARALLEL] = None,
     media_parallel_size: Annotated[int, PARALLEL_SIZE] = 2,
 ) -> None:
@@ -70,7 +71,8 @@ def image(
         job = ImageJob(prompt, w, h, steps, guidance_scale, num_images, seed, negative_prompt)  # checked before loading
         console.writable_dir(output_dir)
         spec = ModelSpec.create("image", model, model_dir, device=device, cpu_offload=cpu_offload,
-                                **c.speed_options(compile, attention_backend, quantization, media_cache, load_format),
+                                **c.speed_options(compile, attention_backend, quantization, media_cache, load_format,
+                                                  disable_cuda_graph),
                                 **c.media_parallel(media_parallel, media_parallel_size, guidance_scale))
         loaded = console.load_with_status(spec)
         job, note = fit_defaults(loaded.pipe, job, size=width is None and height is None)

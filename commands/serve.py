@@ -20,7 +20,7 @@ app = typer.Typer()
 server = c.in_panel(c.SERVER_PANEL)
 limits = c.in_panel(c.LIMITS_PANEL)
 media = c.in_panel(c.MEDIA_PANEL)
-COMPILE, ATTENTION, QUANTIZATION, MEDIA_CACHE, LOAD_FORMAT = c.media_speed_options(serve=True)
+COMPILE, ATTENTION, QUANTIZATION, MEDIA_CACHE, LOAD_FORMAT, NO_GRAPHS = c.media_speed_options(serve=True)
 PARALLEL, PARALLEL_SIZE = c.media_parallel_options(serve=True)
 
 
@@ -74,6 +74,7 @@ def serve(
     media_quantization: Annotated[c.MediaQuantization, QUANTIZATION] = c.MediaQuantization.none,
     media_cache: Annotated[Optional[str], MEDIA_CACHE] = None,
     media_load_format: Annotated[c.MediaLoadFormat, LOAD_FORMAT] = c.MediaLoadFormat.auto,
+    media_disable_cuda_graph: Annotated[bool, NO_GRAPHS] = False,
     media_parallel: Annotated[Optional[c.MediaParallel], PARALLEL] = None,
     media_parallel_size: Annotated[int, PARALLEL_SIZE] = 2,
     media_max_queue: Annotated[int, media("--media-max-queue", envvar="MINISGL_MEDIA_MAX_QUEUE", min=1,
@@ -139,7 +140,8 @@ def serve(
         media, image_model=image_model or media.image_model, video_model=video_model or media.video_model,
         image_model_dir=image_model_dir or media.image_model_dir,
         video_model_dir=video_model_dir or media.video_model_dir,
-        **c.speed_options(media_compile.flag(), media_attention, media_quantization, media_cache, media_load_format),
+        **c.speed_options(media_compile.flag(), media_attention, media_quantization, media_cache, media_load_format,
+                          media_disable_cuda_graph),
         max_queue=media_max_queue, max_batch=media_max_batch, max_work=media_max_work,
         media_parallel=media_parallel.value if media_parallel else media.media_parallel,
         media_parallel_size=media_parallel_size,

@@ -13,7 +13,7 @@ from minisgl_cli.media.jobs import DEFAULT_VIDEO_MODEL
 
 MODEL, MODEL_DIR = c.pipeline_options("MINISGL_VIDEO_MODEL", "MINISGL_VIDEO_MODEL_DIR",
                                       "~/.cache/mini-sglang/<repo name>")
-COMPILE, ATTENTION, QUANTIZATION, MEDIA_CACHE, LOAD_FORMAT = c.media_speed_options()
+COMPILE, ATTENTION, QUANTIZATION, MEDIA_CACHE, LOAD_FORMAT, NO_GRAPHS = c.media_speed_options()
 PARALLEL, PARALLEL_SIZE = c.media_parallel_options()
 
 app = typer.Typer()
@@ -54,6 +54,7 @@ def video(
     quantization: Annotated[c.MediaQuantization, QUANTIZATION] = c.MediaQuantization.none,
     media_cache: Annotated[Optional[str], MEDIA_CACHE] = None,
     load_format: Annotated[c.MediaLoadFormat, LOAD_FORMAT] = c.MediaLoadFormat.auto,
+    disable_cuda_graph: Annotated[bool, NO_GRAPHS] = False,
     media_parallel: Annotated[Optional[c.MediaParallel], PARALLEL] = None,
     media_parallel_size: Annotated[int, PARALLEL_SIZE] = 2,
 ) -> None:
@@ -73,7 +74,8 @@ def video(
                        fps, steps, guidance_scale, seed, negative_prompt)  # checked before loading
         console.writable_dir(output_dir)
         spec = ModelSpec.create("video", model, model_dir, device=device, cpu_offload=cpu_offload,
-                                **c.speed_options(compile, attention_backend, quantization, media_cache, load_format),
+                                **c.speed_options(compile, attention_backend, quantization, media_cache, load_format,
+                                                  disable_cuda_graph),
                                 **c.media_parallel(media_parallel, media_parallel_size, guidance_scale))
         loaded = console.load_with_status(spec)
         job, note = fit_defaults(loaded.pipe, job, size=width is None and height is None, frames=num_frames is None)

@@ -40,7 +40,7 @@ def run(model: str, variant: str) -> None:
     kind = "video" if model.startswith("wan") else "image"
     spec = ModelSpec.create(kind, model, None, device="cuda", load_format="dummy",
                             compile=opts["compile"], attention_backend=opts["attention_backend"],
-                            quantization=opts["quantization"], media_cache=None)
+                            quantization=opts["quantization"], media_cache=None, cuda_graphs=opts["cuda_graphs"])
     dit = load_pipeline(spec).pipe.transformer
     args = inputs(model)
 

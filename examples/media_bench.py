@@ -10,6 +10,7 @@ Variants (`--variants`, comma-separated; tokens joined by "+"):
   plain        diffusers' pipeline as it comes (the baseline)
   eager        our load_pipeline, nothing compiled     compile   regional compile (+ the image VAE decode)
   fp8          FP8 DiT linears                         fbcache / dbcache / taylorseer   cache-dit's step cache
+  nographs     no CUDA graphs of the short passes (--disable-cuda-graph; media/graphs.py)
   sdpa / cudnn / flash3 / fp8attn   the attention kernels (default: auto; fp8attn: ours in FP8, approximate)
 
     python examples/media_bench.py --out /tmp/media                       # H200: both models, default variants
@@ -99,6 +100,14 @@ class Timer:
 
         setattr(obj, attr, timed)
 
+    def text_encoder(self, pipe: Any) -> None:
+        """The prompt's encoding, timed around the pipeline's own method where it has one (Z-Image): hooks on the
+        encoder module would run inside its CUDA graph's capture (media/graphs.py), where a sync cannot."""
+        if hasattr(pipe, "_encode_prompt"):
+            self.method("text", pipe, "_encode_prompt")
+        else:
+            self.module("text", pipe.text_encoder)
+
     def take(self) -> dict[str, list[float]]:
         out, self.times = dict(self.times), defaultdict(list)
         return out
@@ -117,12 +126,13 @@ def psnr(a: Any, b: Any) -> float:
 
 def parse(variant: str, cache_options: str = "") -> dict[str, Any]:
     tokens = set(variant.split("+"))
-    unknown = tokens - {"plain", "eager", "compile", "fp8", *CACHES, *ATTENTION}
+    unknown = tokens - {"plain", "eager", "compile", "fp8", "nographs", *CACHES, *ATTENTION}
     if unknown:
         raise SystemExit(f"unknown variant token(s) {sorted(unknown)} in {variant!r}")
     return dict(plain="plain" in tokens, compile="compile" in tokens, quantization="fp8" if "fp8" in tokens else None,
                 media_cache=next((f"{t}:{cache_options}" if cache_options else t for t in tokens if t in CACHES), None),
-                attention_backend=next((ATTENTION[t] for t in tokens if t in ATTENTION), "auto"))
+                attention_backend=next((ATTENTION[t] for t in tokens if t in ATTENTION), "auto"),
+                cuda_graphs="nographs" not in tokens)
 
 
 def run_model(kind: str, name: str, variants: list[str], a: argparse.Namespace, sync: Any) -> list[Row]:
@@ -166,7 +176,8 @@ def run_model(kind: str, name: str, variants: list[str], a: argparse.Namespace, 
             else:
                 spec = ModelSpec.create(kind, name, None, device=device, load_format="dummy", compile=opts["compile"],
                                         attention_backend=opts["attention_backend"],
-                                        quantization=opts["quantization"], media_cache=opts["media_cache"])
+                                        quantization=opts["quantization"], media_cache=opts["media_cache"],
+                                        cuda_graphs=opts["cuda_graphs"])
                 loaded = load_pipeline(spec)
                 pipe = loaded.pipe
 
@@ -180,7 +191,7 @@ def run_model(kind: str, name: str, variants: list[str], a: argparse.Namespace, 
             rows.append(row)
             print(f"{name} {variant}: {row.note}", flush=True)
             continue
-        timer.module("text", pipe.text_encoder)
+        timer.text_encoder(pipe)
         timer.module("transformer", pipe.transformer)
         timer.method("vae", pipe.vae, "decode")
         t = time.perf_counter()

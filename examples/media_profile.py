@@ -138,7 +138,8 @@ def run_variant(variant: str, a: argparse.Namespace) -> dict[str, Any]:
     own_compile = "dynamic" in tokens
     spec = ModelSpec.create("image", a.model, None, device=a.device, load_format="dummy",
                             compile=opts["compile"] and not own_compile, attention_backend=opts["attention_backend"],
-                            quantization=opts["quantization"], media_cache=opts["media_cache"])
+                            quantization=opts["quantization"], media_cache=opts["media_cache"],
+                            cuda_graphs=opts["cuda_graphs"])
     loaded = load_pipeline(spec)
     pipe = loaded.pipe
     if own_compile:
@@ -146,7 +147,7 @@ def run_variant(variant: str, a: argparse.Namespace) -> dict[str, Any]:
         compile_vae_decode(pipe.vae)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     timer = Timer(sync)
-    timer.module("text", pipe.text_encoder)
+    timer.text_encoder(pipe)
     timer.module("transformer", pipe.transformer)
     timer.method("vae", pipe.vae, "decode")
     prompt = "a lantern festival over a river at night, number {}"
@@ -191,6 +192,9 @@ def run_variant(variant: str, a: argparse.Namespace) -> dict[str, Any]:
             seq.append(dict(n=n, extra_words=words, s=round(s, 3), per_image_s=round(s / n, 3), graphs=graphs() - g))
         out["shapes"] = seq
     timer.take()
+    if loaded.graphs is not None:  # media/graphs.py: what was captured, replayed, kept eager
+        out["cuda_graphs"] = {m.name: dict(captures=m.captures, replays=m.replays, eager=len(m.eager))
+                              for m in loaded.graphs.members}
     unload_all()
     inductor_config.max_autotune_gemm = False
     return out
@@ -212,6 +216,9 @@ def report(r: dict[str, Any]) -> str:
         for g in sorted(pr["gaps"], key=lambda g: -g["us"])[:15]:
             ops = "; ".join(f"{n} {us:.0f}" for n, us in g["host"])
             lines.append(f"     at {g['start_us'] / 1e3:8.2f} ms: {g['us']:7.0f} us idle | host: {ops}")
+    if "cuda_graphs" in r:
+        lines.append("   CUDA graphs (captured / replays / shapes kept eager): " + "; ".join(
+            f"{name} {g['captures']} / {g['replays']} / {g['eager']}" for name, g in r["cuda_graphs"].items()))
     if "warm_up" in r:
         lines.append(f"   warm-up (batch.warm_up): {r['warm_up']['s']:.2f} s, {r['warm_up']['graphs']} graphs")
     for s in r.get("shapes", []):

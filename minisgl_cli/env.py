@@ -257,6 +257,12 @@ def media_load_format() -> str | None:
     return _text("MINISGL_MEDIA_LOAD_FORMAT")
 
 
+def media_cuda_graphs() -> bool | None:
+    """MINISGL_MEDIA_NO_GRAPHS (--disable-cuda-graph on image / video, --media-disable-cuda-graph on serve):
+    set true, False (the media passes run eagerly); unset: None (graphs on CUDA)."""
+    return None if _text("MINISGL_MEDIA_NO_GRAPHS") is None else not flag("MINISGL_MEDIA_NO_GRAPHS")
+
+
 def media_parallel() -> str | None:
     """MINISGL_MEDIA_PARALLEL (--media-parallel): one job over several GPUs, cfg, ulysses or auto; unset: one GPU."""
     return _text("MINISGL_MEDIA_PARALLEL")

@@ -295,6 +295,39 @@ def test_compile_defaults_on_for_cuda_only():
     assert compiles(image_spec(compile=True), "cpu") and not compiles(image_spec(compile=False), "cuda")
 
 
+def test_cuda_graphs_default_on_for_cuda_and_off_with_offload_or_the_flag():
+    from minisgl_cli.media.pipelines import graphs_on
+
+    assert graphs_on(image_spec(), "cuda:0") and not graphs_on(image_spec(), "cpu")
+    assert not graphs_on(image_spec(), "mps") and not graphs_on(image_spec(cpu_offload=True), "cuda")
+    assert not graphs_on(image_spec(cuda_graphs=False), "cuda")
+
+
+def test_graphed_blocks_keep_the_modules_and_run_them_in_order():
+    """media/graphs.py's block stack, as the DiT's forward meets it (its first call of a shape runs eager, on any
+    device): the same state dict under the same names, one step when iterated, the same output as the blocks."""
+    import torch
+
+    from minisgl_cli.media.configs import build_dummy_pipeline
+    from minisgl_cli.media.graphs import Graphed, Pool, install_blocks
+
+    dit = build_dummy_pipeline("tiny-z-image", "cpu", torch.float32).transformer
+    x = [torch.randn(dit.config.in_channels, 1, 8, 8, generator=torch.Generator().manual_seed(1))]
+    caption = [torch.randn(7, dit.config.cap_feat_dim, generator=torch.Generator().manual_seed(2))]
+    t = torch.tensor([0.25])
+    names = list(dit.state_dict())
+    with torch.inference_mode():
+        want = dit(x, t, caption, return_dict=False)[0][0]
+        pool = Pool()
+        stacks = install_blocks(dit, pool)
+        assert install_blocks(torch.nn.Linear(2, 2), pool) == []
+        got = dit(x, t, caption, return_dict=False)[0][0]
+    assert [s.graphed.name.split(".")[-1] for s in stacks] == ["noise_refiner", "context_refiner", "layers"]
+    assert list(dit.state_dict()) == names and pool.members == [s.graphed for s in stacks]
+    assert all(len(list(s)) == 1 and isinstance(next(iter(s)), Graphed) for s in stacks)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.slow
 def test_regional_compile_matches_eager_and_stores_its_cache(tiny_models, tmp_path):  # noqa: F811
     """`minisgl image --compile` of a checkpoint on disk (the saved tiny Z-Image) in a fresh process: the eager
@@ -329,12 +362,14 @@ def test_serve_settings_take_the_speed_options_from_the_environment(monkeypatch)
 
     for var, value in {"MINISGL_IMAGE_MODEL": "tiny-z-image", "MINISGL_MEDIA_LOAD_FORMAT": "dummy",
                        "MINISGL_MEDIA_CACHE": "fbcache", "MINISGL_MEDIA_QUANTIZATION": "fp8",
-                       "MINISGL_MEDIA_COMPILE": "off", "MINISGL_MEDIA_ATTENTION": "sdpa"}.items():
+                       "MINISGL_MEDIA_COMPILE": "off", "MINISGL_MEDIA_ATTENTION": "sdpa",
+                       "MINISGL_MEDIA_NO_GRAPHS": "1"}.items():
         monkeypatch.setenv(var, value)
     settings = MediaSettings.from_env()
     spec = settings.spec("image")
     assert (spec.model, spec.load_format, spec.media_cache, spec.quantization, spec.compile,
-            spec.attention_backend) == ("tiny-z-image", "dummy", "fbcache", "fp8", False, "sdpa")
+            spec.attention_backend, spec.cuda_graphs) == ("tiny-z-image", "dummy", "fbcache", "fp8", False, "sdpa",
+                                                          False)
     assert settings.available("image")  # a built-in config needs no dir on disk
     monkeypatch.setenv("MINISGL_MEDIA_COMPILE", "auto")
     assert MediaSettings.from_env().compile is None
@@ -345,7 +380,8 @@ def test_media_settings_defaults_where_no_variable_is_set_and_the_caps_parse(mon
 
     for var in ("MINISGL_IMAGE_MODEL", "MINISGL_VIDEO_MODEL", "Z_IMAGE_MODEL_DIR", "MINISGL_VIDEO_MODEL_DIR",
                 "MINISGL_DEVICE", "MINISGL_MEDIA_COMPILE", "MINISGL_MEDIA_ATTENTION", "MINISGL_MEDIA_QUANTIZATION",
-                "MINISGL_MEDIA_CACHE", "MINISGL_MEDIA_LOAD_FORMAT", "MINISGL_MEDIA_MAX_QUEUE",
+                "MINISGL_MEDIA_CACHE", "MINISGL_MEDIA_LOAD_FORMAT", "MINISGL_MEDIA_NO_GRAPHS",
+                "MINISGL_MEDIA_MAX_QUEUE",
                 "MINISGL_MEDIA_MAX_BATCH", "MINISGL_MEDIA_MAX_WORK"):
         monkeypatch.delenv(var, raising=False)
     assert MediaSettings.from_env() == MediaSettings()

@@ -126,6 +126,7 @@ class ModelSpec:
     # ranks; None: one device.
     media_parallel: str | None = None
     media_parallel_size: int = 2
+    cuda_graphs: bool = True  # CUDA graphs of the short passes on CUDA (media/graphs.py); False: --disable-cuda-graph
 
     @classmethod
     def create(cls, kind: Kind, model: str | None, model_dir: str | os.PathLike | None, **kw: Any) -> ModelSpec:

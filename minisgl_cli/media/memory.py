@@ -12,7 +12,10 @@ scales with the images. A video's peak is also its VAE decode: Wan's decodes fra
 call sized for is `--media-max-batch` rows (the worker's batches) of the job's default size: what a server busy with
 default requests runs. A larger job (n past the batch cap, a larger size) may still run out of memory: its 503 says
 so and the worker takes the next job. A quarter more covers the caching allocator's fragmentation, and 2 GiB the
-worker's CUDA context, the cuBLAS / cuDNN workspaces and torch.compile's autotuning.
+worker's CUDA context, the cuBLAS / cuDNN workspaces and torch.compile's autotuning. An image pipeline's CUDA graphs
+(media/graphs.py) hold a denoise step's activations once more in their own pool, plus each captured shape's input and
+output buffers (~64 B a pixel for Z-Image: the 3,840-wide rows of one token per 16x16 pixels, in and out, bf16), sized
+as GRAPH_BYTES_PER_PIXEL a row and pixel.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from minisgl_cli.media.settings import MediaSettings
 
 KINDS: tuple[Kind, ...] = ("image", "video")
 BYTES_PER_PIXEL: dict[Kind, int] = {"image": 1536, "video": 11 * 1024}  # a call's peak, per row and output pixel
+GRAPH_BYTES_PER_PIXEL: dict[Kind, int] = {"image": 1024, "video": 0}  # the graphs' pool and buffers (no video graphs)
 ALLOCATOR_MARGIN = 1.25
 WORKER_OVERHEAD = 2 << 30
 GIB = 1 << 30
@@ -67,10 +71,16 @@ def estimate(settings: MediaSettings, kinds: Iterable[Kind], itemsize: int = 2) 
         weights[spec.model if spec.load_format == "dummy" else spec.model_dir.name] = _weights(spec, itemsize)
         defaults = job_defaults(ImageJob if kind == "image" else VideoJob)
         width, height = defaults["width"], defaults["height"]
-        nbytes = settings.max_batch * width * height * BYTES_PER_PIXEL[kind] * ALLOCATOR_MARGIN
+        per_pixel = BYTES_PER_PIXEL[kind] + (GRAPH_BYTES_PER_PIXEL[kind] if graphed(spec) else 0)
+        nbytes = settings.max_batch * width * height * per_pixel * ALLOCATOR_MARGIN
         calls.append((int(nbytes), f"{settings.max_batch} {kind}s of {width}x{height}"))
     nbytes, largest = max(calls, default=(0, "nothing"))
     return MediaMemory(weights, nbytes + WORKER_OVERHEAD, largest)
+
+
+def graphed(spec: ModelSpec) -> bool:
+    """Whether the worker's pipeline for `spec` keeps CUDA graphs on a CUDA device (media/pipelines.graphs_on)."""
+    return spec.cuda_graphs and not spec.cpu_offload
 
 
 def keep_free(settings: MediaSettings, engine_device: str) -> KeepFree | None:

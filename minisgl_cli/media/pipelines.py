@@ -3,10 +3,10 @@
 the load on first use only.
 
 The speed-ups, in the order they apply: FP8 DiT linears (media/fp8.py), the attention kernels, regional compile of
-the DiT's blocks and the image VAE's decode (media/compile.py), cache-dit's step cache (media/step_cache.py),
-the prompt encoded on its own tokens (media/text_encoder.py) and the text-embedding cache (media/prompt_cache.py),
-both always on: they are exact. VAE tiling switches on per job past
-TILE_PIXELS (an image) or TILE_VOXELS (a video's frames x pixels).
+the DiT's blocks and the image VAE's decode (media/compile.py), cache-dit's step cache (media/step_cache.py), CUDA
+graphs of the DiT's block stacks and the text encoder (media/graphs.py; on CUDA), the prompt encoded on its own tokens
+(media/text_encoder.py) and the text-embedding cache (media/prompt_cache.py): the last three are exact. VAE tiling
+switches on per job past TILE_PIXELS (an image) or TILE_VOXELS (a video's frames x pixels).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class LoadedPipeline:
     lock: threading.Lock
     rank: int = 0  # this process's rank in a media group (spec.media_parallel); ranks > 0 hand back nothing
     ranks: Any = None  # rank 0 of a media group: media/ranks.Ranks, which hands the other ranks each batch
+    graphs: Any = None  # media/graphs.Pool of the pipeline's CUDA-graphed passes; None where none are
 
     def call_params(self) -> set[str] | None:
         """Names `pipe.__call__` accepts; None when it takes **kwargs (accepts anything)."""
@@ -212,6 +213,12 @@ def compiles(spec: ModelSpec, device: str) -> bool:
     return spec.compile
 
 
+def graphs_on(spec: ModelSpec, device: str) -> bool:
+    """CUDA graphs of the short passes (media/graphs.py): on CUDA unless --disable-cuda-graph, or the weights move
+    between devices a call (--cpu-offload)."""
+    return spec.cuda_graphs and device.startswith("cuda") and not spec.cpu_offload
+
+
 def _auto_attention(device: str) -> str:
     """cuDNN attention on compute capability 9.0+ when it runs a masked bf16 call here; else PyTorch's SDPA choice."""
     import torch
@@ -239,7 +246,8 @@ def _set_attention(pipe: Any, denoiser: Any, backend: str, name: str) -> None:
         raise MediaError(f"--attention-backend {name} unavailable: {first_line(exc)}", "attention_backend") from None
 
 
-def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
+def _configure(pipe: Any, spec: ModelSpec, device: str) -> Any:
+    """Apply the spec's speed-ups to a built pipeline; returns the graphs' media/graphs.Pool (None: no graphs)."""
     if spec.cpu_offload:  # (check_options refused it off CUDA)
         pipe.enable_model_cpu_offload()
     else:
@@ -283,10 +291,18 @@ def _configure(pipe: Any, spec: ModelSpec, device: str) -> None:
         enable(pipe, spec.media_cache, spec.kind)
     from minisgl_cli.media import prompt_cache, text_encoder
 
-    text_encoder.install(pipe)
+    pool = None
+    if graphs_on(spec, device):
+        from minisgl_cli.media.graphs import Pool, install_blocks
+
+        pool = Pool()
+        if spec.media_cache is None and spec.media_parallel is None:  # both rewrite the blocks' calls
+            install_blocks(denoiser, pool)
+    text_encoder.install(pipe, pool)
     prompt_cache.install(pipe, prompt_cache.PromptCache())
     # Fronts show their own progress through step callbacks; diffusers' tqdm would garble it.
     pipe.set_progress_bar_config(disable=True)
+    return pool
 
 
 def _from_disk(model_dir: Path, dtype: Any) -> Any:
@@ -320,7 +336,7 @@ def load_pipeline(spec: ModelSpec) -> LoadedPipeline:
         model_dir = ensure_model_dir(spec)
         source = str(model_dir.resolve())
     key = (source, device, str(dtype), spec.cpu_offload, compiles(spec, device), spec.attention_backend,
-           spec.quantization, spec.media_cache, spec.media_parallel, spec.media_parallel_size)
+           spec.quantization, spec.media_cache, spec.media_parallel, spec.media_parallel_size, spec.cuda_graphs)
     # One lock for all loads: loads are rare, and two first requests must not load the weights twice.
     with _cache_lock:
         if key in _cache:
@@ -331,12 +347,12 @@ def load_pipeline(spec: ModelSpec) -> LoadedPipeline:
         else:
             pipe = _from_disk(model_dir, dtype)
         _check_kind(pipe, spec)
-        _configure(pipe, spec, device)
+        pool = _configure(pipe, spec, device)
         rank = 0
         if spec.media_parallel is not None:
             import torch.distributed as dist
 
             rank = dist.get_rank()
-        loaded = LoadedPipeline(pipe, spec, model_dir, device, dtype, threading.Lock(), rank)
+        loaded = LoadedPipeline(pipe, spec, model_dir, device, dtype, threading.Lock(), rank, graphs=pool)
         _cache[key] = loaded
         return loaded

@@ -25,6 +25,7 @@ class MediaSettings:
     quantization: str | None = None
     media_cache: str | None = None
     load_format: str = "auto"
+    cuda_graphs: bool = True  # CUDA graphs of the short passes on CUDA (media/graphs.py)
     # The video pipeline over several GPUs (media/parallel.py): cfg, ulysses or auto (resolved for the default video
     # job's guidance); None: one GPU. The image pipelines (Z-Image) have neither split.
     media_parallel: str | None = None
@@ -52,6 +53,7 @@ class MediaSettings:
             quantization=env.media_quantization(),
             media_cache=env.media_cache(),
             load_format=env.media_load_format(),
+            cuda_graphs=env.media_cuda_graphs(),
             media_parallel=env.media_parallel(),
             media_parallel_size=env.media_parallel_size(),
             max_queue=env.media_max_queue(),
@@ -75,6 +77,7 @@ class MediaSettings:
             kind, model, model_dir, device=self.device, cpu_offload=self.cpu_offload, compile=self.compile,
             attention_backend=self.attention_backend, allow_download=self.allow_download,
             quantization=self.quantization, media_cache=self.media_cache, load_format=self.load_format,
+            cuda_graphs=self.cuda_graphs,
             media_parallel=parallel, media_parallel_size=self.media_parallel_size,
         )
 
