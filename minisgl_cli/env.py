@@ -258,8 +258,8 @@ def media_load_format() -> str | None:
 
 
 def media_cuda_graphs() -> bool | None:
-    """MINISGL_MEDIA_NO_GRAPHS (--disable-cuda-graph on image / video, --media-disable-cuda-graph on serve):
-    set true, False (the media passes run eagerly); unset: None (graphs on CUDA)."""
+    """MINISGL_MEDIA_NO_GRAPHS (--disable-cuda-graph on image / video, --media-disable-cuda-graph on serve): set
+    true, False (the media passes run eagerly); set false, True; unset, None (the default: graphs on CUDA)."""
     return None if _text("MINISGL_MEDIA_NO_GRAPHS") is None else not flag("MINISGL_MEDIA_NO_GRAPHS")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -99,7 +100,7 @@ class Graphed:
             log.warning("%s: CUDA graph capture of shape %s failed, it stays eager (%s)", self.name, key,
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self.eager.add(key)
-            release_generator(static_device(args))
+            release_generator(_device(args))
             return
         self.graphs[key] = (graph, static, out)
         self.captures += 1
@@ -148,20 +149,20 @@ def release_generator(device: torch.device) -> None:
         log.warning("CUDA generator not released after a failed capture (%s)", exc)
 
 
-def static_device(args: tuple) -> torch.device:
+def _device(args: tuple) -> torch.device:
     return next(a.device for a in args if isinstance(a, torch.Tensor))
 
 
-class _sync_raises:
+@contextmanager
+def _sync_raises() -> Iterator[None]:
     """torch.cuda's sync debug mode set to raise within the block (it is process-wide: the worker runs one pass at a
     time)."""
-
-    def __enter__(self) -> None:
-        self.before = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-
-    def __exit__(self, *exc: object) -> None:
-        torch.cuda.set_sync_debug_mode(self.before)
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
 
 
 def _key(args: tuple) -> tuple:

@@ -30,6 +30,7 @@ from pathlib import Path
 from minisgl_cli.device import DeviceError, pick_device
 from minisgl_cli.engine.config import KeepFree
 from minisgl_cli.media.jobs import ImageJob, Kind, ModelSpec, VideoJob, job_defaults
+from minisgl_cli.media.pipelines import graphs_on
 from minisgl_cli.media.settings import MediaSettings
 
 KINDS: tuple[Kind, ...] = ("image", "video")
@@ -71,16 +72,11 @@ def estimate(settings: MediaSettings, kinds: Iterable[Kind], itemsize: int = 2) 
         weights[spec.model if spec.load_format == "dummy" else spec.model_dir.name] = _weights(spec, itemsize)
         defaults = job_defaults(ImageJob if kind == "image" else VideoJob)
         width, height = defaults["width"], defaults["height"]
-        per_pixel = BYTES_PER_PIXEL[kind] + (GRAPH_BYTES_PER_PIXEL[kind] if graphed(spec) else 0)
+        per_pixel = BYTES_PER_PIXEL[kind] + (GRAPH_BYTES_PER_PIXEL[kind] if graphs_on(spec, "cuda") else 0)
         nbytes = settings.max_batch * width * height * per_pixel * ALLOCATOR_MARGIN
         calls.append((int(nbytes), f"{settings.max_batch} {kind}s of {width}x{height}"))
     nbytes, largest = max(calls, default=(0, "nothing"))
     return MediaMemory(weights, nbytes + WORKER_OVERHEAD, largest)
-
-
-def graphed(spec: ModelSpec) -> bool:
-    """Whether the worker's pipeline for `spec` keeps CUDA graphs on a CUDA device (media/pipelines.graphs_on)."""
-    return spec.cuda_graphs and not spec.cpu_offload
 
 
 def keep_free(settings: MediaSettings, engine_device: str) -> KeepFree | None:

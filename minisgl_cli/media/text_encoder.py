@@ -72,7 +72,7 @@ def prompt_rows(pipe: Any, prompts: list[str], device: Any, max_tokens: int, gra
     longest = -(-max(len(row) for row in ids) // BUCKET) * BUCKET
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     batch = torch.tensor([row + [pad] * (longest - len(row)) for row in ids], device=device)
-    # No attention mask: causal attention alone keeps every prompt's rows off the pads after them. No KV cache: one
+    # No padding mask: causal attention alone keeps every prompt's rows off the pads after them. No KV cache: one
     # pass. (Compiling the encoder did not pay: transformers' cache and output hooks recompiled it per layer.)
     states = hidden(pipe.text_encoder, batch) if graphed is None else graphed(batch)
     return [states[i, : len(row)] for i, row in enumerate(ids)]
