@@ -45,6 +45,17 @@ if TRITON_RUNS:  # triton importable: a kernel that widens one tile, for the fir
         tl.store(out_ptr + tl.arange(0, 32)[:, None] * 16 + rows[None, :], tile)
 
 
+if TRITON_RUNS:
+    from minisgl_cli.kernels.triton.moe import _e4m3_codes
+
+    @triton.jit
+    def _codes(v_ptr, even_ptr, odd_ptr):
+        i = tl.arange(0, 64)
+        even, odd = _e4m3_codes(tl.load(v_ptr + i))
+        tl.store(even_ptr + i, even)
+        tl.store(odd_ptr + i, odd)
+
+
 @pytest.fixture(scope="module")
 def T():
     patch_interpreter()
@@ -108,6 +119,40 @@ def test_the_tile_widens_every_code_under_every_exponent_exactly(T):
     _widen[(1,)](blocks.to(DEV), exps.to(DEV), out)
     want = dequantize(blocks, exps[:, None], torch.float32).view(16, 32).t()
     assert torch.equal(out.cpu(), want)
+
+
+def test_e2m1_codes_become_e4m3_bytes_of_their_values_times_2_to_the_minus_6(T):
+    """`_e4m3_codes` (the widening of the GEMV's fp16-pair loop on CUDA): every byte's two codes, as e4m3, read the
+    e2m1 values times 2 ** -6 exactly, zeros, 0.5 and the signs included."""
+    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    table = torch.cat([table, -table])
+    v = torch.arange(256, dtype=torch.uint8).view(torch.int32).to(DEV)
+    even, odd = torch.empty_like(v), torch.empty_like(v)
+    _codes[(1,)](v, even, odd)
+    b = torch.arange(256)
+    for word, codes in ((even, b % 16), (odd, b // 16)):
+        got = word.cpu().view(torch.uint8).view(torch.float8_e4m3fn).float() * 64
+        assert torch.equal(got, table[codes])
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_fp16_pair_products_stay_near_the_dequantized_experts(T, n_tok):
+    """The GEMV's MXFP4 loop on CUDA (`_block_sums_f16`, inline PTX) against the kernels on the dequantized weights:
+    fp16 products summed a word (4 a half) before fp32, within a few bf16 roundings."""
+    n_exp, top_k = 8, 2
+    packed, dense = _experts(n_exp, seed=20 + n_tok)
+    g = torch.Generator().manual_seed(200 + n_tok)
+    _, _, swiglu = _swiglu(n_exp, g, T)
+    x = torch.randn(n_tok, HIDDEN, generator=g).to(DEV, DTYPE)
+    logits = torch.randn(n_tok, n_exp, generator=g).to(DEV)
+    tiles = T.MoeTiles.both(T.MoeConfig(*GEMV))
+
+    def run(**w):
+        return T.one_slot_experts(x, logits, top_k=top_k, renormalize=True, tiles=tiles, swiglu=swiglu, **w)
+
+    got, want = run(**packed).float(), run(**dense).float()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("n_tok", [1, 3, 6])

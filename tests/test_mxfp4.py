@@ -53,18 +53,18 @@ def mxfp4_checkpoint(src, out, edit=None):
     return out
 
 
-def oss_bf16(out, tokenizer_dir):
+def oss_bf16(out, tokenizer_dir, expert_scale: float = 4.0):
     """A tiny bf16 gpt-oss checkpoint: hidden 64, intermediate 32 (two and one 32-value blocks per row), windows of 8,
-    sinks, 4 experts, their weights 4x the init's scale, so that their rounding to MXFP4 changes the answers (the
-    test can tell)."""
+    sinks, 4 experts, their weights `expert_scale` x the init's scale (4: their rounding to MXFP4 changes the answers,
+    so the test can tell)."""
     bf16 = make_tiny_checkpoint("gpt_oss", out, tokenizer_dir, sliding_window=8, num_hidden_layers=4,
                                 num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, swiglu_limit=1.5,
                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                  "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                  "original_max_position_embeddings": 16})
     weights = load_file(str(bf16 / "model.safetensors"))
-    save_file({k: v * 4 if k.endswith(_EXPERTS) else v for k, v in weights.items()}, str(bf16 / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file({k: v * expert_scale if k.endswith(_EXPERTS) else v for k, v in weights.items()},
+              str(bf16 / "model.safetensors"), metadata={"format": "pt"})
     return bf16
 
 
@@ -116,29 +116,46 @@ def test_malformed_mxfp4_experts_are_refused_by_name(oss_dirs, tmp_path, edit, m
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs CUDA with FP8 (compute capability 8.9+)")
-def test_mxfp4_experts_kept_as_fp8_on_cuda_take_the_fused_kernels_and_answer_as_the_torch_path(oss_dirs):
+def test_mxfp4_experts_kept_as_fp8_on_cuda_take_the_fused_kernels_and_answer_as_the_torch_path(tmp_path,
+                                                                                               tokenizer_dir):
     """What keeps them compact on a GPU: --quantization fp8 stores the dequantized experts as e4m3 rows (the sparse
-    layers between the dense edge ones); the fused Triton experts (biases, clamped SwiGLU) give the greedy ids of the
-    torch path's simulation of them (the fused ops off), cold and cached."""
+    layers between the dense edge ones); the fused Triton experts (biases, clamped SwiGLU) answer as the torch path's
+    simulation of them (the fused ops off) under tests/test_gpu_fp8.py's rule for FP8 engines (top-5 logprobs within
+    ENGINE_TOL, the same top-1 but for near ties): a prefill of the four prompts together (64 tokens: the experts run
+    w8a8, moe_tiles.fp8_act) and 8 decode steps of the four (w8a16). Not greedy ids equal: where the two paths' bf16
+    roundings move an activation across an e4m3 boundary it moves a whole 8-bit step. The experts at the init's
+    scale: at 4x it (`oss_dirs`) the tiny model is chaotic enough that bf16's own kernels and simulation part by
+    0.43 (H200, 2026-12-02)."""
+    from test_gpu_fp8 import ENGINE_TOL, _logits
+
     from minisgl_cli.engine.config import EngineConfig
     from minisgl_cli.engine.engine import Engine
     from minisgl_cli.kernels.fp8 import FP8
 
-    engine = Engine(EngineConfig(model=str(oss_dirs[1]), device="cuda", dtype="bfloat16", quantization="fp8"))
-    assert [layer.mlp.experts.gate_up_proj.dtype == FP8 for layer in engine.model.layers] == [False, True, True, False]
-    del engine
+    packed = mxfp4_checkpoint(oss_bf16(tmp_path / "bf16", tokenizer_dir, expert_scale=1.0), tmp_path / "mxfp4")
+
+    def engine(**kw) -> Engine:
+        return Engine(EngineConfig(model=str(packed), device="cuda", dtype="bfloat16", quantization="fp8",
+                                   max_total_tokens=2048, **kw))
+
+    fast = engine()
+    assert [layer.mlp.experts.gate_up_proj.dtype == FP8 for layer in fast.model.layers] == [False, True, True, False]
+    sim = engine(attention_backend="torch", disable_fused_ops=True, disable_cuda_graph=True)
+    steps = 8
     prompts = _prompts()
-    params = SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)
-    answers = []
-    for fused_off in (False, True):
-        with LLM(str(oss_dirs[1]), device="cuda", dtype="bfloat16", quantization="fp8",
-                 disable_fused_ops=fused_off) as llm:
-            cold = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
-            cached = [r.token_ids for r in llm.generate(prompts, [params] * len(prompts))]
-            llm.client.check_pages()
-        assert cold == cached
-        answers.append(cold)
-    assert answers[0] == answers[1]
+    g = torch.Generator().manual_seed(7)
+    seqs = [p + torch.randint(3, 49152, (steps,), generator=g).tolist() for p in prompts]  # the teacher-forced tail
+    lens = [len(p) for p in prompts]
+    worst, agree, total = 0.0, 0, 0
+    for la, lb in zip(_logits(fast, seqs, lens, steps), _logits(sim, seqs, lens, steps)):
+        for x, y in zip(la.log_softmax(-1), lb.log_softmax(-1)):
+            top = y.topk(5).indices
+            worst = max(worst, (x[top] - y[top]).abs().max().item())
+            i, j = x.argmax().item(), y.argmax().item()
+            agree += i == j or (y[j] - y[i]).item() < ENGINE_TOL
+            total += 1
+    print(f"\nFP8 experts, kernels vs simulation: worst top-5 logprob diff {worst:.3f}, top-1 {agree}/{total}")
+    assert worst <= ENGINE_TOL and agree == total
 
 
 @pytest.mark.parametrize("tp", [1, 2])

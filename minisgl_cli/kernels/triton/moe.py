@@ -28,18 +28,18 @@ alignment).
 
 Each output row is one MMA row of its block, so where a slot lands in its block changes nothing in its value.
 FP8 expert weights (e4m3, an fp32 scale per output row) run w8a16 or w8a8 (kernels/triton/moe_tiles.py says which and
-when): w8a16 widens the weight tile to the activation dtype; w8a8 takes the activations as e4m3 codes with a scale
-per row (triton_fp8.quant_rows: the tokens before gate/up, the gate/up output before down), an FP8 MMA on the two
-8-bit tiles. The scales multiply the finished accumulator. MXFP4 expert weights (gpt-oss's, kept as its checkpoints
-ship them: two e2m1 codes a byte, an e8m0 exponent per 32 values along K) run w4a16: the bytes and exponents loaded
-as stored, each tile widened to the activation dtype in registers (`_mxfp4_tile`: exact, so the result is the
-dequantized weights' up to the order of the fp32 sums), a 16-bit MMA. Block-wise FP8 expert weights (DeepSeek-V3's
-checkpoints: e4m3, an fp32 scale per 128 x 128 block, `block`) keep the per-row FP8 experts' w8a16 / w8a8 choice,
-but their scales vary along K: each K step stays inside one block column and its dot joins the sum times its blocks'
-scales (w8a8: and its rows' scales, the activations quantized per token per 128 columns by
-kernels/triton/fp8_block.py's quant_groups, as the dense block-FP8 linears take them). The grid is sized for the
-worst case the shapes allow: min(T k BLOCK_M, T k + E (BLOCK_M - 1)) rows, so a decode step's handful of slots
-launches a handful of blocks.
+when): w8a16 widens the weight tile to the activation dtype; w8a8 takes the activations as e4m3 codes with a scale per
+row (triton_fp8.quant_rows: the tokens before gate/up, the gate/up output before down), an FP8 MMA on the two 8-bit
+tiles. The scales multiply the finished accumulator. MXFP4 expert weights (gpt-oss's, kept as its checkpoints ship them:
+two e2m1 codes a byte, an e8m0 exponent per 32 values along K) run w4a16: the bytes and exponents loaded as stored, each
+tile widened to the activation dtype in registers (`_mxfp4_tile`: exact, so the result is the dequantized weights' up to
+the order of the fp32 sums), a 16-bit MMA; the GEMV form (one token) multiplies codes and activations as fp16 pairs on
+CUDA, its sums rounded in fp16 four products at a time (`_block_sums_f16`). Block-wise FP8 expert weights (DeepSeek-V3's
+checkpoints: e4m3, an fp32 scale per 128 x 128 block, `block`) keep the per-row FP8 experts' w8a16 / w8a8 choice, but
+their scales vary along K: each K step stays inside one block column and its dot joins the sum times its blocks' scales
+(w8a8: and its rows' scales, the activations quantized per token per 128 columns by kernels/triton/fp8_block.py's
+quant_groups, as the dense block-FP8 linears take them). The grid is sized for the worst case the shapes allow: min(T k
+BLOCK_M, T k + E (BLOCK_M - 1)) rows, so a decode step's handful of slots launches a handful of blocks.
 
 gpt-oss's experts (`SwiGLUExperts`): each projection's per-expert bias added to its rounded output, and the clamped
 SwiGLU in place of SiLU-and-mul, in the same two GEMMs; its routing (a softmax over the k largest logits) is the
@@ -484,30 +484,82 @@ def _x_pair(x, A_BF16: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_word_dots(v, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
+def _mxfp4_word_dots(v, x0, x1, x2, x3, x4, x5, x6, x7):
     """Each word of MXFP4 codes v (8 values: byte i holds values 2i, 2i + 1 in its low and high nibble) times its 8
     activations x0 .. x7 (fp32, broadcast against v), summed a word, times 2 ** -14 (the block's scale brings it back:
     `_mxfp4_tile`'s fp16 trick). A mask and a shift or two make two values' fp16 bits at once: values (0, 4), (1, 5),
-    (2, 6), (3, 7) land in a word's low and high halves."""
-    a, b = _half_pair(((v & 0x00070007) << 9) | ((v & 0x00080008) << 12), ASM)
+    (2, 6), (3, 7) land in a word's low and high halves. The interpreter's form (`_block_sums_f16` is CUDA's): fp32
+    products, no PTX."""
+    a, b = _half_pair(((v & 0x00070007) << 9) | ((v & 0x00080008) << 12), False)
     t = a * x0
     t = t + b * x4  # one chain of multiply-adds (a sum of products would add its pairs apart: 3 more a word)
-    a, b = _half_pair(((v & 0x00700070) << 5) | ((v & 0x00800080) << 8), ASM)
+    a, b = _half_pair(((v & 0x00700070) << 5) | ((v & 0x00800080) << 8), False)
     t = t + a * x1
     t = t + b * x5
-    a, b = _half_pair(((v & 0x07000700) << 1) | ((v & 0x08000800) << 4), ASM)
+    a, b = _half_pair(((v & 0x07000700) << 1) | ((v & 0x08000800) << 4), False)
     t = t + a * x2
     t = t + b * x6
-    a, b = _half_pair(((v >> 3) & 0x0E000E00) | (v & -2147450880), ASM)  # -2147450880: 0x80008000, the signs
+    a, b = _half_pair(((v >> 3) & 0x0E000E00) | (v & -2147450880), False)  # -2147450880: 0x80008000, the signs
     t = t + a * x3
     return t + b * x7
 
 
 @triton.jit
-def _block_sums(v, e, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N: tl.constexpr, KB: tl.constexpr, ASM: tl.constexpr):
+def _e4m3_codes(v):
+    """Words v of 8 e2m1 codes as two words of e4m3 bytes, each value times 2 ** -6 exactly (0 and 0.5 too): the
+    even values (byte i: value 2i) and the odd ones (value 2i + 1)."""
+    even = ((v << 4) & -2139062144) | ((v << 2) & 0x1C1C1C1C)  # -2139062144: 0x80808080, the signs
+    odd = (v & -2139062144) | ((v >> 2) & 0x1C1C1C1C)
+    return even, odd
+
+
+@triton.jit
+def _f16x2_dots0(codes, xa, xb):
+    """codes' 4 e4m3 values times their activations, summed as fp16 pairs (xa: bytes 0, 1; xb: bytes 2, 3)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 l, h; .reg .b32 a, b, t; mov.b32 {l, h}, $1; cvt.rn.f16x2.e4m3x2 a, l; "
+        "cvt.rn.f16x2.e4m3x2 b, h; mul.rn.f16x2 t, a, $2; fma.rn.f16x2 $0, b, $3, t; }",
+        "=r,r,r,r", [codes, xa, xb], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16x2_dots(codes, xa, xb, acc):
+    """acc + codes' 4 e4m3 values times their activations, all as fp16 pairs (xa: bytes 0, 1; xb: bytes 2, 3)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 l, h; .reg .b32 a, b, t; mov.b32 {l, h}, $1; cvt.rn.f16x2.e4m3x2 a, l; "
+        "cvt.rn.f16x2.e4m3x2 b, h; fma.rn.f16x2 t, a, $2, $4; fma.rn.f16x2 $0, b, $3, t; }",
+        "=r,r,r,r,r", [codes, xa, xb, acc], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16_pack(lo, hi):
+    """fp32 lo and hi as one word of fp16 (lo the low half)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _block_sums_f16(v, e, x02, x46, x13, x57, BLOCK_N: tl.constexpr, KB: tl.constexpr):
+    """`_block_sums` on CUDA: each word's 8 products as fp16 pairs (the codes as e4m3 bytes of their values times 2 **
+    -6, `_e4m3_codes`; activations x02 .. x57 packed in pairs, `_f16_pack`), a word summed in fp16 (two fmas a half),
+    its halves and words in fp32. A product of an e2m1 value and a bf16 activation is exact in fp16 where it is normal
+    (2 + 8 significant bits), so what changes against fp32 is 3 fp16 roundings a half-word's sum and products under 2 **
+    -14 (activations under ~4e-3 / value) kept as subnormals; an activation past fp16's 65504 would overflow (gpt-oss's
+    normed rows and clamped SwiGLU outputs stay far below). The sm_90 SASS: 3.4-4.5 instructions a value against the
+    fp32 form's 5.1-7.1 (examples/gemv_sass.py); gpt-oss-20b's experts at one token 36.7 -> 31.7 us a layer on an H200
+    (examples/mxfp4_bench.py)."""
+    even, odd = _e4m3_codes(v)
+    t = _f16x2_dots0(even, x02, x46)
+    t = _f16x2_dots(odd, x13, x57, t)
+    lo, hi = _half_pair(t, True)
+    return tl.sum(tl.reshape(lo + hi, (BLOCK_N, KB, 4)), axis=2) * (_e8m0_scale(e) * 0.00390625)  # 2 ** 6 / 2 ** 14
+
+
+@triton.jit
+def _block_sums(v, e, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N: tl.constexpr, KB: tl.constexpr):
     """Code words v [BLOCK_N, 4 KB] times their activations (each [1, 4 KB]), summed a 32-value block (4 words, one
     thread's: no shuffle) and scaled by the block's e8m0 exponent e [BLOCK_N, KB]: [BLOCK_N, KB] fp32."""
-    t = _mxfp4_word_dots(v, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
+    t = _mxfp4_word_dots(v, x0, x1, x2, x3, x4, x5, x6, x7)
     return tl.sum(tl.reshape(t, (BLOCK_N, KB, 4)), axis=2) * _e8m0_scale(e)
 
 
@@ -546,19 +598,29 @@ def _mxfp4_dots(x_ptr, w_rows, s_rows, up_w, up_s, mask_n, K, GATED: tl.constexp
         x2, x3 = _x_pair(tl.load(xp + 1, mask=x_ok, other=0), A_BF16, ASM)
         x4, x5 = _x_pair(tl.load(xp + 2, mask=x_ok, other=0), A_BF16, ASM)
         x6, x7 = _x_pair(tl.load(xp + 3, mask=x_ok, other=0), A_BF16, ASM)
-        x0, x1, x2, x3 = x0[None, :], x1[None, :], x2[None, :], x3[None, :]
-        x4, x5, x6, x7 = x4[None, :], x5[None, :], x6[None, :], x7[None, :]
         m = mask_n[:, None] & ((kw + W + rw) // 4 < blocks)[None, :]  # all false after the last chunk: nothing read
         ms = mask_n[:, None] & (k0 // 32 + KB + kb < blocks)[None, :]
         nv = tl.load(w_ptrs + kw + W, mask=m, other=0, eviction_policy="evict_first")
         ne = tl.load(s_ptrs + k0 // 32 + KB, mask=ms, other=0)
-        acc += _block_sums(v, e, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N, KB, ASM)
+        if ASM:
+            x02 = _f16_pack(x0, x2)[None, :]
+            x46 = _f16_pack(x4, x6)[None, :]
+            x13 = _f16_pack(x1, x3)[None, :]
+            x57 = _f16_pack(x5, x7)[None, :]
+            acc += _block_sums_f16(v, e, x02, x46, x13, x57, BLOCK_N, KB)
+        else:
+            x0, x1, x2, x3 = x0[None, :], x1[None, :], x2[None, :], x3[None, :]
+            x4, x5, x6, x7 = x4[None, :], x5[None, :], x6[None, :], x7[None, :]
+            acc += _block_sums(v, e, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N, KB)
         v = nv
         e = ne
         if GATED:
             nv = tl.load(w_ptrs + up_w + kw + W, mask=m, other=0, eviction_policy="evict_first")
             ne = tl.load(s_ptrs + up_s + k0 // 32 + KB, mask=ms, other=0)
-            acc_up += _block_sums(vu, eu, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N, KB, ASM)
+            if ASM:
+                acc_up += _block_sums_f16(vu, eu, x02, x46, x13, x57, BLOCK_N, KB)
+            else:
+                acc_up += _block_sums(vu, eu, x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N, KB)
             vu = nv
             eu = ne
     return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
@@ -574,7 +636,8 @@ def _expert_gemv_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, block_expert_
     """The GEMV form of `_expert_gemm_kernel`'s one-slot blocks (MoeConfig.block_m 1): program (slot, column tile)
     streams BLOCK_N rows of the slot's expert against its one activation row in fp32 multiply-adds, no MMA and no
     tile of 15 padding rows. MXFP4: a_ptr holds the activations as 32-bit pairs and w_ptr the codes as 32-bit words
-    (strides in words), each value widened with `_mxfp4_tile`'s fp16 trick in the weights' own layout. ROUTE: gate/up
+    (strides in words); on CUDA each word's products are fp16 pairs (`_block_sums_f16`), under the interpreter fp32
+    (`_block_sums`). ROUTE: gate/up
     picks its slots' experts (`_slot_expert`); else block_expert names them. The epilogue is `_finish`'s. ASM: inline
     PTX where it saves instructions (on CUDA; the interpreter runs the plain Triton)."""
     if USE_PDL:

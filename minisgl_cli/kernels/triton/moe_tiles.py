@@ -75,8 +75,9 @@ GEMV_16BIT = _tiles(1, (4, 512, 4, 1), (4, 256, 4, 1))
 # the GEMV form's sweep candidates (BLOCK_N, BLOCK_K, warps, stages: no MMA pipeline to stage), for both benchmarks
 GEMV_SWEEP = [(n, k, w, 1) for n in (4, 8, 16) for k in (256, 512, 1024) for w in (2, 4, 8)]
 # packed MXFP4 experts at one token, swept after the rows-by-words rework (`mxfp4_bench.py --sizes 1 --sweep`, one
-# H200, 2026-12-01, gpt-oss-20b): gate/up 27.4 -> 21.1 us (16 rows, 256 deep, 2 warps), down 23.9 -> 11.8 (1024 deep)
-GEMV_MXFP4 = _tiles(1, (16, 256, 2, 1), (8, 1024, 4, 1))
+# H200, 2026-12-01, gpt-oss-20b): gate/up 27.4 -> 21.1 us (16 rows, 256 deep, 2 warps), down 23.9 -> 11.8 (1024 deep);
+# swept again with the fp16-pair loop (2026-12-02): gate/up 512 deep 17.4 against 256's 19.0, down kept (10.4)
+GEMV_MXFP4 = _tiles(1, (16, 512, 2, 1), (8, 1024, 4, 1))
 MMA_16BIT_FEW = _tiles(16, (32, 128, 4, 4), (64, 128, 4, 3))  # 2-4 tokens; one token's before the GEMV form
 TILES_16BIT: tuple[tuple[int, MoeTiles], ...] = (
     (1, GEMV_16BIT),
