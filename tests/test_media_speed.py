@@ -303,6 +303,27 @@ def test_cuda_graphs_default_on_for_cuda_and_off_with_offload_or_the_flag():
     assert not graphs_on(image_spec(cuda_graphs=False), "cuda")
 
 
+def test_the_block_stacks_graphed_follow_the_dit_class_and_the_options(tmp_path):
+    """Z-Image's three stacks, known from a built-in config or a dir's model_index.json before anything loads; no
+    other DiT's; none with a step cache or a split over ranks (both rewrite the blocks' calls), nor off CUDA."""
+    import json
+
+    from minisgl_cli.media.pipelines import block_stacks, denoiser_class
+
+    z = ("noise_refiner", "context_refiner", "layers")
+    assert denoiser_class(image_spec()) == "ZImageTransformer2DModel"
+    assert block_stacks(image_spec(), "cuda", denoiser_class(image_spec())) == z
+    assert block_stacks(image_spec(), "cpu", "ZImageTransformer2DModel") == ()
+    assert block_stacks(image_spec(media_cache="fbcache"), "cuda", "ZImageTransformer2DModel") == ()
+    assert block_stacks(image_spec(media_parallel="cfg"), "cuda", "ZImageTransformer2DModel") == ()
+    assert denoiser_class(image_spec(tmp_path)) is None  # not on disk yet: counted as the default model's
+    assert block_stacks(image_spec(tmp_path), "cuda", None) == z
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline",
+                                                           "transformer": ["diffusers", "FluxTransformer2DModel"]}))
+    assert denoiser_class(image_spec(tmp_path)) == "FluxTransformer2DModel"
+    assert block_stacks(image_spec(tmp_path), "cuda", "FluxTransformer2DModel") == ()
+
+
 def test_graphed_blocks_keep_the_modules_and_run_them_in_order():
     """media/graphs.py's block stack, as the DiT's forward meets it (its first call of a shape runs eager, on any
     device): the same state dict under the same names, one step when iterated, the same output as the blocks."""
@@ -310,6 +331,7 @@ def test_graphed_blocks_keep_the_modules_and_run_them_in_order():
 
     from minisgl_cli.media.configs import build_dummy_pipeline
     from minisgl_cli.media.graphs import Graphed, Pool, install_blocks
+    from minisgl_cli.media.pipelines import BLOCK_STACKS
 
     dit = build_dummy_pipeline("tiny-z-image", "cpu", torch.float32).transformer
     x = [torch.randn(dit.config.in_channels, 1, 8, 8, generator=torch.Generator().manual_seed(1))]
@@ -319,8 +341,7 @@ def test_graphed_blocks_keep_the_modules_and_run_them_in_order():
     with torch.inference_mode():
         want = dit(x, t, caption, return_dict=False)[0][0]
         pool = Pool()
-        stacks = install_blocks(dit, pool)
-        assert install_blocks(torch.nn.Linear(2, 2), pool) == []
+        stacks = install_blocks(dit, pool, BLOCK_STACKS[type(dit).__name__])
         got = dit(x, t, caption, return_dict=False)[0][0]
     assert [s.graphed.name.split(".")[-1] for s in stacks] == ["noise_refiner", "context_refiner", "layers"]
     assert list(dit.state_dict()) == names and pool.members == [s.graphed for s in stacks]

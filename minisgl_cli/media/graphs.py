@@ -29,8 +29,6 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 16  # shapes kept captured per pass, the least recently used dropped
-# The block stacks graphed per DiT class: the ModuleLists its forward loops over as `x = block(x, *rest)`.
-BLOCK_STACKS = {"ZImageTransformer2DModel": ("noise_refiner", "context_refiner", "layers")}
 
 
 class Pool:
@@ -126,10 +124,11 @@ class GraphedBlocks(nn.ModuleList):
         return x
 
 
-def install_blocks(denoiser: Any, pool: Pool) -> list[GraphedBlocks]:
-    """Graph the block stacks of a DiT this file knows (BLOCK_STACKS); none for any other. Returns the stacks."""
+def install_blocks(denoiser: Any, pool: Pool, attrs: tuple[str, ...]) -> list[GraphedBlocks]:
+    """Graph the DiT's block stacks named `attrs` (media/pipelines.py's BLOCK_STACKS: which, and when). Returns the
+    stacks."""
     stacks = []
-    for attr in BLOCK_STACKS.get(type(denoiser).__name__, ()):
+    for attr in attrs:
         blocks = getattr(denoiser, attr, None)
         if isinstance(blocks, nn.ModuleList) and not isinstance(blocks, GraphedBlocks) and len(blocks):
             stack = GraphedBlocks(blocks, pool, f"{type(denoiser).__name__}.{attr}")

@@ -12,10 +12,10 @@ scales with the images. A video's peak is also its VAE decode: Wan's decodes fra
 call sized for is `--media-max-batch` rows (the worker's batches) of the job's default size: what a server busy with
 default requests runs. A larger job (n past the batch cap, a larger size) may still run out of memory: its 503 says
 so and the worker takes the next job. A quarter more covers the caching allocator's fragmentation, and 2 GiB the
-worker's CUDA context, the cuBLAS / cuDNN workspaces and torch.compile's autotuning. An image pipeline's CUDA graphs
-(media/graphs.py) hold a denoise step's activations once more in their own pool, plus each captured shape's input and
-output buffers (~64 B a pixel for Z-Image: the 3,840-wide rows of one token per 16x16 pixels, in and out, bf16), sized
-as GRAPH_BYTES_PER_PIXEL a row and pixel.
+worker's CUDA context, the cuBLAS / cuDNN workspaces and torch.compile's autotuning. An image pipeline whose DiT blocks
+are graphed (media/pipelines.py's block_stacks; media/graphs.py) holds a denoise step's activations once more in the
+graphs' pool, plus each captured shape's input and output buffers (~64 B a pixel for Z-Image: the 3,840-wide rows of
+one token per 16x16 pixels, in and out, bf16), sized as GRAPH_BYTES_PER_PIXEL a row and pixel.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 from minisgl_cli.device import DeviceError, pick_device
 from minisgl_cli.engine.config import KeepFree
 from minisgl_cli.media.jobs import ImageJob, Kind, ModelSpec, VideoJob, job_defaults
-from minisgl_cli.media.pipelines import graphs_on
+from minisgl_cli.media.pipelines import block_stacks, denoiser_class
 from minisgl_cli.media.settings import MediaSettings
 
 KINDS: tuple[Kind, ...] = ("image", "video")
@@ -72,7 +72,8 @@ def estimate(settings: MediaSettings, kinds: Iterable[Kind], itemsize: int = 2) 
         weights[spec.model if spec.load_format == "dummy" else spec.model_dir.name] = _weights(spec, itemsize)
         defaults = job_defaults(ImageJob if kind == "image" else VideoJob)
         width, height = defaults["width"], defaults["height"]
-        per_pixel = BYTES_PER_PIXEL[kind] + (GRAPH_BYTES_PER_PIXEL[kind] if graphs_on(spec, "cuda") else 0)
+        graphed = block_stacks(spec, "cuda", denoiser_class(spec))
+        per_pixel = BYTES_PER_PIXEL[kind] + (GRAPH_BYTES_PER_PIXEL[kind] if graphed else 0)
         nbytes = settings.max_batch * width * height * per_pixel * ALLOCATOR_MARGIN
         calls.append((int(nbytes), f"{settings.max_batch} {kind}s of {width}x{height}"))
     nbytes, largest = max(calls, default=(0, "nothing"))

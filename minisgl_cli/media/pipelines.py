@@ -12,6 +12,7 @@ switches on per job past TILE_PIXELS (an image) or TILE_VOXELS (a video's frames
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import threading
 import warnings
@@ -219,6 +220,35 @@ def graphs_on(spec: ModelSpec, device: str) -> bool:
     return spec.cuda_graphs and device.startswith("cuda") and not spec.cpu_offload
 
 
+# The DiT block stacks graphed, by the denoiser's class: the ModuleLists its forward loops over as
+# `x = block(x, *rest)` (media/graphs.py's GraphedBlocks). Other DiTs keep their blocks eager (compiled).
+BLOCK_STACKS: dict[str, tuple[str, ...]] = {"ZImageTransformer2DModel": ("noise_refiner", "context_refiner", "layers")}
+
+
+def block_stacks(spec: ModelSpec, device: str, denoiser_class: str | None) -> tuple[str, ...]:
+    """The block stacks of a `denoiser_class` DiT graphed under `spec` on `device`: none without the graphs, or
+    with --media-cache / --media-parallel (both rewrite the blocks' calls). A class not known yet (None: a pipeline
+    not on disk yet) is taken as the default image model's, so that the memory estimate counts what it may take."""
+    if not graphs_on(spec, device) or spec.media_cache is not None or spec.media_parallel is not None:
+        return ()
+    return BLOCK_STACKS.get(denoiser_class or "ZImageTransformer2DModel", ())
+
+
+def denoiser_class(spec: ModelSpec) -> str | None:
+    """The class name of `spec`'s DiT before anything loads: a built-in config's, else its dir's model_index.json
+    (None where the dir has none yet)."""
+    if spec.load_format == "dummy":
+        from minisgl_cli.media.configs import PIPELINES
+
+        entry = PIPELINES.get(spec.model)
+        return entry[2]["transformer"][0] if entry and "transformer" in entry[2] else None
+    index = spec.model_dir / "model_index.json"
+    if not index.is_file():
+        return None
+    transformer = json.loads(index.read_text()).get("transformer")
+    return transformer[1] if isinstance(transformer, list) and len(transformer) == 2 else None
+
+
 def _auto_attention(device: str) -> str:
     """cuDNN attention on compute capability 9.0+ when it runs a masked bf16 call here; else PyTorch's SDPA choice."""
     import torch
@@ -296,8 +326,7 @@ def _configure(pipe: Any, spec: ModelSpec, device: str) -> Any:
         from minisgl_cli.media.graphs import Pool, install_blocks
 
         pool = Pool()
-        if spec.media_cache is None and spec.media_parallel is None:  # both rewrite the blocks' calls
-            install_blocks(denoiser, pool)
+        install_blocks(denoiser, pool, block_stacks(spec, device, type(denoiser).__name__))
     text_encoder.install(pipe, pool)
     prompt_cache.install(pipe, prompt_cache.PromptCache())
     # Fronts show their own progress through step callbacks; diffusers' tqdm would garble it.
