@@ -349,6 +349,20 @@ def test_graphed_blocks_keep_the_modules_and_run_them_in_order():
     assert torch.equal(got, want)
 
 
+def test_graphed_passes_remember_a_bounded_number_of_shapes(monkeypatch):
+    """A pass asked for ever new shapes keeps MAX_KEYS of them as seen, the oldest forgotten (a first call of each
+    runs eager, on any device)."""
+    import torch
+
+    from minisgl_cli.media import graphs
+
+    monkeypatch.setattr(graphs, "MAX_KEYS", 2)
+    g = graphs.Graphed(lambda x: x * 2, graphs.Pool(), "double")
+    for n in (1, 2, 3):
+        assert torch.equal(g(torch.ones(n)), torch.full((n,), 2.0))
+    assert [key[0][0] for key in g.seen] == [(2,), (3,)] and g.captures == 0
+
+
 @pytest.mark.slow
 def test_regional_compile_matches_eager_and_stores_its_cache(tiny_models, tmp_path):  # noqa: F811
     """`minisgl image --compile` of a checkpoint on disk (the saved tiny Z-Image) in a fresh process: the eager

@@ -29,6 +29,9 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 16  # shapes kept captured per pass, the least recently used dropped
+# Shapes remembered per pass as seen once or as staying eager, the oldest forgotten first: a server asked for ever new
+# sizes keeps a bounded record, and a forgotten shape is only checked again.
+MAX_KEYS = 256
 
 
 class Pool:
@@ -52,8 +55,8 @@ class Graphed:
     def __init__(self, fn: Callable[..., Any], pool: Pool, name: str, max_graphs: int = MAX_GRAPHS):
         self.fn, self.pool, self.name, self.max_graphs = fn, pool, name, max_graphs
         self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, list[Any], Any]] = OrderedDict()
-        self.seen: dict[tuple, int] = {}  # eager calls made of each shape not captured yet
-        self.eager: set[tuple] = set()  # shapes that synchronize (or failed to capture): never graphed
+        self.seen: OrderedDict[tuple, None] = OrderedDict()  # shapes run eager once, not captured yet
+        self.eager: OrderedDict[tuple, None] = OrderedDict()  # shapes that synchronize (or failed to capture)
         self.captures = self.replays = 0
         pool.members.append(self)
 
@@ -71,8 +74,8 @@ class Graphed:
             return _clone(out)
         if key in self.eager:
             return self.fn(*args)
-        self.seen[key] = self.seen.get(key, 0) + 1
-        if self.seen[key] == 1:  # compile and lazy state outside any graph
+        if key not in self.seen:  # compile and lazy state outside any graph
+            _remember(self.seen, key, None)
             return self.fn(*args)
         try:
             with _sync_raises():
@@ -81,7 +84,8 @@ class Graphed:
             if "synchroniz" not in str(exc):
                 raise
             log.info("%s: a pass of shape %s waits on the device; it stays eager", self.name, key)
-            self.eager.add(key)
+            del self.seen[key]
+            _remember(self.eager, key, None)
             return self.fn(*args)
         self._capture(key, args)
         return result
@@ -97,7 +101,7 @@ class Graphed:
         except Exception as exc:  # noqa: BLE001 - the eager pass computes the same, for this shape from now on
             log.warning("%s: CUDA graph capture of shape %s failed, it stays eager (%s)", self.name, key,
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            self.eager.add(key)
+            _remember(self.eager, key, None)
             release_generator(_device(args))
             return
         self.graphs[key] = (graph, static, out)
@@ -135,6 +139,12 @@ def install_blocks(denoiser: Any, pool: Pool, attrs: tuple[str, ...]) -> list[Gr
             setattr(denoiser, attr, stack)
             stacks.append(stack)
     return stacks
+
+
+def _remember(record: OrderedDict, key: tuple, value: Any) -> None:
+    record[key] = value
+    while len(record) > MAX_KEYS:
+        record.popitem(last=False)
 
 
 def release_generator(device: torch.device) -> None:
